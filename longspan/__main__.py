@@ -1,0 +1,5 @@
+"""``python -m longspan ...`` (also what torchrun runs with ``-m longspan``)."""
+
+from longspan.cli import main
+
+raise SystemExit(main())

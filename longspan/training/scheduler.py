@@ -1,0 +1,398 @@
+"""Learning-rate and weight-decay schedule with megatron-core's ``OptimizerParamScheduler`` semantics.
+
+Units are samples: the trainer calls ``step(global_batch_size)`` once per iteration, and every step count
+(warmup, decay, WSD annealing, weight-decay increment) is in samples. Formulas: reference §3.
+
+Per-group overrides follow megatron-core 0.16: a param group may carry ``max_lr`` / ``min_lr`` (its own
+schedule end points, used for decoupled and scaled learning rates), ``start_wd`` / ``end_wd``, and
+``wd_mult`` (multiplies the group's weight decay; 0 for biases and norms). ``lr_mult`` is kept on the
+groups for compatibility but, as in megatron-core 0.16, the scheduler does not read it: the optimizer
+factory folds it into the group's ``max_lr`` / ``min_lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from longspan.core.errors import CheckpointError, ConfigError
+from longspan.core.logging import get_logger, print_rank_0
+
+__all__ = ["OptimizerParamScheduler", "get_optimizer_param_scheduler"]
+
+logger = get_logger(__name__)
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    """Anneals the learning rate and weight decay of every param group of ``optimizer``.
+
+    Args:
+        optimizer: anything with ``param_groups`` (a ``MegatronOptimizer`` or a torch optimizer).
+        init_lr: learning rate at step 0, where warmup starts.
+        max_lr: learning rate at the end of warmup (the peak); groups may override it with ``max_lr``.
+        min_lr: learning rate at the end of decay; groups may override it with ``min_lr``.
+        lr_warmup_steps: warmup length in samples (< ``lr_decay_steps``).
+        lr_decay_steps: step where the decay ends (> 0); after it the rate is ``min_lr``.
+        lr_decay_style: one of constant, linear, cosine, inverse-square-root, WSD.
+        start_wd: weight decay at step 0.
+        end_wd: weight decay at ``wd_incr_steps`` and after (>= ``start_wd``).
+        wd_incr_steps: weight-decay increment length in samples.
+        wd_incr_style: one of constant (needs start_wd == end_wd), linear, cosine.
+        use_checkpoint_opt_param_scheduler: on load, take the checkpoint's values where they differ.
+        override_opt_param_scheduler: on load, keep the constructor's values and ignore the checkpoint's.
+        wsd_decay_steps: length of WSD's final annealing phase (required for WSD).
+        lr_wsd_decay_style: annealing shape for WSD: exponential, linear, cosine, minus_sqrt.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float,
+        end_wd: float,
+        wd_incr_steps: int,
+        wd_incr_style: str,
+        use_checkpoint_opt_param_scheduler: bool | None = True,
+        override_opt_param_scheduler: bool | None = False,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: str | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+
+        self.init_lr = init_lr
+        self.max_lr = float(max_lr)
+        self.min_lr = min_lr
+        if not self.min_lr >= 0.0:
+            raise ConfigError(f"optimizer.min_lr={min_lr} is invalid: it must be >= 0")
+        if not self.max_lr >= self.min_lr:
+            raise ConfigError(f"optimizer.lr={max_lr} is invalid: it must be >= optimizer.min_lr ({min_lr})")
+        if not self.init_lr <= self.max_lr:
+            raise ConfigError(
+                f"scheduler.lr_warmup_init={init_lr} is invalid: it must be <= optimizer.lr ({max_lr})"
+            )
+
+        self.lr_warmup_steps = lr_warmup_steps
+        self.num_steps = 0
+        self.lr_decay_steps = lr_decay_steps
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
+        if not self.lr_decay_steps > 0:
+            raise ConfigError(
+                f"scheduler.lr_decay_steps={lr_decay_steps} is invalid: it must be > 0 "
+                "(set train.train_iters or scheduler.lr_decay_iters)"
+            )
+        if not self.lr_warmup_steps < self.lr_decay_steps:
+            raise ConfigError(
+                f"scheduler.lr_warmup_steps={lr_warmup_steps} is invalid: it must be < lr_decay_steps "
+                f"({lr_decay_steps}); lower lr_warmup_iters/lr_warmup_fraction"
+            )
+
+        if lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(
+                f"scheduler.lr_decay_style={lr_decay_style!r} is invalid: valid styles are {list(LR_DECAY_STYLES)}"
+            )
+        self.lr_decay_style = lr_decay_style
+        if self.lr_decay_style == "WSD":
+            if self.wsd_decay_steps is None:
+                raise ConfigError(
+                    "scheduler.lr_wsd_decay_iters=None is invalid with lr_decay_style='WSD': set the length "
+                    "of the annealing phase"
+                )
+            if lr_wsd_decay_style not in WSD_DECAY_STYLES:
+                raise ConfigError(
+                    f"scheduler.lr_wsd_decay_style={lr_wsd_decay_style!r} is invalid: valid styles are "
+                    f"{list(WSD_DECAY_STYLES)}"
+                )
+
+        self.start_wd = start_wd
+        self.end_wd = end_wd
+        if not self.start_wd >= 0.0:
+            raise ConfigError(f"scheduler.start_weight_decay={start_wd} is invalid: it must be >= 0")
+        if not self.end_wd >= self.start_wd:
+            raise ConfigError(
+                f"scheduler.end_weight_decay={end_wd} is invalid: it must be >= start_weight_decay ({start_wd})"
+            )
+        if wd_incr_style not in WD_INCR_STYLES:
+            raise ConfigError(
+                f"scheduler.weight_decay_incr_style={wd_incr_style!r} is invalid: valid styles are "
+                f"{list(WD_INCR_STYLES)}"
+            )
+        if wd_incr_style == "constant" and start_wd != end_wd:
+            raise ConfigError(
+                f"scheduler.weight_decay_incr_style='constant' needs start_weight_decay ({start_wd}) == "
+                f"end_weight_decay ({end_wd}); use 'linear' or 'cosine' to change weight decay"
+            )
+        self.wd_incr_steps = wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError(
+                "scheduler.override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True "
+                "contradict each other: set at most one"
+            )
+
+        # Write the step-0 values into the param groups right away, as megatron-core does.
+        self.step(0)
+        print_rank_0(f"> learning rate decay style: {self.lr_decay_style}", logger)
+
+    # ------------------------------------------------------------------ schedule
+    def get_wd(self, param_group: dict | None = None) -> float:
+        """Weight decay at the current step (before the group's ``wd_mult``).
+
+        A group's ``start_wd`` / ``end_wd`` keys, when present, replace the scheduler's end points.
+        """
+        start_wd = self.start_wd if param_group is None else param_group.get("start_wd", self.start_wd)
+        end_wd = self.end_wd if param_group is None else param_group.get("end_wd", self.end_wd)
+
+        if self.num_steps > self.wd_incr_steps:
+            return end_wd
+        if self.wd_incr_style == "constant":
+            return end_wd
+
+        progress = float(self.num_steps) / float(self.wd_incr_steps)
+        if self.wd_incr_style == "linear":
+            coeff = progress
+        elif self.wd_incr_style == "cosine":
+            # Rises from 0 to 1 along the second half of a cosine period.
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - progress)) + 1.0)
+        else:
+            raise ConfigError(
+                f"scheduler.weight_decay_incr_style={self.wd_incr_style!r} is invalid: valid styles are "
+                f"{list(WD_INCR_STYLES)}"
+            )
+        return start_wd + coeff * (end_wd - start_wd)
+
+    def get_lr(self, param_group: dict) -> float:
+        """Learning rate of ``param_group`` at the current step (its ``max_lr`` / ``min_lr`` if present)."""
+        max_lr = param_group.get("max_lr", self.max_lr)
+        min_lr = param_group.get("min_lr", self.min_lr)
+        n = self.num_steps
+        warmup = self.lr_warmup_steps
+
+        if warmup > 0 and n <= warmup:
+            return self.init_lr + (max_lr - self.init_lr) * float(n) / float(warmup)
+
+        if self.lr_decay_style == "constant":
+            return max_lr
+
+        if n > self.lr_decay_steps:
+            return min_lr
+
+        if self.lr_decay_style == "inverse-square-root":
+            # Continuous with the warmup peak: max_lr at n == warmup, then ~ 1/sqrt(n).
+            lr = max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1))
+            return max(min_lr, lr)
+
+        ratio = float(n - warmup) / float(self.lr_decay_steps - warmup)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        elif self.lr_decay_style == "WSD":
+            anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+            if n <= anneal_start:
+                coeff = 1.0
+            else:
+                wsd_ratio = float(n - anneal_start) / float(self.wsd_decay_steps)
+                coeff = _wsd_coeff(self.lr_wsd_decay_style, wsd_ratio)
+        else:
+            raise ConfigError(
+                f"scheduler.lr_decay_style={self.lr_decay_style!r} is invalid: valid styles are "
+                f"{list(LR_DECAY_STYLES)}"
+            )
+        return min_lr + coeff * (max_lr - min_lr)
+
+    def step(self, increment: int) -> None:
+        """Advance by ``increment`` samples and write ``lr`` and ``weight_decay`` into every param group."""
+        self.num_steps += increment
+        # Empty groups get values too: the logged learning rate may be read from one.
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.get_lr(param_group)
+            param_group["weight_decay"] = self.get_wd(param_group) * param_group.get("wd_mult", 1.0)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """megatron-core's keys, so checkpoints are interchangeable in meaning."""
+        return {
+            "max_lr": self.max_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "num_steps": self.num_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "lr_decay_steps": self.lr_decay_steps,
+            "min_lr": self.min_lr,
+            "start_wd": self.start_wd,
+            "end_wd": self.end_wd,
+            "wd_incr_style": self.wd_incr_style,
+            "wd_incr_steps": self.wd_incr_steps,
+        }
+
+    def _check_and_set(self, cls_value: Any, sd_value: Any, name: str) -> Any:
+        """Pick between the constructor's value and the checkpoint's, following the override rules.
+
+        override: constructor wins. use-checkpoint: checkpoint wins. Neither: they must agree.
+        """
+        if self.override_opt_param_scheduler:
+            print_rank_0(f" > overriding {name} value to {cls_value}", logger)
+            return cls_value
+        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
+            raise CheckpointError(
+                f"scheduler {name}: the config says {cls_value} but the checkpoint says {sd_value}; set "
+                "scheduler.use_checkpoint_opt_param_scheduler=true to take the checkpoint's value or "
+                "scheduler.override_opt_param_scheduler=true to take the config's"
+            )
+        print_rank_0(f" > using checkpoint value {sd_value} for {name}", logger)
+        return sd_value
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the schedule position and end points (old Megatron key names are accepted too)."""
+        max_lr_ = state_dict["start_lr"] if "start_lr" in state_dict else state_dict["max_lr"]
+        self.max_lr = self._check_and_set(self.max_lr, max_lr_, "learning rate")
+        self.min_lr = self._check_and_set(self.min_lr, state_dict["min_lr"], "minimum learning rate")
+
+        warmup_ = _first_key(state_dict, "warmup_iter", "warmup_steps", "lr_warmup_steps")
+        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, warmup_, "warmup iterations")
+
+        decay_ = _first_key(state_dict, "end_iter", "decay_steps", "lr_decay_steps")
+        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, decay_, "total number of iterations")
+
+        style_ = _first_key(state_dict, "decay_style", "lr_decay_style")
+        self.lr_decay_style = self._check_and_set(self.lr_decay_style, style_, "learning rate decay style")
+
+        num_steps = _first_key(state_dict, "num_iters", "num_steps")
+        # Megatron adds the checkpoint's count to the current one (0 for a fresh scheduler) and, like it,
+        # applies the new lr before the weight-decay end points below are restored.
+        self.step(increment=num_steps)
+
+        if "start_wd" in state_dict:
+            self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay")
+            self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay")
+            self.wd_incr_steps = self._check_and_set(
+                self.wd_incr_steps, state_dict["wd_incr_steps"], "total number of weight decay iterations"
+            )
+            self.wd_incr_style = self._check_and_set(
+                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style"
+            )
+
+
+def _wsd_coeff(style: str | None, ratio: float) -> float:
+    """Fraction of (max_lr - min_lr) left after ``ratio`` of WSD's annealing phase."""
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return 2.0 * math.pow(0.5, ratio) - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
+    raise ConfigError(
+        f"scheduler.lr_wsd_decay_style={style!r} is invalid: valid styles are {list(WSD_DECAY_STYLES)}"
+    )
+
+
+def _first_key(state_dict: dict[str, Any], *keys: str) -> Any:
+    """Value of the first of ``keys`` present (older Megatron checkpoints used other names)."""
+    for key in keys:
+        if key in state_dict:
+            return state_dict[key]
+    raise CheckpointError(f"scheduler state in the checkpoint has none of the keys {list(keys)}")
+
+
+def get_optimizer_param_scheduler(
+    optimizer: Any, scheduler_cfg: Any, train_cfg: Any, optimizer_cfg: Any
+) -> OptimizerParamScheduler:
+    """Build the scheduler from longspan's ``SchedulerConfig``, ``TrainingConfig`` and ``OptimizerConfig``.
+
+    The step counts come from the scheduler config's derived fields (``lr_warmup_steps``,
+    ``lr_decay_steps``, ``wd_incr_steps``, ``wsd_decay_steps``, set by ``ConfigContainer.validate()``); any
+    left at None are derived here the same way from ``train_iters`` (or ``train_samples``) and
+    ``global_batch_size``. ``start_weight_decay`` / ``end_weight_decay`` default to
+    ``optimizer.weight_decay``, as Megatron Bridge does.
+    """
+    steps = _derive_steps(scheduler_cfg, train_cfg)
+    weight_decay = getattr(optimizer_cfg, "weight_decay", 0.0)
+    start_wd = getattr(scheduler_cfg, "start_weight_decay", None)
+    end_wd = getattr(scheduler_cfg, "end_weight_decay", None)
+    start_wd = weight_decay if start_wd is None else start_wd
+    end_wd = weight_decay if end_wd is None else end_wd
+    max_lr = getattr(optimizer_cfg, "lr", None)
+    if max_lr is None:
+        raise ConfigError("optimizer.lr=None is invalid: set the peak learning rate, e.g. optimizer.lr=3e-4")
+    min_lr = getattr(optimizer_cfg, "min_lr", None)
+    min_lr = 0.0 if min_lr is None else min_lr
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=getattr(scheduler_cfg, "lr_warmup_init", 0.0),
+        max_lr=max_lr,
+        min_lr=min_lr,
+        lr_warmup_steps=steps["lr_warmup_steps"],
+        lr_decay_steps=steps["lr_decay_steps"],
+        lr_decay_style=getattr(scheduler_cfg, "lr_decay_style", "linear"),
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=steps["wd_incr_steps"],
+        wd_incr_style=getattr(scheduler_cfg, "weight_decay_incr_style", "constant"),
+        use_checkpoint_opt_param_scheduler=getattr(scheduler_cfg, "use_checkpoint_opt_param_scheduler", False),
+        override_opt_param_scheduler=getattr(scheduler_cfg, "override_opt_param_scheduler", False),
+        wsd_decay_steps=steps["wsd_decay_steps"],
+        lr_wsd_decay_style=getattr(scheduler_cfg, "lr_wsd_decay_style", None),
+    )
+
+
+def _derive_steps(scheduler_cfg: Any, train_cfg: Any) -> dict[str, Any]:
+    """Step counts in samples: the config's derived values, else Megatron's iteration/sample formulas."""
+    steps = {
+        name: getattr(scheduler_cfg, name, None)
+        for name in ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
+    }
+    if steps["lr_decay_steps"] is not None and steps["wd_incr_steps"] is not None:
+        if steps["lr_warmup_steps"] is None:
+            steps["lr_warmup_steps"] = 0
+        return steps
+
+    gbs = getattr(train_cfg, "global_batch_size", None)
+    train_iters = getattr(train_cfg, "train_iters", None)
+    train_samples = getattr(train_cfg, "train_samples", None)
+    decay_iters = getattr(scheduler_cfg, "lr_decay_iters", None)
+    warmup_fraction = getattr(scheduler_cfg, "lr_warmup_fraction", None)
+    warmup_iters = getattr(scheduler_cfg, "lr_warmup_iters", 0) or 0
+    wsd_iters = getattr(scheduler_cfg, "lr_wsd_decay_iters", None)
+
+    if train_iters:
+        if gbs is None:
+            raise ConfigError("train.global_batch_size=None is invalid: the schedule needs a global batch size")
+        decay_steps = (decay_iters if decay_iters is not None else train_iters) * gbs
+        derived = {
+            "lr_decay_steps": decay_steps,
+            "wd_incr_steps": train_iters * gbs,
+            "wsd_decay_steps": wsd_iters * gbs if wsd_iters is not None else None,
+            "lr_warmup_steps": (
+                warmup_fraction * decay_steps if warmup_fraction is not None else warmup_iters * gbs
+            ),
+        }
+    elif train_samples:
+        # Sample-based: the config's iteration fields are read as sample counts, as in Megatron.
+        decay_steps = decay_iters if decay_iters is not None else train_samples
+        derived = {
+            "lr_decay_steps": decay_steps,
+            "wd_incr_steps": train_samples,
+            "wsd_decay_steps": wsd_iters,
+            "lr_warmup_steps": warmup_fraction * decay_steps if warmup_fraction is not None else warmup_iters,
+        }
+    else:
+        raise ConfigError(
+            "train.train_iters=None and train.train_samples=None: set one of them so the learning-rate "
+            "schedule has a length"
+        )
+    return {name: steps[name] if steps[name] is not None else derived[name] for name in steps}

@@ -1,0 +1,86 @@
+"""``longspan pretrain|finetune [--recipe NAME] [--config FILE.yaml ...] [section.field=value ...]``.
+
+With ``--nproc-per-node N`` the configuration is validated for the whole world size first, then the
+workers are started through torch's elastic launcher in-process (see ``longspan.parallel.launcher``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any, name: str) -> None:
+    parser = subparsers.add_parser(
+        name,
+        help=f"{name} a model from a recipe, YAML files and dotlist overrides",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--recipe", default=None, help="recipe name, e.g. tiny (see longspan.recipes)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML file (repeatable; later wins)")
+    parser.add_argument("--allow-unknown", action="store_true", help="load Megatron Bridge files with unknown fields")
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="start N worker processes on this node")
+    parser.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX) when launching workers")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank when launching workers")
+    parser.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend for multi-node launches")
+    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous")
+    parser.add_argument("--rdzv-id", default="longspan", help="rendezvous id shared by every node of the job")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides: section.field=value")
+    parser.set_defaults(func=run, command_name=name)
+
+
+def _strip_launch_args(argv: list[str]) -> list[str]:
+    """The worker command line: this one without the launcher's own options."""
+    launch_opts = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"}
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        key = arg.split("=", 1)[0]
+        if key in launch_opts:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from longspan.config import load_config
+
+    cfg = load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
+    if args.nproc_per_node:
+        return _launch(args, cfg)
+    if args.command_name == "finetune":
+        from longspan.training.finetune import finetune
+
+        state = finetune(cfg)
+    else:
+        from longspan.training.pretrain import pretrain
+
+        state = pretrain(cfg)
+    return int(getattr(state, "exit_code", None) or 0)
+
+
+def _launch(args: argparse.Namespace, cfg: Any) -> int:
+    from longspan.parallel.launcher import launch
+    from longspan.parallel.mesh import check_layout
+
+    nnodes = int(str(args.nnodes).split(":")[-1])
+    world_size = nnodes * args.nproc_per_node
+    check_layout(world_size, cfg.model)
+    if cfg.model.vocab_size is None:
+        from longspan.data.tokenizers import build_tokenizer
+
+        cfg.model.vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
+    cfg.validate(world_size=world_size)
+    worker_argv = _strip_launch_args(args.argv)
+    return launch(
+        worker_argv,
+        nproc_per_node=args.nproc_per_node,
+        nnodes=str(args.nnodes),
+        rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint,
+        node_rank=args.node_rank,
+    )

@@ -1,0 +1,481 @@
+"""Checkpoints in the ``torch_dist`` format: PyTorch Distributed Checkpoint (DCP) plus Megatron's layout.
+
+```
+{save}/latest_checkpointed_iteration.txt   the step, written last, after every shard is complete
+{save}/latest_train_state.pt
+{save}/iter_0000100/                       .metadata, __{rank}_{k}.distcp, train_state.pt,
+                                           run_config.yaml, metadata.json, tokenizer/
+```
+
+A save goes to ``iter_XXXXXXX.partial`` and is renamed into place only once complete, and the tracker is
+replaced atomically after that: a crash or Ctrl-C mid-save leaves the previous checkpoint loadable.
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` so DTensor-sharded
+(tensor parallel / FSDP2) state is saved by global name and shape and reshards on load under another
+layout. Per-rank state (RNG) is saved under rank-unique keys: DCP keeps one copy of identical keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from longspan.core.errors import CheckpointError
+from longspan.core.logging import get_logger, print_rank_0
+
+logger = get_logger(__name__)
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+TRAIN_STATE_FILENAME = "train_state.pt"
+LATEST_TRAIN_STATE_FILENAME = "latest_train_state.pt"
+RUN_CONFIG_FILENAME = "run_config.yaml"
+METADATA_FILENAME = "metadata.json"
+TOKENIZER_DIRNAME = "tokenizer"
+CHECKPOINT_VERSION = 1
+
+
+def checkpoint_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def get_checkpoint_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / checkpoint_dir_name(iteration)
+
+
+def read_tracker(root: str | os.PathLike) -> int | None:
+    """The iteration named by ``latest_checkpointed_iteration.txt``, or None when there is none."""
+    tracker = Path(root) / TRACKER_FILENAME
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} holds {text!r}; expected an iteration number") from None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------- RNG state
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This rank's python, numpy, torch and CUDA generator states."""
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng_state"])
+
+
+def _rng_key(rank: int, world_size: int) -> str:
+    # The world size is part of the key: a resume under another layout has no matching RNG state and
+    # starts its generators from the seed instead (as Megatron does).
+    return f"rank{rank}_of{world_size}"
+
+
+# ----------------------------------------------------------------------------------------- state dicts
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer behind a Megatron-style optimizer wrapper."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    raise TypeError(f"cannot find the torch optimizer inside {type(optimizer).__name__}")
+
+
+def _optimizer_extra_state(optimizer: Any) -> dict[str, Any]:
+    """Wrapper state beyond the torch optimizer (the fp16 grad scaler)."""
+    extra = getattr(optimizer, "extra_state_dict", None)
+    return extra() if callable(extra) else {}
+
+
+def _load_optimizer_extra_state(optimizer: Any, extra: dict[str, Any]) -> None:
+    loader = getattr(optimizer, "load_extra_state_dict", None)
+    if callable(loader) and extra:
+        loader(extra)
+
+
+def _model_module(model: list[torch.nn.Module]) -> torch.nn.Module:
+    if len(model) != 1:
+        raise NotImplementedError("checkpointing several model chunks arrives with virtual pipelines")
+    return model[0]
+
+
+def _build_state_dict(
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    with_optimizer: bool,
+    with_rng: bool,
+    rng_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    module = _model_module(model)
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if with_optimizer and optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(module, _unwrap_optimizer(optimizer))
+        state["optimizer_extra"] = _optimizer_extra_state(optimizer)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng"] = {_rng_key(_rank(), _world_size()): rng_state if rng_state is not None else get_rng_state()}
+    if extra:
+        state.update(extra)
+    return state
+
+
+# -------------------------------------------------------------------------------------------------- save
+
+
+@dataclass
+class _PendingAsyncSave:
+    future: Any
+    iteration: int
+    finalize: Any
+    started: float = field(default_factory=time.time)
+
+
+def check_save_dir_writable(save: str) -> None:
+    """Fail at start-up (not after hours of training) when ``checkpoint.save`` cannot be written."""
+    path = Path(save)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}_{_rank()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint.save={save} is not writable ({exc.strerror or exc}); choose a writable directory"
+        ) from None
+
+
+def _check_finite_weights(model: list[torch.nn.Module]) -> None:
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not torch.isfinite(local).all():
+                raise CheckpointError(
+                    f"refusing to checkpoint: parameter {name} holds NaN or Inf values; the run has diverged"
+                )
+
+
+def save_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: dict[str, Any] | None = None,
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+) -> None:
+    """Save model, optimizer, scheduler, RNG and train state for ``state.train_state.step``.
+
+    The data position is ``train_state.consumed_train_samples`` / ``consumed_valid_samples``: Megatron's
+    samplers restart from them, so a resumed run reads exactly the samples it would have read.
+    """
+    if non_persistent_ckpt:
+        raise NotImplementedError("non-persistent checkpoints are rejected by ConfigContainer.validate()")
+    cfg = state.cfg
+    ckpt_cfg = cfg.checkpoint
+    context = checkpointing_context if checkpointing_context is not None else {}
+    finalize_async_saves(context, blocking=True)
+
+    iteration = state.train_state.step
+    state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
+    root = Path(ckpt_cfg.save)
+    final_dir = get_checkpoint_dir(root, iteration)
+    partial_dir = final_dir.with_name(final_dir.name + ".partial")
+
+    _check_finite_weights(model)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial_dir.exists():
+            shutil.rmtree(partial_dir)  # left by a crash mid-save; the tracker never pointed at it
+        partial_dir.mkdir(parents=True)
+    _barrier()
+
+    state_dict = _build_state_dict(
+        model,
+        optimizer,
+        opt_param_scheduler,
+        with_optimizer=ckpt_cfg.save_optim,
+        with_rng=ckpt_cfg.save_rng,
+        extra=_rerun_state(state),
+    )
+    train_state_dict = state.train_state.state_dict()
+
+    def finalize() -> None:
+        _barrier()
+        if _rank() == 0:
+            _write_side_files(state, partial_dir, train_state_dict)
+            old_dir = final_dir.with_name(final_dir.name + ".old")
+            if final_dir.exists():
+                os.replace(final_dir, old_dir)
+            os.replace(partial_dir, final_dir)
+            if old_dir.exists():
+                shutil.rmtree(old_dir)
+            _atomic_torch_save(train_state_dict, root / LATEST_TRAIN_STATE_FILENAME)
+            _atomic_write_text(root / TRACKER_FILENAME, str(iteration))
+        _barrier()
+        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}", logger)
+
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format", logger)
+    if ckpt_cfg.async_save:
+        future = dcp.async_save(state_dict, checkpoint_id=str(partial_dir))
+        context["pending_async_save"] = _PendingAsyncSave(future, iteration, finalize)
+    else:
+        dcp.save(state_dict, checkpoint_id=str(partial_dir))
+        finalize()
+
+
+def finalize_async_saves(checkpointing_context: dict[str, Any], blocking: bool = False) -> bool:
+    """Complete a pending async save once every rank has finished writing; True when nothing is pending.
+
+    Trackers are written only here, after the shards are complete.
+    """
+    pending: _PendingAsyncSave | None = checkpointing_context.get("pending_async_save")
+    if pending is None:
+        return True
+    done = pending.future.done()
+    if dist.is_initialized():
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        done = bool(flag.item())
+    if not done and not blocking:
+        return False
+    pending.future.result()
+    pending.finalize()
+    checkpointing_context.pop("pending_async_save")
+    return True
+
+
+def _rerun_state(state: Any) -> dict[str, Any]:
+    machine = getattr(state, "rerun_state_machine", None)
+    if machine is None or not hasattr(machine, "state_dict"):
+        return {}
+    return {"rerun_state_machine": machine.state_dict()}
+
+
+def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, Any]) -> None:
+    torch.save(train_state_dict, directory / TRAIN_STATE_FILENAME)
+    state.cfg.to_yaml(str(directory / RUN_CONFIG_FILENAME))
+    metadata = {
+        "format": "torch_dist",
+        "longspan_checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": train_state_dict["step"],
+        "world_size": _world_size(),
+        "torch_version": torch.__version__,
+    }
+    (directory / METADATA_FILENAME).write_text(json.dumps(metadata, indent=2) + "\n")
+    tokenizer = getattr(state, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "save_files"):
+        tokenizer.save_files(str(directory / TOKENIZER_DIRNAME))
+
+
+# -------------------------------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` found: the directory, its iteration, and RNG state still to be applied."""
+
+    directory: Path
+    iteration: int
+    rng_state: dict[str, Any] | None = None
+
+
+def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
+    """(directory, iteration, is_finetune) of the checkpoint to load, or None to start from scratch.
+
+    ``checkpoint.load`` wins when it holds a checkpoint; otherwise ``pretrained_checkpoint`` loads weights
+    only (finetuning). ``ckpt_step`` picks an iteration other than the tracker's.
+    """
+    for root, pretrained in ((ckpt_cfg.load, False), (ckpt_cfg.pretrained_checkpoint, True)):
+        if not root:
+            continue
+        root_path = Path(root)
+        if ckpt_cfg.ckpt_step is not None and not pretrained:
+            iteration = ckpt_cfg.ckpt_step
+        else:
+            iteration = read_tracker(root_path)
+        if iteration is None:
+            if (root_path / ".metadata").is_file():  # pointed straight at an iter_ directory
+                return root_path, _iteration_from_dir(root_path), pretrained or ckpt_cfg.finetune
+            if ckpt_cfg.exit_on_missing_checkpoint or pretrained:
+                field_name = "checkpoint.pretrained_checkpoint" if pretrained else "checkpoint.load"
+                raise CheckpointError(
+                    f"{field_name}={root}: no checkpoint there ({TRACKER_FILENAME} not found)"
+                    + ("" if pretrained else "; unset checkpoint.exit_on_missing_checkpoint to start from scratch")
+                )
+            continue
+        directory = get_checkpoint_dir(root_path, iteration)
+        if not (directory / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {directory} is missing or incomplete (no .metadata file)")
+        return directory, iteration, pretrained or ckpt_cfg.finetune
+    return None
+
+
+def _iteration_from_dir(directory: Path) -> int:
+    train_state_file = directory / TRAIN_STATE_FILENAME
+    if train_state_file.is_file():
+        return int(torch.load(train_state_file, weights_only=True)["step"])
+    return 0
+
+
+def _check_shapes(directory: Path, expected: dict[str, Any], section: str) -> None:
+    """Name the tensor and both shapes when a checkpoint does not fit the model."""
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for name, value in expected.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = f"{section}.{name}"
+        stored = metadata.get(key)
+        if stored is None:
+            raise CheckpointError(f"checkpoint {directory} has no tensor {name} that the model needs")
+        if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != tuple(value.shape):
+            raise CheckpointError(
+                f"checkpoint {directory}: tensor {name} has shape {tuple(stored.size)} but the model expects "
+                f"{tuple(value.shape)}; the checkpoint was saved for a different model configuration"
+            )
+
+
+def _stored_keys(directory: Path) -> set[str]:
+    return set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+
+
+def load_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    strict: bool = True,
+    checkpointing_context: dict[str, Any] | None = None,
+    skip_load_to_model_and_opt: bool = False,
+) -> LoadedCheckpoint | None:
+    """Load the checkpoint ``checkpoint.load`` (or ``pretrained_checkpoint``) names into model and state.
+
+    Restores model, optimizer (``load_optim``), scheduler and train state; returns the RNG state (when
+    ``load_rng``) without applying it, because RNG must be restored after everything that draws from it at
+    start-up (building data iterators does). Returns None when there is nothing to load.
+    """
+    cfg = state.cfg
+    ckpt_cfg = cfg.checkpoint
+    found = find_checkpoint(ckpt_cfg)
+    if found is None:
+        return None
+    directory, iteration, finetune = found
+    module = _model_module(model)
+    stored = _stored_keys(directory)
+
+    model_sd = get_model_state_dict(module)
+    _check_shapes(directory, model_sd, "model")
+    load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
+    load_rng = ckpt_cfg.load_rng and not finetune
+    if load_optim and not any(k.startswith("optimizer.") for k in stored):
+        raise CheckpointError(
+            f"checkpoint {directory} holds no optimizer state (saved with save_optim=false); "
+            "set checkpoint.load_optim=false to load the weights only"
+        )
+
+    to_load: dict[str, Any] = {"model": model_sd}
+    torch_optimizer = _unwrap_optimizer(optimizer) if load_optim else None
+    if load_optim:
+        to_load["optimizer"] = get_optimizer_state_dict(module, torch_optimizer)
+        if any(k.startswith("optimizer_extra") for k in stored):
+            to_load["optimizer_extra"] = _optimizer_extra_state(optimizer)
+    if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
+        to_load["scheduler"] = opt_param_scheduler.state_dict()
+    rng_key = _rng_key(_rank(), _world_size())
+    has_rng = load_rng and any(k.startswith(f"rng.{rng_key}") for k in stored)
+    if has_rng:
+        to_load["rng"] = {rng_key: get_rng_state()}
+    elif load_rng:
+        print_rank_0(
+            "checkpoint holds no RNG state for this world size; generators start from the seed instead", logger
+        )
+    if not finetune and "rerun_state_machine" in {k.split(".")[0] for k in stored}:
+        rerun = _rerun_state(state)
+        if rerun:
+            to_load.update(rerun)
+
+    if not skip_load_to_model_and_opt:
+        dcp.load(to_load, checkpoint_id=str(directory))
+        set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
+        if load_optim:
+            set_optimizer_state_dict(module, torch_optimizer, to_load["optimizer"])
+            _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
+    if "scheduler" in to_load:
+        opt_param_scheduler.load_state_dict(to_load["scheduler"])
+    if "rerun_state_machine" in to_load:
+        state.rerun_state_machine.load_state_dict(to_load["rerun_state_machine"])
+
+    if finetune:
+        print_rank_0(f"loaded weights from {directory} for finetuning; starting at iteration 0", logger)
+        iteration = 0
+    else:
+        train_state_dict = torch.load(directory / TRAIN_STATE_FILENAME, weights_only=True)
+        state.train_state.load_state_dict(train_state_dict)
+        print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
+    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)

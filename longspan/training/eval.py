@@ -1,0 +1,133 @@
+"""Evaluation on the validation and test iterators (Megatron's ``evaluate`` / ``evaluate_and_print_results``)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from longspan.core.logging import get_logger, print_rank_last
+from longspan.training.schedules import forward_backward_no_pipelining
+from longspan.training.state import GlobalState
+
+logger = get_logger(__name__)
+
+
+def evaluate(
+    state: GlobalState,
+    forward_step_func: Callable,
+    data_iterator: Optional[Iterator],
+    model: list[torch.nn.Module],
+    process_non_loss_data_func: Optional[Callable],
+    config: Any,
+    verbose: bool = False,
+    non_loss_data_func: Optional[Callable] = None,
+) -> tuple[dict[str, torch.Tensor], Any, bool]:
+    """``eval_iters`` forward-only global batches; returns ({name: Σ/Σ loss}, non-loss data, timelimit_hit)."""
+    cfg = state.cfg
+    parallel = state.parallel
+    for chunk in model:
+        chunk.eval()
+    eval_batch_size = state.num_microbatches_calculator.get_current_global_batch_size()
+    num_microbatches = eval_batch_size // (cfg.train.micro_batch_size * parallel.dp_size)
+    totals: dict[str, torch.Tensor] = {}
+    timelimit_hit = False
+    start = time.time()
+    with torch.no_grad():
+        for step in range(cfg.train.eval_iters):
+            if verbose:
+                print_rank_last(f"Evaluating iter {step + 1}/{cfg.train.eval_iters}", logger)
+            reports, _ = forward_backward_no_pipelining(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                forward_only=True,
+                calculate_per_token_loss=cfg.model.calculate_per_token_loss,
+                autocast_dtype=state.autocast_dtype,
+                device_type=state.device.type,
+                check_for_nan=False,
+            )
+            for report in reports:
+                for key, value in report.items():
+                    value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().view(-1)
+                    if value.numel() != 2:  # legacy form: a mean per microbatch counts as one token
+                        value = torch.cat([value.mean().view(1), torch.ones(1, dtype=torch.float64)])
+                    totals[key] = totals.get(key, torch.zeros(2, dtype=torch.float64)) + value
+            state.train_state.consumed_valid_samples += eval_batch_size
+            limit = cfg.train.exit_duration_in_mins
+            if limit and (time.time() - state.start_time) / 60.0 > limit:
+                timelimit_hit = True
+                break
+    if parallel.dp_size > 1:
+        import torch.distributed as dist
+
+        for key in sorted(totals):
+            dist.all_reduce(totals[key], group=parallel.dp_group)
+    results = {key: (v[0] / v[1].clamp(min=1)).to(torch.float32) for key, v in totals.items()}
+    collected = None
+    if process_non_loss_data_func is not None and non_loss_data_func is not None:
+        collected = non_loss_data_func(model)
+    state.timers("evaluate", log_level=0)  # registered so timers.log can report it
+    state.last_eval_seconds = time.time() - start
+    return results, collected, timelimit_hit
+
+
+def evaluate_and_print_results(
+    state: GlobalState,
+    prefix: str,
+    forward_step_func: Callable,
+    data_iterator: Optional[Iterator],
+    model: list[torch.nn.Module],
+    config: Any,
+    verbose: bool = False,
+    write_to_tensorboard: bool = True,
+    process_non_loss_data_func: Optional[Callable] = None,
+    non_loss_data_func: Optional[Callable] = None,
+) -> dict[str, float]:
+    """Evaluate and print Megatron's validation block; write ``<loss> validation`` (and ppl) to the sinks."""
+    results, collected, _ = evaluate(
+        state, forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose, non_loss_data_func
+    )
+    is_test = prefix.startswith("test") or "test" in prefix.split()
+    label = "test" if is_test else "validation"
+    values = {key: float(v) for key, v in results.items()}
+    parts = [f" {label} loss at {prefix} |"]
+    for key, value in values.items():
+        ppl = math.exp(min(20.0, value))
+        parts.append(f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |")
+    line = "".join(parts)
+    print_rank_last("-" * (len(line) + 1), logger)
+    print_rank_last(line, logger)
+    print_rank_last("-" * (len(line) + 1), logger)
+    if write_to_tensorboard:
+        _write_eval_metrics(state, label, values)
+    if collected is not None and process_non_loss_data_func is not None:
+        process_non_loss_data_func(collected, state.train_state.step, state.tensorboard_logger)
+    return values
+
+
+def _write_eval_metrics(state: GlobalState, label: str, values: dict[str, float]) -> None:
+    cfg = state.cfg
+    step = state.train_state.step
+    writer = state.tensorboard_logger
+    metrics: dict[str, float] = {}
+    for key, value in values.items():
+        metrics[f"{key} {label}"] = value
+        ppl = math.exp(min(20.0, value))
+        if cfg.logger.log_validation_ppl_to_tensorboard:
+            metrics[f"{key} {label} ppl"] = ppl
+    if writer is not None:
+        samples = state.train_state.consumed_train_samples
+        for tag, value in metrics.items():
+            writer.add_scalar(tag, value, step)
+            writer.add_scalar(f"{tag} vs samples", value, samples)
+    sink = getattr(state, "metrics_logger", None)
+    if sink is not None:
+        sink.log({"iteration": step, "split": label, **metrics})
+    for extra in ("wandb_logger", "mlflow_logger", "comet_logger"):
+        logger_obj = getattr(state, extra, None)
+        if logger_obj is not None and hasattr(logger_obj, "log_metrics"):
+            logger_obj.log_metrics(metrics, step)

@@ -1,0 +1,69 @@
+"""``pretrain(config, forward_step_func)``: Megatron Bridge's entry point."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.eval import evaluate_and_print_results
+from longspan.training.forward_step import forward_step as default_forward_step
+from longspan.training.setup import setup
+from longspan.training.state import GlobalState
+from longspan.training.train import append_to_progress_log, train
+from longspan.training.utils.train_utils import prepare_forward_step_func
+
+logger = get_logger(__name__)
+
+
+def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> GlobalState:
+    """Validate ``config``, set up, train, evaluate on the test split, and return the final GlobalState.
+
+    ``forward_step_func`` defaults to the GPT forward step. Megatron Bridge returns None; returning the
+    state (train_state, the last losses) is a longspan convenience for scripts and tests.
+    """
+    forward_step_func = forward_step_func or default_forward_step
+    out = setup(config)
+    state = out.state
+    cfg = state.cfg
+    append_to_progress_log(state, "Starting job")
+
+    if not cfg.train.skip_train and state.train_state.do_train and cfg.train.train_iters > 0:
+        train(
+            forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
+            out.valid_data_iterator, state, out.checkpointing_context,
+        )
+    elif cfg.train.skip_train and state.train_state.do_valid and out.valid_data_iterator is not None:
+        evaluate_and_print_results(
+            state, f"iteration {state.train_state.step}", prepare_forward_step_func(forward_step_func, state),
+            out.valid_data_iterator, out.model, cfg, write_to_tensorboard=False,
+        )
+
+    exited_early = getattr(state, "exit_code", None) is not None or state.train_state.step < cfg.train.train_iters
+    if not exited_early and state.train_state.do_test and out.test_data_iterator is not None:
+        state.test_results = evaluate_and_print_results(
+            state, f"iteration {state.train_state.step} on test set",
+            prepare_forward_step_func(forward_step_func, state), out.test_data_iterator, out.model, cfg,
+            write_to_tensorboard=True,
+        )
+    _print_summary(state)
+    return state
+
+
+def _print_summary(state: GlobalState) -> None:
+    cfg = state.cfg
+    elapsed = time.time() - state.start_time
+    tokens = state.train_state.consumed_train_samples * cfg.model.seq_length
+    losses = getattr(state, "last_loss_dict", None) or {}
+    loss_text = ", ".join(f"{k} {float(v):.4f}" for k, v in losses.items()) or "n/a"
+    where = []
+    if cfg.checkpoint.save:
+        where.append(f"checkpoints in {cfg.checkpoint.save}")
+    if cfg.logger.tensorboard_dir:
+        where.append(f"TensorBoard logs in {cfg.logger.tensorboard_dir}")
+    print_rank_0(
+        f"longspan: done: {state.train_state.step} iterations in {elapsed:.1f} s, "
+        f"{tokens / max(elapsed, 1e-9):.0f} tokens/s overall, final {loss_text}"
+        + (f"; {'; '.join(where)}" if where else ""),
+        logger,
+    )

@@ -1,0 +1,131 @@
+"""Forward/backward over the microbatches of one global batch (no pipeline parallelism).
+
+Megatron's loss reduction: with the per-token loss form (``loss_func`` returns three values) each
+microbatch's loss is its masked mean divided by the number of microbatches, so gradients average over
+microbatches (and, through data parallelism, over ranks); with ``calculate_per_token_loss`` the summed loss
+is backpropagated and the gradients are divided by the global token count afterwards (see
+``finalize_model_grads``), which makes the loss Σ(loss·mask)/Σmask over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from longspan.core.errors import LongspanError
+
+
+class TrainingDivergedError(LongspanError):
+    """The loss or the gradients became NaN or Inf; the run stops before anything is checkpointed."""
+
+    exit_code = 1
+
+
+def no_sync_context(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Suppress data-parallel gradient reduction for all but the last microbatch.
+
+    DDP exposes ``no_sync()``; FSDP2 modules use ``set_requires_gradient_sync`` (handled by the parallel
+    layer through a ``no_sync`` attribute it installs); plain modules need nothing.
+    """
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+
+def _check_finite(value: torch.Tensor, what: str, iteration: int | None) -> None:
+    if not torch.isfinite(value).all():
+        where = f" at iteration {iteration}" if iteration is not None else ""
+        raise TrainingDivergedError(
+            f"{what} is NaN or Inf{where}; stopping before the optimizer step "
+            "(lower optimizer.lr, enable gradient clipping, or use bf16_mixed instead of fp16)"
+        )
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    model: list[torch.nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    calculate_per_token_loss: bool = False,
+    grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    device_type: str = "cpu",
+    check_for_nan: bool = True,
+    iteration: int | None = None,
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Run ``num_microbatches`` forward (and backward) passes; return per-microbatch reports and Σtokens."""
+    if len(model) != 1:
+        raise NotImplementedError("several model chunks need the pipeline schedules")
+    chunk = model[0]
+    reports: list[dict[str, Any]] = []
+    total_tokens = torch.zeros((), dtype=torch.int64)
+    autocast = (
+        torch.autocast(device_type=device_type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+
+    def one_microbatch() -> torch.Tensor:
+        nonlocal total_tokens
+        with autocast:
+            output_tensor, loss_func = forward_step_func(data_iterator, chunk)
+        outputs = loss_func(output_tensor)
+        if len(outputs) == 3:
+            loss, num_tokens, report = outputs
+            total_tokens = total_tokens + num_tokens.detach().to(torch.int64).cpu()
+            if not calculate_per_token_loss:
+                loss = loss / num_tokens.clamp(min=1)
+                loss = loss / num_microbatches
+        elif len(outputs) == 2:
+            loss, report = outputs
+            loss = loss / num_microbatches
+        else:
+            raise TypeError("loss_func must return (loss, num_tokens, report) or (loss, report)")
+        if check_for_nan:
+            _check_finite(loss.detach(), "the loss", iteration)
+        reports.append(report)
+        return loss
+
+    if forward_only:
+        with torch.no_grad():
+            for _ in range(num_microbatches):
+                one_microbatch()
+        return reports, total_tokens
+
+    for index in range(num_microbatches):
+        last = index == num_microbatches - 1
+        with contextlib.nullcontext() if last else no_sync_context(chunk):
+            loss = one_microbatch()
+            if grad_scale_func is not None:
+                loss = grad_scale_func(loss)
+            loss.backward()
+    return reports, total_tokens
+
+
+def finalize_model_grads(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None,
+    *,
+    dp_group: Any = None,
+    dp_size: int = 1,
+) -> None:
+    """Scale gradients by 1/Σtokens over the data-parallel group when ``calculate_per_token_loss``.
+
+    Data-parallel wrappers average gradients over ranks (divide by dp); per-token loss wants a sum over
+    ranks divided by the global token count, hence the factor dp / Σtokens.
+    """
+    if num_tokens is None:
+        return
+    total = num_tokens.clone().to(torch.float64)
+    if dp_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=dp_group)
+    scale = float(dp_size) / max(float(total.item()), 1.0)
+    for chunk in model:
+        for param in chunk.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)

@@ -1,0 +1,166 @@
+"""Everything between a validated ConfigContainer and the first iteration.
+
+Order matters for exact resumption: seeds → tokenizer → model → optimizer → scheduler → checkpoint →
+data iterators → RNG restore (building iterators draws from torch's generator, so the saved generator
+states are applied last).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from longspan.config.support import inapplicable_fields
+from longspan.core.logging import get_logger, print_rank_0, setup_logging
+from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
+from longspan.data.tokenizers import build_tokenizer
+from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
+from longspan.parallel import ParallelState, initialize_distributed
+from longspan.parallel.parallelize import parallelize_model
+from longspan.training.checkpointing import check_save_dir_writable, load_checkpoint, set_rng_state
+from longspan.training.microbatches import NumMicroBatchesCalculator
+from longspan.training.optimizer import get_megatron_optimizer
+from longspan.training.scheduler import get_optimizer_param_scheduler
+from longspan.training.signals import DistributedSignalHandler
+from longspan.training.state import GlobalState
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class SetupOutput:
+    state: GlobalState
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    train_data_iterator: Optional[Iterator]
+    valid_data_iterator: Optional[Iterator]
+    test_data_iterator: Optional[Iterator]
+    checkpointing_context: dict[str, Any]
+
+
+def set_random_seed(seed: int, parallel: ParallelState, data_parallel_random_init: bool = False) -> int:
+    """Seed python, numpy and torch like Megatron: seed + 100·pp_rank (+ 10·dp_rank when requested)."""
+    seed = seed + 100 * parallel.pp_rank
+    if data_parallel_random_init:
+        seed = seed + 10 * parallel.dp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    return seed
+
+
+def _autocast_dtype(cfg: Any) -> Optional[torch.dtype]:
+    if cfg.model.bf16:
+        return torch.bfloat16
+    if cfg.model.fp16:
+        return torch.float16
+    return None
+
+
+def build_model(cfg: Any, parallel: ParallelState, seed: int) -> list[torch.nn.Module]:
+    """Build on the meta device, apply the parallel plans, then materialize each parameter from its seed."""
+    from longspan.models.gpt import build_gpt_model
+
+    provider = cfg.model
+    with torch.device("meta"):
+        model = build_gpt_model(provider, materialize=False)
+    model = parallelize_model(model, cfg, parallel)
+    init_weights(model, seed=seed, device=parallel.device)
+    if provider.params_dtype is not None and provider.params_dtype != torch.float32:
+        model = model.to(dtype=provider.params_dtype)
+    return [model]
+
+
+def setup(cfg: Any) -> SetupOutput:
+    """Validate, initialize processes, build everything, and load the checkpoint when there is one."""
+    start_time = time.time()
+    setup_logging(cfg.logger.logging_level)
+    parallel = initialize_distributed(cfg.dist, cfg.model)
+    state = GlobalState()
+    state.cfg = cfg
+    state.start_time = start_time
+    state.parallel = parallel
+    state.device = parallel.device
+
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    state.tokenizer = tokenizer
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    cfg.validate(world_size=parallel.world_size)
+    _report_inapplicable(cfg)
+    if cfg.checkpoint.save:
+        check_save_dir_writable(cfg.checkpoint.save)
+
+    state.autocast_dtype = _autocast_dtype(cfg)
+    state.check_for_nan = bool(cfg.rerun_state_machine.check_for_nan_in_loss)
+    state.num_microbatches_calculator = NumMicroBatchesCalculator(
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        cfg.data_parallel_size,
+        cfg.train.rampup_batch_size,
+        cfg.train.decrease_batch_size_if_needed,
+    )
+    if cfg.model.deterministic_mode:
+        apply_deterministic_mode(cfg.model)
+
+    seed = set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
+    model = build_model(cfg, parallel, seed)
+    optimizer = get_megatron_optimizer(cfg.optimizer, model)
+    scheduler = get_optimizer_param_scheduler(optimizer, cfg.scheduler, cfg.train, cfg.optimizer)
+
+    checkpointing_context: dict[str, Any] = {}
+    loaded = load_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+    state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
+
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+        cfg, state.train_state, tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
+    )
+    if loaded is not None and loaded.rng_state is not None:
+        set_rng_state(loaded.rng_state)
+
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
+    _print_banner(cfg, state, model, loaded)
+    return SetupOutput(state, model, optimizer, scheduler, train_it, valid_it, test_it, checkpointing_context)
+
+
+def _report_inapplicable(cfg: Any) -> None:
+    fields = inapplicable_fields(cfg)
+    if fields:
+        print_rank_0(f"not applicable on this machine (ignored): {', '.join(fields)}", logger)
+
+
+def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], loaded: Any) -> None:
+    parallel = state.parallel
+    params = sum(num_parameters(chunk) for chunk in model)
+    precision = "bf16 mixed" if cfg.model.bf16 else "fp16 mixed" if cfg.model.fp16 else "fp32"
+    train_n, valid_n, test_n = get_train_valid_test_num_samples(cfg)
+    seq = cfg.model.seq_length
+    layout = (
+        f"tp={cfg.model.tensor_model_parallel_size} pp={cfg.model.pipeline_model_parallel_size} "
+        f"cp={cfg.model.context_parallel_size} dp={cfg.data_parallel_size}"
+    )
+    start = f"resuming from iteration {loaded.iteration}" if loaded is not None else "starting from scratch"
+    print_rank_0(
+        f"longspan: {params / 1e6:.2f}M parameters | world size {parallel.world_size} ({layout}) | "
+        f"device {parallel.device.type} | {precision} | {start}",
+        logger,
+    )
+    print_rank_0(
+        f"longspan: samples train/valid/test {train_n}/{valid_n}/{test_n} "
+        f"({train_n * seq / 1e6:.2f}M/{valid_n * seq / 1e6:.2f}M/{test_n * seq / 1e6:.2f}M tokens) | "
+        f"global batch {cfg.train.global_batch_size} = {cfg.num_microbatches} microbatches × "
+        f"{cfg.train.micro_batch_size} × dp {cfg.data_parallel_size} | "
+        f"torch {torch.__version__}, python {platform.python_version()}, pid {os.getpid()}",
+        logger,
+    )

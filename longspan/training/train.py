@@ -1,0 +1,524 @@
+"""The training loop (seed 001): data → forward/backward over microbatches → reduce → optimizer and
+scheduler step → log → evaluate → checkpoint-and-exit, read top to bottom.
+
+Side concerns (timers, metric sinks, profiler, signal handler) are small objects the loop calls.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from longspan.core.logging import get_logger, print_rank_0, print_rank_last
+from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
+from longspan.training.eval import evaluate_and_print_results
+from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, forward_backward_no_pipelining
+from longspan.training.state import GlobalState
+from longspan.training.utils.flop_utils import num_floating_point_operations
+from longspan.training.utils.train_utils import (
+    calc_params_l2_norm,
+    prepare_forward_step_func,
+    training_log,
+)
+
+logger = get_logger(__name__)
+
+
+def train(
+    forward_step_func: Callable,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    train_data_iterator: Optional[Iterator],
+    valid_data_iterator: Optional[Iterator],
+    global_state: GlobalState,
+    checkpointing_context: dict[str, Any],
+    process_non_loss_data_func: Optional[Callable] = None,
+    non_loss_data_func: Optional[Callable] = None,
+) -> None:
+    """Train until ``train.train_iters``, an exit condition, or a signal; evaluate and checkpoint on the way."""
+    cfg = global_state.cfg
+    train_cfg = cfg.train
+    train_state = global_state.train_state
+    timers = global_state.timers
+    for chunk in model:
+        chunk.train()
+    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
+
+    total_loss_dict: dict[str, Any] = {}
+    history_wct: list[float] = []
+    report_memory_flag = True
+    flops_since_last_log = 0.0
+    should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
+        False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
+    )
+    global_state.last_saved_step = None
+    prof = _start_profiler(global_state)
+    if train_cfg.manual_gc:
+        gc.disable()
+        gc.collect()
+
+    timers("interval-time", log_level=0).start(barrier=True)
+    while train_state.step < train_cfg.train_iters:
+        _profiler_maybe_start(global_state, prof)
+        global_state.num_microbatches_calculator.update(train_state.consumed_train_samples, True)
+
+        (
+            loss_dict,
+            skipped_iter,
+            should_checkpoint,
+            should_exit,
+            exit_code,
+            grad_norm,
+            num_zeros_in_grad,
+        ) = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        if should_checkpoint:
+            save_checkpoint_and_time(
+                global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
+                checkpointing_context, train_data_iterator=train_data_iterator,
+            )
+        if should_exit:
+            global_state.exit_code = exit_code
+            break
+
+        train_state.step += 1
+        batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
+        train_state.consumed_train_samples += batch_size
+        if skipped_iter:
+            train_state.skipped_train_samples += batch_size
+        flops = num_floating_point_operations(cfg, batch_size)
+        train_state.floating_point_operations_so_far += flops
+        flops_since_last_log += flops
+        history_wct.append(time.time() - global_state.start_time)
+
+        params_norm = calc_params_l2_norm(model, cfg.model) if cfg.logger.log_params_norm else None
+        report_memory_flag = training_log(
+            loss_dict,
+            total_loss_dict,
+            _current_learning_rate(optimizer),
+            None,
+            float(optimizer.get_loss_scale()),
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            params_norm,
+            num_zeros_in_grad,
+            cfg,
+            global_state,
+            history_wct,
+            model,
+        )
+        global_state.last_loss_dict = loss_dict
+
+        if (
+            train_cfg.eval_interval
+            and train_state.step % train_cfg.eval_interval == 0
+            and train_state.do_valid
+            and valid_data_iterator is not None
+        ):
+            if train_cfg.manual_gc and train_cfg.manual_gc_eval:
+                gc.collect()
+            evaluate_and_print_results(
+                global_state, f"iteration {train_state.step}", forward_step_func, valid_data_iterator, model,
+                cfg, verbose=False, write_to_tensorboard=True,
+                process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func,
+            )
+            if train_cfg.manual_gc and train_cfg.manual_gc_eval:
+                gc.collect()
+            for chunk in model:
+                chunk.train()
+
+        post_training_step_callbacks(
+            model, flops_since_last_log, getattr(global_state, "straggler_timer", None), train_state.step, prof,
+            cfg, should_toggle_forward_pre_hook,
+        )
+        finalize_async_saves(checkpointing_context, blocking=False)
+        if checkpoint_and_decide_exit(
+            global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
+            checkpointing_context, train_data_iterator,
+        ):
+            break
+
+    _stop_profiler(prof)
+    # The final state is always saved (Megatron saves at the end unless the last iteration just did).
+    if (
+        cfg.checkpoint.save
+        and train_state.step > 0
+        and global_state.last_saved_step != train_state.step
+        and getattr(global_state, "exit_code", None) is None
+    ):
+        save_checkpoint_and_time(
+            global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
+            checkpointing_context, train_data_iterator=train_data_iterator,
+        )
+    finalize_async_saves(checkpointing_context, blocking=True)
+    if train_cfg.manual_gc:
+        gc.enable()
+    _finish_train(global_state)
+
+
+def train_step(
+    forward_step_func: Callable,
+    data_iterator: Optional[Iterator],
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    global_state: GlobalState,
+) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, Optional[float], Optional[int]]:
+    """One iteration: forward/backward over the microbatches, gradient reduction, optimizer and LR step.
+
+    Returns (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm,
+    num_zeros_in_grad). ``loss_dict`` holds each reported loss as Σ(loss·mask)/Σmask over every microbatch
+    and data-parallel rank.
+    """
+    cfg = global_state.cfg
+    timers = global_state.timers
+    parallel = global_state.parallel
+    num_microbatches = global_state.num_microbatches_calculator.get()
+    iteration = global_state.train_state.step + 1
+
+    optimizer.zero_grad()
+    timers("forward-backward", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
+    reports, num_tokens = forward_backward_no_pipelining(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=False,
+        calculate_per_token_loss=cfg.model.calculate_per_token_loss,
+        grad_scale_func=optimizer.scale_loss if _uses_loss_scaling(optimizer) else None,
+        autocast_dtype=global_state.autocast_dtype,
+        device_type=global_state.device.type,
+        check_for_nan=global_state.check_for_nan,
+        iteration=iteration,
+    )
+    timers("forward-backward").stop()
+    if cfg.model.calculate_per_token_loss:
+        finalize_model_grads(model, num_tokens, dp_group=parallel.dp_group, dp_size=parallel.dp_size)
+
+    if cfg.train.empty_unused_memory_level >= 1 and global_state.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    timers("optimizer", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer").stop()
+    if global_state.check_for_nan and grad_norm is not None and not _is_finite(grad_norm):
+        if not _uses_loss_scaling(optimizer):  # with fp16 loss scaling an overflow just skips the step
+            raise TrainingDivergedError(
+                f"the gradient norm is {grad_norm} at iteration {iteration}; stopping before the weights are "
+                "checkpointed (lower optimizer.lr or enable gradient clipping)"
+            )
+
+    if update_successful:
+        increment = num_microbatches * cfg.train.micro_batch_size * parallel.dp_size
+        scheduler.step(increment=increment)
+        skipped_iter = 0
+    else:
+        skipped_iter = 1
+
+    if cfg.train.empty_unused_memory_level >= 2 and global_state.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    loss_dict = reduce_loss_reports(reports, parallel.dp_group if parallel.dp_size > 1 else None)
+    return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
+
+
+def reduce_loss_reports(reports: list[dict[str, Any]], dp_group: Any = None) -> dict[str, torch.Tensor]:
+    """Σ/Σ of [sum, count] reports (or the mean of plain values) over microbatches and data-parallel ranks."""
+    reduced: dict[str, torch.Tensor] = {}
+    if not reports:
+        return reduced
+    for key in reports[0]:
+        values = [torch.as_tensor(r[key], dtype=torch.float64).detach().cpu().view(-1) for r in reports]
+        if values[0].numel() == 2:
+            total = torch.vstack(values).sum(dim=0)
+            if dp_group is not None:
+                dist.all_reduce(total, group=dp_group)
+            reduced[key] = (total[0] / total[1].clamp(min=1)).to(torch.float32)
+        else:
+            total = torch.stack([v.mean() for v in values]).mean()
+            if dp_group is not None:
+                total = total / dist.get_world_size(dp_group)
+                dist.all_reduce(total, group=dp_group)
+            reduced[key] = total.to(torch.float32)
+    return reduced
+
+
+def post_training_step_callbacks(
+    model: list[torch.nn.Module],
+    num_floating_point_operations_since_last_log_event: float,
+    straggler_timer: Any,
+    iteration: int,
+    prof: Optional[torch.profiler.profile],
+    config: Any,
+    should_toggle_forward_pre_hook: bool,
+    nsys_nvtx_context: Any = None,
+) -> None:
+    """Run what follows every step: profiler stepping, weight-hash checks, manual garbage collection."""
+    if prof is not None:
+        prof.step()
+        if iteration >= config.profiling.profile_step_end:
+            prof.stop()
+    interval = config.train.check_weight_hash_across_dp_replicas_interval
+    if interval and iteration % interval == 0:
+        if should_toggle_forward_pre_hook:
+            disable_forward_pre_hook(model)
+        if not check_param_hashes_across_dp_replicas(model):
+            raise RuntimeError(f"parameter hashes differ across data-parallel replicas at iteration {iteration}")
+        if should_toggle_forward_pre_hook:
+            enable_forward_pre_hook(model)
+    if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
+        gc.collect()
+    sync_interval = config.train.train_sync_interval
+    if sync_interval and iteration % sync_interval == 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def check_param_hashes_across_dp_replicas(model: list[torch.nn.Module], dp_group: Any = None) -> bool:
+    """True when every data-parallel replica holds the same local parameter values (by SHA-256)."""
+    digest = hashlib.sha256()
+    for chunk in model:
+        for _, param in sorted(chunk.named_parameters()):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    if not dist.is_initialized():
+        return True
+    mine = digest.hexdigest()
+    gathered: list[Any] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(gathered, mine, group=dp_group)
+    return all(h == mine for h in gathered)
+
+
+def should_disable_forward_pre_hook(
+    use_megatron_fsdp: bool, use_distributed_optimizer: bool, overlap_param_gather: bool
+) -> bool:
+    """Forward pre-hooks must be off while checkpointing only with Megatron's overlapped param gather."""
+    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
+
+
+def enable_forward_pre_hook(model: list[torch.nn.Module]) -> None:
+    """Re-enable parameter-gather pre-hooks. A no-op for torch DDP/FSDP2, which own their hooks."""
+    for chunk in model:
+        hook = getattr(chunk, "enable_forward_pre_hook", None)
+        if callable(hook):
+            hook()
+
+
+def disable_forward_pre_hook(model: list[torch.nn.Module], param_sync: bool = True) -> None:
+    """Disable parameter-gather pre-hooks. A no-op for torch DDP/FSDP2, which own their hooks."""
+    for chunk in model:
+        hook = getattr(chunk, "disable_forward_pre_hook", None)
+        if callable(hook):
+            hook(param_sync=param_sync)
+
+
+def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
+    """Start time of the earliest job with this world size, and the FLOPs of the last saved checkpoint."""
+    progress_log = Path(cfg.checkpoint.save) / "progress.txt"
+    start_time = None
+    start_num_flops = -1.0
+    latest_num_flops = 0.0
+    world_size = None
+    with open(progress_log) as f:
+        for line in f:
+            fields = line.strip().split("\t")
+            if len(fields) < 4:
+                continue
+            line_world = int(fields[2].split(":")[-1].strip())
+            if "Starting job" in line:
+                if world_size != line_world:
+                    world_size = line_world
+                    start_time = datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
+                    start_num_flops = latest_num_flops
+            elif "Saved checkpoint" in line:
+                for part in fields:
+                    if part.startswith("Floating-point operations:"):
+                        latest_num_flops = float(part.split(":")[-1])
+    if start_time is None:
+        raise ValueError(f"{progress_log} has no 'Starting job' line")
+    return start_time, max(start_num_flops, 0.0)
+
+
+def compute_throughputs_and_append_to_progress_log(state: GlobalState, num_floating_point_operations_so_far: float) -> None:
+    """Append job and cumulative TFLOP/s/GPU, FLOPs and tokens to ``{save}/progress.txt``."""
+    cfg = state.cfg
+    if not cfg.checkpoint.save:
+        return
+    world_size = state.parallel.world_size
+    job_flops = num_floating_point_operations_so_far - state.train_state_at_start_flops
+    job_time = time.time() - state.start_time
+    job_tput = job_flops / max(job_time, 1e-9) / world_size / 1e12
+    start_time, start_flops = get_start_time_from_progress_log(cfg)
+    cumulative_time = (datetime.now() - start_time).total_seconds()
+    cumulative_tput = (num_floating_point_operations_so_far - start_flops) / max(cumulative_time, 1e-9) / world_size / 1e12
+    tokens = state.train_state.consumed_train_samples * cfg.model.seq_length / 1e9
+    append_to_progress_log(
+        state,
+        f"Saved checkpoint\tIteration: {state.train_state.step}\tJob throughput: {job_tput:.1f} TFLOP/s/GPU\t"
+        f"Cumulative throughput: {cumulative_tput:.1f} TFLOP/s/GPU\t"
+        f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\tTokens (in billions): {tokens:.2f}",
+    )
+
+
+def append_to_progress_log(state: GlobalState, message: str) -> None:
+    """One ``progress.txt`` line in Megatron's format, written by rank 0."""
+    from longspan.core.logging import is_rank_0
+    import os
+
+    cfg = state.cfg
+    if not cfg.checkpoint.save or not cfg.logger.log_progress or not is_rank_0():
+        return
+    Path(cfg.checkpoint.save).mkdir(parents=True, exist_ok=True)
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    with open(Path(cfg.checkpoint.save) / "progress.txt", "a") as f:
+        f.write(
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\tJob ID: {job_id}\t# GPUs: {state.parallel.world_size}\t{message}\n"
+        )
+
+
+def save_checkpoint_and_time(
+    state: GlobalState,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: dict[str, Any],
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Optional[Iterator] = None,
+) -> None:
+    """Save a checkpoint, time it, and append the progress-log line."""
+    timers = state.timers
+    should_toggle = should_disable_forward_pre_hook(
+        False, state.cfg.optimizer.use_distributed_optimizer, state.cfg.ddp.overlap_param_gather
+    )
+    if should_toggle:
+        disable_forward_pre_hook(model)
+    timers("save-checkpoint", log_level=0).start(barrier=True)
+    save_checkpoint(
+        state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+        checkpointing_context, non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
+    )
+    timers("save-checkpoint").stop(barrier=True)
+    timers.log(["save-checkpoint"])
+    state.last_saved_step = state.train_state.step
+    if state.cfg.logger.log_progress:
+        compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
+    if should_toggle:
+        enable_forward_pre_hook(model)
+
+
+def checkpoint_and_decide_exit(
+    state: GlobalState,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: dict[str, Any],
+    train_data_iterator: Optional[Iterator],
+) -> bool:
+    """Megatron's order: signal → save and exit; interval saves; exit duration; exit interval."""
+    cfg = state.cfg
+    step = state.train_state.step
+    save = cfg.checkpoint.save
+
+    def do_save() -> None:
+        save_checkpoint_and_time(
+            state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            checkpointing_context, train_data_iterator=train_data_iterator,
+        )
+
+    if cfg.train.exit_signal_handler and state.signal_handler is not None:
+        if any(state.signal_handler.signals_received()):
+            if save:
+                do_save()
+            print_rank_0(f"exiting program after receiving signal {state.signal_handler.sig} at iteration {step}", logger)
+            return True
+
+    saved = False
+    if save and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+        do_save()
+        saved = True
+
+    if cfg.train.exit_duration_in_mins:
+        minutes = torch.tensor([(time.time() - state.start_time) / 60.0], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+        if minutes.item() > cfg.train.exit_duration_in_mins:
+            if save and not saved:
+                do_save()
+            print_rank_0(f"exiting program after {minutes.item():.1f} minutes at iteration {step}", logger)
+            return True
+
+    if cfg.train.exit_interval and step % cfg.train.exit_interval == 0:
+        if save and not saved:
+            do_save()
+        if dist.is_initialized():
+            dist.barrier()
+        print_rank_0(f"exiting program at iteration {step}", logger)
+        return True
+    return False
+
+
+def _finish_train(global_state: GlobalState) -> None:
+    """Flush and close the metric sinks and release the signal handler."""
+    closer = getattr(global_state, "close_loggers", None)
+    if callable(closer):
+        closer()
+    if global_state.signal_handler is not None:
+        global_state.signal_handler.release()
+
+
+def _handle_mxfp8_param_buffer_copy(optimizer: Any, reuse_grad_buf_for_mxfp8_param_ag: bool, overlap_param_gather: bool) -> None:
+    """MXFP8 parameter buffers do not exist in longspan (no Transformer Engine); nothing to copy."""
+    if reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather:
+        copy = getattr(optimizer, "_copy_main_params_to_param_buffer", None)
+        if callable(copy):
+            copy()
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _current_learning_rate(optimizer: Any) -> Optional[float]:
+    for group in optimizer.param_groups:
+        if not group.get("is_decoupled_lr", False):
+            return float(group["lr"])
+    return None
+
+
+def _uses_loss_scaling(optimizer: Any) -> bool:
+    return bool(getattr(optimizer, "uses_loss_scaling", False))
+
+
+def _is_finite(value: float) -> bool:
+    return value == value and value not in (float("inf"), float("-inf"))
+
+
+def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
+    profiling = state.cfg.profiling
+    if profiling is None or not profiling.use_pytorch_profiler:
+        return None
+    from longspan.training.profiling import build_pytorch_profiler
+
+    return build_pytorch_profiler(profiling, state)
+
+
+def _profiler_maybe_start(state: GlobalState, prof: Optional[torch.profiler.profile]) -> None:
+    if prof is not None and state.train_state.step == state.cfg.profiling.profile_step_start and not getattr(prof, "_longspan_started", False):
+        prof.start()
+        prof._longspan_started = True
+
+
+def _stop_profiler(prof: Optional[torch.profiler.profile]) -> None:
+    if prof is not None and getattr(prof, "_longspan_started", False):
+        try:
+            prof.stop()
+        except RuntimeError:
+            pass

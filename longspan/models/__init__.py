@@ -1,1 +1,20 @@
+"""Models (plain ``nn.Module``) and their providers (configuration dataclasses)."""
 
+from __future__ import annotations
+
+from typing import Any
+
+from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
+from longspan.models.mamba_provider import MambaProvider
+from longspan.models.t5_provider import T5ModelProvider
+
+__all__ = ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "TransformerConfig", "GPTModel"]
+
+
+def __getattr__(name: str) -> Any:
+    # GPTModel pulls in the model code; import it only when asked for, so configs stay light.
+    if name == "GPTModel":
+        from longspan.models.gpt import GPTModel
+
+        return GPTModel
+    raise AttributeError(f"module 'longspan.models' has no attribute {name!r}")

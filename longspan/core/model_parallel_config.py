@@ -1,0 +1,224 @@
+"""``ModelParallelConfig``: how a model is split across devices, and its numeric precision (seed 004).
+
+Field names and defaults follow Megatron Core's ``core.model_parallel_config.ModelParallelConfig``. The class
+is plain data: construction never validates (``ConfigContainer.validate()`` checks the sizes against the
+world size and against each other), and the runtime hooks Megatron keeps here (timers, grad sync functions)
+are set by the training code, never by a YAML file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Literal, Optional
+
+import torch
+
+# Fields that hold runtime objects (functions, context managers) set by the training code. They are never
+# written to or read from YAML.
+RUNTIME_FIELD = {"yaml": False}
+
+
+@dataclass
+class ModelParallelConfig:
+    """Parallel layout and precision shared by every model provider (Megatron Core's base config)."""
+
+    # ---- parallel sizes -------------------------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    """Number of ranks that split each layer's weight matrices (tensor parallelism)."""
+
+    pipeline_model_parallel_comm_backend: Optional[Literal["nccl", "ucc"]] = None
+    """Backend for pipeline send/recv (e.g. 'nccl', 'ucc'); None uses the default process-group backend."""
+
+    pipeline_model_parallel_size: int = 1
+    """Number of pipeline stages the layers are divided into."""
+
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved schedule; None means one chunk per rank."""
+
+    sequence_parallel: bool = False
+    """With tensor parallelism, also split norms and dropout along the sequence to save activation memory."""
+
+    context_parallel_size: int = 1
+    """Number of ranks that split each sequence (context parallelism)."""
+
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
+    """Group sizes of each level of hierarchical context parallelism (e.g. a2a then p2p)."""
+
+    expert_model_parallel_size: int = 1
+    """Number of ranks that split the MoE experts between them."""
+
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor-parallel size inside each expert; None means the same as tensor_model_parallel_size."""
+
+    moe_extended_tp: bool = False
+    """Deprecated in Megatron Core 0.10 and ignored there too; replaced by expert_tensor_parallel_size."""
+
+    # ---- initialization -------------------------------------------------------------------------------
+    perform_initialization: bool = True
+    """Initialize the weights; turning it off saves time when a checkpoint will overwrite them anyway."""
+
+    use_cpu_initialization: bool = False
+    """Create the initial weights on the CPU and move them to the accelerator afterwards."""
+
+    # ---- precision ------------------------------------------------------------------------------------
+    fp16: bool = False
+    """Train in fp16 mixed precision (with loss scaling)."""
+
+    bf16: bool = False
+    """Train in bf16 mixed precision."""
+
+    params_dtype: Optional[torch.dtype] = None
+    """dtype of the weights when they are created; None is resolved by validate() (float32, bf16 or fp16)."""
+
+    # ---- runtime hooks set by the training code ---------------------------------------------------------
+    timers: Optional[Callable] = field(default=None, metadata=RUNTIME_FIELD)
+    """Timers object used for timing measurements (set at runtime)."""
+
+    finalize_model_grads_func: Optional[Callable] = field(default=None, metadata=RUNTIME_FIELD)
+    """Function that completes gradient reduction across data/pipeline/sequence parallel ranks (runtime)."""
+
+    grad_scale_func: Optional[Callable] = field(default=None, metadata=RUNTIME_FIELD)
+    """Function that scales the loss for loss scaling; None means no scaling (runtime)."""
+
+    no_sync_func: Optional[Callable] = field(default=None, metadata=RUNTIME_FIELD)
+    """Context manager factory that suspends data-parallel gradient sync during accumulation (runtime)."""
+
+    grad_sync_func: Optional[Callable] = field(default=None, metadata=RUNTIME_FIELD)
+    """Function that launches asynchronous gradient reduction for a set of parameters (runtime)."""
+
+    param_sync_func: Optional[Callable] = field(default=None, metadata=RUNTIME_FIELD)
+    """Function that launches asynchronous parameter all-gathers for a set of parameters (runtime)."""
+
+    # ---- determinism and autocast ----------------------------------------------------------------------
+    deterministic_mode: bool = False
+    """Prefer deterministic algorithms (slower, reproducible): useful for debugging and tests."""
+
+    enable_autocast: bool = False
+    """Run the forward step inside torch.autocast."""
+
+    autocast_dtype: Optional[torch.dtype] = None
+    """dtype for torch.autocast; None means the pipeline dtype."""
+
+    num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
+    """Number of microbatches that recompute only some layers; None leaves it to the forward step."""
+
+    # ---- fusions and TransformerEngine knobs ---------------------------------------------------------------
+    gradient_accumulation_fusion: bool = False
+    """Fuse weight-gradient accumulation into the GEMMs (needs APEX's CUDA extension)."""
+
+    async_tensor_model_parallel_allreduce: bool = False
+    """Deprecated in Megatron Core and ignored there."""
+
+    use_te_rng_tracker: bool = False
+    """Use TransformerEngine's RNG state tracker."""
+
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel all-gather/reduce-scatter with the linear layers' GEMMs (TransformerEngine)."""
+
+    tp_comm_bulk_wgrad: bool = True
+    """With tp_comm_overlap: overlap the all-gather with the activation-gradient GEMM."""
+
+    tp_comm_bulk_dgrad: bool = True
+    """With tp_comm_overlap: overlap the reduce-scatter with the weight-gradient GEMM."""
+
+    tp_comm_overlap_ag: bool = True
+    """With tp_comm_overlap: pipeline GEMM and all-gather."""
+
+    tp_comm_overlap_rs: bool = True
+    """With tp_comm_overlap: pipeline GEMM and reduce-scatter."""
+
+    tp_comm_overlap_rs_dgrad: bool = False
+    """With tp_comm_overlap: pipeline the data-gradient GEMM and reduce-scatter."""
+
+    tp_comm_split_ag: bool = True
+    """Deprecated TransformerEngine knob: split all-gather overlap with the forward GEMM."""
+
+    tp_comm_atomic_ag: bool = False
+    """Deprecated TransformerEngine knob: atomic all-gather overlap with the forward GEMM."""
+
+    tp_comm_split_rs: bool = True
+    """Deprecated TransformerEngine knob: split reduce-scatter overlap with the forward GEMM."""
+
+    tp_comm_atomic_rs: bool = False
+    """Deprecated TransformerEngine knob: atomic reduce-scatter overlap with the forward GEMM."""
+
+    cross_entropy_loss_fusion: bool = False
+    """Use a fused cross-entropy kernel."""
+
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """Which fused cross-entropy: 'native' (Megatron Core) or 'te' (TransformerEngine)."""
+
+    tp_comm_overlap_disable_qkv: bool = False
+    """With tp_comm_overlap: do not overlap the all-gather before the QKV GEMM."""
+
+    tp_comm_overlap_disable_fc1: bool = False
+    """With tp_comm_overlap: do not overlap the all-gather before the first MLP GEMM."""
+
+    tp_comm_bootstrap_backend: Literal["nccl", "mpi", "gloo"] = "nccl"
+    """Backend that bootstraps TransformerEngine's userbuffers: 'nccl', 'mpi' or 'gloo'."""
+
+    overlap_moe_expert_parallel_comm: bool = False
+    """Overlap expert-parallel all-to-all with computation of other microbatches."""
+
+    delay_wgrad_compute: bool = False
+    """Delay weight-gradient computation to overlap more communication."""
+
+    # ---- pipeline communication ---------------------------------------------------------------------------
+    pipeline_dtype: Optional[torch.dtype] = None
+    """dtype of activations sent between pipeline stages; None is resolved to params_dtype by validate()."""
+
+    variable_seq_lengths: bool = False
+    """Sequence length may change between microbatches, so pipeline stages exchange tensor shapes first."""
+
+    overlap_p2p_comm: bool = False
+    """Overlap pipeline send/recv with computation (requires batch_p2p_comm=False)."""
+
+    batch_p2p_comm: bool = True
+    """Send and receive pipeline tensors with one batch_isend_irecv call (requires overlap_p2p_comm=False)."""
+
+    batch_p2p_sync: bool = True
+    """Synchronize the device after batch_isend_irecv (a workaround for old PyTorch versions)."""
+
+    use_ring_exchange_p2p: bool = False
+    """Use a custom ring_exchange kernel for pipeline communication (needs a custom PyTorch build)."""
+
+    deallocate_pipeline_outputs: bool = False
+    """Free a stage's output tensor once it has been sent to the next stage."""
+
+    defer_embedding_wgrad_compute: bool = False
+    """Defer the embedding weight-gradient GEMMs to the pipeline flush."""
+
+    wgrad_deferral_limit: int = 0
+    """With defer_embedding_wgrad_compute: microbatches to defer; 0 defers all of them."""
+
+    overlap_p2p_comm_warmup_flush: bool = False
+    """Overlap communication in the warm-up and flush phases (needs overlap_p2p_comm, no batch_p2p_comm)."""
+
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Microbatches run back to back on one virtual stage; None means pipeline_model_parallel_size."""
+
+    # ---- activation/weight offloading ------------------------------------------------------------------------
+    cpu_offloading: bool = False
+    """Offload activations to the CPU asynchronously."""
+
+    cpu_offloading_num_layers: int = 0
+    """Number of transformer layers whose activations are offloaded."""
+
+    _cpu_offloading_context: Optional[ContextManager] = field(default=None, repr=False, metadata=RUNTIME_FIELD)
+    """Internal offloading context; never set by users."""
+
+    cpu_offloading_activations: bool = True
+    """With cpu_offloading: offload activations."""
+
+    cpu_offloading_weights: bool = False
+    """With cpu_offloading: offload weights."""
+
+    cpu_offloading_double_buffering: bool = False
+    """With cpu_offloading: double-buffer reloads across layers."""
+
+    barrier_with_L1_time: bool = True
+    """Put a barrier before level-1 timer measurements (all ranks must call such timers)."""
+
+    def __post_init__(self) -> None:
+        """Nothing to do: checks and derived values live in ``ConfigContainer.validate()`` (lazy validation)."""
+

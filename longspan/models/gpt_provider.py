@@ -1,0 +1,397 @@
+"""``TransformerConfig`` fields and the ``GPTModelProvider`` dataclass.
+
+The provider is configuration (Megatron Core's ``TransformerConfig`` field names and defaults, plus the GPT
+fields Megatron Bridge adds); ``provide()`` hands it to ``longspan.models.gpt.build_gpt_model``, which builds
+a plain PyTorch module. Only fields that a user may set in a recipe or YAML are here; Megatron's runtime
+objects (layer specs, init callables) are not configuration in longspan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from longspan.core.model_parallel_config import ModelParallelConfig
+from longspan.core.vocab import calculate_padded_vocab_size
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Megatron Core's ``TransformerConfig`` model fields, with Megatron's defaults."""
+
+    # ---- shape ---------------------------------------------------------------------------------------
+    num_layers: int = 0
+    """Number of transformer layers."""
+
+    hidden_size: int = 0
+    """Width of the residual stream."""
+
+    num_attention_heads: int = 0
+    """Number of query heads."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads (grouped-query attention); None means one per query head."""
+
+    ffn_hidden_size: Optional[int] = None
+    """Width of the MLP's hidden layer; None means 4 * hidden_size."""
+
+    kv_channels: Optional[int] = None
+    """Width of each attention head; None means hidden_size // num_attention_heads."""
+
+    softmax_scale: Optional[float] = None
+    """Scale applied to attention scores; None means 1/sqrt(kv_channels)."""
+
+    attention_backend: str = "auto"
+    """Attention implementation Megatron should pick ('auto', 'flash', 'fused', 'unfused', 'local')."""
+
+    # ---- dropout, norms, activations ---------------------------------------------------------------------
+    hidden_dropout: float = 0.1
+    """Dropout probability after the attention/MLP outputs and the embeddings."""
+
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention weights."""
+
+    fp32_residual_connection: bool = False
+    """Keep the residual stream in fp32."""
+
+    apply_residual_connection_post_layernorm: bool = False
+    """Take the residual from after the layer norm instead of before it."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of the normalization layers."""
+
+    layernorm_zero_centered_gamma: bool = False
+    """Store the norm's scale as (gamma - 1), centred at zero."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization layer type."""
+
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head before attention."""
+
+    add_bias_linear: bool = True
+    """Give the linear layers a bias."""
+
+    add_qkv_bias: bool = False
+    """Give only the query/key/value projections a bias (when add_bias_linear is False)."""
+
+    gated_linear_unit: bool = False
+    """Use a gated MLP (SwiGLU with silu, GeGLU with gelu)."""
+
+    activation_func: Callable = F.gelu
+    """MLP activation function (YAML: ``{_target_: torch.nn.functional.silu, _call_: false}``)."""
+
+    num_moe_experts: Optional[int] = None
+    """Number of experts in each MoE layer; None means a dense model."""
+
+    rotary_interleaved: bool = False
+    """Rotate interleaved channel pairs instead of the two halves of each head."""
+
+    window_size: Optional[list[int]] = None
+    """Sliding-window attention as [left, right]; None means full (causal) attention."""
+
+    multi_latent_attention: bool = False
+    """Use multi-latent attention (DeepSeek)."""
+
+    test_mode: bool = False
+    """Megatron's internal test switch."""
+
+    calculate_per_token_loss: bool = False
+    """Normalize the loss by the number of tokens in the global batch instead of averaging microbatch means."""
+
+    # ---- initialization ------------------------------------------------------------------------------------
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialization."""
+
+    embedding_init_method_std: Optional[float] = None
+    """Standard deviation for the embedding weights; None means init_method_std."""
+
+    init_model_with_meta_device: bool = False
+    """Build the model on the meta device first (longspan always does; kept for compatibility)."""
+
+    apply_query_key_layer_scaling: bool = False
+    """Scale attention scores by the layer number (an fp16 stability trick)."""
+
+    attention_softmax_in_fp32: bool = True
+    """Compute the attention softmax in fp32."""
+
+    # ---- fusions ---------------------------------------------------------------------------------------
+    bias_activation_fusion: bool = False
+    """Fuse bias add and activation."""
+
+    masked_softmax_fusion: bool = False
+    """Fuse scaling, masking and softmax."""
+
+    persist_layer_norm: bool = False
+    """Use the persistent fused layer norm kernel."""
+
+    memory_efficient_layer_norm: bool = False
+    """Use the memory-efficient fused layer norm kernel."""
+
+    bias_dropout_fusion: bool = False
+    """Fuse bias add, dropout and residual add."""
+
+    apply_rope_fusion: bool = False
+    """Use the fused RoPE kernel."""
+
+    # ---- activation recomputation -------------------------------------------------------------------------
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Recompute activations in the backward pass: 'full' layers or 'selective' (core attention); None = off."""
+
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With full recompute: 'uniform' recomputes chunks of recompute_num_layers; 'block' the first N layers."""
+
+    recompute_num_layers: Optional[int] = None
+    """With full recompute: layers per chunk ('uniform') or number of layers recomputed ('block')."""
+
+    distribute_saved_activations: bool = False
+    """Split saved activations across tensor-parallel ranks when recomputing."""
+
+    recompute_modules: Optional[list[str]] = None
+    """With selective recompute: which submodules to recompute (Megatron default: ['core_attn'])."""
+
+    # ---- fp8 -------------------------------------------------------------------------------------------
+    fp8: Optional[str] = None
+    """FP8 training format ('e4m3' or 'hybrid'); None = off."""
+
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe."""
+
+    fp8_param: bool = False
+    """Keep parameters in FP8."""
+
+    # ---- mixture of experts ------------------------------------------------------------------------------
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Hidden width of the shared experts; None means no shared experts."""
+
+    moe_shared_expert_gate: bool = False
+    """Gate the shared experts' output."""
+
+    moe_shared_expert_overlap: bool = False
+    """Overlap shared-expert computation with token dispatch."""
+
+    moe_layer_freq: Union[int, list[int]] = 1
+    """Which layers are MoE: every N-th layer (int) or a 0/1 pattern per layer (list)."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """Hidden width of each expert's MLP; None means ffn_hidden_size."""
+
+    moe_router_load_balancing_type: Union[str, list[str]] = "aux_loss"
+    """Load balancing: 'aux_loss', 'seq_aux_loss', 'global_aux_loss', 'sinkhorn' or 'none'."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_router_topk_limited_devices: Optional[int] = None
+    """Limit each token's experts to this many expert-parallel ranks."""
+
+    moe_router_num_groups: Optional[int] = None
+    """Number of expert groups for group-limited routing."""
+
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may pick from with group-limited routing."""
+
+    moe_router_pre_softmax: bool = False
+    """Apply softmax before top-k selection instead of after."""
+
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Scale the top-k routing weights by this factor."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score function."""
+
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = None
+    """dtype of the router computation; None means the model's dtype."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing with a learned per-expert bias."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Update rate of the expert bias."""
+
+    moe_grouped_gemm: bool = False
+    """Run the experts as one grouped GEMM."""
+
+    moe_aux_loss_coeff: Union[float, list[float]] = 0.0
+    """Coefficient of the load-balancing auxiliary loss."""
+
+    moe_z_loss_coeff: Optional[float] = None
+    """Coefficient of the router z-loss; None = off."""
+
+    moe_input_jitter_eps: Optional[float] = None
+    """Multiplicative noise on router inputs; None = off."""
+
+    moe_token_dropping: bool = False
+    """Drop tokens above each expert's capacity (legacy switch)."""
+
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach their experts across expert-parallel ranks."""
+
+    moe_per_layer_logging: bool = False
+    """Log MoE statistics per layer."""
+
+    moe_expert_capacity_factor: Optional[float] = None
+    """Capacity of each expert as a multiple of the even share; None means no token dropping."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its full capacity."""
+
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens to drop above capacity: lowest probability or latest position."""
+
+    moe_layer_recompute: bool = False
+    """Recompute MoE layers in the backward pass."""
+
+    moe_permute_fusion: bool = False
+    """Use the fused token permutation kernel."""
+
+    # ---- context parallel ------------------------------------------------------------------------------
+    cp_comm_type: Optional[Union[str, list[str]]] = None
+    """Context-parallel communication ('p2p', 'all_gather', 'a2a', 'a2a+p2p'); None means 'p2p'."""
+
+    # ---- cuda graphs and misc ----------------------------------------------------------------------------
+    enable_cuda_graph: bool = False
+    """Capture CUDA graphs of the layers."""
+
+    cuda_graph_warmup_steps: int = 3
+    """Iterations before CUDA graph capture."""
+
+    external_cuda_graph: bool = False
+    """CUDA graphs managed outside the model."""
+
+    clone_scatter_output_in_embedding: bool = True
+    """Clone the embedding output after the sequence-parallel scatter."""
+
+    disable_parameter_transpose_cache: bool = False
+    """Do not cache transposed weights (TransformerEngine)."""
+
+    config_logger_dir: str = ""
+    """Directory Megatron writes per-module config logs to; empty = off."""
+
+    flash_decode: bool = False
+    """Use flash decoding for inference."""
+
+    inference_rng_tracker: bool = False
+    """Use an RNG tracker configured for inference."""
+
+    transformer_impl: Literal["local", "transformer_engine", "inference_optimized"] = "transformer_engine"
+    """Layer implementation Megatron uses; longspan always uses its own plain PyTorch layers."""
+
+    mtp_num_layers: Optional[int] = None
+    """Multi-token-prediction layers; None = off."""
+
+    mtp_loss_scaling_factor: Optional[float] = 0.1
+    """Weight of the multi-token-prediction loss."""
+
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers on the first pipeline stage when the split is uneven."""
+
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers on the last pipeline stage when the split is uneven."""
+
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as a layer when splitting layers across pipeline stages."""
+
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the loss as a layer when splitting layers across pipeline stages."""
+
+
+@dataclass
+class GPTModelProvider(TransformerConfig):
+    """A decoder-only GPT model's configuration; ``provide()`` builds the model (seed 002's model provider)."""
+
+    fp16_lm_cross_entropy: bool = False
+    """Compute the output cross-entropy in fp16 instead of fp32."""
+
+    parallel_output: bool = True
+    """Keep the logits split across tensor-parallel ranks (the loss is vocab-parallel)."""
+
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer's weight to the input embedding."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary up to a multiple of this (longspan never multiplies it by the tensor-parallel size)."""
+
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Position information: learned absolute embeddings, rotary embeddings, or none."""
+
+    rotary_base: int = 10000
+    """Base of the rotary embedding frequencies."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary embeddings rotate."""
+
+    seq_len_interpolation_factor: Optional[float] = None
+    """Divide rotary positions by this factor (linear position interpolation); None = off."""
+
+    rope_scaling: bool = False
+    """Apply Llama-3.1 style frequency scaling to the rotary embeddings."""
+
+    rope_scaling_factor: float = 8.0
+    """Llama-3.1 rope scaling factor."""
+
+    low_freq_factor: float = 1.0
+    """Llama-3.1 rope scaling: low-frequency factor."""
+
+    high_freq_factor: float = 4.0
+    """Llama-3.1 rope scaling: high-frequency factor."""
+
+    old_context_len: int = 8192
+    """Llama-3.1 rope scaling: the original context length."""
+
+    seq_length: int = 1024
+    """Maximum sequence length the model is trained on (must equal dataset.sequence_length)."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size before padding; None means it comes from the tokenizer at start-up."""
+
+    should_pad_vocab: bool = False
+    """Megatron Bridge flag: pad vocab_size itself (longspan always pads to make_vocab_size_divisible_by)."""
+
+    scatter_embedding_sequence_parallel: bool = True
+    """With sequence parallel: scatter the embedding output along the sequence."""
+
+    tp_only_amax_red: bool = False
+    """FP8: reduce amax only over the tensor-parallel group."""
+
+    tp_comm_overlap_cfg: Optional[Union[str, dict[str, Any]]] = None
+    """TransformerEngine userbuffer configuration for tp_comm_overlap."""
+
+    use_transformer_engine_full_layer_spec: bool = False
+    """Use TransformerEngine's full transformer layer."""
+
+    use_transformer_engine_op_fuser: bool = False
+    """Use TransformerEngine's operation fuser."""
+
+    mtp_enabled: bool = False
+    """Enable multi-token prediction."""
+
+    restore_modelopt_state: bool = False
+    """Restore NVIDIA ModelOpt (quantization/sparsity) state from the checkpoint."""
+
+    def finalize(self) -> None:
+        """Fill the derived Nones (ffn_hidden_size, num_query_groups, kv_channels) as Megatron Core does."""
+        if self.ffn_hidden_size is None and self.hidden_size:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None and self.num_attention_heads:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.params_dtype is None:
+            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def padded_vocab_size(self) -> Optional[int]:
+        """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""
+        if self.vocab_size is None:
+            return None
+        return calculate_padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> Any:
+        """Build the GPT model described by this provider (a plain ``torch.nn.Module``)."""
+        from longspan.models.gpt import build_gpt_model
+
+        return build_gpt_model(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)

@@ -158,6 +158,11 @@ class OptimizerParamScheduler:
         if self.num_steps > self.wd_incr_steps:
             return end_wd
         if self.wd_incr_style == "constant":
+            if start_wd != end_wd:
+                raise ConfigError(
+                    f"weight_decay_incr_style='constant' needs equal start and end weight decay, got "
+                    f"{start_wd} and {end_wd} (param group overrides included); use 'linear' or 'cosine'"
+                )
             return end_wd
 
         progress = float(self.num_steps) / float(self.wd_incr_steps)

@@ -1,0 +1,379 @@
+"""The decoder-only GPT model, built from a ``GPTModelProvider``.
+
+Plain PyTorch (see ARCHITECTURE.md principle 1): no process groups and no parallel layers. Tensor, sequence,
+data and pipeline parallelism are applied from outside by ``longspan.parallel`` as plans over these module
+names::
+
+    embedding.word_embeddings                  nn.Embedding [padded_vocab, hidden]
+    embedding.position_embeddings              nn.Embedding [seq_length, hidden] (learned_absolute only)
+    decoder.layers.{i}.input_layernorm         LayerNorm / RMSNorm
+    decoder.layers.{i}.self_attention.linear_q / linear_k / linear_v / linear_proj   nn.Linear
+    decoder.layers.{i}.self_attention.q_layernorm / k_layernorm                       (qk_layernorm only)
+    decoder.layers.{i}.pre_mlp_layernorm
+    decoder.layers.{i}.mlp.linear_fc1 (up), linear_fc1_gate (gated only), linear_fc2 (down)
+    decoder.final_layernorm                    (post_process only)
+    output_layer                               nn.Linear [padded_vocab, hidden], bias-free (absent when tied)
+
+``{i}`` is the global layer index. Pipeline stages: ``pre_process`` keeps the embedding, ``post_process`` the
+final norm, output layer and loss. A stage without ``pre_process`` takes hidden states ``[b, s, hidden]`` as its
+first positional argument (what ``torch.distributed.pipelining`` passes on) or as ``hidden_states=``; a stage
+without ``post_process`` returns hidden states.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.logging import get_logger
+from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.models.init import init_weights
+from longspan.models.rope import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_MAX_POSITIONS,
+    RotaryEmbedding,
+)
+from longspan.models.transformer import TransformerBlock
+
+_log = get_logger(__name__)
+
+# TransformerConfig / GPTModelProvider fields (when the provider has them) that this model implements only
+# at these values. Pure kernel choices (fusions, TransformerEngine switches) change no maths and are accepted.
+_FIXED_FIELDS: dict[str, Any] = {
+    "num_moe_experts": None,
+    "multi_latent_attention": False,
+    "apply_residual_connection_post_layernorm": False,
+    "layernorm_zero_centered_gamma": False,
+    "fp32_residual_connection": False,
+    "rotary_interleaved": False,
+    "window_size": None,
+    "mtp_num_layers": None,
+    "mtp_enabled": False,
+    "fp8": None,
+}
+
+
+def padded_vocab_size(config: Any) -> int:
+    """The provider's ``padded_vocab_size``, or vocab_size rounded up to make_vocab_size_divisible_by."""
+    if getattr(config, "vocab_size", None) is None:
+        raise ConfigError("model.vocab_size is None: set it, or let the tokenizer fill it in at start-up")
+    padded = getattr(config, "padded_vocab_size", None)
+    if padded is None:
+        padded = calculate_padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by)
+    return int(padded)
+
+
+def resolve_model_args(config: Any) -> SimpleNamespace:
+    """Check ``config`` and return the values the modules read, with Megatron's derived defaults filled in.
+
+    The provider itself is not modified. Raises ``NotSupportedError`` / ``ConfigError`` (one line naming the
+    field, the value and what is valid) for values this model cannot honour.
+    """
+    for field, supported in _FIXED_FIELDS.items():
+        value = getattr(config, field, supported)
+        if value != supported and not (supported is False and not value):
+            raise NotSupportedError(
+                f"model.{field}={value!r} is not supported by longspan's GPT model: leave it at {supported!r}"
+            )
+    if config.normalization not in ("LayerNorm", "RMSNorm"):
+        raise NotSupportedError(
+            f"model.normalization={config.normalization!r} is not supported: use 'LayerNorm' or 'RMSNorm'"
+        )
+    if config.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        raise NotSupportedError(
+            f"model.position_embedding_type={config.position_embedding_type!r} is not supported: "
+            "use 'rope', 'learned_absolute' or 'none'"
+        )
+    if not callable(config.activation_func):
+        raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable: use F.gelu or F.silu")
+    if config.num_layers <= 0 or config.hidden_size <= 0:
+        raise ConfigError(
+            f"model.num_layers={config.num_layers} and model.hidden_size={config.hidden_size} must be positive"
+        )
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads <= 0 or heads % groups != 0:
+        raise ConfigError(f"model.num_query_groups={groups} must divide model.num_attention_heads={heads}")
+    if config.kv_channels is None and config.hidden_size % heads != 0:
+        raise ConfigError(
+            f"model.hidden_size={config.hidden_size} must divide by model.num_attention_heads={heads} "
+            "(or set model.kv_channels)"
+        )
+    head_dim = config.kv_channels or config.hidden_size // heads
+    if config.position_embedding_type == "rope":
+        if not 0.0 < config.rotary_percent <= 1.0:
+            raise ConfigError(f"model.rotary_percent={config.rotary_percent} must be in (0, 1]")
+        rot_dim = int(head_dim * config.rotary_percent) if config.rotary_percent < 1.0 else head_dim
+        if rot_dim < 2 or rot_dim % 2 != 0:
+            raise ConfigError(
+                f"model.rotary_percent={config.rotary_percent} gives {rot_dim} rotary channels of "
+                f"{head_dim}: it must be an even number >= 2"
+            )
+    if config.recompute_granularity not in (None, "full", "selective"):
+        raise NotSupportedError(
+            f"model.recompute_granularity={config.recompute_granularity!r} is not supported: "
+            "use None, 'full' or 'selective'"
+        )
+    if config.recompute_granularity == "full":
+        if config.recompute_method not in ("uniform", "block"):
+            raise NotSupportedError(
+                f"model.recompute_method={config.recompute_method!r} is not supported with "
+                "recompute_granularity='full': use 'uniform' or 'block'"
+            )
+        if not config.recompute_num_layers or config.recompute_num_layers < 1:
+            raise ConfigError(
+                f"model.recompute_num_layers={config.recompute_num_layers!r} must be a positive integer "
+                "with recompute_granularity='full'"
+            )
+    modules = getattr(config, "recompute_modules", None)
+    if config.recompute_granularity == "selective" and modules not in (None, ["core_attn"]):
+        raise NotSupportedError(
+            f"model.recompute_modules={modules!r} is not supported: selective recompute covers ['core_attn'] only"
+        )
+    init_std = config.init_method_std
+    return SimpleNamespace(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size or 4 * config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        softmax_scale=getattr(config, "softmax_scale", None),
+        seq_length=config.seq_length,
+        vocab_size=padded_vocab_size(config),
+        normalization=config.normalization,
+        layernorm_epsilon=config.layernorm_epsilon,
+        activation_func=config.activation_func,
+        gated_linear_unit=bool(config.gated_linear_unit),
+        add_bias_linear=bool(config.add_bias_linear),
+        add_qkv_bias=bool(config.add_qkv_bias),
+        position_embedding_type=config.position_embedding_type,
+        rotary_base=float(config.rotary_base),
+        rotary_percent=float(config.rotary_percent),
+        seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
+        rope_scaling=bool(config.rope_scaling),
+        rope_scaling_factor=float(config.rope_scaling_factor),
+        low_freq_factor=float(getattr(config, "low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
+        high_freq_factor=float(getattr(config, "high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
+        old_context_len=int(getattr(config, "old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)),
+        share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
+        attention_dropout=float(config.attention_dropout),
+        hidden_dropout=float(config.hidden_dropout),
+        init_method_std=init_std,
+        embedding_init_method_std=getattr(config, "embedding_init_method_std", None) or init_std,
+        qk_layernorm=bool(config.qk_layernorm),
+        params_dtype=config.params_dtype or torch.float32,
+        fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
+        recompute_granularity=config.recompute_granularity,
+        recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+    )
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Word embeddings (+ learned absolute position embeddings), then embedding dropout (hidden_dropout)."""
+
+    def __init__(self, args: SimpleNamespace) -> None:
+        super().__init__()
+        dtype = args.params_dtype
+        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.word_embeddings.init_std = args.embedding_init_method_std
+        if args.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(args.seq_length, args.hidden_size, dtype=dtype)
+            self.position_embeddings.init_std = args.embedding_init_method_std
+        else:
+            self.position_embeddings = None
+        self.embedding_dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        return self.embedding_dropout(embeddings)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only transformer (Megatron Core's GPTModel in plain PyTorch).
+
+    Args:
+        config: a ``GPTModelProvider`` (or any object with its TransformerConfig fields).
+        pre_process: build the embedding (first pipeline stage).
+        post_process: build the final norm, output layer and loss (last pipeline stage).
+        vp_stage: virtual pipeline stage index, recorded for the pipeline layer.
+        layer_numbers: global indices of the layers to build (default: all); the pipeline layer may pass a
+            stage's range here, or build all on the meta device and delete entries of ``decoder.layers``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        layer_numbers: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        args = resolve_model_args(config)
+        self.config = config
+        self.args = args
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.vp_stage = vp_stage
+        self.vocab_size = args.vocab_size
+        self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
+        self.position_embedding_type = args.position_embedding_type
+        self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
+
+        self.embedding = LanguageModelEmbedding(args) if pre_process else None
+        if args.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                args.kv_channels,
+                rotary_percent=args.rotary_percent,
+                rotary_base=args.rotary_base,
+                rope_scaling=args.rope_scaling,
+                rope_scaling_factor=args.rope_scaling_factor,
+                low_freq_factor=args.low_freq_factor,
+                high_freq_factor=args.high_freq_factor,
+                original_max_positions=args.old_context_len,
+                seq_len_interpolation_factor=args.seq_len_interpolation_factor,
+            )
+        else:
+            self.rotary_pos_emb = None
+        self.decoder = TransformerBlock(args, layer_numbers=layer_numbers, post_process=post_process)
+
+        self.output_layer: nn.Linear | None = None
+        if post_process and not (self.share_embeddings_and_output_weights and pre_process):
+            self.output_layer = nn.Linear(args.hidden_size, self.vocab_size, bias=False, dtype=args.params_dtype)
+            self.output_layer.init_std = args.init_method_std
+            if self.share_embeddings_and_output_weights:
+                # Tied weights on a last stage without the embedding: a separate copy that starts equal to the
+                # word embeddings (same init stream); keeping the two in sync is the pipeline layer's job.
+                self.output_layer.init_name_overrides = {"weight": "embedding.word_embeddings.weight"}
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the model (or this pipeline stage).
+
+        Args:
+            input_ids: token ids ``[b, s]``; on a stage without ``pre_process``, the previous stage's hidden
+                states ``[b, s, hidden]`` (unless passed as ``hidden_states``).
+            position_ids: ``[b, s]`` or ``[1, s]``; ``None`` means ``arange(s)``. They drive RoPE and learned
+                position embeddings (so reset position ids work).
+            attention_mask: Megatron's convention, bool with True = masked, ``[b or 1, 1, s, s]``; ``None`` means
+                causal (SDPA's ``is_causal`` fast path).
+            labels: ``[b, s]`` target ids; when given, the last stage returns the per-token loss.
+            hidden_states: the input of a non-first stage, by keyword.
+
+        Returns:
+            last stage: logits ``[b, s, padded_vocab]`` without labels; float32 per-token cross-entropy
+            ``[b, s]`` (unreduced) with labels. Other stages: hidden states ``[b, s, hidden]``.
+        """
+        if self.pre_process:
+            seq_len = input_ids.shape[1]
+            device = input_ids.device
+        else:
+            if hidden_states is None:
+                hidden_states = input_ids
+            seq_len = hidden_states.shape[1]
+            device = hidden_states.device
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask)
+        if not self.post_process:
+            return hidden_states
+        logits = F.linear(hidden_states, self.output_weight())
+        if labels is None:
+            return logits
+        # Float32 logits and reduction='none' keep this torch's loss_parallel-compatible under tensor parallel.
+        flat = logits.flatten(0, 1)
+        loss = F.cross_entropy(flat if self.fp16_lm_cross_entropy else flat.float(), labels.flatten(0, 1), reduction="none")
+        return loss.float().view(labels.shape)
+
+
+def build_gpt_model(
+    provider: Any,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    *,
+    seed: int | None = None,
+    materialize: bool = True,
+    device: torch.device | str | None = None,
+    layer_numbers: list[int] | None = None,
+) -> GPTModel:
+    """Build a ``GPTModel`` on the meta device and (by default) materialize and initialize it.
+
+    Args:
+        provider: a ``GPTModelProvider``.
+        pre_process, post_process, vp_stage, layer_numbers: see ``GPTModel``.
+        seed: the init seed; default ``torch.initial_seed()``. Pass the run's base seed (not the per-pipeline-rank
+            one) so every layout draws the same weights.
+        materialize: False returns the model on the meta device, for parallel plans to be applied first;
+            then call ``init_weights(model, seed)``.
+        device: where to materialize; default the current default device (the CPU when
+            ``use_cpu_initialization``).
+
+    With ``perform_initialization=False`` parameters are materialized but not drawn (contents undefined; load
+    a checkpoint into them), as in Megatron.
+    """
+    with torch.device("meta"):
+        model = GPTModel(provider, pre_process, post_process, vp_stage, layer_numbers=layer_numbers)
+    if not materialize:
+        return model
+    if device is None and getattr(provider, "use_cpu_initialization", False):
+        device = "cpu"
+    if getattr(provider, "perform_initialization", True):
+        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
+    else:
+        model.to_empty(device=device if device is not None else torch.get_default_device())
+    return model
+
+
+def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of parameters (tied ones counted once; DTensors by their full size).
+
+    With ``exclude_embeddings`` the word and position embeddings are left out (and a tied output layer with
+    them, as it is the same tensor); an untied ``output_layer`` still counts, as in Megatron's report.
+    """
+    total = 0
+    for name, param in model.named_parameters():  # named_parameters() yields shared tensors once
+        parts = name.split(".")
+        if exclude_embeddings and ("word_embeddings" in parts or "position_embeddings" in parts):
+            continue
+        total += param.numel()
+    return total
+
+
+def apply_deterministic_mode(provider: Any) -> None:
+    """With ``provider.deterministic_mode``, turn on torch's deterministic algorithms (for the trainer to call).
+
+    On CUDA, cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG``; it is set to ``:4096:8`` unless already set.
+    """
+    if not getattr(provider, "deterministic_mode", False):
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    _log.info("deterministic_mode: torch deterministic algorithms enabled")

@@ -1,0 +1,132 @@
+"""Layout-independent weight initialization.
+
+Every parameter is drawn from its own ``torch.Generator`` (on the CPU, in float32) seeded from a stable hash
+of ``(seed, canonical parameter name)``, then cast to the parameter's dtype and copied into whatever part of
+it this process holds. So the same seed gives the same full weights whether the model is whole, split into
+pipeline stages, or its parameters are DTensors sharded by tensor parallel / FSDP2 plans, and whether it
+runs on CPU or GPU. Parameters are drawn one at a time: a rank never holds more than one full parameter
+beyond its own shards.
+
+How each parameter is drawn is read from the module that owns it (Megatron's rules):
+- ``nn.LayerNorm`` / ``RMSNorm`` (any module with ``normalized_shape``): weight 1, bias 0;
+- a module with an ``init_std`` attribute (longspan sets it on every ``nn.Linear`` and ``nn.Embedding``):
+  weight ~ normal(0, init_std), bias 0;
+- an ``init_name_overrides`` dict on a module maps its parameter names to the canonical name whose stream
+  they copy (a tied output layer on the last pipeline stage starts equal to the word embeddings).
+Other models (MoE, Mamba) follow the same conventions to use ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from longspan.core.logging import get_logger
+
+_log = get_logger(__name__)
+
+# Module names that wrappers insert into parameter names (DDP, torch.compile, checkpoint_wrapper, FSDP1).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_parameter_name(name: str) -> str:
+    """``name`` without wrapper components: ``module.decoder.layers.0._checkpoint_wrapped_module.x`` ->
+    ``decoder.layers.0.x``. ``module.`` is removed only as a leading component (DDP's), the others anywhere."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    parts = [p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")]
+    return ".".join(parts)
+
+
+def parameter_seed(seed: int, canonical_name: str) -> int:
+    """A stable 63-bit seed for ``canonical_name`` under run seed ``seed`` (SHA-256, not Python's ``hash``)."""
+    digest = hashlib.sha256(f"{int(seed)}:{canonical_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _init_rule(module: nn.Module, param_name: str, full_name: str) -> tuple[str, float]:
+    """``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)`` for parameter ``param_name`` of ``module``."""
+    if hasattr(module, "normalized_shape"):  # LayerNorm / RMSNorm
+        return ("ones", 0.0) if param_name == "weight" else ("zeros", 0.0)
+    if param_name == "bias":
+        return ("zeros", 0.0)
+    std = getattr(module, "init_std", None)
+    if std is not None:
+        return ("normal", float(std))
+    raise TypeError(f"init_weights: no init rule for parameter {full_name} (module {type(module).__name__})")
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if _is_dtensor(p):
+            device_type = p.device_mesh.device_type
+            if device_type == "cpu":
+                return torch.device("cpu")
+            module = getattr(torch, device_type)
+            return torch.device(device_type, module.current_device())
+    return torch.get_default_device()
+
+
+def draw_full_parameter(seed: int, canonical_name: str, shape: torch.Size, rule: tuple[str, float]) -> torch.Tensor:
+    """The full float32 CPU tensor for one parameter: the single source of truth shared by every layout."""
+    kind, std = rule
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(parameter_seed(seed, canonical_name))
+    return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, device: torch.device | str | None = None) -> nn.Module:
+    """Materialize (if on the meta device) and initialize every parameter of ``model`` in place.
+
+    Args:
+        model: a plain, wrapped (DDP, compiled, checkpoint-wrapped) or parallelized model; parameters may be
+            plain tensors or DTensors (after ``parallelize_module`` / ``fully_shard`` on the meta model).
+        seed: the run's seed; the same seed gives the same full weights under any layout.
+        device: where meta parameters materialize; default: the DTensors' mesh device, else torch's default
+            device. Parameters already materialized stay where they are.
+
+    Returns the model. Parameter objects keep their identity (``to_empty`` then in-place copies), so
+    FSDP2's and optimizers' references stay valid.
+    """
+    if any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers()):
+        model.to_empty(device=device if device is not None else _default_device(model))
+    seen: set[int] = set()
+    count = 0
+    for module_name, module in model.named_modules():
+        overrides = getattr(module, "init_name_overrides", {})
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied parameter registered twice is drawn once
+                continue
+            seen.add(id(param))
+            full_name = f"{module_name}.{param_name}" if module_name else param_name
+            canonical = overrides.get(param_name) or canonical_parameter_name(full_name)
+            rule = _init_rule(module, param_name, full_name)
+            full = draw_full_parameter(seed, canonical, param.shape, rule).to(param.dtype)
+            if _is_dtensor(param):
+                from torch.distributed.tensor import distribute_tensor
+
+                # src_data_rank=None: every rank drew the same full tensor, so each slices its own shard
+                # locally with no communication.
+                local = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+            del full
+            count += 1
+    _log.debug("init_weights: initialized %d parameters with seed %d", count, seed)
+    return model

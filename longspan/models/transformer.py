@@ -1,0 +1,269 @@
+"""Building blocks of the decoder: norms, self-attention, MLP, transformer layer and block.
+
+Plain PyTorch modules with Megatron Core's names, written so that tensor-parallel plans (applied later by
+``longspan.parallel``) are plain column/row-wise splits of ``nn.Linear`` modules:
+
+- q, k and v are separate ``nn.Linear`` modules and attention reads its local head counts from the projected
+  shapes (``view(b, s, -1, head_dim)``), so column-sharded projections work unchanged;
+- the gated MLP keeps gate and up projections apart (``linear_fc1_gate`` and ``linear_fc1``).
+
+Every ``nn.Linear``/``nn.Embedding`` carries an ``init_std`` attribute read by ``longspan.models.init``.
+Hidden states are ``[batch, seq, hidden]`` throughout. ``config`` here is the resolved namespace from
+``longspan.models.gpt.resolve_model_args`` (derived defaults filled in, values checked).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from longspan.core.errors import ConfigError
+from longspan.models.rope import apply_rotary
+
+RotaryTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32 (as HF Llama and Transformer Engine do), cast back after."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def build_norm(config: Any, dim: int) -> nn.Module:
+    """The norm named by ``config.normalization`` ('LayerNorm' or 'RMSNorm') over ``dim`` channels."""
+    if config.normalization == "LayerNorm":
+        return nn.LayerNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    if config.normalization == "RMSNorm":
+        return RMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    raise ConfigError(f"model.normalization={config.normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
+
+
+def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: torch.dtype) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    layer.init_std = std  # read by init_weights
+    return layer
+
+
+def core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """Scaled dot-product attention on ``[b, heads, s, d]`` tensors; grouped k/v heads are repeated.
+
+    ``attention_mask`` follows Megatron: bool, True = masked. ``None`` means causal (SDPA's fast path).
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        # Query head i attends with kv group i // n_rep, as in Megatron Core and HF's repeat_kv.
+        b, g, s, d = k.shape
+        k = k[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
+        v = v[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p, scale=scale)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention with optional per-head QK norm and RoPE.
+
+    Parameters: ``linear_q`` [heads*d, hidden], ``linear_k`` / ``linear_v`` [groups*d, hidden], ``linear_proj``
+    [hidden, heads*d], and with ``qk_layernorm`` ``q_layernorm`` / ``k_layernorm`` over ``d`` channels.
+    """
+
+    def __init__(self, config: Any, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        heads = config.num_attention_heads
+        groups = config.num_query_groups or heads
+        self.head_dim = config.kv_channels or config.hidden_size // heads
+        qkv_bias = bool(config.add_bias_linear or config.add_qkv_bias)
+        std = config.init_method_std
+        out_std = std / math.sqrt(2.0 * config.num_layers)
+        dtype = config.params_dtype
+        hidden = config.hidden_size
+        self.linear_q = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
+        self.linear_k = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
+        self.linear_v = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
+        self.linear_proj = _linear(heads * self.head_dim, hidden, config.add_bias_linear, out_std, dtype)
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, self.head_dim)
+            self.k_layernorm = build_norm(config, self.head_dim)
+        else:
+            self.q_layernorm = None
+            self.k_layernorm = None
+        self.attention_dropout = config.attention_dropout
+        self.softmax_scale = getattr(config, "softmax_scale", None)
+        # Set by the decoder for recompute_granularity='selective': recompute the attention core only.
+        self.recompute_core_attention = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: RotaryTables | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = hidden_states.shape
+        # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
+        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim)
+        k = self.linear_k(hidden_states).view(b, s, -1, self.head_dim)
+        v = self.linear_v(hidden_states).view(b, s, -1, self.head_dim)
+        if self.q_layernorm is not None:
+            q = self.q_layernorm(q)
+            k = self.k_layernorm(k)
+        if rotary is not None:
+            cos, sin = rotary
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            out = checkpoint(
+                core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale, use_reentrant=False
+            )
+        else:
+            out = core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    """Feed-forward block: ``fc2(act(fc1(x)))``, or gated ``fc2(act(fc1_gate(x)) * fc1(x))`` (SwiGLU/GeGLU).
+
+    Megatron Core fuses gate and up into one ``linear_fc1`` whose first half is the gate; longspan keeps them
+    apart (``linear_fc1_gate`` = first half, ``linear_fc1`` = second half) so tensor parallel is a plain split.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        std = config.init_method_std
+        out_std = std / math.sqrt(2.0 * config.num_layers)
+        dtype = config.params_dtype
+        ffn = config.ffn_hidden_size
+        bias = config.add_bias_linear
+        self.linear_fc1 = _linear(config.hidden_size, ffn, bias, std, dtype)
+        self.linear_fc1_gate = _linear(config.hidden_size, ffn, bias, std, dtype) if config.gated_linear_unit else None
+        self.linear_fc2 = _linear(ffn, config.hidden_size, bias, out_std, dtype)
+        self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        up = self.linear_fc1(hidden_states)
+        if self.linear_fc1_gate is not None:
+            h = self.activation_func(self.linear_fc1_gate(hidden_states)) * up
+        else:
+            h = self.activation_func(up)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``."""
+
+    def __init__(self, config: Any, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config, config.hidden_size)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.self_attn_dropout = nn.Dropout(config.hidden_dropout)
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.mlp_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: RotaryTables | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask)
+        hidden_states = hidden_states + self.self_attn_dropout(attn)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return hidden_states + self.mlp_dropout(mlp)
+
+
+class TransformerBlock(nn.Module):
+    """The decoder: ``layers`` keyed by global layer index (a ``ModuleDict``) and, on the last pipeline stage,
+    ``final_layernorm``.
+
+    Keys are the global indices ("0", "1", ...), so parameter names match the unpipelined model whichever layers
+    a stage keeps; the pipeline layer may delete entries (``del block.layers["3"]``) and forward runs whatever
+    remains, in key order of insertion.
+
+    Activation recomputation (Megatron semantics, per pipeline stage): ``'full'`` + ``'uniform'`` checkpoints
+    consecutive chunks of ``recompute_num_layers`` layers; ``'full'`` + ``'block'`` checkpoints each of the first
+    ``recompute_num_layers`` layers; ``'selective'`` recomputes only the attention core (SDPA).
+    """
+
+    def __init__(
+        self, config: Any, layer_numbers: list[int] | None = None, post_process: bool = True
+    ) -> None:
+        super().__init__()
+        numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in numbers})
+        self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
+        self.recompute_granularity = config.recompute_granularity
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        if self.recompute_granularity == "selective":
+            for layer in self.layers.values():
+                layer.self_attention.recompute_core_attention = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: RotaryTables | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        layers = list(self.layers.values())
+        if self.recompute_granularity == "full" and torch.is_grad_enabled():
+            hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, attention_mask)
+        else:
+            for layer in layers:
+                hidden_states = layer(hidden_states, rotary, attention_mask)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def _forward_full_recompute(
+        self,
+        layers: list[nn.Module],
+        hidden_states: torch.Tensor,
+        rotary: RotaryTables | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n = self.recompute_num_layers
+
+        def run(chunk: list[nn.Module]) -> Callable[..., torch.Tensor]:
+            def forward_chunk(h: torch.Tensor, rot: RotaryTables | None, mask: torch.Tensor | None) -> torch.Tensor:
+                for layer in chunk:
+                    h = layer(h, rot, mask)
+                return h
+
+            return forward_chunk
+
+        if self.recompute_method == "uniform":
+            for start in range(0, len(layers), n):
+                fn = run(layers[start : start + n])
+                hidden_states = checkpoint(fn, hidden_states, rotary, attention_mask, use_reentrant=False)
+        else:  # 'block': the first n layers of this stage are recomputed, the rest keep activations
+            for index, layer in enumerate(layers):
+                if index < n:
+                    hidden_states = checkpoint(layer, hidden_states, rotary, attention_mask, use_reentrant=False)
+                else:
+                    hidden_states = layer(hidden_states, rotary, attention_mask)
+        return hidden_states

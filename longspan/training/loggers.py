@@ -1,0 +1,256 @@
+"""Metric sinks: TensorBoard, a JSON-lines file, and the optional W&B / MLflow / Comet clients.
+
+Every sink is created on the last rank only (Megatron logs there: under pipeline parallelism it holds the
+loss). Optional integrations are extras (``pip install longspan[wandb]`` ...): configuring one whose
+client library is missing is a user error and raises ``ConfigError`` with one line saying how to install
+it. ``check_logger_dependencies`` performs that check without creating anything, so ``pretrain`` can fail
+fast at start-up instead of at the first log line.
+
+Logger config fields read here (``cfg.logger``): ``tensorboard_dir``, ``tensorboard_queue_size``,
+``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``, ``wandb_entity`` (seed 000), and, when the config
+has them, ``mlflow_experiment``, ``mlflow_run_name``, ``mlflow_tracking_uri``, ``mlflow_tags``,
+``comet_project``, ``comet_experiment_name``, ``comet_workspace``, ``comet_api_key``, ``comet_tags``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+
+from longspan.core.errors import ConfigError
+from longspan.core.logging import get_logger
+
+logger = get_logger(__name__)
+
+METRICS_FILENAME = "metrics.jsonl"
+
+# (config field that enables it, importable module, pip extra)
+_OPTIONAL_INTEGRATIONS = (
+    ("wandb_project", "wandb", "wandb"),
+    ("mlflow_experiment", "mlflow", "mlflow"),
+    ("comet_project", "comet_ml", "comet"),
+)
+
+
+def _field(section: Any, name: str, default: Any = None) -> Any:
+    """``section.name`` or ``default`` when the section or field is absent (fields outside seed 000)."""
+    return default if section is None else getattr(section, name, default)
+
+
+def check_logger_dependencies(logger_cfg: Any) -> None:
+    """Raise ``ConfigError`` when an optional integration is configured but its client is not installed."""
+    for field_name, module, extra in _OPTIONAL_INTEGRATIONS:
+        if _field(logger_cfg, field_name) and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"logger.{field_name} is set but {module} is not installed: pip install longspan[{extra}]"
+            )
+
+
+def _import_optional(logger_cfg: Any, field_name: str) -> Any:
+    for name, module, extra in _OPTIONAL_INTEGRATIONS:
+        if name == field_name:
+            try:
+                return __import__(module)
+            except ImportError:
+                raise ConfigError(
+                    f"logger.{field_name} is set but {module} is not installed: pip install longspan[{extra}]"
+                ) from None
+    raise KeyError(field_name)
+
+
+# ---------------------------------------------------------------------------------------------- values
+def to_python_scalar(value: Any) -> Any:
+    """A JSON-friendly scalar: tensors become floats/ints, NaN and Inf become None, others pass through."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return [to_python_scalar(v) for v in value.detach().flatten().tolist()]
+        value = value.detach().item()
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): to_python_scalar(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_python_scalar(v) for v in value]
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return as_float if math.isfinite(as_float) else None
+
+
+_MLFLOW_BAD_CHARS = re.compile(r"[^0-9A-Za-z_\-. /]")
+
+
+def sanitize_mlflow_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """MLflow accepts only finite floats and names of ``[A-Za-z0-9_-. /]``; replace the rest with ``_``."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        scalar = to_python_scalar(value)
+        if isinstance(scalar, (int, float)) and not isinstance(scalar, bool):
+            out[_MLFLOW_BAD_CHARS.sub("_", key)] = float(scalar)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- JSON lines
+class MetricsJSONLWriter:
+    """Appends one JSON object per line to ``path``; the file is opened on the first write.
+
+    Values go through ``to_python_scalar`` so the file is strict JSON (no NaN: non-finite numbers are
+    written as null). The file is line-buffered so a crashed run still leaves every finished line.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: Optional[Any] = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` as one line."""
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+        self._file.write(json.dumps(to_python_scalar(dict(record)), allow_nan=False) + "\n")
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Alias of ``write`` (the name other metric clients use)."""
+        self.write(record)
+
+    def flush(self) -> None:
+        """Flush buffered lines to disk."""
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; a later ``write`` reopens it in append mode."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def metrics_jsonl_path(cfg: Any) -> Optional[str]:
+    """Where ``metrics.jsonl`` goes: beside the TensorBoard logs, else in ``checkpoint.save``, else nowhere."""
+    tb_dir = _field(_field(cfg, "logger"), "tensorboard_dir")
+    if tb_dir:
+        return os.path.join(tb_dir, METRICS_FILENAME)
+    save_dir = _field(_field(cfg, "checkpoint"), "save")
+    if save_dir:
+        return os.path.join(save_dir, METRICS_FILENAME)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- builders
+def build_tensorboard_writer(logger_cfg: Any) -> Optional[Any]:
+    """A ``SummaryWriter`` on ``logger.tensorboard_dir`` with ``tensorboard_queue_size``; None if unset."""
+    tb_dir = _field(logger_cfg, "tensorboard_dir")
+    if not tb_dir:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    logger.info(f"> setting tensorboard in {tb_dir}")
+    return SummaryWriter(log_dir=tb_dir, max_queue=int(_field(logger_cfg, "tensorboard_queue_size", 1000)))
+
+
+def _config_as_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-safe view of the config for experiment trackers (``to_dict`` when the container has it)."""
+    if hasattr(cfg, "to_dict"):
+        raw = cfg.to_dict()
+    elif dataclasses.is_dataclass(cfg):
+        raw = dataclasses.asdict(cfg)
+    else:
+        raw = {k: v for k, v in vars(cfg).items() if not k.startswith("_")} if hasattr(cfg, "__dict__") else {}
+    return json.loads(json.dumps(raw, default=str))
+
+
+def build_wandb_logger(cfg: Any) -> Optional[Any]:
+    """Initialize a W&B run from ``logger.wandb_*`` and return the ``wandb`` module; None if unset."""
+    logger_cfg = _field(cfg, "logger")
+    project = _field(logger_cfg, "wandb_project")
+    if not project:
+        return None
+    wandb = _import_optional(logger_cfg, "wandb_project")
+    exp_name = _field(logger_cfg, "wandb_exp_name")
+    if exp_name == "":
+        raise ConfigError("logger.wandb_exp_name is empty; set a run name when logger.wandb_project is set")
+    save_dir = _field(logger_cfg, "wandb_save_dir")
+    if not save_dir:
+        base = _field(_field(cfg, "checkpoint"), "save") or os.getcwd()
+        save_dir = os.path.join(base, "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    wandb.init(
+        dir=save_dir,
+        name=exp_name,
+        project=project,
+        entity=_field(logger_cfg, "wandb_entity"),
+        config=_config_as_dict(cfg),
+    )
+    return wandb
+
+
+def build_mlflow_logger(cfg: Any) -> Optional[Any]:
+    """Start an MLflow run from ``logger.mlflow_*`` and return the ``mlflow`` module; None if unset."""
+    logger_cfg = _field(cfg, "logger")
+    experiment = _field(logger_cfg, "mlflow_experiment")
+    if not experiment:
+        return None
+    mlflow = _import_optional(logger_cfg, "mlflow_experiment")
+    uri = _field(logger_cfg, "mlflow_tracking_uri")
+    if uri:
+        mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(experiment)
+    mlflow.start_run(run_name=_field(logger_cfg, "mlflow_run_name"), tags=_field(logger_cfg, "mlflow_tags"))
+    return mlflow
+
+
+def build_comet_logger(cfg: Any) -> Optional[Any]:
+    """Create a Comet experiment from ``logger.comet_*`` and return it; None if unset."""
+    logger_cfg = _field(cfg, "logger")
+    project = _field(logger_cfg, "comet_project")
+    if not project:
+        return None
+    comet_ml = _import_optional(logger_cfg, "comet_project")
+    experiment = comet_ml.start(
+        api_key=_field(logger_cfg, "comet_api_key"),
+        workspace=_field(logger_cfg, "comet_workspace"),
+        project=project,
+    )
+    name = _field(logger_cfg, "comet_experiment_name")
+    if name:
+        experiment.set_name(name)
+    tags = _field(logger_cfg, "comet_tags")
+    if tags:
+        experiment.add_tags(list(tags))
+    return experiment
+
+
+# ---------------------------------------------------------------------------------------------- fan-out
+def log_scalars(
+    metrics: Mapping[str, Any],
+    step: int,
+    tb_writer: Optional[Any] = None,
+    wandb_logger: Optional[Any] = None,
+    mlflow_logger: Optional[Any] = None,
+    comet_logger: Optional[Any] = None,
+) -> None:
+    """Write each ``tag -> value`` of ``metrics`` at ``step`` to every sink that is not None."""
+    if not metrics:
+        return
+    if tb_writer is not None:
+        for tag, value in metrics.items():
+            tb_writer.add_scalar(tag, value, step)
+    if wandb_logger is None and mlflow_logger is None and comet_logger is None:
+        return
+    scalars = {k: to_python_scalar(v) for k, v in metrics.items()}
+    if wandb_logger is not None:
+        wandb_logger.log(scalars, step)
+    if mlflow_logger is not None:
+        mlflow_logger.log_metrics(sanitize_mlflow_metrics(scalars), step=step)
+    if comet_logger is not None:
+        comet_logger.log_metrics(scalars, step=step)

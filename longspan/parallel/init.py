@@ -1,0 +1,411 @@
+"""Distributed initialization: detect the launch, create the process group and the device mesh.
+
+Three launches are recognised, in this order (``detect_launch``):
+
+1. torchrun / torch elastic (``longspan pretrain --nproc-per-node``, plain torchrun): ``RANK``, ``WORLD_SIZE``,
+   ``LOCAL_RANK`` are set; the rendezvous is ``env://`` (``MASTER_ADDR``/``MASTER_PORT``).
+2. SLURM (``srun python -m longspan ...``): ``SLURM_PROCID``, ``SLURM_NTASKS`` (``SLURM_STEP_NUM_TASKS`` when
+   srun sets it), ``SLURM_LOCALID``. The master address is ``MASTER_ADDR`` if the user exported one, else the
+   first host of the step's node list (``scontrol show hostnames`` when available, else parsed here) — rank 0
+   runs there under SLURM's block distribution — else ``SLURM_LAUNCH_NODE_IPADDR``. The port is
+   ``MASTER_PORT`` or ``15000 + last four digits of SLURM_JOB_ID`` (the same on every task of the job).
+3. anything else: one process. No process group is created when the world size is 1, whatever the launcher.
+
+Only one rank should print a configuration error under plain torchrun/srun: catch ``LongspanError`` and return
+``report_user_error_once(exc)`` (rank 0 prints one line, every rank exits with code 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from longspan.core.errors import ConfigError, LaunchError, LongspanError, NotSupportedError
+from longspan.core.logging import get_logger
+from longspan.parallel.mesh import Layout, ParallelMeshes, build_device_mesh, layout_from_config
+
+_log = get_logger(__name__)
+
+
+# --------------------------------------------------------------------------------------------- launch detection
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process: who it is and where rank 0 listens."""
+
+    kind: str  #: "torchrun", "slurm" or "single"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise LaunchError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def first_host_of_nodelist(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"`` (no scontrol needed)."""
+    nodelist = nodelist.strip()
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # first top-level comma ends the first entry
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    entry = nodelist[:end]
+    if "[" not in entry:
+        return entry
+    prefix, rest = entry.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}{suffix}"
+
+
+def _scontrol_first_host(nodelist: str) -> str | None:
+    if shutil.which("scontrol") is None:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
+def slurm_master_port(job_id: str | None) -> int:
+    """Default rendezvous port of a SLURM job: 15000 + the last four digits of the job id (29500 without one)."""
+    if not job_id:
+        return 29500
+    digits = "".join(ch for ch in job_id if ch.isdigit())
+    return 15000 + int(digits[-4:] or 0)
+
+
+def detect_launch(env: Mapping[str, str] | None = None,
+                  hostnames_fn: Callable[[str], str | None] | None = None) -> LaunchEnv:
+    """Detect torchrun, SLURM or a single process from ``env`` (default ``os.environ``). Pure apart from
+    ``hostnames_fn`` (default: ``scontrol show hostnames``), which maps a node list to its first host."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int_env(env, "WORLD_SIZE")
+        rank = _int_env(env, "RANK")
+        local_rank = _int_env(env, "LOCAL_RANK", 0)
+        if world < 1 or not 0 <= rank < world:
+            raise LaunchError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+        if world == 1:
+            return LaunchEnv("single", 0, 1, local_rank)
+        port = env.get("MASTER_PORT")
+        return LaunchEnv("torchrun", rank, world, local_rank, env.get("MASTER_ADDR"),
+                         int(port) if port else None)
+    if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
+        world = _int_env(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+        rank = _int_env(env, "SLURM_PROCID")
+        local_rank = _int_env(env, "SLURM_LOCALID", 0)
+        if world < 1 or not 0 <= rank < world:
+            raise LaunchError(f"SLURM_PROCID={rank} is not in [0, SLURM_NTASKS={world})")
+        if world == 1:
+            return LaunchEnv("single", 0, 1, local_rank)
+        addr = env.get("MASTER_ADDR")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not addr and nodelist:
+            addr = (hostnames_fn or _scontrol_first_host)(nodelist) or first_host_of_nodelist(nodelist)
+        if not addr:
+            addr = env.get("SLURM_LAUNCH_NODE_IPADDR")
+        if not addr:
+            raise LaunchError("SLURM launch without SLURM_NODELIST or SLURM_LAUNCH_NODE_IPADDR: export "
+                              "MASTER_ADDR=<host of rank 0> (and optionally MASTER_PORT)")
+        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else slurm_master_port(env.get("SLURM_JOB_ID"))
+        return LaunchEnv("slurm", rank, world, local_rank, addr, port)
+    return LaunchEnv("single", 0, 1, _int_env(env, "LOCAL_RANK", 0))
+
+
+# --------------------------------------------------------------------------------------------- parallel state
+
+@dataclass
+class ParallelState:
+    """Who this process is in every parallel dimension, and the groups to talk to the others.
+
+    On one process ``mesh`` is ``None``, every group is ``None`` and every size is 1 (the collectives in
+    ``longspan.parallel.collectives`` are no-ops then). Dimension names: ``tp``, ``cp``, ``pp``, ``dp``,
+    ``dp_replicate``, ``dp_shard``, ``dp_cp``, ``dp_shard_cp``, ``mp`` (pp × tp), ``ep``, ``etp``, ``edp``.
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+    device: Any  #: torch.device of this rank (cuda:N or cpu)
+    backend: str | None  #: "nccl" or "gloo" (None on one process)
+    layout: Layout
+    launch: LaunchEnv = field(default_factory=lambda: LaunchEnv("single"))
+    meshes: ParallelMeshes | None = None
+
+    # -- generic accessors
+    @property
+    def mesh(self) -> Any:
+        """The dense DeviceMesh ``(pp, dp_replicate, dp_shard, cp, tp)`` (None on one process)."""
+        return None if self.meshes is None else self.meshes.mesh
+
+    @property
+    def expert_mesh(self) -> Any:
+        """The expert DeviceMesh ``(pp, edp, ep, etp)``, or None when ep == 1 and etp == tp."""
+        return None if self.meshes is None else self.meshes.expert_mesh
+
+    def submesh(self, dim: str) -> Any:
+        """The 1-D DeviceMesh of ``dim`` (dense, flattened or expert; see the class docstring)."""
+        if self.meshes is None:
+            return None
+        if dim in ("ep", "etp", "edp") and self.meshes.expert_mesh is None:
+            dim = {"ep": None, "etp": "tp", "edp": "dp_cp"}[dim]
+            if dim is None:
+                return None
+        return self.meshes[dim]
+
+    def size(self, dim: str) -> int:
+        """Number of ranks in this rank's ``dim`` group."""
+        lay = self.layout
+        sizes = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "dp_replicate": lay.dp_replicate,
+                 "dp_shard": lay.dp_shard, "dp_cp": lay.dp * lay.cp, "dp_shard_cp": lay.dp_shard * lay.cp,
+                 "mp": lay.pp * lay.tp, "ep": lay.ep, "etp": lay.etp, "edp": lay.edp}
+        return sizes[dim]
+
+    def rank_in(self, dim: str) -> int:
+        """This rank's index within its ``dim`` group."""
+        sub = self.submesh(dim)
+        return 0 if sub is None else sub.get_local_rank()
+
+    def group(self, dim: str) -> Any:
+        """The ProcessGroup of ``dim`` containing this rank (None on one process or for a missing ep dim)."""
+        sub = self.submesh(dim)
+        return None if sub is None else sub.get_group()
+
+    # -- named accessors (Megatron's vocabulary)
+    tp_size = property(lambda self: self.size("tp"), doc="tensor-parallel size")
+    tp_rank = property(lambda self: self.rank_in("tp"), doc="tensor-parallel rank")
+    tp_group = property(lambda self: self.group("tp"), doc="tensor-parallel group")
+    cp_size = property(lambda self: self.size("cp"), doc="context-parallel size")
+    cp_rank = property(lambda self: self.rank_in("cp"), doc="context-parallel rank")
+    cp_group = property(lambda self: self.group("cp"), doc="context-parallel group")
+    pp_size = property(lambda self: self.size("pp"), doc="pipeline-parallel size")
+    pp_rank = property(lambda self: self.rank_in("pp"), doc="pipeline stage of this rank")
+    pp_group = property(lambda self: self.group("pp"), doc="pipeline-parallel group")
+    dp_size = property(lambda self: self.size("dp"), doc="data-parallel size (replicate × shard)")
+    dp_rank = property(lambda self: self.rank_in("dp"), doc="data-parallel rank (picks the batch slice)")
+    dp_group = property(lambda self: self.group("dp"), doc="data-parallel group (without cp)")
+    dp_cp_group = property(lambda self: self.group("dp_cp"), doc="dp × cp group (gradient reduction)")
+    dp_replicate_size = property(lambda self: self.size("dp_replicate"), doc="hybrid-sharding replicas")
+    dp_shard_size = property(lambda self: self.size("dp_shard"), doc="ranks sharding within a replica")
+    mp_group = property(lambda self: self.group("mp"), doc="model-parallel group: tp × pp, as Megatron's")
+    ep_size = property(lambda self: self.size("ep"), doc="expert-parallel size")
+    ep_rank = property(lambda self: self.rank_in("ep"), doc="expert-parallel rank")
+    ep_group = property(lambda self: self.group("ep"), doc="expert-parallel group (None when ep == 1)")
+    etp_size = property(lambda self: self.size("etp"), doc="expert tensor-parallel size")
+    etp_group = property(lambda self: self.group("etp"), doc="expert tensor-parallel group")
+    edp_size = property(lambda self: self.size("edp"), doc="expert data-parallel size")
+    edp_group = property(lambda self: self.group("edp"), doc="expert data-parallel group")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a process group exists (world size > 1)."""
+        return self.meshes is not None
+
+    @property
+    def is_rank_0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        """The last global rank: Megatron's training-log rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+_STATE: ParallelState | None = None
+
+
+def get_parallel_state() -> ParallelState:
+    """The state set by ``initialize_distributed`` (RuntimeError before it ran)."""
+    if _STATE is None:
+        raise RuntimeError("longspan.parallel.init.initialize_distributed() has not been called")
+    return _STATE
+
+
+def is_initialized() -> bool:
+    """Whether ``initialize_distributed`` has run in this process (and not been torn down)."""
+    return _STATE is not None
+
+
+def destroy_distributed() -> None:
+    """Tear down the process group (if any) and forget the parallel state."""
+    global _STATE
+    _STATE = None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- initialization
+
+def _check_supported(dist_cfg: Any) -> None:
+    """Reject DistributedInitConfig values this version cannot honour (one line each)."""
+    unsupported = {
+        "lazy_init": (False, "longspan has no external DDP manager hook; set lazy_init=False"),
+        "use_sharp": (False, "SHARP is not wired to torch.distributed groups; set use_sharp=False"),
+        "nccl_communicator_config_path": (None, "per-communicator NCCL configs are not supported; unset it"),
+        "high_priority_stream_groups": (None, "high-priority NCCL streams are not supported; unset it"),
+    }
+    for name, (default, hint) in unsupported.items():
+        value = getattr(dist_cfg, name, default)
+        if value not in (default, [], ()):
+            raise NotSupportedError(f"dist.{name}={value!r} is not supported: {hint}")
+    backend = getattr(dist_cfg, "distributed_backend", "nccl")
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"dist.distributed_backend={backend!r} is not valid; use 'nccl' or 'gloo'")
+    timeout = getattr(dist_cfg, "distributed_timeout_minutes", 10)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"dist.distributed_timeout_minutes={timeout!r} must be a positive number of minutes")
+
+
+def _resolve_device(dist_cfg: Any, device: Any, local_rank: int) -> Any:
+    import torch
+
+    if device is not None:
+        dev = torch.device(device)
+    elif torch.cuda.is_available():
+        dev = torch.device("cuda")
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda":
+        index = dev.index
+        if index is None:
+            index = 0 if getattr(dist_cfg, "external_gpu_device_mapping", False) else local_rank
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise LaunchError(
+                f"local rank {local_rank} needs CUDA device {index} but only {count} are visible; start at most "
+                f"{count} processes per node or set dist.external_gpu_device_mapping=True when the launcher "
+                "already restricts CUDA_VISIBLE_DEVICES to one GPU per process")
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
+    return dev
+
+
+def initialize_distributed(
+    dist_cfg: Any,
+    model_parallel_cfg: Any,
+    *,
+    device: Any = None,
+    dp_replicate: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> ParallelState:
+    """Detect the launch, create the process group and the device mesh; return (and remember) the state.
+
+    ``dist_cfg`` is a DistributedInitConfig (fields read: distributed_backend, distributed_timeout_minutes,
+    use_gloo_process_groups, external_gpu_device_mapping, local_rank, lazy_init, use_tp_pp_dp_mapping, plus the
+    unsupported use_sharp/nccl_communicator_config_path/high_priority_stream_groups, which raise
+    NotSupportedError when set). ``model_parallel_cfg`` is a ModelParallelConfig (or a provider inheriting it).
+    ``device`` forces the device ("cpu", "cuda", "cuda:1"); default cuda when available, else cpu.
+    ``dp_replicate`` splits data parallel into replicas × shards for hybrid sharding (the data-parallel code
+    passes ``ddp.num_distributed_optimizer_instances`` or its hybrid-sharding degree).
+
+    Backend: ``nccl`` on GPUs; a CPU run that asks for nccl uses gloo and logs one warning on rank 0. With
+    nccl and ``use_gloo_process_groups`` (default True) the process group is ``cpu:gloo,cuda:nccl``, so every
+    group (mesh groups included) also handles CPU tensors over gloo. CUDA device: the local rank, or device 0
+    with ``external_gpu_device_mapping``. World size 1: no process group, no mesh.
+    """
+    global _STATE
+    _check_supported(dist_cfg)
+    launch = detect_launch(env)
+    use_mapping = bool(getattr(dist_cfg, "use_tp_pp_dp_mapping", False))
+    layout = layout_from_config(launch.world_size, model_parallel_cfg, dp_replicate=dp_replicate,
+                                use_tp_pp_dp_mapping=use_mapping)
+    local_rank = launch.local_rank
+    if launch.kind == "single":
+        local_rank = int(getattr(dist_cfg, "local_rank", local_rank) or 0)
+    dev = _resolve_device(dist_cfg, device, local_rank)
+
+    backend = getattr(dist_cfg, "distributed_backend", "nccl")
+    if backend == "nccl" and dev.type != "cuda":
+        if launch.rank == 0:
+            _log.warning("dist.distributed_backend='nccl' needs CUDA devices; this run is on CPU, using gloo")
+        backend = "gloo"
+
+    if launch.world_size == 1:
+        _STATE = ParallelState(world_size=1, rank=0, local_rank=local_rank, device=dev, backend=None,
+                               layout=layout, launch=launch)
+        return _STATE
+
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(minutes=float(getattr(dist_cfg, "distributed_timeout_minutes", 10)))
+    pg_backend = backend
+    if backend == "nccl" and getattr(dist_cfg, "use_gloo_process_groups", True):
+        pg_backend = "cpu:gloo,cuda:nccl"
+    if dist.is_initialized():
+        if dist.get_world_size() != launch.world_size:
+            raise LaunchError(f"a process group of {dist.get_world_size()} ranks already exists but the launcher "
+                              f"says WORLD_SIZE={launch.world_size}")
+    else:
+        kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout, "rank": launch.rank,
+                                  "world_size": launch.world_size}
+        if launch.kind == "slurm":
+            kwargs["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
+        else:
+            kwargs["init_method"] = "env://"
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev  # eager NCCL init: lets DeviceMesh split groups cheaply
+        dist.init_process_group(**kwargs)
+    meshes = build_device_mesh(
+        launch.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
+        ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=use_mapping,
+        device_type="cuda" if dev.type == "cuda" else "cpu",
+    )
+    _STATE = ParallelState(world_size=launch.world_size, rank=launch.rank, local_rank=local_rank, device=dev,
+                           backend=backend, layout=layout, launch=launch, meshes=meshes)
+    return _STATE
+
+
+# --------------------------------------------------------------------------------------------- user errors
+
+def report_user_error_once(exc: LongspanError, *, all_ranks: bool = False, stream: Any = None) -> int:
+    """Print ``exc`` as the CLI's one line (``longspan: error: ...``) on rank 0 only; return its exit code.
+
+    Every rank of a torchrun/srun job validates the same configuration and hits the same error; printing it
+    N times buries it. Non-zero ranks stay silent and still exit with the same code (2). Pass
+    ``all_ranks=True`` for errors that may differ per rank (a data file missing on one node): each rank then
+    prints its line prefixed with ``[rank R]``. The rank comes from torch.distributed when initialized, else
+    from the launcher's environment, so it works before the process group exists.
+    """
+    from longspan.core.logging import get_rank
+
+    stream = stream or sys.stderr
+    rank = get_rank()
+    if rank == 0 and not all_ranks:
+        stream.write(f"longspan: error: {exc}\n")
+    elif all_ranks:
+        stream.write(f"[rank {rank}] longspan: error: {exc}\n")
+    stream.flush()
+    return int(getattr(exc, "exit_code", 2))

@@ -304,7 +304,11 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, rotary, attention_mask)
         if not self.post_process:
             return hidden_states
-        logits = F.linear(hidden_states, self.output_weight())
+        if self.output_layer is not None:
+            # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
+            logits = self.output_layer(hidden_states)
+        else:
+            logits = F.linear(hidden_states, self.embedding.word_embeddings.weight)
         if labels is None:
             return logits
         # Float32 logits and reduction='none' keep this torch's loss_parallel-compatible under tensor parallel.

@@ -430,9 +430,15 @@ def get_megatron_optimizer(
         raise ConfigError("model has no trainable parameters: the optimizer needs at least one")
     all_params = [p for g in param_groups for p in g["params"]]
     on_cuda = all(p.device.type == "cuda" for p in all_params)
-    # Fused kernels need every tensor on CUDA; foreach is the fast path elsewhere (and on DTensors).
-    any_dtensor = any(_is_dtensor(p) for p in all_params)
-    fast = {"fused": True} if on_cuda and not any_dtensor else {"foreach": True}
+    dtensors = [p for p in all_params if _is_dtensor(p)]
+    if not dtensors:
+        # Fused kernels need every tensor on CUDA; foreach is the fast path elsewhere.
+        fast = {"fused": True} if on_cuda else {"foreach": True}
+    else:
+        # foreach kernels reject lists mixing DTensors with plain tensors or DTensors of different meshes
+        # (e.g. tensor parallel leaving norm weights unsharded): fall back to the per-tensor loop then.
+        one_mesh = len({id(p.device_mesh) for p in dtensors}) == 1
+        fast = {"foreach": len(dtensors) == len(all_params) and one_mesh}
 
     lr = config.lr
     weight_decay = getattr(config, "weight_decay", 0.0)

@@ -158,15 +158,18 @@ def build_tensorboard_writer(logger_cfg: Any) -> Optional[Any]:
     return SummaryWriter(log_dir=tb_dir, max_queue=int(_field(logger_cfg, "tensorboard_queue_size", 1000)))
 
 
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+    return str(obj)
+
+
 def _config_as_dict(cfg: Any) -> dict[str, Any]:
     """A JSON-safe view of the config for experiment trackers (``to_dict`` when the container has it)."""
-    if hasattr(cfg, "to_dict"):
-        raw = cfg.to_dict()
-    elif dataclasses.is_dataclass(cfg):
-        raw = dataclasses.asdict(cfg)
-    else:
-        raw = {k: v for k, v in vars(cfg).items() if not k.startswith("_")} if hasattr(cfg, "__dict__") else {}
-    return json.loads(json.dumps(raw, default=str))
+    raw = cfg.to_dict() if hasattr(cfg, "to_dict") else _json_default(cfg)
+    return json.loads(json.dumps(raw, default=_json_default))
 
 
 def build_wandb_logger(cfg: Any) -> Optional[Any]:

@@ -98,8 +98,9 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
         device: where meta parameters materialize; default: the DTensors' mesh device, else torch's default
             device. Parameters already materialized stay where they are.
 
-    Returns the model. Parameter objects keep their identity (``to_empty`` then in-place copies), so
-    FSDP2's and optimizers' references stay valid.
+    Returns the model. Meta parameters are materialized with ``model.to_empty`` (FSDP2's documented path, which
+    keeps its sharded parameters consistent), then every parameter is filled in place; an already materialized
+    model keeps its parameter objects (optimizer references stay valid).
     """
     if any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers()):
         model.to_empty(device=device if device is not None else _default_device(model))

@@ -172,6 +172,36 @@ class MegatronOptimizer:
                 for model_param, main_param in zip(f16, main):
                     main_param.copy_(model_param)
 
+    def copy_main_params_to_model_params(self) -> None:
+        """Write the fp32 main params into the low-precision model params (e.g. after loading them)."""
+        with torch.no_grad():
+            for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups):
+                for model_param, main_param in zip(f16, main):
+                    model_param.copy_(main_param)
+
+    def main_params_module(self, model: nn.Module) -> nn.Module:
+        """A module whose ``named_parameters()`` are ``model``'s names bound to the params this optimizer updates.
+
+        For low-precision params that is the fp32 main copy, otherwise the model param itself. Checkpointing
+        passes it to ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (which maps the
+        torch optimizer's params to names through the module) and saves its ``state_dict()`` as the fp32
+        master weights; after loading, call :meth:`copy_main_params_to_model_params`.
+        """
+        main_of = {
+            id(m): mp for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups) for m, mp in zip(f16, main)
+        }
+        root = nn.Module()
+        for name, param in model.named_parameters():
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, nn.Module())
+                module = module._modules[part]
+            # The very same Parameter objects: DCP matches optimizer params to names by identity.
+            module.register_parameter(leaf, main_of.get(id(param), param))
+        return root
+
     # ------------------------------------------------------------------ gradient statistics
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         """Gradients counted in the norm: every non-None main gradient (tied weights are one Parameter)."""
@@ -223,8 +253,8 @@ class MegatronOptimizer:
         """Copy model grads to main grads, unscale and check for inf/nan; returns whether any was found."""
         for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(f16, main):
-                if model_param.grad is not None:
-                    main_param.grad = model_param.grad.float()
+                # An unused param has no grad this iteration: never step it with a stale one.
+                main_param.grad = None if model_param.grad is None else model_param.grad.float()
                 model_param.grad = None
         if self.grad_scaler is None:
             return False
@@ -249,9 +279,7 @@ class MegatronOptimizer:
         """Step the torch optimizer, then copy fp32 main params back into low-precision model params."""
         self.optimizer.step()
         if self._has_float16:
-            for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups):
-                for model_param, main_param in zip(f16, main):
-                    model_param.copy_(main_param)
+            self.copy_main_params_to_model_params()
         return True
 
     @torch.no_grad()

@@ -405,3 +405,52 @@ def test_dtensor_grad_norm_equals_unsharded_norm(tmp_path, monkeypatch):
         torch.testing.assert_close(r["clipped_w"], stand_ins[0].grad)
         assert r["skipped"] == (False, None, None)
         assert r["scale_after"] == 2.0  # backed off once (hysteresis 1)
+
+
+def test_main_params_module_lets_dcp_name_the_fp32_main_state():
+    """bf16 params: DCP's get/set_optimizer_state_dict work through main_params_module and resume exactly."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def build():
+        m = tiny().to(torch.bfloat16)
+        return m, get_megatron_optimizer(opt_config(lr=1e-3, bf16=True), [m])
+
+    model, opt = build()
+    for step in range(2):
+        fill_grads(model, step)
+        opt.step()
+    proxy = opt.main_params_module(model)
+    assert [n for n, _ in proxy.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(p.dtype == torch.float32 for n, p in proxy.named_parameters() if n != "frozen")
+    osd = copy.deepcopy(get_optimizer_state_dict(proxy, opt.optimizer))
+    assert "linear.weight" in osd["state"]
+    master = copy.deepcopy(proxy.state_dict())
+
+    model2, opt2 = build()
+    proxy2 = opt2.main_params_module(model2)
+    proxy2.load_state_dict(master)
+    set_optimizer_state_dict(proxy2, opt2.optimizer, osd)
+    opt2.copy_main_params_to_model_params()
+    for step in range(2, 4):
+        fill_grads(model, step)
+        fill_grads(model2, step)
+        opt.step()
+        opt2.step()
+    for a, b in zip(opt.get_parameters(), opt2.get_parameters()):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bf16_param_without_grad_is_not_stepped_with_a_stale_grad():
+    model = tiny().to(torch.bfloat16)
+    opt = get_megatron_optimizer(opt_config(lr=1e-2, bf16=True), [model])
+    fill_grads(model, 0)
+    opt.step()
+    main_bias = opt.main_params_module(model).norm.bias
+    before = main_bias.detach().clone()
+    fill_grads(model, 1)
+    model.norm.bias.grad = None  # unused this iteration (no zero_grad in between)
+    opt.step()
+    assert torch.equal(main_bias, before)
+    assert torch.equal(model.norm.bias, before.to(torch.bfloat16))

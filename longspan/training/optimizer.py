@@ -188,7 +188,9 @@ class MegatronOptimizer:
         master weights; after loading, call :meth:`copy_main_params_to_model_params`.
         """
         main_of = {
-            id(m): mp for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups) for m, mp in zip(f16, main)
+            id(model_param): main_param
+            for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for model_param, main_param in zip(f16, main)
         }
         root = nn.Module()
         for name, param in model.named_parameters():

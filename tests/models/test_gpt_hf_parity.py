@@ -34,7 +34,10 @@ def _hf_llama(cfg, rope_parameters, tie: bool):
 
 def _copy_llama_weights(hf, model, cfg) -> None:
     """HF Llama names -> longspan names (gate_proj = linear_fc1_gate, up_proj = linear_fc1)."""
-    sd = hf.state_dict()
+    model.load_state_dict(_llama_to_longspan(hf.state_dict(), cfg), strict=True)
+
+
+def _llama_to_longspan(sd, cfg) -> dict:
     ours = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
             "decoder.final_layernorm.weight": sd["model.norm.weight"]}
     if not cfg.share_embeddings_and_output_weights:
@@ -53,8 +56,7 @@ def _copy_llama_weights(hf, model, cfg) -> None:
     for i in range(cfg.num_layers):
         for hf_name, our_name in names.items():
             ours[f"decoder.layers.{i}.{our_name}"] = sd[f"model.layers.{i}.{hf_name}"]
-    missing, unexpected = model.load_state_dict(ours, strict=True)
-    assert not missing and not unexpected
+    return ours
 
 
 def _check_against_hf(cfg, hf, position_ids=None):
@@ -157,3 +159,62 @@ def test_gpt2_layernorm_learned_positions_gelu_biases():
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     ce = F.cross_entropy(expected.reshape(-1, 128), labels.reshape(-1), reduction="none").view(2, 16)
     torch.testing.assert_close(loss, ce, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_qk_layernorm_and_explicit_kv_channels():
+    """Per-head QK RMSNorm before RoPE and a head width other than hidden/heads (HF Qwen3 as the oracle)."""
+    cfg = llama_config(kv_channels=24, qk_layernorm=True, add_qkv_bias=False)
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups, head_dim=24, max_position_embeddings=4096,
+        rms_norm_eps=cfg.layernorm_epsilon, tie_word_embeddings=False, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base}, use_sliding_window=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights, so a misplaced norm would show
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model = build_gpt_model(cfg, seed=1).eval()
+    sd = hf.state_dict()
+    ours = _llama_to_longspan(sd, cfg)  # Qwen3 uses Llama's names for everything but the QK norms
+    for i in range(cfg.num_layers):
+        ours[f"decoder.layers.{i}.self_attention.q_layernorm.weight"] = sd[f"model.layers.{i}.self_attn.q_norm.weight"]
+        ours[f"decoder.layers.{i}.self_attention.k_layernorm.weight"] = sd[f"model.layers.{i}.self_attn.k_norm.weight"]
+    model.load_state_dict(ours, strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen2_qkv_bias_only():
+    """add_qkv_bias with add_bias_linear=False: biases on q/k/v only (HF Qwen2 as the oracle)."""
+    cfg = llama_config(add_qkv_bias=True)
+    hf_cfg = transformers.Qwen2Config(
+        vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups, max_position_embeddings=4096, rms_norm_eps=cfg.layernorm_epsilon,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+        use_sliding_window=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model = build_gpt_model(cfg, seed=1).eval()
+    assert model.decoder.layers["0"].self_attention.linear_proj.bias is None
+    sd = hf.state_dict()
+    ours = _llama_to_longspan(sd, cfg)
+    for i in range(cfg.num_layers):
+        for hf_name, name in (("q_proj", "linear_q"), ("k_proj", "linear_k"), ("v_proj", "linear_v")):
+            ours[f"decoder.layers.{i}.self_attention.{name}.bias"] = sd[f"model.layers.{i}.self_attn.{hf_name}.bias"]
+    model.load_state_dict(ours, strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits, atol=1e-5, rtol=1e-5)

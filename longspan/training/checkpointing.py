@@ -144,15 +144,22 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 
 
 def _optimizer_extra_state(optimizer: Any) -> dict[str, Any]:
-    """Wrapper state beyond the torch optimizer (the fp16 grad scaler)."""
-    extra = getattr(optimizer, "extra_state_dict", None)
-    return extra() if callable(extra) else {}
+    """Wrapper state beyond the torch optimizer: the fp16 loss scaler."""
+    scaler = getattr(optimizer, "grad_scaler", None)
+    return {"grad_scaler": scaler.state_dict()} if scaler is not None else {}
 
 
 def _load_optimizer_extra_state(optimizer: Any, extra: dict[str, Any]) -> None:
-    loader = getattr(optimizer, "load_extra_state_dict", None)
-    if callable(loader) and extra:
-        loader(extra)
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is not None and "grad_scaler" in extra:
+        scaler.load_state_dict(extra["grad_scaler"])
+
+
+def _optimizer_module(module: torch.nn.Module, optimizer: Any) -> torch.nn.Module:
+    """The module whose parameters the torch optimizer updates: fp32 main copies of low-precision params."""
+    if getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
+        return optimizer.main_params_module(module)
+    return module
 
 
 def _model_module(model: list[torch.nn.Module]) -> torch.nn.Module:
@@ -174,7 +181,10 @@ def _build_state_dict(
     module = _model_module(model)
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if with_optimizer and optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(module, _unwrap_optimizer(optimizer))
+        main_module = _optimizer_module(module, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(main_module, _unwrap_optimizer(optimizer))
+        if main_module is not module:
+            state["main_params"] = main_module.state_dict()
         state["optimizer_extra"] = _optimizer_extra_state(optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -441,8 +451,11 @@ def load_checkpoint(
 
     to_load: dict[str, Any] = {"model": model_sd}
     torch_optimizer = _unwrap_optimizer(optimizer) if load_optim else None
+    main_module = _optimizer_module(module, optimizer) if load_optim else module
     if load_optim:
-        to_load["optimizer"] = get_optimizer_state_dict(module, torch_optimizer)
+        to_load["optimizer"] = get_optimizer_state_dict(main_module, torch_optimizer)
+        if main_module is not module and any(k.startswith("main_params.") for k in stored):
+            to_load["main_params"] = main_module.state_dict()
         if any(k.startswith("optimizer_extra") for k in stored):
             to_load["optimizer_extra"] = _optimizer_extra_state(optimizer)
     if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
@@ -464,8 +477,14 @@ def load_checkpoint(
         dcp.load(to_load, checkpoint_id=str(directory))
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
-            set_optimizer_state_dict(module, torch_optimizer, to_load["optimizer"])
+            set_optimizer_state_dict(main_module, torch_optimizer, to_load["optimizer"])
             _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
+            if main_module is not module:
+                if "main_params" in to_load:
+                    main_module.load_state_dict(to_load["main_params"])
+                    optimizer.copy_main_params_to_model_params()
+                else:
+                    optimizer.reload_model_params()
     if "scheduler" in to_load:
         opt_param_scheduler.load_state_dict(to_load["scheduler"])
     if "rerun_state_machine" in to_load:

@@ -18,6 +18,7 @@ Unlike megatron-core the norm is returned even when ``clip_grad`` is 0 (the trai
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -55,6 +56,14 @@ def _placement_key(t: torch.Tensor) -> Any:
     return (id(t.device_mesh), tuple(t.placements))
 
 
+class NonFiniteGradError(RuntimeError):
+    """The global gradient norm is NaN or Inf and no loss scaler can skip the step."""
+
+    def __init__(self, grad_norm: float) -> None:
+        super().__init__(f"gradient norm is {grad_norm}")
+        self.grad_norm = grad_norm
+
+
 class MegatronOptimizer:
     """A torch optimizer behind megatron-core's optimizer interface.
 
@@ -81,6 +90,8 @@ class MegatronOptimizer:
         self.config = config
         self.grad_scaler = grad_scaler
         self.grad_stats_parallel_group: dist.ProcessGroup | None = None
+        # Without a loss scaler a non-finite gradient norm raises NonFiniteGradError before the update.
+        self.check_for_nan_in_grad = False
 
         # (model_param, fp32 main_param) pairs per group, as megatron-core's float16/fp32_from_float16 groups.
         self.float16_groups: list[list[nn.Parameter]] = []
@@ -295,6 +306,9 @@ class MegatronOptimizer:
             return False, None, None
         clip_grad = float(getattr(self.config, "clip_grad", 0.0) or 0.0)
         grad_norm = self.clip_grad_norm(clip_grad) if clip_grad > 0.0 else self.get_grad_norm()
+        if self.check_for_nan_in_grad and not math.isfinite(grad_norm):
+            # Megatron's check_for_nan_in_loss_and_grad: stop before a NaN/Inf gradient reaches the weights.
+            raise NonFiniteGradError(grad_norm)
         num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
         success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros

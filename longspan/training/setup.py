@@ -72,8 +72,7 @@ def build_model(cfg: Any, parallel: ParallelState, seed: int) -> list[torch.nn.M
     from longspan.models.gpt import build_gpt_model
 
     provider = cfg.model
-    with torch.device("meta"):
-        model = build_gpt_model(provider, materialize=False)
+    model = build_gpt_model(provider, materialize=False)
     model = parallelize_model(model, cfg, parallel)
     init_weights(model, seed=seed, device=parallel.device)
     if provider.params_dtype is not None and provider.params_dtype != torch.float32:
@@ -113,8 +112,10 @@ def setup(cfg: Any) -> SetupOutput:
     if cfg.model.deterministic_mode:
         apply_deterministic_mode(cfg.model)
 
-    seed = set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
-    model = build_model(cfg, parallel, seed)
+    set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
+    # Weights come from the base seed (per-parameter generators), so every layout draws the same model.
+    init_seed = cfg.rng.seed + (10 * parallel.dp_rank if cfg.rng.data_parallel_random_init else 0)
+    model = build_model(cfg, parallel, init_seed)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     scheduler = get_optimizer_param_scheduler(optimizer, cfg.scheduler, cfg.train, cfg.optimizer)
 

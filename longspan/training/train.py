@@ -20,6 +20,7 @@ from longspan.core.logging import get_logger, print_rank_0, print_rank_last
 from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, forward_backward_no_pipelining
+from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.state import GlobalState
 from longspan.training.utils.flop_utils import num_floating_point_operations
 from longspan.training.utils.train_utils import (
@@ -207,14 +208,15 @@ def train_step(
         torch.cuda.empty_cache()
 
     timers("optimizer", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    optimizer.check_for_nan_in_grad = global_state.check_for_nan
+    try:
+        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    except NonFiniteGradError as exc:  # with fp16 loss scaling an overflow skips the step instead
+        raise TrainingDivergedError(
+            f"the gradient norm is {exc.grad_norm} at iteration {iteration}; stopped before the update "
+            "(lower optimizer.lr, enable gradient clipping, or use bf16_mixed instead of fp16)"
+        ) from None
     timers("optimizer").stop()
-    if global_state.check_for_nan and grad_norm is not None and not _is_finite(grad_norm):
-        if not _uses_loss_scaling(optimizer):  # with fp16 loss scaling an overflow just skips the step
-            raise TrainingDivergedError(
-                f"the gradient norm is {grad_norm} at iteration {iteration}; stopping before the weights are "
-                "checkpointed (lower optimizer.lr or enable gradient clipping)"
-            )
 
     if update_successful:
         increment = num_microbatches * cfg.train.micro_batch_size * parallel.dp_size
@@ -494,11 +496,7 @@ def _current_learning_rate(optimizer: Any) -> Optional[float]:
 
 
 def _uses_loss_scaling(optimizer: Any) -> bool:
-    return bool(getattr(optimizer, "uses_loss_scaling", False))
-
-
-def _is_finite(value: float) -> bool:
-    return value == value and value not in (float("inf"), float("-inf"))
+    return getattr(optimizer, "grad_scaler", None) is not None
 
 
 def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:

@@ -1,1 +1,37 @@
+"""Recipes: functions that return a complete ``ConfigContainer``; ``--recipe NAME`` picks one."""
 
+from __future__ import annotations
+
+import difflib
+from typing import Callable
+
+from longspan.core.errors import ConfigError
+from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
+from longspan.recipes.tiny import tiny
+from longspan.training.config import ConfigContainer
+
+RECIPES: dict[str, Callable[[], ConfigContainer]] = {
+    "tiny": tiny,
+    "llama3_8b": llama3_8b,
+    "llama3_70b": llama3_70b,
+    "qwen3_8b": qwen3_8b,
+    "qwen3_600m": qwen3_600m,
+}
+
+
+def list_recipes() -> list[str]:
+    """Names accepted by ``get_recipe`` (hyphens and underscores are interchangeable)."""
+    return sorted(RECIPES)
+
+
+def get_recipe(name: str) -> ConfigContainer:
+    """A fresh ConfigContainer of the named recipe; unknown names raise ConfigError listing the known ones."""
+    key = name.strip().replace("-", "_").lower()
+    if key not in RECIPES:
+        close = difflib.get_close_matches(key, RECIPES, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"unknown recipe {name!r}: {hint}choose one of {', '.join(list_recipes())}")
+    return RECIPES[key]()
+
+
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m"]

@@ -1,0 +1,72 @@
+"""``longspan config show|validate [--recipe NAME] [--config FILE]... [--world-size N] [--allow-unknown] [overrides]``.
+
+``show`` prints the merged configuration as YAML (recipe < files < overrides; nothing is validated, so the
+output loads back byte for byte). ``validate`` runs ``ConfigContainer.validate()`` for the world size and
+prints the derived values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _override_aware(parser_cls: type) -> type:
+    """A parser class that collects ``section.field=value`` tokens wherever they appear on the line."""
+
+    class OverrideParser(parser_cls):  # type: ignore[misc, valid-type]
+        def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+            ns, extras = super().parse_known_args(args, namespace)
+            overrides = [a for a in extras if "=" in a and not a.startswith("-")]
+            rest = [a for a in extras if not ("=" in a and not a.startswith("-"))]
+            ns.overrides = list(getattr(ns, "overrides", None) or []) + overrides
+            return ns, rest
+
+    return OverrideParser
+
+
+def add_parser(subparsers: Any, name: str) -> None:
+    """Register ``longspan config show|validate``."""
+    parser = subparsers.add_parser(name, help="show or validate a configuration", description=__doc__.splitlines()[0])
+    actions = parser.add_subparsers(dest="config_action", required=True, parser_class=_override_aware(type(parser)))
+    for action, text in (("show", "print the merged configuration as YAML"),
+                         ("validate", "validate the configuration for a world size")):
+        sub = actions.add_parser(action, help=text, description=text)
+        sub.add_argument("--recipe", default=None, help="recipe name, e.g. tiny")
+        sub.add_argument("--config", action="append", default=[], metavar="FILE",
+                         help="YAML file: a full config or a partial override (repeatable; later wins)")
+        sub.add_argument("--allow-unknown", action="store_true",
+                         help="load Megatron Bridge files even when they set fields longspan does not know")
+        if action == "validate":
+            sub.add_argument("--world-size", type=int, default=None,
+                             help="number of ranks to validate for (default: WORLD_SIZE or 1)")
+        sub.set_defaults(overrides=[])
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``config show`` or ``config validate``; user errors raise ConfigError (exit 2 in the dispatcher)."""
+    from longspan.config import inapplicable_fields, load_config
+
+    cfg = load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
+    if args.config_action == "show":
+        sys.stdout.write(cfg.to_yaml())
+        return 0
+    cfg.validate(world_size=args.world_size)
+    s = cfg.scheduler
+    lines = [
+        f"configuration is valid for world size {cfg.world_size}",
+        f"  data_parallel_size: {cfg.data_parallel_size}",
+        f"  num_microbatches: {cfg.num_microbatches}",
+        f"  global_batch_size: {cfg.train.global_batch_size}",
+        f"  lr_warmup_steps: {s.lr_warmup_steps}",
+        f"  lr_decay_steps: {s.lr_decay_steps}",
+        f"  wd_incr_steps: {s.wd_incr_steps}",
+        f"  wsd_decay_steps: {s.wsd_decay_steps}",
+    ]
+    skipped = inapplicable_fields(cfg)
+    if skipped:
+        lines.append(f"not applicable on this machine (ignored): {', '.join(skipped)}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0

@@ -1,0 +1,195 @@
+"""Which config fields longspan honours: the one table behind validate() and docs/config-support.md.
+
+Every field has a status:
+- ``supported``: longspan implements it.
+- ``not supported yet``: validate() raises NotSupportedError when it is set to anything but its default.
+- ``device-dependent``: implemented where it applies (an accelerator); elsewhere it is listed once at
+  start-up as not applicable instead of failing.
+
+A section has a default status; FIELD_STATUS lists the exceptions, so every field's status is explicit in
+the generated document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from longspan.config.types import is_derived_field, yaml_fields
+from longspan.core.errors import NotSupportedError
+
+SUPPORTED = "supported"
+NOT_SUPPORTED = "not supported yet"
+DEVICE = "device-dependent"
+
+# Status of fields the table below does not name.
+SECTION_DEFAULT: dict[str, str] = {
+    "rng": SUPPORTED,
+    "rerun_state_machine": NOT_SUPPORTED,
+    "train": SUPPORTED,
+    "model": NOT_SUPPORTED,
+    "optimizer": NOT_SUPPORTED,
+    "ddp": NOT_SUPPORTED,
+    "scheduler": SUPPORTED,
+    "dataset": SUPPORTED,
+    "logger": SUPPORTED,
+    "tokenizer": NOT_SUPPORTED,
+    "checkpoint": NOT_SUPPORTED,
+    "dist": NOT_SUPPORTED,
+    "ft": NOT_SUPPORTED,
+    "straggler": NOT_SUPPORTED,
+    "nvrx_straggler": NOT_SUPPORTED,
+    "profiling": SUPPORTED,
+    "mixed_precision": NOT_SUPPORTED,
+}
+
+
+def _many(section: str, status: str, names: str) -> dict[str, str]:
+    return {f"{section}.{n}": status for n in names.split()}
+
+
+FIELD_STATUS: dict[str, str] = {
+    **_many("rng", NOT_SUPPORTED, "te_rng_tracker inference_rng_tracker"),
+    **_many("rerun_state_machine", SUPPORTED, "check_for_nan_in_loss"),
+    **_many("train", DEVICE, "empty_unused_memory_level train_sync_interval"),
+    **_many("train", NOT_SUPPORTED, "exit_signal_handler_for_dataloader"),
+    # The model: what the GPT model (issue 3) and the tensor/sequence/data parallel plans (issue 5) build.
+    **_many("model", SUPPORTED, """
+        tensor_model_parallel_size sequence_parallel perform_initialization fp16 bf16 params_dtype
+        deterministic_mode pipeline_dtype barrier_with_L1_time
+        num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels softmax_scale
+        hidden_dropout attention_dropout layernorm_epsilon normalization qk_layernorm add_bias_linear
+        add_qkv_bias gated_linear_unit activation_func calculate_per_token_loss init_method_std
+        init_model_with_meta_device attention_softmax_in_fp32 recompute_granularity recompute_method
+        recompute_num_layers recompute_modules share_embeddings_and_output_weights make_vocab_size_divisible_by
+        position_embedding_type rotary_base rotary_percent rope_scaling rope_scaling_factor seq_length
+        vocab_size should_pad_vocab parallel_output fp16_lm_cross_entropy
+        """),
+    **_many("model", DEVICE, "use_cpu_initialization"),
+    **_many("optimizer", SUPPORTED, """
+        optimizer lr min_lr weight_decay fp16 bf16 params_dtype loss_scale initial_loss_scale min_loss_scale
+        loss_scale_window hysteresis adam_beta1 adam_beta2 adam_eps decoupled_weight_decay sgd_momentum
+        use_distributed_optimizer clip_grad log_num_zeros_in_grad barrier_with_L1_time
+        """),
+    **_many("ddp", SUPPORTED, "grad_reduce_in_fp32 overlap_grad_reduce use_distributed_optimizer bucket_size "
+                              "average_in_collective"),
+    **_many("dataset", NOT_SUPPORTED, """
+        num_dataset_builder_threads object_storage_cache_path dataset_root seq_length seed memmap_workers
+        max_train_samples packed_sequence_specs dataset_kwargs do_validation do_test
+        """),
+    **_many("dataset", DEVICE, "pin_memory"),
+    **_many("tokenizer", SUPPORTED, "tokenizer_type tokenizer_model vocab_size vocab_file merge_file "
+                                    "hf_tokenizer_kwargs"),
+    **_many("checkpoint", SUPPORTED, """
+        save save_interval save_optim save_rng load load_optim load_rng finetune pretrained_checkpoint ckpt_step
+        use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save
+        use_persistent_ckpt_worker fully_parallel_load
+        """),
+    **_many("logger", NOT_SUPPORTED, "log_energy"),
+    **_many("logger", DEVICE, "log_memory_to_tensorboard"),
+    **_many("dist", SUPPORTED, "distributed_timeout_minutes local_rank use_torch_fsdp2 use_tp_pp_dp_mapping "
+                               "use_gloo_process_groups"),
+    **_many("dist", DEVICE, "distributed_backend external_gpu_device_mapping"),
+    **_many("profiling", DEVICE, "use_nsys_profiler record_memory_history memory_snapshot_path"),
+    **_many("mixed_precision", SUPPORTED, """
+        fp32 fp16 bf16 params_dtype pipeline_dtype autocast_dtype autocast_enabled grad_reduce_in_fp32 loss_scale
+        initial_loss_scale min_loss_scale loss_scale_window hysteresis
+        """),
+}
+
+# The model classes and dataset classes longspan can build.
+SUPPORTED_MODELS = ("GPTModelProvider",)
+SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig")
+
+
+def field_status(section: str, name: str) -> str:
+    """The status of ``section.name``."""
+    return FIELD_STATUS.get(f"{section}.{name}", SECTION_DEFAULT.get(section, NOT_SUPPORTED))
+
+
+def _default_of(cls: type, f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _differs(value: Any, default: Any) -> bool:
+    if default is dataclasses.MISSING:
+        return False
+    try:
+        return bool(value != default)
+    except Exception:  # noqa: BLE001 - incomparable objects count as different
+        return True
+
+
+def _sections(cfg: Any) -> list[tuple[str, Any]]:
+    out = []
+    for name in SECTION_DEFAULT:
+        obj = getattr(cfg, name, None)
+        if obj is not None and dataclasses.is_dataclass(obj):
+            out.append((name, obj))
+    return out
+
+
+def unsupported_settings(cfg: Any) -> list[str]:
+    """'section.field=value (supported: default)' for every not-supported field set to a non-default value."""
+    found: list[str] = []
+    model_cls = type(cfg.model).__name__ if cfg.model is not None else None
+    if model_cls is not None and model_cls not in SUPPORTED_MODELS:
+        found.append(f"model={model_cls} (supported: {', '.join(SUPPORTED_MODELS)})")
+    dataset_cls = type(cfg.dataset).__name__ if cfg.dataset is not None else None
+    if dataset_cls is not None and dataset_cls not in SUPPORTED_DATASETS:
+        found.append(f"dataset={dataset_cls} (supported: {', '.join(SUPPORTED_DATASETS)})")
+    for name in ("peft", "comm_overlap"):
+        if getattr(cfg, name, None) is not None:
+            found.append(f"{name}={getattr(cfg, name)!r} (supported: None)")
+    for section, obj in _sections(cfg):
+        for f in yaml_fields(obj):
+            if is_derived_field(f) or field_status(section, f.name) != NOT_SUPPORTED:
+                continue
+            value, default = getattr(obj, f.name), _default_of(type(obj), f)
+            if _differs(value, default):
+                found.append(f"{section}.{f.name}={value!r} (supported: {default!r})")
+    return found
+
+
+def check_supported(cfg: Any) -> None:
+    """Raise NotSupportedError naming every not-supported field that is set to a non-default value."""
+    found = unsupported_settings(cfg)
+    if found:
+        first = found[0].replace(" (supported:", " is not supported yet by longspan (supported:", 1)
+        rest = f"; also: {'; '.join(found[1:])}" if len(found) > 1 else ""
+        raise NotSupportedError(first + rest)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Device-dependent fields and the values that need an accelerator.
+def _needs_accelerator(section: str, name: str, value: Any) -> bool:
+    if (section, name) == ("dist", "distributed_backend"):
+        return value == "nccl"
+    if (section, name) == ("profiling", "memory_snapshot_path"):
+        return False  # only meaningful with record_memory_history, which is reported itself
+    if (section, name) == ("train", "empty_unused_memory_level"):
+        return value != 0
+    return bool(value)
+
+
+def inapplicable_fields(cfg: Any) -> list[str]:
+    """Device-dependent settings that have no effect on this machine, as 'section.field=value' strings."""
+    if _has_accelerator():
+        return []
+    out = []
+    for section, obj in _sections(cfg):
+        for f in yaml_fields(obj):
+            if field_status(section, f.name) == DEVICE:
+                value = getattr(obj, f.name)
+                if _needs_accelerator(section, f.name, value):
+                    out.append(f"{section}.{f.name}={value!r}")
+    return out

@@ -1,0 +1,84 @@
+"""Llama-3 and Qwen3 shaped recipes with their real sizes (bf16; mock data unless a data path is given)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from longspan.models.gpt_provider import GPTModelProvider
+from longspan.training.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    DistributedDataParallelConfig,
+    GPTDatasetConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+)
+
+
+def _llama_style(**shape: object) -> GPTModelProvider:
+    defaults = dict(
+        normalization="RMSNorm", activation_func=F.silu, gated_linear_unit=True, add_bias_linear=False,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False, hidden_dropout=0.0,
+        attention_dropout=0.0, init_method_std=0.02, layernorm_epsilon=1e-5, make_vocab_size_divisible_by=128,
+    )
+    defaults.update(shape)
+    return GPTModelProvider(**defaults)  # type: ignore[arg-type]
+
+
+def _pretrain(model: GPTModelProvider, name: str, tokenizer_model: str, *, gbs: int, lr: float, min_lr: float,
+              warmup_iters: int = 2000, train_iters: int = 1_168_251) -> ConfigContainer:
+    run_dir = f"runs/{name}"
+    return ConfigContainer(
+        model=model,
+        train=TrainingConfig(micro_batch_size=1, global_batch_size=gbs, train_iters=train_iters,
+                             eval_interval=2000, eval_iters=32, manual_gc=True, manual_gc_interval=100),
+        optimizer=OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=0.1, adam_beta1=0.9,
+                                  adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=True),
+        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                          use_distributed_optimizer=True, average_in_collective=True),
+        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=warmup_iters, lr_warmup_init=0.0),
+        dataset=GPTDatasetConfig(random_seed=1234, sequence_length=model.seq_length, split="9999,8,2",
+                                 reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                                 num_workers=8),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir=f"{run_dir}/tensorboard", log_throughput=True),
+        checkpoint=CheckpointConfig(save=f"{run_dir}/checkpoints", load=f"{run_dir}/checkpoints",
+                                    save_interval=2000),
+        mixed_precision="bf16_mixed",
+    )
+
+
+def llama3_8b() -> ConfigContainer:
+    """Llama-3 8B: 32 layers, hidden 4096, 32 heads / 8 KV groups, FFN 14336, 8k context, rope base 500000."""
+    model = _llama_style(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                         num_query_groups=8, kv_channels=128, seq_length=8192, vocab_size=128256,
+                         rotary_base=500000)
+    return _pretrain(model, "llama3_8b", "meta-llama/Meta-Llama-3-8B", gbs=512, lr=3e-4, min_lr=3e-5)
+
+
+def llama3_70b() -> ConfigContainer:
+    """Llama-3 70B: 80 layers, hidden 8192, 64 heads / 8 KV groups, FFN 28672; tensor parallel 8 with SP."""
+    model = _llama_style(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                         num_query_groups=8, kv_channels=128, seq_length=8192, vocab_size=128256,
+                         rotary_base=500000, tensor_model_parallel_size=8, sequence_parallel=True)
+    return _pretrain(model, "llama3_70b", "meta-llama/Meta-Llama-3-70B", gbs=512, lr=1.5e-4, min_lr=1.5e-5)
+
+
+def qwen3_8b() -> ConfigContainer:
+    """Qwen3 8B: 36 layers, hidden 4096, 32 heads / 8 KV groups of width 128, FFN 12288, QK-norm, rope 1e6."""
+    model = _llama_style(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+                         num_query_groups=8, kv_channels=128, qk_layernorm=True, seq_length=4096,
+                         vocab_size=151936, rotary_base=1000000, layernorm_epsilon=1e-6)
+    return _pretrain(model, "qwen3_8b", "Qwen/Qwen3-8B", gbs=512, lr=3e-4, min_lr=3e-5, warmup_iters=500)
+
+
+def qwen3_600m() -> ConfigContainer:
+    """Qwen3 0.6B: 28 layers, hidden 1024, 16 heads / 8 KV groups of width 128, FFN 3072, tied embeddings."""
+    model = _llama_style(num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
+                         num_query_groups=8, kv_channels=128, qk_layernorm=True, seq_length=4096,
+                         vocab_size=151936, rotary_base=1000000, layernorm_epsilon=1e-6,
+                         share_embeddings_and_output_weights=True)
+    return _pretrain(model, "qwen3_600m", "Qwen/Qwen3-0.6B", gbs=256, lr=3e-4, min_lr=3e-5, warmup_iters=500)

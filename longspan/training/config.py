@@ -1,0 +1,49 @@
+"""Every configuration class of a training run (seed 000, plus the Megatron Core configs it borrows).
+
+Dataclasses only: construction never validates. ``ConfigContainer.validate()`` resolves defaults, derives
+the data-parallel size, the number of microbatches and the scheduler lengths, and checks consistency.
+The classes live in ``longspan.training.configs.*``; this module is their public name.
+"""
+
+from longspan.core.model_parallel_config import ModelParallelConfig
+from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
+from longspan.models.mamba_provider import MambaProvider
+from longspan.models.t5_provider import T5ModelProvider
+from longspan.training.configs.container import ConfigContainer
+from longspan.training.configs.data import (
+    DataloaderConfig,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    MockGPTDatasetConfig,
+    TokenizerConfig,
+)
+from longspan.training.configs.infra import (
+    DistributedInitConfig,
+    FaultToleranceConfig,
+    NVRxStragglerDetectionConfig,
+    ProfilingConfig,
+    RerunStateMachineConfig,
+    RNGConfig,
+    StragglerDetectionConfig,
+)
+from longspan.training.configs.optim import (
+    MIXED_PRECISION_RECIPES,
+    DistributedDataParallelConfig,
+    MixedPrecisionConfig,
+    OptimizerConfig,
+    bf16_mixed,
+    fp16_mixed,
+    fp32,
+    get_mixed_precision_config,
+)
+from longspan.training.configs.training import CheckpointConfig, LoggerConfig, SchedulerConfig, TrainingConfig
+
+__all__ = [
+    "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig", "GPTDatasetConfig",
+    "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig", "TrainingConfig", "CheckpointConfig",
+    "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig", "StragglerDetectionConfig",
+    "NVRxStragglerDetectionConfig", "ConfigContainer", "OptimizerConfig", "DistributedDataParallelConfig",
+    "TokenizerConfig", "MixedPrecisionConfig", "MIXED_PRECISION_RECIPES", "bf16_mixed", "fp16_mixed", "fp32",
+    "get_mixed_precision_config", "ModelParallelConfig", "TransformerConfig", "GPTModelProvider",
+    "T5ModelProvider", "MambaProvider",
+]

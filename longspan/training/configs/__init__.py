@@ -1,0 +1,1 @@
+"""The config dataclasses, split by topic; import them from ``longspan.training.config``."""

@@ -1,0 +1,197 @@
+"""Data configs: dataloader, GPT/mock/finetuning datasets (seed 000) and the tokenizer (Megatron Bridge)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from longspan.core.model_parallel_config import RUNTIME_FIELD
+
+# A blend: (paths, weights or None), written as a two-element list in YAML.
+Blend = list
+
+
+@dataclass
+class DataloaderConfig:
+    """How samples are loaded."""
+
+    dataloader_type: Optional[Literal["single", "cyclic", "external"]] = None
+    """'single' reads the data once in order (Megatron's pretraining sampler), 'cyclic' reshuffles each epoch,
+    'external' uses the iterators the caller gives; None means 'single'."""
+
+    num_workers: int = 8
+    """DataLoader worker processes (0 loads in the training process)."""
+
+    data_sharding: bool = True
+    """With the cyclic sampler: each data-parallel rank reads its own shard of the data."""
+
+    pin_memory: bool = True
+    """Pin host memory for faster host-to-accelerator copies (no effect without an accelerator)."""
+
+    persistent_workers: bool = False
+    """Keep DataLoader workers alive between epochs."""
+
+
+@dataclass(kw_only=True)
+class GPTDatasetConfig(DataloaderConfig):
+    """GPT pretraining data: Megatron Core's GPTDatasetConfig fields plus DataloaderConfig and ``data_path``."""
+
+    random_seed: int
+    """Seed of the shuffles that order documents and samples."""
+
+    sequence_length: int
+    """Tokens per sample (must equal model.seq_length)."""
+
+    blend: Optional[list[Any]] = None
+    """[paths, weights or null]: dataset prefixes blended for all splits (Megatron Core's blend)."""
+
+    blend_per_split: Optional[list[Any]] = None
+    """One blend per split (train, valid, test), each [paths, weights or null] or null."""
+
+    split: Optional[str] = None
+    """Split of one blend into train/valid/test, e.g. '969,30,1' (normalized weights)."""
+
+    num_dataset_builder_threads: int = 1
+    """Threads that build the per-dataset indices."""
+
+    path_to_cache: Optional[str] = None
+    """Directory for the cached sample indices; None caches beside the data."""
+
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (False reads them with file I/O)."""
+
+    mock: bool = False
+    """Use Megatron's synthetic mock data instead of files."""
+
+    tokenizer: Optional[Any] = field(default=None, metadata=RUNTIME_FIELD)
+    """The tokenizer object, set at start-up from the tokenizer config (never written to YAML)."""
+
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples each blended component builds, so rounding never runs short."""
+
+    reset_position_ids: Optional[bool] = None
+    """Restart position ids after each end-of-document token; None is resolved to False by validate()."""
+
+    reset_attention_mask: Optional[bool] = None
+    """Block attention across end-of-document tokens; None is resolved to False by validate()."""
+
+    eod_mask_loss: Optional[bool] = None
+    """Exclude end-of-document positions from the loss; None is resolved to False by validate()."""
+
+    create_attention_mask: bool = True
+    """Put an explicit attention mask in each sample (True = masked, Megatron's convention)."""
+
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last partial validation sample instead of padding it."""
+
+    add_extra_token_to_sequence: bool = True
+    """Read sequence_length + 1 tokens per sample so labels are the inputs shifted by one."""
+
+    object_storage_cache_path: Optional[str] = None
+    """Local cache for datasets read from object storage."""
+
+    data_path: Optional[str] = None
+    """CLI form of a blend: 'PREFIX', 'W1 P1 W2 P2 ...', or 'builtin:NAME' for a corpus that ships with longspan.
+    Converted to ``blend`` by the data builder; None (and no blend) means mock data."""
+
+    def __post_init__(self) -> None:
+        """Nothing: checks run in ``ConfigContainer.validate()`` (lazy validation)."""
+
+
+@dataclass(kw_only=True)
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """GPT dataset config that always uses Megatron's synthetic mock data (no blend, no files)."""
+
+    blend: None = None
+    """Always None: mock data has no files."""
+
+    blend_per_split: None = None
+    """Always None: mock data has no files."""
+
+    mock: bool = True
+    """Always True."""
+
+
+@dataclass
+class FinetuningDatasetConfig(DataloaderConfig):
+    """Supervised finetuning data (JSONL files under dataset_root)."""
+
+    dataset_root: Optional[str] = None
+    """Directory with the training/validation/test JSONL files."""
+
+    seq_length: Optional[int] = None
+    """Maximum tokens per sample."""
+
+    seed: int = 1234
+    """Seed of the dataset shuffle."""
+
+    memmap_workers: int = 1
+    """Workers that build the memory-mapped index."""
+
+    max_train_samples: Optional[int] = None
+    """Use at most this many training samples."""
+
+    packed_sequence_specs: Optional[dict[str, Any]] = None
+    """Sequence packing settings (Megatron Bridge's PackedSequenceSpecs fields)."""
+
+    dataset_kwargs: Optional[dict[str, Any]] = None
+    """Extra keyword arguments for the dataset class."""
+
+    do_validation: bool = True
+    """Build a validation split."""
+
+    do_test: bool = True
+    """Build a test split."""
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Which tokenizer to build (Megatron Bridge / Megatron-LM field names)."""
+
+    tokenizer_type: Optional[str] = None
+    """'HuggingFaceTokenizer', 'SentencePieceTokenizer', 'GPT2BPETokenizer', 'NullTokenizer', 'ByteTokenizer', ..."""
+
+    tokenizer_model: Optional[str] = None
+    """Tokenizer model: a HF directory or tokenizer.json, a SentencePiece .model file, or 'builtin:NAME'."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size (NullTokenizer)."""
+
+    vocab_file: Optional[str] = None
+    """Vocabulary file (GPT2BPETokenizer's vocab.json, BERT's vocab.txt)."""
+
+    merge_file: Optional[str] = None
+    """BPE merges file (GPT2BPETokenizer)."""
+
+    vocab_extra_ids: int = 0
+    """Extra sentinel tokens to add (T5)."""
+
+    special_tokens: Optional[list[str]] = None
+    """Additional special tokens to add."""
+
+    tiktoken_pattern: Optional[str] = None
+    """Regex pattern version of a tiktoken tokenizer ('v1' or 'v2')."""
+
+    tiktoken_num_special_tokens: int = 1000
+    """Number of special tokens reserved by a tiktoken tokenizer."""
+
+    tiktoken_special_tokens: Optional[list[str]] = None
+    """Special tokens of a tiktoken tokenizer."""
+
+    tokenizer_prompt_format: Optional[str] = None
+    """Prompt format for chat/SFT data."""
+
+    image_tag_type: Optional[str] = None
+    """Image tag for multimodal tokenizers."""
+
+    hf_tokenizer_kwargs: Optional[dict[str, Any]] = None
+    """Extra keyword arguments for ``AutoTokenizer.from_pretrained``."""
+
+    chat_template: Optional[str] = None
+    """Chat template (Jinja) for the tokenizer."""
+
+    metadata_path: Optional[Union[str, dict[str, Any]]] = None
+    """Metadata of a Megatron Core tokenizer."""
+
+    make_vocab_size_divisible_by: int = 1
+    """Kept at 1: the model provider pads the vocabulary (Megatron Bridge convention)."""

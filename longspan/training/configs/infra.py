@@ -1,0 +1,212 @@
+"""Run infrastructure configs of seed 000: RNG, distributed init, rerun state machine, profiling, fault
+tolerance and straggler detection."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class RNGConfig:
+    """Random number generation."""
+
+    seed: int = 1234
+    """Seed for Python, NumPy and PyTorch (CPU and accelerator) random generators."""
+
+    te_rng_tracker: bool = False
+    """Use TransformerEngine's RNG tracker (needed for CUDA graphs)."""
+
+    inference_rng_tracker: bool = False
+    """Use an RNG tracker configured for inference."""
+
+    data_parallel_random_init: bool = False
+    """Give each data-parallel replica different initial weights (seed offset by the data-parallel rank)."""
+
+
+def _local_rank_from_env() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
+@dataclass
+class DistributedInitConfig:
+    """How torch.distributed is initialized."""
+
+    distributed_backend: Literal["nccl", "gloo"] = "nccl"
+    """Process-group backend; a CPU-only machine falls back to gloo at start-up."""
+
+    distributed_timeout_minutes: int = 10
+    """Timeout of collective operations, in minutes."""
+
+    align_grad_reduce: bool = True
+    """With pipeline parallelism: launch every stage's gradient reduction together (False: each stage on its own)."""
+
+    local_rank: int = field(default_factory=_local_rank_from_env)
+    """Rank on this node, from the launcher (LOCAL_RANK or SLURM_LOCALID; 0 for a single process)."""
+
+    lazy_init: bool = False
+    """Return a function that completes distributed initialization later (for an external DDP manager)."""
+
+    use_torch_fsdp2: bool = False
+    """Shard parameters, gradients and optimizer state with PyTorch FSDP2 (fully_shard)."""
+
+    nccl_communicator_config_path: Optional[str] = None
+    """YAML file with per-communicator NCCL settings (min/max CTAs, CGA cluster size)."""
+
+    use_tp_pp_dp_mapping: bool = False
+    """Order ranks tp-pp-dp instead of Megatron's default tp-dp-pp (not with expert or context parallelism)."""
+
+    use_gloo_process_groups: bool = True
+    """Also create gloo process groups (used for CPU-side collectives)."""
+
+    use_sharp: bool = False
+    """Use SHARP for data-parallel collectives."""
+
+    high_priority_stream_groups: Optional[list[str]] = None
+    """Communicator groups whose kernels run on high-priority streams."""
+
+    external_gpu_device_mapping: bool = False
+    """Device visibility is managed outside (e.g. CUDA_VISIBLE_DEVICES per process): always use device 0."""
+
+    enable_megatron_core_experimental: bool = False
+    """Enable Megatron Core's experimental features."""
+
+
+@dataclass
+class RerunStateMachineConfig:
+    """The rerun state machine that validates results (NaN/spiky loss checks, re-runs, error injection)."""
+
+    error_injection_rate: int = 0
+    """Inject a fault once every this many result validations (0 = never)."""
+
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
+    """Kind of fault to inject."""
+
+    rerun_mode: Literal["disabled", "validate_results", "report_stats"] = "disabled"
+    """'validate_results' re-runs an iteration whose result fails a check; 'report_stats' measures variability."""
+
+    check_for_nan_in_loss: bool = True
+    """Stop with an error when the loss (or gradient) is NaN or infinite (Megatron's check_for_nan_in_loss_and_grad)."""
+
+    check_for_spiky_loss: bool = False
+    """Flag losses far above the running maximum as suspicious."""
+
+    spiky_loss_factor: float = 10.0
+    """A loss this many times the running maximum counts as spiky."""
+
+
+@dataclass
+class ProfilingConfig:
+    """Profiling of the training loop."""
+
+    use_nsys_profiler: bool = False
+    """Bracket the profiled steps with cudaProfilerStart/Stop for an external nsys run."""
+
+    profile_step_start: int = 10
+    """First profiled iteration."""
+
+    profile_step_end: int = 12
+    """Iteration where profiling stops."""
+
+    use_pytorch_profiler: bool = False
+    """Profile with torch.profiler (TensorBoard trace)."""
+
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile."""
+
+    record_memory_history: bool = False
+    """Record the CUDA allocator's memory history (last rank)."""
+
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Where the memory history snapshot is written."""
+
+    record_shapes: bool = False
+    """Record tensor shapes in the PyTorch profiler."""
+
+    def __post_init__(self) -> None:
+        """Nothing: ``ConfigContainer.validate()`` checks the profiling fields (lazy validation)."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    """NVIDIA's fault-tolerance package (NVIDIA internal use)."""
+
+    enable_ft_package: bool = False
+    """Enable the fault-tolerance package."""
+
+    calc_ft_timeouts: bool = False
+    """Let the package compute its timeouts."""
+
+    simulate_fault: bool = False
+    """Inject a simulated fault (testing only)."""
+
+    simulated_fault_type: Literal["rank_hung", "rank_killed", "random"] = "random"
+    """Kind of simulated fault."""
+
+    simulated_fault_rank: Optional[int] = None
+    """Rank that fails; None picks one at random."""
+
+    simulated_fault_base_delay: int = 0
+    """Seconds before the simulated fault (plus a small random delay)."""
+
+
+@dataclass
+class StragglerDetectionConfig:
+    """Megatron's straggler detector (slow GPUs)."""
+
+    log_straggler: bool = False
+    """Track and log per-GPU throughput to find stragglers."""
+
+    enable_straggler_on_startup: bool = True
+    """Start with the detector enabled."""
+
+    straggler_ctrlr_port: int = 65535
+    """Port that toggles the detector at runtime."""
+
+    straggler_minmax_count: int = 1
+    """How many slowest/fastest ranks to report."""
+
+    disable_straggler_on_startup: bool = False
+    """Start with the detector disabled."""
+
+
+@dataclass
+class NVRxStragglerDetectionConfig:
+    """NVIDIA Resiliency Extension straggler detection."""
+
+    enabled: bool = False
+    """Enable NVRx straggler detection."""
+
+    report_time_interval: float = 300.0
+    """Seconds between straggler checks."""
+
+    calc_relative_gpu_perf: bool = True
+    """Compute relative GPU performance scores."""
+
+    calc_individual_gpu_perf: bool = True
+    """Compute individual GPU performance scores."""
+
+    num_gpu_perf_scores_to_print: int = 5
+    """Best and worst scores to print (0: only when stragglers are found)."""
+
+    gpu_relative_perf_threshold: float = 0.7
+    """Relative score below which a GPU is a straggler."""
+
+    gpu_individual_perf_threshold: float = 0.7
+    """Individual score below which a GPU is a straggler."""
+
+    stop_if_detected: bool = False
+    """Stop the run when a straggler is found."""
+
+    enable_logging: bool = True
+    """Log the performance scores."""
+
+    profiling_interval: int = 1
+    """Profiling interval passed to the detector."""
+
+    logger_name: str = "megatron_hub.NVRxStragglerDetection"
+    """Logger that receives the detector's messages."""
+
+    def __post_init__(self) -> None:
+        """Nothing: checks run in ``ConfigContainer.validate()``."""

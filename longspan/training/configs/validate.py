@@ -1,0 +1,488 @@
+"""``ConfigContainer.validate()``: resolve defaults, derive sizes and schedule lengths, check consistency.
+
+Every failure is one ``ConfigError`` line naming the fields, their values and what would be valid. The
+function only fills values that are None (or recomputes derived ones), so calling it twice is harmless.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from longspan.core.errors import ConfigError
+from longspan.core.logging import get_logger, warn_rank_0
+from longspan.core.vocab import calculate_padded_vocab_size
+
+if TYPE_CHECKING:
+    from longspan.training.configs.container import ConfigContainer
+
+_log = get_logger(__name__)
+
+REQUIRED_SECTIONS = ("train", "model", "optimizer", "scheduler", "dataset", "logger", "tokenizer", "checkpoint")
+
+
+def resolve_world_size(world_size: Optional[int] = None) -> int:
+    """The world size: explicit, else torch.distributed's when initialized, else env WORLD_SIZE (default 1)."""
+    if world_size is not None:
+        ws = world_size
+    else:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            ws = dist.get_world_size()
+        else:
+            raw = os.environ.get("WORLD_SIZE", "1")
+            try:
+                ws = int(raw)
+            except ValueError:
+                raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
+    if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+        raise ConfigError(f"world size={ws!r} is not valid: use a positive integer")
+    return ws
+
+
+def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None) -> None:
+    """Validate ``cfg`` in place for ``world_size`` ranks (see ``ConfigContainer.validate``)."""
+    from longspan.config.support import check_supported
+    from longspan.config.types import check_container_types
+
+    ws = resolve_world_size(world_size)
+    _check_sections(cfg)
+    check_container_types(cfg)
+    _apply_precision(cfg)
+    _resolve_defaults(cfg)
+    _sync_distributed_optimizer(cfg)
+    dp = _check_parallel_layout(cfg, ws)
+    num_microbatches = _check_batch(cfg, dp)
+    _check_train_length(cfg)
+    _compute_scheduler_steps(cfg)
+    _check_dataset(cfg)
+    _check_misc(cfg)
+    check_supported(cfg)
+    cfg.world_size = ws
+    cfg.data_parallel_size = dp
+    cfg.num_microbatches = num_microbatches
+
+
+def _check_sections(cfg: "ConfigContainer") -> None:
+    from longspan.training.configs.container import SECTION_TYPES
+
+    for name in REQUIRED_SECTIONS:
+        if getattr(cfg, name) is None:
+            raise ConfigError(f"the '{name}' section is missing: give it in a YAML file or start from a --recipe")
+    for name, types in SECTION_TYPES.items():
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, types):
+            names = " or ".join(t.__name__ for t in types)
+            raise ConfigError(f"{name} is a {type(value).__name__}: expected {names}")
+
+
+def _apply_precision(cfg: "ConfigContainer") -> None:
+    from longspan.training.configs.optim import (
+        MIXED_PRECISION_RECIPES,
+        MixedPrecisionConfig,
+        apply_mixed_precision,
+        get_mixed_precision_config,
+    )
+
+    model, opt = cfg.model, cfg.optimizer
+    mp = cfg.mixed_precision
+    if isinstance(mp, str):
+        resolved = get_mixed_precision_config(mp)
+        if resolved is None:
+            raise ConfigError(
+                f"mixed_precision={mp!r} is not a known recipe: choose one of {', '.join(MIXED_PRECISION_RECIPES)}"
+            )
+        mp = resolved
+    if isinstance(mp, MixedPrecisionConfig):
+        if sum([mp.fp32, mp.fp16, mp.bf16]) > 1:
+            raise ConfigError(
+                f"mixed_precision sets fp32={mp.fp32}, fp16={mp.fp16}, bf16={mp.bf16}: choose exactly one"
+            )
+        apply_mixed_precision(mp, model, opt, cfg.ddp)
+    else:
+        # One source of truth: without mixed_precision the model and optimizer flags must agree.
+        for flag in ("bf16", "fp16"):
+            if bool(getattr(model, flag)) != bool(getattr(opt, flag)):
+                raise ConfigError(
+                    f"model.{flag}={getattr(model, flag)} but optimizer.{flag}={getattr(opt, flag)}: "
+                    f"set both the same, or set mixed_precision (bf16_mixed, fp16_mixed, fp32)"
+                )
+    if model.fp16 and model.bf16:
+        raise ConfigError("model.fp16=True and model.bf16=True: choose one (or neither for fp32)")
+
+
+def _resolve_defaults(cfg: "ConfigContainer") -> None:
+    model = cfg.model
+    if model.params_dtype is None:
+        model.params_dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
+    if model.pipeline_dtype is None:
+        model.pipeline_dtype = model.params_dtype
+    if hasattr(model, "finalize"):
+        model.finalize()
+    if cfg.optimizer.min_lr is None:
+        cfg.optimizer.min_lr = 0.0
+    if cfg.train.exit_signal is None:
+        cfg.train.exit_signal = signal.SIGTERM
+    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if hasattr(cfg.dataset, name) and getattr(cfg.dataset, name) is None:
+            setattr(cfg.dataset, name, False)
+
+
+def _sync_distributed_optimizer(cfg: "ConfigContainer") -> None:
+    opt_flag, ddp_flag = cfg.optimizer.use_distributed_optimizer, cfg.ddp.use_distributed_optimizer
+    if ddp_flag and not opt_flag:
+        raise ConfigError(
+            "ddp.use_distributed_optimizer=True but optimizer.use_distributed_optimizer=False: "
+            "set optimizer.use_distributed_optimizer=true (it is copied to ddp)"
+        )
+    cfg.ddp.use_distributed_optimizer = opt_flag
+
+
+def _positive(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def _check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
+    m = cfg.model
+    tp = _positive(m.tensor_model_parallel_size, "model.tensor_model_parallel_size")
+    pp = _positive(m.pipeline_model_parallel_size, "model.pipeline_model_parallel_size")
+    cp = _positive(m.context_parallel_size, "model.context_parallel_size")
+    ep = _positive(m.expert_model_parallel_size, "model.expert_model_parallel_size")
+    mp = tp * pp * cp
+    if ws % mp != 0:
+        raise ConfigError(
+            f"world size {ws} is not divisible by model.tensor_model_parallel_size ({tp}) x "
+            f"model.pipeline_model_parallel_size ({pp}) x model.context_parallel_size ({cp}) = {mp}"
+        )
+    dp = ws // mp
+    etp = m.expert_tensor_parallel_size or tp
+    if (ep > 1 or etp != tp) and ws % (etp * ep * pp) != 0:
+        raise ConfigError(
+            f"world size {ws} is not divisible by model.expert_tensor_parallel_size ({etp}) x "
+            f"model.expert_model_parallel_size ({ep}) x model.pipeline_model_parallel_size ({pp})"
+        )
+    if ep > 1:
+        experts = getattr(m, "num_moe_experts", None)
+        if not experts:
+            raise ConfigError(f"model.expert_model_parallel_size={ep} needs model.num_moe_experts to be set")
+        if experts % ep != 0:
+            raise ConfigError(
+                f"model.num_moe_experts={experts} is not divisible by model.expert_model_parallel_size={ep}"
+            )
+    if m.sequence_parallel and tp == 1:
+        raise ConfigError("model.sequence_parallel=True needs model.tensor_model_parallel_size > 1 (it is 1)")
+    layers = _positive(m.num_layers, "model.num_layers")
+    vp = m.virtual_pipeline_model_parallel_size
+    if vp is not None:
+        if pp == 1:
+            raise ConfigError(
+                f"model.virtual_pipeline_model_parallel_size={vp} needs model.pipeline_model_parallel_size > 1"
+            )
+        if layers % (pp * vp) != 0:
+            raise ConfigError(
+                f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size ({pp}) x "
+                f"model.virtual_pipeline_model_parallel_size ({vp})"
+            )
+    uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
+    if not uneven and layers % pp != 0:
+        raise ConfigError(
+            f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size={pp}"
+        )
+    heads = _positive(m.num_attention_heads, "model.num_attention_heads")
+    hidden = _positive(m.hidden_size, "model.hidden_size")
+    groups = m.num_query_groups or heads
+    if heads % groups != 0:
+        raise ConfigError(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
+    if heads % tp != 0 or groups % tp != 0:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads ({heads}) and "
+            f"model.num_query_groups ({groups})"
+        )
+    if m.kv_channels is None and hidden % heads != 0:
+        raise ConfigError(
+            f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}: "
+            "set model.kv_channels"
+        )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp != 0:
+        raise ConfigError(
+            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by model.tensor_model_parallel_size={tp}"
+        )
+    if m.vocab_size is not None:
+        padded = calculate_padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+        if padded % tp != 0:
+            raise ConfigError(
+                f"padded vocabulary {padded} (model.vocab_size={m.vocab_size} rounded up to "
+                f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}) is not divisible by "
+                f"model.tensor_model_parallel_size={tp}: use a make_vocab_size_divisible_by that tp divides"
+            )
+    if cp > 1 and m.seq_length % (2 * cp) != 0:
+        raise ConfigError(
+            f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
+        )
+    return dp
+
+
+def _check_batch(cfg: "ConfigContainer", dp: int) -> int:
+    t = cfg.train
+    if t.micro_batch_size is None:
+        raise ConfigError("train.micro_batch_size is required (samples per forward pass on one rank)")
+    mbs = _positive(t.micro_batch_size, "train.micro_batch_size")
+    if t.global_batch_size is None:
+        t.global_batch_size = mbs * dp
+    gbs = _positive(t.global_batch_size, "train.global_batch_size")
+    per_step = mbs * dp
+    if gbs % per_step != 0:
+        if not t.decrease_batch_size_if_needed:
+            raise ConfigError(
+                f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size ({mbs}) x "
+                f"data-parallel size ({dp}) = {per_step}"
+            )
+        if gbs < per_step:
+            raise ConfigError(
+                f"train.global_batch_size={gbs} is smaller than train.micro_batch_size ({mbs}) x "
+                f"data-parallel size ({dp}) = {per_step}, even with decrease_batch_size_if_needed"
+            )
+        warn_rank_0(
+            f"train.global_batch_size={gbs} is not divisible by {per_step}: using "
+            f"{gbs // per_step * per_step} (decrease_batch_size_if_needed)",
+            _log,
+        )
+    ramp = t.rampup_batch_size
+    if ramp is not None:
+        if len(ramp) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ramp):
+            raise ConfigError(
+                f"train.rampup_batch_size={ramp!r} must be three positive integers [start, increment, samples]"
+            )
+        start, incr, _ = ramp
+        if start > gbs or (gbs - start) % incr != 0:
+            raise ConfigError(
+                f"train.rampup_batch_size={ramp!r}: train.global_batch_size ({gbs}) minus the start ({start}) "
+                f"must be a non-negative multiple of the increment ({incr})"
+            )
+    return gbs // per_step
+
+
+def _check_train_length(cfg: "ConfigContainer") -> None:
+    t = cfg.train
+    if (t.train_iters is None) == (t.train_samples is None):
+        raise ConfigError(
+            f"give exactly one of train.train_iters ({t.train_iters}) and train.train_samples ({t.train_samples})"
+        )
+    for name in ("train_iters", "train_samples"):
+        value = getattr(t, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"train.{name}={value} must not be negative")
+    if t.train_iters is not None and t.rampup_batch_size is not None:
+        raise ConfigError(
+            "train.rampup_batch_size needs sample-based training: set train.train_samples instead of train.train_iters"
+        )
+
+
+def _compute_scheduler_steps(cfg: "ConfigContainer") -> None:
+    """Warmup/decay/weight-decay lengths in samples, as Megatron computes them (reference §3)."""
+    s, t, opt = cfg.scheduler, cfg.train, cfg.optimizer
+    if opt.lr is None:
+        raise ConfigError("optimizer.lr is required (the peak learning rate)")
+    if opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr={opt.min_lr} must be between 0 and optimizer.lr={opt.lr}")
+    if s.lr_warmup_init < 0 or s.lr_warmup_init > opt.lr:
+        raise ConfigError(f"scheduler.lr_warmup_init={s.lr_warmup_init} must be between 0 and optimizer.lr={opt.lr}")
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "scheduler.override_opt_param_scheduler and scheduler.use_checkpoint_opt_param_scheduler are both "
+            "True: choose one"
+        )
+    gbs = t.global_batch_size
+    if t.train_samples is not None:
+        if s.lr_decay_iters is not None or s.lr_warmup_iters != 0 or s.lr_wsd_decay_iters is not None:
+            raise ConfigError(
+                "sample-based training (train.train_samples) uses scheduler.lr_decay_samples / lr_warmup_samples / "
+                "lr_wsd_decay_samples, not the *_iters fields"
+            )
+        if s.lr_warmup_fraction is not None and s.lr_warmup_samples != 0:
+            raise ConfigError("set only one of scheduler.lr_warmup_fraction and scheduler.lr_warmup_samples")
+        decay = s.lr_decay_samples if s.lr_decay_samples is not None else t.train_samples
+        s.lr_decay_steps = decay
+        s.wd_incr_steps = t.train_samples
+        s.wsd_decay_steps = s.lr_wsd_decay_samples
+        warmup = s.lr_warmup_fraction * decay if s.lr_warmup_fraction is not None else s.lr_warmup_samples
+    else:
+        if s.lr_decay_samples is not None or s.lr_warmup_samples != 0 or s.lr_wsd_decay_samples is not None:
+            raise ConfigError(
+                "iteration-based training (train.train_iters) uses scheduler.lr_decay_iters / lr_warmup_iters / "
+                "lr_wsd_decay_iters, not the *_samples fields"
+            )
+        if s.lr_warmup_fraction is not None and s.lr_warmup_iters != 0:
+            raise ConfigError("set only one of scheduler.lr_warmup_fraction and scheduler.lr_warmup_iters")
+        decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
+        s.lr_decay_steps = decay_iters * gbs
+        s.wd_incr_steps = t.train_iters * gbs
+        s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters is not None else None
+        warmup = (
+            s.lr_warmup_fraction * s.lr_decay_steps if s.lr_warmup_fraction is not None else s.lr_warmup_iters * gbs
+        )
+    if s.lr_warmup_fraction is not None and not 0.0 <= s.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"scheduler.lr_warmup_fraction={s.lr_warmup_fraction} must be between 0 and 1")
+    if s.lr_decay_steps <= 0 and not t.skip_train:
+        raise ConfigError(
+            f"the learning rate decays over {s.lr_decay_steps} samples: increase train.train_iters/train_samples "
+            "or scheduler.lr_decay_iters/lr_decay_samples"
+        )
+    if warmup >= s.lr_decay_steps > 0:
+        # Megatron Core requires warmup < decay; short smoke runs of long recipes hit this (Bridge caps too).
+        warn_rank_0(
+            f"scheduler warmup ({warmup} samples) is not shorter than the decay ({s.lr_decay_steps} samples): "
+            f"capping warmup at {s.lr_decay_steps - 1}",
+            _log,
+        )
+        warmup = s.lr_decay_steps - 1
+    s.lr_warmup_steps = warmup
+    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
+        raise ConfigError(
+            "scheduler.lr_decay_style='WSD' needs scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples)"
+        )
+    if s.start_weight_decay is None:
+        s.start_weight_decay = opt.weight_decay
+    if s.end_weight_decay is None:
+        s.end_weight_decay = opt.weight_decay
+    if s.start_weight_decay < 0 or s.end_weight_decay < s.start_weight_decay:
+        raise ConfigError(
+            f"scheduler.start_weight_decay={s.start_weight_decay} must be >= 0 and <= "
+            f"scheduler.end_weight_decay={s.end_weight_decay}"
+        )
+
+
+_SPLIT_RE = re.compile(r"^\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*$")
+
+
+def check_blend(blend: object, name: str) -> None:
+    """A blend is [paths, weights or None] with one positive weight per path."""
+    ok = isinstance(blend, (list, tuple)) and len(blend) == 2 and isinstance(blend[0], (list, tuple))
+    ok = ok and len(blend[0]) > 0 and all(isinstance(p, str) for p in blend[0])
+    if ok and blend[1] is not None:
+        w = blend[1]
+        ok = isinstance(w, (list, tuple)) and len(w) == len(blend[0])
+        ok = ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in w)
+        ok = ok and sum(w) > 0
+    if not ok:
+        raise ConfigError(
+            f"{name}={blend!r} is not a blend: use [[PREFIX, ...], null] or [[P1, P2], [W1, W2]] with weights >= 0"
+        )
+
+
+def check_data_path(data_path: str) -> None:
+    """'PREFIX', 'builtin:NAME' or 'W1 P1 W2 P2 ...' (positive weights, one per prefix)."""
+    parts = data_path.split()
+    if not parts:
+        raise ConfigError("dataset.data_path='' is empty: give a prefix, 'W1 P1 W2 P2', or builtin:NAME")
+    if len(parts) == 1:
+        return
+    weights = parts[0::2]
+    try:
+        values = [float(w) for w in weights]
+    except ValueError:
+        values = None
+    if len(parts) % 2 != 0 or values is None or any(v < 0 or math.isnan(v) for v in values) or sum(values) <= 0:
+        raise ConfigError(
+            f"dataset.data_path={data_path!r} is not valid: use 'PREFIX' or weight/prefix pairs 'W1 P1 W2 P2' "
+            "with non-negative weights"
+        )
+
+
+def _check_dataset(cfg: "ConfigContainer") -> None:
+    from longspan.training.configs.data import FinetuningDatasetConfig, GPTDatasetConfig
+
+    d, m = cfg.dataset, cfg.model
+    if isinstance(d, GPTDatasetConfig):
+        if d.sequence_length != m.seq_length:
+            raise ConfigError(
+                f"dataset.sequence_length={d.sequence_length} differs from model.seq_length={m.seq_length}: "
+                "set both to the same value"
+            )
+        if d.data_path is not None and d.blend is not None:
+            raise ConfigError("dataset.data_path and dataset.blend are both set: use one of them")
+        if d.blend_per_split is not None and (d.blend is not None or d.data_path is not None):
+            raise ConfigError("dataset.blend_per_split cannot be combined with dataset.blend or dataset.data_path")
+        if d.data_path is not None:
+            check_data_path(d.data_path)
+        if d.blend is not None:
+            check_blend(d.blend, "dataset.blend")
+        if d.blend_per_split is not None:
+            if len(d.blend_per_split) != 3:
+                raise ConfigError(
+                    f"dataset.blend_per_split has {len(d.blend_per_split)} entries: give 3 (train, valid, test)"
+                )
+            for i, b in enumerate(d.blend_per_split):
+                if b is not None:
+                    check_blend(b, f"dataset.blend_per_split[{i}]")
+        if d.split is not None:
+            if not _SPLIT_RE.match(d.split) or sum(float(x) for x in re.split(r"[,/]", d.split)) <= 0:
+                raise ConfigError(
+                    f"dataset.split={d.split!r} is not valid: use up to three non-negative numbers like '969,30,1'"
+                )
+        if not 0 <= d.mid_level_dataset_surplus:
+            raise ConfigError(f"dataset.mid_level_dataset_surplus={d.mid_level_dataset_surplus} must be >= 0")
+    elif isinstance(d, FinetuningDatasetConfig) and d.seq_length is not None and d.seq_length != m.seq_length:
+        raise ConfigError(
+            f"dataset.seq_length={d.seq_length} differs from model.seq_length={m.seq_length}: set both the same"
+        )
+    if d.num_workers < 0:
+        raise ConfigError(f"dataset.num_workers={d.num_workers} must be >= 0")
+
+
+def _check_misc(cfg: "ConfigContainer") -> None:
+    t, c, lg = cfg.train, cfg.checkpoint, cfg.logger
+    if c.async_save and c.ckpt_format != "torch_dist":
+        raise ConfigError(
+            f"checkpoint.async_save=True works only with checkpoint.ckpt_format='torch_dist' (it is {c.ckpt_format!r})"
+        )
+    if c.load_main_params_from_ckpt and c.load_optim:
+        raise ConfigError("checkpoint.load_main_params_from_ckpt=True needs checkpoint.load_optim=False")
+    for section, name in (
+        (c, "checkpoint.save_interval"), (lg, "logger.log_interval"), (lg, "logger.tensorboard_log_interval"),
+        (t, "train.eval_interval"), (t, "train.exit_interval"), (t, "train.manual_gc_interval"),
+        (t, "train.check_weight_hash_across_dp_replicas_interval"), (t, "train.train_sync_interval"),
+    ):
+        value = getattr(section, name.split(".")[1])
+        minimum = 0 if name == "train.manual_gc_interval" else 1
+        if value is not None and value < minimum:
+            raise ConfigError(f"{name}={value} must be >= {minimum}")
+    if t.eval_iters < 0:
+        raise ConfigError(f"train.eval_iters={t.eval_iters} must be >= 0")
+    if c.ckpt_step is not None and c.ckpt_step < 0:
+        raise ConfigError(f"checkpoint.ckpt_step={c.ckpt_step} must be >= 0")
+    if cfg.dist.distributed_timeout_minutes < 1:
+        raise ConfigError(f"dist.distributed_timeout_minutes={cfg.dist.distributed_timeout_minutes} must be >= 1")
+    if cfg.rerun_state_machine.error_injection_rate < 0:
+        raise ConfigError(
+            f"rerun_state_machine.error_injection_rate={cfg.rerun_state_machine.error_injection_rate} must be >= 0"
+        )
+    p = cfg.profiling
+    if p is not None:
+        if p.use_nsys_profiler and p.use_pytorch_profiler:
+            raise ConfigError("profiling.use_nsys_profiler and profiling.use_pytorch_profiler are both True: choose one")
+        if p.profile_step_end < p.profile_step_start:
+            raise ConfigError(
+                f"profiling.profile_step_end={p.profile_step_end} is before "
+                f"profiling.profile_step_start={p.profile_step_start}"
+            )
+    m = cfg.model
+    if not 0.0 <= m.hidden_dropout <= 1.0 or not 0.0 <= m.attention_dropout <= 1.0:
+        raise ConfigError(
+            f"model.hidden_dropout={m.hidden_dropout} and model.attention_dropout={m.attention_dropout} "
+            "must be between 0 and 1"
+        )
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        raise ConfigError("model.recompute_granularity='full' needs model.recompute_method ('uniform' or 'block')")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError(
+            f"model.recompute_method={m.recompute_method!r} needs model.recompute_granularity='full'"
+        )

@@ -110,6 +110,8 @@ class GlobalState:
         self.num_microbatches_calculator: Optional[Any] = None
         self.energy_monitor: Optional[Any] = None
         self.start_time: float = time.time()
+        # Running FLOPs total at the last training-log line (for TFLOP/s over the interval).
+        self._flops_at_last_log: Optional[float] = None
 
     # ------------------------------------------------------------------ config and train state
     @property
@@ -224,4 +226,5 @@ class GlobalState:
         self._timers = None
         self._train_state = None
         self.signal_handler = None
+        self._flops_at_last_log = None
         self.start_time = time.time()

@@ -297,6 +297,11 @@ def training_log(
     metrics_logger = global_state.metrics_logger
     iteration_time = history_wct[-1] - history_wct[-2] if len(history_wct) >= 2 else None
     flops = _flops_per_iteration(config, batch_size)
+    so_far = float(train_state.floating_point_operations_so_far or 0.0)
+    if global_state._flops_at_last_log is None:
+        # First call of this run: the running total already includes this iteration (and, after a resume,
+        # everything done before), so the baseline is the total before this iteration.
+        global_state._flops_at_last_log = max(0.0, so_far - (flops or 0.0))
     if metrics_logger is not None:
         record = {
             "phase": "train",
@@ -326,11 +331,11 @@ def training_log(
             elapsed_time = history_wct[-1] - history_wct[-1 - total_iterations]
         elapsed_per_iter = elapsed_time / max(1, total_iterations)
 
-        per_gpu_tflops = None
+        per_gpu_tflops = None if flops is None else 0.0
         if flops is not None and elapsed_time > 0:
-            so_far = float(train_state.floating_point_operations_so_far or 0.0)
-            previous = getattr(global_state, "_flops_at_last_log", None)
-            interval_flops = so_far - previous if previous is not None and so_far > previous else 0.0
+            # FLOPs of this interval = growth of the trainer's running total since the last log; if the
+            # trainer does not keep that total, the formula times the interval's iterations.
+            interval_flops = so_far - global_state._flops_at_last_log
             if interval_flops <= 0:
                 interval_flops = flops * total_iterations
             global_state._flops_at_last_log = so_far

@@ -77,6 +77,8 @@ def core_attention(
         v = v[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
     if attention_mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    if attention_mask.dtype != torch.bool:  # a 0/1 (or additive 0/-inf) mask: non-zero means masked
+        attention_mask = attention_mask != 0
     return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p, scale=scale)
 
 

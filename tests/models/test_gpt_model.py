@@ -286,3 +286,61 @@ def test_meta_build_and_scaled_attention_shapes():
     assert attn.q_layernorm.weight.shape == (24,)
     assert model.decoder.layers["0"].mlp.linear_fc1_gate.weight.shape == (cfg.ffn_hidden_size, cfg.hidden_size)
     assert math.isclose(attn.linear_proj.init_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers))
+
+
+def test_provider_provide_builds_gpt_model():
+    provider_mod = pytest.importorskip("longspan.models.gpt_provider")
+    provider = provider_mod.GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100,
+                                             seq_length=16)
+    torch.manual_seed(21)
+    model = provider.provide()
+    assert isinstance(model, GPTModel) and not any(p.is_meta for p in model.parameters())
+    expected = build_gpt_model(provider, seed=21)  # provide() draws from torch.initial_seed()
+    assert all(torch.equal(p, dict(expected.named_parameters())[n]) for n, p in model.named_parameters())
+    stage = provider.provide(pre_process=False, post_process=True)
+    assert stage.embedding is None and stage.output_layer is not None
+
+
+def test_seq_len_interpolation_factor_divides_positions():
+    from longspan.models.rope import RotaryEmbedding
+
+    plain = RotaryEmbedding(16, rotary_base=10000)
+    interpolated = RotaryEmbedding(16, rotary_base=10000, seq_len_interpolation_factor=2.0)
+    positions = torch.arange(0, 20, 2).unsqueeze(0)
+    for a, b in zip(interpolated(positions), plain(positions // 2)):
+        torch.testing.assert_close(a, b)
+
+
+def test_softmax_scale_is_honoured():
+    """softmax_scale = c/sqrt(d) equals the default scale with the query projection multiplied by c."""
+    cfg = llama_config(hidden_dropout=0.0, attention_dropout=0.0)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    scaled = build_gpt_model(llama_config(softmax_scale=0.3 / math.sqrt(d)), seed=5).eval()
+    reference = build_gpt_model(cfg, seed=5).eval()
+    with torch.no_grad():
+        for layer in reference.decoder.layers.values():
+            layer.self_attention.linear_q.weight.mul_(0.3)
+        tokens, _ = _tokens(cfg)
+        torch.testing.assert_close(scaled(tokens), reference(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_lm_cross_entropy_keeps_low_precision_logits():
+    cfg = llama_config(params_dtype=torch.bfloat16, fp16_lm_cross_entropy=True)
+    model = build_gpt_model(cfg, seed=0).eval()
+    tokens, labels = _tokens(cfg)
+    with torch.no_grad():
+        logits = model(tokens)
+        loss = model(tokens, labels=labels)
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").float()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected.view(labels.shape), rtol=0, atol=0)
+
+
+def test_integer_mask_means_the_same_as_bool_mask():
+    cfg = llama_config()
+    model = build_gpt_model(cfg, seed=1).eval()
+    tokens, _ = _tokens(cfg, s=10)
+    mask = ~torch.tril(torch.ones(10, 10, dtype=torch.bool)).view(1, 1, 10, 10)
+    mask[..., 6:, :3] = True
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, attention_mask=mask.long()), model(tokens, attention_mask=mask))

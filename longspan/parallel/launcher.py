@@ -146,10 +146,6 @@ def launch(
     SIGTERM/SIGINT when every worker exited 0), 2 when the failing worker exited 2, else 1. Bad launch
     arguments raise LaunchError.
     """
-    from torch.distributed.elastic.multiprocessing import SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node={nproc_per_node!r} must be a positive integer")
     min_nodes, max_nodes = parse_nnodes(nnodes)
@@ -168,6 +164,10 @@ def launch(
     if max_nodes > 1 and rdzv_id is None and rdzv_backend != "static":
         rdzv_id = os.environ.get("SLURM_JOB_ID") or "longspan"  # must agree across nodes
     filter_set = set(local_ranks_filter) if local_ranks_filter is not None else None
+
+    from torch.distributed.elastic.multiprocessing import SignalException, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     exit_dir = tempfile.mkdtemp(prefix="longspan_exit_")
     logs = _make_recording_logs_specs()(log_dir=log_dir, redirects=Std.ALL,
@@ -198,6 +198,8 @@ def launch(
         codes = _exit_codes(exit_dir)
         name = signal.Signals(sig.sigval).name
         if len(codes) == nproc_per_node and all(c == 0 for c in codes.values()):
+            if log_dir is None:
+                _rmtree_quiet(logs.root)
             _log.info(f"longspan: {name} forwarded to {nproc_per_node} workers; all exited cleanly")
             return 0
         bad = sorted(r for r, c in codes.items() if c != 0)

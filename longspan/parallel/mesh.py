@@ -152,13 +152,17 @@ def layout_from_config(
     world_size: int, model_cfg: Any, *, dp_replicate: int = 1, use_tp_pp_dp_mapping: bool = False
 ) -> Layout:
     """``derive_layout`` with the sizes read from a ModelParallelConfig-like object (missing fields = 1)."""
+    def size(name: str) -> Any:
+        value = getattr(model_cfg, name, None)
+        return 1 if value is None else value
+
     return derive_layout(
         world_size,
-        tp=getattr(model_cfg, "tensor_model_parallel_size", 1) or 1,
-        cp=getattr(model_cfg, "context_parallel_size", 1) or 1,
-        pp=getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1,
+        tp=size("tensor_model_parallel_size"),
+        cp=size("context_parallel_size"),
+        pp=size("pipeline_model_parallel_size"),
         dp_replicate=dp_replicate,
-        ep=getattr(model_cfg, "expert_model_parallel_size", 1) or 1,
+        ep=size("expert_model_parallel_size"),
         etp=getattr(model_cfg, "expert_tensor_parallel_size", None),
         use_tp_pp_dp_mapping=use_tp_pp_dp_mapping,
     )

@@ -266,7 +266,7 @@ class WorkerPool:
         for q in self._task_qs:
             with contextlib.suppress(Exception):
                 q.put(None)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 3.0
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self.kill()

@@ -254,7 +254,8 @@ class GPTModel(nn.Module):
             self.output_layer.init_std = args.init_method_std
             if self.share_embeddings_and_output_weights:
                 # Tied weights on a last stage without the embedding: a separate copy that starts equal to the
-                # word embeddings (same init stream); keeping the two in sync is the pipeline layer's job.
+                # word embeddings (same init stream and std); keeping the two in sync is the pipeline layer's job.
+                self.output_layer.init_std = args.embedding_init_method_std
                 self.output_layer.init_name_overrides = {"weight": "embedding.word_embeddings.weight"}
 
     def output_weight(self) -> torch.Tensor:
@@ -311,9 +312,12 @@ class GPTModel(nn.Module):
             logits = F.linear(hidden_states, self.embedding.word_embeddings.weight)
         if labels is None:
             return logits
-        # Float32 logits and reduction='none' keep this torch's loss_parallel-compatible under tensor parallel.
+        # Float32 logits (unless fp16_lm_cross_entropy) and reduction='none', on [b*s, vocab], keep this torch's
+        # loss_parallel-compatible under tensor parallel (vocab-sharded logits, no full-vocab gather).
         flat = logits.flatten(0, 1)
-        loss = F.cross_entropy(flat if self.fp16_lm_cross_entropy else flat.float(), labels.flatten(0, 1), reduction="none")
+        if not self.fp16_lm_cross_entropy:
+            flat = flat.float()
+        loss = F.cross_entropy(flat, labels.flatten(0, 1), reduction="none")
         return loss.float().view(labels.shape)
 
 

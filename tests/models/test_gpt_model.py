@@ -106,7 +106,7 @@ def test_reset_attention_mask_and_position_ids_equal_separate_documents(position
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_pipeline_stage_cut_equals_full_model(tied):
-    cfg = llama_config(num_layers=4, share_embeddings_and_output_weights=tied)
+    cfg = llama_config(num_layers=4, share_embeddings_and_output_weights=tied, embedding_init_method_std=0.05)
     full = build_gpt_model(cfg, seed=11).eval()
     stage0 = build_gpt_model(cfg, pre_process=True, post_process=False, seed=11, layer_numbers=[0, 1]).eval()
     stage1 = build_gpt_model(cfg, pre_process=False, post_process=True, seed=11, layer_numbers=[2, 3]).eval()

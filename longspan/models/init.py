@@ -120,7 +120,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
                 from torch.distributed.tensor import distribute_tensor
 
                 # src_data_rank=None: every rank drew the same full tensor, so each slices its own shard
-                # locally with no communication.
+                # locally with no communication (on a CUDA mesh the one full tensor visits the GPU briefly).
                 local = distribute_tensor(
                     full, param.device_mesh, param.placements, src_data_rank=None
                 ).to_local()

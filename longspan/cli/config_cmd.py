@@ -18,8 +18,9 @@ def _override_aware(parser_cls: type) -> type:
     class OverrideParser(parser_cls):  # type: ignore[misc, valid-type]
         def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
             ns, extras = super().parse_known_args(args, namespace)
-            overrides = [a for a in extras if "=" in a and not a.startswith("-")]
-            rest = [a for a in extras if not ("=" in a and not a.startswith("-"))]
+            # Every bare token is an override; load_config explains a malformed one in a single line.
+            overrides = [a for a in extras if not a.startswith("-")]
+            rest = [a for a in extras if a.startswith("-")]
             ns.overrides = list(getattr(ns, "overrides", None) or []) + overrides
             return ns, rest
 

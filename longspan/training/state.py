@@ -147,9 +147,10 @@ class GlobalState:
 
     # ------------------------------------------------------------------ metric sinks (last rank only)
     def _sink(self, name: str, build: Any) -> Optional[Any]:
+        if self._cfg is None:
+            return None  # not cached: the sink is built once a config is set
         if name not in self._sinks:
-            is_last = get_rank() == get_world_size() - 1
-            self._sinks[name] = build() if (self._cfg is not None and is_last) else None
+            self._sinks[name] = build() if get_rank() == get_world_size() - 1 else None
         return self._sinks[name]
 
     @property

@@ -165,6 +165,14 @@ def test_missing_optional_integration_is_one_line_config_error(tmp_path, monkeyp
         state.check_logger_dependencies()
 
 
+def test_sinks_wait_for_a_config(tmp_path):
+    state = GlobalState()
+    assert state.tensorboard_logger is None and state.metrics_logger is None
+    state.cfg = _cfg(tmp_path)
+    assert state.tensorboard_logger is not None and state.metrics_logger is not None
+    state.close_loggers()
+
+
 def test_reset_for_restart(tmp_path):
     state = GlobalState(_cfg(tmp_path))
     state.train_state.step = 9

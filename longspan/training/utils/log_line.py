@@ -244,6 +244,9 @@ def training_log(
     memory_metrics: dict[str, Any] = {}
     if _opt(logger_cfg, "log_memory_to_tensorboard", False) and at_tb_step:
         memory_metrics = reduce_max_memory_across_pp_group(report_memory(_opt(logger_cfg, "memory_keys")), pp_group)
+    grad_norm_metrics: dict[str, float] = {}
+    if _opt(logger_cfg, "log_l2_norm_grad_to_tensorboard", False) and at_tb_step:
+        grad_norm_metrics = report_l2_norm_grad(model)  # DTensor gradients reduce over their mesh
 
     # ---- scalars every tensorboard_log_interval
     if any_sink and at_tb_step:
@@ -289,8 +292,7 @@ def training_log(
                     _opt(logger_cfg, "runtime_time_unit", "hours"),
                 )
             )
-        if _opt(logger_cfg, "log_l2_norm_grad_to_tensorboard", False):
-            extra.update(report_l2_norm_grad(model))
+        extra.update(grad_norm_metrics)
         log_scalars(extra, iteration, **sinks)
 
     # ---- one JSON object per iteration

@@ -375,8 +375,10 @@ def initialize_distributed(
             kwargs["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
         else:
             kwargs["init_method"] = "env://"
-        if dev.type == "cuda":
-            kwargs["device_id"] = dev  # eager NCCL init: lets DeviceMesh split groups cheaply
+        if dev.type == "cuda" and pg_backend == "nccl":
+            # eager NCCL init lets DeviceMesh create its groups with ncclCommSplit; not with the mixed
+            # cpu:gloo,cuda:nccl backend, whose gloo half may not support splitting
+            kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
     meshes = build_device_mesh(
         launch.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,

@@ -7,10 +7,6 @@ from typing import Any, Literal, Optional, Union
 
 from longspan.core.model_parallel_config import RUNTIME_FIELD
 
-# A blend: (paths, weights or None), written as a two-element list in YAML.
-Blend = list
-
-
 @dataclass
 class DataloaderConfig:
     """How samples are loaded."""

@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LongspanError as exc:
+        from longspan.core.logging import get_world_size
+
+        if get_world_size() > 1:  # under torchrun/srun every rank hits the same error: print it once
+            from longspan.parallel.init import report_user_error_once
+
+            return report_user_error_once(exc)
         sys.stderr.write(f"longspan: error: {exc}\n")
         return exc.exit_code
     except KeyboardInterrupt:

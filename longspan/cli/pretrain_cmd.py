@@ -69,7 +69,7 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
 
     nnodes = int(str(args.nnodes).split(":")[-1])
     world_size = nnodes * args.nproc_per_node
-    check_layout(world_size, cfg.model)
+    check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     if cfg.model.vocab_size is None:
         from longspan.data.tokenizers import build_tokenizer
 
@@ -83,4 +83,5 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
         rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=args.rdzv_endpoint,
         node_rank=args.node_rank,
+        rdzv_id=args.rdzv_id,
     )

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from longspan.core.logging import get_logger, print_rank_last
+from longspan.training.utils.log_line import log_validation_results
 from longspan.training.schedules import forward_backward_no_pipelining
 from longspan.training.state import GlobalState
 
@@ -70,7 +70,6 @@ def evaluate(
     collected = None
     if process_non_loss_data_func is not None and non_loss_data_func is not None:
         collected = non_loss_data_func(model)
-    state.timers("evaluate", log_level=0)  # registered so timers.log can report it
     state.last_eval_seconds = time.time() - start
     return results, collected, timelimit_hit
 
@@ -87,47 +86,11 @@ def evaluate_and_print_results(
     process_non_loss_data_func: Optional[Callable] = None,
     non_loss_data_func: Optional[Callable] = None,
 ) -> dict[str, float]:
-    """Evaluate and print Megatron's validation block; write ``<loss> validation`` (and ppl) to the sinks."""
+    """Evaluate, print Megatron's validation block and write ``<loss> validation`` (and ppl) to the sinks."""
     results, collected, _ = evaluate(
         state, forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose, non_loss_data_func
     )
-    is_test = prefix.startswith("test") or "test" in prefix.split()
-    label = "test" if is_test else "validation"
-    values = {key: float(v) for key, v in results.items()}
-    parts = [f" {label} loss at {prefix} |"]
-    for key, value in values.items():
-        ppl = math.exp(min(20.0, value))
-        parts.append(f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |")
-    line = "".join(parts)
-    print_rank_last("-" * (len(line) + 1), logger)
-    print_rank_last(line, logger)
-    print_rank_last("-" * (len(line) + 1), logger)
-    if write_to_tensorboard:
-        _write_eval_metrics(state, label, values)
+    log_validation_results(prefix, results, state.train_state.step, state, write_to_tensorboard=write_to_tensorboard)
     if collected is not None and process_non_loss_data_func is not None:
         process_non_loss_data_func(collected, state.train_state.step, state.tensorboard_logger)
-    return values
-
-
-def _write_eval_metrics(state: GlobalState, label: str, values: dict[str, float]) -> None:
-    cfg = state.cfg
-    step = state.train_state.step
-    writer = state.tensorboard_logger
-    metrics: dict[str, float] = {}
-    for key, value in values.items():
-        metrics[f"{key} {label}"] = value
-        ppl = math.exp(min(20.0, value))
-        if cfg.logger.log_validation_ppl_to_tensorboard:
-            metrics[f"{key} {label} ppl"] = ppl
-    if writer is not None:
-        samples = state.train_state.consumed_train_samples
-        for tag, value in metrics.items():
-            writer.add_scalar(tag, value, step)
-            writer.add_scalar(f"{tag} vs samples", value, samples)
-    sink = getattr(state, "metrics_logger", None)
-    if sink is not None:
-        sink.log({"iteration": step, "split": label, **metrics})
-    for extra in ("wandb_logger", "mlflow_logger", "comet_logger"):
-        logger_obj = getattr(state, extra, None)
-        if logger_obj is not None and hasattr(logger_obj, "log_metrics"):
-            logger_obj.log_metrics(metrics, step)
+    return {key: float(v) for key, v in results.items()}

@@ -10,7 +10,8 @@ from longspan.training.eval import evaluate_and_print_results
 from longspan.training.forward_step import forward_step as default_forward_step
 from longspan.training.setup import setup
 from longspan.training.state import GlobalState
-from longspan.training.train import append_to_progress_log, train
+from longspan.training.train import train
+from longspan.training.utils.progress_log import STARTING_JOB, append_to_progress_log
 from longspan.training.utils.train_utils import prepare_forward_step_func
 
 logger = get_logger(__name__)
@@ -26,7 +27,8 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
     out = setup(config)
     state = out.state
     cfg = state.cfg
-    append_to_progress_log(state, "Starting job")
+    if cfg.logger.log_progress:
+        append_to_progress_log(cfg.checkpoint.save, STARTING_JOB)
 
     if not cfg.train.skip_train and state.train_state.do_train and cfg.train.train_iters > 0:
         train(

@@ -97,6 +97,7 @@ def setup(cfg: Any) -> SetupOutput:
         cfg.model.vocab_size = tokenizer.vocab_size
     cfg.validate(world_size=parallel.world_size)
     _report_inapplicable(cfg)
+    state.check_logger_dependencies()
     if cfg.checkpoint.save:
         check_save_dir_writable(cfg.checkpoint.save)
 

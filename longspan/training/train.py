@@ -10,19 +10,24 @@ import gc
 import hashlib
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from longspan.core.logging import get_logger, print_rank_0, print_rank_last
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, forward_backward_no_pipelining
 from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.state import GlobalState
 from longspan.training.utils.flop_utils import num_floating_point_operations
+from longspan.training.utils.progress_log import (
+    STARTING_JOB,
+    append_to_progress_log,
+    format_saved_checkpoint_message,
+    parse_progress_log,
+)
 from longspan.training.utils.train_utils import (
     calc_params_l2_norm,
     prepare_forward_step_func,
@@ -322,29 +327,25 @@ def disable_forward_pre_hook(model: list[torch.nn.Module], param_sync: bool = Tr
 
 
 def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
-    """Start time of the earliest job with this world size, and the FLOPs of the last saved checkpoint."""
-    progress_log = Path(cfg.checkpoint.save) / "progress.txt"
+    """Start time of the earliest job with this world size, and the FLOPs of the last saved checkpoint.
+
+    Walks ``progress.txt``: a ``Starting job`` line with a new world size restarts the window; the FLOPs at
+    that point are subtracted when computing the cumulative throughput.
+    """
     start_time = None
     start_num_flops = -1.0
     latest_num_flops = 0.0
     world_size = None
-    with open(progress_log) as f:
-        for line in f:
-            fields = line.strip().split("\t")
-            if len(fields) < 4:
-                continue
-            line_world = int(fields[2].split(":")[-1].strip())
-            if "Starting job" in line:
-                if world_size != line_world:
-                    world_size = line_world
-                    start_time = datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
-                    start_num_flops = latest_num_flops
-            elif "Saved checkpoint" in line:
-                for part in fields:
-                    if part.startswith("Floating-point operations:"):
-                        latest_num_flops = float(part.split(":")[-1])
+    for entry in parse_progress_log(cfg.checkpoint.save):
+        if entry.message == STARTING_JOB:
+            if entry.num_gpus != world_size:
+                world_size = entry.num_gpus
+                start_time = entry.timestamp
+                start_num_flops = latest_num_flops
+        elif "Floating-point operations" in entry.fields:
+            latest_num_flops = float(entry.fields["Floating-point operations"])
     if start_time is None:
-        raise ValueError(f"{progress_log} has no 'Starting job' line")
+        raise ValueError(f"{cfg.checkpoint.save}/progress.txt has no '{STARTING_JOB}' line")
     return start_time, max(start_num_flops, 0.0)
 
 
@@ -355,34 +356,17 @@ def compute_throughputs_and_append_to_progress_log(state: GlobalState, num_float
         return
     world_size = state.parallel.world_size
     job_flops = num_floating_point_operations_so_far - state.train_state_at_start_flops
-    job_time = time.time() - state.start_time
-    job_tput = job_flops / max(job_time, 1e-9) / world_size / 1e12
+    job_tput = job_flops / max(time.time() - state.start_time, 1e-9) / world_size / 1e12
     start_time, start_flops = get_start_time_from_progress_log(cfg)
-    cumulative_time = (datetime.now() - start_time).total_seconds()
-    cumulative_tput = (num_floating_point_operations_so_far - start_flops) / max(cumulative_time, 1e-9) / world_size / 1e12
-    tokens = state.train_state.consumed_train_samples * cfg.model.seq_length / 1e9
+    cumulative_seconds = max((datetime.now() - start_time).total_seconds(), 1e-9)
+    cumulative_tput = (num_floating_point_operations_so_far - start_flops) / cumulative_seconds / world_size / 1e12
+    tokens = state.train_state.consumed_train_samples * cfg.model.seq_length
     append_to_progress_log(
-        state,
-        f"Saved checkpoint\tIteration: {state.train_state.step}\tJob throughput: {job_tput:.1f} TFLOP/s/GPU\t"
-        f"Cumulative throughput: {cumulative_tput:.1f} TFLOP/s/GPU\t"
-        f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\tTokens (in billions): {tokens:.2f}",
+        cfg.checkpoint.save,
+        format_saved_checkpoint_message(
+            state.train_state.step, job_tput, cumulative_tput, num_floating_point_operations_so_far, tokens
+        ),
     )
-
-
-def append_to_progress_log(state: GlobalState, message: str) -> None:
-    """One ``progress.txt`` line in Megatron's format, written by rank 0."""
-    from longspan.core.logging import is_rank_0
-    import os
-
-    cfg = state.cfg
-    if not cfg.checkpoint.save or not cfg.logger.log_progress or not is_rank_0():
-        return
-    Path(cfg.checkpoint.save).mkdir(parents=True, exist_ok=True)
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    with open(Path(cfg.checkpoint.save) / "progress.txt", "a") as f:
-        f.write(
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\tJob ID: {job_id}\t# GPUs: {state.parallel.world_size}\t{message}\n"
-        )
 
 
 def save_checkpoint_and_time(

@@ -1,0 +1,54 @@
+"""Small single-process runs of the real trainer for the training tests (mock data, 2 layers, hidden 64)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from longspan.recipes import get_recipe
+
+
+def small_config(tmp_path: Path, name: str = "run", **train_overrides: Any) -> Any:
+    """The tiny recipe shrunk to seconds per run: mock data, NullTokenizer, 4 microbatches of 2 × 64 tokens."""
+    cfg = get_recipe("tiny")
+    model = cfg.model
+    model.num_layers = 2
+    model.hidden_size = 64
+    model.ffn_hidden_size = 128
+    model.num_attention_heads = 4
+    model.num_query_groups = 2
+    model.seq_length = 64
+    model.vocab_size = None  # from the tokenizer
+    cfg.tokenizer.tokenizer_type = "NullTokenizer"
+    cfg.tokenizer.tokenizer_model = None
+    cfg.tokenizer.vocab_size = 255
+    cfg.dataset.data_path = None  # mock data
+    cfg.dataset.sequence_length = 64
+    cfg.train.micro_batch_size = 2
+    cfg.train.global_batch_size = 8
+    cfg.train.train_iters = 30
+    cfg.train.eval_interval = 10
+    cfg.train.eval_iters = 2
+    for key, value in train_overrides.items():
+        setattr(cfg.train, key, value)
+    cfg.scheduler.lr_warmup_fraction = None
+    cfg.scheduler.lr_warmup_iters = 3
+    run_dir = tmp_path / name
+    cfg.checkpoint.save = str(run_dir / "ckpt")
+    cfg.checkpoint.load = str(run_dir / "ckpt")
+    cfg.checkpoint.save_interval = None
+    cfg.logger.log_interval = 1
+    cfg.logger.tensorboard_dir = str(run_dir / "tb")
+    return cfg
+
+
+def read_metrics(cfg: Any) -> list[dict[str, Any]]:
+    """Per-iteration training records of metrics.jsonl (validation records left out)."""
+    path = Path(cfg.logger.tensorboard_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("phase", "train") == "train"]
+
+
+def losses_by_iteration(cfg: Any) -> dict[int, float]:
+    return {r["iteration"]: r["losses"]["lm loss"] for r in read_metrics(cfg)}

@@ -158,7 +158,7 @@ def test_distributed_optimizer_copied_to_ddp() -> None:
     (["model.tensor_model_parallel_size=3"], 3, "must divide model.num_attention_heads"),
     (["model.tensor_model_parallel_size=2"], 3, "world size 3 is not divisible"),
     (["train.global_batch_size=14"], 2, "global_batch_size=14 is not divisible"),
-    (["train.train_samples=100"], 1, "exactly one of train.train_iters"),
+    (["train.train_iters=null"], 1, "give one of train.train_iters and train.train_samples"),
     (["ddp.use_distributed_optimizer=true"], 1, "optimizer.use_distributed_optimizer=False"),
     (["dataset.data_path=0.5 a 0.5"], 1, "dataset.data_path='0.5 a 0.5' is not valid"),
     (["dataset.split=9x,1"], 1, "dataset.split='9x,1' is not valid"),
@@ -230,3 +230,23 @@ def test_support_doc_is_current() -> None:
     from longspan.config.support_doc import main
 
     assert main(["--check"]) == 0, "docs/config-support.md is stale: run python -m longspan.config.support_doc"
+
+
+def test_train_samples_derive_train_iters_like_megatron() -> None:
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("tiny")
+    cfg.train.train_samples = 100  # gbs 16: 100 // 16 = 6 iterations
+    cfg.validate(world_size=1)
+    assert cfg.train.train_iters == 6
+    cfg.validate(world_size=1)  # idempotent
+    assert cfg.train.train_iters == 6
+
+    cfg.train.rampup_batch_size = [4, 4, 32]  # 4, 8 (at 8 samples: 4 + 4*int(4/(32/3))...) walked by hand below
+    cfg.validate(world_size=1)
+    per_increment = 32 / ((16 - 4) // 4)
+    consumed = iterations = 0
+    while consumed <= 32 and consumed <= 100:
+        consumed += 4 + 4 * int(consumed / per_increment)
+        iterations += 1
+    assert cfg.train.train_iters == iterations + (100 - consumed) // 16

@@ -271,19 +271,38 @@ def _check_batch(cfg: "ConfigContainer", dp: int) -> int:
 
 
 def _check_train_length(cfg: "ConfigContainer") -> None:
+    """Exactly one of train_iters / train_samples; with train_samples the iteration count is derived.
+
+    As Megatron's ``update_train_iters``, sample-based training sets ``train.train_iters`` from the samples
+    (walking the batch-size ramp-up), so a second ``validate()`` derives the same value again.
+    """
     t = cfg.train
-    if (t.train_iters is None) == (t.train_samples is None):
-        raise ConfigError(
-            f"give exactly one of train.train_iters ({t.train_iters}) and train.train_samples ({t.train_samples})"
-        )
+    if t.train_iters is None and t.train_samples is None:
+        raise ConfigError("give one of train.train_iters and train.train_samples (both are null)")
     for name in ("train_iters", "train_samples"):
         value = getattr(t, name)
         if value is not None and value < 0:
             raise ConfigError(f"train.{name}={value} must not be negative")
-    if t.train_iters is not None and t.rampup_batch_size is not None:
+    if t.train_samples is None and t.rampup_batch_size is not None:
         raise ConfigError(
             "train.rampup_batch_size needs sample-based training: set train.train_samples instead of train.train_iters"
         )
+    if t.train_samples is not None:
+        t.train_iters = _iterations_for_samples(t.train_samples, t.global_batch_size, t.rampup_batch_size)
+
+
+def _iterations_for_samples(train_samples: int, global_batch_size: int, rampup: Optional[list]) -> int:
+    if rampup is None:
+        return train_samples // global_batch_size
+    start, increment, ramp_samples = rampup
+    num_increments = (global_batch_size - start) // increment
+    per_increment = ramp_samples / num_increments if num_increments else 0.0
+    iterations = consumed = 0
+    while consumed <= ramp_samples and consumed <= train_samples:
+        steps = int(consumed / per_increment) if per_increment else 0
+        consumed += min(global_batch_size, start + steps * increment)
+        iterations += 1
+    return iterations + max(0, train_samples - consumed) // global_batch_size
 
 
 def _compute_scheduler_steps(cfg: "ConfigContainer") -> None:

@@ -1,0 +1,182 @@
+"""The single-process trainer end to end: resume bit for bit, checkpoint layout, exits, NaN stops, bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from longspan.cli import main as cli_main
+from longspan.core.errors import CheckpointError
+from longspan.training.forward_step import forward_step
+from longspan.training.pretrain import pretrain
+from longspan.training.schedules import TrainingDivergedError
+from tests.training.pretrain_helpers import losses_by_iteration, read_metrics, small_config
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory):
+    """30 uninterrupted iterations: the reference every resume must reproduce exactly."""
+    tmp = tmp_path_factory.mktemp("straight")
+    cfg = small_config(tmp, "straight")
+    cfg.logger.log_progress = True
+    state = pretrain(cfg, forward_step)
+    return cfg, state, losses_by_iteration(cfg)
+
+
+def test_run_trains_and_writes_megatron_checkpoint_layout(straight_run) -> None:
+    cfg, state, losses = straight_run
+    assert state.train_state.step == 30
+    assert sorted(losses) == list(range(1, 31))
+    first, last = sum(losses[i] for i in range(1, 6)) / 5, sum(losses[i] for i in range(26, 31)) / 5
+    assert last < first  # it learns something even on mock data
+    root = Path(cfg.checkpoint.save)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "30"
+    ckpt = root / "iter_0000030"
+    assert (ckpt / ".metadata").is_file()
+    assert list(ckpt.glob("__*_*.distcp"))
+    for name in ("train_state.pt", "run_config.yaml", "metadata.json"):
+        assert (ckpt / name).is_file(), name
+    assert (root / "latest_train_state.pt").is_file()
+    train_state = torch.load(ckpt / "train_state.pt", weights_only=True)
+    assert int(train_state["step"]) == 30
+    assert int(train_state["consumed_train_samples"]) == 30 * 8
+    progress = (root / "progress.txt").read_text().splitlines()
+    assert "Starting job" in progress[0]
+    assert any("Saved checkpoint\tIteration: 30\t" in line for line in progress)
+
+
+def test_exit_interval_and_resume_continue_bit_for_bit(tmp_path: Path, straight_run) -> None:
+    _, _, reference = straight_run
+    cfg = small_config(tmp_path, "resumed", exit_interval=15)
+    state = pretrain(cfg, forward_step)
+    assert state.train_state.step == 15
+    assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text() == "15"
+
+    cfg2 = small_config(tmp_path, "resumed")  # same directories: the rerun resumes from iteration 15
+    state2 = pretrain(cfg2, forward_step)
+    assert state2.train_state.step == 30
+    resumed = losses_by_iteration(cfg2)
+    assert sorted(resumed) == list(range(1, 31))
+    assert [resumed[i] for i in range(1, 31)] == [reference[i] for i in range(1, 31)]
+
+
+def test_signal_saves_and_exits_then_resumes(tmp_path: Path, straight_run) -> None:
+    _, _, reference = straight_run
+
+    def signalling_forward_step(state, data_iterator, model):
+        if state.train_state.step == 7 and not getattr(state, "_signalled", False):
+            state._signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward_step(state, data_iterator, model)
+
+    cfg = small_config(tmp_path, "sig", exit_signal_handler=True)
+    state = pretrain(cfg, signalling_forward_step)
+    assert state.train_state.step == 8  # the iteration in flight completes, then save and exit
+    assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text() == "8"
+    assert signal.getsignal(signal.SIGTERM) is not None
+
+    state2 = pretrain(small_config(tmp_path, "sig"), forward_step)
+    assert state2.train_state.step == 30
+    resumed = losses_by_iteration(small_config(tmp_path, "sig"))
+    assert [resumed[i] for i in range(1, 31)] == [reference[i] for i in range(1, 31)]
+
+
+def test_per_token_loss_matches_default_when_token_counts_are_equal(tmp_path: Path, straight_run) -> None:
+    _, _, reference = straight_run
+    cfg = small_config(tmp_path, "per_token", train_iters=5)
+    cfg.model.calculate_per_token_loss = True
+    cfg.checkpoint.save = None
+    cfg.checkpoint.load = None
+    pretrain(cfg, forward_step)
+    losses = losses_by_iteration(cfg)
+    for i in range(1, 6):  # mock data has no padding: every microbatch counts the same tokens
+        assert losses[i] == pytest.approx(reference[i], rel=1e-5)
+
+
+def test_nan_loss_stops_without_checkpoint(tmp_path: Path) -> None:
+    def nan_forward_step(state, data_iterator, model):
+        output, loss_func = forward_step(state, data_iterator, model)
+        if state.train_state.step == 2:
+            output = output * float("nan")
+        return output, loss_func
+
+    cfg = small_config(tmp_path, "nan", train_iters=5)
+    cfg.checkpoint.save_interval = 1
+    with pytest.raises(TrainingDivergedError, match="iteration 3"):
+        pretrain(cfg, nan_forward_step)
+    assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_rampup_batch_size_follows_megatron_schedule(tmp_path: Path) -> None:
+    cfg = small_config(
+        tmp_path, "rampup", train_iters=None, train_samples=36, rampup_batch_size=[4, 2, 16], eval_interval=None
+    )
+    cfg.scheduler.lr_warmup_iters = 0
+    cfg.scheduler.lr_warmup_samples = 8
+    cfg.checkpoint.save = None
+    cfg.checkpoint.load = None
+    state = pretrain(cfg, forward_step)
+    sizes = [r["batch_size"] for r in read_metrics(cfg)]
+    # start 4, +2 per (16 / ((8-4)/2)) = 8 samples, full size once 16 samples are consumed
+    consumed, expected = 0, []
+    for _ in range(6):
+        size = 8 if consumed > 16 else 4 + 2 * int(consumed / 8)
+        expected.append(size)
+        consumed += size
+    assert sizes == expected
+    assert state.train_state.consumed_train_samples == sum(expected)
+
+
+def test_missing_checkpoint_with_exit_on_missing_is_one_line(tmp_path: Path, capsys) -> None:
+    code = cli_main(
+        [
+            "pretrain", "--recipe", "tiny", "tokenizer.tokenizer_type=NullTokenizer", "tokenizer.tokenizer_model=null",
+            "tokenizer.vocab_size=255", "model.vocab_size=null", "dataset.data_path=null",
+            f"checkpoint.load={tmp_path / 'nowhere'}", "checkpoint.exit_on_missing_checkpoint=true",
+            f"checkpoint.save={tmp_path / 'save'}",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "nowhere" in err[0] and "Traceback" not in err[0]
+
+
+def test_checkpoint_of_another_shape_names_the_tensor(tmp_path: Path, straight_run) -> None:
+    cfg_ref, _, _ = straight_run
+    cfg = small_config(tmp_path, "shape", train_iters=31)
+    cfg.checkpoint.load = cfg_ref.checkpoint.save
+    cfg.model.hidden_size = 128
+    with pytest.raises(CheckpointError, match=r"shape \(\d+, 64\).*\(\d+, 128\)"):
+        pretrain(cfg, forward_step)
+
+
+def test_unwritable_save_directory_is_one_line(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code = cli_main(
+        [
+            "pretrain", "--recipe", "tiny", "tokenizer.tokenizer_type=NullTokenizer", "tokenizer.tokenizer_model=null",
+            "tokenizer.vocab_size=255", "model.vocab_size=null", "dataset.data_path=null",
+            f"checkpoint.save={blocker / 'ckpt'}", "checkpoint.load=null",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "checkpoint.save" in err[0]
+
+
+def test_validation_loss_is_logged(straight_run) -> None:
+    cfg, state, _ = straight_run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(cfg.logger.tensorboard_dir)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "lm loss validation"} <= tags
+    values = [e.value for e in acc.Scalars("lm loss validation")]
+    assert len(values) == 3 and all(math.isfinite(v) for v in values)

@@ -5,6 +5,9 @@ Every field has a status:
 - ``not supported yet``: validate() raises NotSupportedError when it is set to anything but its default.
 - ``device-dependent``: implemented where it applies (an accelerator); elsewhere it is listed once at
   start-up as not applicable instead of failing.
+- ``performance hint``: a kernel-fusion switch of Megatron / Transformer Engine that changes no maths.
+  longspan runs torch's own kernels, so the switch has no effect; Megatron Bridge configs set these
+  routinely, so they are accepted and listed once at start-up as having no effect.
 
 A section has a default status; FIELD_STATUS lists the exceptions, so every field's status is explicit in
 the generated document.
@@ -21,6 +24,7 @@ from longspan.core.errors import NotSupportedError
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported yet"
 DEVICE = "device-dependent"
+HINT = "performance hint (no effect)"
 
 # Status of fields the table below does not name.
 SECTION_DEFAULT: dict[str, str] = {
@@ -65,7 +69,14 @@ FIELD_STATUS: dict[str, str] = {
         position_embedding_type rotary_base rotary_percent rope_scaling rope_scaling_factor seq_length
         vocab_size should_pad_vocab parallel_output fp16_lm_cross_entropy
         """),
+    **_many("model", SUPPORTED, """
+        embedding_init_method_std seq_len_interpolation_factor low_freq_factor high_freq_factor old_context_len
+        """),
     **_many("model", DEVICE, "use_cpu_initialization"),
+    **_many("model", HINT, """
+        bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
+        bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion cross_entropy_loss_fusion
+        """),
     **_many("optimizer", SUPPORTED, """
         optimizer lr min_lr weight_decay fp16 bf16 params_dtype loss_scale initial_loss_scale min_loss_scale
         loss_scale_window hysteresis adam_beta1 adam_beta2 adam_eps decoupled_weight_decay sgd_momentum
@@ -182,14 +193,16 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
 
 
 def inapplicable_fields(cfg: Any) -> list[str]:
-    """Device-dependent settings that have no effect on this machine, as 'section.field=value' strings."""
-    if _has_accelerator():
-        return []
+    """Settings that have no effect here, as 'section.field=value' strings: device-dependent ones without an
+    accelerator, and performance hints switched on."""
+    accelerator = _has_accelerator()
     out = []
     for section, obj in _sections(cfg):
         for f in yaml_fields(obj):
-            if field_status(section, f.name) == DEVICE:
-                value = getattr(obj, f.name)
-                if _needs_accelerator(section, f.name, value):
-                    out.append(f"{section}.{f.name}={value!r}")
+            status = field_status(section, f.name)
+            value = getattr(obj, f.name)
+            if status == HINT and value:
+                out.append(f"{section}.{f.name}={value!r}")
+            elif status == DEVICE and not accelerator and _needs_accelerator(section, f.name, value):
+                out.append(f"{section}.{f.name}={value!r}")
     return out

@@ -88,6 +88,8 @@ def render() -> str:
         "  but its default.",
         "- **device-dependent**: implemented where it applies; on a machine without an accelerator it has no",
         "  effect and start-up lists it once in a 'not applicable on this machine' line.",
+        "- **performance hint (no effect)**: a Megatron/Transformer Engine kernel-fusion switch that changes no",
+        "  maths; longspan uses torch's kernels, accepts the field and lists it once at start-up when it is on.",
         "",
         "Model classes that can be built: GPTModelProvider (T5ModelProvider and MambaProvider load and",
         "round-trip, but are not supported yet). Datasets: GPTDatasetConfig, MockGPTDatasetConfig",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from longspan.config import inapplicable_fields, load_config
-from longspan.config.support import DEVICE, NOT_SUPPORTED, SECTION_DEFAULT, field_status
+from longspan.config.support import DEVICE, HINT, NOT_SUPPORTED, SECTION_DEFAULT, field_status
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.recipes import get_recipe
 
@@ -181,7 +181,7 @@ def test_decrease_batch_size_if_needed() -> None:
     ("model.pipeline_model_parallel_size=2", 2), ("model.context_parallel_size=2", 2),
     ("model.num_moe_experts=4", 1), ("model.tp_comm_overlap=true", 1), ("checkpoint.replication=true", 1),
     ("rerun_state_machine.rerun_mode=validate_results", 1), ("checkpoint.non_persistent_save_interval=5", 1),
-    ("model.masked_softmax_fusion=true", 1), ("ddp.nccl_ub=true", 1),
+    ("model.fp8='hybrid'", 1), ("ddp.nccl_ub=true", 1),
 ])
 def test_not_supported_fields_raise(override: str, world: int) -> None:
     cfg = _tiny(override)
@@ -215,7 +215,7 @@ def test_support_table_covers_every_field_and_device_fields_are_reported() -> No
         for cls in classes:
             for f in dataclasses.fields(cls):
                 statuses.add(field_status(section, f.name))
-    assert statuses == {"supported", NOT_SUPPORTED, DEVICE}
+    assert statuses == {"supported", NOT_SUPPORTED, DEVICE, HINT}
     cfg = _tiny("train.empty_unused_memory_level=1")
     found = inapplicable_fields(cfg)
     if torch.cuda.is_available():
@@ -224,6 +224,13 @@ def test_support_table_covers_every_field_and_device_fields_are_reported() -> No
         assert "dataset.pin_memory=True" in found and "dist.distributed_backend='nccl'" in found
         assert "train.empty_unused_memory_level=1" in found
         cfg.validate(world_size=1)  # device-dependent fields never fail validation
+
+
+def test_performance_hints_are_accepted_and_reported() -> None:
+    cfg = _tiny("model.masked_softmax_fusion=true", "model.gradient_accumulation_fusion=true")
+    cfg.validate(world_size=1)  # a Bridge config that turns fusions on still validates
+    found = inapplicable_fields(cfg)
+    assert "model.masked_softmax_fusion=True" in found and "model.gradient_accumulation_fusion=True" in found
 
 
 def test_support_doc_is_current() -> None:

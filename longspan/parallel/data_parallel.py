@@ -1,0 +1,194 @@
+"""Data parallel wrappers: DDP, FSDP2 (``fully_shard``), the distributed optimizer, hybrid sharding.
+
+Which one a run gets (``data_parallel_mode``):
+
+- ``"ddp"`` (default): ``torch.nn.parallel.DistributedDataParallel`` over the data-parallel group (dp × cp).
+  ``ddp.bucket_size`` (elements) becomes ``bucket_cap_mb``; ``ddp.grad_reduce_in_fp32`` reduces low-precision
+  gradients in fp32 and ``ddp.average_in_collective`` averages inside the collective (``ReduceOp.AVG`` where
+  the backend has it), both through a DDP communication hook. DDP always overlaps the reduction with the
+  backward pass (``ddp.overlap_grad_reduce`` changes when, not what, is reduced). Gradients are averaged over
+  the data-parallel ranks, as in Megatron.
+- ``"fsdp2"`` (``dist.use_torch_fsdp2``): ``fully_shard`` on every transformer layer, then on the root; the
+  mixed precision policy computes in bf16/fp16 when the model does (``model.bf16`` / ``model.fp16``) and
+  reduces in fp32 with ``ddp.grad_reduce_in_fp32``; layers reshard after forward (ZeRO-3).
+- ``"distributed_optimizer"`` (``optimizer.use_distributed_optimizer``): Megatron's ZeRO-1/2 semantics —
+  optimizer state and gradients sharded across data-parallel ranks as DTensors (so DCP can save and
+  reshard them) — realized as FSDP2 with ``reshard_after_forward=False``: parameters stay gathered from
+  forward to backward (no second all-gather, as with replicated parameters), gradients are reduce-scattered,
+  and the optimizer steps on its shard only.
+
+Tensor parallel composes with FSDP2 (2-D mesh: dp × tp, torchtitan's way); DDP does not compose with
+DTensor parameters, so dp > 1 with tp > 1 and neither FSDP2 nor the distributed optimizer uses FSDP2 with
+``reshard_after_forward=False`` (the same maths as DDP) and says so once.
+
+Hybrid sharding: when the mesh has ``dp_replicate`` > 1, FSDP2 gets the 2-D ``(dp_replicate, dp_shard)``
+mesh (HSDP: shard within a replica, all-reduce across replicas); DDP ignores the split (it replicates
+everywhere anyway).
+
+Every wrapper exposes ``no_sync()`` (DDP has it; FSDP2 gets a small context manager that turns gradient
+reduction off with ``set_requires_gradient_sync``), which the trainer enters for all but the last
+microbatch.
+
+Parameters are materialized before DDP wraps the model (``to_empty``; ``init_weights`` fills them in place
+afterwards, identically on every rank, so DDP's initial broadcast is skipped). FSDP2 shards the meta model and
+``init_weights`` materializes each shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from longspan.core.errors import NotSupportedError
+from longspan.core.logging import get_logger
+
+_log = get_logger(__name__)
+
+DDP_MODE = "ddp"
+FSDP2_MODE = "fsdp2"
+DISTRIBUTED_OPTIMIZER_MODE = "distributed_optimizer"
+
+
+def data_parallel_mode(cfg: Any, tp_size: int = 1) -> str:
+    """``"ddp"``, ``"fsdp2"`` or ``"distributed_optimizer"`` for ``cfg`` (see the module docstring)."""
+    if getattr(cfg.dist, "use_torch_fsdp2", False):
+        return FSDP2_MODE
+    if getattr(cfg.optimizer, "use_distributed_optimizer", False) or getattr(cfg.ddp, "use_distributed_optimizer",
+                                                                             False):
+        return DISTRIBUTED_OPTIMIZER_MODE
+    return DDP_MODE
+
+
+def check_data_parallel_config(cfg: Any) -> None:
+    """Reject DDP settings this build cannot honour (one line each)."""
+    ddp = cfg.ddp
+    if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+        raise NotSupportedError(
+            "ddp.use_megatron_fsdp=True is not supported: longspan shards with PyTorch FSDP2 "
+            "(set dist.use_torch_fsdp2=true instead)"
+        )
+    bucket = getattr(ddp, "bucket_size", None)
+    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+        raise NotSupportedError(f"ddp.bucket_size={bucket!r} must be a positive number of elements or None")
+
+
+# --------------------------------------------------------------------------------------------------- DDP
+
+def _reduce_hook(state: dict[str, Any], bucket: Any) -> torch.futures.Future:
+    """DDP communication hook: average a gradient bucket over the group, in fp32 when asked."""
+    import torch.distributed as dist
+
+    group = state["group"]
+    world = dist.get_world_size(group)
+    grads = bucket.buffer()
+    work_tensor = grads.float() if state["fp32"] and grads.dtype != torch.float32 else grads
+    if state["avg_op"]:
+        fut = dist.all_reduce(work_tensor, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()
+    else:
+        work_tensor.div_(world)
+        fut = dist.all_reduce(work_tensor, group=group, async_op=True).get_future()
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        reduced = f.value()[0]
+        if reduced is not grads:
+            grads.copy_(reduced)
+        return grads
+
+    return fut.then(done)
+
+
+def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any = None,
+              param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Materialize ``model`` on ``device`` (if on meta) and wrap it in DDP over ``group``.
+
+    Args:
+        model: a plain model (no DTensor parameters).
+        group: the data-parallel process group.
+        device: this rank's device.
+        ddp_cfg: a DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, average_in_collective).
+        param_dtype: the dtype the parameters will have in training (bucket sizes and the fp32 hook use it).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    param_dtype = param_dtype or next(model.parameters()).dtype
+    kwargs: dict[str, Any] = {
+        "process_group": group,
+        # init_weights draws identical weights on every rank after this, so the broadcast would be wasted
+        "init_sync": False,
+    }
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device]
+    bucket_size = getattr(ddp_cfg, "bucket_size", None)
+    if bucket_size is not None:
+        element = torch.tensor([], dtype=param_dtype).element_size()
+        kwargs["bucket_cap_mb"] = bucket_size * element / 2**20
+    wrapped = DistributedDataParallel(model, **kwargs)
+    fp32 = bool(getattr(ddp_cfg, "grad_reduce_in_fp32", False)) and param_dtype != torch.float32
+    avg = bool(getattr(ddp_cfg, "average_in_collective", False))
+    avg_op = avg and "nccl" in str(dist.get_backend(group))  # gloo has no ReduceOp.AVG: SUM then divide
+    if fp32 or avg_op:
+        wrapped.register_comm_hook({"group": group, "fp32": fp32, "avg_op": avg_op}, _reduce_hook)
+    return wrapped
+
+
+# --------------------------------------------------------------------------------------------------- FSDP2
+
+def _fsdp_no_sync(module: nn.Module) -> Any:
+    """Build the ``no_sync`` context manager installed on an FSDP2 root module."""
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    return no_sync
+
+
+def mixed_precision_policy(model_cfg: Any, ddp_cfg: Any) -> Any:
+    """FSDP2's MixedPrecisionPolicy: compute in bf16/fp16 when the model does; fp32 reduction on request."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = None
+    if getattr(model_cfg, "bf16", False):
+        param_dtype = torch.bfloat16
+    elif getattr(model_cfg, "fp16", False):
+        param_dtype = torch.float16
+    reduce_dtype = torch.float32 if param_dtype is not None and getattr(ddp_cfg, "grad_reduce_in_fp32", False) else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def apply_fsdp2(model: nn.Module, mesh: Any, *, mp_policy: Any = None, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each transformer layer of ``model`` then the root, over ``mesh`` (1-D: FSDP; 2-D
+    ``(replicate, shard)``: HSDP). Works on the meta model; installs ``no_sync()`` on the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    decoder = getattr(model, "decoder", None)
+    layers = list(decoder.layers.values()) if decoder is not None else []
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # The root (embedding, final norm, output layer) is needed first in backward: keep it gathered.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    model.no_sync = _fsdp_no_sync(model)
+    return model
+
+
+def data_parallel_mesh(parallel: Any) -> Any:
+    """The mesh FSDP2 shards over: ``dp`` (× ``cp``), or the 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+    if parallel.dp_replicate_size > 1:
+        if parallel.cp_size > 1:
+            raise NotSupportedError(
+                f"hybrid sharding (dp_replicate={parallel.dp_replicate_size}) with context_parallel_size="
+                f"{parallel.cp_size} is not supported: use one of them"
+            )
+        return parallel.mesh["dp_replicate", "dp_shard"]
+    return parallel.submesh("dp_cp" if parallel.cp_size > 1 else "dp")

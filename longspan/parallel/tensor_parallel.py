@@ -1,0 +1,201 @@
+"""Tensor and sequence parallel plans for ``GPTModel`` (DTensor ``parallelize_module``, torchtitan's way).
+
+The model stays plain; the plan names its modules (see ``longspan.models.gpt``) and says how each is split
+over the 1-D ``tp`` mesh:
+
+- attention: ``linear_q`` / ``linear_k`` / ``linear_v`` column-wise (each rank keeps whole heads and whole
+  kv groups: the attention code reads its local head counts from the projected shapes), ``linear_proj``
+  row-wise;
+- MLP: ``linear_fc1`` and ``linear_fc1_gate`` column-wise, ``linear_fc2`` row-wise;
+- vocabulary: ``embedding.word_embeddings`` row-wise (vocab-sharded table, masked lookup + all-reduce) and
+  ``output_layer`` column-wise with vocab-sharded ``DTensor`` logits (``Shard(-1)``, ``use_local_output=False``),
+  so that ``F.cross_entropy`` under ``torch.distributed.tensor.parallel.loss_parallel()`` is vocab-parallel:
+  no rank ever holds full-vocabulary logits. The per-token loss leaves the model as a plain tensor (a forward
+  hook on the root takes the replicated local value), so loss functions and the trainer see ordinary tensors.
+
+With ``sequence_parallel`` the residual stream between the column/row pairs is sharded along the sequence
+(dim 1): the embedding's output is split along the sequence, norms run as ``SequenceParallel`` on their
+shard, attention/MLP inputs are all-gathered (``PrepareModuleInput``), and ``linear_proj`` / ``linear_fc2``
+reduce-scatter back to sequence shards. The final norm feeds the output layer, which all-gathers its input.
+
+Randomness: hidden dropout on the replicated residual stream (tp without sp) draws the same mask on every tp
+rank, the one a single process draws. Under sequence parallel the residual dropouts are replaced by
+``SequenceShardedDropout``, which draws the full-sequence mask and keeps this rank's slice, so the masks do
+not depend on the layout either. Attention dropout (inside SDPA, on local heads) is drawn per rank and does
+depend on the layout; the recipes shipped run without dropout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.logging import get_logger
+
+_log = get_logger(__name__)
+
+#: attribute set on a model whose logits are vocab-sharded DTensors (``parallel_loss_context`` looks for it)
+LOSS_PARALLEL_ATTR = "_longspan_loss_parallel"
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Raise (one line) when ``model`` cannot be split ``tp`` ways by the plans of this module."""
+    args = getattr(model, "args", None)
+    if args is None:
+        raise NotSupportedError(
+            f"tensor_model_parallel_size={tp}: tensor parallel plans exist only for longspan's GPTModel, "
+            f"not {type(model).__name__}"
+        )
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if heads % tp or groups % tp:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and "
+            f"model.num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
+        )
+    if args.ffn_hidden_size % tp:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide model.ffn_hidden_size={args.ffn_hidden_size}"
+        )
+    if args.vocab_size % tp:
+        raise ConfigError(
+            f"padded vocabulary size {args.vocab_size} is not divisible by model.tensor_model_parallel_size={tp}; "
+            "set model.make_vocab_size_divisible_by to a multiple of it"
+        )
+    if args.share_embeddings_and_output_weights:
+        raise NotSupportedError(
+            f"model.share_embeddings_and_output_weights=True with tensor_model_parallel_size={tp} is not "
+            "supported: set share_embeddings_and_output_weights=False or tensor_model_parallel_size=1"
+        )
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The ``parallelize_module`` plan for ``model``: module name -> ParallelStyle.
+
+    Only modules this pipeline stage holds are named (embedding on the first stage, final norm and output
+    layer on the last, the layers present in ``decoder.layers``).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    sp = sequence_parallel
+    plan: dict[str, Any] = {}
+    if getattr(model, "embedding", None) is not None:
+        # The lookup's partial sums are all-reduced to a replicated output; under sp the embedding module's
+        # output (after position embeddings and dropout, drawn as on one process) is then cut along the
+        # sequence locally, with no communication.
+        plan["embedding.word_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp:
+            plan["embedding"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+            )
+    for key in model.decoder.layers.keys():
+        prefix = f"decoder.layers.{key}"
+        attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
+        layer = model.decoder.layers[key]
+        plan[f"{attn}.linear_q"] = ColwiseParallel()
+        plan[f"{attn}.linear_k"] = ColwiseParallel()
+        plan[f"{attn}.linear_v"] = ColwiseParallel()
+        plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+        plan[f"{mlp}.linear_fc1"] = ColwiseParallel()
+        if layer.mlp.linear_fc1_gate is not None:
+            plan[f"{mlp}.linear_fc1_gate"] = ColwiseParallel()
+        plan[f"{mlp}.linear_fc2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+        if sp:
+            plan[f"{prefix}.input_layernorm"] = SequenceParallel()
+            plan[f"{prefix}.pre_mlp_layernorm"] = SequenceParallel()
+            # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
+            plan[attn] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            )
+            plan[mlp] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+    if getattr(model.decoder, "final_layernorm", None) is not None and sp:
+        plan["decoder.final_layernorm"] = SequenceParallel()
+    if getattr(model, "output_layer", None) is not None:
+        plan["output_layer"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+        )
+    return plan
+
+
+class SequenceShardedDropout(nn.Module):
+    """Dropout on a sequence shard ``[b, s/tp, h]`` whose mask is the full-sequence one, sliced.
+
+    The full ``[b, s, h]`` mask is drawn exactly as ``nn.Dropout`` on the whole tensor would draw it (same
+    shape, dtype and generator state on every tp rank), so the result equals one process's dropout.
+    """
+
+    def __init__(self, p: float, tp_mesh: Any, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.p = float(p)
+        self.tp_mesh = tp_mesh
+        self.sequence_dim = sequence_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        tp = self.tp_mesh.size()
+        full_shape = list(x.shape)
+        full_shape[self.sequence_dim] *= tp
+        mask = F.dropout(torch.ones(full_shape, dtype=x.dtype, device=x.device), self.p, True)
+        local = mask.chunk(tp, dim=self.sequence_dim)[self.tp_mesh.get_local_rank()]
+        return x * local
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, tp={self.tp_mesh.size()}"
+
+
+def _output_to_local(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook on the root: the model returns plain tensors, not DTensors.
+
+    The per-token loss (replicated over tp) becomes its local value; vocab-sharded logits (no labels given)
+    are gathered into full logits, as a caller of the plain model expects.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(output, DTensor):
+        return output
+    if all(p.is_replicate() for p in output.placements):
+        return output.to_local()
+    return output.full_tensor()
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
+    """Split ``model`` (on the meta device or materialized) over the 1-D ``tp_mesh`` in place; return it.
+
+    Parameters become DTensors on ``tp_mesh``; ``init_weights`` then materializes each rank's shard from the
+    full parameter's seed. Marks the model so ``parallel_loss_context(model)`` enables vocab-parallel loss.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = tp_mesh.size()
+    check_tensor_parallel(model, tp)
+    plan = tensor_parallel_plan(model, sequence_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel and model.args.hidden_dropout > 0:
+        for layer in model.decoder.layers.values():
+            layer.self_attn_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
+            layer.mlp_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
+    if model.args.attention_dropout > 0:
+        _log.warning(
+            "attention_dropout=%s under tensor parallel: its masks are drawn per rank on local heads and "
+            "depend on the layout", model.args.attention_dropout,
+        )
+    model.register_forward_hook(_output_to_local)
+    setattr(model, LOSS_PARALLEL_ATTR, getattr(model, "output_layer", None) is not None)
+    _log.debug("tensor parallel over %d ranks (sequence_parallel=%s): %d modules", tp, sequence_parallel,
+               len(plan))
+    return model

@@ -293,10 +293,10 @@ def save_checkpoint(
 
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format", logger)
     if ckpt_cfg.async_save:
-        future = dcp.async_save(state_dict, checkpoint_id=str(partial_dir))
+        future = dcp.async_save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         context["pending_async_save"] = _PendingAsyncSave(future, iteration, finalize)
     else:
-        dcp.save(state_dict, checkpoint_id=str(partial_dir))
+        dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         finalize()
 
 
@@ -334,7 +334,7 @@ def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, A
     metadata = {
         "format": "torch_dist",
         "longspan_checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": train_state_dict["step"],
+        "iteration": int(train_state_dict["step"]),
         "world_size": _world_size(),
         "torch_version": torch.__version__,
     }
@@ -474,7 +474,7 @@ def load_checkpoint(
             to_load.update(rerun)
 
     if not skip_load_to_model_and_opt:
-        dcp.load(to_load, checkpoint_id=str(directory))
+        dcp.load(to_load, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
             set_optimizer_state_dict(main_module, torch_optimizer, to_load["optimizer"])

@@ -49,6 +49,7 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
             write_to_tensorboard=True,
         )
     _print_summary(state)
+    state.close_loggers()
     return state
 
 

@@ -127,6 +127,10 @@ def setup(cfg: Any) -> SetupOutput:
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
         cfg, state.train_state, tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
     )
+    train_state = state.train_state
+    train_state.do_train = train_it is not None and cfg.train.train_iters > 0
+    train_state.do_valid = valid_it is not None and cfg.train.eval_iters > 0
+    train_state.do_test = test_it is not None and cfg.train.eval_iters > 0
     if loaded is not None and loaded.rng_state is not None:
         set_rng_state(loaded.rng_state)
 

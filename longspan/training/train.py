@@ -453,10 +453,8 @@ def checkpoint_and_decide_exit(
 
 
 def _finish_train(global_state: GlobalState) -> None:
-    """Flush and close the metric sinks and release the signal handler."""
-    closer = getattr(global_state, "close_loggers", None)
-    if callable(closer):
-        closer()
+    """Flush the metric sinks (the test evaluation still writes to them) and release the signal handler."""
+    global_state.flush_loggers()
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()
 

@@ -16,14 +16,16 @@ layout. Per-rank state (RNG) is saved under rank-unique keys: DCP keeps one copy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -85,6 +87,14 @@ def _world_size() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -293,10 +303,12 @@ def save_checkpoint(
 
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format", logger)
     if ckpt_cfg.async_save:
-        future = dcp.async_save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            future = dcp.async_save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         context["pending_async_save"] = _PendingAsyncSave(future, iteration, finalize)
     else:
-        dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         finalize()
 
 
@@ -474,7 +486,8 @@ def load_checkpoint(
             to_load.update(rerun)
 
     if not skip_load_to_model_and_opt:
-        dcp.load(to_load, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.load(to_load, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
             set_optimizer_state_dict(main_module, torch_optimizer, to_load["optimizer"])

@@ -1,0 +1,98 @@
+"""Shared fixtures of the data tests: small .bin/.idx corpora, a config stand-in, megatron-core oracles."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, List, Optional
+
+import numpy as np
+import pytest
+
+
+@dataclasses.dataclass
+class DatasetCfg:
+    """A local stand-in for longspan.training.config.GPTDatasetConfig (field names as megatron-core's)."""
+
+    random_seed: int = 1234
+    sequence_length: int = 64
+    blend: Optional[Any] = None
+    blend_per_split: Optional[Any] = None
+    split: Optional[str] = "90,8,2"
+    path_to_cache: Optional[str] = None
+    mmap_bin_files: bool = True
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = True
+    add_extra_token_to_sequence: bool = True
+    drop_last_partial_validation_sequence: bool = True
+    mid_level_dataset_surplus: float = 0.005
+    tokenizer: Any = None
+    data_path: Optional[str] = None
+    dataloader_type: Optional[str] = "single"
+    num_workers: int = 0
+    data_sharding: bool = True
+    pin_memory: bool = False
+    persistent_workers: bool = False
+
+
+class OracleTokenizer:
+    """What megatron-core's datasets read from a tokenizer: vocab_size, eod, pad (+ unique_identifiers)."""
+
+    def __init__(self, vocab_size: int = 1000, eod: int = 0, pad: Optional[int] = None) -> None:
+        self.vocab_size = vocab_size
+        self.eod = eod
+        self.eos = eod
+        self._pad = pad
+        self.unique_identifiers = {"class": "OracleTokenizer", "vocab_size": vocab_size}
+
+    @property
+    def pad(self):
+        if self._pad is None:
+            raise AttributeError("no pad")
+        return self._pad
+
+
+class LongspanTok:
+    """The same special ids in the shape longspan tokenizers have (pad None when there is none)."""
+
+    def __init__(self, vocab_size: int = 1000, eod: int = 0, pad: Optional[int] = None) -> None:
+        self.vocab_size, self.eod, self.eos, self.pad, self.bos = vocab_size, eod, eod, pad, None
+
+
+def write_corpus(prefix: str, docs: List[np.ndarray], dtype=np.uint16) -> None:
+    """Write documents with megatron-core's builder (the oracle format)."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for d in docs:
+        b.add_item(torch.tensor(d, dtype=torch.int64))
+        b.end_document()
+    b.finalize(prefix + ".idx")
+
+
+def random_docs(seed: int, n: int, vocab: int = 1000, eod: int = 0, max_len: int = 200) -> List[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n):
+        length = int(rng.integers(1, max_len))
+        body = rng.integers(1, vocab, size=length)
+        docs.append(np.concatenate([body, [eod]]).astype(np.int64))
+    return docs
+
+
+@pytest.fixture(autouse=True)
+def _quiet_megatron():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture
+def two_prefixes(tmp_path):
+    p1, p2 = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    write_corpus(p1, random_docs(1, 300))
+    write_corpus(p2, random_docs(2, 200))
+    return p1, p2

@@ -511,3 +511,38 @@ def load_checkpoint(
         state.train_state.load_state_dict(train_state_dict)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
+
+
+def apply_checkpoint_args(cfg: Any) -> list[str]:
+    """``checkpoint.use_checkpoint_args``: take the model architecture from the checkpoint's run_config.yaml.
+
+    Every model field except the parallel layout (ModelParallelConfig's fields) is copied, so a run resumes
+    with the saved architecture whatever the recipe says. Returns the names of the fields that changed.
+    """
+    import dataclasses
+
+    from longspan.core.model_parallel_config import ModelParallelConfig
+
+    found = find_checkpoint(cfg.checkpoint)
+    if found is None:
+        return []
+    run_config = found[0] / RUN_CONFIG_FILENAME
+    if not run_config.is_file():
+        raise CheckpointError(f"checkpoint.use_checkpoint_args=true but {run_config} does not exist")
+    saved = type(cfg).from_yaml(str(run_config)).model
+    if type(saved) is not type(cfg.model):
+        raise CheckpointError(
+            f"checkpoint {found[0]} holds a {type(saved).__name__}, but this run builds a {type(cfg.model).__name__}"
+        )
+    layout = {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    changed = []
+    for f in dataclasses.fields(saved):
+        if f.name in layout:
+            continue
+        value = getattr(saved, f.name)
+        if getattr(cfg.model, f.name) != value:
+            setattr(cfg.model, f.name, value)
+            changed.append(f.name)
+    if changed:
+        print_rank_0(f"use_checkpoint_args: model fields from {run_config}: {', '.join(sorted(changed))}", logger)
+    return changed

@@ -24,7 +24,12 @@ from longspan.data.tokenizers import build_tokenizer
 from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.parallelize import parallelize_model
-from longspan.training.checkpointing import check_save_dir_writable, load_checkpoint, set_rng_state
+from longspan.training.checkpointing import (
+    apply_checkpoint_args,
+    check_save_dir_writable,
+    load_checkpoint,
+    set_rng_state,
+)
 from longspan.training.microbatches import NumMicroBatchesCalculator
 from longspan.training.optimizer import get_megatron_optimizer
 from longspan.training.scheduler import get_optimizer_param_scheduler
@@ -91,6 +96,8 @@ def setup(cfg: Any) -> SetupOutput:
     state.parallel = parallel
     state.device = parallel.device
 
+    if cfg.checkpoint.use_checkpoint_args:
+        apply_checkpoint_args(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     state.tokenizer = tokenizer
     if cfg.model.vocab_size is None:

@@ -182,3 +182,16 @@ def test_validation_loss_is_logged(straight_run) -> None:
     # iterations 10, 20, 30, then the test split (Megatron writes it under the same tag)
     assert [e.step for e in acc.Scalars("lm loss validation")] == [10, 20, 30, 30]
     assert all(math.isfinite(v) for v in values)
+
+
+def test_use_checkpoint_args_takes_the_saved_architecture(tmp_path: Path, straight_run) -> None:
+    cfg_ref, _, reference = straight_run
+    cfg = small_config(tmp_path, "ckpt_args", train_iters=32, eval_interval=None)
+    cfg.checkpoint.load = cfg_ref.checkpoint.save
+    cfg.checkpoint.use_checkpoint_args = True
+    cfg.scheduler.override_opt_param_scheduler = True  # a longer run than the checkpoint's schedule
+    cfg.model.hidden_size = 128  # would not fit the checkpoint; the saved value wins
+    cfg.model.ffn_hidden_size = 256
+    state = pretrain(cfg, forward_step)
+    assert cfg.model.hidden_size == 64 and cfg.model.ffn_hidden_size == 128
+    assert state.train_state.step == 32

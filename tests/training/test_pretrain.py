@@ -195,3 +195,20 @@ def test_use_checkpoint_args_takes_the_saved_architecture(tmp_path: Path, straig
     state = pretrain(cfg, forward_step)
     assert cfg.model.hidden_size == 64 and cfg.model.ffn_hidden_size == 128
     assert state.train_state.step == 32
+
+
+def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path, straight_run) -> None:
+    _, _, reference = straight_run
+    cfg = small_config(tmp_path, "async", exit_interval=15)
+    cfg.checkpoint.async_save = True
+    cfg.checkpoint.save_interval = 5
+    pretrain(cfg, forward_step)
+    root = Path(cfg.checkpoint.save)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "15"
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000005", "iter_0000010", "iter_0000015"]
+    assert not list(root.glob("*.partial"))
+    cfg2 = small_config(tmp_path, "async")
+    cfg2.checkpoint.async_save = True
+    pretrain(cfg2, forward_step)
+    resumed = losses_by_iteration(cfg2)
+    assert [resumed[i] for i in range(16, 31)] == [reference[i] for i in range(16, 31)]

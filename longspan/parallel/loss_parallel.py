@@ -6,14 +6,16 @@ Under tensor parallel the output layer returns vocab-sharded logits (DTensor ``S
 vocabulary. The backward of that loss must run inside the same context, so the trainer wraps each
 microbatch's forward *and* ``loss.backward()`` in ``parallel_loss_context(model)``.
 
-Outside the context the loss is still correct (DTensor gathers the logits to compute it): the context is
-about memory and communication, not about the maths.
+Outside the context the output layer gathers the full logits first, so the loss is still correct: the
+context is about memory and communication, not about the maths. The context is re-entrant (only the outermost
+one switches torch's handlers) and always switches them off again, also when the body raises.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 from longspan.parallel.tensor_parallel import LOSS_PARALLEL_ATTR
 
@@ -44,6 +46,29 @@ def parallel_loss_context(model_or_parallel: Any) -> contextlib.AbstractContextM
     else a ``nullcontext``. Wrap a microbatch's forward and its ``backward()`` in it."""
     if not uses_loss_parallel(model_or_parallel):
         return contextlib.nullcontext()
+    return _loss_parallel_once()
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def _loss_parallel_once() -> Iterator[None]:
+    depth = getattr(_state, "depth", 0)
+    if depth:  # torch's loss_parallel() must not nest: its inner exit would remove the outer's handlers
+        _state.depth = depth + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+        return
     from torch.distributed.tensor.parallel import loss_parallel
 
-    return loss_parallel()
+    context = loss_parallel()
+    context.__enter__()
+    _state.depth = 1
+    try:
+        yield
+    finally:
+        _state.depth = 0
+        context.__exit__(None, None, None)  # torch's context has no try/finally: always switch off

@@ -10,7 +10,8 @@ over the 1-D ``tp`` mesh:
 - vocabulary: ``embedding.word_embeddings`` row-wise (vocab-sharded table, masked lookup + all-reduce) and
   ``output_layer`` column-wise with vocab-sharded ``DTensor`` logits (``Shard(-1)``, ``use_local_output=False``),
   so that ``F.cross_entropy`` under ``torch.distributed.tensor.parallel.loss_parallel()`` is vocab-parallel:
-  no rank ever holds full-vocabulary logits. The per-token loss leaves the model as a plain tensor (a forward
+  no rank ever holds full-vocabulary logits. Outside that context the output layer gathers its logits (the
+  loss stays correct, e.g. in evaluation, but is not vocab-parallel). The per-token loss leaves the model as a plain tensor (a forward
   hook on the root takes the replicated local value), so loss functions and the trainer see ordinary tensors.
 
 With ``sequence_parallel`` the residual stream between the column/row pairs is sharded along the sequence
@@ -158,6 +159,29 @@ class SequenceShardedDropout(nn.Module):
         return f"p={self.p}, tp={self.tp_mesh.size()}"
 
 
+def loss_parallel_enabled() -> bool:
+    """Whether torch's ``loss_parallel()`` is active right now (its DTensor loss handlers are installed)."""
+    try:
+        import torch.distributed.tensor.parallel.loss as tp_loss
+        from torch.distributed.tensor import DTensor
+
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        return any(op in handlers for op in tp_loss.customized_loss_ops)
+    except (AttributeError, ImportError):  # a torch without these internals: trust the caller's context
+        return True
+
+
+def _gather_logits_outside_loss_parallel(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook on the output layer: outside ``loss_parallel()`` the vocab-sharded logits are gathered.
+
+    DTensor's default cross-entropy rejects sharded logits with plain labels, so a forward outside the context
+    (evaluation, a user's own loop) computes the loss on full logits: correct, just not vocab-parallel.
+    """
+    if loss_parallel_enabled():
+        return output
+    return output.full_tensor()
+
+
 def _output_to_local(module: nn.Module, args: Any, output: Any) -> Any:
     """Forward hook on the root: the model returns plain tensors, not DTensors.
 
@@ -194,6 +218,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             "attention_dropout=%s under tensor parallel: its masks are drawn per rank on local heads and "
             "depend on the layout", model.args.attention_dropout,
         )
+    if getattr(model, "output_layer", None) is not None:
+        model.output_layer.register_forward_hook(_gather_logits_outside_loss_parallel)
     model.register_forward_hook(_output_to_local)
     setattr(model, LOSS_PARALLEL_ATTR, getattr(model, "output_layer", None) is not None)
     _log.debug("tensor parallel over %d ranks (sequence_parallel=%s): %d modules", tp, sequence_parallel,

@@ -1,0 +1,206 @@
+"""Datasets and data iterators of a training run (Megatron's sizes, samplers and iterator kinds).
+
+The iterators' position is the checkpoint's ``consumed_train_samples`` / ``consumed_valid_samples``: a resumed
+run rebuilds them from those numbers and continues with exactly the samples it would have seen.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from longspan.core.errors import DataError
+from longspan.core.logging import get_logger
+from longspan.data.blended import BlendedMegatronDatasetBuilder
+from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
+from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from longspan.data.utils import Blend, parse_blend_string
+
+logger = get_logger(__name__)
+
+SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default when a data path comes without a split
+
+
+def resolve_data_path(data_path: str, tokenizer: Any) -> Blend:
+    """``"PREFIX"``, ``"W1 P1 W2 P2"`` or ``"builtin:NAME"`` -> (prefixes, weights or None).
+
+    ``builtin:`` entries are prepared (tokenized with ``tokenizer`` and cached) on first use.
+    """
+    prefixes, weights = parse_blend_string(data_path)
+    resolved = []
+    for p in prefixes:
+        if p.startswith("builtin:"):
+            from longspan.data.builtin import prepare_builtin_corpus
+
+            p = prepare_builtin_corpus(p, tokenizer)
+        resolved.append(p)
+    return resolved, weights
+
+
+def get_train_valid_test_num_samples(cfg: Any) -> Tuple[int, int, int]:
+    """Samples per split, as Megatron computes them.
+
+    train = train_samples or train_iters * global_batch_size; valid = (train_iters // eval_interval + 1) *
+    eval_iters * global_batch_size; test = eval_iters * global_batch_size.
+    """
+    t = cfg.train
+    gbs = int(t.global_batch_size)
+    train_iters = getattr(t, "train_iters", None)
+    train_samples = getattr(t, "train_samples", None)
+    if train_samples:
+        train = int(train_samples)
+        if not train_iters:
+            train_iters = train // gbs
+    else:
+        train = int(train_iters or 0) * gbs
+    eval_iters = int(getattr(t, "eval_iters", 0) or 0)
+    eval_interval = getattr(t, "eval_interval", None)
+    evals = (int(train_iters or 0) // int(eval_interval) + 1) if eval_interval else 1
+    return train, evals * eval_iters * gbs, eval_iters * gbs
+
+
+def resolve_dataset_config(dataset_cfg: Any, tokenizer: Any) -> Any:
+    """A copy of the dataset config with ``tokenizer`` set and ``data_path`` turned into ``blend``."""
+    cfg = copy.copy(dataset_cfg)
+    cfg.tokenizer = tokenizer
+    data_path = getattr(dataset_cfg, "data_path", None)
+    if data_path is not None:
+        if getattr(dataset_cfg, "blend", None) is not None:
+            raise DataError("dataset.data_path and dataset.blend are both set: use one of them")
+        cfg.blend = resolve_data_path(data_path, tokenizer)
+    if getattr(cfg, "mock", False):
+        cfg.blend, cfg.blend_per_split = None, None
+    if cfg.blend is not None and getattr(cfg, "split", None) is None:
+        cfg.split = DEFAULT_SPLIT
+    return cfg
+
+
+def _is_mock(cfg: Any) -> bool:
+    per_split = getattr(cfg, "blend_per_split", None)
+    return getattr(cfg, "blend", None) is None and (per_split is None or not any(per_split))
+
+
+def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
+    """[train, valid, test] datasets of a ConfigContainer (None for a split that is not built)."""
+    ds_cfg = resolve_dataset_config(cfg.dataset, tokenizer)
+    model = getattr(cfg, "model", None)
+    model_seq = getattr(model, "seq_length", None)
+    if model_seq is not None and ds_cfg.sequence_length > model_seq:
+        raise DataError(
+            f"dataset.sequence_length={ds_cfg.sequence_length} is longer than model.seq_length={model_seq}: "
+            f"the model cannot take such samples; set both the same"
+        )
+    if tokenizer is not None and getattr(tokenizer, "eod", None) is None:
+        logger.warning("the tokenizer has no end-of-document token: eod_mask_loss and the resets have no effect")
+    sizes = get_train_valid_test_num_samples(cfg)
+    cls = MockGPTDataset if _is_mock(ds_cfg) else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, ds_cfg).build()
+
+
+def collate_samples(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """Stack the samples of a micro-batch: tokens/labels/position_ids int64, loss_mask float32, mask bool."""
+    out: Dict[str, torch.Tensor] = {}
+    for key in SAMPLE_KEYS:
+        if key in samples[0]:
+            out[key] = torch.stack([s[key] for s in samples])
+    return out
+
+
+def cyclic_iter(iterable: Iterable) -> Iterator:
+    """Iterate ``iterable`` again and again."""
+    while True:
+        empty = True
+        for x in iterable:
+            empty = False
+            yield x
+        if empty:
+            return
+
+
+def build_pretraining_data_loader(
+    dataset: Any,
+    consumed_samples: int,
+    dataloader_type: str,
+    micro_batch_size: int,
+    num_workers: int,
+    data_sharding: bool,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+) -> Optional[Any]:
+    """A DataLoader over ``dataset`` with Megatron's sampler for ``dataloader_type`` ('external' passes through)."""
+    if dataset is None:
+        return None
+    if dataloader_type == "external":
+        return dataset
+    if dataloader_type == "single":
+        sampler: Any = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    elif dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(
+            dataset, len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size, data_sharding
+        )
+    else:
+        raise DataError(f"dataset.dataloader_type={dataloader_type!r} is not valid; use single, cyclic or external")
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=bool(pin_memory) and torch.cuda.is_available(),
+        persistent_workers=bool(persistent_workers) and num_workers > 0,
+        collate_fn=collate_samples,
+    )
+
+
+def build_train_valid_test_data_iterators(
+    cfg: Any, train_state: Any, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1
+) -> Tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
+    """(train, valid, test) iterators of micro-batches for this data-parallel rank.
+
+    Each yields dicts of CPU tensors with a leading micro_batch_size dimension. Training starts at
+    ``train_state.consumed_train_samples``; validation at ``consumed_valid_samples`` (0 with skip_train) and,
+    as in Megatron, cycles; so does test.
+    """
+    t, d = cfg.train, cfg.dataset
+    dl_type = getattr(d, "dataloader_type", None) or "single"
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer)
+    mbs = int(t.micro_batch_size)
+    kwargs = dict(
+        micro_batch_size=mbs,
+        num_workers=int(getattr(d, "num_workers", 0) or 0),
+        data_sharding=bool(getattr(d, "data_sharding", True)),
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        pin_memory=bool(getattr(d, "pin_memory", False)),
+        persistent_workers=bool(getattr(d, "persistent_workers", False)),
+    )
+    skip_train = bool(getattr(t, "skip_train", False))
+    train_consumed = int(getattr(train_state, "consumed_train_samples", 0) or 0)
+    valid_consumed = 0 if skip_train else int(getattr(train_state, "consumed_valid_samples", 0) or 0)
+
+    train_it = None
+    if train_ds is not None and len(train_ds) > 0 and not skip_train:
+        if dl_type == "single" and train_consumed >= len(train_ds):
+            logger.warning(f"all {len(train_ds)} training samples were consumed; no training data left")
+        else:
+            loader = build_pretraining_data_loader(train_ds, train_consumed, dl_type, **kwargs)
+            train_it = loader if dl_type == "external" else iter(loader) if dl_type == "single" else iter(cyclic_iter(loader))
+
+    def eval_iterator(ds: Any, consumed: int) -> Optional[Iterator]:
+        if ds is None or len(ds) == 0:
+            return None
+        if dl_type == "external":
+            return ds
+        if dl_type == "single":
+            # Validation wraps around; a position past the end starts the next pass.
+            step = mbs * dp_size
+            consumed = consumed % (len(ds) // step * step) if len(ds) >= step else 0
+        loader = build_pretraining_data_loader(ds, consumed, dl_type, **kwargs)
+        return iter(cyclic_iter(loader))
+
+    valid_it = eval_iterator(valid_ds, valid_consumed)
+    test_it = eval_iterator(test_ds, 0)
+    return train_it, valid_it, test_it

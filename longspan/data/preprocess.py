@@ -1,0 +1,344 @@
+"""Text (JSONL, plain text, Parquet) -> Megatron ``.bin``/``.idx`` files, as Megatron's preprocess_data.py.
+
+Outputs are ``{output_prefix}_{key}_document.bin/.idx`` (``_sentence`` with sentence splitting), one per JSON
+key. A document's ids are the tokenizer's encoding without added special tokens (BOS first with
+``add_bos``; EOD last with ``append_eod``). Worker processes tokenize chunks of documents in order, so the
+output does not depend on the number of workers or partitions.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from longspan.core.errors import DataError
+from longspan.core.logging import get_logger
+from longspan.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+logger = get_logger(__name__)
+
+CHUNK_DOCS = 64  # documents per worker task: large enough to amortize inter-process traffic
+
+
+@dataclass
+class PreprocessOptions:
+    """What to do with each document (Megatron preprocess_data.py's options)."""
+
+    json_keys: Sequence[str] = ("text",)
+    """JSON fields (Parquet columns) to tokenize; each gets its own output files."""
+    append_eod: bool = False
+    """Append the tokenizer's end-of-document id to each document."""
+    add_bos: bool = False
+    """Prepend the tokenizer's beginning-of-sequence id to each document."""
+    split_sentences: bool = False
+    """Store each sentence as its own sequence (needs NLTK's punkt data)."""
+    keep_newlines: bool = False
+    """With split_sentences, keep newlines between sentences."""
+    lang: str = "english"
+    """Language of NLTK's sentence splitter."""
+
+
+@dataclass
+class PreprocessResult:
+    """What preprocessing wrote and how fast."""
+
+    output_prefixes: Dict[str, str]
+    documents: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    workers: int = 1
+    input_bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_second_per_core(self) -> float:
+        return self.tokens_per_second / max(1, self.workers)
+
+
+def output_prefix_for(output_prefix: str, key: str, split_sentences: bool) -> str:
+    """``{output_prefix}_{key}_document`` (``_sentence`` with sentence splitting)."""
+    return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def input_format(path: str) -> str:
+    """'jsonl', 'text' or 'parquet', from the file name."""
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        return "parquet"
+    if lower.endswith((".jsonl", ".json", ".jsonl.txt", ".ndjson")):
+        return "jsonl"
+    return "text"
+
+
+def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int]]:
+    """(``{key: text}``, bytes or rows read so far) for each document of the input file."""
+    if not os.path.isfile(path):
+        raise DataError(f"input file {path} does not exist")
+    fmt = input_format(path)
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError("reading Parquet needs the pyarrow package (pip install pyarrow)") from None
+        try:
+            pfile = pq.ParquetFile(path)
+        except Exception as exc:
+            raise DataError(f"cannot read Parquet file {path}: {exc}") from None
+        missing = [k for k in json_keys if k not in pfile.schema_arrow.names]
+        if missing:
+            raise DataError(f"{path} has no column {missing[0]!r}; columns: {', '.join(pfile.schema_arrow.names)}")
+        rows = 0
+        for batch in pfile.iter_batches(columns=list(json_keys)):
+            cols = {k: batch.column(k).to_pylist() for k in json_keys}
+            for i in range(batch.num_rows):
+                rows += 1
+                yield {k: "" if cols[k][i] is None else str(cols[k][i]) for k in json_keys}, rows
+        return
+    done = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            done += len(raw)
+            if fmt == "text":
+                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                yield {k: text for k in json_keys}, done
+                continue
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{lineno} is not a JSON object")
+            try:
+                yield {k: str(record[k]) for k in json_keys}, done
+            except KeyError as exc:
+                raise DataError(f"{path}:{lineno} has no key {exc.args[0]!r} (--json-keys {' '.join(json_keys)})") from None
+
+
+def input_size(path: str) -> int:
+    """Total bytes (rows for Parquet) of the input, for the ETA."""
+    if input_format(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    return os.path.getsize(path)
+
+
+# ------------------------------------------------------------------------------------------- tokenizing
+_WORKER: Dict[str, Any] = {}
+
+
+def _sentence_splitter(lang: str, keep_newlines: bool):
+    try:
+        import nltk
+    except ImportError:
+        raise DataError("--split-sentences needs NLTK and its punkt data: pip install nltk && python -m nltk.downloader punkt") from None
+    try:
+        splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
+    except LookupError:
+        try:
+            from nltk.tokenize import PunktTokenizer
+
+            splitter = PunktTokenizer(lang)
+        except Exception:
+            raise DataError(
+                f"--split-sentences needs NLTK's punkt data for {lang!r}, which is missing: "
+                f"python -m nltk.downloader punkt punkt_tab"
+            ) from None
+    return splitter
+
+
+def _split(splitter: Any, text: str, keep_newlines: bool) -> List[str]:
+    """Sentences of ``text``; with keep_newlines each keeps the whitespace (newlines) that follows it."""
+    if not keep_newlines:
+        return splitter.tokenize(text)
+    spans = list(splitter.span_tokenize(text))
+    return [text[start : spans[i + 1][0] if i + 1 < len(spans) else len(text)] for i, (start, _) in enumerate(spans)]
+
+
+def _init_worker(tokenizer_config: Any, options: PreprocessOptions) -> None:
+    from longspan.data.tokenizers import build_tokenizer
+
+    _WORKER["tokenizer"] = build_tokenizer(tokenizer_config)
+    _WORKER["options"] = options
+    _WORKER["splitter"] = _sentence_splitter(options.lang, options.keep_newlines) if options.split_sentences else None
+
+
+def _encode_documents(docs: List[Dict[str, str]]) -> List[Dict[str, Tuple[List[int], List[int]]]]:
+    """For each document and key: (token ids, sequence lengths)."""
+    tok = _WORKER["tokenizer"]
+    opts: PreprocessOptions = _WORKER["options"]
+    splitter = _WORKER["splitter"]
+    out: List[Dict[str, Tuple[List[int], List[int]]]] = [{} for _ in docs]
+    for key in opts.json_keys:
+        texts = [d[key] for d in docs]
+        if splitter is None:
+            batch = getattr(tok, "tokenize_batch", None)
+            encoded = batch(texts) if batch is not None else [tok.tokenize(t) for t in texts]
+            pieces = [[ids] if len(ids) else [] for ids in encoded]
+        else:
+            pieces = []
+            for t in texts:
+                sents = [tok.tokenize(s) for s in _split(splitter, t, opts.keep_newlines)]
+                pieces.append([s for s in sents if len(s)])
+        for i, seqs in enumerate(pieces):
+            if opts.add_bos and seqs:
+                seqs[0] = [tok.bos] + list(seqs[0])
+            if opts.append_eod and seqs:
+                seqs[-1] = list(seqs[-1]) + [tok.eod]
+            ids = [t for s in seqs for t in s]
+            out[i][key] = (ids, [len(s) for s in seqs])
+    return out
+
+
+def _chunks(docs: Iterator[Tuple[Dict[str, str], int]], progress: List[int]) -> Iterator[List[Dict[str, str]]]:
+    chunk: List[Dict[str, str]] = []
+    for doc, done in docs:
+        progress[0] = done
+        chunk.append(doc)
+        if len(chunk) == CHUNK_DOCS:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Progress:
+    """Periodic progress lines: documents, tokens/s, MB/s and the time left."""
+
+    def __init__(self, total: int, unit: str, workers: int, interval_s: float = 2.0) -> None:
+        self.total, self.unit, self.workers, self.interval = total, unit, workers, interval_s
+        self.start = self.last = time.time()
+
+    def update(self, docs: int, tokens: int, done: int, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = tokens / elapsed
+        eta = (self.total - done) / (done / elapsed) if done else float("nan")
+        pct = 100.0 * done / self.total if self.total else 100.0
+        eta_s = "--:--" if eta != eta else f"{int(eta) // 60:02d}:{int(eta) % 60:02d}"
+        sys.stderr.write(
+            f"\r[{pct:5.1f}%] {docs} documents | {tokens} tokens | {rate:,.0f} tokens/s "
+            f"({rate / self.workers:,.0f}/core) | ETA {eta_s}   "
+        )
+        if force:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def preprocess(
+    input_path: str,
+    output_prefix: str,
+    tokenizer_config: Any,
+    options: Optional[PreprocessOptions] = None,
+    workers: int = 1,
+    partitions: int = 1,
+    progress: bool = True,
+    log_interval: float = 2.0,
+) -> PreprocessResult:
+    """Tokenize ``input_path`` into one ``.bin``/``.idx`` pair per JSON key.
+
+    ``partitions`` > 1 splits the work into that many contiguous parts written separately and merged in
+    order (Megatron's option, for inputs too large for one pass); the files are the same either way.
+    """
+    from longspan.data.tokenizers import build_tokenizer
+
+    options = options or PreprocessOptions()
+    tokenizer = build_tokenizer(tokenizer_config)
+    if options.append_eod and tokenizer.eod is None:
+        raise DataError(f"--append-eod: the {type(tokenizer).__name__} tokenizer has no end-of-document token")
+    if options.add_bos and tokenizer.bos is None:
+        raise DataError(f"--add-bos: the {type(tokenizer).__name__} tokenizer has no beginning-of-sequence token")
+    if options.split_sentences:
+        _sentence_splitter(options.lang, options.keep_newlines)  # fail early with a clear message
+    if not os.path.isfile(input_path):
+        raise DataError(f"input file {input_path} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    if not os.path.isdir(out_dir):
+        raise DataError(f"output directory {out_dir} does not exist (from --output-prefix {output_prefix})")
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    prefixes = {k: output_prefix_for(output_prefix, k, options.split_sentences) for k in options.json_keys}
+    workers = max(1, int(workers))
+    partitions = max(1, int(partitions))
+    t0 = time.time()
+    total = input_size(input_path)
+    unit = "rows" if input_format(input_path) == "parquet" else "bytes"
+    part_prefixes = (
+        [{k: f"{p}_part{i}" for k, p in prefixes.items()} for i in range(partitions)] if partitions > 1 else [prefixes]
+    )
+    bounds = np.linspace(0, total, partitions + 1)
+    builders: Dict[str, IndexedDatasetBuilder] = {}
+    part = 0
+    docs = tokens = done_units = 0
+    meter = _Progress(total, unit, workers, log_interval) if progress else None
+
+    def open_part(i: int) -> None:
+        builders.clear()
+        for k in options.json_keys:
+            builders[k] = IndexedDatasetBuilder(get_bin_path(part_prefixes[i][k]), dtype=dtype)
+
+    def close_part(i: int) -> None:
+        for k, b in builders.items():
+            b.finalize(get_idx_path(part_prefixes[i][k]))
+
+    open_part(0)
+    position = [0]
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_config, options)) if workers > 1 else None
+    try:
+        if pool is None:
+            _init_worker(tokenizer_config, options)
+            results = map(_encode_documents, _chunks(iter_documents(input_path, options.json_keys), position))
+        else:
+            results = pool.imap(_encode_documents, _chunks(iter_documents(input_path, options.json_keys), position), 4)
+        for encoded in results:
+            for doc in encoded:
+                for k, (ids, lengths) in doc.items():
+                    builders[k].add_document(np.asarray(ids, dtype=np.int64), lengths)
+                    tokens += len(ids)
+                docs += 1
+            done_units = position[0]
+            # Partition boundaries fall between chunks, at the input position they were meant to split.
+            while part + 1 < partitions and done_units >= bounds[part + 1]:
+                close_part(part)
+                part += 1
+                open_part(part)
+            if meter:
+                meter.update(docs, tokens, done_units)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    close_part(part)
+    for i in range(part + 1, partitions):  # parts that received no documents
+        open_part(i)
+        close_part(i)
+    if partitions > 1:
+        for k, final in prefixes.items():
+            merged = IndexedDatasetBuilder(get_bin_path(final), dtype=dtype)
+            for i in range(partitions):
+                merged.add_index(part_prefixes[i][k])
+            merged.finalize(get_idx_path(final))
+            for i in range(partitions):
+                for path in (get_bin_path(part_prefixes[i][k]), get_idx_path(part_prefixes[i][k])):
+                    os.remove(path)
+    if meter:
+        meter.update(docs, tokens, total, force=True)
+    result = PreprocessResult(prefixes, docs, tokens, time.time() - t0, workers, os.path.getsize(input_path))
+    return result

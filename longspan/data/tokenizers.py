@@ -1,0 +1,278 @@
+"""Tokenizers selected by ``TokenizerConfig.tokenizer_type`` (Megatron Bridge's names).
+
+Every tokenizer exposes ``vocab_size``, ``eod`` (end of document), ``eos``, ``bos`` and ``pad`` (None when it
+has none), ``tokenize(text) -> list[int]`` (no special tokens added), ``detokenize(ids) -> str`` and
+``save_files(directory)``, which writes what is needed to rebuild it (so tokenizers travel with checkpoints;
+``build_tokenizer`` of the saved directory with the same ``tokenizer_type`` gives the same tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Dict, List, Optional, Sequence
+
+from longspan.core.errors import ConfigError, DataError
+from longspan.core.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class Tokenizer:
+    """Common interface of longspan's tokenizers."""
+
+    vocab_size: int
+    eod: Optional[int] = None
+    eos: Optional[int] = None
+    bos: Optional[int] = None
+    pad: Optional[int] = None
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of ``text`` without added special tokens."""
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of token ids."""
+        raise NotImplementedError
+
+    def save_files(self, directory: str) -> None:
+        """Write the files this tokenizer is built from into ``directory``."""
+        raise NotImplementedError
+
+    @property
+    def special_tokens_dict(self) -> Dict[str, int]:
+        """Special token ids by role (used to detect a pad id that collides with another special token)."""
+        roles = {"eos_token": self.eos, "bos_token": self.bos, "pad_token": self.pad}
+        return {k: v for k, v in roles.items() if v is not None}
+
+
+def _token_text(value: Any) -> Optional[str]:
+    """A special token in tokenizer_config.json is a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face tokenizer from a local directory or a ``tokenizer.json`` file.
+
+    ``tokenizer.json`` is read with the ``tokenizers`` library (special tokens from the
+    ``tokenizer_config.json`` beside it); a directory without one goes through ``transformers.AutoTokenizer``.
+    EOD is the end-of-sequence token, else ``<|endoftext|>``.
+    """
+
+    _EOS_GUESSES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+    _BOS_GUESSES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
+    _PAD_GUESSES = ("<pad>", "[PAD]", "<|pad|>")
+
+    def __init__(self, path: str, **hf_kwargs: Any) -> None:
+        self.path = path
+        json_file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
+        self._hf = None
+        self._fast = None
+        if os.path.isfile(json_file):
+            from tokenizers import Tokenizer as FastTokenizer
+
+            try:
+                self._fast = FastTokenizer.from_file(json_file)
+            except Exception as exc:  # the tokenizers library raises its own exception type
+                raise DataError(f"cannot read tokenizer file {json_file}: {exc}") from None
+            self._json_file = json_file
+            self._config_file = os.path.join(os.path.dirname(json_file), "tokenizer_config.json")
+            conf = {}
+            if os.path.isfile(self._config_file):
+                with open(self._config_file) as f:
+                    conf = json.load(f)
+            self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
+            self.eos = self._special(_token_text(conf.get("eos_token")), self._EOS_GUESSES)
+            self.bos = self._special(_token_text(conf.get("bos_token")), self._BOS_GUESSES)
+            self.pad = self._special(_token_text(conf.get("pad_token")), self._PAD_GUESSES)
+            eot = self._fast.token_to_id("<|endoftext|>")
+        elif os.path.isdir(path):
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise ConfigError(
+                    f"tokenizer.tokenizer_model={path!r} has no tokenizer.json; reading it needs the transformers "
+                    f"package (pip install transformers)"
+                ) from None
+            try:
+                self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **hf_kwargs)
+            except Exception as exc:
+                raise DataError(f"cannot load a Hugging Face tokenizer from {path}: {exc}") from None
+            self.vocab_size = len(self._hf)
+            self.eos, self.bos, self.pad = self._hf.eos_token_id, self._hf.bos_token_id, self._hf.pad_token_id
+            eot = self._hf.convert_tokens_to_ids("<|endoftext|>")
+            eot = None if eot == self._hf.unk_token_id else eot
+        else:
+            raise ConfigError(
+                f"tokenizer.tokenizer_model={path!r} does not exist: give a local directory with tokenizer.json "
+                f"(or tokenizer files for transformers), a tokenizer.json file, or builtin:stdlib"
+            )
+        self.eod = self.eos if self.eos is not None else eot
+
+    def _special(self, text: Optional[str], guesses: Sequence[str]) -> Optional[int]:
+        for candidate in ([text] if text else []) + ([] if text else list(guesses)):
+            tid = self._fast.token_to_id(candidate)
+            if tid is not None:
+                return tid
+        return None
+
+    def tokenize(self, text: str) -> List[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        """Token ids of several texts (parallel inside the tokenizers library when it can)."""
+        if self._fast is not None:
+            return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens=False)
+        return self._hf.decode(list(ids))
+
+    def save_files(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        if self._fast is not None:
+            shutil.copyfile(self._json_file, os.path.join(directory, "tokenizer.json"))
+            if os.path.isfile(self._config_file):
+                shutil.copyfile(self._config_file, os.path.join(directory, "tokenizer_config.json"))
+        else:
+            self._hf.save_pretrained(directory)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` file; EOD is its EOS piece."""
+
+    def __init__(self, model_file: str) -> None:
+        if not model_file or not os.path.isfile(model_file):
+            raise ConfigError(f"tokenizer.tokenizer_model={model_file!r} is not a SentencePiece .model file")
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ConfigError("SentencePieceTokenizer needs the sentencepiece package (pip install sentencepiece)") from None
+        self.model_file = model_file
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = int(self._sp.get_piece_size())
+        as_id = lambda i: None if i < 0 else int(i)  # noqa: E731 - sentencepiece uses -1 for "none"
+        self.bos, self.eos, self.pad = as_id(self._sp.bos_id()), as_id(self._sp.eos_id()), as_id(self._sp.pad_id())
+        self.eod = self.eos
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(self._sp.encode(text))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def save_files(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        shutil.copyfile(self.model_file, os.path.join(directory, "tokenizer.model"))
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2's byte-level BPE from ``vocab.json`` + ``merges.txt``; EOD is ``<|endoftext|>``."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        for name, value in (("vocab_file", vocab_file), ("merge_file", merge_file)):
+            if not value or not os.path.isfile(value):
+                raise ConfigError(f"tokenizer.{name}={value!r} does not exist (GPT2BPETokenizer needs vocab.json and merges.txt)")
+        from tokenizers import Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
+
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        self._tok = FastTokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eod = self._tok.token_to_id("<|endoftext|>")
+        self.eos = self.eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def save_files(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        shutil.copyfile(self.vocab_file, os.path.join(directory, "vocab.json"))
+        shutil.copyfile(self.merge_file, os.path.join(directory, "merges.txt"))
+
+
+class NullTokenizer(Tokenizer):
+    """Ids written as space-separated integers (for mock data): vocab_size ids plus EOD = vocab_size."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or int(vocab_size) <= 0:
+            raise ConfigError(f"tokenizer.vocab_size={vocab_size!r}: NullTokenizer needs a positive vocab_size")
+        self._vocab_without_eod = int(vocab_size)
+        self.vocab_size = self._vocab_without_eod + 1
+        self.eod = self._vocab_without_eod
+        self.eos = None
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def save_files(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "null_tokenizer.json"), "w") as f:
+            json.dump({"vocab_size": self._vocab_without_eod}, f)
+
+
+class ByteLevelTokenizer(Tokenizer):
+    """UTF-8 bytes as ids, needing no files (megatron-core's ByteLevelTokenizer: vocab 512, EOS 0, PAD 1)."""
+
+    def __init__(self, vocab_size: int = 512, eos_id: int = 0, pad_id: int = 1) -> None:
+        self.vocab_size = int(vocab_size) if vocab_size else 512
+        if self.vocab_size < 256:
+            raise ConfigError(f"tokenizer.vocab_size={vocab_size}: a byte-level tokenizer needs at least 256")
+        self.eos = self.eod = eos_id
+        self.pad = pad_id
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def save_files(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "byte_level_tokenizer.json"), "w") as f:
+            json.dump({"vocab_size": self.vocab_size}, f)
+
+
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteLevelTokenizer")
+
+
+def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
+    """The tokenizer a ``TokenizerConfig`` names (read by attribute).
+
+    ``tokenizer_model='builtin:stdlib'`` with HuggingFaceTokenizer is the BPE tokenizer (vocab 4096) trained
+    on the corpus that ships with longspan, prepared and cached on first use.
+    """
+    ttype = getattr(tokenizer_config, "tokenizer_type", None)
+    model = getattr(tokenizer_config, "tokenizer_model", None)
+    if ttype == "HuggingFaceTokenizer":
+        if model is None:
+            raise ConfigError("tokenizer.tokenizer_model is required for HuggingFaceTokenizer (a directory, tokenizer.json, or builtin:stdlib)")
+        model = str(model)
+        if model.startswith("builtin:"):
+            from longspan.data.builtin import builtin_tokenizer_dir
+
+            model = builtin_tokenizer_dir(model)
+        return HuggingFaceTokenizer(model, **(getattr(tokenizer_config, "hf_tokenizer_kwargs", None) or {}))
+    if ttype == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(model)
+    if ttype == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(getattr(tokenizer_config, "vocab_file", None), getattr(tokenizer_config, "merge_file", None))
+    if ttype == "NullTokenizer":
+        return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
+    if ttype in ("ByteLevelTokenizer", "ByteTokenizer"):
+        return ByteLevelTokenizer(getattr(tokenizer_config, "vocab_size", None) or 512)
+    raise ConfigError(f"tokenizer.tokenizer_type={ttype!r} is not supported; valid: {', '.join(TOKENIZER_TYPES)}")

@@ -114,6 +114,9 @@ class SelfAttention(nn.Module):
         self.softmax_scale = getattr(config, "softmax_scale", None)
         # Set by the decoder for recompute_granularity='selective': recompute the attention core only.
         self.recompute_core_attention = False
+        # The attention core (same signature as ``core_attention``); parallel plans may swap it, e.g. context
+        # parallel's all-gather attention (longspan.parallel.context_parallel).
+        self.core_attention: Callable[..., torch.Tensor] = core_attention
 
     def forward(
         self,
@@ -137,10 +140,10 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.recompute_core_attention and torch.is_grad_enabled():
             out = checkpoint(
-                core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale, use_reentrant=False
+                self.core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale, use_reentrant=False
             )
         else:
-            out = core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
+            out = self.core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.linear_proj(out)
 

@@ -133,6 +133,22 @@ class _Index:
                 f"(first {self.document_indices[0] if d else None}, last {self.document_indices[-1] if d else None})"
             )
 
+    def check_consistent(self) -> None:
+        """Every sequence must start where the previous one ends (catches a damaged length or pointer)."""
+        step = 1 << 24  # chunks bound the temporary memory on indexes of billions of sequences
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        for beg in range(0, self.sequence_count, step):
+            end = min(beg + step + 1, self.sequence_count)
+            lens = lengths[beg:end].astype(np.int64)
+            gaps = np.diff(pointers[beg:end]) - lens[:-1] * self.dtype_size
+            bad = np.flatnonzero((gaps != 0) | (lens[:-1] < 0))
+            if len(bad) or (beg == 0 and self.sequence_count and pointers[0] != 0):
+                at = beg + (int(bad[0]) if len(bad) else 0)
+                raise DataError(
+                    f"{self.path}: sequence {at} (length {int(lengths[at])}, offset {int(pointers[at])}) does not "
+                    f"end where sequence {at + 1} starts: the index is damaged"
+                )
+
     def expected_bin_bytes(self) -> int:
         if self.sequence_count == 0:
             return 0
@@ -165,6 +181,7 @@ class IndexedDataset(torch.utils.data.Dataset):
                 f"(a prefix names a {os.path.basename(path_prefix)}.bin/.idx pair)"
             )
         self.index = _Index(idx_path, multimodal)
+        self.index.check_consistent()
         bin_size = os.path.getsize(bin_path)
         expected = self.index.expected_bin_bytes()
         if bin_size != expected:

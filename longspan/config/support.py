@@ -72,6 +72,10 @@ FIELD_STATUS: dict[str, str] = {
     **_many("model", SUPPORTED, """
         embedding_init_method_std seq_len_interpolation_factor low_freq_factor high_freq_factor old_context_len
         """),
+    # Context parallel (issue 6): one flat cp group, all-gather of K/V; every cp_comm_type computes the same
+    # exact attention, so the communication choice is a hint (validate() still checks its value).
+    **_many("model", SUPPORTED, "context_parallel_size"),
+    **_many("model", HINT, "cp_comm_type"),
     **_many("model", DEVICE, "use_cpu_initialization"),
     **_many("model", HINT, """
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm

@@ -14,6 +14,7 @@ import torch
 
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
+from longspan.parallel.context_parallel import apply_context_parallel
 from longspan.parallel.data_parallel import (
     DDP_MODE,
     DISTRIBUTED_OPTIMIZER_MODE,
@@ -37,9 +38,10 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     """Apply the parallel plans for ``cfg``'s layout to ``model`` (still on the meta device).
 
     Tensor (and sequence) parallel over the ``tp`` mesh dimension when ``model.tensor_model_parallel_size``
-    > 1, then data parallel over ``dp`` (× ``cp``) when it has more than one rank: DDP, FSDP2 or the
-    distributed optimizer (see ``longspan.parallel.data_parallel``). Returns the model to train (a DDP
-    wrapper, or ``model`` itself with DTensor parameters); call ``init_weights`` on it next.
+    > 1, context parallel over ``cp`` (``longspan.parallel.context_parallel``), then data parallel over ``dp``
+    (× ``cp``) when it has more than one rank: DDP, FSDP2 or the distributed optimizer (see
+    ``longspan.parallel.data_parallel``). Returns the model to train (a DDP wrapper, or ``model`` itself with
+    DTensor parameters); call ``init_weights`` on it next.
     """
     if parallel.world_size == 1:
         return model
@@ -51,6 +53,9 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     tp = parallel.tp_size
     if tp > 1:
         apply_tensor_parallel(model, parallel.submesh("tp"), bool(getattr(cfg.model, "sequence_parallel", False)))
+    if parallel.cp_size > 1:
+        # After tensor parallel (its root hook makes the loss a plain tensor first), before data parallel.
+        apply_context_parallel(model, parallel.cp_group)
     dp = parallel.dp_size * parallel.cp_size
     if dp == 1:
         return model

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from longspan.core.errors import ConfigError
+from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.core.vocab import calculate_padded_vocab_size
 
@@ -227,7 +227,28 @@ def _check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
+    _check_context_parallel_options(m)
     return dp
+
+
+#: Megatron's cp_comm_type values; longspan computes the same exact attention for each (all-gather of K/V)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def _check_context_parallel_options(m: object) -> None:
+    hierarchical = getattr(m, "hierarchical_context_parallel_sizes", None)
+    if hierarchical is not None:
+        raise NotSupportedError(
+            f"model.hierarchical_context_parallel_sizes={hierarchical!r} is not supported yet by longspan "
+            "(supported: None): context parallel uses one flat group of model.context_parallel_size ranks"
+        )
+    comm = getattr(m, "cp_comm_type", None)
+    for value in comm if isinstance(comm, (list, tuple)) else [comm]:
+        if value is not None and value not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"model.cp_comm_type={comm!r} is not valid: use None or one of {', '.join(CP_COMM_TYPES)} "
+                "(per layer as a list); 'a2a+p2p' needs hierarchical context parallel, which is not supported"
+            )
 
 
 def _check_batch(cfg: "ConfigContainer", dp: int) -> int:

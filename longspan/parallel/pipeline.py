@@ -1,0 +1,343 @@
+"""Pipeline parallel stages: cut the plain GPT model into per-rank chunks (``torch.distributed.pipelining``).
+
+Layout (Megatron's): the layers are split over ``pp × vp`` *virtual stages*; virtual stage ``s`` lives on
+pipeline rank ``s % pp`` as its model chunk ``s // pp`` (torch's "loop" placement, which is Megatron's
+interleaving). Stage 0 holds the embedding; the last stage holds the final norm, the output layer and the
+loss. ``decoder.layers`` is keyed by the global layer index, so every chunk's parameter names are the
+unpipelined model's and ``init_weights`` draws exactly the full model's weights into each chunk.
+
+Uneven splits follow Megatron's fields: ``num_layers_in_first_pipeline_stage`` /
+``num_layers_in_last_pipeline_stage`` fix the first / last pipeline rank's layer counts and the other ranks
+share the rest evenly; ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``
+count the embedding / loss as one layer of the first / last stage. With virtual stages each rank's count is
+split evenly over its chunks.
+
+Tensor and data parallel plans apply per chunk after the cut (``longspan.parallel.parallelize``), so PP
+composes with TP, SP, DDP and FSDP2. A tied output layer (``share_embeddings_and_output_weights``) on a last
+stage without the embedding is a copy; ``sync_tied_embedding_grads`` sums the two gradients so both copies
+take the same steps (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.logging import get_logger
+
+_log = get_logger(__name__)
+
+#: attribute on every pipeline model chunk holding its ``PipelineChunkInfo``
+CHUNK_INFO_ATTR = "pipeline_info"
+
+
+@dataclass(frozen=True)
+class PipelineChunkInfo:
+    """Where one model chunk sits in the pipeline.
+
+    Attributes:
+        stage_index: the virtual stage (0 .. num_stages-1) in pipeline order.
+        num_stages: ``pp × vp``.
+        pp_rank, pp_size: this rank's pipeline rank and the pipeline size.
+        vp_index: the chunk's index on this rank (``stage_index // pp_size``).
+        layer_numbers: the global indices of the transformer layers the chunk holds.
+        activation_shape: the hidden states stages exchange, ``(micro_batch_size, local seq, hidden)``.
+        activation_dtype: their dtype (``model.pipeline_dtype``).
+    """
+
+    stage_index: int
+    num_stages: int
+    pp_rank: int
+    pp_size: int
+    vp_index: int
+    layer_numbers: tuple[int, ...]
+    activation_shape: tuple[int, int, int] = (0, 0, 0)
+    activation_dtype: torch.dtype = torch.float32
+
+    @property
+    def is_first(self) -> bool:
+        """Holds the embedding."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Holds the final norm, the output layer and the loss."""
+        return self.stage_index == self.num_stages - 1
+
+
+def _per_rank_layer_counts(
+    num_layers: int, pp: int, first: int | None, last: int | None, model_field: str = "model"
+) -> list[int]:
+    """Transformer layers per pipeline rank with Megatron's uneven-split fields (no embedding/loss slots)."""
+    counts: list[int | None] = [None] * pp
+    if first is not None:
+        if first < 0 or (pp == 1 and first != num_layers):
+            raise ConfigError(f"{model_field}.num_layers_in_first_pipeline_stage={first} is invalid for "
+                              f"num_layers={num_layers} and pipeline_model_parallel_size={pp}")
+        counts[0] = first
+    if last is not None:
+        if last < 0 or pp < 2:
+            raise ConfigError(f"{model_field}.num_layers_in_last_pipeline_stage={last} needs "
+                              f"pipeline_model_parallel_size > 1 (it is {pp}) and a non-negative value")
+        counts[-1] = last
+    fixed = sum(c for c in counts if c is not None)
+    free = [i for i, c in enumerate(counts) if c is None]
+    rest = num_layers - fixed
+    if rest < 0 or (free and rest % len(free) != 0) or (not free and rest != 0):
+        raise ConfigError(
+            f"{model_field}.num_layers={num_layers} cannot be split over {pp} pipeline stages with "
+            f"num_layers_in_first_pipeline_stage={first} and num_layers_in_last_pipeline_stage={last}: the "
+            f"remaining {rest} layers must divide evenly over the other {len(free)} stages"
+        )
+    for i in free:
+        counts[i] = rest // len(free)
+    return [int(c) for c in counts]  # type: ignore[arg-type]
+
+
+def stage_layer_counts(
+    num_layers: int,
+    pp: int,
+    vp: int | None = None,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    account_for_embedding: bool = False,
+    account_for_loss: bool = False,
+) -> list[int]:
+    """Transformer layers of each virtual stage, indexed by stage (``stage = chunk × pp + pp_rank``).
+
+    Raises ``ConfigError`` (one line) when the layers cannot be split that way.
+    """
+    vp = vp or 1
+    if pp < 1 or vp < 1:
+        raise ConfigError(f"pipeline sizes must be positive (pipeline_model_parallel_size={pp}, "
+                          f"virtual_pipeline_model_parallel_size={vp})")
+    num_stages = pp * vp
+    if account_for_embedding or account_for_loss:
+        if first is not None or last is not None:
+            raise ConfigError(
+                "model.account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split cannot be "
+                "combined with num_layers_in_first/last_pipeline_stage: use one way of balancing the stages"
+            )
+        slots = num_layers + int(account_for_embedding) + int(account_for_loss)
+        if slots % num_stages != 0:
+            raise ConfigError(
+                f"model.num_layers={num_layers} plus {slots - num_layers} (embedding/loss counted as layers) = "
+                f"{slots} is not divisible by pipeline_model_parallel_size × virtual size = {num_stages}"
+            )
+        counts = [slots // num_stages] * num_stages
+        counts[0] -= int(account_for_embedding)
+        counts[-1] -= int(account_for_loss)
+        return counts
+    per_rank = _per_rank_layer_counts(num_layers, pp, first, last)
+    for rank, count in enumerate(per_rank):
+        if count % vp != 0:
+            raise ConfigError(
+                f"pipeline rank {rank} gets {count} layers (model.num_layers={num_layers}), not divisible by "
+                f"model.virtual_pipeline_model_parallel_size={vp}"
+            )
+    return [per_rank[s % pp] // vp for s in range(num_stages)]
+
+
+def stage_layer_numbers(counts: list[int]) -> list[list[int]]:
+    """Global layer indices of each stage from its layer count (consecutive, in stage order)."""
+    out, start = [], 0
+    for count in counts:
+        out.append(list(range(start, start + count)))
+        start += count
+    return out
+
+
+def layer_counts_for_config(model_cfg: Any, pp: int | None = None) -> list[int]:
+    """``stage_layer_counts`` for a model config (its pipeline fields)."""
+    return stage_layer_counts(
+        int(model_cfg.num_layers),
+        int(pp if pp is not None else model_cfg.pipeline_model_parallel_size),
+        getattr(model_cfg, "virtual_pipeline_model_parallel_size", None),
+        first=getattr(model_cfg, "num_layers_in_first_pipeline_stage", None),
+        last=getattr(model_cfg, "num_layers_in_last_pipeline_stage", None),
+        account_for_embedding=bool(getattr(model_cfg, "account_for_embedding_in_pipeline_split", False)),
+        account_for_loss=bool(getattr(model_cfg, "account_for_loss_in_pipeline_split", False)),
+    )
+
+
+class _StageParallelView:
+    """``ParallelState`` as seen by the per-chunk TP/DP plans: everything delegated, the pipeline size 1.
+
+    The TP and DP plans work on one chunk at a time over the tp/dp meshes of this pipeline rank; they have
+    nothing to do with the pipeline dimension, which this layer has already handled.
+    """
+
+    def __init__(self, parallel: Any) -> None:
+        self._parallel = parallel
+
+    pp_size = 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel, name)
+
+
+def activation_spec(cfg: Any) -> tuple[tuple[int, int, int], torch.dtype]:
+    """Shape and dtype of the hidden states between stages: ``[micro_batch, seq / cp (/ tp with sequence
+    parallel), hidden]`` in ``model.pipeline_dtype`` (default: params_dtype)."""
+    model = cfg.model
+    seq = int(model.seq_length) // int(getattr(model, "context_parallel_size", 1) or 1)
+    if getattr(model, "sequence_parallel", False):
+        seq //= int(model.tensor_model_parallel_size)
+    dtype = getattr(model, "pipeline_dtype", None) or getattr(model, "params_dtype", None) or torch.float32
+    return (int(cfg.train.micro_batch_size), seq, int(model.hidden_size)), dtype
+
+
+def build_pipeline_chunks(cfg: Any, parallel: Any, seed: int) -> list[nn.Module]:
+    """This pipeline rank's model chunks, parallelized and initialized; each carries a ``PipelineChunkInfo``.
+
+    Each chunk is built on the meta device with its layers, the TP/DP plans are applied to it, and
+    ``init_weights`` materializes it from ``seed`` (the full model's weights, by canonical name).
+    """
+    from longspan.models.gpt import build_gpt_model, init_weights
+    from longspan.parallel.parallelize import parallelize_model
+
+    provider = cfg.model
+    pp, rank = parallel.pp_size, parallel.pp_rank
+    counts = layer_counts_for_config(provider, pp)
+    numbers = stage_layer_numbers(counts)
+    num_stages = len(counts)
+    shape, dtype = activation_spec(cfg)
+    chunks: list[nn.Module] = []
+    for vp_index in range(num_stages // pp):
+        stage = vp_index * pp + rank
+        info = PipelineChunkInfo(stage, num_stages, rank, pp, vp_index, tuple(numbers[stage]), shape, dtype)
+        model = build_gpt_model(
+            provider,
+            pre_process=info.is_first,
+            post_process=info.is_last,
+            vp_stage=vp_index if num_stages > pp else None,
+            materialize=False,
+            layer_numbers=list(info.layer_numbers),
+        )
+        tied_copy = _tied_output_copy(model)
+        model = parallelize_model(model, cfg, _StageParallelView(parallel))
+        init_weights(model, seed=seed, device=parallel.device)
+        if provider.params_dtype is not None and provider.params_dtype != torch.float32:
+            model = model.to(dtype=provider.params_dtype)
+        if tied_copy is not None:
+            # Megatron's mark: the gradient norm and the parameter norm count this copy once (on stage 0).
+            tied_copy.weight.shared = True
+            tied_copy.weight.shared_embedding = True
+        setattr(model, CHUNK_INFO_ATTR, info)
+        chunks.append(model)
+    _log.debug("pipeline rank %d/%d: stages %s", rank, pp, [getattr(c, CHUNK_INFO_ATTR).stage_index for c in chunks])
+    return chunks
+
+
+def unwrap_chunk(chunk: nn.Module) -> nn.Module:
+    """The plain model inside a DDP wrapper (FSDP2 and TP modify the model in place)."""
+    while isinstance(getattr(chunk, "module", None), nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def chunk_info(chunk: nn.Module) -> PipelineChunkInfo | None:
+    """The ``PipelineChunkInfo`` of a chunk (on it or on the model inside its DDP wrapper), or None."""
+    return getattr(chunk, CHUNK_INFO_ATTR, None) or getattr(unwrap_chunk(chunk), CHUNK_INFO_ATTR, None)
+
+
+def _tied_output_copy(model: nn.Module) -> nn.Linear | None:
+    """The output layer of a last stage that holds a copy of the (tied) word embeddings, if any."""
+    output = getattr(model, "output_layer", None)
+    overrides = getattr(output, "init_name_overrides", None) if output is not None else None
+    if overrides and overrides.get("weight") == "embedding.word_embeddings.weight":
+        return output
+    return None
+
+
+def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:
+    """This rank's tied embedding tensors that must stay equal across pipeline stages (empty when untied).
+
+    The first stage's word embeddings and the last stage's output copy, when the model ties them and they
+    are on different stages.
+    """
+    out = []
+    for chunk in model:
+        plain = unwrap_chunk(chunk)
+        if not getattr(plain, "share_embeddings_and_output_weights", False):
+            continue
+        info = chunk_info(chunk)
+        if info is None or info.num_stages == 1:
+            continue
+        if info.is_first and plain.embedding is not None:
+            out.append(plain.embedding.word_embeddings.weight)
+        if info.is_last and _tied_output_copy(plain) is not None:
+            out.append(plain.output_layer.weight)
+    return out
+
+
+def embedding_group_ranks(parallel: Any) -> list[int]:
+    """Global ranks of this rank's embedding group: the pipeline ranks holding the first and last stage."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(parallel.pp_group)
+    return [ranks[0], ranks[-1]]
+
+
+_EMBEDDING_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _embedding_group(parallel: Any) -> Any:
+    """The embedding process group of this rank (created collectively, once per set of ranks)."""
+    import torch.distributed as dist
+
+    mesh = parallel.mesh
+    names = mesh.mesh_dim_names
+    pp_dim = names.index("pp")
+    # Every rank must create every group, in the same order: walk all pipeline groups of the mesh.
+    full = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim])
+    mine = None
+    for row in full.tolist():
+        key = (row[0], row[-1])
+        if key not in _EMBEDDING_GROUPS:
+            _EMBEDDING_GROUPS[key] = dist.new_group(list(key))
+        if dist.get_rank() in row:
+            mine = _EMBEDDING_GROUPS[key]
+    return mine
+
+
+def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
+    """Sum the gradients of the tied word embeddings (first stage) and output copy (last stage).
+
+    Both copies then take identical optimizer steps, as one shared tensor does on one process. A no-op
+    when nothing is tied across stages. Collective over the embedding group of every pipeline.
+    """
+    if parallel.pp_size == 1:
+        return
+    tied = tied_embedding_weights(model)
+    provider_ties = any(getattr(unwrap_chunk(c), "share_embeddings_and_output_weights", False) for c in model)
+    if not provider_ties:
+        return
+    import torch.distributed as dist
+
+    group = _embedding_group(parallel)
+    if parallel.pp_rank not in (0, parallel.pp_size - 1):
+        return
+    for weight in tied:
+        grad = weight.grad
+        if grad is None:
+            grad = weight.grad = torch.zeros_like(weight)
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=group)
+
+
+def check_pipeline_model(model_cfg: Any, pp: int) -> None:
+    """Reject pipeline settings the stages cannot honour (one line each)."""
+    if pp > 1 and bool(getattr(model_cfg, "share_embeddings_and_output_weights", False)) and int(
+        getattr(model_cfg, "tensor_model_parallel_size", 1)
+    ) > 1:
+        raise NotSupportedError(
+            "model.share_embeddings_and_output_weights=True with tensor and pipeline parallelism is not "
+            "supported: untie the embeddings or use tensor_model_parallel_size=1"
+        )
+    layer_counts_for_config(model_cfg, pp)

@@ -1,0 +1,183 @@
+"""Pipeline parallel (issue 6): stage splits, and model-level parity of the pipelined forward/backward.
+
+The oracle for the splits is Megatron's rule written out in the test; the oracle for the numbers is the same
+model on one process through ``forward_backward_no_pipelining`` (the trainer's non-pipelined path), computed
+inside each worker: per-microbatch loss reports and every parameter gradient must match.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from longspan.core.errors import ConfigError
+from longspan.parallel.pipeline import stage_layer_counts, stage_layer_numbers
+
+SEQ = 16
+MBS = 2
+
+
+# ------------------------------------------------------------------------------------------ splits
+
+
+def test_even_split_and_interleaving_order():
+    # pp=2, vp=2, 8 layers: stage s = chunk * pp + rank holds layers [2s, 2s+2) (Megatron's interleaving:
+    # rank 0 holds layers 0-1 and 4-5).
+    counts = stage_layer_counts(8, 2, 2)
+    assert counts == [2, 2, 2, 2]
+    assert stage_layer_numbers(counts) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert stage_layer_counts(4, 2) == [2, 2]
+
+
+def test_uneven_split_first_and_last():
+    # Megatron: first/last stage counts fixed, the middle ranks share the rest evenly.
+    assert stage_layer_counts(10, 4, first=1, last=3) == [1, 3, 3, 3]
+    assert stage_layer_counts(7, 3, first=1) == [1, 3, 3]
+    assert stage_layer_counts(7, 3, last=3) == [2, 2, 3]
+    # with virtual stages each rank's count is split over its chunks: ranks get [2, 4, 4, 2] -> /2 each
+    assert stage_layer_counts(12, 4, 2, first=2, last=2) == [1, 2, 2, 1, 1, 2, 2, 1]
+
+
+def test_embedding_and_loss_counted_as_layers():
+    # 6 layers + embedding + loss = 8 slots over 4 stages: 2 each, minus one on the first and the last.
+    assert stage_layer_counts(6, 4, account_for_embedding=True, account_for_loss=True) == [1, 2, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,needle",
+    [
+        ((5, 2), {}, "cannot be split"),
+        ((8, 2, 3), {}, "virtual_pipeline_model_parallel_size=3"),
+        ((10, 4), {"first": 1, "last": 2}, "remaining 7 layers"),
+        ((6, 4), {"account_for_embedding": True}, "not divisible"),
+    ],
+)
+def test_bad_splits_are_one_line_config_errors(args, kwargs, needle):
+    with pytest.raises(ConfigError) as err:
+        stage_layer_counts(*args, **kwargs)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+def _cfg(pp: int, vp: int | None = None, tp: int = 1, num_layers: int = 4, tied: bool = False):
+    import torch.nn.functional as F
+
+    from longspan.models.gpt_provider import GPTModelProvider
+    from longspan.recipes.tiny import tiny
+
+    cfg = tiny()
+    cfg.model = GPTModelProvider(
+        num_layers=num_layers, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        seq_length=SEQ, vocab_size=128, make_vocab_size_divisible_by=128, normalization="RMSNorm",
+        position_embedding_type="rope", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        share_embeddings_and_output_weights=tied, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+    )
+    cfg.model.finalize()
+    cfg.dist.distributed_backend = "gloo"
+    cfg.dist.distributed_timeout_minutes = 1
+    cfg.train.micro_batch_size = MBS
+    return cfg
+
+
+def _microbatches(n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 120, (MBS, SEQ + 1), generator=g)
+        mask = (torch.rand(MBS, SEQ, generator=g) > 0.3).float()
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask})
+    return out
+
+
+def _forward_step(data_iterator, model):
+    from functools import partial
+
+    from longspan.training.forward_step import loss_func
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _reference(cfg, n: int, per_token: bool):
+    """One process: the full model through the trainer's non-pipelined schedule."""
+    from longspan.models.gpt import build_gpt_model
+    from longspan.training.schedules import forward_backward_no_pipelining
+
+    model = build_gpt_model(cfg.model, seed=cfg.rng.seed, device="cpu")
+    reports, tokens = forward_backward_no_pipelining(
+        forward_step_func=_forward_step, data_iterator=iter(_microbatches(n)), model=[model],
+        num_microbatches=n, calculate_per_token_loss=per_token,
+    )
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return reports, tokens, grads
+
+
+def _pipeline_case(pp: int, vp: int | None, tp: int, n: int, schedule: str, per_token: bool, tied: bool = False):
+    import torch
+
+    from longspan.parallel.init import initialize_distributed
+    from longspan.parallel.pipeline import build_pipeline_chunks, unwrap_chunk
+    from longspan.training.pipeline_schedules import forward_backward_pipelining
+
+    cfg = _cfg(pp, vp, tp, tied=tied)
+    parallel = initialize_distributed(cfg.dist, cfg.model, device="cpu")
+    chunks = build_pipeline_chunks(cfg, parallel, cfg.rng.seed)
+    reports, tokens = forward_backward_pipelining(
+        forward_step_func=_forward_step, data_iterator=iter(_microbatches(n)), model=chunks,
+        num_microbatches=n, calculate_per_token_loss=per_token, schedule=schedule,
+    )
+    ref_reports, ref_tokens, ref_grads = _reference(_cfg(1, tied=tied), n, per_token)
+    worst = 0.0
+    names = []
+    for chunk in chunks:
+        for name, param in unwrap_chunk(chunk).named_parameters():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            ref = ref_grads["embedding.word_embeddings.weight" if name not in ref_grads else name]
+            worst = max(worst, float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)))
+            names.append(name)
+    losses = [float(r["lm loss"][0] / r["lm loss"][1]) for r in reports]
+    ref_losses = [float(r["lm loss"][0] / r["lm loss"][1]) for r in ref_reports]
+    return {"losses": losses, "ref_losses": ref_losses, "tokens": int(tokens), "ref_tokens": int(ref_tokens),
+            "grad_rel_err": worst, "names": names, "stages": [unwrap_chunk(c).pipeline_info.stage_index
+                                                               for c in chunks]}
+
+
+def _check(results, n_params_total: int | None = None):
+    for res in results:
+        assert len(res["losses"]) == len(res["ref_losses"])
+        for got, want in zip(res["losses"], res["ref_losses"]):
+            assert got == pytest.approx(want, rel=1e-5)
+        assert res["tokens"] == res["ref_tokens"]
+        assert res["grad_rel_err"] < 1e-5, res["grad_rel_err"]
+    # every parameter of the full model lives on exactly one pipeline rank (tp replicas aside)
+    names = [n for res in results for n in res["names"]]
+    return names
+
+
+@pytest.mark.parametrize("schedule,per_token", [("1f1b", False), ("gpipe", True)])
+def test_pp2_matches_one_process(pool2, schedule, per_token):
+    results = pool2.run(_pipeline_case, 2, None, 1, 4, schedule, per_token, timeout=120)
+    names = _check(results)
+    assert len(names) == len(set(names))
+    assert [r["stages"] for r in results] == [[0], [1]]
+    assert "embedding.word_embeddings.weight" in results[0]["names"]
+    assert "output_layer.weight" in results[1]["names"]
+
+
+def test_pp2_vp2_interleaved_matches_one_process(pool2):
+    results = pool2.run(_pipeline_case, 2, 2, 1, 4, "auto", False, timeout=120)
+    _check(results)
+    # rank 0 holds stages 0 and 2 (layers 0 and 2), rank 1 stages 1 and 3
+    assert [r["stages"] for r in results] == [[0, 2], [1, 3]]
+    assert "decoder.layers.2.mlp.linear_fc2.weight" in results[0]["names"]
+
+
+def test_pp2_tied_embeddings_sum_gradients(pool2):
+    results = pool2.run(_pipeline_case, 2, None, 1, 2, "1f1b", False, True, timeout=120)
+    _check(results)
+    assert "output_layer.weight" in results[1]["names"]  # the copy, compared with the shared tensor's grad

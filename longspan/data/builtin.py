@@ -21,7 +21,7 @@ import re
 import shutil
 import sysconfig
 import tempfile
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import numpy as np
 

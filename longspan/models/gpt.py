@@ -11,6 +11,7 @@ names::
     decoder.layers.{i}.self_attention.q_layernorm / k_layernorm                       (qk_layernorm only)
     decoder.layers.{i}.pre_mlp_layernorm
     decoder.layers.{i}.mlp.linear_fc1 (up), linear_fc1_gate (gated only), linear_fc2 (down)
+    decoder.layers.{i}.mlp.router / experts / shared_experts   (MoE layers: see longspan.models.moe)
     decoder.final_layernorm                    (post_process only)
     output_layer                               nn.Linear [padded_vocab, hidden], bias-free (absent when tied)
 
@@ -34,6 +35,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.init import init_weights
+from longspan.models.moe import resolve_moe_args
 from longspan.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
@@ -47,7 +49,6 @@ _log = get_logger(__name__)
 # TransformerConfig / GPTModelProvider fields (when the provider has them) that this model implements only
 # at these values. Pure kernel choices (fusions, TransformerEngine switches) change no maths and are accepted.
 _FIXED_FIELDS: dict[str, Any] = {
-    "num_moe_experts": None,
     "multi_latent_attention": False,
     "apply_residual_connection_post_layernorm": False,
     "layernorm_zero_centered_gamma": False,
@@ -138,10 +139,13 @@ def resolve_model_args(config: Any) -> SimpleNamespace:
             f"model.recompute_modules={modules!r} is not supported: selective recompute covers ['core_attn'] only"
         )
     init_std = config.init_method_std
+    ffn_hidden_size = config.ffn_hidden_size or 4 * config.hidden_size
+    moe = resolve_moe_args(config, config.num_layers, config.hidden_size, ffn_hidden_size)
     return SimpleNamespace(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size or 4 * config.hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        moe=moe,
         num_attention_heads=heads,
         num_query_groups=groups,
         kv_channels=head_dim,

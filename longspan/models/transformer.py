@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError
+from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
@@ -177,7 +178,11 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``."""
+    """Pre-norm transformer layer: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``.
+
+    ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers ``moe_layer_freq`` marks (when the model has
+    experts), else the dense ``MLP``.
+    """
 
     def __init__(self, config: Any, layer_number: int) -> None:
         super().__init__()
@@ -186,7 +191,11 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_number)
         self.self_attn_dropout = nn.Dropout(config.hidden_dropout)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        moe = getattr(config, "moe", None)
+        if moe is not None and moe.layer_flags[layer_number]:
+            self.mlp: nn.Module = MoELayer(config, layer_number)
+        else:
+            self.mlp = MLP(config)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(

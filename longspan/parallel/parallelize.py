@@ -26,6 +26,7 @@ from longspan.parallel.data_parallel import (
     data_parallel_mode,
     mixed_precision_policy,
 )
+from longspan.parallel.expert_parallel import apply_expert_parallel, hidden_parameters, ignore_in_ddp
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -56,6 +57,9 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     if parallel.cp_size > 1:
         # After tensor parallel (its root hook makes the loss a plain tensor first), before data parallel.
         apply_context_parallel(model, parallel.cp_group)
+    # MoE experts: sharded over ep/etp with all-to-all dispatch; the data-parallel wrappers leave them alone
+    # (expert_parallel reduces their gradients itself).
+    expert_params = apply_expert_parallel(model, parallel, bool(getattr(cfg.model, "sequence_parallel", False)))
     dp = parallel.dp_size * parallel.cp_size
     if dp == 1:
         return model
@@ -68,8 +72,10 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
         mode = DISTRIBUTED_OPTIMIZER_MODE
     if mode == DDP_MODE:
         dtype = getattr(cfg.model, "params_dtype", None) or torch.float32
+        ignore_in_ddp(model, expert_params)
         return apply_ddp(model, parallel.group("dp_cp" if parallel.cp_size > 1 else "dp"), parallel.device,
                          cfg.ddp, param_dtype=dtype)
     policy = mixed_precision_policy(cfg.model, cfg.ddp)
-    return apply_fsdp2(model, data_parallel_mesh(parallel), mp_policy=policy,
-                       reshard_after_forward=(mode == FSDP2_MODE))
+    with hidden_parameters(model, expert_params):
+        return apply_fsdp2(model, data_parallel_mesh(parallel), mp_policy=policy,
+                           reshard_after_forward=(mode == FSDP2_MODE))

@@ -8,10 +8,12 @@ from typing import Callable
 from longspan.core.errors import ConfigError
 from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
 from longspan.recipes.tiny import tiny
+from longspan.recipes.tiny_moe import tiny_moe
 from longspan.training.config import ConfigContainer
 
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny": tiny,
+    "tiny_moe": tiny_moe,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "qwen3_8b": qwen3_8b,
@@ -34,4 +36,4 @@ def get_recipe(name: str) -> ConfigContainer:
     return RECIPES[key]()
 
 
-__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m"]
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m"]

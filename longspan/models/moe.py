@@ -1,0 +1,541 @@
+"""Mixture of experts for the GPT model: router, experts, shared experts, the MoE layer, aux/z losses.
+
+Megatron Core semantics in plain PyTorch (no process groups here; expert parallelism is applied from
+outside by ``longspan.parallel.expert_parallel``, which swaps the layer's ``token_dispatcher`` and shards
+the expert weights). Module and parameter names follow Megatron::
+
+    decoder.layers.{i}.mlp.router.weight                          [num_experts, hidden]
+    decoder.layers.{i}.mlp.experts.linear_fc1.weight              [num_experts, moe_ffn, hidden]  (up)
+    decoder.layers.{i}.mlp.experts.linear_fc1_gate.weight         [num_experts, moe_ffn, hidden]  (gated only)
+    decoder.layers.{i}.mlp.experts.linear_fc2.weight              [num_experts, hidden, moe_ffn]  (down)
+    decoder.layers.{i}.mlp.shared_experts.linear_fc1 / linear_fc1_gate / linear_fc2   nn.Linear
+    decoder.layers.{i}.mlp.shared_experts.gate_weight             [1, hidden]  (moe_shared_expert_gate)
+
+Expert weights are 3-D parameters (one slab per expert) so expert parallel is a ``Shard(0)`` DTensor over the
+ep mesh and ``init_weights`` draws the full slab from (seed, name) under every layout.
+
+Routing (``TopKRouter``): logits = x @ router.weight^T (in ``moe_router_dtype``), then softmax-after-top-k
+(default), softmax-before-top-k (``moe_router_pre_softmax``) or sigmoid scores normalized over the top-k;
+optional group-limited top-k and a scaling factor; optional token dropping at the router with
+``moe_expert_capacity_factor`` (Megatron's ``apply_router_token_dropping``: capacity per expert =
+ceil(tokens * topk / experts * factor), drop policy 'probs' or 'position'). Dropping happens on the tokens
+this rank routes, before any dispatch, so the dropped set does not depend on the expert-parallel layout.
+
+Auxiliary losses are attached with ``MoEAuxLossAutoScaler`` (identity forward; backward adds the loss's
+gradient scaled by ``main_loss_backward_scale``), so the LM loss the trainer logs stays the LM loss:
+- load balancing ('aux_loss'): ``E * coeff / (k * T^2) * sum_i(sum_t p_ti * n_i)`` with p the softmax (or
+  normalized sigmoid) scores over all experts and n_i the tokens whose top-k includes expert i;
+- z-loss: ``coeff * mean_t(logsumexp(logits_t)^2)``.
+The trainer's schedule should call ``set_aux_loss_scale(loss_scale / num_microbatches)`` before the
+microbatches (Megatron's schedule does), so the aux-loss gradient averages over microbatches like the LM loss.
+
+Each MoE layer accumulates its own metrics while training (load-balancing loss and z-loss without their
+coefficients, tokens per expert); ``moe_layer_metrics`` reads them and ``reset_moe_metrics`` clears them.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+#: load-balancing types this module implements
+SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
+
+
+# --------------------------------------------------------------------------------------------- configuration
+
+def moe_layer_flags(freq: Any, num_layers: int) -> list[bool]:
+    """Which layers are MoE layers: an int ``n`` makes every n-th layer (0, n, 2n, ...) MoE, a list is a 0/1
+    pattern per layer (Megatron's ``moe_layer_freq``)."""
+    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
+        raise ConfigError(f"model.moe_layer_freq={freq!r} must be a positive int or a 0/1 list per layer")
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConfigError(f"model.moe_layer_freq={freq} must be >= 1 (or a 0/1 list per layer)")
+        return [i % freq == 0 for i in range(num_layers)]
+    if len(freq) != num_layers or any(x not in (0, 1, True, False) for x in freq):
+        raise ConfigError(
+            f"model.moe_layer_freq={list(freq)!r} must hold one 0/1 entry per layer ({num_layers} layers)"
+        )
+    return [bool(x) for x in freq]
+
+
+def _single(value: Any, field: str) -> Any:
+    """A scalar setting that Megatron also accepts as a one-element list."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise NotSupportedError(
+                f"model.{field}={list(value)!r}: only one load-balancing type (and one coefficient) is supported"
+            )
+        return value[0]
+    return value
+
+
+def resolve_moe_args(config: Any, num_layers: int, hidden_size: int, ffn_hidden_size: int) -> Optional[SimpleNamespace]:
+    """The MoE settings of ``config`` (a GPTModelProvider), checked; None for a dense model.
+
+    Raises ``NotSupportedError`` / ``ConfigError`` (one line naming the field, the value and what is valid).
+    """
+    experts = getattr(config, "num_moe_experts", None)
+    if not experts:
+        return None
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ConfigError(f"model.num_moe_experts={experts!r} must be a positive integer (or None for dense)")
+    topk = getattr(config, "moe_router_topk", 2)
+    if not isinstance(topk, int) or not 1 <= topk <= experts:
+        raise ConfigError(f"model.moe_router_topk={topk!r} must be between 1 and num_moe_experts={experts}")
+    balancing = _single(getattr(config, "moe_router_load_balancing_type", "aux_loss"), "moe_router_load_balancing_type")
+    if balancing not in SUPPORTED_LOAD_BALANCING:
+        raise NotSupportedError(
+            f"model.moe_router_load_balancing_type={balancing!r} is not supported: use 'aux_loss' or 'none'"
+        )
+    aux_coeff = float(_single(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff") or 0.0)
+    if balancing == "none":
+        aux_coeff = 0.0
+    score = getattr(config, "moe_router_score_function", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe_router_score_function={score!r} must be 'softmax' or 'sigmoid'")
+    groups, group_topk = getattr(config, "moe_router_num_groups", None), getattr(config, "moe_router_group_topk", None)
+    if bool(groups) != bool(group_topk):
+        raise ConfigError(
+            f"model.moe_router_num_groups={groups!r} and model.moe_router_group_topk={group_topk!r} must be set together"
+        )
+    if groups and (experts % groups or group_topk > groups or topk % group_topk):
+        raise ConfigError(
+            f"group-limited routing needs num_moe_experts ({experts}) divisible by moe_router_num_groups ({groups}), "
+            f"moe_router_group_topk ({group_topk}) <= moe_router_num_groups and dividing moe_router_topk ({topk})"
+        )
+    router_dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}.get(
+        getattr(config, "moe_router_dtype", None), "bad"
+    )
+    if router_dtype == "bad":
+        raise ConfigError(f"model.moe_router_dtype={config.moe_router_dtype!r} must be None, 'fp32' or 'fp64'")
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None and capacity <= 0:
+        raise ConfigError(f"model.moe_expert_capacity_factor={capacity!r} must be positive (or None: dropless)")
+    drop_policy = getattr(config, "moe_token_drop_policy", "probs")
+    if drop_policy not in ("probs", "position"):
+        raise ConfigError(f"model.moe_token_drop_policy={drop_policy!r} must be 'probs' or 'position'")
+    pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+    if pad and capacity is None:
+        raise ConfigError("model.moe_pad_expert_input_to_capacity=True needs model.moe_expert_capacity_factor")
+    for field in ("moe_router_enable_expert_bias", "moe_input_jitter_eps", "moe_router_topk_limited_devices",
+                  "moe_token_dropping", "moe_layer_recompute"):
+        value = getattr(config, field, None)
+        if value:
+            raise NotSupportedError(f"model.{field}={value!r} is not supported by longspan's MoE layer: unset it")
+    shared = getattr(config, "moe_shared_expert_intermediate_size", None)
+    return SimpleNamespace(
+        num_experts=experts,
+        topk=topk,
+        ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) or ffn_hidden_size,
+        shared_ffn_hidden_size=shared or None,
+        shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
+        layer_flags=moe_layer_flags(getattr(config, "moe_layer_freq", 1), num_layers),
+        aux_loss_coeff=aux_coeff,
+        z_loss_coeff=getattr(config, "moe_z_loss_coeff", None),
+        pre_softmax=bool(getattr(config, "moe_router_pre_softmax", False)),
+        score_function=score,
+        num_groups=groups,
+        group_topk=group_topk,
+        topk_scaling_factor=getattr(config, "moe_router_topk_scaling_factor", None),
+        router_dtype=router_dtype,
+        capacity_factor=capacity,
+        drop_policy=drop_policy,
+        pad_to_capacity=pad,
+        per_layer_logging=bool(getattr(config, "moe_per_layer_logging", False)),
+        calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+    )
+
+
+# --------------------------------------------------------------------------------------------- aux losses
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Attach an auxiliary loss to an activation: forward returns the activation unchanged; backward also
+    sends ``main_loss_backward_scale`` as the aux loss's gradient (so it joins the training objective without
+    changing the logged LM loss). Megatron's class of the same name."""
+
+    main_loss_backward_scale: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        scale = 1.0 if scale is None else scale.to(aux_loss.device)
+        return grad_output, torch.ones_like(aux_loss) * scale
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """Set the gradient the aux losses receive (the main loss's scale / number of microbatches)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The scale the schedule gives every aux loss's gradient: ``loss_scale / num_microbatches`` (1/num
+    microbatches without fp16 loss scaling; ``loss_scale`` alone with ``calculate_per_token_loss``)."""
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale)))
+
+
+def switch_load_balancing_loss(
+    probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: int, topk: int, num_experts: int,
+    coeff: float,
+) -> torch.Tensor:
+    """Switch-transformer load-balancing loss: ``E * coeff / (k * T^2) * sum_i(sum_t probs_ti * n_i)``."""
+    aggregated = probs.sum(dim=0)
+    return torch.sum(aggregated * tokens_per_expert) * (num_experts * coeff / (topk * total_num_tokens * total_num_tokens))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """Router z-loss (ST-MoE): ``coeff * mean_t(logsumexp(logits_t)^2)``."""
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+
+
+# --------------------------------------------------------------------------------------------- router
+
+def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k (values, indices) per row; with groups, only within the ``group_topk`` best expert groups (a
+    group's score is the sum of its top ``topk // group_topk`` scores), as Megatron's group_limited_topk."""
+    if not group_topk:
+        return torch.topk(scores, k=topk, dim=1)
+    tokens, experts = scores.shape
+    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=topk, dim=-1)
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens each expert may take: ``ceil(num_tokens * topk / num_experts * capacity_factor)``."""
+    return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
+
+
+def drop_tokens(
+    probs: torch.Tensor, routing_map: torch.Tensor, topk: int, capacity_factor: float, drop_policy: str,
+    pad_to_capacity: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep at most ``expert_capacity`` tokens per expert: the highest-probability ones ('probs') or the
+    earliest ones ('position'); with ``pad_to_capacity`` every expert gets exactly its capacity (padding
+    tokens carry probability 0)."""
+    num_tokens, num_experts = probs.shape
+    capacity = expert_capacity(num_tokens, topk, num_experts, capacity_factor)
+    if capacity > num_tokens:
+        keep = torch.ones_like(routing_map)
+    elif drop_policy == "probs":
+        index = torch.topk(probs, k=capacity, dim=0, sorted=False)[1]
+        keep = torch.zeros_like(routing_map).scatter(0, index, True)
+    else:  # 'position': the first `capacity` tokens routed to each expert, in token order
+        rank = torch.cumsum(routing_map.int(), dim=0)
+        keep = routing_map & (rank <= capacity)
+        if pad_to_capacity:  # fill each expert up with the earliest tokens not routed to it
+            free = torch.cumsum((~routing_map).int(), dim=0)
+            need = (capacity - keep.sum(dim=0)).clamp(min=0)
+            keep = keep | (~routing_map & (free <= need))
+    final_map = keep if pad_to_capacity else routing_map & keep
+    return probs * final_map, final_map
+
+
+class TopKRouter(nn.Module):
+    """Linear router (no bias) followed by top-k selection; attaches the aux and z losses while training.
+
+    ``forward(x [T, hidden])`` returns ``(probs [T, E], routing_map [T, E] bool)``: the routing weight of
+    each selected (token, expert) pair, zero elsewhere.
+    """
+
+    def __init__(self, hidden_size: int, moe: SimpleNamespace, init_std: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
+        self.init_std = init_std  # read by init_weights (Megatron: init_method)
+
+    def gating(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[T, E]``, in ``moe_router_dtype`` when set."""
+        dtype = self.moe.router_dtype
+        if dtype is not None:
+            return F.linear(x.to(dtype), self.weight.to(dtype))
+        return F.linear(x, self.weight)
+
+    def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Top-k routing of ``logits``; returns probs, routing map and the unscaled losses for logging."""
+        moe = self.moe
+        tracked: dict[str, torch.Tensor] = {}
+        attach = self.training and torch.is_grad_enabled()
+        num_tokens = logits.shape[0]
+        # With calculate_per_token_loss the trainer divides every gradient by the global token count afterwards;
+        # scaling by the local token count keeps the aux losses averaged per microbatch (as Megatron does).
+        token_scale = num_tokens if moe.calculate_per_token_loss else 1
+        if moe.z_loss_coeff is not None and attach:
+            loss = z_loss(logits, moe.z_loss_coeff)
+            logits = MoEAuxLossAutoScaler.apply(logits, loss * token_scale)
+            tracked["z_loss"] = loss.detach() / moe.z_loss_coeff
+        if moe.score_function == "softmax":
+            if moe.pre_softmax:
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+                top_probs, top_idx = _topk(scores, moe.topk, moe.num_groups, moe.group_topk)
+            else:
+                top_logits, top_idx = _topk(logits, moe.topk, moe.num_groups, moe.group_topk)
+                top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
+        else:  # sigmoid scores, normalized over the selected experts when topk > 1
+            scores = torch.sigmoid(logits.float()).type_as(logits)
+            top_probs, top_idx = _topk(scores, moe.topk, moe.num_groups, moe.group_topk)
+            if moe.topk > 1:
+                top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+        if moe.topk_scaling_factor:
+            top_probs = top_probs * moe.topk_scaling_factor
+        probs = torch.zeros_like(logits).scatter(1, top_idx, top_probs)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
+        if moe.capacity_factor is not None:
+            probs, routing_map = drop_tokens(probs, routing_map, moe.topk, moe.capacity_factor, moe.drop_policy,
+                                             moe.pad_to_capacity)
+        if moe.aux_loss_coeff > 0 and attach:
+            # Scores over all experts and the top-k before dropping, as Megatron's
+            # compute_routing_scores_for_aux_loss.
+            if moe.score_function == "softmax":
+                aux_scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            else:
+                aux_scores = torch.sigmoid(logits)
+                aux_scores = aux_scores / (aux_scores.sum(dim=-1, keepdim=True) + 1e-20)
+            aux_idx = torch.topk(aux_scores, k=moe.topk, dim=1)[1]
+            aux_map = torch.zeros_like(aux_scores).scatter(1, aux_idx, 1.0)
+            loss = switch_load_balancing_loss(aux_scores, aux_map.sum(dim=0), num_tokens, moe.topk,
+                                              moe.num_experts, moe.aux_loss_coeff)
+            probs = MoEAuxLossAutoScaler.apply(probs, loss * token_scale)
+            tracked["load_balancing_loss"] = loss.detach() / moe.aux_loss_coeff
+        return probs, routing_map, tracked
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, routing_map, tracked = self.routing(self.gating(x))
+        self.last_tracked = tracked
+        return probs, routing_map
+
+
+# --------------------------------------------------------------------------------------------- experts
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (differentiable), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class GroupedLinear(nn.Module):
+    """``num_experts`` independent linear maps stored as one ``weight [E, out, in]`` (and ``bias [E, out]``).
+
+    Not called directly: ``GroupedMLP`` applies expert e's slab to the rows routed to expert e.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool, init_std: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features, dtype=dtype)) if bias else None
+        self.init_std = init_std  # read by init_weights
+
+    def extra_repr(self) -> str:
+        e, out, inp = self.weight.shape
+        return f"experts={e}, in_features={inp}, out_features={out}, bias={self.bias is not None}"
+
+
+class GroupedMLP(nn.Module):
+    """The routed experts: each a dense MLP (gated or not) of width ``moe_ffn_hidden_size``.
+
+    ``forward(x, tokens_per_expert)`` takes rows grouped by expert (``tokens_per_expert[j]`` rows for the
+    j-th expert this process holds, in order) and returns their outputs in the same order. Under expert
+    parallel the weights are DTensors and this process holds a contiguous block of experts (and, with expert
+    tensor parallel, a slice of each expert's ffn width); the computation uses the local shards.
+    """
+
+    def __init__(self, config: Any, moe: SimpleNamespace) -> None:
+        super().__init__()
+        std = config.init_method_std
+        out_std = std / math.sqrt(2.0 * config.num_layers)
+        dtype, bias, h, ffn, e = config.params_dtype, config.add_bias_linear, config.hidden_size, moe.ffn_hidden_size, moe.num_experts
+        self.num_experts = e
+        self.linear_fc1 = GroupedLinear(e, h, ffn, bias, std, dtype)
+        self.linear_fc1_gate = GroupedLinear(e, h, ffn, bias, std, dtype) if config.gated_linear_unit else None
+        self.linear_fc2 = GroupedLinear(e, ffn, h, bias, out_std, dtype)
+        self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
+        # How a parameter becomes the tensor the computation uses: its local shard. Expert parallel installs
+        # a version that also routes the gradient through its expert-data-parallel reduction.
+        self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = local_tensor
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int], add_output_bias: bool = True) -> torch.Tensor:
+        fn = self.weight_fn
+        w1 = fn(self.linear_fc1.weight)
+        w2 = fn(self.linear_fc2.weight)
+        wg = fn(self.linear_fc1_gate.weight) if self.linear_fc1_gate is not None else None
+        b1 = fn(self.linear_fc1.bias) if self.linear_fc1.bias is not None else None
+        bg = fn(self.linear_fc1_gate.bias) if wg is not None and self.linear_fc1_gate.bias is not None else None
+        b2 = fn(self.linear_fc2.bias) if self.linear_fc2.bias is not None and add_output_bias else None
+        if len(tokens_per_expert) != w1.shape[0]:
+            raise RuntimeError(f"GroupedMLP: {len(tokens_per_expert)} token counts for {w1.shape[0]} local experts")
+        outputs = []
+        for j, rows in enumerate(torch.split(x, tokens_per_expert, dim=0)):
+            up = F.linear(rows, w1[j], None if b1 is None else b1[j])
+            if wg is not None:
+                h = self.activation_func(F.linear(rows, wg[j], None if bg is None else bg[j])) * up
+            else:
+                h = self.activation_func(up)
+            outputs.append(F.linear(h, w2[j], None if b2 is None else b2[j]))
+        if not outputs:
+            return x.new_zeros(0, w2.shape[1])
+        return torch.cat(outputs, dim=0)
+
+    def output_bias(self, tokens_per_expert: list[int]) -> Optional[torch.Tensor]:
+        """The fc2 bias row of each output row (for callers that add it after a partial-sum reduction)."""
+        if self.linear_fc2.bias is None:
+            return None
+        bias = self.weight_fn(self.linear_fc2.bias)
+        counts = torch.tensor(tokens_per_expert, device=bias.device)
+        return torch.repeat_interleave(bias, counts, dim=0)
+
+
+class SharedExpertMLP(nn.Module):
+    """Experts every token goes through (a dense MLP of width ``moe_shared_expert_intermediate_size``),
+    optionally scaled by ``sigmoid(x @ gate_weight^T)`` per token (``moe_shared_expert_gate``)."""
+
+    def __init__(self, config: Any, moe: SimpleNamespace) -> None:
+        super().__init__()
+        std = config.init_method_std
+        out_std = std / math.sqrt(2.0 * config.num_layers)
+        dtype, bias, h, ffn = config.params_dtype, config.add_bias_linear, config.hidden_size, moe.shared_ffn_hidden_size
+        self.linear_fc1 = _linear(h, ffn, bias, std, dtype)
+        self.linear_fc1_gate = _linear(h, ffn, bias, std, dtype) if config.gated_linear_unit else None
+        self.linear_fc2 = _linear(ffn, h, bias, out_std, dtype)
+        self.activation_func = config.activation_func
+        self.gate_weight = nn.Parameter(torch.empty(1, h, dtype=dtype)) if moe.shared_expert_gate else None
+        self.init_std = std  # gate_weight ~ normal(0, init_method_std), as Megatron's init_method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.linear_fc1(x)
+        if self.linear_fc1_gate is not None:
+            h = self.activation_func(self.linear_fc1_gate(x)) * up
+        else:
+            h = self.activation_func(up)
+        out = self.linear_fc2(h)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: torch.dtype) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    layer.init_std = std  # read by init_weights
+    return layer
+
+
+# --------------------------------------------------------------------------------------------- dispatch
+
+def permute(x: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of ``x`` grouped by expert (expert-major, token order within an expert).
+
+    Returns ``(permuted [N, h], token_index [N], tokens_per_expert [E])`` with N = routing_map.sum().
+    """
+    expert_major = routing_map.t()
+    token_index = expert_major.nonzero(as_tuple=True)[1]
+    tokens_per_expert = expert_major.sum(dim=1).tolist()
+    return x.index_select(0, token_index), token_index, tokens_per_expert
+
+
+def unpermute(y: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, token_index: torch.Tensor,
+              num_tokens: int) -> torch.Tensor:
+    """Weight each expert output row by its routing probability and sum the rows back per token."""
+    weights = probs.t()[routing_map.t()].unsqueeze(-1)
+    out = y.new_zeros(num_tokens, y.shape[-1])
+    return out.index_add(0, token_index, (y.float() * weights.float()).to(y.dtype))
+
+
+class LocalTokenDispatcher:
+    """All experts on this process: permute, run the experts, weight and sum back. Expert parallel replaces
+    a layer's dispatcher with ``longspan.parallel.expert_parallel.AllToAllTokenDispatcher``."""
+
+    def dispatch_and_combine(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                             experts: GroupedMLP) -> torch.Tensor:
+        """Expert outputs for tokens ``x [T, h]``, weighted by ``probs`` and summed per token: ``[T, h]``."""
+        permuted, token_index, counts = permute(x, routing_map)
+        y = experts(permuted, counts)
+        return unpermute(y, probs, routing_map, token_index, x.shape[0])
+
+
+# --------------------------------------------------------------------------------------------- the layer
+
+class MoELayer(nn.Module):
+    """Router + routed experts (+ shared experts): the MLP of an MoE transformer layer.
+
+    ``forward(hidden_states [b, s, h]) -> [b, s, h]``. While training it accumulates, per layer, the
+    load-balancing loss and z-loss (without their coefficients) and the tokens each expert received; see
+    ``moe_layer_metrics``.
+    """
+
+    is_moe = True
+
+    def __init__(self, config: Any, layer_number: int) -> None:
+        super().__init__()
+        moe = config.moe
+        self.layer_number = layer_number
+        self.num_experts = moe.num_experts
+        self.router = TopKRouter(config.hidden_size, moe, config.init_method_std, config.params_dtype)
+        self.experts = GroupedMLP(config, moe)
+        self.shared_experts = SharedExpertMLP(config, moe) if moe.shared_ffn_hidden_size else None
+        self.token_dispatcher: Any = LocalTokenDispatcher()
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
+        """Clear the accumulated metrics (done after each logged iteration)."""
+        self.metrics: dict[str, torch.Tensor] = {}
+        self.metric_steps = 0
+
+    def _track(self, tracked: dict[str, torch.Tensor], routing_map: torch.Tensor) -> None:
+        tracked = dict(tracked)
+        tracked["tokens_per_expert"] = routing_map.sum(dim=0).to(torch.float64)
+        for name, value in tracked.items():
+            value = value.detach().to(torch.float64)
+            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
+        self.metric_steps += 1
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        probs, routing_map = self.router(x)
+        if self.training and torch.is_grad_enabled():
+            self._track(self.router.last_tracked, routing_map)
+        out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+def moe_layers(model: nn.Module | list[nn.Module]) -> list[MoELayer]:
+    """The MoE layers of a model (or of a list of model chunks), in module order."""
+    chunks = model if isinstance(model, list) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def moe_layer_metrics(model: nn.Module | list[nn.Module]) -> dict[int, dict[str, torch.Tensor]]:
+    """Per MoE layer (keyed by global layer number): the metrics summed since the last reset (float64, CPU):
+    ``load_balancing_loss`` / ``z_loss`` (sums over forward passes, without coefficients, when enabled),
+    ``tokens_per_expert`` ([E] routed tokens after dropping) and ``steps`` (forward passes counted)."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for layer in moe_layers(model):
+        values = dict(layer.metrics)
+        values = {name: value.cpu() for name, value in values.items()}
+        values["steps"] = torch.tensor(float(layer.metric_steps), dtype=torch.float64)
+        out[layer.layer_number] = values
+    return out
+
+
+def reset_moe_metrics(model: nn.Module | list[nn.Module]) -> None:
+    """Clear every MoE layer's accumulated metrics."""
+    for layer in moe_layers(model):
+        layer.reset_metrics()

@@ -1,0 +1,326 @@
+"""Expert parallel: MoE expert weights sharded over the ``ep`` (and ``etp``) mesh, tokens moved by all-to-all.
+
+Applied from the outside to a plain model (``longspan.models.moe``), after tensor parallel and before data
+parallel (``longspan.parallel.parallelize``):
+
+- Expert weights (``mlp.experts.linear_fc1/linear_fc1_gate/linear_fc2``, ``[E, out, in]``) become DTensors:
+  ``Shard(0)`` over ``ep`` (rank r holds experts ``[r*E/ep, (r+1)*E/ep)``; no rank holds all experts) and,
+  with expert tensor parallel, fc1/gate split along the ffn width (``Shard(1)``) and fc2 along its input
+  (``Shard(2)``) over ``etp``. ``init_weights`` draws each full slab from (seed, name) and every rank keeps its
+  slice, so every layout starts from the same experts.
+- Each MoE layer's ``token_dispatcher`` becomes an ``AllToAllTokenDispatcher``: tokens routed on their home
+  rank (the router and its top-k, capacity dropping and aux losses run on the tokens this rank holds, exactly
+  as on one process) are permuted by expert, exchanged with ``all_to_all_single`` over the ep group, run
+  through the local experts, sent back, weighted by their routing probabilities and summed per token on
+  the home rank. With etp > 1 the ranks of an etp group hold the same tokens (etp = tp, no sequence
+  parallel); each computes a partial fc2 output from its ffn slice and the partial sums are all-reduced.
+- Shared experts are split like the dense MLP over ``tp`` (fc1/gate column-wise, fc2 row-wise); the router
+  and the shared-expert gate stay replicated.
+- Gradients: expert weights are left out of the data-parallel wrappers (DDP ignores them; FSDP2 never sees
+  them). A hook on each expert weight scales every gradient contribution by 1/(dp × cp) and sums it over the
+  expert-data-parallel group, which with the ep all-to-all makes the average over all data-parallel ranks
+  (Megatron's ``expert_gradient_scaling_factor``). Dense parameters are averaged by the wrappers as usual.
+
+Supported layouts: expert_tensor_parallel_size equal to tensor_model_parallel_size (its default), no
+sequence parallel and no context parallel with MoE layers (each raises NotSupportedError naming the field).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.logging import get_logger
+from longspan.models.moe import GroupedMLP, MoELayer, local_tensor, moe_layers, permute, unpermute
+
+_log = get_logger(__name__)
+
+# --------------------------------------------------------------------------------------------- autograd comms
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 with uneven splits; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
+        return out, None, None, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (Megatron's copy_to_tp)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward (Megatron's reduce_from_tp)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+# --------------------------------------------------------------------------------------------- dispatcher
+
+class AllToAllTokenDispatcher:
+    """Token dispatch over the expert-parallel group (see the module docstring).
+
+    Args:
+        num_experts: experts per MoE layer (global).
+        ep_group: the expert-parallel process group (None when ep == 1).
+        ep_size: its size; this rank holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``.
+        etp_group: the expert tensor-parallel group when etp > 1, else None.
+    """
+
+    def __init__(self, num_experts: int, ep_group: Any, ep_size: int, etp_group: Any = None) -> None:
+        if num_experts % ep_size:
+            raise ConfigError(
+                f"model.num_moe_experts={num_experts} is not divisible by model.expert_model_parallel_size={ep_size}"
+            )
+        self.num_experts = num_experts
+        self.ep_group = ep_group
+        self.ep_size = ep_size
+        self.local_experts = num_experts // ep_size
+        self.etp_group = etp_group
+
+    def _run_experts(self, x: torch.Tensor, counts: list[int], experts: GroupedMLP) -> torch.Tensor:
+        if self.etp_group is None:
+            return experts(x, counts)
+        x = _CopyToGroup.apply(x, self.etp_group)
+        y = _ReduceFromGroup.apply(experts(x, counts, add_output_bias=False), self.etp_group)
+        bias = experts.output_bias(counts)
+        return y if bias is None else y + bias
+
+    def dispatch_and_combine(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                             experts: GroupedMLP) -> torch.Tensor:
+        """Expert outputs for this rank's tokens ``x [T, h]``, weighted by ``probs`` and summed per token."""
+        permuted, token_index, counts = permute(x, routing_map)
+        if self.ep_size == 1:
+            y = self._run_experts(permuted, counts, experts)
+            return unpermute(y, probs, routing_map, token_index, x.shape[0])
+        ep, local = self.ep_size, self.local_experts
+        send = torch.tensor(counts, dtype=torch.int64).view(ep, local)  # [dest rank, its local expert]
+        recv = torch.empty_like(send)  # [source rank, my local expert]
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        input_splits, output_splits = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
+        received = _AllToAll.apply(permuted, output_splits, input_splits, self.ep_group)
+
+        # Received rows come source-major (source rank, then expert); the experts want expert-major.
+        recv_sizes = recv.flatten().tolist()
+        src_major = torch.split(received, recv_sizes)
+        expert_major_ids = [s * local + j for j in range(local) for s in range(ep)]
+        grouped = torch.cat([src_major[i] for i in expert_major_ids]) if recv_sizes else received
+        y = self._run_experts(grouped, recv.sum(dim=0).tolist(), experts)
+
+        y_chunks = torch.split(y, [recv_sizes[i] for i in expert_major_ids])
+        position = {chunk_id: k for k, chunk_id in enumerate(expert_major_ids)}
+        y_src_major = torch.cat([y_chunks[position[i]] for i in range(ep * local)])
+        back = _AllToAll.apply(y_src_major, input_splits, output_splits, self.ep_group)
+        return unpermute(back, probs, routing_map, token_index, x.shape[0])
+
+
+# --------------------------------------------------------------------------------------------- sharding
+
+def _expert_placements(name: str, ep: int, etp: int) -> list[Any]:
+    """DTensor placements of an expert parameter (``linear_fc1.weight`` ...) over the mesh dims in use."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements: list[Any] = []
+    if ep > 1:
+        placements.append(Shard(0))
+    if etp > 1:
+        module, param = name.split(".")
+        if module == "linear_fc2":
+            placements.append(Shard(2) if param == "weight" else Replicate())
+        else:
+            placements.append(Shard(1))
+    return placements
+
+
+def _expert_mesh(parallel: Any, ep: int, etp: int) -> Any:
+    if ep > 1 and etp > 1:
+        return parallel.expert_mesh["ep", "etp"]
+    return parallel.submesh("ep" if ep > 1 else "etp")
+
+
+def check_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bool = False) -> None:
+    """Raise (one line) when the MoE layers of ``model`` cannot run on ``parallel``'s layout."""
+    layers = moe_layers(model)
+    if not layers:
+        return
+    ep, etp, tp, cp = parallel.ep_size, parallel.etp_size, parallel.tp_size, parallel.cp_size
+    if etp != tp:
+        raise NotSupportedError(
+            f"model.expert_tensor_parallel_size={etp} differs from model.tensor_model_parallel_size={tp}: "
+            "longspan's expert parallel needs them equal (leave expert_tensor_parallel_size unset)"
+        )
+    if tp > 1 and sequence_parallel:
+        raise NotSupportedError(
+            f"model.sequence_parallel=True with MoE layers and tensor_model_parallel_size={tp} is not supported "
+            "yet: set sequence_parallel=False"
+        )
+    if cp > 1:
+        raise NotSupportedError(
+            f"model.context_parallel_size={cp} with MoE layers is not supported yet: set context_parallel_size=1"
+        )
+    experts = layers[0].num_experts
+    if experts % ep:
+        raise ConfigError(
+            f"model.num_moe_experts={experts} is not divisible by model.expert_model_parallel_size={ep}"
+        )
+    ffn = layers[0].experts.linear_fc1.weight.shape[1]
+    if ffn % etp:
+        raise ConfigError(
+            f"model.moe_ffn_hidden_size={ffn} is not divisible by expert_tensor_parallel_size={etp}"
+        )
+    shared = layers[0].shared_experts
+    if shared is not None and shared.linear_fc1.out_features % tp:
+        raise ConfigError(
+            f"model.moe_shared_expert_intermediate_size={shared.linear_fc1.out_features} is not divisible by "
+            f"tensor_model_parallel_size={tp}"
+        )
+
+
+class _ExpertGradReduce(torch.autograd.Function):
+    """Identity forward on an expert weight's local shard; backward scales the gradient by ``scale`` and sums
+    it over the expert-data-parallel group (when there is one)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, scale: float, edp_group: Any) -> torch.Tensor:
+        ctx.scale, ctx.edp_group = scale, edp_group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad * ctx.scale
+        if ctx.edp_group is not None:
+            dist.all_reduce(grad, group=ctx.edp_group)
+        return grad, None, None
+
+
+class ExpertWeight:
+    """``GroupedMLP.weight_fn`` under expert parallel: the parameter's local shard, whose gradient is scaled by
+    1/(dp × cp) and summed over the expert-data-parallel group (see the module docstring). Lives on the module,
+    not as a hook on the parameter, so it survives ``to_empty`` replacing parameter storage."""
+
+    def __init__(self, scale: float, edp_group: Any) -> None:
+        self.scale = scale
+        self.edp_group = edp_group
+
+    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+        return _ExpertGradReduce.apply(local_tensor(param), self.scale, self.edp_group)
+
+
+def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bool = False) -> list[nn.Parameter]:
+    """Shard the experts of every MoE layer of ``model`` (meta or materialized) and install the all-to-all
+    dispatcher; return the expert parameters, which the data-parallel wrappers must leave alone.
+
+    Nothing happens (and ``[]`` is returned) without MoE layers or when ep == etp == 1: the experts are then
+    ordinary replicated parameters. Call after tensor parallel, before data parallel, then ``init_weights``.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return []
+    check_expert_parallel(model, parallel, sequence_parallel)
+    ep, etp, tp = parallel.ep_size, parallel.etp_size, parallel.tp_size
+    if tp > 1:
+        _shard_shared_experts(layers, parallel.submesh("tp"))
+    if ep == 1 and etp == 1:
+        return []
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _expert_mesh(parallel, ep, etp)
+    etp_group = parallel.etp_group if etp > 1 else None
+    ep_group = parallel.ep_group if ep > 1 else None
+    edp_size = parallel.edp_size
+    edp_group = parallel.edp_group if edp_size > 1 else None
+    scale = 1.0 / parallel.size("dp_cp")
+    params: list[nn.Parameter] = []
+    for layer in layers:
+        for name, param in list(layer.experts.named_parameters()):
+            module_name, param_name = name.split(".")
+            module = getattr(layer.experts, module_name)
+            placements = _expert_placements(name, ep, etp)
+            sharded = nn.Parameter(distribute_tensor(param.data, mesh, placements, src_data_rank=None),
+                                   requires_grad=param.requires_grad)
+            module.register_parameter(param_name, sharded)
+            params.append(sharded)
+        layer.experts.weight_fn = ExpertWeight(scale, edp_group)
+        layer.token_dispatcher = AllToAllTokenDispatcher(layer.num_experts, ep_group, ep, etp_group)
+    _log.debug("expert parallel: ep=%d etp=%d edp=%d over %d MoE layers", ep, etp, edp_size, len(layers))
+    return params
+
+
+def _shard_shared_experts(layers: list[MoELayer], tp_mesh: Any) -> None:
+    """Split shared experts like the dense MLP over ``tp``: fc1/gate column-wise, fc2 row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in layers:
+        shared = layer.shared_experts
+        if shared is None:
+            continue
+        plan: dict[str, Any] = {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()}
+        if shared.linear_fc1_gate is not None:
+            plan["linear_fc1_gate"] = ColwiseParallel()
+        parallelize_module(shared, tp_mesh, plan)
+
+
+def expert_parameter_names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """Fully qualified names in ``model`` of ``params`` (for DDP's ignore list)."""
+    wanted = {id(p) for p in params}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def ignore_in_ddp(model: nn.Module, params: list[nn.Parameter]) -> None:
+    """Make a later ``DistributedDataParallel(model)`` skip ``params`` (expert weights are reduced here)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = expert_parameter_names(model, params)
+    if names:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+@contextlib.contextmanager
+def hidden_parameters(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
+    """Temporarily unregister ``params`` from their modules, so a wrapper built inside (FSDP2's
+    ``fully_shard``) does not take them over (the effect of its ``ignored_params``); restored on exit."""
+    wanted = {id(p) for p in params}
+    removed: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in wanted:
+                removed.append((module, name, param))
+                del module._parameters[name]
+    try:
+        yield
+    finally:
+        for module, name, param in removed:
+            module.register_parameter(name, param)

@@ -323,15 +323,19 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     Replaces every ``SelfAttention.core_attention`` with ``ContextParallelAttention(group)`` and hooks the
     model so that it takes full-length inputs and returns full-length per-token losses (see the module
     docstring). Apply it after tensor parallel and before data parallel (DDP/FSDP2 over ``dp × cp``).
-    Returns ``model``. A group of one rank (or None) leaves the model unchanged.
+    Returns ``model``. A group of one rank (or None) leaves the model unchanged, and so does a second call
+    with the same group.
     """
     import torch.distributed as dist
 
     if group is None or dist.get_world_size(group) == 1:
         return model
     root = _unwrap(model)
-    if getattr(root, CONTEXT_PARALLEL_ATTR, None) is not None:
-        raise NotSupportedError("the context-parallel plan is already applied to this model")
+    applied = getattr(root, CONTEXT_PARALLEL_ATTR, None)
+    if applied is group:  # idempotent: a second call over the same group changes nothing
+        return model
+    if applied is not None:
+        raise NotSupportedError("the context-parallel plan is already applied to this model over another group")
     attentions = [m for m in root.modules() if hasattr(m, "core_attention") and hasattr(m, "linear_q")]
     if not attentions or not hasattr(root, "decoder"):
         raise NotSupportedError(

@@ -201,6 +201,7 @@ def _model_case(position_embedding_type: str, reset_documents: bool) -> dict:
 
     model = build_gpt_model(provider, materialize=False)
     apply_context_parallel(model, dist.group.WORLD)
+    apply_context_parallel(model, dist.group.WORLD)  # idempotent: hooks installed twice would slice twice
     init_weights(model, seed=5)
     got_tokens, got_loss, got_grads = run(model)
     errors = {"per_token": (got_tokens - want_tokens).abs().max().item(),

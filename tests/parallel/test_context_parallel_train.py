@@ -26,6 +26,20 @@ def cp_config(tmp_path: Path, name: str, cp: int = 1):
     return cfg
 
 
+def assert_same_run(got_cfg, want_cfg, name: str) -> None:
+    """Same logged losses (1e-4 relative) and gradient norms (1e-3: Adam hides gradient scale errors in the
+    losses, the norm does not) in every one of the ITERS iterations."""
+    got, want = losses_by_iteration(got_cfg), losses_by_iteration(want_cfg)
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it in want:
+        assert math.isclose(got[it], want[it], rel_tol=REL_TOL), f"{name} iteration {it}: {got[it]} vs {want[it]}"
+    assert want[ITERS] < want[1]  # the model trains: the comparison is not between constants
+    got_norms = {r["iteration"]: r["grad_norm"] for r in read_metrics(got_cfg)}
+    want_norms = {r["iteration"]: r["grad_norm"] for r in read_metrics(want_cfg)}
+    for it, norm in want_norms.items():
+        assert math.isclose(got_norms[it], norm, rel_tol=1e-3), f"{name} iteration {it}: grad norm {got_norms[it]}"
+
+
 def _pretrain_case(cfg) -> int:
     from longspan.training.pretrain import pretrain
 
@@ -39,21 +53,10 @@ def test_cp2_pretrain_matches_one_process(tmp_path, pool2):
 
     cp_cfg = cp_config(tmp_path, "cp2", cp=2)
     pool2.run(_pretrain_case, cp_cfg, timeout=300)
-    got = losses_by_iteration(cp_cfg)
-
     ref_cfg = cp_config(tmp_path, "one")
     pretrain(ref_cfg)
-    want = losses_by_iteration(ref_cfg)
 
-    assert sorted(want) == list(range(1, ITERS + 1)) and sorted(got) == sorted(want)
-    for it in want:
-        assert math.isclose(got[it], want[it], rel_tol=REL_TOL), f"iteration {it}: CP2 {got[it]} vs {want[it]}"
-    assert want[ITERS] < want[1]  # the model trains: the comparison is not between constants
-    got_norms = {r["iteration"]: r.get("grad_norm") for r in read_metrics(cp_cfg)}
-    want_norms = {r["iteration"]: r.get("grad_norm") for r in read_metrics(ref_cfg)}
-    for it, norm in want_norms.items():
-        if norm is not None:
-            assert math.isclose(got_norms[it], norm, rel_tol=1e-3), f"iteration {it}: grad norm {got_norms[it]}"
+    assert_same_run(cp_cfg, ref_cfg, "CP2")
 
 
 def test_validate_accepts_cp2_and_checks_sequence_length(tmp_path):
@@ -93,3 +96,30 @@ def test_support_table_marks_context_parallel():
     assert field_status("model", "context_parallel_size") == SUPPORTED
     assert field_status("model", "cp_comm_type") == HINT
     assert field_status("model", "hierarchical_context_parallel_sizes") == NOT_SUPPORTED
+
+
+FOUR_RANK_LAYOUTS = {
+    # dp2 x cp2: DDP over dp x cp, data split over dp only; per-token loss normalization over dp
+    "dp2_cp2_per_token": dict(cp=2, per_token=True),
+    # tp2 (sequence parallel) x cp2: the TP root hook, then the CP plan, FSDP2-free (dp = 1)
+    "tp2_sp_cp2": dict(cp=2, tp=2, sp=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANK_LAYOUTS))
+def test_four_rank_cp_layouts_match_one_process(tmp_path, pool4, name):
+    from longspan.training.pretrain import pretrain
+
+    spec = FOUR_RANK_LAYOUTS[name]
+    cfgs = []
+    for label, cp in ((name, spec["cp"]), ("one", 1)):
+        cfg = cp_config(tmp_path, label, cp=cp)
+        cfg.model.calculate_per_token_loss = spec.get("per_token", False)
+        if cp > 1:
+            cfg.model.tensor_model_parallel_size = spec.get("tp", 1)
+            cfg.model.sequence_parallel = spec.get("sp", False)
+        cfgs.append(cfg)
+    pool4.run(_pretrain_case, cfgs[0], timeout=400)
+    pretrain(cfgs[1])
+    assert_same_run(cfgs[0], cfgs[1], name)

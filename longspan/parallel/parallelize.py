@@ -27,6 +27,7 @@ from longspan.parallel.data_parallel import (
     mixed_precision_policy,
 )
 from longspan.parallel.expert_parallel import apply_expert_parallel, hidden_parameters, ignore_in_ddp
+from longspan.parallel.context_parallel import apply_context_parallel
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -60,6 +61,8 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     # MoE experts: sharded over ep/etp with all-to-all dispatch; the data-parallel wrappers leave them alone
     # (expert_parallel reduces their gradients itself).
     expert_params = apply_expert_parallel(model, parallel, bool(getattr(cfg.model, "sequence_parallel", False)))
+    if parallel.cp_size > 1:
+        apply_context_parallel(model, parallel.cp_group)
     dp = parallel.dp_size * parallel.cp_size
     if dp == 1:
         return model

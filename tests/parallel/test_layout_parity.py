@@ -137,6 +137,8 @@ def reference_losses() -> dict:
 @pytest.mark.parametrize("name,overrides,dp_replicate,wrapper", [
     ("dp2_ddp_uneven_masks", dict(), 1, "DistributedDataParallel"),
     ("dp2_hybrid", dict(fsdp2=True), 2, "FSDPGPTModel"),
+    # context parallel (its plan lives in context_parallel.py): parallelize_model applies it, DDP over dp × cp
+    ("cp2_ddp", dict(context_parallel_size=2), 1, "DistributedDataParallel"),
 ])
 def test_model_level_layout_matches_one_process(name, overrides, dp_replicate, wrapper, reference_losses):
     results = get_shared_pool(2).run(train_layout, tiny_config(**overrides), dp_replicate=dp_replicate,

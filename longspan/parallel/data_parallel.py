@@ -30,8 +30,10 @@ reduction off with ``set_requires_gradient_sync``), which the trainer enters for
 microbatch.
 
 Parameters are materialized before DDP wraps the model (``to_empty``; ``init_weights`` fills them in place
-afterwards, identically on every rank, so DDP's initial broadcast is skipped). FSDP2 shards the meta model and
-``init_weights`` materializes each shard.
+afterwards), so DDP's initial broadcast would copy garbage and is skipped; instead the wrapper broadcasts the
+parameters from data-parallel rank 0 once, at the first forward (Megatron's ``broadcast_params``), so the
+replicas start equal even when ranks initialized differently (``rng.data_parallel_random_init``). FSDP2
+shards the meta model and ``init_weights`` materializes each shard.
 """
 
 from __future__ import annotations
@@ -101,6 +103,21 @@ def _reduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP checks real annot
     return fut.then(done)
 
 
+def _broadcast_at_first_forward(wrapped: nn.Module, group: Any) -> None:
+    """Broadcast parameters and buffers from the group's first rank before the first forward, then unhook."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def hook(module: nn.Module, args: Any) -> None:
+        with torch.no_grad():
+            for tensor in [*module.module.parameters(), *module.module.buffers()]:
+                dist.broadcast(tensor.data, src=src, group=group)
+        handle.remove()
+
+    handle = wrapped.register_forward_pre_hook(hook)
+
+
 def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any = None,
               param_dtype: torch.dtype | None = None) -> nn.Module:
     """Materialize ``model`` on ``device`` (if on meta) and wrap it in DDP over ``group``.
@@ -130,6 +147,7 @@ def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any =
         element = torch.tensor([], dtype=param_dtype).element_size()
         kwargs["bucket_cap_mb"] = bucket_size * element / 2**20
     wrapped = DistributedDataParallel(model, **kwargs)
+    _broadcast_at_first_forward(wrapped, group)
     fp32 = bool(getattr(ddp_cfg, "grad_reduce_in_fp32", False)) and param_dtype != torch.float32
     avg = bool(getattr(ddp_cfg, "average_in_collective", False))
     avg_op = avg and "nccl" in str(dist.get_backend(group))  # gloo has no ReduceOp.AVG: SUM then divide

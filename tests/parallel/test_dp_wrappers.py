@@ -88,6 +88,14 @@ def _ddp_checks() -> dict:
         dist.all_gather(gathered, local)
         return model.module.weight.grad, gathered
 
+    # replicas that initialized differently start equal: rank 0's weights are broadcast at the first forward
+    torch.manual_seed(100 + rank)
+    differing = apply_ddp(nn.Linear(8, 4), None, torch.device("cpu"), cfg.ddp)
+    torch.manual_seed(100)
+    rank0_weight = nn.Linear(8, 4).weight.detach().clone()
+    differing(torch.ones(1, 8))
+    out["broadcast_at_first_forward"] = torch.equal(differing.module.weight, rank0_weight)
+
     # bf16 gradients averaged in fp32: (g0/2 + g1/2) computed in fp32, rounded once to bf16
     got, (g0, g1) = reduced_vs_expected(_cfg(grad_reduce_in_fp32=True).ddp, torch.bfloat16)
     out["fp32_reduce_exact"] = torch.equal(got, (g0.float() / 2 + g1.float() / 2).to(torch.bfloat16))
@@ -102,6 +110,7 @@ def test_ddp_honours_bucket_size_fp32_reduction_and_averaging():
     for r in get_shared_pool(2).run(_ddp_checks, timeout=120):
         assert r["bucket_bytes_cap"] == 1000 * 4  # bucket_size elements of fp32
         assert r["has_no_sync"] and r["materialized"]
+        assert r["broadcast_at_first_forward"]
         assert r["fp32_reduce_exact"]
         assert r["avg_in_collective_diff"] < 1e-6
 

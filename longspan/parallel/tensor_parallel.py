@@ -11,8 +11,9 @@ over the 1-D ``tp`` mesh:
   ``output_layer`` column-wise with vocab-sharded ``DTensor`` logits (``Shard(-1)``, ``use_local_output=False``),
   so that ``F.cross_entropy`` under ``torch.distributed.tensor.parallel.loss_parallel()`` is vocab-parallel:
   no rank ever holds full-vocabulary logits. Outside that context the output layer gathers its logits (the
-  loss stays correct, e.g. in evaluation, but is not vocab-parallel). The per-token loss leaves the model as a plain tensor (a forward
-  hook on the root takes the replicated local value), so loss functions and the trainer see ordinary tensors.
+  loss stays correct, e.g. in evaluation, but is not vocab-parallel). The per-token loss leaves the model as
+  a plain tensor (a forward hook on the root takes the replicated local value), so loss functions and the
+  trainer see ordinary tensors.
 
 With ``sequence_parallel`` the residual stream between the column/row pairs is sharded along the sequence
 (dim 1): the embedding's output is split along the sequence, norms run as ``SequenceParallel`` on their

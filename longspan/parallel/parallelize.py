@@ -1,9 +1,9 @@
 """Turn a plain (meta-device) model into the distributed model the layout asks for.
 
-Plans are applied from the outside (torchtitan's way): tensor/sequence parallel with DTensor plans, then
-data parallel (DDP or FSDP2). The model code never knows. ``longspan.training.setup`` calls
-``parallelize_model`` on the meta model and ``init_weights`` afterwards, so every layout draws the same
-full weights from the seed.
+Plans are applied from the outside (torchtitan's way): tensor/sequence parallel with DTensor plans, context
+parallel, expert parallel, then data parallel (DDP or FSDP2). The model code never knows.
+``longspan.training.setup`` calls ``parallelize_model`` on the meta model and ``init_weights`` afterwards, so
+every layout draws the same full weights from the seed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from longspan.parallel.data_parallel import (
     mixed_precision_policy,
 )
 from longspan.parallel.expert_parallel import apply_expert_parallel, hidden_parameters, ignore_in_ddp
-from longspan.parallel.context_parallel import apply_context_parallel
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -61,8 +60,6 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     # MoE experts: sharded over ep/etp with all-to-all dispatch; the data-parallel wrappers leave them alone
     # (expert_parallel reduces their gradients itself).
     expert_params = apply_expert_parallel(model, parallel, bool(getattr(cfg.model, "sequence_parallel", False)))
-    if parallel.cp_size > 1:
-        apply_context_parallel(model, parallel.cp_group)
     dp = parallel.dp_size * parallel.cp_size
     if dp == 1:
         return model

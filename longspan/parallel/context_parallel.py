@@ -177,6 +177,57 @@ def _repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
     return t[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
 
 
+class _PrefixCausalAttention(torch.autograd.Function):
+    """One query chunk against keys ``[0, end)``, causal inside its own (last) key chunk, on CPU kernels.
+
+    torch's CPU flash kernel only aligns causal masks top-left, so the chunk is done as two flash calls —
+    the diagonal block (square, causal) and the prefix (no mask) — merged by their log-sum-exps; the
+    backward runs the flash backward of each block with the merged output and log-sum-exp, which gives each
+    block's exact share of the gradients (the ring/flash-attention identity). O(s) memory instead of the
+    masked path's [chunk, end] scores.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,
+                scale: float | None) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        prefix = k.shape[2] - chunk
+        out, lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+        if prefix:
+            out_p, lse_p = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+            merged = torch.logaddexp(lse, lse_p)
+            acc = torch.promote_types(q.dtype, torch.float32)  # merge in at least fp32 (bf16 inputs)
+            out = (out.to(acc) * torch.exp(lse - merged).unsqueeze(-1).to(acc)
+                   + out_p.to(acc) * torch.exp(lse_p - merged).unsqueeze(-1).to(acc)).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunk, ctx.scale = chunk, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, out, lse = ctx.saved_tensors
+        prefix = k.shape[2] - ctx.chunk
+        grad = grad.contiguous()
+        dq, dk_d, dv_d = backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, True,
+                                  scale=ctx.scale)
+        if not prefix:
+            return dq, dk_d, dv_d, None, None
+        dq_p, dk_p, dv_p = backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False,
+                                    scale=ctx.scale)
+        return dq + dq_p, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2), None, None
+
+
+def _use_cpu_flash(q: torch.Tensor, dropout_p: float) -> bool:
+    return (q.device.type == "cpu" and dropout_p == 0.0 and USE_CPU_FLASH
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+#: use the two-block CPU flash path for causal attention on CPU (False: the masked SDPA path everywhere)
+USE_CPU_FLASH = True
+
+
 def local_attention(
     q: torch.Tensor,
     k_full: torch.Tensor,
@@ -193,8 +244,6 @@ def local_attention(
     masked) is ``None`` for causal attention, or ``[b or 1, 1, 2c or S, S]`` (rows: this rank's queries, or
     all queries, which are then sliced). No communication: ``context_parallel_attention`` gathers first.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     n_rep = q.shape[1] // k_full.shape[1]
     k_full, v_full = _repeat_kv(k_full, n_rep), _repeat_kv(v_full, n_rep)
     seq_len, local_len = k_full.shape[2], q.shape[2]
@@ -212,6 +261,13 @@ def local_attention(
     # Chunk j (global index) attends keys [0, (j+1)·c): causal within its own chunk, full before it.
     for part, j in ((q[:, :, :chunk], cp_rank), (q[:, :, chunk:], 2 * cp_size - 1 - cp_rank)):
         end = (j + 1) * chunk
+        if _use_cpu_flash(q, dropout_p):
+            outs.append(_PrefixCausalAttention.apply(part.contiguous(), k_full[:, :, :end].contiguous(),
+                                                     v_full[:, :, :end].contiguous(), chunk, scale))
+            continue
+        # Bottom-right-aligned causal mask: flash/memory-efficient kernels on CUDA, a materialized mask on CPU.
+        from torch.nn.attention.bias import causal_lower_right  # a heavy import (~70 MB), only when needed
+
         bias = causal_lower_right(chunk, end)
         outs.append(F.scaled_dot_product_attention(part, k_full[:, :, :end], v_full[:, :, :end], attn_mask=bias,
                                                    dropout_p=dropout_p, scale=scale))

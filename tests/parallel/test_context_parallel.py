@@ -87,10 +87,16 @@ def test_slice_batch_keeps_global_positions_and_query_rows():
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("masked", [False, True])
-def test_local_attention_of_all_ranks_is_full_attention(cp, masked):
+@pytest.mark.parametrize("masked,cpu_flash", [(False, True), (False, False), (True, True)],
+                         ids=["causal_cpu_flash", "causal_lower_right_sdpa", "document_mask"])
+def test_local_attention_of_all_ranks_is_full_attention(cp, masked, cpu_flash, monkeypatch):
     """Every rank's local attention (given the gathered K/V) equals the full attention rows it holds, and the
-    gradients summed over ranks equal the full attention's gradients (what the reduce-scatter computes)."""
+    gradients summed over ranks equal the full attention's gradients (what the reduce-scatter computes).
+    Causal attention has two paths: CPU flash blocks merged by log-sum-exp, and SDPA with a bottom-right
+    causal bias (the CUDA path)."""
+    import longspan.parallel.context_parallel as cp_module
+
+    monkeypatch.setattr(cp_module, "USE_CPU_FLASH", cpu_flash)
     torch.manual_seed(0)
     b, heads, groups, seq, d = 2, 4, 2, 8 * cp, 8
     q = torch.randn(b, heads, seq, d, dtype=torch.float64, requires_grad=True)

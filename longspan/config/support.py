@@ -81,6 +81,19 @@ FIELD_STATUS: dict[str, str] = {
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
         bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion cross_entropy_loss_fusion
         """),
+    # Mixture of experts and expert parallel (issue 6): longspan.models.moe, longspan.parallel.expert_parallel.
+    # Tokens always move by all-to-all (every dispatcher type computes the same), so the dispatcher type and
+    # the grouped-GEMM / fusion / overlap switches change no maths.
+    **_many("model", SUPPORTED, """
+        num_moe_experts moe_router_topk moe_ffn_hidden_size moe_shared_expert_intermediate_size
+        moe_shared_expert_gate moe_layer_freq moe_router_load_balancing_type moe_aux_loss_coeff moe_z_loss_coeff
+        moe_router_pre_softmax moe_router_score_function moe_router_num_groups moe_router_group_topk
+        moe_router_topk_scaling_factor moe_router_dtype moe_expert_capacity_factor moe_pad_expert_input_to_capacity
+        moe_token_drop_policy moe_token_dispatcher_type moe_per_layer_logging expert_model_parallel_size
+        expert_tensor_parallel_size
+        """),
+    **_many("model", HINT, "moe_grouped_gemm moe_permute_fusion moe_shared_expert_overlap "
+                           "overlap_moe_expert_parallel_comm"),
     **_many("optimizer", SUPPORTED, """
         optimizer lr min_lr weight_decay fp16 bf16 params_dtype loss_scale initial_loss_scale min_loss_scale
         loss_scale_window hysteresis adam_beta1 adam_beta2 adam_eps decoupled_weight_decay sgd_momentum

@@ -18,6 +18,8 @@ import pytest
 
 from tests.parallel.harness import get_shared_pool
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes or runs the trainer
+
 SEQ = 32
 MBS = 2
 GBS = 8
@@ -145,7 +147,38 @@ def _tp_plan_skipping_moe():
     tp_module.tensor_parallel_plan = plan
 
 
+def _ddp_broadcast_skipping_ignored():
+    """Test shim until DDP's first-forward parameter broadcast (data_parallel._broadcast_at_first_forward)
+    skips the parameters DDP ignores: expert weights differ across data-parallel ranks (each holds other
+    experts) and must not be broadcast over dp (Megatron broadcasts them over the expert-dp group)."""
+    import torch
+    import torch.distributed as dist
+
+    import longspan.parallel.data_parallel as dp_module
+
+    if getattr(dp_module._broadcast_at_first_forward, "_moe_shim", False):
+        return
+
+    def broadcast_at_first_forward(wrapped, group):
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        ignored = set(getattr(wrapped.module, "_ddp_params_and_buffers_to_ignore", ()))
+
+        def hook(module, args):
+            with torch.no_grad():
+                named = [*module.module.named_parameters(), *module.module.named_buffers()]
+                for name, tensor in named:
+                    if name not in ignored:
+                        dist.broadcast(tensor.data, src=src, group=group)
+            handle.remove()
+
+        handle = wrapped.register_forward_pre_hook(hook)
+
+    broadcast_at_first_forward._moe_shim = True
+    dp_module._broadcast_at_first_forward = broadcast_at_first_forward
+
+
 def _layout_task(ep: int, tp: int, capacity: float | None = None, iters: int = 3) -> dict:
+    _ddp_broadcast_skipping_ignored()
     if tp > 1:
         _tp_plan_skipping_moe()
     return train_moe_layout(moe_config(ep=ep, tp=tp, capacity=capacity), iters=iters)
@@ -189,7 +222,6 @@ def test_ep2_with_capacity_dropping_matches_one_process():
     assert ref["losses"][0] != dense["losses"][0]  # dropping changed the model's output
 
 
-@pytest.mark.slow
 def test_ep2_tp2_matches_one_process():
     """EP2 × TP2 on 4 ranks (etp = tp = 2, FSDP2 for dense weights): each rank holds 2 experts × half width."""
     ref = _reference()
@@ -198,3 +230,94 @@ def test_ep2_tp2_matches_one_process():
         assert r["local_expert_shape"] == (2, 16, 64)
         _assert_close(r["losses"], ref["losses"], "EP2xTP2 loss")
         _assert_close(r["norms"], ref["norms"], "EP2xTP2 grad norm")
+
+
+# ------------------------------------------------------------------------------------- full pretrain path
+
+ITERS = 8
+
+
+def moe_forward_step(state, data_iterator, model):
+    """The default GPT forward step, plus the aux-loss gradient scale Megatron's schedule sets (1 / number of
+    microbatches); longspan's schedule does not set it yet."""
+    from longspan.models.moe import set_aux_loss_scale
+    from longspan.training.forward_step import forward_step
+
+    set_aux_loss_scale(1.0 / state.num_microbatches_calculator.get())
+    return forward_step(state, data_iterator, model)
+
+
+def _pretrain_task(run_dir: str, ep: int = 1, tp: int = 1) -> None:
+    from longspan.training.pretrain import pretrain
+
+    if ep > 1:
+        _ddp_broadcast_skipping_ignored()
+    if tp > 1:
+        _tp_plan_skipping_moe()
+    cfg = moe_config(ep=ep, tp=tp)
+    cfg.train.train_iters = ITERS
+    cfg.train.eval_interval = None
+    cfg.train.eval_iters = 0
+    cfg.checkpoint.save = None
+    cfg.checkpoint.load = None
+    cfg.logger.tensorboard_dir = run_dir
+    cfg.logger.log_interval = 1
+    cfg.model.moe_per_layer_logging = True
+    pretrain(cfg, moe_forward_step)
+
+
+def _logged(run_dir: str) -> list[dict]:
+    import json
+    import os
+
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [r for r in rows if r.get("phase") == "train"]
+
+
+_PRETRAIN_REF: dict = {}
+
+
+def _pretrain_reference(tmp_path_factory) -> list[dict]:
+    if "rows" not in _PRETRAIN_REF:
+        run_dir = str(tmp_path_factory.mktemp("moe_reference"))
+        _pretrain_task(run_dir)
+        _PRETRAIN_REF["rows"] = _logged(run_dir)
+        _PRETRAIN_REF["dir"] = run_dir
+    return _PRETRAIN_REF["rows"]
+
+
+def _check_pretrain(rows: list[dict], ref: list[dict], what: str) -> None:
+    assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
+    for key in ("lm loss", "load_balancing_loss", "z_loss", "load_imbalance"):
+        _assert_close([r["losses"][key] for r in rows], [r["losses"][key] for r in ref], f"{what} {key}")
+    _assert_close([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref], f"{what} grad norm")
+
+
+def test_pretrain_logs_moe_metrics(tmp_path_factory):
+    """One process: the MoE metrics reach metrics.jsonl and TensorBoard (per layer too), and the lm loss falls."""
+    ref = _pretrain_reference(tmp_path_factory)
+    first = ref[0]["losses"]
+    assert 0.9 < first["load_balancing_loss"] < 1.5  # 1.0 is perfectly balanced routing
+    assert first["load_imbalance"] >= 1.0 and first["z_loss"] > 0
+    assert ref[-1]["losses"]["lm loss"] < first["lm loss"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(_PRETRAIN_REF["dir"])
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"load_balancing_loss", "load_imbalance", "moe/load_balancing_loss_layer_0",
+            "moe/load_imbalance_layer_1"} <= tags
+    values = [e.value for e in events.Scalars("load_balancing_loss")]
+    assert values == pytest.approx([r["losses"]["load_balancing_loss"] for r in ref], rel=1e-6)
+
+
+def test_pretrain_ep2_matches_one_process(tmp_path_factory, tmp_path):
+    ref = _pretrain_reference(tmp_path_factory)
+    get_shared_pool(2).run(_pretrain_task, str(tmp_path), 2, 1, timeout=300)
+    _check_pretrain(_logged(str(tmp_path)), ref, "pretrain EP2")
+
+
+def test_pretrain_ep2_tp2_matches_one_process(tmp_path_factory, tmp_path):
+    ref = _pretrain_reference(tmp_path_factory)
+    get_shared_pool(4).run(_pretrain_task, str(tmp_path), 2, 2, timeout=300)
+    _check_pretrain(_logged(str(tmp_path)), ref, "pretrain EP2xTP2")

@@ -18,8 +18,6 @@ import pytest
 
 from tests.parallel.harness import get_shared_pool
 
-pytestmark = pytest.mark.slow  # every test here starts worker processes or runs the trainer
-
 SEQ = 32
 MBS = 2
 GBS = 8
@@ -200,6 +198,7 @@ def _assert_close(got: list[float], want: list[float], what: str) -> None:
         assert math.isclose(g, w, rel_tol=REL_TOL), f"{what} iteration {i + 1}: {g} vs one process {w}"
 
 
+@pytest.mark.slow
 def test_ep2_matches_one_process():
     """EP2 (dp 2, DDP for dense weights): 2 experts per rank, same losses and gradient norms."""
     ref = _reference()
@@ -212,6 +211,7 @@ def test_ep2_matches_one_process():
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
 
 
+@pytest.mark.slow
 def test_ep2_with_capacity_dropping_matches_one_process():
     """Token dropping happens at the router on each rank's own tokens, so the dropped set is layout-free."""
     ref = _reference(capacity=1.0, iters=2)
@@ -222,6 +222,18 @@ def test_ep2_with_capacity_dropping_matches_one_process():
     assert ref["losses"][0] != dense["losses"][0]  # dropping changed the model's output
 
 
+@pytest.mark.slow
+def test_ep2_on_four_ranks_reduces_expert_grads_over_edp():
+    """EP2 with dp 4: each expert lives on 2 ranks (expert-data-parallel 2), its gradient summed over them."""
+    ref = _reference()
+    results = get_shared_pool(4).run(_layout_task, 2, 1, timeout=300)
+    for r in results:
+        assert r["local_expert_shape"] == (2, 32, 64)
+        _assert_close(r["losses"], ref["losses"], "EP2 dp4 loss")
+        _assert_close(r["norms"], ref["norms"], "EP2 dp4 grad norm")
+
+
+@pytest.mark.slow
 def test_ep2_tp2_matches_one_process():
     """EP2 × TP2 on 4 ranks (etp = tp = 2, FSDP2 for dense weights): each rank holds 2 experts × half width."""
     ref = _reference()
@@ -293,6 +305,7 @@ def _check_pretrain(rows: list[dict], ref: list[dict], what: str) -> None:
     _assert_close([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref], f"{what} grad norm")
 
 
+@pytest.mark.slow
 def test_pretrain_logs_moe_metrics(tmp_path_factory):
     """One process: the MoE metrics reach metrics.jsonl and TensorBoard (per layer too), and the lm loss falls."""
     ref = _pretrain_reference(tmp_path_factory)
@@ -311,13 +324,67 @@ def test_pretrain_logs_moe_metrics(tmp_path_factory):
     assert values == pytest.approx([r["losses"]["load_balancing_loss"] for r in ref], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_pretrain_ep2_matches_one_process(tmp_path_factory, tmp_path):
     ref = _pretrain_reference(tmp_path_factory)
     get_shared_pool(2).run(_pretrain_task, str(tmp_path), 2, 1, timeout=300)
     _check_pretrain(_logged(str(tmp_path)), ref, "pretrain EP2")
 
 
+@pytest.mark.slow
 def test_pretrain_ep2_tp2_matches_one_process(tmp_path_factory, tmp_path):
     ref = _pretrain_reference(tmp_path_factory)
     get_shared_pool(4).run(_pretrain_task, str(tmp_path), 2, 2, timeout=300)
     _check_pretrain(_logged(str(tmp_path)), ref, "pretrain EP2xTP2")
+
+
+# ------------------------------------------------------------------------------------- layout checks (no processes)
+
+def _fake_parallel(ep=1, etp=1, tp=1, cp=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ep_size=ep, etp_size=etp, tp_size=tp, cp_size=cp)
+
+
+@pytest.mark.parametrize("layout, sp, error, field", [
+    (dict(ep=2, etp=1, tp=2), False, "NotSupportedError", "expert_tensor_parallel_size"),
+    (dict(ep=2, etp=2, tp=2), True, "NotSupportedError", "sequence_parallel"),
+    (dict(ep=2, cp=2), False, "NotSupportedError", "context_parallel_size"),
+    (dict(ep=3), False, "ConfigError", "num_moe_experts"),
+    (dict(etp=3, tp=3), False, "ConfigError", "moe_ffn_hidden_size"),
+])
+def test_unsupported_expert_layouts_raise_one_line(layout, sp, error, field):
+    from longspan.models.gpt import build_gpt_model
+    from longspan.parallel.expert_parallel import check_expert_parallel
+
+    model = build_gpt_model(moe_config().model, materialize=False)
+    with pytest.raises(Exception) as info:
+        check_expert_parallel(model, _fake_parallel(**layout), sequence_parallel=sp)
+    assert type(info.value).__name__ == error
+    assert field in str(info.value) and "\n" not in str(info.value)
+
+
+def test_dense_model_and_single_rank_experts_are_left_alone():
+    from longspan.models.gpt import build_gpt_model
+    from longspan.parallel.expert_parallel import apply_expert_parallel
+
+    cfg = moe_config()
+    moe_model = build_gpt_model(cfg.model, materialize=False)
+    assert apply_expert_parallel(moe_model, _fake_parallel()) == []
+    assert type(moe_model.decoder.layers["0"].mlp.token_dispatcher).__name__ == "LocalTokenDispatcher"
+    cfg.model.num_moe_experts = None
+    assert apply_expert_parallel(build_gpt_model(cfg.model, materialize=False), _fake_parallel(ep=2)) == []
+
+
+def test_hidden_parameters_restores_them():
+    import torch
+
+    from longspan.parallel.expert_parallel import hidden_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    hide = [model[0].weight, model[1].bias]
+    before = [n for n, _ in model.named_parameters()]
+    with hidden_parameters(model, hide):
+        assert [n for n, _ in model.named_parameters()] == ["0.bias", "1.weight"]
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(before)
+    assert model[0].weight is hide[0] and model[1].bias is hide[1]

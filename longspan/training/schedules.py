@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from longspan.core.errors import LongspanError
+from longspan.parallel.loss_parallel import parallel_loss_context
 
 
 class TrainingDivergedError(LongspanError):
@@ -90,14 +91,15 @@ def forward_backward_no_pipelining(
         return loss
 
     if forward_only:
-        with torch.no_grad():
+        with torch.no_grad(), parallel_loss_context(chunk):
             for _ in range(num_microbatches):
                 one_microbatch()
         return reports, total_tokens
 
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
-        with contextlib.nullcontext() if last else no_sync_context(chunk):
+        # The vocab-parallel loss context must cover the backward too (tensor parallel keeps logits sharded).
+        with (contextlib.nullcontext() if last else no_sync_context(chunk)), parallel_loss_context(chunk):
             loss = one_microbatch()
             if grad_scale_func is not None:
                 loss = grad_scale_func(loss)

@@ -77,6 +77,11 @@ def build_model(cfg: Any, parallel: ParallelState, seed: int) -> list[torch.nn.M
     from longspan.models.gpt import build_gpt_model
 
     provider = cfg.model
+    if parallel.pp_size > 1:
+        from longspan.parallel.pipeline import build_pipeline_chunks
+
+        # Stages are cut first; the TP/CP/DP plans then apply to each chunk.
+        return build_pipeline_chunks(cfg, parallel, seed)
     model = build_gpt_model(provider, materialize=False)
     model = parallelize_model(model, cfg, parallel)
     init_weights(model, seed=seed, device=parallel.device)
@@ -89,7 +94,7 @@ def setup(cfg: Any) -> SetupOutput:
     """Validate, initialize processes, build everything, and load the checkpoint when there is one."""
     start_time = time.time()
     setup_logging(cfg.logger.logging_level)
-    parallel = initialize_distributed(cfg.dist, cfg.model)
+    parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
     state = GlobalState()
     state.cfg = cfg
     state.start_time = start_time
@@ -122,9 +127,13 @@ def setup(cfg: Any) -> SetupOutput:
 
     set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
     # Weights come from the base seed (per-parameter generators), so every layout draws the same model.
-    init_seed = cfg.rng.seed + (10 * parallel.dp_rank if cfg.rng.data_parallel_random_init else 0)
-    model = build_model(cfg, parallel, init_seed)
+    # Megatron's data_parallel_random_init draws per-replica weights and then broadcasts data-parallel rank 0's,
+    # which are these; what stays per replica is the runtime generator seeded above.
+    model = build_model(cfg, parallel, cfg.rng.seed)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
+    if parallel.pp_size > 1:
+        # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.
+        optimizer.grad_stats_parallel_group = parallel.pp_group
     scheduler = get_optimizer_param_scheduler(optimizer, cfg.scheduler, cfg.train, cfg.optimizer)
 
     checkpointing_context: dict[str, Any] = {}

@@ -17,9 +17,10 @@ parallel (``longspan.parallel.parallelize``):
 - Shared experts are split like the dense MLP over ``tp`` (fc1/gate column-wise, fc2 row-wise); the router
   and the shared-expert gate stay replicated.
 - Gradients: expert weights are left out of the data-parallel wrappers (DDP ignores them; FSDP2 never sees
-  them). A hook on each expert weight scales every gradient contribution by 1/(dp × cp) and sums it over the
-  expert-data-parallel group, which with the ep all-to-all makes the average over all data-parallel ranks
-  (Megatron's ``expert_gradient_scaling_factor``). Dense parameters are averaged by the wrappers as usual.
+  them). The experts' ``weight_fn`` (``ExpertWeight``) routes each weight's gradient through a function that
+  scales every contribution by 1/(dp × cp) and sums it over the expert-data-parallel group, which with the ep
+  all-to-all makes the average over all data-parallel ranks (Megatron's ``expert_gradient_scaling_factor``);
+  it reduces on every microbatch (no ``no_sync`` deferral). Dense parameters are averaged by the wrappers.
 
 Supported layouts: expert_tensor_parallel_size equal to tensor_model_parallel_size (its default), no
 sequence parallel and no context parallel with MoE layers (each raises NotSupportedError naming the field).

@@ -9,8 +9,9 @@ few keys and a late one many, so every rank does the same amount of causal atten
 Attention (``context_parallel_attention``): each rank all-gathers K and V (only the ``num_query_groups``
 kv heads, before they are repeated for grouped-query attention), puts them back in sequence order, and
 attends its local queries to them: each of its two query chunks against the keys up to the chunk's end
-with a bottom-right-aligned causal mask (``causal_lower_right``: flash/efficient kernels on CUDA). The
-backward pass is autograd's, through a differentiable all-gather whose backward is the matching
+with a bottom-right-aligned causal mask (``causal_lower_right``: flash/efficient kernels on CUDA; on CPU,
+whose flash kernel aligns causal masks top-left only, the diagonal block and the prefix are two flash
+calls merged by their log-sum-exps, see ``_PrefixCausalAttention``). The backward pass is autograd's, through a differentiable all-gather whose backward is the matching
 reduce-scatter (sum of every rank's K/V gradients, each rank keeping its chunks), so forward and backward
 are exact. An explicit attention mask (``reset_attention_mask``: document masks) works too: its query rows
 are this rank's tokens and its key columns the whole sequence. Everything runs on ``torch.distributed``

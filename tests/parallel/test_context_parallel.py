@@ -25,7 +25,8 @@ from longspan.parallel.context_parallel import (
 
 
 def naive_attention(q, k, v, mask=None, scale=None):
-    """softmax(q kᵀ · scale + mask) v over [b, h, s, d]; kv groups repeated; ``mask`` True = masked; None = causal."""
+    """softmax(q kᵀ · scale + mask) v over [b, h, s, d]; kv groups repeated; ``mask`` True = masked, None =
+    causal."""
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)
     v = v.repeat_interleave(n_rep, dim=1)

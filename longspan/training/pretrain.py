@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from longspan.core.logging import get_logger, print_rank_0
+from longspan.core.logging import get_logger, print_rank_last
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.forward_step import forward_step as default_forward_step
 from longspan.training.setup import setup
@@ -64,7 +64,7 @@ def _print_summary(state: GlobalState) -> None:
         where.append(f"checkpoints in {cfg.checkpoint.save}")
     if cfg.logger.tensorboard_dir:
         where.append(f"TensorBoard logs in {cfg.logger.tensorboard_dir}")
-    print_rank_0(
+    print_rank_last(
         f"longspan: done: {state.train_state.step} iterations in {elapsed:.1f} s, "
         f"{tokens / max(elapsed, 1e-9):.0f} tokens/s overall, final {loss_text}"
         + (f"; {'; '.join(where)}" if where else ""),

@@ -1,0 +1,141 @@
+"""End to end through the `longspan` command: the quickstart run, the self-launcher, multi-node rendezvous on
+loopback, signal forwarding, and launch errors that must stop before any worker starts.
+
+These start real processes (seconds each on 2 cores), so they are few and marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from longspan.training.forward_step import forward_step
+from longspan.training.pretrain import pretrain
+from tests.training.pretrain_helpers import losses_by_iteration, small_config
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+LONGSPAN = [sys.executable, "-m", "longspan"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _small_yaml(tmp_path: Path, name: str, **train) -> tuple[Path, object]:
+    cfg = small_config(tmp_path, name, **train)
+    path = tmp_path / f"{name}.yaml"
+    cfg.to_yaml(str(path))
+    return path, cfg
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    cfg = small_config(tmp_path_factory.mktemp("ref"), "ref", train_iters=6)
+    pretrain(cfg, forward_step)
+    return losses_by_iteration(cfg)
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(LONGSPAN + args, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_self_launched_data_parallel_matches_one_process(tmp_path: Path, single_process_losses) -> None:
+    config, cfg = _small_yaml(tmp_path, "dp2", train_iters=6)
+    result = _run(["pretrain", "--config", str(config), "--nproc-per-node", "2"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = losses_by_iteration(cfg)
+    for i in range(1, 7):
+        assert losses[i] == pytest.approx(single_process_losses[i], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides,nproc,expected",
+    [
+        (["model.tensor_model_parallel_size=2"], 3, "world size 3 is not divisible"),
+        (["model.tensor_model_parallel_size=4", "model.num_query_groups=2"], 4, "num_query_groups"),
+    ],
+)
+def test_bad_layout_fails_before_any_worker_starts(tmp_path: Path, overrides, nproc, expected) -> None:
+    config, _ = _small_yaml(tmp_path, "bad")
+    result = _run(["pretrain", "--config", str(config), "--nproc-per-node", str(nproc), *overrides], timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.stderr
+    assert "[rank" not in result.stdout  # no worker ever ran
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path: Path, single_process_losses) -> None:
+    config, cfg = _small_yaml(tmp_path, "nodes", train_iters=6)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        subprocess.Popen(
+            LONGSPAN + ["pretrain", "--config", str(config), "--nproc-per-node", "1", "--nnodes", "2",
+                        "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e"],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-2000:]
+    losses = losses_by_iteration(cfg)
+    for i in range(1, 7):
+        assert losses[i] == pytest.approx(single_process_losses[i], rel=1e-4)
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_zero(tmp_path: Path) -> None:
+    config, cfg = _small_yaml(tmp_path, "sigterm", train_iters=100000, exit_signal_handler=True, eval_interval=None)
+    proc = subprocess.Popen(
+        LONGSPAN + ["pretrain", "--config", str(config), "--nproc-per-node", "2"],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = Path(cfg.logger.tensorboard_dir) / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    saved = int((Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 3
+
+
+def test_quickstart_tiny_recipe_learns_from_the_shipped_corpus(tmp_path: Path) -> None:
+    """The issue's acceptance run: 40 iterations of `tiny` on real text, TensorBoard and a checkpoint."""
+    save, tb = tmp_path / "ckpt", tmp_path / "tb"
+    result = subprocess.run(
+        LONGSPAN + ["pretrain", "--recipe", "tiny", "train.train_iters=40", f"checkpoint.save={save}",
+                    f"checkpoint.load={save}", f"logger.tensorboard_dir={tb}", "logger.tensorboard_log_interval=1",
+                    "logger.log_progress=true"],
+        env={**ENV, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(x) for x in (tb / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["losses"]["lm loss"] for r in records if r.get("phase") == "train"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert {"lm loss", "learning-rate", "lm loss validation"} <= set(acc.Tags()["scalars"])
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "40"
+    ckpt = save / "iter_0000040"
+    assert (ckpt / ".metadata").is_file() and list(ckpt.glob("__*_*.distcp"))
+    assert (ckpt / "train_state.pt").is_file() and (ckpt / "run_config.yaml").is_file()
+    progress = (save / "progress.txt").read_text()
+    assert "Starting job" in progress and "Saved checkpoint\tIteration: 40" in progress
+    assert "longspan: done: 40 iterations" in result.stdout

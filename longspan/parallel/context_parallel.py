@@ -31,7 +31,9 @@ on every layer and hooks the root ``GPTModel`` so that
   (no "multiply by cp" in the schedule, unlike Megatron, whose loss is per cp rank).
 
 Pipeline stages: a stage without ``pre_process`` receives hidden states that are already local (they are
-not sliced); a stage without ``post_process`` returns local hidden states (not gathered).
+not sliced; the full length is read from full-length ``position_ids`` or ``labels`` when given, else
+``model.args.seq_length``); a stage without ``post_process`` returns local hidden states (not gathered). A
+last stage should get ``labels`` so that per-token losses, not logits, are gathered.
 """
 
 from __future__ import annotations
@@ -347,10 +349,13 @@ def _slice_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         first = kwargs["input_ids"]
         seq_len = first.shape[1]
         kwargs["input_ids"] = split_for_context_parallel(first, cp, rank, seq_dim=1)
-    else:  # hidden states from the previous pipeline stage are local already
+    else:
+        # Hidden states from the previous pipeline stage are local already (and, under sequence parallel,
+        # split further over tp): the full length comes from the full-length inputs, else the configured one.
         first = kwargs.get("hidden_states")
         first = first if first is not None else kwargs["input_ids"]
-        seq_len = first.shape[1] * cp
+        full = kwargs.get("position_ids") if kwargs.get("position_ids") is not None else kwargs.get("labels")
+        seq_len = full.shape[1] if full is not None else int(module.args.seq_length)
     idx = load_balanced_indices(seq_len, cp, rank, device=first.device)
     position_ids = kwargs.get("position_ids")
     kwargs["position_ids"] = idx.unsqueeze(0) if position_ids is None else position_ids.index_select(1, idx)

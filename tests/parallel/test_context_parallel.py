@@ -236,3 +236,36 @@ def test_two_rank_model_matches_one_process(pool2, pos, reset):
         assert errors["loss_rel"] < 1e-6, f"rank {rank}: {errors}"
         assert errors["grad_rel"] < 1e-5, f"rank {rank}: {errors}"
     assert results[0]["loss"] == results[1]["loss"]  # every cp rank reports the whole sequence's loss
+
+
+def _pipeline_stages_case() -> dict:
+    """Two pipeline stages (embedding + layer 0 | layer 1 + output) with the CP plan on each, run back to back:
+    local hidden states pass between them, the last stage returns the whole sequence's per-token loss."""
+    import torch.distributed as dist
+
+    from longspan.models.gpt import build_gpt_model
+    from longspan.models.init import init_weights
+    from longspan.parallel.context_parallel import apply_context_parallel
+    from tests.parallel.harness import init_gloo
+
+    init_gloo(timeout_s=60)
+    provider = _small_provider()
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 255, (2, provider.seq_length))
+    labels = torch.randint(0, 255, (2, provider.seq_length))
+    want = init_weights(build_gpt_model(provider, materialize=False), seed=5)(tokens, labels=labels)
+
+    first = build_gpt_model(provider, post_process=False, layer_numbers=[0], materialize=False)
+    last = build_gpt_model(provider, pre_process=False, layer_numbers=[1], materialize=False)
+    for stage in (first, last):
+        apply_context_parallel(stage, dist.group.WORLD)
+        init_weights(stage, seed=5)
+    hidden = first(tokens)
+    got = last(hidden, labels=labels)  # positions from the full-length labels
+    return {"hidden": tuple(hidden.shape), "error": (got - want).abs().max().item()}
+
+
+def test_two_rank_pipeline_stages_keep_local_hidden_states(pool2):
+    for rank, result in enumerate(pool2.run(_pipeline_stages_case, timeout=120)):
+        assert result["hidden"] == (2, 16, 64), f"rank {rank}: {result}"  # seq 32 / cp 2, not gathered
+        assert result["error"] < 1e-5, f"rank {rank}: {result}"

@@ -110,8 +110,13 @@ def _broadcast_at_first_forward(wrapped: nn.Module, group: Any) -> None:
     src = dist.get_global_rank(group, 0) if group is not None else 0
 
     def hook(module: nn.Module, args: Any) -> None:
+        # Parameters DDP ignores (expert-parallel shards, which differ per rank by design) stay as they are.
+        ignored = set(getattr(module.module, "_ddp_params_and_buffers_to_ignore", ()))
         with torch.no_grad():
-            for tensor in [*module.module.parameters(), *module.module.buffers()]:
+            named = [*module.module.named_parameters(), *module.module.named_buffers()]
+            for name, tensor in named:
+                if name in ignored or hasattr(tensor, "to_local"):
+                    continue
                 dist.broadcast(tensor.data, src=src, group=group)
         handle.remove()
 

@@ -108,10 +108,11 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
         plan[f"{attn}.linear_k"] = ColwiseParallel()
         plan[f"{attn}.linear_v"] = ColwiseParallel()
         plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-        plan[f"{mlp}.linear_fc1"] = ColwiseParallel()
-        if layer.mlp.linear_fc1_gate is not None:
-            plan[f"{mlp}.linear_fc1_gate"] = ColwiseParallel()
-        plan[f"{mlp}.linear_fc2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+        if not getattr(layer.mlp, "is_moe", False):  # MoE layers are planned by parallel/expert_parallel.py
+            plan[f"{mlp}.linear_fc1"] = ColwiseParallel()
+            if layer.mlp.linear_fc1_gate is not None:
+                plan[f"{mlp}.linear_fc1_gate"] = ColwiseParallel()
+            plan[f"{mlp}.linear_fc2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
         if sp:
             plan[f"{prefix}.input_layernorm"] = SequenceParallel()
             plan[f"{prefix}.pre_mlp_layernorm"] = SequenceParallel()

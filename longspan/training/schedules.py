@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from longspan.core.errors import LongspanError
+from longspan.models.moe import set_aux_loss_scale
 from longspan.parallel.loss_parallel import parallel_loss_context
 
 
@@ -89,6 +90,10 @@ def forward_backward_no_pipelining(
             _check_finite(loss.detach(), "the loss", iteration)
         reports.append(report)
         return loss
+
+    # MoE aux losses add their gradient in backward, scaled like the LM loss (Megatron's schedule does this).
+    loss_scale = float(grad_scale_func(torch.ones(())).item()) if grad_scale_func is not None else 1.0
+    set_aux_loss_scale(loss_scale if calculate_per_token_loss else loss_scale / num_microbatches)
 
     if forward_only:
         with torch.no_grad(), parallel_loss_context(chunk):

@@ -116,69 +116,7 @@ def train_moe_layout(cfg, iters: int = 3) -> dict:
             "tokens_per_expert": {k: v["tokens_per_expert"].tolist() for k, v in metrics.items()}}
 
 
-def _tp_plan_skipping_moe():
-    """Test shim until the dense tensor-parallel plan skips MoE layers itself (their ``mlp`` is an MoELayer,
-    planned by expert_parallel): the dense plan is built on a view whose MoE layers look like gate-less MLPs,
-    and the entries it made for them are dropped."""
-    from types import SimpleNamespace
-
-    import longspan.parallel.tensor_parallel as tp_module
-
-    original = tp_module.tensor_parallel_plan
-    if getattr(original, "_moe_shim", False):
-        return
-
-    def plan(model, sequence_parallel=False):
-        moe_keys = [k for k, layer in model.decoder.layers.items() if getattr(layer.mlp, "is_moe", False)]
-        if not moe_keys:
-            return original(model, sequence_parallel)
-        stand_in = SimpleNamespace(mlp=SimpleNamespace(linear_fc1_gate=None))
-        layers = {k: (stand_in if k in moe_keys else layer) for k, layer in model.decoder.layers.items()}
-        view = SimpleNamespace(
-            embedding=getattr(model, "embedding", None), output_layer=getattr(model, "output_layer", None),
-            decoder=SimpleNamespace(layers=layers, final_layernorm=getattr(model.decoder, "final_layernorm", None)),
-        )
-        full = original(view, sequence_parallel)
-        return {k: v for k, v in full.items() if not any(k.startswith(f"decoder.layers.{m}.mlp") for m in moe_keys)}
-
-    plan._moe_shim = True
-    tp_module.tensor_parallel_plan = plan
-
-
-def _ddp_broadcast_skipping_ignored():
-    """Test shim until DDP's first-forward parameter broadcast (data_parallel._broadcast_at_first_forward)
-    skips the parameters DDP ignores: expert weights differ across data-parallel ranks (each holds other
-    experts) and must not be broadcast over dp (Megatron broadcasts them over the expert-dp group)."""
-    import torch
-    import torch.distributed as dist
-
-    import longspan.parallel.data_parallel as dp_module
-
-    if getattr(dp_module._broadcast_at_first_forward, "_moe_shim", False):
-        return
-
-    def broadcast_at_first_forward(wrapped, group):
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        ignored = set(getattr(wrapped.module, "_ddp_params_and_buffers_to_ignore", ()))
-
-        def hook(module, args):
-            with torch.no_grad():
-                named = [*module.module.named_parameters(), *module.module.named_buffers()]
-                for name, tensor in named:
-                    if name not in ignored:
-                        dist.broadcast(tensor.data, src=src, group=group)
-            handle.remove()
-
-        handle = wrapped.register_forward_pre_hook(hook)
-
-    broadcast_at_first_forward._moe_shim = True
-    dp_module._broadcast_at_first_forward = broadcast_at_first_forward
-
-
 def _layout_task(ep: int, tp: int, capacity: float | None = None, iters: int = 3) -> dict:
-    _ddp_broadcast_skipping_ignored()
-    if tp > 1:
-        _tp_plan_skipping_moe()
     return train_moe_layout(moe_config(ep=ep, tp=tp, capacity=capacity), iters=iters)
 
 
@@ -249,23 +187,9 @@ def test_ep2_tp2_matches_one_process():
 ITERS = 8
 
 
-def moe_forward_step(state, data_iterator, model):
-    """The default GPT forward step, plus the aux-loss gradient scale Megatron's schedule sets (1 / number of
-    microbatches); longspan's schedule does not set it yet."""
-    from longspan.models.moe import set_aux_loss_scale
-    from longspan.training.forward_step import forward_step
-
-    set_aux_loss_scale(1.0 / state.num_microbatches_calculator.get())
-    return forward_step(state, data_iterator, model)
-
-
 def _pretrain_task(run_dir: str, ep: int = 1, tp: int = 1) -> None:
     from longspan.training.pretrain import pretrain
 
-    if ep > 1:
-        _ddp_broadcast_skipping_ignored()
-    if tp > 1:
-        _tp_plan_skipping_moe()
     cfg = moe_config(ep=ep, tp=tp)
     cfg.train.train_iters = ITERS
     cfg.train.eval_interval = None
@@ -275,7 +199,7 @@ def _pretrain_task(run_dir: str, ep: int = 1, tp: int = 1) -> None:
     cfg.logger.tensorboard_dir = run_dir
     cfg.logger.log_interval = 1
     cfg.model.moe_per_layer_logging = True
-    pretrain(cfg, moe_forward_step)
+    pretrain(cfg)  # the default forward step: the schedule sets the aux-loss gradient scale
 
 
 def _logged(run_dir: str) -> list[dict]:

@@ -76,6 +76,14 @@ FIELD_STATUS: dict[str, str] = {
     # exact attention, so the communication choice is a hint (validate() still checks its value).
     **_many("model", SUPPORTED, "context_parallel_size"),
     **_many("model", HINT, "cp_comm_type"),
+    # Pipeline parallel (issue 6): stages on torch.distributed.pipelining. Its schedules always batch their
+    # send/recv pairs and post sends asynchronously, so the p2p knobs below change no maths.
+    **_many("model", SUPPORTED, """
+        pipeline_model_parallel_size virtual_pipeline_model_parallel_size microbatch_group_size_per_vp_stage
+        num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
+        account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split batch_p2p_comm batch_p2p_sync
+        """),
+    **_many("model", HINT, "overlap_p2p_comm overlap_p2p_comm_warmup_flush deallocate_pipeline_outputs"),
     **_many("model", DEVICE, "use_cpu_initialization"),
     **_many("model", HINT, """
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm

@@ -341,3 +341,38 @@ def check_pipeline_model(model_cfg: Any, pp: int) -> None:
             "supported: untie the embeddings or use tensor_model_parallel_size=1"
         )
     layer_counts_for_config(model_cfg, pp)
+
+
+def state_dict_module(model: list[nn.Module]) -> nn.Module:
+    """One module whose ``named_parameters()`` are every chunk's parameters under the unpipelined names.
+
+    The very same Parameter objects are registered (checkpointing maps optimizer state to names by
+    identity and loads into them in place). A tied output copy on a last stage without the embedding is
+    registered as ``embedding.word_embeddings.weight``, the one tensor an unpipelined tied model has, so
+    checkpoints move between layouts. A single chunk without such a copy is returned as it is.
+    """
+    from longspan.models.init import canonical_parameter_name
+
+    plains = [unwrap_chunk(chunk) for chunk in model]
+    copies = {id(c.output_layer.weight) for c in plains
+              if getattr(c, "embedding", None) is None and _tied_output_copy(c) is not None}
+    if len(model) == 1 and not copies:
+        return model[0]
+    root = nn.Module()
+    seen: set[int] = set()
+    for plain in plains:
+        for name, param in plain.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = "embedding.word_embeddings.weight" if id(param) in copies else canonical_parameter_name(name)
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, nn.Module())
+                module = module._modules[part]
+            if leaf in module._parameters:
+                raise ValueError(f"parameter {name} appears in two pipeline chunks")
+            module.register_parameter(leaf, param)
+    return root

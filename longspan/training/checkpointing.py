@@ -173,9 +173,16 @@ def _optimizer_module(module: torch.nn.Module, optimizer: Any) -> torch.nn.Modul
 
 
 def _model_module(model: list[torch.nn.Module]) -> torch.nn.Module:
-    if len(model) != 1:
-        raise NotImplementedError("checkpointing several model chunks arrives with virtual pipelines")
-    return model[0]
+    """The module to save/load: the chunk itself, or (pipeline stages) one module holding every chunk's
+    parameters under the unpipelined names, so checkpoints move between pipeline layouts."""
+    from longspan.parallel.pipeline import state_dict_module
+
+    return state_dict_module(model)
+
+
+# Optimizer state keyed by parameter name (``state.<name>.*``, ``param_groups.<name>.*``): each pipeline rank
+# saves and loads only its own parameters' entries, so any layout reads any other's checkpoint.
+_OPTIM_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _build_state_dict(
@@ -192,7 +199,9 @@ def _build_state_dict(
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if with_optimizer and optimizer is not None:
         main_module = _optimizer_module(module, optimizer)
-        state["optimizer"] = get_optimizer_state_dict(main_module, _unwrap_optimizer(optimizer))
+        state["optimizer"] = get_optimizer_state_dict(
+            main_module, _unwrap_optimizer(optimizer), options=_OPTIM_SD_OPTIONS
+        )
         if main_module is not module:
             state["main_params"] = main_module.state_dict()
         state["optimizer_extra"] = _optimizer_extra_state(optimizer)
@@ -465,7 +474,7 @@ def load_checkpoint(
     torch_optimizer = _unwrap_optimizer(optimizer) if load_optim else None
     main_module = _optimizer_module(module, optimizer) if load_optim else module
     if load_optim:
-        to_load["optimizer"] = get_optimizer_state_dict(main_module, torch_optimizer)
+        to_load["optimizer"] = get_optimizer_state_dict(main_module, torch_optimizer, options=_OPTIM_SD_OPTIONS)
         if main_module is not module and any(k.startswith("main_params.") for k in stored):
             to_load["main_params"] = main_module.state_dict()
         if any(k.startswith("optimizer_extra") for k in stored):
@@ -490,7 +499,9 @@ def load_checkpoint(
             dcp.load(to_load, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
-            set_optimizer_state_dict(main_module, torch_optimizer, to_load["optimizer"])
+            set_optimizer_state_dict(
+                main_module, torch_optimizer, to_load["optimizer"], options=_OPTIM_SD_OPTIONS
+            )
             _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
             if main_module is not module:
                 if "main_params" in to_load:

@@ -206,7 +206,9 @@ def _runtime(model: list[nn.Module], num_microbatches: int, forward_only: bool, 
              parallel: Any) -> _PipelineRuntime:
     infos = [chunk_info(chunk) for chunk in model]
     if any(info is None for info in infos):
-        raise ValueError("forward_backward_pipelining needs the chunks of longspan.parallel.pipeline.build_pipeline_chunks")
+        raise ValueError(
+            "forward_backward_pipelining needs the chunks of longspan.parallel.pipeline.build_pipeline_chunks"
+        )
     cache: dict = model[0].__dict__.setdefault(_CACHE_ATTR, {})
     key = (num_microbatches, forward_only, schedule, len(model))
     if key not in cache:

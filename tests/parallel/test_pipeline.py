@@ -181,3 +181,46 @@ def test_pp2_tied_embeddings_sum_gradients(pool2):
     results = pool2.run(_pipeline_case, 2, None, 1, 2, "1f1b", False, True, timeout=120)
     _check(results)
     assert "output_layer.weight" in results[1]["names"]  # the copy, compared with the shared tensor's grad
+
+
+# ------------------------------------------------------------------------------------------ validate()
+
+
+def _validated(world: int, *overrides: str):
+    from longspan.config import load_config
+
+    cfg = load_config("tiny", [], list(overrides))
+    cfg.validate(world_size=world)
+    return cfg
+
+
+def test_validate_accepts_pipeline_layouts():
+    cfg = _validated(4, "model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2")
+    assert cfg.data_parallel_size == 2 and cfg.num_microbatches == 16 // (2 * 2)
+    _validated(2, "model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=1")
+
+
+@pytest.mark.parametrize(
+    "world,overrides,error,needle",
+    [
+        # gbs 4 / (mbs 2 x dp 1) = 2 microbatches for 4 stages
+        (4, ["model.pipeline_model_parallel_size=4", "train.global_batch_size=4"], ConfigError, "fewer than"),
+        # interleaving needs a multiple of pp microbatches: gbs 6 gives 3 for pp 2
+        (2, ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+             "train.global_batch_size=6"], ConfigError, "not a multiple"),
+        (2, ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+             "model.microbatch_group_size_per_vp_stage=4"], "NotSupportedError", "microbatch_group_size_per_vp_stage=4"),
+        (2, ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=5"], ConfigError,
+         "num_layers_in_first_pipeline_stage=5"),
+        (1, ["model.overlap_p2p_comm=true"], ConfigError, "batch_p2p_comm=False"),
+        (2, ["model.pipeline_model_parallel_size=2", "model.variable_seq_lengths=true"], "NotSupportedError",
+         "variable_seq_lengths"),
+    ],
+)
+def test_validate_rejects_bad_pipeline_settings(world, overrides, error, needle):
+    from longspan.core.errors import NotSupportedError
+
+    error = NotSupportedError if error == "NotSupportedError" else error
+    with pytest.raises(error) as err:
+        _validated(world, *overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)

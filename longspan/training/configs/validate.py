@@ -59,6 +59,7 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     _sync_distributed_optimizer(cfg)
     dp = _check_parallel_layout(cfg, ws)
     num_microbatches = _check_batch(cfg, dp)
+    _check_pipeline(cfg, num_microbatches)
     _check_train_length(cfg)
     _compute_scheduler_steps(cfg)
     _check_dataset(cfg)
@@ -181,17 +182,18 @@ def _check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
         raise ConfigError("model.sequence_parallel=True needs model.tensor_model_parallel_size > 1 (it is 1)")
     layers = _positive(m.num_layers, "model.num_layers")
     vp = m.virtual_pipeline_model_parallel_size
+    uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
+    uneven = uneven or m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
     if vp is not None:
         if pp == 1:
             raise ConfigError(
                 f"model.virtual_pipeline_model_parallel_size={vp} needs model.pipeline_model_parallel_size > 1"
             )
-        if layers % (pp * vp) != 0:
+        if not uneven and layers % (pp * vp) != 0:
             raise ConfigError(
                 f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size ({pp}) x "
                 f"model.virtual_pipeline_model_parallel_size ({vp})"
             )
-    uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
     if not uneven and layers % pp != 0:
         raise ConfigError(
             f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size={pp}"
@@ -248,6 +250,42 @@ def _check_context_parallel_options(m: object) -> None:
             raise ConfigError(
                 f"model.cp_comm_type={comm!r} is not valid: use None or one of {', '.join(CP_COMM_TYPES)} "
                 "(per layer as a list); 'a2a+p2p' needs hierarchical context parallel, which is not supported"
+            )
+
+
+def _check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
+    """Pipeline rules: the layer split, enough microbatches for the schedule, the p2p knobs."""
+    from longspan.core.errors import NotSupportedError
+    from longspan.parallel.pipeline import layer_counts_for_config
+
+    m = cfg.model
+    pp = m.pipeline_model_parallel_size
+    if m.overlap_p2p_comm and m.batch_p2p_comm:
+        raise ConfigError("model.overlap_p2p_comm=True needs model.batch_p2p_comm=False (Megatron's rule): set one")
+    if m.overlap_p2p_comm_warmup_flush and (not m.overlap_p2p_comm or m.batch_p2p_comm):
+        raise ConfigError(
+            "model.overlap_p2p_comm_warmup_flush=True needs model.overlap_p2p_comm=True and model.batch_p2p_comm=False"
+        )
+    if pp == 1:
+        return
+    layer_counts_for_config(m, pp)  # uneven and embedding/loss-aware splits: one line naming the fields
+    if num_microbatches < pp:
+        raise ConfigError(
+            f"{num_microbatches} microbatches (train.global_batch_size={cfg.train.global_batch_size} / "
+            f"(micro_batch_size {cfg.train.micro_batch_size} x data-parallel size)) is fewer than "
+            f"model.pipeline_model_parallel_size={pp} stages: the pipeline needs at least one microbatch per stage"
+        )
+    group = m.microbatch_group_size_per_vp_stage
+    if m.virtual_pipeline_model_parallel_size is not None:
+        if group is not None and group != pp:
+            raise NotSupportedError(
+                f"model.microbatch_group_size_per_vp_stage={group} is not supported: torch's interleaved 1F1B "
+                f"runs groups of pipeline_model_parallel_size ({pp}) microbatches per virtual stage; leave it None"
+            )
+        if num_microbatches % pp != 0:
+            raise ConfigError(
+                f"{num_microbatches} microbatches is not a multiple of model.pipeline_model_parallel_size={pp}, "
+                "which the interleaved schedule (virtual_pipeline_model_parallel_size) needs"
             )
 
 

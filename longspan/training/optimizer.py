@@ -74,10 +74,9 @@ class MegatronOptimizer:
         grad_scaler: loss scaler, or None (bf16 without ``loss_scale``, fp32).
 
     Attributes:
-        grad_stats_parallel_group: process group over which gradient statistics of plain (non-DTensor)
-            gradients are summed, e.g. the pipeline-parallel group whose stages hold different parameters.
-            None (the default) means plain gradients are identical or private to this rank. DTensor
-            gradients are always reduced over their own mesh.
+        grad_stats_parallel_group: process group over which gradient statistics are summed after DTensor
+            gradients have been reduced over their own meshes: the pipeline-parallel group, whose stages hold
+            different parameters. None (the default) means every rank holds the whole model.
     """
 
     def __init__(
@@ -255,9 +254,9 @@ class MegatronOptimizer:
                 count = zeros if count is None else count + zeros
             total += float(count.full_tensor().item())
         if self.grad_stats_parallel_group is not None:
-            t = torch.tensor([plain], dtype=torch.float64, device=self._found_inf.device)
+            t = torch.tensor([total + plain], dtype=torch.float64, device=self._found_inf.device)
             dist.all_reduce(t, group=self.grad_stats_parallel_group)
-            plain = float(t.item())
+            return int(t.item())
         return int(total + plain)
 
     # ------------------------------------------------------------------ stepping
@@ -375,9 +374,11 @@ def _global_grad_norm(grads: list[torch.Tensor], group: dist.ProcessGroup | None
         sq_dtensor = sq_dtensor + norm.float().to(device) ** 2
     if plain:
         sq_plain = torch.nn.utils.get_total_norm(plain, norm_type=2.0).float().to(device) ** 2
+    total_sq = sq_dtensor + sq_plain
     if group is not None:
-        dist.all_reduce(sq_plain, group=group)
-    return torch.sqrt(sq_dtensor + sq_plain)
+        # Pipeline stages hold different parameters, DTensor ones included (their meshes are per stage).
+        dist.all_reduce(total_sq, group=group)
+    return torch.sqrt(total_sq)
 
 
 def get_param_groups(

@@ -59,7 +59,8 @@ def test_recompute_matches_no_recompute(monkeypatch, granularity, method, num_la
             calls[i] += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(transformer_mod, "core_attention", counting)
+        for layer in model.decoder.layers.values():  # the attention core is a per-module attribute
+            layer.self_attention.core_attention = counting
     loss, grads = _loss_and_grads(model, tokens, labels)
     if granularity == "selective":
         assert sum(calls) == sum(expected_calls)
@@ -196,6 +197,7 @@ def test_attention_reads_local_heads_from_projection_shapes():
             part.head_dim, part.attention_dropout, part.softmax_scale = d, 0.0, None
             part.q_layernorm = part.k_layernorm = None
             part.recompute_core_attention = False
+            part.core_attention = transformer_mod.core_attention
             part.linear_q = torch.nn.Linear(cfg.hidden_size, 2 * d, bias=False)
             part.linear_k = torch.nn.Linear(cfg.hidden_size, d, bias=False)
             part.linear_v = torch.nn.Linear(cfg.hidden_size, d, bias=False)

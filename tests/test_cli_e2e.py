@@ -139,3 +139,41 @@ def test_quickstart_tiny_recipe_learns_from_the_shipped_corpus(tmp_path: Path) -
     progress = (save / "progress.txt").read_text()
     assert "Starting job" in progress and "Saved checkpoint\tIteration: 40" in progress
     assert "longspan: done: 40 iterations" in result.stdout
+
+
+def test_preprocess_then_pretrain_on_the_result_with_a_local_hf_tokenizer(tmp_path: Path) -> None:
+    """Issue 4's path: JSONL → `longspan preprocess` (local HF tokenizer) → `longspan pretrain` on the prefix."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    docs = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # number {i}\n" for i in range(600)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer=trainer)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+    (tmp_path / "data").mkdir()
+    prefix = tmp_path / "data" / "code"
+    result = _run(["preprocess", "--input", str(jsonl), "--output-prefix", str(prefix), "--tokenizer-type",
+                   "HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir), "--json-keys", "text", "--append-eod",
+                   "--workers", "1", "--no-progress"])
+    assert result.returncode == 0, result.stderr
+    data_prefix = f"{prefix}_text_document"
+    assert Path(data_prefix + ".bin").is_file() and Path(data_prefix + ".idx").is_file()
+
+    tb = tmp_path / "tb"
+    result = _run(["pretrain", "--recipe", "tiny", f"dataset.data_path={data_prefix}",
+                   "tokenizer.tokenizer_type=HuggingFaceTokenizer", f"tokenizer.tokenizer_model={tok_dir}",
+                   "model.vocab_size=null", "train.train_iters=3", "train.eval_interval=3", "train.eval_iters=1",
+                   "model.seq_length=64", "dataset.sequence_length=64", "dataset.split=90,8,2",
+                   "checkpoint.save=null", "checkpoint.load=null", f"logger.tensorboard_dir={tb}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(x) for x in (tb / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if r.get("phase") == "train"] == [1, 2, 3]

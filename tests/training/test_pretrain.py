@@ -212,3 +212,31 @@ def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path,
     pretrain(cfg2, forward_step)
     resumed = losses_by_iteration(cfg2)
     assert [resumed[i] for i in range(16, 31)] == [reference[i] for i in range(16, 31)]
+
+
+def test_interrupt_mid_save_keeps_the_previous_checkpoint_loadable(tmp_path: Path, monkeypatch) -> None:
+    import longspan.training.checkpointing as ckpt_module
+
+    cfg = small_config(tmp_path, "interrupt", train_iters=4, eval_interval=None)
+    cfg.checkpoint.save_interval = 2
+    real_save = ckpt_module.dcp.save
+    calls = {"n": 0}
+
+    def save_then_interrupt(state_dict, *, checkpoint_id, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second save (iteration 4) dies half way, like a Ctrl-C
+            Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
+            raise KeyboardInterrupt
+        return real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.dcp, "save", save_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(cfg, forward_step)
+    root = Path(cfg.checkpoint.save)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (root / "iter_0000004").exists()
+    monkeypatch.setattr(ckpt_module.dcp, "save", real_save)
+    state = pretrain(small_config(tmp_path, "interrupt", train_iters=4, eval_interval=None), forward_step)
+    assert state.train_state.step == 4  # resumed from 2; the stale partial directory was replaced
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert not list(root.glob("*.partial"))

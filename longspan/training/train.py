@@ -15,12 +15,19 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from longspan.core.logging import get_logger, print_rank_0
+from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, forward_backward_no_pipelining
 from longspan.training.pipeline_schedules import forward_backward_pipelining
 from longspan.training.optimizer import NonFiniteGradError
+from longspan.training.profiling import (
+    handle_profiling_step,
+    handle_profiling_stop,
+    initialize_pytorch_profiler,
+    profiler_trace_dir,
+    should_profile_rank,
+)
 from longspan.training.state import GlobalState
 from longspan.training.utils.flop_utils import num_floating_point_operations
 from longspan.training.utils.progress_log import (
@@ -67,14 +74,15 @@ def train(
         False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
     )
     global_state.last_saved_step = None
-    prof = _start_profiler(global_state)
+    prof = _start_pytorch_profiler(cfg)
+    nsys_nvtx_context = None
     if train_cfg.manual_gc:
         gc.disable()
         gc.collect()
 
     timers("interval-time", log_level=0).start(barrier=True)
     while train_state.step < train_cfg.train_iters:
-        _profiler_maybe_start(global_state, prof)
+        nsys_nvtx_context = handle_profiling_step(cfg.profiling, train_state.step, get_rank(), prof) or nsys_nvtx_context
         global_state.num_microbatches_calculator.update(train_state.consumed_train_samples, True)
 
         (
@@ -144,7 +152,7 @@ def train(
 
         post_training_step_callbacks(
             model, flops_since_last_log, getattr(global_state, "straggler_timer", None), train_state.step, prof,
-            cfg, should_toggle_forward_pre_hook,
+            cfg, should_toggle_forward_pre_hook, nsys_nvtx_context,
         )
         finalize_async_saves(checkpointing_context, blocking=False)
         if checkpoint_and_decide_exit(
@@ -153,7 +161,6 @@ def train(
         ):
             break
 
-    _stop_profiler(prof)
     # The final state is always saved (Megatron saves at the end unless the last iteration just did).
     if (
         cfg.checkpoint.save
@@ -483,24 +490,11 @@ def _uses_loss_scaling(optimizer: Any) -> bool:
     return getattr(optimizer, "grad_scaler", None) is not None
 
 
-def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
-    profiling = state.cfg.profiling
-    if profiling is None or not profiling.use_pytorch_profiler:
+def _start_pytorch_profiler(cfg: Any) -> Optional[torch.profiler.profile]:
+    """A started, scheduled torch profiler on the ranks in ``profiling.profile_ranks`` (None elsewhere)."""
+    profiling = cfg.profiling
+    if profiling is None or not profiling.use_pytorch_profiler or not should_profile_rank(profiling, get_rank()):
         return None
-    from longspan.training.profiling import build_pytorch_profiler
-
-    return build_pytorch_profiler(profiling, state)
-
-
-def _profiler_maybe_start(state: GlobalState, prof: Optional[torch.profiler.profile]) -> None:
-    if prof is not None and state.train_state.step == state.cfg.profiling.profile_step_start and not getattr(prof, "_longspan_started", False):
-        prof.start()
-        prof._longspan_started = True
-
-
-def _stop_profiler(prof: Optional[torch.profiler.profile]) -> None:
-    if prof is not None and getattr(prof, "_longspan_started", False):
-        try:
-            prof.stop()
-        except RuntimeError:
-            pass
+    prof = initialize_pytorch_profiler(profiling, profiler_trace_dir(cfg))
+    prof.start()
+    return prof

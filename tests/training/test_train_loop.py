@@ -142,3 +142,13 @@ def test_fp16_mixed_uses_dynamic_loss_scaling(tmp_path: Path) -> None:
     scales = [r["loss_scale"] for r in records]
     assert scales[0] < 2.0**40 and scales == sorted(scales, reverse=True)
     assert records[0]["skipped_iterations"] == 1
+
+
+def test_pytorch_profiler_writes_a_trace_for_the_configured_steps(tmp_path: Path) -> None:
+    from longspan.training.config import ProfilingConfig
+
+    cfg = _no_checkpoints(small_config(tmp_path, "prof", train_iters=5, eval_interval=None))
+    cfg.profiling = ProfilingConfig(use_pytorch_profiler=True, profile_step_start=2, profile_step_end=4, profile_ranks=[0])
+    pretrain(cfg, forward_step)
+    traces = list(Path(cfg.logger.tensorboard_dir).rglob("*.pt.trace.json*"))
+    assert len(traces) == 1

@@ -24,7 +24,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from conftest import DatasetCfg, LongspanTok
+    from tests.data.conftest import DatasetCfg, LongspanTok
 
     from longspan.data.blended import BlendedMegatronDatasetBuilder
     from longspan.data.gpt_dataset import GPTDataset
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_ranks_build_identical_datasets(tmp_path):
-    from conftest import random_docs, write_corpus
+    from tests.data.conftest import random_docs, write_corpus
 
     write_corpus(str(tmp_path / "a"), random_docs(1, 150))
     write_corpus(str(tmp_path / "b"), random_docs(2, 150))

@@ -13,7 +13,7 @@ from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.indices import build_blending_indices, build_exhaustive_blending_indices, build_sample_index
 
-from conftest import DatasetCfg, LongspanTok, OracleTokenizer, random_docs, write_corpus
+from tests.data.conftest import DatasetCfg, LongspanTok, OracleTokenizer, random_docs, write_corpus
 
 pytestmark = pytest.mark.megatron
 

@@ -10,7 +10,7 @@ import pytest
 from longspan.cli import main
 from longspan.data.indexed_dataset import IndexedDataset
 
-from test_tokenizers import _train_bpe
+from tests.data.test_tokenizers import _train_bpe
 
 DOCS = [f"Document {i}. The quick brown fox jumps over the lazy dog {i * 13}.\nSecond line {i}." for i in range(120)]
 DOCS[7] = ""  # an empty document stays an (empty) document

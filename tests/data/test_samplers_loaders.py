@@ -11,7 +11,7 @@ from longspan.core.errors import DataError
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 
-from conftest import DatasetCfg, LongspanTok
+from tests.data.conftest import DatasetCfg, LongspanTok
 
 
 def test_single_sampler_order_against_formula():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from gpt_test_config import llama_config, make_config  # noqa: E402
+from tests.models.gpt_test_config import llama_config, make_config  # noqa: E402
 
 from longspan.models.gpt import build_gpt_model  # noqa: E402
 

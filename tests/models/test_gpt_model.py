@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt_test_config import llama_config, make_config
+from tests.models.gpt_test_config import llama_config, make_config
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models import transformer as transformer_mod

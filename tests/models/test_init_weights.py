@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpt_test_config import llama_config, make_config
+from tests.models.gpt_test_config import llama_config, make_config
 
 from longspan.models.gpt import build_gpt_model
 from longspan.models.init import canonical_parameter_name, init_weights

@@ -117,21 +117,29 @@ def _reference(cfg, n: int, per_token: bool):
     return reports, tokens, grads
 
 
-def _pipeline_case(pp: int, vp: int | None, tp: int, n: int, schedule: str, per_token: bool, tied: bool = False):
+def _pipeline_case(pp: int, vp: int | None, tp: int, n: int, schedule: str, per_token: bool, tied: bool = False,
+                   fsdp2: bool = False):
     import torch
 
     from longspan.parallel.init import initialize_distributed
-    from longspan.parallel.pipeline import build_pipeline_chunks, unwrap_chunk
+    from longspan.parallel.pipeline import build_pipeline_chunks, chunk_info, unwrap_chunk
     from longspan.training.pipeline_schedules import forward_backward_pipelining
 
     cfg = _cfg(pp, vp, tp, tied=tied)
+    cfg.dist.use_torch_fsdp2 = fsdp2
     parallel = initialize_distributed(cfg.dist, cfg.model, device="cpu")
     chunks = build_pipeline_chunks(cfg, parallel, cfg.rng.seed)
+    # Data-parallel rank d reads microbatches [d*n, (d+1)*n) of dp*n; DP averaging of the per-rank
+    # gradients (each scaled by 1/n) equals one process over all dp*n microbatches (each scaled by 1/(dp*n)).
+    dp, d = parallel.dp_size, parallel.dp_rank
+    mine = _microbatches(dp * n)[d * n:(d + 1) * n]
     reports, tokens = forward_backward_pipelining(
-        forward_step_func=_forward_step, data_iterator=iter(_microbatches(n)), model=chunks,
+        forward_step_func=_forward_step, data_iterator=iter(mine), model=chunks,
         num_microbatches=n, calculate_per_token_loss=per_token, schedule=schedule,
     )
-    ref_reports, ref_tokens, ref_grads = _reference(_cfg(1, tied=tied), n, per_token)
+    ref_reports, _, ref_grads = _reference(_cfg(1, tied=tied), dp * n, per_token)
+    ref_reports = ref_reports[d * n:(d + 1) * n]
+    ref_tokens = sum(int(r["lm loss"][1]) for r in ref_reports)
     worst = 0.0
     names = []
     for chunk in chunks:
@@ -143,8 +151,7 @@ def _pipeline_case(pp: int, vp: int | None, tp: int, n: int, schedule: str, per_
     losses = [float(r["lm loss"][0] / r["lm loss"][1]) for r in reports]
     ref_losses = [float(r["lm loss"][0] / r["lm loss"][1]) for r in ref_reports]
     return {"losses": losses, "ref_losses": ref_losses, "tokens": int(tokens), "ref_tokens": int(ref_tokens),
-            "grad_rel_err": worst, "names": names, "stages": [unwrap_chunk(c).pipeline_info.stage_index
-                                                               for c in chunks]}
+            "grad_rel_err": worst, "names": names, "stages": [chunk_info(c).stage_index for c in chunks]}
 
 
 def _check(results, n_params_total: int | None = None):
@@ -224,3 +231,13 @@ def test_validate_rejects_bad_pipeline_settings(world, overrides, error, needle)
     with pytest.raises(error) as err:
         _validated(world, *overrides)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp2", [False, True])
+def test_pp2_composes_with_data_parallel(pool4, fsdp2):
+    # dp 2 x pp 2: each data-parallel rank reads its own microbatches; the DP-averaged gradients must equal
+    # one process over all of them.
+    results = pool4.run(_pipeline_case, 2, None, 1, 4, "1f1b", False, False, fsdp2, timeout=180)
+    _check(results)
+    assert [r["stages"] for r in results] == [[0], [0], [1], [1]]

@@ -21,6 +21,7 @@ take the same steps (Megatron's embedding group).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -229,6 +230,9 @@ def build_pipeline_chunks(cfg: Any, parallel: Any, seed: int) -> list[nn.Module]
             tied_copy.weight.shared = True
             tied_copy.weight.shared_embedding = True
         setattr(model, CHUNK_INFO_ATTR, info)
+        # Megatron's per-model process groups: the parameter-norm report sums over ``pg_collection.pp``.
+        model.pg_collection = SimpleNamespace(pp=parallel.pp_group, tp=parallel.tp_group, cp=parallel.cp_group,
+                                              dp=parallel.dp_group)
         chunks.append(model)
     _log.debug("pipeline rank %d/%d: stages %s", rank, pp, [getattr(c, CHUNK_INFO_ATTR).stage_index for c in chunks])
     return chunks

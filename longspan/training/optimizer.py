@@ -216,8 +216,10 @@ class MegatronOptimizer:
 
     # ------------------------------------------------------------------ gradient statistics
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
-        """Gradients counted in the norm: every non-None main gradient (tied weights are one Parameter)."""
-        return [p.grad for p in self.get_parameters() if p.grad is not None]
+        """Gradients counted in the norm: every non-None main gradient, except parameters marked ``shared``
+        (a tied output layer's copy on the last pipeline stage: its gradient is the embedding's, counted once),
+        as megatron-core's ``param_is_not_shared``."""
+        return [p.grad for p in self.get_parameters() if p.grad is not None and not getattr(p, "shared", False)]
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:

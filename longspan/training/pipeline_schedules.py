@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from longspan.core.errors import ConfigError
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads
-from longspan.training.schedules import _check_finite
+from longspan.training.schedules import _check_finite, set_moe_aux_loss_scale
 
 #: schedule names ``forward_backward_pipelining`` accepts (``"auto"``: 1F1B, interleaved with virtual stages)
 SCHEDULES = ("auto", "1f1b", "interleaved_1f1b", "gpipe")
@@ -264,6 +264,7 @@ def forward_backward_pipelining(
 
         parallel = get_parallel_state()
     runtime = _runtime(model, num_microbatches, forward_only, schedule, parallel)
+    set_moe_aux_loss_scale(grad_scale_func, num_microbatches, calculate_per_token_loss)
     ctx = _StepContext(forward_step_func, num_microbatches, calculate_per_token_loss, grad_scale_func,
                        autocast_dtype, device_type, forward_only)
     if isinstance(data_iterator, (list, tuple)):

@@ -44,6 +44,14 @@ def _check_finite(value: torch.Tensor, what: str, iteration: int | None) -> None
         )
 
 
+def set_moe_aux_loss_scale(
+    grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None, num_microbatches: int, calculate_per_token_loss: bool
+) -> None:
+    """MoE aux losses add their gradient in backward, scaled like the LM loss (Megatron's schedules do this)."""
+    loss_scale = float(grad_scale_func(torch.ones(())).item()) if grad_scale_func is not None else 1.0
+    set_aux_loss_scale(loss_scale if calculate_per_token_loss else loss_scale / num_microbatches)
+
+
 def forward_backward_no_pipelining(
     *,
     forward_step_func: Callable,
@@ -91,9 +99,7 @@ def forward_backward_no_pipelining(
         reports.append(report)
         return loss
 
-    # MoE aux losses add their gradient in backward, scaled like the LM loss (Megatron's schedule does this).
-    loss_scale = float(grad_scale_func(torch.ones(())).item()) if grad_scale_func is not None else 1.0
-    set_aux_loss_scale(loss_scale if calculate_per_token_loss else loss_scale / num_microbatches)
+    set_moe_aux_loss_scale(grad_scale_func, num_microbatches, calculate_per_token_loss)
 
     if forward_only:
         with torch.no_grad(), parallel_loss_context(chunk):

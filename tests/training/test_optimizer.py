@@ -163,6 +163,16 @@ def test_clipping_matches_torch_clip_grad_norm():
     assert opt.get_grad_norm() == pytest.approx(1.0, rel=1e-5)
 
 
+def test_grad_norm_skips_parameters_marked_shared():
+    model = tiny()
+    opt = get_megatron_optimizer(opt_config(clip_grad=0.0), [model])
+    fill_grads(model, 3, scale=2.0)
+    model.linear.weight.shared = True  # e.g. the last pipeline stage's copy of a tied embedding
+    others = [p.grad for p in model.parameters() if p.grad is not None and p is not model.linear.weight]
+    expected = torch.sqrt(sum((g.double() ** 2).sum() for g in others)).item()
+    assert opt.get_grad_norm() == pytest.approx(expected, rel=1e-6)
+
+
 def test_step_returns_norm_without_clipping_and_counts_zeros():
     model = tiny()
     opt = get_megatron_optimizer(opt_config(clip_grad=0.0, log_num_zeros_in_grad=True), [model])

@@ -277,11 +277,8 @@ def post_training_step_callbacks(
     should_toggle_forward_pre_hook: bool,
     nsys_nvtx_context: Any = None,
 ) -> None:
-    """Run what follows every step: profiler stepping, weight-hash checks, manual garbage collection."""
-    if prof is not None:
-        prof.step()
-        if iteration >= config.profiling.profile_step_end:
-            prof.stop()
+    """Run what follows every step: the end of profiling, weight-hash checks, manual garbage collection."""
+    handle_profiling_stop(config.profiling, iteration, get_rank(), prof, nsys_nvtx_context)
     interval = config.train.check_weight_hash_across_dp_replicas_interval
     if interval and iteration % interval == 0:
         if should_toggle_forward_pre_hook:

@@ -119,7 +119,6 @@ def _reference(cfg, n: int, per_token: bool):
 
 def _pipeline_case(pp: int, vp: int | None, tp: int, n: int, schedule: str, per_token: bool, tied: bool = False,
                    fsdp2: bool = False):
-    import torch
 
     from longspan.parallel.init import initialize_distributed
     from longspan.parallel.pipeline import build_pipeline_chunks, chunk_info, unwrap_chunk

@@ -9,8 +9,7 @@ import torch
 
 from longspan.core.logging import get_logger, print_rank_last
 from longspan.training.utils.log_line import log_validation_results
-from longspan.training.pipeline_schedules import forward_backward_pipelining
-from longspan.training.schedules import forward_backward_no_pipelining
+from longspan.training.schedules import get_forward_backward_func
 from longspan.training.state import GlobalState
 
 logger = get_logger(__name__)
@@ -40,7 +39,7 @@ def evaluate(
         for step in range(cfg.train.eval_iters):
             if verbose:
                 print_rank_last(f"Evaluating iter {step + 1}/{cfg.train.eval_iters}", logger)
-            forward_backward = forward_backward_pipelining if parallel.pp_size > 1 else forward_backward_no_pipelining
+            forward_backward = get_forward_backward_func(parallel.pp_size)
             reports, _ = forward_backward(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,

@@ -44,6 +44,15 @@ def _check_finite(value: torch.Tensor, what: str, iteration: int | None) -> None
         )
 
 
+def get_forward_backward_func(pipeline_model_parallel_size: int) -> Callable:
+    """Megatron's chooser: the pipelined schedules when there is more than one pipeline stage."""
+    if pipeline_model_parallel_size > 1:
+        from longspan.training.pipeline_schedules import forward_backward_pipelining
+
+        return forward_backward_pipelining
+    return forward_backward_no_pipelining
+
+
 def set_moe_aux_loss_scale(
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None, num_microbatches: int, calculate_per_token_loss: bool
 ) -> None:

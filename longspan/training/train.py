@@ -18,8 +18,7 @@ import torch.distributed as dist
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
-from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, forward_backward_no_pipelining
-from longspan.training.pipeline_schedules import forward_backward_pipelining
+from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, get_forward_backward_func
 from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.profiling import (
     handle_profiling_step,
@@ -200,7 +199,7 @@ def train_step(
 
     optimizer.zero_grad()
     timers("forward-backward", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
-    forward_backward = forward_backward_pipelining if parallel.pp_size > 1 else forward_backward_no_pipelining
+    forward_backward = get_forward_backward_func(parallel.pp_size)
     reports, num_tokens = forward_backward(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,

@@ -294,14 +294,25 @@ def post_training_step_callbacks(
 
 
 def check_param_hashes_across_dp_replicas(model: list[torch.nn.Module], dp_group: Any = None) -> bool:
-    """True when every data-parallel replica holds the same local parameter values (by SHA-256)."""
-    digest = hashlib.sha256()
-    for chunk in model:
-        for _, param in sorted(chunk.named_parameters()):
-            local = param.to_local() if hasattr(param, "to_local") else param
-            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    """True when every data-parallel replica holds the same values of the parameters it replicates.
+
+    Hashes (SHA-256) the plain parameters, which DDP replicates over the data-parallel group; DTensor
+    parameters are left out: FSDP2 and the distributed optimizer shard them over dp, so ranks hold different
+    pieces by design. ``dp_group`` defaults to the run's data-parallel group.
+    """
     if not dist.is_initialized():
         return True
+    if dp_group is None:
+        from longspan.parallel.init import get_parallel_state
+
+        dp_group = get_parallel_state().dp_group
+    digest = hashlib.sha256()
+    for chunk in model:
+        for name, param in sorted(chunk.named_parameters()):
+            if hasattr(param, "to_local"):
+                continue
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     mine = digest.hexdigest()
     gathered: list[Any] = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(gathered, mine, group=dp_group)

@@ -9,7 +9,7 @@ import torch
 
 from longspan.core.logging import get_logger, print_rank_last
 from longspan.training.utils.log_line import log_validation_results
-from longspan.training.schedules import get_forward_backward_func
+from longspan.training.schedules import get_forward_backward_func, reduce_loss_reports
 from longspan.training.state import GlobalState
 
 logger = get_logger(__name__)
@@ -32,15 +32,14 @@ def evaluate(
         chunk.eval()
     eval_batch_size = state.num_microbatches_calculator.get_current_global_batch_size()
     num_microbatches = eval_batch_size // (cfg.train.micro_batch_size * parallel.dp_size)
-    totals: dict[str, torch.Tensor] = {}
+    reports: list[dict[str, Any]] = []
     timelimit_hit = False
-    start = time.time()
     with torch.no_grad():
         for step in range(cfg.train.eval_iters):
             if verbose:
                 print_rank_last(f"Evaluating iter {step + 1}/{cfg.train.eval_iters}", logger)
             forward_backward = get_forward_backward_func(parallel.pp_size)
-            reports, _ = forward_backward(
+            step_reports, _ = forward_backward(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,
                 model=model,
@@ -51,27 +50,17 @@ def evaluate(
                 device_type=state.device.type,
                 check_for_nan=False,
             )
-            for report in reports:
-                for key, value in report.items():
-                    value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().view(-1)
-                    if value.numel() != 2:  # legacy form: a mean per microbatch counts as one token
-                        value = torch.cat([value.mean().view(1), torch.ones(1, dtype=torch.float64)])
-                    totals[key] = totals.get(key, torch.zeros(2, dtype=torch.float64)) + value
+            reports.extend(step_reports)
             state.train_state.consumed_valid_samples += eval_batch_size
             limit = cfg.train.exit_duration_in_mins
             if limit and (time.time() - state.start_time) / 60.0 > limit:
                 timelimit_hit = True
                 break
-    if parallel.dp_size > 1:
-        import torch.distributed as dist
-
-        for key in sorted(totals):
-            dist.all_reduce(totals[key], group=parallel.dp_group)
-    results = {key: (v[0] / v[1].clamp(min=1)).to(torch.float32) for key, v in totals.items()}
+    # Σ/Σ over every microbatch of every evaluation step and data-parallel rank, as for training.
+    results = reduce_loss_reports(reports, parallel.dp_group if parallel.dp_size > 1 else None)
     collected = None
     if process_non_loss_data_func is not None and non_loss_data_func is not None:
         collected = non_loss_data_func(model)
-    state.last_eval_seconds = time.time() - start
     return results, collected, timelimit_hit
 
 

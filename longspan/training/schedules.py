@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from longspan.core.errors import LongspanError
 from longspan.models.moe import set_aux_loss_scale
@@ -143,11 +144,30 @@ def finalize_model_grads(
         return
     total = num_tokens.clone().to(torch.float64)
     if dp_size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(total, group=dp_group)
     scale = float(dp_size) / max(float(total.item()), 1.0)
     for chunk in model:
         for param in chunk.parameters():
             if param.grad is not None:
                 param.grad.mul_(scale)
+
+
+def reduce_loss_reports(reports: list[dict[str, Any]], dp_group: Any = None) -> dict[str, torch.Tensor]:
+    """Σ/Σ of [sum, count] reports (or the mean of plain values) over microbatches and data-parallel ranks."""
+    reduced: dict[str, torch.Tensor] = {}
+    if not reports:
+        return reduced
+    for key in reports[0]:
+        values = [torch.as_tensor(r[key], dtype=torch.float64).detach().cpu().view(-1) for r in reports]
+        if values[0].numel() == 2:
+            total = torch.vstack(values).sum(dim=0)
+            if dp_group is not None:
+                dist.all_reduce(total, group=dp_group)
+            reduced[key] = (total[0] / total[1].clamp(min=1)).to(torch.float32)
+        else:
+            total = torch.stack([v.mean() for v in values]).mean()
+            if dp_group is not None:
+                total = total / dist.get_world_size(dp_group)
+                dist.all_reduce(total, group=dp_group)
+            reduced[key] = total.to(torch.float32)
+    return reduced

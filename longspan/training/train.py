@@ -18,7 +18,12 @@ import torch.distributed as dist
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
-from longspan.training.schedules import TrainingDivergedError, finalize_model_grads, get_forward_backward_func
+from longspan.training.schedules import (
+    TrainingDivergedError,
+    finalize_model_grads,
+    get_forward_backward_func,
+    reduce_loss_reports,
+)
 from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.profiling import (
     handle_profiling_step,
@@ -243,27 +248,6 @@ def train_step(
 
     loss_dict = reduce_loss_reports(reports, parallel.dp_group if parallel.dp_size > 1 else None)
     return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
-
-
-def reduce_loss_reports(reports: list[dict[str, Any]], dp_group: Any = None) -> dict[str, torch.Tensor]:
-    """Σ/Σ of [sum, count] reports (or the mean of plain values) over microbatches and data-parallel ranks."""
-    reduced: dict[str, torch.Tensor] = {}
-    if not reports:
-        return reduced
-    for key in reports[0]:
-        values = [torch.as_tensor(r[key], dtype=torch.float64).detach().cpu().view(-1) for r in reports]
-        if values[0].numel() == 2:
-            total = torch.vstack(values).sum(dim=0)
-            if dp_group is not None:
-                dist.all_reduce(total, group=dp_group)
-            reduced[key] = (total[0] / total[1].clamp(min=1)).to(torch.float32)
-        else:
-            total = torch.stack([v.mean() for v in values]).mean()
-            if dp_group is not None:
-                total = total / dist.get_world_size(dp_group)
-                dist.all_reduce(total, group=dp_group)
-            reduced[key] = total.to(torch.float32)
-    return reduced
 
 
 def post_training_step_callbacks(

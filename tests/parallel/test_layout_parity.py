@@ -68,47 +68,11 @@ def global_batches(iters: int, seq: int = SEQ, vocab: int = 4000, seed: int = 7)
 
 def train_layout(cfg, iters: int = ITERS, dp_replicate: int = 1) -> dict:
     """Train ``iters`` iterations of ``cfg`` on this process's layout; per-iteration global losses etc."""
-    import contextlib
+    from tests.parallel.layout_training import build_layout_model, train_on_global_batches
 
-    import torch
-    import torch.distributed as dist
-
-    from longspan.models.gpt import build_gpt_model, init_weights
-    from longspan.parallel.init import initialize_distributed
-    from longspan.parallel.parallelize import parallel_loss_context, parallelize_model
-    from longspan.training.optimizer import get_megatron_optimizer
-
-    parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=dp_replicate, device="cpu")
-    cfg.model.finalize()
-    torch.manual_seed(1234)
-    model = build_gpt_model(cfg.model, materialize=False)
-    model = parallelize_model(model, cfg, parallel)
-    init_weights(model, seed=cfg.rng.seed, device=parallel.device)
-    model.train()
-    optimizer = get_megatron_optimizer(cfg.optimizer, [model])
-    dp, dp_rank = parallel.dp_size, parallel.dp_rank
-    num_mb = GBS // (MBS * dp)
-    losses, norms = [], []
-    for text, mask in global_batches(iters, seq=cfg.model.seq_length):
-        optimizer.zero_grad()
-        mb_means = []
-        for k in range(num_mb):
-            start = k * MBS * dp + dp_rank * MBS
-            tokens, labels = text[start:start + MBS, :-1], text[start:start + MBS, 1:]
-            loss_mask = mask[start:start + MBS]
-            last = k == num_mb - 1
-            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-            with sync, parallel_loss_context(model):
-                per_token = model(tokens, labels=labels)
-                mean = (per_token * loss_mask).sum() / loss_mask.sum()
-                (mean / num_mb).backward()
-            mb_means.append(mean.detach())
-        ok, norm, _ = optimizer.step()
-        loss = torch.stack(mb_means).sum()
-        if dp > 1:
-            dist.all_reduce(loss, group=parallel.dp_group)
-        losses.append(float(loss) / (num_mb * dp))
-        norms.append(float(norm))
+    parallel, model, optimizer = build_layout_model(cfg, dp_replicate)
+    batches = global_batches(iters, seq=cfg.model.seq_length)
+    losses, norms = train_on_global_batches(model, optimizer, parallel, batches, GBS, MBS)
     return {"losses": losses, "norms": norms, "rank": parallel.rank, "wrapper": type(model).__name__}
 
 

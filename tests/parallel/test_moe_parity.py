@@ -65,49 +65,12 @@ def _global_batches(iters: int, vocab: int = 250, seed: int = 7):
 
 def train_moe_layout(cfg, iters: int = 3) -> dict:
     """Train ``iters`` iterations of ``cfg`` on this process's layout (model + optimizer level)."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-
-    from longspan.models.gpt import build_gpt_model, init_weights
     from longspan.models.moe import moe_layer_metrics, set_aux_loss_scale
-    from longspan.parallel.init import initialize_distributed
-    from longspan.parallel.parallelize import parallel_loss_context, parallelize_model
-    from longspan.training.optimizer import get_megatron_optimizer
+    from tests.parallel.layout_training import build_layout_model, train_on_global_batches
 
-    parallel = initialize_distributed(cfg.dist, cfg.model, device="cpu")
-    cfg.model.finalize()
-    torch.manual_seed(1234)
-    model = build_gpt_model(cfg.model, materialize=False)
-    model = parallelize_model(model, cfg, parallel)
-    init_weights(model, seed=cfg.rng.seed, device=parallel.device)
-    model.train()
-    optimizer = get_megatron_optimizer(cfg.optimizer, [model])
-    dp, dp_rank = parallel.dp_size, parallel.dp_rank
-    num_mb = GBS // (MBS * dp)
-    set_aux_loss_scale(1.0 / num_mb)
-    losses, norms = [], []
-    for text, mask in _global_batches(iters):
-        optimizer.zero_grad()
-        mb_means = []
-        for k in range(num_mb):
-            start = k * MBS * dp + dp_rank * MBS
-            tokens, labels = text[start:start + MBS, :-1], text[start:start + MBS, 1:]
-            loss_mask = mask[start:start + MBS]
-            last = k == num_mb - 1
-            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-            with sync, parallel_loss_context(model):
-                per_token = model(tokens, labels=labels)
-                mean = (per_token * loss_mask).sum() / loss_mask.sum()
-                (mean / num_mb).backward()
-            mb_means.append(mean.detach())
-        _, norm, _ = optimizer.step()
-        loss = torch.stack(mb_means).sum()
-        if dp > 1:
-            dist.all_reduce(loss, group=parallel.dp_group)
-        losses.append(float(loss) / (num_mb * dp))
-        norms.append(float(norm))
+    parallel, model, optimizer = build_layout_model(cfg)
+    set_aux_loss_scale(1.0 / (GBS // (MBS * parallel.dp_size)))  # the schedule's aux-loss gradient scale
+    losses, norms = train_on_global_batches(model, optimizer, parallel, _global_batches(iters), GBS, MBS)
     inner = getattr(model, "module", model)
     experts = inner.decoder.layers["0"].mlp.experts.linear_fc1.weight
     local_experts = (experts.to_local() if hasattr(experts, "to_local") else experts).shape

@@ -5,7 +5,6 @@ and metrics.jsonl."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from types import SimpleNamespace as NS
@@ -124,23 +123,6 @@ def test_wandb_with_fake_client(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- training_log sinks
-@pytest.fixture
-def captured():
-    records: list[str] = []
-
-    class _H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    lg = logging.getLogger("longspan")
-    handler, old = _H(level=logging.INFO), lg.level
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    yield records
-    lg.removeHandler(handler)
-    lg.setLevel(old)
-
-
 def make_cfg(tmp_path, **logger):
     base = dict(
         log_interval=2, log_throughput=True, timing_log_level=0, timing_log_option="minmax",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import logging
 import math
 import os
 import re
@@ -74,23 +73,6 @@ def test_every_seed_003_name_with_its_parameters():
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture
-def captured():
-    records: list[str] = []
-
-    class _H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    lg = logging.getLogger("longspan")
-    handler, old = _H(level=logging.INFO), lg.level
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    yield records
-    lg.removeHandler(handler)
-    lg.setLevel(old)
-
-
 def make_cfg(tmp_path, **logger):
     base = dict(
         log_interval=2, log_params_norm=False, log_throughput=True, log_progress=False, timing_log_level=0,

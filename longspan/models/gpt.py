@@ -42,7 +42,7 @@ from longspan.models.rope import (
     LLAMA3_ORIGINAL_MAX_POSITIONS,
     RotaryEmbedding,
 )
-from longspan.models.transformer import TransformerBlock
+from longspan.models.transformer import KVCache, TransformerBlock
 
 _log = get_logger(__name__)
 
@@ -276,6 +276,7 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         hidden_states: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Run the model (or this pipeline stage).
 
@@ -288,6 +289,9 @@ class GPTModel(nn.Module):
                 causal (SDPA's ``is_causal`` fast path).
             labels: ``[b, s]`` target ids; when given, the last stage returns the per-token loss.
             hidden_states: the input of a non-first stage, by keyword.
+            kv_cache: incremental decoding (``longspan.inference``): the keys and values of the tokens before
+                ``input_ids`` are read from it and the new ones appended. Default positions continue from
+                ``kv_cache.seq_len`` and a ``None`` mask means causal over cached + new tokens.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` without labels; float32 per-token cross-entropy
@@ -301,12 +305,18 @@ class GPTModel(nn.Module):
                 hidden_states = input_ids
             seq_len = hidden_states.shape[1]
             device = hidden_states.device
+        past = kv_cache.seq_len if kv_cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+            position_ids = torch.arange(past, past + seq_len, device=device).unsqueeze(0)
+        if kv_cache is not None and attention_mask is None and past > 0:
+            # SDPA's is_causal aligns the mask top-left, which is wrong when queries start after cached keys.
+            attention_mask = kv_cache.causal_mask(seq_len, device)
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask)
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+        if kv_cache is not None:
+            kv_cache.seq_len += seq_len
         if not self.post_process:
             return hidden_states
         if self.output_layer is not None:

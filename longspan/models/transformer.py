@@ -29,6 +29,40 @@ from longspan.models.rope import apply_rotary
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for incremental decoding (generation).
+
+    Preallocated ``[batch, kv_heads, max_seq_len, head_dim]`` per layer on its first update. ``seq_len`` counts
+    the cached positions: ``GPTModel.forward(..., kv_cache=cache)`` numbers new tokens from it (RoPE and
+    learned positions), masks attention causally from it, and advances it after the forward.
+    """
+
+    def __init__(self, max_seq_len: int) -> None:
+        self.max_seq_len = int(max_seq_len)
+        self.seq_len = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new ``k``/``v`` ``[b, kv_heads, s, d]`` of one layer; return all of its keys and values."""
+        start, end = self.seq_len, self.seq_len + k.shape[2]
+        if end > self.max_seq_len:
+            raise ValueError(f"KVCache holds at most {self.max_seq_len} positions; {end} were asked for")
+        if layer_number not in self.keys:
+            shape = (k.shape[0], k.shape[1], self.max_seq_len, k.shape[3])
+            self.keys[layer_number] = k.new_empty(shape)
+            self.values[layer_number] = v.new_empty(shape)
+        self.keys[layer_number][:, :, start:end] = k
+        self.values[layer_number][:, :, start:end] = v
+        return self.keys[layer_number][:, :, :end], self.values[layer_number][:, :, :end]
+
+    def causal_mask(self, new_tokens: int, device: torch.device) -> torch.Tensor:
+        """Megatron's bool mask (True = masked) ``[1, 1, new, cached + new]``: token i sees keys up to its position."""
+        total = self.seq_len + new_tokens
+        ones = torch.ones(new_tokens, total, dtype=torch.bool, device=device)
+        return ones.triu(diagonal=self.seq_len + 1)[None, None]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32 (as HF Llama and Transformer Engine do), cast back after."""
 
@@ -124,6 +158,8 @@ class SelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         rotary: RotaryTables | None = None,
         attention_mask: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = hidden_states.shape
         # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
@@ -138,6 +174,8 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.recompute_core_attention and torch.is_grad_enabled():
             out = checkpoint(
@@ -203,8 +241,10 @@ class TransformerLayer(nn.Module):
         hidden_states: torch.Tensor,
         rotary: RotaryTables | None = None,
         attention_mask: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask)
+        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache=kv_cache)
         hidden_states = hidden_states + self.self_attn_dropout(attn)
         mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return hidden_states + self.mlp_dropout(mlp)
@@ -242,13 +282,15 @@ class TransformerBlock(nn.Module):
         hidden_states: torch.Tensor,
         rotary: RotaryTables | None = None,
         attention_mask: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         layers = list(self.layers.values())
-        if self.recompute_granularity == "full" and torch.is_grad_enabled():
+        if self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None:
             hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, attention_mask)
         else:
             for layer in layers:
-                hidden_states = layer(hidden_states, rotary, attention_mask)
+                hidden_states = layer(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

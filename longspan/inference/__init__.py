@@ -1,0 +1,7 @@
+"""Inference: text generation with a KV cache (``longspan generate`` and ``generate(...)``)."""
+
+from __future__ import annotations
+
+from longspan.inference.text_generation import GenerationResult, generate, next_token_logits_processor
+
+__all__ = ["GenerationResult", "generate", "next_token_logits_processor"]

@@ -276,7 +276,7 @@ def apply_to_container(cfg: Any, data: dict[str, Any], ctx: LoadContext) -> None
         current = getattr(cfg, key)
         if value is None:
             setattr(cfg, key, None)
-        elif key in ("peft", "comm_overlap"):
+        elif key == "comm_overlap":
             setattr(cfg, key, value)  # kept as data; validate() reports it as not supported yet
         elif key == "mixed_precision" and isinstance(value, str):
             setattr(cfg, key, value)

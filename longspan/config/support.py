@@ -44,6 +44,7 @@ SECTION_DEFAULT: dict[str, str] = {
     "straggler": NOT_SUPPORTED,
     "nvrx_straggler": NOT_SUPPORTED,
     "profiling": SUPPORTED,
+    "peft": SUPPORTED,
     "mixed_precision": NOT_SUPPORTED,
 }
 
@@ -178,7 +179,7 @@ def unsupported_settings(cfg: Any) -> list[str]:
     dataset_cls = type(cfg.dataset).__name__ if cfg.dataset is not None else None
     if dataset_cls is not None and dataset_cls not in SUPPORTED_DATASETS:
         found.append(f"dataset={dataset_cls} (supported: {', '.join(SUPPORTED_DATASETS)})")
-    for name in ("peft", "comm_overlap"):
+    for name in ("comm_overlap",):
         if getattr(cfg, name, None) is not None:
             found.append(f"{name}={getattr(cfg, name)!r} (supported: None)")
     for section, obj in _sections(cfg):

@@ -93,7 +93,8 @@ def render() -> str:
         "",
         "Model classes that can be built: GPTModelProvider (T5ModelProvider and MambaProvider load and",
         "round-trip, but are not supported yet). Datasets: GPTDatasetConfig, MockGPTDatasetConfig",
-        "(FinetuningDatasetConfig is not supported yet). `peft` and `comm_overlap` are not supported yet.",
+        "(FinetuningDatasetConfig is not supported yet). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
+        "`comm_overlap` is not supported yet.",
         "",
     ]
     for section, cls in _section_classes():

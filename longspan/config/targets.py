@@ -54,6 +54,7 @@ _LONGSPAN_CLASSES = {
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig",
     ],
     "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider"],
+    "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
 }
 
 # Megatron Bridge / Megatron Core names -> longspan class name.
@@ -75,6 +76,12 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.models.t5_provider.T5ModelProvider": "T5ModelProvider",
     "megatron.bridge.models.mamba.mamba_provider.MambaProvider": "MambaProvider",
     "megatron.bridge.models.MambaProvider": "MambaProvider",
+    "megatron.bridge.peft.lora.LoRA": "LoRA",
+    "megatron.bridge.peft.lora.lora.LoRA": "LoRA",
+    "megatron.bridge.peft.dora.DoRA": "DoRA",
+    "megatron.bridge.peft.lora.dora.DoRA": "DoRA",
+    "megatron.bridge.peft.canonical_lora.CanonicalLoRA": "CanonicalLoRA",
+    "megatron.bridge.peft.lora.canonical_lora.CanonicalLoRA": "CanonicalLoRA",
 }
 for _name in _LONGSPAN_CLASSES["longspan.training.config"]:
     _FOREIGN_CLASSES.setdefault(f"megatron.bridge.training.config.{_name}", _name)
@@ -95,9 +102,10 @@ def longspan_target(cls: type) -> str:
 
 def _class_by_name(name: str) -> type:
     import longspan.models as models
+    import longspan.peft as peft
     import longspan.training.config as config
 
-    return getattr(config, name, None) or getattr(models, name)
+    return getattr(config, name, None) or getattr(models, name, None) or getattr(peft, name)
 
 
 def is_foreign_target(target: str) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 from longspan.models.gpt_provider import GPTModelProvider
 from longspan.models.mamba_provider import MambaProvider
 from longspan.models.t5_provider import T5ModelProvider
+from longspan.peft.config import PEFT, CanonicalLoRA, DoRA, LoRA
 from longspan.training.configs.data import FinetuningDatasetConfig, GPTDatasetConfig, TokenizerConfig
 from longspan.training.configs.infra import (
     DistributedInitConfig,
@@ -78,8 +79,9 @@ class ConfigContainer:
     profiling: Optional[ProfilingConfig] = None
     """Profiling (optional)."""
 
-    peft: Optional[dict[str, Any]] = None
-    """Parameter-efficient finetuning (LoRA, DoRA, ...): not supported yet."""
+    peft: Optional[PEFT] = None
+    """Parameter-efficient finetuning: LoRA, DoRA or CanonicalLoRA (longspan.peft). The base model is frozen and
+    loaded from checkpoint.pretrained_checkpoint; only the adapters train and are checkpointed."""
 
     comm_overlap: Optional[dict[str, Any]] = None
     """Communication overlap settings: not supported yet."""
@@ -116,6 +118,8 @@ class ConfigContainer:
         from longspan.training.configs.validate import validate_container
 
         validate_container(self, world_size)
+        if self.peft is not None:
+            self.peft.validate()
 
     # ---- serialization -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -173,4 +177,5 @@ SECTION_TYPES: dict[str, tuple[type, ...]] = {
     "straggler": (StragglerDetectionConfig,),
     "nvrx_straggler": (NVRxStragglerDetectionConfig,),
     "profiling": (ProfilingConfig,),
+    "peft": (LoRA, DoRA, CanonicalLoRA),
 }

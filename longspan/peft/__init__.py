@@ -1,0 +1,11 @@
+"""Parameter-efficient finetuning: LoRA, DoRA and canonical LoRA applied from outside the model.
+
+``from longspan.peft import LoRA, DoRA, CanonicalLoRA`` (Megatron Bridge's classes and field names); a config
+in ``ConfigContainer.peft`` makes ``pretrain``/``finetune`` build the model on the meta device, add the
+adapters (``peft.apply(chunk)``), freeze the base, apply the parallel plans, load the base weights from
+``checkpoint.pretrained_checkpoint`` and train (and checkpoint) only the adapters.
+"""
+
+from longspan.peft.config import PEFT, PEFT_CLASSES, CanonicalLoRA, DoRA, LoRA
+
+__all__ = ["PEFT", "PEFT_CLASSES", "LoRA", "DoRA", "CanonicalLoRA"]

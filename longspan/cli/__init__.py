@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "finetune": "longspan.cli.pretrain_cmd",
     "config": "longspan.cli.config_cmd",
     "preprocess": "longspan.cli.preprocess_cmd",
+    "generate": "longspan.cli.generate_cmd",
 }
 
 

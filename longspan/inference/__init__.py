@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from longspan.inference.text_generation import GenerationResult, generate, next_token_logits_processor
+from longspan.inference.text_generation import (
+    GenerationResult,
+    check_generation_args,
+    generate,
+    next_token_logits_processor,
+)
 
-__all__ = ["GenerationResult", "generate", "next_token_logits_processor"]
+__all__ = ["GenerationResult", "check_generation_args", "generate", "next_token_logits_processor"]

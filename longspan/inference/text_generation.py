@@ -39,7 +39,8 @@ class GenerationResult:
     """With ``return_logits=True``: the float32 logits ``[vocab]`` each output token was chosen from."""
 
 
-def _check_sampling_args(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def check_generation_args(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Raise a one-line ``ConfigError`` naming the first out-of-range argument."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
@@ -153,7 +154,7 @@ def generate(
         eos_ids: token ids that end generation; default the tokenizer's EOS (else EOD); ``()`` never stops early.
         return_logits: keep the logits each output token was chosen from (``GenerationResult.logits``).
     """
-    _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    check_generation_args(max_new_tokens, temperature, top_k, top_p)
     net = _single_model(model)
     prompt_ids = tokenizer.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:

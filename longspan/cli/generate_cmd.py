@@ -1,0 +1,100 @@
+"""``longspan generate --checkpoint DIR | --hf-model DIR --prompt TEXT [--max-new-tokens N] [--temperature T ...]``.
+
+Loads a longspan checkpoint (a ``checkpoint.save`` directory or one of its ``iter_XXXXXXX`` directories) or a
+Hugging Face model directory, continues the prompt on one process with a KV cache, and prints the generated
+text, or with ``--json`` one line ``{"prompt_ids": [...], "output_ids": [...], "text": "..."}``. Greedy unless
+``--temperature`` > 0. Loading messages go to stderr, so stdout holds only the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any, name: str) -> None:
+    parser = subparsers.add_parser(
+        name, help="generate text from a checkpoint or a Hugging Face model", description=__doc__.splitlines()[0]
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", default=None, metavar="DIR", help="longspan checkpoint: save root or iter_ dir")
+    source.add_argument("--hf-model", default=None, metavar="DIR", help="Hugging Face model directory")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample among tokens holding probability p (1 = all)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
+    parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (no KV cache)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--json", action="store_true", help="print prompt_ids, output_ids and text as JSON")
+    parser.set_defaults(func=run)
+
+
+def _hf_eos_ids(hf_dir: Path, tokenizer: Any) -> list[int] | None:
+    """The end-of-sequence ids transformers' ``generate`` would stop at: generation_config.json, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = hf_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return None  # the tokenizer's EOS
+
+
+def _load_hf_model(hf_dir: str) -> tuple[Any, Any, list[int] | None]:
+    from longspan.core.errors import CheckpointError
+    from longspan.data.tokenizers import build_tokenizer
+    from longspan.training.config import TokenizerConfig
+
+    path = Path(hf_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"--hf-model {hf_dir} is not a directory: give a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"--hf-model {hf_dir} has no config.json: give a Hugging Face model directory")
+    from longspan.conversion import AutoBridge
+
+    model = AutoBridge.from_hf_pretrained(str(path)).to_megatron_model(wrap_with_ddp=False)
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path)))
+    return model, tokenizer, _hf_eos_ids(path, tokenizer)
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
+    """(model chunks, tokenizer, end-of-sequence ids or None for the tokenizer's) of the chosen source."""
+    import torch
+
+    device = torch.device(args.device) if args.device else None
+    if args.checkpoint is not None:
+        from longspan.training.model_loading import load_model_from_checkpoint
+
+        loaded = load_model_from_checkpoint(args.checkpoint, device=device)
+        return loaded.model, loaded.tokenizer, None
+    model, tokenizer, eos_ids = _load_hf_model(args.hf_model)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return [chunk.to(device) for chunk in model], tokenizer, eos_ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from longspan.core.errors import ConfigError
+    from longspan.inference import check_generation_args, generate
+
+    if not args.prompt:
+        raise ConfigError("--prompt is empty: give the text to continue")
+    check_generation_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    with contextlib.redirect_stdout(sys.stderr):  # library logs; stdout carries the result only
+        model, tokenizer, eos_ids = _load(args)
+        result = generate(
+            model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, eos_ids=eos_ids,
+        )
+    if args.json:
+        payload = {"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": result.text}
+        sys.stdout.write(json.dumps(payload, ensure_ascii=False) + "\n")
+    else:
+        sys.stdout.write(result.text + "\n")
+    return 0

@@ -85,6 +85,8 @@ def _is_mock(cfg: Any) -> bool:
 
 def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
     """[train, valid, test] datasets of a ConfigContainer (None for a split that is not built)."""
+    if is_finetuning_dataset(cfg.dataset):
+        return _build_finetuning_datasets(cfg, tokenizer)
     ds_cfg = resolve_dataset_config(cfg.dataset, tokenizer)
     model = getattr(cfg, "model", None)
     model_seq = getattr(model, "seq_length", None)
@@ -98,6 +100,23 @@ def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[A
     sizes = get_train_valid_test_num_samples(cfg)
     cls = MockGPTDataset if _is_mock(ds_cfg) else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, ds_cfg).build()
+
+
+def is_finetuning_dataset(dataset_cfg: Any) -> bool:
+    """True for a FinetuningDatasetConfig (SFT JSONL data under ``dataset_root``)."""
+    return hasattr(dataset_cfg, "dataset_root")
+
+
+def _build_finetuning_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
+    from longspan.data.sft.dataset import build_sft_datasets
+
+    d = cfg.dataset
+    model_seq = getattr(getattr(cfg, "model", None), "seq_length", None)
+    seq_length = d.seq_length if d.seq_length is not None else model_seq
+    if seq_length is None:
+        raise DataError("dataset.seq_length and model.seq_length are both unset: set the sequence length")
+    chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
+    return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length), chat_template)
 
 
 def collate_samples(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
@@ -151,7 +170,7 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=bool(pin_memory) and torch.cuda.is_available(),
         persistent_workers=bool(persistent_workers) and num_workers > 0,
-        collate_fn=collate_samples,
+        collate_fn=getattr(dataset, "collate_fn", collate_samples),
     )
 
 

@@ -124,6 +124,37 @@ class HuggingFaceTokenizer(Tokenizer):
             return self._fast.encode(text, add_special_tokens=False).ids
         return self._hf.encode(text, add_special_tokens=False)
 
+    def tokenize_with_offsets(self, text: str) -> tuple[List[int], List[tuple[int, int]]]:
+        """Token ids and each token's (start, end) character span in ``text``."""
+        if self._fast is not None:
+            enc = self._fast.encode(text, add_special_tokens=False)
+            return enc.ids, [tuple(o) for o in enc.offsets]
+        enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (special tokens included), as chat templates see ``bos_token`` etc."""
+        if self._fast is not None:
+            return self._fast.id_to_token(token_id)
+        return self._hf.convert_ids_to_tokens(token_id)
+
+    def chat_template(self) -> Optional[str]:
+        """The chat template the tokenizer ships with (tokenizer_config.json's ``chat_template``), or None."""
+        if self._hf is not None:
+            template = getattr(self._hf, "chat_template", None)
+        else:
+            conf = {}
+            if os.path.isfile(self._config_file):
+                with open(self._config_file) as f:
+                    conf = json.load(f)
+            template = conf.get("chat_template")
+            if template is None and os.path.isfile(os.path.join(os.path.dirname(self._json_file), "chat_template.jinja")):
+                with open(os.path.join(os.path.dirname(self._json_file), "chat_template.jinja")) as f:
+                    template = f.read()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return template if isinstance(template, str) else None
+
     def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
         """Token ids of several texts (parallel inside the tokenizers library when it can)."""
         if self._fast is not None:

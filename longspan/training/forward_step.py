@@ -48,8 +48,8 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
     device = state.device if getattr(state, "device", None) is not None else torch.device("cpu")
     batch = get_batch(data_iterator, device)
     timers("batch-generator").stop()
-    # GPT datasets build a plain causal mask unless reset_attention_mask: the model's causal fast path is
-    # the same maths without materializing [s, s] masks.
+    # GPT datasets build a plain causal mask unless reset_attention_mask, and unpacked SFT batches are
+    # right-padded: the model's causal fast path is the same maths without materializing [s, s] masks.
     attention_mask = batch.get("attention_mask") if _needs_explicit_mask(state) else None
     output = model(
         batch["tokens"],
@@ -61,5 +61,10 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
 
 
 def _needs_explicit_mask(state: GlobalState) -> bool:
+    """Document masks: GPT data with reset_attention_mask, or packed SFT data (block-diagonal per pack)."""
     dataset_cfg = getattr(state.cfg, "dataset", None)
-    return bool(getattr(dataset_cfg, "reset_attention_mask", False))
+    if getattr(dataset_cfg, "reset_attention_mask", False):
+        return True
+    specs = getattr(dataset_cfg, "packed_sequence_specs", None)
+    size = specs.get("packed_sequence_size") if isinstance(specs, dict) else getattr(specs, "packed_sequence_size", None)
+    return bool(size is not None and size > 0)

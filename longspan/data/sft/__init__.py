@@ -1,0 +1,18 @@
+"""Supervised finetuning data: JSONL prompt/completion and chat records, loss masks, sequence packing."""
+
+from longspan.data.sft.dataset import (
+    EpochSampleMap,
+    PackedSFTDataset,
+    SFTDataset,
+    build_sft_datasets,
+    prepare_packed_split,
+)
+from longspan.data.sft.formatting import SFTFormatOptions, parse_format_options
+from longspan.data.sft.jsonl_index import JsonlIndex
+from longspan.data.sft.packing import PackedSequenceSpecs, first_fit_decreasing, resolve_packed_specs
+
+__all__ = [
+    "EpochSampleMap", "JsonlIndex", "PackedSFTDataset", "PackedSequenceSpecs", "SFTDataset", "SFTFormatOptions",
+    "build_sft_datasets", "first_fit_decreasing", "parse_format_options", "prepare_packed_split",
+    "resolve_packed_specs",
+]

@@ -1,0 +1,176 @@
+"""SFT datasets: the cached line index, seeded epochs that resume exactly, padding, errors, loader dispatch."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from longspan.core.errors import ConfigError, DataError
+from longspan.data.sft import jsonl_index
+from longspan.data.sft.dataset import EpochSampleMap, SFTDataset, build_sft_datasets
+from longspan.data.sft.formatting import parse_format_options
+from longspan.data.sft.jsonl_index import JsonlIndex
+from tests.data.sft.conftest import qa_records, write_jsonl
+
+
+def test_index_is_built_once_and_reused(tmp_path):
+    path = write_jsonl(str(tmp_path / "training.jsonl"), qa_records(50) + [""] + qa_records(3, seed=1))
+    before = jsonl_index.index_builds
+    index = JsonlIndex(path)
+    assert jsonl_index.index_builds == before + 1 and len(index) == 53  # the blank line is not a record
+    assert os.path.isfile(path + ".idx.npy") and os.path.isfile(path + ".idx.json")
+    cache_mtime = os.stat(path + ".idx.npy").st_mtime_ns
+    again = JsonlIndex(path)
+    assert jsonl_index.index_builds == before + 1  # reused: the file was not scanned again
+    assert os.stat(path + ".idx.npy").st_mtime_ns == cache_mtime
+    assert again.record(52) == qa_records(3, seed=1)[2]
+    assert index.line_number(52) == 54
+    # an edited file (same size or not) gets a new index
+    time.sleep(0.01)
+    write_jsonl(path, qa_records(7, seed=5))
+    assert len(JsonlIndex(path)) == 7 and jsonl_index.index_builds == before + 2
+
+
+def test_index_handles_crlf_missing_final_newline_and_workers(tmp_path):
+    path = str(tmp_path / "x.jsonl")
+    with open(path, "wb") as f:
+        f.write(b'{"input": "a", "output": "b"}\r\n\r\n{"input": "c", "output": "d"}')
+    index = JsonlIndex(path, workers=3)
+    assert len(index) == 2 and index.record(1) == {"input": "c", "output": "d"}
+
+
+def test_bad_lines_name_the_file_and_line(tmp_path):
+    path = write_jsonl(str(tmp_path / "bad.jsonl"), qa_records(2) + ['{"input": "x", "output": '] + qa_records(1))
+    index = JsonlIndex(path)
+    with pytest.raises(DataError, match=r"bad.jsonl line 3: not valid JSON"):
+        index.record(2)
+    write_jsonl(path, qa_records(1) + ["[1, 2]"])
+    with pytest.raises(DataError, match=r"line 2: expected a JSON object"):
+        JsonlIndex(path).record(1)
+    with pytest.raises(DataError, match="does not exist"):
+        JsonlIndex(str(tmp_path / "missing.jsonl"))
+
+
+def test_missing_key_error_names_the_line(tmp_path, tokenizer):
+    path = write_jsonl(str(tmp_path / "t.jsonl"), qa_records(3) + [{"question": "x", "output": "y"}])
+    ds = SFTDataset(path, tokenizer, 64, None, 1, False, parse_format_options(None))
+    with pytest.raises(DataError, match=r"t.jsonl line 4: the record has no 'input' key"):
+        ds[3]
+
+
+def test_epoch_map_is_seeded_covers_each_epoch_and_resumes():
+    m = EpochSampleMap(7, 30, seed=3, shuffle=True)
+    order = [m[i] for i in range(30)]
+    for e in range(4):
+        assert sorted(order[7 * e:7 * e + 7]) == list(range(7))
+    assert order[:7] != order[7:14]
+    assert order == [EpochSampleMap(7, 30, 3, True)[i] for i in range(30)]
+    assert order != [EpochSampleMap(7, 30, 4, True)[i] for i in range(30)]
+    assert [EpochSampleMap(7, 10, 3, False)[i] for i in range(10)] == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]
+
+
+def _cfg(root, train_iters=6, gbs=4, mbs=2, seq=48, **dataset):
+    from longspan.training.configs.data import FinetuningDatasetConfig
+
+    d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, num_workers=0, **dataset)
+    return SimpleNamespace(
+        dataset=d, model=SimpleNamespace(seq_length=seq), tokenizer=SimpleNamespace(chat_template=None),
+        train=SimpleNamespace(micro_batch_size=mbs, global_batch_size=gbs, train_iters=train_iters,
+                              train_samples=None, eval_iters=1, eval_interval=3, skip_train=False))
+
+
+@pytest.fixture
+def sft_root(tmp_path):
+    write_jsonl(str(tmp_path / "training.jsonl"), qa_records(11, seed=1))
+    write_jsonl(str(tmp_path / "validation.jsonl"), qa_records(5, seed=2))
+    return tmp_path
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def test_loader_dispatch_batches_and_exact_resume(sft_root, tokenizer):
+    from longspan.data.loaders import build_train_valid_test_data_iterators
+
+    cfg = _cfg(sft_root)
+    state = SimpleNamespace(consumed_train_samples=0, consumed_valid_samples=0)
+    train, valid, test = build_train_valid_test_data_iterators(cfg, state, tokenizer)
+    assert test is None  # no test.jsonl: skipped
+    batches = _take(train, 12)  # 24 samples: more than two epochs of 11 records
+    b = batches[0]
+    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert b["tokens"].shape == (2, 48) and b["loss_mask"].dtype == torch.float32
+    # padding carries no loss; labels are the next tokens
+    for batch in batches:
+        for row in range(2):
+            n = int((batch["tokens"][row] != tokenizer.pad).sum())
+            assert batch["loss_mask"][row, n:].sum() == 0 and batch["loss_mask"][row, :n].sum() > 0
+            assert torch.equal(batch["labels"][row, :n - 1], batch["tokens"][row, 1:n])
+    # resume after 5 microbatches (10 samples, mid-epoch) gives exactly the next ones
+    state = SimpleNamespace(consumed_train_samples=10, consumed_valid_samples=0)
+    resumed, _, _ = build_train_valid_test_data_iterators(cfg, state, tokenizer)
+    for want, got in zip(batches[5:], _take(resumed, 7)):
+        for key in want:
+            assert torch.equal(want[key], got[key])
+    assert len(_take(valid, 6)) == 6  # validation cycles
+    # dp rank 1 of 2 reads the other half of each global batch
+    r1, _, _ = build_train_valid_test_data_iterators(cfg, SimpleNamespace(consumed_train_samples=0,
+                                                                           consumed_valid_samples=0),
+                                                     tokenizer, dp_rank=1, dp_size=2)
+    assert torch.equal(next(r1)["tokens"], batches[1]["tokens"])
+
+
+def test_seed_and_max_train_samples_and_padding_options(sft_root, tokenizer):
+    from longspan.data.loaders import build_train_valid_test_datasets
+
+    a = build_train_valid_test_datasets(_cfg(sft_root, seed=1), tokenizer)[0]
+    b = build_train_valid_test_datasets(_cfg(sft_root, seed=2), tokenizer)[0]
+    assert len(a) == 24 and [a.samples[i] for i in range(11)] != [b.samples[i] for i in range(11)]
+    assert len(build_train_valid_test_datasets(_cfg(sft_root, max_train_samples=40), tokenizer)[0]) == 40
+    with pytest.raises(ConfigError, match="max_train_samples=10"):
+        build_train_valid_test_datasets(_cfg(sft_root, max_train_samples=10), tokenizer)
+    ds = build_train_valid_test_datasets(
+        _cfg(sft_root, dataset_kwargs={"pad_to_max_length": False, "pad_seq_length_to_mult": 8}), tokenizer)[0]
+    batch = ds.collate_fn([ds[0], ds[1]])
+    longest = max(ds[0]["tokens"].numel(), ds[1]["tokens"].numel())
+    assert batch["tokens"].shape[1] == -(-longest // 8) * 8 < 48
+
+
+def test_do_validation_do_test_and_missing_files(sft_root, tokenizer):
+    from longspan.data.loaders import build_train_valid_test_datasets
+
+    write_jsonl(str(sft_root / "test.jsonl"), qa_records(3, seed=9))
+    train, valid, test = build_train_valid_test_datasets(_cfg(sft_root), tokenizer)
+    assert valid is not None and test is not None and [test.samples[i] for i in range(3)] == [0, 1, 2]
+    _, valid, test = build_train_valid_test_datasets(_cfg(sft_root, do_validation=False, do_test=False), tokenizer)
+    assert valid is None and test is None
+    os.remove(sft_root / "validation.jsonl")
+    with pytest.raises(DataError, match=r"validation.jsonl does not exist \(or set dataset.do_validation=False\)"):
+        build_train_valid_test_datasets(_cfg(sft_root), tokenizer)
+    with pytest.raises(DataError, match="is not a directory"):
+        build_train_valid_test_datasets(_cfg(sft_root / "nope"), tokenizer)
+
+
+def test_indexing_speed_is_reported(tmp_path, capsys):
+    """~20 MB here (the benchmark measures bigger files); the rate must allow a 1 GB file in seconds."""
+    path = str(tmp_path / "big.jsonl")
+    line = ('{"input": "' + "x" * 150 + '", "output": "' + "y" * 60 + '"}\n').encode()
+    with open(path, "wb") as f:
+        f.write(line * (20_000_000 // len(line)))
+    start = time.perf_counter()
+    index = JsonlIndex(path, workers=2)
+    seconds = time.perf_counter() - start
+    rate = os.path.getsize(path) / seconds / 1e6
+    print(f"indexed {os.path.getsize(path) / 1e6:.0f} MB, {len(index)} lines at {rate:.0f} MB/s")
+    assert rate > 100  # 1 GB in < 10 s
+    start = time.perf_counter()
+    JsonlIndex(path)
+    assert time.perf_counter() - start < 0.5
+    assert index.record(len(index) - 1)["output"] == "y" * 60
+    assert isinstance(np.asarray(index.starts), np.ndarray)

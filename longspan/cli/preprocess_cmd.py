@@ -36,11 +36,33 @@ def add_parser(subparsers: Any, name: str) -> None:
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the output files (without _key_document)")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
-    group.add_argument("--partitions", type=int, default=1, help="write the output in this many parts, then merge them")
-    group.add_argument("--log-interval", type=float, default=2.0, help="seconds between progress lines")
+    group.add_argument("--workers", type=_positive_int, default=1, help="tokenizer worker processes")
+    group.add_argument("--partitions", type=_positive_int, default=1,
+                       help="write the output in this many parts, then merge them")
+    group.add_argument("--log-interval", type=_positive_float, default=2.0, help="seconds between progress lines")
     group.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a positive integer (a bad value is argparse's one-line error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         keep_newlines=args.keep_newlines,
         lang=args.lang,
     )
-    workers = max(1, args.workers)
+    workers = args.workers
     result = preprocess(args.input, args.output_prefix, tokenizer_config, options, workers=workers,
                         partitions=args.partitions, progress=not args.no_progress, log_interval=args.log_interval)
     for key, prefix in result.output_prefixes.items():

@@ -70,11 +70,14 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
     nnodes = int(str(args.nnodes).split(":")[-1])
     world_size = nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
-    if cfg.model.vocab_size is None:
-        from longspan.data.tokenizers import build_tokenizer
+    from longspan.data.tokenizers import build_tokenizer
+    from longspan.training.configs.validate import check_vocab_fits
 
-        cfg.model.vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
+    tokenizer_vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer_vocab_size
     cfg.validate(world_size=world_size)
+    check_vocab_fits(cfg.model.vocab_size, tokenizer_vocab_size)
     worker_argv = _strip_launch_args(args.argv)
     return launch(
         worker_argv,

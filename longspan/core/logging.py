@@ -39,13 +39,28 @@ def is_last_rank() -> bool:
     return get_rank() == get_world_size() - 1
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a record is emitted (redirections and captures included)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 - logging's own attribute
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        pass
+
+
 def setup_logging(level: int | None = None) -> None:
     """Configure the ``longspan`` logger once: plain messages on stdout, level INFO unless told."""
     global _CONFIGURED
     root = logging.getLogger("longspan")
     root.setLevel(level if level is not None else logging.INFO)
     if not _CONFIGURED:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
         root.propagate = False

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from longspan.core.errors import CheckpointError
+from longspan.training.checkpoint_io import load_shards, load_weights_only, read_metadata, reading
 from longspan.core.logging import get_logger, print_rank_0
 
 logger = get_logger(__name__)
@@ -226,17 +227,21 @@ class _PendingAsyncSave:
 
 
 def check_save_dir_writable(save: str) -> None:
-    """Fail at start-up (not after hours of training) when ``checkpoint.save`` cannot be written."""
-    path = Path(save)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{os.getpid()}_{_rank()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
+    """Fail at start-up (not after hours of training) when ``checkpoint.save`` cannot be written.
+
+    Nothing is created: the directory (or, when it does not exist yet, its nearest existing parent) must be a
+    writable directory, so a run stopped later by a bad input leaves no trace in the save directory.
+    """
+    path = Path(save).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(f"checkpoint.save={save}: {existing} is not a directory; choose a writable directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise CheckpointError(
-            f"checkpoint.save={save} is not writable ({exc.strerror or exc}); choose a writable directory"
-        ) from None
+            f"checkpoint.save={save} is not writable ({existing} denies writing); choose a writable directory"
+        )
 
 
 def _check_finite_weights(model: list[torch.nn.Module]) -> None:
@@ -411,13 +416,15 @@ def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
 def _iteration_from_dir(directory: Path) -> int:
     train_state_file = directory / TRAIN_STATE_FILENAME
     if train_state_file.is_file():
-        return int(torch.load(train_state_file, weights_only=True)["step"])
+        train_state = load_weights_only(train_state_file, "training progress")
+        with reading(train_state_file, "training progress"):
+            return int(train_state["step"])
     return 0
 
 
 def _check_shapes(directory: Path, expected: dict[str, Any], section: str) -> None:
     """Name the tensor and both shapes when a checkpoint does not fit the model."""
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    metadata = read_metadata(directory).state_dict_metadata
     for name, value in expected.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -433,7 +440,7 @@ def _check_shapes(directory: Path, expected: dict[str, Any], section: str) -> No
 
 
 def _stored_keys(directory: Path) -> set[str]:
-    return set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    return set(read_metadata(directory).state_dict_metadata)
 
 
 def load_checkpoint(
@@ -496,7 +503,7 @@ def load_checkpoint(
 
     if not skip_load_to_model_and_opt:
         with _single_process_quiet():
-            dcp.load(to_load, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+            load_shards(to_load, directory, no_dist=not dist.is_initialized())
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
             set_optimizer_state_dict(
@@ -518,8 +525,12 @@ def load_checkpoint(
         print_rank_0(f"loaded weights from {directory} for finetuning; starting at iteration 0", logger)
         iteration = 0
     else:
-        train_state_dict = torch.load(directory / TRAIN_STATE_FILENAME, weights_only=True)
-        state.train_state.load_state_dict(train_state_dict)
+        train_state_file = directory / TRAIN_STATE_FILENAME
+        train_state_dict = load_weights_only(train_state_file, "training progress")
+        with reading(train_state_file, "training progress"):
+            if not isinstance(train_state_dict, dict) or "step" not in train_state_dict:
+                raise ValueError(f"it holds {type(train_state_dict).__name__} without a 'step' entry")
+            state.train_state.load_state_dict(train_state_dict)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
 

@@ -24,6 +24,7 @@ from longspan.data.tokenizers import build_tokenizer
 from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.parallelize import parallelize_model
+from longspan.training.configs.validate import check_vocab_fits
 from longspan.training.checkpointing import (
     apply_checkpoint_args,
     check_save_dir_writable,
@@ -108,6 +109,7 @@ def setup(cfg: Any) -> SetupOutput:
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer.vocab_size
     cfg.validate(world_size=parallel.world_size)
+    check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
     _report_inapplicable(cfg)
     state.check_logger_dependencies()
     if cfg.checkpoint.save:

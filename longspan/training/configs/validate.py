@@ -54,6 +54,7 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     ws = resolve_world_size(world_size)
     _check_sections(cfg)
     check_container_types(cfg)
+    check_ranges(cfg)
     _apply_precision(cfg)
     _resolve_defaults(cfg)
     _sync_distributed_optimizer(cfg)
@@ -68,6 +69,140 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     cfg.world_size = ws
     cfg.data_parallel_size = dp
     cfg.num_microbatches = num_microbatches
+
+
+# --- Ranges: one table for every numeric field with a bound ------------------------------------------------
+# (field, kind, low, high, inclusive-low, inclusive-high); None for low/high is unbounded; a field whose
+# value is None (optional, "derive it") is skipped, and a field a section does not have is skipped too.
+INT, REAL = "an integer", "a number"
+RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool], ...] = (
+    ("model.num_layers", INT, 1, None, True, True),
+    ("model.hidden_size", INT, 1, None, True, True),
+    ("model.num_attention_heads", INT, 1, None, True, True),
+    ("model.num_query_groups", INT, 1, None, True, True),
+    ("model.ffn_hidden_size", INT, 1, None, True, True),
+    ("model.kv_channels", INT, 1, None, True, True),
+    ("model.seq_length", INT, 1, None, True, True),
+    ("model.vocab_size", INT, 1, None, True, True),
+    ("model.make_vocab_size_divisible_by", INT, 1, None, True, True),
+    ("model.layernorm_epsilon", REAL, 0, None, False, True),
+    ("model.init_method_std", REAL, 0, None, True, True),
+    ("model.embedding_init_method_std", REAL, 0, None, True, True),
+    ("model.softmax_scale", REAL, 0, None, False, True),
+    ("model.hidden_dropout", REAL, 0, 1, True, True),
+    ("model.attention_dropout", REAL, 0, 1, True, True),
+    ("model.rotary_base", REAL, 0, None, False, True),
+    ("model.rotary_percent", REAL, 0, 1, False, True),
+    ("model.rope_scaling_factor", REAL, 0, None, False, True),
+    ("model.recompute_num_layers", INT, 1, None, True, True),
+    ("model.num_moe_experts", INT, 1, None, True, True),
+    ("model.moe_router_topk", INT, 1, None, True, True),
+    ("model.moe_ffn_hidden_size", INT, 1, None, True, True),
+    ("model.moe_aux_loss_coeff", REAL, 0, None, True, True),
+    ("model.moe_z_loss_coeff", REAL, 0, None, True, True),
+    ("model.moe_expert_capacity_factor", REAL, 0, None, False, True),
+    ("model.expert_tensor_parallel_size", INT, 1, None, True, True),
+    ("model.num_layers_in_first_pipeline_stage", INT, 0, None, True, True),
+    ("model.num_layers_in_last_pipeline_stage", INT, 0, None, True, True),
+    ("train.micro_batch_size", INT, 1, None, True, True),
+    ("train.global_batch_size", INT, 1, None, True, True),
+    ("train.train_iters", INT, 0, None, True, True),
+    ("train.train_samples", INT, 0, None, True, True),
+    ("train.eval_iters", INT, 0, None, True, True),
+    ("train.eval_interval", INT, 1, None, True, True),
+    ("train.exit_interval", INT, 1, None, True, True),
+    ("train.exit_duration_in_mins", REAL, 0, None, False, True),
+    ("train.manual_gc_interval", INT, 0, None, True, True),
+    ("train.check_weight_hash_across_dp_replicas_interval", INT, 1, None, True, True),
+    ("train.train_sync_interval", INT, 1, None, True, True),
+    ("train.empty_unused_memory_level", INT, 0, 2, True, True),
+    ("optimizer.lr", REAL, 0, None, True, True),
+    ("optimizer.min_lr", REAL, 0, None, True, True),
+    ("optimizer.weight_decay", REAL, 0, None, True, True),
+    ("optimizer.adam_beta1", REAL, 0, 1, True, False),
+    ("optimizer.adam_beta2", REAL, 0, 1, True, False),
+    ("optimizer.adam_eps", REAL, 0, None, False, True),
+    ("optimizer.sgd_momentum", REAL, 0, 1, True, True),
+    ("optimizer.clip_grad", REAL, 0, None, True, True),
+    ("optimizer.loss_scale", REAL, 0, None, False, True),
+    ("optimizer.initial_loss_scale", REAL, 0, None, False, True),
+    ("optimizer.min_loss_scale", REAL, 0, None, False, True),
+    ("optimizer.loss_scale_window", REAL, 1, None, True, True),
+    ("optimizer.hysteresis", INT, 1, None, True, True),
+    ("scheduler.lr_warmup_iters", INT, 0, None, True, True),
+    ("scheduler.lr_warmup_samples", INT, 0, None, True, True),
+    ("scheduler.lr_decay_iters", INT, 1, None, True, True),
+    ("scheduler.lr_decay_samples", INT, 1, None, True, True),
+    ("scheduler.lr_wsd_decay_iters", INT, 1, None, True, True),
+    ("scheduler.lr_wsd_decay_samples", INT, 1, None, True, True),
+    ("scheduler.lr_warmup_fraction", REAL, 0, 1, True, True),
+    ("scheduler.lr_warmup_init", REAL, 0, None, True, True),
+    ("dataset.sequence_length", INT, 1, None, True, True),
+    ("dataset.seq_length", INT, 1, None, True, True),
+    ("dataset.num_workers", INT, 0, None, True, True),
+    ("dataset.random_seed", INT, 0, None, True, True),
+    ("dataset.mid_level_dataset_surplus", REAL, 0, None, True, True),
+    ("logger.log_interval", INT, 1, None, True, True),
+    ("logger.tensorboard_log_interval", INT, 1, None, True, True),
+    ("logger.tensorboard_queue_size", INT, 1, None, True, True),
+    ("checkpoint.save_interval", INT, 1, None, True, True),
+    ("checkpoint.ckpt_step", INT, 0, None, True, True),
+    ("rng.seed", INT, 0, None, True, True),
+    ("ddp.bucket_size", INT, 1, None, True, True),
+    ("ddp.num_distributed_optimizer_instances", INT, 1, None, True, True),
+    ("dist.distributed_timeout_minutes", REAL, 1, None, True, True),
+    ("tokenizer.vocab_size", INT, 1, None, True, True),
+    ("rerun_state_machine.error_injection_rate", INT, 0, None, True, True),
+)
+
+
+def _describe_range(kind: str, low: Optional[float], high: Optional[float], low_in: bool, high_in: bool) -> str:
+    if low is not None and high is not None:
+        return f"{kind} in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+    if low is not None:
+        if kind == INT and low_in and low == 1:
+            return "a positive integer"
+        return f"{kind} {'>=' if low_in else '>'} {low}"
+    return f"{kind} {'<=' if high_in else '<'} {high}"
+
+
+def check_ranges(cfg: "ConfigContainer") -> None:
+    """Every bound in RANGE_RULES, then the exit signal: one ConfigError line naming the first bad field."""
+    for path, kind, low, high, low_in, high_in in RANGE_RULES:
+        section_name, name = path.split(".")
+        section = getattr(cfg, section_name, None)
+        if section is None or not hasattr(section, name):
+            continue
+        value = getattr(section, name)
+        if value is None:
+            continue
+        number_ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == INT:
+            number_ok = number_ok and float(value).is_integer()
+        ok = number_ok and math.isfinite(value)
+        if ok and low is not None:
+            ok = value >= low if low_in else value > low
+        if ok and high is not None:
+            ok = value <= high if high_in else value < high
+        if not ok:
+            raise ConfigError(f"{path}={value!r} is out of range: use {_describe_range(kind, low, high, low_in, high_in)}")
+    exit_signal = cfg.train.exit_signal if cfg.train is not None else None
+    if exit_signal is not None:
+        valid = {int(s) for s in signal.valid_signals()}
+        if isinstance(exit_signal, bool) or not isinstance(exit_signal, int) or int(exit_signal) not in valid:
+            raise ConfigError(
+                f"train.exit_signal={exit_signal!r} is not a signal of this platform: use a signal number such as "
+                f"{int(signal.SIGTERM)} (SIGTERM) or {int(signal.SIGINT)} (SIGINT)"
+            )
+
+
+def check_vocab_fits(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> None:
+    """The model's vocabulary must hold every id the tokenizer can produce (never padded or cut silently)."""
+    if model_vocab_size is not None and model_vocab_size < tokenizer_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size} "
+            f"ids): set model.vocab_size >= {tokenizer_vocab_size} or null (taken from the tokenizer)"
+        )
 
 
 def _check_sections(cfg: "ConfigContainer") -> None:
@@ -415,13 +550,12 @@ def _compute_scheduler_steps(cfg: "ConfigContainer") -> None:
             "or scheduler.lr_decay_iters/lr_decay_samples"
         )
     if warmup >= s.lr_decay_steps > 0:
-        # Megatron Core requires warmup < decay; short smoke runs of long recipes hit this (Bridge caps too).
-        warn_rank_0(
-            f"scheduler warmup ({warmup} samples) is not shorter than the decay ({s.lr_decay_steps} samples): "
-            f"capping warmup at {s.lr_decay_steps - 1}",
-            _log,
+        # Megatron Core asserts warmup < decay: a longer warmup would never reach the peak learning rate.
+        raise ConfigError(
+            f"scheduler warmup ({warmup:g} samples) is not shorter than the decay ({s.lr_decay_steps} samples): "
+            "shorten scheduler.lr_warmup_iters/lr_warmup_samples/lr_warmup_fraction or lengthen "
+            "scheduler.lr_decay_iters/train.train_iters"
         )
-        warmup = s.lr_decay_steps - 1
     s.lr_warmup_steps = warmup
     if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
         raise ConfigError(
@@ -506,43 +640,22 @@ def _check_dataset(cfg: "ConfigContainer") -> None:
                 raise ConfigError(
                     f"dataset.split={d.split!r} is not valid: use up to three non-negative numbers like '969,30,1'"
                 )
-        if not 0 <= d.mid_level_dataset_surplus:
-            raise ConfigError(f"dataset.mid_level_dataset_surplus={d.mid_level_dataset_surplus} must be >= 0")
     elif isinstance(d, FinetuningDatasetConfig) and d.seq_length is not None and d.seq_length != m.seq_length:
         raise ConfigError(
             f"dataset.seq_length={d.seq_length} differs from model.seq_length={m.seq_length}: set both the same"
         )
-    if d.num_workers < 0:
-        raise ConfigError(f"dataset.num_workers={d.num_workers} must be >= 0")
 
 
 def _check_misc(cfg: "ConfigContainer") -> None:
-    t, c, lg = cfg.train, cfg.checkpoint, cfg.logger
-    if c.async_save and c.ckpt_format != "torch_dist":
-        raise ConfigError(
-            f"checkpoint.async_save=True works only with checkpoint.ckpt_format='torch_dist' (it is {c.ckpt_format!r})"
+    c = cfg.checkpoint
+    if c.ckpt_format != "torch_dist":
+        # Checkpoints are written by torch.distributed.checkpoint (Megatron's torch_dist layout) only.
+        raise NotSupportedError(
+            f"checkpoint.ckpt_format={c.ckpt_format!r} is not supported yet by longspan (supported: 'torch_dist', "
+            "checkpoints written by torch.distributed.checkpoint)"
         )
     if c.load_main_params_from_ckpt and c.load_optim:
         raise ConfigError("checkpoint.load_main_params_from_ckpt=True needs checkpoint.load_optim=False")
-    for section, name in (
-        (c, "checkpoint.save_interval"), (lg, "logger.log_interval"), (lg, "logger.tensorboard_log_interval"),
-        (t, "train.eval_interval"), (t, "train.exit_interval"), (t, "train.manual_gc_interval"),
-        (t, "train.check_weight_hash_across_dp_replicas_interval"), (t, "train.train_sync_interval"),
-    ):
-        value = getattr(section, name.split(".")[1])
-        minimum = 0 if name == "train.manual_gc_interval" else 1
-        if value is not None and value < minimum:
-            raise ConfigError(f"{name}={value} must be >= {minimum}")
-    if t.eval_iters < 0:
-        raise ConfigError(f"train.eval_iters={t.eval_iters} must be >= 0")
-    if c.ckpt_step is not None and c.ckpt_step < 0:
-        raise ConfigError(f"checkpoint.ckpt_step={c.ckpt_step} must be >= 0")
-    if cfg.dist.distributed_timeout_minutes < 1:
-        raise ConfigError(f"dist.distributed_timeout_minutes={cfg.dist.distributed_timeout_minutes} must be >= 1")
-    if cfg.rerun_state_machine.error_injection_rate < 0:
-        raise ConfigError(
-            f"rerun_state_machine.error_injection_rate={cfg.rerun_state_machine.error_injection_rate} must be >= 0"
-        )
     p = cfg.profiling
     if p is not None:
         if p.use_nsys_profiler and p.use_pytorch_profiler:
@@ -553,11 +666,6 @@ def _check_misc(cfg: "ConfigContainer") -> None:
                 f"profiling.profile_step_start={p.profile_step_start}"
             )
     m = cfg.model
-    if not 0.0 <= m.hidden_dropout <= 1.0 or not 0.0 <= m.attention_dropout <= 1.0:
-        raise ConfigError(
-            f"model.hidden_dropout={m.hidden_dropout} and model.attention_dropout={m.attention_dropout} "
-            "must be between 0 and 1"
-        )
     if m.recompute_granularity == "full" and m.recompute_method is None:
         raise ConfigError("model.recompute_granularity='full' needs model.recompute_method ('uniform' or 'block')")
     if m.recompute_method is not None and m.recompute_granularity != "full":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -193,8 +193,12 @@ def activation_spec(cfg: Any) -> tuple[tuple[int, int, int], torch.dtype]:
     return (int(cfg.train.micro_batch_size), seq, int(model.hidden_size)), dtype
 
 
-def build_pipeline_chunks(cfg: Any, parallel: Any, seed: int) -> list[nn.Module]:
+def build_pipeline_chunks(
+    cfg: Any, parallel: Any, seed: int, pre_wrap_hook: Callable[[nn.Module], Any] | None = None
+) -> list[nn.Module]:
     """This pipeline rank's model chunks, parallelized and initialized; each carries a ``PipelineChunkInfo``.
+
+    ``pre_wrap_hook(chunk)`` runs on each meta-device chunk before the parallel plans (adapters: longspan.peft).
 
     Each chunk is built on the meta device with its layers, the TP/DP plans are applied to it, and
     ``init_weights`` materializes it from ``seed`` (the full model's weights, by canonical name).
@@ -220,9 +224,14 @@ def build_pipeline_chunks(cfg: Any, parallel: Any, seed: int) -> list[nn.Module]
             materialize=False,
             layer_numbers=list(info.layer_numbers),
         )
+        if pre_wrap_hook is not None:
+            pre_wrap_hook(model)
         tied_copy = _tied_output_copy(model)
         model = parallelize_model(model, cfg, _StageParallelView(parallel))
-        init_weights(model, seed=seed, device=parallel.device)
+        if getattr(provider, "perform_initialization", True):
+            init_weights(model, seed=seed, device=parallel.device)
+        else:  # weights come from a checkpoint next (HF import): materialize without drawing
+            model.to_empty(device=parallel.device)
         if provider.params_dtype is not None and provider.params_dtype != torch.float32:
             model = model.to(dtype=provider.params_dtype)
         if tied_copy is not None:

@@ -1,0 +1,386 @@
+"""The supported Hugging Face architectures: config.json <-> GPTModelProvider fields, and the weight table.
+
+Configs are handled as the plain ``config.json`` dicts (transformers is not needed to convert). Both
+spellings of RoPE settings are read: transformers 5's ``rope_parameters`` and the older ``rope_theta`` /
+``rope_scaling``; exports write ``rope_parameters`` plus ``rope_theta`` so older readers find it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from longspan.conversion import mapping
+from longspan.core.errors import ConfigError, NotSupportedError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture: its names, weight table and config translation."""
+
+    name: str
+    architecture: str
+    model_type: str
+    weights: tuple[mapping.WeightMap, ...]
+    to_provider: Callable[[dict[str, Any]], dict[str, Any]]
+    """config.json dict -> GPTModelProvider keyword arguments."""
+    to_hf: Callable[[Any], dict[str, Any]]
+    """GPTModelProvider -> config.json dict (without architectures/model_type/dtype)."""
+
+
+def _need(cfg: dict[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise ConfigError(f"config.json has no {key!r}, which a {cfg.get('model_type', '?')} model needs")
+    return cfg[key]
+
+
+def vocab_divisor(vocab_size: int) -> int:
+    """The largest power of two <= 128 dividing ``vocab_size``: no padding rows (Megatron Bridge's choice)."""
+    divisor = 128
+    while vocab_size % divisor:
+        divisor //= 2
+    return divisor
+
+
+def _whole(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _dtype_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise NotSupportedError(f"config.json dtype={name!r} is not supported: use one of {', '.join(_DTYPES)}")
+    return {"params_dtype": _DTYPES[name]}
+
+
+def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    out: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": _whole(theta)}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        out["rotary_percent"] = float(partial)
+    if rope_type == "llama3":
+        out.update(
+            rope_scaling=True,
+            rope_scaling_factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            old_context_len=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    elif rope_type != "default":
+        raise NotSupportedError(
+            f"config.json rope_type={rope_type!r} is not supported: longspan implements 'default' and 'llama3'"
+        )
+    return out
+
+
+def _rope_hf(p: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": float(p.rotary_base), "rope_type": "default"}
+    if p.rope_scaling:
+        params.update(rope_type="llama3", factor=float(p.rope_scaling_factor), low_freq_factor=float(p.low_freq_factor),
+                      high_freq_factor=float(p.high_freq_factor),
+                      original_max_position_embeddings=int(p.old_context_len))
+    if p.rotary_percent != 1.0:
+        params["partial_rotary_factor"] = float(p.rotary_percent)
+    return {"rope_parameters": params}
+
+
+def _llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str, Any]:
+    act = cfg.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise NotSupportedError(f"config.json hidden_act={act!r} is not supported: use one of {', '.join(_ACTIVATIONS)}")
+    for key in ("sliding_window", "use_sliding_window"):
+        if cfg.get(key) and (key == "use_sliding_window" or cfg.get("use_sliding_window", True)):
+            raise NotSupportedError(
+                f"config.json {key}={cfg[key]!r}: sliding-window attention is not supported by longspan; "
+                "set it to null to convert with full attention"
+            )
+    attention_bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    if attention_bias and not mlp_bias and cfg.get("model_type") not in ("qwen2",):
+        raise NotSupportedError(
+            "config.json attention_bias=true with mlp_bias=false (a bias on o_proj but not the MLP) is not supported"
+        )
+    heads = _need(cfg, "num_attention_heads")
+    vocab = _need(cfg, "vocab_size")
+    out: dict[str, Any] = dict(
+        num_layers=_need(cfg, "num_hidden_layers"),
+        hidden_size=_need(cfg, "hidden_size"),
+        ffn_hidden_size=_need(cfg, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or _need(cfg, "hidden_size") // heads,
+        seq_length=cfg.get("max_position_embeddings", 4096),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", eps_default)),
+        gated_linear_unit=True,
+        activation_func=_ACTIVATIONS[act],
+        add_bias_linear=attention_bias and mlp_bias,
+        add_qkv_bias=attention_bias,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        hidden_dropout=0.0,
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    out.update(_rope_fields(cfg))
+    out.update(_dtype_fields(cfg))
+    return out
+
+
+def _llama_hf(p: Any) -> dict[str, Any]:
+    act = {F.silu: "silu", F.gelu: "gelu"}.get(p.activation_func)
+    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or p.position_embedding_type != "rope":
+        raise NotSupportedError(
+            "this model has no Llama-style HF equivalent (needs RMSNorm, RoPE and a gated silu/gelu MLP)"
+        )
+    if p.add_qkv_bias and not p.add_bias_linear:
+        raise NotSupportedError("add_qkv_bias without add_bias_linear exports as Qwen2, not Llama")
+    out = dict(
+        vocab_size=p.vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.ffn_hidden_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_query_groups or p.num_attention_heads,
+        head_dim=p.kv_channels or p.hidden_size // p.num_attention_heads,
+        max_position_embeddings=p.seq_length,
+        rms_norm_eps=p.layernorm_epsilon,
+        hidden_act=act,
+        tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
+        attention_dropout=float(p.attention_dropout),
+        initializer_range=float(p.init_method_std),
+        attention_bias=bool(p.add_bias_linear),
+        mlp_bias=bool(p.add_bias_linear),
+    )
+    out.update(_rope_hf(p))
+    return out
+
+
+def _mistral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    return _llama_provider(cfg)
+
+
+def _mistral_hf(p: Any) -> dict[str, Any]:
+    out = _llama_hf(p)
+    for key in ("attention_bias", "mlp_bias"):
+        if out.pop(key):
+            raise NotSupportedError("Mistral has no linear biases: export this model as Llama")
+    return dict(out, sliding_window=None)
+
+
+def _qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = _llama_provider(dict(cfg, attention_bias=False))
+    out["add_qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none elsewhere)
+    return out
+
+
+def _qwen2_hf(p: Any) -> dict[str, Any]:
+    if not p.add_qkv_bias or p.add_bias_linear:
+        raise NotSupportedError("Qwen2 needs add_qkv_bias=True and add_bias_linear=False")
+    out = _llama_hf(_ProviderView(p, add_qkv_bias=False))
+    for key in ("attention_bias", "mlp_bias"):
+        out.pop(key)
+    return dict(out, use_sliding_window=False, sliding_window=None)
+
+
+def _qwen3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(_llama_provider(cfg), qk_layernorm=True)
+
+
+def _qwen3_hf(p: Any) -> dict[str, Any]:
+    if not p.qk_layernorm:
+        raise NotSupportedError("Qwen3 needs qk_layernorm=True")
+    out = _llama_hf(p)
+    out.pop("mlp_bias")
+    return dict(out, use_sliding_window=False, sliding_window=None)
+
+
+def _mixtral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = _llama_provider(cfg, eps_default=1e-5)
+    # HF Mixtral: softmax over all experts, top-k, renormalized = softmax over the top-k logits
+    # (longspan's default, moe_router_pre_softmax=False).
+    out.update(
+        num_moe_experts=_need(cfg, "num_local_experts"),
+        moe_router_topk=cfg.get("num_experts_per_tok", 2),
+        moe_ffn_hidden_size=cfg["intermediate_size"],
+        moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)),
+    )
+    if cfg.get("router_jitter_noise"):
+        raise NotSupportedError(f"config.json router_jitter_noise={cfg['router_jitter_noise']} is not supported")
+    return out
+
+
+def _mixtral_hf(p: Any) -> dict[str, Any]:
+    if p.moe_router_pre_softmax or p.moe_layer_freq not in (1, [1] * p.num_layers) or p.moe_shared_expert_intermediate_size:
+        raise NotSupportedError("Mixtral needs every layer MoE, moe_router_pre_softmax=False and no shared experts")
+    out = _mistral_hf(p)
+    out.update(num_local_experts=p.num_moe_experts, num_experts_per_tok=p.moe_router_topk,
+               intermediate_size=p.moe_ffn_hidden_size or p.ffn_hidden_size,
+               router_aux_loss_coef=float(_first(p.moe_aux_loss_coeff)))
+    return out
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _qwen3_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = _qwen3_provider(cfg)
+    layers = out["num_layers"]
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    flags = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    # HF Qwen3-MoE: softmax over all experts, top-k; renormalized only with norm_topk_prob.
+    out.update(
+        num_moe_experts=cfg.get("num_experts") or _need(cfg, "num_local_experts"),
+        moe_router_topk=cfg.get("num_experts_per_tok", 8),
+        moe_ffn_hidden_size=_need(cfg, "moe_intermediate_size"),
+        moe_layer_freq=1 if all(flags) else flags,
+        moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)),
+    )
+    return out
+
+
+def _qwen3_moe_hf(p: Any) -> dict[str, Any]:
+    if p.moe_shared_expert_intermediate_size:
+        raise NotSupportedError("Qwen3-MoE has no shared experts")
+    out = _qwen3_hf(p)
+    freq = p.moe_layer_freq
+    flags = [1] * p.num_layers if freq == 1 else list(freq)
+    if isinstance(freq, int) and freq != 1:
+        flags = [int(i % freq == 0) for i in range(p.num_layers)]
+    out.update(num_experts=p.num_moe_experts, num_local_experts=p.num_moe_experts,
+               num_experts_per_tok=p.moe_router_topk, moe_intermediate_size=p.moe_ffn_hidden_size or p.ffn_hidden_size,
+               norm_topk_prob=not p.moe_router_pre_softmax, decoder_sparse_step=1,
+               mlp_only_layers=[i for i, f in enumerate(flags) if not f],
+               router_aux_loss_coef=float(_first(p.moe_aux_loss_coeff)))
+    return out
+
+
+def _gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    act = cfg.get("activation_function", "gelu_new")
+    if act != "gelu":
+        raise NotSupportedError(
+            f"config.json activation_function={act!r} is not supported: longspan implements 'gelu' (exact)"
+        )
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if cfg.get(key):
+            raise NotSupportedError(f"config.json {key}=true is not supported")
+    if cfg.get("scale_attn_weights") is False:
+        raise NotSupportedError("config.json scale_attn_weights=false is not supported")
+    hidden = _need(cfg, "n_embd")
+    vocab = _need(cfg, "vocab_size")
+    out = dict(
+        num_layers=_need(cfg, "n_layer"),
+        hidden_size=hidden,
+        ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
+        num_attention_heads=_need(cfg, "n_head"),
+        seq_length=_need(cfg, "n_positions"),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="LayerNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        position_embedding_type="learned_absolute",
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        add_qkv_bias=False,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
+        attention_dropout=float(cfg.get("attn_pdrop", 0.1)),
+        hidden_dropout=float(cfg.get("resid_pdrop", 0.1)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    out.update(_dtype_fields(cfg))
+    return out
+
+
+def _gpt2_hf(p: Any) -> dict[str, Any]:
+    if p.normalization != "LayerNorm" or p.position_embedding_type != "learned_absolute" or p.gated_linear_unit:
+        raise NotSupportedError("GPT-2 needs LayerNorm, learned absolute positions and a plain gelu MLP")
+    return dict(
+        vocab_size=p.vocab_size, n_positions=p.seq_length, n_embd=p.hidden_size, n_layer=p.num_layers,
+        n_head=p.num_attention_heads, n_inner=p.ffn_hidden_size, activation_function="gelu",
+        layer_norm_epsilon=p.layernorm_epsilon, resid_pdrop=float(p.hidden_dropout),
+        embd_pdrop=float(p.hidden_dropout), attn_pdrop=float(p.attention_dropout),
+        initializer_range=float(p.init_method_std), tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
+    )
+
+
+class _ProviderView:
+    """A provider with a few fields replaced (read-only)."""
+
+    def __init__(self, provider: Any, **changes: Any) -> None:
+        self._provider, self._changes = provider, changes
+
+    def __getattr__(self, name: str) -> Any:
+        return self._changes[name] if name in self._changes else getattr(self._provider, name)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "LlamaForCausalLM", "llama", mapping.LLAMA, _llama_provider, _llama_hf),
+    Family("mistral", "MistralForCausalLM", "mistral", mapping.LLAMA, _mistral_provider, _mistral_hf),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", mapping.LLAMA, _qwen2_provider, _qwen2_hf),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", mapping.LLAMA, _qwen3_provider, _qwen3_hf),
+    Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, _gpt2_provider, _gpt2_hf),
+    Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, _mixtral_provider, _mixtral_hf),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, _qwen3_moe_provider, _qwen3_moe_hf),
+)
+
+BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
+
+
+def supported_architectures() -> list[str]:
+    """The HF ``architectures`` names longspan converts."""
+    return [f.architecture for f in FAMILIES]
+
+
+def family_for_config(cfg: dict[str, Any]) -> Family:
+    """The family of a config.json dict, from its ``architectures`` entry (or ``model_type``)."""
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in BY_ARCHITECTURE:
+            return BY_ARCHITECTURE[arch]
+    if not archs:
+        for family in FAMILIES:
+            if family.model_type == cfg.get("model_type"):
+                return family
+    named = ", ".join(archs) if archs else f"model_type={cfg.get('model_type')!r}"
+    raise NotSupportedError(
+        f"HF architecture {named} is not supported: longspan converts {', '.join(supported_architectures())}"
+    )
+
+
+def family_for_provider(provider: Any) -> Family:
+    """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
+    if provider.position_embedding_type == "learned_absolute":
+        return BY_ARCHITECTURE["GPT2LMHeadModel"]
+    if provider.num_moe_experts:
+        return BY_ARCHITECTURE["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
+    if provider.qk_layernorm:
+        return BY_ARCHITECTURE["Qwen3ForCausalLM"]
+    if provider.add_qkv_bias and not provider.add_bias_linear:
+        return BY_ARCHITECTURE["Qwen2ForCausalLM"]
+    return BY_ARCHITECTURE["LlamaForCausalLM"]
+
+
+def hf_config_dict(family: Family, provider: Any) -> dict[str, Any]:
+    """A complete config.json dict for ``provider`` exported as ``family``."""
+    body = family.to_hf(provider)
+    dtype = provider.params_dtype or torch.float32
+    return {"architectures": [family.architecture], "model_type": family.model_type, **body,
+            "dtype": _DTYPE_NAMES.get(dtype, "float32")}

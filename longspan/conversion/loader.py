@@ -1,0 +1,207 @@
+"""The one loader and exporter shared by every family: walk the model's parameters, look each up in the
+family's ``WeightMap`` table, and move only the needed part of each tensor.
+
+Import: for every local parameter (plain, or a DTensor sharded by tensor/expert/data parallel plans) the part
+this process holds is a box ``[offset, offset + local_shape)`` of the full tensor (torch's
+``compute_local_shape_and_global_offset``); the box is translated through the mapping rule (transpose, fused
+rows, per-expert files, vocabulary padding) into slices of the HF tensors and only those are read.
+Placements that do not give a box (strided FSDP-over-TP shards) read the full tensor and keep their part.
+
+Export: parameters are gathered one at a time (``DTensor.full_tensor()``, a collective over the parameter's
+mesh, so every rank of a pipeline stage walks its parameters in the same order) and turned back into HF
+tensors; a fused HF tensor (GPT-2's ``c_attn``) is emitted once all its parts were seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from longspan.conversion.families import Family
+from longspan.conversion.mapping import WeightMap, match
+from longspan.conversion.safetensors_io import HFCheckpointReader
+from longspan.core.errors import CheckpointError
+from longspan.core.logging import get_logger
+
+_log = get_logger(__name__)
+
+Box = tuple[slice, ...]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def iter_named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(canonical name, owning module, parameter name, parameter) of every chunk, each tensor once.
+
+    A tied output copy on a last pipeline stage is named after the word embeddings it copies.
+    """
+    from longspan.models.init import canonical_parameter_name
+
+    seen: set[int] = set()
+    for chunk in chunks:
+        for module_name, module in chunk.named_modules():
+            overrides = getattr(module, "init_name_overrides", {})
+            for param_name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                yield overrides.get(param_name) or canonical_parameter_name(full), module, param_name, param
+
+
+def lookup(family: Family, name: str) -> tuple[WeightMap, int | None]:
+    found = match(family.weights, name)
+    if found is None:
+        raise CheckpointError(f"longspan parameter {name} has no {family.architecture} equivalent")
+    return found
+
+
+def _local_box(param: torch.Tensor) -> Box | None:
+    """The box of the full tensor this process holds, or None when it is not a box (read all, then shard)."""
+    shape = tuple(param.shape)
+    if not _is_dtensor(param):
+        return tuple(slice(0, n) for n in shape)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):
+        return None
+    local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+    if tuple(local_shape) != tuple(param.to_local().shape):
+        return None
+    return tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+
+
+def expected_hf_shape(entry: WeightMap, shape: tuple[int, ...], hf_vocab: int | None) -> tuple[int, ...]:
+    """The HF tensor's full shape for a longspan parameter of full ``shape``."""
+    shape = tuple(shape)
+    if entry.per_expert:
+        shape = shape[1:]
+    if entry.vocab and hf_vocab is not None:
+        shape = (hf_vocab,) + shape[1:]
+    if entry.split is not None:
+        shape = (shape[0] * entry.split[1],) + shape[1:]
+    if entry.transpose:
+        shape = shape[::-1]
+    return shape
+
+
+def _read_box(reader: HFCheckpointReader, hf_name: str, entry: WeightMap, box: Box, rows: int) -> torch.Tensor:
+    """``box`` of the longspan-oriented tensor (one expert / one split block) read from HF tensor ``hf_name``.
+
+    ``rows`` is the size of dim 0 of the longspan-oriented block (for the split offset).
+    """
+    if entry.split is not None:
+        start = entry.split[0] * rows
+        box = (slice(box[0].start + start, box[0].stop + start),) + box[1:]
+    if entry.transpose:
+        return reader.read(hf_name, box[::-1]).t()
+    return reader.read(hf_name, box)
+
+
+def read_parameter_part(
+    reader: HFCheckpointReader, entry: WeightMap, layer: int | None, name: str, full_shape: tuple[int, ...], box: Box,
+    hf_vocab: int | None,
+) -> torch.Tensor:
+    """The part ``box`` of longspan parameter ``name`` (full shape ``full_shape``), read from the HF files."""
+    first_hf = entry.hf_name(layer, 0 if entry.per_expert else None)
+    want = expected_hf_shape(entry, full_shape, hf_vocab)
+    have = reader.shape(first_hf)
+    if tuple(have) != tuple(want):
+        raise CheckpointError(
+            f"shape mismatch: HF tensor {first_hf} has shape {tuple(have)} but longspan's {name} needs {tuple(want)}"
+        )
+    if entry.per_expert:
+        parts = [
+            _read_box(reader, entry.hf_name(layer, e), entry, box[1:], full_shape[1])
+            for e in range(box[0].start, box[0].stop)
+        ]
+        return torch.stack(parts) if parts else torch.empty((0,) + tuple(s.stop - s.start for s in box[1:]))
+    if entry.vocab and hf_vocab is not None and box[0].stop > hf_vocab:
+        # Padding rows beyond the HF vocabulary are zeros (they are never a label, and their logits never win
+        # the argmax against trained rows... unless every trained logit is negative: they are masked as ids).
+        stop = min(box[0].stop, hf_vocab)
+        start = min(box[0].start, stop)
+        real = _read_box(reader, entry.hf_name(layer), entry, (slice(start, stop),) + box[1:], full_shape[0])
+        pad = torch.zeros((box[0].stop - box[0].start - real.shape[0],) + tuple(real.shape[1:]), dtype=real.dtype)
+        return torch.cat([real, pad])
+    return _read_box(reader, entry.hf_name(layer), entry, box, full_shape[0])
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[nn.Module], family: Family, reader: HFCheckpointReader, hf_vocab: int | None,
+                    progress: Any = None) -> int:
+    """Copy the HF weights into every parameter of ``chunks`` (in place, any layout). Returns the count."""
+    count = 0
+    for name, _module, _pname, param in iter_named_parameters(chunks):
+        entry, layer = lookup(family, name)
+        full_shape = tuple(param.shape)
+        box = _local_box(param)
+        if box is None:
+            from torch.distributed.tensor import distribute_tensor
+
+            full = read_parameter_part(reader, entry, layer, name, full_shape,
+                                       tuple(slice(0, n) for n in full_shape), hf_vocab)
+            local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+        else:
+            local = read_parameter_part(reader, entry, layer, name, full_shape, box, hf_vocab)
+        target = param.to_local() if _is_dtensor(param) else param
+        if tuple(local.shape) != tuple(target.shape):
+            raise CheckpointError(f"{name}: read a part of shape {tuple(local.shape)} for a shard of {tuple(target.shape)}")
+        target.copy_(local.to(dtype=target.dtype))
+        count += 1
+        if progress is not None:
+            progress(name)
+    return count
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if _is_dtensor(param) else param
+
+
+@torch.no_grad()
+def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | None, tied: bool,
+                      cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every HF tensor this process's chunks hold, one full tensor at a time.
+
+    Collective: every rank of a pipeline stage must iterate. With ``tied`` the output layer is not exported
+    (HF stores the tied ``lm_head`` once, as the embeddings).
+    """
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, module, pname, param in iter_named_parameters(chunks):
+        entry, layer = lookup(family, name)
+        is_copy = getattr(module, "init_name_overrides", {}).get(pname) is not None
+        full = _full(param)
+        if is_copy or (tied and name == "output_layer.weight"):
+            continue  # the first stage exports the embeddings this copies
+        full = full.detach()
+        if cpu:
+            full = full.cpu()
+        if entry.vocab and hf_vocab is not None:
+            full = full[:hf_vocab]
+        if entry.per_expert:
+            for e in range(full.shape[0]):
+                yield entry.hf_name(layer, e), _to_hf(entry, full[e])
+            continue
+        hf_name = entry.hf_name(layer)
+        if entry.split is not None:
+            parts = pending.setdefault(hf_name, {})
+            parts[entry.split[0]] = full
+            if len(parts) < entry.split[1]:
+                continue
+            full = torch.cat([parts[k] for k in range(entry.split[1])])
+            del pending[hf_name]
+        yield hf_name, _to_hf(entry, full)
+    if pending:
+        raise CheckpointError(f"incomplete fused HF tensors (some parts are on no chunk): {sorted(pending)}")
+
+
+def _to_hf(entry: WeightMap, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.t().contiguous() if entry.transpose else tensor.contiguous()

@@ -1,0 +1,149 @@
+"""Declarative weight mappings: one longspan parameter <-> the Hugging Face tensor(s) it is made of.
+
+A ``WeightMap`` names a longspan parameter pattern and the HF tensor pattern it comes from, with the few
+rules the supported families need:
+
+- ``transpose``: HF stores the matrix as ``[in, out]`` (GPT-2's ``Conv1D``);
+- ``split=(k, n)``: the longspan tensor is the k-th of n equal row blocks of the HF tensor (GPT-2's fused
+  ``c_attn`` = [q | k | v]);
+- ``per_expert``: the longspan tensor is a 3-D slab ``[num_experts, ...]`` stacked from one HF tensor per
+  expert (``{e}`` in the HF pattern);
+- ``vocab``: rows beyond the HF vocabulary are padding (added as zeros on import, stripped on export).
+
+``{i}`` is the global layer index in both names. The loader (``longspan.conversion.loader``) is shared by every
+family: it only reads these tables.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """One longspan parameter pattern and the HF tensor pattern it maps to."""
+
+    ours: str
+    """longspan parameter name, ``{i}`` = layer index (e.g. ``decoder.layers.{i}.self_attention.linear_q.weight``)."""
+
+    hf: str
+    """HF tensor name, ``{i}`` = layer index, ``{e}`` = expert index (per_expert only)."""
+
+    transpose: bool = False
+    """HF holds the transpose (``Conv1D`` ``[in, out]``)."""
+
+    split: tuple[int, int] | None = None
+    """(k, n): ours is the k-th of n equal blocks of the HF tensor's rows (after ``transpose``)."""
+
+    per_expert: bool = False
+    """ours is ``[num_experts, ...]``, stacked from one HF tensor per expert."""
+
+    vocab: bool = False
+    """Dim 0 is the vocabulary: padding rows beyond the HF vocabulary are zeros on import, dropped on export."""
+
+    regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pattern = re.escape(self.ours).replace(r"\{i\}", r"(?P<i>\d+)")
+        object.__setattr__(self, "regex", re.compile(f"^{pattern}$"))
+
+    def hf_name(self, layer: int | None, expert: int | None = None) -> str:
+        """The HF tensor name for a layer (and expert)."""
+        return self.hf.format(i=layer, e=expert)
+
+
+def _layer(ours: str, hf: str, **kw) -> WeightMap:
+    return WeightMap(f"decoder.layers.{{i}}.{ours}", f"model.layers.{{i}}.{hf}", **kw)
+
+
+# --------------------------------------------------------------------------------------------- Llama-like
+
+LLAMA_EMBEDDINGS = (
+    WeightMap("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab=True),
+    WeightMap("decoder.final_layernorm.weight", "model.norm.weight"),
+    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+)
+
+LLAMA_ATTENTION = (
+    _layer("input_layernorm.weight", "input_layernorm.weight"),
+    _layer("self_attention.linear_q.weight", "self_attn.q_proj.weight"),
+    _layer("self_attention.linear_k.weight", "self_attn.k_proj.weight"),
+    _layer("self_attention.linear_v.weight", "self_attn.v_proj.weight"),
+    _layer("self_attention.linear_q.bias", "self_attn.q_proj.bias"),
+    _layer("self_attention.linear_k.bias", "self_attn.k_proj.bias"),
+    _layer("self_attention.linear_v.bias", "self_attn.v_proj.bias"),
+    _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    _layer("self_attention.linear_proj.bias", "self_attn.o_proj.bias"),
+    _layer("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    _layer("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+    _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+)
+
+# Dense SwiGLU MLP: longspan's linear_fc1_gate / linear_fc1 are HF's gate_proj / up_proj.
+LLAMA_MLP = (
+    _layer("mlp.linear_fc1_gate.weight", "mlp.gate_proj.weight"),
+    _layer("mlp.linear_fc1.weight", "mlp.up_proj.weight"),
+    _layer("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+    _layer("mlp.linear_fc1_gate.bias", "mlp.gate_proj.bias"),
+    _layer("mlp.linear_fc1.bias", "mlp.up_proj.bias"),
+    _layer("mlp.linear_fc2.bias", "mlp.down_proj.bias"),
+)
+
+LLAMA = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + LLAMA_MLP
+
+MIXTRAL = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + (
+    _layer("mlp.router.weight", "block_sparse_moe.gate.weight"),
+    _layer("mlp.experts.linear_fc1_gate.weight", "block_sparse_moe.experts.{e}.w1.weight", per_expert=True),
+    _layer("mlp.experts.linear_fc1.weight", "block_sparse_moe.experts.{e}.w3.weight", per_expert=True),
+    _layer("mlp.experts.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight", per_expert=True),
+)
+
+QWEN3_MOE = LLAMA + (  # dense layers (mlp_only_layers / decoder_sparse_step) keep Llama's MLP names
+    _layer("mlp.router.weight", "mlp.gate.weight"),
+    _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.{e}.gate_proj.weight", per_expert=True),
+    _layer("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
+    _layer("mlp.experts.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", per_expert=True),
+)
+
+
+# --------------------------------------------------------------------------------------------- GPT-2
+
+def _gpt2(ours: str, hf: str, **kw) -> WeightMap:
+    return WeightMap(f"decoder.layers.{{i}}.{ours}", f"transformer.h.{{i}}.{hf}", **kw)
+
+
+GPT2 = (
+    WeightMap("embedding.word_embeddings.weight", "transformer.wte.weight", vocab=True),
+    WeightMap("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+    WeightMap("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
+    WeightMap("decoder.final_layernorm.bias", "transformer.ln_f.bias"),
+    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+    _gpt2("input_layernorm.weight", "ln_1.weight"),
+    _gpt2("input_layernorm.bias", "ln_1.bias"),
+    _gpt2("pre_mlp_layernorm.weight", "ln_2.weight"),
+    _gpt2("pre_mlp_layernorm.bias", "ln_2.bias"),
+    # c_attn is a Conv1D [hidden, 3*hidden] holding [q | k | v] along its output dim.
+    _gpt2("self_attention.linear_q.weight", "attn.c_attn.weight", transpose=True, split=(0, 3)),
+    _gpt2("self_attention.linear_k.weight", "attn.c_attn.weight", transpose=True, split=(1, 3)),
+    _gpt2("self_attention.linear_v.weight", "attn.c_attn.weight", transpose=True, split=(2, 3)),
+    _gpt2("self_attention.linear_q.bias", "attn.c_attn.bias", split=(0, 3)),
+    _gpt2("self_attention.linear_k.bias", "attn.c_attn.bias", split=(1, 3)),
+    _gpt2("self_attention.linear_v.bias", "attn.c_attn.bias", split=(2, 3)),
+    _gpt2("self_attention.linear_proj.weight", "attn.c_proj.weight", transpose=True),
+    _gpt2("self_attention.linear_proj.bias", "attn.c_proj.bias"),
+    _gpt2("mlp.linear_fc1.weight", "mlp.c_fc.weight", transpose=True),
+    _gpt2("mlp.linear_fc1.bias", "mlp.c_fc.bias"),
+    _gpt2("mlp.linear_fc2.weight", "mlp.c_proj.weight", transpose=True),
+    _gpt2("mlp.linear_fc2.bias", "mlp.c_proj.bias"),
+)
+
+
+def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | None] | None:
+    """The entry of ``table`` for longspan parameter ``name`` and its layer index, or None."""
+    for entry in table:
+        found = entry.regex.match(name)
+        if found:
+            layer = found.groupdict().get("i")
+            return entry, (int(layer) if layer is not None else None)
+    return None

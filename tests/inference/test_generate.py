@@ -219,3 +219,18 @@ def test_bad_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message) as err:
         generate(model, NullTokenizer(vocab - 1), **args)
     assert "\n" not in str(err.value)
+
+
+def test_kv_cache_with_mixture_of_experts():
+    """Dropless MoE layers route each new token alone with the cache: same tokens, same logits."""
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("tiny_moe").model
+    cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size, cfg.vocab_size = 2, 64, 128, 64, 256
+    model = build_gpt_model(cfg, seed=1).eval()
+    kwargs = dict(max_new_tokens=10, eos_ids=(), return_logits=True)
+    cached = generate(model, NullTokenizer(255), [1, 2, 3, 4, 5], **kwargs)
+    full = generate(model, NullTokenizer(255), [1, 2, 3, 4, 5], use_cache=False, **kwargs)
+    assert cached.output_ids == full.output_ids
+    for a, b in zip(cached.logits, full.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

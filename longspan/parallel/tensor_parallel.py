@@ -210,6 +210,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
     plan = tensor_parallel_plan(model, sequence_parallel)
+    for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
+        adapt = getattr(model.get_submodule(name), "adapt_parallel_style", None)
+        if adapt is not None:
+            plan[name] = adapt(style)
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel and model.args.hidden_dropout > 0:
         for layer in model.decoder.layers.values():

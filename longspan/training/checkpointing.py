@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -195,9 +195,12 @@ def _build_state_dict(
     with_rng: bool,
     rng_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    model_keys: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     module = _model_module(model)
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if model_keys is not None:  # PEFT: only the adapters (the base comes from pretrained_checkpoint)
+        state["model"] = {k: v for k, v in state["model"].items() if model_keys(k)}
     if with_optimizer and optimizer is not None:
         main_module = _optimizer_module(module, optimizer)
         state["optimizer"] = get_optimizer_state_dict(
@@ -297,6 +300,7 @@ def save_checkpoint(
         with_optimizer=ckpt_cfg.save_optim,
         with_rng=ckpt_cfg.save_rng,
         extra=_rerun_state(state),
+        model_keys=_adapter_keys(cfg),
     )
     train_state_dict = state.train_state.state_dict()
 
@@ -451,15 +455,19 @@ def load_checkpoint(
     strict: bool = True,
     checkpointing_context: dict[str, Any] | None = None,
     skip_load_to_model_and_opt: bool = False,
+    *,
+    checkpoint_config: Any = None,
+    model_keys: Callable[[str], bool] | None = None,
 ) -> LoadedCheckpoint | None:
     """Load the checkpoint ``checkpoint.load`` (or ``pretrained_checkpoint``) names into model and state.
 
     Restores model, optimizer (``load_optim``), scheduler and train state; returns the RNG state (when
     ``load_rng``) without applying it, because RNG must be restored after everything that draws from it at
     start-up (building data iterators does). Returns None when there is nothing to load.
+    ``checkpoint_config`` replaces ``cfg.checkpoint``; ``model_keys`` limits the model tensors loaded (PEFT).
     """
     cfg = state.cfg
-    ckpt_cfg = cfg.checkpoint
+    ckpt_cfg = checkpoint_config if checkpoint_config is not None else cfg.checkpoint
     found = find_checkpoint(ckpt_cfg)
     if found is None:
         return None
@@ -468,6 +476,9 @@ def load_checkpoint(
     stored = _stored_keys(directory)
 
     model_sd = get_model_state_dict(module)
+    if model_keys is not None:
+        model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
+        strict = False  # the other tensors come from another checkpoint
     _check_shapes(directory, model_sd, "model")
     load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
     load_rng = ckpt_cfg.load_rng and not finetune
@@ -533,6 +544,47 @@ def load_checkpoint(
             state.train_state.load_state_dict(train_state_dict)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
+
+
+def _adapter_keys(cfg: Any) -> Callable[[str], bool] | None:
+    """With PEFT, the model tensors a checkpoint holds: the adapters' (``longspan.peft``)."""
+    if getattr(cfg, "peft", None) is None:
+        return None
+    from longspan.peft.adapters import is_adapter_key
+
+    return is_adapter_key
+
+
+def load_peft_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    checkpointing_context: dict[str, Any] | None = None,
+) -> LoadedCheckpoint | None:
+    """PEFT: the frozen base from ``pretrained_checkpoint`` (weights only), then, when ``checkpoint.load`` holds
+    a checkpoint of this run, its adapters, optimizer, scheduler, RNG and progress. Starting fresh, DoRA's
+    magnitudes are set from the loaded base."""
+    import dataclasses as _dc
+
+    from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key
+
+    ckpt_cfg = state.cfg.checkpoint
+    if not ckpt_cfg.pretrained_checkpoint:
+        raise CheckpointError(
+            "peft is set but checkpoint.pretrained_checkpoint is not: adapters train on a pretrained base; set it "
+            "to a longspan checkpoint (or Hugging Face model directory)"
+        )
+    base_cfg = _dc.replace(ckpt_cfg, load=None)
+    load_checkpoint(state, model, None, None, checkpointing_context=checkpointing_context,
+                    checkpoint_config=base_cfg, model_keys=lambda k: not is_adapter_key(k))
+    resume_cfg = _dc.replace(ckpt_cfg, pretrained_checkpoint=None)
+    if resume_cfg.load and find_checkpoint(resume_cfg) is not None:
+        return load_checkpoint(state, model, optimizer, opt_param_scheduler,
+                               checkpointing_context=checkpointing_context, checkpoint_config=resume_cfg,
+                               model_keys=is_adapter_key)
+    init_dora_magnitudes(model)
+    return None
 
 
 def apply_checkpoint_args(cfg: Any) -> list[str]:

@@ -12,7 +12,7 @@ import platform
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from longspan.training.checkpointing import (
     apply_checkpoint_args,
     check_save_dir_writable,
     load_checkpoint,
+    load_peft_checkpoint,
     set_rng_state,
 )
 from longspan.training.microbatches import NumMicroBatchesCalculator
@@ -73,8 +74,12 @@ def _autocast_dtype(cfg: Any) -> Optional[torch.dtype]:
     return None
 
 
-def build_model(cfg: Any, parallel: ParallelState, seed: int) -> list[torch.nn.Module]:
-    """Build on the meta device, apply the parallel plans, then materialize each parameter from its seed."""
+def build_model(
+    cfg: Any, parallel: ParallelState, seed: int, pre_wrap_hook: Optional[Callable[[torch.nn.Module], Any]] = None
+) -> list[torch.nn.Module]:
+    """Build on the meta device, apply the parallel plans, then materialize each parameter from its seed.
+
+    ``pre_wrap_hook(chunk)`` runs on each meta-device chunk before the parallel plans (PEFT adapters)."""
     from longspan.models.gpt import build_gpt_model
 
     provider = cfg.model
@@ -82,10 +87,15 @@ def build_model(cfg: Any, parallel: ParallelState, seed: int) -> list[torch.nn.M
         from longspan.parallel.pipeline import build_pipeline_chunks
 
         # Stages are cut first; the TP/CP/DP plans then apply to each chunk.
-        return build_pipeline_chunks(cfg, parallel, seed)
+        return build_pipeline_chunks(cfg, parallel, seed, pre_wrap_hook)
     model = build_gpt_model(provider, materialize=False)
+    if pre_wrap_hook is not None:
+        pre_wrap_hook(model)
     model = parallelize_model(model, cfg, parallel)
-    init_weights(model, seed=seed, device=parallel.device)
+    if getattr(provider, "perform_initialization", True):
+        init_weights(model, seed=seed, device=parallel.device)
+    else:  # weights come from a checkpoint next (HF import): materialize without drawing
+        model.to_empty(device=parallel.device)
     if provider.params_dtype is not None and provider.params_dtype != torch.float32:
         model = model.to(dtype=provider.params_dtype)
     return [model]
@@ -131,7 +141,11 @@ def setup(cfg: Any) -> SetupOutput:
     # Weights come from the base seed (per-parameter generators), so every layout draws the same model.
     # Megatron's data_parallel_random_init draws per-replica weights and then broadcasts data-parallel rank 0's,
     # which are these; what stays per replica is the runtime generator seeded above.
-    model = build_model(cfg, parallel, cfg.rng.seed)
+    model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
+    if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
+        from longspan.peft.adapters import init_adapters
+
+        init_adapters(model, cfg.rng.seed)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     if parallel.pp_size > 1:
         # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.
@@ -139,7 +153,10 @@ def setup(cfg: Any) -> SetupOutput:
     scheduler = get_optimizer_param_scheduler(optimizer, cfg.scheduler, cfg.train, cfg.optimizer)
 
     checkpointing_context: dict[str, Any] = {}
-    loaded = load_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+    if cfg.peft is not None:  # the base from pretrained_checkpoint, then this run's adapters when resuming
+        loaded = load_peft_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+    else:
+        loaded = load_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
     state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
 
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(

@@ -1,0 +1,207 @@
+"""Applying a PEFT config to a model: which layers, their adapters, freezing, DoRA's magnitude, merging.
+
+Module names are matched in Megatron's terms. A longspan linear layer has a Megatron name (what Megatron Core
+calls the layer that holds its weight) and a canonical name (CanonicalLoRA's split names):
+
+    longspan                        Megatron (LoRA, DoRA)        canonical (CanonicalLoRA)
+    X.self_attention.linear_q/k/v   X.self_attention.linear_qkv  X.self_attention.linear_q/k/v
+    X.self_attention.linear_proj    (same)                       (same)
+    X.mlp.linear_fc1                X.mlp.linear_fc1             X.mlp.linear_fc1_up
+    X.mlp.linear_fc1_gate           X.mlp.linear_fc1             X.mlp.linear_fc1_gate
+    X.mlp.linear_fc2                (same)                       (same)
+
+(and the same under ``mlp.shared_experts``). A ``target_modules`` entry without ``*``/``?`` matches the last
+component of that name (Bridge's rule) or the whole name; with wildcards it is an fnmatch pattern over the
+whole name. Only the linear layers of transformer layers are candidates (not the output layer).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import OrderedDict
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.logging import get_logger, print_rank_0
+from longspan.peft.modules import DoRALinear, LoRAAdapter, LoRALinear
+
+logger = get_logger(__name__)
+
+ADAPTER_MARKER = ".adapter."
+_ATTENTION = ("linear_q", "linear_k", "linear_v")
+_CANDIDATES = _ATTENTION + ("linear_proj", "linear_fc1", "linear_fc1_gate", "linear_fc2")
+
+
+def is_adapter_key(name: str) -> bool:
+    """True for the parameter / state-dict names of adapters (everything else is the frozen base)."""
+    return ADAPTER_MARKER in f".{name}"
+
+
+def megatron_name(name: str) -> str:
+    """The Megatron Core name of the layer holding longspan module ``name`` (fused qkv / fc1)."""
+    parent, _, leaf = name.rpartition(".")
+    if leaf in _ATTENTION:
+        leaf = "linear_qkv"
+    elif leaf == "linear_fc1_gate":
+        leaf = "linear_fc1"
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def canonical_name(name: str) -> str:
+    """CanonicalLoRA's name of longspan module ``name`` (``linear_fc1`` is the up projection)."""
+    parent, _, leaf = name.rpartition(".")
+    if leaf == "linear_fc1":
+        leaf = "linear_fc1_up"
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def _matches(pattern: str, full_name: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(full_name, pattern)
+    return pattern == full_name or pattern == full_name.rpartition(".")[2]
+
+
+def _selected(peft: Any, full_name: str) -> bool:
+    if any(_matches(p, full_name) for p in peft.exclude_modules):
+        return False
+    if not peft.target_modules:  # exclude-only mode: every candidate but the excluded
+        return True
+    return any(_matches(p, full_name) for p in peft.target_modules)
+
+
+def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf in _CANDIDATES and ".layers." in f".{name}" and isinstance(module, nn.Module):
+            yield name, module
+
+
+def plan_adapters(model: nn.Module, peft: Any) -> "OrderedDict[str, list[str]]":
+    """The adapter groups for ``model``: group name (Megatron or canonical) -> longspan module names sharing
+    one A (one name for an unshared adapter). Raises when a target matches nothing."""
+    groups: OrderedDict[str, list[str]] = OrderedDict()
+    for name, module in _candidates(model):
+        group = canonical_name(name) if peft.kind == "canonical" else megatron_name(name)
+        if not _selected(peft, group):
+            continue
+        if not isinstance(module, nn.Linear):
+            raise NotSupportedError(
+                f"peft: {group} is a {type(module).__name__} (MoE experts): adapters on grouped expert weights are "
+                "not supported yet; exclude it, e.g. exclude_modules=['*.experts.*'] or narrower target_modules"
+            )
+        groups.setdefault(group, []).append(name)
+    if not groups:
+        raise ConfigError(
+            f"peft.target_modules={peft.target_modules!r} (exclude_modules={peft.exclude_modules!r}) matches no "
+            "linear layer of the model; valid names: " + ", ".join(
+                ("linear_q linear_k linear_v linear_proj linear_fc1_up linear_fc1_gate linear_fc2"
+                 if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2").split())
+        )
+    return groups
+
+
+def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
+    """Wrap the targeted linear layers of ``model`` with adapters and freeze every other parameter.
+
+    Call on the meta-device model before parallel plans and ``init_weights``; adapter weights are then drawn
+    from their own (seed, name) streams like every parameter. Returns ``model`` (changed in place).
+    """
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ConfigError("peft: the model already has adapters")
+    peft.validate()
+    groups = plan_adapters(model, peft)
+    wrapper = DoRALinear if peft.kind == "dora" else LoRALinear
+    for group, names in groups.items():
+        owner = None
+        for name in names:
+            base = model.get_submodule(name)
+            adapter = LoRAAdapter(
+                base.in_features, base.out_features, dim=peft.dim, scale=peft.scale, dropout=float(peft.dropout),
+                dropout_position=peft.dropout_position, a_init=peft.lora_A_init_method,
+                b_init=peft.lora_B_init_method, dtype=base.weight.dtype, device=base.weight.device, owner=owner,
+                group_size=len(names), dora=peft.kind == "dora",
+            )
+            owner = owner or adapter
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, wrapper(base, adapter))
+    freeze_base(model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print_rank_0(
+        f"peft: {type(peft).__name__} on {len(groups)} module groups (rank {peft.dim}, scale {peft.scale:g}): "
+        f"{trainable:,} trainable of {total:,} parameters ({100.0 * trainable / max(total, 1):.3f}%)", logger,
+    )
+    return model
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only adapter parameters require gradients."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_key(name))
+
+
+def adapted_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """(name, layer) of every adapted linear layer of ``model`` (wrapper prefixes kept)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def has_adapters(model_chunks: list[nn.Module] | nn.Module) -> bool:
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    return any(isinstance(m, LoRALinear) for chunk in chunks for m in chunk.modules())
+
+
+@torch.no_grad()
+def init_dora_magnitudes(model_chunks: list[nn.Module]) -> None:
+    """DoRA: set every magnitude to the current weight's row norms (after the base weights are loaded)."""
+    for chunk in model_chunks:
+        for _, layer in adapted_layers(chunk):
+            if isinstance(layer, DoRALinear):
+                layer.init_magnitude()
+
+
+def num_adapter_parameters(model_chunks: list[nn.Module] | nn.Module) -> int:
+    """Number of adapter parameter elements (full sizes, counted once)."""
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    return sum(p.numel() for c in chunks for n, p in c.named_parameters() if is_adapter_key(n))
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter folded into its layer's weight (no adapter keys).
+
+    ``model`` holds plain tensors (one process); LoRA adds ``s·B A``, DoRA rescales ``W + s·B A`` row-wise by
+    ``m / ||W + s·B A||``.
+    """
+    state = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}
+    for name, layer in adapted_layers(model):
+        state[f"{name}.weight"] = layer.merged_weight().detach().clone()
+    return state
+
+
+@torch.no_grad()
+def init_adapters(model_chunks: list[nn.Module], seed: int) -> None:
+    """Draw every adapter parameter from its own (seed, canonical name) stream, as ``init_weights`` draws every
+    parameter: the same full adapter weights under every layout, whether or not the base was drawn (a base
+    loaded from a checkpoint is materialized without drawing)."""
+    from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
+
+    for chunk in model_chunks:
+        for module_name, module in chunk.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                full_name = f"{module_name}.{param_name}" if module_name else param_name
+                if not is_adapter_key(full_name):
+                    continue
+                canonical = canonical_parameter_name(full_name)
+                full = draw_full_parameter(seed, canonical, param.shape, _init_rule(module, param_name, full_name))
+                full = full.to(param.dtype)
+                if hasattr(param, "device_mesh"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                    param.to_local().copy_(local)
+                else:
+                    param.copy_(full)

@@ -90,6 +90,12 @@ def _max_positions(model: nn.Module) -> int | None:
     return None if table is None else int(table.num_embeddings)
 
 
+def _real_vocab_size(model: nn.Module, tokenizer: Any) -> int | None:
+    """The model's vocabulary before padding (its provider's ``vocab_size``), else the tokenizer's."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size is not None else getattr(tokenizer, "vocab_size", None)
+
+
 def next_token_logits_processor(
     logits: torch.Tensor, vocab_size: int | None, temperature: float, top_k: int, top_p: float
 ) -> torch.Tensor:
@@ -167,7 +173,7 @@ def generate(
             f"model's {limit} learned positions: shorten the prompt or lower max_new_tokens"
         )
     stop = _eos_ids(tokenizer, eos_ids)
-    vocab_size = getattr(tokenizer, "vocab_size", None)
+    vocab_size = _real_vocab_size(net, tokenizer)
     device = next(net.parameters()).device
     generator = None
     if seed is not None and temperature > 0.0:

@@ -234,3 +234,13 @@ def test_kv_cache_with_mixture_of_experts():
     assert cached.output_ids == full.output_ids
     for a, b in zip(cached.logits, full.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_vocabulary_rows_are_never_chosen():
+    cfg = llama_config(vocab_size=100)  # padded to 128
+    model = build_gpt_model(cfg, seed=1).eval()
+    with torch.no_grad():
+        model.output_layer.weight[100:] *= 1000.0  # the padding rows would win every argmax
+    for sampling in ({}, {"temperature": 1.0, "seed": 0}):
+        result = generate(model, NullTokenizer(99), [1, 2, 3], max_new_tokens=10, eos_ids=(), **sampling)
+        assert len(result.output_ids) == 10 and max(result.output_ids) < 100

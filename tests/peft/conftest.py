@@ -1,0 +1,3 @@
+"""Shared worker pools for the PEFT layout tests."""
+
+from tests.parallel.conftest import pool2  # noqa: F401

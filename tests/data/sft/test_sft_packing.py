@@ -106,7 +106,7 @@ def tiny_provider(seq=PACK, **overrides):
     kw = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
               seq_length=seq, vocab_size=128, make_vocab_size_divisible_by=128, normalization="RMSNorm",
               position_embedding_type="rope", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-              attention_dropout=0.0, hidden_dropout=0.0)
+              attention_dropout=0.0, hidden_dropout=0.0, share_embeddings_and_output_weights=False)
     kw.update(overrides)
     provider = GPTModelProvider(**kw)
     provider.finalize()

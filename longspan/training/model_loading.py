@@ -20,7 +20,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -28,6 +27,7 @@ from longspan.config.overrides import apply_overrides
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer
+from longspan.training.checkpoint_io import load_shards
 from longspan.training.checkpointing import (
     RUN_CONFIG_FILENAME,
     TOKENIZER_DIRNAME,
@@ -142,12 +142,8 @@ def load_model_weights(directory: Path, model: list[nn.Module]) -> None:
     model_sd = get_model_state_dict(module)
     _check_shapes(directory, model_sd, "model")
     to_load = {"model": model_sd}
-    try:
-        with _single_process_quiet():
-            dcp.load(to_load, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
-    except (OSError, RuntimeError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"cannot read the weights of checkpoint {directory}: {first_line}") from None
+    with _single_process_quiet():
+        load_shards(to_load, directory, no_dist=not dist.is_initialized())
     set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=True))
 
 

@@ -86,3 +86,21 @@ def test_missing_and_incomplete_checkpoints_are_one_line_errors(trained, tmp_pat
     shutil.copytree(root, shapes)
     with pytest.raises(CheckpointError, match="shape"):
         load_model_from_checkpoint(shapes, ["model.ffn_hidden_size=96"])
+
+
+def test_damaged_shard_is_a_one_line_error(trained, tmp_path):
+    root, _, _ = trained
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root, damaged)
+    shard = next((damaged / "iter_0000003").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated") as err:
+        load_model_from_checkpoint(damaged)
+    assert "\n" not in str(err.value)
+    garbage = tmp_path / "garbage"
+    shutil.copytree(root, garbage)
+    shard = next((garbage / "iter_0000003").glob("*.distcp"))
+    shard.write_bytes(b"\x00" * shard.stat().st_size)
+    with pytest.raises(CheckpointError, match="cannot be read") as err:
+        load_model_from_checkpoint(garbage)
+    assert "\n" not in str(err.value)

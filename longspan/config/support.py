@@ -119,7 +119,7 @@ FIELD_STATUS: dict[str, str] = {
                                     "hf_tokenizer_kwargs"),
     **_many("checkpoint", SUPPORTED, """
         save save_interval save_optim save_rng load load_optim load_rng finetune pretrained_checkpoint ckpt_step
-        use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save
+        use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save also_save_hf_checkpoint
         use_persistent_ckpt_worker fully_parallel_load
         """),
     **_many("logger", NOT_SUPPORTED, "log_energy"),

@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -188,13 +189,16 @@ class AutoBridge:
             self.load_weights_into(chunks, progress=progress)
         return chunks
 
-    def load_weights_into(self, chunks: list[nn.Module], progress: Callable[[str], None] | None = None) -> int:
-        """Copy this bridge's HF weights into already built chunks (any layout); returns the parameter count."""
+    def load_weights_into(self, chunks: list[nn.Module], progress: Callable[[str], None] | None = None,
+                          select: Callable[[str], bool] | None = None) -> int:
+        """Copy this bridge's HF weights into already built chunks (any layout); returns the parameter count.
+
+        ``select(longspan_name)`` False leaves a parameter alone."""
         if self.hf_path is None:
             raise CheckpointError("this bridge has no HF weights (it was made from a config): use from_hf_pretrained")
         reader = HFCheckpointReader(self.hf_path)
         try:
-            return load_hf_weights(chunks, self.family, reader, self.hf_vocab_size, progress=progress)
+            return load_hf_weights(chunks, self.family, reader, self.hf_vocab_size, progress=progress, select=select)
         finally:
             reader.close()
 
@@ -275,53 +279,34 @@ class AutoBridge:
             return None
         return entry.hf_name(layer)[: -len(".weight")]
 
-    # ------------------------------------------------------------------------------------------- checkpoints
-
-    @classmethod
-    def import_ckpt(cls, hf_path: str | os.PathLike, megatron_path: str | os.PathLike, **overrides: Any) -> None:
-        """Write the HF model at ``hf_path`` as a longspan checkpoint (iteration 0) under ``megatron_path``.
-
-        ``overrides`` are dotlist strings' keys and values, e.g. ``{"model.tensor_model_parallel_size": 2}``.
-        """
-        from longspan.conversion.checkpoint import import_hf_checkpoint
-
-        import_hf_checkpoint(hf_path, megatron_path, [f"{k}={v}" for k, v in overrides.items()])
-
-    def export_ckpt(self, megatron_path: str | os.PathLike, hf_path: str | os.PathLike) -> None:
-        """Write the longspan checkpoint at ``megatron_path`` as an HF model directory ``hf_path``."""
-        from longspan.conversion.checkpoint import export_longspan_checkpoint
-
-        export_longspan_checkpoint(megatron_path, hf_path, architecture=self.family.architecture)
-
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
 def container_for(provider: Any) -> Any:
-    """A ConfigContainer holding ``provider`` and defaults, enough to build a model for its layout."""
-    from longspan.training.config import ConfigContainer, TrainingConfig
-
-    cfg = ConfigContainer(model=provider, train=TrainingConfig(micro_batch_size=1))
-    if not torch.cuda.is_available():
-        cfg.dist.distributed_backend = "gloo"
-    return cfg
+    """The parts of a run's configuration that building a model reads (``model``, ``ddp``, ``dist``,
+    ``optimizer``, ``train.micro_batch_size``), with defaults: the layout is the provider's parallel fields."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return SimpleNamespace(model=provider, ddp=SimpleNamespace(), optimizer=None,
+                           dist=SimpleNamespace(distributed_backend=backend), train=SimpleNamespace(micro_batch_size=1))
 
 
 def build_empty_model(cfg: Any, parallel: Any) -> list[nn.Module]:
-    """The model chunks for ``cfg``'s layout, materialized but not initialized (weights come next)."""
+    """The model chunks for ``cfg``'s layout (parallel plans applied), materialized but not initialized."""
+    from longspan.models.gpt import build_gpt_model
+    from longspan.parallel.parallelize import parallelize_model
+    from longspan.parallel.pipeline import build_pipeline_chunks
+
     provider = copy.copy(cfg.model)
     provider.perform_initialization = False
-    if parallel.world_size == 1:
-        from longspan.models.gpt import build_gpt_model
-
-        model = build_gpt_model(provider, materialize=False)
-        model.to_empty(device=parallel.device)
-        return [model]
-    from longspan.training.setup import build_model
-
     shadow = copy.copy(cfg)
     shadow.model = provider
-    return build_model(shadow, parallel, seed=0)
+    if parallel.pp_size > 1:
+        return build_pipeline_chunks(shadow, parallel, seed=0)
+    model = build_gpt_model(provider, materialize=False)
+    model = parallelize_model(model, shadow, parallel)
+    model.to_empty(device=parallel.device)
+    return [model]
 
 
 def _is_stage_writer(parallel: Any) -> bool:

@@ -14,7 +14,7 @@ tensors; a fused HF tensor (GPT-2's ``c_attn``) is emitted once all its parts we
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -136,10 +136,15 @@ def read_parameter_part(
 
 @torch.no_grad()
 def load_hf_weights(chunks: list[nn.Module], family: Family, reader: HFCheckpointReader, hf_vocab: int | None,
-                    progress: Any = None) -> int:
-    """Copy the HF weights into every parameter of ``chunks`` (in place, any layout). Returns the count."""
+                    progress: Any = None, select: Callable[[str], bool] | None = None) -> int:
+    """Copy the HF weights into every parameter of ``chunks`` (in place, any layout). Returns the count.
+
+    ``select(name)`` False skips a parameter (adapters that a later load fills).
+    """
     count = 0
     for name, _module, _pname, param in iter_named_parameters(chunks):
+        if select is not None and not select(name):
+            continue
         entry, layer = lookup(family, name)
         full_shape = tuple(param.shape)
         box = _local_box(param)

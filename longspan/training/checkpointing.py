@@ -293,6 +293,10 @@ def save_checkpoint(
         partial_dir.mkdir(parents=True)
     _barrier()
 
+    if getattr(ckpt_cfg, "also_save_hf_checkpoint", False):  # collective; renamed into place with the rest
+        from longspan.training.hf_checkpoint import HF_SUBDIR, save_hf_checkpoint
+
+        save_hf_checkpoint(state, model, partial_dir / HF_SUBDIR)
     state_dict = _build_state_dict(
         model,
         optimizer,
@@ -396,6 +400,8 @@ def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
         if not root:
             continue
         root_path = Path(root)
+        if pretrained and _is_hf_model_dir(root_path):
+            return root_path, 0, True  # Hugging Face weights: load_checkpoint reads them through AutoBridge
         if ckpt_cfg.ckpt_step is not None and not pretrained:
             iteration = ckpt_cfg.ckpt_step
         else:
@@ -415,6 +421,12 @@ def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
             raise CheckpointError(f"checkpoint {directory} is missing or incomplete (no .metadata file)")
         return directory, iteration, pretrained or ckpt_cfg.finetune
     return None
+
+
+def _is_hf_model_dir(path: Path) -> bool:
+    from longspan.conversion import is_hf_model_dir
+
+    return is_hf_model_dir(path)
 
 
 def _iteration_from_dir(directory: Path) -> int:
@@ -472,6 +484,11 @@ def load_checkpoint(
     if found is None:
         return None
     directory, iteration, finetune = found
+    if _is_hf_model_dir(directory):
+        from longspan.training.hf_checkpoint import load_hf_pretrained
+
+        load_hf_pretrained(directory, model, select=model_keys)
+        return LoadedCheckpoint(directory, 0, None)
     module = _model_module(model)
     stored = _stored_keys(directory)
 
@@ -598,7 +615,7 @@ def apply_checkpoint_args(cfg: Any) -> list[str]:
     from longspan.core.model_parallel_config import ModelParallelConfig
 
     found = find_checkpoint(cfg.checkpoint)
-    if found is None:
+    if found is None or _is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
         return []
     run_config = found[0] / RUN_CONFIG_FILENAME
     if not run_config.is_file():

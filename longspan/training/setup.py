@@ -32,6 +32,7 @@ from longspan.training.checkpointing import (
     load_peft_checkpoint,
     set_rng_state,
 )
+from longspan.training.hf_checkpoint import apply_hf_pretrained_config
 from longspan.training.microbatches import NumMicroBatchesCalculator
 from longspan.training.optimizer import get_megatron_optimizer
 from longspan.training.scheduler import get_optimizer_param_scheduler
@@ -114,6 +115,7 @@ def setup(cfg: Any) -> SetupOutput:
 
     if cfg.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(cfg)
+    apply_hf_pretrained_config(cfg)  # pretrained_checkpoint = an HF directory: architecture + tokenizer from it
     tokenizer = build_tokenizer(cfg.tokenizer)
     state.tokenizer = tokenizer
     if cfg.model.vocab_size is None:

@@ -189,7 +189,14 @@ class CheckpointConfig:
     """Load only the model weights and start at iteration 0 (no optimizer or RNG state)."""
 
     pretrained_checkpoint: Optional[str] = None
-    """Checkpoint directory with the pretrained weights to finetune from."""
+    """Checkpoint directory with the pretrained weights to finetune from: a longspan/Megatron checkpoint, or a
+    Hugging Face model directory (config.json + safetensors), whose config.json then sets the model
+    architecture (the layout and precision fields stay) and whose tokenizer files the tokenizer."""
+
+    also_save_hf_checkpoint: bool = False
+    """With every save, also write the model as a Hugging Face directory ``iter_XXXXXXX/hf/`` (config.json +
+    safetensors + tokenizer files), gathered one tensor at a time; the architecture is the HF one the run
+    started from, else the matching one (Llama for the tiny recipe)."""
 
     ckpt_step: Optional[int] = None
     """Load this iteration instead of the latest."""

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from longspan.config.overrides import apply_overrides
-from longspan.core.errors import CheckpointError
+from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer
 from longspan.training.checkpoint_io import load_shards
@@ -51,6 +51,7 @@ _ONE_PROCESS_LAYOUT = {
     "expert_tensor_parallel_size": None,
     "sequence_parallel": False,
 }
+_LAYOUT_OVERRIDE_KEYS = {f"model.{name}" for name in _ONE_PROCESS_LAYOUT}
 
 
 @dataclass
@@ -191,6 +192,12 @@ def load_model_from_checkpoint(
     if hasattr(cfg.model, "finalize"):
         cfg.model.finalize()
     if parallel is None:
+        layout_overrides = [o for o in overrides if o.split("=", 1)[0].strip() in _LAYOUT_OVERRIDE_KEYS]
+        if layout_overrides:
+            raise ConfigError(
+                f"override {layout_overrides[0]!r} asks for a parallel layout, but parallel=None loads the model on "
+                "one process: drop the override, or pass parallel=<ParallelState> built for that layout"
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise CheckpointError(
                 f"load_model_from_checkpoint({path}) runs under {dist.get_world_size()} processes: pass "

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from longspan.core.errors import CheckpointError
+from longspan.core.errors import CheckpointError, ConfigError
 from longspan.training.model_loading import load_model_from_checkpoint
 from tests.inference.helpers import train_tiny_checkpoint
 
@@ -63,10 +63,18 @@ def test_overrides_apply_to_the_saved_config(trained):
     assert loaded.cfg.model.hidden_dropout == 0.0 and loaded.cfg.train.micro_batch_size == 1
 
 
-def test_one_process_load_resets_the_layout(trained, tmp_path):
+def test_one_process_load_resets_the_saved_layout_and_rejects_a_layout_override(trained, tmp_path):
     root, _, _ = trained
-    loaded = load_model_from_checkpoint(root, ["model.tensor_model_parallel_size=2"])
+    saved = tmp_path / "saved_tp2"
+    shutil.copytree(root, saved)
+    run_config = saved / "iter_0000003" / "run_config.yaml"
+    text = run_config.read_text()
+    assert "tensor_model_parallel_size: 1" in text
+    run_config.write_text(text.replace("tensor_model_parallel_size: 1", "tensor_model_parallel_size: 2", 1))
+    loaded = load_model_from_checkpoint(saved)  # trained under TP2: one process loads the whole model
     assert loaded.cfg.model.tensor_model_parallel_size == 1
+    with pytest.raises(ConfigError, match="model.tensor_model_parallel_size=2"):
+        load_model_from_checkpoint(root, ["model.tensor_model_parallel_size=2"])
 
 
 def test_missing_and_incomplete_checkpoints_are_one_line_errors(trained, tmp_path):

@@ -110,13 +110,15 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("ddp", SUPPORTED, "grad_reduce_in_fp32 overlap_grad_reduce use_distributed_optimizer bucket_size "
                               "average_in_collective"),
-    **_many("dataset", NOT_SUPPORTED, """
-        num_dataset_builder_threads object_storage_cache_path dataset_root seq_length seed memmap_workers
-        max_train_samples packed_sequence_specs dataset_kwargs do_validation do_test
+    **_many("dataset", NOT_SUPPORTED, "num_dataset_builder_threads object_storage_cache_path"),
+    # FinetuningDatasetConfig (issue 11): longspan.data.sft (JSONL under dataset_root, packing).
+    **_many("dataset", SUPPORTED, """
+        dataset_root seq_length seed memmap_workers max_train_samples packed_sequence_specs dataset_kwargs
+        do_validation do_test
         """),
     **_many("dataset", DEVICE, "pin_memory"),
     **_many("tokenizer", SUPPORTED, "tokenizer_type tokenizer_model vocab_size vocab_file merge_file "
-                                    "hf_tokenizer_kwargs"),
+                                    "hf_tokenizer_kwargs chat_template"),
     **_many("checkpoint", SUPPORTED, """
         save save_interval save_optim save_rng load load_optim load_rng finetune pretrained_checkpoint ckpt_step
         use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save also_save_hf_checkpoint
@@ -136,7 +138,7 @@ FIELD_STATUS: dict[str, str] = {
 
 # The model classes and dataset classes longspan can build.
 SUPPORTED_MODELS = ("GPTModelProvider",)
-SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig")
+SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig")
 
 
 def field_status(section: str, name: str) -> str:

@@ -92,8 +92,8 @@ def render() -> str:
         "  maths; longspan uses torch's kernels, accepts the field and lists it once at start-up when it is on.",
         "",
         "Model classes that can be built: GPTModelProvider (T5ModelProvider and MambaProvider load and",
-        "round-trip, but are not supported yet). Datasets: GPTDatasetConfig, MockGPTDatasetConfig",
-        "(FinetuningDatasetConfig is not supported yet). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
+        "round-trip, but are not supported yet). Datasets: GPTDatasetConfig, MockGPTDatasetConfig and",
+        "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
         "`comm_overlap` is not supported yet.",
         "",
     ]

@@ -219,6 +219,7 @@ def train_step(
         iteration=iteration,
     )
     timers("forward-backward").stop()
+    global_state.last_loss_tokens = _global_loss_tokens(num_tokens, parallel, global_state.device)
     if cfg.model.calculate_per_token_loss:
         finalize_model_grads(model, num_tokens, dp_group=parallel.dp_group, dp_size=parallel.dp_size)
 
@@ -250,6 +251,15 @@ def train_step(
     return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
 
 
+def _global_loss_tokens(num_tokens: torch.Tensor, parallel: Any, device: torch.device) -> int:
+    """Σloss_mask over the global batch (padding excluded): the tokens the loss is an average over."""
+    total = torch.as_tensor(num_tokens).detach().to(device=device, dtype=torch.int64).reshape(())
+    if parallel.dp_size > 1:
+        total = total.clone()
+        dist.all_reduce(total, group=parallel.dp_group)
+    return int(total)
+
+
 def post_training_step_callbacks(
     model: list[torch.nn.Module],
     num_floating_point_operations_since_last_log_event: float,
@@ -266,6 +276,10 @@ def post_training_step_callbacks(
     if interval and iteration % interval == 0:
         if should_toggle_forward_pre_hook:
             disable_forward_pre_hook(model)
+        if iteration == interval and replicated_parameter_count(model) == 0:
+            print_rank_0(
+                "train.check_weight_hash_across_dp_replicas_interval: no parameter has a data-parallel replica "
+                "here (fully sharded or one data-parallel rank), so the check compares nothing", logger)
         if not check_param_hashes_across_dp_replicas(model):
             raise RuntimeError(f"parameter hashes differ across data-parallel replicas at iteration {iteration}")
         if should_toggle_forward_pre_hook:
@@ -277,12 +291,43 @@ def post_training_step_callbacks(
         torch.cuda.synchronize()
 
 
-def check_param_hashes_across_dp_replicas(model: list[torch.nn.Module], dp_group: Any = None) -> bool:
-    """True when every data-parallel replica holds the same values of the parameters it replicates.
+def _tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
+    local = tensor.detach().cpu().contiguous()
+    return name.encode() + local.view(torch.uint8).numpy().tobytes()
 
-    Hashes (SHA-256) the plain parameters, which DDP replicates over the data-parallel group; DTensor
-    parameters are left out: FSDP2 and the distributed optimizer shard them over dp, so ranks hold different
-    pieces by design. ``dp_group`` defaults to the run's data-parallel group.
+
+def _replica_groups(param: torch.Tensor, dp_group: Any) -> list[tuple[str, Any]]:
+    """(key, process group) of the ranks that hold the same values as this rank for ``param``.
+
+    A plain parameter is replicated over the data-parallel group (DDP). A DTensor's local shard is replicated
+    along each mesh dimension whose placement is Replicate (HSDP's dp_replicate, a TP-replicated norm weight);
+    when its mesh has no data-parallel dimension, DDP replicates the whole mesh over the dp group as well.
+    """
+    if not hasattr(param, "to_local"):
+        return [("dp", dp_group)]
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    groups = []
+    if any(str(n) in ("ep", "etp") for n in names):  # experts: replicated over the expert data-parallel group
+        from longspan.parallel.init import get_parallel_state
+
+        groups.append(("edp", get_parallel_state().edp_group))
+    elif not any(str(n).startswith("dp") for n in names):
+        groups.append(("dp", dp_group))
+    for i, placement in enumerate(param.placements):
+        if placement.is_replicate() and mesh.size(i) > 1 and str(names[i]).startswith("dp"):
+            groups.append((f"mesh:{names[i]}", mesh.get_group(i)))
+    return groups
+
+
+def check_param_hashes_across_dp_replicas(model: list[torch.nn.Module], dp_group: Any = None) -> bool:
+    """True when every data-parallel replica holds the same values of what it replicates.
+
+    Each rank hashes (SHA-256) its local piece of every parameter, plain or DTensor, and compares the hash
+    with the ranks that replicate that piece over data parallel: the dp group for DDP (plain parameters and
+    TP/CP shards alike), the dp_replicate dimension for HSDP. Pieces sharded over data parallel (FSDP2, the
+    distributed optimizer) have no replica and are not compared; ``replicated_parameter_count`` tells
+    whether anything was. ``dp_group`` defaults to the run's data-parallel group.
     """
     if not dist.is_initialized():
         return True
@@ -290,17 +335,38 @@ def check_param_hashes_across_dp_replicas(model: list[torch.nn.Module], dp_group
         from longspan.parallel.init import get_parallel_state
 
         dp_group = get_parallel_state().dp_group
-    digest = hashlib.sha256()
+    digests: dict[str, tuple[Any, Any]] = {}
     for chunk in model:
         for name, param in sorted(chunk.named_parameters()):
-            if hasattr(param, "to_local"):
-                continue
-            digest.update(name.encode())
-            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    mine = digest.hexdigest()
-    gathered: list[Any] = [None] * dist.get_world_size(dp_group)
-    dist.all_gather_object(gathered, mine, group=dp_group)
-    return all(h == mine for h in gathered)
+            local = param.to_local() if hasattr(param, "to_local") else param
+            for key, group in _replica_groups(param, dp_group):
+                if group is None or dist.get_world_size(group) < 2:
+                    continue
+                digest, _ = digests.setdefault(key, (hashlib.sha256(), group))
+                digest.update(_tensor_digest(name, local))
+    agree = True
+    for key in sorted(digests):  # one fixed order on every rank: the groups of one key are disjoint
+        digest, group = digests[key]
+        mine = digest.hexdigest()
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        agree = agree and all(h == mine for h in gathered)
+    return agree
+
+
+def replicated_parameter_count(model: list[torch.nn.Module], dp_group: Any = None) -> int:
+    """How many parameters have a data-parallel replica to compare with (0: the hash check does not apply)."""
+    if not dist.is_initialized():
+        return 0
+    if dp_group is None:
+        from longspan.parallel.init import get_parallel_state
+
+        dp_group = get_parallel_state().dp_group
+    return sum(
+        any(group is not None and dist.get_world_size(group) > 1 for _, group in _replica_groups(param, dp_group))
+        for chunk in model
+        for _, param in chunk.named_parameters()
+    )
 
 
 def should_disable_forward_pre_hook(

@@ -110,34 +110,39 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
 
 @dataclass
 class FinetuningDatasetConfig(DataloaderConfig):
-    """Supervised finetuning data (JSONL files under dataset_root)."""
+    """Supervised finetuning data: JSONL files under dataset_root (longspan.data.sft, Megatron Bridge's GPT SFT data)."""
 
     dataset_root: Optional[str] = None
-    """Directory with the training/validation/test JSONL files."""
+    """Directory with training.jsonl, validation.jsonl and optionally test.jsonl; records are prompt/completion
+    ({"input", "output"}) or chat ({"messages": [{"role", "content"}, ...]}). Line indexes (and packs) are cached here."""
 
     seq_length: Optional[int] = None
-    """Maximum tokens per sample."""
+    """Maximum tokens per sample (longer records are truncated); None means model.seq_length."""
 
     seed: int = 1234
-    """Seed of the dataset shuffle."""
+    """Seed of the training sample order (each epoch a fresh permutation) and of the packing tie-breaks."""
 
     memmap_workers: int = 1
-    """Workers that build the memory-mapped index."""
+    """Threads that scan a JSONL file when its line index is built (once; the index is cached beside it)."""
 
     max_train_samples: Optional[int] = None
-    """Use at most this many training samples."""
+    """Length of the training split in samples (epochs over the records); None means train_iters x
+    global_batch_size. Fewer than the run needs is an error."""
 
     packed_sequence_specs: Optional[dict[str, Any]] = None
-    """Sequence packing settings (Megatron Bridge's PackedSequenceSpecs fields)."""
+    """Sequence packing (Megatron Bridge's PackedSequenceSpecs fields: packed_sequence_size, packed_train_data_path,
+    packed_val_data_path, packed_metadata_path, pad_cu_seqlens, pad_seq_to_mult, ...); None or a size <= 0: off."""
 
     dataset_kwargs: Optional[dict[str, Any]] = None
-    """Extra keyword arguments for the dataset class."""
+    """Formatting options (Bridge's GPT SFT dataset arguments): prompt_template, label_key, truncation_field,
+    truncation_method, add_bos, add_eos, answer_only_loss, pad_to_max_length, pad_seq_length_to_mult, chat,
+    messages_key. Unknown keys are rejected."""
 
     do_validation: bool = True
-    """Build a validation split."""
+    """Build the validation split from validation.jsonl (which must then exist)."""
 
     do_test: bool = True
-    """Build a test split."""
+    """Build the test split from test.jsonl when the file exists."""
 
 
 @dataclass(kw_only=True)
@@ -184,7 +189,7 @@ class TokenizerConfig:
     """Extra keyword arguments for ``AutoTokenizer.from_pretrained``."""
 
     chat_template: Optional[str] = None
-    """Chat template (Jinja) for the tokenizer."""
+    """Chat template (Jinja) for chat SFT records; None uses the tokenizer's own (tokenizer_config.json)."""
 
     metadata_path: Optional[Union[str, dict[str, Any]]] = None
     """Metadata of a Megatron Core tokenizer."""

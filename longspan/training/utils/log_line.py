@@ -307,6 +307,7 @@ def training_log(
         # everything done before), so the baseline is the total before this iteration.
         global_state._flops_at_last_log = max(0.0, so_far - (flops or 0.0))
     if metrics_logger is not None:
+        loss_tokens = getattr(global_state, "last_loss_tokens", None)
         record = {
             "phase": "train",
             "iteration": iteration,
@@ -321,6 +322,9 @@ def training_log(
             "loss_scale": loss_scale,
             "iteration_time_s": iteration_time,
             "tokens_per_s": batch_size * seq_len / iteration_time if iteration_time and seq_len else None,
+            # loss tokens: Σloss_mask of the global batch (no padding, no prompt tokens of SFT data)
+            "loss_tokens": loss_tokens,
+            "loss_tokens_per_s": loss_tokens / iteration_time if iteration_time and loss_tokens is not None else None,
             "throughput": flops / iteration_time / get_world_size() / 1e12 if iteration_time and flops else None,
             "skipped_iterations": int(skipped_iter),
             "nan_iterations": int(got_nan),

@@ -1,0 +1,92 @@
+"""SFT data through the real trainer (``pretrain``): train metrics count loss tokens, not padding, and a stopped
+and resumed run (dropout on) continues with exactly the same samples and losses, packed or not."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.data.sft.conftest import make_hf_tokenizer_dir, qa_records, write_jsonl
+from tests.training.pretrain_helpers import read_metrics, small_config
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def sft_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    tok = make_hf_tokenizer_dir(str(root / "tok"))
+    write_jsonl(str(root / "data" / "training.jsonl"), qa_records(40, seed=1, skew=True))
+    write_jsonl(str(root / "data" / "validation.jsonl"), qa_records(8, seed=2))
+    return root, tok
+
+
+def _config(root: Path, tok: str, name: str, iters: int = 4, packed: bool = False, dropout: float = 0.0,
+            **dataset_kwargs):
+    from longspan.training.config import FinetuningDatasetConfig
+
+    cfg = small_config(root, name, train_iters=iters, eval_interval=100)
+    cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
+    cfg.tokenizer.tokenizer_model = tok
+    cfg.tokenizer.vocab_size = None
+    cfg.model.hidden_dropout = dropout
+    cfg.model.attention_dropout = dropout
+    cfg.dataset = FinetuningDatasetConfig(
+        dataset_root=str(root / "data"), seq_length=SEQ, num_workers=0, do_validation=False,
+        packed_sequence_specs={"packed_sequence_size": SEQ} if packed else None, dataset_kwargs=dataset_kwargs or None)
+    return cfg
+
+
+def _expected_loss_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
+    """Σloss_mask of each global batch, from the dataset's samples (the oracle for the logged count)."""
+    from types import SimpleNamespace
+
+    from longspan.data.loaders import build_train_valid_test_datasets
+    from longspan.data.tokenizers import HuggingFaceTokenizer
+
+    view = SimpleNamespace(dataset=cfg.dataset, model=SimpleNamespace(seq_length=SEQ),
+                           tokenizer=SimpleNamespace(chat_template=None), train=cfg.train)
+    train = build_train_valid_test_datasets(view, HuggingFaceTokenizer(tokenizer_dir))[0]
+    gbs = cfg.train.global_batch_size
+    return [int(sum(float(train[i]["loss_mask"].sum()) for i in range(k * gbs, (k + 1) * gbs))) for k in range(iters)]
+
+
+def test_logged_loss_and_token_counts_ignore_padding(sft_dirs):
+    from longspan.training.forward_step import forward_step
+    from longspan.training.pretrain import pretrain
+
+    root, tok = sft_dirs
+    padded = _config(root, tok, "padded")  # every microbatch padded to seq_length
+    tight = _config(root, tok, "tight", pad_to_max_length=False, pad_seq_length_to_mult=8)
+    pretrain(padded, forward_step)
+    pretrain(tight, forward_step)
+    a, b = read_metrics(padded), read_metrics(tight)
+    expected = _expected_loss_tokens(padded, tok, 4)
+    assert [r["loss_tokens"] for r in a] == [r["loss_tokens"] for r in b] == expected
+    assert len(set(expected)) > 1  # uneven masks: the counts differ between global batches
+    for ra, rb in zip(a, b):
+        assert math.isclose(ra["losses"]["lm loss"], rb["losses"]["lm loss"], rel_tol=1e-5)
+    assert a[-1]["losses"]["lm loss"] < a[0]["losses"]["lm loss"]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_stop_and_resume_is_exact_with_dropout(sft_dirs, packed):
+    from longspan.training.forward_step import forward_step
+    from longspan.training.pretrain import pretrain
+
+    root, tok = sft_dirs
+    name = "packed" if packed else "plain"
+    full = _config(root, tok, f"full_{name}", iters=5, packed=packed, dropout=0.1)
+    full.checkpoint.save_interval = 2
+    pretrain(full, forward_step)
+    resumed = _config(root, tok, f"resumed_{name}", iters=5, packed=packed, dropout=0.1)
+    resumed.checkpoint.load = full.checkpoint.save
+    resumed.checkpoint.ckpt_step = 2
+    pretrain(resumed, forward_step)
+    want = {r["iteration"]: (r["losses"]["lm loss"], r["loss_tokens"]) for r in read_metrics(full)}
+    got = {r["iteration"]: (r["losses"]["lm loss"], r["loss_tokens"]) for r in read_metrics(resumed)}
+    assert sorted(got) == [3, 4, 5]
+    for it in (3, 4, 5):
+        assert got[it] == want[it], (it, got[it], want[it])

@@ -1,6 +1,8 @@
 """``longspan preprocess --input FILE --output-prefix PREFIX --tokenizer-type T [...]``: text -> .bin/.idx.
 
 The options are those of Megatron's tools/preprocess_data.py; outputs are ``{prefix}_{key}_document.bin/.idx``.
+``--pack-sft DIR --packed-sequence-size N`` instead packs an SFT dataset (DIR/training.jsonl, validation.jsonl)
+ahead of time into the files a finetuning run with ``dataset.packed_sequence_specs`` reads (longspan.data.sft).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+from longspan.core.errors import LaunchError
 from longspan.core.logging import get_logger, setup_logging
 
 logger = get_logger(__name__)
@@ -19,7 +22,7 @@ def add_parser(subparsers: Any, name: str) -> None:
     parser = subparsers.add_parser(name, help="tokenize JSONL / text / Parquet into Megatron .bin/.idx files",
                                    description=__doc__.splitlines()[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="a .jsonl/.json file, a .parquet file, or plain text (one document per line)")
+    group.add_argument("--input", help="a .jsonl/.json file, a .parquet file, or plain text (one document per line)")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys (Parquet columns) to extract")
     group.add_argument("--split-sentences", action="store_true", help="store each sentence as a sequence (needs NLTK punkt)")
     group.add_argument("--keep-newlines", action="store_true", help="keep newlines between sentences when splitting")
@@ -34,7 +37,17 @@ def add_parser(subparsers: Any, name: str) -> None:
     group.add_argument("--add-bos", action="store_true", help="prepend the beginning-of-sequence token to each document")
     group.add_argument("--lang", default="english", help="language of the sentence splitter")
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", required=True, help="path prefix of the output files (without _key_document)")
+    group.add_argument("--output-prefix", help="path prefix of the output files (without _key_document)")
+    group = parser.add_argument_group("SFT packing (instead of --input/--output-prefix)")
+    group.add_argument("--pack-sft", metavar="DIR", default=None,
+                       help="pack DIR/training.jsonl and validation.jsonl for dataset.packed_sequence_specs")
+    group.add_argument("--packed-sequence-size", type=int, default=None, help="tokens per pack (= model.seq_length)")
+    group.add_argument("--seq-length", type=int, default=None, help="truncate documents to this (default: the pack size)")
+    group.add_argument("--seed", type=int, default=1234, help="dataset.seed (packing tie-breaks)")
+    group.add_argument("--dataset-kwargs", default=None, help="dataset.dataset_kwargs as JSON")
+    group.add_argument("--chat-template", default=None, help="a file with the Jinja chat template (tokenizer.chat_template)")
+    group.add_argument("--tokenizer-model-name", default=None, help="packed_sequence_specs.tokenizer_model_name")
+    group.add_argument("--pad-seq-to-mult", type=int, default=1, help="packed_sequence_specs.pad_seq_to_mult")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=_positive_int, default=1, help="tokenizer worker processes")
     group.add_argument("--partitions", type=_positive_int, default=1,
@@ -69,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     from longspan.data.preprocess import PreprocessOptions, preprocess
 
     setup_logging()
+    if args.pack_sft is not None:
+        return _pack_sft(args)
+    if args.input is None or args.output_prefix is None:
+        raise LaunchError("longspan preprocess needs --input and --output-prefix (or --pack-sft DIR)")
     tokenizer_config = SimpleNamespace(
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
@@ -95,4 +112,34 @@ def run(args: argparse.Namespace) -> int:
         f"{result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s: "
         f"{result.tokens_per_second:,.0f} tokens/s, {result.tokens_per_second / cores:,.0f} tokens/s per core"
     )
+    return 0
+
+
+def _pack_sft(args: argparse.Namespace) -> int:
+    import json
+
+    from longspan.data.sft import PackedSequenceSpecs, pack_sft_dataset
+    from longspan.data.tokenizers import build_tokenizer
+
+    if not args.packed_sequence_size or args.packed_sequence_size <= 0:
+        raise LaunchError("--pack-sft needs --packed-sequence-size N (a positive number of tokens, = model.seq_length)")
+    try:
+        dataset_kwargs = json.loads(args.dataset_kwargs) if args.dataset_kwargs else None
+    except ValueError as exc:
+        raise LaunchError(f"--dataset-kwargs {args.dataset_kwargs!r} is not valid JSON: {exc}") from None
+    chat_template = None
+    if args.chat_template:
+        if not os.path.isfile(args.chat_template):
+            raise LaunchError(f"--chat-template {args.chat_template} does not exist")
+        with open(args.chat_template) as f:
+            chat_template = f.read()
+    tokenizer = build_tokenizer(SimpleNamespace(
+        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+        merge_file=args.merge_file, vocab_size=args.vocab_size, hf_tokenizer_kwargs=None))
+    specs = PackedSequenceSpecs(packed_sequence_size=args.packed_sequence_size,
+                                tokenizer_model_name=args.tokenizer_model_name, pad_seq_to_mult=args.pad_seq_to_mult)
+    for path, meta in pack_sft_dataset(args.pack_sft, tokenizer, specs, args.seq_length, args.seed, dataset_kwargs,
+                                       chat_template, max(1, args.workers)):
+        logger.info(f"{path}: {meta['num_documents']} documents in {meta['num_packs']} packs of "
+                    f"{meta['packed_sequence_size']} tokens, {meta['useful_token_fraction']:.1%} useful")
     return 0

@@ -5,6 +5,7 @@ from longspan.data.sft.dataset import (
     PackedSFTDataset,
     SFTDataset,
     build_sft_datasets,
+    pack_sft_dataset,
     prepare_packed_split,
 )
 from longspan.data.sft.formatting import SFTFormatOptions, parse_format_options
@@ -13,6 +14,6 @@ from longspan.data.sft.packing import PackedSequenceSpecs, first_fit_decreasing,
 
 __all__ = [
     "EpochSampleMap", "JsonlIndex", "PackedSFTDataset", "PackedSequenceSpecs", "SFTDataset", "SFTFormatOptions",
-    "build_sft_datasets", "first_fit_decreasing", "parse_format_options", "prepare_packed_split",
+    "build_sft_datasets", "first_fit_decreasing", "pack_sft_dataset", "parse_format_options", "prepare_packed_split",
     "resolve_packed_specs",
 ]

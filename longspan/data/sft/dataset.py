@@ -203,7 +203,7 @@ def _packed_path(root: str, split: str, specs: PackedSequenceSpecs, tokenizer: A
 def _settings(tokenizer: Any, opts: SFTFormatOptions, seq_len: int, specs: PackedSequenceSpecs, seed: int,
               chat_template: Optional[str]) -> dict[str, Any]:
     tok_id = {"class": type(tokenizer).__name__, "vocab_size": getattr(tokenizer, "vocab_size", None),
-              "path": str(getattr(tokenizer, "path", "")), "eos": getattr(tokenizer, "eos", None),
+              "path": os.path.abspath(str(getattr(tokenizer, "path", ""))), "eos": getattr(tokenizer, "eos", None),
               "bos": getattr(tokenizer, "bos", None)}
     return {"tokenizer": tok_id, "options": vars(opts), "max_len": seq_len, "pack": specs.packed_sequence_size,
             "pad_seq_to_mult": specs.pad_seq_to_mult or 1, "seed": seed, "chat_template": chat_template}
@@ -231,6 +231,30 @@ def prepare_packed_split(jsonl_path: str, out_path: str, tokenizer: Any, opts: S
     formatter = SFTDataset(jsonl_path, tokenizer, max_len, None, seed, False, opts, chat_template, index_workers)
     return pack_jsonl(formatter.index, formatter.format_record, out_path, specs, seed, formatter.pad_id, fingerprint,
                       formatter.location)
+
+
+def pack_sft_dataset(root: str, tokenizer: Any, specs: PackedSequenceSpecs, seq_length: Optional[int] = None,
+                     seed: int = 1234, dataset_kwargs: Optional[dict[str, Any]] = None,
+                     chat_template: Optional[str] = None, index_workers: int = 1) -> list[tuple[str, dict[str, Any]]]:
+    """Pack training.jsonl and validation.jsonl of ``root`` ahead of time (``longspan preprocess --pack-sft``).
+
+    The files go where training looks for them (``specs``' packed paths, else ``root/packed/...``), with the
+    fingerprint training checks, so a run with the same tokenizer, seed and options reuses them.
+    Returns ``[(packed path, metadata)]`` per packed split.
+    """
+    opts = parse_format_options(dataset_kwargs)
+    seq_length = seq_length or specs.packed_sequence_size
+    out = []
+    for split in ("train", "validation"):
+        path = os.path.join(root, SPLIT_FILES[split])
+        if not os.path.isfile(path):
+            if split == "train":
+                raise DataError(f"data file {path} does not exist")
+            continue
+        packed = _packed_path(root, split, specs, tokenizer)
+        out.append((packed, prepare_packed_split(path, packed, tokenizer, opts, seq_length, specs, seed, chat_template,
+                                                 index_workers)))
+    return out
 
 
 def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,

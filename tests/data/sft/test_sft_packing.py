@@ -272,3 +272,26 @@ def test_explicit_packed_paths_and_size_checks(tmp_path, tokenizer):
                do_validation=False)
     with pytest.raises(DataError, match="packs of 32 tokens"):
         build_train_valid_test_datasets(cfg, tokenizer)
+
+
+def test_preprocess_pack_sft_writes_the_files_training_reuses(tmp_path, hf_tokenizer_dir, tokenizer, capsys):
+    from longspan.cli import main
+    from longspan.data.loaders import build_train_valid_test_datasets
+
+    write_jsonl(str(tmp_path / "training.jsonl"), qa_records(50, seed=1, skew=True))
+    write_jsonl(str(tmp_path / "validation.jsonl"), qa_records(6, seed=2))
+    kwargs = '{"add_bos": true}'
+    assert main(["preprocess", "--pack-sft", str(tmp_path), "--packed-sequence-size", str(PACK),
+                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_dir,
+                 "--seed", "7", "--dataset-kwargs", kwargs]) == 0
+    packed = tmp_path / "packed" / "HuggingFaceTokenizer" / f"training_{PACK}.npy"
+    mtime = os.stat(packed).st_mtime_ns
+    assert os.path.isfile(tmp_path / "packed" / "HuggingFaceTokenizer" / f"validation_{PACK}.npy")
+    cfg = _cfg(tmp_path, {"packed_sequence_size": PACK}, seed=7, dataset_kwargs=json.loads(kwargs))
+    train = build_train_valid_test_datasets(cfg, tokenizer)[0]
+    assert train.path == str(packed) and os.stat(packed).st_mtime_ns == mtime  # reused, not rebuilt
+    assert int(train[0]["tokens"][0]) == tokenizer.bos  # the dataset_kwargs given to preprocess were applied
+    # missing pack size: a one-line error, exit code 2
+    assert main(["preprocess", "--pack-sft", str(tmp_path), "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", hf_tokenizer_dir]) == 2
+    assert "--packed-sequence-size" in capsys.readouterr().err

@@ -63,11 +63,28 @@ def _load_hf_model(hf_dir: str) -> tuple[Any, Any, list[int] | None]:
     return model, tokenizer, _hf_eos_ids(path, tokenizer)
 
 
+def _device(name: str | None) -> Any:
+    """``--device`` as a torch.device (None: the default), or a one-line error."""
+    import torch
+
+    from longspan.core.errors import ConfigError
+
+    if not name:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name!r}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
     """(model chunks, tokenizer, end-of-sequence ids or None for the tokenizer's) of the chosen source."""
     import torch
 
-    device = torch.device(args.device) if args.device else None
+    device = _device(args.device)
     if args.checkpoint is not None:
         from longspan.training.model_loading import load_model_from_checkpoint
 

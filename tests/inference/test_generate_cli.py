@@ -66,6 +66,7 @@ def test_plain_output_is_the_text_and_iter_dir_works(checkpoint, capsys):
         (["--checkpoint", "{ckpt}", "--prompt", "x", "--top-k", "-2"], "top_k=-2"),
         (["--checkpoint", "{ckpt}", "--prompt", "x", "--top-k", "two"], "invalid int value"),
         (["--hf-model", "{missing}", "--prompt", "x"], "is not a directory"),
+        (["--checkpoint", "{ckpt}", "--prompt", "x", "--device", "gpu9"], "is not a device"),
         (["--hf-model", "{ckpt}", "--prompt", "x"], "has no config.json"),
     ],
 )

@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "config": "longspan.cli.config_cmd",
     "preprocess": "longspan.cli.preprocess_cmd",
     "generate": "longspan.cli.generate_cmd",
+    "convert": "longspan.cli.convert_cmd",
 }
 
 

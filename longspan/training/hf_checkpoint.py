@@ -179,8 +179,10 @@ def import_hf_checkpoint(hf_path: str | os.PathLike, output: str | os.PathLike, 
     model = bridge_mod.build_empty_model(cfg, parallel)
     total = sum(1 for chunk in model for _ in chunk.parameters())
     progress = ProgressLog(total, "import", enabled=show_progress and parallel.rank == 0)
-    bridge.load_weights_into(model, progress=progress)
-    progress.close()
+    try:
+        bridge.load_weights_into(model, progress=progress)
+    finally:
+        progress.close()
     state = GlobalState()
     state.cfg = cfg
     state.parallel = parallel
@@ -227,8 +229,10 @@ def export_longspan_checkpoint(checkpoint: str | os.PathLike, output: str | os.P
             bridge = AutoBridge.from_longspan_provider(cfg.model, architecture)
     total = sum(1 for chunk in model for _ in chunk.parameters())
     progress = ProgressLog(total, "export", enabled=show_progress and _rank() == 0)
-    bridge.save_hf_pretrained(model, output, progress=progress)
-    progress.close()
+    try:
+        bridge.save_hf_pretrained(model, output, progress=progress)
+    finally:
+        progress.close()
     if _rank() == 0:
         copied = []
         if iter_dir is not None and (iter_dir / "tokenizer").is_dir():

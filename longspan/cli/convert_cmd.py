@@ -1,0 +1,93 @@
+"""``longspan convert import|export``: Hugging Face models to longspan checkpoints and back.
+
+``convert import --hf-model DIR --output CKPT_DIR [--config F.yaml] [section.field=value ...]`` writes a
+longspan checkpoint at iteration 0 (weights, run_config.yaml, tokenizer files, tracker) that ``pretrain`` /
+``finetune`` load as ``checkpoint.pretrained_checkpoint``. ``convert export --checkpoint CKPT_DIR --output
+HF_DIR`` writes config.json + safetensors + tokenizer files for ``transformers``. Both take the layout as
+``pretrain`` does (``model.tensor_model_parallel_size=2`` ...) and ``--nproc-per-node N`` for large models:
+each rank then reads (import) or gathers (export) only its own part, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from longspan.core.errors import CheckpointError, NotSupportedError
+
+
+def add_parser(subparsers: Any, name: str) -> None:
+    parser = subparsers.add_parser(name, help="convert Hugging Face models to longspan checkpoints and back",
+                                   description=__doc__.splitlines()[0])
+    actions = parser.add_subparsers(dest="action", required=True, parser_class=type(parser))
+    imp = actions.add_parser("import", help="HF model directory -> longspan checkpoint (iteration 0)")
+    imp.add_argument("--hf-model", required=True, metavar="DIR", help="HF model directory (config.json + safetensors)")
+    imp.add_argument("--output", required=True, metavar="CKPT_DIR", help="longspan checkpoint directory to write")
+    exp = actions.add_parser("export", help="longspan checkpoint -> HF model directory")
+    exp.add_argument("--checkpoint", required=True, metavar="CKPT_DIR",
+                     help="longspan checkpoint: a save root (with the tracker file) or an iter_XXXXXXX directory")
+    exp.add_argument("--output", required=True, metavar="HF_DIR", help="HF model directory to write")
+    exp.add_argument("--architecture", default=None,
+                     help="HF architecture to export as (default: the one the checkpoint was imported from, "
+                          "else the matching one, e.g. LlamaForCausalLM)")
+    exp.add_argument("--adapter-only", action="store_true",
+                     help="write only the PEFT adapters as an HF PEFT adapter directory")
+    for sub in (imp, exp):
+        sub.add_argument("--config", action="append", default=[], metavar="FILE",
+                         help="YAML file with the layout (repeatable; later wins)")
+        sub.add_argument("--nproc-per-node", type=int, default=None, help="start N worker processes on this node")
+        sub.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
+        sub.add_argument("overrides", nargs="*", help="dotlist overrides: section.field=value (the layout)")
+        sub.set_defaults(func=run, command_name=name)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "import":
+        _check_dir(args.hf_model, "--hf-model")
+    else:
+        _check_dir(args.checkpoint, "--checkpoint")
+    if args.nproc_per_node:
+        return _launch(args)
+    if args.action == "import":
+        from longspan.training.hf_checkpoint import import_hf_checkpoint
+
+        import_hf_checkpoint(args.hf_model, args.output, args.overrides, args.config,
+                             show_progress=not args.no_progress)
+        print(f"imported {args.hf_model} -> {args.output}")
+        return 0
+    if args.adapter_only:
+        return _export_adapter(args)
+    if args.config:
+        raise NotSupportedError("convert export takes the saved run's configuration: use dotlist overrides, not --config")
+    from longspan.training.hf_checkpoint import export_longspan_checkpoint
+
+    export_longspan_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture,
+                               show_progress=not args.no_progress)
+    print(f"exported {args.checkpoint} -> {args.output}")
+    return 0
+
+
+def _export_adapter(args: argparse.Namespace) -> int:
+    """Hook for the HF PEFT adapter export (longspan.peft)."""
+    try:
+        from longspan.peft.hf_export import export_adapter_checkpoint  # type: ignore[import-not-found]
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("longspan.peft"):
+            raise NotSupportedError("convert export --adapter-only is not supported yet in this build") from None
+        raise
+    export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
+    print(f"exported adapters of {args.checkpoint} -> {args.output}")
+    return 0
+
+
+def _check_dir(path: str, flag: str) -> None:
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{flag} {path}: no such directory")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from longspan.cli.pretrain_cmd import _strip_launch_args
+    from longspan.parallel.launcher import launch
+
+    return launch(_strip_launch_args(args.argv), nproc_per_node=args.nproc_per_node)

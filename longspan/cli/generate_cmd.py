@@ -97,9 +97,15 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.core.errors import ConfigError
+    from longspan.core.errors import ConfigError, LaunchError
+    from longspan.core.logging import get_world_size
     from longspan.inference import check_generation_args, generate
 
+    if get_world_size() > 1:
+        raise LaunchError(
+            f"longspan generate runs on one process, but this launch has {get_world_size()} (WORLD_SIZE): "
+            "run it without torchrun/srun"
+        )
     if not args.prompt:
         raise ConfigError("--prompt is empty: give the text to continue")
     check_generation_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

@@ -85,6 +85,13 @@ def test_user_errors_are_one_line_exit_2(checkpoint, tmp_path, capsys, argv, mes
     assert "Traceback" not in out.err
 
 
+def test_refuses_a_multi_process_launch(checkpoint, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, out, err = _run(capsys, ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"])
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "runs on one process" in err
+
+
 @pytest.mark.slow
 def test_readme_quickstart_then_generate(tmp_path):
     """``longspan pretrain --recipe tiny`` (2 iterations here) then ``longspan generate --checkpoint

@@ -115,8 +115,31 @@ def _build_finetuning_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
     seq_length = d.seq_length if d.seq_length is not None else model_seq
     if seq_length is None:
         raise DataError("dataset.seq_length and model.seq_length are both unset: set the sequence length")
+    _check_sft_layout(d, getattr(cfg, "model", None))
     chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
     return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length), chat_template)
+
+
+def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:
+    """Microbatches padded to their longest sample must still fit the layout's fixed shapes."""
+    from longspan.core.errors import ConfigError
+    from longspan.data.sft.formatting import parse_format_options
+
+    opts = parse_format_options(getattr(dataset_cfg, "dataset_kwargs", None))
+    if opts.pad_to_max_length:
+        return
+    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(model, "context_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ConfigError(
+            "dataset.dataset_kwargs.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages "
+            "exchange activations of a fixed length; leave pad_to_max_length at True"
+        )
+    if cp > 1 and opts.pad_seq_length_to_mult % (2 * cp):
+        raise ConfigError(
+            f"dataset.dataset_kwargs.pad_seq_length_to_mult={opts.pad_seq_length_to_mult} must be a multiple of "
+            f"2 x context_parallel_size = {2 * cp} when pad_to_max_length=False"
+        )
 
 
 def collate_samples(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:

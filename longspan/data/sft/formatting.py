@@ -237,6 +237,11 @@ class ChatFormatter:
         self._render: Optional[Callable[..., str]] = None
         self._specials: dict[str, str] = {}
 
+    def __getstate__(self) -> dict[str, Any]:  # the compiled template is rebuilt (and cached) where it is used
+        state = dict(self.__dict__)
+        state["_render"] = None
+        return state
+
     def _renderer(self, where: str) -> Callable[..., str]:
         if self._render is None:
             if self.template is None:

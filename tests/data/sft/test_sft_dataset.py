@@ -77,7 +77,8 @@ def test_epoch_map_is_seeded_covers_each_epoch_and_resumes():
 def _cfg(root, train_iters=6, gbs=4, mbs=2, seq=48, **dataset):
     from longspan.training.configs.data import FinetuningDatasetConfig
 
-    d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, num_workers=0, **dataset)
+    dataset.setdefault("num_workers", 0)
+    d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, **dataset)
     return SimpleNamespace(
         dataset=d, model=SimpleNamespace(seq_length=seq), tokenizer=SimpleNamespace(chat_template=None),
         train=SimpleNamespace(micro_batch_size=mbs, global_batch_size=gbs, train_iters=train_iters,
@@ -119,6 +120,12 @@ def test_loader_dispatch_batches_and_exact_resume(sft_root, tokenizer):
         for key in want:
             assert torch.equal(want[key], got[key])
     assert len(_take(valid, 6)) == 6  # validation cycles
+    # DataLoader worker processes give the same batches
+    cfg_workers = _cfg(sft_root, num_workers=2)
+    workers, _, _ = build_train_valid_test_data_iterators(cfg_workers, SimpleNamespace(
+        consumed_train_samples=0, consumed_valid_samples=0), tokenizer)
+    for want, got in zip(batches[:3], _take(workers, 3)):
+        assert all(torch.equal(want[k], got[k]) for k in want)
     # dp rank 1 of 2 reads the other half of each global batch
     r1, _, _ = build_train_valid_test_data_iterators(cfg, SimpleNamespace(consumed_train_samples=0,
                                                                            consumed_valid_samples=0),
@@ -174,3 +181,18 @@ def test_indexing_speed_is_reported(tmp_path, capsys):
     assert time.perf_counter() - start < 0.5
     assert index.record(len(index) - 1)["output"] == "y" * 60
     assert isinstance(np.asarray(index.starts), np.ndarray)
+
+
+def test_padding_to_the_longest_is_checked_against_the_layout(sft_root, tokenizer):
+    from longspan.data.loaders import build_train_valid_test_datasets
+
+    kwargs = {"pad_to_max_length": False, "pad_seq_length_to_mult": 6}
+    cfg = _cfg(sft_root, dataset_kwargs=kwargs)
+    cfg.model.pipeline_model_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        build_train_valid_test_datasets(cfg, tokenizer)
+    cfg.model.pipeline_model_parallel_size, cfg.model.context_parallel_size = 1, 2
+    with pytest.raises(ConfigError, match="multiple of 2 x context_parallel_size = 4"):
+        build_train_valid_test_datasets(cfg, tokenizer)
+    cfg.dataset.dataset_kwargs = {"pad_to_max_length": False, "pad_seq_length_to_mult": 8}
+    assert build_train_valid_test_datasets(cfg, tokenizer)[0] is not None

@@ -13,7 +13,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+
 from longspan.core.errors import ConfigError
+from longspan.models.activations import gelu_tanh
 
 DTYPES: dict[str, torch.dtype] = {
     "torch.float32": torch.float32,
@@ -37,11 +39,13 @@ CALLABLES: dict[str, Callable[..., Any]] = {
     "torch.tanh": torch.tanh,
     "torch.sigmoid": torch.sigmoid,
     "torch.nn.functional.sigmoid": torch.sigmoid,
+    "longspan.models.activations.gelu_tanh": gelu_tanh,
 }
 CALLABLE_ALIASES: dict[str, str] = {
     "gelu": "torch.nn.functional.gelu", "silu": "torch.nn.functional.silu", "swish": "torch.nn.functional.silu",
     "relu": "torch.nn.functional.relu", "tanh": "torch.tanh", "sigmoid": "torch.sigmoid",
     "F.gelu": "torch.nn.functional.gelu", "F.silu": "torch.nn.functional.silu", "F.relu": "torch.nn.functional.relu",
+    "gelu_tanh": "longspan.models.activations.gelu_tanh", "openai_gelu": "longspan.models.activations.gelu_tanh",
 }
 
 # Canonical (longspan) names of the config classes, used in the YAML that longspan writes.
@@ -51,7 +55,7 @@ _LONGSPAN_CLASSES = {
         "GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
         "TrainingConfig", "CheckpointConfig", "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig",
         "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "OptimizerConfig",
-        "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig",
+        "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
     ],
     "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider"],
     "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
@@ -69,6 +73,8 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.training.mixed_precision.MixedPrecisionConfig": "MixedPrecisionConfig",
     "megatron.bridge.data.base.DataloaderConfig": "DataloaderConfig",
     "megatron.bridge.data.builders.gpt_sft.FinetuningDatasetConfig": "FinetuningDatasetConfig",
+    "megatron.bridge.data.datasets.packed_sequence.PackedSequenceSpecs": "PackedSequenceSpecs",
+    "megatron.bridge.data.packing.PackedSequenceSpecs": "PackedSequenceSpecs",
     "megatron.core.datasets.gpt_dataset.GPTDatasetConfig": "GPTDatasetConfig",
     "megatron.bridge.models.gpt_provider.GPTModelProvider": "GPTModelProvider",
     "megatron.bridge.models.GPTModelProvider": "GPTModelProvider",

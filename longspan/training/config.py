@@ -6,6 +6,7 @@ The classes live in ``longspan.training.configs.*``; this module is their public
 """
 
 from longspan.core.model_parallel_config import ModelParallelConfig
+from longspan.data.sft.packing import PackedSequenceSpecs
 from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
 from longspan.models.mamba_provider import MambaProvider
 from longspan.models.t5_provider import T5ModelProvider
@@ -45,5 +46,5 @@ __all__ = [
     "NVRxStragglerDetectionConfig", "ConfigContainer", "OptimizerConfig", "DistributedDataParallelConfig",
     "TokenizerConfig", "MixedPrecisionConfig", "MIXED_PRECISION_RECIPES", "bf16_mixed", "fp16_mixed", "fp32",
     "get_mixed_precision_config", "ModelParallelConfig", "TransformerConfig", "GPTModelProvider",
-    "T5ModelProvider", "MambaProvider",
+    "T5ModelProvider", "MambaProvider", "PackedSequenceSpecs",
 ]

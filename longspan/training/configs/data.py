@@ -130,8 +130,9 @@ class FinetuningDatasetConfig(DataloaderConfig):
     global_batch_size. Fewer than the run needs is an error."""
 
     packed_sequence_specs: Optional[dict[str, Any]] = None
-    """Sequence packing (Megatron Bridge's PackedSequenceSpecs fields: packed_sequence_size, packed_train_data_path,
-    packed_val_data_path, packed_metadata_path, pad_cu_seqlens, pad_seq_to_mult, ...); None or a size <= 0: off."""
+    """Sequence packing: a mapping of (or a longspan.training.config.PackedSequenceSpecs with) Megatron Bridge's
+    PackedSequenceSpecs fields (packed_sequence_size, packed_train_data_path, packed_val_data_path,
+    packed_metadata_path, pad_cu_seqlens, pad_seq_to_mult, ...); None or a size <= 0: off."""
 
     dataset_kwargs: Optional[dict[str, Any]] = None
     """Formatting options (Bridge's GPT SFT dataset arguments): prompt_template, label_key, truncation_field,

@@ -295,3 +295,23 @@ def test_preprocess_pack_sft_writes_the_files_training_reuses(tmp_path, hf_token
     assert main(["preprocess", "--pack-sft", str(tmp_path), "--tokenizer-type", "HuggingFaceTokenizer",
                  "--tokenizer-model", hf_tokenizer_dir]) == 2
     assert "--packed-sequence-size" in capsys.readouterr().err
+
+
+def test_specs_round_trip_through_yaml_and_bridge_names():
+    from longspan.config.serialize import container_from_dict, to_dict
+    from longspan.recipes import get_recipe
+    from longspan.training.config import FinetuningDatasetConfig
+    from longspan.training.config import PackedSequenceSpecs as Exported
+
+    assert Exported is PackedSequenceSpecs
+    cfg = get_recipe("tiny")
+    cfg.dataset = FinetuningDatasetConfig(dataset_root="/data", packed_sequence_specs=PackedSequenceSpecs(
+        packed_sequence_size=PACK, pad_cu_seqlens=True))
+    data = to_dict(cfg)
+    assert container_from_dict(data).dataset.packed_sequence_specs == cfg.dataset.packed_sequence_specs
+    # a Megatron Bridge run_config names its own classes
+    data["dataset"]["_target_"] = "megatron.bridge.training.config.FinetuningDatasetConfig"
+    data["dataset"]["packed_sequence_specs"]["_target_"] = (
+        "megatron.bridge.data.datasets.packed_sequence.PackedSequenceSpecs")
+    loaded = container_from_dict(data).dataset.packed_sequence_specs
+    assert resolve_packed_specs(loaded) == PackedSequenceSpecs(packed_sequence_size=PACK, pad_cu_seqlens=True)

@@ -196,3 +196,20 @@ def test_padding_to_the_longest_is_checked_against_the_layout(sft_root, tokenize
         build_train_valid_test_datasets(cfg, tokenizer)
     cfg.dataset.dataset_kwargs = {"pad_to_max_length": False, "pad_seq_length_to_mult": 8}
     assert build_train_valid_test_datasets(cfg, tokenizer)[0] is not None
+
+
+def test_chat_records_use_the_configured_template(tmp_path, tokenizer):
+    from longspan.data.loaders import build_train_valid_test_datasets
+    from tests.data.sft.conftest import LLAMA3_TEMPLATE
+
+    chats = [{"messages": [{"role": "user", "content": "hello world"},
+                           {"role": "assistant", "content": "the lazy dog" * (i % 3 + 1)}]} for i in range(6)]
+    write_jsonl(str(tmp_path / "training.jsonl"), chats)
+    cfg = _cfg(tmp_path, do_validation=False, seq=64)
+    cfg.tokenizer.chat_template = LLAMA3_TEMPLATE
+    train = build_train_valid_test_datasets(cfg, tokenizer)[0]
+    sample = train[0]
+    assert int(sample["tokens"][0]) == tokenizer.bos  # Llama-3's template, not the tokenizer's ChatML
+    record = chats[train.samples[0]]["messages"][1]["content"]
+    trained = tokenizer.detokenize(sample["labels"][sample["loss_mask"] > 0].tolist())
+    assert trained == record + "<|eot_id|>"

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
 from longspan.core.errors import ConfigError
 from longspan.models.activations import gelu_tanh
 

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 from longspan.conversion import mapping
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.activations import gelu_tanh
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh}
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ def _rope_hf(p: Any) -> dict[str, Any]:
     return {"rope_parameters": params}
 
 
+def _hf_activation(p: Any) -> str | None:
+    return {F.silu: "silu", F.gelu: "gelu", gelu_tanh: "gelu_new"}.get(p.activation_func)
+
+
 def _llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str, Any]:
     act = cfg.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
@@ -139,7 +144,7 @@ def _llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str,
 
 
 def _llama_hf(p: Any) -> dict[str, Any]:
-    act = {F.silu: "silu", F.gelu: "gelu"}.get(p.activation_func)
+    act = _hf_activation(p)
     if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or p.position_embedding_type != "rope":
         raise NotSupportedError(
             "this model has no Llama-style HF equivalent (needs RMSNorm, RoPE and a gated silu/gelu MLP)"
@@ -274,9 +279,9 @@ def _qwen3_moe_hf(p: Any) -> dict[str, Any]:
 
 def _gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     act = cfg.get("activation_function", "gelu_new")
-    if act != "gelu":
+    if act not in _ACTIVATIONS:
         raise NotSupportedError(
-            f"config.json activation_function={act!r} is not supported: longspan implements 'gelu' (exact)"
+            f"config.json activation_function={act!r} is not supported: use one of {', '.join(_ACTIVATIONS)}"
         )
     for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if cfg.get(key):
@@ -297,7 +302,7 @@ def _gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
         position_embedding_type="learned_absolute",
         gated_linear_unit=False,
-        activation_func=F.gelu,
+        activation_func=_ACTIVATIONS[act],
         add_bias_linear=True,
         add_qkv_bias=False,
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
@@ -314,7 +319,7 @@ def _gpt2_hf(p: Any) -> dict[str, Any]:
         raise NotSupportedError("GPT-2 needs LayerNorm, learned absolute positions and a plain gelu MLP")
     return dict(
         vocab_size=p.vocab_size, n_positions=p.seq_length, n_embd=p.hidden_size, n_layer=p.num_layers,
-        n_head=p.num_attention_heads, n_inner=p.ffn_hidden_size, activation_function="gelu",
+        n_head=p.num_attention_heads, n_inner=p.ffn_hidden_size, activation_function=_hf_activation(p),
         layer_norm_epsilon=p.layernorm_epsilon, resid_pdrop=float(p.hidden_dropout),
         embd_pdrop=float(p.hidden_dropout), attn_pdrop=float(p.attention_dropout),
         initializer_range=float(p.init_method_std), tie_word_embeddings=bool(p.share_embeddings_and_output_weights),

@@ -86,6 +86,15 @@ class HFCheckpointReader:
             self._headers[path] = _read_header(path)
         return self._headers[path]
 
+    def _resolve(self, name: str) -> str:
+        """``name``, or the same tensor saved from the base model without its prefix (GPT-2's ``h.0...``
+        for ``transformer.h.0...``, ``layers.0...`` for ``model.layers.0...``)."""
+        if name not in self.files and "." in name:
+            bare = name.split(".", 1)[1]
+            if bare in self.files:
+                return bare
+        return name
+
     def _path(self, name: str) -> Path:
         path = self.files.get(name)
         if path is None:
@@ -94,6 +103,7 @@ class HFCheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The full shape of tensor ``name``."""
+        name = self._resolve(name)
         path = self._path(name)
         entry = self._header(path).get(name)
         if entry is None:
@@ -108,6 +118,7 @@ class HFCheckpointReader:
         """Tensor ``name``, or only the part ``box`` (one slice per dimension) of it."""
         from safetensors import SafetensorError, safe_open
 
+        name = self._resolve(name)
         path = self._path(name)
         self.shape(name)  # validates the file first
         try:

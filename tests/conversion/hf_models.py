@@ -34,7 +34,7 @@ def hf_config(family: str, **overrides):
                                        use_sliding_window=False)
     elif family == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=64,
-                                      activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                      activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     elif family == "mixtral":
         cfg = transformers.MixtralConfig(**common, rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=None)

@@ -167,3 +167,17 @@ def test_shape_mismatch_and_truncated_file(tmp_path):
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="model.safetensors is truncated"):
         AutoBridge.from_hf_pretrained(src).to_megatron_model()
+
+
+def test_base_model_names_without_prefix_load(tmp_path):
+    """Checkpoints saved from the base model (the hub's gpt2: ``h.0.attn...``, ``wte.weight``) load too."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    hf = make_hf_model("gpt2", src, tokenizer=False)
+    tensors = _tensors(src)
+    save_file({k.split(".", 1)[1]: v for k, v in tensors.items()}, str(src / "model.safetensors"))
+    model = AutoBridge.from_hf_pretrained(src).to_megatron_model()
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (model[0].eval()(tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-5

@@ -6,6 +6,7 @@ import difflib
 from typing import Callable
 
 from longspan.core.errors import ConfigError
+from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
 from longspan.recipes.tiny import tiny
 from longspan.recipes.tiny_moe import tiny_moe
@@ -18,6 +19,9 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "llama3_70b": llama3_70b,
     "qwen3_8b": qwen3_8b,
     "qwen3_600m": qwen3_600m,
+    "sft": sft,
+    "lora": lora,
+    "dora": dora,
 }
 
 
@@ -36,4 +40,4 @@ def get_recipe(name: str) -> ConfigContainer:
     return RECIPES[key]()
 
 
-__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m"]
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "sft", "lora", "dora"]

@@ -604,6 +604,30 @@ def load_peft_checkpoint(
     return None
 
 
+def use_saved_tokenizer(tokenizer_cfg: Any, saved: Path) -> None:
+    """Point ``tokenizer_cfg`` at the tokenizer files saved in a checkpoint (``Tokenizer.save_files``)."""
+    ttype = tokenizer_cfg.tokenizer_type
+    if ttype == "HuggingFaceTokenizer":
+        tokenizer_cfg.tokenizer_model = str(saved)
+    elif ttype == "SentencePieceTokenizer" and (saved / "tokenizer.model").is_file():
+        tokenizer_cfg.tokenizer_model = str(saved / "tokenizer.model")
+    elif ttype == "GPT2BPETokenizer" and (saved / "vocab.json").is_file():
+        tokenizer_cfg.vocab_file = str(saved / "vocab.json")
+        tokenizer_cfg.merge_file = str(saved / "merges.txt")
+    # NullTokenizer and ByteLevelTokenizer are described by the config alone.
+
+
+def _adopt_saved_tokenizer(cfg: Any, saved_cfg: Any, directory: Path) -> None:
+    """A run that names no tokenizer (the finetuning recipes) takes the checkpoint's, from its saved files."""
+    if cfg.tokenizer.tokenizer_type is not None:
+        return
+    cfg.tokenizer = saved_cfg.tokenizer
+    saved_files = directory / TOKENIZER_DIRNAME
+    if saved_files.is_dir():
+        use_saved_tokenizer(cfg.tokenizer, saved_files)
+    print_rank_0(f"use_checkpoint_args: tokenizer {cfg.tokenizer.tokenizer_type} from {directory}", logger)
+
+
 def apply_checkpoint_args(cfg: Any) -> list[str]:
     """``checkpoint.use_checkpoint_args``: take the model architecture from the checkpoint's run_config.yaml.
 
@@ -620,7 +644,9 @@ def apply_checkpoint_args(cfg: Any) -> list[str]:
     run_config = found[0] / RUN_CONFIG_FILENAME
     if not run_config.is_file():
         raise CheckpointError(f"checkpoint.use_checkpoint_args=true but {run_config} does not exist")
-    saved = type(cfg).from_yaml(str(run_config)).model
+    saved_cfg = type(cfg).from_yaml(str(run_config))
+    _adopt_saved_tokenizer(cfg, saved_cfg, found[0])
+    saved = saved_cfg.model
     if type(saved) is not type(cfg.model):
         raise CheckpointError(
             f"checkpoint {found[0]} holds a {type(saved).__name__}, but this run builds a {type(cfg.model).__name__}"

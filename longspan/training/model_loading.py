@@ -37,6 +37,7 @@ from longspan.training.checkpointing import (
     _single_process_quiet,
     get_checkpoint_dir,
     read_tracker,
+    use_saved_tokenizer,
 )
 
 logger = get_logger(__name__)
@@ -106,19 +107,6 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> tuple[Path, int]:
     return directory, iteration
 
 
-def _use_saved_tokenizer(tokenizer_cfg: Any, saved: Path) -> None:
-    """Point ``tokenizer_cfg`` at the tokenizer files saved in the checkpoint (``Tokenizer.save_files``)."""
-    ttype = tokenizer_cfg.tokenizer_type
-    if ttype == "HuggingFaceTokenizer":
-        tokenizer_cfg.tokenizer_model = str(saved)
-    elif ttype == "SentencePieceTokenizer" and (saved / "tokenizer.model").is_file():
-        tokenizer_cfg.tokenizer_model = str(saved / "tokenizer.model")
-    elif ttype == "GPT2BPETokenizer" and (saved / "vocab.json").is_file():
-        tokenizer_cfg.vocab_file = str(saved / "vocab.json")
-        tokenizer_cfg.merge_file = str(saved / "merges.txt")
-    # NullTokenizer and ByteLevelTokenizer are described by the config alone.
-
-
 def load_checkpoint_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SavedCheckpoint:
     """Find the checkpoint at ``path`` and read its run_config.yaml, with dotlist ``overrides`` applied.
 
@@ -130,7 +118,7 @@ def load_checkpoint_config(path: str | os.PathLike, overrides: Sequence[str] = (
     cfg = ConfigContainer.from_yaml(str(directory / RUN_CONFIG_FILENAME))
     saved_tokenizer = directory / TOKENIZER_DIRNAME
     if saved_tokenizer.is_dir() and not any(o.strip().startswith("tokenizer.") for o in overrides):
-        _use_saved_tokenizer(cfg.tokenizer, saved_tokenizer)
+        use_saved_tokenizer(cfg.tokenizer, saved_tokenizer)
     apply_overrides(cfg, overrides)
     return SavedCheckpoint(directory, iteration, cfg)
 

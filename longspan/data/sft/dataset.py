@@ -16,8 +16,8 @@ attention mask: right padding under the model's causal mask cannot affect the re
 
 from __future__ import annotations
 
+import json
 import os
-from functools import lru_cache
 from typing import Any, Optional
 
 import numpy as np
@@ -53,9 +53,12 @@ class EpochSampleMap:
     def __len__(self) -> int:
         return self.num_samples
 
-    @lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+        cached = getattr(self, "_cached", None)
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_items))
+            self._cached = cached
+        return cached[1]
 
     def __getitem__(self, i: int) -> int:
         if not 0 <= i < self.num_samples:
@@ -257,6 +260,34 @@ def pack_sft_dataset(root: str, tokenizer: Any, specs: PackedSequenceSpecs, seq_
     return out
 
 
+def _missing_hint(split: str) -> str:
+    return "" if split == "train" else f" (or set dataset.do_{split}=False)"
+
+
+def _split_samples(split: str, num_items: int, needed: int, seed: int) -> EpochSampleMap:
+    """Training: ``needed`` samples over seeded epochs; evaluation: file order, at least one pass."""
+    if split == "train":
+        return EpochSampleMap(num_items, needed, seed, shuffle=True)
+    return EpochSampleMap(num_items, max(needed, num_items), seed, shuffle=False)
+
+
+def _packed_split(root: str, split: str, path: str, needed: int, tokenizer: Any, opts: SFTFormatOptions,
+                  seq_length: int, specs: PackedSequenceSpecs, seed: int, chat_template: Optional[str],
+                  workers: int, metas: list[dict[str, Any]]) -> PackedSFTDataset:
+    """The packed dataset of one split; the packs are built (or rebuilt when stale) unless given explicitly."""
+    packed = _packed_path(root, split, specs, tokenizer)
+    explicit = bool(specs.packed_train_data_path if split == "train" else specs.packed_val_data_path)
+    if not os.path.isfile(path) and not (explicit and os.path.isfile(packed)):
+        raise DataError(f"data file {path} does not exist{_missing_hint(split)}")
+    metas.append(prepare_packed_split(path, packed, tokenizer, opts, seq_length, specs, seed, chat_template, workers,
+                                      rebuild_stale=not explicit))
+    ds = PackedSFTDataset(packed, None, seed, split == "train", bool(specs.pad_cu_seqlens))
+    if ds.pack_size != seq_length:
+        raise DataError(f"{packed} holds packs of {ds.pack_size} tokens, not packed_sequence_size={seq_length}")
+    ds.samples = _split_samples(split, ds.packs.shape[0], needed, seed)
+    return ds
+
+
 def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,
                        chat_template: Optional[str] = None) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, validation, test] datasets of a FinetuningDatasetConfig (None for a split not built).
@@ -291,42 +322,24 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
               "test": bool(getattr(dataset_cfg, "do_test", True))}
     needed = {"train": train_needed, "validation": valid_needed, "test": test_needed}
     out: list[Optional[torch.utils.data.Dataset]] = []
-    metas = []
+    metas: list[dict[str, Any]] = []
     for split in ("train", "validation", "test"):
         path = os.path.join(root, SPLIT_FILES[split])
         if not wanted[split] or needed[split] <= 0:
             out.append(None)
-            continue
-        if split == "test" and not os.path.isfile(path):
+        elif split == "test" and not os.path.isfile(path):
             logger.info(f"no {path}: the test split is skipped")
             out.append(None)
-            continue
-        if not os.path.isfile(path) and not (specs is not None and split != "test"
-                                             and os.path.isfile(_packed_path(root, split, specs, tokenizer))):
-            hint = "" if split == "train" else f" (or set dataset.do_{'validation' if split == 'validation' else 'test'}=False)"
-            raise DataError(f"data file {path} does not exist{hint}")
-        shuffle = split == "train"
-        if specs is None or split == "test":
-            ds: torch.utils.data.Dataset = SFTDataset(path, tokenizer, seq_length, None, seed, shuffle, opts,
-                                                      chat_template, workers)
-            num = needed[split] if shuffle else max(needed[split], len(ds.index))
-            ds.samples = EpochSampleMap(len(ds.index), num, seed, shuffle)
+        elif specs is None or split == "test":
+            if not os.path.isfile(path):
+                raise DataError(f"data file {path} does not exist{_missing_hint(split)}")
+            ds = SFTDataset(path, tokenizer, seq_length, None, seed, split == "train", opts, chat_template, workers)
+            ds.samples = _split_samples(split, len(ds.index), needed[split], seed)
+            out.append(ds)
         else:
-            packed = _packed_path(root, split, specs, tokenizer)
-            explicit = packed != _packed_path(root, split, PackedSequenceSpecs(
-                packed_sequence_size=specs.packed_sequence_size, tokenizer_model_name=specs.tokenizer_model_name),
-                tokenizer)
-            metas.append(prepare_packed_split(path, packed, tokenizer, opts, seq_length, specs, seed, chat_template,
-                                              workers, rebuild_stale=not explicit))
-            ds = PackedSFTDataset(packed, None, seed, shuffle, bool(specs.pad_cu_seqlens))
-            if ds.pack_size != seq_length:
-                raise DataError(f"{packed} holds packs of {ds.pack_size} tokens, not packed_sequence_size={seq_length}")
-            num = needed[split] if shuffle else max(needed[split], ds.packs.shape[0])
-            ds.samples = EpochSampleMap(ds.packs.shape[0], num, seed, shuffle)
-        out.append(ds)
+            out.append(_packed_split(root, split, path, needed[split], tokenizer, opts, seq_length, specs, seed,
+                                     chat_template, workers, metas))
     if specs is not None and specs.packed_metadata_path and metas:
-        import json
-
         with open(specs.packed_metadata_path, "w") as f:
             json.dump(metas, f, indent=1)
     return out

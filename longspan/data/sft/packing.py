@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -273,7 +273,3 @@ def collate_packs(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     ])
     return out
 
-
-def packs_as_dict(specs: PackedSequenceSpecs) -> dict[str, Any]:
-    """The specs as a plain mapping (for metadata and logs)."""
-    return asdict(specs)

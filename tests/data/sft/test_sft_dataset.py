@@ -12,7 +12,7 @@ import torch
 
 from longspan.core.errors import ConfigError, DataError
 from longspan.data.sft import jsonl_index
-from longspan.data.sft.dataset import EpochSampleMap, SFTDataset, build_sft_datasets
+from longspan.data.sft.dataset import EpochSampleMap, SFTDataset
 from longspan.data.sft.formatting import parse_format_options
 from longspan.data.sft.jsonl_index import JsonlIndex
 from tests.data.sft.conftest import qa_records, write_jsonl

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 
 from tests.data.sft.test_sft_packing import (
-    PACK,
     REL,
     _docs,
     packed_forward_step_state,

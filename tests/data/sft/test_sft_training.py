@@ -53,13 +53,15 @@ def _expected_loss_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
     return [int(sum(float(train[i]["loss_mask"].sum()) for i in range(k * gbs, (k + 1) * gbs))) for k in range(iters)]
 
 
-def test_logged_loss_and_token_counts_ignore_padding(sft_dirs):
+@pytest.mark.parametrize("per_token", [False, True], ids=["microbatch_mean", "per_token_loss"])
+def test_logged_loss_and_token_counts_ignore_padding(sft_dirs, per_token):
     from longspan.training.forward_step import forward_step
     from longspan.training.pretrain import pretrain
 
     root, tok = sft_dirs
-    padded = _config(root, tok, "padded")  # every microbatch padded to seq_length
-    tight = _config(root, tok, "tight", pad_to_max_length=False, pad_seq_length_to_mult=8)
+    padded = _config(root, tok, f"padded_{per_token}")  # every microbatch padded to seq_length
+    tight = _config(root, tok, f"tight_{per_token}", pad_to_max_length=False, pad_seq_length_to_mult=8)
+    padded.model.calculate_per_token_loss = tight.model.calculate_per_token_loss = per_token
     pretrain(padded, forward_step)
     pretrain(tight, forward_step)
     a, b = read_metrics(padded), read_metrics(tight)

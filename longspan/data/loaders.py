@@ -135,10 +135,17 @@ def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:
             "dataset.dataset_kwargs.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages "
             "exchange activations of a fixed length; leave pad_to_max_length at True"
         )
-    if cp > 1 and opts.pad_seq_length_to_mult % (2 * cp):
+    import math
+
+    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
+    sp = bool(getattr(model, "sequence_parallel", False)) and tp > 1
+    # context parallel cuts sequences into 2 x cp chunks; sequence parallel splits them over tp
+    multiple = math.lcm(2 * cp if cp > 1 else 1, tp if sp else 1)
+    if opts.pad_seq_length_to_mult % multiple:
         raise ConfigError(
             f"dataset.dataset_kwargs.pad_seq_length_to_mult={opts.pad_seq_length_to_mult} must be a multiple of "
-            f"2 x context_parallel_size = {2 * cp} when pad_to_max_length=False"
+            f"{multiple} (2 x context_parallel_size={cp}, tensor_model_parallel_size={tp} with sequence_parallel) "
+            "when pad_to_max_length=False"
         )
 
 

@@ -192,8 +192,12 @@ def test_padding_to_the_longest_is_checked_against_the_layout(sft_root, tokenize
     with pytest.raises(ConfigError, match="pipeline stages"):
         build_train_valid_test_datasets(cfg, tokenizer)
     cfg.model.pipeline_model_parallel_size, cfg.model.context_parallel_size = 1, 2
-    with pytest.raises(ConfigError, match="multiple of 2 x context_parallel_size = 4"):
+    with pytest.raises(ConfigError, match="must be a multiple of 4"):
         build_train_valid_test_datasets(cfg, tokenizer)
+    cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel = 1, 4, True
+    with pytest.raises(ConfigError, match="must be a multiple of 4"):
+        build_train_valid_test_datasets(cfg, tokenizer)
+    cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel = 2, 1, False
     cfg.dataset.dataset_kwargs = {"pad_to_max_length": False, "pad_seq_length_to_mult": 8}
     assert build_train_valid_test_datasets(cfg, tokenizer)[0] is not None
 

@@ -89,3 +89,16 @@ def test_also_save_hf_checkpoint_off_by_default(tmp_path):
     pretrain(cfg, _recording_forward_step([]))
     assert (tmp_path / "run" / "ckpt" / "iter_0000001").is_dir()
     assert not (tmp_path / "run" / "ckpt" / "iter_0000001" / "hf").exists()
+
+
+def test_lora_on_an_hf_base(tmp_path):
+    """PEFT takes its frozen base from an HF directory (adapters start as identity: LoRA's B is zero)."""
+    from longspan.peft import LoRA
+
+    hf_dir = tmp_path / "hf"
+    hf = make_hf_model("llama", hf_dir)
+    cfg = _config(tmp_path, hf_dir)
+    cfg.peft = LoRA()
+    batches: list = []
+    finetune(cfg, _recording_forward_step(batches))
+    assert abs(losses_by_iteration(cfg)[1] - _hf_loss(hf, batches)) <= 1e-5

@@ -83,7 +83,8 @@ class _ProvideDistributedModel:
                                              **kwargs)
 
     def __deepcopy__(self, memo: dict) -> "_ProvideDistributedModel":
-        return self  # not part of the provider's configuration
+        # A deep-copied provider builds itself (copy.deepcopy records the new provider in memo first).
+        return _ProvideDistributedModel(self.bridge, memo.get(id(self.provider), self.provider), self.load_weights)
 
 
 class AutoBridge:

@@ -92,7 +92,10 @@ def _rope_hf(p: Any) -> dict[str, Any]:
                       original_max_position_embeddings=int(p.old_context_len))
     if p.rotary_percent != 1.0:
         params["partial_rotary_factor"] = float(p.rotary_percent)
-    return {"rope_parameters": params}
+    # transformers < 5 reads rope_theta / rope_scaling; 5 reads rope_parameters (and accepts the others).
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return {"rope_parameters": params, "rope_theta": params["rope_theta"],
+            "rope_scaling": scaling if p.rope_scaling else None}
 
 
 def _hf_activation(p: Any) -> str | None:

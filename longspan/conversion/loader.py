@@ -124,8 +124,8 @@ def read_parameter_part(
         ]
         return torch.stack(parts) if parts else torch.empty((0,) + tuple(s.stop - s.start for s in box[1:]))
     if entry.vocab and hf_vocab is not None and box[0].stop > hf_vocab:
-        # Padding rows beyond the HF vocabulary are zeros (they are never a label, and their logits never win
-        # the argmax against trained rows... unless every trained logit is negative: they are masked as ids).
+        # Padding rows beyond the HF vocabulary (make_vocab_size_divisible_by) start as zeros: no token id
+        # reaches them, and the export drops them again.
         stop = min(box[0].stop, hf_vocab)
         start = min(box[0].start, stop)
         real = _read_box(reader, entry.hf_name(layer), entry, (slice(start, stop),) + box[1:], full_shape[0])

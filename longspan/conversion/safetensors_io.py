@@ -74,7 +74,6 @@ class HFCheckpointReader:
         else:
             raise CheckpointError(f"{self.directory} holds no {SINGLE_FILE} or {INDEX_FILE}")
         self._headers: dict[Path, dict[str, Any]] = {}
-        self._handles: dict[Path, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -122,16 +121,16 @@ class HFCheckpointReader:
         path = self._path(name)
         self.shape(name)  # validates the file first
         try:
-            handle = self._handles.get(path)
-            if handle is None:
-                handle = self._handles[path] = safe_open(str(path), framework="pt")
-            view = handle.get_slice(name)
-            return view[box] if box is not None and len(box) else view[:]
+            # Opened per read and closed right after: the file's memory map is released, so the pages read
+            # do not stay resident for the whole load (the returned tensor is a copy).
+            with safe_open(str(path), framework="pt") as handle:
+                view = handle.get_slice(name)
+                return view[box] if box is not None and len(box) else view[:]
         except SafetensorError as exc:
             raise CheckpointError(f"{path}: cannot read {name} ({exc})") from None
 
     def close(self) -> None:
-        self._handles.clear()
+        """Nothing stays open between reads; kept for callers that close readers."""
 
 
 class StreamingSafetensorsWriter:

@@ -66,6 +66,9 @@ def test_bf16_stays_bf16(tmp_path):
     bridge = AutoBridge.from_hf_pretrained(src)
     provider = bridge.to_megatron_provider()
     assert provider.params_dtype == torch.bfloat16
+    import copy
+
+    assert copy.deepcopy(provider).provide_distributed_model.provider is not provider
     model = provider.provide_distributed_model(wrap_with_ddp=False)
     assert all(p.dtype == torch.bfloat16 for p in model[0].parameters())
     bridge.save_hf_pretrained(model, out)

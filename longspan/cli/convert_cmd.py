@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from longspan.core.errors import CheckpointError, NotSupportedError
+from longspan.core.errors import CheckpointError, ConfigError, NotSupportedError
 
 
 def add_parser(subparsers: Any, name: str) -> None:
@@ -58,11 +58,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.adapter_only:
         return _export_adapter(args)
-    if args.config:
-        raise NotSupportedError("convert export takes the saved run's configuration: use dotlist overrides, not --config")
     from longspan.training.hf_checkpoint import export_longspan_checkpoint
 
-    export_longspan_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture,
+    overrides = [*_yaml_as_dotlist(args.config), *args.overrides]
+    export_longspan_checkpoint(args.checkpoint, args.output, overrides, architecture=args.architecture,
                                show_progress=not args.no_progress)
     print(f"exported {args.checkpoint} -> {args.output}")
     return 0
@@ -79,6 +78,25 @@ def _export_adapter(args: argparse.Namespace) -> int:
     export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
     print(f"exported adapters of {args.checkpoint} -> {args.output}")
     return 0
+
+
+def _yaml_as_dotlist(files: list[str]) -> list[str]:
+    """``--config`` files for export, as dotlist overrides of the saved run configuration (``section.field=v``)."""
+    import json
+
+    from longspan.config import load_yaml_file
+
+    out = []
+    for path in files:
+        data = load_yaml_file(path) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of sections")
+        for section, fields in data.items():
+            if not isinstance(fields, dict):
+                raise ConfigError(f"--config {path}: section {section!r} is not a mapping")
+            for key, value in fields.items():
+                out.append(f"{section}.{key}={value if isinstance(value, str) else json.dumps(value)}")
+    return out
 
 
 def _check_dir(path: str, flag: str) -> None:

@@ -37,10 +37,17 @@ def test_import_then_export_round_trip(tmp_path, family, capsys):
     tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (loaded.model[0](tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-5
-    assert main(["convert", "export", "--checkpoint", str(ckpt), "--output", str(out), "--no-progress"]) == 0
+    layout = tmp_path / "layout.yaml"
+    layout.write_text("model:\n  hidden_dropout: 0.0\n")
+    assert main(["convert", "export", "--checkpoint", str(ckpt), "--output", str(out), "--no-progress",
+                 "--config", str(layout)]) == 0
     original, exported = _tensors(src), _tensors(out)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(exported[k], v) for k, v in original.items())
+    wrong = tmp_path / "wrong.yaml"  # --config reaches the rebuilt model: a different architecture is refused
+    wrong.write_text("model:\n  num_layers: 3\n")
+    assert main(["convert", "export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "o2"), "--no-progress",
+                 "--config", str(wrong)]) == 2
     assert json.loads((out / "config.json").read_text())["architectures"] == hf.config.architectures
     assert (out / "tokenizer.json").is_file()
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out))

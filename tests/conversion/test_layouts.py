@@ -14,7 +14,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _import_forward_export(hf_dir: str, layout: dict, fsdp: bool, tokens):
+def _import_forward_export(hf_dir: str, layout: dict, fsdp: bool, tokens, save_dir: str):
     """On every rank: import for ``layout``, logits on ``tokens`` (last stage), the exported HF tensors."""
     import torch.distributed as dist
 
@@ -58,6 +58,7 @@ def _import_forward_export(hf_dir: str, layout: dict, fsdp: bool, tokens):
             with parallel_loss_context(chunks[0]):
                 logits = _full(chunks[0](tokens))
     exported = {name: t.clone() for name, t in bridge.export_hf_weights(chunks)}
+    bridge.save_hf_pretrained(chunks, save_dir, max_shard_size=20_000)  # every stage's writer, several shards
     params = {type(p).__name__ for c in chunks for p in c.parameters()}
     return logits, exported, params, sum(read_elements)
 
@@ -73,8 +74,11 @@ def _one_process(hf_dir, tokens):
 
 
 def _original(hf_dir) -> dict:
-    with safe_open(str(hf_dir / "model.safetensors"), "pt") as fh:
-        return {k: fh.get_tensor(k) for k in fh.keys()}
+    out = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return out
 
 
 LAYOUTS = [
@@ -97,7 +101,8 @@ def test_layout_import_matches_one_process_and_export_is_bit_identical(pool2, tm
         make_hf_model(family, hf_dir, tokenizer=False)
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     expected, expected_export = _one_process(hf_dir, tokens)
-    results = pool2.run(_import_forward_export, str(hf_dir), layout, fsdp, tokens, timeout=180)
+    save_dir = tmp_path / "saved"
+    results = pool2.run(_import_forward_export, str(hf_dir), layout, fsdp, tokens, str(save_dir), timeout=180)
     logits = [r[0] for r in results if r[0] is not None]
     assert logits
     for got in logits:
@@ -117,3 +122,6 @@ def test_layout_import_matches_one_process_and_export_is_bit_identical(pool2, tm
     original = _original(hf_dir)
     for name, tensor in merged.items():
         assert torch.equal(tensor, expected_export[name]) and torch.equal(tensor, original[name]), name
+    saved = _original(save_dir)  # save_hf_pretrained: shards of every stage, named and indexed by rank 0
+    assert (save_dir / "model.safetensors.index.json").is_file() and (save_dir / "config.json").is_file()
+    assert sorted(saved) == sorted(original) and all(torch.equal(saved[k], v) for k, v in original.items())

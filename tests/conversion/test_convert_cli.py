@@ -141,3 +141,16 @@ def test_launched_import_with_tensor_parallel_round_trips(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     original, exported = _tensors(src), _tensors(out)
     assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())
+
+
+def test_import_ckpt_and_export_ckpt(tmp_path):
+    """Megatron Bridge's checkpoint methods on ``longspan.AutoBridge``."""
+    from longspan import AutoBridge
+
+    src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    make_hf_model("qwen3_moe", src)
+    AutoBridge.import_ckpt(src, ckpt)
+    assert (ckpt / "iter_0000000" / "hf_config.json").is_file()
+    AutoBridge.from_hf_pretrained(src).export_ckpt(ckpt, out)
+    original, exported = _tensors(src), _tensors(out)
+    assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())

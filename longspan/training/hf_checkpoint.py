@@ -148,7 +148,8 @@ def import_hf_checkpoint(hf_path: str | os.PathLike, output: str | os.PathLike, 
     """An HF model directory -> a longspan checkpoint at iteration 0 under ``output`` (a save root).
 
     The checkpoint holds the weights (no optimizer state), run_config.yaml (the ``tiny`` recipe's training
-    settings with the HF architecture, the HF tokenizer and the layout from ``overrides``), the tokenizer
+    settings and sequence length with the HF architecture, the HF tokenizer and the layout / ``model.seq_length``
+    from ``overrides``), the tokenizer
     files, the tracker, and the HF config.json it came from. Runs on every rank of a launch.
     """
     from longspan.config import load_config
@@ -160,8 +161,7 @@ def import_hf_checkpoint(hf_path: str | os.PathLike, output: str | os.PathLike, 
     bridge = AutoBridge.from_hf_pretrained(hf_path)
     cfg = load_config("tiny", list(config_files), list(overrides))
     apply_hf_model_config(cfg, hf_path, keep_precision=False)
-    cfg.model.seq_length = bridge.to_megatron_provider(load_weights=False).seq_length
-    cfg.dataset.sequence_length = cfg.model.seq_length
+    cfg.dataset.sequence_length = cfg.model.seq_length  # RoPE models: the recipe's (or model.seq_length=N)
     cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
     cfg.tokenizer.tokenizer_model = str(Path(hf_path).resolve())
     cfg.checkpoint.save = str(output)

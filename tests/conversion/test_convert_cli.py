@@ -63,10 +63,11 @@ def test_imported_checkpoint_is_a_pretrained_checkpoint(tmp_path):
 
     src, ckpt = tmp_path / "hf", tmp_path / "ckpt"
     hf = make_hf_model("qwen3", src)
-    assert main(["convert", "import", "--hf-model", str(src), "--output", str(ckpt), "--no-progress"]) == 0
+    assert main(["convert", "import", "--hf-model", str(src), "--output", str(ckpt), "--no-progress",
+                 "model.seq_length=48"]) == 0
     cfg = _config(tmp_path, ckpt)
     cfg.checkpoint.use_checkpoint_args = True  # architecture from the converted run_config.yaml
-    cfg.dataset.sequence_length = 64  # the converted seq_length: config.json max_position_embeddings
+    cfg.dataset.sequence_length = 48  # the converted run's seq_length
     cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
     cfg.tokenizer.tokenizer_model = str(src)
     cfg.model.vocab_size = None

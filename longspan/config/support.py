@@ -134,6 +134,23 @@ FIELD_STATUS: dict[str, str] = {
         fp32 fp16 bf16 params_dtype pipeline_dtype autocast_dtype autocast_enabled grad_reduce_in_fp32 loss_scale
         initial_loss_scale min_loss_scale loss_scale_window hysteresis
         """),
+    # Issue 15: switches no behaviour code reads get their honest status (later keys override earlier ones).
+    # longspan always builds on the meta device, keeps the vocabulary padded to make_vocab_size_divisible_by,
+    # computes the loss from whatever the output layer's plan produces, and torch's pipelining batches p2p
+    # itself: these Megatron switches change no maths here.
+    **_many("model", HINT, "init_model_with_meta_device parallel_output should_pad_vocab batch_p2p_sync "
+                           "moe_token_dispatcher_type"),
+    # torch's scaled_dot_product_attention always accumulates the softmax in fp32; the default (True) is what
+    # longspan does and False is not available.
+    **_many("model", NOT_SUPPORTED, "attention_softmax_in_fp32"),
+    # Autocast (model.enable_autocast / mixed_precision.autocast_enabled) runs the forward step in
+    # torch.autocast(autocast_dtype or the pipeline dtype).
+    **_many("model", SUPPORTED, "enable_autocast autocast_dtype"),
+    # DCP writes each rank's own shards and de-duplicates replicated tensors by itself; asynchronous saves run
+    # on DCP's own background thread: these checkpoint switches change no result.
+    **_many("checkpoint", HINT, "fully_parallel_save fully_parallel_load use_persistent_ckpt_worker"),
+    # torch DDP always overlaps the gradient all-reduce with backward (bucket hooks); FSDP2 its reduce-scatter.
+    **_many("ddp", HINT, "overlap_grad_reduce"),
 }
 
 # The model classes and dataset classes longspan can build.
@@ -221,14 +238,17 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
 
 
 def inapplicable_fields(cfg: Any) -> list[str]:
-    """Settings that have no effect here, as 'section.field=value' strings: device-dependent ones without an
-    accelerator, and performance hints switched on."""
+    """Settings the user made that have no effect here, as 'section.field=value' strings: device-dependent
+    ones without an accelerator, and performance hints switched on. Defaults are never listed: a default that
+    does not apply (nccl, pin_memory on a CPU machine) adapts silently."""
     accelerator = _has_accelerator()
     out = []
     for section, obj in _sections(cfg):
         for f in yaml_fields(obj):
             status = field_status(section, f.name)
             value = getattr(obj, f.name)
+            if status in (HINT, DEVICE) and not _differs(value, _default_of(type(obj), f)):
+                continue
             if status == HINT and value:
                 out.append(f"{section}.{f.name}={value!r}")
             elif status == DEVICE and not accelerator and _needs_accelerator(section, f.name, value):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 _CONFIGURED = False
 
@@ -90,3 +91,63 @@ def print_rank_last(message: str, logger: logging.Logger | None = None) -> None:
 def warn_rank_0(message: str, logger: logging.Logger | None = None) -> None:
     if is_rank_0():
         (logger or _log).warning(message)
+
+
+# ---- LoggerConfig's filters (filter_warnings, modules_to_filter, set_level_for_all_loggers) -------------------
+_INSTALLED_FILTERS: list[tuple[Any, logging.Filter]] = []
+
+
+class _ThirdPartyWarningFilter(logging.Filter):
+    """Drops WARNING records of loggers outside longspan (longspan's own warnings are about the user's settings)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and not record.name.startswith("longspan"))
+
+
+class _ModuleFilter(logging.Filter):
+    """Drops every record of the loggers named by a prefix in ``modules``."""
+
+    def __init__(self, modules: list[str]) -> None:
+        super().__init__()
+        self.modules = tuple(modules)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(record.name == m or record.name.startswith(m + ".") for m in self.modules)
+
+
+def configure_log_filters(
+    level: int | None = None,
+    filter_warnings: bool = True,
+    modules_to_filter: list[str] | None = None,
+    set_level_for_all_loggers: bool = False,
+) -> None:
+    """Apply LoggerConfig's logging switches (as Megatron Bridge's ``setup_logging``); calling it again replaces
+    the filters of the previous call.
+
+    ``filter_warnings`` drops WARNING records of third-party loggers; ``modules_to_filter`` drops every record
+    of the named loggers (prefixes); both are installed on every existing logger and on the handlers of the
+    root and ``longspan`` loggers, so records from loggers created later are filtered too.
+    ``set_level_for_all_loggers`` sets ``level`` (INFO when None) on the root and every existing logger.
+    """
+    for target, installed in _INSTALLED_FILTERS:
+        target.removeFilter(installed)
+    _INSTALLED_FILTERS.clear()
+    filters: list[logging.Filter] = []
+    if filter_warnings:
+        filters.append(_ThirdPartyWarningFilter())
+    if modules_to_filter:
+        filters.append(_ModuleFilter(list(modules_to_filter)))
+    targets: list[Any] = [logging.getLogger(), logging.getLogger("longspan")]
+    targets += [obj for obj in logging.root.manager.loggerDict.values() if isinstance(obj, logging.Logger)]
+    for lg in (logging.getLogger(), logging.getLogger("longspan")):
+        targets += lg.handlers
+    for target in targets:
+        for installed in filters:
+            target.addFilter(installed)
+            _INSTALLED_FILTERS.append((target, installed))
+    if set_level_for_all_loggers:
+        value = level if level is not None else logging.INFO
+        logging.getLogger().setLevel(value)
+        for obj in logging.root.manager.loggerDict.values():
+            if isinstance(obj, logging.Logger):
+                obj.setLevel(value)

@@ -94,10 +94,12 @@ class ModelParallelConfig:
     """Prefer deterministic algorithms (slower, reproducible): useful for debugging and tests."""
 
     enable_autocast: bool = False
-    """Run the forward step inside torch.autocast."""
+    """Run the forward step (train and eval) inside torch.autocast(autocast_dtype): fp32 weights, bf16/fp16
+    matmuls. Set from mixed_precision.autocast_enabled when mixed_precision is given."""
 
     autocast_dtype: Optional[torch.dtype] = None
-    """dtype for torch.autocast; None means the pipeline dtype."""
+    """dtype for torch.autocast (torch.bfloat16 or torch.float16); None means the pipeline dtype. Setting it
+    without enable_autocast is an error (it would change nothing)."""
 
     num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
     """Number of microbatches that recompute only some layers; None leaves it to the forward step."""
@@ -177,7 +179,8 @@ class ModelParallelConfig:
     """Send and receive pipeline tensors with one batch_isend_irecv call (requires overlap_p2p_comm=False)."""
 
     batch_p2p_sync: bool = True
-    """Synchronize the device after batch_isend_irecv (a workaround for old PyTorch versions)."""
+    """Synchronize the device after batch_isend_irecv (a workaround for old PyTorch versions). Performance
+    hint in longspan: torch.distributed.pipelining waits on its own p2p requests."""
 
     use_ring_exchange_p2p: bool = False
     """Use a custom ring_exchange kernel for pipeline communication (needs a custom PyTorch build)."""

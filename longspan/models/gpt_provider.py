@@ -110,13 +110,15 @@ class TransformerConfig(ModelParallelConfig):
     """Standard deviation for the embedding weights; None means init_method_std."""
 
     init_model_with_meta_device: bool = False
-    """Build the model on the meta device first (longspan always does; kept for compatibility)."""
+    """Build the model on the meta device first. No effect: longspan always builds on meta and materializes
+    each parameter from its seed after the parallel plans (kept so Bridge configs load)."""
 
     apply_query_key_layer_scaling: bool = False
     """Scale attention scores by the layer number (an fp16 stability trick)."""
 
     attention_softmax_in_fp32: bool = True
-    """Compute the attention softmax in fp32."""
+    """Compute the attention softmax in fp32: torch's scaled_dot_product_attention always does; False (a
+    half-precision softmax) is not supported."""
 
     # ---- fusions ---------------------------------------------------------------------------------------
     bias_activation_fusion: bool = False
@@ -228,7 +230,8 @@ class TransformerConfig(ModelParallelConfig):
     """Drop tokens above each expert's capacity (legacy switch)."""
 
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
-    """How tokens reach their experts across expert-parallel ranks."""
+    """How tokens reach their experts across expert-parallel ranks. Performance hint in longspan: tokens
+    always move by all-to-all, which routes exactly as every dispatcher type does."""
 
     moe_per_layer_logging: bool = False
     """Log MoE statistics per layer."""
@@ -307,7 +310,8 @@ class GPTModelProvider(TransformerConfig):
     """Compute the output cross-entropy in fp16 instead of fp32."""
 
     parallel_output: bool = True
-    """Keep the logits split across tensor-parallel ranks (the loss is vocab-parallel)."""
+    """Keep the logits split across tensor-parallel ranks (the loss is vocab-parallel). Performance hint in
+    longspan: the output layer's TP plan decides the logits' layout and the loss is the same either way."""
 
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer's weight to the input embedding."""
@@ -349,7 +353,8 @@ class GPTModelProvider(TransformerConfig):
     """Vocabulary size before padding; None means it comes from the tokenizer at start-up."""
 
     should_pad_vocab: bool = False
-    """Megatron Bridge flag: pad vocab_size itself (longspan always pads to make_vocab_size_divisible_by)."""
+    """Megatron Bridge flag: pad vocab_size itself. No effect in longspan, which always pads the embedding to
+    make_vocab_size_divisible_by (and checks the tokenizer fits)."""
 
     scatter_embedding_sequence_parallel: bool = True
     """With sequence parallel: scatter the embedding output along the sequence."""

@@ -347,8 +347,8 @@ def initialize_distributed(
 
     backend = getattr(dist_cfg, "distributed_backend", "nccl")
     if backend == "nccl" and dev.type != "cuda":
-        if launch.rank == 0:
-            _log.warning("dist.distributed_backend='nccl' needs CUDA devices; this run is on CPU, using gloo")
+        # nccl is the default: on a CPU machine it adapts silently (the banner says "device cpu").
+        _log.debug("dist.distributed_backend='nccl' needs CUDA devices; this run is on CPU, using gloo")
         backend = "gloo"
 
     if launch.world_size == 1:

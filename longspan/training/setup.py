@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from longspan.config.support import inapplicable_fields
-from longspan.core.logging import get_logger, print_rank_0, setup_logging
+from longspan.core.logging import configure_log_filters, get_logger, print_rank_0, setup_logging
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.tokenizers import build_tokenizer
 from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
@@ -68,6 +68,10 @@ def set_random_seed(seed: int, parallel: ParallelState, data_parallel_random_ini
 
 
 def _autocast_dtype(cfg: Any) -> Optional[torch.dtype]:
+    """The torch.autocast dtype of the forward step: model.enable_autocast (mixed_precision.autocast_enabled)
+    with model.autocast_dtype (None: the pipeline dtype), else bf16/fp16 for bf16/fp16 models, else none."""
+    if cfg.model.enable_autocast:
+        return cfg.model.autocast_dtype or cfg.model.pipeline_dtype
     if cfg.model.bf16:
         return torch.bfloat16
     if cfg.model.fp16:
@@ -106,6 +110,8 @@ def setup(cfg: Any) -> SetupOutput:
     """Validate, initialize processes, build everything, and load the checkpoint when there is one."""
     start_time = time.time()
     setup_logging(cfg.logger.logging_level)
+    lg = cfg.logger
+    configure_log_filters(lg.logging_level, lg.filter_warnings, lg.modules_to_filter, lg.set_level_for_all_loggers)
     parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
     state = GlobalState()
     state.cfg = cfg

@@ -34,7 +34,8 @@ def small_config(tmp_path: Path, name: str = "run", **train_overrides: Any) -> A
         setattr(cfg.train, key, value)
     cfg.scheduler.lr_warmup_fraction = None
     # Warmup must be shorter than the decay (Megatron Core asserts it): 3 iterations, fewer for short runs.
-    cfg.scheduler.lr_warmup_iters = min(3, max(0, cfg.train.train_iters - 1))
+    iters = cfg.train.train_iters
+    cfg.scheduler.lr_warmup_iters = 3 if iters is None else min(3, max(0, iters - 1))
     run_dir = tmp_path / name
     cfg.checkpoint.save = str(run_dir / "ckpt")
     cfg.checkpoint.load = str(run_dir / "ckpt")

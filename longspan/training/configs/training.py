@@ -217,16 +217,19 @@ class CheckpointConfig:
     """Where the converted checkpoint is saved."""
 
     fully_parallel_save: bool = True
-    """Spread the writing of replicated state across data-parallel ranks."""
+    """Spread the writing of replicated state across data-parallel ranks. Performance hint in longspan:
+    DCP's save planner already writes each replicated tensor once, from one rank."""
 
     async_save: bool = False
     """Write checkpoints in the background while training continues (torch_dist only)."""
 
     use_persistent_ckpt_worker: bool = True
-    """Keep one background worker for asynchronous saves instead of one per save."""
+    """Keep one background worker for asynchronous saves instead of one per save. Performance hint in
+    longspan: async_save runs on DCP's own background executor."""
 
     fully_parallel_load: bool = False
-    """Spread the reading of replicated state across data-parallel ranks."""
+    """Spread the reading of replicated state across data-parallel ranks. Performance hint in longspan:
+    every rank reads what it needs through DCP; the loaded values are the same."""
 
     ckpt_assume_constant_structure: bool = False
     """The state dict structure never changes during the run (allows caching the save plan)."""
@@ -312,13 +315,14 @@ class LoggerConfig:
     """Level of longspan's loggers (e.g. 20 = INFO); None keeps the default."""
 
     filter_warnings: bool = True
-    """Hide noisy third-party warnings."""
+    """Drop WARNING records of third-party loggers (torch, transformers, ...); longspan's own warnings, which
+    are about settings the user made, stay visible."""
 
     modules_to_filter: Optional[list[str]] = None
-    """Logger names whose messages are hidden."""
+    """Logger name prefixes whose records are dropped entirely (e.g. ['torch.distributed'])."""
 
     set_level_for_all_loggers: bool = False
-    """Apply logging_level to every logger, not just longspan's."""
+    """Apply logging_level (INFO when None) to the root and every existing logger, not just longspan's."""
 
     log_energy: bool = False
     """Log energy use in joules (needs GPU energy counters)."""

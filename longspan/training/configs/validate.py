@@ -666,9 +666,27 @@ def _check_misc(cfg: "ConfigContainer") -> None:
                 f"profiling.profile_step_start={p.profile_step_start}"
             )
     m = cfg.model
+    _check_autocast(m, via_mixed_precision=cfg.mixed_precision is not None)
     if m.recompute_granularity == "full" and m.recompute_method is None:
         raise ConfigError("model.recompute_granularity='full' needs model.recompute_method ('uniform' or 'block')")
     if m.recompute_method is not None and m.recompute_granularity != "full":
         raise ConfigError(
             f"model.recompute_method={m.recompute_method!r} needs model.recompute_granularity='full'"
+        )
+
+
+def _check_autocast(m: object, via_mixed_precision: bool) -> None:
+    """Autocast runs in bf16 or fp16 (torch.autocast's dtypes); a dtype without autocast on changes nothing."""
+    enable, dtype = "model.enable_autocast", "model.autocast_dtype"
+    if via_mixed_precision:
+        enable, dtype = "mixed_precision.autocast_enabled", "mixed_precision.autocast_dtype"
+    if not m.enable_autocast:
+        if m.autocast_dtype is not None and not via_mixed_precision:
+            raise ConfigError(f"{dtype}={m.autocast_dtype} has no effect without {enable}=true: set both or neither")
+        return
+    resolved = m.autocast_dtype or m.pipeline_dtype
+    if resolved not in (torch.bfloat16, torch.float16):
+        raise ConfigError(
+            f"{enable}=True runs torch.autocast in {resolved} ({dtype}={m.autocast_dtype}, else the pipeline "
+            f"dtype): set {dtype} to torch.bfloat16 or torch.float16"
         )

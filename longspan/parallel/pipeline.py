@@ -203,7 +203,8 @@ def build_pipeline_chunks(
     Each chunk is built on the meta device with its layers, the TP/DP plans are applied to it, and
     ``init_weights`` materializes it from ``seed`` (the full model's weights, by canonical name).
     """
-    from longspan.models.gpt import build_gpt_model, init_weights
+    from longspan.models.builder import build_meta_model
+    from longspan.models.init import init_weights
     from longspan.parallel.parallelize import parallelize_model
 
     provider = cfg.model
@@ -216,12 +217,11 @@ def build_pipeline_chunks(
     for vp_index in range(num_stages // pp):
         stage = vp_index * pp + rank
         info = PipelineChunkInfo(stage, num_stages, rank, pp, vp_index, tuple(numbers[stage]), shape, dtype)
-        model = build_gpt_model(
+        model = build_meta_model(
             provider,
             pre_process=info.is_first,
             post_process=info.is_last,
             vp_stage=vp_index if num_stages > pp else None,
-            materialize=False,
             layer_numbers=list(info.layer_numbers),
         )
         if pre_wrap_hook is not None:

@@ -142,12 +142,12 @@ def _default_device() -> torch.device:
 
 def _build_one_process(cfg: Any, device: torch.device) -> list[nn.Module]:
     """The whole model on ``device``, memory allocated but not drawn (the checkpoint fills it)."""
-    from longspan.models.gpt import build_gpt_model
+    from longspan.models.builder import build_meta_model
 
     for name, value in _ONE_PROCESS_LAYOUT.items():
         if hasattr(cfg.model, name):
             setattr(cfg.model, name, value)
-    model = build_gpt_model(cfg.model, materialize=False)
+    model = build_meta_model(cfg.model)
     model.to_empty(device=device)
     return [model]
 

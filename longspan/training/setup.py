@@ -85,7 +85,7 @@ def build_model(
     """Build on the meta device, apply the parallel plans, then materialize each parameter from its seed.
 
     ``pre_wrap_hook(chunk)`` runs on each meta-device chunk before the parallel plans (PEFT adapters)."""
-    from longspan.models.gpt import build_gpt_model
+    from longspan.models.builder import build_meta_model
 
     provider = cfg.model
     if parallel.pp_size > 1:
@@ -93,7 +93,7 @@ def build_model(
 
         # Stages are cut first; the TP/CP/DP plans then apply to each chunk.
         return build_pipeline_chunks(cfg, parallel, seed, pre_wrap_hook)
-    model = build_gpt_model(provider, materialize=False)
+    model = build_meta_model(provider)
     if pre_wrap_hook is not None:
         pre_wrap_hook(model)
     model = parallelize_model(model, cfg, parallel)

@@ -86,9 +86,12 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("model", HINT, "overlap_p2p_comm overlap_p2p_comm_warmup_flush deallocate_pipeline_outputs"),
     **_many("model", DEVICE, "use_cpu_initialization"),
+    # Issue 14: the chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl keeps the
+    # section default (not supported): only its default 'native' exists here.
+    **_many("model", SUPPORTED, "cross_entropy_loss_fusion"),
     **_many("model", HINT, """
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
-        bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion cross_entropy_loss_fusion
+        bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion
         """),
     # Mixture of experts and expert parallel (issue 6): longspan.models.moe, longspan.parallel.expert_parallel.
     # Tokens always move by all-to-all (every dispatcher type computes the same), so the dispatcher type and

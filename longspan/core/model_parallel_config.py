@@ -145,10 +145,13 @@ class ModelParallelConfig:
     """Deprecated TransformerEngine knob: atomic reduce-scatter overlap with the forward GEMM."""
 
     cross_entropy_loss_fusion: bool = False
-    """Use a fused cross-entropy kernel."""
+    """Fuse the output layer with the cross-entropy: longspan computes the training loss chunk by chunk over
+    tokens (longspan.models.loss; vocab-parallel under tensor parallel), never materialising the
+    [b, s, vocab] logits; same losses and gradients, one extra output matmul in backward."""
 
     cross_entropy_fusion_impl: Literal["native", "te"] = "native"
-    """Which fused cross-entropy: 'native' (Megatron Core) or 'te' (TransformerEngine)."""
+    """Which fused cross-entropy: 'native' (longspan's chunked linear + cross-entropy); 'te'
+    (TransformerEngine) is not supported."""
 
     tp_comm_overlap_disable_qkv: bool = False
     """With tp_comm_overlap: do not overlap the all-gather before the QKV GEMM."""

@@ -35,6 +35,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.init import init_weights
+from longspan.models.loss import linear_cross_entropy
 from longspan.models.moe import resolve_moe_args
 from longspan.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -138,6 +139,13 @@ def resolve_model_args(config: Any) -> SimpleNamespace:
         raise NotSupportedError(
             f"model.recompute_modules={modules!r} is not supported: selective recompute covers ['core_attn'] only"
         )
+    fused_loss = bool(getattr(config, "cross_entropy_loss_fusion", False))
+    fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
+    if fused_loss and fusion_impl != "native":
+        raise NotSupportedError(
+            f"model.cross_entropy_fusion_impl={fusion_impl!r} is not supported: use 'native' (longspan's chunked "
+            "linear + cross-entropy)"
+        )
     init_std = config.init_method_std
     ffn_hidden_size = config.ffn_hidden_size or 4 * config.hidden_size
     moe = resolve_moe_args(config, config.num_layers, config.hidden_size, ffn_hidden_size)
@@ -175,6 +183,7 @@ def resolve_model_args(config: Any) -> SimpleNamespace:
         qk_layernorm=bool(config.qk_layernorm),
         params_dtype=config.params_dtype or torch.float32,
         fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
+        cross_entropy_loss_fusion=fused_loss,
         recompute_granularity=config.recompute_granularity,
         recompute_method=config.recompute_method,
         recompute_num_layers=config.recompute_num_layers,
@@ -234,6 +243,10 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
         self.position_embedding_type = args.position_embedding_type
         self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
+        # cross_entropy_loss_fusion: the loss with labels comes from this chunked linear + cross-entropy
+        # (longspan.models.loss), never materialising [b, s, vocab] logits; the tp plan swaps in its
+        # vocab-parallel form.
+        self.linear_cross_entropy = linear_cross_entropy
 
         self.embedding = LanguageModelEmbedding(args) if pre_process else None
         if args.position_embedding_type == "rope":
@@ -267,6 +280,10 @@ class GPTModel(nn.Module):
         if self.output_layer is not None:
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
+
+    def _fused_loss_applies(self) -> bool:
+        # A wrapped or replaced output layer (an adapter, float8) must run as a module: keep the plain path.
+        return self.output_layer is None or type(self.output_layer) is nn.Linear
 
     def forward(
         self,
@@ -319,6 +336,8 @@ class GPTModel(nn.Module):
             kv_cache.seq_len += seq_len
         if not self.post_process:
             return hidden_states
+        if labels is not None and self.args.cross_entropy_loss_fusion and self._fused_loss_applies():
+            return self.linear_cross_entropy(hidden_states, self.output_weight(), labels)
         if self.output_layer is not None:
             # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
             logits = self.output_layer(hidden_states)

@@ -37,6 +37,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
+from longspan.parallel import vocab_parallel_loss
 
 _log = get_logger(__name__)
 
@@ -227,6 +228,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if getattr(model, "output_layer", None) is not None:
         model.output_layer.register_forward_hook(_gather_logits_outside_loss_parallel)
     model.register_forward_hook(_output_to_local)
+    if getattr(model, "linear_cross_entropy", None) is not None:
+        vocab_parallel_loss.install(model)
     setattr(model, LOSS_PARALLEL_ATTR, getattr(model, "output_layer", None) is not None)
     _log.debug("tensor parallel over %d ranks (sequence_parallel=%s): %d modules", tp, sequence_parallel,
                len(plan))

@@ -1,0 +1,139 @@
+"""Output projection + cross-entropy over chunks of tokens, without the ``[tokens, vocab]`` logits.
+
+``linear_cross_entropy(hidden, weight, labels)`` returns the same per-token losses as
+``F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="none")`` and the same gradients, but
+only one chunk of logits (``chunk_tokens x vocab``) exists at a time: the forward keeps the per-token
+log-sum-exp (``[tokens]`` floats), and the backward recomputes each chunk's logits to form
+``softmax - one_hot`` and its two matmuls. That costs one extra output-layer matmul per step and saves the
+full logits, their float32 copy and their gradient (at vocab 128k, 4 x 2048 tokens: 3 x 4 GiB in float32).
+
+The softmax always runs in float32 (the logits of a chunk are upcast), so ``fp16_lm_cross_entropy`` has no
+effect on this path. Labels equal to ``ignore_index`` (-100, as ``F.cross_entropy``) get loss 0 and no gradient.
+
+The maths is written for a vocabulary shard too (``vocab_start`` and the two reductions): the vocab-parallel
+form under tensor parallel (``longspan.parallel.loss_parallel``) passes its process group's all-reduces in,
+so the model code here stays free of process groups.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+#: Budget for one chunk's float32 logits; the chunk length in tokens follows from the vocabulary size.
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+IGNORE_INDEX = -100
+
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]  # in-place all-reduce over the vocab shards, returns its input
+
+
+def default_chunk_tokens(vocab_size: int, chunk_bytes: Optional[int] = None) -> int:
+    """Tokens per chunk so that a chunk's float32 logits take at most ``chunk_bytes`` (default
+    ``DEFAULT_CHUNK_BYTES``, read at call time); at least 1 token."""
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
+    return max(1, budget // (4 * max(1, int(vocab_size))))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, vocab_start, reduce_max, reduce_sum):  # type: ignore[override]
+        num_tokens = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        local_lse = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        target_logit = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
+        local_labels = labels - vocab_start
+        in_shard = (local_labels >= 0) & (local_labels < local_vocab)
+        safe_labels = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
+        for start in range(0, num_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, num_tokens)
+            logits = F.linear(hidden[start:end], weight).float()
+            local_lse[start:end] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_labels[start:end].unsqueeze(1)).squeeze(1)
+            target_logit[start:end] = torch.where(in_shard[start:end], picked, torch.zeros_like(picked))
+        if reduce_max is None:
+            lse = local_lse
+        else:  # log Σ_shards exp(lse_shard), stabilised by the largest shard's value
+            top = reduce_max(local_lse.clone())
+            sums = torch.stack([torch.exp(local_lse - top), target_logit])
+            reduce_sum(sums)
+            lse = top + torch.log(sums[0])
+            target_logit = sums[1]
+        valid = labels != IGNORE_INDEX
+        losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+        ctx.save_for_backward(hidden, weight, safe_labels, in_shard & valid, valid, lse)
+        ctx.chunk_tokens = chunk_tokens
+        ctx.reduce_sum = reduce_sum
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):  # type: ignore[override]
+        hidden, weight, safe_labels, target_here, valid, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        scale = torch.where(valid, grad_losses.float(), torch.zeros_like(lse))
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        num_tokens = hidden.shape[0]
+        for start in range(0, num_tokens, ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, num_tokens)
+            chunk = hidden[start:end]
+            # d loss / d logits = (softmax - one_hot(label)) * grad, recomputed from the saved log-sum-exp
+            grad_logits = torch.exp(F.linear(chunk, weight).float() - lse[start:end].unsqueeze(1))
+            rows = torch.nonzero(target_here[start:end]).squeeze(1)
+            grad_logits[rows, safe_labels[start:end][rows]] -= 1.0
+            grad_logits.mul_(scale[start:end].unsqueeze(1))
+            grad_logits = grad_logits.to(weight.dtype)
+            if need_hidden:
+                grad_hidden[start:end] = grad_logits @ weight
+            if need_weight:
+                if weight.dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.t(), chunk)
+                else:  # low-precision matmul per chunk, summed over chunks in float32
+                    grad_weight += (grad_logits.t() @ chunk).float()
+        if need_hidden and ctx.reduce_sum is not None:
+            ctx.reduce_sum(grad_hidden)  # each vocab shard contributes a partial sum to d loss / d hidden
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: Optional[int] = None,
+    vocab_start: int = 0,
+    reduce_max: Optional[ReduceFn] = None,
+    reduce_sum: Optional[ReduceFn] = None,
+) -> torch.Tensor:
+    """Per-token float32 cross-entropy of ``hidden @ weight.T`` against ``labels``, chunked over tokens.
+
+    Args:
+        hidden: ``[..., h]`` hidden states (any leading shape; the result has that shape).
+        weight: ``[vocab, h]`` output projection (a vocabulary shard ``[vocab/tp, h]`` with the reductions).
+        labels: ``[...]`` target ids (global ids); ``-100`` is ignored.
+        chunk_tokens: tokens per chunk; default ``default_chunk_tokens(weight.shape[0])``.
+        vocab_start: the first global id of ``weight``'s shard.
+        reduce_max, reduce_sum: in-place all-reduces (max, sum) over the vocabulary shards; None on one shard.
+
+    Under ``torch.autocast`` the matmuls run in the autocast dtype, as ``F.linear`` would.
+    """
+    if (reduce_max is None) != (reduce_sum is None):
+        raise ValueError("linear_cross_entropy: pass both reduce_max and reduce_sum, or neither")
+    lead_shape = labels.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    device_type = flat_hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        flat_hidden, weight = flat_hidden.to(dtype), weight.to(dtype)
+    chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_tokens={chunk_tokens} must be >= 1")
+    with torch.autocast(device_type, enabled=False):
+        losses = _ChunkedLinearCrossEntropy.apply(
+            flat_hidden, weight, flat_labels, chunk, int(vocab_start), reduce_max, reduce_sum
+        )
+    return losses.view(lead_shape)

@@ -154,6 +154,14 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", HINT, "fully_parallel_save fully_parallel_load use_persistent_ckpt_worker"),
     # torch DDP always overlaps the gradient all-reduce with backward (bucket hooks); FSDP2 its reduce-scatter.
     **_many("ddp", HINT, "overlap_grad_reduce"),
+    # Resilience (issue 12): longspan.training.resilience, docs/resilience.md.
+    **_many("checkpoint", SUPPORTED, """
+        non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir
+        non_persistent_local_ckpt_dir
+        """),
+    # Every rank writes all of its own local state (nothing is replicated across ranks to de-duplicate), so
+    # 'fully_parallel' and 'atomic' write the same files.
+    **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
 }
 
 # The model classes and dataset classes longspan can build.

@@ -266,14 +266,19 @@ def save_checkpoint(
     checkpointing_context: dict[str, Any] | None = None,
     non_persistent_ckpt: bool = False,
     train_data_iterator: Any = None,
+    *,
+    save_dir: str | os.PathLike | None = None,
 ) -> None:
     """Save model, optimizer, scheduler, RNG and train state for ``state.train_state.step``.
 
     The data position is ``train_state.consumed_train_samples`` / ``consumed_valid_samples``: Megatron's
     samplers restart from them, so a resumed run reads exactly the samples it would have read.
+    ``save_dir`` replaces ``checkpoint.save`` (global non-persistent checkpoints).
     """
     if non_persistent_ckpt:
-        raise NotImplementedError("non-persistent checkpoints are rejected by ConfigContainer.validate()")
+        raise NotImplementedError(
+            "non-persistent saves go through longspan.training.resilience.non_persistent.save_non_persistent"
+        )
     cfg = state.cfg
     ckpt_cfg = cfg.checkpoint
     context = checkpointing_context if checkpointing_context is not None else {}
@@ -281,7 +286,7 @@ def save_checkpoint(
 
     iteration = state.train_state.step
     state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
-    root = Path(ckpt_cfg.save)
+    root = Path(save_dir if save_dir is not None else ckpt_cfg.save)
     final_dir = get_checkpoint_dir(root, iteration)
     partial_dir = final_dir.with_name(final_dir.name + ".partial")
 

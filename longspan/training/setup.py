@@ -28,10 +28,10 @@ from longspan.training.configs.validate import check_vocab_fits
 from longspan.training.checkpointing import (
     apply_checkpoint_args,
     check_save_dir_writable,
-    load_checkpoint,
     load_peft_checkpoint,
     set_rng_state,
 )
+from longspan.training.resilience.non_persistent import load_newest_checkpoint
 from longspan.training.hf_checkpoint import apply_hf_pretrained_config
 from longspan.training.microbatches import NumMicroBatchesCalculator
 from longspan.training.optimizer import get_megatron_optimizer
@@ -164,7 +164,8 @@ def setup(cfg: Any) -> SetupOutput:
     if cfg.peft is not None:  # the base from pretrained_checkpoint, then this run's adapters when resuming
         loaded = load_peft_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
     else:
-        loaded = load_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+        # the newest of checkpoint.load and the non-persistent (global/local) checkpoints
+        loaded = load_newest_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
     state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
 
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(

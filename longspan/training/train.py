@@ -25,6 +25,7 @@ from longspan.training.schedules import (
     reduce_loss_reports,
 )
 from longspan.training.optimizer import NonFiniteGradError
+from longspan.training.resilience.non_persistent import save_non_persistent, should_save_non_persistent
 from longspan.training.profiling import (
     handle_profiling_step,
     handle_profiling_stop,
@@ -453,13 +454,20 @@ def save_checkpoint_and_time(
     if should_toggle:
         disable_forward_pre_hook(model)
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    save_checkpoint(
-        state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-        checkpointing_context, non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
-    )
+    if non_persistent_ckpt:  # checkpoint.non_persistent_ckpt_type: global (DCP) or local (per-rank files)
+        save_non_persistent(
+            state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            checkpointing_context, train_data_iterator=train_data_iterator,
+        )
+    else:
+        save_checkpoint(
+            state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            checkpointing_context, train_data_iterator=train_data_iterator,
+        )
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
-    state.last_saved_step = state.train_state.step
+    if not non_persistent_ckpt:  # the final save stays persistent even when a non-persistent one just ran
+        state.last_saved_step = state.train_state.step
     if state.cfg.logger.log_progress:
         compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
     if should_toggle:
@@ -497,6 +505,11 @@ def checkpoint_and_decide_exit(
     if save and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
         do_save()
         saved = True
+    elif should_save_non_persistent(cfg.checkpoint, step):
+        save_checkpoint_and_time(
+            state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            checkpointing_context, non_persistent_ckpt=True, train_data_iterator=train_data_iterator,
+        )
 
     if cfg.train.exit_duration_in_mins:
         minutes = torch.tensor([(time.time() - state.start_time) / 60.0], dtype=torch.float64)

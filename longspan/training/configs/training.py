@@ -171,19 +171,23 @@ class CheckpointConfig:
     """Restore the RNG states when loading."""
 
     non_persistent_save_interval: Optional[int] = None
-    """Iterations between non-persistent (overwritten) checkpoints."""
+    """Iterations between non-persistent checkpoints (an iteration with a persistent save skips it); only the
+    newest is kept, and a resume takes the newest complete checkpoint of any kind."""
 
     non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory"]] = None
-    """Kind of non-persistent checkpoint; None = none."""
+    """Kind of non-persistent checkpoint: 'global' (a torch_dist checkpoint in non_persistent_global_ckpt_dir),
+    'local' (each rank torch.saves its own state to non_persistent_local_ckpt_dir); None = none. 'in_memory'
+    is not supported yet."""
 
     non_persistent_global_ckpt_dir: Optional[str] = None
-    """Directory of global non-persistent checkpoints."""
+    """Directory of global non-persistent checkpoints; None = {checkpoint.save}/non_persistent."""
 
     non_persistent_local_ckpt_dir: Optional[str] = None
-    """Directory of local non-persistent checkpoints."""
+    """Node-local directory of local non-persistent checkpoints (rank{R}_of{W}/iter_XXXXXXX.pt per rank)."""
 
     non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
-    """Algorithm of local non-persistent checkpoints."""
+    """Algorithm of local non-persistent checkpoints; in longspan every rank writes all of its own state
+    atomically either way (nothing replicated to de-duplicate), so both values write the same files."""
 
     finetune: bool = False
     """Load only the model weights and start at iteration 0 (no optimizer or RNG state)."""

@@ -146,6 +146,7 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("logger.tensorboard_log_interval", INT, 1, None, True, True),
     ("logger.tensorboard_queue_size", INT, 1, None, True, True),
     ("checkpoint.save_interval", INT, 1, None, True, True),
+    ("checkpoint.non_persistent_save_interval", INT, 1, None, True, True),
     ("checkpoint.ckpt_step", INT, 0, None, True, True),
     ("rng.seed", INT, 0, None, True, True),
     ("ddp.bucket_size", INT, 1, None, True, True),
@@ -656,6 +657,9 @@ def _check_misc(cfg: "ConfigContainer") -> None:
         )
     if c.load_main_params_from_ckpt and c.load_optim:
         raise ConfigError("checkpoint.load_main_params_from_ckpt=True needs checkpoint.load_optim=False")
+    from longspan.training.resilience.checks import check_resilience_config
+
+    check_resilience_config(cfg)
     p = cfg.profiling
     if p is not None:
         if p.use_nsys_profiler and p.use_pytorch_profiler:

@@ -1,0 +1,47 @@
+"""Config rules of the resilience fields, called by ``ConfigContainer.validate()`` (imports only ``core``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+
+def check_resilience_config(cfg: Any) -> None:
+    """Reject resilience settings longspan cannot honour, naming the field and what would be valid."""
+    _check_non_persistent(cfg.checkpoint)
+
+
+def _check_non_persistent(c: Any) -> None:
+    kind = c.non_persistent_ckpt_type
+    if kind == "in_memory":
+        raise NotSupportedError(
+            "checkpoint.non_persistent_ckpt_type='in_memory' is not supported yet by longspan (supported: 'global', "
+            "'local')"
+        )
+    if kind is not None and kind not in ("global", "local"):
+        raise ConfigError(f"checkpoint.non_persistent_ckpt_type={kind!r} is not valid: use None, 'global' or 'local'")
+    if c.non_persistent_save_interval is not None and kind is None:
+        raise ConfigError(
+            f"checkpoint.non_persistent_save_interval={c.non_persistent_save_interval} needs "
+            "checkpoint.non_persistent_ckpt_type ('global' or 'local')"
+        )
+    if kind is not None and not c.non_persistent_save_interval:
+        raise ConfigError(
+            f"checkpoint.non_persistent_ckpt_type={kind!r} needs checkpoint.non_persistent_save_interval (iterations)"
+        )
+    if kind == "local" and not c.non_persistent_local_ckpt_dir:
+        raise ConfigError(
+            "checkpoint.non_persistent_ckpt_type='local' needs checkpoint.non_persistent_local_ckpt_dir "
+            "(node-local storage each rank writes its own files to)"
+        )
+    if kind == "global" and not (c.non_persistent_global_ckpt_dir or c.save):
+        raise ConfigError(
+            "checkpoint.non_persistent_ckpt_type='global' needs checkpoint.non_persistent_global_ckpt_dir "
+            "(or checkpoint.save, whose non_persistent/ subdirectory is then used)"
+        )
+    if c.non_persistent_local_ckpt_algo not in ("fully_parallel", "atomic"):
+        raise ConfigError(
+            f"checkpoint.non_persistent_local_ckpt_algo={c.non_persistent_local_ckpt_algo!r} is not valid: "
+            "use 'fully_parallel' or 'atomic'"
+        )

@@ -164,8 +164,14 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
 }
 
+# Mamba and hybrid models (issue 13): longspan.models.mamba (MambaProvider).
+FIELD_STATUS.update(_many("model", SUPPORTED, """
+    mamba_num_groups mamba_state_dim mamba_head_dim mamba_num_heads mamba_chunk_size mamba_conv_kernel
+    mamba_expand hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern
+    """))
+
 # The model classes and dataset classes longspan can build.
-SUPPORTED_MODELS = ("GPTModelProvider",)
+SUPPORTED_MODELS = ("GPTModelProvider", "MambaProvider",)
 SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig")
 
 

@@ -10,7 +10,9 @@ beyond its own shards.
 How each parameter is drawn is read from the module that owns it (Megatron's rules):
 - ``nn.LayerNorm`` / ``RMSNorm`` (any module with ``normalized_shape``): weight 1, bias 0;
 - a module with an ``init_rule`` attribute ``(kind, value)``: that rule for its parameters ('normal' std,
-  'uniform' bound, 'ones', 'zeros'; used by adapters);
+  'uniform' bound, 'ones', 'zeros'; used by adapters), or a dict of such rules by parameter name; kind
+  'draw' takes ``value(shape, generator) -> float32 tensor`` for parameters with their own recipe (Mamba's
+  ``A_log`` / ``dt_bias``), still drawn from the parameter's own seeded generator;
 - a module with an ``init_std`` attribute (longspan sets it on every ``nn.Linear`` and ``nn.Embedding``):
   weight ~ normal(0, init_std), bias 0;
 - an ``init_name_overrides`` dict on a module maps its parameter names to the canonical name whose stream
@@ -57,6 +59,8 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _init_rule(module: nn.Module, param_name: str, full_name: str) -> tuple[str, float]:
     """``("normal", std)``, ``("uniform", bound)``, ``("ones", 0)`` or ``("zeros", 0)`` for parameter ``param_name`` of ``module``."""
     rule = getattr(module, "init_rule", None)  # an explicit (kind, value) rule, e.g. adapters (longspan.peft)
+    if isinstance(rule, dict):  # rules by parameter name (Mamba mixers)
+        rule = rule.get(param_name)
     if rule is not None:
         return rule
     if hasattr(module, "normalized_shape"):  # LayerNorm / RMSNorm
@@ -91,6 +95,8 @@ def draw_full_parameter(seed: int, canonical_name: str, shape: torch.Size, rule:
     generator.manual_seed(parameter_seed(seed, canonical_name))
     if kind == "uniform":
         return torch.empty(shape).uniform_(-std, std, generator=generator)
+    if kind == "draw":
+        return std(shape, generator)
     return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)
 
 

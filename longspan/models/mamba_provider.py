@@ -1,17 +1,23 @@
-"""``MambaProvider``: a Mamba / hybrid model's configuration (fields now; the model is a later issue)."""
+"""``MambaProvider``: a Mamba-2 / hybrid Mamba–attention model's configuration; ``provide()`` builds
+``longspan.models.mamba.MambaModel``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from longspan.core.errors import NotSupportedError
+import torch
+
 from longspan.models.gpt_provider import TransformerConfig
 
 
 @dataclass
 class MambaProvider(TransformerConfig):
-    """Megatron Bridge's Mamba provider fields, with its defaults. ``provide()`` is not implemented yet."""
+    """Megatron Bridge's Mamba provider fields, with its defaults (plus three MambaMixer arguments Megatron
+    hard-codes: ``mamba_chunk_size``, ``mamba_conv_kernel``, ``mamba_expand``).
+
+    Layers come from ``hybrid_override_pattern`` (or the hybrid ratios): ``M`` Mamba-2 mixer, ``*`` attention,
+    ``-`` MLP, ``E`` MoE. Attention / MLP layers read the usual TransformerConfig fields."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the output cross-entropy in fp16 instead of fp32."""
@@ -47,7 +53,18 @@ class MambaProvider(TransformerConfig):
     """Fraction of layers that are MLP layers."""
 
     hybrid_override_pattern: Optional[str] = None
-    """Explicit layer pattern (M = Mamba, * = attention, - = MLP)."""
+    """Explicit layer pattern, one symbol per layer (M = Mamba, * = attention, - = MLP, E = MoE); when set it
+    must have num_layers symbols and overrides the ratios."""
+
+    mamba_chunk_size: int = 128
+    """Chunk length of the chunked SSD scan in training (Megatron MambaMixer's chunk_size); it changes
+    speed and memory, not the result beyond rounding."""
+
+    mamba_conv_kernel: int = 4
+    """Width of the causal depthwise convolution before the scan (MambaMixer's d_conv)."""
+
+    mamba_expand: int = 2
+    """d_inner = mamba_expand × hidden_size when mamba_num_heads is None (MambaMixer's expand)."""
 
     seq_length: int = 8192
     """Sequence length."""
@@ -92,8 +109,26 @@ class MambaProvider(TransformerConfig):
     """Vocabulary size before padding; None means it comes from the tokenizer."""
 
     def finalize(self) -> None:
-        """Nothing to derive yet."""
+        """Fill the derived Nones of the attention layers (as GPTModelProvider does) and params_dtype."""
+        if self.ffn_hidden_size is None and self.hidden_size:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None and self.num_attention_heads:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.params_dtype is None:
+            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
     def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
-        """Not implemented yet: Mamba models arrive in a later version of longspan."""
-        raise NotSupportedError("model=MambaProvider is not supported yet by longspan (supported: GPTModelProvider)")
+        """Build and initialize the model (a plain ``torch.nn.Module``, ``longspan.models.mamba.MambaModel``)."""
+        from longspan.models.mamba import build_mamba_model
+
+        return build_mamba_model(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+    def provide_meta(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                     layer_numbers: Optional[list[int]] = None):
+        """The model (or a pipeline stage's ``layer_numbers``) on the meta device, for parallel plans first."""
+        from longspan.models.mamba import build_mamba_model
+
+        return build_mamba_model(self, pre_process, post_process, vp_stage, materialize=False,
+                                 layer_numbers=layer_numbers)

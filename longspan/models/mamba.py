@@ -1,0 +1,453 @@
+"""Mamba-2 and hybrid Mamba / attention models, built from a ``MambaProvider``.
+
+Plain PyTorch with Megatron Core's module names (``megatron/core/ssm``), so checkpoints and parallel plans
+address the same parameters::
+
+    embedding.word_embeddings                          nn.Embedding [padded_vocab, hidden]
+    decoder.layers.{i}.norm                            RMSNorm / LayerNorm          (Mamba layers 'M')
+    decoder.layers.{i}.mixer.in_proj                   nn.Linear [2·d_inner + 2·groups·state + heads, hidden]
+    decoder.layers.{i}.mixer.conv1d                    depthwise nn.Conv1d over d_inner + 2·groups·state
+    decoder.layers.{i}.mixer.A_log / D / dt_bias       [heads] each
+    decoder.layers.{i}.mixer.norm                      gated RMSNorm over d_inner (per group)
+    decoder.layers.{i}.mixer.out_proj                  nn.Linear [hidden, d_inner]
+    decoder.layers.{i}.input_layernorm, .self_attention.linear_q/k/v/proj    (attention layers '*')
+    decoder.layers.{i}.pre_mlp_layernorm, .mlp.linear_fc1(_gate)/fc2         (MLP '-' and MoE 'E' layers)
+    decoder.final_norm                                 (post_process only)
+    output_layer                                       nn.Linear (absent when tied)
+
+``in_proj``'s output rows are ``[z | x | B | C | dt]``, Megatron's and Hugging Face's order. The forward
+contract is ``GPTModel``'s (``longspan.models.gpt``): per-token loss with labels, logits without, hidden states
+on a non-last pipeline stage; ``attention_mask`` / ``position_ids`` reach only the attention layers (Mamba
+layers are causal by construction). ``kv_cache`` (a ``KVCache``) also carries each Mamba layer's conv and SSM
+state, so generation runs the recurrent form one token at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.gpt import LanguageModelEmbedding, resolve_model_args
+from longspan.models.init import init_weights
+from longspan.models.moe import MoELayer
+from longspan.models.rope import RotaryEmbedding
+from longspan.models.ssd import ssd_chunked_scan, ssd_step
+from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm
+
+MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
+LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP_LAYER, MOE)
+
+# Megatron MambaMixer's fixed initialization constants.
+_A_INIT_RANGE = (1.0, 16.0)
+_DT_MIN, _DT_MAX, _DT_INIT_FLOOR = 0.001, 0.1, 1e-4
+
+
+def allocate_layers(num_layers: int, attention_ratio: float, mlp_ratio: float, pattern: str | None) -> list[str]:
+    """The layer types (``M``, ``*``, ``-``, ``E``) of a hybrid stack: ``pattern`` when given, else Megatron's
+    even spread of ``round(num_layers · ratio)`` attention layers (then MLP layers) among Mamba layers."""
+    if pattern is not None:
+        if len(pattern) != num_layers:
+            raise ConfigError(
+                f"model.hybrid_override_pattern={pattern!r} has {len(pattern)} layers but model.num_layers={num_layers}"
+            )
+        bad = sorted(set(pattern) - set(LAYER_SYMBOLS))
+        if bad:
+            raise ConfigError(
+                f"model.hybrid_override_pattern={pattern!r} has {bad}: use M (Mamba), * (attention), - (MLP), E (MoE)"
+            )
+        return list(pattern)
+    if not (0.0 <= attention_ratio <= 1.0 and 0.0 <= mlp_ratio <= 1.0 and attention_ratio + mlp_ratio <= 1.0):
+        raise ConfigError(
+            f"model.hybrid_attention_ratio={attention_ratio} and model.hybrid_mlp_ratio={mlp_ratio} must be in "
+            "[0, 1] and sum to at most 1"
+        )
+    types = [MAMBA] * num_layers
+    n_attention = round(num_layers * attention_ratio)
+    n_mamba = num_layers - n_attention
+    # Attention layers evenly spaced, the stack starting and ending with Mamba sections.
+    section = n_mamba / (n_attention + 1)
+    budget = section
+    for i in range(num_layers):
+        if budget < 0.5:
+            types[i] = ATTENTION
+            budget += section
+        else:
+            budget -= 1
+    n_mlp = round(num_layers * mlp_ratio)
+    if n_mlp > 0:
+        # MLP layers replace Mamba layers, evenly spread (right-justified).
+        ratio = (n_mamba - n_mlp) / n_mlp
+        budget = ratio
+        for i in range(num_layers):
+            if types[i] == MAMBA:
+                if budget < 0.5:
+                    types[i] = MLP_LAYER
+                    budget += ratio
+                else:
+                    budget -= 1
+    return types
+
+
+class _GPTFieldDefaults:
+    """``config`` seen with GPTModelProvider's defaults for the GPT-only fields a MambaProvider lacks
+    (Llama-3 RoPE scaling), so the attention layers' checks and derivations are shared with GPT."""
+
+    _DEFAULTS = {"rope_scaling": False, "rope_scaling_factor": 8.0}
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return getattr(self._config, name)
+        except AttributeError:
+            if name in self._DEFAULTS:
+                return self._DEFAULTS[name]
+            raise
+
+
+def resolve_mamba_args(config: Any) -> SimpleNamespace:
+    """Check ``config`` (a ``MambaProvider``) and return the values the modules read.
+
+    The attention / MLP fields go through the GPT model's checks (``resolve_model_args``); the Mamba fields
+    get Megatron's derivations: ``d_inner = mamba_num_heads · mamba_head_dim`` when the heads are given, else
+    ``mamba_expand · hidden_size`` and ``heads = d_inner / mamba_head_dim``.
+    """
+    args = resolve_model_args(_GPTFieldDefaults(config))
+    if config.recompute_granularity is not None:
+        raise NotSupportedError(
+            f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
+            "MambaProvider models: leave it None"
+        )
+    if getattr(config, "moe_layer_freq", 1) != 1:
+        raise NotSupportedError(
+            f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "
+            "mark MoE layers with 'E' in model.hybrid_override_pattern"
+        )
+    args.layer_types = allocate_layers(
+        config.num_layers, config.hybrid_attention_ratio, config.hybrid_mlp_ratio, config.hybrid_override_pattern
+    )
+    if MOE in args.layer_types and args.moe is None:
+        raise ConfigError("model.hybrid_override_pattern has MoE layers ('E'): set model.num_moe_experts")
+    if args.moe is not None:  # the pattern, not moe_layer_freq, says which layers are MoE
+        args.moe.layer_flags = [t == MOE for t in args.layer_types]
+    head_dim, state, groups = config.mamba_head_dim, config.mamba_state_dim, config.mamba_num_groups
+    for name in ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(config, name)} must be a positive integer")
+    if config.mamba_num_heads is not None:
+        heads = config.mamba_num_heads
+        d_inner = heads * head_dim
+    else:
+        d_inner = int(config.mamba_expand * config.hidden_size)
+        if d_inner % head_dim != 0:
+            raise ConfigError(
+                f"model.mamba_expand·hidden_size={d_inner} must divide by model.mamba_head_dim={head_dim} "
+                "(or set model.mamba_num_heads)"
+            )
+        heads = d_inner // head_dim
+    if heads < 1 or heads % groups != 0:
+        raise ConfigError(f"model.mamba_num_groups={groups} must divide the Mamba heads ({heads})")
+    args.mamba = SimpleNamespace(
+        d_inner=d_inner,
+        heads=heads,
+        head_dim=head_dim,
+        state_dim=state,
+        groups=groups,
+        conv_kernel=config.mamba_conv_kernel,
+        chunk_size=config.mamba_chunk_size,
+    )
+    return args
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(y · silu(z)) · weight`` with the mean square taken per group of ``group_size`` channels
+    (Megatron's ``norm_before_gate=False`` with ``group_size = d_inner / groups``), in float32."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.group_size = group_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.unflatten(-1, (-1, self.group_size))
+        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.flatten(-2).to(y.dtype)
+
+
+def _draw_A_log(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    return torch.empty(shape).uniform_(*_A_INIT_RANGE, generator=generator).log()
+
+
+def _draw_dt_bias(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """softplus(dt_bias) spread log-uniformly over [dt_min, dt_max] (Megatron's and the Mamba paper's init)."""
+    u = torch.rand(shape, generator=generator)
+    dt = torch.exp(u * (math.log(_DT_MAX) - math.log(_DT_MIN)) + math.log(_DT_MIN)).clamp(min=_DT_INIT_FLOOR)
+    return dt + torch.log(-torch.expm1(-dt))  # the inverse of softplus
+
+
+class MambaMixer(nn.Module):
+    """The Mamba-2 mixer: ``in_proj`` -> causal depthwise conv over (x, B, C) -> SSD scan -> gated norm ->
+    ``out_proj``. ``forward(hidden [b, s, hidden]) -> [b, s, hidden]``."""
+
+    def __init__(self, args: SimpleNamespace, layer_number: int) -> None:
+        super().__init__()
+        m = args.mamba
+        self.layer_number = layer_number
+        self.d_inner, self.heads, self.head_dim = m.d_inner, m.heads, m.head_dim
+        self.groups, self.state_dim, self.chunk_size = m.groups, m.state_dim, m.chunk_size
+        self.conv_dim = m.d_inner + 2 * m.groups * m.state_dim
+        dtype = args.params_dtype
+        std = args.init_method_std
+        in_features = 2 * m.d_inner + 2 * m.groups * m.state_dim + m.heads
+        self.in_proj = _linear(args.hidden_size, in_features, False, std, dtype)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, m.conv_kernel, groups=self.conv_dim,
+                                padding=m.conv_kernel - 1, bias=True, dtype=dtype)
+        # PyTorch's default conv init (kaiming_uniform(a=√5)) in bound form, as Megatron keeps it.
+        self.conv1d.init_rule = ("uniform", 1.0 / math.sqrt(m.conv_kernel))
+        # Megatron keeps A_log, D and dt_bias in float32 whatever params_dtype is.
+        self.A_log = nn.Parameter(torch.empty(m.heads))
+        self.D = nn.Parameter(torch.empty(m.heads))
+        self.dt_bias = nn.Parameter(torch.empty(m.heads))
+        self.init_rule = {"A_log": ("draw", _draw_A_log), "D": ("ones", 0.0), "dt_bias": ("draw", _draw_dt_bias)}
+        self.norm = GatedRMSNorm(m.d_inner, m.d_inner // m.groups, args.layernorm_epsilon, dtype)
+        self.out_proj = _linear(m.d_inner, args.hidden_size, False, std / math.sqrt(2.0 * args.num_layers), dtype)
+
+    def _split(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
+        return z, xbc, dt
+
+    def _ssm_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, s, _ = xbc.shape
+        x, B, C = xbc.split([self.d_inner, self.groups * self.state_dim, self.groups * self.state_dim], dim=-1)
+        x = x.view(b, s, self.heads, self.head_dim)
+        B = B.view(b, s, self.groups, self.state_dim)
+        C = C.view(b, s, self.groups, self.state_dim)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return x, B, C, dt
+
+    def forward(self, hidden_states: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        states = _mamba_states(cache)
+        if states is not None and self.layer_number in states:
+            return self._step_tokens(hidden_states, states[self.layer_number])
+        b, s, _ = hidden_states.shape
+        z, xbc_in, dt = self._split(self.in_proj(hidden_states))
+        xbc = F.silu(self.conv1d(xbc_in.transpose(1, 2))[..., :s].transpose(1, 2))
+        x, B, C, dt = self._ssm_inputs(xbc, dt)
+        A = -torch.exp(self.A_log.float())
+        y, final_state = ssd_chunked_scan(x, dt, A, B, C, self.chunk_size)
+        y = y + x.float() * self.D.float()[:, None]
+        if states is not None:  # prefill: keep the conv inputs' tail and the SSM state for the next tokens
+            k = self.conv1d.kernel_size[0]
+            tail = F.pad(xbc_in.transpose(1, 2), (max(0, k - 1 - s), 0))[..., -(k - 1):] if k > 1 else None
+            states[self.layer_number] = {"conv": tail, "ssm": final_state}
+        y = self.norm(y.reshape(b, s, self.d_inner).to(hidden_states.dtype), z)
+        return self.out_proj(y)
+
+    def _step_tokens(self, hidden_states: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The recurrent form: one token at a time from the cached conv inputs and SSM state."""
+        outputs = []
+        weight = self.conv1d.weight[:, 0]  # [conv_dim, k]
+        for t in range(hidden_states.shape[1]):
+            z, xbc_in, dt = self._split(self.in_proj(hidden_states[:, t : t + 1]))
+            window = xbc_in.transpose(1, 2)
+            if state["conv"] is not None:
+                window = torch.cat([state["conv"], window], dim=-1)  # [b, conv_dim, k]
+                state["conv"] = window[..., 1:]
+            xbc = F.silu((window * weight).sum(-1) + self.conv1d.bias)[:, None]
+            x, B, C, dt = self._ssm_inputs(xbc, dt)
+            A = -torch.exp(self.A_log.float())
+            heads_per_group = self.heads // self.groups
+            Bh = B[:, 0].float().repeat_interleave(heads_per_group, dim=-2)
+            Ch = C[:, 0].float().repeat_interleave(heads_per_group, dim=-2)
+            state["ssm"] = ssd_step(state["ssm"], x[:, 0].float(), dt[:, 0], A, Bh, Ch)
+            y = torch.einsum("bhpn,bhn->bhp", state["ssm"], Ch) + x[:, 0].float() * self.D.float()[:, None]
+            y = self.norm(y.reshape(-1, 1, self.d_inner).to(hidden_states.dtype), z)
+            outputs.append(self.out_proj(y))
+        return torch.cat(outputs, dim=1)
+
+
+def _mamba_states(cache: KVCache | None) -> dict[int, dict[str, torch.Tensor]] | None:
+    """The per-layer Mamba states kept next to a ``KVCache``'s keys and values (created on first use)."""
+    if cache is None:
+        return None
+    if not hasattr(cache, "mamba_states"):
+        cache.mamba_states = {}
+    return cache.mamba_states
+
+
+class MambaLayer(nn.Module):
+    """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer)."""
+
+    def __init__(self, args: SimpleNamespace, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.norm = build_norm(args, args.hidden_size)
+        self.mixer = MambaMixer(args, layer_number)
+        self.dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        return hidden_states + self.dropout(self.mixer(self.norm(hidden_states), kv_cache))
+
+
+class AttentionLayer(nn.Module):
+    """A hybrid stack's attention layer: ``x + drop(attn(norm(x)))`` (no MLP, as in Megatron's hybrid)."""
+
+    def __init__(self, args: SimpleNamespace, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(args, args.hidden_size)
+        self.self_attention = SelfAttention(args, layer_number)
+        self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache=kv_cache)
+        return hidden_states + self.self_attn_dropout(attn)
+
+
+class MLPLayer(nn.Module):
+    """A hybrid stack's MLP ('-') or MoE ('E') layer: ``x + drop(mlp(norm(x)))``."""
+
+    def __init__(self, args: SimpleNamespace, layer_number: int, moe: bool) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.pre_mlp_layernorm = build_norm(args, args.hidden_size)
+        self.mlp: nn.Module = MoELayer(args, layer_number) if moe else MLP(args)
+        self.mlp_dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        return hidden_states + self.mlp_dropout(self.mlp(self.pre_mlp_layernorm(hidden_states)))
+
+
+def build_layer(args: SimpleNamespace, layer_number: int) -> nn.Module:
+    """The layer the pattern names at ``layer_number``."""
+    kind = args.layer_types[layer_number]
+    if kind == MAMBA:
+        return MambaLayer(args, layer_number)
+    if kind == ATTENTION:
+        return AttentionLayer(args, layer_number)
+    return MLPLayer(args, layer_number, moe=kind == MOE)
+
+
+class MambaStack(nn.Module):
+    """``layers`` keyed by global layer index (as ``TransformerBlock``) and, on the last stage, ``final_norm``."""
+
+    def __init__(self, args: SimpleNamespace, layer_numbers: list[int] | None = None, post_process: bool = True):
+        super().__init__()
+        numbers = range(args.num_layers) if layer_numbers is None else layer_numbers
+        self.layers = nn.ModuleDict({str(i): build_layer(args, i) for i in numbers})
+        self.final_norm = build_norm(args, args.hidden_size) if post_process else None
+
+    def forward(self, hidden_states: torch.Tensor, rotary: Any, attention_mask: torch.Tensor | None, *,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        for layer in self.layers.values():
+            hidden_states = layer(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+        if self.final_norm is not None:
+            hidden_states = self.final_norm(hidden_states)
+        return hidden_states
+
+
+class MambaModel(nn.Module):
+    """Mamba / hybrid language model (Megatron Core's MambaModel in plain PyTorch); see ``GPTModel`` for the
+    arguments and the forward contract, which are the same."""
+
+    def __init__(self, config: Any, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: int | None = None, layer_numbers: list[int] | None = None) -> None:
+        super().__init__()
+        args = resolve_mamba_args(config)
+        self.config, self.args = config, args
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.vocab_size = args.vocab_size
+        self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
+        self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
+        self.embedding = LanguageModelEmbedding(args) if pre_process else None
+        self.rotary_pos_emb = None
+        if args.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                args.kv_channels, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                seq_len_interpolation_factor=args.seq_len_interpolation_factor,
+            )
+        self.decoder = MambaStack(args, layer_numbers, post_process)
+        self.output_layer: nn.Linear | None = None
+        if post_process and not (self.share_embeddings_and_output_weights and pre_process):
+            self.output_layer = nn.Linear(args.hidden_size, self.vocab_size, bias=False, dtype=args.params_dtype)
+            self.output_layer.init_std = args.init_method_std
+            if self.share_embeddings_and_output_weights:  # a last stage's copy of the tied embedding
+                self.output_layer.init_std = args.embedding_init_method_std
+                self.output_layer.init_name_overrides = {"weight": "embedding.word_embeddings.weight"}
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[b, s, vocab]``, float32 per-token loss ``[b, s]`` with ``labels``, or hidden states on a
+        non-last stage (see ``GPTModel.forward``)."""
+        if self.pre_process:
+            seq_len, device = input_ids.shape[1], input_ids.device
+        else:
+            hidden_states = input_ids if hidden_states is None else hidden_states
+            seq_len, device = hidden_states.shape[1], hidden_states.device
+        past = kv_cache.seq_len if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq_len, device=device).unsqueeze(0)
+        if kv_cache is not None and attention_mask is None and past > 0:
+            attention_mask = kv_cache.causal_mask(seq_len, device)
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+        if kv_cache is not None:
+            kv_cache.seq_len += seq_len
+        if not self.post_process:
+            return hidden_states
+        if self.output_layer is not None:
+            logits = self.output_layer(hidden_states)
+        else:
+            logits = F.linear(hidden_states, self.embedding.word_embeddings.weight)
+        if labels is None:
+            return logits
+        flat = logits.flatten(0, 1)
+        if not self.fp16_lm_cross_entropy:
+            flat = flat.float()
+        return F.cross_entropy(flat, labels.flatten(0, 1), reduction="none").float().view(labels.shape)
+
+
+def build_mamba_model(provider: Any, pre_process: bool = True, post_process: bool = True,
+                      vp_stage: int | None = None, *, seed: int | None = None, materialize: bool = True,
+                      layer_numbers: list[int] | None = None) -> MambaModel:
+    """Build a ``MambaModel`` on the meta device and (by default) materialize and initialize it from ``seed``
+    (default ``torch.initial_seed()``), exactly as ``build_gpt_model`` does."""
+    with torch.device("meta"):
+        model = MambaModel(provider, pre_process, post_process, vp_stage, layer_numbers)
+    if not materialize:
+        return model
+    device = "cpu" if getattr(provider, "use_cpu_initialization", False) else None
+    if getattr(provider, "perform_initialization", True):
+        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
+    else:
+        model.to_empty(device=device if device is not None else torch.get_default_device())
+    return model

@@ -1,0 +1,129 @@
+"""MambaModel: layer allocation (megatron-core as oracle), names, init, chunk invariance, generation state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers as megatron_allocate_layers
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.mamba import GatedRMSNorm, MambaModel, allocate_layers, build_mamba_model
+from longspan.models.transformer import KVCache
+from tests.models.mamba.mamba_test_config import hybrid_config, mamba_config
+
+
+@pytest.mark.parametrize("layers,attention,mlp", [(10, 0.3, 0.2), (8, 0.25, 0.0), (7, 0.0, 0.3), (12, 0.5, 0.5),
+                                                  (4, 0.0, 0.0)])
+def test_layer_allocation_matches_megatron(layers: int, attention: float, mlp: float) -> None:
+    assert allocate_layers(layers, attention, mlp, None) == megatron_allocate_layers(layers, attention, mlp)
+
+
+def test_pattern_builds_the_named_layers() -> None:
+    model = build_mamba_model(hybrid_config(), seed=1)
+    names = {n for n, _ in model.named_parameters()}
+    for expected in ["decoder.layers.0.mixer.in_proj.weight", "decoder.layers.0.mixer.conv1d.weight",
+                     "decoder.layers.0.mixer.conv1d.bias", "decoder.layers.0.mixer.A_log", "decoder.layers.0.mixer.D",
+                     "decoder.layers.0.mixer.dt_bias", "decoder.layers.0.mixer.norm.weight",
+                     "decoder.layers.0.mixer.out_proj.weight", "decoder.layers.0.norm.weight",
+                     "decoder.layers.1.self_attention.linear_q.weight", "decoder.layers.1.input_layernorm.weight",
+                     "decoder.layers.2.mlp.linear_fc1.weight", "decoder.layers.2.pre_mlp_layernorm.weight",
+                     "decoder.layers.3.mixer.in_proj.weight", "decoder.final_norm.weight", "output_layer.weight"]:
+        assert expected in names
+    assert not any(n.startswith("decoder.layers.1.mlp") or n.startswith("decoder.layers.2.self_attention")
+                   for n in names)
+    cfg = mamba_config()
+    d_inner, heads, groups, state = 64, 8, 2, 8
+    mixer = model.decoder.layers["0"].mixer
+    assert mixer.in_proj.weight.shape == (2 * d_inner + 2 * groups * state + heads, cfg.hidden_size)
+    assert mixer.conv1d.weight.shape == (d_inner + 2 * groups * state, 1, 4)
+
+
+def test_init_follows_megatron_ranges_and_is_layout_independent() -> None:
+    full = build_mamba_model(hybrid_config(), seed=3)
+    mixer = full.decoder.layers["0"].mixer
+    A = torch.exp(mixer.A_log)
+    assert ((A >= 1.0) & (A <= 16.0)).all()
+    dt = torch.nn.functional.softplus(mixer.dt_bias)
+    assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all()
+    assert torch.equal(mixer.D, torch.ones_like(mixer.D))
+    bound = 1.0 / 2.0  # 1/sqrt(conv kernel 4)
+    assert mixer.conv1d.weight.abs().max() <= bound and mixer.conv1d.weight.std() > bound / 4
+    stage = build_mamba_model(hybrid_config(), pre_process=False, post_process=True, seed=3, layer_numbers=[2, 3])
+    full_params = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, full_params[name]), name
+
+
+def test_chunk_size_does_not_change_the_model() -> None:
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for chunk in (1, 4, 8, 32):
+        model = build_mamba_model(hybrid_config(mamba_chunk_size=chunk), seed=5)
+        outs.append(model(ids))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [mamba_config, hybrid_config])
+def test_recurrent_generation_equals_the_full_forward(make) -> None:
+    model = build_mamba_model(make(), seed=7).eval()
+    ids = torch.randint(0, 128, (2, 15), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache(32)
+        pieces = [model(ids[:, :6], kv_cache=cache), model(ids[:, 6:9], kv_cache=cache)]
+        pieces += [model(ids[:, t : t + 1], kv_cache=cache) for t in range(9, 15)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+    assert cache.seq_len == 15
+
+
+def test_per_token_loss_contract() -> None:
+    model = build_mamba_model(mamba_config(), seed=2)
+    ids = torch.randint(0, 128, (2, 9))
+    labels = torch.randint(0, 128, (2, 9))
+    loss = model(ids, labels=labels)
+    assert loss.shape == (2, 9) and loss.dtype == torch.float32
+    logits = model(ids)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 9)
+    torch.testing.assert_close(loss, want)
+
+
+def test_gated_norm_normalizes_per_group() -> None:
+    norm = GatedRMSNorm(8, 4, 1e-5, torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(8.0))
+    y, z = torch.randn(3, 8), torch.randn(3, 8)
+    g = (y * torch.nn.functional.silu(z)).view(3, 2, 4)
+    want = (g / torch.sqrt(g.pow(2).mean(-1, keepdim=True) + 1e-5)).view(3, 8) * torch.arange(8.0)
+    torch.testing.assert_close(norm(y, z), want)
+
+
+def test_mamba_num_heads_sets_d_inner() -> None:
+    model = build_mamba_model(mamba_config(mamba_num_heads=4, mamba_num_groups=4), seed=0)
+    assert model.decoder.layers["0"].mixer.d_inner == 32
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(hybrid_override_pattern="M*"), "has 2 layers but model.num_layers=4"),
+    (dict(hybrid_override_pattern="MX*M"), "use M \\(Mamba\\)"),
+    (dict(hybrid_override_pattern="ME*M"), "num_moe_experts"),
+    (dict(mamba_num_groups=3), "mamba_num_groups=3"),
+    (dict(mamba_chunk_size=0), "mamba_chunk_size=0"),
+    (dict(hybrid_override_pattern=None, hybrid_attention_ratio=0.8, hybrid_mlp_ratio=0.5), "sum to at most 1"),
+])
+def test_bad_fields_are_config_errors(overrides, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        MambaModel(hybrid_config(**overrides))
+
+
+def test_recompute_is_not_supported_yet() -> None:
+    with pytest.raises(NotSupportedError, match="recompute_granularity"):
+        MambaModel(mamba_config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+
+
+def test_moe_layers_from_the_pattern() -> None:
+    cfg = hybrid_config(hybrid_override_pattern="ME*M", num_moe_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=16)
+    model = build_mamba_model(cfg, seed=0)
+    assert getattr(model.decoder.layers["1"].mlp, "is_moe", False)
+    assert model(torch.randint(0, 128, (1, 5))).shape == (1, 5, 128)

@@ -1,20 +1,26 @@
-"""``T5ModelProvider``: an encoder-decoder model's configuration (fields now; the model is a later issue)."""
+"""``T5ModelProvider``: an encoder-decoder model's configuration; ``provide()`` builds ``longspan.models.t5.T5Model``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
+import torch
+
 from longspan.core.errors import NotSupportedError
+from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.gpt_provider import TransformerConfig
 
 
 @dataclass
 class T5ModelProvider(TransformerConfig):
-    """Megatron Bridge's T5 provider fields, with its defaults. ``provide()`` is not implemented yet."""
+    """Megatron Bridge's T5 provider fields, with its defaults. ``num_layers`` is the decoder's depth.
+
+    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, recompute, pipeline
+    or context parallel) raise a one-line NotSupportedError when the model is built."""
 
     encoder_num_layers: Optional[int] = None
-    """Encoder layers; None means num_layers."""
+    """Encoder layers; None means num_layers (the decoder's depth)."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the output cross-entropy in fp16 instead of fp32."""
@@ -25,38 +31,44 @@ class T5ModelProvider(TransformerConfig):
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer's weight to the input embedding."""
 
+    scale_decoder_outputs: bool = False
+    """Multiply the decoder output by hidden_size**-0.5 before the output layer, as HF T5 (v1.0, tied) does
+    (a longspan addition, not a Megatron Bridge field; the T5 conversion sets it from config.json)."""
+
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary up to a multiple of this."""
 
     position_embedding_type: Literal["learned_absolute", "rope", "relative"] = "learned_absolute"
-    """Position information of the encoder and decoder."""
+    """Position information of the encoder and decoder: a learned absolute table shared by both, or T5's
+    relative position buckets (a learned bias per bucket and head, one table per stack). 'rope' is not
+    supported yet."""
 
     apply_rope_fusion: bool = True
-    """Use the fused RoPE kernel."""
+    """Use the fused RoPE kernel (a performance hint: T5 here has no RoPE path)."""
 
     max_position_embeddings: int = 512
-    """Size of the learned position table."""
+    """Size of the learned position table (learned_absolute); must cover seq_length and seq_length_dec."""
 
     relative_attention_num_buckets: int = 32
-    """Buckets of relative position attention."""
+    """Buckets of relative position attention (half per direction in the bidirectional encoder)."""
 
     relative_attention_max_distance: int = 128
-    """Largest distance relative position attention distinguishes."""
+    """Distance from which all offsets share the last (log-spaced) bucket."""
 
     rotary_percent: float = 1.0
-    """Fraction of each head's channels that rotary embeddings rotate."""
+    """Fraction of each head's channels that rotary embeddings rotate (rope only: not supported yet)."""
 
     seq_len_interpolation_factor: Optional[float] = None
-    """Linear position interpolation factor; None = off."""
+    """Linear position interpolation factor (rope only: not supported yet); None = off."""
 
     seq_length: int = 512
-    """Encoder sequence length."""
+    """Encoder sequence length (must equal dataset.sequence_length)."""
 
     seq_length_dec: int = 128
-    """Decoder sequence length."""
+    """Decoder sequence length (the T5 dataset's decoder length)."""
 
     encoder_pipeline_model_parallel_size: int = 0
-    """Pipeline stages reserved for the encoder."""
+    """Pipeline stages reserved for the encoder (pipeline parallel T5 is not supported yet: leave 0)."""
 
     vocab_size: Optional[int] = None
     """Vocabulary size before padding; None means it comes from the tokenizer."""
@@ -72,7 +84,38 @@ class T5ModelProvider(TransformerConfig):
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.params_dtype is None:
+            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def padded_vocab_size(self) -> Optional[int]:
+        """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""
+        if self.vocab_size is None:
+            return None
+        return calculate_padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    def provide_meta(
+        self,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+        layer_numbers: Optional[list[int]] = None,
+    ) -> Any:
+        """The T5 model on the meta device (``longspan.models.builder.build_meta_model``); whole models only."""
+        from longspan.models.t5 import build_t5_model
+
+        if not (pre_process and post_process) or layer_numbers is not None or vp_stage is not None:
+            raise NotSupportedError(
+                "model=T5ModelProvider with pipeline_model_parallel_size > 1 is not supported yet: set it to 1"
+            )
+        return build_t5_model(self, materialize=False)
 
     def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> Any:
-        """Not implemented yet: T5 models arrive in a later version of longspan."""
-        raise NotSupportedError("model=T5ModelProvider is not supported yet by longspan (supported: GPTModelProvider)")
+        """Build the T5 model described by this provider (a plain ``torch.nn.Module``, initialized)."""
+        from longspan.models.t5 import build_t5_model
+
+        if not (pre_process and post_process) or vp_stage is not None:
+            raise NotSupportedError(
+                "model=T5ModelProvider with pipeline_model_parallel_size > 1 is not supported yet: set it to 1"
+            )
+        return build_t5_model(self)

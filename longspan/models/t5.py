@@ -1,0 +1,423 @@
+"""The T5 encoder-decoder model, built from a ``T5ModelProvider``.
+
+Plain PyTorch, Megatron Core's T5 names, parallelism applied from outside (``longspan.parallel``)::
+
+    embedding.word_embeddings                      nn.Embedding [padded_vocab, hidden] (encoder and decoder)
+    embedding.position_embeddings                  nn.Embedding [max_position_embeddings, hidden] (learned_absolute)
+    encoder_relative_pos_emb.relative_attention_bias  nn.Embedding [buckets, heads] (relative; bidirectional)
+    decoder_relative_pos_emb.relative_attention_bias  nn.Embedding [buckets, heads] (relative; causal buckets)
+    encoder.layers.{i}.input_layernorm / self_attention.linear_q|k|v|proj / pre_mlp_layernorm / mlp.*
+    encoder.final_layernorm
+    decoder.layers.{i}.input_layernorm / self_attention.* / pre_cross_attn_layernorm
+    decoder.layers.{i}.cross_attention.linear_q|k|v|proj   (q from the decoder, k/v from the encoder output)
+    decoder.layers.{i}.pre_mlp_layernorm / mlp.linear_fc1 (up), linear_fc1_gate (gated), linear_fc2
+    decoder.final_layernorm
+    output_layer                                   nn.Linear [padded_vocab, hidden] (absent when tied)
+
+Attention takes an additive float bias ``[b or 1, heads, q, k]`` (relative position bias plus large negative
+values where masked), computed once per forward and shared by every layer, as T5 does. Masks follow Megatron:
+bool, True = masked. With relative positions, ``softmax_scale=1.0`` gives T5's unscaled attention.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.gpt import padded_vocab_size
+from longspan.models.init import init_weights
+from longspan.models.transformer import MLP, build_norm
+
+# TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
+# extras, not built into T5 yet). Pure kernel choices are accepted.
+_FIXED_FIELDS: dict[str, Any] = {
+    "multi_latent_attention": False,
+    "apply_residual_connection_post_layernorm": False,
+    "layernorm_zero_centered_gamma": False,
+    "fp32_residual_connection": False,
+    "rotary_interleaved": False,
+    "window_size": None,
+    "num_moe_experts": None,
+    "qk_layernorm": False,
+    "recompute_granularity": None,
+    "fp8": None,
+    "rotary_percent": 1.0,
+    "seq_len_interpolation_factor": None,
+    "encoder_pipeline_model_parallel_size": 0,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+}
+
+
+def resolve_t5_args(config: Any) -> SimpleNamespace:
+    """Check ``config`` (a T5ModelProvider) and return the values the modules read; one-line errors otherwise."""
+    for field, supported in _FIXED_FIELDS.items():
+        value = getattr(config, field, supported)
+        if value != supported and not (supported is False and not value):
+            raise NotSupportedError(
+                f"model.{field}={value!r} is not supported yet by longspan's T5 model: leave it at {supported!r}"
+            )
+    if config.position_embedding_type not in ("learned_absolute", "relative"):
+        raise NotSupportedError(
+            f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "
+            "use 'learned_absolute' or 'relative'"
+        )
+    if config.normalization not in ("LayerNorm", "RMSNorm"):
+        raise NotSupportedError(f"model.normalization={config.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
+    if not callable(config.activation_func):
+        raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable")
+    decoder_layers = config.num_layers
+    encoder_layers = config.encoder_num_layers if config.encoder_num_layers is not None else decoder_layers
+    if decoder_layers <= 0 or encoder_layers <= 0 or config.hidden_size <= 0:
+        raise ConfigError(
+            f"model.num_layers={decoder_layers}, model.encoder_num_layers={config.encoder_num_layers} and "
+            f"model.hidden_size={config.hidden_size} must be positive"
+        )
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads <= 0 or groups != heads:
+        raise NotSupportedError(
+            f"model.num_query_groups={config.num_query_groups} is not supported yet for T5: leave it None "
+            f"(one key/value head per query head, num_attention_heads={heads})"
+        )
+    if config.kv_channels is None and config.hidden_size % heads:
+        raise ConfigError(
+            f"model.hidden_size={config.hidden_size} must divide by model.num_attention_heads={heads} "
+            "(or set model.kv_channels)"
+        )
+    longest = max(config.seq_length, config.seq_length_dec)
+    if config.position_embedding_type == "learned_absolute" and longest > config.max_position_embeddings:
+        raise ConfigError(
+            f"model.max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
+            f"sequence (seq_length={config.seq_length}, seq_length_dec={config.seq_length_dec})"
+        )
+    if config.relative_attention_num_buckets <= 1 or config.relative_attention_max_distance <= 1:
+        raise ConfigError(
+            f"model.relative_attention_num_buckets={config.relative_attention_num_buckets} and "
+            f"model.relative_attention_max_distance={config.relative_attention_max_distance} must be > 1"
+        )
+    std = config.init_method_std
+    return SimpleNamespace(
+        encoder_num_layers=encoder_layers,
+        decoder_num_layers=decoder_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size or 4 * config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        kv_channels=config.kv_channels or config.hidden_size // heads,
+        softmax_scale=config.softmax_scale,
+        vocab_size=padded_vocab_size(config),
+        max_position_embeddings=config.max_position_embeddings,
+        position_embedding_type=config.position_embedding_type,
+        relative_attention_num_buckets=config.relative_attention_num_buckets,
+        relative_attention_max_distance=config.relative_attention_max_distance,
+        normalization=config.normalization,
+        layernorm_epsilon=config.layernorm_epsilon,
+        activation_func=config.activation_func,
+        gated_linear_unit=bool(config.gated_linear_unit),
+        add_bias_linear=bool(config.add_bias_linear),
+        add_qkv_bias=bool(config.add_qkv_bias),
+        share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
+        scale_decoder_outputs=bool(config.scale_decoder_outputs),
+        attention_dropout=float(config.attention_dropout),
+        hidden_dropout=float(config.hidden_dropout),
+        init_method_std=std,
+        embedding_init_method_std=config.embedding_init_method_std or std,
+        params_dtype=config.params_dtype or torch.float32,
+        fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
+    )
+
+
+def _stack_args(args: SimpleNamespace, num_layers: int) -> SimpleNamespace:
+    """``args`` with ``num_layers`` set to one stack's depth (output projections scale their init std by it)."""
+    return SimpleNamespace(**{**vars(args), "num_layers": num_layers})
+
+
+def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: torch.dtype) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    layer.init_std = std  # read by init_weights
+    return layer
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket of each ``key - query`` offset: exact buckets for small distances, log-spaced up to
+    ``max_distance``; bidirectional buckets give half of them to keys after the query."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)  # a causal decoder only looks back
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned scalar per (bucket, head), looked up as an additive attention bias ``[1, heads, q, k]``."""
+
+    def __init__(self, args: SimpleNamespace, bidirectional: bool) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = args.relative_attention_num_buckets
+        self.max_distance = args.relative_attention_max_distance
+        self.relative_attention_bias = nn.Embedding(self.num_buckets, args.num_attention_heads, dtype=args.params_dtype)
+        self.relative_attention_bias.init_std = args.init_method_std
+
+    def forward(self, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
+        query = torch.arange(query_length, device=device)[:, None]
+        key = torch.arange(key_length, device=device)[None, :]
+        buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
+        # [q, k, heads]; under tensor parallel the table is split by heads and this holds the local heads.
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with an additive bias; self-attention, or cross-attention over ``key_value_states``."""
+
+    def __init__(self, args: SimpleNamespace) -> None:
+        super().__init__()
+        heads, hidden, dtype = args.num_attention_heads, args.hidden_size, args.params_dtype
+        self.head_dim = args.kv_channels
+        qkv_bias = args.add_bias_linear or args.add_qkv_bias
+        std = args.init_method_std
+        out_std = std / math.sqrt(2.0 * args.num_layers)
+        self.linear_q = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
+        self.linear_k = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
+        self.linear_v = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
+        self.linear_proj = _linear(heads * self.head_dim, hidden, args.add_bias_linear, out_std, dtype)
+        self.attention_dropout = args.attention_dropout
+        self.softmax_scale = args.softmax_scale
+
+    def forward(
+        self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, s, _ = hidden_states.shape
+        source = hidden_states if key_value_states is None else key_value_states
+        # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
+        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.linear_v(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p,
+                                             scale=self.softmax_scale)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class T5Layer(nn.Module):
+    """Pre-norm layer: self-attention, (decoder only) cross-attention, MLP; each a dropped-out residual add."""
+
+    def __init__(self, args: SimpleNamespace, is_decoder: bool) -> None:
+        super().__init__()
+        self.input_layernorm = build_norm(args, args.hidden_size)
+        self.self_attention = Attention(args)
+        self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
+        if is_decoder:
+            self.pre_cross_attn_layernorm = build_norm(args, args.hidden_size)
+            self.cross_attention = Attention(args)
+            self.cross_attn_dropout = nn.Dropout(args.hidden_dropout)
+        else:
+            self.cross_attention = None
+        self.pre_mlp_layernorm = build_norm(args, args.hidden_size)
+        self.mlp = MLP(args)
+        self.mlp_dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_bias: torch.Tensor,
+        encoder_output: torch.Tensor | None = None,
+        cross_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(hidden_states), self_bias)
+        hidden_states = hidden_states + self.self_attn_dropout(attn)
+        if self.cross_attention is not None:
+            cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden_states), cross_bias, encoder_output)
+            hidden_states = hidden_states + self.cross_attn_dropout(cross)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return hidden_states + self.mlp_dropout(mlp)
+
+
+class T5Stack(nn.Module):
+    """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``."""
+
+    def __init__(self, args: SimpleNamespace, num_layers: int, is_decoder: bool) -> None:
+        super().__init__()
+        stack_args = _stack_args(args, num_layers)
+        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in range(num_layers)})
+        self.final_layernorm = build_norm(args, args.hidden_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_bias: torch.Tensor,
+        encoder_output: torch.Tensor | None = None,
+        cross_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for layer in self.layers.values():
+            hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias)
+        return self.final_layernorm(hidden_states)
+
+
+def _mask_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Megatron's bool mask (True = masked, ``[b or 1, 1 or heads, q, k]``) as an additive bias (finite, so a
+    fully masked row stays defined, as in T5)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask != 0
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    elif mask.dim() == 3:
+        mask = mask[:, None]
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, torch.finfo(dtype).min)
+
+
+def _combine(*biases: torch.Tensor | None) -> torch.Tensor:
+    total = None
+    for bias in biases:
+        if bias is not None:
+            total = bias if total is None else total + bias
+    return total
+
+
+class T5Model(nn.Module):
+    """Encoder-decoder transformer (Megatron Core's T5Model in plain PyTorch)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        args = resolve_t5_args(config)
+        self.config = config
+        self.args = args
+        self.vocab_size = args.vocab_size
+        self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size, dtype=args.params_dtype)
+        self.embedding.word_embeddings.init_std = args.embedding_init_method_std
+        self.embedding.position_embeddings = None
+        if args.position_embedding_type == "learned_absolute":
+            table = nn.Embedding(args.max_position_embeddings, args.hidden_size, dtype=args.params_dtype)
+            table.init_std = args.embedding_init_method_std
+            self.embedding.position_embeddings = table
+        self.embedding_dropout = nn.Dropout(args.hidden_dropout)
+        self.encoder_relative_pos_emb = None
+        self.decoder_relative_pos_emb = None
+        if args.position_embedding_type == "relative":
+            self.encoder_relative_pos_emb = RelativePositionBias(args, bidirectional=True)
+            self.decoder_relative_pos_emb = RelativePositionBias(args, bidirectional=False)
+        self.encoder = T5Stack(args, args.encoder_num_layers, is_decoder=False)
+        self.decoder = T5Stack(args, args.decoder_num_layers, is_decoder=True)
+        self.output_layer: nn.Linear | None = None
+        if not args.share_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=args.params_dtype)
+            self.output_layer.init_std = args.init_method_std
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
+        return self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Word (+ learned position) embeddings of ``input_ids`` ``[b, s]``, then dropout."""
+        hidden = self.embedding.word_embeddings(input_ids)
+        if self.embedding.position_embeddings is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            hidden = hidden + self.embedding.position_embeddings(positions)[None]
+        return self.embedding_dropout(hidden)
+
+    def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder output ``[b, s_enc, hidden]``."""
+        hidden = self.embed(encoder_input_ids)
+        s, dtype = encoder_input_ids.shape[1], hidden.dtype
+        position_bias = None
+        if self.encoder_relative_pos_emb is not None:
+            position_bias = self.encoder_relative_pos_emb(s, s, hidden.device)
+        bias = _combine(position_bias, _mask_bias(encoder_attn_mask, dtype))
+        if bias is None:
+            bias = torch.zeros(1, 1, s, s, dtype=dtype, device=hidden.device)
+        return self.encoder(hidden, bias)
+
+    def forward(
+        self,
+        encoder_input_ids: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        encoder_attn_mask: torch.Tensor | None = None,
+        decoder_attn_mask: torch.Tensor | None = None,
+        encoder_decoder_attn_mask: torch.Tensor | None = None,
+        lm_labels: torch.Tensor | None = None,
+        *,
+        encoder_hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run encoder and decoder.
+
+        Args:
+            encoder_input_ids, decoder_input_ids: ``[b, s_enc]`` / ``[b, s_dec]`` token ids.
+            encoder_attn_mask: bool ``[b, 1, s_enc, s_enc]`` (True = masked); None = attend everywhere.
+            decoder_attn_mask: bool ``[b, 1, s_dec, s_dec]``, combined with the causal mask the decoder always
+                applies; None = causal only.
+            encoder_decoder_attn_mask: bool ``[b, 1, s_dec, s_enc]``; None = attend to every encoder position.
+            lm_labels: ``[b, s_dec]`` targets; when given, the float32 per-token loss ``[b, s_dec]`` is returned.
+            encoder_hidden_states: a precomputed encoder output (generation), skipping the encoder.
+
+        Returns logits ``[b, s_dec, padded_vocab]``, or the per-token loss with ``lm_labels``.
+        """
+        if encoder_hidden_states is None:
+            encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
+        hidden = self.embed(decoder_input_ids)
+        s_dec, s_enc, dtype, device = decoder_input_ids.shape[1], encoder_hidden_states.shape[1], hidden.dtype, hidden.device
+        causal = torch.ones(s_dec, s_dec, dtype=torch.bool, device=device).triu(diagonal=1)
+        position_bias = None
+        if self.decoder_relative_pos_emb is not None:
+            position_bias = self.decoder_relative_pos_emb(s_dec, s_dec, device)
+        self_bias = _combine(position_bias, _mask_bias(causal, dtype), _mask_bias(decoder_attn_mask, dtype))
+        cross_bias = _mask_bias(encoder_decoder_attn_mask, dtype)
+        if cross_bias is None:
+            cross_bias = torch.zeros(1, 1, s_dec, s_enc, dtype=dtype, device=device)
+        hidden = self.decoder(hidden, self_bias, encoder_hidden_states, cross_bias)
+        if self.args.scale_decoder_outputs:
+            hidden = hidden * (self.args.hidden_size**-0.5)
+        if self.output_layer is not None:
+            logits = self.output_layer(hidden)  # as a module, so tensor-parallel hooks run
+        else:
+            logits = F.linear(hidden, self.embedding.word_embeddings.weight)
+        if lm_labels is None:
+            return logits
+        flat = logits.flatten(0, 1)
+        if not self.args.fp16_lm_cross_entropy:
+            flat = flat.float()
+        loss = F.cross_entropy(flat, lm_labels.flatten(0, 1), reduction="none")
+        return loss.float().view(lm_labels.shape)
+
+
+def build_t5_model(
+    provider: Any,
+    *,
+    seed: int | None = None,
+    materialize: bool = True,
+    device: torch.device | str | None = None,
+) -> T5Model:
+    """Build a ``T5Model`` on the meta device and (by default) materialize and initialize it from ``seed``
+    (default ``torch.initial_seed()``); ``materialize=False`` leaves it on meta for the parallel plans."""
+    with torch.device("meta"):
+        model = T5Model(provider)
+    if not materialize:
+        return model
+    if device is None and getattr(provider, "use_cpu_initialization", False):
+        device = "cpu"
+    if getattr(provider, "perform_initialization", True):
+        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
+    else:
+        model.to_empty(device=device if device is not None else torch.get_default_device())
+    return model

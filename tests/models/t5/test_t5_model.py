@@ -1,0 +1,121 @@
+"""T5Model: shapes, masks, causality, per-parameter initialization and one-line errors for unsupported fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models import T5ModelProvider
+from longspan.models.builder import build_meta_model
+from longspan.models.init import init_weights
+from longspan.models.t5 import T5Model, relative_position_bucket
+
+
+def tiny_t5(**kw) -> T5ModelProvider:
+    fields = dict(num_layers=2, encoder_num_layers=3, hidden_size=32, num_attention_heads=4, kv_channels=6,
+                  ffn_hidden_size=48, vocab_size=90, make_vocab_size_divisible_by=16, seq_length=16, seq_length_dec=8,
+                  max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(kw)
+    provider = T5ModelProvider(**fields)
+    provider.finalize()
+    return provider
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative"])
+def test_forward_shapes_loss_and_tied_head(positions):
+    model = tiny_t5(position_embedding_type=positions).provide()
+    assert isinstance(model, T5Model) and model.output_layer is None  # tied by default
+    assert (model.encoder_relative_pos_emb is not None) == (positions == "relative")
+    assert (model.embedding.position_embeddings is not None) == (positions == "learned_absolute")
+    assert len(model.encoder.layers) == 3 and len(model.decoder.layers) == 2
+    enc = torch.randint(0, 90, (2, 16))
+    dec = torch.randint(0, 90, (2, 8))
+    logits = model(enc, dec)
+    assert logits.shape == (2, 8, 96)
+    labels = torch.randint(0, 90, (2, 8))
+    loss = model(enc, dec, lm_labels=labels)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 8)
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+    untied = tiny_t5(position_embedding_type=positions, share_embeddings_and_output_weights=False).provide()
+    assert untied.output_layer is not None and untied.output_layer.weight.shape == (96, 32)
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative"])
+def test_decoder_is_causal_and_masked_encoder_positions_are_ignored(positions):
+    model = tiny_t5(position_embedding_type=positions).provide().eval()
+    enc = torch.randint(0, 90, (2, 16))
+    dec = torch.randint(0, 90, (2, 8))
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[0, 10:] = True
+    pad[1, 13:] = True
+    masks = dict(encoder_attn_mask=pad[:, None, None, :], encoder_decoder_attn_mask=pad[:, None, None, :])
+    base = model(enc, dec, **masks)
+    later = dec.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % 90
+    torch.testing.assert_close(model(enc, later, **masks)[:, :5], base[:, :5], rtol=0, atol=0)
+    assert not torch.allclose(model(enc, later, **masks)[:, 5:], base[:, 5:])
+    other = enc.clone()
+    other[pad] = (other[pad] + 7) % 90  # only masked (padding) tokens change
+    torch.testing.assert_close(model(other, dec, **masks), base, rtol=0, atol=1e-6)
+    assert not torch.allclose(model(other, dec), model(enc, dec))  # without the masks they are seen
+
+
+def test_relative_buckets_follow_t5():
+    rel = torch.arange(-200, 201)
+    both = relative_position_bucket(rel, True, 32, 128)
+    causal = relative_position_bucket(rel, False, 32, 128)
+    assert both[200] == 0 and both[201] == 17 and both[199] == 1  # 0, +1 (after), -1 (before)
+    assert both.max() == 31 and both[:60].unique().tolist() == [15]  # far past saturates
+    assert (causal[201:] == 0).all() and causal[199] == 1 and causal.max() == 31
+
+
+def test_init_is_per_parameter_and_reproducible():
+    provider = tiny_t5(position_embedding_type="relative", share_embeddings_and_output_weights=False)
+    a = init_weights(build_meta_model(provider), seed=7)
+    b = init_weights(build_meta_model(provider), seed=7)
+    c = init_weights(build_meta_model(provider), seed=8)
+    for (name, x), (_, y), (_, z) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(x, y), name
+        if x.dim() > 1:
+            assert not torch.equal(x, z), name
+    std = a.encoder.layers["0"].self_attention.linear_proj.init_std
+    assert std == pytest.approx(0.02 / (2 * 3) ** 0.5)  # output projections scale with their stack's depth
+    assert a.decoder.layers["0"].mlp.linear_fc2.init_std == pytest.approx(0.02 / (2 * 2) ** 0.5)
+
+
+@pytest.mark.parametrize(
+    "field, value, error, text",
+    [
+        ("position_embedding_type", "rope", NotSupportedError, "position_embedding_type='rope'"),
+        ("num_query_groups", 2, NotSupportedError, "num_query_groups=2"),
+        ("num_moe_experts", 4, NotSupportedError, "num_moe_experts=4"),
+        ("recompute_granularity", "full", NotSupportedError, "recompute_granularity='full'"),
+        ("encoder_pipeline_model_parallel_size", 1, NotSupportedError, "encoder_pipeline_model_parallel_size=1"),
+        ("rotary_percent", 0.5, NotSupportedError, "rotary_percent=0.5"),
+        ("max_position_embeddings", 8, ConfigError, "max_position_embeddings=8"),
+        ("relative_attention_num_buckets", 1, ConfigError, "relative_attention_num_buckets=1"),
+    ],
+)
+def test_unsupported_values_are_one_line_errors(field, value, error, text):
+    provider = tiny_t5(**{field: value})
+    with pytest.raises(error, match=text.replace("(", r"\(")) as info:
+        build_meta_model(provider)
+    assert "\n" not in str(info.value)
+
+
+def test_pipeline_stages_are_not_supported_yet():
+    with pytest.raises(NotSupportedError, match="pipeline_model_parallel_size"):
+        build_meta_model(tiny_t5(), pre_process=True, post_process=False, layer_numbers=[0])
+
+
+def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
+    enc, dec = torch.randint(0, 90, (1, 16)), torch.randint(0, 90, (1, 8))
+    torch.manual_seed(0)
+    base = tiny_t5().provide()(enc, dec)
+    torch.manual_seed(0)
+    scaled = tiny_t5(scale_decoder_outputs=True).provide()(enc, dec)
+    torch.manual_seed(0)
+    unscaled_attn = tiny_t5(softmax_scale=1.0).provide()(enc, dec)
+    assert not torch.allclose(base, unscaled_attn)
+    torch.testing.assert_close(scaled, base * 32**-0.5, rtol=1e-6, atol=1e-6)  # linear, bias-free head

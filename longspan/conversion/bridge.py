@@ -92,7 +92,7 @@ class AutoBridge:
 
     def __init__(self, hf_config: dict[str, Any], family: Family, hf_path: str | os.PathLike | None = None) -> None:
         self.hf_config = dict(hf_config)
-        self.family = family
+        self.family = family.for_config(self.hf_config)
         self.hf_path = Path(hf_path) if hf_path is not None else None
 
     # ------------------------------------------------------------------------------------------- construction
@@ -146,11 +146,11 @@ class AutoBridge:
         Its ``provide_distributed_model(wrap_with_ddp=False)`` builds the chunks for the provider's layout
         and (with ``load_weights``) loads the HF weights into them.
         """
-        from longspan.models.gpt_provider import GPTModelProvider
+        from longspan import models
 
         if hf_path is not None:
             self.hf_path = Path(hf_path)
-        provider = GPTModelProvider(**self.family.to_provider(self.hf_config))
+        provider = getattr(models, self.family.provider_class)(**self.family.to_provider(self.hf_config))
         provider.finalize()
         provider.provide_distributed_model = _ProvideDistributedModel(self, provider, load_weights)
         return provider
@@ -294,7 +294,7 @@ def container_for(provider: Any) -> Any:
 
 def build_empty_model(cfg: Any, parallel: Any) -> list[nn.Module]:
     """The model chunks for ``cfg``'s layout (parallel plans applied), materialized but not initialized."""
-    from longspan.models.gpt import build_gpt_model
+    from longspan.models.builder import build_meta_model
     from longspan.parallel.parallelize import parallelize_model
     from longspan.parallel.pipeline import build_pipeline_chunks
 
@@ -304,7 +304,7 @@ def build_empty_model(cfg: Any, parallel: Any) -> list[nn.Module]:
     shadow.model = provider
     if parallel.pp_size > 1:
         return build_pipeline_chunks(shadow, parallel, seed=0)
-    model = build_gpt_model(provider, materialize=False)
+    model = build_meta_model(provider)
     model = parallelize_model(model, shadow, parallel)
     model.to_empty(device=parallel.device)
     return [model]

@@ -139,6 +139,54 @@ GPT2 = (
 )
 
 
+# --------------------------------------------------------------------------------------------- T5 (encoder-decoder)
+
+def _t5(stack: str, ours: str, hf: str) -> WeightMap:
+    return WeightMap(f"{stack}.layers.{{i}}.{ours}", f"{stack}.block.{{i}}.layer.{hf}")
+
+
+def _t5_mlp(stack: str, sub: int) -> tuple[WeightMap, ...]:
+    # v1.0: wi (relu); v1.1 / mT5 gated-gelu: wi_0 (gate) and wi_1 (up); longspan's linear_fc1_gate / linear_fc1.
+    return (
+        _t5(stack, "pre_mlp_layernorm.weight", f"{sub}.layer_norm.weight"),
+        _t5(stack, "mlp.linear_fc1_gate.weight", f"{sub}.DenseReluDense.wi_0.weight"),
+        _t5(stack, "mlp.linear_fc1.weight", f"{sub}.DenseReluDense.wi_1.weight"),
+        _t5(stack, "mlp.linear_fc2.weight", f"{sub}.DenseReluDense.wo.weight"),
+    )
+
+
+def _t5_attention(stack: str, ours: str, sub: int, hf: str, norm: str) -> tuple[WeightMap, ...]:
+    return (
+        _t5(stack, f"{norm}.weight", f"{sub}.layer_norm.weight"),
+        *(_t5(stack, f"{ours}.linear_{a}.weight", f"{sub}.{hf}.{b}.weight") for a, b in
+          (("q", "q"), ("k", "k"), ("v", "v"), ("proj", "o"))),
+    )
+
+
+T5 = (
+    WeightMap("embedding.word_embeddings.weight", "shared.weight", vocab=True),
+    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+    # T5 computes the relative bias in the first layer of each stack and shares it with the others.
+    WeightMap("encoder_relative_pos_emb.relative_attention_bias.weight",
+              "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+    WeightMap("decoder_relative_pos_emb.relative_attention_bias.weight",
+              "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+    WeightMap("encoder.final_layernorm.weight", "encoder.final_layer_norm.weight"),
+    WeightMap("decoder.final_layernorm.weight", "decoder.final_layer_norm.weight"),
+    *_t5_attention("encoder", "self_attention", 0, "SelfAttention", "input_layernorm"),
+    *_t5_mlp("encoder", 1),
+    *_t5_attention("decoder", "self_attention", 0, "SelfAttention", "input_layernorm"),
+    *_t5_attention("decoder", "cross_attention", 1, "EncDecAttention", "pre_cross_attn_layernorm"),
+    *_t5_mlp("decoder", 2),
+)
+
+# Ungated (v1.0, relu) T5: the MLP's single input projection is wi.
+T5_UNGATED = tuple(
+    WeightMap(e.ours, e.hf.replace("DenseReluDense.wi_1.", "DenseReluDense.wi.")) for e in T5
+    if "DenseReluDense.wi_0." not in e.hf
+)
+
+
 def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | None] | None:
     """The entry of ``table`` for longspan parameter ``name`` and its layer index, or None."""
     for entry in table:

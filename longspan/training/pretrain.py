@@ -11,6 +11,7 @@ from longspan.training.forward_step import forward_step as default_forward_step
 from longspan.training.setup import setup
 from longspan.training.state import GlobalState
 from longspan.training.train import train
+from longspan.training.utils.log_line import run_throughput_summary
 from longspan.training.utils.progress_log import STARTING_JOB, append_to_progress_log
 from longspan.training.utils.train_utils import prepare_forward_step_func
 
@@ -58,6 +59,7 @@ def _print_summary(state: GlobalState) -> None:
     elapsed = time.time() - state.start_time
     tokens = state.train_state.consumed_train_samples * cfg.model.seq_length
     losses = getattr(state, "last_loss_dict", None) or {}
+    steady = run_throughput_summary(state)
     loss_text = ", ".join(f"{k} {float(v):.4f}" for k, v in losses.items()) or "n/a"
     where = []
     if cfg.checkpoint.save:
@@ -67,6 +69,7 @@ def _print_summary(state: GlobalState) -> None:
     print_rank_last(
         f"longspan: done: {state.train_state.step} iterations in {elapsed:.1f} s, "
         f"{tokens / max(elapsed, 1e-9):.0f} tokens/s overall, final {loss_text}"
+        + (f"; {steady}" if steady else "")
         + (f"; {'; '.join(where)}" if where else ""),
         logger,
     )

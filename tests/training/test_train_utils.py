@@ -118,6 +118,7 @@ LINE_RE = re.compile(
     r" consumed samples: (?P<consumed>[ \d]{12}) \|"
     r" elapsed time per iteration \(ms\): (?P<ms>\d+\.\d) \|"
     r" throughput per GPU \(TFLOP/s/GPU\): (?P<tput>\d+\.\d) \|"
+    r"( MFU: (?P<mfu>\d+\.\d)% \|)?"
     r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
     r" global batch size: (?P<gbs>[ \d]{5}) \|"
     r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d) \|"

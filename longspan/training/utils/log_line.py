@@ -24,6 +24,7 @@ from longspan.training.loggers import log_scalars
 from longspan.training.state import GlobalState
 from longspan.training.utils.comm import reduce_max_stat_across_model_parallel_group
 from longspan.training.utils.flop_utils import num_floating_point_operations
+from longspan.training.utils.mfu import mfu, peak_flops_per_device
 from longspan.training.utils.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
 from longspan.training.utils.norms import report_l2_norm_grad
 from longspan.training.utils.reports import report_runtime, report_throughput
@@ -119,6 +120,35 @@ def _flops_per_iteration(config: Any, batch_size: int) -> Optional[float]:
         return num_floating_point_operations(config, batch_size)
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def _add_log_interval(global_state: GlobalState, iteration: int, num_iterations: int, seconds: float,
+                      tokens: int, flops: float) -> None:
+    """Record one log interval (interval timer seconds, tokens, model FLOPs) for ``run_throughput_summary``."""
+    intervals = getattr(global_state, "_log_intervals", None)
+    if intervals is None:
+        intervals = global_state._log_intervals = []
+    intervals.append((iteration - num_iterations + 1, iteration, float(seconds), int(tokens), float(flops)))
+
+
+def run_throughput_summary(global_state: GlobalState) -> Optional[str]:
+    """'iterations a-b: N tokens/s/device, x TFLOP/s/device, MFU y%' over this run's log intervals after the
+    first (which holds start-up and compile warm-up), or the first when it is the only one; None without any."""
+    intervals = getattr(global_state, "_log_intervals", None) or []
+    steady = intervals[1:] or intervals
+    seconds = sum(i[2] for i in steady)
+    if seconds <= 0:
+        return None
+    world = get_world_size()
+    tokens, flops = sum(i[3] for i in steady), sum(i[4] for i in steady)
+    text = f"iterations {steady[0][0]}-{steady[-1][1]}: {tokens / seconds / world:.0f} tokens/s/device"
+    if flops > 0:
+        per_device = flops / seconds / world
+        value = mfu(per_device, peak_flops_per_device(getattr(global_state, "device", None)))
+        text += f", {per_device / 1e12:.3g} TFLOP/s/device"
+        if value is not None:
+            text += f", MFU {100.0 * value:.1f}%"
+    return text
 
 
 def _sinks(global_state: GlobalState) -> dict[str, Any]:
@@ -306,6 +336,8 @@ def training_log(
         # First call of this run: the running total already includes this iteration (and, after a resume,
         # everything done before), so the baseline is the total before this iteration.
         global_state._flops_at_last_log = max(0.0, so_far - (flops or 0.0))
+    log_throughput = bool(_opt(logger_cfg, "log_throughput", False))
+    peak = peak_flops_per_device(getattr(global_state, "device", None)) if log_throughput else None
     if metrics_logger is not None:
         loss_tokens = getattr(global_state, "last_loss_tokens", None)
         record = {
@@ -326,6 +358,7 @@ def training_log(
             "loss_tokens": loss_tokens,
             "loss_tokens_per_s": loss_tokens / iteration_time if iteration_time and loss_tokens is not None else None,
             "throughput": flops / iteration_time / get_world_size() / 1e12 if iteration_time and flops else None,
+            "mfu": mfu(flops / iteration_time / get_world_size(), peak) if iteration_time and flops else None,
             "skipped_iterations": int(skipped_iter),
             "nan_iterations": int(got_nan),
         }
@@ -348,6 +381,8 @@ def training_log(
                 interval_flops = flops * total_iterations
             global_state._flops_at_last_log = so_far
             per_gpu_tflops = interval_flops / elapsed_time / get_world_size() / 1e12
+            tokens = batch_size * seq_len * total_iterations if seq_len else 0
+            _add_log_interval(global_state, iteration, total_iterations, elapsed_time, tokens, interval_flops)
 
         interval_scalars: dict[str, Any] = {}
         if _opt(logger_cfg, "log_timers_to_tensorboard", False):
@@ -364,6 +399,7 @@ def training_log(
             skipped_samples=train_state.skipped_train_samples,
             elapsed_ms=elapsed_per_iter * 1000.0,
             throughput=per_gpu_tflops if _opt(logger_cfg, "log_throughput", False) else None,
+            mfu=mfu(per_gpu_tflops * 1e12, peak) if per_gpu_tflops is not None else None,
             learning_rate=learning_rate,
             decoupled_learning_rate=decoupled_learning_rate,
             batch_size=batch_size,
@@ -473,6 +509,7 @@ def format_training_log_line(
     nan_iterations: int,
     skipped_samples: int = 0,
     throughput: Optional[float] = None,
+    mfu: Optional[float] = None,
     learning_rate: Optional[float] = None,
     decoupled_learning_rate: Optional[float] = None,
     grad_norm: Optional[float] = None,
@@ -490,6 +527,8 @@ def format_training_log_line(
     s += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     if throughput is not None:
         s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+    if mfu is not None:
+        s += f" MFU: {100.0 * mfu:.1f}% |"
     if learning_rate is not None:
         s += f" learning rate: {learning_rate:.6E} |"
     if decoupled_learning_rate is not None:

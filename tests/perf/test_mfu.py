@@ -1,0 +1,71 @@
+"""MFU: the peak table and its override, the MFU field of the training log line and metrics.jsonl, and the
+end-of-run summary's tokens/s/device and MFU, on a real (tiny) pretrain run."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from longspan.core.errors import ConfigError
+from longspan.training.utils import mfu as mfu_mod
+from longspan.training.utils.log_line import format_training_log_line
+from tests.training.pretrain_helpers import read_metrics, small_config
+
+
+def test_peak_table_and_override(monkeypatch):
+    monkeypatch.delenv(mfu_mod.PEAK_TFLOPS_ENV, raising=False)
+    assert mfu_mod.PEAK_BF16_TFLOPS["h100"] == pytest.approx(989.4)
+    assert set(mfu_mod.PEAK_BF16_TFLOPS) >= {"h100", "h200", "a100", "b200"}
+    assert mfu_mod.device_kind(torch.device("cpu")) == "cpu"
+    measured = mfu_mod.peak_flops_per_device(torch.device("cpu"))
+    assert measured > 1e8  # a measured matmul rate on this CPU
+    monkeypatch.setenv(mfu_mod.PEAK_TFLOPS_ENV, "2.5")
+    assert mfu_mod.peak_flops_per_device(torch.device("cpu")) == 2.5e12
+    assert mfu_mod.mfu(1e12, 2.5e12) == pytest.approx(0.4)
+    assert mfu_mod.mfu(None, 1.0) is None and mfu_mod.mfu(1.0, None) is None
+    for bad in ("fast", "0", "-3"):
+        monkeypatch.setenv(mfu_mod.PEAK_TFLOPS_ENV, bad)
+        with pytest.raises(ConfigError, match="LONGSPAN_PEAK_TFLOPS"):
+            mfu_mod.peak_flops_per_device(torch.device("cpu"))
+
+
+def test_log_line_has_mfu_after_throughput():
+    line = format_training_log_line(
+        iteration=3, train_iters=10, consumed_samples=24, elapsed_ms=12.0, batch_size=8, losses={"lm loss": 2.0},
+        loss_scale=1.0, skipped_iterations=0, nan_iterations=0, throughput=123.4, mfu=0.4123,
+    )
+    assert "throughput per GPU (TFLOP/s/GPU): 123.4 | MFU: 41.2% |" in line
+    line = format_training_log_line(
+        iteration=3, train_iters=10, consumed_samples=24, elapsed_ms=12.0, batch_size=8, losses={"lm loss": 2.0},
+        loss_scale=1.0, skipped_iterations=0, nan_iterations=0,
+    )
+    assert "MFU" not in line
+
+
+def test_pretrain_logs_mfu_and_summary(tmp_path, monkeypatch, caplog, capsys):
+    from longspan.training.pretrain import pretrain
+
+    monkeypatch.setenv(mfu_mod.PEAK_TFLOPS_ENV, "0.5")  # 0.5 TFLOP/s per device: MFU = TFLOP/s / 0.5
+    cfg = small_config(tmp_path, train_iters=4, eval_interval=100, eval_iters=0)
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    cfg.logger.log_throughput = True
+    with caplog.at_level(logging.INFO):
+        pretrain(cfg)
+    text = caplog.text + capsys.readouterr().out
+    assert len(re.findall(r"TFLOP/s/GPU\): [0-9.]+ \| MFU: [0-9.]+% \|", text)) == 4, text
+    records = read_metrics(cfg)
+    timed = [r for r in records if r["iteration_time_s"]]
+    assert len(timed) == 3 and all(r["mfu"] == pytest.approx(r["throughput"] / 0.5) for r in timed)
+    summary = [line for line in text.splitlines() if "longspan: done" in line][-1]
+    match = re.search(r"iterations 2-4: (\d+) tokens/s/device, ([0-9.e-]+) TFLOP/s/device, MFU ([0-9.]+)%", summary)
+    assert match, summary
+    tokens_per_s, tflops, pct = int(match.group(1)), float(match.group(2)), float(match.group(3))
+    assert pct == pytest.approx(tflops / 0.5 * 100, rel=0.01, abs=0.05)
+    # tokens/s and FLOP/s describe the same iterations: their ratio is the model FLOPs per token
+    from longspan.training.utils.flop_utils import num_floating_point_operations
+
+    flops_per_token = num_floating_point_operations(cfg, 1) / cfg.model.seq_length
+    assert tflops * 1e12 / tokens_per_s == pytest.approx(flops_per_token, rel=0.01)

@@ -9,12 +9,15 @@ from longspan.core.errors import ConfigError
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
 from longspan.recipes.tiny import tiny
+from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
 from longspan.training.config import ConfigContainer
 
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny": tiny,
     "tiny_moe": tiny_moe,
+    "tiny_mamba": tiny_mamba,
+    "tiny_hybrid": tiny_hybrid,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "qwen3_8b": qwen3_8b,
@@ -40,4 +43,4 @@ def get_recipe(name: str) -> ConfigContainer:
     return RECIPES[key]()
 
 
-__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "sft", "lora", "dora"]
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "sft", "lora", "dora"]

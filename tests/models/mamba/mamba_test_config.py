@@ -25,3 +25,48 @@ def hybrid_config(**overrides: Any) -> MambaProvider:
     values: dict[str, Any] = dict(num_layers=4, hybrid_override_pattern="M*-M", num_query_groups=2)
     values.update(overrides)
     return mamba_config(**values)
+
+
+def small_mamba_run(tmp_path: Any, recipe: str = "tiny-mamba", name: str = "run", dropout: float = 0.0,
+                    **train_overrides: Any) -> Any:
+    """The ``tiny-mamba`` / ``tiny-hybrid`` recipe shrunk to seconds: mock data, NullTokenizer, hidden 32,
+    4 microbatches of 2 × 48 tokens (48 is not a multiple of the chunk 16), hidden/attention dropout."""
+    from pathlib import Path
+
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe(recipe)
+    model = cfg.model
+    model.hidden_size = 32
+    model.mamba_num_heads = 4
+    model.mamba_head_dim = 16
+    model.mamba_state_dim = 8
+    model.mamba_chunk_size = 16
+    model.num_attention_heads = 4
+    model.num_query_groups = 2
+    model.ffn_hidden_size = 64
+    model.seq_length = 48
+    model.vocab_size = None  # from the tokenizer
+    model.hidden_dropout = dropout
+    model.attention_dropout = dropout
+    cfg.tokenizer.tokenizer_type = "NullTokenizer"
+    cfg.tokenizer.tokenizer_model = None
+    cfg.tokenizer.vocab_size = 255
+    cfg.dataset.data_path = None  # mock data
+    cfg.dataset.sequence_length = 48
+    cfg.train.micro_batch_size = 2
+    cfg.train.global_batch_size = 8
+    cfg.train.train_iters = 12
+    cfg.train.eval_interval = 6
+    cfg.train.eval_iters = 1
+    for key, value in train_overrides.items():
+        setattr(cfg.train, key, value)
+    cfg.scheduler.lr_warmup_fraction = None
+    cfg.scheduler.lr_warmup_iters = 2
+    run_dir = Path(tmp_path) / name
+    cfg.checkpoint.save = str(run_dir / "ckpt")
+    cfg.checkpoint.load = str(run_dir / "ckpt")
+    cfg.checkpoint.save_interval = None
+    cfg.logger.log_interval = 1
+    cfg.logger.tensorboard_dir = str(run_dir / "tb")
+    return cfg

@@ -125,6 +125,12 @@ def resolve_mamba_args(config: Any) -> SimpleNamespace:
             f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
             "MambaProvider models: leave it None"
         )
+    for field in ("context_parallel_size", "tensor_model_parallel_size"):
+        if getattr(config, field, 1) > 1:
+            raise NotSupportedError(
+                f"model.{field}={getattr(config, field)} is not supported yet for MambaProvider models: "
+                "use data parallel (DDP/FSDP2) or pipeline parallel"
+            )
     if getattr(config, "moe_layer_freq", 1) != 1:
         raise NotSupportedError(
             f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "

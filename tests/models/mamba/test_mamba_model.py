@@ -116,9 +116,14 @@ def test_bad_fields_are_config_errors(overrides, match) -> None:
         MambaModel(hybrid_config(**overrides))
 
 
-def test_recompute_is_not_supported_yet() -> None:
-    with pytest.raises(NotSupportedError, match="recompute_granularity"):
-        MambaModel(mamba_config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+@pytest.mark.parametrize("overrides,match", [
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute_granularity"),
+    (dict(context_parallel_size=2), "context_parallel_size=2 is not supported yet"),
+    (dict(moe_layer_freq=2), "moe_layer_freq"),
+])
+def test_unsupported_fields_raise_one_line(overrides, match) -> None:
+    with pytest.raises(NotSupportedError, match=match):
+        MambaModel(mamba_config(**overrides))
 
 
 def test_moe_layers_from_the_pattern() -> None:

@@ -154,6 +154,9 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", HINT, "fully_parallel_save fully_parallel_load use_persistent_ckpt_worker"),
     # torch DDP always overlaps the gradient all-reduce with backward (bucket hooks); FSDP2 its reduce-scatter.
     **_many("ddp", HINT, "overlap_grad_reduce"),
+    # Padding each expert's input up to its capacity adds rows whose outputs are discarded: the same result.
+    # torch.distributed.pipelining always batches its send/recv pairs: batch_p2p_comm changes no maths.
+    **_many("model", HINT, "moe_pad_expert_input_to_capacity batch_p2p_comm"),
     # Resilience (issue 12): longspan.training.resilience, docs/resilience.md.
     **_many("checkpoint", SUPPORTED, """
         non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir

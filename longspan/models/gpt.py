@@ -348,9 +348,12 @@ class GPTModel(nn.Module):
         # Float32 logits (unless fp16_lm_cross_entropy) and reduction='none', on [b*s, vocab], keep this torch's
         # loss_parallel-compatible under tensor parallel (vocab-sharded logits, no full-vocab gather).
         flat = logits.flatten(0, 1)
-        if not self.fp16_lm_cross_entropy:
-            flat = flat.float()
-        loss = F.cross_entropy(flat, labels.flatten(0, 1), reduction="none")
+        if self.fp16_lm_cross_entropy:
+            # Megatron computes this loss in fp16; autocast would promote cross_entropy to fp32, so it is off here.
+            with torch.autocast(device_type=flat.device.type, enabled=False):
+                loss = F.cross_entropy(flat.half(), labels.flatten(0, 1), reduction="none")
+        else:
+            loss = F.cross_entropy(flat.float(), labels.flatten(0, 1), reduction="none")
         return loss.float().view(labels.shape)
 
 

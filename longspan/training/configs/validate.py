@@ -260,6 +260,15 @@ def _resolve_defaults(cfg: "ConfigContainer") -> None:
         model.params_dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
     if model.pipeline_dtype is None:
         model.pipeline_dtype = model.params_dtype
+    opt = cfg.optimizer
+    if opt.params_dtype != model.params_dtype:
+        # The model's weights decide; the optimizer's copy follows them unless it was set to something else.
+        if opt.params_dtype != torch.float32:
+            raise ConfigError(
+                f"optimizer.params_dtype={opt.params_dtype} differs from model.params_dtype={model.params_dtype}: "
+                "set both the same (mixed_precision sets both)"
+            )
+        opt.params_dtype = model.params_dtype
     if hasattr(model, "finalize"):
         model.finalize()
     if cfg.optimizer.min_lr is None:

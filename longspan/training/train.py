@@ -26,6 +26,7 @@ from longspan.training.schedules import (
 )
 from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.resilience.non_persistent import save_non_persistent, should_save_non_persistent
+from longspan.training.resilience.hooks import after_forward_backward, ensure_rerun_state_machine
 from longspan.training.profiling import (
     handle_profiling_step,
     handle_profiling_stop,
@@ -79,6 +80,7 @@ def train(
         False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
     )
     global_state.last_saved_step = None
+    train_data_iterator = ensure_rerun_state_machine(global_state).wrap_data_iterator(train_data_iterator)
     prof = _start_pytorch_profiler(cfg)
     nsys_nvtx_context = None
     if train_cfg.manual_gc:
@@ -203,23 +205,29 @@ def train_step(
     num_microbatches = global_state.num_microbatches_calculator.get()
     iteration = global_state.train_state.step + 1
 
-    optimizer.zero_grad()
-    timers("forward-backward", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
-    forward_backward = get_forward_backward_func(parallel.pp_size)
-    reports, num_tokens = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        forward_only=False,
-        calculate_per_token_loss=cfg.model.calculate_per_token_loss,
-        grad_scale_func=optimizer.scale_loss if _uses_loss_scaling(optimizer) else None,
-        autocast_dtype=global_state.autocast_dtype,
-        device_type=global_state.device.type,
-        check_for_nan=global_state.check_for_nan,
-        iteration=iteration,
-    )
-    timers("forward-backward").stop()
+    rerun = ensure_rerun_state_machine(global_state)
+    while rerun.should_run_forward_backward():  # more than once when the rerun state machine re-runs it
+        optimizer.zero_grad()
+        timers("forward-backward", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
+        forward_backward = get_forward_backward_func(parallel.pp_size)
+        reports, num_tokens = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            forward_only=False,
+            calculate_per_token_loss=cfg.model.calculate_per_token_loss,
+            grad_scale_func=optimizer.scale_loss if _uses_loss_scaling(optimizer) else None,
+            autocast_dtype=global_state.autocast_dtype,
+            device_type=global_state.device.type,
+            check_for_nan=global_state.check_for_nan and rerun.mode != "validate_results",
+            iteration=iteration,
+        )
+        timers("forward-backward").stop()
+        rerun.validate_reports(reports)
+    should_checkpoint, should_exit, exit_code = after_forward_backward(global_state, iteration)
+    if should_exit:
+        return {}, 0, should_checkpoint, True, exit_code, None, None
     global_state.last_loss_tokens = _global_loss_tokens(num_tokens, parallel, global_state.device)
     if cfg.model.calculate_per_token_loss:
         finalize_model_grads(model, num_tokens, dp_group=parallel.dp_group, dp_size=parallel.dp_size)

@@ -78,19 +78,24 @@ class RerunStateMachineConfig:
     """The rerun state machine that validates results (NaN/spiky loss checks, re-runs, error injection)."""
 
     error_injection_rate: int = 0
-    """Inject a fault once every this many result validations (0 = never)."""
+    """Inject a rejected result about once every this many result validations (0 = never; needs
+    rerun_mode='validate_results'); the re-runs then compare as error_injection_type says."""
 
     error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
-    """Kind of fault to inject."""
+    """Kind of fault to inject: transient_error (the in-place re-run differs: exit 17), persistent_error or
+    correct_result (the in-place re-run matches: exit 16; the re-run on other hardware then differs or matches)."""
 
     rerun_mode: Literal["disabled", "validate_results", "report_stats"] = "disabled"
-    """'validate_results' re-runs an iteration whose result fails a check; 'report_stats' measures variability."""
+    """'validate_results' re-runs an iteration whose loss fails a check in place (same data and RNG): a different
+    result exits 17 (transient fault), the same result saves and exits 16 (resume on other hardware to decide);
+    'report_stats' runs every iteration twice and logs the variability every logger.log_interval iterations."""
 
     check_for_nan_in_loss: bool = True
     """Stop with an error when the loss (or gradient) is NaN or infinite (Megatron's check_for_nan_in_loss_and_grad)."""
 
     check_for_spiky_loss: bool = False
-    """Flag losses far above the running maximum as suspicious."""
+    """Flag a loss >= spiky_loss_factor x the maximum of the first 100 losses (a resilience event; not fatal; with
+    validate_results the iteration is also re-run in place)."""
 
     spiky_loss_factor: float = 10.0
     """A loss this many times the running maximum counts as spiky."""

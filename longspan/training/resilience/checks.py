@@ -10,6 +10,32 @@ from longspan.core.errors import ConfigError, NotSupportedError
 def check_resilience_config(cfg: Any) -> None:
     """Reject resilience settings longspan cannot honour, naming the field and what would be valid."""
     _check_non_persistent(cfg.checkpoint)
+    _check_rerun(cfg.rerun_state_machine, cfg.checkpoint)
+
+
+def _check_rerun(r: Any, c: Any) -> None:
+    modes = ("disabled", "validate_results", "report_stats")
+    if r.rerun_mode not in modes:
+        raise ConfigError(f"rerun_state_machine.rerun_mode={r.rerun_mode!r} is not valid: use one of {', '.join(modes)}")
+    kinds = ("correct_result", "transient_error", "persistent_error")
+    if r.error_injection_type not in kinds:
+        raise ConfigError(
+            f"rerun_state_machine.error_injection_type={r.error_injection_type!r} is not valid: use one of "
+            f"{', '.join(kinds)}"
+        )
+    if r.error_injection_rate and r.rerun_mode != "validate_results":
+        raise ConfigError(
+            f"rerun_state_machine.error_injection_rate={r.error_injection_rate} needs "
+            f"rerun_state_machine.rerun_mode='validate_results' (it is {r.rerun_mode!r}): injected errors are only "
+            "diagnosed there"
+        )
+    if not r.spiky_loss_factor > 1.0:
+        raise ConfigError(f"rerun_state_machine.spiky_loss_factor={r.spiky_loss_factor} is not valid: use a number > 1")
+    if r.rerun_mode == "validate_results" and not c.save:
+        raise ConfigError(
+            "rerun_state_machine.rerun_mode='validate_results' needs checkpoint.save: a rejected iteration is saved "
+            "before exiting with code 16 or 17"
+        )
 
 
 def _check_non_persistent(c: Any) -> None:

@@ -425,6 +425,77 @@ def _t5_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
     return mapping.T5 if _t5_feed_forward(cfg)[0] else mapping.T5_UNGATED
 
 
+def _mamba_mixer_fields(cfg: dict[str, Any], heads_key: str, head_dim_key: str, state_key: str, act_key: str,
+                       limit: tuple[float, float]) -> dict[str, Any]:
+    """MambaProvider fields of a Mamba-2 mixer's config.json keys (shared by Mamba2 and Nemotron-H)."""
+    if cfg.get(act_key, "silu") != "silu":
+        raise NotSupportedError(f"config.json {act_key}={cfg[act_key]!r} is not supported: longspan's Mamba uses silu")
+    for key, default in (("use_conv_bias", True), ("use_bias", False), ("mamba_proj_bias", False)):
+        if key in cfg and bool(cfg[key]) != default:
+            raise NotSupportedError(f"config.json {key}={cfg[key]!r} is not supported: longspan needs {default}")
+    # transformers writes infinity as {"__float__": "Infinity"}
+    got = tuple(float(x["__float__"] if isinstance(x, dict) else x)
+                for x in (cfg.get("time_step_limit") or (0.0, float("inf"))))
+    if got != limit:
+        raise NotSupportedError(f"config.json time_step_limit={list(got)} is not supported: longspan needs {list(limit)}")
+    return dict(
+        mamba_num_heads=_need(cfg, heads_key),
+        mamba_head_dim=_need(cfg, head_dim_key),
+        mamba_state_dim=_need(cfg, state_key),
+        mamba_num_groups=int(cfg.get("n_groups", 8)),
+        mamba_conv_kernel=int(cfg.get("conv_kernel", 4)),
+        mamba_chunk_size=int(cfg.get("chunk_size", 256)),
+    )
+
+
+def _mamba_mixer_hf(p: Any) -> dict[str, Any]:
+    heads = p.mamba_num_heads or p.mamba_expand * p.hidden_size // p.mamba_head_dim
+    return dict(n_groups=p.mamba_num_groups, conv_kernel=p.mamba_conv_kernel, chunk_size=p.mamba_chunk_size,
+                use_conv_bias=True, use_bias=False, heads=heads)
+
+
+def _mamba2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    layers = _need(cfg, "num_hidden_layers")
+    vocab = _need(cfg, "vocab_size")
+    if cfg.get("hidden_size", 0) * cfg.get("expand", 2) != cfg.get("num_heads", 0) * cfg.get("head_dim", 0):
+        raise ConfigError("config.json hidden_size × expand must equal num_heads × head_dim (transformers' own rule)")
+    out = dict(
+        num_layers=layers,
+        hybrid_override_pattern="M" * layers,
+        hidden_size=_need(cfg, "hidden_size"),
+        mamba_expand=int(cfg.get("expand", 2)),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        position_embedding_type="none",
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_dropout=0.0,
+        init_method_std=float(cfg.get("initializer_range", 0.1)),
+    )
+    out.update(_mamba_mixer_fields(cfg, "num_heads", "head_dim", "state_size", "hidden_act", (0.0, float("inf"))))
+    out.update(_dtype_fields(cfg))
+    return out
+
+
+def _mamba2_hf(p: Any) -> dict[str, Any]:
+    pattern = p.hybrid_override_pattern
+    if (pattern is not None and set(pattern) != {"M"}) or p.hybrid_attention_ratio or p.hybrid_mlp_ratio:
+        raise NotSupportedError("Mamba2ForCausalLM has Mamba layers only: export a hybrid model as NemotronH")
+    if p.normalization != "RMSNorm":
+        raise NotSupportedError("Mamba2ForCausalLM needs normalization='RMSNorm'")
+    mixer = _mamba_mixer_hf(p)
+    heads = mixer.pop("heads")
+    if heads * p.mamba_head_dim % p.hidden_size:
+        raise NotSupportedError("Mamba2ForCausalLM needs d_inner (heads × head_dim) to be a multiple of hidden_size")
+    return dict(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_layers, num_heads=heads,
+        head_dim=p.mamba_head_dim, state_size=p.mamba_state_dim, expand=heads * p.mamba_head_dim // p.hidden_size,
+        layer_norm_epsilon=p.layernorm_epsilon, hidden_act="silu", residual_in_fp32=True, initializer_range=float(p.init_method_std),
+        tie_word_embeddings=bool(p.share_embeddings_and_output_weights), **mixer,
+    )
+
+
 class _ProviderView:
     """A provider with a few fields replaced (read-only)."""
 
@@ -446,6 +517,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, _t5_provider, _t5_hf, "T5ModelProvider", _t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, _mt5_provider, _mt5_hf, "T5ModelProvider",
            _t5_weights),
+    Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.MAMBA2, _mamba2_provider, _mamba2_hf, "MambaProvider"),
 )
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
@@ -476,6 +548,8 @@ def family_for_provider(provider: Any) -> Family:
     """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
     if type(provider).__name__ == "T5ModelProvider":
         return BY_ARCHITECTURE["T5ForConditionalGeneration"]
+    if type(provider).__name__ == "MambaProvider":
+        return BY_ARCHITECTURE["Mamba2ForCausalLM"]
     if provider.position_embedding_type == "learned_absolute":
         return BY_ARCHITECTURE["GPT2LMHeadModel"]
     if provider.num_moe_experts:

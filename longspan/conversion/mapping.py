@@ -187,6 +187,21 @@ T5_UNGATED = tuple(
 )
 
 
+# --------------------------------------------------------------------------------------------- Mamba-2
+
+# The mixer keeps Megatron's names, which are also HF's (in_proj rows [z | x | B | C | dt] in both).
+MAMBA_MIXER_PARAMS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight",
+                      "out_proj.weight")
+
+MAMBA2 = (
+    WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
+    WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
+    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+    WeightMap("decoder.layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
+    *(WeightMap(f"decoder.layers.{{i}}.mixer.{p}", f"backbone.layers.{{i}}.mixer.{p}") for p in MAMBA_MIXER_PARAMS),
+)
+
+
 def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | None] | None:
     """The entry of ``table`` for longspan parameter ``name`` and its layer index, or None."""
     for entry in table:

@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 
-SEEDS = Path(__file__).resolve().parents[2].parent / "shared" / "seeds"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+SEEDS = SHARED / "seeds"
 
 
 def _seed(prefix: str) -> str:
-    if not SEEDS.is_dir():
-        pytest.skip(f"seed directory {SEEDS} is absent (the spec lives outside the repository)")
+    """The seed's text. Skips only when ../shared itself is absent (a clone on its own); CI checks out
+    ../shared beside the clone, and there a missing seed file is a failure, not a skip."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent (the spec lives beside the repository, not in it)")
     files = sorted(SEEDS.glob(f"{prefix}_*.txt"))
-    if not files:
-        pytest.skip(f"seed {prefix} not found in {SEEDS}")
+    assert files, f"seed {prefix} not found in {SEEDS}"
     return files[0].read_text(encoding="utf-8")
 
 
@@ -106,7 +108,6 @@ def test_seed_004_model_parallel_config() -> None:
 
 def test_borrowed_megatron_core_defaults_match_megatron() -> None:
     """OptimizerConfig / DDP config fields that exist in megatron-core have megatron-core's defaults."""
-    pytest.importorskip("megatron.core")
     import warnings
 
     with warnings.catch_warnings():

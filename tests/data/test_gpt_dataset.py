@@ -14,12 +14,14 @@ from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.indices import build_blending_indices, build_exhaustive_blending_indices, build_sample_index
 
 from tests.data.conftest import DatasetCfg, LongspanTok, OracleTokenizer, random_docs, write_corpus
+from tests.oracles import oracle
 
 pytestmark = pytest.mark.megatron
 
-mg = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-mb = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
-helpers = pytest.importorskip("megatron.core.datasets.helpers_cpp")
+# Oracles, imported by the tests that use them: oracle-free tests run without megatron-core.
+mg = oracle("megatron.core.datasets.gpt_dataset")
+mb = oracle("megatron.core.datasets.blended_megatron_dataset_builder")
+helpers = oracle("megatron.core.datasets.helpers_cpp")
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 SIZES = [1000, 300, 100]

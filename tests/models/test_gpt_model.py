@@ -165,8 +165,8 @@ def test_loss_is_fp32_cross_entropy_of_bf16_logits():
 
 def test_partial_rotary_and_llama3_scaling_match_megatron_core():
     """RoPE against megatron-core's RotaryEmbedding frequencies and its rotate-half application."""
-    mrope = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
-    rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils  # the oracle: CI installs it
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as mrope
     from longspan.models.rope import RotaryEmbedding, apply_rotary
 
     for percent, scaling in ((0.5, False), (0.25, True), (1.0, True)):
@@ -238,8 +238,7 @@ def test_dropout_modules_active_only_in_training():
 )
 def test_unsupported_values_raise_one_line(field, value):
     cfg = llama_config()
-    if not hasattr(cfg, field):
-        pytest.skip(f"config has no {field}")
+    assert hasattr(cfg, field), f"the provider lost its {field} field"
     setattr(cfg, field, value)
     with pytest.raises(NotSupportedError) as info:
         build_gpt_model(cfg)
@@ -291,7 +290,7 @@ def test_meta_build_and_scaled_attention_shapes():
 
 
 def test_provider_provide_builds_gpt_model():
-    provider_mod = pytest.importorskip("longspan.models.gpt_provider")
+    import longspan.models.gpt_provider as provider_mod
     provider = provider_mod.GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100,
                                              seq_length=16)
     torch.manual_seed(21)

@@ -76,8 +76,7 @@ def test_megatron_init_distribution():
 
 def test_embedding_init_method_std_is_honoured():
     cfg = make_config(hidden_size=128, vocab_size=4000, init_method_std=0.02)
-    if not hasattr(cfg, "embedding_init_method_std"):
-        pytest.skip("provider has no embedding_init_method_std")
+    assert hasattr(cfg, "embedding_init_method_std")
     cfg.embedding_init_method_std = 0.1
     w = build_gpt_model(cfg, seed=0).embedding.word_embeddings.weight
     assert abs(w.std().item() - 0.1) < 0.003

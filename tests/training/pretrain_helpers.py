@@ -54,3 +54,36 @@ def read_metrics(cfg: Any) -> list[dict[str, Any]]:
 
 def losses_by_iteration(cfg: Any) -> dict[int, float]:
     return {r["iteration"]: r["losses"]["lm loss"] for r in read_metrics(cfg)}
+
+
+def write_token_corpus(directory: Path, documents: int = 400, seed: int = 0, lengths: tuple = (3, 90)) -> str:
+    """A real indexed dataset (NullTokenizer ids, uneven document lengths drawn from ``lengths``: a range
+    (lo, hi) or, with three or more entries, a choice) through ``longspan preprocess``; returns the prefix."""
+    import random
+
+    from longspan.cli import main
+
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "corpus.jsonl"
+    with source.open("w") as f:
+        for _ in range(documents):
+            size = rng.choice(lengths) if len(lengths) > 2 else rng.randrange(*lengths)
+            ids = [str(rng.randrange(255)) for _ in range(size)]
+            f.write(json.dumps({"text": " ".join(ids)}) + "\n")
+    prefix = directory / "corpus"
+    code = main(["preprocess", "--input", str(source), "--output-prefix", str(prefix), "--tokenizer-type",
+                 "NullTokenizer", "--vocab-size", "255", "--append-eod", "--no-progress"])
+    assert code == 0
+    return f"{prefix}_text_document"
+
+
+def with_dropout_and_real_data(cfg: Any, data_prefix: str, dropout: float = 0.1) -> Any:
+    """Hidden and attention dropout on (every step draws from the RNG) over a real dataset, end-of-document
+    tokens masked (microbatches count different numbers of loss tokens)."""
+    cfg.model.hidden_dropout = dropout
+    cfg.model.attention_dropout = dropout
+    cfg.dataset.data_path = data_prefix
+    cfg.dataset.split = "90,8,2"
+    cfg.dataset.eod_mask_loss = True
+    return cfg

@@ -15,14 +15,32 @@ from longspan.core.errors import CheckpointError
 from longspan.training.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from longspan.training.schedules import TrainingDivergedError
-from tests.training.pretrain_helpers import losses_by_iteration, read_metrics, small_config
+from tests.training.pretrain_helpers import (
+    losses_by_iteration,
+    read_metrics,
+    small_config,
+    with_dropout_and_real_data,
+    write_token_corpus,
+)
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory):
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real indexed dataset with uneven documents (prefix)."""
+    return write_token_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def resumable_config(tmp_path: Path, name: str, corpus: str, **train_overrides):
+    """The small config with hidden and attention dropout on, over real data: resuming must restore the RNG
+    (dropout masks) and the data position exactly, or the losses drift."""
+    return with_dropout_and_real_data(small_config(tmp_path, name, **train_overrides), corpus)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory, corpus: str):
     """30 uninterrupted iterations: the reference every resume must reproduce exactly."""
     tmp = tmp_path_factory.mktemp("straight")
-    cfg = small_config(tmp, "straight")
+    cfg = resumable_config(tmp, "straight", corpus)
     cfg.logger.log_progress = True
     state = pretrain(cfg, forward_step)
     return cfg, state, losses_by_iteration(cfg)
@@ -50,14 +68,14 @@ def test_run_trains_and_writes_megatron_checkpoint_layout(straight_run) -> None:
     assert any("Saved checkpoint\tIteration: 30\t" in line for line in progress)
 
 
-def test_exit_interval_and_resume_continue_bit_for_bit(tmp_path: Path, straight_run) -> None:
+def test_exit_interval_and_resume_continue_bit_for_bit(tmp_path: Path, straight_run, corpus) -> None:
     _, _, reference = straight_run
-    cfg = small_config(tmp_path, "resumed", exit_interval=15)
+    cfg = resumable_config(tmp_path, "resumed", corpus, exit_interval=15)
     state = pretrain(cfg, forward_step)
     assert state.train_state.step == 15
     assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text() == "15"
 
-    cfg2 = small_config(tmp_path, "resumed")  # same directories: the rerun resumes from iteration 15
+    cfg2 = resumable_config(tmp_path, "resumed", corpus)  # same directories: the rerun resumes from iteration 15
     state2 = pretrain(cfg2, forward_step)
     assert state2.train_state.step == 30
     resumed = losses_by_iteration(cfg2)
@@ -65,7 +83,22 @@ def test_exit_interval_and_resume_continue_bit_for_bit(tmp_path: Path, straight_
     assert [resumed[i] for i in range(1, 31)] == [reference[i] for i in range(1, 31)]
 
 
-def test_signal_saves_and_exits_then_resumes(tmp_path: Path, straight_run) -> None:
+def test_resume_without_the_rng_restore_drifts(tmp_path: Path, straight_run, corpus, monkeypatch) -> None:
+    """The control that makes the resume tests meaningful: with dropout on, skipping the RNG restore changes
+    the losses after the resume (so a no-op restore cannot pass them)."""
+    import longspan.training.setup as setup_module
+
+    _, _, reference = straight_run
+    pretrain(resumable_config(tmp_path, "norng", corpus, exit_interval=15), forward_step)
+    monkeypatch.setattr(setup_module, "set_rng_state", lambda state: None)
+    cfg2 = resumable_config(tmp_path, "norng", corpus)
+    pretrain(cfg2, forward_step)
+    resumed = losses_by_iteration(cfg2)
+    assert [resumed[i] for i in range(1, 16)] == [reference[i] for i in range(1, 16)]
+    assert [resumed[i] for i in range(16, 31)] != [reference[i] for i in range(16, 31)]
+
+
+def test_signal_saves_and_exits_then_resumes(tmp_path: Path, straight_run, corpus) -> None:
     _, _, reference = straight_run
 
     def signalling_forward_step(state, data_iterator, model):
@@ -74,28 +107,59 @@ def test_signal_saves_and_exits_then_resumes(tmp_path: Path, straight_run) -> No
             os.kill(os.getpid(), signal.SIGTERM)
         return forward_step(state, data_iterator, model)
 
-    cfg = small_config(tmp_path, "sig", exit_signal_handler=True)
+    cfg = resumable_config(tmp_path, "sig", corpus, exit_signal_handler=True)
     state = pretrain(cfg, signalling_forward_step)
     assert state.train_state.step == 8  # the iteration in flight completes, then save and exit
     assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text() == "8"
     assert signal.getsignal(signal.SIGTERM) is not None
 
-    state2 = pretrain(small_config(tmp_path, "sig"), forward_step)
+    state2 = pretrain(resumable_config(tmp_path, "sig", corpus), forward_step)
     assert state2.train_state.step == 30
-    resumed = losses_by_iteration(small_config(tmp_path, "sig"))
+    resumed = losses_by_iteration(resumable_config(tmp_path, "sig", corpus))
     assert [resumed[i] for i in range(1, 31)] == [reference[i] for i in range(1, 31)]
 
 
-def test_per_token_loss_matches_default_when_token_counts_are_equal(tmp_path: Path, straight_run) -> None:
-    _, _, reference = straight_run
-    cfg = small_config(tmp_path, "per_token", train_iters=5)
-    cfg.model.calculate_per_token_loss = True
-    cfg.checkpoint.save = None
-    cfg.checkpoint.load = None
-    pretrain(cfg, forward_step)
-    losses = losses_by_iteration(cfg)
-    for i in range(1, 6):  # mock data has no padding: every microbatch counts the same tokens
-        assert losses[i] == pytest.approx(reference[i], rel=1e-5)
+def test_per_token_loss_matches_default_when_token_counts_are_equal(tmp_path: Path) -> None:
+    runs = {}
+    for per_token in (False, True):
+        cfg = small_config(tmp_path, f"even_{per_token}", train_iters=5)
+        cfg.model.calculate_per_token_loss = per_token
+        cfg.checkpoint.save = cfg.checkpoint.load = None
+        pretrain(cfg, forward_step)
+        runs[per_token] = losses_by_iteration(cfg)
+    for i in range(1, 6):  # mock data without EOD masking: every microbatch counts the same tokens
+        assert runs[True][i] == pytest.approx(runs[False][i], rel=1e-6)
+
+
+def test_per_token_loss_weights_microbatches_by_their_tokens(tmp_path: Path) -> None:
+    """With end-of-document tokens masked, microbatches count different numbers of loss tokens. The per-token
+    loss averages over all tokens of the global batch, Megatron's default over microbatch means: iteration 1
+    starts from the same weights, so both log Σloss/Σmask, then their gradients, and so their losses, differ."""
+    from longspan.training.forward_step import get_batch
+
+    counts = []
+
+    def counting_forward_step(state, data_iterator, model):
+        batch = get_batch(data_iterator, state.device)
+        counts.append(int(batch["loss_mask"].sum()))
+        return forward_step(state, iter([batch]), model)
+
+    # Documents of 1 or 30 tokens, one sequence per microbatch: microbatches hold different numbers of EODs.
+    corpus = write_token_corpus(tmp_path / "uneven", documents=1500, lengths=(1, 1, 1, 1, 30))
+    runs = {}
+    for per_token in (False, True):
+        cfg = with_dropout_and_real_data(small_config(tmp_path, f"uneven_{per_token}", train_iters=5), corpus, 0.0)
+        cfg.train.micro_batch_size = 1
+        cfg.model.calculate_per_token_loss = per_token
+        cfg.optimizer.optimizer, cfg.optimizer.lr, cfg.optimizer.clip_grad = "sgd", 0.5, 0.0  # update ∝ gradient
+        cfg.scheduler.lr_warmup_iters = 0
+        cfg.checkpoint.save = cfg.checkpoint.load = None
+        counts.clear()
+        pretrain(cfg, counting_forward_step)
+        runs[per_token] = losses_by_iteration(cfg)
+    assert max(counts[:8]) - min(counts[:8]) >= 4, counts  # the first iteration's microbatches differ
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-6)
+    assert all(runs[True][i] != pytest.approx(runs[False][i], rel=1e-5) for i in range(2, 6)), runs
 
 
 def test_nan_loss_stops_without_checkpoint(tmp_path: Path) -> None:
@@ -197,9 +261,9 @@ def test_use_checkpoint_args_takes_the_saved_architecture(tmp_path: Path, straig
     assert state.train_state.step == 32
 
 
-def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path, straight_run) -> None:
+def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path, straight_run, corpus) -> None:
     _, _, reference = straight_run
-    cfg = small_config(tmp_path, "async", exit_interval=15)
+    cfg = resumable_config(tmp_path, "async", corpus, exit_interval=15)
     cfg.checkpoint.async_save = True
     cfg.checkpoint.save_interval = 5
     pretrain(cfg, forward_step)
@@ -207,7 +271,7 @@ def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path,
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "15"
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000005", "iter_0000010", "iter_0000015"]
     assert not list(root.glob("*.partial"))
-    cfg2 = small_config(tmp_path, "async")
+    cfg2 = resumable_config(tmp_path, "async", corpus)
     cfg2.checkpoint.async_save = True
     pretrain(cfg2, forward_step)
     resumed = losses_by_iteration(cfg2)

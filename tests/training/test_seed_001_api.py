@@ -38,7 +38,8 @@ def _seed_signatures() -> dict[str, list[tuple[str, bool]]]:
     return functions
 
 
-@pytest.mark.skipif(not SEED.is_file(), reason=f"seed file not found at {SEED}")
+# Skip only when ../shared itself is absent (a clone on its own); beside ../shared a missing seed fails.
+@pytest.mark.skipif(not SEED.parents[1].is_dir(), reason=f"{SEED.parents[1]} is absent")
 def test_every_seed_001_function_exists_with_its_parameters() -> None:
     signatures = _seed_signatures()
     assert len(signatures) == 12  # the module's function table lists twelve

@@ -29,7 +29,7 @@ HINT = "performance hint (no effect)"
 # Status of fields the table below does not name.
 SECTION_DEFAULT: dict[str, str] = {
     "rng": SUPPORTED,
-    "rerun_state_machine": SUPPORTED,
+    "rerun_state_machine": NOT_SUPPORTED,
     "train": SUPPORTED,
     "model": NOT_SUPPORTED,
     "optimizer": NOT_SUPPORTED,

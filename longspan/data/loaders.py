@@ -201,6 +201,9 @@ def build_pretraining_data_loader(
         pin_memory=bool(pin_memory) and torch.cuda.is_available(),
         persistent_workers=bool(persistent_workers) and num_workers > 0,
         collate_fn=getattr(dataset, "collate_fn", collate_samples),
+        # Its own generator: creating an iterator draws a worker base seed, which must not come from torch's
+        # global generator (a validation iterator first used after a resume would shift the dropout stream).
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -125,12 +125,11 @@ def resolve_mamba_args(config: Any) -> SimpleNamespace:
             f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
             "MambaProvider models: leave it None"
         )
-    for field in ("context_parallel_size", "tensor_model_parallel_size"):
-        if getattr(config, field, 1) > 1:
-            raise NotSupportedError(
-                f"model.{field}={getattr(config, field)} is not supported yet for MambaProvider models: "
-                "use data parallel (DDP/FSDP2) or pipeline parallel"
-            )
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise NotSupportedError(
+            f"model.context_parallel_size={config.context_parallel_size} is not supported yet for MambaProvider "
+            "models (the scan would need its state passed between ranks): use tensor, pipeline or data parallel"
+        )
     if getattr(config, "moe_layer_freq", 1) != 1:
         raise NotSupportedError(
             f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "
@@ -183,11 +182,12 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` replaces ``self.weight`` (a tensor-parallel rank passes its channels' slice)."""
         gated = y.float() * F.silu(z.float())
         grouped = gated.unflatten(-1, (-1, self.group_size))
         normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.flatten(-2).to(y.dtype)
+        return (self.weight if weight is None else weight) * normed.flatten(-2).to(y.dtype)
 
 
 def _draw_A_log(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
@@ -228,57 +228,70 @@ class MambaMixer(nn.Module):
         self.norm = GatedRMSNorm(m.d_inner, m.d_inner // m.groups, args.layernorm_epsilon, dtype)
         self.out_proj = _linear(m.d_inner, args.hidden_size, False, std / math.sqrt(2.0 * args.num_layers), dtype)
 
-    def _split(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        return z, xbc, dt
+    def local_parameters(self) -> SimpleNamespace:
+        """The parameters and sizes this process computes with: all of them. A tensor-parallel plan replaces
+        this method on the instance with one returning this rank's heads (``longspan.parallel.mamba``)."""
+        return SimpleNamespace(
+            in_proj=self.in_proj.weight, conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias,
+            A_log=self.A_log, D=self.D, dt_bias=self.dt_bias, norm=self.norm.weight, out_proj=self.out_proj.weight,
+            d_inner=self.d_inner, heads=self.heads, groups=self.groups,
+        )
 
-    def _ssm_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _project(self, hidden_states: torch.Tensor, p: SimpleNamespace) -> tuple[torch.Tensor, ...]:
+        """in_proj, split into the gate ``z``, the conv inputs ``xBC`` and ``dt``."""
+        conv_dim = p.d_inner + 2 * p.groups * self.state_dim
+        return F.linear(hidden_states, p.in_proj).split([p.d_inner, conv_dim, p.heads], dim=-1)
+
+    def _ssm_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, p: SimpleNamespace) -> tuple[torch.Tensor, ...]:
         b, s, _ = xbc.shape
-        x, B, C = xbc.split([self.d_inner, self.groups * self.state_dim, self.groups * self.state_dim], dim=-1)
-        x = x.view(b, s, self.heads, self.head_dim)
-        B = B.view(b, s, self.groups, self.state_dim)
-        C = C.view(b, s, self.groups, self.state_dim)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
+        x, B, C = xbc.split([p.d_inner, p.groups * self.state_dim, p.groups * self.state_dim], dim=-1)
+        x = x.view(b, s, p.heads, self.head_dim)
+        B = B.view(b, s, p.groups, self.state_dim)
+        C = C.view(b, s, p.groups, self.state_dim)
+        dt = F.softplus(dt.float() + p.dt_bias.float())
         return x, B, C, dt
 
     def forward(self, hidden_states: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        p = self.local_parameters()
         states = _mamba_states(cache)
         if states is not None and self.layer_number in states:
-            return self._step_tokens(hidden_states, states[self.layer_number])
+            return self._step_tokens(hidden_states, states[self.layer_number], p)
         b, s, _ = hidden_states.shape
-        z, xbc_in, dt = self._split(self.in_proj(hidden_states))
-        xbc = F.silu(self.conv1d(xbc_in.transpose(1, 2))[..., :s].transpose(1, 2))
-        x, B, C, dt = self._ssm_inputs(xbc, dt)
-        A = -torch.exp(self.A_log.float())
+        z, xbc_in, dt = self._project(hidden_states, p)
+        k = p.conv_weight.shape[-1]
+        conv = F.conv1d(xbc_in.transpose(1, 2), p.conv_weight, p.conv_bias, padding=k - 1, groups=xbc_in.shape[-1])
+        xbc = F.silu(conv[..., :s].transpose(1, 2))
+        x, B, C, dt = self._ssm_inputs(xbc, dt, p)
+        A = -torch.exp(p.A_log.float())
         y, final_state = ssd_chunked_scan(x, dt, A, B, C, self.chunk_size)
-        y = y + x.float() * self.D.float()[:, None]
+        y = y + x.float() * p.D.float()[:, None]
         if states is not None:  # prefill: keep the conv inputs' tail and the SSM state for the next tokens
-            k = self.conv1d.kernel_size[0]
             tail = F.pad(xbc_in.transpose(1, 2), (max(0, k - 1 - s), 0))[..., -(k - 1):] if k > 1 else None
             states[self.layer_number] = {"conv": tail, "ssm": final_state}
-        y = self.norm(y.reshape(b, s, self.d_inner).to(hidden_states.dtype), z)
-        return self.out_proj(y)
+        y = self.norm(y.reshape(b, s, p.d_inner).to(hidden_states.dtype), z, p.norm)
+        return F.linear(y, p.out_proj)
 
-    def _step_tokens(self, hidden_states: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _step_tokens(self, hidden_states: torch.Tensor, state: dict[str, torch.Tensor],
+                     p: SimpleNamespace) -> torch.Tensor:
         """The recurrent form: one token at a time from the cached conv inputs and SSM state."""
         outputs = []
-        weight = self.conv1d.weight[:, 0]  # [conv_dim, k]
+        weight = p.conv_weight[:, 0]  # [conv_dim, k]
+        A = -torch.exp(p.A_log.float())
+        heads_per_group = p.heads // p.groups
         for t in range(hidden_states.shape[1]):
-            z, xbc_in, dt = self._split(self.in_proj(hidden_states[:, t : t + 1]))
+            z, xbc_in, dt = self._project(hidden_states[:, t : t + 1], p)
             window = xbc_in.transpose(1, 2)
             if state["conv"] is not None:
                 window = torch.cat([state["conv"], window], dim=-1)  # [b, conv_dim, k]
                 state["conv"] = window[..., 1:]
-            xbc = F.silu((window * weight).sum(-1) + self.conv1d.bias)[:, None]
-            x, B, C, dt = self._ssm_inputs(xbc, dt)
-            A = -torch.exp(self.A_log.float())
-            heads_per_group = self.heads // self.groups
+            xbc = F.silu((window * weight).sum(-1) + p.conv_bias)[:, None]
+            x, B, C, dt = self._ssm_inputs(xbc, dt, p)
             Bh = B[:, 0].float().repeat_interleave(heads_per_group, dim=-2)
             Ch = C[:, 0].float().repeat_interleave(heads_per_group, dim=-2)
             state["ssm"] = ssd_step(state["ssm"], x[:, 0].float(), dt[:, 0], A, Bh, Ch)
-            y = torch.einsum("bhpn,bhn->bhp", state["ssm"], Ch) + x[:, 0].float() * self.D.float()[:, None]
-            y = self.norm(y.reshape(-1, 1, self.d_inner).to(hidden_states.dtype), z)
-            outputs.append(self.out_proj(y))
+            y = torch.einsum("bhpn,bhn->bhp", state["ssm"], Ch) + x[:, 0].float() * p.D.float()[:, None]
+            y = self.norm(y.reshape(-1, 1, p.d_inner).to(hidden_states.dtype), z, p.norm)
+            outputs.append(F.linear(y, p.out_proj))
         return torch.cat(outputs, dim=1)
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.parallel import vocab_parallel_loss
+from longspan.parallel.mamba import apply_mamba_tensor_parallel
 
 _log = get_logger(__name__)
 
@@ -53,13 +54,16 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
             f"tensor_model_parallel_size={tp}: tensor parallel plans exist only for longspan's GPTModel, "
             f"not {type(model).__name__}"
         )
+    layers = list(model.decoder.layers.values())
+    has_attention = any(hasattr(layer, "self_attention") for layer in layers)  # hybrid Mamba stacks may have none
+    has_mlp = any(hasattr(layer, "mlp") for layer in layers)
     heads, groups = args.num_attention_heads, args.num_query_groups
-    if heads % tp or groups % tp:
+    if has_attention and (heads % tp or groups % tp):
         raise ConfigError(
             f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and "
             f"model.num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
         )
-    if args.ffn_hidden_size % tp:
+    if has_mlp and args.ffn_hidden_size % tp:
         raise ConfigError(
             f"model.tensor_model_parallel_size={tp} must divide model.ffn_hidden_size={args.ffn_hidden_size}"
         )
@@ -105,11 +109,12 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
         prefix = f"decoder.layers.{key}"
         attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
         layer = model.decoder.layers[key]
-        plan[f"{attn}.linear_q"] = ColwiseParallel()
-        plan[f"{attn}.linear_k"] = ColwiseParallel()
-        plan[f"{attn}.linear_v"] = ColwiseParallel()
-        plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-        if not getattr(layer.mlp, "is_moe", False):  # MoE layers are planned by parallel/expert_parallel.py
+        if hasattr(layer, "self_attention"):  # hybrid Mamba stacks: attention-only, MLP-only and Mamba layers
+            plan[f"{attn}.linear_q"] = ColwiseParallel()
+            plan[f"{attn}.linear_k"] = ColwiseParallel()
+            plan[f"{attn}.linear_v"] = ColwiseParallel()
+            plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+        if hasattr(layer, "mlp") and not getattr(layer.mlp, "is_moe", False):  # MoE: parallel/expert_parallel.py
             plan[f"{mlp}.linear_fc1"] = ColwiseParallel()
             if layer.mlp.linear_fc1_gate is not None:
                 plan[f"{mlp}.linear_fc1_gate"] = ColwiseParallel()
@@ -210,6 +215,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
 
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
+    apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there
     plan = tensor_parallel_plan(model, sequence_parallel)
     for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
         adapt = getattr(model.get_submodule(name), "adapt_parallel_style", None)

@@ -1,4 +1,4 @@
-"""tiny-mamba and tiny-hybrid through pretrain() under DP2 (DDP), FSDP2 and PP2 match one process.
+"""tiny-mamba and tiny-hybrid through pretrain() under DP2 (DDP), FSDP2, PP2 and TP2 match one process.
 
 Each layout runs 8 iterations of the shrunk recipe (mock data, hidden 32, sequence 48 over chunks of 16)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
@@ -22,12 +22,13 @@ ITERS = 8
 REL = 1e-5
 
 
-def _config(run_dir: str, recipe: str, dp_mode: str = "ddp", pp: int = 1):
+def _config(run_dir: str, recipe: str, dp_mode: str = "ddp", pp: int = 1, tp: int = 1):
     cfg = small_mamba_run(run_dir, recipe, "run", train_iters=ITERS, eval_interval=None, eval_iters=0)
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
     cfg.dist.use_torch_fsdp2 = dp_mode == "fsdp2"
     cfg.model.pipeline_model_parallel_size = pp
+    cfg.model.tensor_model_parallel_size = tp
     return cfg
 
 
@@ -85,6 +86,7 @@ LAYOUTS = {  # name: (overrides, model class after parallelize_model on rank 0's
     "dp2_ddp": (dict(), "DistributedDataParallel"),
     "dp2_fsdp2": (dict(dp_mode="fsdp2"), "FSDPMambaModel"),
     "pp2": (dict(pp=2), "MambaModel"),
+    "tp2": (dict(tp=2), "MambaModel"),
 }
 
 

@@ -157,6 +157,16 @@ FIELD_STATUS: dict[str, str] = {
     # Padding each expert's input up to its capacity adds rows whose outputs are discarded: the same result.
     # torch.distributed.pipelining always batches its send/recv pairs: batch_p2p_comm changes no maths.
     **_many("model", HINT, "moe_pad_expert_input_to_capacity batch_p2p_comm"),
+    # Current Megatron Bridge names (issue 15): accepted with their meaning, or honestly not supported yet.
+    **_many("logger", SUPPORTED, """
+        skip_train_metrics_log log_throughput_to_tensorboard mlflow_experiment mlflow_run_name mlflow_tracking_uri
+        mlflow_tags comet_project comet_experiment_name comet_workspace comet_api_key comet_tags save_config_filepath
+        """),
+    **_many("logger", NOT_SUPPORTED, "throughput_window_size memory_keys log_l2_norm_grad_to_tensorboard "
+                                     "log_runtime_to_tensorboard runtime_time_unit"),
+    **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp iterations_to_skip"),
+    **_many("checkpoint", HINT, "async_strategy"),
+    **_many("dataset", SUPPORTED, "seq_length"),
     # Resilience (issue 12): longspan.training.resilience, docs/resilience.md.
     **_many("checkpoint", SUPPORTED, """
         non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir

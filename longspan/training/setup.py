@@ -129,6 +129,8 @@ def setup(cfg: Any) -> SetupOutput:
         cfg.model.vocab_size = tokenizer.vocab_size
     cfg.validate(world_size=parallel.world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
+    if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:
+        cfg.to_yaml(cfg.logger.save_config_filepath)
     _report_inapplicable(cfg)
     state.check_logger_dependencies()
     if cfg.checkpoint.save:

@@ -120,23 +120,24 @@ def train(
         flops_since_last_log += flops
         history_wct.append(time.time() - global_state.start_time)
 
-        params_norm = calc_params_l2_norm(model, cfg.model) if cfg.logger.log_params_norm else None
-        report_memory_flag = training_log(
-            loss_dict,
-            total_loss_dict,
-            _current_learning_rate(optimizer),
-            None,
-            float(optimizer.get_loss_scale()),
-            report_memory_flag,
-            skipped_iter,
-            grad_norm,
-            params_norm,
-            num_zeros_in_grad,
-            cfg,
-            global_state,
-            history_wct,
-            model,
-        )
+        if not cfg.logger.skip_train_metrics_log:
+            params_norm = calc_params_l2_norm(model, cfg.model) if cfg.logger.log_params_norm else None
+            report_memory_flag = training_log(
+                loss_dict,
+                total_loss_dict,
+                _current_learning_rate(optimizer),
+                None,
+                float(optimizer.get_loss_scale()),
+                report_memory_flag,
+                skipped_iter,
+                grad_norm,
+                params_norm,
+                num_zeros_in_grad,
+                cfg,
+                global_state,
+                history_wct,
+                model,
+            )
         global_state.last_loss_dict = loss_dict
 
         if (

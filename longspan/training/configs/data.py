@@ -38,6 +38,10 @@ class GPTDatasetConfig(DataloaderConfig):
     sequence_length: int
     """Tokens per sample (must equal model.seq_length)."""
 
+    seq_length: Optional[int] = None
+    """Current Megatron Bridge's name for sequence_length: when set, it is the sequence length (validate()
+    copies it to sequence_length)."""
+
     blend: Optional[list[Any]] = None
     """[paths, weights or null]: dataset prefixes blended for all splits (Megatron Core's blend)."""
 

@@ -129,6 +129,16 @@ class TrainingConfig:
     manual_gc_interval: int = 0
     """With manual_gc: collect every this many iterations (0: only around evaluation)."""
 
+    check_optimizer_step_success: bool = True
+    """Check that optimizer.step() succeeded (Megatron Bridge; longspan always stops on non-finite gradients
+    unless loss scaling skips the step); False is not supported."""
+
+    skip_sync_grad_norm_across_mp: bool = False
+    """Skip the model-parallel reduction of the gradient norm (Megatron Bridge); not supported."""
+
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Iterations whose batches are skipped (Megatron Bridge); not supported yet."""
+
     manual_gc_eval: bool = True
     """With manual_gc: collect at the start and end of each evaluation."""
 
@@ -226,6 +236,29 @@ class CheckpointConfig:
 
     async_save: bool = False
     """Write checkpoints in the background while training continues (torch_dist only)."""
+
+    async_strategy: Literal["nvrx", "mcore"] = "nvrx"
+    """Megatron's engine for asynchronous saves (nvidia-resiliency-ext or Megatron Core's own). Performance
+    hint in longspan: async_save always runs on DCP's background executor."""
+
+    most_recent_k: Optional[int] = -1
+    """Keep only the newest k checkpoints (-1: keep all) (Megatron Bridge); not supported yet."""
+
+    storage_writers_per_rank: int = 1
+    """Storage writers per rank for torch_dist checkpoints (Megatron Bridge); not supported yet."""
+
+    strict_fsdp_dtensor_load: bool = False
+    """Strict loading of fsdp_dtensor checkpoints (Megatron Bridge); not supported yet."""
+
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Fully reshardable distributed-optimizer checkpoints (Megatron Bridge). longspan's optimizer state is
+    name-keyed DCP, reshardable across TP/PP/DP layouts already; not supported as a switch."""
+
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge); not supported yet."""
+
+    save_tokenizer_assets: bool = True
+    """Save the tokenizer files into each checkpoint (longspan always does; False is not supported)."""
 
     use_persistent_ckpt_worker: bool = True
     """Keep one background worker for asynchronous saves instead of one per save. Performance hint in
@@ -330,3 +363,58 @@ class LoggerConfig:
 
     log_energy: bool = False
     """Log energy use in joules (needs GPU energy counters)."""
+
+    # ---- Megatron Bridge 0.2+ fields ------------------------------------------------------------------------
+    skip_train_metrics_log: bool = False
+    """Skip the per-iteration training metrics: no training log line and nothing sent to any sink
+    (validation results are still logged)."""
+
+    log_throughput_to_tensorboard: bool = False
+    """Write TFLOP/s per GPU to TensorBoard (and the other sinks)."""
+
+    throughput_window_size: int = 100
+    """Batches in the rolling throughput average (Megatron Bridge); not supported yet."""
+
+    memory_keys: Optional[dict[str, str]] = None
+    """Names of torch.cuda.memory_stats() entries to log (Megatron Bridge); not supported yet."""
+
+    log_l2_norm_grad_to_tensorboard: bool = False
+    """Per-parameter gradient L2 norms to TensorBoard (Megatron Bridge); not supported yet."""
+
+    log_runtime_to_tensorboard: bool = False
+    """Runtime metrics to TensorBoard (Megatron Bridge); not supported yet."""
+
+    runtime_time_unit: str = "hours"
+    """Time unit of the runtime metrics (Megatron Bridge); not supported yet."""
+
+    mlflow_experiment: Optional[str] = None
+    """MLflow experiment name; set it (with mlflow_run_name) to log metrics to MLflow."""
+
+    mlflow_run_name: Optional[str] = None
+    """MLflow run name (required with mlflow_experiment)."""
+
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking URI (a server, or a local file store such as file:///path/mlruns); None: MLflow's
+    default (MLFLOW_TRACKING_URI, else ./mlruns)."""
+
+    mlflow_tags: Optional[dict[str, str]] = None
+    """Tags set on the MLflow run."""
+
+    comet_project: Optional[str] = None
+    """Comet ML project; set it (with comet_experiment_name) to log metrics to Comet. Offline mode follows
+    Comet's own settings (COMET_MODE=offline, COMET_OFFLINE_DIRECTORY)."""
+
+    comet_experiment_name: Optional[str] = None
+    """Comet ML experiment name (required with comet_project)."""
+
+    comet_workspace: Optional[str] = None
+    """Comet ML workspace; None: the API key's default."""
+
+    comet_api_key: Optional[str] = None
+    """Comet ML API key; None: COMET_API_KEY from the environment."""
+
+    comet_tags: Optional[list[str]] = None
+    """Tags added to the Comet ML experiment."""
+
+    save_config_filepath: Optional[str] = None
+    """Write the validated configuration (YAML) to this file at start-up."""

@@ -624,6 +624,8 @@ def _check_dataset(cfg: "ConfigContainer") -> None:
 
     d, m = cfg.dataset, cfg.model
     if isinstance(d, GPTDatasetConfig):
+        if getattr(d, "seq_length", None) is not None:  # current Megatron Bridge's name for sequence_length
+            d.sequence_length = d.seq_length
         if d.sequence_length != m.seq_length:
             raise ConfigError(
                 f"dataset.sequence_length={d.sequence_length} differs from model.seq_length={m.seq_length}: "
@@ -657,6 +659,11 @@ def _check_dataset(cfg: "ConfigContainer") -> None:
 
 
 def _check_misc(cfg: "ConfigContainer") -> None:
+    lg = cfg.logger
+    for enabling, naming, client in (("mlflow_experiment", "mlflow_run_name", "MLflow"),
+                                     ("comet_project", "comet_experiment_name", "Comet ML")):
+        if getattr(lg, enabling, None) and not getattr(lg, naming, None):
+            raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
     c = cfg.checkpoint
     if c.ckpt_format != "torch_dist":
         # Checkpoints are written by torch.distributed.checkpoint (Megatron's torch_dist layout) only.

@@ -3,7 +3,8 @@
 Acceptance: 8 iterations of the ``tiny`` recipe (shrunk to seq 64, mock data, eval off) through
 ``longspan.training.pretrain.pretrain`` under DP2 (DDP), DP2 FSDP2, DP2 distributed optimizer, TP2, TP2+SP and
 DP2×TP2 (4 processes) log the same per-iteration losses (metrics.jsonl) as one process with the same global
-batch, within 1e-4 relative. The one-process oracle runs once per session, in the test process.
+batch, within 1e-6 relative (fp32 CPU runs agree to ~1e-7; a scaling bug moves them far more). The one-process
+oracle runs once per session, in the test process.
 
 Model + optimizer level (what ``pretrain`` does not reach yet): the model is built as the trainer builds it
 (meta model -> ``parallelize_model`` -> ``init_weights``) and trained on one global batch with uneven loss-mask
@@ -26,7 +27,10 @@ SEQ = 64
 MBS = 2
 GBS = 8
 ITERS = 4
-REL_TOL = 1e-4
+REL_TOL = 1e-6  # losses: fp32 CPU layouts agree to ~1e-7 (measured), so 1e-6 leaves a 10x margin
+# Gradient norms: sums of squares reduced in different orders, on a model memorizing one batch; measured spread
+# up to 1.5e-5 (CP2 iteration 4, DP2xTP2), so 5e-5 (3x margin) instead of the former 1e-3.
+NORM_REL_TOL = 5e-5
 
 
 def tiny_config(tp: int = 1, sp: bool = False, fsdp2: bool = False, dist_opt: bool = False,
@@ -76,8 +80,12 @@ def train_layout(cfg, iters: int = ITERS, dp_replicate: int = 1) -> dict:
     return {"losses": losses, "norms": norms, "rank": parallel.rank, "wrapper": type(model).__name__}
 
 
+def _max_rel(got: list[float], want: list[float]) -> float:
+    return max((abs(g - w) / max(abs(w), 1e-30) for g, w in zip(got, want)), default=0.0)
+
+
 def _close(got: list[float], want: list[float], rel: float = REL_TOL) -> bool:
-    return all(math.isclose(g, w, rel_tol=rel) for g, w in zip(got, want)) and len(got) == len(want)
+    return len(got) == len(want) and _max_rel(got, want) <= rel
 
 
 def _check(name: str, got: dict, reference: dict, wrapper: str | None = None) -> None:
@@ -86,8 +94,11 @@ def _check(name: str, got: dict, reference: dict, wrapper: str | None = None) ->
     assert want[-1] < want[0] * 0.95
     if wrapper is not None:
         assert got["wrapper"] == wrapper
-    assert _close(got["losses"], want), f"{name}: {got['losses']} vs one process {want}"
-    assert _close(got["norms"], reference["norms"], 1e-3), f"{name}: grad norms {got['norms']} vs {reference['norms']}"
+    assert _close(got["losses"], want), (
+        f"{name}: losses {got['losses']} vs one process {want} (max rel {_max_rel(got['losses'], want):.1e})")
+    assert _close(got["norms"], reference["norms"], NORM_REL_TOL), (
+        f"{name}: grad norms {got['norms']} vs {reference['norms']} "
+        f"(max rel {_max_rel(got['norms'], reference['norms']):.1e})")
 
 
 # ------------------------------------------------------------------------------------- model + optimizer level

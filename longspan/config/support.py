@@ -180,12 +180,21 @@ FIELD_STATUS: dict[str, str] = {
 # Mamba and hybrid models (issue 13): longspan.models.mamba (MambaProvider).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mamba_num_groups mamba_state_dim mamba_head_dim mamba_num_heads mamba_chunk_size mamba_conv_kernel
-    mamba_expand hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern
+    mamba_expand mamba_dt_limit_min hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern
     """))
 
+# T5 (issue 13): longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
+FIELD_STATUS.update(_many("model", SUPPORTED, """
+    encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings
+    seq_length_dec scale_decoder_outputs
+    """))
+FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
+FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
+
 # The model classes and dataset classes longspan can build.
-SUPPORTED_MODELS = ("GPTModelProvider", "MambaProvider",)
-SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig")
+SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider",)
+SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
+                      "FinetuningDatasetConfig")
 
 
 def field_status(section: str, name: str) -> str:

@@ -28,7 +28,7 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-support.md"
 
 def _section_classes() -> list[tuple[str, type]]:
     from longspan.training.configs.container import SECTION_TYPES
-    from longspan.training.configs.data import MockGPTDatasetConfig
+    from longspan.training.configs.data import MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
     from longspan.training.configs.optim import MixedPrecisionConfig
 
     out: list[tuple[str, type]] = []
@@ -37,6 +37,7 @@ def _section_classes() -> list[tuple[str, type]]:
             out.append((section, cls))
             if cls.__name__ == "GPTDatasetConfig":
                 out.append((section, MockGPTDatasetConfig))
+                out.append((section, T5MaskedWordPieceDatasetConfig))
     out.append(("mixed_precision", MixedPrecisionConfig))
     return out
 
@@ -91,8 +92,10 @@ def render() -> str:
         "- **performance hint (no effect)**: a Megatron/Transformer Engine kernel-fusion switch that changes no",
         "  maths; longspan uses torch's kernels, accepts the field and lists it once at start-up when it is on.",
         "",
-        "Model classes that can be built: GPTModelProvider (T5ModelProvider and MambaProvider load and",
-        "round-trip, but are not supported yet). Datasets: GPTDatasetConfig, MockGPTDatasetConfig and",
+        "Model classes that can be built: GPTModelProvider, T5ModelProvider (longspan.models.t5) and MambaProvider",
+        "(longspan.models.mamba); the model-section statuses are shared by the three, and a value one family does",
+        "not implement stops the build with a one-line error. Datasets: GPTDatasetConfig, MockGPTDatasetConfig,",
+        "T5MaskedWordPieceDatasetConfig (T5 span corruption: longspan.data.t5_dataset) and",
         "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
         "`comm_overlap` is not supported yet.",
         "",

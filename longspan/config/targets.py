@@ -52,6 +52,7 @@ _LONGSPAN_CLASSES = {
     "longspan.training.config": [
         "ConfigContainer", "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig",
         "GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
+        "T5MaskedWordPieceDatasetConfig",
         "TrainingConfig", "CheckpointConfig", "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig",
         "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "OptimizerConfig",
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
@@ -75,6 +76,7 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.data.datasets.packed_sequence.PackedSequenceSpecs": "PackedSequenceSpecs",
     "megatron.bridge.data.packing.PackedSequenceSpecs": "PackedSequenceSpecs",
     "megatron.core.datasets.gpt_dataset.GPTDatasetConfig": "GPTDatasetConfig",
+    "megatron.core.datasets.t5_dataset.T5MaskedWordPieceDatasetConfig": "T5MaskedWordPieceDatasetConfig",
     "megatron.bridge.models.gpt_provider.GPTModelProvider": "GPTModelProvider",
     "megatron.bridge.models.GPTModelProvider": "GPTModelProvider",
     "megatron.bridge.models.T5ModelProvider": "T5ModelProvider",

@@ -16,6 +16,7 @@ from longspan.core.logging import get_logger
 from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
 
 logger = get_logger(__name__)
@@ -98,8 +99,32 @@ def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[A
     if tokenizer is not None and getattr(tokenizer, "eod", None) is None:
         logger.warning("the tokenizer has no end-of-document token: eod_mask_loss and the resets have no effect")
     sizes = get_train_valid_test_num_samples(cfg)
+    if is_t5_dataset(ds_cfg):
+        _check_t5_dataset(ds_cfg, model)
+        return BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, list(sizes), lambda: True, ds_cfg).build()
     cls = MockGPTDataset if _is_mock(ds_cfg) else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, ds_cfg).build()
+
+
+def is_t5_dataset(dataset_cfg: Any) -> bool:
+    """True for a T5MaskedWordPieceDatasetConfig (span corruption, longspan.data.t5_dataset)."""
+    return hasattr(dataset_cfg, "sequence_length_decoder")
+
+
+def _check_t5_dataset(ds_cfg: Any, model: Any) -> None:
+    """T5 data needs files, a T5 model of matching decoder length, and none of the GPT-only switches."""
+    if _is_mock(ds_cfg):
+        raise DataError("T5MaskedWordPieceDatasetConfig needs data (dataset.data_path or dataset.blend); "
+                        "mock data is not supported")
+    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(ds_cfg, name, None):
+            raise DataError(f"dataset.{name}={getattr(ds_cfg, name)!r} does not apply to T5 data: leave it unset")
+    dec = getattr(model, "seq_length_dec", None)
+    if model is not None and dec is None:
+        raise DataError(f"T5MaskedWordPieceDatasetConfig needs a T5 model (T5ModelProvider), not {type(model).__name__}")
+    if dec is not None and dec != ds_cfg.sequence_length_decoder:
+        raise DataError(f"dataset.sequence_length_decoder={ds_cfg.sequence_length_decoder} differs from "
+                        f"model.seq_length_dec={dec}: set both the same")
 
 
 def is_finetuning_dataset(dataset_cfg: Any) -> bool:
@@ -150,9 +175,9 @@ def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:
 
 
 def collate_samples(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-    """Stack the samples of a micro-batch: tokens/labels/position_ids int64, loss_mask float32, mask bool."""
+    """Stack the samples of a micro-batch (GPT keys, or the T5 keys for T5 samples)."""
     out: Dict[str, torch.Tensor] = {}
-    for key in SAMPLE_KEYS:
+    for key in T5_SAMPLE_KEYS if "text_enc" in samples[0] else SAMPLE_KEYS:
         if key in samples[0]:
             out[key] = torch.stack([s[key] for s in samples])
     return out

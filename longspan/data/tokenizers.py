@@ -278,11 +278,76 @@ class ByteLevelTokenizer(Tokenizer):
             json.dump({"vocab_size": self.vocab_size}, f)
 
 
+class ExtraIdsTokenizer(Tokenizer):
+    """A tokenizer with ``vocab_extra_ids`` sentinel tokens ``<extra_id_0>``, ``<extra_id_1>``, ... appended after
+    its vocabulary (T5 span corruption; ``additional_special_tokens_ids`` lists them in order), and ``<bos>`` /
+    ``<eos>`` appended first when the base tokenizer has none (as Megatron's T5 WordPiece tokenizer adds them).
+    Text is tokenized by the base tokenizer; everything else it offers is reached through this one."""
+
+    def __init__(self, base: Tokenizer, vocab_extra_ids: int) -> None:
+        self.base = base
+        self.eos, self.bos, self.pad, self.eod = base.eos, base.bos, base.pad, base.eod
+        next_id = int(base.vocab_size)
+        self.added_tokens: Dict[int, str] = {}
+        if self.bos is None:
+            self.bos, self.added_tokens[next_id], next_id = next_id, "<bos>", next_id + 1
+        if self.eos is None:
+            self.eos, self.added_tokens[next_id], next_id = next_id, "<eos>", next_id + 1
+            self.eod = self.eod if self.eod is not None else self.eos
+        self.additional_special_tokens_ids = list(range(next_id, next_id + int(vocab_extra_ids)))
+        for i, token_id in enumerate(self.additional_special_tokens_ids):
+            self.added_tokens[token_id] = f"<extra_id_{i}>"
+        self.vocab_size = next_id + int(vocab_extra_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.base.tokenize(text)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (added tokens included)."""
+        if int(token_id) in self.added_tokens:
+            return self.added_tokens[int(token_id)]
+        text = getattr(self.base, "token_text", None)
+        return text(int(token_id)) if text is not None else self.base.detokenize([int(token_id)])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        out, run = [], []
+        for token_id in ids:
+            if int(token_id) in self.added_tokens:
+                out += [self.base.detokenize(run)] if run else []
+                out.append(self.added_tokens[int(token_id)])
+                run = []
+            else:
+                run.append(int(token_id))
+        return "".join(out + ([self.base.detokenize(run)] if run else []))
+
+    def save_files(self, directory: str) -> None:
+        self.base.save_files(directory)  # the extra ids come back from tokenizer.vocab_extra_ids
+
+    @property
+    def special_tokens_dict(self) -> Dict[str, int]:
+        return {**super().special_tokens_dict, **{t: i for i, t in self.added_tokens.items()}}
+
+
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteLevelTokenizer")
 
 
 def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
-    """The tokenizer a ``TokenizerConfig`` names (read by attribute).
+    """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``vocab_extra_ids`` sentinel tokens
+    appended when set (``ExtraIdsTokenizer``)."""
+    tokenizer = _build_base_tokenizer(tokenizer_config)
+    extra = getattr(tokenizer_config, "vocab_extra_ids", 0) or 0
+    if not isinstance(extra, int) or extra < 0:
+        raise ConfigError(f"tokenizer.vocab_extra_ids={extra!r} must be a non-negative integer")
+    return ExtraIdsTokenizer(tokenizer, extra) if extra else tokenizer
+
+
+def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
+    """The tokenizer a ``TokenizerConfig`` names, without extra ids.
 
     ``tokenizer_model='builtin:stdlib'`` with HuggingFaceTokenizer is the BPE tokenizer (vocab 4096) trained
     on the corpus that ships with longspan, prepared and cached on first use.

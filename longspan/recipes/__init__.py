@@ -11,6 +11,7 @@ from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
 from longspan.recipes.tiny import tiny
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
+from longspan.recipes.tiny_t5 import tiny_t5
 from longspan.training.config import ConfigContainer
 
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
@@ -18,6 +19,7 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny_moe": tiny_moe,
     "tiny_mamba": tiny_mamba,
     "tiny_hybrid": tiny_hybrid,
+    "tiny_t5": tiny_t5,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "qwen3_8b": qwen3_8b,
@@ -43,4 +45,4 @@ def get_recipe(name: str) -> ConfigContainer:
     return RECIPES[key]()
 
 
-__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "sft", "lora", "dora"]
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "sft", "lora", "dora"]

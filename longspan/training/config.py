@@ -16,6 +16,7 @@ from longspan.training.configs.data import (
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     MockGPTDatasetConfig,
+    T5MaskedWordPieceDatasetConfig,
     TokenizerConfig,
 )
 from longspan.training.configs.infra import (
@@ -41,7 +42,8 @@ from longspan.training.configs.training import CheckpointConfig, LoggerConfig, S
 
 __all__ = [
     "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig", "GPTDatasetConfig",
-    "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig", "TrainingConfig", "CheckpointConfig",
+    "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
+    "TrainingConfig", "CheckpointConfig",
     "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig", "StragglerDetectionConfig",
     "NVRxStragglerDetectionConfig", "ConfigContainer", "OptimizerConfig", "DistributedDataParallelConfig",
     "TokenizerConfig", "MixedPrecisionConfig", "MIXED_PRECISION_RECIPES", "bf16_mixed", "fp16_mixed", "fp32",

@@ -6,9 +6,11 @@ import time
 from typing import Any, Callable, Optional
 
 from longspan.core.logging import get_logger, print_rank_last
+from longspan.models.t5_provider import T5ModelProvider
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.forward_step import forward_step as default_forward_step
 from longspan.training.setup import setup
+from longspan.training.t5_forward_step import t5_forward_step
 from longspan.training.state import GlobalState
 from longspan.training.train import train
 from longspan.training.utils.log_line import run_throughput_summary
@@ -21,10 +23,13 @@ logger = get_logger(__name__)
 def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> GlobalState:
     """Validate ``config``, set up, train, evaluate on the test split, and return the final GlobalState.
 
-    ``forward_step_func`` defaults to the GPT forward step. Megatron Bridge returns None; returning the
-    state (train_state, the last losses) is a longspan convenience for scripts and tests.
+    ``forward_step_func`` defaults to the GPT forward step (the T5 one for a T5ModelProvider). Megatron Bridge
+    returns None; returning the state (train_state, the last losses) is a longspan convenience for scripts and
+    tests.
     """
-    forward_step_func = forward_step_func or default_forward_step
+    if forward_step_func is None:
+        t5 = isinstance(getattr(config, "model", None), T5ModelProvider)
+        forward_step_func = t5_forward_step if t5 else default_forward_step
     out = setup(config)
     state = out.state
     cfg = state.cfg

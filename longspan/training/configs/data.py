@@ -112,6 +112,38 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
     """Always True."""
 
 
+@dataclass(kw_only=True)
+class T5MaskedWordPieceDatasetConfig(GPTDatasetConfig):
+    """T5 span-corruption data on ``.bin``/``.idx`` files (megatron-core's T5MaskedWordPieceDatasetConfig fields,
+    with Megatron-LM's pretrain_t5 values as defaults); built by ``longspan.data.t5_dataset``. ``sequence_length``
+    is the encoder length. The GPT-only switches (reset_position_ids, reset_attention_mask, eod_mask_loss,
+    add_extra_token_to_sequence) do not apply and are rejected when set."""
+
+    sequence_length_decoder: int = 128
+    """Decoder length: the decoder input (bos, sentinels, masked tokens) is padded to it."""
+
+    masking_probability: float = 0.15
+    """Fraction of the tokens (of the target length) to mask, in spans."""
+
+    short_sequence_probability: float = 0.1
+    """Probability that a sample's target length is drawn shorter than sequence_length - 2."""
+
+    masking_max_ngram: int = 10
+    """Longest span to mask, in words."""
+
+    masking_do_full_word: bool = True
+    """Mask whole words (a WordPiece '##' piece joins the word before it)."""
+
+    masking_do_permutation: bool = False
+    """Also permute some n-grams (BERT-style); not supported yet."""
+
+    masking_use_longer_ngrams: bool = False
+    """Favour longer n-grams (reverse the 1/n distribution); ignored with the geometric distribution."""
+
+    masking_use_geometric_distribution: bool = True
+    """Draw span lengths from a geometric distribution (p=0.2, SpanBERT) instead of 1/n."""
+
+
 @dataclass
 class FinetuningDatasetConfig(DataloaderConfig):
     """Supervised finetuning data: JSONL files under dataset_root (longspan.data.sft, Megatron Bridge's GPT SFT data)."""

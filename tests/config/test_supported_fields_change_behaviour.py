@@ -533,6 +533,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     **{f"logger.{name}": "tests/training/test_logger_clients.py (the real MLflow / Comet clients, offline)" for name in
        "mlflow_experiment mlflow_run_name mlflow_tracking_uri mlflow_tags comet_project comet_experiment_name "
        "comet_workspace comet_api_key comet_tags".split()},
+    **{f"logger.{name}": "tests/training/test_logger_clients.py (the real W&B client, offline mode)" for name in
+       "wandb_project wandb_exp_name wandb_save_dir wandb_entity".split()},
 }
 
 # Supported fields this test does not probe yet (issue 15 follow-up): each needs a probe here or a status.
@@ -549,10 +551,6 @@ NOT_YET_PROBED: dict[str, str] = {
     "dataset.mock": "mock data is already chosen when data_path is None",
     "dataset.mid_level_dataset_surplus": "blended datasets only",
     "dataset.drop_last_partial_validation_sequence": "validation tail of a file-backed dataset",
-    "logger.wandb_project": "issue 15 item 5 (real W&B client)",
-    "logger.wandb_exp_name": "issue 15 item 5",
-    "logger.wandb_save_dir": "issue 15 item 5",
-    "logger.wandb_entity": "issue 15 item 5",
     "checkpoint.non_persistent_save_interval": "issue 12's fields",
     "checkpoint.non_persistent_ckpt_type": "issue 12's fields",
     "checkpoint.non_persistent_global_ckpt_dir": "issue 12's fields",

@@ -394,8 +394,8 @@ class LoggerConfig:
     """MLflow run name (required with mlflow_experiment)."""
 
     mlflow_tracking_uri: Optional[str] = None
-    """MLflow tracking URI (a server, or a local file store such as file:///path/mlruns); None: MLflow's
-    default (MLFLOW_TRACKING_URI, else ./mlruns)."""
+    """MLflow tracking URI (a server, sqlite:///path/mlflow.db, or a local file store file:///path/mlruns, which
+    MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true); None: MLflow's default (MLFLOW_TRACKING_URI)."""
 
     mlflow_tags: Optional[dict[str, str]] = None
     """Tags set on the MLflow run."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError
-from longspan.models.activations import gelu_tanh
+from longspan.models.activations import gelu_tanh, squared_relu
 
 DTYPES: dict[str, torch.dtype] = {
     "torch.float32": torch.float32,
@@ -39,12 +39,15 @@ CALLABLES: dict[str, Callable[..., Any]] = {
     "torch.sigmoid": torch.sigmoid,
     "torch.nn.functional.sigmoid": torch.sigmoid,
     "longspan.models.activations.gelu_tanh": gelu_tanh,
+    "longspan.models.activations.squared_relu": squared_relu,
 }
 CALLABLE_ALIASES: dict[str, str] = {
     "gelu": "torch.nn.functional.gelu", "silu": "torch.nn.functional.silu", "swish": "torch.nn.functional.silu",
     "relu": "torch.nn.functional.relu", "tanh": "torch.tanh", "sigmoid": "torch.sigmoid",
     "F.gelu": "torch.nn.functional.gelu", "F.silu": "torch.nn.functional.silu", "F.relu": "torch.nn.functional.relu",
     "gelu_tanh": "longspan.models.activations.gelu_tanh", "openai_gelu": "longspan.models.activations.gelu_tanh",
+    "squared_relu": "longspan.models.activations.squared_relu",
+    "megatron.core.activations.squared_relu": "longspan.models.activations.squared_relu",
 }
 
 # Canonical (longspan) names of the config classes, used in the YAML that longspan writes.

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from longspan.conversion import mapping
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.activations import gelu_tanh
+from longspan.models.activations import gelu_tanh, squared_relu
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
@@ -426,7 +426,7 @@ def _t5_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
 
 
 def _mamba_mixer_fields(cfg: dict[str, Any], heads_key: str, head_dim_key: str, state_key: str, act_key: str,
-                       limit: tuple[float, float]) -> dict[str, Any]:
+                       limit: tuple[float, float] | None) -> dict[str, Any]:
     """MambaProvider fields of a Mamba-2 mixer's config.json keys (shared by Mamba2 and Nemotron-H)."""
     if cfg.get(act_key, "silu") != "silu":
         raise NotSupportedError(f"config.json {act_key}={cfg[act_key]!r} is not supported: longspan's Mamba uses silu")
@@ -436,7 +436,7 @@ def _mamba_mixer_fields(cfg: dict[str, Any], heads_key: str, head_dim_key: str, 
     # transformers writes infinity as {"__float__": "Infinity"}
     got = tuple(float(x["__float__"] if isinstance(x, dict) else x)
                 for x in (cfg.get("time_step_limit") or (0.0, float("inf"))))
-    if got != limit:
+    if limit is not None and got != limit:
         raise NotSupportedError(f"config.json time_step_limit={list(got)} is not supported: longspan needs {list(limit)}")
     return dict(
         mamba_num_heads=_need(cfg, heads_key),
@@ -496,6 +496,87 @@ def _mamba2_hf(p: Any) -> dict[str, Any]:
     )
 
 
+_NEMOTRON_H_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                       "moe": "E"}
+_NEMOTRON_H_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _nemotron_h_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    types = cfg.get("layers_block_type")
+    if types:
+        unknown = sorted(set(types) - set(_NEMOTRON_H_SYMBOLS))
+        if unknown:
+            raise NotSupportedError(f"config.json layers_block_type has {unknown}: longspan reads {sorted(_NEMOTRON_H_SYMBOLS)}")
+        pattern = "".join(_NEMOTRON_H_SYMBOLS[t] for t in types)
+    else:
+        pattern = _need(cfg, "hybrid_override_pattern")
+    if "E" in pattern:
+        raise NotSupportedError("config.json: Nemotron-H MoE layers ('moe' / 'E') are not supported yet by longspan")
+    for key in ("attention_bias", "mlp_bias", "sliding_window"):
+        if cfg.get(key):
+            raise NotSupportedError(f"config.json {key}={cfg[key]!r} is not supported for Nemotron-H")
+    if cfg.get("num_nextn_predict_layers"):
+        raise NotSupportedError("config.json num_nextn_predict_layers > 0 (multi-token prediction) is not supported")
+    if cfg.get("mlp_hidden_act", "relu2") != "relu2":
+        raise NotSupportedError(f"config.json mlp_hidden_act={cfg['mlp_hidden_act']!r} is not supported: use relu2")
+    vocab = _need(cfg, "vocab_size")
+    heads = _need(cfg, "num_attention_heads")
+    out = dict(
+        num_layers=len(pattern),
+        hybrid_override_pattern=pattern,
+        hidden_size=_need(cfg, "hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or _need(cfg, "hidden_size") // heads,
+        ffn_hidden_size=_need(cfg, "intermediate_size"),
+        activation_func=squared_relu,
+        gated_linear_unit=False,
+        add_bias_linear=False,
+        seq_length=int(cfg.get("max_position_embeddings", 4096)),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        position_embedding_type="none",
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        hidden_dropout=float(cfg.get("hidden_dropout", 0.0)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        # transformers' Nemotron-H clamps softplus(dt) at time_step_min (its time_step_limit field is unused)
+        mamba_dt_limit_min=float(cfg.get("time_step_min", 0.001)),
+    )
+    out.update(_mamba_mixer_fields(cfg, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "mamba_hidden_act",
+                                   None))
+    out.update(_dtype_fields(cfg))
+    return out
+
+
+def _nemotron_h_hf(p: Any) -> dict[str, Any]:
+    from longspan.models.mamba import allocate_layers
+
+    pattern = "".join(allocate_layers(p.num_layers, p.hybrid_attention_ratio, p.hybrid_mlp_ratio,
+                                      p.hybrid_override_pattern))
+    if "E" in pattern or p.normalization != "RMSNorm" or p.add_bias_linear or p.gated_linear_unit:
+        raise NotSupportedError("Nemotron-H needs RMSNorm, no MoE layers, no linear biases and a plain MLP")
+    if "-" in pattern and p.activation_func is not squared_relu:
+        raise NotSupportedError("Nemotron-H's MLP layers use squared ReLU: set activation_func to squared_relu")
+    if p.position_embedding_type != "none":
+        raise NotSupportedError("Nemotron-H attention has no position embedding: set position_embedding_type='none'")
+    mixer = _mamba_mixer_hf(p)
+    heads = mixer.pop("heads")
+    return dict(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, layers_block_type=[_NEMOTRON_H_TYPES[c] for c in pattern],
+        num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_query_groups or p.num_attention_heads,
+        head_dim=p.kv_channels or p.hidden_size // p.num_attention_heads, intermediate_size=p.ffn_hidden_size,
+        mlp_hidden_act="relu2", max_position_embeddings=p.seq_length, mamba_num_heads=heads,
+        mamba_head_dim=p.mamba_head_dim, ssm_state_size=p.mamba_state_dim, mamba_hidden_act="silu",
+        time_step_min=float(p.mamba_dt_limit_min), mamba_proj_bias=False, attention_bias=False, mlp_bias=False,
+        layer_norm_epsilon=p.layernorm_epsilon, residual_in_fp32=False,
+        tie_word_embeddings=bool(p.share_embeddings_and_output_weights), attention_dropout=float(p.attention_dropout),
+        hidden_dropout=float(p.hidden_dropout), initializer_range=float(p.init_method_std), **mixer,
+    )
+
+
 class _ProviderView:
     """A provider with a few fields replaced (read-only)."""
 
@@ -518,6 +599,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, _mt5_provider, _mt5_hf, "T5ModelProvider",
            _t5_weights),
     Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.MAMBA2, _mamba2_provider, _mamba2_hf, "MambaProvider"),
+    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, _nemotron_h_provider,
+           _nemotron_h_hf, "MambaProvider"),
 )
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
@@ -549,7 +632,9 @@ def family_for_provider(provider: Any) -> Family:
     if type(provider).__name__ == "T5ModelProvider":
         return BY_ARCHITECTURE["T5ForConditionalGeneration"]
     if type(provider).__name__ == "MambaProvider":
-        return BY_ARCHITECTURE["Mamba2ForCausalLM"]
+        pattern = provider.hybrid_override_pattern
+        pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)
+        return BY_ARCHITECTURE["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
     if provider.position_embedding_type == "learned_absolute":
         return BY_ARCHITECTURE["GPT2LMHeadModel"]
     if provider.num_moe_experts:

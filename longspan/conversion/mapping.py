@@ -202,6 +202,30 @@ MAMBA2 = (
 )
 
 
+# Nemotron-H (hybrid): every block is ``norm`` + ``mixer`` (Mamba-2, attention or MLP), so one HF norm name per
+# layer stands for longspan's Mamba ``norm``, attention ``input_layernorm`` or MLP ``pre_mlp_layernorm``.
+def _nemotron_h(ours: str, hf: str) -> WeightMap:
+    return WeightMap(f"decoder.layers.{{i}}.{ours}", f"backbone.layers.{{i}}.{hf}")
+
+
+# transformers writes Nemotron-H checkpoints with NVIDIA's original "backbone." prefix (its module is "model.").
+NEMOTRON_H = (
+    WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
+    WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
+    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+    _nemotron_h("norm.weight", "norm.weight"),
+    _nemotron_h("input_layernorm.weight", "norm.weight"),
+    _nemotron_h("pre_mlp_layernorm.weight", "norm.weight"),
+    *(_nemotron_h(f"mixer.{p}", f"mixer.{p}") for p in MAMBA_MIXER_PARAMS),
+    _nemotron_h("self_attention.linear_q.weight", "mixer.q_proj.weight"),
+    _nemotron_h("self_attention.linear_k.weight", "mixer.k_proj.weight"),
+    _nemotron_h("self_attention.linear_v.weight", "mixer.v_proj.weight"),
+    _nemotron_h("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
+    _nemotron_h("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
+    _nemotron_h("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
+)
+
+
 def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | None] | None:
     """The entry of ``table`` for longspan parameter ``name`` and its layer index, or None."""
     for entry in table:

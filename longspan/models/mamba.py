@@ -157,6 +157,8 @@ def resolve_mamba_args(config: Any) -> SimpleNamespace:
                 "(or set model.mamba_num_heads)"
             )
         heads = d_inner // head_dim
+    if config.mamba_dt_limit_min < 0:
+        raise ConfigError(f"model.mamba_dt_limit_min={config.mamba_dt_limit_min} must be >= 0")
     if heads < 1 or heads % groups != 0:
         raise ConfigError(f"model.mamba_num_groups={groups} must divide the Mamba heads ({heads})")
     args.mamba = SimpleNamespace(
@@ -167,6 +169,7 @@ def resolve_mamba_args(config: Any) -> SimpleNamespace:
         groups=groups,
         conv_kernel=config.mamba_conv_kernel,
         chunk_size=config.mamba_chunk_size,
+        dt_limit_min=float(config.mamba_dt_limit_min),
     )
     return args
 
@@ -211,6 +214,7 @@ class MambaMixer(nn.Module):
         self.layer_number = layer_number
         self.d_inner, self.heads, self.head_dim = m.d_inner, m.heads, m.head_dim
         self.groups, self.state_dim, self.chunk_size = m.groups, m.state_dim, m.chunk_size
+        self.dt_limit_min = m.dt_limit_min
         self.conv_dim = m.d_inner + 2 * m.groups * m.state_dim
         dtype = args.params_dtype
         std = args.init_method_std
@@ -249,6 +253,8 @@ class MambaMixer(nn.Module):
         B = B.view(b, s, p.groups, self.state_dim)
         C = C.view(b, s, p.groups, self.state_dim)
         dt = F.softplus(dt.float() + p.dt_bias.float())
+        if self.dt_limit_min > 0:
+            dt = dt.clamp(min=self.dt_limit_min)
         return x, B, C, dt
 
     def forward(self, hidden_states: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -66,6 +66,10 @@ class MambaProvider(TransformerConfig):
     mamba_expand: int = 2
     """d_inner = mamba_expand × hidden_size when mamba_num_heads is None (MambaMixer's expand)."""
 
+    mamba_dt_limit_min: float = 0.0
+    """Clamp softplus(dt) from below at this value in the forward (Hugging Face Nemotron-H clamps at its
+    time_step_min); 0.0 = no clamp, as Megatron's MambaMixer."""
+
     seq_length: int = 8192
     """Sequence length."""
 

@@ -7,6 +7,7 @@ Mamba-2 layers; ``tiny-hybrid`` is Nemotron-H-shaped (``M*M-``: Mamba, attention
 
 from __future__ import annotations
 
+from longspan.models.activations import squared_relu
 from longspan.models.mamba_provider import MambaProvider
 from longspan.recipes.tiny import SEQ_LENGTH, tiny
 from longspan.training.config import ConfigContainer
@@ -54,8 +55,9 @@ def tiny_mamba() -> ConfigContainer:
 
 def tiny_hybrid() -> ConfigContainer:
     """``M*M-``: Mamba-2 layers as in tiny-mamba, one attention layer (8 heads / 4 query groups, no position
-    embedding: the Mamba layers carry order) and one MLP layer (FFN 512)."""
+    embedding: the Mamba layers carry order) and one squared-ReLU MLP layer (FFN 512), as Nemotron-H."""
     model = _provider(
-        hybrid_override_pattern="M*M-", num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512
+        hybrid_override_pattern="M*M-", num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512,
+        activation_func=squared_relu,
     )
     return _mamba_recipe(model, "runs/tiny-hybrid")

@@ -101,3 +101,74 @@ def test_unsupported_mamba2_configs_are_one_line_errors(tmp_path, overrides, mat
     _, path = _hf_mamba2(tmp_path, **overrides)
     with pytest.raises(NotSupportedError, match=match):
         AutoBridge.from_hf_pretrained(path).to_megatron_provider()
+
+
+# ------------------------------------------------------------------------------------------- Nemotron-H (hybrid)
+
+def _hf_nemotron_h(tmp_path, types=("linear_attention", "full_attention", "linear_attention", "mlp"), **overrides):
+    values = dict(vocab_size=100, hidden_size=32, layers_block_type=list(types), num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=8,
+                  ssm_state_size=8, n_groups=2, chunk_size=8, conv_kernel=4)
+    values.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**values)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tmp_path / "hf_nemotron_h"
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_nemotron_h_logits_equal_transformers_and_export_is_bit_exact(tmp_path):
+    hf, path = _hf_nemotron_h(tmp_path, time_step_min=0.05)  # a high floor: the clamp is active on many heads
+    bridge = AutoBridge.from_hf_pretrained(path)
+    provider = bridge.to_megatron_provider()
+    assert provider.hybrid_override_pattern == "M*M-" and provider.mamba_dt_limit_min == pytest.approx(0.05)
+    (model,) = bridge.to_megatron_model()
+    model.eval()
+    ids = torch.randint(0, 100, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = model(ids)
+        assert (got - want).abs().max().item() <= 1e-5
+        # the Mamba layers matter at this tolerance, and so does the dt clamp transformers applies
+        for key in ("0", "2"):
+            model.decoder.layers[key].mixer.dt_limit_min = 0.0
+        assert (model(ids) - want).abs().max().item() > 2e-5  # fails the 1e-5 parity above
+        for key in ("0", "2"):
+            model.decoder.layers[key].mixer.dt_limit_min = 0.05
+    out = tmp_path / "out"
+    bridge.save_hf_pretrained([model], out)
+    original, exported = _tensors(path), _tensors(out)
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
+
+
+def test_tiny_hybrid_exports_as_nemotron_h_and_loads_in_transformers(tmp_path):
+    from longspan.recipes import get_recipe
+
+    provider = get_recipe("tiny-hybrid").model
+    provider.hidden_size, provider.mamba_num_heads, provider.mamba_head_dim, provider.ffn_hidden_size = 32, 4, 16, 64
+    provider.num_attention_heads, provider.num_query_groups, provider.vocab_size = 4, 2, 96
+    provider.make_vocab_size_divisible_by = 32
+    provider.finalize()
+    model = provider.provide().eval()
+    bridge = AutoBridge.from_longspan_provider(provider)
+    assert bridge.family.architecture == "NemotronHForCausalLM"
+    bridge.save_hf_pretrained([model], tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids)).abs().max().item() <= 1e-5
+
+
+def test_nemotron_h_moe_layers_are_not_supported_yet(tmp_path):
+    _, path = _hf_nemotron_h(tmp_path, types=("linear_attention", "moe"), n_routed_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
+    with pytest.raises(NotSupportedError, match="MoE layers"):
+        AutoBridge.from_hf_pretrained(path).to_megatron_provider()

@@ -39,6 +39,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.parallel import vocab_parallel_loss
 from longspan.parallel.mamba import apply_mamba_tensor_parallel
+from longspan.parallel.t5 import is_t5_model, t5_tensor_parallel_plan
 
 _log = get_logger(__name__)
 
@@ -216,7 +217,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
     apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there
-    plan = tensor_parallel_plan(model, sequence_parallel)
+    if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)
+        plan = t5_tensor_parallel_plan(model, sequence_parallel)
+    else:
+        plan = tensor_parallel_plan(model, sequence_parallel)
     for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
         adapt = getattr(model.get_submodule(name), "adapt_parallel_style", None)
         if adapt is not None:

@@ -32,9 +32,11 @@ def write_byte_corpus(directory: Path) -> str:
     return str(prefix)
 
 
-def small_t5_run(tmp_path: Path, name: str = "run", dropout: float = 0.0, **train_overrides: Any) -> Any:
+def small_t5_run(tmp_path: Path, name: str = "run", dropout: float = 0.0, data_dir: Any = None,
+                 **train_overrides: Any) -> Any:
     """tiny-t5 with hidden 32, 2+2 layers, 4 heads of 8, encoder 64 / decoder 32 tokens, byte-level tokenizer
-    with 20 sentinels, 4 microbatches of 2, 12 iterations, hidden and attention dropout ``dropout``."""
+    with 20 sentinels, 4 microbatches of 2, 12 iterations, hidden and attention dropout ``dropout``. The corpus
+    is written under ``data_dir`` (default ``tmp_path/data``) unless it is there already."""
     cfg = get_recipe("tiny-t5")
     model = cfg.model
     model.hidden_size = 32
@@ -49,7 +51,7 @@ def small_t5_run(tmp_path: Path, name: str = "run", dropout: float = 0.0, **trai
     cfg.tokenizer.tokenizer_type = "ByteLevelTokenizer"
     cfg.tokenizer.tokenizer_model = None
     cfg.tokenizer.vocab_extra_ids = 20
-    cfg.dataset.data_path = write_byte_corpus(Path(tmp_path) / "data")
+    cfg.dataset.data_path = write_byte_corpus(Path(data_dir) if data_dir is not None else Path(tmp_path) / "data")
     cfg.dataset.split = "90,5,5"
     cfg.dataset.sequence_length = 64
     cfg.dataset.sequence_length_decoder = 32

@@ -1,0 +1,86 @@
+"""Adapters in Hugging Face PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+``peft.PeftModel.from_pretrained(hf_base, directory)`` loads the result onto the HF base model. Each adapted
+longspan layer maps to one HF module (``AutoBridge.hf_module_name``: ``...self_attention.linear_q`` ->
+``model.layers.N.self_attn.q_proj``); a Megatron-style shared A (``linear_qkv``, ``linear_fc1``) is written
+as one copy of A per member (q_proj, k_proj, v_proj) with each member's slice of B, which computes exactly
+the fused adapter. DoRA layers carry ``lora_magnitude_vector`` and set ``use_dora`` (peft's DoRA is the same
+formula: magnitude · (W + s·B A) / ||W + s·B A|| by output row, norm detached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from longspan.core.errors import NotSupportedError
+from longspan.peft.adapters import adapted_layers
+from longspan.peft.modules import DoRALinear
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().to("cpu").contiguous().clone()
+
+
+def hf_peft_state_dict(model: nn.Module, hf_module_name: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(peft state dict, HF module names adapted) for ``model``; ``hf_module_name(longspan_name)`` maps a
+    longspan linear layer to its HF module path (None: no one-to-one module)."""
+    from longspan.models.init import canonical_parameter_name
+
+    tensors: dict[str, torch.Tensor] = {}
+    modules: list[str] = []
+    for name, layer in adapted_layers(model):
+        name = canonical_parameter_name(name)
+        hf = hf_module_name(name)
+        if hf is None:
+            raise NotSupportedError(
+                f"adapter on {name}: this model family has no one-to-one Hugging Face module for it (fused or "
+                "transposed weights), so it cannot be written in HF PEFT format; merge the adapters instead"
+            )
+        prefix = f"base_model.model.{hf}"
+        tensors[f"{prefix}.lora_A.weight"] = _full(layer.adapter.shared_in.weight)
+        tensors[f"{prefix}.lora_B.weight"] = _full(layer.adapter.linear_out.weight)
+        if isinstance(layer, DoRALinear):
+            tensors[f"{prefix}.lora_magnitude_vector"] = _full(layer.adapter.weight_magnitude)
+        modules.append(hf)
+    return tensors, modules
+
+
+def save_hf_peft_adapter(model: nn.Module | list[nn.Module], peft: Any, bridge: Any, path: str | os.PathLike,
+                         base_model_name_or_path: str | None = None) -> None:
+    """Write ``peft``'s adapters of ``model`` (one process, one chunk) to ``path`` in HF PEFT format."""
+    from safetensors.torch import save_file
+
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) != 1:
+        raise NotSupportedError("HF PEFT export takes the whole model on one process (one chunk)")
+    tensors, modules = hf_peft_state_dict(chunks[0], bridge.hf_module_name)
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": int(peft.dim),
+        "lora_alpha": peft.alpha,
+        "lora_dropout": float(peft.dropout),
+        # Full module paths: only the layers longspan adapted (wildcard targets adapt a subset of layers).
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": peft.kind == "dora",
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    with open(os.path.join(path, ADAPTER_CONFIG), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})

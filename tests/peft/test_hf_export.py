@@ -1,0 +1,72 @@
+"""Adapters exported in HF PEFT format load with ``peft.PeftModel.from_pretrained`` onto the transformers base
+and give longspan's logits (<= 1e-5): LoRA with Megatron's shared-A qkv / gate-up, CanonicalLoRA, DoRA."""
+
+from __future__ import annotations
+
+import json
+
+import peft as hf_peft
+import pytest
+import torch
+import transformers
+
+from longspan.conversion import AutoBridge
+from longspan.core.errors import NotSupportedError
+from longspan.peft import CanonicalLoRA, DoRA, LoRA
+from longspan.peft.adapters import init_adapters, init_dora_magnitudes
+from longspan.peft.hf_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_hf_peft_adapter
+from tests.conversion.hf_models import hf_logits, make_hf_model
+
+
+def _tokens(vocab: int = 90, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def _trained_like(model, seed: int = 3) -> None:
+    """Non-zero B and moved magnitudes, as after training."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_out.weight") or name.endswith("weight_magnitude"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("config", [LoRA(dim=4, alpha=8), CanonicalLoRA(dim=4, alpha=16), DoRA(dim=4, alpha=8),
+                                    LoRA(dim=2, alpha=4, target_modules=["*.layers.1.*.linear_qkv", "linear_fc2"])],
+                         ids=["lora", "canonical", "dora", "lora_wildcard"])
+def test_peft_loads_the_export_and_matches_longspan(family, config, tmp_path) -> None:
+    hf = make_hf_model(family, tmp_path / "hf")
+    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
+    model = bridge.to_megatron_model()[0]
+    config.apply(model)
+    init_adapters([model], seed=5)
+    init_dora_magnitudes([model])
+    _trained_like(model)
+    model.eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = model(tokens)
+    save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    saved = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert saved["use_dora"] == (config.kind == "dora") and saved["r"] == config.dim
+    assert (tmp_path / "adapter" / ADAPTER_WEIGHTS).is_file()
+
+    peft_model = hf_peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    theirs = hf_logits(peft_model, tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (theirs - hf_logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")), tokens)
+            ).abs().max().item() > 1e-3  # the adapters change the outputs
+    if config.kind == "lora" and "*.layers.1.*.linear_qkv" not in config.target_modules:
+        layer = peft_model.base_model.model.model.layers[0].self_attn
+        a_q, a_k = layer.q_proj.lora_A["default"].weight, layer.k_proj.lora_A["default"].weight
+        assert torch.equal(a_q, a_k)  # one shared A, copied per HF module
+
+
+def test_fused_hf_modules_cannot_take_adapters(tmp_path) -> None:
+    make_hf_model("gpt2", tmp_path / "hf")
+    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
+    model = bridge.to_megatron_model()[0]
+    LoRA(dim=2).apply(model)
+    with pytest.raises(NotSupportedError, match="one-to-one Hugging Face module"):
+        save_hf_peft_adapter(model, LoRA(dim=2), bridge, tmp_path / "adapter")

@@ -550,7 +550,15 @@ def load_checkpoint(
                 else:
                     optimizer.reload_model_params()
     if "scheduler" in to_load:
-        opt_param_scheduler.load_state_dict(to_load["scheduler"])
+        try:
+            opt_param_scheduler.load_state_dict(to_load["scheduler"])
+        except CheckpointError as exc:
+            # Say the real situation first: this run resumes an earlier run's checkpoint.
+            raise CheckpointError(
+                f"resuming the checkpoint at iteration {iteration} in {directory} (checkpoint.load="
+                f"{ckpt_cfg.load}), whose learning-rate schedule differs from this config: {exc}; to start fresh "
+                "instead, set checkpoint.load=null or use another checkpoint.save directory"
+            ) from exc
     if "rerun_state_machine" in to_load:
         state.rerun_state_machine.load_state_dict(to_load["rerun_state_machine"])
 

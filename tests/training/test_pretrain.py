@@ -304,3 +304,21 @@ def test_interrupt_mid_save_keeps_the_previous_checkpoint_loadable(tmp_path: Pat
     assert state.train_state.step == 4  # resumed from 2; the stale partial directory was replaced
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert not list(root.glob("*.partial"))
+
+
+def test_resuming_an_earlier_runs_checkpoint_with_another_schedule_says_so_first(tmp_path: Path, capsys) -> None:
+    """The quickstart, then the same recipe with another train_iters: the run would resume the earlier
+    checkpoint; the message says that first and how to start fresh."""
+    cfg = small_config(tmp_path, "earlier", train_iters=4)
+    cfg.checkpoint.save_interval = 4
+    pretrain(cfg, forward_step)
+    path = tmp_path / "again.yaml"
+    again = small_config(tmp_path, "earlier", train_iters=8)
+    path.write_text(again.to_yaml())
+    capsys.readouterr()
+    code = cli_main(["pretrain", "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"longspan: error: resuming the checkpoint at iteration 4 in {cfg.checkpoint.save}")
+    assert "the config says" in err and err.endswith(
+        "to start fresh instead, set checkpoint.load=null or use another checkpoint.save directory")

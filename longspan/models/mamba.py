@@ -455,10 +455,13 @@ class MambaModel(nn.Module):
             logits = F.linear(hidden_states, self.embedding.word_embeddings.weight)
         if labels is None:
             return logits
-        flat = logits.flatten(0, 1)
-        if not self.fp16_lm_cross_entropy:
-            flat = flat.float()
-        return F.cross_entropy(flat, labels.flatten(0, 1), reduction="none").float().view(labels.shape)
+        flat = logits.flatten(0, 1)  # float32 [b*s, vocab] and reduction='none' as GPTModel (loss_parallel-ready)
+        if self.fp16_lm_cross_entropy:  # Megatron's fp16 loss; autocast would promote it to fp32
+            with torch.autocast(device_type=flat.device.type, enabled=False):
+                loss = F.cross_entropy(flat.half(), labels.flatten(0, 1), reduction="none")
+        else:
+            loss = F.cross_entropy(flat.float(), labels.flatten(0, 1), reduction="none")
+        return loss.float().view(labels.shape)
 
 
 def build_mamba_model(provider: Any, pre_process: bool = True, post_process: bool = True,

@@ -132,3 +132,20 @@ def test_moe_layers_from_the_pattern() -> None:
     model = build_mamba_model(cfg, seed=0)
     assert getattr(model.decoder.layers["1"].mlp, "is_moe", False)
     assert model(torch.randint(0, 128, (1, 5))).shape == (1, 5, 128)
+
+
+def test_fp16_lm_cross_entropy_computes_the_loss_in_half_precision() -> None:
+    ids, labels = torch.randint(0, 128, (2, 9)), torch.randint(0, 128, (2, 9))
+    plain = build_mamba_model(mamba_config(), seed=2)(ids, labels=labels)
+    model = build_mamba_model(mamba_config(fp16_lm_cross_entropy=True), seed=2)
+    half = model(ids, labels=labels)
+    want = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1).half(), labels.flatten(), reduction="none")
+    assert torch.equal(half.flatten(), want.float()) and not torch.equal(half, plain)
+
+
+def test_tied_embeddings_use_the_word_embeddings() -> None:
+    model = build_mamba_model(hybrid_config(share_embeddings_and_output_weights=True), seed=3)
+    assert model.output_layer is None
+    ids = torch.randint(0, 128, (1, 7))
+    hidden = model.decoder(model.embedding(ids, None), None, None)
+    torch.testing.assert_close(model(ids), hidden @ model.embedding.word_embeddings.weight.T)

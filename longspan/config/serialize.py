@@ -24,6 +24,8 @@ from longspan.config.targets import (
     longspan_target,
     resolve_class,
     resolve_value_target,
+    _class_by_name,
+    registered_section_types,
 )
 from longspan.config.types import coerce_value, field_types, float_only, is_derived_field, yaml_fields
 from longspan.core.errors import ConfigError
@@ -251,9 +253,7 @@ def merge_into(obj: Any, data: dict[str, Any], path: str, ctx: LoadContext) -> N
 
 
 def _default_section_class(name: str) -> Optional[type]:
-    from longspan.training.configs.container import SECTION_TYPES
-
-    types_ = SECTION_TYPES.get(name)
+    types_ = registered_section_types().get(name)
     return types_[0] if types_ else None
 
 
@@ -293,9 +293,7 @@ def apply_to_container(cfg: Any, data: dict[str, Any], ctx: LoadContext) -> None
             else:
                 cls = new_cls or _default_section_class(key)
                 if cls is None and key == "mixed_precision":
-                    from longspan.training.configs.optim import MixedPrecisionConfig
-
-                    cls = MixedPrecisionConfig
+                    cls = _class_by_name("MixedPrecisionConfig")
                 if cls is None:
                     raise ConfigError(f"{ctx.source}: {key} cannot be built from a mapping")
                 setattr(cfg, key, build_dataclass(cls, value, key, ctx))
@@ -308,7 +306,7 @@ def apply_to_container(cfg: Any, data: dict[str, Any], ctx: LoadContext) -> None
 
 def container_from_dict(data: Any, allow_unknown: bool = False, source: str = "<dict>") -> Any:
     """A new ConfigContainer from a full mapping (``to_dict`` output, a longspan YAML or a Bridge run_config)."""
-    from longspan.training.configs.container import ConfigContainer
+    ConfigContainer = _class_by_name("ConfigContainer")  # noqa: N806 - registered by the container module
 
     if data is None:
         raise ConfigError(f"{source}: the file is empty")

@@ -110,12 +110,35 @@ def longspan_target(cls: type) -> str:
     raise ConfigError(f"{cls.__name__} is not a longspan config class")
 
 
-def _class_by_name(name: str) -> type:
-    import longspan.models as models
-    import longspan.peft as peft
-    import longspan.training.config as config
+# The config classes, registered by the module that defines the container (longspan.training.configs.container
+# registers every section class when it is imported): this layer looks them up and imports nothing above it.
+_REGISTERED: dict[str, type] = {}
+_SECTION_TYPES: dict[str, tuple[type, ...]] = {}
 
-    return getattr(config, name, None) or getattr(models, name, None) or getattr(peft, name)
+
+def register_config_classes(classes: Any, section_types: Optional[dict[str, tuple[type, ...]]] = None) -> None:
+    """Make ``classes`` known to the loader by name; ``section_types`` maps container sections to classes."""
+    for cls in classes:
+        _REGISTERED[cls.__name__] = cls
+    if section_types:
+        _SECTION_TYPES.update(section_types)
+        for types_ in section_types.values():
+            for cls in types_:
+                _REGISTERED[cls.__name__] = cls
+
+
+def registered_section_types() -> dict[str, tuple[type, ...]]:
+    """Section name -> accepted classes, as registered by the container module."""
+    return dict(_SECTION_TYPES)
+
+
+def _class_by_name(name: str) -> type:
+    cls = _REGISTERED.get(name)
+    if cls is None:
+        raise ConfigError(
+            f"config class {name} is not registered: import longspan.training.config (it registers the classes)"
+        )
+    return cls
 
 
 def is_foreign_target(target: str) -> bool:

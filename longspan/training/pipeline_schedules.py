@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from longspan.core.errors import ConfigError
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads
-from longspan.training.schedules import _check_finite, set_moe_aux_loss_scale
+from longspan.training.loss_checks import check_finite, set_moe_aux_loss_scale
 
 #: schedule names ``forward_backward_pipelining`` accepts (``"auto"``: 1F1B, interleaved with virtual stages)
 SCHEDULES = ("auto", "1f1b", "interleaved_1f1b", "gpipe")
@@ -277,7 +277,7 @@ def forward_backward_pipelining(
         runtime.run(ctx)
     _share_from_last_stage(ctx, parallel)
     if check_for_nan and not ctx.finite:
-        _check_finite(torch.tensor(float("nan")), "the loss", iteration)
+        check_finite(torch.tensor(float("nan")), "the loss", iteration)
     if not forward_only:
         sync_tied_embedding_grads(model, parallel)
     return ctx.reports, ctx.total_tokens

@@ -15,15 +15,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from longspan.core.errors import LongspanError
-from longspan.models.moe import set_aux_loss_scale
 from longspan.parallel.loss_parallel import parallel_loss_context
-
-
-class TrainingDivergedError(LongspanError):
-    """The loss or the gradients became NaN or Inf; the run stops before anything is checkpointed."""
-
-    exit_code = 1
+from longspan.training.loss_checks import TrainingDivergedError  # noqa: F401 - re-exported (its old home)
+from longspan.training.loss_checks import check_finite, set_moe_aux_loss_scale
 
 
 def no_sync_context(model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -36,15 +30,6 @@ def no_sync_context(model: torch.nn.Module) -> contextlib.AbstractContextManager
     return no_sync() if callable(no_sync) else contextlib.nullcontext()
 
 
-def _check_finite(value: torch.Tensor, what: str, iteration: int | None) -> None:
-    if not torch.isfinite(value).all():
-        where = f" at iteration {iteration}" if iteration is not None else ""
-        raise TrainingDivergedError(
-            f"{what} is NaN or Inf{where}; stopping before the optimizer step "
-            "(lower optimizer.lr, enable gradient clipping, or use bf16_mixed instead of fp16)"
-        )
-
-
 def get_forward_backward_func(pipeline_model_parallel_size: int) -> Callable:
     """Megatron's chooser: the pipelined schedules when there is more than one pipeline stage."""
     if pipeline_model_parallel_size > 1:
@@ -52,14 +37,6 @@ def get_forward_backward_func(pipeline_model_parallel_size: int) -> Callable:
 
         return forward_backward_pipelining
     return forward_backward_no_pipelining
-
-
-def set_moe_aux_loss_scale(
-    grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None, num_microbatches: int, calculate_per_token_loss: bool
-) -> None:
-    """MoE aux losses add their gradient in backward, scaled like the LM loss (Megatron's schedules do this)."""
-    loss_scale = float(grad_scale_func(torch.ones(())).item()) if grad_scale_func is not None else 1.0
-    set_aux_loss_scale(loss_scale if calculate_per_token_loss else loss_scale / num_microbatches)
 
 
 def forward_backward_no_pipelining(
@@ -105,7 +82,7 @@ def forward_backward_no_pipelining(
         else:
             raise TypeError("loss_func must return (loss, num_tokens, report) or (loss, report)")
         if check_for_nan:
-            _check_finite(loss.detach(), "the loss", iteration)
+            check_finite(loss.detach(), "the loss", iteration)
         reports.append(report)
         return loss
 

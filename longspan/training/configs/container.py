@@ -179,3 +179,19 @@ SECTION_TYPES: dict[str, tuple[type, ...]] = {
     "profiling": (ProfilingConfig,),
     "peft": (LoRA, DoRA, CanonicalLoRA),
 }
+
+
+def _register() -> None:
+    """Make every config class known to the YAML loader by name (longspan.config imports nothing above it)."""
+    from longspan.config.targets import register_config_classes
+    from longspan.data.sft.packing import PackedSequenceSpecs
+    from longspan.training.configs.data import DataloaderConfig, MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
+
+    register_config_classes(
+        [ConfigContainer, MixedPrecisionConfig, DataloaderConfig, MockGPTDatasetConfig,
+         T5MaskedWordPieceDatasetConfig, PackedSequenceSpecs],
+        SECTION_TYPES,
+    )
+
+
+_register()

@@ -207,12 +207,12 @@ def check_vocab_fits(model_vocab_size: Optional[int], tokenizer_vocab_size: int)
 
 
 def _check_sections(cfg: "ConfigContainer") -> None:
-    from longspan.training.configs.container import SECTION_TYPES
+    from longspan.config.targets import registered_section_types
 
     for name in REQUIRED_SECTIONS:
         if getattr(cfg, name) is None:
             raise ConfigError(f"the '{name}' section is missing: give it in a YAML file or start from a --recipe")
-    for name, types in SECTION_TYPES.items():
+    for name, types in registered_section_types().items():
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, types):
             names = " or ".join(t.__name__ for t in types)

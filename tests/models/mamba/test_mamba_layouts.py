@@ -1,7 +1,7 @@
-"""tiny-mamba and tiny-hybrid through pretrain() under DP2 (DDP), FSDP2, PP2 and TP2 match one process.
+"""tiny-mamba and tiny-hybrid through pretrain() under DP2 (DDP), FSDP2, PP2, TP2 and DP2×TP2 match one process.
 
 Each layout runs 8 iterations of the shrunk recipe (mock data, hidden 32, sequence 48 over chunks of 16)
-in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
+in the shared worker pools; the logged per-iteration losses and gradient norms must equal the one-process
 run's within 1e-5 relative. The pipeline cut falls in the middle of the pattern (``MM|MM``, ``M*|M-``).
 """
 
@@ -82,23 +82,25 @@ def references(tmp_path_factory) -> dict:
     return out
 
 
-LAYOUTS = {  # name: (overrides, model class after parallelize_model on rank 0's chunk)
-    "dp2_ddp": (dict(), "DistributedDataParallel"),
-    "dp2_fsdp2": (dict(dp_mode="fsdp2"), "FSDPMambaModel"),
-    "pp2": (dict(pp=2), "MambaModel"),
-    "tp2": (dict(tp=2), "MambaModel"),
+LAYOUTS = {  # name: (world size, overrides, model class after parallelize_model)
+    "dp2_ddp": (2, dict(), "DistributedDataParallel"),
+    "dp2_fsdp2": (2, dict(dp_mode="fsdp2"), "FSDPMambaModel"),
+    "pp2": (2, dict(pp=2), "MambaModel"),
+    "tp2": (2, dict(tp=2), "MambaModel"),
+    # DDP takes no DTensor parameters: FSDP2 (reshard_after_forward=False) carries dp, as for GPT
+    "dp2_tp2": (4, dict(tp=2), "FSDPMambaModel"),
 }
 
 
 @pytest.mark.parametrize("recipe", ["tiny-mamba", "tiny-hybrid"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name: str, recipe: str, references: dict, tmp_path: Path) -> None:
-    overrides, wrapper = LAYOUTS[name]
-    results = get_shared_pool(2).run(_run, str(tmp_path), recipe, timeout=300, **overrides)
+    world, overrides, wrapper = LAYOUTS[name]
+    results = get_shared_pool(world).run(_run, str(tmp_path), recipe, timeout=300, **overrides)
     if name == "pp2":  # the cut falls inside the pattern; stages are parallelized in build_pipeline_chunks
         assert [layers for _, layers in results] == [[["0", "1"]], [["2", "3"]]]
     else:
-        assert [w for w, _ in results] == [wrapper, wrapper]
+        assert [w for w, _ in results] == [wrapper] * world
     got, want = _logged(str(tmp_path)), references[recipe]
     assert got["iterations"] == list(range(1, ITERS + 1)) == want["iterations"]
     for key in ("losses", "norms"):

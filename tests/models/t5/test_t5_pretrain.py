@@ -69,3 +69,25 @@ def test_recipe_builds_a_t5_model() -> None:
     model = cfg.model.provide_meta()
     assert isinstance(model, T5Model) and model.vocab_size == 4224
     assert len(model.encoder.layers) == 2 and len(model.decoder.layers) == 2
+
+
+def test_trained_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
+    """`longspan convert export` of a tiny-t5 checkpoint gives a T5ForConditionalGeneration with our logits."""
+    import transformers
+
+    from longspan.cli import main
+    from longspan.training.model_loading import load_model_from_checkpoint
+
+    cfg = small_t5_run(tmp_path, "export", train_iters=3, eval_interval=None, eval_iters=0)
+    pretrain(cfg)
+    out = tmp_path / "hf"
+    assert main(["convert", "export", "--checkpoint", cfg.checkpoint.save, "--output", str(out), "--no-progress"]) == 0
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
+    assert hf.config.vocab_size == 533 and hf.config.num_decoder_layers == 2
+    model = load_model_from_checkpoint(cfg.checkpoint.save).model[0]
+    g = torch.Generator().manual_seed(0)
+    enc, dec = torch.randint(0, 533, (2, 21), generator=g), torch.randint(0, 533, (2, 11), generator=g)
+    with torch.no_grad():
+        want = hf(input_ids=enc, decoder_input_ids=dec).logits
+        got = model(enc, dec)[..., :533]
+    assert (got - want).abs().max().item() <= 1e-5

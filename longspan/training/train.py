@@ -36,6 +36,8 @@ from longspan.training.profiling import (
 )
 from longspan.training.state import GlobalState
 from longspan.training.utils.flop_utils import num_floating_point_operations
+from longspan.training.utils.log_line import log_iteration
+from longspan.training.utils.log_metrics import IterationMetrics
 from longspan.training.utils.progress_log import (
     STARTING_JOB,
     append_to_progress_log,
@@ -122,21 +124,17 @@ def train(
 
         if not cfg.logger.skip_train_metrics_log:
             params_norm = calc_params_l2_norm(model, cfg.model) if cfg.logger.log_params_norm else None
-            report_memory_flag = training_log(
-                loss_dict,
-                total_loss_dict,
-                _current_learning_rate(optimizer),
-                None,
-                float(optimizer.get_loss_scale()),
-                report_memory_flag,
-                skipped_iter,
-                grad_norm,
-                params_norm,
-                num_zeros_in_grad,
-                cfg,
-                global_state,
-                history_wct,
-                model,
+            metrics = IterationMetrics(
+                loss_dict=loss_dict,
+                learning_rate=_current_learning_rate(optimizer),
+                loss_scale=float(optimizer.get_loss_scale()),
+                skipped_iter=skipped_iter,
+                grad_norm=grad_norm,
+                params_norm=params_norm,
+                num_zeros_in_grad=num_zeros_in_grad,
+            )
+            report_memory_flag = log_iteration(
+                metrics, total_loss_dict, report_memory_flag, cfg, global_state, history_wct, model
             )
         global_state.last_loss_dict = loss_dict
 

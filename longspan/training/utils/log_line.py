@@ -26,15 +26,24 @@ from longspan.training.utils.comm import reduce_max_stat_across_model_parallel_g
 from longspan.training.utils.flop_utils import num_floating_point_operations
 from longspan.training.utils.mfu import mfu, peak_flops_per_device
 from longspan.training.utils.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
+from longspan.training.utils.log_metrics import (
+    ADVANCED_ITERS_KEY,
+    COUNTER_KEYS,
+    NAN_ITERS_KEY,
+    SKIPPED_ITERS_KEY,
+    IterationMetrics,
+    accumulate,
+    interval_means,
+    loss_value,
+    reset,
+)
+from longspan.training.utils.log_metrics import to_float as _to_float
 from longspan.training.utils.norms import report_l2_norm_grad
 from longspan.training.utils.reports import report_runtime, report_throughput
 
 logger = get_logger(__name__)
 
-ADVANCED_ITERS_KEY = "advanced iterations"
-SKIPPED_ITERS_KEY = "skipped iterations"
-NAN_ITERS_KEY = "nan iterations"
-_COUNTER_KEYS = (ADVANCED_ITERS_KEY, SKIPPED_ITERS_KEY, NAN_ITERS_KEY)
+_COUNTER_KEYS = COUNTER_KEYS
 
 # Timers reported per logger.timing_log_level (Megatron's names; timers nobody started are left out).
 TIMERS_LEVEL_1 = [
@@ -69,27 +78,6 @@ TIMERS_LEVEL_2 = [
 
 def _opt(section: Any, name: str, default: Any = None) -> Any:
     return default if section is None else getattr(section, name, default)
-
-
-def loss_value(value: Any) -> Union[float, torch.Tensor]:
-    """One iteration's value of a loss entry: float stays float; tensors become a 0-d float tensor.
-
-    A 2-element tensor is ``[sum, count]`` and yields ``sum / count``. Tensors are not synchronized to the
-    host here, so accumulating costs no device sync.
-    """
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.numel() == 2:
-            flat = value.reshape(-1).float()
-            return flat[0] / flat[1]
-        if value.numel() != 1:
-            raise ValueError(f"a loss value must have 1 or 2 elements ([sum, count]), got shape {tuple(value.shape)}")
-        return value.reshape(()).float()
-    return float(value)
-
-
-def _to_float(value: Union[float, torch.Tensor]) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def current_global_batch_size(config: Any, global_state: GlobalState) -> int:
@@ -188,252 +176,255 @@ def training_log(
     loaded_iteration: int = 0,
     seq_length: Optional[int] = None,
 ) -> bool:
-    """Log training stats (losses, learning rate, timings, etc.) for the iteration just finished.
+    """Megatron Bridge's positional ``training_log`` (seed 003): ``log_iteration`` with an IterationMetrics."""
+    metrics = IterationMetrics(
+        loss_dict=loss_dict, learning_rate=learning_rate, loss_scale=loss_scale, skipped_iter=skipped_iter,
+        grad_norm=grad_norm, params_norm=params_norm, num_zeros_in_grad=num_zeros_in_grad,
+        decoupled_learning_rate=decoupled_learning_rate, max_attention_logit=log_max_attention_logit,
+        seq_length=seq_length,
+    )
+    return log_iteration(metrics, total_loss_dict, report_memory_flag, config, global_state, history_wct, model,
+                         pg_collection=pg_collection, loaded_iteration=loaded_iteration)
 
-    Call on every rank after every iteration (timers and memory reductions are collective). Accumulates the
-    iteration's losses into ``total_loss_dict`` (skipped iterations are not averaged in; a skipped iteration
-    whose loss is NaN/Inf counts as a nan iteration); writes TensorBoard / W&B / MLflow / Comet scalars every
-    ``logger.tensorboard_log_interval``; appends the iteration's JSON object to ``metrics.jsonl``; and every
-    ``logger.log_interval`` prints Megatron's line on the last rank, prints the timers, and resets the
-    interval's accumulators.
 
-    Args:
-        loss_dict: this iteration's losses ({name: float | 0-d tensor | [sum, count] tensor}).
-        total_loss_dict: accumulators across the logging interval (start with {}; keep passing the same dict).
-        learning_rate: current learning rate (None on ranks without parameters).
-        decoupled_learning_rate: current decoupled learning rate, if ``optimizer.decoupled_lr`` is used.
-        loss_scale: current loss scale (1.0 without fp16).
-        report_memory_flag: print the memory line at the next log interval (turned off once past the
-            second iteration after ``loaded_iteration``).
-        skipped_iter: 1 if the optimizer skipped this iteration (fp16 overflow), else 0.
-        grad_norm: gradient norm, or None.
-        params_norm: parameter norm (``logger.log_params_norm``), or None.
-        num_zeros_in_grad: number of zeros in the gradient, or None.
-        config: the ConfigContainer.
-        global_state: the GlobalState (train_state.step is the iteration just finished).
-        history_wct: wall-clock time at the end of each iteration (seconds, any origin).
-        model: list of model chunks (for gradient norms per layer).
-        pg_collection: process groups with ``mp``, ``pp`` and ``dp`` (None on one process).
-        log_max_attention_logit: maximum attention logit, if tracked.
-        loaded_iteration: iteration the run resumed from.
-        seq_length: sequence length of this iteration's batch (default: ``model.seq_length``).
+def log_iteration(
+    metrics: IterationMetrics,
+    total_loss_dict: dict[str, Any],
+    report_memory_flag: bool,
+    config: Any,
+    global_state: GlobalState,
+    history_wct: list,
+    model: list,
+    *,
+    pg_collection: Optional[Any] = None,
+    loaded_iteration: int = 0,
+) -> bool:
+    """Log the iteration just finished (``global_state.train_state.step``); returns the new report_memory_flag.
 
-    Returns:
-        The updated report_memory_flag.
+    Call on every rank after every iteration (timers and memory reductions are collective). In order:
+    accumulate the iteration into ``total_loss_dict`` (keep passing the same dict; start with {}); the
+    collective reports (timers, memory, gradient norms); the sinks (TensorBoard / W&B / MLflow / Comet scalars
+    every ``logger.tensorboard_log_interval``, one ``metrics.jsonl`` object per iteration); and every
+    ``logger.log_interval`` Megatron's line on the last rank, the timers, and the memory report (while
+    ``report_memory_flag``, until the second iteration after ``loaded_iteration``).
     """
-    logger_cfg = config.logger
-    train_cfg = config.train
-    timers = global_state.timers
-    train_state = global_state.train_state
-    iteration = train_state.step
-    consumed = train_state.consumed_train_samples
-    mp_group = _opt(pg_collection, "mp")
-    pp_group = _opt(pg_collection, "pp")
-
-    # ---- accumulate this iteration
-    if not skipped_iter:
-        total_loss_dict[ADVANCED_ITERS_KEY] = total_loss_dict.get(ADVANCED_ITERS_KEY, 0) + 1
-    else:
-        total_loss_dict.setdefault(ADVANCED_ITERS_KEY, 0)
-    total_loss_dict[SKIPPED_ITERS_KEY] = total_loss_dict.get(SKIPPED_ITERS_KEY, 0) + int(skipped_iter)
-    values = {key: loss_value(v) for key, v in loss_dict.items()}
+    iteration = global_state.train_state.step
+    values = {key: loss_value(v) for key, v in metrics.loss_dict.items()}
     # MoE: aux losses and load imbalance join the iteration's values (log line, sinks, metrics.jsonl).
     values.update(track_moe_metrics(model, config, global_state, iteration))
-    got_nan = False
-    for key, value in values.items():
-        if not skipped_iter:
-            total_loss_dict[key] = total_loss_dict.get(key, 0.0) + value
-        else:
-            got_nan = got_nan or not math.isfinite(_to_float(value))
-    total_loss_dict[NAN_ITERS_KEY] = total_loss_dict.get(NAN_ITERS_KEY, 0) + int(got_nan)
+    values.update(metrics.extra_values)
+    got_nan = accumulate(total_loss_dict, values, metrics.skipped_iter)
+    ctx = _LogContext.create(metrics, config, global_state, history_wct, pg_collection, total_loss_dict)
+    reports = _collective_reports(ctx, model)
+    if ctx.any_sink and ctx.at_tb_step:
+        _write_scalars(ctx, values, reports)
+    _write_metrics_record(ctx, values, got_nan)
+    if iteration % ctx.log_interval == 0:
+        report_memory_flag = _log_interval(ctx, total_loss_dict, report_memory_flag, loaded_iteration)
+    return report_memory_flag
 
-    timers_to_log: list[str] = []
-    if logger_cfg.timing_log_level >= 1:
-        timers_to_log += TIMERS_LEVEL_1
-    if logger_cfg.timing_log_level >= 2:
-        timers_to_log += TIMERS_LEVEL_2
 
-    batch_size = current_global_batch_size(config, global_state)
-    total_iterations = total_loss_dict[ADVANCED_ITERS_KEY] + total_loss_dict[SKIPPED_ITERS_KEY]
-    learning_rate = reduce_max_stat_across_model_parallel_group(learning_rate, mp_group)
-    seq_len = _seq_length(config, seq_length)
-    tb_interval = max(1, int(_opt(logger_cfg, "tensorboard_log_interval", 1)))
-    log_interval = max(1, int(_opt(logger_cfg, "log_interval", 100)))
-    at_tb_step = iteration % tb_interval == 0
-    sinks = _sinks(global_state)
-    tb_writer = sinks["tb_writer"]
-    any_sink = any(v is not None for v in sinks.values())
+class _LogContext:
+    """What the parts of ``training_log`` share for one iteration (resolved once)."""
 
-    # ---- collective parts: every rank joins
-    if _opt(logger_cfg, "log_timers_to_tensorboard", False) and at_tb_step:
+    @classmethod
+    def create(cls, metrics: IterationMetrics, config: Any, global_state: GlobalState, history_wct: list,
+               pg_collection: Optional[Any], total_loss_dict: dict[str, Any]) -> "_LogContext":
+        ctx = cls()
+        ctx.metrics, ctx.config, ctx.global_state, ctx.history_wct = metrics, config, global_state, history_wct
+        ctx.pg_collection = pg_collection
+        ctx.logger_cfg = config.logger
+        ctx.train_state = global_state.train_state
+        ctx.iteration = ctx.train_state.step
+        ctx.timers_to_log = TIMERS_LEVEL_1 * (ctx.logger_cfg.timing_log_level >= 1)
+        ctx.timers_to_log = ctx.timers_to_log + TIMERS_LEVEL_2 * (ctx.logger_cfg.timing_log_level >= 2)
+        ctx.batch_size = current_global_batch_size(config, global_state)
+        ctx.total_iterations = total_loss_dict[ADVANCED_ITERS_KEY] + total_loss_dict[SKIPPED_ITERS_KEY]
+        ctx.learning_rate = reduce_max_stat_across_model_parallel_group(
+            metrics.learning_rate, _opt(pg_collection, "mp"))
+        ctx.seq_len = _seq_length(config, metrics.seq_length)
+        ctx.log_interval = max(1, int(_opt(ctx.logger_cfg, "log_interval", 100)))
+        ctx.at_tb_step = ctx.iteration % max(1, int(_opt(ctx.logger_cfg, "tensorboard_log_interval", 1))) == 0
+        ctx.sinks = _sinks(global_state)
+        ctx.any_sink = any(v is not None for v in ctx.sinks.values())
+        ctx.flops = _flops_per_iteration(config, ctx.batch_size)
+        ctx.flops_so_far = float(ctx.train_state.floating_point_operations_so_far or 0.0)
+        if global_state._flops_at_last_log is None:
+            # First call of this run: the running total already includes this iteration (and, after a resume,
+            # everything done before), so the baseline is the total before this iteration.
+            global_state._flops_at_last_log = max(0.0, ctx.flops_so_far - (ctx.flops or 0.0))
+        log_throughput = bool(_opt(ctx.logger_cfg, "log_throughput", False))
+        ctx.peak = peak_flops_per_device(getattr(global_state, "device", None)) if log_throughput else None
+        return ctx
+
+
+def _collective_reports(ctx: _LogContext, model: list) -> dict[str, dict[str, Any]]:
+    """The parts every rank must join: timers to TensorBoard, memory snapshot/statistics, gradient norms."""
+    logger_cfg, iteration = ctx.logger_cfg, ctx.iteration
+    if _opt(logger_cfg, "log_timers_to_tensorboard", False) and ctx.at_tb_step:
         # No reset: the text log at the next log interval resets, so both report the same interval.
-        timer_metrics = timers.write(timers_to_log, None, iteration, normalizer=total_iterations, reset=False)
-        log_scalars(timer_metrics, iteration, **sinks)
-    profiling = getattr(config, "profiling", None)
+        timer_metrics = ctx.global_state.timers.write(
+            ctx.timers_to_log, None, iteration, normalizer=ctx.total_iterations, reset=False)
+        log_scalars(timer_metrics, iteration, **ctx.sinks)
+    profiling = getattr(ctx.config, "profiling", None)
     if profiling is not None and getattr(profiling, "record_memory_history", False):
         if iteration == getattr(profiling, "profile_step_end", -1):
             dump_memory_snapshot(profiling)
-    memory_metrics: dict[str, Any] = {}
-    if _opt(logger_cfg, "log_memory_to_tensorboard", False) and at_tb_step:
-        memory_metrics = reduce_max_memory_across_pp_group(report_memory(_opt(logger_cfg, "memory_keys")), pp_group)
-    grad_norm_metrics: dict[str, float] = {}
-    if _opt(logger_cfg, "log_l2_norm_grad_to_tensorboard", False) and at_tb_step:
-        grad_norm_metrics = report_l2_norm_grad(model)  # DTensor gradients reduce over their mesh
+    memory: dict[str, Any] = {}
+    if _opt(logger_cfg, "log_memory_to_tensorboard", False) and ctx.at_tb_step:
+        memory = reduce_max_memory_across_pp_group(
+            report_memory(_opt(logger_cfg, "memory_keys")), _opt(ctx.pg_collection, "pp"))
+    grad_norms: dict[str, float] = {}
+    if _opt(logger_cfg, "log_l2_norm_grad_to_tensorboard", False) and ctx.at_tb_step:
+        grad_norms = report_l2_norm_grad(model)  # DTensor gradients reduce over their mesh
+    return {"memory": memory, "grad_norms": grad_norms}
 
-    # ---- scalars every tensorboard_log_interval
-    if any_sink and at_tb_step:
-        scalars: dict[str, Any] = {}
-        if learning_rate is not None:
-            scalars["learning-rate"] = learning_rate
-        if _opt(_opt(config, "optimizer"), "decoupled_lr") is not None and decoupled_learning_rate is not None:
-            scalars["decoupled-learning-rate"] = decoupled_learning_rate
-        if train_state.skipped_train_samples > 0:
-            scalars["skipped-train-samples"] = train_state.skipped_train_samples
-        scalars["batch-size"] = batch_size
-        for key, value in values.items():
-            scalars[key] = _to_float(value)
-        if _opt(logger_cfg, "log_loss_scale_to_tensorboard", True):
-            scalars["loss-scale"] = loss_scale
-        if _opt(logger_cfg, "log_world_size_to_tensorboard", False):
-            scalars["world-size"] = get_world_size()
-        if grad_norm is not None:
-            scalars["grad-norm"] = grad_norm
-        if num_zeros_in_grad is not None:
-            scalars["num-zeros"] = num_zeros_in_grad
-        if params_norm is not None:
-            scalars["params-norm"] = params_norm
-        if log_max_attention_logit is not None:
-            scalars["max-attention-logit"] = log_max_attention_logit
-        log_scalars(scalars, iteration, **sinks)
-        _write_vs_samples(tb_writer, scalars, consumed)
 
-        extra: dict[str, Any] = dict(memory_metrics)
-        if _opt(logger_cfg, "log_throughput_to_tensorboard", False) and seq_len:
-            extra.update(
-                report_throughput(
-                    train_cfg, iteration, seq_len, history_wct, int(_opt(logger_cfg, "throughput_window_size", 100))
-                )
-            )
-        if _opt(logger_cfg, "log_runtime_to_tensorboard", False) and seq_len:
-            extra.update(
-                report_runtime(
-                    train_state,
-                    global_state.start_time,
-                    seq_len,
-                    train_cfg.train_iters,
-                    _opt(logger_cfg, "runtime_time_unit", "hours"),
-                )
-            )
-        extra.update(grad_norm_metrics)
-        log_scalars(extra, iteration, **sinks)
+def _write_scalars(ctx: _LogContext, values: dict[str, Any], reports: dict[str, dict[str, Any]]) -> None:
+    """Megatron's TensorBoard tags (and the same scalars to W&B / MLflow / Comet)."""
+    m, logger_cfg, train_state = ctx.metrics, ctx.logger_cfg, ctx.train_state
+    scalars: dict[str, Any] = {}
+    if ctx.learning_rate is not None:
+        scalars["learning-rate"] = ctx.learning_rate
+    if _opt(_opt(ctx.config, "optimizer"), "decoupled_lr") is not None and m.decoupled_learning_rate is not None:
+        scalars["decoupled-learning-rate"] = m.decoupled_learning_rate
+    if train_state.skipped_train_samples > 0:
+        scalars["skipped-train-samples"] = train_state.skipped_train_samples
+    scalars["batch-size"] = ctx.batch_size
+    for key, value in values.items():
+        scalars[key] = _to_float(value)
+    if _opt(logger_cfg, "log_loss_scale_to_tensorboard", True):
+        scalars["loss-scale"] = m.loss_scale
+    if _opt(logger_cfg, "log_world_size_to_tensorboard", False):
+        scalars["world-size"] = get_world_size()
+    for tag, value in (("grad-norm", m.grad_norm), ("num-zeros", m.num_zeros_in_grad),
+                       ("params-norm", m.params_norm), ("max-attention-logit", m.max_attention_logit)):
+        if value is not None:
+            scalars[tag] = value
+    log_scalars(scalars, ctx.iteration, **ctx.sinks)
+    _write_vs_samples(ctx.sinks["tb_writer"], scalars, train_state.consumed_train_samples)
 
-    # ---- one JSON object per iteration
-    metrics_logger = global_state.metrics_logger
+    extra: dict[str, Any] = dict(reports["memory"])
+    if _opt(logger_cfg, "log_throughput_to_tensorboard", False) and ctx.seq_len:
+        extra.update(report_throughput(ctx.config.train, ctx.iteration, ctx.seq_len, ctx.history_wct,
+                                       int(_opt(logger_cfg, "throughput_window_size", 100))))
+    if _opt(logger_cfg, "log_runtime_to_tensorboard", False) and ctx.seq_len:
+        extra.update(report_runtime(train_state, ctx.global_state.start_time, ctx.seq_len,
+                                    ctx.config.train.train_iters, _opt(logger_cfg, "runtime_time_unit", "hours")))
+    extra.update(reports["grad_norms"])
+    log_scalars(extra, ctx.iteration, **ctx.sinks)
+
+
+def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: bool) -> None:
+    """One JSON object per iteration in metrics.jsonl."""
+    metrics_logger = ctx.global_state.metrics_logger
+    if metrics_logger is None:
+        return
+    m, history_wct, seq_len, flops = ctx.metrics, ctx.history_wct, ctx.seq_len, ctx.flops
     iteration_time = history_wct[-1] - history_wct[-2] if len(history_wct) >= 2 else None
-    flops = _flops_per_iteration(config, batch_size)
-    so_far = float(train_state.floating_point_operations_so_far or 0.0)
-    if global_state._flops_at_last_log is None:
-        # First call of this run: the running total already includes this iteration (and, after a resume,
-        # everything done before), so the baseline is the total before this iteration.
-        global_state._flops_at_last_log = max(0.0, so_far - (flops or 0.0))
-    log_throughput = bool(_opt(logger_cfg, "log_throughput", False))
-    peak = peak_flops_per_device(getattr(global_state, "device", None)) if log_throughput else None
-    if metrics_logger is not None:
-        loss_tokens = getattr(global_state, "last_loss_tokens", None)
-        record = {
-            "phase": "train",
-            "iteration": iteration,
-            "consumed_samples": consumed,
-            "timestamp": time.time(),
-            "lr": learning_rate,
-            "batch_size": batch_size,
-            "losses": {key: _to_float(value) for key, value in values.items()},
-            "grad_norm": grad_norm,
-            "params_norm": params_norm,
-            "num_zeros": num_zeros_in_grad,
-            "loss_scale": loss_scale,
-            "iteration_time_s": iteration_time,
-            "tokens_per_s": batch_size * seq_len / iteration_time if iteration_time and seq_len else None,
-            # loss tokens: Σloss_mask of the global batch (no padding, no prompt tokens of SFT data)
-            "loss_tokens": loss_tokens,
-            "loss_tokens_per_s": loss_tokens / iteration_time if iteration_time and loss_tokens is not None else None,
-            "throughput": flops / iteration_time / get_world_size() / 1e12 if iteration_time and flops else None,
-            "mfu": mfu(flops / iteration_time / get_world_size(), peak) if iteration_time and flops else None,
-            "skipped_iterations": int(skipped_iter),
-            "nan_iterations": int(got_nan),
-        }
-        metrics_logger.write(record)
+    loss_tokens = getattr(ctx.global_state, "last_loss_tokens", None)
+    metrics_logger.write({
+        "phase": "train",
+        "iteration": ctx.iteration,
+        "consumed_samples": ctx.train_state.consumed_train_samples,
+        "timestamp": time.time(),
+        "lr": ctx.learning_rate,
+        "batch_size": ctx.batch_size,
+        "losses": {key: _to_float(value) for key, value in values.items()},
+        "grad_norm": m.grad_norm,
+        "params_norm": m.params_norm,
+        "num_zeros": m.num_zeros_in_grad,
+        "loss_scale": m.loss_scale,
+        "iteration_time_s": iteration_time,
+        "tokens_per_s": ctx.batch_size * seq_len / iteration_time if iteration_time and seq_len else None,
+        # loss tokens: Σloss_mask of the global batch (no padding, no prompt tokens of SFT data)
+        "loss_tokens": loss_tokens,
+        "loss_tokens_per_s": loss_tokens / iteration_time if iteration_time and loss_tokens is not None else None,
+        "throughput": flops / iteration_time / get_world_size() / 1e12 if iteration_time and flops else None,
+        "mfu": mfu(flops / iteration_time / get_world_size(), ctx.peak) if iteration_time and flops else None,
+        "skipped_iterations": int(m.skipped_iter),
+        "nan_iterations": int(got_nan),
+    })
 
-    # ---- the text line every log_interval
-    if iteration % log_interval == 0:
-        elapsed_time = timers("interval-time", log_level=0).elapsed(barrier=True)
-        if elapsed_time <= 0 and len(history_wct) > total_iterations:
-            # The trainer did not run the interval timer: measure the interval from the wall-clock history.
-            elapsed_time = history_wct[-1] - history_wct[-1 - total_iterations]
-        elapsed_per_iter = elapsed_time / max(1, total_iterations)
 
-        per_gpu_tflops = None if flops is None else 0.0
-        if flops is not None and elapsed_time > 0:
-            # FLOPs of this interval = growth of the trainer's running total since the last log; if the
-            # trainer does not keep that total, the formula times the interval's iterations.
-            interval_flops = so_far - global_state._flops_at_last_log
-            if interval_flops <= 0:
-                interval_flops = flops * total_iterations
-            global_state._flops_at_last_log = so_far
-            per_gpu_tflops = interval_flops / elapsed_time / get_world_size() / 1e12
-            tokens = batch_size * seq_len * total_iterations if seq_len else 0
-            _add_log_interval(global_state, iteration, total_iterations, elapsed_time, tokens, interval_flops)
+def _interval_throughput(ctx: _LogContext, elapsed_time: float) -> Optional[float]:
+    """TFLOP/s per GPU over the interval (None without a FLOPs formula for the model)."""
+    if ctx.flops is None:
+        return None
+    if elapsed_time <= 0:
+        return 0.0
+    # FLOPs of this interval = growth of the trainer's running total since the last log; if the trainer does
+    # not keep that total, the formula times the interval's iterations.
+    global_state = ctx.global_state
+    interval_flops = ctx.flops_so_far - global_state._flops_at_last_log
+    if interval_flops <= 0:
+        interval_flops = ctx.flops * ctx.total_iterations
+    global_state._flops_at_last_log = ctx.flops_so_far
+    tokens = ctx.batch_size * ctx.seq_len * ctx.total_iterations if ctx.seq_len else 0
+    _add_log_interval(global_state, ctx.iteration, ctx.total_iterations, elapsed_time, tokens, interval_flops)
+    return interval_flops / elapsed_time / get_world_size() / 1e12
 
-        interval_scalars: dict[str, Any] = {}
-        if _opt(logger_cfg, "log_timers_to_tensorboard", False):
-            interval_scalars["iteration-time"] = elapsed_per_iter
-        if per_gpu_tflops is not None and _opt(logger_cfg, "log_throughput", False):
-            interval_scalars["throughput"] = per_gpu_tflops
-        if any_sink:
-            log_scalars(interval_scalars, iteration, **sinks)
 
-        line = format_training_log_line(
-            iteration=iteration,
-            train_iters=train_cfg.train_iters,
-            consumed_samples=consumed,
-            skipped_samples=train_state.skipped_train_samples,
-            elapsed_ms=elapsed_per_iter * 1000.0,
-            throughput=per_gpu_tflops if _opt(logger_cfg, "log_throughput", False) else None,
-            mfu=mfu(per_gpu_tflops * 1e12, peak) if per_gpu_tflops is not None else None,
-            learning_rate=learning_rate,
-            decoupled_learning_rate=decoupled_learning_rate,
-            batch_size=batch_size,
-            losses={
-                key: _to_float(total_loss_dict[key]) / max(1, total_loss_dict[ADVANCED_ITERS_KEY])
-                for key in total_loss_dict
-                if key not in _COUNTER_KEYS
-            },
-            loss_scale=loss_scale,
-            grad_norm=grad_norm,
-            num_zeros_in_grad=num_zeros_in_grad,
-            params_norm=params_norm,
-            max_attention_logit=log_max_attention_logit,
-            skipped_iterations=total_loss_dict[SKIPPED_ITERS_KEY],
-            nan_iterations=total_loss_dict[NAN_ITERS_KEY],
-        )
-        for key in list(total_loss_dict):
-            total_loss_dict[key] = 0 if key in _COUNTER_KEYS else 0.0
-        print_rank_last(line)
+def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memory_flag: bool,
+                  loaded_iteration: int) -> bool:
+    """Every log_interval: the interval's scalars, Megatron's line, the memory report and the timers."""
+    m, logger_cfg, iteration = ctx.metrics, ctx.logger_cfg, ctx.iteration
+    timers, history_wct = ctx.global_state.timers, ctx.history_wct
+    elapsed_time = timers("interval-time", log_level=0).elapsed(barrier=True)
+    if elapsed_time <= 0 and len(history_wct) > ctx.total_iterations:
+        # The trainer did not run the interval timer: measure the interval from the wall-clock history.
+        elapsed_time = history_wct[-1] - history_wct[-1 - ctx.total_iterations]
+    elapsed_per_iter = elapsed_time / max(1, ctx.total_iterations)
+    per_gpu_tflops = _interval_throughput(ctx, elapsed_time)
+    show_throughput = bool(_opt(logger_cfg, "log_throughput", False))
 
-        if report_memory_flag:
-            report = report_memory(_opt(logger_cfg, "memory_keys"))
-            dp_group = _opt(pg_collection, "dp")
-            dp_rank = dist.get_rank(group=dp_group) if dp_group is not None and dist.is_initialized() else get_rank()
-            if report and dp_rank == 0:
-                text = f"(after {iteration} iterations) memory (GB)"
-                for name, value in report.items():
-                    text += f" | {name}: {value}"
-                logger.info(f"[Rank {get_rank()}] {text}")
-            if iteration > loaded_iteration + 1:
-                # The report after the second iteration includes the optimizer state.
-                report_memory_flag = False
-        timers.log(timers_to_log, normalizer=log_interval)
+    interval_scalars: dict[str, Any] = {}
+    if _opt(logger_cfg, "log_timers_to_tensorboard", False):
+        interval_scalars["iteration-time"] = elapsed_per_iter
+    if per_gpu_tflops is not None and show_throughput:
+        interval_scalars["throughput"] = per_gpu_tflops
+    if ctx.any_sink:
+        log_scalars(interval_scalars, iteration, **ctx.sinks)
+
+    line = format_training_log_line(
+        iteration=iteration,
+        train_iters=ctx.config.train.train_iters,
+        consumed_samples=ctx.train_state.consumed_train_samples,
+        skipped_samples=ctx.train_state.skipped_train_samples,
+        elapsed_ms=elapsed_per_iter * 1000.0,
+        throughput=per_gpu_tflops if show_throughput else None,
+        mfu=mfu(per_gpu_tflops * 1e12, ctx.peak) if per_gpu_tflops is not None else None,
+        learning_rate=ctx.learning_rate,
+        decoupled_learning_rate=m.decoupled_learning_rate,
+        batch_size=ctx.batch_size,
+        losses=interval_means(total_loss_dict),
+        loss_scale=m.loss_scale,
+        grad_norm=m.grad_norm,
+        num_zeros_in_grad=m.num_zeros_in_grad,
+        params_norm=m.params_norm,
+        max_attention_logit=m.max_attention_logit,
+        skipped_iterations=total_loss_dict[SKIPPED_ITERS_KEY],
+        nan_iterations=total_loss_dict[NAN_ITERS_KEY],
+    )
+    reset(total_loss_dict)
+    print_rank_last(line)
+    if report_memory_flag:
+        report_memory_flag = _report_memory_once(ctx, loaded_iteration)
+    timers.log(ctx.timers_to_log, normalizer=ctx.log_interval)
     return report_memory_flag
+
+
+def _report_memory_once(ctx: _LogContext, loaded_iteration: int) -> bool:
+    report = report_memory(_opt(ctx.logger_cfg, "memory_keys"))
+    dp_group = _opt(ctx.pg_collection, "dp")
+    dp_rank = dist.get_rank(group=dp_group) if dp_group is not None and dist.is_initialized() else get_rank()
+    if report and dp_rank == 0:
+        text = f"(after {ctx.iteration} iterations) memory (GB)"
+        for name, value in report.items():
+            text += f" | {name}: {value}"
+        logger.info(f"[Rank {get_rank()}] {text}")
+    # The report after the second iteration includes the optimizer state.
+    return not ctx.iteration > loaded_iteration + 1
 
 
 def track_moe_metrics(model: list, config: Any, global_state: GlobalState, iteration: int) -> dict[str, float]:

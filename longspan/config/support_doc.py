@@ -114,7 +114,7 @@ def render() -> str:
             elif f not in yaml_fields(cls):
                 status = "runtime object (set by longspan, never in YAML)"
             else:
-                status = field_status(section, f.name) if class_ok else f"{NOT_SUPPORTED} (the class)"
+                status = field_status(section, f.name, cls.__name__) if class_ok else f"{NOT_SUPPORTED} (the class)"
             meaning = docs.get(f.name, "").replace("|", "\\|")
             lines.append(f"| `{f.name}` | `{_default(f)}` | {status} | {meaning} |")
         lines.append("")

@@ -119,3 +119,18 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
     unscaled_attn = tiny_t5(softmax_scale=1.0).provide()(enc, dec)
     assert not torch.allclose(base, unscaled_attn)
     torch.testing.assert_close(scaled, base * 32**-0.5, rtol=1e-6, atol=1e-6)  # linear, bias-free head
+
+
+@pytest.mark.parametrize("field, value", [("qk_layernorm", True), ("cross_entropy_loss_fusion", True),
+                                          ("recompute_granularity", "selective"), ("context_parallel_size", 2)])
+def test_validate_rejects_gpt_only_fields_for_t5(field, value):
+    """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
+    from longspan.config.support import NOT_SUPPORTED, SUPPORTED, field_status
+    from longspan.recipes import get_recipe
+
+    assert field_status("model", field, "T5ModelProvider") == NOT_SUPPORTED
+    assert field_status("model", field, "GPTModelProvider") == SUPPORTED
+    cfg = get_recipe("tiny-t5")
+    setattr(cfg.model, field, value)
+    with pytest.raises(NotSupportedError, match=f"model.{field}={value!r} is not supported yet"):
+        cfg.validate(world_size=2)

@@ -9,7 +9,7 @@ import torch
 
 from longspan.core.logging import get_logger, print_rank_last
 from longspan.training.utils.log_line import log_validation_results
-from longspan.training.schedules import get_forward_backward_func, reduce_loss_reports
+from longspan.training.schedules import reduce_loss_reports, run_forward_backward
 from longspan.training.state import GlobalState
 
 logger = get_logger(__name__)
@@ -38,17 +38,8 @@ def evaluate(
         for step in range(cfg.train.eval_iters):
             if verbose:
                 print_rank_last(f"Evaluating iter {step + 1}/{cfg.train.eval_iters}", logger)
-            forward_backward = get_forward_backward_func(parallel.pp_size)
-            step_reports, _ = forward_backward(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=num_microbatches,
-                forward_only=True,
-                calculate_per_token_loss=cfg.model.calculate_per_token_loss,
-                autocast_dtype=state.autocast_dtype,
-                device_type=state.device.type,
-                check_for_nan=False,
+            step_reports, _ = run_forward_backward(
+                state, forward_step_func, data_iterator, model, num_microbatches, forward_only=True
             )
             reports.extend(step_reports)
             state.train_state.consumed_valid_samples += eval_batch_size

@@ -39,6 +39,36 @@ def get_forward_backward_func(pipeline_model_parallel_size: int) -> Callable:
     return forward_backward_no_pipelining
 
 
+def run_forward_backward(
+    global_state: Any,
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    model: Any,
+    num_microbatches: int,
+    *,
+    forward_only: bool,
+    grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    check_for_nan: bool = False,
+    iteration: int | None = None,
+) -> tuple[list[dict[str, Any]], torch.Tensor | None]:
+    """The run's forward-backward schedule (pipelined or not) with the settings training and evaluation share:
+    per-token loss, autocast dtype and device from the run's config and state."""
+    forward_backward = get_forward_backward_func(global_state.parallel.pp_size)
+    return forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+        calculate_per_token_loss=global_state.cfg.model.calculate_per_token_loss,
+        grad_scale_func=grad_scale_func,
+        autocast_dtype=global_state.autocast_dtype,
+        device_type=global_state.device.type,
+        check_for_nan=check_for_nan,
+        iteration=iteration,
+    )
+
+
 def forward_backward_no_pipelining(
     *,
     forward_step_func: Callable,

@@ -21,8 +21,8 @@ from longspan.training.eval import evaluate_and_print_results
 from longspan.training.schedules import (
     TrainingDivergedError,
     finalize_model_grads,
-    get_forward_backward_func,
     reduce_loss_reports,
+    run_forward_backward,
 )
 from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.resilience.non_persistent import save_non_persistent, should_save_non_persistent
@@ -208,17 +208,10 @@ def train_step(
     while rerun.should_run_forward_backward():  # more than once when the rerun state machine re-runs it
         optimizer.zero_grad()
         timers("forward-backward", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
-        forward_backward = get_forward_backward_func(parallel.pp_size)
-        reports, num_tokens = forward_backward(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
+        reports, num_tokens = run_forward_backward(
+            global_state, forward_step_func, data_iterator, model, num_microbatches,
             forward_only=False,
-            calculate_per_token_loss=cfg.model.calculate_per_token_loss,
             grad_scale_func=optimizer.scale_loss if _uses_loss_scaling(optimizer) else None,
-            autocast_dtype=global_state.autocast_dtype,
-            device_type=global_state.device.type,
             check_for_nan=global_state.check_for_nan and rerun.mode != "validate_results",
             iteration=iteration,
         )

@@ -20,6 +20,8 @@ _SUBCOMMANDS = {
     "preprocess": "longspan.cli.preprocess_cmd",
     "generate": "longspan.cli.generate_cmd",
     "convert": "longspan.cli.convert_cmd",
+    "plan": "longspan.cli.plan_cmd",
+    "peft": "longspan.cli.peft_cmd",
 }
 
 

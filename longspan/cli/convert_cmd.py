@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from longspan.core.errors import CheckpointError, ConfigError, NotSupportedError
+from longspan.core.errors import CheckpointError, ConfigError
 
 
 def add_parser(subparsers: Any, name: str) -> None:
@@ -68,13 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_adapter(args: argparse.Namespace) -> int:
-    """Hook for the HF PEFT adapter export (longspan.peft)."""
-    try:
-        from longspan.peft.hf_export import export_adapter_checkpoint  # type: ignore[import-not-found]
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("longspan.peft"):
-            raise NotSupportedError("convert export --adapter-only is not supported yet in this build") from None
-        raise
+    """The adapters of an adapter checkpoint in HF PEFT format (longspan.training.peft_checkpoint)."""
+    from longspan.training.peft_checkpoint import export_adapter_checkpoint
+
     export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
     print(f"exported adapters of {args.checkpoint} -> {args.output}")
     return 0

@@ -205,3 +205,24 @@ def init_adapters(model_chunks: list[nn.Module], seed: int) -> None:
                     param.to_local().copy_(local)
                 else:
                     param.copy_(full)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its layer in place: each adapted layer becomes a plain ``nn.Linear`` holding the
+    merged weight (one process, plain tensors). Returns ``model``, now without adapters (``.peft`` state gone)."""
+    for name, layer in adapted_layers(model):
+        if hasattr(layer.weight, "device_mesh"):
+            raise NotSupportedError("merging adapters needs the whole model on one process (no DTensor parameters)")
+        merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                           dtype=layer.weight.dtype, device=layer.weight.device)
+        merged.weight.copy_(layer.merged_weight())
+        if layer.bias is not None:
+            merged.bias.copy_(layer.bias)
+        for attr in ("init_std",):
+            if hasattr(layer, attr):
+                setattr(merged, attr, getattr(layer, attr))
+        merged.requires_grad_(layer.weight.requires_grad)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, merged)
+    return model

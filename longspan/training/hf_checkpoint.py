@@ -215,7 +215,8 @@ def export_longspan_checkpoint(checkpoint: str | os.PathLike, output: str | os.P
     if detect_launch().world_size > 1:  # the layout of the saved run, with the overrides applied
         saved = load_checkpoint_config(checkpoint, list(overrides)).cfg
         parallel = initialize_distributed(saved.dist, saved.model)
-    loaded = load_model_from_checkpoint(str(checkpoint), list(overrides), parallel=parallel)
+    # An adapter checkpoint exports merged (its base from pretrained_checkpoint, the adapters folded in).
+    loaded = load_model_from_checkpoint(str(checkpoint), list(overrides), parallel=parallel, merge_adapters=True)
     cfg, model = loaded.cfg, loaded.model
     iter_dir = _iter_dir(checkpoint, loaded.iteration)
     source = iter_dir / HF_CONFIG_IN_CHECKPOINT if iter_dir is not None else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,17 +123,42 @@ def load_checkpoint_config(path: str | os.PathLike, overrides: Sequence[str] = (
     return SavedCheckpoint(directory, iteration, cfg)
 
 
-def load_model_weights(directory: Path, model: list[nn.Module]) -> None:
-    """Load the ``model.*`` tensors of the checkpoint in ``directory`` into ``model`` (any layout)."""
+def load_model_weights(directory: Path, model: list[nn.Module], select: Callable[[str], bool] | None = None) -> None:
+    """Load the ``model.*`` tensors of the checkpoint in ``directory`` into ``model`` (any layout); ``select``
+    limits the tensors to those names (PEFT: base and adapters come from two checkpoints)."""
     from longspan.parallel.pipeline import state_dict_module
 
     module = state_dict_module(model)
     model_sd = get_model_state_dict(module)
+    if select is not None:
+        model_sd = {k: v for k, v in model_sd.items() if select(k)}
     _check_shapes(directory, model_sd, "model")
     to_load = {"model": model_sd}
     with _single_process_quiet():
         load_shards(to_load, directory, no_dist=not dist.is_initialized())
-    set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=True))
+    set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=select is None))
+
+
+def _load_adapter_checkpoint(cfg: Any, directory: Path, model: list[nn.Module]) -> None:
+    """PEFT: the base from the ``pretrained_checkpoint`` saved in the config, then the adapters of ``directory``."""
+    from longspan.peft.adapters import is_adapter_key
+
+    base = cfg.checkpoint.pretrained_checkpoint
+    if not base:
+        raise CheckpointError(
+            f"checkpoint {directory} holds adapters (peft is set) but its config names no "
+            "checkpoint.pretrained_checkpoint to take the base model from; pass checkpoint.pretrained_checkpoint=DIR"
+        )
+    from longspan.conversion import is_hf_model_dir
+
+    if is_hf_model_dir(base):
+        from longspan.training.hf_checkpoint import load_hf_pretrained
+
+        load_hf_pretrained(base, model, select=lambda k: not is_adapter_key(k))
+    else:
+        base_dir, _ = resolve_checkpoint_dir(base)
+        load_model_weights(base_dir, model, select=lambda k: not is_adapter_key(k))
+    load_model_weights(directory, model, select=is_adapter_key)
 
 
 def _default_device() -> torch.device:
@@ -148,6 +173,8 @@ def _build_one_process(cfg: Any, device: torch.device) -> list[nn.Module]:
         if hasattr(cfg.model, name):
             setattr(cfg.model, name, value)
     model = build_meta_model(cfg.model)
+    if cfg.peft is not None:  # adapters on the meta model, like training; both checkpoints fill them
+        cfg.peft.apply(model)
     model.to_empty(device=device)
     return [model]
 
@@ -158,6 +185,7 @@ def load_model_from_checkpoint(
     *,
     parallel: Any = None,
     device: str | torch.device | None = None,
+    merge_adapters: bool = False,
 ) -> LoadedModel:
     """Rebuild the model, tokenizer and config of the longspan checkpoint at ``path``.
 
@@ -169,6 +197,11 @@ def load_model_from_checkpoint(
             None builds the whole model on this one process (the layout fields of the saved config are reset
             to one rank; the checkpoint reshards).
         device: one-process only: where the model lives; default CUDA when available, else the CPU.
+        merge_adapters: for an adapter checkpoint (``peft`` set in its config), fold the adapters into the base
+            weights (one process): the model is then a plain model and ``cfg.peft`` is None.
+
+    An adapter checkpoint loads its base from the ``checkpoint.pretrained_checkpoint`` saved in its config (a
+    longspan checkpoint or an HF model directory), then its adapters.
 
     Raises ``CheckpointError`` (one line) for a missing, incomplete or mismatching checkpoint.
     """
@@ -192,13 +225,23 @@ def load_model_from_checkpoint(
                 "parallel=<ParallelState> to build the model for the layout, or run one process"
             )
         model = _build_one_process(cfg, torch.device(device) if device is not None else _default_device())
+    elif merge_adapters and cfg.peft is not None:
+        raise CheckpointError("merge_adapters=True needs the whole model on one process: pass parallel=None")
     else:
         from longspan.training.setup import build_model
 
         if device is not None:
             raise CheckpointError("device= is for one-process loads; with parallel= the device is the layout's")
-        model = build_model(cfg, parallel, cfg.rng.seed)
-    load_model_weights(found.directory, model)
+        model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
+    if cfg.peft is not None:
+        _load_adapter_checkpoint(cfg, found.directory, model)
+        if merge_adapters:
+            from longspan.peft.adapters import merge_adapters as merge
+
+            model = [merge(chunk) for chunk in model]
+            cfg.peft = None
+    else:
+        load_model_weights(found.directory, model)
     for chunk in model:
         chunk.eval()
     print_rank_0(f"loaded model weights from {found.directory} (iteration {found.iteration})", logger)

@@ -1,0 +1,33 @@
+"""``longspan peft merge --checkpoint CKPT --output CKPT``: fold an adapter checkpoint's LoRA/DoRA adapters into
+its base and write a full longspan checkpoint (which ``convert export``, ``generate`` and ``finetune`` take like
+any other)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from longspan.core.errors import CheckpointError
+
+
+def add_parser(subparsers: Any, name: str) -> None:
+    parser = subparsers.add_parser(name, help="PEFT adapter checkpoints: merge adapters into the base",
+                                   description=__doc__.splitlines()[0])
+    actions = parser.add_subparsers(dest="action", required=True, parser_class=type(parser))
+    merge = actions.add_parser("merge", help="adapter checkpoint -> full checkpoint with the adapters folded in")
+    merge.add_argument("--checkpoint", required=True, metavar="CKPT_DIR",
+                       help="adapter checkpoint: a save root (with the tracker file) or an iter_XXXXXXX directory")
+    merge.add_argument("--output", required=True, metavar="CKPT_DIR", help="checkpoint directory to write")
+    merge.add_argument("overrides", nargs="*", help="dotlist overrides of the saved config (section.field=value)")
+    merge.set_defaults(func=run, command_name=name)
+
+
+def run(args: argparse.Namespace) -> int:
+    from longspan.training.peft_checkpoint import merge_adapter_checkpoint
+
+    if not Path(args.checkpoint).is_dir():
+        raise CheckpointError(f"--checkpoint {args.checkpoint} is not a directory")
+    out = merge_adapter_checkpoint(args.checkpoint, args.output, args.overrides)
+    print(f"merged {args.checkpoint} -> {out}")
+    return 0

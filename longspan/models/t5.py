@@ -272,17 +272,22 @@ class T5Stack(nn.Module):
         return self.final_layernorm(hidden_states)
 
 
-def _mask_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Megatron's bool mask (True = masked, ``[b or 1, 1 or heads, q, k]``) as an additive bias (finite, so a
-    fully masked row stays defined, as in T5)."""
+def _as_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Megatron's mask (bool, True = masked; or non-zero = masked) as bool ``[b or 1, 1 or heads, q, k]``."""
     if mask is None:
         return None
     if mask.dtype != torch.bool:
         mask = mask != 0
     if mask.dim() == 2:
-        mask = mask[None, None]
-    elif mask.dim() == 3:
-        mask = mask[:, None]
+        return mask[None, None]
+    return mask[:, None] if mask.dim() == 3 else mask
+
+
+def _mask_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask as an additive bias: the dtype's lowest finite value where masked (finite, so a fully
+    masked row stays defined, as in T5; masks are merged before, so two never add up to -inf)."""
+    if mask is None:
+        return None
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, torch.finfo(dtype).min)
 
 
@@ -344,7 +349,7 @@ class T5Model(nn.Module):
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
             position_bias = self.encoder_relative_pos_emb(s, s, hidden.device)
-        bias = _combine(position_bias, _mask_bias(encoder_attn_mask, dtype))
+        bias = _combine(position_bias, _mask_bias(_as_mask(encoder_attn_mask), dtype))
         if bias is None:
             bias = torch.zeros(1, 1, s, s, dtype=dtype, device=hidden.device)
         return self.encoder(hidden, bias)
@@ -376,13 +381,16 @@ class T5Model(nn.Module):
         if encoder_hidden_states is None:
             encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
         hidden = self.embed(decoder_input_ids)
-        s_dec, s_enc, dtype, device = decoder_input_ids.shape[1], encoder_hidden_states.shape[1], hidden.dtype, hidden.device
-        causal = torch.ones(s_dec, s_dec, dtype=torch.bool, device=device).triu(diagonal=1)
+        s_dec, s_enc = decoder_input_ids.shape[1], encoder_hidden_states.shape[1]
+        dtype, device = hidden.dtype, hidden.device
+        self_mask = torch.ones(s_dec, s_dec, dtype=torch.bool, device=device).triu(diagonal=1)[None, None]
+        if decoder_attn_mask is not None:  # the decoder is always causal; a given mask is applied on top
+            self_mask = self_mask | _as_mask(decoder_attn_mask)
         position_bias = None
         if self.decoder_relative_pos_emb is not None:
             position_bias = self.decoder_relative_pos_emb(s_dec, s_dec, device)
-        self_bias = _combine(position_bias, _mask_bias(causal, dtype), _mask_bias(decoder_attn_mask, dtype))
-        cross_bias = _mask_bias(encoder_decoder_attn_mask, dtype)
+        self_bias = _combine(position_bias, _mask_bias(self_mask, dtype))
+        cross_bias = _mask_bias(_as_mask(encoder_decoder_attn_mask), dtype)
         if cross_bias is None:
             cross_bias = torch.zeros(1, 1, s_dec, s_enc, dtype=dtype, device=device)
         hidden = self.decoder(hidden, self_bias, encoder_hidden_states, cross_bias)

@@ -134,3 +134,14 @@ def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     setattr(cfg.model, field, value)
     with pytest.raises(NotSupportedError, match=f"model.{field}={value!r} is not supported yet"):
         cfg.validate(world_size=2)
+
+
+def test_fully_masked_rows_stay_finite_like_t5():
+    """Masks are merged before they become a bias: a row masked by both the causal and the padding mask is
+    uniform (finite), never NaN."""
+    model = tiny_t5(position_embedding_type="relative").provide().eval()
+    enc, dec = torch.randint(0, 90, (2, 16)), torch.randint(0, 90, (2, 8))
+    everything = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    out = model(enc, dec, decoder_attn_mask=everything,
+                encoder_attn_mask=torch.ones(2, 1, 1, 16, dtype=torch.bool))
+    assert torch.isfinite(out).all()

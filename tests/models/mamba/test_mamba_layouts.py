@@ -22,9 +22,11 @@ ITERS = 8
 REL = 1e-5
 
 
-def _config(run_dir: str, recipe: str, dp_mode: str = "ddp", pp: int = 1, tp: int = 1):
-    cfg = small_mamba_run(run_dir, recipe, "run", train_iters=ITERS, eval_interval=None, eval_iters=0)
-    cfg.checkpoint.save = cfg.checkpoint.load = None
+def _config(run_dir: str, recipe: str, dp_mode: str = "ddp", pp: int = 1, tp: int = 1, save: str | None = None,
+            load: str | None = None, exit_interval: int | None = None):
+    cfg = small_mamba_run(run_dir, recipe, "run", train_iters=ITERS, eval_interval=None, eval_iters=0,
+                          exit_interval=exit_interval)
+    cfg.checkpoint.save, cfg.checkpoint.load = save, load
     cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
     cfg.dist.use_torch_fsdp2 = dp_mode == "fsdp2"
     cfg.model.pipeline_model_parallel_size = pp
@@ -107,3 +109,17 @@ def test_layout_matches_one_process(name: str, recipe: str, references: dict, tm
         for i, (g, w) in enumerate(zip(got[key], want[key])):
             assert abs(g - w) <= REL * abs(w), f"{name} {recipe} {key}[{i}]: {g} vs {w}"
     assert want["losses"][-1] < want["losses"][0]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)])
+def test_checkpoint_moves_from_a_layout_to_one_process(layout: dict, references: dict, tmp_path: Path) -> None:
+    """tiny-hybrid stops at iteration 4 under TP2 / PP2; one process resumes the checkpoint and logs the
+    reference's iterations 5-8 (the mixer's replicated tensors and the DTensor shards reshard)."""
+    ckpt = str(tmp_path / "ckpt")
+    get_shared_pool(2).run(_run, str(tmp_path / "two"), "tiny-hybrid", save=ckpt, exit_interval=4, timeout=300,
+                           **layout)
+    _run(str(tmp_path / "one"), "tiny-hybrid", load=ckpt)
+    got, want = _logged(str(tmp_path / "one")), references["tiny-hybrid"]
+    assert got["iterations"] == [5, 6, 7, 8]
+    for g, w in zip(got["losses"], want["losses"][4:]):
+        assert abs(g - w) <= REL * abs(w), (g, w)

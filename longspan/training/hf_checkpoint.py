@@ -22,7 +22,7 @@ import torch
 
 from longspan.conversion import bridge as bridge_mod
 from longspan.conversion.bridge import ProgressLog, copy_tokenizer_files, is_hf_model_dir
-from longspan.core.errors import CheckpointError
+from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 
 logger = get_logger(__name__)
@@ -35,6 +35,8 @@ HF_SUBDIR = "hf"
 # Fields of the recipe that an HF config.json does not override: the layout and precision (the
 # ModelParallelConfig fields) and, for RoPE models, the training sequence length.
 _KEEP_FROM_RECIPE_ROPE = ("seq_length",)
+# T5's relative positions have no length limit either: the recipe's encoder and decoder lengths stay.
+_KEEP_FROM_RECIPE_RELATIVE = ("seq_length", "seq_length_dec", "max_position_embeddings")
 
 
 class AutoBridge(bridge_mod.AutoBridge):
@@ -78,6 +80,13 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike, keep_precision: b
         keep -= {"params_dtype"}
     if hf_provider.position_embedding_type == "rope":
         keep |= set(_KEEP_FROM_RECIPE_ROPE)
+    if hf_provider.position_embedding_type == "relative":
+        keep |= set(_KEEP_FROM_RECIPE_RELATIVE)
+    if type(cfg.model) is not type(hf_provider):
+        raise ConfigError(
+            f"checkpoint.pretrained_checkpoint={str(hf_dir)!r} holds a {type(hf_provider).__name__} model but the "
+            f"recipe's model is a {type(cfg.model).__name__}: use a recipe of the same family (e.g. tiny-t5 for T5)"
+        )
     changed = []
     for f in dataclasses.fields(hf_provider):
         if f.name in keep:

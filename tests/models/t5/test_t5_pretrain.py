@@ -91,3 +91,66 @@ def test_trained_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
         want = hf(input_ids=enc, decoder_input_ids=dec).logits
         got = model(enc, dec)[..., :533]
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def _hf_t5_dir(tmp_path: Path, vocab: int):
+    import transformers
+
+    config = transformers.T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
+                                   num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                   tie_word_embeddings=False, dropout_rate=0.0, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    return hf, tmp_path / "hf"
+
+
+def test_finetuning_from_an_hf_t5_starts_at_transformers_loss(tmp_path: Path) -> None:
+    """checkpoint.pretrained_checkpoint = an HF T5 directory: architecture from config.json (the recipe keeps
+    its encoder/decoder lengths), HF weights loaded; the first logged loss equals transformers' on the same
+    microbatches."""
+    from longspan.training.finetune import finetune
+    from longspan.training.t5_forward_step import t5_forward_step
+
+    hf, hf_dir = _hf_t5_dir(tmp_path, vocab=533)  # the recipe tokenizer's size (bytes, <bos>, 20 sentinels)
+    cfg = small_t5_run(tmp_path, "ft", train_iters=1, eval_interval=None, eval_iters=0)
+    cfg.checkpoint.pretrained_checkpoint, cfg.checkpoint.load = str(hf_dir), None
+    cfg.optimizer.lr = cfg.optimizer.min_lr = 0.0
+    cfg.scheduler.lr_warmup_iters = 0
+    batches: list = []
+
+    def recording_step(state, data_iterator, model):
+        def tee():
+            batch = next(data_iterator)
+            batches.append(batch)
+            yield batch
+        return t5_forward_step(state, tee(), model)
+
+    finetune(cfg, recording_step)
+    assert (cfg.model.num_layers, cfg.model.encoder_num_layers, cfg.model.seq_length_dec) == (3, 2, 32)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        assert len(batches) == 4  # 8 samples in microbatches of 2
+        for b in batches:
+            logits = hf(input_ids=b["text_enc"], attention_mask=b["enc_mask"], decoder_input_ids=b["text_dec"],
+                        decoder_attention_mask=b["dec_mask"]).logits
+            labels = torch.where(b["loss_mask"] > 0, b["labels"], 0)
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            total += float((ce * b["loss_mask"].flatten()).sum())
+            count += float(b["loss_mask"].sum())
+    assert abs(losses_by_iteration(cfg)[1] - total / count) <= 1e-5
+
+
+def test_hf_t5_directory_needs_a_t5_recipe(tmp_path: Path) -> None:
+    from longspan.core.errors import ConfigError
+    from longspan.training.hf_checkpoint import apply_hf_pretrained_config
+
+    _, hf_dir = _hf_t5_dir(tmp_path, vocab=533)
+    cfg = get_recipe("tiny")
+    cfg.checkpoint.pretrained_checkpoint = str(hf_dir)
+    try:
+        apply_hf_pretrained_config(cfg)
+    except ConfigError as exc:
+        assert "T5ModelProvider" in str(exc) and "GPTModelProvider" in str(exc) and "\n" not in str(exc)
+    else:
+        raise AssertionError("a GPT recipe with an HF T5 directory must be a ConfigError")

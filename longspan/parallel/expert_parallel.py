@@ -291,6 +291,10 @@ def _shard_shared_experts(layers: list[MoELayer], tp_mesh: Any) -> None:
         plan: dict[str, Any] = {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()}
         if shared.linear_fc1_gate is not None:
             plan["linear_fc1_gate"] = ColwiseParallel()
+        for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
+            adapt = getattr(getattr(shared, name), "adapt_parallel_style", None)
+            if adapt is not None:
+                plan[name] = adapt(style)
         parallelize_module(shared, tp_mesh, plan)
 
 

@@ -256,3 +256,32 @@ def test_bridge_targets_map_onto_longspan_classes(target, cls) -> None:
     assert type(cfg.peft) is cls and cfg.peft.dim == 16 and cfg.peft.dropout == 0.05
     apply_overrides(cfg, ["peft.dim=4"])
     assert cfg.peft.dim == 4
+
+
+def _moe_provider():
+    from longspan.models.gpt_provider import GPTModelProvider
+
+    return GPTModelProvider(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=128,
+        make_vocab_size_divisible_by=128, normalization="RMSNorm", position_embedding_type="rope",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=24,
+    )
+
+
+def test_moe_shared_experts_adapt_and_grouped_experts_are_rejected_by_name() -> None:
+    from longspan.core.errors import NotSupportedError
+
+    cfg = _moe_provider()
+    with pytest.raises(NotSupportedError, match=r"decoder\.layers\.0\.mlp\.experts\.linear_fc1 .*exclude_modules"):
+        LoRA(dim=2).apply(build_gpt_model(cfg, materialize=False))
+    peft = LoRA(dim=2, exclude_modules=["*.experts.*"])
+    model = _adapted(cfg, peft)
+    adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert "decoder.layers.0.mlp.shared_experts.linear_fc1" in adapted
+    assert "decoder.layers.0.mlp.shared_experts.linear_fc1_gate" in adapted
+    assert not any(".experts." in n for n in adapted)
+    ids = _tokens(128)
+    base = _base(cfg)
+    assert torch.equal(model(ids), base(ids))

@@ -126,6 +126,8 @@ def linear_cross_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     device_type = flat_hidden.device.type
+    if device_type == "meta":  # shape-only runs (longspan plan): autocast has no meta device
+        device_type = "cpu"
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         flat_hidden, weight = flat_hidden.to(dtype), weight.to(dtype)

@@ -152,14 +152,18 @@ def _rank() -> int:
 # ------------------------------------------------------------------------------------------ convert
 
 
+# The recipe whose training settings an imported checkpoint's run_config.yaml carries, per provider class.
+_IMPORT_RECIPES = {"T5ModelProvider": "tiny_t5"}
+
+
 def import_hf_checkpoint(hf_path: str | os.PathLike, output: str | os.PathLike, overrides: Sequence[str] = (),
                          config_files: Sequence[str] = (), show_progress: bool = True) -> Path:
     """An HF model directory -> a longspan checkpoint at iteration 0 under ``output`` (a save root).
 
     The checkpoint holds the weights (no optimizer state), run_config.yaml (the ``tiny`` recipe's training
-    settings and sequence length with the HF architecture, the HF tokenizer and the layout / ``model.seq_length``
-    from ``overrides``), the tokenizer
-    files, the tracker, and the HF config.json it came from. Runs on every rank of a launch.
+    settings and sequence length, ``tiny-t5``'s for T5, with the HF architecture, the HF tokenizer and the
+    layout / ``model.seq_length`` from ``overrides``), the tokenizer files, the tracker, and the HF config.json it
+    came from. Runs on every rank of a launch.
     """
     from longspan.config import load_config
     from longspan.data.tokenizers import build_tokenizer
@@ -168,8 +172,10 @@ def import_hf_checkpoint(hf_path: str | os.PathLike, output: str | os.PathLike, 
     from longspan.training.state import GlobalState
 
     bridge = AutoBridge.from_hf_pretrained(hf_path)
-    cfg = load_config("tiny", list(config_files), list(overrides))
+    recipe = _IMPORT_RECIPES.get(bridge.family.provider_class, "tiny")
+    cfg = load_config(recipe, list(config_files), list(overrides))
     apply_hf_model_config(cfg, hf_path, keep_precision=False)
+    cfg.tokenizer.vocab_extra_ids = 0  # the HF vocabulary is the model's (T5's holds its own sentinels)
     cfg.dataset.sequence_length = cfg.model.seq_length  # RoPE models: the recipe's (or model.seq_length=N)
     cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
     cfg.tokenizer.tokenizer_model = str(Path(hf_path).resolve())

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from longspan.core.errors import ConfigError
+from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.transformer import KVCache
 
 
@@ -71,6 +71,11 @@ def _single_model(model: nn.Module | Sequence[nn.Module]) -> nn.Module:
         )
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ConfigError("generation needs the whole model, but this is one pipeline stage of it")
+    if hasattr(model, "encoder") and hasattr(model, "decoder"):  # longspan.models.t5.T5Model
+        raise NotSupportedError(
+            f"text generation is not supported yet for encoder-decoder models ({type(model).__name__}): "
+            "it runs decoder-only models (GPT, Mamba)"
+        )
     return model
 
 

@@ -145,3 +145,10 @@ def test_fully_masked_rows_stay_finite_like_t5():
     out = model(enc, dec, decoder_attn_mask=everything,
                 encoder_attn_mask=torch.ones(2, 1, 1, 16, dtype=torch.bool))
     assert torch.isfinite(out).all()
+
+
+def test_text_generation_refuses_t5_in_one_line():
+    from longspan.inference.text_generation import _single_model
+
+    with pytest.raises(NotSupportedError, match="encoder-decoder models \\(T5Model\\)"):
+        _single_model([tiny_t5().provide()])

@@ -266,6 +266,11 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
     scale = 1.0 / parallel.size("dp_cp")
     params: list[nn.Parameter] = []
     for layer in layers:
+        if any(".adapter." in n for n, _ in layer.experts.named_parameters()):
+            raise NotSupportedError(
+                f"adapters on routed experts with expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} "
+                "are not supported yet: exclude the experts (peft.exclude_modules=['*.experts.*']) or use ep = etp = 1"
+            )
         for name, param in list(layer.experts.named_parameters()):
             module_name, param_name = name.split(".")
             module = getattr(layer.experts, module_name)

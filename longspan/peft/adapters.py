@@ -87,10 +87,11 @@ def plan_adapters(model: nn.Module, peft: Any) -> "OrderedDict[str, list[str]]":
         group = canonical_name(name) if peft.kind == "canonical" else megatron_name(name)
         if not _selected(peft, group):
             continue
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) and (peft.kind == "dora" or getattr(module, "weight", None) is None
+                                                  or module.weight.dim() != 3):
             raise NotSupportedError(
-                f"peft: {group} is a {type(module).__name__} (MoE experts): adapters on grouped expert weights are "
-                "not supported yet; exclude it, e.g. exclude_modules=['*.experts.*'] or narrower target_modules"
+                f"peft: {group} is a {type(module).__name__} (MoE experts): {type(peft).__name__} on grouped expert "
+                "weights is not supported yet; exclude it, e.g. exclude_modules=['*.experts.*'], or use LoRA"
             )
         groups.setdefault(group, []).append(name)
     if not groups:
@@ -118,6 +119,9 @@ def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
         owner = None
         for name in names:
             base = model.get_submodule(name)
+            if not isinstance(base, nn.Linear):  # routed experts: one adapter per expert, 3-D factors
+                owner = _adapt_experts(model, name, base, peft, owner)
+                continue
             adapter = LoRAAdapter(
                 base.in_features, base.out_features, dim=peft.dim, scale=peft.scale, dropout=float(peft.dropout),
                 dropout_position=peft.dropout_position, a_init=peft.lora_A_init_method,
@@ -138,6 +142,35 @@ def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
     return model
 
 
+def _adapt_experts(model: nn.Module, name: str, base: nn.Module, peft: Any, owner: Any) -> Any:
+    """Give the ``GroupedLinear`` ``name`` a per-expert adapter and make its GroupedMLP add it; returns the
+    group's A owner."""
+    import types
+
+    from longspan.peft.modules import GroupedLoRAAdapter, adapted_grouped_mlp_forward
+
+    num_experts, out_features, in_features = base.weight.shape
+    adapter = GroupedLoRAAdapter(
+        num_experts, in_features, out_features, dim=peft.dim, scale=peft.scale, dropout=float(peft.dropout),
+        dropout_position=peft.dropout_position, a_init=peft.lora_A_init_method, b_init=peft.lora_B_init_method,
+        dtype=base.weight.dtype, device=base.weight.device, owner=owner,
+    )
+    if owner is not None:
+        owner.has_members = True
+    base.adapter = adapter
+    experts = model.get_submodule(name.rpartition(".")[0])
+    # The experts' forward applies every expert's slab itself; this version also adds the adapters.
+    experts.forward = types.MethodType(adapted_grouped_mlp_forward, experts)
+    return owner or adapter
+
+
+def grouped_adapted_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, GroupedLinear) of every routed-expert projection with an adapter."""
+    from longspan.peft.modules import GroupedLoRAAdapter
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "adapter", None), GroupedLoRAAdapter)]
+
+
 def freeze_base(model: nn.Module) -> None:
     """Only adapter parameters require gradients."""
     for name, param in model.named_parameters():
@@ -151,7 +184,7 @@ def adapted_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 def has_adapters(model_chunks: list[nn.Module] | nn.Module) -> bool:
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-    return any(isinstance(m, LoRALinear) for chunk in chunks for m in chunk.modules())
+    return any(is_adapter_key(n) for chunk in chunks for n, _ in chunk.named_parameters())
 
 
 @torch.no_grad()
@@ -179,6 +212,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}
     for name, layer in adapted_layers(model):
         state[f"{name}.weight"] = layer.merged_weight().detach().clone()
+    for name, layer in grouped_adapted_layers(model):
+        state[f"{name}.weight"] = (layer.weight + layer.adapter.delta_weight()).detach().clone()
     return state
 
 
@@ -225,4 +260,11 @@ def merge_adapters(model: nn.Module) -> nn.Module:
         merged.requires_grad_(layer.weight.requires_grad)
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, merged)
+    for name, layer in grouped_adapted_layers(model):
+        if hasattr(layer.weight, "device_mesh"):
+            raise NotSupportedError("merging adapters needs the whole model on one process (no DTensor parameters)")
+        layer.weight.copy_(layer.weight + layer.adapter.delta_weight())
+        del layer.adapter
+        experts = model.get_submodule(name.rpartition(".")[0])
+        experts.__dict__.pop("forward", None)  # back to GroupedMLP.forward
     return model

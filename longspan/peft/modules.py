@@ -262,3 +262,88 @@ def place_adapted_linear(module: LoRALinear, mesh: Any, kind: str, src_data_rank
             place(adapter.linear_in, "weight", Shard(1))
         place(adapter.linear_out, "weight", Replicate())
         place(adapter, "weight_magnitude", Replicate())
+
+
+# ----------------------------------------------------------------------------------------- MoE experts
+
+
+class _GroupedWeight(nn.Module):
+    """One ``weight [num_experts, out, in]`` (an adapter factor per expert), drawn by ``init_rule``."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, rule: tuple[str, float],
+                 dtype: Optional[torch.dtype], device: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype, device=device))
+        self.init_rule = rule
+
+
+class GroupedLoRAAdapter(nn.Module):
+    """LoRA for the routed experts (``GroupedLinear [E, out, in]``): per expert ``A_e [dim, in]`` and
+    ``B_e [out, dim]`` stored as 3-D ``linear_in.weight [E, dim, in]`` / ``linear_out.weight [E, out, dim]``.
+    For Megatron's fused ``linear_fc1`` the gate reads the up projection's A (one A per expert)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, dim: int, scale: float,
+                 dropout: float, dropout_position: str, a_init: str, b_init: str, dtype: Optional[torch.dtype],
+                 device: Any, owner: Optional["GroupedLoRAAdapter"] = None) -> None:
+        super().__init__()
+        self.scale = scale
+        self.dropout_position = dropout_position
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.linear_in = None if owner is not None else _GroupedWeight(
+            num_experts, in_features, dim, init_rule(a_init, in_features, dim), dtype, device)
+        object.__setattr__(self, "_owner", owner if owner is not None else self)
+        self.linear_out = _GroupedWeight(num_experts, dim, out_features, init_rule(b_init, dim, out_features), dtype,
+                                         device)
+        self._cache: Optional[tuple] = None
+
+    @property
+    def shared_in(self) -> _GroupedWeight:
+        return self._owner.linear_in
+
+    def expert_output(self, rows: torch.Tensor, j: int, weight_fn: Any) -> torch.Tensor:
+        """``scale · B_j A_j dropout(rows)`` for the rows routed to local expert ``j``."""
+        owner = self._owner
+        key = (_local_storage_key(rows), j)
+        if owner is not self and owner._cache is not None and owner._cache[0] == key:
+            h = owner._cache[2]
+            owner._cache = None
+        else:
+            dx = self.dropout(rows) if self.dropout is not None and self.dropout_position == "pre" else rows
+            h = F.linear(dx, weight_fn(self.shared_in.weight)[j])
+            if owner is self and getattr(self, "has_members", False):  # the gate reads it next
+                self._cache = (key, rows, h)
+        out = F.linear(h, weight_fn(self.linear_out.weight)[j])
+        if self.dropout is not None and self.dropout_position == "post":
+            out = self.dropout(out)
+        return out * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale · B_e A_e`` for every expert: ``[E, out, in]``."""
+        return torch.bmm(self.linear_out.weight, self.shared_in.weight) * self.scale
+
+
+def adapted_grouped_mlp_forward(self: Any, x: torch.Tensor, tokens_per_expert: list[int],
+                                add_output_bias: bool = True) -> torch.Tensor:
+    """``GroupedMLP.forward`` with the experts' adapters added to each projection (installed by
+    ``longspan.peft.adapters`` on the experts it adapts)."""
+    fn = self.weight_fn
+    w1, w2 = fn(self.linear_fc1.weight), fn(self.linear_fc2.weight)
+    gate = self.linear_fc1_gate
+    wg = fn(gate.weight) if gate is not None else None
+    b1 = fn(self.linear_fc1.bias) if self.linear_fc1.bias is not None else None
+    bg = fn(gate.bias) if wg is not None and gate.bias is not None else None
+    b2 = fn(self.linear_fc2.bias) if self.linear_fc2.bias is not None and add_output_bias else None
+
+    def project(layer: nn.Module, rows: torch.Tensor, j: int, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+        out = F.linear(rows, w[j], None if b is None else b[j])
+        adapter = getattr(layer, "adapter", None)
+        return out if adapter is None else out + adapter.expert_output(rows, j, fn)
+
+    outputs = []
+    for j, rows in enumerate(torch.split(x, tokens_per_expert, dim=0)):
+        up = project(self.linear_fc1, rows, j, w1, b1)
+        h = self.activation_func(project(gate, rows, j, wg, bg)) * up if wg is not None else self.activation_func(up)
+        outputs.append(project(self.linear_fc2, h, j, w2, b2))
+    if not outputs:
+        return x.new_zeros(0, w2.shape[1])
+    return torch.cat(outputs, dim=0)

@@ -270,12 +270,45 @@ def _moe_provider():
     )
 
 
+def test_moe_routed_experts_take_per_expert_adapters() -> None:
+    """Routed experts (GroupedLinear [E, out, in]): per-expert 3-D A/B; zero B starts at the base; a step moves
+    only adapters; the fused linear_fc1 shares each expert's A between gate and up; merging folds them in."""
+    cfg = _moe_provider()
+    ids = _tokens(128)
+    model = _adapted(cfg, LoRA(dim=2, alpha=4))
+    experts = model.decoder.layers["0"].mlp.experts
+    assert experts.linear_fc1.adapter.linear_in.weight.shape == (4, 2, 32)
+    assert experts.linear_fc1.adapter.linear_out.weight.shape == (4, 16, 2)
+    assert experts.linear_fc1_gate.adapter.linear_in is None  # gate reads up's A (Megatron's fused fc1)
+    assert experts.linear_fc2.adapter.linear_in.weight.shape == (4, 2, 16)
+    assert "decoder.layers.0.mlp.shared_experts.linear_fc1" in {
+        n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert torch.equal(model(ids), _base(cfg)(ids))
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    model(ids, labels=torch.roll(ids, -1, 1)).mean().backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        moved = not torch.equal(p, before[name])
+        assert moved == is_adapter_key(name) or (is_adapter_key(name) and "linear_in" in name), name
+    assert not torch.equal(experts.linear_fc2.adapter.linear_out.weight,
+                           before["decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_out.weight"])
+
+    _perturb_b(model)
+    model.eval()
+    merged = build_gpt_model(cfg, materialize=False)
+    merged.to_empty(device="cpu")
+    merged.load_state_dict(merged_state_dict(model))
+    torch.testing.assert_close(merged.eval()(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_moe_shared_experts_adapt_and_grouped_experts_are_rejected_by_name() -> None:
     from longspan.core.errors import NotSupportedError
 
     cfg = _moe_provider()
     with pytest.raises(NotSupportedError, match=r"decoder\.layers\.0\.mlp\.experts\.linear_fc1 .*exclude_modules"):
-        LoRA(dim=2).apply(build_gpt_model(cfg, materialize=False))
+        DoRA(dim=2).apply(build_gpt_model(cfg, materialize=False))
     peft = LoRA(dim=2, exclude_modules=["*.experts.*"])
     model = _adapted(cfg, peft)
     adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}

@@ -7,6 +7,7 @@ workers are started through torch's elastic launcher in-process (see ``longspan.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -25,13 +26,20 @@ def add_parser(subparsers: Any, name: str) -> None:
     parser.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend for multi-node launches")
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous")
     parser.add_argument("--rdzv-id", default="longspan", help="rendezvous id shared by every node of the job")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the worker group up to N times after a worker fails or hangs (torchrun's flag)")
+    parser.add_argument("--ft-initial-rank-heartbeat-timeout", type=float, default=None, metavar="S",
+                        help="ft: seconds a rank may take from start-up to its first iteration (default 3600)")
+    parser.add_argument("--ft-rank-heartbeat-timeout", type=float, default=None, metavar="S",
+                        help="ft: seconds a rank may go without a heartbeat after that (default 2700)")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides: section.field=value")
     parser.set_defaults(func=run, command_name=name)
 
 
 def _strip_launch_args(argv: list[str]) -> list[str]:
     """The worker command line: this one without the launcher's own options."""
-    launch_opts = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"}
+    launch_opts = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
+                   "--max-restarts", "--ft-initial-rank-heartbeat-timeout", "--ft-rank-heartbeat-timeout"}
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -50,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
     from longspan.config import load_config
 
     cfg = load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
-    if args.nproc_per_node:
-        return _launch(args, cfg)
+    in_worker = "TORCHELASTIC_RUN_ID" in os.environ  # started by a launcher (ours or torchrun): train here
+    if args.nproc_per_node or (not in_worker and (args.max_restarts or (cfg.ft is not None and cfg.ft.enable_ft_package))):
+        return _launch(args, cfg)  # restarts and fault tolerance need the launcher, also for one process
     if args.command_name == "finetune":
         from longspan.training.finetune import finetune
 
@@ -67,6 +76,7 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
     from longspan.parallel.launcher import launch
     from longspan.parallel.mesh import check_layout
 
+    args.nproc_per_node = args.nproc_per_node or 1
     nnodes = int(str(args.nnodes).split(":")[-1])
     world_size = nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
@@ -79,12 +89,17 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
     cfg.validate(world_size=world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer_vocab_size)
     worker_argv = _strip_launch_args(args.argv)
-    return launch(
-        worker_argv,
-        nproc_per_node=args.nproc_per_node,
-        nnodes=str(args.nnodes),
-        rdzv_backend=args.rdzv_backend,
-        rdzv_endpoint=args.rdzv_endpoint,
-        node_rank=args.node_rank,
-        rdzv_id=args.rdzv_id,
-    )
+    from longspan.training.resilience.launch import fault_tolerance_monitor
+
+    with fault_tolerance_monitor(cfg, args, world_size) as ft_env:
+        return launch(
+            worker_argv,
+            nproc_per_node=args.nproc_per_node,
+            nnodes=str(args.nnodes),
+            rdzv_backend=args.rdzv_backend,
+            rdzv_endpoint=args.rdzv_endpoint,
+            node_rank=args.node_rank,
+            rdzv_id=args.rdzv_id,
+            max_restarts=args.max_restarts,
+            extra_env=ft_env,
+        )

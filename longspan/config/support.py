@@ -29,7 +29,7 @@ HINT = "performance hint (no effect)"
 # Status of fields the table below does not name.
 SECTION_DEFAULT: dict[str, str] = {
     "rng": SUPPORTED,
-    "rerun_state_machine": NOT_SUPPORTED,
+    "rerun_state_machine": SUPPORTED,
     "train": SUPPORTED,
     "model": NOT_SUPPORTED,
     "optimizer": NOT_SUPPORTED,
@@ -40,9 +40,9 @@ SECTION_DEFAULT: dict[str, str] = {
     "tokenizer": NOT_SUPPORTED,
     "checkpoint": NOT_SUPPORTED,
     "dist": NOT_SUPPORTED,
-    "ft": NOT_SUPPORTED,
-    "straggler": NOT_SUPPORTED,
-    "nvrx_straggler": NOT_SUPPORTED,
+    "ft": SUPPORTED,
+    "straggler": SUPPORTED,
+    "nvrx_straggler": SUPPORTED,
     "profiling": SUPPORTED,
     "peft": SUPPORTED,
     "mixed_precision": NOT_SUPPORTED,
@@ -175,6 +175,8 @@ FIELD_STATUS: dict[str, str] = {
     # Every rank writes all of its own local state (nothing is replicated across ranks to de-duplicate), so
     # 'fully_parallel' and 'atomic' write the same files.
     **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
+    # Megatron's detector can be switched on and off at run time through a port; longspan's cannot.
+    **_many("straggler", NOT_SUPPORTED, "straggler_ctrlr_port"),
 }
 
 # Mamba and hybrid models (issue 13): longspan.models.mamba (MambaProvider).

@@ -31,7 +31,11 @@ from longspan.training.checkpointing import (
     load_peft_checkpoint,
     set_rng_state,
 )
-from longspan.training.resilience.hooks import build_rerun_state_machine
+from longspan.training.resilience.hooks import (
+    build_rerun_state_machine,
+    start_fault_tolerance,
+    start_straggler_detection,
+)
 from longspan.training.resilience.non_persistent import load_newest_checkpoint
 from longspan.training.hf_checkpoint import apply_hf_pretrained_config
 from longspan.training.microbatches import NumMicroBatchesCalculator
@@ -139,6 +143,8 @@ def setup(cfg: Any) -> SetupOutput:
     state.autocast_dtype = _autocast_dtype(cfg)
     state.check_for_nan = bool(cfg.rerun_state_machine.check_for_nan_in_loss)
     state.rerun_state_machine = build_rerun_state_machine(cfg)  # before loading: checkpoints carry its state
+    start_fault_tolerance(state)  # ft: this rank's heartbeat for the launcher's monitor
+    start_straggler_detection(state)  # straggler / nvrx_straggler
     state.num_microbatches_calculator = NumMicroBatchesCalculator(
         cfg.train.global_batch_size,
         cfg.train.micro_batch_size,

@@ -26,7 +26,15 @@ from longspan.training.schedules import (
 )
 from longspan.training.optimizer import NonFiniteGradError
 from longspan.training.resilience.non_persistent import save_non_persistent, should_save_non_persistent
-from longspan.training.resilience.hooks import after_forward_backward, ensure_rerun_state_machine
+from longspan.training.resilience.hooks import (
+    after_forward_backward,
+    after_iteration,
+    before_iteration,
+    checkpoint_phase_finished,
+    checkpoint_phase_started,
+    ensure_rerun_state_machine,
+    resilience_stop_requested,
+)
 from longspan.training.profiling import (
     handle_profiling_step,
     handle_profiling_stop,
@@ -94,6 +102,7 @@ def train(
         nsys_nvtx_context = handle_profiling_step(cfg.profiling, train_state.step, get_rank(), prof) or nsys_nvtx_context
         global_state.num_microbatches_calculator.update(train_state.consumed_train_samples, True)
 
+        before_iteration(global_state)  # resilience: the straggler detector's step timer
         (
             loss_dict,
             skipped_iter,
@@ -113,6 +122,7 @@ def train(
             break
 
         train_state.step += 1
+        after_iteration(global_state)  # resilience: heartbeat
         batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
         train_state.consumed_train_samples += batch_size
         if skipped_iter:
@@ -165,6 +175,8 @@ def train(
             global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
             checkpointing_context, train_data_iterator,
         ):
+            break
+        if resilience_stop_requested(global_state):  # straggler stop_if_detected: the final save follows
             break
 
     # The final state is always saved (Megatron saves at the end unless the last iteration just did).
@@ -453,6 +465,7 @@ def save_checkpoint_and_time(
     )
     if should_toggle:
         disable_forward_pre_hook(model)
+    checkpoint_phase_started(state)  # resilience: the heartbeat monitor allows the checkpoint timeout
     timers("save-checkpoint", log_level=0).start(barrier=True)
     if non_persistent_ckpt:  # checkpoint.non_persistent_ckpt_type: global (DCP) or local (per-rank files)
         save_non_persistent(
@@ -465,6 +478,7 @@ def save_checkpoint_and_time(
             checkpointing_context, train_data_iterator=train_data_iterator,
         )
     timers("save-checkpoint").stop(barrier=True)
+    checkpoint_phase_finished(state)
     timers.log(["save-checkpoint"])
     if not non_persistent_ckpt:  # the final save stays persistent even when a non-persistent one just ran
         state.last_saved_step = state.train_state.step

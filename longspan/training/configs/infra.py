@@ -135,33 +135,39 @@ class ProfilingConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """NVIDIA's fault-tolerance package (NVIDIA internal use)."""
+    """Fault tolerance: rank heartbeats watched by longspan's launcher (longspan.training.resilience.heartbeat;
+    Megatron Bridge uses NVIDIA's nvidia-resiliency-ext package for this)."""
 
     enable_ft_package: bool = False
-    """Enable the fault-tolerance package."""
+    """Each rank heartbeats (start-up, every iteration, checkpoint saves); ``longspan pretrain`` (which then always
+    launches workers) kills a rank silent for longer than its timeout (--ft-initial-rank-heartbeat-timeout before
+    its first iteration, --ft-rank-heartbeat-timeout after), and the worker group restarts (--max-restarts) and
+    resumes from the newest checkpoint."""
 
     calc_ft_timeouts: bool = False
-    """Let the package compute its timeouts."""
+    """Learn the rank and checkpoint timeouts from observed iteration and save times (5x the longest, at least
+    2 s); they are kept in {checkpoint.save}/ft_timeouts.json and a restarted job starts from them."""
 
     simulate_fault: bool = False
-    """Inject a simulated fault (testing only)."""
+    """Inject a simulated fault in the first run of the job (testing only; needs enable_ft_package)."""
 
     simulated_fault_type: Literal["rank_hung", "rank_killed", "random"] = "random"
-    """Kind of simulated fault."""
+    """Kind of simulated fault: the rank stops itself (SIGSTOP), kills itself (SIGKILL), or one of the two."""
 
     simulated_fault_rank: Optional[int] = None
     """Rank that fails; None picks one at random."""
 
     simulated_fault_base_delay: int = 0
-    """Seconds before the simulated fault (plus a small random delay)."""
+    """Seconds after start-up before the simulated fault (plus up to one more, at random)."""
 
 
 @dataclass
 class StragglerDetectionConfig:
-    """Megatron's straggler detector (slow GPUs)."""
+    """Megatron's straggler detector (slow ranks); longspan.training.resilience.straggler (shared with nvrx_straggler)."""
 
     log_straggler: bool = False
-    """Track and log per-GPU throughput to find stragglers."""
+    """Time each rank's train step and log the best/worst ranks' relative and individual scores every
+    logger.log_interval iterations (report only, no thresholds)."""
 
     enable_straggler_on_startup: bool = True
     """Start with the detector enabled."""
@@ -173,15 +179,17 @@ class StragglerDetectionConfig:
     """How many slowest/fastest ranks to report."""
 
     disable_straggler_on_startup: bool = False
-    """Start with the detector disabled."""
+    """Start with the detector disabled (without the control port it then stays off)."""
 
 
 @dataclass
 class NVRxStragglerDetectionConfig:
-    """NVIDIA Resiliency Extension straggler detection."""
+    """NVIDIA Resiliency Extension's straggler detection, on longspan's own detector
+    (longspan.training.resilience.straggler)."""
 
     enabled: bool = False
-    """Enable NVRx straggler detection."""
+    """Time each rank's train step; every report_time_interval seconds gather the ranks' mean step times, score
+    them, log the best/worst ranks, and report ranks under a threshold as stragglers (a resilience event)."""
 
     report_time_interval: float = 300.0
     """Seconds between straggler checks."""
@@ -202,7 +210,7 @@ class NVRxStragglerDetectionConfig:
     """Individual score below which a GPU is a straggler."""
 
     stop_if_detected: bool = False
-    """Stop the run when a straggler is found."""
+    """End the run cleanly (final checkpoint saved, exit 0) when a straggler is found."""
 
     enable_logging: bool = True
     """Log the performance scores."""

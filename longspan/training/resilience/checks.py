@@ -11,6 +11,21 @@ def check_resilience_config(cfg: Any) -> None:
     """Reject resilience settings longspan cannot honour, naming the field and what would be valid."""
     _check_non_persistent(cfg.checkpoint)
     _check_rerun(cfg.rerun_state_machine, cfg.checkpoint)
+    if cfg.ft is not None:
+        _check_ft(cfg.ft)
+
+
+def _check_ft(ft: Any) -> None:
+    kinds = ("rank_hung", "rank_killed", "random")
+    if ft.simulated_fault_type not in kinds:
+        raise ConfigError(f"ft.simulated_fault_type={ft.simulated_fault_type!r} is not valid: use one of {', '.join(kinds)}")
+    if ft.simulated_fault_rank is not None and ft.simulated_fault_rank < 0:
+        raise ConfigError(f"ft.simulated_fault_rank={ft.simulated_fault_rank} is not valid: use None or a rank >= 0")
+    if ft.simulated_fault_base_delay < 0:
+        raise ConfigError(f"ft.simulated_fault_base_delay={ft.simulated_fault_base_delay} is not valid: use seconds >= 0")
+    if (ft.simulate_fault or ft.calc_ft_timeouts) and not ft.enable_ft_package:
+        field = "simulate_fault" if ft.simulate_fault else "calc_ft_timeouts"
+        raise ConfigError(f"ft.{field}=True needs ft.enable_ft_package=True")
 
 
 def _check_rerun(r: Any, c: Any) -> None:

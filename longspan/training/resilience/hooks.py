@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from longspan.core.logging import get_logger
 from longspan.training.resilience.events import report_event
 from longspan.training.resilience.rerun import RerunStateMachine
+
+logger = get_logger(__name__)
 
 
 def ensure_rerun_state_machine(state: Any) -> RerunStateMachine:
@@ -39,3 +42,91 @@ def after_forward_backward(state: Any, iteration: int) -> tuple[bool, bool, int]
         report_event(state, "rerun", f"exiting with code {exit_code}" + (" after saving a checkpoint" if
                      should_checkpoint else ""), exit_code=exit_code)
     return should_checkpoint, should_exit, exit_code
+
+
+# ----------------------------------------------------------------------------------- fault tolerance (ft)
+
+
+def start_fault_tolerance(state: Any) -> None:
+    """Setup: this rank's heartbeat (``ft.enable_ft_package``) and the simulated fault (``ft.simulate_fault``)."""
+    from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV, RankHeartbeat
+
+    cfg = state.cfg
+    parallel = state.parallel
+    beat = RankHeartbeat(cfg.ft, cfg.checkpoint.save, parallel.rank, parallel.world_size)
+    state.heartbeat = beat
+    if cfg.ft is not None and cfg.ft.enable_ft_package and not beat.enabled and parallel.rank == 0:
+        report_event(state, "fault_tolerance", f"ft.enable_ft_package is on but no launcher watches this run "
+                     f"({HEARTBEAT_DIR_ENV} is unset): start it with longspan pretrain --nproc-per-node N")
+    beat.beat("setup")
+    beat.start_simulated_fault(cfg.rng.seed)
+
+
+def _heartbeat(state: Any) -> Any:
+    return getattr(state, "heartbeat", None)
+
+
+def after_iteration(state: Any) -> None:
+    """After every training iteration: the heartbeat and the straggler detector (collective when it reports)."""
+    beat = _heartbeat(state)
+    if beat is not None:
+        beat.iteration_done(state.train_state.step)
+    _straggler_report(state)
+
+
+def checkpoint_phase_started(state: Any) -> None:
+    beat = _heartbeat(state)
+    if beat is not None:
+        beat.checkpoint_started()
+
+
+def checkpoint_phase_finished(state: Any) -> None:
+    beat = _heartbeat(state)
+    if beat is not None:
+        beat.checkpoint_finished()
+
+
+# --------------------------------------------------------------------------------------------- straggler
+
+
+def start_straggler_detection(state: Any) -> None:
+    """Setup: the straggler detector when ``straggler.log_straggler`` or ``nvrx_straggler.enabled`` is on."""
+    from longspan.training.resilience.straggler import StragglerDetector, straggler_settings
+
+    settings = straggler_settings(state.cfg)
+    state.straggler_detector = None if settings is None else StragglerDetector(
+        settings, check_every=state.cfg.logger.log_interval or 1, device=state.device)
+    state.resilience_stop = False
+
+
+def before_iteration(state: Any) -> None:
+    """Before every training iteration: start the straggler detector's step timer."""
+    detector = getattr(state, "straggler_detector", None)
+    if detector is not None:
+        detector.iteration_started()
+
+
+def _straggler_report(state: Any) -> None:
+    detector = getattr(state, "straggler_detector", None)
+    if detector is None:
+        return
+    detector.iteration_done()
+    report = detector.maybe_report(state.train_state.step)
+    if report is None:
+        return
+    if state.parallel.rank == 0:
+        for line in detector.format(report):
+            logger.info(line)
+    if report.stragglers:
+        stop = detector.settings.stop_if_detected
+        report_event(state, "straggler", f"ranks {report.stragglers} straggle at iteration {report.iteration} "
+                     f"(mean step times {[round(t * 1e3, 2) for t in report.mean_step_s]} ms)"
+                     + ("; stopping (nvrx_straggler.stop_if_detected) after a checkpoint" if stop else ""),
+                     stragglers=report.stragglers, mean_step_s=report.mean_step_s, relative=report.relative,
+                     individual=report.individual)
+        state.resilience_stop = state.resilience_stop or stop
+
+
+def resilience_stop_requested(state: Any) -> bool:
+    """True when a resilience feature ends the run cleanly (straggler stop_if_detected); the final save follows."""
+    return bool(getattr(state, "resilience_stop", False))

@@ -1,0 +1,308 @@
+"""Fault tolerance (``ft``) without NVIDIA packages: per-rank heartbeats and a launcher-side monitor.
+
+Worker side (``RankHeartbeat``): with ``ft.enable_ft_package`` and a launcher that watches
+(``LONGSPAN_FT_HEARTBEAT_DIR`` set), each rank rewrites ``{dir}/rank{R}.json`` atomically at start-up, after
+every iteration and around every checkpoint save: its pid, the elastic restart count, the phase (``setup``,
+``iteration``, ``checkpoint``; ``exited`` when the process ends on its own), the iteration and the time. With ``ft.calc_ft_timeouts`` it also publishes
+timeouts learned from the iteration and checkpoint times it observed (``TimeoutCalculator``); rank 0 keeps them
+in ``{checkpoint.save}/ft_timeouts.json`` with the checkpoints, and a restarted job starts from them.
+
+Launcher side (``HeartbeatMonitor``, a thread in ``longspan pretrain --nproc-per-node``): a rank whose heartbeat
+is older than its timeout (the initial timeout until its first iteration, the checkpoint timeout while saving,
+else the rank timeout) is declared hung and SIGKILLed, also when it was stopped from outside (SIGSTOP); a rank
+whose process is gone is reported as dead. torch elastic then tears the worker group down and restarts it (up to
+``--max-restarts``), and training resumes from the newest checkpoint. Each detection is one log line naming the
+rank, how it was detected and the restarts remaining, a progress.txt entry and a metrics.jsonl record.
+
+``ft.simulate_fault`` injects a fault in the first run of the job (restart 0): after
+``simulated_fault_base_delay`` seconds plus up to one more, rank ``simulated_fault_rank`` (random when None)
+stops itself (``rank_hung``, SIGSTOP) or kills itself (``rank_killed``, SIGKILL); ``random`` picks one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from longspan.core.logging import get_logger
+
+logger = get_logger(__name__)
+
+HEARTBEAT_DIR_ENV = "LONGSPAN_FT_HEARTBEAT_DIR"
+TIMEOUTS_FILENAME = "ft_timeouts.json"
+#: learned timeouts are this many times the longest observed interval (nvidia-resiliency-ext's safety factor)
+SAFETY_FACTOR = 5.0
+#: ... and never below this many seconds
+MIN_LEARNED_TIMEOUT = 2.0
+#: iterations observed before iteration timeouts are learned
+MIN_OBSERVATIONS = 3
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+@dataclass
+class TimeoutCalculator:
+    """Timeouts learned from observed intervals: SAFETY_FACTOR x the longest, at least MIN_LEARNED_TIMEOUT."""
+
+    max_iteration_s: float = 0.0
+    max_checkpoint_s: float = 0.0
+    iterations_seen: int = 0
+
+    def observe_iteration(self, seconds: float) -> None:
+        self.iterations_seen += 1
+        self.max_iteration_s = max(self.max_iteration_s, seconds)
+
+    def observe_checkpoint(self, seconds: float) -> None:
+        self.max_checkpoint_s = max(self.max_checkpoint_s, seconds)
+
+    def rank_timeout(self) -> Optional[float]:
+        if self.iterations_seen < MIN_OBSERVATIONS:
+            return None
+        return max(MIN_LEARNED_TIMEOUT, SAFETY_FACTOR * self.max_iteration_s)
+
+    def checkpoint_timeout(self) -> Optional[float]:
+        if self.max_checkpoint_s <= 0:
+            return None
+        return max(MIN_LEARNED_TIMEOUT, SAFETY_FACTOR * self.max_checkpoint_s)
+
+    def state(self) -> dict[str, Any]:
+        return {"max_iteration_s": self.max_iteration_s, "max_checkpoint_s": self.max_checkpoint_s,
+                "iterations_seen": self.iterations_seen, "rank_timeout": self.rank_timeout(),
+                "checkpoint_timeout": self.checkpoint_timeout()}
+
+    def merge(self, saved: dict[str, Any]) -> None:
+        self.max_iteration_s = max(self.max_iteration_s, float(saved.get("max_iteration_s", 0.0)))
+        self.max_checkpoint_s = max(self.max_checkpoint_s, float(saved.get("max_checkpoint_s", 0.0)))
+        self.iterations_seen = max(self.iterations_seen, int(saved.get("iterations_seen", 0)))
+
+
+class RankHeartbeat:
+    """This rank's heartbeat file (a no-op object when fault tolerance is off or nobody watches)."""
+
+    def __init__(self, ft_cfg: Any, save_dir: Optional[str], rank: int, world_size: int) -> None:
+        directory = os.environ.get(HEARTBEAT_DIR_ENV)
+        self.enabled = bool(ft_cfg is not None and ft_cfg.enable_ft_package and directory)
+        self.ft_cfg = ft_cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.save_dir = save_dir
+        self.path = Path(directory) / f"rank{rank}.json" if directory else None
+        self.restart = _restart_count()
+        self.learn = bool(self.enabled and ft_cfg.calc_ft_timeouts)
+        self.timeouts = TimeoutCalculator()
+        self.last_beat = time.monotonic()
+        self.iteration = 0
+        if self.enabled:
+            atexit.register(self.beat, "exited")  # a normal end or an exception: not a fault for the monitor
+        if self.learn and save_dir and (Path(save_dir) / TIMEOUTS_FILENAME).is_file():
+            try:
+                self.timeouts.merge(json.loads((Path(save_dir) / TIMEOUTS_FILENAME).read_text()))
+            except (OSError, ValueError):
+                logger.warning(f"ignoring unreadable {Path(save_dir) / TIMEOUTS_FILENAME}")
+
+    def beat(self, phase: str, iteration: Optional[int] = None) -> None:
+        if not self.enabled:
+            return
+        if iteration is not None:
+            self.iteration = iteration
+        data = {"rank": self.rank, "pid": os.getpid(), "restart": self.restart, "phase": phase,
+                "iteration": self.iteration, "time": time.time()}
+        if self.learn:
+            data["rank_timeout"] = self.timeouts.rank_timeout()
+            data["checkpoint_timeout"] = self.timeouts.checkpoint_timeout()
+        _atomic_write_json(self.path, data)
+
+    def iteration_done(self, iteration: int) -> None:
+        """After every iteration: beat, and learn from the time since the previous beat."""
+        now = time.monotonic()
+        if self.learn and self.iteration > 0:  # the first iteration includes start-up costs
+            self.timeouts.observe_iteration(now - self.last_beat)
+        self.last_beat = now
+        self.beat("iteration", iteration)
+
+    def checkpoint_started(self) -> None:
+        self._ckpt_start = time.monotonic()
+        self.beat("checkpoint")
+
+    def checkpoint_finished(self) -> None:
+        if not self.enabled:
+            return
+        if self.learn:
+            self.timeouts.observe_checkpoint(time.monotonic() - self._ckpt_start)
+            if self.rank == 0 and self.save_dir and Path(self.save_dir).is_dir():
+                _atomic_write_json(Path(self.save_dir) / TIMEOUTS_FILENAME, self.timeouts.state())
+        self.last_beat = time.monotonic()
+        self.beat("iteration")
+
+    def start_simulated_fault(self, seed: int) -> Optional[threading.Timer]:
+        """``ft.simulate_fault``: arm the fault on the chosen rank (first run of the job only)."""
+        cfg = self.ft_cfg
+        if not (self.enabled and cfg.simulate_fault) or self.restart != 0:
+            return None
+        rng = random.Random(seed)  # the same draw on every rank
+        target = cfg.simulated_fault_rank if cfg.simulated_fault_rank is not None else rng.randrange(self.world_size)
+        if target >= self.world_size:
+            from longspan.core.errors import ConfigError
+
+            raise ConfigError(f"ft.simulated_fault_rank={target} is not a rank of this {self.world_size}-rank run")
+        kind = cfg.simulated_fault_type if cfg.simulated_fault_type != "random" else rng.choice(["rank_hung", "rank_killed"])
+        delay = cfg.simulated_fault_base_delay + rng.random()
+        if target != self.rank:
+            return None
+        sig = signal.SIGSTOP if kind == "rank_hung" else signal.SIGKILL
+        logger.warning(f"ft.simulate_fault: rank {self.rank} will simulate {kind} in {delay:.1f} s")
+        timer = threading.Timer(delay, os.kill, args=(os.getpid(), sig))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+
+# --------------------------------------------------------------------------------------------- monitor
+
+
+def _process_state(pid: int) -> str:
+    """'alive', 'stopped', or 'gone' (no process, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return "gone"
+        return "alive"
+    if state in ("Z", "X"):
+        return "gone"
+    return "stopped" if state in ("T", "t") else "alive"
+
+
+class HeartbeatMonitor(threading.Thread):
+    """Watches the heartbeat files of the local workers; SIGKILLs hung ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        initial_timeout: float,
+        rank_timeout: float,
+        max_restarts: int,
+        report: Callable[[str, dict[str, Any]], None],
+        poll_interval: float = 0.05,
+    ) -> None:
+        super().__init__(name="longspan-ft-monitor", daemon=True)
+        self.directory = Path(directory)
+        self.initial_timeout = float(initial_timeout)
+        self.rank_timeout = float(rank_timeout)
+        self.max_restarts = int(max_restarts)
+        self.report = report
+        self.poll_interval = poll_interval
+        self.handled: set[int] = set()  # pids already reported
+        self.detections: list[dict[str, Any]] = []
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.poll_interval):
+            try:
+                self.check_once()
+            except Exception as exc:  # the monitor must never take the launcher down
+                logger.warning(f"ft monitor: {exc}")
+
+    def timeout_for(self, beat: dict[str, Any]) -> float:
+        if beat["phase"] == "setup":
+            return self.initial_timeout
+        if beat["phase"] == "checkpoint":
+            learned = beat.get("checkpoint_timeout")
+            return max(self.rank_timeout, learned) if learned else self.rank_timeout
+        learned = beat.get("rank_timeout")
+        return learned if learned else self.rank_timeout
+
+    def check_once(self) -> None:
+        """One look at every rank; at most one detection per worker-group generation (the root cause: the
+        rest of the group is torn down by torch elastic, so its other ranks stop beating or die next)."""
+        now = time.time()
+        beats = []
+        for path in sorted(self.directory.glob("rank*.json")):
+            try:
+                beat = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if int(beat["pid"]) not in self.handled and beat["phase"] != "exited":  # exited: ended on its own
+                beats.append((beat, _process_state(int(beat["pid"]))))
+        order = {"gone": 0, "stopped": 1, "alive": 2}
+        beats.sort(key=lambda b: (order[b[1]], float(b[0]["time"])))  # dead, stopped, then the longest silent
+        for beat, state in beats:
+            pid = int(beat["pid"])
+            if pid in self.handled:
+                continue
+            remaining = max(self.max_restarts - int(beat["restart"]), 0)
+            where = f"iteration {beat['iteration']}, phase {beat['phase']}"
+            if state == "gone":
+                self.handled.add(pid)
+                self._detected("rank_died", beat, f"rank {beat['rank']} (pid {pid}) died at {where}: detected by the "
+                               f"launcher (process gone); restarts remaining: {remaining}", remaining)
+                continue
+            age = now - float(beat["time"])
+            timeout = self.timeout_for(beat)
+            if age > timeout:
+                self.handled.add(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                how = "stopped (SIGSTOP) and silent" if state == "stopped" else "silent"
+                self._detected("rank_hung", beat, f"rank {beat['rank']} (pid {pid}) hung at {where}: {how} for "
+                               f"{age:.1f} s > {'initial ' if beat['phase'] == 'setup' else ''}heartbeat timeout "
+                               f"{timeout:.1f} s, detected by the heartbeat monitor; killed (SIGKILL); restarts "
+                               f"remaining: {remaining}", remaining, timeout=timeout, silent_s=round(age, 3))
+
+    def _detected(self, kind: str, beat: dict[str, Any], message: str, remaining: int, **extra: Any) -> None:
+        record = {"rank": beat["rank"], "pid": beat["pid"], "restart": beat["restart"], "iteration": beat["iteration"],
+                  "rank_phase": beat["phase"], "restarts_remaining": remaining, "detection": kind, **extra}
+        self.detections.append(record)
+        for path in self.directory.glob("rank*.json"):  # the rest of this generation goes down with it
+            try:
+                other = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if other["restart"] == beat["restart"]:
+                self.handled.add(int(other["pid"]))
+        self.report(message, record)
+
+
+def monitor_reporter(save_dir: Optional[str], metrics_path: Optional[str], world_size: int) -> Callable[[str, dict], None]:
+    """The launcher's event sink: a log line, a progress.txt entry and a metrics.jsonl record per detection."""
+    from longspan.training.utils.progress_log import format_progress_line
+
+    def report(message: str, record: dict[str, Any]) -> None:
+        logger.warning(f"resilience: fault: {message}")
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+            with open(os.path.join(save_dir, "progress.txt"), "a", encoding="utf-8") as fh:
+                fh.write(format_progress_line(f"Resilience event\tfault\t{message}", world_size))
+        if metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
+            line = {"phase": "resilience", "event": "fault", "time": time.time(), "message": message, **record}
+            with open(metrics_path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+
+    return report

@@ -1,0 +1,1 @@
+from tests.parallel.conftest import pool2  # noqa: F401

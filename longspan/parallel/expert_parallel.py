@@ -266,14 +266,16 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
     scale = 1.0 / parallel.size("dp_cp")
     params: list[nn.Parameter] = []
     for layer in layers:
-        if any(".adapter." in n for n, _ in layer.experts.named_parameters()):
+        if etp > 1 and any(".adapter." in n for n, _ in layer.experts.named_parameters()):
             raise NotSupportedError(
-                f"adapters on routed experts with expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} "
-                "are not supported yet: exclude the experts (peft.exclude_modules=['*.experts.*']) or use ep = etp = 1"
+                f"adapters on routed experts with expert_tensor_parallel_size={etp} are not supported yet: exclude "
+                "the experts (peft.exclude_modules=['*.experts.*']) or use expert_tensor_parallel_size=1"
             )
         for name, param in list(layer.experts.named_parameters()):
-            module_name, param_name = name.split(".")
-            module = getattr(layer.experts, module_name)
+            # ``linear_fc1.weight``, or an adapter's ``linear_fc1.adapter.linear_in.weight`` (longspan.peft):
+            # every expert parameter is [num_experts, ...] and shards by expert.
+            module_name, _, param_name = name.rpartition(".")
+            module = layer.experts.get_submodule(module_name)
             placements = _expert_placements(name, ep, etp)
             sharded = nn.Parameter(distribute_tensor(param.data, mesh, placements, src_data_rank=None),
                                    requires_grad=param.requires_grad)

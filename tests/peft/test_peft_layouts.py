@@ -18,7 +18,7 @@ REL = 1e-6
 
 
 def _config(run_dir: str, base: str | None, peft_kind: str = "lora", tp: int = 1, sp: bool = False, pp: int = 1,
-            fsdp2: bool = False, iters: int = ITERS):
+            fsdp2: bool = False, iters: int = ITERS, ep: int = 1, moe: bool = False):
     from longspan.peft import CanonicalLoRA, DoRA, LoRA
     from longspan.recipes import get_recipe
 
@@ -28,6 +28,10 @@ def _config(run_dir: str, base: str | None, peft_kind: str = "lora", tp: int = 1
     m.num_attention_heads, m.num_query_groups, m.seq_length, m.vocab_size = 4, 2, 64, None
     m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.sequence_parallel = tp, pp, sp
     m.hidden_dropout = m.attention_dropout = 0.0
+    if moe:  # 4 routed experts on every layer, sharded over ep ranks
+        m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 32
+        m.moe_aux_loss_coeff = 1e-2
+        m.expert_model_parallel_size = ep
     cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
     cfg.dataset.data_path, cfg.dataset.sequence_length = None, 64
     t = cfg.train
@@ -71,6 +75,28 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> str:
     run = str(tmp_path_factory.mktemp("peft_layout_base"))
     pretrain(_config(run, None, iters=2))
     return f"{run}/ckpt"
+
+
+@pytest.fixture(scope="module")
+def moe_base(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from longspan.training.pretrain import pretrain
+
+    run = str(tmp_path_factory.mktemp("peft_moe_base"))
+    pretrain(_config(run, None, iters=2, moe=True))
+    return f"{run}/ckpt"
+
+
+@pytest.mark.parametrize("kind", ["lora", "canonical"])
+def test_moe_expert_parallel_matches_one_process(kind: str, moe_base: str, tmp_path: Path) -> None:
+    """Per-expert adapters shard with their experts over ep=2 (gradients reduced with the experts')."""
+    ref = tmp_path / "ref"
+    assert _finetune(str(ref), moe_base, peft_kind=kind, moe=True) == ITERS
+    ep2 = tmp_path / "ep2"
+    steps = get_shared_pool(2).run(_finetune, str(ep2), moe_base, peft_kind=kind, moe=True, ep=2, timeout=300)
+    assert steps == [ITERS, ITERS]
+    (losses, norms), (ref_losses, ref_norms) = _logged(ep2), _logged(ref)
+    assert losses == pytest.approx(ref_losses, rel=REL)
+    assert norms == pytest.approx(ref_norms, rel=REL)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from longspan.data.tokenizers import build_tokenizer
 from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.parallelize import parallelize_model
+from longspan.training.compile import compile_model
 from longspan.training.configs.validate import check_vocab_fits
 from longspan.training.checkpointing import (
     apply_checkpoint_args,
@@ -164,6 +165,7 @@ def setup(cfg: Any) -> SetupOutput:
         from longspan.peft.adapters import init_adapters
 
         init_adapters(model, cfg.rng.seed)
+    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     if parallel.pp_size > 1:
         # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.
@@ -204,6 +206,8 @@ def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], lo
     parallel = state.parallel
     params = sum(num_parameters(chunk) for chunk in model)
     precision = "bf16 mixed" if cfg.model.bf16 else "fp16 mixed" if cfg.model.fp16 else "fp32"
+    if getattr(state, "compiled", False):
+        precision += ", compiled layers"
     train_n, valid_n, test_n = get_train_valid_test_num_samples(cfg)
     seq = cfg.model.seq_length
     layout = (

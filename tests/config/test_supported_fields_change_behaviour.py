@@ -615,6 +615,8 @@ NOT_YET_PROBED: dict[str, str] = {
     "rerun_state_machine.check_for_nan_in_loss": RUN_OBSERVATION_BLIND,
     "rerun_state_machine.check_for_spiky_loss": RUN_OBSERVATION_BLIND,
     "rerun_state_machine.spiky_loss_factor": RUN_OBSERVATION_BLIND,
+    "model.moe_per_layer_logging": RUN_OBSERVATION_BLIND,
+    "tokenizer.vocab_extra_ids": "T5 sentinel ids (issue 13): needs a T5 tokenizer probe",
 }
 
 

@@ -151,6 +151,12 @@ class TrainingConfig:
     skip_train: bool = False
     """Skip training: only evaluate, then exit."""
 
+    torch_compile: Optional[bool] = None
+    """longspan's compiled fast path (not a Megatron field): torch.compile of each transformer layer, applied
+    after the parallel plans (longspan.training.compile). True compiles, False runs eager, None (default)
+    compiles where it pays: on CUDA, on a CPU only where measured to pay (longspan.training.compile.CPU_DEFAULT).
+    Losses are the same either way; a platform that cannot compile runs eager with a one-line note."""
+
 
 @dataclass
 class CheckpointConfig:

@@ -532,6 +532,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "train.rampup_batch_size": "tests/training/test_pretrain.py::test_rampup_batch_size_follows_megatron_schedule",
     "train.exit_signal": "tests/training/test_pretrain.py::test_signal_saves_and_exits_then_resumes",
     "checkpoint.load": "tests/training/test_pretrain.py::test_exit_interval_and_resume_continue_bit_for_bit",
+    "checkpoint.async_save": "tests/training/test_pretrain.py::test_async_save_writes_trackers_after_completion_and_resumes",
     "checkpoint.ckpt_step": "tests/training/test_state.py / test_pretrain.py (loading an older iteration)",
     "checkpoint.pretrained_checkpoint": "tests/conversion/test_training_from_hf.py",
     "dataset.blend": "tests/data/test_gpt_dataset.py (blended datasets against megatron-core)",

@@ -58,8 +58,7 @@ _FIXED_FIELDS: dict[str, Any] = {
     "window_size": None,
     "mtp_num_layers": None,
     "mtp_enabled": False,
-    "fp8": None,
-}
+}  # fp8 is applied from outside (longspan.training.precision), not by the model
 
 
 def padded_vocab_size(config: Any) -> int:

@@ -157,13 +157,17 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---- fp8 -------------------------------------------------------------------------------------------
     fp8: Optional[str] = None
-    """FP8 training format ('e4m3' or 'hybrid'); None = off."""
+    """FP8 training format ('e4m3' or 'hybrid'); None = off. longspan: 'hybrid' swaps the transformer layers'
+    linears for torchao's float8 ones (longspan.training.precision; CUDA with compute capability >= 8.9 and
+    the fp8 extra, else a one-line error); 'e4m3' is not supported yet."""
 
     fp8_recipe: str = "delayed"
-    """FP8 scaling recipe."""
+    """FP8 scaling recipe. longspan: 'tensorwise' (current scaling) or 'rowwise'; 'delayed', 'blockwise' and
+    'mxfp8' are not supported yet."""
 
     fp8_param: bool = False
-    """Keep parameters in FP8."""
+    """Keep parameters in FP8. longspan: FSDP2 all-gathers float8 weights (needs FSDP2 or the distributed
+    optimizer)."""
 
     # ---- mixture of experts ------------------------------------------------------------------------------
     moe_shared_expert_intermediate_size: Optional[int] = None

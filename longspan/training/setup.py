@@ -22,9 +22,12 @@ from longspan.core.logging import configure_log_filters, get_logger, print_rank_
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.tokenizers import build_tokenizer
 from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
+from longspan.core.errors import NotSupportedError
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.parallelize import parallelize_model
+from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.training.compile import compile_model
+from longspan.training.precision import apply_float8, check_fp8
 from longspan.training.configs.validate import check_vocab_fits
 from longspan.training.checkpointing import (
     apply_checkpoint_args,
@@ -97,11 +100,17 @@ def build_model(
     if parallel.pp_size > 1:
         from longspan.parallel.pipeline import build_pipeline_chunks
 
+        if check_fp8(provider, parallel.device):
+            raise NotSupportedError("model.fp8 with pipeline_model_parallel_size > 1 is not supported yet: unset "
+                                    "model.fp8 or use pipeline_model_parallel_size=1")
+
         # Stages are cut first; the TP/CP/DP plans then apply to each chunk.
         return build_pipeline_chunks(cfg, parallel, seed, pre_wrap_hook)
     model = build_meta_model(provider)
     if pre_wrap_hook is not None:
         pre_wrap_hook(model)
+    dp_mode = data_parallel_mode(cfg, parallel.tp_size) if parallel.dp_size * parallel.cp_size > 1 else "none"
+    apply_float8(model, provider, parallel.device, dp_mode)  # model.fp8: torchao float8 linears (CUDA only)
     model = parallelize_model(model, cfg, parallel)
     if getattr(provider, "perform_initialization", True):
         init_weights(model, seed=seed, device=parallel.device)

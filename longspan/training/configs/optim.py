@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -272,7 +272,25 @@ def fp32() -> MixedPrecisionConfig:
                                 autocast_enabled=False, grad_reduce_in_fp32=True)
 
 
-MIXED_PRECISION_RECIPES = {"bf16_mixed": bf16_mixed, "fp16_mixed": fp16_mixed, "fp32": fp32}
+def _bf16_with_fp8(recipe: str) -> Any:
+    def factory() -> MixedPrecisionConfig:
+        mp = bf16_mixed()
+        mp.fp8, mp.fp8_recipe = "hybrid", recipe
+        return mp
+
+    factory.__doc__ = f"bf16 mixed with FP8 (hybrid, recipe {recipe!r}) linears in the transformer layers."
+    return factory
+
+
+MIXED_PRECISION_RECIPES = {
+    "bf16_mixed": bf16_mixed, "fp16_mixed": fp16_mixed, "fp32": fp32,
+    # Megatron Bridge's FP8 recipe names (issue 14): only 'tensorwise' runs (longspan.training.precision);
+    # the others load and are rejected in one line when the model is built.
+    "bf16_with_fp8_current_scaling_mixed": _bf16_with_fp8("tensorwise"),
+    "bf16_with_fp8_delayed_scaling_mixed": _bf16_with_fp8("delayed"),
+    "bf16_with_fp8_subchannel_scaling_mixed": _bf16_with_fp8("blockwise"),
+    "bf16_with_mxfp8_mixed": _bf16_with_fp8("mxfp8"),
+}
 
 
 def get_mixed_precision_config(name: str) -> Optional[MixedPrecisionConfig]:

@@ -17,7 +17,9 @@ input and ``A x`` are computed once and shared, exactly as in the fused layer.
 Under tensor parallel (``adapt_parallel_style``) the adapter is split the way its base layer is: a
 column-parallel base keeps A replicated and splits B (and m) by output rows; a row-parallel base splits A by
 input columns and keeps B (and m) replicated. The adapter then runs inside the base layer's DTensor region,
-so its partial sums are reduced together with the base output.
+so its partial sums are reduced together with the base output. Adapter dropout under tensor parallel draws
+its masks on the DTensor inputs (a row-parallel layer's input is split), so with ``dropout > 0`` the masks
+depend on the layout, as attention dropout's do; without dropout every layout computes the same adapters.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def _linear(in_features: int, out_features: int, rule: tuple[str, float], dtype:
 
 def _local_storage_key(t: torch.Tensor) -> tuple:
     local = getattr(t, "_local_tensor", t)  # a DTensor's local shard
-    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local._version)
+    # Inference-mode tensors (generation) have no version counter; they cannot be modified in place either.
+    version = None if local.is_inference() else local._version
+    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), version)
 
 
 class LoRAAdapter(nn.Module):

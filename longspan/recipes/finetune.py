@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from longspan.models.gpt_provider import GPTModelProvider
 from longspan.peft import DoRA, LoRA
+from longspan.recipes.tiny import tiny
 from longspan.training.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -31,13 +32,19 @@ from longspan.training.config import (
 SEQ_LENGTH = 2048
 
 
+def _placeholder_model() -> GPTModelProvider:
+    model = tiny().model
+    model.seq_length = SEQ_LENGTH
+    return model
+
+
 def _finetune(name: str, lr: float) -> ConfigContainer:
     run_dir = f"runs/{name}"
     return ConfigContainer(
         rng=RNGConfig(seed=1234),
         # Replaced by the pretrained checkpoint's architecture at start-up; only the layout, precision and
-        # sequence length set here are kept.
-        model=GPTModelProvider(seq_length=SEQ_LENGTH),
+        # sequence length set here are kept. The placeholder is tiny's shape, so the recipe validates as it is.
+        model=_placeholder_model(),
         train=TrainingConfig(micro_batch_size=1, global_batch_size=8, train_iters=1000, eval_interval=100,
                              eval_iters=8),
         optimizer=OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9,

@@ -71,18 +71,23 @@ def padded_vocab_size(config: Any) -> int:
     return int(padded)
 
 
+def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str) -> None:
+    """Raise ``NotSupportedError`` for the first of ``fixed_fields`` (name -> the one value the model implements)
+    that ``config`` sets to another value; a missing field counts as supported, and a falsy value as ``False``.
+    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model")."""
+    for field, supported in fixed_fields.items():
+        value = getattr(config, field, supported)
+        if value != supported and not (supported is False and not value):
+            raise NotSupportedError(f"model.{field}={value!r} is not supported {model}: leave it at {supported!r}")
+
+
 def resolve_model_args(config: Any) -> SimpleNamespace:
     """Check ``config`` and return the values the modules read, with Megatron's derived defaults filled in.
 
     The provider itself is not modified. Raises ``NotSupportedError`` / ``ConfigError`` (one line naming the
     field, the value and what is valid) for values this model cannot honour.
     """
-    for field, supported in _FIXED_FIELDS.items():
-        value = getattr(config, field, supported)
-        if value != supported and not (supported is False and not value):
-            raise NotSupportedError(
-                f"model.{field}={value!r} is not supported by longspan's GPT model: leave it at {supported!r}"
-            )
+    check_fixed_fields(config, _FIXED_FIELDS, "by longspan's GPT model")
     if config.normalization not in ("LayerNorm", "RMSNorm"):
         raise NotSupportedError(
             f"model.normalization={config.normalization!r} is not supported: use 'LayerNorm' or 'RMSNorm'"

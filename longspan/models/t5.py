@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gpt import padded_vocab_size
+from longspan.models.gpt import check_fixed_fields, padded_vocab_size
 from longspan.models.init import init_weights
 from longspan.models.transformer import MLP, build_norm
 
@@ -58,12 +58,7 @@ _FIXED_FIELDS: dict[str, Any] = {
 
 def resolve_t5_args(config: Any) -> SimpleNamespace:
     """Check ``config`` (a T5ModelProvider) and return the values the modules read; one-line errors otherwise."""
-    for field, supported in _FIXED_FIELDS.items():
-        value = getattr(config, field, supported)
-        if value != supported and not (supported is False and not value):
-            raise NotSupportedError(
-                f"model.{field}={value!r} is not supported yet by longspan's T5 model: leave it at {supported!r}"
-            )
+    check_fixed_fields(config, _FIXED_FIELDS, "yet by longspan's T5 model")
     if config.position_embedding_type not in ("learned_absolute", "relative"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "

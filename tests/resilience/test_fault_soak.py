@@ -155,3 +155,20 @@ def test_two_rank_run_survives_kill_hang_and_kill_during_save(tmp_path: Path) ->
     lost = logged - ITERS
     print(f"\nfault soak: {len(injected)} faults injected, {len(injected)} survived, {lost} iterations re-run "
           f"(lost); hang detected after {detected_after:.1f} s (timeout {RANK_TIMEOUT} s): {injected}")
+
+
+def test_simulated_hang_is_detected_and_survived(tmp_path: Path) -> None:
+    """ft.simulate_fault: rank 1 stops itself (rank_hung) in the first run; the monitor kills it, the group restarts
+    from the last checkpoint (no fault in the restarted run) and the run finishes."""
+    cfg = resilience_config(tmp_path, "sim", 60)
+    cfg.checkpoint.save_interval = 5
+    cfg.ft = FaultToleranceConfig(enable_ft_package=True, simulate_fault=True, simulated_fault_type="rank_hung",
+                                  simulated_fault_rank=1, simulated_fault_base_delay=2)
+    hb = tmp_path / "hb"
+    proc = _start(cfg, write_yaml(cfg, tmp_path / "sim.yaml"), hb, max_restarts=2)
+    out = _finish(proc, hb)
+    assert proc.returncode == 0, out[-4000:]
+    faults = _faults(cfg)
+    assert len(faults) == 1 and faults[0]["rank"] == 1 and faults[0]["detection"] == "rank_hung"
+    assert "stopped (SIGSTOP)" in faults[0]["message"]
+    assert sorted(losses_by_iteration(cfg)) == list(range(1, 61))

@@ -216,28 +216,20 @@ class LanguageModelEmbedding(nn.Module):
         return self.embedding_dropout(embeddings)
 
 
-class GPTModel(nn.Module):
-    """Decoder-only transformer (Megatron Core's GPTModel in plain PyTorch).
+class DecoderLanguageModel(nn.Module):
+    """What the decoder-only language models (``GPTModel``, ``longspan.models.mamba.MambaModel``) share around
+    their layer stack: the embedding (first pipeline stage), the rotary table, the output layer and loss (last
+    stage), and the forward contract. A subclass calls ``super().__init__`` with its resolved args, then sets
+    ``self.decoder`` (called as ``decoder(hidden_states, rotary, attention_mask, kv_cache=...)``) and
+    ``self.output_layer = self.build_output_layer()``, in that order (the modules' registration order)."""
 
-    Args:
-        config: a ``GPTModelProvider`` (or any object with its TransformerConfig fields).
-        pre_process: build the embedding (first pipeline stage).
-        post_process: build the final norm, output layer and loss (last pipeline stage).
-        vp_stage: virtual pipeline stage index, recorded for the pipeline layer.
-        layer_numbers: global indices of the layers to build (default: all); the pipeline layer may pass a
-            stage's range here, or build all on the meta device and delete entries of ``decoder.layers``.
-    """
+    # A model with a chunked linear + cross-entropy here uses it for the loss when cross_entropy_loss_fusion is
+    # set; None keeps the plain output layer + cross-entropy.
+    linear_cross_entropy = None
 
-    def __init__(
-        self,
-        config: Any,
-        pre_process: bool = True,
-        post_process: bool = True,
-        vp_stage: int | None = None,
-        layer_numbers: list[int] | None = None,
-    ) -> None:
+    def __init__(self, config: Any, args: SimpleNamespace, pre_process: bool, post_process: bool,
+                 vp_stage: int | None) -> None:
         super().__init__()
-        args = resolve_model_args(config)
         self.config = config
         self.args = args
         self.pre_process = pre_process
@@ -245,13 +237,7 @@ class GPTModel(nn.Module):
         self.vp_stage = vp_stage
         self.vocab_size = args.vocab_size
         self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
-        self.position_embedding_type = args.position_embedding_type
         self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
-        # cross_entropy_loss_fusion: the loss with labels comes from this chunked linear + cross-entropy
-        # (longspan.models.loss), never materialising [b, s, vocab] logits; the tp plan swaps in its
-        # vocab-parallel form.
-        self.linear_cross_entropy = linear_cross_entropy
-
         self.embedding = LanguageModelEmbedding(args) if pre_process else None
         if args.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
@@ -267,17 +253,20 @@ class GPTModel(nn.Module):
             )
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(args, layer_numbers=layer_numbers, post_process=post_process)
 
-        self.output_layer: nn.Linear | None = None
-        if post_process and not (self.share_embeddings_and_output_weights and pre_process):
-            self.output_layer = nn.Linear(args.hidden_size, self.vocab_size, bias=False, dtype=args.params_dtype)
-            self.output_layer.init_std = args.init_method_std
-            if self.share_embeddings_and_output_weights:
-                # Tied weights on a last stage without the embedding: a separate copy that starts equal to the
-                # word embeddings (same init stream and std); keeping the two in sync is the pipeline layer's job.
-                self.output_layer.init_std = args.embedding_init_method_std
-                self.output_layer.init_name_overrides = {"weight": "embedding.word_embeddings.weight"}
+    def build_output_layer(self) -> nn.Linear | None:
+        """The output layer of a last stage, or None (not the last stage, or tied to this stage's embedding)."""
+        args = self.args
+        if not self.post_process or (self.share_embeddings_and_output_weights and self.pre_process):
+            return None
+        output_layer = nn.Linear(args.hidden_size, self.vocab_size, bias=False, dtype=args.params_dtype)
+        output_layer.init_std = args.init_method_std
+        if self.share_embeddings_and_output_weights:
+            # Tied weights on a last stage without the embedding: a separate copy that starts equal to the
+            # word embeddings (same init stream and std); keeping the two in sync is the pipeline layer's job.
+            output_layer.init_std = args.embedding_init_method_std
+            output_layer.init_name_overrides = {"weight": "embedding.word_embeddings.weight"}
+        return output_layer
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
@@ -340,7 +329,12 @@ class GPTModel(nn.Module):
             kv_cache.seq_len += seq_len
         if not self.post_process:
             return hidden_states
-        if labels is not None and self.args.cross_entropy_loss_fusion and self._fused_loss_applies():
+        if (
+            labels is not None
+            and self.linear_cross_entropy is not None
+            and self.args.cross_entropy_loss_fusion
+            and self._fused_loss_applies()
+        ):
             return self.linear_cross_entropy(hidden_states, self.output_weight(), labels)
         if self.output_layer is not None:
             # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
@@ -359,6 +353,37 @@ class GPTModel(nn.Module):
         else:
             loss = F.cross_entropy(flat.float(), labels.flatten(0, 1), reduction="none")
         return loss.float().view(labels.shape)
+
+
+class GPTModel(DecoderLanguageModel):
+    """Decoder-only transformer (Megatron Core's GPTModel in plain PyTorch); the embedding, output layer and
+    forward are ``DecoderLanguageModel``'s, the layers a ``TransformerBlock``.
+
+    Args:
+        config: a ``GPTModelProvider`` (or any object with its TransformerConfig fields).
+        pre_process: build the embedding (first pipeline stage).
+        post_process: build the final norm, output layer and loss (last pipeline stage).
+        vp_stage: virtual pipeline stage index, recorded for the pipeline layer.
+        layer_numbers: global indices of the layers to build (default: all); the pipeline layer may pass a
+            stage's range here, or build all on the meta device and delete entries of ``decoder.layers``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        layer_numbers: list[int] | None = None,
+    ) -> None:
+        super().__init__(config, resolve_model_args(config), pre_process, post_process, vp_stage)
+        self.position_embedding_type = self.args.position_embedding_type
+        # cross_entropy_loss_fusion: the loss with labels comes from this chunked linear + cross-entropy
+        # (longspan.models.loss), never materialising [b, s, vocab] logits; the tp plan swaps in its
+        # vocab-parallel form.
+        self.linear_cross_entropy = linear_cross_entropy
+        self.decoder = TransformerBlock(self.args, layer_numbers=layer_numbers, post_process=post_process)
+        self.output_layer = self.build_output_layer()
 
 
 def build_gpt_model(

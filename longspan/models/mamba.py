@@ -33,10 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gpt import LanguageModelEmbedding, resolve_model_args
+from longspan.models.gpt import DecoderLanguageModel, resolve_model_args
 from longspan.models.init import init_weights
 from longspan.models.moe import MoELayer
-from longspan.models.rope import RotaryEmbedding
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
 from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm
 
@@ -384,84 +383,16 @@ class MambaStack(nn.Module):
         return hidden_states
 
 
-class MambaModel(nn.Module):
+class MambaModel(DecoderLanguageModel):
     """Mamba / hybrid language model (Megatron Core's MambaModel in plain PyTorch); see ``GPTModel`` for the
-    arguments and the forward contract, which are the same."""
+    arguments and the forward contract, which are the same (``DecoderLanguageModel``'s, around a
+    ``MambaStack``). The loss is always the plain output layer + cross-entropy: no ``linear_cross_entropy``."""
 
     def __init__(self, config: Any, pre_process: bool = True, post_process: bool = True,
                  vp_stage: int | None = None, layer_numbers: list[int] | None = None) -> None:
-        super().__init__()
-        args = resolve_mamba_args(config)
-        self.config, self.args = config, args
-        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
-        self.vocab_size = args.vocab_size
-        self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
-        self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
-        self.embedding = LanguageModelEmbedding(args) if pre_process else None
-        self.rotary_pos_emb = None
-        if args.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                args.kv_channels, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                seq_len_interpolation_factor=args.seq_len_interpolation_factor,
-            )
-        self.decoder = MambaStack(args, layer_numbers, post_process)
-        self.output_layer: nn.Linear | None = None
-        if post_process and not (self.share_embeddings_and_output_weights and pre_process):
-            self.output_layer = nn.Linear(args.hidden_size, self.vocab_size, bias=False, dtype=args.params_dtype)
-            self.output_layer.init_std = args.init_method_std
-            if self.share_embeddings_and_output_weights:  # a last stage's copy of the tied embedding
-                self.output_layer.init_std = args.embedding_init_method_std
-                self.output_layer.init_name_overrides = {"weight": "embedding.word_embeddings.weight"}
-
-    def output_weight(self) -> torch.Tensor:
-        """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
-        if self.output_layer is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        *,
-        hidden_states: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[b, s, vocab]``, float32 per-token loss ``[b, s]`` with ``labels``, or hidden states on a
-        non-last stage (see ``GPTModel.forward``)."""
-        if self.pre_process:
-            seq_len, device = input_ids.shape[1], input_ids.device
-        else:
-            hidden_states = input_ids if hidden_states is None else hidden_states
-            seq_len, device = hidden_states.shape[1], hidden_states.device
-        past = kv_cache.seq_len if kv_cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + seq_len, device=device).unsqueeze(0)
-        if kv_cache is not None and attention_mask is None and past > 0:
-            attention_mask = kv_cache.causal_mask(seq_len, device)
-        if self.pre_process:
-            hidden_states = self.embedding(input_ids, position_ids)
-        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
-        if kv_cache is not None:
-            kv_cache.seq_len += seq_len
-        if not self.post_process:
-            return hidden_states
-        if self.output_layer is not None:
-            logits = self.output_layer(hidden_states)
-        else:
-            logits = F.linear(hidden_states, self.embedding.word_embeddings.weight)
-        if labels is None:
-            return logits
-        flat = logits.flatten(0, 1)  # float32 [b*s, vocab] and reduction='none' as GPTModel (loss_parallel-ready)
-        if self.fp16_lm_cross_entropy:  # Megatron's fp16 loss; autocast would promote it to fp32
-            with torch.autocast(device_type=flat.device.type, enabled=False):
-                loss = F.cross_entropy(flat.half(), labels.flatten(0, 1), reduction="none")
-        else:
-            loss = F.cross_entropy(flat.float(), labels.flatten(0, 1), reduction="none")
-        return loss.float().view(labels.shape)
+        super().__init__(config, resolve_mamba_args(config), pre_process, post_process, vp_stage)
+        self.decoder = MambaStack(self.args, layer_numbers, post_process)
+        self.output_layer = self.build_output_layer()
 
 
 def build_mamba_model(provider: Any, pre_process: bool = True, post_process: bool = True,

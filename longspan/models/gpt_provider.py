@@ -306,8 +306,49 @@ class TransformerConfig(ModelParallelConfig):
     """Count the loss as a layer when splitting layers across pipeline stages."""
 
 
+class ModelProviderMixin:
+    """What the model providers (``GPTModelProvider``, ``MambaProvider``, ``T5ModelProvider``) share:
+    Megatron Core's derived defaults (``finalize``), the padded vocabulary, and ``provide()`` /
+    ``provide_meta()`` over the provider's own ``build_model``."""
+
+    def finalize(self) -> None:
+        """Fill the derived Nones (ffn_hidden_size, num_query_groups, kv_channels) as Megatron Core does, and
+        params_dtype from bf16 / fp16."""
+        if self.ffn_hidden_size is None and self.hidden_size:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None and self.num_attention_heads:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.params_dtype is None:
+            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def padded_vocab_size(self) -> Optional[int]:
+        """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""
+        if self.vocab_size is None:
+            return None
+        return calculate_padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
+                    layer_numbers: Optional[list[int]], materialize: bool) -> Any:
+        """The provider's model (or the pipeline stage of ``layer_numbers``), initialized when ``materialize``,
+        else on the meta device. Each provider defines it."""
+        raise NotImplementedError
+
+    def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> Any:
+        """Build and initialize the model (a plain ``torch.nn.Module``)."""
+        return self.build_model(pre_process, post_process, vp_stage, layer_numbers=None, materialize=True)
+
+    def provide_meta(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                     layer_numbers: Optional[list[int]] = None) -> Any:
+        """The model (or a pipeline stage's ``layer_numbers``) on the meta device, for the parallel plans first
+        (``longspan.models.builder.build_meta_model``)."""
+        return self.build_model(pre_process, post_process, vp_stage, layer_numbers=layer_numbers, materialize=False)
+
+
 @dataclass
-class GPTModelProvider(TransformerConfig):
+class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     """A decoder-only GPT model's configuration; ``provide()`` builds the model (seed 002's model provider)."""
 
     fp16_lm_cross_entropy: bool = False
@@ -381,26 +422,10 @@ class GPTModelProvider(TransformerConfig):
     restore_modelopt_state: bool = False
     """Restore NVIDIA ModelOpt (quantization/sparsity) state from the checkpoint."""
 
-    def finalize(self) -> None:
-        """Fill the derived Nones (ffn_hidden_size, num_query_groups, kv_channels) as Megatron Core does."""
-        if self.ffn_hidden_size is None and self.hidden_size:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.num_query_groups is None and self.num_attention_heads:
-            self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
-            self.kv_channels = self.hidden_size // self.num_attention_heads
-        if self.params_dtype is None:
-            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
-
-    @property
-    def padded_vocab_size(self) -> Optional[int]:
-        """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""
-        if self.vocab_size is None:
-            return None
-        return calculate_padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
-
-    def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> Any:
-        """Build the GPT model described by this provider (a plain ``torch.nn.Module``)."""
+    def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
+                    layer_numbers: Optional[list[int]], materialize: bool) -> Any:
+        """``longspan.models.gpt.build_gpt_model`` (see ``ModelProviderMixin``)."""
         from longspan.models.gpt import build_gpt_model
 
-        return build_gpt_model(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        return build_gpt_model(self, pre_process, post_process, vp_stage, materialize=materialize,
+                               layer_numbers=layer_numbers)

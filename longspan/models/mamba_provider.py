@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-import torch
-
-from longspan.models.gpt_provider import TransformerConfig
+from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 
 
 @dataclass
-class MambaProvider(TransformerConfig):
+class MambaProvider(ModelProviderMixin, TransformerConfig):
     """Megatron Bridge's Mamba provider fields, with its defaults (plus three MambaMixer arguments Megatron
     hard-codes: ``mamba_chunk_size``, ``mamba_conv_kernel``, ``mamba_expand``).
 
@@ -112,27 +110,10 @@ class MambaProvider(TransformerConfig):
     vocab_size: Optional[int] = None
     """Vocabulary size before padding; None means it comes from the tokenizer."""
 
-    def finalize(self) -> None:
-        """Fill the derived Nones of the attention layers (as GPTModelProvider does) and params_dtype."""
-        if self.ffn_hidden_size is None and self.hidden_size:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.num_query_groups is None and self.num_attention_heads:
-            self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
-            self.kv_channels = self.hidden_size // self.num_attention_heads
-        if self.params_dtype is None:
-            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
-
-    def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
-        """Build and initialize the model (a plain ``torch.nn.Module``, ``longspan.models.mamba.MambaModel``)."""
+    def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
+                    layer_numbers: Optional[list[int]], materialize: bool) -> Any:
+        """``longspan.models.mamba.build_mamba_model`` (see ``ModelProviderMixin``)."""
         from longspan.models.mamba import build_mamba_model
 
-        return build_mamba_model(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-
-    def provide_meta(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
-                     layer_numbers: Optional[list[int]] = None):
-        """The model (or a pipeline stage's ``layer_numbers``) on the meta device, for parallel plans first."""
-        from longspan.models.mamba import build_mamba_model
-
-        return build_mamba_model(self, pre_process, post_process, vp_stage, materialize=False,
+        return build_mamba_model(self, pre_process, post_process, vp_stage, materialize=materialize,
                                  layer_numbers=layer_numbers)

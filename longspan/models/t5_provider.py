@@ -5,15 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-import torch
-
 from longspan.core.errors import NotSupportedError
-from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.models.gpt_provider import TransformerConfig
+from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 
 
 @dataclass
-class T5ModelProvider(TransformerConfig):
+class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Megatron Bridge's T5 provider fields, with its defaults. ``num_layers`` is the decoder's depth.
 
     Values the T5 model does not implement (rope positions, grouped-query attention, MoE, recompute, pipeline
@@ -76,46 +73,13 @@ class T5ModelProvider(TransformerConfig):
     tp_comm_overlap_cfg: Optional[Union[str, dict[str, Any]]] = None
     """TransformerEngine userbuffer configuration for tp_comm_overlap."""
 
-    def finalize(self) -> None:
-        """Fill derived Nones as Megatron Core does."""
-        if self.ffn_hidden_size is None and self.hidden_size:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.num_query_groups is None and self.num_attention_heads:
-            self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads and self.hidden_size:
-            self.kv_channels = self.hidden_size // self.num_attention_heads
-        if self.params_dtype is None:
-            self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
-
-    @property
-    def padded_vocab_size(self) -> Optional[int]:
-        """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""
-        if self.vocab_size is None:
-            return None
-        return calculate_padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
-
-    def provide_meta(
-        self,
-        pre_process: bool = True,
-        post_process: bool = True,
-        vp_stage: Optional[int] = None,
-        layer_numbers: Optional[list[int]] = None,
-    ) -> Any:
-        """The T5 model on the meta device (``longspan.models.builder.build_meta_model``); whole models only."""
+    def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
+                    layer_numbers: Optional[list[int]], materialize: bool) -> Any:
+        """``longspan.models.t5.build_t5_model`` (see ``ModelProviderMixin``); whole models only."""
         from longspan.models.t5 import build_t5_model
 
         if not (pre_process and post_process) or layer_numbers is not None or vp_stage is not None:
             raise NotSupportedError(
                 "model=T5ModelProvider with pipeline_model_parallel_size > 1 is not supported yet: set it to 1"
             )
-        return build_t5_model(self, materialize=False)
-
-    def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> Any:
-        """Build the T5 model described by this provider (a plain ``torch.nn.Module``, initialized)."""
-        from longspan.models.t5 import build_t5_model
-
-        if not (pre_process and post_process) or vp_stage is not None:
-            raise NotSupportedError(
-                "model=T5ModelProvider with pipeline_model_parallel_size > 1 is not supported yet: set it to 1"
-            )
-        return build_t5_model(self)
+        return build_t5_model(self, materialize=materialize)

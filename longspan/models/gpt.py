@@ -34,7 +34,7 @@ from torch import nn
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.models.init import init_weights
+from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
 from longspan.models.loss import linear_cross_entropy
 from longspan.models.moe import resolve_moe_args
 from longspan.models.rope import (
@@ -414,15 +414,7 @@ def build_gpt_model(
     """
     with torch.device("meta"):
         model = GPTModel(provider, pre_process, post_process, vp_stage, layer_numbers=layer_numbers)
-    if not materialize:
-        return model
-    if device is None and getattr(provider, "use_cpu_initialization", False):
-        device = "cpu"
-    if getattr(provider, "perform_initialization", True):
-        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
-    else:
-        model.to_empty(device=device if device is not None else torch.get_default_device())
-    return model
+    return materialize_model(model, provider, seed, device) if materialize else model
 
 
 def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

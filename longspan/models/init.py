@@ -23,6 +23,7 @@ Other models (MoE, Mamba) follow the same conventions to use ``init_weights``.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,4 +144,19 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
             del full
             count += 1
     _log.debug("init_weights: initialized %d parameters with seed %d", count, seed)
+    return model
+
+
+def materialize_model(model: nn.Module, provider: Any, seed: int | None = None,
+                      device: torch.device | str | None = None) -> nn.Module:
+    """Materialize a model built on the meta device from ``provider`` (what every ``build_*_model`` does last):
+    draw its parameters with ``init_weights`` from ``seed`` (default ``torch.initial_seed()``), or, with
+    ``perform_initialization=False``, only allocate them (contents undefined; load a checkpoint into them), as in
+    Megatron. ``device`` defaults to the CPU under ``use_cpu_initialization``, else the current default device."""
+    if device is None and getattr(provider, "use_cpu_initialization", False):
+        device = "cpu"
+    if getattr(provider, "perform_initialization", True):
+        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
+    else:
+        model.to_empty(device=device if device is not None else torch.get_default_device())
     return model

@@ -34,7 +34,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.gpt import DecoderLanguageModel, resolve_model_args
-from longspan.models.init import init_weights
+from longspan.models.init import materialize_model
 from longspan.models.moe import MoELayer
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
 from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm
@@ -402,11 +402,4 @@ def build_mamba_model(provider: Any, pre_process: bool = True, post_process: boo
     (default ``torch.initial_seed()``), exactly as ``build_gpt_model`` does."""
     with torch.device("meta"):
         model = MambaModel(provider, pre_process, post_process, vp_stage, layer_numbers)
-    if not materialize:
-        return model
-    device = "cpu" if getattr(provider, "use_cpu_initialization", False) else None
-    if getattr(provider, "perform_initialization", True):
-        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
-    else:
-        model.to_empty(device=device if device is not None else torch.get_default_device())
-    return model
+    return materialize_model(model, provider, seed) if materialize else model

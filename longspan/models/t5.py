@@ -31,8 +31,8 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.gpt import check_fixed_fields, padded_vocab_size
-from longspan.models.init import init_weights
-from longspan.models.transformer import MLP, build_norm
+from longspan.models.init import materialize_model
+from longspan.models.transformer import MLP, _linear, build_norm
 
 # TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
 # extras, not built into T5 yet). Pure kernel choices are accepted.
@@ -133,12 +133,6 @@ def resolve_t5_args(config: Any) -> SimpleNamespace:
 def _stack_args(args: SimpleNamespace, num_layers: int) -> SimpleNamespace:
     """``args`` with ``num_layers`` set to one stack's depth (output projections scale their init std by it)."""
     return SimpleNamespace(**{**vars(args), "num_layers": num_layers})
-
-
-def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: torch.dtype) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-    layer.init_std = std  # read by init_weights
-    return layer
 
 
 def relative_position_bucket(
@@ -415,12 +409,4 @@ def build_t5_model(
     (default ``torch.initial_seed()``); ``materialize=False`` leaves it on meta for the parallel plans."""
     with torch.device("meta"):
         model = T5Model(provider)
-    if not materialize:
-        return model
-    if device is None and getattr(provider, "use_cpu_initialization", False):
-        device = "cpu"
-    if getattr(provider, "perform_initialization", True):
-        init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
-    else:
-        model.to_empty(device=device if device is not None else torch.get_default_device())
-    return model
+    return materialize_model(model, provider, seed, device) if materialize else model

@@ -47,15 +47,21 @@ from longspan.models.transformer import KVCache, TransformerBlock
 
 _log = get_logger(__name__)
 
-# TransformerConfig / GPTModelProvider fields (when the provider has them) that this model implements only
-# at these values. Pure kernel choices (fusions, TransformerEngine switches) change no maths and are accepted.
-_FIXED_FIELDS: dict[str, Any] = {
+# TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
+# layers and T5 check them with check_fixed_fields, each adding its own).
+TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
     "multi_latent_attention": False,
     "apply_residual_connection_post_layernorm": False,
     "layernorm_zero_centered_gamma": False,
     "fp32_residual_connection": False,
     "rotary_interleaved": False,
     "window_size": None,
+}
+
+# TransformerConfig / GPTModelProvider fields (when the provider has them) that this model implements only
+# at these values. Pure kernel choices (fusions, TransformerEngine switches) change no maths and are accepted.
+_FIXED_FIELDS: dict[str, Any] = {
+    **TRANSFORMER_FIXED_FIELDS,
     "mtp_num_layers": None,
     "mtp_enabled": False,
 }  # fp8 is applied from outside (longspan.training.precision), not by the model

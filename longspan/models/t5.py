@@ -30,19 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gpt import check_fixed_fields, padded_vocab_size
+from longspan.models.gpt import TRANSFORMER_FIXED_FIELDS, check_fixed_fields, padded_vocab_size
 from longspan.models.init import materialize_model
 from longspan.models.transformer import MLP, _linear, build_norm
 
 # TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
 # extras, not built into T5 yet). Pure kernel choices are accepted.
 _FIXED_FIELDS: dict[str, Any] = {
-    "multi_latent_attention": False,
-    "apply_residual_connection_post_layernorm": False,
-    "layernorm_zero_centered_gamma": False,
-    "fp32_residual_connection": False,
-    "rotary_interleaved": False,
-    "window_size": None,
+    **TRANSFORMER_FIXED_FIELDS,
     "num_moe_experts": None,
     "qk_layernorm": False,
     "recompute_granularity": None,
@@ -280,12 +275,16 @@ def _mask_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | 
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, torch.finfo(dtype).min)
 
 
-def _combine(*biases: torch.Tensor | None) -> torch.Tensor:
-    total = None
-    for bias in biases:
-        if bias is not None:
-            total = bias if total is None else total + bias
-    return total
+def _attention_bias(position_bias: torch.Tensor | None, mask: torch.Tensor | None, query_length: int,
+                    key_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive attention bias: ``position_bias`` plus ``mask`` (bool, True = masked) as a bias, or zeros
+    ``[1, 1, q, k]`` when there is neither."""
+    mask_bias = _mask_bias(mask, dtype)
+    if position_bias is None and mask_bias is None:
+        return torch.zeros(1, 1, query_length, key_length, dtype=dtype, device=device)
+    if position_bias is None or mask_bias is None:
+        return position_bias if mask_bias is None else mask_bias
+    return position_bias + mask_bias
 
 
 class T5Model(nn.Module):
@@ -338,9 +337,7 @@ class T5Model(nn.Module):
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
             position_bias = self.encoder_relative_pos_emb(s, s, hidden.device)
-        bias = _combine(position_bias, _mask_bias(_as_mask(encoder_attn_mask), dtype))
-        if bias is None:
-            bias = torch.zeros(1, 1, s, s, dtype=dtype, device=hidden.device)
+        bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), s, s, dtype, hidden.device)
         return self.encoder(hidden, bias)
 
     def forward(
@@ -378,10 +375,8 @@ class T5Model(nn.Module):
         position_bias = None
         if self.decoder_relative_pos_emb is not None:
             position_bias = self.decoder_relative_pos_emb(s_dec, s_dec, device)
-        self_bias = _combine(position_bias, _mask_bias(self_mask, dtype))
-        cross_bias = _mask_bias(_as_mask(encoder_decoder_attn_mask), dtype)
-        if cross_bias is None:
-            cross_bias = torch.zeros(1, 1, s_dec, s_enc, dtype=dtype, device=device)
+        self_bias = _attention_bias(position_bias, self_mask, s_dec, s_dec, dtype, device)
+        cross_bias = _attention_bias(None, _as_mask(encoder_decoder_attn_mask), s_dec, s_enc, dtype, device)
         hidden = self.decoder(hidden, self_bias, encoder_hidden_states, cross_bias)
         if self.args.scale_decoder_outputs:
             hidden = hidden * (self.args.hidden_size**-0.5)

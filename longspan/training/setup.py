@@ -174,7 +174,7 @@ def setup(cfg: Any) -> SetupOutput:
         from longspan.peft.adapters import init_adapters
 
         init_adapters(model, cfg.rng.seed)
-    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device)
+    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device, parallel.tp_size)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     if parallel.pp_size > 1:
         # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.

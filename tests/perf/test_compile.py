@@ -97,3 +97,14 @@ def test_default_resolution():
     assert compile_mod.compile_enabled(None, torch.device("cpu")) is compile_mod.CPU_DEFAULT
     assert compile_mod.compile_enabled(False, torch.device("cuda")) is False
     assert compile_mod.compile_enabled(True, torch.device("cpu")) is True
+
+
+def test_tensor_parallel_is_not_compiled_yet():
+    from longspan.core.errors import NotSupportedError
+
+    chunk = torch.nn.Module()
+    chunk.decoder = torch.nn.Module()
+    chunk.decoder.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2)})
+    with pytest.raises(NotSupportedError, match="train.torch_compile=True with tensor_model_parallel_size=2"):
+        compile_mod.compile_model([chunk], True, torch.device("cpu"), tensor_parallel=2)
+    assert compile_mod.compile_model([chunk], None, torch.device("cpu"), tensor_parallel=2) is False

@@ -325,16 +325,20 @@ def test_softmax_scale_is_honoured():
         torch.testing.assert_close(scaled(tokens), reference(tokens), atol=1e-5, rtol=1e-5)
 
 
-def test_fp16_lm_cross_entropy_keeps_low_precision_logits():
+def test_fp16_lm_cross_entropy_computes_the_loss_in_fp16():
+    """Megatron's fp16_lm_cross_entropy: the unreduced loss is computed on fp16 logits (returned as float32)."""
     cfg = llama_config(params_dtype=torch.bfloat16, fp16_lm_cross_entropy=True)
     model = build_gpt_model(cfg, seed=0).eval()
     tokens, labels = _tokens(cfg)
     with torch.no_grad():
         logits = model(tokens)
         loss = model(tokens, labels=labels)
-    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").float()
+    flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    expected = F.cross_entropy(flat.half(), targets, reduction="none").float()
+    in_fp32 = F.cross_entropy(flat.float(), targets, reduction="none")
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, expected.view(labels.shape), rtol=0, atol=0)
+    assert not torch.equal(loss, in_fp32.view(labels.shape))  # the precision is really lower
 
 
 def test_integer_mask_means_the_same_as_bool_mask():

@@ -76,7 +76,19 @@ def test_modules_to_filter_drops_every_record_of_those_loggers(root_records) -> 
     assert "dropped" not in messages and "kept" in messages and "kept: a different name, not a child" in messages
 
 
-def test_set_level_for_all_loggers(root_records) -> None:
+@pytest.fixture
+def restore_logger_levels():
+    """set_level_for_all_loggers changes every logger's level: put them back for the tests that follow."""
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    levels = [(lg, lg.level) for lg in loggers]
+    yield
+    for lg, level in levels:
+        lg.setLevel(level)
+
+
+def test_set_level_for_all_loggers(root_records, restore_logger_levels) -> None:
     other = logging.getLogger("some.library")
     other.setLevel(logging.DEBUG)
     configure_log_filters(logging.WARNING, filter_warnings=False, set_level_for_all_loggers=False)

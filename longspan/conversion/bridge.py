@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from longspan.conversion import families
+import longspan.conversion.families as families
 from longspan.conversion.families import Family
 from longspan.conversion.loader import export_hf_weights, load_hf_weights, lookup
 from longspan.conversion.safetensors_io import (
@@ -146,7 +146,7 @@ class AutoBridge:
         Its ``provide_distributed_model(wrap_with_ddp=False)`` builds the chunks for the provider's layout
         and (with ``load_weights``) loads the HF weights into them.
         """
-        from longspan import models
+        import longspan.models as models
 
         if hf_path is not None:
             self.hf_path = Path(hf_path)

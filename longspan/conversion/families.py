@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from longspan.conversion import mapping
+import longspan.conversion.mapping as mapping
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import gelu_tanh, squared_relu
 

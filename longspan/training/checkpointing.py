@@ -299,7 +299,7 @@ def save_checkpoint(
     _barrier()
 
     if getattr(ckpt_cfg, "also_save_hf_checkpoint", False):  # collective; renamed into place with the rest
-        from longspan.training.hf_checkpoint import HF_SUBDIR, save_hf_checkpoint
+        from longspan.training.hf_weights import HF_SUBDIR, save_hf_checkpoint
 
         save_hf_checkpoint(state, model, partial_dir / HF_SUBDIR)
     state_dict = _build_state_dict(
@@ -490,7 +490,7 @@ def load_checkpoint(
         return None
     directory, iteration, finetune = found
     if _is_hf_model_dir(directory):
-        from longspan.training.hf_checkpoint import load_hf_pretrained
+        from longspan.training.hf_weights import load_hf_pretrained
 
         load_hf_pretrained(directory, model, select=model_keys)
         return LoadedCheckpoint(directory, 0, None)

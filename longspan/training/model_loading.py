@@ -152,7 +152,7 @@ def _load_adapter_checkpoint(cfg: Any, directory: Path, model: list[nn.Module]) 
     from longspan.conversion import is_hf_model_dir
 
     if is_hf_model_dir(base):
-        from longspan.training.hf_checkpoint import load_hf_pretrained
+        from longspan.training.hf_weights import load_hf_pretrained
 
         load_hf_pretrained(base, model, select=lambda k: not is_adapter_key(k))
     else:

@@ -59,7 +59,7 @@ def export_adapter_checkpoint(checkpoint: str | os.PathLike, output: str | os.Pa
     ``adapter_model.safetensors``) for the HF form of its base model."""
     from longspan.conversion import AutoBridge
     from longspan.peft.hf_export import save_hf_peft_adapter
-    from longspan.training.hf_checkpoint import bridge_for_run, hf_pretrained_dir
+    from longspan.training.hf_weights import bridge_for_run, hf_pretrained_dir
     from longspan.training.model_loading import load_checkpoint_config, load_model_from_checkpoint
 
     _require_single_process("convert export --adapter-only")

@@ -41,7 +41,7 @@ from longspan.training.resilience.hooks import (
     start_straggler_detection,
 )
 from longspan.training.resilience.non_persistent import load_newest_checkpoint
-from longspan.training.hf_checkpoint import apply_hf_pretrained_config
+from longspan.training.hf_weights import apply_hf_pretrained_config
 from longspan.training.microbatches import NumMicroBatchesCalculator
 from longspan.training.optimizer import get_megatron_optimizer
 from longspan.training.scheduler import get_optimizer_param_scheduler

@@ -108,17 +108,7 @@ def test_the_detector_sees_function_level_cycles() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# The one cycle left at the time of writing, in code under active work elsewhere (HF conversion, model
-# loading and non-persistent checkpoints import each other through training.checkpointing/setup): it may only
-# shrink. Any other cycle, or this one growing, fails.
-KNOWN_CYCLES: list[set[str]] = [{
-    "longspan", "longspan.conversion", "longspan.conversion.bridge", "longspan.conversion.families",
-    "longspan.conversion.loader", "longspan.training.checkpointing", "longspan.training.hf_checkpoint",
-    "longspan.training.model_loading", "longspan.training.resilience.non_persistent", "longspan.training.setup",
-}]
-
-
 def test_longspan_has_no_import_cycles() -> None:
-    found = [c for c in cycles(import_graph()) if not any(set(c) <= known for known in KNOWN_CYCLES)]
+    found = cycles(import_graph())
     assert not found, "import cycles (function-level imports included):\n" + "\n".join(
         " <-> ".join(c) for c in found)

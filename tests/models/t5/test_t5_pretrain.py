@@ -143,7 +143,7 @@ def test_finetuning_from_an_hf_t5_starts_at_transformers_loss(tmp_path: Path) ->
 
 def test_hf_t5_directory_needs_a_t5_recipe(tmp_path: Path) -> None:
     from longspan.core.errors import ConfigError
-    from longspan.training.hf_checkpoint import apply_hf_pretrained_config
+    from longspan.training.hf_weights import apply_hf_pretrained_config
 
     _, hf_dir = _hf_t5_dir(tmp_path, vocab=533)
     cfg = get_recipe("tiny")

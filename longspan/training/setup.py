@@ -47,6 +47,7 @@ from longspan.training.optimizer import get_megatron_optimizer
 from longspan.training.scheduler import get_optimizer_param_scheduler
 from longspan.training.signals import DistributedSignalHandler
 from longspan.training.state import GlobalState
+from longspan.training.utils.energy import build_energy_monitor
 
 logger = get_logger(__name__)
 
@@ -145,7 +146,9 @@ def setup(cfg: Any) -> SetupOutput:
     check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
     if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:
         cfg.to_yaml(cfg.logger.save_config_filepath)
-    _report_inapplicable(cfg)
+    if cfg.logger.log_energy:  # the platform's energy counters, when this machine exposes any
+        state.energy_monitor = build_energy_monitor(parallel.device)
+    _report_inapplicable(cfg, no_energy_counters=cfg.logger.log_energy and state.energy_monitor is None)
     state.check_logger_dependencies()
     if cfg.checkpoint.save:
         check_save_dir_writable(cfg.checkpoint.save)
@@ -205,8 +208,8 @@ def setup(cfg: Any) -> SetupOutput:
     return SetupOutput(state, model, optimizer, scheduler, train_it, valid_it, test_it, checkpointing_context)
 
 
-def _report_inapplicable(cfg: Any) -> None:
-    fields = inapplicable_fields(cfg)
+def _report_inapplicable(cfg: Any, no_energy_counters: bool = False) -> None:
+    fields = inapplicable_fields(cfg) + (["logger.log_energy=True"] if no_energy_counters else [])
     if fields:
         print_rank_0(f"not applicable on this machine (ignored): {', '.join(fields)}", logger)
 

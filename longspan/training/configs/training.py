@@ -369,7 +369,10 @@ class LoggerConfig:
     """Apply logging_level (INFO when None) to the root and every existing logger, not just longspan's."""
 
     log_energy: bool = False
-    """Log energy use in joules (needs GPU energy counters)."""
+    """Log energy per GPU per iteration (J) and power per GPU (W) every log_interval (all ranks' joules over the
+    world size), from the platform's counters: NVML (pynvml) or torch.cuda.power_draw on CUDA, RAPL package
+    counters under /sys/class/powercap on a Linux CPU. Without a readable counter it is listed at start-up as
+    not applicable."""
 
     # ---- Megatron Bridge 0.2+ fields ------------------------------------------------------------------------
     skip_train_metrics_log: bool = False

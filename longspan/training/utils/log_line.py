@@ -23,6 +23,7 @@ from longspan.core.logging import get_logger, get_rank, get_world_size, print_ra
 from longspan.training.loggers import log_scalars
 from longspan.training.state import GlobalState
 from longspan.training.utils.comm import reduce_max_stat_across_model_parallel_group
+from longspan.training.utils.energy import interval_energy
 from longspan.training.utils.flop_utils import num_floating_point_operations
 from longspan.training.utils.mfu import mfu, peak_flops_per_device
 from longspan.training.utils.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
@@ -255,6 +256,10 @@ class _LogContext:
             global_state._flops_at_last_log = max(0.0, ctx.flops_so_far - (ctx.flops or 0.0))
         log_throughput = bool(_opt(ctx.logger_cfg, "log_throughput", False))
         ctx.peak = peak_flops_per_device(getattr(global_state, "device", None)) if log_throughput else None
+        # logger.log_energy: the interval's energy (collective), in the line, the sinks and metrics.jsonl
+        at_log = ctx.iteration % ctx.log_interval == 0
+        ctx.energy = interval_energy(getattr(global_state, "energy_monitor", None), ctx.total_iterations,
+                                     get_world_size()) if at_log else None
         return ctx
 
 
@@ -344,6 +349,7 @@ def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: boo
         "mfu": mfu(flops / iteration_time / get_world_size(), ctx.peak) if iteration_time and flops else None,
         "skipped_iterations": int(m.skipped_iter),
         "nan_iterations": int(got_nan),
+        **(ctx.energy or {}),
     })
 
 
@@ -383,6 +389,9 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
         interval_scalars["iteration-time"] = elapsed_per_iter
     if per_gpu_tflops is not None and show_throughput:
         interval_scalars["throughput"] = per_gpu_tflops
+    if ctx.energy is not None:  # Megatron's tags
+        interval_scalars["iter-energy/gpu"] = ctx.energy["energy_per_gpu_j_per_iter"]
+        interval_scalars["power/gpu"] = ctx.energy["power_per_gpu_w"]
     if ctx.any_sink:
         log_scalars(interval_scalars, iteration, **ctx.sinks)
 
@@ -405,6 +414,7 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
         max_attention_logit=m.max_attention_logit,
         skipped_iterations=total_loss_dict[SKIPPED_ITERS_KEY],
         nan_iterations=total_loss_dict[NAN_ITERS_KEY],
+        energy=ctx.energy,
     )
     reset(total_loss_dict)
     print_rank_last(line)
@@ -507,6 +517,7 @@ def format_training_log_line(
     num_zeros_in_grad: Optional[int] = None,
     params_norm: Optional[float] = None,
     max_attention_logit: Optional[float] = None,
+    energy: Optional[dict[str, float]] = None,
     now: Optional[datetime] = None,
 ) -> str:
     """Megatron's training log line. Losses below zero (and NaN) are left out, as Megatron does."""
@@ -520,6 +531,9 @@ def format_training_log_line(
         s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     if mfu is not None:
         s += f" MFU: {100.0 * mfu:.1f}% |"
+    if energy is not None:
+        s += f" energy per GPU (J/iter/GPU): {energy['energy_per_gpu_j_per_iter']:.1f} |"
+        s += f" power per GPU (W/GPU): {energy['power_per_gpu_w']:.1f} |"
     if learning_rate is not None:
         s += f" learning rate: {learning_rate:.6E} |"
     if decoupled_learning_rate is not None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 
 import longspan.training.utils.energy as energy
+from tests.parallel.harness import get_shared_pool, init_gloo
 from longspan.config.support import DEVICE, field_status
 from longspan.training.pretrain import pretrain
 from longspan.training.forward_step import forward_step
@@ -67,36 +67,18 @@ def test_log_energy_is_device_dependent() -> None:
     assert field_status("logger", "log_energy") == DEVICE
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def log_lines():
-    """Messages of longspan's loggers (which do not propagate to the root logger once set up)."""
-    handler, longspan_logger = _Lines(), logging.getLogger("longspan")
-    longspan_logger.addHandler(handler)
-    yield handler.lines
-    longspan_logger.removeHandler(handler)
-
-
-def test_without_counters_it_is_listed_not_applicable_and_logs_nothing(tmp_path, monkeypatch, log_lines):
+def test_without_counters_it_is_listed_not_applicable_and_logs_nothing(tmp_path, monkeypatch, captured):
     monkeypatch.setattr(energy, "POWERCAP_ROOT", tmp_path / "no-powercap")
     cfg = small_config(tmp_path, train_iters=3)
     cfg.logger.log_energy = True
     pretrain(cfg, forward_step)
-    text = "\n".join(log_lines)
+    text = "\n".join(captured)
     assert "not applicable on this machine (ignored): " in text and "logger.log_energy=True" in text
     assert "energy per GPU" not in text
     assert all("energy_per_gpu_j_per_iter" not in r for r in read_metrics(cfg))
 
 
-def test_with_a_counter_the_run_logs_energy(tmp_path, monkeypatch, log_lines):
+def test_with_a_counter_the_run_logs_energy(tmp_path, monkeypatch, captured):
     root = tmp_path / "powercap"
     zone = _zone(root, "intel-rapl:0", 0, 10**12)
     monkeypatch.setattr(energy, "POWERCAP_ROOT", root)
@@ -112,7 +94,7 @@ def test_with_a_counter_the_run_logs_energy(tmp_path, monkeypatch, log_lines):
     cfg.logger.log_energy = True
     cfg.logger.log_interval = 2
     pretrain(cfg, forward_step)
-    text = "\n".join(log_lines)
+    text = "\n".join(captured)
     assert "logger.log_energy" not in text
     assert text.count("energy per GPU (J/iter/GPU): 0.5 |") == 2 and "power per GPU (W/GPU): " in text
     records = {r["iteration"]: r for r in read_metrics(cfg)}
@@ -129,3 +111,30 @@ def test_with_a_counter_the_run_logs_energy(tmp_path, monkeypatch, log_lines):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("iter-energy/gpu")] == [(2, 0.5), (4, 0.5)]
     assert [e.step for e in events.Scalars("power/gpu")] == [2, 4]
+
+
+def _two_rank_energy(root: str, joules_per_read: float):
+    """On each rank: a monitor over this rank's fake tree (none when root is empty), and one lap."""
+    import longspan.training.utils.energy as energy
+
+    energy.POWERCAP_ROOT = Path(root)
+    init_gloo()
+    monitor = energy.build_energy_monitor()
+    if monitor is None:
+        return None
+    zone = Path(root) / "intel-rapl:0"
+    zone.joinpath("energy_uj").write_text(str(int(joules_per_read * 1e6)))
+    return monitor.lap()[0]
+
+
+def test_ranks_sum_their_energy_and_agree_on_having_counters(tmp_path: Path) -> None:
+    roots = []
+    for rank in range(2):
+        _zone(tmp_path / f"rank{rank}", "intel-rapl:0", 0, 10**12)
+        roots.append(str(tmp_path / f"rank{rank}"))
+    pool = get_shared_pool(2)
+    # 3 J on rank 0 and 5 J on rank 1: every rank's lap is the sum
+    assert pool.run_per_rank(_two_rank_energy, [(roots[0], 3.0), (roots[1], 5.0)]) == [8.0, 8.0]
+    # rank 1 has no readable counter: no rank monitors (a lap would be a collective the other never joins)
+    missing = str(tmp_path / "none")
+    assert pool.run_per_rank(_two_rank_energy, [(roots[0], 1.0), (missing, 1.0)]) == [None, None]

@@ -628,6 +628,55 @@ def _manual_gc_eval_collects_around_each_evaluation(tmp_path: Path) -> bool:
     return with_eval == without + 4  # eval_interval=2 in 4 iterations: 2 evaluations, a collection either side
 
 
+@probe("checkpoint.load_optim", "checkpoint.load_rng", "checkpoint.finetune")
+def _resume_switches_change_what_a_resumed_run_does(tmp_path: Path) -> bool:
+    """Resume 2 -> 4 iterations from one checkpoint (dropout on, so the restored RNG matters): without the
+    optimizer state the second resumed step differs, without the RNG the dropout masks (so the losses) differ,
+    and finetune starts again at iteration 0 with the checkpoint's weights."""
+    common = {"model__hidden_dropout": 0.2, "train__eval_interval": None}
+    pretrain(_micro_cfg_with(tmp_path / "first", train__exit_interval=2, checkpoint__save=str(tmp_path / "ckpt"),
+                             checkpoint__save_interval=2, **common), forward_step)
+
+    def resumed(name: str, **dotted: Any) -> list[tuple[int, float]]:
+        cfg = _micro_cfg_with(tmp_path / name, checkpoint__load=str(tmp_path / "ckpt"),
+                              logger__tensorboard_dir=str(tmp_path / name / "tb"), **common, **dotted)
+        pretrain(cfg, forward_step)
+        records = [json.loads(line) for line in (tmp_path / name / "tb" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["iteration"], r["losses"]["lm loss"]) for r in records if r.get("phase") == "train"]
+
+    base = resumed("base")
+    no_optim = resumed("no_optim", checkpoint__load_optim=False)
+    no_rng = resumed("no_rng", checkpoint__load_rng=False)
+    finetune = resumed("finetune", checkpoint__finetune=True)
+    assert [i for i, _ in base] == [3, 4], base
+    assert no_optim[0] == base[0] and no_optim[1] != base[1], (base, no_optim)  # same weights, other update
+    assert [i for i, _ in no_rng] == [3, 4] and no_rng[0] != base[0], (base, no_rng)
+    assert [i for i, _ in finetune] == [1, 2, 3, 4], finetune
+    return True
+
+
+@probe("profiling.profile_step_end", "profiling.record_shapes")
+def _profiler_window_and_shapes_show_in_the_trace(tmp_path: Path) -> bool:
+    """The trace covers iterations profile_step_start..profile_step_end (the embedding runs once per
+    microbatch in it), and holds the ops' input shapes only with record_shapes."""
+    def trace(name: str, **dotted: Any) -> str:
+        cfg = _micro_cfg_with(tmp_path / name, **{"logger__tensorboard_dir": str(tmp_path / name / "tb"),
+                                                 "train__eval_interval": None,
+                                                 "profiling__use_pytorch_profiler": True,
+                                                 "profiling__profile_step_start": 1, "profiling__profile_ranks": [0],
+                                                 **dotted})
+        pretrain(cfg, forward_step)
+        (path,) = (tmp_path / name / "tb").rglob("*.pt.trace.json*")
+        return path.read_text()
+
+    one = trace("one", profiling__profile_step_end=2, profiling__record_shapes=False)
+    two = trace("two", profiling__profile_step_end=3, profiling__record_shapes=True)
+    embeddings = [t.count('"name": "aten::embedding"') for t in (one, two)]
+    assert embeddings[0] > 0 and embeddings[1] == 2 * embeddings[0], embeddings
+    assert '"Input Dims"' not in one and '"Input Dims"' in two
+    return True
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -699,11 +748,6 @@ NOT_YET_PROBED: dict[str, str] = {
     "dataset.mid_level_dataset_surplus": "blended datasets only",
     "dataset.drop_last_partial_validation_sequence": "validation tail of a file-backed dataset",
     "checkpoint.non_persistent_global_ckpt_dir": "issue 12's fields",
-    "checkpoint.load_optim": RUN_OBSERVATION_BLIND,
-    "checkpoint.load_rng": RUN_OBSERVATION_BLIND,
-    "checkpoint.finetune": RUN_OBSERVATION_BLIND,
-    "profiling.profile_step_end": RUN_OBSERVATION_BLIND,
-    "profiling.record_shapes": RUN_OBSERVATION_BLIND,
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "
                                             "iterations: a 100-iteration run; tests/training/test_loggers.py::"
                                             "test_optional_report_tags shows the tags when it is on",

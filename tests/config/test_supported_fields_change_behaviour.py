@@ -677,6 +677,51 @@ def _profiler_window_and_shapes_show_in_the_trace(tmp_path: Path) -> bool:
     return True
 
 
+def _init_distributed(env: dict[str, str], **dist_fields: Any) -> tuple[Any, dict[str, Any]]:
+    """initialize_distributed under ``env``; a multi-rank launch stops at init_process_group, whose arguments
+    are returned (no process group is made)."""
+    import torch.distributed
+
+    from longspan.parallel import init
+
+    class Stop(Exception):
+        pass
+
+    seen: dict[str, Any] = {}
+
+    def record(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise Stop
+
+    cfg = _micro_cfg_with(Path("/nonexistent"), **{f"dist__{k}": v for k, v in dist_fields.items()})
+    saved, real = init._STATE, torch.distributed.init_process_group
+    torch.distributed.init_process_group = record
+    try:
+        return init.initialize_distributed(cfg.dist, cfg.model, env=env), seen
+    except Stop:
+        return None, seen
+    finally:
+        torch.distributed.init_process_group, init._STATE = real, saved
+
+
+@probe("dist.distributed_timeout_minutes")
+def _timeout_reaches_the_process_group(tmp_path: Path) -> bool:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    timeouts = [_init_distributed(env, distributed_timeout_minutes=m)[1]["timeout"].total_seconds() for m in (10, 3)]
+    return timeouts == [600.0, 180.0]
+
+
+@probe("dist.local_rank")
+def _local_rank_of_a_single_process_run(tmp_path: Path) -> bool:
+    return [_init_distributed({}, local_rank=r)[0].local_rank for r in (0, 3)] == [0, 3]
+
+
+@probe("dist.use_tp_pp_dp_mapping")
+def _tp_pp_dp_mapping_reorders_the_mesh(tmp_path: Path) -> bool:
+    orders = [_init_distributed({}, use_tp_pp_dp_mapping=m)[0].layout.dense_dims()[0] for m in (False, True)]
+    return orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -701,6 +746,9 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "ddp.average_in_collective": "tests/parallel/test_dp_wrappers.py (dp > 1)",
     "ddp.bucket_size": "tests/parallel/test_dp_wrappers.py (dp > 1)",
     "ddp.use_distributed_optimizer": "copied from optimizer.use_distributed_optimizer by validate()",
+    "dist.use_torch_fsdp2": "tests/parallel/test_dp_wrappers.py::test_mode_follows_the_config (fsdp2 mode) and "
+                            "tests/parallel/test_layout_parity.py::test_model_level_layout_matches_one_process[dp2_hybrid] "
+                            "(the FSDP2 wrapper, dp > 1)",
     "optimizer.use_distributed_optimizer": "tests/parallel/test_layout_parity.py (shards optimizer state, dp > 1)",
     "tokenizer.tokenizer_model": "tests/data/test_tokenizers.py",
     "tokenizer.vocab_file": "tests/data/test_tokenizers.py",
@@ -751,11 +799,7 @@ NOT_YET_PROBED: dict[str, str] = {
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "
                                             "iterations: a 100-iteration run; tests/training/test_loggers.py::"
                                             "test_optional_report_tags shows the tags when it is on",
-    "dist.distributed_timeout_minutes": RUN_OBSERVATION_BLIND,
-    "dist.local_rank": RUN_OBSERVATION_BLIND,
-    "dist.use_torch_fsdp2": RUN_OBSERVATION_BLIND,
-    "dist.use_tp_pp_dp_mapping": RUN_OBSERVATION_BLIND,
-    "dist.use_gloo_process_groups": RUN_OBSERVATION_BLIND,
+    "dist.use_gloo_process_groups": "acts only with nccl on CUDA (cpu:gloo,cuda:nccl); CPU runs use gloo alone",
     "rerun_state_machine.check_for_nan_in_loss": RUN_OBSERVATION_BLIND,
     "model.moe_per_layer_logging": RUN_OBSERVATION_BLIND,
 }

@@ -135,6 +135,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
                                                      "scheduler.start_weight_decay": 0.0,
                                                      "scheduler.end_weight_decay": 0.5}),
     "dataset.random_seed": (7, {}),
+    "dataset.dataloader_type": ("cyclic", {}),  # None means 'single'
     "dataset.sequence_length": (32, {}, {"model.seq_length": 32}),
     "dataset.seq_length": (32, {}, {"model.seq_length": 32}),
     "dataset.split": ("1,1,1", {}),
@@ -722,6 +723,15 @@ def _tp_pp_dp_mapping_reorders_the_mesh(tmp_path: Path) -> bool:
     return orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
 
 
+@probe("model.moe_per_layer_logging")
+def _moe_per_layer_logging_adds_a_tag_per_layer(tmp_path: Path) -> bool:
+    moe = {"model__num_moe_experts": 4, "model__moe_router_topk": 2, "model__moe_aux_loss_coeff": 0.1}
+    tags = [_recorded_run(tmp_path / str(v), model__moe_per_layer_logging=v, **moe)["tags"] for v in (False, True)]
+    per_layer = [{t for t in run if "_layer_" in t} for run in tags]
+    assert not per_layer[0] and len(per_layer[1]) >= 2, (sorted(tags[0]), sorted(tags[1]))
+    return True
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -787,7 +797,6 @@ RUN_OBSERVATION_BLIND = "effect not visible in the short run's observation yet: 
 
 # Supported fields this test does not probe yet (issue 15 follow-up): each needs a probe here or a status.
 NOT_YET_PROBED: dict[str, str] = {
-    "dataset.dataloader_type": "'single' vs 'cyclic' differ only after the first epoch",
     "dataset.num_workers": "worker processes; same batches by design",
     "dataset.persistent_workers": "worker processes; same batches by design",
     "dataset.data_sharding": "sampler sharding over dp ranks (dp > 1)",
@@ -801,7 +810,6 @@ NOT_YET_PROBED: dict[str, str] = {
                                             "test_optional_report_tags shows the tags when it is on",
     "dist.use_gloo_process_groups": "acts only with nccl on CUDA (cpu:gloo,cuda:nccl); CPU runs use gloo alone",
     "rerun_state_machine.check_for_nan_in_loss": RUN_OBSERVATION_BLIND,
-    "model.moe_per_layer_logging": RUN_OBSERVATION_BLIND,
 }
 
 

@@ -732,6 +732,37 @@ def _moe_per_layer_logging_adds_a_tag_per_layer(tmp_path: Path) -> bool:
     return True
 
 
+@probe("checkpoint.non_persistent_global_ckpt_dir")
+def _global_non_persistent_checkpoints_go_to_their_directory(tmp_path: Path) -> bool:
+    def iterations(name: str, **dotted: Any) -> list[str]:
+        cfg = _micro_cfg_with(tmp_path / name, **{"checkpoint__save": str(tmp_path / name / "ckpt"),
+                                                 "checkpoint__save_interval": 4, "train__eval_interval": None,
+                                                 "checkpoint__non_persistent_ckpt_type": "global",
+                                                 "checkpoint__non_persistent_save_interval": 2, **dotted})
+        pretrain(cfg, forward_step)
+        return sorted(str(p.relative_to(tmp_path / name)) for p in (tmp_path / name).rglob("iter_0000002"))
+
+    default = iterations("default")
+    elsewhere = iterations("elsewhere", checkpoint__non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere" / "np"))
+    return default == ["ckpt/non_persistent/iter_0000002"] and elsewhere == ["np/iter_0000002"]
+
+
+@probe("rerun_state_machine.check_for_nan_in_loss")
+def _nan_check_stops_a_run_whose_loss_is_nan(tmp_path: Path) -> bool:
+    from longspan.training.schedules import TrainingDivergedError
+
+    def nan_forward_step(state: Any, data_iterator: Any, model: Any) -> Any:
+        output, loss_func = forward_step(state, data_iterator, model)
+        return (output * float("nan") if state.train_state.step == 1 else output), loss_func
+
+    common = {"train__eval_interval": None}
+    with pytest.raises(TrainingDivergedError):
+        pretrain(_micro_cfg_with(tmp_path / "on", **common), nan_forward_step)
+    state = pretrain(_micro_cfg_with(tmp_path / "off", rerun_state_machine__check_for_nan_in_loss=False, **common),
+                     nan_forward_step)
+    return state.train_state.step == 4
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -804,12 +835,10 @@ NOT_YET_PROBED: dict[str, str] = {
     "dataset.mock": "mock data is already chosen when data_path is None",
     "dataset.mid_level_dataset_surplus": "blended datasets only",
     "dataset.drop_last_partial_validation_sequence": "validation tail of a file-backed dataset",
-    "checkpoint.non_persistent_global_ckpt_dir": "issue 12's fields",
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "
                                             "iterations: a 100-iteration run; tests/training/test_loggers.py::"
                                             "test_optional_report_tags shows the tags when it is on",
     "dist.use_gloo_process_groups": "acts only with nccl on CUDA (cpu:gloo,cuda:nccl); CPU runs use gloo alone",
-    "rerun_state_machine.check_for_nan_in_loss": RUN_OBSERVATION_BLIND,
 }
 
 

@@ -763,6 +763,37 @@ def _nan_check_stops_a_run_whose_loss_is_nan(tmp_path: Path) -> bool:
     return state.train_state.step == 4
 
 
+def _file_backed_datasets(tmp_path: Path, **dataset_fields: Any) -> list[Any]:
+    """[train, valid, test] GPT datasets of the micro config on a small .bin/.idx corpus."""
+    from longspan.data.loaders import build_train_valid_test_datasets
+    from tests.data.conftest import LongspanTok, random_docs, write_corpus
+
+    prefix = str(tmp_path / "corpus_text_document")
+    if not Path(prefix + ".bin").exists():
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        write_corpus(prefix, random_docs(3, 60, vocab=60, max_len=40))
+    cfg = _micro_cfg_with(tmp_path, **{"dataset__data_path": prefix, "dataset__split": "6,3,1",
+                                       **{f"dataset__{k}": v for k, v in dataset_fields.items()}})
+    return build_train_valid_test_datasets(cfg, LongspanTok(vocab_size=63))
+
+
+@probe("dataset.mmap_bin_files")
+def _mmap_bin_files_chooses_memory_map_or_file_reads(tmp_path: Path) -> bool:
+    kinds = []
+    for mmap in (True, False):
+        train = _file_backed_datasets(tmp_path, mmap_bin_files=mmap)[0]
+        low = train.dataset
+        kinds.append((low._bin_mmap is not None, low._bin_file is not None))
+    return kinds == [(True, False), (False, True)]
+
+
+@probe("dataset.drop_last_partial_validation_sequence")
+def _keeping_the_partial_validation_sequence_adds_a_sample(tmp_path: Path) -> bool:
+    sizes = [len(_file_backed_datasets(tmp_path, drop_last_partial_validation_sequence=drop)[1].sample_index)
+             for drop in (True, False)]
+    return sizes[1] == sizes[0] + 1
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -831,10 +862,8 @@ NOT_YET_PROBED: dict[str, str] = {
     "dataset.num_workers": "worker processes; same batches by design",
     "dataset.persistent_workers": "worker processes; same batches by design",
     "dataset.data_sharding": "sampler sharding over dp ranks (dp > 1)",
-    "dataset.mmap_bin_files": "reading .bin files (needs a file-backed dataset)",
     "dataset.mock": "mock data is already chosen when data_path is None",
     "dataset.mid_level_dataset_surplus": "blended datasets only",
-    "dataset.drop_last_partial_validation_sequence": "validation tail of a file-backed dataset",
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "
                                             "iterations: a 100-iteration run; tests/training/test_loggers.py::"
                                             "test_optional_report_tags shows the tags when it is on",

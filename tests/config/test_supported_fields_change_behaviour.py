@@ -794,6 +794,47 @@ def _keeping_the_partial_validation_sequence_adds_a_sample(tmp_path: Path) -> bo
     return sizes[1] == sizes[0] + 1
 
 
+def _train_loader(tmp_path: Path, dp_rank: int = 0, dp_size: int = 1, **dataset_fields: Any) -> Any:
+    """The training DataLoader built for this rank from the micro config on a small .bin/.idx corpus."""
+    from types import SimpleNamespace
+
+    from longspan.data import loaders
+    from tests.data.conftest import LongspanTok
+
+    _file_backed_datasets(tmp_path)  # writes the corpus
+    cfg = _micro_cfg_with(tmp_path, **{"dataset__data_path": str(tmp_path / "corpus_text_document"),
+                                       "dataset__split": "6,3,1",
+                                       **{f"dataset__{k}": v for k, v in dataset_fields.items()}})
+    built, real = [], loaders.build_pretraining_data_loader
+    loaders.build_pretraining_data_loader = lambda *a, **kw: built.append(real(*a, **kw)) or built[-1]
+    try:
+        loaders.build_train_valid_test_data_iterators(
+            cfg, SimpleNamespace(consumed_train_samples=0, consumed_valid_samples=0), LongspanTok(vocab_size=63),
+            dp_rank, dp_size)
+    finally:
+        loaders.build_pretraining_data_loader = real
+    return built[0]
+
+
+@probe("dataset.num_workers", "dataset.persistent_workers")
+def _worker_settings_reach_the_data_loader(tmp_path: Path) -> bool:
+    """Same batches by design; the effect is the DataLoader's worker processes (not started here)."""
+    settings = [(loader.num_workers, loader.persistent_workers) for loader in (
+        _train_loader(tmp_path, num_workers=0, persistent_workers=False),
+        _train_loader(tmp_path, num_workers=2, persistent_workers=False),
+        _train_loader(tmp_path, num_workers=2, persistent_workers=True))]
+    return settings == [(0, False), (2, False), (2, True)]
+
+
+@probe("dataset.data_sharding")
+def _data_sharding_changes_what_a_rank_draws(tmp_path: Path) -> bool:
+    """With the shuffling sampler, sharding gives each dp rank its own contiguous bucket to permute; without
+    it the rank takes every dp-th index of one permutation."""
+    first = [next(iter(_train_loader(tmp_path, 1, 2, dataloader_type="cyclic", data_sharding=v).batch_sampler))
+             for v in (True, False)]
+    return first[0] != first[1]
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -859,9 +900,6 @@ RUN_OBSERVATION_BLIND = "effect not visible in the short run's observation yet: 
 
 # Supported fields this test does not probe yet (issue 15 follow-up): each needs a probe here or a status.
 NOT_YET_PROBED: dict[str, str] = {
-    "dataset.num_workers": "worker processes; same batches by design",
-    "dataset.persistent_workers": "worker processes; same batches by design",
-    "dataset.data_sharding": "sampler sharding over dp ranks (dp > 1)",
     "dataset.mock": "mock data is already chosen when data_path is None",
     "dataset.mid_level_dataset_surplus": "blended datasets only",
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "

@@ -835,6 +835,12 @@ def _data_sharding_changes_what_a_rank_draws(tmp_path: Path) -> bool:
     return first[0] != first[1]
 
 
+@probe("dataset.mock")
+def _mock_replaces_the_files_with_synthetic_data(tmp_path: Path) -> bool:
+    kinds = [type(_file_backed_datasets(tmp_path, mock=v)[0].dataset).__name__ for v in (False, True)]
+    return kinds == ["IndexedDataset", "MockGPTLowLevelDataset"]
+
+
 # Supported fields whose effect needs several processes, a prepared checkpoint or data files, proven by the
 # named test instead of here.
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -900,7 +906,6 @@ RUN_OBSERVATION_BLIND = "effect not visible in the short run's observation yet: 
 
 # Supported fields this test does not probe yet (issue 15 follow-up): each needs a probe here or a status.
 NOT_YET_PROBED: dict[str, str] = {
-    "dataset.mock": "mock data is already chosen when data_path is None",
     "dataset.mid_level_dataset_surplus": "blended datasets only",
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "
                                             "iterations: a 100-iteration run; tests/training/test_loggers.py::"

@@ -11,7 +11,7 @@ from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate, next_token_logits_processor
 from longspan.models.gpt import build_gpt_model
 from tests.models.gpt_test_config import llama_config, make_config
-from tests.models.test_gpt_hf_parity import _llama_to_longspan
+from tests.models.test_gpt_hf_parity import _gpt2_to_longspan, _llama_to_longspan
 
 NEW_TOKENS = 20
 
@@ -51,30 +51,8 @@ def _gpt2_pair():
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
-    sd = hf.state_dict()
-    ours = {
-        "embedding.word_embeddings.weight": sd["transformer.wte.weight"],
-        "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
-        "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
-        "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"],
-    }
-    for i in range(layers):
-        p, o = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        qkv_w, qkv_b = sd[p + "attn.c_attn.weight"].t(), sd[p + "attn.c_attn.bias"]
-        for j, name in enumerate(("linear_q", "linear_k", "linear_v")):
-            ours[o + f"self_attention.{name}.weight"] = qkv_w[j * h:(j + 1) * h]
-            ours[o + f"self_attention.{name}.bias"] = qkv_b[j * h:(j + 1) * h]
-        ours[o + "self_attention.linear_proj.weight"] = sd[p + "attn.c_proj.weight"].t()
-        ours[o + "self_attention.linear_proj.bias"] = sd[p + "attn.c_proj.bias"]
-        ours[o + "mlp.linear_fc1.weight"] = sd[p + "mlp.c_fc.weight"].t()
-        ours[o + "mlp.linear_fc1.bias"] = sd[p + "mlp.c_fc.bias"]
-        ours[o + "mlp.linear_fc2.weight"] = sd[p + "mlp.c_proj.weight"].t()
-        ours[o + "mlp.linear_fc2.bias"] = sd[p + "mlp.c_proj.bias"]
-        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            ours[o + f"{b}.weight"] = sd[p + f"{a}.weight"]
-            ours[o + f"{b}.bias"] = sd[p + f"{a}.bias"]
     model = build_gpt_model(cfg, seed=1).eval()
-    model.load_state_dict(ours, strict=True)
+    model.load_state_dict(_gpt2_to_longspan(hf.state_dict(), cfg), strict=True)
     return hf, model, vocab
 
 

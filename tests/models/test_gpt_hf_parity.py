@@ -59,6 +59,33 @@ def _llama_to_longspan(sd, cfg) -> dict:
     return ours
 
 
+def _gpt2_to_longspan(sd, cfg) -> dict:
+    """HF GPT-2 names -> longspan names (Conv1D weights are [in, out]: transposed; c_attn is fused [q | k | v])."""
+    h = cfg.hidden_size
+    ours = {
+        "embedding.word_embeddings.weight": sd["transformer.wte.weight"],
+        "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
+        "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
+        "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"],
+    }
+    for i in range(cfg.num_layers):
+        p, o = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        qkv_w, qkv_b = sd[p + "attn.c_attn.weight"].t(), sd[p + "attn.c_attn.bias"]
+        for j, name in enumerate(("linear_q", "linear_k", "linear_v")):
+            ours[o + f"self_attention.{name}.weight"] = qkv_w[j * h:(j + 1) * h]
+            ours[o + f"self_attention.{name}.bias"] = qkv_b[j * h:(j + 1) * h]
+        ours[o + "self_attention.linear_proj.weight"] = sd[p + "attn.c_proj.weight"].t()
+        ours[o + "self_attention.linear_proj.bias"] = sd[p + "attn.c_proj.bias"]
+        ours[o + "mlp.linear_fc1.weight"] = sd[p + "mlp.c_fc.weight"].t()
+        ours[o + "mlp.linear_fc1.bias"] = sd[p + "mlp.c_fc.bias"]
+        ours[o + "mlp.linear_fc2.weight"] = sd[p + "mlp.c_proj.weight"].t()
+        ours[o + "mlp.linear_fc2.bias"] = sd[p + "mlp.c_proj.bias"]
+        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            ours[o + f"{b}.weight"] = sd[p + f"{a}.weight"]
+            ours[o + f"{b}.bias"] = sd[p + f"{a}.bias"]
+    return ours
+
+
 def _check_against_hf(cfg, hf, position_ids=None):
     model = build_gpt_model(cfg, seed=1).eval()
     _copy_llama_weights(hf, model, cfg)
@@ -124,30 +151,7 @@ def test_gpt2_layernorm_learned_positions_gelu_biases():
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
-    sd = hf.state_dict()
-    h = cfg.hidden_size
-    ours = {
-        "embedding.word_embeddings.weight": sd["transformer.wte.weight"],
-        "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
-        "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
-        "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"],
-    }
-    for i in range(cfg.num_layers):
-        p, o = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        # HF Conv1D stores [in, out]: transpose; c_attn is fused [q | k | v] along out.
-        qkv_w, qkv_b = sd[p + "attn.c_attn.weight"].t(), sd[p + "attn.c_attn.bias"]
-        for j, name in enumerate(("linear_q", "linear_k", "linear_v")):
-            ours[o + f"self_attention.{name}.weight"] = qkv_w[j * h:(j + 1) * h]
-            ours[o + f"self_attention.{name}.bias"] = qkv_b[j * h:(j + 1) * h]
-        ours[o + "self_attention.linear_proj.weight"] = sd[p + "attn.c_proj.weight"].t()
-        ours[o + "self_attention.linear_proj.bias"] = sd[p + "attn.c_proj.bias"]
-        ours[o + "mlp.linear_fc1.weight"] = sd[p + "mlp.c_fc.weight"].t()
-        ours[o + "mlp.linear_fc1.bias"] = sd[p + "mlp.c_fc.bias"]
-        ours[o + "mlp.linear_fc2.weight"] = sd[p + "mlp.c_proj.weight"].t()
-        ours[o + "mlp.linear_fc2.bias"] = sd[p + "mlp.c_proj.bias"]
-        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            ours[o + f"{b}.weight"] = sd[p + f"{a}.weight"]
-            ours[o + f"{b}.bias"] = sd[p + f"{a}.bias"]
+    ours = _gpt2_to_longspan(hf.state_dict(), cfg)
     model = build_gpt_model(cfg, seed=1).eval()
     model.load_state_dict(ours, strict=True)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))

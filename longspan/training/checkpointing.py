@@ -647,9 +647,7 @@ def apply_checkpoint_args(cfg: Any) -> list[str]:
     Every model field except the parallel layout (ModelParallelConfig's fields) is copied, so a run resumes
     with the saved architecture whatever the recipe says. Returns the names of the fields that changed.
     """
-    import dataclasses
-
-    from longspan.core.model_parallel_config import ModelParallelConfig
+    from longspan.core.model_parallel_config import copy_model_fields
 
     found = find_checkpoint(cfg.checkpoint)
     if found is None or _is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
@@ -664,15 +662,7 @@ def apply_checkpoint_args(cfg: Any) -> list[str]:
         raise CheckpointError(
             f"checkpoint {found[0]} holds a {type(saved).__name__}, but this run builds a {type(cfg.model).__name__}"
         )
-    layout = {f.name for f in dataclasses.fields(ModelParallelConfig)}
-    changed = []
-    for f in dataclasses.fields(saved):
-        if f.name in layout:
-            continue
-        value = getattr(saved, f.name)
-        if getattr(cfg.model, f.name) != value:
-            setattr(cfg.model, f.name, value)
-            changed.append(f.name)
+    changed = copy_model_fields(saved, cfg.model)
     if changed:
         print_rank_0(f"use_checkpoint_args: model fields from {run_config}: {', '.join(sorted(changed))}", logger)
     return changed

@@ -12,7 +12,6 @@ It sits below ``checkpointing``/``setup``/``model_loading`` (which call it) and 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,7 @@ import torch
 
 from longspan.conversion.bridge import AutoBridge, is_hf_model_dir
 from longspan.core.errors import ConfigError
+from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS, copy_model_fields
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 
 logger = get_logger(__name__)
@@ -50,10 +50,8 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike, keep_precision: b
     The layout fields (ModelParallelConfig's) stay, and with ``keep_precision`` so does the dtype; RoPE
     models keep the recipe's ``seq_length`` (learned position tables take the HF one).
     """
-    from longspan.core.model_parallel_config import ModelParallelConfig
-
     hf_provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
-    keep = {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    keep = set(PARALLEL_CONFIG_FIELDS)
     if not keep_precision:
         keep -= {"params_dtype"}
     if hf_provider.position_embedding_type == "rope":
@@ -65,15 +63,7 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike, keep_precision: b
             f"checkpoint.pretrained_checkpoint={str(hf_dir)!r} holds a {type(hf_provider).__name__} model but the "
             f"recipe's model is a {type(cfg.model).__name__}: use a recipe of the same family (e.g. tiny-t5 for T5)"
         )
-    changed = []
-    for f in dataclasses.fields(hf_provider):
-        if f.name in keep:
-            continue
-        value = getattr(hf_provider, f.name)
-        if getattr(cfg.model, f.name) != value:
-            setattr(cfg.model, f.name, value)
-            changed.append(f.name)
-    return changed
+    return copy_model_fields(hf_provider, cfg.model, keep)
 
 
 def apply_hf_pretrained_config(cfg: Any) -> bool:

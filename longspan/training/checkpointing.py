@@ -21,9 +21,8 @@ import json
 import os
 import random
 import shutil
-import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from longspan.core.errors import CheckpointError
+from longspan.training.async_checkpoint import finalize_async_saves, start_async_save
 from longspan.training.checkpoint_io import load_shards, load_weights_only, read_metadata, reading
 from longspan.core.logging import get_logger, print_rank_0
 
@@ -221,14 +221,6 @@ def _build_state_dict(
 # -------------------------------------------------------------------------------------------------- save
 
 
-@dataclass
-class _PendingAsyncSave:
-    future: Any
-    iteration: int
-    finalize: Any
-    started: float = field(default_factory=time.time)
-
-
 def check_save_dir_writable(save: str) -> None:
     """Fail at start-up (not after hours of training) when ``checkpoint.save`` cannot be written.
 
@@ -329,35 +321,12 @@ def save_checkpoint(
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}", logger)
 
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format", logger)
-    if ckpt_cfg.async_save:
-        with _single_process_quiet():
-            future = dcp.async_save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
-        context["pending_async_save"] = _PendingAsyncSave(future, iteration, finalize)
+    if ckpt_cfg.async_save:  # on a group of its own (async_checkpoint): training goes on meanwhile
+        context["pending_async_save"] = start_async_save(state_dict, partial_dir, iteration, finalize)
     else:
         with _single_process_quiet():
             dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         finalize()
-
-
-def finalize_async_saves(checkpointing_context: dict[str, Any], blocking: bool = False) -> bool:
-    """Complete a pending async save once every rank has finished writing; True when nothing is pending.
-
-    Trackers are written only here, after the shards are complete.
-    """
-    pending: _PendingAsyncSave | None = checkpointing_context.get("pending_async_save")
-    if pending is None:
-        return True
-    done = pending.future.done()
-    if dist.is_initialized():
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        done = bool(flag.item())
-    if not done and not blocking:
-        return False
-    pending.future.result()
-    pending.finalize()
-    checkpointing_context.pop("pending_async_save")
-    return True
 
 
 def _rerun_state(state: Any) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+"""Asynchronous ``torch_dist`` saves (``checkpoint.async_save``): DCP writes in a background thread while training
+goes on; the directory is renamed into place and the tracker written only once every rank has finished.
+
+DCP's background thread runs collectives of its own (the save plan's gather and scatter, the metadata gather).
+On the process group the training loop uses they would interleave with the main thread's collectives: gloo
+pairs messages by their order on a group, not by thread, so a training all-reduce lands in the save's
+``gather_object`` (which then tries to allocate exabytes) or both sides wait forever. The background save
+therefore runs on a gloo group of its own (``checkpoint_process_group``), which nothing else uses.
+
+Test hook: ``LONGSPAN_TEST_ASYNC_WRITE_DELAY_S`` (seconds) makes the background writer pause after writing this
+rank's shards and before the save completes, so a test can kill a rank while an async save is in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+WRITE_DELAY_ENV = "LONGSPAN_TEST_ASYNC_WRITE_DELAY_S"
+
+# (default group, its checkpoint group): a new default group (a re-initialized world) gets a new one.
+_checkpoint_group: tuple[Any, Any] | None = None
+
+
+def checkpoint_process_group() -> Any:
+    """The gloo group of every rank that background saves use (None without torch.distributed).
+
+    Made on first use; creating a group is collective, so every rank must first call this at the same point
+    (the first async save, which every rank makes).
+    """
+    global _checkpoint_group
+    if not dist.is_initialized():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _checkpoint_group is None or _checkpoint_group[0] is not default:
+        _checkpoint_group = (default, dist.new_group(backend="gloo"))
+    return _checkpoint_group[1]
+
+
+@dataclass
+class PendingAsyncSave:
+    """A background save: its future, its iteration and what completes it (rename, side files, tracker)."""
+
+    future: Any
+    iteration: int
+    finalize: Callable[[], None]
+    started: float = field(default_factory=time.time)
+
+
+class _DelayedWriter(FileSystemWriter):
+    """The test hook: a file-system writer that waits after writing this rank's shards."""
+
+    def __init__(self, path: str, delay: float) -> None:
+        super().__init__(path)
+        self.delay = delay
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        time.sleep(self.delay)
+        return written
+
+
+def start_async_save(state_dict: dict[str, Any], directory: Path, iteration: int,
+                     finalize: Callable[[], None]) -> PendingAsyncSave:
+    """Stage ``state_dict`` (a copy, so training may change the tensors right away) and write it to
+    ``directory`` in the background; ``finalize_async_saves`` completes it with ``finalize``."""
+    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+    target: dict[str, Any] = (
+        {"storage_writer": _DelayedWriter(str(directory), delay)} if delay > 0 else {"checkpoint_id": str(directory)}
+    )
+    with warnings.catch_warnings():  # DCP warns that one process assumes a single rank: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        future = dcp.async_save(state_dict, process_group=checkpoint_process_group(),
+                                no_dist=not dist.is_initialized(), **target)
+    return PendingAsyncSave(future, iteration, finalize)
+
+
+def finalize_async_saves(checkpointing_context: dict[str, Any], blocking: bool = False) -> bool:
+    """Complete a pending async save once every rank has finished writing; True when nothing is pending.
+
+    Collective while a save is pending (every rank calls it at the same points of the loop). Trackers are
+    written only here, after the shards of every rank are complete.
+    """
+    pending: PendingAsyncSave | None = checkpointing_context.get("pending_async_save")
+    if pending is None:
+        return True
+    done = pending.future.done()
+    if dist.is_initialized():  # on the training group, from the main thread: the background save is not on it
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        done = bool(flag.item())
+    if not done and not blocking:
+        return False
+    pending.future.result()
+    pending.finalize()
+    checkpointing_context.pop("pending_async_save")
+    return True

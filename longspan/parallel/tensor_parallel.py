@@ -225,7 +225,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         adapt = getattr(model.get_submodule(name), "adapt_parallel_style", None)
         if adapt is not None:
             plan[name] = adapt(style)
+    # torch's SequenceParallel re-registers the norm weights as new Parameters that always require grad, which
+    # would unfreeze a frozen base (peft: the norms then train and enter the grad norm). Keep each flag as set.
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
+    for name, p in model.named_parameters():
+        if name in requires_grad:
+            p.requires_grad_(requires_grad[name])
     if sequence_parallel and model.args.hidden_dropout > 0:
         for layer in model.decoder.layers.values():
             layer.self_attn_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)

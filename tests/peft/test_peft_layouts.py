@@ -1,4 +1,4 @@
-"""PEFT under TP2, PP2, DP2 (DDP) and DP2 (FSDP2) through ``finetune()``: the logged
+"""PEFT under TP2, TP2 with sequence parallel, PP2, DP2 (DDP) and DP2 (FSDP2) through ``finetune()``: the logged
 losses and gradient norms match one process (fp32 CPU, rel 1e-6)."""
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def references(base: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 LAYOUTS = {
     "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sp=True),
     "pp2": dict(pp=2),
     "dp2_ddp": dict(),
     "dp2_fsdp2": dict(fsdp2=True),
@@ -126,11 +127,3 @@ def test_layout_matches_one_process(layout: str, kind: str, base: str, reference
     ref_losses, ref_norms = references[kind]
     assert losses == pytest.approx(ref_losses, rel=REL)
     assert norms == pytest.approx(ref_norms, rel=REL)
-
-
-def test_sequence_parallel_is_rejected(base: str, tmp_path: Path) -> None:
-    from longspan.core.errors import NotSupportedError
-
-    cfg = _config(str(tmp_path), base, tp=2, sp=True)
-    with pytest.raises(NotSupportedError, match="sequence_parallel"):
-        cfg.validate(world_size=2)

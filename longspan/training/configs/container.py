@@ -120,13 +120,6 @@ class ConfigContainer:
         validate_container(self, world_size)
         if self.peft is not None:
             self.peft.validate()
-            if getattr(self.model, "sequence_parallel", False):
-                from longspan.core.errors import NotSupportedError
-
-                raise NotSupportedError(
-                    "peft with model.sequence_parallel=True is not supported yet (adapter gradients do not match one "
-                    "process there): set model.sequence_parallel=False"
-                )
 
     # ---- serialization -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

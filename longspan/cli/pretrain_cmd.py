@@ -56,11 +56,30 @@ def _strip_launch_args(argv: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from longspan.config import load_config
+    from longspan.training.resilience.inprocess import in_supervised_worker
 
-    cfg = load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
+    def fresh_config() -> Any:
+        return load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
+
+    cfg = fresh_config()
+    if in_supervised_worker():  # started by the in-process restart supervisor: train, restarting in place
+        from longspan.training.resilience.inprocess import run_worker
+
+        return run_worker(lambda c: _train(args, c), fresh_config)
     in_worker = "TORCHELASTIC_RUN_ID" in os.environ  # started by a launcher (ours or torchrun): train here
+    if cfg.inprocess_restart is not None and cfg.inprocess_restart.enabled:
+        if in_worker:
+            from longspan.core.errors import NotSupportedError
+
+            raise NotSupportedError("inprocess_restart.enabled=True needs longspan's own supervisor: start the run "
+                                    "with longspan pretrain [--nproc-per-node N], not torchrun")
+        return _launch_inprocess(args, cfg)
     if args.nproc_per_node or (not in_worker and (args.max_restarts or (cfg.ft is not None and cfg.ft.enable_ft_package))):
         return _launch(args, cfg)  # restarts and fault tolerance need the launcher, also for one process
+    return _train(args, cfg)
+
+
+def _train(args: argparse.Namespace, cfg: Any) -> int:
     if args.command_name == "finetune":
         from longspan.training.finetune import finetune
 
@@ -72,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     return int(getattr(state, "exit_code", None) or 0)
 
 
-def _launch(args: argparse.Namespace, cfg: Any) -> int:
-    from longspan.parallel.launcher import launch
+def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
+    """Check the configuration for the whole world size before any worker starts; return the world size."""
     from longspan.parallel.mesh import check_layout
 
     args.nproc_per_node = args.nproc_per_node or 1
@@ -88,6 +107,32 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
         cfg.model.vocab_size = tokenizer_vocab_size
     cfg.validate(world_size=world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer_vocab_size)
+    return world_size
+
+
+def _launch_inprocess(args: argparse.Namespace, cfg: Any) -> int:
+    """inprocess_restart.enabled: one node's workers under longspan's in-process restart supervisor."""
+    from longspan.core.errors import LaunchError, NotSupportedError
+
+    if str(args.nnodes) != "1" or args.rdzv_endpoint is not None:
+        raise NotSupportedError(f"inprocess_restart.enabled=True with --nnodes={args.nnodes} is not supported yet: "
+                                "the in-process supervisor runs one node (use --nnodes 1)")
+    if args.max_restarts:
+        raise LaunchError(f"--max-restarts={args.max_restarts} restarts the whole worker group; with "
+                          "inprocess_restart.enabled=True use inprocess_restart.max_iterations instead")
+    world_size = _validate_for_launch(args, cfg)
+    from longspan.training.loggers import metrics_jsonl_path
+    from longspan.training.resilience.supervisor import InProcessSupervisor, supervisor_reporter
+
+    ipr = cfg.inprocess_restart
+    report = supervisor_reporter(cfg.checkpoint.save, metrics_jsonl_path(cfg), world_size, ipr.monitor_process_logdir)
+    return InProcessSupervisor(_strip_launch_args(args.argv), world_size, ipr, report).run()
+
+
+def _launch(args: argparse.Namespace, cfg: Any) -> int:
+    from longspan.parallel.launcher import launch
+
+    world_size = _validate_for_launch(args, cfg)
     worker_argv = _strip_launch_args(args.argv)
     from longspan.training.resilience.launch import fault_tolerance_monitor
 

@@ -46,6 +46,7 @@ SECTION_DEFAULT: dict[str, str] = {
     "profiling": SUPPORTED,
     "peft": SUPPORTED,
     "mixed_precision": NOT_SUPPORTED,
+    "inprocess_restart": SUPPORTED,
 }
 
 
@@ -183,6 +184,9 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
     # Megatron's detector can be switched on and off at run time through a port; longspan's cannot.
     **_many("straggler", NOT_SUPPORTED, "straggler_ctrlr_port"),
+    # In-process restart (resilience/inprocess.py): a stalled rank is found by hard_timeout (and heartbeats) and
+    # replaced; nvidia-resiliency-ext's soft timeout (interrupting a live rank) and warm reserve ranks are not built.
+    **_many("inprocess_restart", NOT_SUPPORTED, "soft_timeout active_world_size"),
 }
 
 # Mamba and hybrid models (issue 13): longspan.models.mamba (MambaProvider).

@@ -57,7 +57,7 @@ _LONGSPAN_CLASSES = {
         "GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
         "T5MaskedWordPieceDatasetConfig",
         "TrainingConfig", "CheckpointConfig", "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig",
-        "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "OptimizerConfig",
+        "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "InProcessRestartConfig", "OptimizerConfig",
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
     ],
     "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider"],

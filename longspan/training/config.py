@@ -22,6 +22,7 @@ from longspan.training.configs.data import (
 from longspan.training.configs.infra import (
     DistributedInitConfig,
     FaultToleranceConfig,
+    InProcessRestartConfig,
     NVRxStragglerDetectionConfig,
     ProfilingConfig,
     RerunStateMachineConfig,
@@ -45,7 +46,8 @@ __all__ = [
     "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
     "TrainingConfig", "CheckpointConfig",
     "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig", "StragglerDetectionConfig",
-    "NVRxStragglerDetectionConfig", "ConfigContainer", "OptimizerConfig", "DistributedDataParallelConfig",
+    "NVRxStragglerDetectionConfig", "InProcessRestartConfig", "ConfigContainer", "OptimizerConfig",
+    "DistributedDataParallelConfig",
     "TokenizerConfig", "MixedPrecisionConfig", "MIXED_PRECISION_RECIPES", "bf16_mixed", "fp16_mixed", "fp32",
     "get_mixed_precision_config", "ModelParallelConfig", "TransformerConfig", "GPTModelProvider",
     "T5ModelProvider", "MambaProvider", "PackedSequenceSpecs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, print_rank_last
 from longspan.models.t5_provider import T5ModelProvider
 from longspan.training.eval import evaluate_and_print_results
@@ -30,7 +31,40 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
     if forward_step_func is None:
         t5 = isinstance(getattr(config, "model", None), T5ModelProvider)
         forward_step_func = t5_forward_step if t5 else default_forward_step
+    _check_inprocess_restart(config)
     out = setup(config)
+    state = out.state
+    try:
+        return _train_and_test(out, forward_step_func)
+    except BaseException:
+        _abandon(state)  # an in-process restart runs again in this process: leave no handlers or open sinks
+        raise
+
+
+def _check_inprocess_restart(config: Any) -> None:
+    ipr = getattr(config, "inprocess_restart", None)
+    if ipr is not None and ipr.enabled:
+        from longspan.training.resilience.inprocess import in_supervised_worker
+
+        if not in_supervised_worker():
+            raise NotSupportedError(
+                "inprocess_restart.enabled=True needs longspan's in-process supervisor: start the run with "
+                "`longspan pretrain [--nproc-per-node N]` (pretrain() alone does not restart ranks)"
+            )
+
+
+def _abandon(state: GlobalState) -> None:
+    """Release what a failed attempt holds: the exit-signal handler and the logger sinks."""
+    if state.signal_handler is not None:
+        state.signal_handler.release()
+        state.signal_handler = None
+    try:
+        state.close_loggers()
+    except Exception:  # noqa: BLE001 - best effort while another error propagates
+        logger.debug("closing the loggers of a failed run failed", exc_info=True)
+
+
+def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
     state = out.state
     cfg = state.cfg
     if cfg.logger.log_progress:

@@ -13,6 +13,7 @@ from longspan.training.configs.data import FinetuningDatasetConfig, GPTDatasetCo
 from longspan.training.configs.infra import (
     DistributedInitConfig,
     FaultToleranceConfig,
+    InProcessRestartConfig,
     NVRxStragglerDetectionConfig,
     ProfilingConfig,
     RerunStateMachineConfig,
@@ -82,6 +83,9 @@ class ConfigContainer:
     peft: Optional[PEFT] = None
     """Parameter-efficient finetuning: LoRA, DoRA or CanonicalLoRA (longspan.peft). The base model is frozen and
     loaded from checkpoint.pretrained_checkpoint; only the adapters train and are checkpointed."""
+
+    inprocess_restart: Optional[InProcessRestartConfig] = None
+    """In-process restart (optional): a failed rank is replaced without restarting the other ranks' processes."""
 
     comm_overlap: Optional[dict[str, Any]] = None
     """Communication overlap settings: not supported yet."""
@@ -178,6 +182,7 @@ SECTION_TYPES: dict[str, tuple[type, ...]] = {
     "nvrx_straggler": (NVRxStragglerDetectionConfig,),
     "profiling": (ProfilingConfig,),
     "peft": (LoRA, DoRA, CanonicalLoRA),
+    "inprocess_restart": (InProcessRestartConfig,),
 }
 
 

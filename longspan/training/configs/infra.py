@@ -162,6 +162,72 @@ class FaultToleranceConfig:
 
 
 @dataclass
+class InProcessRestartConfig:
+    """In-process restart (Megatron Bridge's field names; nvidia-resiliency-ext's ``inprocess`` there): when a rank
+    fails, ``longspan pretrain``'s own supervisor replaces it while the surviving processes tear down their process
+    groups, re-rendezvous with the replacement and resume from the newest checkpoint without restarting
+    (longspan.training.resilience.inprocess; docs/resilience.md)."""
+
+    enabled: bool = False
+    """Run the workers under longspan's in-process restart supervisor (``longspan pretrain``, one node)."""
+
+    max_iterations: Optional[int] = None
+    """Most restarts (worker generations after the first) of the job; one more fault fails it. None: no limit."""
+
+    monitor_thread_interval: float = 1.0
+    """Seconds between a worker's checks of the job's generation; a worker still running an older generation is
+    interrupted (an exception in its main thread) and restarts in place."""
+
+    monitor_process_interval: float = 1.0
+    """Seconds between the supervisor's checks of the worker processes (exits, heartbeats, progress)."""
+
+    progress_watchdog_interval: float = 1.0
+    """Seconds between a worker's progress timestamps (written by a watchdog thread while the process runs)."""
+
+    heartbeat_interval: float = 30.0
+    """Seconds between a worker's heartbeats (written by its monitor thread)."""
+
+    soft_timeout: float = 60.0
+    """Soft progress timeout (seconds): not supported yet (a stalled rank is handled by hard_timeout)."""
+
+    hard_timeout: float = 90.0
+    """Seconds without a progress timestamp after which the supervisor terminates a rank (SIGTERM, then SIGKILL after
+    termination_grace_time) and replaces it: a frozen (e.g. SIGSTOPped) process."""
+
+    heartbeat_timeout: float = 60.0
+    """Seconds without a heartbeat after which the supervisor terminates a rank and replaces it."""
+
+    barrier_timeout: float = 120.0
+    """Seconds a worker waits at the re-rendezvous barrier for every rank of its generation; then it fails."""
+
+    completion_timeout: float = 120.0
+    """Seconds the other ranks have to finish once one rank has exited successfully; then the job fails."""
+
+    last_call_wait: float = 1.0
+    """Seconds the supervisor waits after a fault for concurrent faults of other ranks, restarting once for all."""
+
+    termination_grace_time: float = 1.0
+    """Seconds between SIGTERM and SIGKILL when the supervisor terminates a rank."""
+
+    granularity: Literal["node", "rank"] = "node"
+    """What a fault replaces: 'rank': the failed rank's process only (the others restart in place, their processes
+    kept); 'node': every process of the failed rank's node (on a one-node job: all workers get new processes)."""
+
+    active_world_size: Optional[int] = None
+    """Ranks that run the workload, the rest a warm reserve: not supported yet (None: every rank runs it)."""
+
+    empty_cuda_cache: bool = True
+    """Empty the CUDA cache while tearing down before a restart (nothing to do without CUDA)."""
+
+    max_rank_faults: Optional[int] = None
+    """Most faults of any one rank; one more fails the job. None: no limit."""
+
+    monitor_process_logdir: Optional[str] = None
+    """Directory of the supervisor's own log file (``inprocess_monitor.log``: every fault, restart and exit).
+    None: no file."""
+
+
+@dataclass
 class StragglerDetectionConfig:
     """Megatron's straggler detector (slow ranks); longspan.training.resilience.straggler (shared with nvrx_straggler)."""
 

@@ -13,6 +13,35 @@ def check_resilience_config(cfg: Any) -> None:
     _check_rerun(cfg.rerun_state_machine, cfg.checkpoint)
     if cfg.ft is not None:
         _check_ft(cfg.ft)
+    if getattr(cfg, "inprocess_restart", None) is not None:
+        _check_inprocess(cfg.inprocess_restart, cfg.ft)
+
+
+_INPROCESS_SECONDS = ("monitor_thread_interval", "monitor_process_interval", "progress_watchdog_interval",
+                      "heartbeat_interval", "soft_timeout", "hard_timeout", "heartbeat_timeout", "barrier_timeout",
+                      "completion_timeout")
+
+
+def _check_inprocess(ipr: Any, ft: Any) -> None:
+    for name in _INPROCESS_SECONDS:
+        value = getattr(ipr, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"inprocess_restart.{name}={value!r} is not valid: use a positive number of seconds")
+    for name in ("last_call_wait", "termination_grace_time"):
+        value = getattr(ipr, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"inprocess_restart.{name}={value!r} is not valid: use seconds >= 0")
+    for name in ("max_iterations", "max_rank_faults"):
+        value = getattr(ipr, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"inprocess_restart.{name}={value!r} is not valid: use None (no limit) or an integer >= 0")
+    if ipr.granularity not in ("node", "rank"):
+        raise ConfigError(f"inprocess_restart.granularity={ipr.granularity!r} is not valid: use 'node' or 'rank'")
+    if ipr.enabled and ft is not None and ft.enable_ft_package:
+        raise NotSupportedError(
+            "inprocess_restart.enabled=True with ft.enable_ft_package=True is not supported yet: choose one (the "
+            "in-process supervisor watches heartbeats and progress itself)"
+        )
 
 
 def _check_ft(ft: Any) -> None:

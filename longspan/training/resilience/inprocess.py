@@ -1,0 +1,274 @@
+"""In-process restart, the worker side (``inprocess_restart``; issue 12 item 4).
+
+A worker started by longspan's in-process supervisor (``resilience/supervisor.py``) trains inside a loop:
+
+1. wait at the re-rendezvous barrier of its *generation* (a counter in the supervisor's TCPStore) until every
+   rank of that generation has arrived (``barrier_timeout``);
+2. create its gloo process group on that generation's own key space of the store (``gen{G}/pg``);
+3. run the training function; when it fails because a peer failed (a collective raises once the dead peer's
+   sockets close) or is interrupted because the supervisor moved to a newer generation, destroy the process
+   groups and longspan's process-wide state (parallel state, compiled-graph caches, the CUDA cache), and go back
+   to 1 in the newer generation. The training function then loads the newest checkpoint, as any restart does.
+
+The Python process — and its pid — stays the same; only the failed rank is a new process (started by the
+supervisor directly in the current generation). A monitor thread writes this rank's heartbeat and progress
+timestamps to the store (the supervisor terminates a frozen rank) and interrupts the main thread when the job's
+generation moves on while it still runs an older one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Optional
+
+from longspan.core.errors import LaunchError
+from longspan.core.logging import get_logger
+
+logger = get_logger(__name__)
+
+#: host:port of the supervisor's TCPStore; its presence marks a supervised worker
+STORE_ENV = "LONGSPAN_INPROCESS_STORE"
+#: the generation a worker process starts in (a replacement joins the current one)
+GENERATION_ENV = "LONGSPAN_INPROCESS_GENERATION"
+
+GENERATION_KEY = "generation"
+FINISHING_KEY = "finishing"  # set by the supervisor once the job ends (a rank exited): nobody restarts any more
+
+
+def arrived_key(generation: int) -> str:
+    return f"gen{generation}/arrived"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"heartbeat/{rank}"
+
+
+def progress_key(rank: int) -> str:
+    return f"progress/{rank}"
+
+
+class RestartAbort(BaseException):
+    """Raised in a worker's main thread when the job moved to a newer generation while it was still training."""
+
+
+def in_supervised_worker(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process is a worker of the in-process restart supervisor."""
+    return STORE_ENV in (os.environ if env is None else env)
+
+
+def connect_store(address: str, timeout: float) -> Any:
+    """A client of the supervisor's TCPStore at ``host:port``."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def _read_int(store: Any, key: str, default: int = 0) -> int:
+    return int(store.get(key)) if store.check([key]) else default
+
+
+def _raise_in_thread(thread_id: int, exc: Optional[type]) -> None:
+    """Schedule ``exc`` in another thread (delivered at its next Python instruction); None cancels a pending one."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+class WorkerMonitor:
+    """This rank's monitor thread: heartbeat and progress timestamps in the store, and the generation watch.
+
+    The main thread marks the span in which it may be interrupted (``running(generation)`` ... ``stopped()``); the
+    thread raises RestartAbort there only, under a lock, so an interruption never lands in the teardown."""
+
+    def __init__(self, address: str, rank: int, ipr: Any) -> None:
+        self.address = address
+        self.rank = rank
+        self.ipr = ipr
+        self._lock = threading.Lock()
+        self._running_generation: Optional[int] = None
+        self._main_thread_id = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="longspan-inprocess-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def running(self, generation: int) -> None:
+        with self._lock:
+            self._running_generation = generation
+
+    def stopped(self) -> None:
+        """Leave the interruptible span; cancels an interruption scheduled but not yet delivered."""
+        with self._lock:
+            if self._running_generation is not None:
+                _raise_in_thread(self._main_thread_id, None)
+            self._running_generation = None
+
+    def _loop(self) -> None:
+        store = connect_store(self.address, self.ipr.barrier_timeout)
+        ipr = self.ipr
+        next_beat = next_progress = next_check = 0.0
+        while not self._stop.is_set():
+            now = time.time()
+            try:
+                if now >= next_beat:
+                    store.set(heartbeat_key(self.rank), repr(now))
+                    next_beat = now + ipr.heartbeat_interval
+                if now >= next_progress:
+                    store.set(progress_key(self.rank), repr(now))
+                    next_progress = now + ipr.progress_watchdog_interval
+                if now >= next_check:
+                    self._check_generation(_read_int(store, GENERATION_KEY))
+                    next_check = now + ipr.monitor_thread_interval
+            except Exception:  # noqa: BLE001 - the supervisor is gone: the process is about to be ended
+                return
+            self._stop.wait(max(0.0, min(next_beat, next_progress, next_check) - time.time()))
+
+    def _check_generation(self, generation: int) -> None:
+        with self._lock:
+            if self._running_generation is not None and generation > self._running_generation:
+                logger.warning(f"in-process restart: rank {self.rank} interrupted: the job moved to generation "
+                               f"{generation} while this rank ran generation {self._running_generation}")
+                _raise_in_thread(self._main_thread_id, RestartAbort)
+                self._running_generation = None  # once
+
+
+def rendezvous(store: Any, generation: int, rank: int, world_size: int, timeout: float) -> int:
+    """Arrive at ``generation``'s barrier (or a newer one if the job has moved on); return the generation every rank
+    reached. LaunchError after ``timeout`` seconds (inprocess_restart.barrier_timeout) or when the job is ending."""
+    deadline = time.time() + timeout
+    arrived_in: Optional[int] = None
+    while True:
+        if arrived_in == generation and int(store.add(arrived_key(generation), 0)) >= world_size:
+            return generation
+        newest = _read_int(store, GENERATION_KEY, generation)
+        if newest > generation:
+            generation = newest
+        if arrived_in != generation:
+            store.add(arrived_key(generation), 1)
+            arrived_in = generation
+            continue
+        if store.check([FINISHING_KEY]):
+            raise LaunchError(f"in-process restart: rank {rank}: the job is ending (another rank exited) while this "
+                              f"rank waited to restart in generation {generation}")
+        if time.time() > deadline:
+            count = int(store.add(arrived_key(generation), 0))
+            raise LaunchError(
+                f"in-process restart: rank {rank} waited {timeout:g} s at the re-rendezvous of generation "
+                f"{generation}: {count}/{world_size} ranks arrived (inprocess_restart.barrier_timeout)"
+            )
+        time.sleep(0.01)
+
+
+def wait_for_next_generation(store: Any, generation: int, timeout: float) -> Optional[int]:
+    """The job's generation once it is newer than ``generation``; None when the job is ending or after ``timeout``."""
+    deadline = time.time() + timeout
+    while True:
+        newest = _read_int(store, GENERATION_KEY, generation)
+        if newest > generation:
+            return newest
+        if store.check([FINISHING_KEY]) or time.time() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """Errors a peer's failure causes here: a collective or store operation that lost its peer."""
+    import torch.distributed as dist
+
+    if isinstance(exc, (RestartAbort, dist.DistError, ConnectionError, TimeoutError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "Connection reset", "Connection closed", "Broken pipe", "NCCL"))
+
+
+def init_process_group(store: Any, generation: int, rank: int, world_size: int, timeout_minutes: float) -> None:
+    """This generation's default process group, on its own key space of the supervisor's store."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=timeout_minutes))
+
+
+def reset_process_state(empty_cuda_cache: bool) -> None:
+    """Forget everything one training run left in the process: process groups and longspan's parallel state,
+    compiled graphs, the CUDA cache (``empty_cuda_cache``), then collect garbage."""
+    import torch
+
+    from longspan.parallel.init import destroy_distributed
+
+    try:
+        destroy_distributed()
+    except Exception as exc:  # noqa: BLE001 - a group whose peer died may fail to shut down cleanly
+        logger.warning(f"in-process restart: destroying the process group failed ({exc}); continuing")
+        import torch.distributed as dist
+
+        dist.distributed_c10d._world.pg_map.clear()  # noqa: SLF001 - make sure init_process_group can run again
+        dist.distributed_c10d.GroupMember.WORLD = None
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    if empty_cuda_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    gc.collect()
+
+
+def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any], env: Optional[Mapping[str, str]] = None) -> int:
+    """Train with in-process restarts; return the training's exit code.
+
+    ``make_config()`` builds a fresh ConfigContainer for each attempt (validation mutates it); ``train(cfg)`` runs
+    one training attempt and returns its exit code (0, or the rerun machine's 16/17)."""
+    env = os.environ if env is None else env
+    cfg = make_config()
+    ipr = cfg.inprocess_restart
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    address = env[STORE_ENV]
+    generation = int(env.get(GENERATION_ENV, "0"))
+    started_in = generation
+    store = connect_store(address, ipr.barrier_timeout)
+    monitor = WorkerMonitor(address, rank, ipr)
+    monitor.start()
+    timeout_minutes = float(cfg.dist.distributed_timeout_minutes)
+    # a peer's death surfaces within one supervisor check plus its wait for concurrent faults and its kill
+    peer_grace = ipr.monitor_process_interval + ipr.last_call_wait + ipr.termination_grace_time + 5.0
+    try:
+        while True:
+            began = time.time()
+            generation = rendezvous(store, generation, rank, world_size, ipr.barrier_timeout)
+            if generation != started_in:
+                logger.warning(f"in-process restart: rank {rank} (pid {os.getpid()}) rejoined in generation "
+                               f"{generation} after {time.time() - began:.2f} s; resuming from the newest checkpoint")
+            if world_size > 1:
+                init_process_group(store, generation, rank, world_size, timeout_minutes)
+            try:
+                monitor.running(generation)
+                code = train(cfg)
+                monitor.stopped()
+                return code
+            except BaseException as exc:  # noqa: BLE001 - decide below whether this rank restarts
+                monitor.stopped()
+                if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                    raise
+                wait = ipr.barrier_timeout if _is_peer_failure(exc) else peer_grace
+                newer = wait_for_next_generation(store, generation, wait)
+                if newer is None:
+                    raise
+                logger.warning(f"in-process restart: rank {rank} (pid {os.getpid()}) stops generation {generation} "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                               f"restarting in generation {newer}")
+                generation = newer
+            finally:
+                reset_process_state(ipr.empty_cuda_cache)
+            cfg = make_config()
+    finally:
+        monitor.stop()

@@ -14,6 +14,11 @@ as norm weights) and wraps a torch optimizer in ``MegatronOptimizer``, whose ``s
 5. the torch optimizer steps and fp32 main params are copied back into the model.
 
 Unlike megatron-core the norm is returned even when ``clip_grad`` is 0 (the trainer logs it).
+
+With ``use_precision_aware_optimizer`` (megatron-core's TransformerEngine FusedAdam path) the main params are
+kept in ``main_params_dtype`` (fp32 or fp16), the main gradients in ``main_grads_dtype`` (fp32 or bf16, as
+``decoupled_grad``) and Adam's moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype``
+(``longspan.training.precision_aware_adam``); the update itself is computed in fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.training.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from longspan.training.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
 try:  # DTensor is part of torch.distributed; absent only on builds without distributed support.
     from torch.distributed.tensor import DTensor
@@ -92,7 +98,15 @@ class MegatronOptimizer:
         # Without a loss scaler a non-finite gradient norm raises NonFiniteGradError before the update.
         self.check_for_nan_in_grad = False
 
-        # (model_param, fp32 main_param) pairs per group, as megatron-core's float16/fp32_from_float16 groups.
+        # Precision-aware optimizer (megatron-core's use_precision_aware_optimizer): main params in
+        # main_params_dtype, main gradients in main_grads_dtype, held as ``decoupled_grad`` since a tensor's
+        # ``grad`` must have its dtype. Otherwise fp32 main params with fp32 ``grad``.
+        self.precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
+        main_dtype = getattr(config, "main_params_dtype", torch.float32) if self.precision_aware else torch.float32
+        self.main_grads_dtype = (getattr(config, "main_grads_dtype", torch.float32) if self.precision_aware
+                                 else torch.float32)
+
+        # (model_param, main_param) pairs per group, as megatron-core's float16/fp32_from_float16 groups.
         self.float16_groups: list[list[nn.Parameter]] = []
         self.fp32_from_float16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
@@ -100,7 +114,7 @@ class MegatronOptimizer:
             f16, main, f32 = [], [], []
             for i, param in enumerate(group["params"]):
                 if param.dtype in _LOW_PRECISION:
-                    main_param = nn.Parameter(param.detach().clone().float())
+                    main_param = nn.Parameter(param.detach().clone().to(main_dtype))
                     group["params"][i] = main_param
                     if param in self.optimizer.state:
                         self.optimizer.state[main_param] = self.optimizer.state.pop(param)
@@ -152,6 +166,8 @@ class MegatronOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of model params and main params."""
         for param in self.get_model_parameters() + [p for g in self.fp32_from_float16_groups for p in g]:
+            if getattr(param, "decoupled_grad", None) is not None:
+                param.decoupled_grad = None
             if param.grad is None:
                 continue
             if set_to_none:
@@ -219,7 +235,8 @@ class MegatronOptimizer:
         """Gradients counted in the norm: every non-None main gradient, except parameters marked ``shared``
         (a tied output layer's copy on the last pipeline stage: its gradient is the embedding's, counted once),
         as megatron-core's ``param_is_not_shared``."""
-        return [p.grad for p in self.get_parameters() if p.grad is not None and not getattr(p, "shared", False)]
+        grads = [main_grad(p) for p in self.get_parameters() if not getattr(p, "shared", False)]
+        return [g for g in grads if g is not None]
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
@@ -268,7 +285,11 @@ class MegatronOptimizer:
         for f16, main in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(f16, main):
                 # An unused param has no grad this iteration: never step it with a stale one.
-                main_param.grad = None if model_param.grad is None else model_param.grad.float()
+                grad = model_param.grad
+                if self.precision_aware:
+                    main_param.decoupled_grad = None if grad is None else grad.to(self.main_grads_dtype)
+                else:
+                    main_param.grad = None if grad is None else grad.float()
                 model_param.grad = None
         if self.grad_scaler is None:
             return False
@@ -361,7 +382,8 @@ def _global_grad_norm(grads: list[torch.Tensor], group: dist.ProcessGroup | None
 
     DTensors are grouped by (mesh, placements) so each group's norm is one reduction (torch's
     ``get_total_norm`` handles DTensor lists of one placement); the groups combine as a sum of squares.
-    Computed in float32 like megatron-core's ``get_grad_norm_fp32``.
+    Computed in float32 like megatron-core's ``get_grad_norm_fp32`` (low-precision gradients of the
+    precision-aware optimizer are normed with fp32 accumulation).
     """
     device = grads[0].device if grads else torch.device("cpu")
     sq_dtensor = torch.zeros((), dtype=torch.float32, device=device)
@@ -371,16 +393,24 @@ def _global_grad_norm(grads: list[torch.Tensor], group: dist.ProcessGroup | None
     for g in grads:
         (groups[_placement_key(g)] if _is_dtensor(g) else plain).append(g)
     for dgrads in groups.values():
-        norm = torch.nn.utils.get_total_norm(dgrads, norm_type=2.0)
+        norm = _total_norm(dgrads)
         norm = norm.full_tensor() if _is_dtensor(norm) else norm
         sq_dtensor = sq_dtensor + norm.float().to(device) ** 2
     if plain:
-        sq_plain = torch.nn.utils.get_total_norm(plain, norm_type=2.0).float().to(device) ** 2
+        sq_plain = _total_norm(plain).float().to(device) ** 2
     total_sq = sq_dtensor + sq_plain
     if group is not None:
         # Pipeline stages hold different parameters, DTensor ones included (their meshes are per stage).
         dist.all_reduce(total_sq, group=group)
     return torch.sqrt(total_sq)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of ``grads`` (one placement if DTensors); fp32 accumulation when any is fp16/bf16."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def get_param_groups(
@@ -466,11 +496,15 @@ def get_megatron_optimizer(
     (then torch Adam with L2 weight decay); ``'sgd'`` is SGD with ``sgd_momentum``. A loss scaler is used
     as in megatron-core: ``loss_scale`` set (with fp16 or bf16) gives a constant scaler, fp16 without it a
     dynamic one (initial_loss_scale, min_loss_scale, growth 2, backoff 0.5, loss_scale_window, hysteresis).
+    ``use_precision_aware_optimizer`` gives :class:`PrecisionAwareAdamW` (moments in ``exp_avg_dtype`` /
+    ``exp_avg_sq_dtype``) with main params in ``main_params_dtype`` and main grads in ``main_grads_dtype``.
     """
     name = getattr(config, "optimizer", "adam")
-    for field in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
-        if getattr(config, field, False):
-            raise NotSupportedError(f"optimizer.{field}=True is not supported by longspan yet: set it to False")
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported by longspan yet: set it to False")
+    precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
+    if precision_aware and name != "adam":
+        raise ConfigError(f"optimizer.use_precision_aware_optimizer=True works with optimizer='adam' only, not {name!r}")
 
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if not param_groups:
@@ -489,7 +523,17 @@ def get_megatron_optimizer(
 
     lr = config.lr
     weight_decay = getattr(config, "weight_decay", 0.0)
-    if name == "adam":
+    if precision_aware:
+        # Moments stored in exp_avg_dtype / exp_avg_sq_dtype, update computed in fp32 (precision_aware_adam).
+        optimizer = PrecisionAwareAdamW(
+            param_groups, lr=lr, weight_decay=weight_decay,
+            betas=(getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999)),
+            eps=getattr(config, "adam_eps", 1e-8),
+            decoupled_weight_decay=getattr(config, "decoupled_weight_decay", True),
+            exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
+            exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32),
+        )
+    elif name == "adam":
         betas = (getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999))
         eps = getattr(config, "adam_eps", 1e-8)
         cls = torch.optim.AdamW if getattr(config, "decoupled_weight_decay", True) else torch.optim.Adam

@@ -7,6 +7,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from longspan.core.errors import ConfigError, NotSupportedError
+
 
 @dataclass
 class OptimizerConfig:
@@ -312,3 +314,65 @@ def apply_mixed_precision(mp: MixedPrecisionConfig, *targets: object) -> None:
         # autocast_enabled is called enable_autocast on the model.
         if "enable_autocast" in names:
             setattr(target, "enable_autocast", mp.autocast_enabled)
+
+
+# --- Megatron's validity rules for the precision-aware optimizer and the overlapped parameter gather ------------
+# (megatron-core OptimizerConfig.__post_init__ and Megatron-LM's argument checks, as one-line errors).
+_DTYPE_CHOICES = {
+    "main_grads_dtype": (torch.float32, torch.bfloat16),
+    "main_params_dtype": (torch.float32, torch.float16),
+    "exp_avg_dtype": (torch.float32, torch.float16, torch.bfloat16),
+    "exp_avg_sq_dtype": (torch.float32, torch.float16, torch.bfloat16),
+}
+
+
+def check_precision_aware_optimizer(opt: OptimizerConfig, ddp: DistributedDataParallelConfig,
+                                    use_torch_fsdp2: bool = False) -> None:
+    """Reject precision-aware optimizer settings Megatron rejects, or longspan cannot honour, in one line."""
+    if not opt.use_precision_aware_optimizer:
+        for name in _DTYPE_CHOICES:
+            if getattr(opt, name) != torch.float32:
+                raise ConfigError(f"optimizer.{name}={getattr(opt, name)} needs "
+                                  "optimizer.use_precision_aware_optimizer=True (or set it to torch.float32)")
+        return
+    if opt.optimizer != "adam":
+        raise ConfigError(f"optimizer.use_precision_aware_optimizer=True works with optimizer='adam' only, "
+                          f"not {opt.optimizer!r}")
+    if not (opt.use_distributed_optimizer or use_torch_fsdp2):
+        raise ConfigError("optimizer.use_precision_aware_optimizer=True needs the distributed optimizer (as in "
+                          "Megatron): set optimizer.use_distributed_optimizer=True or dist.use_torch_fsdp2=True")
+    for name, choices in _DTYPE_CHOICES.items():
+        value = getattr(opt, name)
+        if value not in choices:
+            valid = ", ".join(str(c) for c in choices)
+            if value == torch.uint8 and name.startswith("exp_avg"):
+                raise NotSupportedError(f"optimizer.{name}=torch.uint8 (fp8 moments, TransformerEngine only) is not "
+                                        f"supported yet: use one of {valid}")
+            raise ConfigError(f"optimizer.{name}={value} is invalid: use one of {valid}")
+    low_precision_model = opt.bf16 or opt.fp16
+    if opt.main_params_dtype == torch.float16 and not low_precision_model:
+        raise ConfigError("optimizer.main_params_dtype=torch.float16 sets the dtype of the main copies of bf16/fp16 "
+                          "parameters, but this model trains in fp32: set bf16 (mixed_precision=bf16_mixed) or "
+                          "main_params_dtype=torch.float32")
+    if opt.main_grads_dtype == torch.bfloat16:
+        if not opt.bf16:
+            raise ConfigError("optimizer.main_grads_dtype=torch.bfloat16 keeps the bf16 model's gradients in bf16, but "
+                              "this model does not train in bf16: set bf16 (mixed_precision=bf16_mixed) or "
+                              "main_grads_dtype=torch.float32")
+        if ddp.grad_reduce_in_fp32:
+            raise ConfigError("optimizer.main_grads_dtype=torch.bfloat16 with ddp.grad_reduce_in_fp32=True: Megatron "
+                              "allows bf16 main gradients only without fp32 reduction; set grad_reduce_in_fp32=False "
+                              "(mixed_precision.grad_reduce_in_fp32 with a recipe) or main_grads_dtype=torch.float32")
+
+
+def check_overlap_param_gather(ddp: DistributedDataParallelConfig, use_distributed_optimizer: bool,
+                               use_torch_fsdp2: bool = False) -> None:
+    """``ddp.overlap_param_gather`` needs sharded parameters and ``overlap_grad_reduce`` (Megatron's rules)."""
+    if not ddp.overlap_param_gather:
+        return
+    if not (use_distributed_optimizer or use_torch_fsdp2):
+        raise ConfigError("ddp.overlap_param_gather=True needs sharded parameters to gather: set "
+                          "optimizer.use_distributed_optimizer=True or dist.use_torch_fsdp2=True (plain DDP gathers "
+                          "no parameters)")
+    if not ddp.overlap_grad_reduce:
+        raise ConfigError("ddp.overlap_param_gather=True needs ddp.overlap_grad_reduce=True (as in Megatron)")

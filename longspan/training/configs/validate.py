@@ -58,6 +58,7 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     _apply_precision(cfg)
     _resolve_defaults(cfg)
     _sync_distributed_optimizer(cfg)
+    _check_optimizer_precision_and_overlap(cfg)
     dp = _check_parallel_layout(cfg, ws)
     num_microbatches = _check_batch(cfg, dp)
     _check_pipeline(cfg, num_microbatches)
@@ -288,6 +289,15 @@ def _sync_distributed_optimizer(cfg: "ConfigContainer") -> None:
             "set optimizer.use_distributed_optimizer=true (it is copied to ddp)"
         )
     cfg.ddp.use_distributed_optimizer = opt_flag
+
+
+def _check_optimizer_precision_and_overlap(cfg: "ConfigContainer") -> None:
+    """Megatron's rules for the precision-aware optimizer fields and ddp.overlap_param_gather."""
+    from longspan.training.configs.optim import check_overlap_param_gather, check_precision_aware_optimizer
+
+    fsdp2 = bool(getattr(cfg.dist, "use_torch_fsdp2", False))
+    check_precision_aware_optimizer(cfg.optimizer, cfg.ddp, fsdp2)
+    check_overlap_param_gather(cfg.ddp, cfg.optimizer.use_distributed_optimizer, fsdp2)
 
 
 def _positive(value: object, name: str) -> int:

@@ -1,0 +1,485 @@
+"""In-process restart (issue 12 item 4, ``inprocess_restart``).
+
+- The acceptance run (slow): a 2-rank ``longspan pretrain`` run whose rank 1 is SIGKILLed from outside finishes
+  every iteration with an uninterrupted run's losses, bit for bit (dropout on); rank 0 keeps its process (one pid
+  for the whole run, two start-ups in it), rank 1 gets a new one; the fault and the restart are log lines,
+  progress.txt entries and metrics.jsonl records.
+- The supervisor's rules with stand-in workers (tiny Python scripts, no torch): restarts, their budgets, concurrent
+  faults, hung ranks, completion, exit codes, granularity — one test per config field.
+- The worker side against a real TCPStore: the re-rendezvous barrier, the monitor thread's timestamps and its
+  interruption of the main thread, the teardown.
+- Config: YAML round trip (also under Megatron Bridge's class name) and the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
+from longspan.training.config import ConfigContainer, FaultToleranceConfig, InProcessRestartConfig
+from longspan.training.resilience import inprocess, supervisor
+from longspan.training.resilience.inprocess import RestartAbort, WorkerMonitor, rendezvous
+from longspan.training.resilience.supervisor import InProcessSupervisor, supervisor_reporter
+from tests.resilience.helpers import ENV, LONGSPAN, metrics_records, resilience_config, run, write_yaml
+from tests.training.pretrain_helpers import small_config
+
+ITERS = 12
+
+
+# ------------------------------------------------------------------------------------------ acceptance run
+
+
+def _train_losses(cfg: Any) -> dict[int, float]:
+    return {r["iteration"]: r["losses"]["lm loss"] for r in metrics_records(cfg)
+            if r.get("phase", "train") == "train" and "losses" in r}
+
+
+def _worker_pids(parent: int) -> dict[int, int]:
+    """rank -> pid of the supervisor's current worker processes."""
+    found = {}
+    kids = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+    for pid in kids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = [item[5:] for item in environ if item.startswith(b"RANK=")]
+        if rank:
+            found[int(rank[0])] = int(pid)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) -> None:
+    ref = resilience_config(tmp_path, "ref", ITERS)
+    ref.checkpoint.save_interval = 3
+    result = run(["pretrain", "--config", str(write_yaml(ref, tmp_path / "ref.yaml")), "--nproc-per-node", "2"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    reference = _train_losses(ref)
+    assert sorted(reference) == list(range(1, ITERS + 1))
+
+    cfg = resilience_config(tmp_path, "ipr", ITERS)
+    cfg.checkpoint.save_interval = 3
+    cfg.inprocess_restart = InProcessRestartConfig(
+        enabled=True, granularity="rank", monitor_process_interval=0.1, monitor_thread_interval=0.2,
+        last_call_wait=0.2, monitor_process_logdir=str(tmp_path / "monitor"))
+    yaml = write_yaml(cfg, tmp_path / "ipr.yaml")
+    log_path = tmp_path / "ipr.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(LONGSPAN + ["pretrain", "--config", str(yaml), "--nproc-per-node", "2"], env=ENV,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: dict[int, set[int]] = {0: set(), 1: set()}
+    killed_at = None
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            pids = _worker_pids(proc.pid)
+            for rank, pid in pids.items():
+                seen[rank].add(pid)
+            done = max(_train_losses(cfg), default=0)
+            if killed_at is None and done >= 4 and 1 in pids:
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = done
+            time.sleep(0.02)
+        proc.wait(timeout=10)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    out = log_path.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert killed_at is not None and killed_at < ITERS
+
+    losses = _train_losses(cfg)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert losses == reference  # bit-exact across the in-process restart, dropout on
+
+    assert len(seen[0]) == 1, seen  # rank 0: one process for the whole run
+    assert len(seen[1]) == 2, seen  # rank 1: the killed process and its replacement
+    (rank0_pid,) = seen[0]
+    banners = [line for line in out.splitlines() if line.startswith("longspan: samples train/valid/test")]
+    assert len(banners) == 2 and all(line.endswith(f"pid {rank0_pid}") for line in banners)  # set up twice
+    assert f"rank 0 (pid {rank0_pid}) rejoined in generation 1" in out
+
+    events = [r for r in metrics_records(cfg) if r.get("phase") == "resilience"]
+    assert [e["event"] for e in events] == ["fault", "restart"]
+    fault, restart = events
+    assert fault["rank"] == 1 and fault["detection"] == "rank_died" and fault["pid"] in seen[1]
+    assert "killed by SIGKILL" in fault["message"]
+    assert restart["replaced_ranks"] == [1] and restart["kept_ranks"] == [0] and restart["generation"] == 1
+    progress = (Path(cfg.checkpoint.save) / "progress.txt").read_text()
+    assert "Resilience event\tfault\trank 1" in progress and "Resilience event\trestart\tgeneration 1" in progress
+    assert "resilience: fault: rank 1" in out and "resilience: restart: generation 1" in out
+    monitor = (tmp_path / "monitor" / supervisor.MONITOR_LOG).read_text()
+    rejoin = [line for line in monitor.splitlines() if "rejoined generation 1" in line]
+    assert rejoin and "job finished with exit code 0 after 1 in-process restart(s)" in monitor
+    print(f"\nin-process restart: rank 1 killed after iteration {killed_at}; {rejoin[0].split(': ', 1)[1]}")
+
+
+# ------------------------------------------------------------------------------- supervisor, stand-in workers
+
+# A stand-in worker: its behaviour per (generation, rank) comes from the PLAN environment variable, e.g.
+# {"0:1": "kill"}; the default is to exit 0 at JOB_END (seconds since the epoch), after every planned fault.
+FAKE_WORKER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    rank, gen = os.environ["RANK"], os.environ["LONGSPAN_INPROCESS_GENERATION"]
+    with open(os.environ["FAKE_LOG"], "a") as fh:
+        fh.write(f"{gen}:{rank}:{os.getpid()}:{time.time()}\\n")
+    action = json.loads(os.environ["PLAN"]).get(f"{gen}:{rank}", "end")
+    kind, _, arg = action.partition(":")
+    if kind == "kill":
+        time.sleep(float(arg or 0.3))
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "deaf":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    elif kind == "sleep":
+        time.sleep(float(arg))
+    elif kind == "exit":
+        time.sleep(0.3)
+        sys.exit(int(arg))
+    else:
+        time.sleep(max(0.05, float(os.environ["JOB_END"]) - time.time()))
+""")
+
+
+def _ipr(**fields: Any) -> InProcessRestartConfig:
+    base = dict(enabled=True, granularity="rank", monitor_process_interval=0.05, last_call_wait=0.1,
+                termination_grace_time=0.2, completion_timeout=20.0)
+    base.update(fields)
+    return InProcessRestartConfig(**base)
+
+
+class _Run:
+    def __init__(self, code: int, events: list[dict], sup: InProcessSupervisor, starts: list[tuple], logdir: Path):
+        self.code, self.events, self.sup, self.starts, self.logdir = code, events, sup, starts, logdir
+
+    def kinds(self) -> list[str]:
+        return [e["event"] for e in self.events]
+
+
+def _supervise(tmp_path: Path, plan: dict[str, str], world_size: int = 2, cls: type = InProcessSupervisor,
+               end: float = 3.0, **fields: Any) -> _Run:
+    save, metrics, logdir = tmp_path / "save", tmp_path / "metrics.jsonl", tmp_path / "monitor"
+    fields.setdefault("monitor_process_logdir", str(logdir))
+    ipr = _ipr(**fields)
+    report = supervisor_reporter(str(save), str(metrics), world_size, ipr.monitor_process_logdir)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    env = {"PLAN": json.dumps(plan), "FAKE_LOG": str(tmp_path / "starts.txt"), "JOB_END": repr(time.time() + end)}
+    sup = cls(["-c", FAKE_WORKER], world_size, ipr, report, extra_env=env, command=[sys.executable])
+    code = sup.run()
+    events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    starts = [tuple(line.split(":")) for line in (tmp_path / "starts.txt").read_text().splitlines()]
+    return _Run(code, events, sup, starts, logdir)
+
+
+def test_dead_rank_gets_a_new_process_in_the_next_generation(tmp_path: Path) -> None:
+    r = _supervise(tmp_path, {"0:1": "kill"})
+    assert r.code == 0 and r.kinds() == ["fault", "restart"]
+    fault, restart = r.events
+    assert fault["rank"] == 1 and fault["detection"] == "rank_died" and "killed by SIGKILL" in fault["message"]
+    assert "restarts remaining: unlimited" in fault["message"]
+    assert restart["replaced_ranks"] == [1] and restart["kept_ranks"] == [0] and restart["generation"] == 1
+    assert sorted((g, rk) for g, rk, *_ in r.starts) == [("0", "0"), ("0", "1"), ("1", "1")]
+    progress = (tmp_path / "save" / "progress.txt").read_text()
+    assert progress.count("Resilience event\tfault") == 1 and progress.count("Resilience event\trestart") == 1
+    log = (r.logdir / supervisor.MONITOR_LOG).read_text()  # monitor_process_logdir
+    assert "resilience: fault: rank 1" in log and "job finished with exit code 0 after 1 in-process restart(s)" in log
+
+
+def test_no_monitor_log_without_a_directory(tmp_path: Path) -> None:
+    r = _supervise(tmp_path, {}, end=0.5, monitor_process_logdir=None)
+    assert r.code == 0 and not r.logdir.exists()
+
+
+def test_max_iterations_bounds_the_restarts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    plan = {"0:1": "kill", "1:1": "kill"}
+    r = _supervise(tmp_path / "a", plan, max_iterations=1)
+    assert r.code == 1 and r.kinds() == ["fault", "restart", "fault"]
+    assert r.events[0]["restarts_remaining"] == 0 and "no restart left" in r.events[2]["message"]
+    assert "in-process restart gave up: 1 restarts done, inprocess_restart.max_iterations=1" in capsys.readouterr().err
+    r = _supervise(tmp_path / "b", plan, max_iterations=2)
+    assert r.code == 0 and r.kinds() == ["fault", "restart", "fault", "restart"]
+
+
+def test_max_rank_faults_bounds_one_ranks_failures(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    plan = {"0:1": "kill:0.3", "0:0": "kill:1.2"}  # one fault each: allowed with max_rank_faults=1
+    r = _supervise(tmp_path / "a", plan, max_rank_faults=1)
+    assert r.code == 0 and r.kinds() == ["fault", "restart", "fault", "restart"]
+    r = _supervise(tmp_path / "b", {"0:1": "kill", "1:1": "kill"}, max_rank_faults=1)
+    assert r.code == 1 and r.kinds() == ["fault", "restart", "fault"]
+    assert "rank 1 failed 2 times, inprocess_restart.max_rank_faults=1" in capsys.readouterr().err
+
+
+def test_last_call_wait_handles_concurrent_faults_in_one_restart(tmp_path: Path) -> None:
+    plan = {"0:0": "kill:0.3", "0:1": "kill:0.8"}
+    r = _supervise(tmp_path / "joined", plan, last_call_wait=2.0)
+    assert r.code == 0 and r.kinds() == ["fault", "fault", "restart"]
+    assert r.events[2]["replaced_ranks"] == [0, 1]
+    r = _supervise(tmp_path / "apart", plan, last_call_wait=0.0)
+    assert r.code == 0 and r.kinds() == ["fault", "restart", "fault", "restart"]
+
+
+def test_granularity_node_replaces_every_rank_of_the_node(tmp_path: Path) -> None:
+    r = _supervise(tmp_path, {"0:1": "kill", "0:0": "sleep:30"}, granularity="node")
+    assert r.code == 0 and r.kinds() == ["fault", "restart"]
+    assert r.events[1]["replaced_ranks"] == [0, 1] and r.events[1]["kept_ranks"] == []
+    assert sorted((g, rk) for g, rk, *_ in r.starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+
+
+def test_hard_timeout_terminates_a_frozen_rank(tmp_path: Path) -> None:
+    """Stand-in workers write no progress timestamps: a stopped (SIGSTOP) rank is found by hard_timeout."""
+    r = _supervise(tmp_path, {"0:0": "stop", "1:0": "exit:0"}, world_size=1, hard_timeout=1.0)
+    assert r.code == 0 and r.kinds() == ["fault", "restart"]
+    fault = r.events[0]
+    assert fault["rank"] == 0 and fault["detection"] == "rank_hung"
+    assert "no progress for" in fault["message"] and "inprocess_restart.hard_timeout=1" in fault["message"]
+
+
+def test_heartbeat_timeout_terminates_a_silent_rank(tmp_path: Path) -> None:
+    r = _supervise(tmp_path, {"0:0": "stop", "1:0": "exit:0"}, world_size=1, heartbeat_timeout=1.0)
+    assert r.code == 0 and r.kinds() == ["fault", "restart"]
+    assert r.events[0]["detection"] == "rank_hung" and "inprocess_restart.heartbeat_timeout=1" in r.events[0]["message"]
+
+
+def test_termination_grace_time_before_sigkill(tmp_path: Path) -> None:
+    """A rank that ignores SIGTERM is SIGKILLed termination_grace_time seconds later."""
+    for grace in (0.1, 1.5):
+        r = _supervise(tmp_path / str(grace), {"0:0": "deaf", "1:0": "exit:0"}, world_size=1, hard_timeout=1.0,
+                       termination_grace_time=grace)
+        assert r.code == 0 and r.kinds() == ["fault", "restart"]
+        first_start = float(next(s for s in r.starts if s[:2] == ("0", "0"))[3])
+        replaced_at = float(next(s for s in r.starts if s[:2] == ("1", "0"))[3])
+        # hard_timeout (1 s) + grace; the replacement's own start-up adds a little
+        assert 1.0 + grace <= replaced_at - first_start < 1.0 + grace + 2.5
+
+
+def test_completion_timeout_ends_ranks_that_do_not_finish(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    t0 = time.time()
+    r = _supervise(tmp_path, {"0:1": "deaf"}, end=0.5, completion_timeout=0.5, termination_grace_time=0.1)
+    assert r.code == 1 and r.kinds() == [] and time.time() - t0 < 20
+    assert "did not finish within inprocess_restart.completion_timeout=0.5 s after rank 0 exited" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("codes,expected", [((17, 17), 17), ((16, 16), 16), ((2, 0), 2), ((3, 0), 1)])
+def test_worker_exit_codes_end_the_job_without_restarts(tmp_path: Path, codes: tuple, expected: int) -> None:
+    r = _supervise(tmp_path, {f"0:{rank}": f"exit:{code}" for rank, code in enumerate(codes)})
+    assert r.code == expected and r.kinds() == []
+
+
+def test_monitor_process_interval_sets_how_often_workers_are_checked(tmp_path: Path) -> None:
+    class Counting(InProcessSupervisor):
+        polls = 0
+
+        def _poll(self, exclude: Any = frozenset()) -> Any:
+            type(self).polls += 1
+            return super()._poll(exclude)
+
+    counts = {}
+    for interval in (0.02, 0.5):
+        Counting.polls = 0
+        _supervise(tmp_path / str(interval), {}, cls=Counting, end=2.0, monitor_process_interval=interval)
+        counts[interval] = Counting.polls
+    assert counts[0.5] <= 8 and counts[0.02] > 3 * counts[0.5], counts
+
+
+def test_stale_ranks_count_from_the_process_start_until_the_first_stamp() -> None:
+    ipr = _ipr(hard_timeout=10.0, heartbeat_timeout=5.0)
+    started = {0: 110.0, 1: 100.0, 2: 100.0}
+    stamps = {0: (None, None), 1: (108.0, 100.5), 2: (103.0, 111.0)}
+    found = dict(supervisor.stale_ranks(112.0, stamps, started, ipr))
+    assert set(found) == {1, 2}
+    assert "no progress for 11.5 s" in found[1] and "no heartbeat for 9.0 s" in found[2]
+
+
+# ----------------------------------------------------------------------------------- worker side, real store
+
+
+@pytest.fixture()
+def store() -> Any:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    master.set(inprocess.GENERATION_KEY, "0")
+    yield master
+
+
+def _client(store: Any) -> Any:
+    return inprocess.connect_store(f"127.0.0.1:{store.port}", 30)
+
+
+def test_rendezvous_follows_the_newest_generation(store: Any) -> None:
+    results: dict[int, int] = {}
+
+    def arrive(rank: int, generation: int) -> None:
+        results[rank] = rendezvous(_client(store), generation, rank, 2, timeout=20)
+
+    survivor = threading.Thread(target=arrive, args=(0, 0))
+    survivor.start()
+    time.sleep(0.3)
+    store.set(inprocess.GENERATION_KEY, "1")  # a fault: the replacement starts in generation 1
+    replacement = threading.Thread(target=arrive, args=(1, 1))
+    replacement.start()
+    survivor.join(30)
+    replacement.join(30)
+    assert results == {0: 1, 1: 1}
+
+
+def test_barrier_timeout_ends_the_wait(store: Any) -> None:
+    t0 = time.time()
+    with pytest.raises(LaunchError, match=r"waited 0.5 s .* 1/2 ranks arrived \(inprocess_restart.barrier_timeout\)"):
+        rendezvous(_client(store), 0, 0, 2, timeout=0.5)
+    assert time.time() - t0 < 5
+
+
+def test_a_finishing_job_ends_the_wait(store: Any) -> None:
+    store.set(inprocess.FINISHING_KEY, "1")
+    assert inprocess.wait_for_next_generation(_client(store), 0, timeout=10) is None
+    with pytest.raises(LaunchError, match="the job is ending"):
+        rendezvous(_client(store), 0, 0, 2, timeout=10)
+
+
+def _stamps(store: Any, key: str, seconds: float) -> set[str]:
+    seen, end = set(), time.time() + seconds
+    while time.time() < end:
+        if store.check([key]):
+            seen.add(store.get(key))
+        time.sleep(0.02)
+    return seen
+
+
+def test_monitor_thread_writes_heartbeat_and_progress_at_their_intervals(store: Any) -> None:
+    address = f"127.0.0.1:{store.port}"
+    fast = WorkerMonitor(address, 0, _ipr(heartbeat_interval=30.0, progress_watchdog_interval=0.1))
+    fast.start()
+    try:
+        beats = _stamps(store, inprocess.heartbeat_key(0), 1.0)
+        progress = _stamps(store, inprocess.progress_key(0), 0.01)
+        progress |= _stamps(store, inprocess.progress_key(0), 1.0)
+    finally:
+        fast.stop()
+    assert len(beats) == 1 and len(progress) >= 4
+    slow = WorkerMonitor(address, 1, _ipr(heartbeat_interval=0.1, progress_watchdog_interval=30.0))
+    slow.start()
+    try:
+        beats = _stamps(store, inprocess.heartbeat_key(1), 1.0)
+    finally:
+        slow.stop()
+    assert len(beats) >= 4
+
+
+def _interrupted_within(store: Any, monitor_thread_interval: float, seconds: float) -> bool:
+    """Run a busy main-thread loop for ``seconds`` in generation 0 while the job moves to generation 1."""
+    monitor = WorkerMonitor(f"127.0.0.1:{store.port}", 0, _ipr(monitor_thread_interval=monitor_thread_interval))
+    store.set(inprocess.GENERATION_KEY, "0")
+    monitor.start()
+    time.sleep(0.3)  # the first check has happened
+    monitor.running(0)
+    store.set(inprocess.GENERATION_KEY, "1")
+    try:
+        end = time.time() + seconds
+        while time.time() < end:
+            sum(range(1000))
+        monitor.stopped()
+        return False
+    except RestartAbort:
+        return True
+    finally:
+        monitor.stopped()
+        monitor.stop()
+
+
+def test_monitor_thread_interrupts_a_rank_left_in_an_older_generation(store: Any) -> None:
+    assert _interrupted_within(store, 0.1, 3.0)
+    assert not _interrupted_within(store, 30.0, 1.0)  # monitor_thread_interval: not checked again yet
+
+
+def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: Any, monkeypatch: Any) -> None:
+    from longspan.parallel import init as parallel_init
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("t", store), rank=0, world_size=1)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    inprocess.reset_process_state(empty_cuda_cache=False)
+    assert not dist.is_initialized() and not parallel_init.is_initialized() and emptied == []
+    inprocess.reset_process_state(empty_cuda_cache=True)
+    assert emptied == [1]
+
+
+# ------------------------------------------------------------------------------------------------- config
+
+
+def test_yaml_round_trip_and_bridge_class_name(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg.inprocess_restart = InProcessRestartConfig(enabled=True, max_iterations=3, granularity="rank",
+                                                   hard_timeout=30.0, monitor_process_logdir="/tmp/x")
+    path = tmp_path / "c.yaml"
+    cfg.to_yaml(str(path))
+    assert ConfigContainer.from_yaml(str(path)).inprocess_restart == cfg.inprocess_restart
+    data = cfg.to_dict()
+    data["inprocess_restart"]["_target_"] = "megatron.bridge.training.config.InProcessRestartConfig"
+    assert ConfigContainer.from_dict(data).inprocess_restart == cfg.inprocess_restart
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    ("soft_timeout", 30.0, NotSupportedError, "inprocess_restart.soft_timeout=30.0 is not supported yet"),
+    ("active_world_size", 1, NotSupportedError, "inprocess_restart.active_world_size=1 is not supported yet"),
+    ("hard_timeout", 0, ConfigError, "inprocess_restart.hard_timeout=0 is not valid"),
+    ("last_call_wait", -1, ConfigError, "inprocess_restart.last_call_wait=-1 is not valid"),
+    ("max_iterations", -1, ConfigError, "inprocess_restart.max_iterations=-1 is not valid"),
+    ("max_rank_faults", 1.5, ConfigError, "inprocess_restart.max_rank_faults=1.5 has the wrong type"),
+    ("granularity", "job", ConfigError, "inprocess_restart.granularity='job' is not valid"),
+])
+def test_config_rules(tmp_path: Path, field: str, value: Any, error: type, match: str) -> None:
+    cfg = small_config(tmp_path)
+    cfg.inprocess_restart = InProcessRestartConfig(enabled=True, **{field: value})
+    with pytest.raises(error, match=match.replace("(", r"\(")):
+        cfg.validate(world_size=1)
+
+
+def test_ft_and_inprocess_restart_exclude_each_other(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg.inprocess_restart = InProcessRestartConfig(enabled=True)
+    cfg.ft = FaultToleranceConfig(enable_ft_package=True)
+    with pytest.raises(NotSupportedError, match="ft.enable_ft_package=True is not supported yet"):
+        cfg.validate(world_size=1)
+
+
+def test_pretrain_outside_the_supervisor_is_rejected(tmp_path: Path, monkeypatch: Any) -> None:
+    from longspan.training.pretrain import pretrain
+
+    monkeypatch.delenv(inprocess.STORE_ENV, raising=False)
+    cfg = small_config(tmp_path)
+    cfg.inprocess_restart = InProcessRestartConfig(enabled=True)
+    with pytest.raises(NotSupportedError, match="needs longspan's in-process supervisor"):
+        pretrain(cfg)
+
+
+def test_cli_rejects_launcher_restarts_and_several_nodes(tmp_path: Path) -> None:
+    from longspan.cli import main
+
+    cfg = small_config(tmp_path)
+    cfg.inprocess_restart = InProcessRestartConfig(enabled=True)
+    yaml = str(write_yaml(cfg, tmp_path / "c.yaml"))
+    assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2", "--max-restarts", "2"]) == 2
+    assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2", "--nnodes", "2"]) == 2

@@ -118,9 +118,11 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("ddp", SUPPORTED, "grad_reduce_in_fp32 overlap_grad_reduce use_distributed_optimizer bucket_size "
                               "average_in_collective"),
-    # Issue 14: the precision-aware optimizer (longspan.training.precision_aware_adam).
+    # Issue 14: the precision-aware optimizer (longspan.training.precision_aware_adam) and FSDP2's explicit
+    # all-gather prefetch for ddp.overlap_param_gather (longspan.parallel.data_parallel.set_explicit_prefetch).
     **_many("optimizer", SUPPORTED, "use_precision_aware_optimizer main_grads_dtype main_params_dtype "
                                     "exp_avg_dtype exp_avg_sq_dtype"),
+    **_many("ddp", SUPPORTED, "overlap_param_gather"),
     **_many("dataset", NOT_SUPPORTED, "num_dataset_builder_threads object_storage_cache_path"),
     # FinetuningDatasetConfig (issue 11): longspan.data.sft (JSONL under dataset_root, packing).
     **_many("dataset", SUPPORTED, """

@@ -11,11 +11,15 @@ Which one a run gets (``data_parallel_mode``):
 - ``"fsdp2"`` (``dist.use_torch_fsdp2``): ``fully_shard`` on every transformer layer, then on the root; the
   mixed precision policy computes in bf16/fp16 when the model does (``model.bf16`` / ``model.fp16``) and
   reduces in fp32 with ``ddp.grad_reduce_in_fp32``; layers reshard after forward (ZeRO-3).
+  ``ddp.overlap_param_gather`` turns on explicit prefetch: each layer starts the next one's all-gather
+  (``set_explicit_prefetch``).
 - ``"distributed_optimizer"`` (``optimizer.use_distributed_optimizer``): Megatron's ZeRO-1/2 semantics —
   optimizer state and gradients sharded across data-parallel ranks as DTensors (so DCP can save and
   reshard them) — realized as FSDP2 with ``reshard_after_forward=False``: parameters stay gathered from
   forward to backward (no second all-gather, as with replicated parameters), gradients are reduce-scattered,
-  and the optimizer steps on its shard only.
+  and the optimizer steps on its shard only. ``ddp.overlap_param_gather`` prefetches the next layer's
+  all-gather in forward here too (Megatron overlaps the distributed optimizer's parameter all-gather with
+  the next forward pass); plain DDP gathers no parameters, so validate() rejects the flag there.
 
 Tensor parallel composes with FSDP2 (2-D mesh: dp × tp, torchtitan's way); DDP does not compose with
 DTensor parameters, so dp > 1 with tp > 1 and neither FSDP2 nor the distributed optimizer uses FSDP2 with
@@ -190,9 +194,13 @@ def mixed_precision_policy(model_cfg: Any, ddp_cfg: Any) -> Any:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def apply_fsdp2(model: nn.Module, mesh: Any, *, mp_policy: Any = None, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp2(model: nn.Module, mesh: Any, *, mp_policy: Any = None, reshard_after_forward: bool = True,
+                prefetch: bool = False) -> nn.Module:
     """``fully_shard`` each transformer layer of ``model`` then the root, over ``mesh`` (1-D: FSDP; 2-D
-    ``(replicate, shard)``: HSDP). Works on the meta model; installs ``no_sync()`` on the root."""
+    ``(replicate, shard)``: HSDP). Works on the meta model; installs ``no_sync()`` on the root.
+
+    ``prefetch`` (``ddp.overlap_param_gather``): explicit all-gather prefetch, see :func:`set_explicit_prefetch`.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -202,8 +210,30 @@ def apply_fsdp2(model: nn.Module, mesh: Any, *, mp_policy: Any = None, reshard_a
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root (embedding, final norm, output layer) is needed first in backward: keep it gathered.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    if prefetch:
+        set_explicit_prefetch(model, layers, backward=reshard_after_forward)
     model.no_sync = _fsdp_no_sync(model)
     return model
+
+
+def set_explicit_prefetch(root: nn.Module, layers: list[nn.Module], backward: bool) -> None:
+    """Megatron's ``overlap_param_gather`` on FSDP2: each module starts the next layer's parameter all-gather
+    as soon as its own has been copied out, instead of when the next layer's forward begins.
+
+    Forward: the root (embedding) prefetches layer 0 and layer i prefetches layer i + 1. Backward (only when
+    layers reshard after forward, i.e. FSDP2 proper; the distributed optimizer keeps them gathered from
+    forward to backward): layer i prefetches layer i - 1. The issued collectives and their results are the
+    same as without it; what changes is that the next gather is already running during the current layer's
+    compute (one more layer's gathered parameters held at a time).
+    """
+    if not layers:
+        return
+    root.set_modules_to_forward_prefetch([layers[0]])
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if backward and i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
 
 
 def data_parallel_mesh(parallel: Any) -> Any:

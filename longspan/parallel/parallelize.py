@@ -78,4 +78,5 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     policy = mixed_precision_policy(cfg.model, cfg.ddp)
     with hidden_parameters(model, expert_params):
         return apply_fsdp2(model, data_parallel_mesh(parallel), mp_policy=policy,
-                           reshard_after_forward=(mode == FSDP2_MODE))
+                           reshard_after_forward=(mode == FSDP2_MODE),
+                           prefetch=bool(getattr(cfg.ddp, "overlap_param_gather", False)))

@@ -878,6 +878,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "rng.data_parallel_random_init": "tests/parallel (per-replica runtime generators need dp > 1)",
     "ddp.grad_reduce_in_fp32": "tests/parallel/test_dp_wrappers.py (bf16 gradients reduced in fp32, dp > 1)",
     "ddp.average_in_collective": "tests/parallel/test_dp_wrappers.py (dp > 1)",
+    "ddp.overlap_param_gather": "tests/perf/test_overlap_param_gather.py (FSDP2 prefetch wiring, dp > 1)",
     "ddp.bucket_size": "tests/parallel/test_dp_wrappers.py (dp > 1)",
     "ddp.use_distributed_optimizer": "copied from optimizer.use_distributed_optimizer by validate()",
     "dist.use_torch_fsdp2": "tests/parallel/test_dp_wrappers.py::test_mode_follows_the_config (fsdp2 mode) and "

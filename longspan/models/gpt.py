@@ -35,7 +35,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
-from longspan.models.loss import linear_cross_entropy
+from longspan.models.loss import fused_linear_cross_entropy, linear_cross_entropy
 from longspan.models.moe import resolve_moe_args
 from longspan.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -284,6 +284,27 @@ class DecoderLanguageModel(nn.Module):
         # A wrapped or replaced output layer (an adapter, float8) must run as a module: keep the plain path.
         return self.output_layer is None or type(self.output_layer) is nn.Linear
 
+    def _grad_in_forward_loss_applies(self, hidden_states: torch.Tensor) -> bool:
+        """Whether the training loss may come from ``fused_linear_cross_entropy`` (the plain path's maths with
+        the logits' gradient formed in the forward): a training forward on plain float32 tensors (no DTensor
+        from tensor/sequence parallel, no autocast, no fp16 loss), with an output layer no hook, adapter or
+        wrapper needs to see run as a module."""
+        if not torch.is_grad_enabled() or self.fp16_lm_cross_entropy or not self._fused_loss_applies():
+            return False
+        weight = self.output_weight()
+        if not (hidden_states.requires_grad or weight.requires_grad):
+            return False
+        if type(hidden_states) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter):
+            return False
+        if hidden_states.dtype != torch.float32 or weight.dtype != torch.float32:
+            return False
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            return False
+        layer = self.output_layer
+        if layer is not None and (layer._forward_hooks or layer._forward_pre_hooks):
+            return False
+        return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -342,6 +363,8 @@ class DecoderLanguageModel(nn.Module):
             and self._fused_loss_applies()
         ):
             return self.linear_cross_entropy(hidden_states, self.output_weight(), labels)
+        if labels is not None and self._grad_in_forward_loss_applies(hidden_states):
+            return fused_linear_cross_entropy(hidden_states, self.output_weight(), labels)
         if self.output_layer is not None:
             # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
             logits = self.output_layer(hidden_states)

@@ -139,3 +139,48 @@ def linear_cross_entropy(
             flat_hidden, weight, flat_labels, chunk, int(vocab_start), reduce_max, reduce_sum
         )
     return losses.view(lead_shape)
+
+
+class _LinearCrossEntropyGradInForward(torch.autograd.Function):
+    """Output projection + cross-entropy as one autograd node whose forward also forms d loss / d logits.
+
+    Forward: ``logits = hidden @ weight.T``, ``log_probs = log_softmax(logits)`` (the logits are freed),
+    ``loss = -log_probs[label]`` (what ``F.cross_entropy`` computes), then the log-probabilities become
+    ``softmax - one_hot(label)`` in place. Backward scales rows by the incoming per-token gradients:
+    ``d hidden = g * (P @ weight)`` and ``d weight = P.T @ (g * hidden)``, so no ``[tokens, vocab]`` pass is
+    left for it. Against the plain path (log_softmax, nll_loss, and in backward a zero-filled
+    ``[tokens, vocab]`` gradient through ``log_softmax_backward``) that saves two full passes over the logits
+    and one ``[tokens, vocab]`` buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):  # type: ignore[override]
+        log_probs = torch.log_softmax(torch.mm(hidden, weight.t()), dim=-1)
+        valid = labels != IGNORE_INDEX
+        safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)
+        picked = log_probs.gather(1, safe_labels).squeeze(1)
+        losses = torch.where(valid, -picked, torch.zeros_like(picked))
+        grad_logits = log_probs.exp_()
+        grad_logits.scatter_add_(1, safe_labels, torch.full_like(picked, -1.0).unsqueeze(1))
+        ctx.save_for_backward(hidden, weight, grad_logits, valid)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):  # type: ignore[override]
+        hidden, weight, grad_logits, valid = ctx.saved_tensors
+        scale = torch.where(valid, grad_losses, torch.zeros_like(grad_losses)).unsqueeze(1)
+        grad_hidden = torch.mm(grad_logits, weight).mul_(scale) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.mm(grad_logits.t(), hidden * scale) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token float32 cross-entropy of ``hidden @ weight.T`` against ``labels`` (``-100`` ignored): the losses
+    of ``F.cross_entropy(F.linear(hidden, weight), labels, reduction="none")`` and their gradients (within
+    float32 rounding), with the gradient of the logits formed during the forward
+    (``_LinearCrossEntropyGradInForward``). For float32 plain tensors; ``hidden`` ``[..., h]``, ``labels``
+    ``[...]``. Unlike ``linear_cross_entropy`` it holds one ``[tokens, vocab]`` buffer until the backward (and
+    recomputes nothing): the faster choice where that buffer fits."""
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    losses = _LinearCrossEntropyGradInForward.apply(flat_hidden, weight, labels.reshape(-1))
+    return losses.view(labels.shape)

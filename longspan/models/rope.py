@@ -107,20 +107,27 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, so that ``x * cos + x.roll(rot_dim // 2, -1) * signed_sin(sin)``
+    equals (bit for bit) the rotate_half form ``x * cos + cat(-x2, x1) * sin``: one roll instead of a
+    chunk, a negation and a cat, forward and backward. Compute it once per table and pass it to
+    ``apply_rotary`` for every tensor rotated with that table."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sin_signed: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of every head of ``x [b, s, heads, head_dim]``.
 
-    ``cos``/``sin`` are cast to ``x``'s dtype first, as Megatron and HF do.
+    ``cos``/``sin`` are cast to ``x``'s dtype first, as Megatron and HF do. ``sin_signed`` is
+    ``signed_sin(sin)`` when the caller has it already (e.g. shared by queries and keys).
     """
     rot_dim = cos.shape[-1]
     cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
+    sin_signed = (signed_sin(sin) if sin_signed is None else sin_signed).to(x.dtype)
     if rot_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + x.roll(rot_dim // 2, dims=-1) * sin_signed
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + x_rot.roll(rot_dim // 2, dims=-1) * sin_signed, x_pass), dim=-1)

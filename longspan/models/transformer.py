@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError
 from longspan.models.moe import MoELayer
-from longspan.models.rope import apply_rotary
+from longspan.models.rope import apply_rotary, signed_sin
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -171,8 +171,9 @@ class SelfAttention(nn.Module):
             k = self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+            sin_signed = signed_sin(sin)  # shared by queries and keys
+            q = apply_rotary(q, cos, sin, sin_signed=sin_signed)
+            k = apply_rotary(k, cos, sin, sin_signed=sin_signed)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)

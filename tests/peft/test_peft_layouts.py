@@ -1,5 +1,6 @@
-"""PEFT under TP2, TP2 with sequence parallel, PP2, DP2 (DDP) and DP2 (FSDP2) through ``finetune()``: the logged
-losses and gradient norms match one process (fp32 CPU, rel 1e-6)."""
+"""PEFT under TP2, TP2 with sequence parallel, PP2, CP2, DP2 (DDP), DP2 (FSDP2) and EP2 (MoE), and on 4 ranks
+TP2+SP with DP2 / PP2 / CP2, through ``finetune()``: the logged losses and gradient norms match one process
+(fp32 CPU, rel 1e-6)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ REL = 1e-6
 
 
 def _config(run_dir: str, base: str | None, peft_kind: str = "lora", tp: int = 1, sp: bool = False, pp: int = 1,
-            fsdp2: bool = False, iters: int = ITERS, ep: int = 1, moe: bool = False):
+            fsdp2: bool = False, iters: int = ITERS, ep: int = 1, moe: bool = False, cp: int = 1):
     from longspan.peft import CanonicalLoRA, DoRA, LoRA
     from longspan.recipes import get_recipe
 
@@ -27,6 +28,7 @@ def _config(run_dir: str, base: str | None, peft_kind: str = "lora", tp: int = 1
     m.num_layers, m.hidden_size, m.ffn_hidden_size = 4, 64, 128
     m.num_attention_heads, m.num_query_groups, m.seq_length, m.vocab_size = 4, 2, 64, None
     m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.sequence_parallel = tp, pp, sp
+    m.context_parallel_size = cp
     m.hidden_dropout = m.attention_dropout = 0.0
     if moe:  # 4 routed experts on every layer, sharded over ep ranks
         m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 32
@@ -113,6 +115,7 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sp=True),
     "pp2": dict(pp=2),
+    "cp2": dict(cp=2),
     "dp2_ddp": dict(),
     "dp2_fsdp2": dict(fsdp2=True),
 }
@@ -123,6 +126,27 @@ LAYOUTS = {
 def test_layout_matches_one_process(layout: str, kind: str, base: str, references: dict, tmp_path: Path) -> None:
     steps = get_shared_pool(2).run(_finetune, str(tmp_path), base, peft_kind=kind, timeout=300, **LAYOUTS[layout])
     assert steps == [ITERS, ITERS]
+    losses, norms = _logged(tmp_path)
+    ref_losses, ref_norms = references[kind]
+    assert losses == pytest.approx(ref_losses, rel=REL)
+    assert norms == pytest.approx(ref_norms, rel=REL)
+
+
+
+#: 4-rank layouts, each with one adapter kind (all 9 pairs passed when written; 3 keep the suite short)
+LAYOUTS_4 = {
+    "tp2_sp_dp2": ("dora", dict(tp=2, sp=True)),
+    "tp2_sp_pp2": ("canonical", dict(tp=2, sp=True, pp=2)),
+    "tp2_sp_cp2": ("lora", dict(tp=2, sp=True, cp=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+def test_four_rank_layout_matches_one_process(layout: str, base: str, references: dict, tmp_path: Path) -> None:
+    """Sequence parallel combined with data, pipeline and context parallel on 4 ranks."""
+    kind, fields = LAYOUTS_4[layout]
+    steps = get_shared_pool(4).run(_finetune, str(tmp_path), base, peft_kind=kind, timeout=400, **fields)
+    assert steps == [ITERS] * 4
     losses, norms = _logged(tmp_path)
     ref_losses, ref_norms = references[kind]
     assert losses == pytest.approx(ref_losses, rel=REL)

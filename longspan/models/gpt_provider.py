@@ -157,17 +157,19 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---- fp8 -------------------------------------------------------------------------------------------
     fp8: Optional[str] = None
-    """FP8 training format ('e4m3' or 'hybrid'); None = off. longspan: 'hybrid' swaps the transformer layers'
-    linears for torchao's float8 ones (longspan.training.precision; CUDA with compute capability >= 8.9 and
-    the fp8 extra, else a one-line error); 'e4m3' is not supported yet."""
+    """FP8 training format ('e4m3' or 'hybrid': e4m3 forward, e5m2 gradients); None = off. longspan: the
+    transformer layers' linears train in FP8 through torchao (longspan.training.precision; CUDA with the
+    recipe's hardware and the fp8 extra, else a one-line error); each recipe takes the format its kernels
+    compute ('tensorwise': either; 'rowwise', 'blockwise', 'mxfp8': 'e4m3')."""
 
     fp8_recipe: str = "delayed"
-    """FP8 scaling recipe. longspan: 'tensorwise' (current scaling) or 'rowwise'; 'delayed', 'blockwise' and
-    'mxfp8' are not supported yet."""
+    """FP8 scaling recipe. longspan: 'tensorwise' (current scaling) and 'rowwise' (compute capability >= 8.9),
+    'blockwise' (1x128/128x128 blocks, >= 9.0), 'mxfp8' (Blackwell, >= 10.0); 'delayed' is a one-line error
+    (torchao removed delayed scaling)."""
 
     fp8_param: bool = False
-    """Keep parameters in FP8. longspan: FSDP2 all-gathers float8 weights (needs FSDP2 or the distributed
-    optimizer)."""
+    """Keep parameters in FP8. longspan: FSDP2 all-gathers float8 weights (fp8_recipe 'tensorwise' only; needs
+    FSDP2 or the distributed optimizer)."""
 
     # ---- mixture of experts ------------------------------------------------------------------------------
     moe_shared_expert_intermediate_size: Optional[int] = None

@@ -274,24 +274,27 @@ def fp32() -> MixedPrecisionConfig:
                                 autocast_enabled=False, grad_reduce_in_fp32=True)
 
 
-def _bf16_with_fp8(recipe: str) -> Any:
+def _bf16_with_fp8(recipe: str, fp8: str) -> Any:
     def factory() -> MixedPrecisionConfig:
         mp = bf16_mixed()
-        mp.fp8, mp.fp8_recipe = "hybrid", recipe
+        mp.fp8, mp.fp8_recipe = fp8, recipe
         return mp
 
-    factory.__doc__ = f"bf16 mixed with FP8 (hybrid, recipe {recipe!r}) linears in the transformer layers."
+    factory.__doc__ = f"bf16 mixed with FP8 ({fp8}, recipe {recipe!r}) linears in the transformer layers."
     return factory
 
 
 MIXED_PRECISION_RECIPES = {
     "bf16_mixed": bf16_mixed, "fp16_mixed": fp16_mixed, "fp32": fp32,
-    # Megatron Bridge's FP8 recipe names (issue 14): only 'tensorwise' runs (longspan.training.precision);
-    # the others load and are rejected in one line when the model is built.
-    "bf16_with_fp8_current_scaling_mixed": _bf16_with_fp8("tensorwise"),
-    "bf16_with_fp8_delayed_scaling_mixed": _bf16_with_fp8("delayed"),
-    "bf16_with_fp8_subchannel_scaling_mixed": _bf16_with_fp8("blockwise"),
-    "bf16_with_mxfp8_mixed": _bf16_with_fp8("mxfp8"),
+    # Megatron Bridge's FP8 recipe names (issue 14) onto torchao's recipes (longspan.training.precision, which
+    # checks them against the hardware when the model is built). The fp8 format is what torchao's kernels
+    # compute: its blockwise and MXFP8 kernels cast gradients to e4m3 too, so those set 'e4m3' where Bridge
+    # (TransformerEngine) sets 'hybrid'. Delayed scaling loads and is rejected in one line (torchao removed it).
+    "bf16_with_fp8_current_scaling_mixed": _bf16_with_fp8("tensorwise", "hybrid"),
+    "bf16_with_fp8_delayed_scaling_mixed": _bf16_with_fp8("delayed", "hybrid"),
+    "bf16_with_fp8_mixed": _bf16_with_fp8("delayed", "hybrid"),
+    "bf16_with_fp8_subchannel_scaling_mixed": _bf16_with_fp8("blockwise", "e4m3"),
+    "bf16_with_mxfp8_mixed": _bf16_with_fp8("mxfp8", "e4m3"),
 }
 
 

@@ -3,6 +3,7 @@
 - ``fused_linear_cross_entropy`` (the logits' gradient formed in the forward) gives ``F.cross_entropy``'s losses
   and gradients, ignored labels included, and the GPT model takes it for a training forward only;
 - rotary embeddings via ``roll`` and a signed sine equal the rotate_half form bit for bit;
+- ``RMSNorm``'s hand-written backward gives the composite ``F.rms_norm`` form's output and gradients;
 - the optimizer on a CPU is torch's fused AdamW / SGD and follows the foreach one within 1e-6 over steps.
 """
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from longspan.models.gpt import build_gpt_model
 from longspan.models.loss import fused_linear_cross_entropy
 from longspan.models.rope import apply_rotary
+from longspan.models.transformer import RMSNorm
 from longspan.training.optimizer import get_megatron_optimizer
 from tests.models.gpt_test_config import llama_config
 
@@ -118,6 +120,31 @@ def test_rotary_via_roll_equals_rotate_half_bit_for_bit(rot_dim):
     rotated = x[..., :rot_dim] * cos + torch.cat((-x2, x1), dim=-1) * sin
     expected = torch.cat((rotated, x[..., rot_dim:]), dim=-1)
     assert torch.equal(apply_rotary(x, cos, sin), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_function_equals_the_composite_form(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(16, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    x0 = torch.randn(3, 5, 16).to(dtype)
+    upstream = torch.randn(3, 5, 16).to(dtype)
+
+    def run(forward):
+        x = x0.clone().requires_grad_()
+        norm.weight.grad = None
+        out = forward(x)
+        out.backward(upstream)
+        return out.detach(), x.grad, norm.weight.grad
+
+    ref = run(lambda x: norm.weight * F.rms_norm(x.float(), (16,), eps=1e-5).to(dtype))
+    out = run(norm)
+    assert torch.equal(out[0], ref[0])
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for actual, expected in zip(out[1:], ref[1:]):
+        assert actual.dtype == dtype
+        torch.testing.assert_close(actual, expected, **tol)
 
 
 def _opt_config(name: str) -> SimpleNamespace:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,7 +137,8 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) 
 # ------------------------------------------------------------------------------- supervisor, stand-in workers
 
 # A stand-in worker: its behaviour per (generation, rank) comes from the PLAN environment variable, e.g.
-# {"0:1": "kill"}; the default is to exit 0 at JOB_END (seconds since the epoch), after every planned fault.
+# {"0:1": "kill"}; the default is to exit 0 once the RELEASE file exists (the test writes it after the expected
+# number of restarts, so every planned fault happens before any rank finishes).
 FAKE_WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     rank, gen = os.environ["RANK"], os.environ["LONGSPAN_INPROCESS_GENERATION"]
@@ -150,6 +152,22 @@ FAKE_WORKER = textwrap.dedent("""
     elif kind == "stop":
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "stamp_stop":  # write a heartbeat and a progress stamp as a worker's monitor thread does, then freeze
+        from datetime import timedelta
+        import torch.distributed as dist
+        host, port = os.environ["LONGSPAN_INPROCESS_STORE"].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        store.set(f"heartbeat/{rank}", repr(time.time()))
+        store.set(f"progress/{rank}", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "finish_slowly":  # mark this rank as finished (exit code 0), then take long to shut down
+        from datetime import timedelta
+        import torch.distributed as dist
+        host, port = os.environ["LONGSPAN_INPROCESS_STORE"].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        store.set(f"progress/{rank}", repr(time.time()))
+        store.set(f"exiting/{rank}", "0")
+        time.sleep(60)
     elif kind == "deaf":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(60)
@@ -159,7 +177,9 @@ FAKE_WORKER = textwrap.dedent("""
         time.sleep(0.3)
         sys.exit(int(arg))
     else:
-        time.sleep(max(0.05, float(os.environ["JOB_END"]) - time.time()))
+        end = time.time() + 60
+        while not os.path.exists(os.environ["RELEASE"]) and time.time() < end:
+            time.sleep(0.02)
 """)
 
 
@@ -179,22 +199,40 @@ class _Run:
 
 
 def _supervise(tmp_path: Path, plan: dict[str, str], world_size: int = 2, cls: type = InProcessSupervisor,
-               end: float = 3.0, **fields: Any) -> _Run:
+               restarts: int = 0, **fields: Any) -> _Run:
+    """Run the supervisor on stand-in workers; those with the default action exit once ``restarts`` restarts
+    have been reported."""
     save, metrics, logdir = tmp_path / "save", tmp_path / "metrics.jsonl", tmp_path / "monitor"
     fields.setdefault("monitor_process_logdir", str(logdir))
     ipr = _ipr(**fields)
     report = supervisor_reporter(str(save), str(metrics), world_size, ipr.monitor_process_logdir)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    env = {"PLAN": json.dumps(plan), "FAKE_LOG": str(tmp_path / "starts.txt"), "JOB_END": repr(time.time() + end)}
+    release = tmp_path / "release"
+    env = {"PLAN": json.dumps(plan), "FAKE_LOG": str(tmp_path / "starts.txt"), "RELEASE": str(release)}
     sup = cls(["-c", FAKE_WORKER], world_size, ipr, report, extra_env=env, command=[sys.executable])
-    code = sup.run()
+    stop = threading.Event()
+
+    def release_after_restarts() -> None:
+        while not stop.is_set():
+            text = metrics.read_text() if metrics.exists() else ""
+            if text.count('"event": "restart"') >= restarts:
+                release.touch()
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=release_after_restarts, daemon=True)
+    watcher.start()
+    try:
+        code = sup.run()
+    finally:
+        stop.set()
     events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     starts = [tuple(line.split(":")) for line in (tmp_path / "starts.txt").read_text().splitlines()]
     return _Run(code, events, sup, starts, logdir)
 
 
 def test_dead_rank_gets_a_new_process_in_the_next_generation(tmp_path: Path) -> None:
-    r = _supervise(tmp_path, {"0:1": "kill"})
+    r = _supervise(tmp_path, {"0:1": "kill"}, restarts=1)
     assert r.code == 0 and r.kinds() == ["fault", "restart"]
     fault, restart = r.events
     assert fault["rank"] == 1 and fault["detection"] == "rank_died" and "killed by SIGKILL" in fault["message"]
@@ -208,77 +246,87 @@ def test_dead_rank_gets_a_new_process_in_the_next_generation(tmp_path: Path) -> 
 
 
 def test_no_monitor_log_without_a_directory(tmp_path: Path) -> None:
-    r = _supervise(tmp_path, {}, end=0.5, monitor_process_logdir=None)
+    r = _supervise(tmp_path, {}, monitor_process_logdir=None)
     assert r.code == 0 and not r.logdir.exists()
 
 
 def test_max_iterations_bounds_the_restarts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    plan = {"0:1": "kill", "1:1": "kill"}
-    r = _supervise(tmp_path / "a", plan, max_iterations=1)
+    plan = {"0:1": "kill", "1:1": "kill:0.1"}
+    r = _supervise(tmp_path / "a", plan, restarts=99, max_iterations=1)
     assert r.code == 1 and r.kinds() == ["fault", "restart", "fault"]
     assert r.events[0]["restarts_remaining"] == 0 and "no restart left" in r.events[2]["message"]
     assert "in-process restart gave up: 1 restarts done, inprocess_restart.max_iterations=1" in capsys.readouterr().err
-    r = _supervise(tmp_path / "b", plan, max_iterations=2)
+    r = _supervise(tmp_path / "b", plan, restarts=2, max_iterations=2)
     assert r.code == 0 and r.kinds() == ["fault", "restart", "fault", "restart"]
 
 
 def test_max_rank_faults_bounds_one_ranks_failures(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     plan = {"0:1": "kill:0.3", "0:0": "kill:1.2"}  # one fault each: allowed with max_rank_faults=1
-    r = _supervise(tmp_path / "a", plan, max_rank_faults=1)
+    r = _supervise(tmp_path / "a", plan, restarts=2, max_rank_faults=1)
     assert r.code == 0 and r.kinds() == ["fault", "restart", "fault", "restart"]
-    r = _supervise(tmp_path / "b", {"0:1": "kill", "1:1": "kill"}, max_rank_faults=1)
+    r = _supervise(tmp_path / "b", {"0:1": "kill", "1:1": "kill"}, restarts=99, max_rank_faults=1)
     assert r.code == 1 and r.kinds() == ["fault", "restart", "fault"]
     assert "rank 1 failed 2 times, inprocess_restart.max_rank_faults=1" in capsys.readouterr().err
 
 
 def test_last_call_wait_handles_concurrent_faults_in_one_restart(tmp_path: Path) -> None:
     plan = {"0:0": "kill:0.3", "0:1": "kill:0.8"}
-    r = _supervise(tmp_path / "joined", plan, last_call_wait=2.0)
+    r = _supervise(tmp_path / "joined", plan, restarts=1, last_call_wait=2.0)
     assert r.code == 0 and r.kinds() == ["fault", "fault", "restart"]
     assert r.events[2]["replaced_ranks"] == [0, 1]
-    r = _supervise(tmp_path / "apart", plan, last_call_wait=0.0)
+    r = _supervise(tmp_path / "apart", plan, restarts=2, last_call_wait=0.0)
     assert r.code == 0 and r.kinds() == ["fault", "restart", "fault", "restart"]
 
 
 def test_granularity_node_replaces_every_rank_of_the_node(tmp_path: Path) -> None:
-    r = _supervise(tmp_path, {"0:1": "kill", "0:0": "sleep:30"}, granularity="node")
+    r = _supervise(tmp_path, {"0:1": "kill", "0:0": "sleep:30"}, restarts=1, granularity="node")
     assert r.code == 0 and r.kinds() == ["fault", "restart"]
     assert r.events[1]["replaced_ranks"] == [0, 1] and r.events[1]["kept_ranks"] == []
     assert sorted((g, rk) for g, rk, *_ in r.starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
 
 
-def test_hard_timeout_terminates_a_frozen_rank(tmp_path: Path) -> None:
-    """Stand-in workers write no progress timestamps: a stopped (SIGSTOP) rank is found by hard_timeout."""
-    r = _supervise(tmp_path, {"0:0": "stop", "1:0": "exit:0"}, world_size=1, hard_timeout=1.0)
+def test_barrier_timeout_bounds_a_start_without_heartbeat(tmp_path: Path) -> None:
+    """Stand-in workers write no timestamps: a rank frozen (SIGSTOP) while starting is replaced after barrier_timeout."""
+    r = _supervise(tmp_path, {"0:0": "stop", "1:0": "exit:0"}, world_size=1, barrier_timeout=1.0)
     assert r.code == 0 and r.kinds() == ["fault", "restart"]
     fault = r.events[0]
     assert fault["rank"] == 0 and fault["detection"] == "rank_hung"
-    assert "no progress for" in fault["message"] and "inprocess_restart.hard_timeout=1" in fault["message"]
+    assert "no heartbeat 1." in fault["message"] and "inprocess_restart.barrier_timeout=1" in fault["message"]
 
 
-def test_heartbeat_timeout_terminates_a_silent_rank(tmp_path: Path) -> None:
-    r = _supervise(tmp_path, {"0:0": "stop", "1:0": "exit:0"}, world_size=1, heartbeat_timeout=1.0)
+@pytest.mark.parametrize("timeouts,expected", [
+    ({"hard_timeout": 1.0}, r"no progress for 1.* s \(inprocess_restart.hard_timeout=1\)"),
+    ({"heartbeat_timeout": 1.0}, r"no heartbeat for 1.* s \(inprocess_restart.heartbeat_timeout=1\)"),
+])
+def test_stale_timestamps_get_a_frozen_rank_replaced(tmp_path: Path, timeouts: dict, expected: str) -> None:
+    r = _supervise(tmp_path, {"0:0": "stamp_stop", "1:0": "exit:0"}, world_size=1, **timeouts)
     assert r.code == 0 and r.kinds() == ["fault", "restart"]
-    assert r.events[0]["detection"] == "rank_hung" and "inprocess_restart.heartbeat_timeout=1" in r.events[0]["message"]
+    assert r.events[0]["detection"] == "rank_hung" and re.search(expected, r.events[0]["message"])
 
 
 def test_termination_grace_time_before_sigkill(tmp_path: Path) -> None:
     """A rank that ignores SIGTERM is SIGKILLed termination_grace_time seconds later."""
     for grace in (0.1, 1.5):
-        r = _supervise(tmp_path / str(grace), {"0:0": "deaf", "1:0": "exit:0"}, world_size=1, hard_timeout=1.0,
+        r = _supervise(tmp_path / str(grace), {"0:0": "deaf", "1:0": "exit:0"}, world_size=1, barrier_timeout=1.0,
                        termination_grace_time=grace)
         assert r.code == 0 and r.kinds() == ["fault", "restart"]
         first_start = float(next(s for s in r.starts if s[:2] == ("0", "0"))[3])
         replaced_at = float(next(s for s in r.starts if s[:2] == ("1", "0"))[3])
-        # hard_timeout (1 s) + grace; the replacement's own start-up adds a little
+        # barrier_timeout (1 s, no heartbeat) + grace; the replacement's own start-up adds a little
         assert 1.0 + grace <= replaced_at - first_start < 1.0 + grace + 2.5
 
 
 def test_completion_timeout_ends_ranks_that_do_not_finish(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     t0 = time.time()
-    r = _supervise(tmp_path, {"0:1": "deaf"}, end=0.5, completion_timeout=0.5, termination_grace_time=0.1)
+    r = _supervise(tmp_path, {"0:1": "deaf"}, completion_timeout=0.5, termination_grace_time=0.1)
     assert r.code == 1 and r.kinds() == [] and time.time() - t0 < 20
-    assert "did not finish within inprocess_restart.completion_timeout=0.5 s after rank 0 exited" in capsys.readouterr().err
+    assert "did not exit within inprocess_restart.completion_timeout=0.5 s of the job's end (unfinished: [1])" in capsys.readouterr().err
+
+
+def test_a_finished_rank_slow_to_exit_is_neither_hung_nor_failed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    r = _supervise(tmp_path, {"0:0": "finish_slowly"}, world_size=1, hard_timeout=1.0, completion_timeout=2.0)
+    assert r.code == 0 and r.kinds() == []  # not reported hung although its progress stamp is older than hard_timeout
+    assert "rank(s) [0] did not exit within inprocess_restart.completion_timeout=2 s" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("codes,expected", [((17, 17), 17), ((16, 16), 16), ((2, 0), 2), ((3, 0), 1)])
@@ -298,18 +346,20 @@ def test_monitor_process_interval_sets_how_often_workers_are_checked(tmp_path: P
     counts = {}
     for interval in (0.02, 0.5):
         Counting.polls = 0
-        _supervise(tmp_path / str(interval), {}, cls=Counting, end=2.0, monitor_process_interval=interval)
+        _supervise(tmp_path / str(interval), {"0:0": "sleep:2", "0:1": "sleep:2"}, cls=Counting,
+                   monitor_process_interval=interval)
         counts[interval] = Counting.polls
     assert counts[0.5] <= 8 and counts[0.02] > 3 * counts[0.5], counts
 
 
-def test_stale_ranks_count_from_the_process_start_until_the_first_stamp() -> None:
-    ipr = _ipr(hard_timeout=10.0, heartbeat_timeout=5.0)
-    started = {0: 110.0, 1: 100.0, 2: 100.0}
-    stamps = {0: (None, None), 1: (108.0, 100.5), 2: (103.0, 111.0)}
+def test_stale_ranks_rules() -> None:
+    ipr = _ipr(hard_timeout=10.0, heartbeat_timeout=5.0, barrier_timeout=20.0)
+    started = {0: 100.0, 1: 100.0, 2: 100.0, 3: 80.0}
+    stamps = {0: (None, None), 1: (108.0, 100.5), 2: (103.0, 111.0), 3: (None, None)}
     found = dict(supervisor.stale_ranks(112.0, stamps, started, ipr))
-    assert set(found) == {1, 2}
+    assert set(found) == {1, 2, 3}  # rank 0: still starting, within barrier_timeout
     assert "no progress for 11.5 s" in found[1] and "no heartbeat for 9.0 s" in found[2]
+    assert "no heartbeat 32.0 s after its start" in found[3]
 
 
 # ----------------------------------------------------------------------------------- worker side, real store

@@ -198,7 +198,8 @@ class InProcessRestartConfig:
     """Seconds without a heartbeat after which the supervisor terminates a rank and replaces it."""
 
     barrier_timeout: float = 120.0
-    """Seconds a worker waits at the re-rendezvous barrier for every rank of its generation; then it fails."""
+    """Seconds a worker waits at the re-rendezvous barrier for every rank of its generation (then it fails); also
+    the time a starting worker has to write its first heartbeat before the supervisor replaces it."""
 
     completion_timeout: float = 120.0
     """Seconds the other ranks have to finish once one rank has exited successfully; then the job fails."""

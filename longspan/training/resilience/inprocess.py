@@ -53,6 +53,11 @@ def progress_key(rank: int) -> str:
     return f"progress/{rank}"
 
 
+def exiting_key(rank: int) -> str:
+    """Set by a worker that has finished (its exit code): no more timestamps come, and it is not hung."""
+    return f"exiting/{rank}"
+
+
 class RestartAbort(BaseException):
     """Raised in a worker's main thread when the job moved to a newer generation while it was still training."""
 
@@ -241,6 +246,7 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any], env:
     timeout_minutes = float(cfg.dist.distributed_timeout_minutes)
     # a peer's death surfaces within one supervisor check plus its wait for concurrent faults and its kill
     peer_grace = ipr.monitor_process_interval + ipr.last_call_wait + ipr.termination_grace_time + 5.0
+    exit_code = 1
     try:
         while True:
             began = time.time()
@@ -252,11 +258,13 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any], env:
                 init_process_group(store, generation, rank, world_size, timeout_minutes)
             try:
                 monitor.running(generation)
-                code = train(cfg)
+                exit_code = train(cfg)
                 monitor.stopped()
-                return code
+                return exit_code
             except BaseException as exc:  # noqa: BLE001 - decide below whether this rank restarts
                 monitor.stopped()
+                if isinstance(exc, SystemExit):
+                    exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
                 if isinstance(exc, (SystemExit, KeyboardInterrupt)):
                     raise
                 wait = ipr.barrier_timeout if _is_peer_failure(exc) else peer_grace
@@ -271,4 +279,8 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any], env:
                 reset_process_state(ipr.empty_cuda_cache)
             cfg = make_config()
     finally:
+        try:  # the interpreter's own shutdown may take a while: not a hang
+            store.set(exiting_key(rank), str(exit_code))
+        except Exception:  # noqa: BLE001 - the supervisor is gone
+            pass
         monitor.stop()

@@ -5,7 +5,8 @@ The supervisor hosts a TCPStore, starts the N workers (the environment torchrun 
 address and their generation) and watches them every ``monitor_process_interval`` seconds:
 
 - a worker killed by a signal is **dead**; a worker whose heartbeat or progress timestamps are older than
-  ``heartbeat_timeout`` / ``hard_timeout`` is **hung** and is terminated (SIGTERM, SIGKILL after
+  ``heartbeat_timeout`` / ``hard_timeout`` (or that has written none ``barrier_timeout`` seconds after its start)
+  is **hung** and is terminated (SIGTERM, SIGKILL after
   ``termination_grace_time``). After ``last_call_wait`` seconds (concurrent faults are handled together) the
   supervisor moves the job to the next generation and starts one new process per failed rank
   (``granularity='rank'``) or for every rank of the node (``'node'``); the surviving workers restart in place
@@ -38,6 +39,7 @@ from longspan.training.resilience.inprocess import (
     GENERATION_KEY,
     STORE_ENV,
     arrived_key,
+    exiting_key,
     heartbeat_key,
     progress_key,
 )
@@ -73,9 +75,16 @@ def describe_exit(returncode: int) -> str:
 def stale_ranks(now: float, stamps: dict[int, tuple[Optional[float], Optional[float]]], started: dict[int, float],
                 ipr: Any) -> list[tuple[int, str]]:
     """(rank, why) for each rank whose heartbeat is older than ``heartbeat_timeout`` or progress older than
-    ``hard_timeout``; a rank that has written neither yet counts from its process's start."""
+    ``hard_timeout``. A rank that has written neither yet (a process still starting: imports, connecting to the
+    store) is given ``barrier_timeout`` seconds from its start, as long as its peers wait for it at the barrier."""
     out = []
     for rank, (beat, progress) in sorted(stamps.items()):
+        if beat is None and progress is None:
+            age = now - started[rank]
+            if age > ipr.barrier_timeout:
+                out.append((rank, f"no heartbeat {age:.1f} s after its start "
+                                  f"(inprocess_restart.barrier_timeout={ipr.barrier_timeout:g})"))
+            continue
         beat_age = now - (beat if beat is not None else started[rank])
         progress_age = now - (progress if progress is not None else started[rank])
         if progress_age > ipr.hard_timeout:
@@ -173,8 +182,8 @@ class InProcessSupervisor:
                "LOCAL_WORLD_SIZE": str(self.world_size), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
                STORE_ENV: f"127.0.0.1:{self.store.port}", GENERATION_ENV: str(self.generation)}
-        self.store.delete_key(heartbeat_key(rank))
-        self.store.delete_key(progress_key(rank))
+        for key in (heartbeat_key(rank), progress_key(rank), exiting_key(rank)):
+            self.store.delete_key(key)
         self.procs[rank] = subprocess.Popen(self.command + self.argv, env=env)
         self.started[rank] = time.time()
 
@@ -196,7 +205,17 @@ class InProcessSupervisor:
         def read(key: str) -> Optional[float]:
             return float(self.store.get(key)) if self.store.check([key]) else None
 
-        return {r: (read(heartbeat_key(r)), read(progress_key(r))) for r, p in self.procs.items() if p.poll() is None}
+        return {r: (read(heartbeat_key(r)), read(progress_key(r))) for r, p in self.procs.items()
+                if p.poll() is None and r not in self._exiting()}
+
+    def _exiting(self) -> dict[int, int]:
+        """rank -> exit code of the ranks that have finished and are shutting down."""
+        return {r: int(self.store.get(exiting_key(r))) for r in self.procs if self.store.check([exiting_key(r)])}
+
+    def _returncode(self, rank: int) -> int:
+        """The rank's exit code; for one terminated while shutting down, the code it was exiting with."""
+        code = self.procs[rank].returncode
+        return self._exiting().get(rank, code) if code is not None and code < 0 else code
 
     # ---- the loop --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -228,7 +247,7 @@ class InProcessSupervisor:
             if self._signal is not None:
                 return self._forward_signal(self._signal)
             faults, exited = self._poll()
-            if exited:
+            if exited or len(self._exiting()) == self.world_size:
                 return self._finish()
             if faults:
                 time.sleep(self.ipr.last_call_wait)  # concurrent faults of other ranks join this restart
@@ -245,11 +264,12 @@ class InProcessSupervisor:
     def _poll(self, exclude: frozenset | set = frozenset()) -> tuple[list[Fault], bool]:
         """Dead and hung ranks (hung ones terminated here), and whether a rank exited on its own."""
         faults, exited = [], False
+        exiting = self._exiting()
         for rank, proc in sorted(self.procs.items()):
             code = proc.poll()
             if rank in exclude or code is None:
                 continue
-            if code < 0:
+            if code < 0 and rank not in exiting:
                 faults.append(Fault(rank, proc.pid, "rank_died", f"its process was {describe_exit(code)}"))
             else:
                 exited = True
@@ -321,19 +341,22 @@ class InProcessSupervisor:
                 break
             if time.time() > deadline:
                 late = sorted(set(self.procs) - set(order))
-                sys.stderr.write(f"longspan: error: rank(s) {late} did not finish within "
-                                 f"inprocess_restart.completion_timeout={self.ipr.completion_timeout:g} s after rank "
-                                 f"{order[0]} exited; terminating them\n")
+                unfinished = sorted(set(late) - set(self._exiting()))
+                sys.stderr.write(f"longspan: {'error: ' if unfinished else ''}rank(s) {late} did not exit within "
+                                 f"inprocess_restart.completion_timeout={self.ipr.completion_timeout:g} s of the job's "
+                                 f"end{f' (unfinished: {unfinished})' if unfinished else ''}; terminating them\n")
                 self._terminate(late)
                 order += late
-                self.exit_codes = [self.procs[r].returncode for r in order]
                 monitor_log(self.ipr.monitor_process_logdir, f"completion timeout: terminated {late}")
-                return job_exit_code(self.exit_codes) or 1
+                if unfinished:
+                    self.exit_codes = [self._returncode(r) for r in order]
+                    return job_exit_code(self.exit_codes) or 1
+                break
             time.sleep(0.05)
-        self.exit_codes = [self.procs[r].returncode for r in order]
+        self.exit_codes = [self._returncode(r) for r in order]
         code = job_exit_code(self.exit_codes)
         for rank in order:
-            returncode = self.procs[rank].returncode
+            returncode = self._returncode(rank)
             if returncode != 0 and code not in (16, 17):
                 sys.stderr.write(f"longspan: error: rank {rank} {describe_exit(returncode)}\n")
                 break

@@ -93,6 +93,89 @@ def test_dead_rank_is_reported_with_restarts_remaining(tmp_path: Path) -> None:
     assert "rank 1" in message and "phase checkpoint" in message
 
 
+def test_rank_that_raises_is_reported_as_failed(tmp_path: Path) -> None:
+    """An uncaught exception ends a worker with a last ``failed`` beat (the atexit beat does not overwrite it);
+    the monitor reports the rank, its error, exit code 1 and the restarts remaining."""
+    worker = ("from types import SimpleNamespace\n"
+              "from longspan.training.resilience.heartbeat import RankHeartbeat\n"
+              "ft = SimpleNamespace(enable_ft_package=True, calc_ft_timeouts=False, simulate_fault=False)\n"
+              "beat = RankHeartbeat(ft, None, rank=1, world_size=2)\n"
+              "beat.iteration_done(4)\n"
+              "raise ValueError('boom in iteration 5')\n")
+    env = {**os.environ, HEARTBEAT_DIR_ENV: str(tmp_path), "TORCHELASTIC_RESTART_COUNT": "1"}
+    result = subprocess.run([sys.executable, "-c", worker], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "ValueError: boom in iteration 5" in result.stderr  # the traceback still shows
+    beat = json.loads((tmp_path / "rank1.json").read_text())
+    assert beat["phase"] == "failed" and beat["failed_phase"] == "iteration" and beat["iteration"] == 4
+    monitor, reports = _monitor(tmp_path)
+    monitor.check_once()
+    message, record = reports[0]
+    assert record["detection"] == "rank_failed" and record["rank"] == 1 and record["restarts_remaining"] == 2
+    assert record["exit_code"] == 1 and record["error"] == "ValueError: boom in iteration 5"
+    assert "raised ValueError: boom in iteration 5; exit code 1" in message and "restarts remaining: 2" in message
+    monitor.check_once()
+    assert len(reports) == 1
+
+
+def test_killed_peer_is_blamed_rather_than_the_rank_that_raised_after_it(tmp_path: Path) -> None:
+    dead, survivor = _sleeper(), _sleeper()
+    try:
+        dead.kill()
+        dead.wait()
+        _write_beat(tmp_path, 0, survivor.pid, "failed", age=0.1, error="RuntimeError: Connection closed by peer")
+        _write_beat(tmp_path, 1, dead.pid, "iteration", age=0.5)
+        monitor, reports = _monitor(tmp_path)
+        monitor.check_once()
+        assert [(r["rank"], r["detection"]) for _, r in reports] == [(1, "rank_died")]
+    finally:
+        survivor.kill()
+        survivor.wait()
+
+
+def _spawn_worker(hb: Path, rank: int, restart: int) -> subprocess.Popen:
+    env = {**os.environ, HEARTBEAT_DIR_ENV: str(hb), "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(restart)}
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+
+
+def test_worker_hung_before_its_first_heartbeat_is_killed_after_the_initial_timeout(tmp_path: Path) -> None:
+    """A worker of this launcher (a child process whose environment names the heartbeat directory) that never
+    beats, e.g. hung in its imports or the process-group set-up, is timed from its spawn."""
+    hung, other = _spawn_worker(tmp_path, rank=1, restart=2), _sleeper()  # other: not one of the launcher's workers
+    try:
+        monitor = HeartbeatMonitor(str(tmp_path), initial_timeout=1.5, rank_timeout=1.0, max_restarts=3,
+                                   report=lambda msg, rec: reports.append((msg, rec)), watch_spawned=True)
+        reports: list = []
+        monitor.check_once()
+        assert reports == [] and hung.poll() is None
+        time.sleep(1.7)
+        monitor.check_once()
+        assert hung.wait(timeout=5) == -signal.SIGKILL and other.poll() is None
+        message, record = reports[0]
+        assert record["rank"] == 1 and record["detection"] == "rank_hung" and record["rank_phase"] == "startup"
+        assert record["restarts_remaining"] == 1
+        assert "before its first heartbeat" in message and "initial heartbeat timeout 1.5 s" in message
+    finally:
+        for p in (hung, other):
+            p.kill()
+            p.wait()
+
+
+def test_initial_timeout_counts_from_the_spawn(tmp_path: Path) -> None:
+    late = _spawn_worker(tmp_path, rank=0, restart=0)
+    try:
+        time.sleep(1.2)
+        _write_beat(tmp_path, 0, late.pid, "setup", age=0.0)  # its first beat, just now, 1.2 s after its spawn
+        reports: list = []
+        monitor = HeartbeatMonitor(str(tmp_path), initial_timeout=1.0, rank_timeout=100.0, max_restarts=3,
+                                   report=lambda msg, rec: reports.append((msg, rec)), watch_spawned=True)
+        monitor.check_once()
+        assert late.wait(timeout=5) == -signal.SIGKILL
+        assert reports[0][1]["rank_phase"] == "setup" and reports[0][1]["silent_s"] > 1.0
+    finally:
+        late.kill()
+        late.wait()
+
+
 def test_learned_timeouts_are_used_and_kept_with_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calc = TimeoutCalculator()
     for seconds in (0.1, 0.3, 0.2):
@@ -109,6 +192,7 @@ def test_learned_timeouts_are_used_and_kept_with_checkpoints(tmp_path: Path, mon
     assert monitor.timeout_for({"phase": "iteration"}) == 100.0
 
     monkeypatch.setenv(HEARTBEAT_DIR_ENV, str(tmp_path / "hb"))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # RankHeartbeat installs its own: restored after
     (tmp_path / "hb").mkdir()
     save = tmp_path / "ckpt"
     save.mkdir()

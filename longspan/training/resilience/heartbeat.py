@@ -3,14 +3,16 @@
 Worker side (``RankHeartbeat``): with ``ft.enable_ft_package`` and a launcher that watches
 (``LONGSPAN_FT_HEARTBEAT_DIR`` set), each rank rewrites ``{dir}/rank{R}.json`` atomically at start-up, after
 every iteration and around every checkpoint save: its pid, the elastic restart count, the phase (``setup``,
-``iteration``, ``checkpoint``; ``exited`` when the process ends on its own), the iteration and the time. With ``ft.calc_ft_timeouts`` it also publishes
+``iteration``, ``checkpoint``; ``failed`` with the error when an uncaught exception ends the process, ``exited``
+when it ends otherwise), the iteration and the time. With ``ft.calc_ft_timeouts`` it also publishes
 timeouts learned from the iteration and checkpoint times it observed (``TimeoutCalculator``); rank 0 keeps them
 in ``{checkpoint.save}/ft_timeouts.json`` with the checkpoints, and a restarted job starts from them.
 
 Launcher side (``HeartbeatMonitor``, a thread in ``longspan pretrain --nproc-per-node``): a rank whose heartbeat
-is older than its timeout (the initial timeout until its first iteration, the checkpoint timeout while saving,
-else the rank timeout) is declared hung and SIGKILLed, also when it was stopped from outside (SIGSTOP); a rank
-whose process is gone is reported as dead. torch elastic then tears the worker group down and restarts it (up to
+is older than its timeout (the initial timeout until its first iteration, counted from the worker's spawn; the
+checkpoint timeout while saving; else the rank timeout) is declared hung and SIGKILLed, also when it was stopped
+from outside (SIGSTOP) or hangs before its first heartbeat (in imports or the process-group set-up); a rank whose
+process is gone is reported as dead, one that raised as failed. torch elastic then tears the worker group down and restarts it (up to
 ``--max-restarts``), and training resumes from the newest checkpoint. Each detection is one log line naming the
 rank, how it was detected and the restarts remaining, a progress.txt entry and a metrics.jsonl record.
 
@@ -26,6 +28,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -108,25 +111,37 @@ class RankHeartbeat:
         self.timeouts = TimeoutCalculator()
         self.last_beat = time.monotonic()
         self.iteration = 0
+        self.failed = False
         if self.enabled:
-            atexit.register(self.beat, "exited")  # a normal end or an exception: not a fault for the monitor
+            atexit.register(self.beat, "exited")  # a normal end: not a fault for the monitor
+            self._previous_excepthook = sys.excepthook
+            sys.excepthook = self._uncaught  # an exception: the monitor reports it before torch elastic restarts
         if self.learn and save_dir and (Path(save_dir) / TIMEOUTS_FILENAME).is_file():
             try:
                 self.timeouts.merge(json.loads((Path(save_dir) / TIMEOUTS_FILENAME).read_text()))
             except (OSError, ValueError):
                 logger.warning(f"ignoring unreadable {Path(save_dir) / TIMEOUTS_FILENAME}")
 
-    def beat(self, phase: str, iteration: Optional[int] = None) -> None:
-        if not self.enabled:
+    def beat(self, phase: str, iteration: Optional[int] = None, **extra: Any) -> None:
+        if not self.enabled or self.failed:  # a failure stays the last word (the atexit beat comes after it)
             return
         if iteration is not None:
             self.iteration = iteration
         data = {"rank": self.rank, "pid": os.getpid(), "restart": self.restart, "phase": phase,
-                "iteration": self.iteration, "time": time.time()}
+                "iteration": self.iteration, "time": time.time(), **extra}
         if self.learn:
             data["rank_timeout"] = self.timeouts.rank_timeout()
             data["checkpoint_timeout"] = self.timeouts.checkpoint_timeout()
         _atomic_write_json(self.path, data)
+
+    def _uncaught(self, exc_type: Any, exc: BaseException, tb: Any) -> None:
+        """sys.excepthook: the exception that ends this process goes into a last ``failed`` beat."""
+        try:
+            last_phase = json.loads(self.path.read_text()).get("phase") if self.path.is_file() else None
+            self.beat("failed", error=f"{exc_type.__name__}: {exc}"[:300], failed_phase=last_phase, exit_code=1)
+            self.failed = True
+        finally:
+            self._previous_excepthook(exc_type, exc, tb)
 
     def iteration_done(self, iteration: int) -> None:
         """After every iteration: beat, and learn from the time since the previous beat."""
@@ -192,6 +207,38 @@ def _process_state(pid: int) -> str:
     return "stopped" if state in ("T", "t") else "alive"
 
 
+def _process_start_time(pid: int) -> Optional[float]:
+    """When process ``pid`` started (epoch seconds), from /proc; None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: start time in clock ticks
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def _process_env(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            items = fh.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def _child_pids() -> set[int]:
+    """This process's children (the workers torch elastic spawned, from any of its threads)."""
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 class HeartbeatMonitor(threading.Thread):
     """Watches the heartbeat files of the local workers; SIGKILLs hung ranks (see the module docstring)."""
 
@@ -204,6 +251,7 @@ class HeartbeatMonitor(threading.Thread):
         max_restarts: int,
         report: Callable[[str, dict[str, Any]], None],
         poll_interval: float = 0.05,
+        watch_spawned: bool = False,
     ) -> None:
         super().__init__(name="longspan-ft-monitor", daemon=True)
         self.directory = Path(directory)
@@ -212,6 +260,11 @@ class HeartbeatMonitor(threading.Thread):
         self.max_restarts = int(max_restarts)
         self.report = report
         self.poll_interval = poll_interval
+        # The launcher's own workers (children of this process whose environment names this directory) are
+        # timed from their spawn: a hang before the first heartbeat is caught, and the initial timeout counts
+        # from the start of the process.
+        self.watch_spawned = watch_spawned
+        self._spawn_info: dict[int, Optional[dict[str, Any]]] = {}
         self.handled: set[int] = set()  # pids already reported
         self.detections: list[dict[str, Any]] = []
         self._stop_event = threading.Event()
@@ -228,7 +281,7 @@ class HeartbeatMonitor(threading.Thread):
                 logger.warning(f"ft monitor: {exc}")
 
     def timeout_for(self, beat: dict[str, Any]) -> float:
-        if beat["phase"] == "setup":
+        if beat["phase"] in ("setup", "startup"):
             return self.initial_timeout
         if beat["phase"] == "checkpoint":
             learned = beat.get("checkpoint_timeout")
@@ -236,32 +289,69 @@ class HeartbeatMonitor(threading.Thread):
         learned = beat.get("rank_timeout")
         return learned if learned else self.rank_timeout
 
+    def _spawned_workers(self, beating: set[int]) -> list[dict[str, Any]]:
+        """Start-up pseudo-beats (phase ``startup``, time = spawn) of this launcher's workers without a heartbeat."""
+        out = []
+        for pid in _child_pids() - beating - self.handled:
+            if pid not in self._spawn_info:
+                env = _process_env(pid)
+                start = _process_start_time(pid)
+                mine = env.get(HEARTBEAT_DIR_ENV) == str(self.directory) and "RANK" in env and start is not None
+                self._spawn_info[pid] = {"rank": int(env["RANK"]), "pid": pid, "phase": "startup", "iteration": 0,
+                                         "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                                         "time": start} if mine else None
+            if self._spawn_info[pid] is not None:
+                out.append(self._spawn_info[pid])
+        return out
+
+    def _started_at(self, beat: dict[str, Any]) -> float:
+        """The time a rank's silence counts from: its beat, or (start-up, when watching) its spawn."""
+        if self.watch_spawned and beat["phase"] == "setup":
+            start = _process_start_time(int(beat["pid"]))
+            if start is not None:
+                return min(start, float(beat["time"]))
+        return float(beat["time"])
+
     def check_once(self) -> None:
         """One look at every rank; at most one detection per worker-group generation (the root cause: the
         rest of the group is torn down by torch elastic, so its other ranks stop beating or die next)."""
         now = time.time()
         beats = []
+        beating: set[int] = set()
         for path in sorted(self.directory.glob("rank*.json")):
             try:
                 beat = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
+            beating.add(int(beat["pid"]))
             if int(beat["pid"]) not in self.handled and beat["phase"] != "exited":  # exited: ended on its own
                 beats.append((beat, _process_state(int(beat["pid"]))))
-        order = {"gone": 0, "stopped": 1, "alive": 2}
-        beats.sort(key=lambda b: (order[b[1]], float(b[0]["time"])))  # dead, stopped, then the longest silent
+        if self.watch_spawned:
+            beats += [(b, _process_state(b["pid"])) for b in self._spawned_workers(beating)]
+        # killed from outside, raised, stopped, then the longest silent (a rank that raised because a peer
+        # died is not the root cause; the dead peer is)
+        order = {"gone": 0, "stopped": 2, "alive": 3}
+        beats.sort(key=lambda b: (1 if b[0]["phase"] == "failed" else order[b[1]], float(b[0]["time"])))
         for beat, state in beats:
             pid = int(beat["pid"])
             if pid in self.handled:
                 continue
             remaining = max(self.max_restarts - int(beat["restart"]), 0)
-            where = f"iteration {beat['iteration']}, phase {beat['phase']}"
+            where = f"iteration {beat['iteration']}, phase {beat.get('failed_phase') or beat['phase']}"
+            if beat["phase"] == "failed":
+                self.handled.add(pid)
+                self._detected("rank_failed", beat, f"rank {beat['rank']} (pid {pid}) failed at {where}: raised "
+                               f"{beat.get('error')}; exit code {beat.get('exit_code', 1)}; torch elastic restarts "
+                               f"the worker group; restarts remaining: {remaining}", remaining,
+                               error=beat.get("error"), exit_code=beat.get("exit_code", 1))
+                continue
             if state == "gone":
                 self.handled.add(pid)
-                self._detected("rank_died", beat, f"rank {beat['rank']} (pid {pid}) died at {where}: detected by the "
-                               f"launcher (process gone); restarts remaining: {remaining}", remaining)
+                if beat["phase"] != "startup":  # a worker that never beat and is gone: torch elastic reports it
+                    self._detected("rank_died", beat, f"rank {beat['rank']} (pid {pid}) died at {where}: detected "
+                                   f"by the launcher (process gone); restarts remaining: {remaining}", remaining)
                 continue
-            age = now - float(beat["time"])
+            age = now - self._started_at(beat)
             timeout = self.timeout_for(beat)
             if age > timeout:
                 self.handled.add(pid)
@@ -270,10 +360,13 @@ class HeartbeatMonitor(threading.Thread):
                 except OSError:
                     pass
                 how = "stopped (SIGSTOP) and silent" if state == "stopped" else "silent"
+                if beat["phase"] == "startup":
+                    how += " since its spawn, before its first heartbeat"
+                initial = "initial " if beat["phase"] in ("setup", "startup") else ""
                 self._detected("rank_hung", beat, f"rank {beat['rank']} (pid {pid}) hung at {where}: {how} for "
-                               f"{age:.1f} s > {'initial ' if beat['phase'] == 'setup' else ''}heartbeat timeout "
-                               f"{timeout:.1f} s, detected by the heartbeat monitor; killed (SIGKILL); restarts "
-                               f"remaining: {remaining}", remaining, timeout=timeout, silent_s=round(age, 3))
+                               f"{age:.1f} s > {initial}heartbeat timeout {timeout:.1f} s, detected by the heartbeat "
+                               f"monitor; killed (SIGKILL); restarts remaining: {remaining}", remaining,
+                               timeout=timeout, silent_s=round(age, 3))
 
     def _detected(self, kind: str, beat: dict[str, Any], message: str, remaining: int, **extra: Any) -> None:
         record = {"rank": beat["rank"], "pid": beat["pid"], "restart": beat["restart"], "iteration": beat["iteration"],
@@ -286,6 +379,9 @@ class HeartbeatMonitor(threading.Thread):
                 continue
             if other["restart"] == beat["restart"]:
                 self.handled.add(int(other["pid"]))
+        for pid, info in self._spawn_info.items():
+            if info is not None and info["restart"] == beat["restart"]:
+                self.handled.add(pid)
         self.report(message, record)
 
 

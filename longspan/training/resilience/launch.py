@@ -46,7 +46,7 @@ def fault_tolerance_monitor(cfg: Any, args: Any, world_size: int) -> Iterator[di
     os.makedirs(directory, exist_ok=True)
     monitor = HeartbeatMonitor(
         directory, initial_timeout=initial, rank_timeout=rank, max_restarts=args.max_restarts,
-        report=monitor_reporter(cfg.checkpoint.save, metrics_jsonl_path(cfg), world_size),
+        report=monitor_reporter(cfg.checkpoint.save, metrics_jsonl_path(cfg), world_size), watch_spawned=True,
     )
     monitor.start()
     try:

@@ -1,7 +1,9 @@
 """``longspan pretrain|finetune [--recipe NAME] [--config FILE.yaml ...] [section.field=value ...]``.
 
 With ``--nproc-per-node N`` the configuration is validated for the whole world size first, then the
-workers are started through torch's elastic launcher in-process (see ``longspan.parallel.launcher``).
+workers are started through torch's elastic launcher in-process (see ``longspan.parallel.launcher``), or, with
+``inprocess_restart.enabled``, under longspan's in-process restart supervisor
+(``longspan.training.resilience.supervisor``), which replaces a failed rank without restarting the others.
 """
 
 from __future__ import annotations

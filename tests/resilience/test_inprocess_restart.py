@@ -171,6 +171,9 @@ FAKE_WORKER = textwrap.dedent("""
     elif kind == "deaf":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(60)
+    elif kind == "graceful":  # like train.exit_signal_handler: exit cleanly on SIGTERM
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        time.sleep(60)
     elif kind == "sleep":
         time.sleep(float(arg))
     elif kind == "exit":
@@ -327,6 +330,22 @@ def test_a_finished_rank_slow_to_exit_is_neither_hung_nor_failed(tmp_path: Path,
     r = _supervise(tmp_path, {"0:0": "finish_slowly"}, world_size=1, hard_timeout=1.0, completion_timeout=2.0)
     assert r.code == 0 and r.kinds() == []  # not reported hung although its progress stamp is older than hard_timeout
     assert "rank(s) [0] did not exit within inprocess_restart.completion_timeout=2 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action,expected", [("graceful", 0), ("sleep:60", 128 + signal.SIGTERM)])
+def test_sigterm_is_forwarded_to_the_workers(tmp_path: Path, action: str, expected: int) -> None:
+    starts = tmp_path / "starts.txt"
+
+    def terminate_when_started() -> None:
+        end = time.time() + 60
+        while time.time() < end and (not starts.exists() or len(starts.read_text().splitlines()) < 2):
+            time.sleep(0.02)
+        time.sleep(0.5)  # the workers have installed their handlers
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's handler, installed for its run
+
+    threading.Thread(target=terminate_when_started, daemon=True).start()
+    r = _supervise(tmp_path, {"0:0": action, "0:1": action}, restarts=99)
+    assert r.code == expected and r.kinds() == []
 
 
 @pytest.mark.parametrize("codes,expected", [((17, 17), 17), ((16, 16), 16), ((2, 0), 2), ((3, 0), 1)])

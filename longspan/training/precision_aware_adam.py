@@ -10,8 +10,9 @@ Gradients are read from ``param.decoupled_grad`` when it is set (a gradient whos
 parameter's, which ``param.grad`` cannot hold: megatron-core's name), else from ``param.grad``.
 
 DTensor parameters (FSDP2 / the distributed optimizer / tensor parallel) work shard by shard: the update is
-elementwise, so each rank updates its local shard and the moments are DTensors with the parameter's
-placements (so DCP saves and reshards them like torch's own optimizer state).
+elementwise, so each rank updates its local shard (a gradient with other placements is redistributed to the
+parameter's first) and the moments are DTensors with the parameter's placements (so DCP saves and reshards
+them like torch's own optimizer state).
 """
 
 from __future__ import annotations
@@ -110,10 +111,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            # One tensor at a time, not torch's foreach over the group: the fp32 working copies of a
+            # low-precision tensor exist for one tensor only, so peak memory keeps the saving.
             for param in group["params"]:
                 grad = main_grad(param)
                 if grad is None:
                     continue
+                if hasattr(grad, "placements") and grad.placements != param.placements:
+                    # e.g. a vocab-parallel embedding's replicated gradient: take this rank's shard of it
+                    # (torch's optimizers get the same from DTensor's implicit redistribution).
+                    grad = grad.redistribute(param.device_mesh, param.placements)
                 state = self._init_state(param)
                 state["step"] += 1
                 _adam_update(

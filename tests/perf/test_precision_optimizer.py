@@ -270,3 +270,37 @@ def test_pretrain_resumes_bit_for_bit_with_low_precision_state(tmp_path: Path, c
     pretrain(second, forward_step)
     resumed = losses_by_iteration(second)
     assert [resumed[i] for i in range(1, 9)] == [reference[i] for i in range(1, 9)]
+
+
+# ------------------------------------------------------------ the trainer, two ranks (distributed optimizer)
+def _two_rank_run(run_dir: str, iters: int, exit_interval: int | None = None) -> None:
+    """Worker task: pretrain the tiny recipe under dp2 + distributed optimizer, bf16 with fp16 main params and
+    bf16 moments, dropout on, checkpoints in ``run_dir``."""
+    import torch
+
+    from longspan.training.pretrain import pretrain
+    from tests.parallel.test_layout_parity import pretrain_config
+
+    cfg = pretrain_config(run_dir, iters=iters, dist_opt=True)
+    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.1
+    cfg.mixed_precision = "bf16_mixed"
+    cfg.optimizer.use_precision_aware_optimizer = True
+    cfg.optimizer.main_params_dtype = torch.float16
+    cfg.optimizer.exp_avg_dtype = cfg.optimizer.exp_avg_sq_dtype = torch.bfloat16
+    cfg.checkpoint.save = cfg.checkpoint.load = f"{run_dir}/ckpt"
+    cfg.train.exit_interval = exit_interval
+    pretrain(cfg)
+
+
+def test_two_rank_distributed_optimizer_resumes_bit_for_bit(pool2, tmp_path: Path) -> None:
+    from tests.parallel.test_layout_parity import logged
+
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    pool2.run(_two_rank_run, straight, 6)
+    pool2.run(_two_rank_run, resumed, 6, exit_interval=3)
+    pool2.run(_two_rank_run, resumed, 6)
+    want, got = logged(straight), logged(resumed)
+    assert want["iterations"] == list(range(1, 7))
+    # The first leg logged iterations 1-3, the second resumed at 4 (a restart from scratch would log 1-6 again).
+    assert got["iterations"] == want["iterations"]
+    assert got["losses"] == want["losses"] and got["norms"] == want["norms"]

@@ -289,7 +289,8 @@ def test_granularity_node_replaces_every_rank_of_the_node(tmp_path: Path) -> Non
 
 
 def test_barrier_timeout_bounds_a_start_without_heartbeat(tmp_path: Path) -> None:
-    """Stand-in workers write no timestamps: a rank frozen (SIGSTOP) while starting is replaced after barrier_timeout."""
+    """Stand-in workers write no timestamps: a rank frozen (SIGSTOP) while starting is replaced after
+    barrier_timeout."""
     r = _supervise(tmp_path, {"0:0": "stop", "1:0": "exit:0"}, world_size=1, barrier_timeout=1.0)
     assert r.code == 0 and r.kinds() == ["fault", "restart"]
     fault = r.events[0]
@@ -323,7 +324,8 @@ def test_completion_timeout_ends_ranks_that_do_not_finish(tmp_path: Path, capsys
     t0 = time.time()
     r = _supervise(tmp_path, {"0:1": "deaf"}, completion_timeout=0.5, termination_grace_time=0.1)
     assert r.code == 1 and r.kinds() == [] and time.time() - t0 < 20
-    assert "did not exit within inprocess_restart.completion_timeout=0.5 s of the job's end (unfinished: [1])" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "did not exit within inprocess_restart.completion_timeout=0.5 s of the job's end (unfinished: [1])" in err
 
 
 def test_a_finished_rank_slow_to_exit_is_neither_hung_nor_failed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

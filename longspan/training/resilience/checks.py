@@ -34,7 +34,8 @@ def _check_inprocess(ipr: Any, ft: Any) -> None:
     for name in ("max_iterations", "max_rank_faults"):
         value = getattr(ipr, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ConfigError(f"inprocess_restart.{name}={value!r} is not valid: use None (no limit) or an integer >= 0")
+            raise ConfigError(
+                f"inprocess_restart.{name}={value!r} is not valid: use None (no limit) or an integer >= 0")
     if ipr.granularity not in ("node", "rank"):
         raise ConfigError(f"inprocess_restart.granularity={ipr.granularity!r} is not valid: use 'node' or 'rank'")
     if ipr.enabled and ft is not None and ft.enable_ft_package:

@@ -228,7 +228,8 @@ def reset_process_state(empty_cuda_cache: bool) -> None:
     gc.collect()
 
 
-def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any], env: Optional[Mapping[str, str]] = None) -> int:
+def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
+               env: Optional[Mapping[str, str]] = None) -> int:
     """Train with in-process restarts; return the training's exit code.
 
     ``make_config()`` builds a fresh ConfigContainer for each attempt (validation mutates it); ``train(cfg)`` runs

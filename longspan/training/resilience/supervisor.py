@@ -88,7 +88,8 @@ def stale_ranks(now: float, stamps: dict[int, tuple[Optional[float], Optional[fl
         beat_age = now - (beat if beat is not None else started[rank])
         progress_age = now - (progress if progress is not None else started[rank])
         if progress_age > ipr.hard_timeout:
-            out.append((rank, f"no progress for {progress_age:.1f} s (inprocess_restart.hard_timeout={ipr.hard_timeout:g})"))
+            out.append((rank, f"no progress for {progress_age:.1f} s "
+                              f"(inprocess_restart.hard_timeout={ipr.hard_timeout:g})"))
         elif beat_age > ipr.heartbeat_timeout:
             out.append((rank, f"no heartbeat for {beat_age:.1f} s "
                               f"(inprocess_restart.heartbeat_timeout={ipr.heartbeat_timeout:g})"))
@@ -281,7 +282,8 @@ class InProcessSupervisor:
         return faults, exited
 
     def _restart(self, faults: list[Fault]) -> Optional[int]:
-        """Move to the next generation with new processes for the failed ranks; an exit code when the budget is spent."""
+        """Move to the next generation with new processes for the failed ranks; an exit code when the budget is
+        spent."""
         for fault in faults:
             self.rank_faults[fault.rank] += 1
         remaining_after = restarts_remaining(self.restarts + 1, self.ipr)

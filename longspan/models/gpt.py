@@ -298,7 +298,8 @@ class DecoderLanguageModel(nn.Module):
             return False
         if hidden_states.dtype != torch.float32 or weight.dtype != torch.float32:
             return False
-        if torch.is_autocast_enabled(hidden_states.device.type):
+        device_type = "cpu" if hidden_states.device.type == "meta" else hidden_states.device.type  # meta: `plan`
+        if torch.is_autocast_enabled(device_type):
             return False
         layer = self.output_layer
         if layer is not None and (layer._forward_hooks or layer._forward_pre_hooks):

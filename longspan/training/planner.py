@@ -367,6 +367,9 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
     main_bytes = 0 if pb == 4 else 4
     optimizer = str(getattr(cfg.optimizer, "optimizer", "adam")).lower()
     state_bytes = 8 if optimizer == "adam" else (4 if float(getattr(cfg.optimizer, "sgd_momentum", 0) or 0) else 0)
+    if getattr(cfg.optimizer, "use_precision_aware_optimizer", False):  # main params and moments in their dtypes
+        main_bytes = 0 if pb == 4 else _dtype_bytes(cfg.optimizer.main_params_dtype)
+        state_bytes = _dtype_bytes(cfg.optimizer.exp_avg_dtype) + _dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)
     gbs, mbs = int(cfg.train.global_batch_size), int(cfg.train.micro_batch_size)
     microbatches = max(1, gbs // (mbs * layout.dp))
     stage_of = _stage_of_layers(cfg, layout.pp)

@@ -304,3 +304,25 @@ def test_two_rank_distributed_optimizer_resumes_bit_for_bit(pool2, tmp_path: Pat
     # The first leg logged iterations 1-3, the second resumed at 4 (a restart from scratch would log 1-6 again).
     assert got["iterations"] == want["iterations"]
     assert got["losses"] == want["losses"] and got["norms"] == want["norms"]
+
+
+def test_planner_counts_the_precision_aware_state(tmp_path: Path) -> None:
+    """``longspan plan`` sizes main params and moments by their dtypes: bf16 moments halve the optimizer state,
+    fp16 main params halve the main copies."""
+    from longspan.training.planner import Layout, estimate_memory
+
+    def memory(**optimizer_fields):
+        cfg = small_config(tmp_path, train_iters=2)
+        cfg.mixed_precision = "bf16_mixed"
+        cfg.model.vocab_size = 256
+        for name, value in optimizer_fields.items():
+            setattr(cfg.optimizer, name, value)
+        cfg.validate(world_size=1)
+        return estimate_memory(cfg, Layout(world_size=1))
+
+    plain = memory()
+    aware = memory(**{k.split("__")[1]: v for k, v in AWARE.items()}, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
+                   main_params_dtype=FP16)
+    assert aware.optimizer == pytest.approx(plain.optimizer / 2)
+    params = plain.optimizer / 8  # Adam: two fp32 moments per parameter
+    assert plain.weights - aware.weights == pytest.approx(params * 2)  # fp32 -> fp16 main copies

@@ -178,6 +178,8 @@ FAKE_WORKER = textwrap.dedent("""
         time.sleep(float(arg))
     elif kind == "exit":
         time.sleep(0.3)
+        if int(arg):
+            print(f"Traceback ...\\nlongspan: error: rank {rank} failed with {arg}", file=sys.stderr)
         sys.exit(int(arg))
     else:
         end = time.time() + 60
@@ -351,9 +353,17 @@ def test_sigterm_is_forwarded_to_the_workers(tmp_path: Path, action: str, expect
 
 
 @pytest.mark.parametrize("codes,expected", [((17, 17), 17), ((16, 16), 16), ((2, 0), 2), ((3, 0), 1)])
-def test_worker_exit_codes_end_the_job_without_restarts(tmp_path: Path, codes: tuple, expected: int) -> None:
+def test_worker_exit_codes_end_the_job_without_restarts(tmp_path: Path, codes: tuple, expected: int,
+                                                        capsys: pytest.CaptureFixture) -> None:
     r = _supervise(tmp_path, {f"0:{rank}": f"exit:{code}" for rank, code in enumerate(codes)})
     assert r.code == expected and r.kinds() == []
+    err = capsys.readouterr().err.strip().splitlines()
+    if expected in (1, 2):  # one line naming the rank, its code, its last stderr line and the full log
+        assert len(err) == 1 and err[0].startswith(f"longspan: error: rank 0 exited with code {codes[0]}: rank 0 "
+                                                   f"failed with {codes[0]} (full log: ")
+        assert Path(err[0].rsplit("full log: ", 1)[1].rstrip(")")).is_file()
+    else:  # the rerun state machine's codes are not errors of the launch
+        assert err == []
 
 
 def test_monitor_process_interval_sets_how_often_workers_are_checked(tmp_path: Path) -> None:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -175,6 +177,9 @@ class InProcessSupervisor:
         self.exit_codes: list[int] = []
         self.pending_rejoin: Optional[tuple[int, float]] = None  # (generation, when its fault was detected)
         self._signal: Optional[int] = None
+        # worker stderr goes to files (N interleaved tracebacks never reach the console); kept when a rank failed
+        self.log_dir = tempfile.mkdtemp(prefix="longspan_inprocess_")
+        self.stderr_files: dict[int, str] = {}
 
     # ---- processes -------------------------------------------------------------------------------------
     def _spawn(self, rank: int) -> None:
@@ -185,7 +190,10 @@ class InProcessSupervisor:
                STORE_ENV: f"127.0.0.1:{self.store.port}", GENERATION_ENV: str(self.generation)}
         for key in (heartbeat_key(rank), progress_key(rank), exiting_key(rank)):
             self.store.delete_key(key)
-        self.procs[rank] = subprocess.Popen(self.command + self.argv, env=env)
+        path = os.path.join(self.log_dir, f"rank{rank}.gen{self.generation}.stderr")
+        with open(path, "w") as stderr:
+            self.procs[rank] = subprocess.Popen(self.command + self.argv, env=env, stderr=stderr)
+        self.stderr_files[rank] = path
         self.started[rank] = time.time()
 
     def _terminate(self, ranks: list[int]) -> None:
@@ -231,7 +239,10 @@ class InProcessSupervisor:
                 self._spawn(rank)
             monitor_log(self.ipr.monitor_process_logdir,
                         f"started {self.world_size} workers: pids {[p.pid for p in self.procs.values()]}")
-            return self._watch()
+            code = self._watch()
+            if code == 0 and not self.restarts:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+            return code
         finally:
             for s, h in saved.items():
                 signal.signal(s, h)
@@ -360,11 +371,24 @@ class InProcessSupervisor:
         for rank in order:
             returncode = self._returncode(rank)
             if returncode != 0 and code not in (16, 17):
-                sys.stderr.write(f"longspan: error: rank {rank} {describe_exit(returncode)}\n")
+                sys.stderr.write(self._failure_line(rank, returncode) + "\n")
                 break
         monitor_log(self.ipr.monitor_process_logdir, f"job finished with exit code {code} after {self.restarts} "
                     f"in-process restart(s); worker exit codes {dict(zip(order, self.exit_codes))}")
         return code
+
+    def _failure_line(self, rank: int, returncode: int) -> str:
+        """One line for a failed rank: how it ended, the last line of its stderr, where the full log is."""
+        line = f"longspan: error: rank {rank} {describe_exit(returncode)}"
+        path = self.stderr_files.get(rank)
+        last = ""
+        if path and os.path.isfile(path):
+            with open(path, errors="replace") as fh:
+                lines = [ln.strip() for ln in fh.read().splitlines() if ln.strip()]
+            last = lines[-1] if lines else ""
+        if last:
+            line += f": {last.removeprefix('longspan: error: ')}"
+        return line + (f" (full log: {path})" if path else "")
 
     def _forward_signal(self, signum: int) -> int:
         self.store.set(FINISHING_KEY, "1")

@@ -493,6 +493,62 @@ def test_monitor_thread_interrupts_a_rank_left_in_an_older_generation(store: Any
     assert not _interrupted_within(store, 30.0, 1.0)  # monitor_thread_interval: not checked again yet
 
 
+def _run_worker(store: Any, tmp_path: Path, attempts: list) -> tuple[Any, list[Any]]:
+    """run_worker as rank 0 of a one-rank job; ``attempts[i](store)`` is the i-th training attempt."""
+    configs = []
+
+    def make_config() -> Any:
+        cfg = small_config(tmp_path)
+        cfg.inprocess_restart = _ipr(monitor_thread_interval=0.05, last_call_wait=0.0, termination_grace_time=0.0)
+        configs.append(cfg)
+        return cfg
+
+    def train(cfg: Any) -> int:
+        assert cfg is configs[-1]  # every attempt gets a fresh configuration
+        return attempts[len(configs) - 1](store)
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", inprocess.STORE_ENV: f"127.0.0.1:{store.port}",
+           inprocess.GENERATION_ENV: "0"}
+    try:
+        return inprocess.run_worker(train, make_config, env), configs
+    except BaseException as exc:  # noqa: BLE001 - returned for the test to inspect
+        return exc, configs
+
+
+def _peer_died(store: Any) -> int:
+    store.set(inprocess.GENERATION_KEY, "1")  # what the supervisor does after a peer's death
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+
+def _busy_until_interrupted(store: Any) -> int:
+    store.set(inprocess.GENERATION_KEY, "1")
+    end = time.time() + 30
+    while time.time() < end:
+        sum(range(1000))
+    return 5
+
+
+def test_worker_restarts_in_place_after_a_peer_failure(store: Any, tmp_path: Path) -> None:
+    for first in (_peer_died, _busy_until_interrupted):  # a failed collective; the monitor thread's interruption
+        store.set(inprocess.GENERATION_KEY, "0")
+        result, configs = _run_worker(store, tmp_path, [first, lambda s: 17])
+        assert result == 17 and len(configs) == 2  # the second attempt ran, in generation 1
+        assert int(store.add(inprocess.arrived_key(1), 0)) >= 1
+        assert store.get(inprocess.exiting_key(0)) == b"17"
+        store.delete_key(inprocess.arrived_key(1))
+
+
+def test_worker_error_without_a_new_generation_is_raised(store: Any, tmp_path: Path) -> None:
+    def user_error(s: Any) -> int:
+        raise ConfigError("model.x=1 is bad")
+
+    t0 = time.time()
+    result, configs = _run_worker(store, tmp_path, [user_error])
+    assert isinstance(result, ConfigError) and len(configs) == 1
+    assert store.get(inprocess.exiting_key(0)) == b"2"  # the code the CLI gives a longspan error
+    assert time.time() - t0 < 15  # waited only a short grace for a peer's fault to show
+
+
 def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: Any, monkeypatch: Any) -> None:
     from longspan.parallel import init as parallel_init
 

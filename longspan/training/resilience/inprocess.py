@@ -228,6 +228,31 @@ def reset_process_state(empty_cuda_cache: bool) -> None:
     gc.collect()
 
 
+def _attempt(monitor: WorkerMonitor, generation: int, train: Callable[[Any], int],
+             cfg: Any) -> tuple[Optional[int], Optional[BaseException]]:
+    """Run ``train(cfg)`` interruptibly: (exit code, None) or (None, the exception that ended it)."""
+    try:
+        try:
+            monitor.running(generation)
+            code = train(cfg)
+            monitor.stopped()
+            return code, None
+        except BaseException as exc:  # noqa: BLE001 - the caller decides whether this rank restarts
+            monitor.stopped()
+            return None, exc
+    except RestartAbort as exc:  # delivered inside the handler above, just before it left the interruptible span
+        monitor.stopped()
+        return None, exc
+
+
+def _exit_code_of(exc: BaseException) -> int:
+    from longspan.core.errors import LongspanError
+
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 2 if isinstance(exc, LongspanError) else 1  # the CLI turns longspan's own errors into exit code 2
+
+
 def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
                env: Optional[Mapping[str, str]] = None) -> int:
     """Train with in-process restarts; return the training's exit code.
@@ -258,20 +283,17 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
             if world_size > 1:
                 init_process_group(store, generation, rank, world_size, timeout_minutes)
             try:
-                monitor.running(generation)
-                exit_code = train(cfg)
-                monitor.stopped()
-                return exit_code
-            except BaseException as exc:  # noqa: BLE001 - decide below whether this rank restarts
-                monitor.stopped()
-                if isinstance(exc, SystemExit):
-                    exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                code, exc = _attempt(monitor, generation, train, cfg)
+                if exc is None:
+                    exit_code = code
+                    return exit_code
+                exit_code = _exit_code_of(exc)
                 if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                    raise
+                    raise exc
                 wait = ipr.barrier_timeout if _is_peer_failure(exc) else peer_grace
                 newer = wait_for_next_generation(store, generation, wait)
                 if newer is None:
-                    raise
+                    raise exc
                 logger.warning(f"in-process restart: rank {rank} (pid {os.getpid()}) stops generation {generation} "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                                f"restarting in generation {newer}")

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import longspan.conversion.families as families
+from longspan.conversion.config_fields import DTYPE_NAMES
 from longspan.conversion.families import Family
 from longspan.conversion.loader import export_hf_weights, load_hf_weights, lookup
 from longspan.conversion.safetensors_io import (
@@ -257,7 +258,7 @@ class AutoBridge:
             config = dict(self.hf_config)
             dtype = _first_dtype(model)
             if dtype is not None:
-                config["dtype"] = families._DTYPE_NAMES.get(dtype, "float32")
+                config["dtype"] = DTYPE_NAMES.get(dtype, "float32")
             config.pop("torch_dtype", None)
             (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             if self.hf_path is not None:

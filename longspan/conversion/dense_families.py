@@ -1,0 +1,187 @@
+"""Dense decoder families' config translations: Llama, Mistral, Qwen2, Qwen3 and GPT-2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longspan.conversion.config_fields import (
+    HF_ACTIVATIONS,
+    dtype_fields,
+    hf_activation,
+    required,
+    rope_fields,
+    rope_hf,
+    vocab_divisor,
+)
+from longspan.core.errors import NotSupportedError
+
+
+def llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str, Any]:
+    act = cfg.get("hidden_act", "silu")
+    if act not in HF_ACTIVATIONS:
+        raise NotSupportedError(f"config.json hidden_act={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}")
+    for key in ("sliding_window", "use_sliding_window"):
+        if cfg.get(key) and (key == "use_sliding_window" or cfg.get("use_sliding_window", True)):
+            raise NotSupportedError(
+                f"config.json {key}={cfg[key]!r}: sliding-window attention is not supported by longspan; "
+                "set it to null to convert with full attention"
+            )
+    attention_bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    if attention_bias and not mlp_bias and cfg.get("model_type") not in ("qwen2",):
+        raise NotSupportedError(
+            "config.json attention_bias=true with mlp_bias=false (a bias on o_proj but not the MLP) is not supported"
+        )
+    heads = required(cfg, "num_attention_heads")
+    vocab = required(cfg, "vocab_size")
+    out: dict[str, Any] = dict(
+        num_layers=required(cfg, "num_hidden_layers"),
+        hidden_size=required(cfg, "hidden_size"),
+        ffn_hidden_size=required(cfg, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or required(cfg, "hidden_size") // heads,
+        seq_length=cfg.get("max_position_embeddings", 4096),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", eps_default)),
+        gated_linear_unit=True,
+        activation_func=HF_ACTIVATIONS[act],
+        add_bias_linear=attention_bias and mlp_bias,
+        add_qkv_bias=attention_bias,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        hidden_dropout=0.0,
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    out.update(rope_fields(cfg))
+    out.update(dtype_fields(cfg))
+    return out
+
+
+def llama_hf(p: Any) -> dict[str, Any]:
+    act = hf_activation(p)
+    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or p.position_embedding_type != "rope":
+        raise NotSupportedError(
+            "this model has no Llama-style HF equivalent (needs RMSNorm, RoPE and a gated silu/gelu MLP)"
+        )
+    if p.add_qkv_bias and not p.add_bias_linear:
+        raise NotSupportedError("add_qkv_bias without add_bias_linear exports as Qwen2, not Llama")
+    out = dict(
+        vocab_size=p.vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.ffn_hidden_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_query_groups or p.num_attention_heads,
+        head_dim=p.kv_channels or p.hidden_size // p.num_attention_heads,
+        max_position_embeddings=p.seq_length,
+        rms_norm_eps=p.layernorm_epsilon,
+        hidden_act=act,
+        tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
+        attention_dropout=float(p.attention_dropout),
+        initializer_range=float(p.init_method_std),
+        attention_bias=bool(p.add_bias_linear),
+        mlp_bias=bool(p.add_bias_linear),
+    )
+    out.update(rope_hf(p))
+    return out
+
+
+def mistral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    return llama_provider(cfg)
+
+
+def mistral_hf(p: Any) -> dict[str, Any]:
+    out = llama_hf(p)
+    for key in ("attention_bias", "mlp_bias"):
+        if out.pop(key):
+            raise NotSupportedError("Mistral has no linear biases: export this model as Llama")
+    return dict(out, sliding_window=None)
+
+
+def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = llama_provider(dict(cfg, attention_bias=False))
+    out["add_qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none elsewhere)
+    return out
+
+
+def qwen2_hf(p: Any) -> dict[str, Any]:
+    if not p.add_qkv_bias or p.add_bias_linear:
+        raise NotSupportedError("Qwen2 needs add_qkv_bias=True and add_bias_linear=False")
+    out = llama_hf(_ProviderView(p, add_qkv_bias=False))
+    for key in ("attention_bias", "mlp_bias"):
+        out.pop(key)
+    return dict(out, use_sliding_window=False, sliding_window=None)
+
+
+def qwen3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(llama_provider(cfg), qk_layernorm=True)
+
+
+def qwen3_hf(p: Any) -> dict[str, Any]:
+    if not p.qk_layernorm:
+        raise NotSupportedError("Qwen3 needs qk_layernorm=True")
+    out = llama_hf(p)
+    out.pop("mlp_bias")
+    return dict(out, use_sliding_window=False, sliding_window=None)
+
+
+def gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in HF_ACTIVATIONS:
+        raise NotSupportedError(
+            f"config.json activation_function={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}"
+        )
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if cfg.get(key):
+            raise NotSupportedError(f"config.json {key}=true is not supported")
+    if cfg.get("scale_attn_weights") is False:
+        raise NotSupportedError("config.json scale_attn_weights=false is not supported")
+    hidden = required(cfg, "n_embd")
+    vocab = required(cfg, "vocab_size")
+    out = dict(
+        num_layers=required(cfg, "n_layer"),
+        hidden_size=hidden,
+        ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
+        num_attention_heads=required(cfg, "n_head"),
+        seq_length=required(cfg, "n_positions"),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="LayerNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        position_embedding_type="learned_absolute",
+        gated_linear_unit=False,
+        activation_func=HF_ACTIVATIONS[act],
+        add_bias_linear=True,
+        add_qkv_bias=False,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
+        attention_dropout=float(cfg.get("attn_pdrop", 0.1)),
+        hidden_dropout=float(cfg.get("resid_pdrop", 0.1)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    out.update(dtype_fields(cfg))
+    return out
+
+
+def gpt2_hf(p: Any) -> dict[str, Any]:
+    if p.normalization != "LayerNorm" or p.position_embedding_type != "learned_absolute" or p.gated_linear_unit:
+        raise NotSupportedError("GPT-2 needs LayerNorm, learned absolute positions and a plain gelu MLP")
+    return dict(
+        vocab_size=p.vocab_size, n_positions=p.seq_length, n_embd=p.hidden_size, n_layer=p.num_layers,
+        n_head=p.num_attention_heads, n_inner=p.ffn_hidden_size, activation_function=hf_activation(p),
+        layer_norm_epsilon=p.layernorm_epsilon, resid_pdrop=float(p.hidden_dropout),
+        embd_pdrop=float(p.hidden_dropout), attn_pdrop=float(p.attention_dropout),
+        initializer_range=float(p.init_method_std), tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
+    )
+
+
+class _ProviderView:
+    """A provider with a few fields replaced (read-only)."""
+
+    def __init__(self, provider: Any, **changes: Any) -> None:
+        self._provider, self._changes = provider, changes
+
+    def __getattr__(self, name: str) -> Any:
+        return self._changes[name] if name in self._changes else getattr(self._provider, name)

@@ -1,0 +1,100 @@
+"""Encoder-decoder families' config translations and weight-table choice: T5 and mT5."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+
+import longspan.conversion.mapping as mapping
+from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
+from longspan.core.errors import NotSupportedError
+from longspan.models.activations import gelu_tanh
+
+
+_T5_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "silu": F.silu}
+
+
+def _t5_feed_forward(cfg: dict[str, Any]) -> tuple[bool, str]:
+    """(gated, HF activation name) of config.json's ``feed_forward_proj`` ('relu', 'gated-gelu', ...)."""
+    proj = cfg.get("feed_forward_proj", "relu")
+    parts = proj.split("-")
+    gated = len(parts) == 2 and parts[0] == "gated"
+    act = "gelu_new" if gated and parts[-1] == "gelu" else parts[-1]  # transformers: gated-gelu is gelu_new
+    if act not in _T5_ACTIVATIONS or len(parts) > (2 if gated else 1):
+        raise NotSupportedError(
+            f"config.json feed_forward_proj={proj!r} is not supported: use relu, gelu, gated-gelu or gated-silu"
+        )
+    return gated, act
+
+
+def t5_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    gated, act = _t5_feed_forward(cfg)
+    vocab = required(cfg, "vocab_size")
+    layers = required(cfg, "num_layers")
+    # transformers 5 writes scale_decoder_outputs; older configs scale exactly when the embeddings are tied.
+    scale = cfg.get("scale_decoder_outputs", cfg.get("tie_word_embeddings", True) is not False)
+    out = dict(
+        num_layers=cfg.get("num_decoder_layers") or layers,
+        encoder_num_layers=layers,
+        hidden_size=required(cfg, "d_model"),
+        ffn_hidden_size=required(cfg, "d_ff"),
+        num_attention_heads=required(cfg, "num_heads"),
+        kv_channels=required(cfg, "d_kv"),
+        softmax_scale=1.0,  # T5 folds the 1/sqrt(d) into its initialization: attention is unscaled
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-6)),
+        position_embedding_type="relative",
+        relative_attention_num_buckets=int(cfg.get("relative_attention_num_buckets", 32)),
+        relative_attention_max_distance=int(cfg.get("relative_attention_max_distance", 128)),
+        gated_linear_unit=gated,
+        activation_func=_T5_ACTIVATIONS[act],
+        add_bias_linear=False,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
+        scale_decoder_outputs=bool(scale),
+        attention_dropout=float(cfg.get("dropout_rate", 0.1)),
+        hidden_dropout=float(cfg.get("dropout_rate", 0.1)),
+    )
+    out.update(dtype_fields(cfg))
+    return out
+
+
+def t5_hf(p: Any) -> dict[str, Any]:
+    act = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_new", F.silu: "silu"}.get(p.activation_func)
+    if p.gated_linear_unit and act in ("gelu_new", "gelu"):
+        act = "gelu" if act == "gelu_new" else None  # HF's gated-gelu is the tanh form; exact GeGLU has no name
+    if (act is None or p.normalization != "RMSNorm" or p.position_embedding_type != "relative" or p.add_bias_linear
+            or p.add_qkv_bias or p.softmax_scale != 1.0):
+        raise NotSupportedError(
+            "this T5 model has no HF T5 equivalent (needs RMSNorm, relative positions, no linear biases, "
+            "softmax_scale=1.0 and a relu/gelu_tanh/silu MLP)"
+        )
+    layers = p.encoder_num_layers if p.encoder_num_layers is not None else p.num_layers
+    return dict(
+        vocab_size=p.vocab_size, d_model=p.hidden_size, d_kv=p.kv_channels or p.hidden_size // p.num_attention_heads,
+        d_ff=p.ffn_hidden_size, num_layers=layers, num_decoder_layers=p.num_layers, num_heads=p.num_attention_heads,
+        relative_attention_num_buckets=p.relative_attention_num_buckets,
+        relative_attention_max_distance=p.relative_attention_max_distance, layer_norm_epsilon=p.layernorm_epsilon,
+        dropout_rate=float(p.hidden_dropout), feed_forward_proj=("gated-" if p.gated_linear_unit else "") + act,
+        tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
+        scale_decoder_outputs=bool(p.scale_decoder_outputs), is_encoder_decoder=True,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+
+
+def mt5_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(t5_provider(cfg), scale_decoder_outputs=False)  # mT5 never scales its decoder output
+
+
+def mt5_hf(p: Any) -> dict[str, Any]:
+    if p.scale_decoder_outputs:
+        raise NotSupportedError("mT5 has no decoder output scaling: export a model with scale_decoder_outputs as T5")
+    out = t5_hf(p)
+    out.pop("scale_decoder_outputs")
+    return out
+
+
+def t5_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    return mapping.T5 if _t5_feed_forward(cfg)[0] else mapping.T5_UNGATED

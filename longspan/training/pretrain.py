@@ -14,8 +14,8 @@ from longspan.training.setup import setup
 from longspan.training.t5_forward_step import t5_forward_step
 from longspan.training.state import GlobalState
 from longspan.training.train import train
-from longspan.training.utils.log_line import run_throughput_summary
 from longspan.training.utils.progress_log import STARTING_JOB, append_to_progress_log
+from longspan.training.utils.throughput_summary import run_throughput_summary
 from longspan.training.utils.train_utils import prepare_forward_step_func
 
 logger = get_logger(__name__)

@@ -11,7 +11,7 @@ import torch
 
 from longspan.core.errors import ConfigError
 from longspan.training.utils import mfu as mfu_mod
-from longspan.training.utils.log_line import format_training_log_line
+from longspan.training.utils.log_format import format_training_log_line
 from tests.training.pretrain_helpers import read_metrics, small_config
 
 

@@ -1,4 +1,4 @@
-"""The training log (``training_log``) and the validation block (``log_validation_results``).
+"""The training log: ``training_log`` / ``log_iteration``, called on every rank after every iteration.
 
 Megatron's habits: the last rank prints one line every ``logger.log_interval`` iterations with losses
 averaged over the interval; TensorBoard gets Megatron's tags every ``logger.tensorboard_log_interval``
@@ -7,16 +7,16 @@ iterations; W&B / MLflow / Comet get the same scalars. longspan adds one JSON ob
 
 Loss values in ``loss_dict`` may be a Python float, a 0-d (or 1-element) tensor, or a 2-element
 ``[sum, count]`` tensor (the iteration's value is then ``sum / count``).
+
+The line's text is ``log_format.py``; the MoE metrics ``moe_log.py``; the end-of-run throughput summary
+``throughput_summary.py``; the validation block ``validation_log.py``.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from datetime import datetime
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from longspan.core.logging import get_logger, get_rank, get_world_size, print_rank_last
@@ -25,11 +25,9 @@ from longspan.training.state import GlobalState
 from longspan.training.utils.comm import reduce_max_stat_across_model_parallel_group
 from longspan.training.utils.energy import interval_energy
 from longspan.training.utils.flop_utils import num_floating_point_operations
-from longspan.training.utils.mfu import mfu, peak_flops_per_device
-from longspan.training.utils.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
+from longspan.training.utils.log_format import format_training_log_line
 from longspan.training.utils.log_metrics import (
     ADVANCED_ITERS_KEY,
-    COUNTER_KEYS,
     NAN_ITERS_KEY,
     SKIPPED_ITERS_KEY,
     IterationMetrics,
@@ -37,14 +35,17 @@ from longspan.training.utils.log_metrics import (
     interval_means,
     loss_value,
     reset,
+    to_float,
 )
-from longspan.training.utils.log_metrics import to_float as _to_float
+from longspan.training.utils.log_sinks import logger_sinks, option, write_vs_samples
+from longspan.training.utils.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
+from longspan.training.utils.mfu import mfu, peak_flops_per_device
+from longspan.training.utils.moe_log import track_moe_metrics
 from longspan.training.utils.norms import report_l2_norm_grad
 from longspan.training.utils.reports import report_runtime, report_throughput
+from longspan.training.utils.throughput_summary import record_log_interval
 
 logger = get_logger(__name__)
-
-_COUNTER_KEYS = COUNTER_KEYS
 
 # Timers reported per logger.timing_log_level (Megatron's names; timers nobody started are left out).
 TIMERS_LEVEL_1 = [
@@ -77,16 +78,12 @@ TIMERS_LEVEL_2 = [
 ]
 
 
-def _opt(section: Any, name: str, default: Any = None) -> Any:
-    return default if section is None else getattr(section, name, default)
-
-
 def current_global_batch_size(config: Any, global_state: GlobalState) -> int:
     """The global batch size of this iteration: from the ramp-up calculator when set, else the config."""
     calculator = getattr(global_state, "num_microbatches_calculator", None)
     if calculator is not None and hasattr(calculator, "get_current_global_batch_size"):
         return int(calculator.get_current_global_batch_size())
-    gbs = _opt(config.train, "global_batch_size")
+    gbs = option(config.train, "global_batch_size")
     if gbs:
         return int(gbs)
     dp = getattr(config, "data_parallel_size", None) or 1
@@ -97,7 +94,7 @@ def _seq_length(config: Any, seq_length: Optional[int]) -> Optional[int]:
     if seq_length:
         return int(seq_length)
     for section in ("model", "dataset"):
-        value = _opt(getattr(config, section, None), "seq_length")
+        value = option(getattr(config, section, None), "seq_length")
         if value:
             return int(value)
     return None
@@ -109,52 +106,6 @@ def _flops_per_iteration(config: Any, batch_size: int) -> Optional[float]:
         return num_floating_point_operations(config, batch_size)
     except (AttributeError, TypeError, ValueError):
         return None
-
-
-def _add_log_interval(global_state: GlobalState, iteration: int, num_iterations: int, seconds: float,
-                      tokens: int, flops: float) -> None:
-    """Record one log interval (interval timer seconds, tokens, model FLOPs) for ``run_throughput_summary``."""
-    intervals = getattr(global_state, "_log_intervals", None)
-    if intervals is None:
-        intervals = global_state._log_intervals = []
-    intervals.append((iteration - num_iterations + 1, iteration, float(seconds), int(tokens), float(flops)))
-
-
-def run_throughput_summary(global_state: GlobalState) -> Optional[str]:
-    """'iterations a-b: N tokens/s/device, x TFLOP/s/device, MFU y%' over this run's log intervals after the
-    first (which holds start-up and compile warm-up), or the first when it is the only one; None without any."""
-    intervals = getattr(global_state, "_log_intervals", None) or []
-    steady = intervals[1:] or intervals
-    seconds = sum(i[2] for i in steady)
-    if seconds <= 0:
-        return None
-    world = get_world_size()
-    tokens, flops = sum(i[3] for i in steady), sum(i[4] for i in steady)
-    text = f"iterations {steady[0][0]}-{steady[-1][1]}: {tokens / seconds / world:.0f} tokens/s/device"
-    if flops > 0:
-        per_device = flops / seconds / world
-        value = mfu(per_device, peak_flops_per_device(getattr(global_state, "device", None)))
-        text += f", {per_device / 1e12:.3g} TFLOP/s/device"
-        if value is not None:
-            text += f", MFU {100.0 * value:.1f}%"
-    return text
-
-
-def _sinks(global_state: GlobalState) -> dict[str, Any]:
-    return {
-        "tb_writer": global_state.tensorboard_logger,
-        "wandb_logger": global_state.wandb_logger,
-        "mlflow_logger": global_state.mlflow_logger,
-        "comet_logger": global_state.comet_logger,
-    }
-
-
-def _write_vs_samples(tb_writer: Any, metrics: dict[str, Any], consumed_samples: int) -> None:
-    """Megatron also writes each scalar against consumed samples as ``'<tag> vs samples'``."""
-    if tb_writer is None:
-        return
-    for tag, value in metrics.items():
-        tb_writer.add_scalar(f"{tag} vs samples", value, consumed_samples)
 
 
 def training_log(
@@ -242,11 +193,11 @@ class _LogContext:
         ctx.batch_size = current_global_batch_size(config, global_state)
         ctx.total_iterations = total_loss_dict[ADVANCED_ITERS_KEY] + total_loss_dict[SKIPPED_ITERS_KEY]
         ctx.learning_rate = reduce_max_stat_across_model_parallel_group(
-            metrics.learning_rate, _opt(pg_collection, "mp"))
+            metrics.learning_rate, option(pg_collection, "mp"))
         ctx.seq_len = _seq_length(config, metrics.seq_length)
-        ctx.log_interval = max(1, int(_opt(ctx.logger_cfg, "log_interval", 100)))
-        ctx.at_tb_step = ctx.iteration % max(1, int(_opt(ctx.logger_cfg, "tensorboard_log_interval", 1))) == 0
-        ctx.sinks = _sinks(global_state)
+        ctx.log_interval = max(1, int(option(ctx.logger_cfg, "log_interval", 100)))
+        ctx.at_tb_step = ctx.iteration % max(1, int(option(ctx.logger_cfg, "tensorboard_log_interval", 1))) == 0
+        ctx.sinks = logger_sinks(global_state)
         ctx.any_sink = any(v is not None for v in ctx.sinks.values())
         ctx.flops = _flops_per_iteration(config, ctx.batch_size)
         ctx.flops_so_far = float(ctx.train_state.floating_point_operations_so_far or 0.0)
@@ -254,7 +205,7 @@ class _LogContext:
             # First call of this run: the running total already includes this iteration (and, after a resume,
             # everything done before), so the baseline is the total before this iteration.
             global_state._flops_at_last_log = max(0.0, ctx.flops_so_far - (ctx.flops or 0.0))
-        log_throughput = bool(_opt(ctx.logger_cfg, "log_throughput", False))
+        log_throughput = bool(option(ctx.logger_cfg, "log_throughput", False))
         ctx.peak = peak_flops_per_device(getattr(global_state, "device", None)) if log_throughput else None
         # logger.log_energy: the interval's energy (collective), in the line, the sinks and metrics.jsonl
         at_log = ctx.iteration % ctx.log_interval == 0
@@ -266,7 +217,7 @@ class _LogContext:
 def _collective_reports(ctx: _LogContext, model: list) -> dict[str, dict[str, Any]]:
     """The parts every rank must join: timers to TensorBoard, memory snapshot/statistics, gradient norms."""
     logger_cfg, iteration = ctx.logger_cfg, ctx.iteration
-    if _opt(logger_cfg, "log_timers_to_tensorboard", False) and ctx.at_tb_step:
+    if option(logger_cfg, "log_timers_to_tensorboard", False) and ctx.at_tb_step:
         # No reset: the text log at the next log interval resets, so both report the same interval.
         timer_metrics = ctx.global_state.timers.write(
             ctx.timers_to_log, None, iteration, normalizer=ctx.total_iterations, reset=False)
@@ -276,11 +227,11 @@ def _collective_reports(ctx: _LogContext, model: list) -> dict[str, dict[str, An
         if iteration == getattr(profiling, "profile_step_end", -1):
             dump_memory_snapshot(profiling)
     memory: dict[str, Any] = {}
-    if _opt(logger_cfg, "log_memory_to_tensorboard", False) and ctx.at_tb_step:
+    if option(logger_cfg, "log_memory_to_tensorboard", False) and ctx.at_tb_step:
         memory = reduce_max_memory_across_pp_group(
-            report_memory(_opt(logger_cfg, "memory_keys")), _opt(ctx.pg_collection, "pp"))
+            report_memory(option(logger_cfg, "memory_keys")), option(ctx.pg_collection, "pp"))
     grad_norms: dict[str, float] = {}
-    if _opt(logger_cfg, "log_l2_norm_grad_to_tensorboard", False) and ctx.at_tb_step:
+    if option(logger_cfg, "log_l2_norm_grad_to_tensorboard", False) and ctx.at_tb_step:
         grad_norms = report_l2_norm_grad(model)  # DTensor gradients reduce over their mesh
     return {"memory": memory, "grad_norms": grad_norms}
 
@@ -291,31 +242,31 @@ def _write_scalars(ctx: _LogContext, values: dict[str, Any], reports: dict[str, 
     scalars: dict[str, Any] = {}
     if ctx.learning_rate is not None:
         scalars["learning-rate"] = ctx.learning_rate
-    if _opt(_opt(ctx.config, "optimizer"), "decoupled_lr") is not None and m.decoupled_learning_rate is not None:
+    if option(option(ctx.config, "optimizer"), "decoupled_lr") is not None and m.decoupled_learning_rate is not None:
         scalars["decoupled-learning-rate"] = m.decoupled_learning_rate
     if train_state.skipped_train_samples > 0:
         scalars["skipped-train-samples"] = train_state.skipped_train_samples
     scalars["batch-size"] = ctx.batch_size
     for key, value in values.items():
-        scalars[key] = _to_float(value)
-    if _opt(logger_cfg, "log_loss_scale_to_tensorboard", True):
+        scalars[key] = to_float(value)
+    if option(logger_cfg, "log_loss_scale_to_tensorboard", True):
         scalars["loss-scale"] = m.loss_scale
-    if _opt(logger_cfg, "log_world_size_to_tensorboard", False):
+    if option(logger_cfg, "log_world_size_to_tensorboard", False):
         scalars["world-size"] = get_world_size()
     for tag, value in (("grad-norm", m.grad_norm), ("num-zeros", m.num_zeros_in_grad),
                        ("params-norm", m.params_norm), ("max-attention-logit", m.max_attention_logit)):
         if value is not None:
             scalars[tag] = value
     log_scalars(scalars, ctx.iteration, **ctx.sinks)
-    _write_vs_samples(ctx.sinks["tb_writer"], scalars, train_state.consumed_train_samples)
+    write_vs_samples(ctx.sinks["tb_writer"], scalars, train_state.consumed_train_samples)
 
     extra: dict[str, Any] = dict(reports["memory"])
-    if _opt(logger_cfg, "log_throughput_to_tensorboard", False) and ctx.seq_len:
+    if option(logger_cfg, "log_throughput_to_tensorboard", False) and ctx.seq_len:
         extra.update(report_throughput(ctx.config.train, ctx.iteration, ctx.seq_len, ctx.history_wct,
-                                       int(_opt(logger_cfg, "throughput_window_size", 100))))
-    if _opt(logger_cfg, "log_runtime_to_tensorboard", False) and ctx.seq_len:
+                                       int(option(logger_cfg, "throughput_window_size", 100))))
+    if option(logger_cfg, "log_runtime_to_tensorboard", False) and ctx.seq_len:
         extra.update(report_runtime(train_state, ctx.global_state.start_time, ctx.seq_len,
-                                    ctx.config.train.train_iters, _opt(logger_cfg, "runtime_time_unit", "hours")))
+                                    ctx.config.train.train_iters, option(logger_cfg, "runtime_time_unit", "hours")))
     extra.update(reports["grad_norms"])
     log_scalars(extra, ctx.iteration, **ctx.sinks)
 
@@ -335,7 +286,7 @@ def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: boo
         "timestamp": time.time(),
         "lr": ctx.learning_rate,
         "batch_size": ctx.batch_size,
-        "losses": {key: _to_float(value) for key, value in values.items()},
+        "losses": {key: to_float(value) for key, value in values.items()},
         "grad_norm": m.grad_norm,
         "params_norm": m.params_norm,
         "num_zeros": m.num_zeros_in_grad,
@@ -367,7 +318,7 @@ def _interval_throughput(ctx: _LogContext, elapsed_time: float) -> Optional[floa
         interval_flops = ctx.flops * ctx.total_iterations
     global_state._flops_at_last_log = ctx.flops_so_far
     tokens = ctx.batch_size * ctx.seq_len * ctx.total_iterations if ctx.seq_len else 0
-    _add_log_interval(global_state, ctx.iteration, ctx.total_iterations, elapsed_time, tokens, interval_flops)
+    record_log_interval(global_state, ctx.iteration, ctx.total_iterations, elapsed_time, tokens, interval_flops)
     return interval_flops / elapsed_time / get_world_size() / 1e12
 
 
@@ -382,10 +333,10 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
         elapsed_time = history_wct[-1] - history_wct[-1 - ctx.total_iterations]
     elapsed_per_iter = elapsed_time / max(1, ctx.total_iterations)
     per_gpu_tflops = _interval_throughput(ctx, elapsed_time)
-    show_throughput = bool(_opt(logger_cfg, "log_throughput", False))
+    show_throughput = bool(option(logger_cfg, "log_throughput", False))
 
     interval_scalars: dict[str, Any] = {}
-    if _opt(logger_cfg, "log_timers_to_tensorboard", False):
+    if option(logger_cfg, "log_timers_to_tensorboard", False):
         interval_scalars["iteration-time"] = elapsed_per_iter
     if per_gpu_tflops is not None and show_throughput:
         interval_scalars["throughput"] = per_gpu_tflops
@@ -425,8 +376,8 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
 
 
 def _report_memory_once(ctx: _LogContext, loaded_iteration: int) -> bool:
-    report = report_memory(_opt(ctx.logger_cfg, "memory_keys"))
-    dp_group = _opt(ctx.pg_collection, "dp")
+    report = report_memory(option(ctx.logger_cfg, "memory_keys"))
+    dp_group = option(ctx.pg_collection, "dp")
     dp_rank = dist.get_rank(group=dp_group) if dp_group is not None and dist.is_initialized() else get_rank()
     if report and dp_rank == 0:
         text = f"(after {ctx.iteration} iterations) memory (GB)"
@@ -437,172 +388,3 @@ def _report_memory_once(ctx: _LogContext, loaded_iteration: int) -> bool:
     return not ctx.iteration > loaded_iteration + 1
 
 
-def track_moe_metrics(model: list, config: Any, global_state: GlobalState, iteration: int) -> dict[str, float]:
-    """Megatron's ``track_moe_metrics``: the MoE layers' metrics of the iteration just finished, then reset.
-
-    Returns (empty for a dense model) ``load_balancing_loss`` and ``z_loss`` (when enabled; without their
-    coefficients, averaged over microbatches, MoE layers and data-parallel ranks, as Megatron logs them) and
-    ``load_imbalance``: per layer the busiest expert's token count over the mean count (1.0 = balanced; tokens
-    summed over microbatches and data-parallel ranks), averaged over layers. With ``moe_per_layer_logging``
-    each layer's values also go to the sinks as ``moe/<name>_layer_<i>`` every ``tensorboard_log_interval``.
-    Collective over the pipeline and data-parallel groups: call on every rank.
-    """
-    model_cfg = getattr(config, "model", None)
-    if not getattr(model_cfg, "num_moe_experts", None):
-        return {}
-    from longspan.models.moe import moe_layer_metrics, reset_moe_metrics
-
-    chunks = model if isinstance(model, list) else [model]
-    per_layer = moe_layer_metrics(chunks)
-    reset_moe_metrics(chunks)
-    num_layers, experts = int(model_cfg.num_layers), int(model_cfg.num_moe_experts)
-    names = ["load_balancing_loss", "z_loss"]
-    # [num_layers, 2 losses + steps + experts]: zeros for layers on other pipeline stages, summed across them.
-    table = torch.zeros(num_layers, len(names) + 1 + experts, dtype=torch.float64)
-    present = torch.zeros(len(names), dtype=torch.float64)
-    for layer, values in per_layer.items():
-        for j, name in enumerate(names):
-            if name in values:
-                table[layer, j] = values[name]
-                present[j] = 1.0
-        table[layer, len(names)] = values["steps"]
-        table[layer, len(names) + 1:] = values["tokens_per_expert"]
-    parallel = getattr(global_state, "parallel", None)
-    if parallel is not None and dist.is_initialized():
-        groups = [parallel.pp_group] if parallel.pp_size > 1 else []
-        groups += [parallel.dp_group] if parallel.dp_size > 1 else []
-        for group in groups:
-            dist.all_reduce(table, group=group)
-            dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
-    steps = table[:, len(names)]
-    moe_rows = steps > 0
-    if not bool(moe_rows.any()):
-        return {}
-    out: dict[str, float] = {}
-    layer_values: dict[str, torch.Tensor] = {}
-    for j, name in enumerate(names):
-        if present[j] > 0:
-            # steps were summed over dp ranks too, so sum/steps is the mean over microbatches and ranks
-            layer_values[name] = table[moe_rows, j] / steps[moe_rows]
-    tokens = table[moe_rows, len(names) + 1:]
-    layer_values["load_imbalance"] = tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-12)
-    for name, vals in layer_values.items():
-        out[name] = float(vals.mean())
-    tb_interval = max(1, int(_opt(getattr(config, "logger", None), "tensorboard_log_interval", 1) or 1))
-    if getattr(model_cfg, "moe_per_layer_logging", False) and iteration % tb_interval == 0:
-        layer_ids = torch.nonzero(moe_rows).flatten().tolist()
-        scalars = {f"moe/{name}_layer_{i}": float(v) for name, vals in layer_values.items()
-                   for i, v in zip(layer_ids, vals.tolist())}
-        log_scalars(scalars, iteration, **_sinks(global_state))
-    return out
-
-
-def format_training_log_line(
-    *,
-    iteration: int,
-    train_iters: int,
-    consumed_samples: int,
-    elapsed_ms: float,
-    batch_size: int,
-    losses: dict[str, float],
-    loss_scale: float,
-    skipped_iterations: int,
-    nan_iterations: int,
-    skipped_samples: int = 0,
-    throughput: Optional[float] = None,
-    mfu: Optional[float] = None,
-    learning_rate: Optional[float] = None,
-    decoupled_learning_rate: Optional[float] = None,
-    grad_norm: Optional[float] = None,
-    num_zeros_in_grad: Optional[int] = None,
-    params_norm: Optional[float] = None,
-    max_attention_logit: Optional[float] = None,
-    energy: Optional[dict[str, float]] = None,
-    now: Optional[datetime] = None,
-) -> str:
-    """Megatron's training log line. Losses below zero (and NaN) are left out, as Megatron does."""
-    s = f" [{(now or datetime.now()).strftime('%Y-%m-%d %H:%M:%S')}]"
-    s += f" iteration {iteration:8d}/{train_iters or 0:8d} |"
-    s += f" consumed samples: {consumed_samples:12d} |"
-    if skipped_samples > 0:
-        s += f" skipped samples: {skipped_samples:12d} |"
-    s += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-    if throughput is not None:
-        s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
-    if mfu is not None:
-        s += f" MFU: {100.0 * mfu:.1f}% |"
-    if energy is not None:
-        s += f" energy per GPU (J/iter/GPU): {energy['energy_per_gpu_j_per_iter']:.1f} |"
-        s += f" power per GPU (W/GPU): {energy['power_per_gpu_w']:.1f} |"
-    if learning_rate is not None:
-        s += f" learning rate: {learning_rate:.6E} |"
-    if decoupled_learning_rate is not None:
-        s += f" decoupled learning rate: {decoupled_learning_rate:.6E} |"
-    s += f" global batch size: {batch_size:5d} |"
-    for key, avg in losses.items():
-        if avg >= 0.0:
-            s += f" {key}: {avg:.6E} |"
-    s += f" loss scale: {loss_scale:.1f} |"
-    if grad_norm is not None:
-        s += f" grad norm: {grad_norm:.3f} |"
-    if num_zeros_in_grad is not None:
-        s += f" num zeros: {num_zeros_in_grad} |"
-    if params_norm is not None:
-        s += f" params norm: {params_norm:.3f} |"
-    if max_attention_logit is not None:
-        s += f" max attention logit: {max_attention_logit:.3f} |"
-    s += f" number of skipped iterations: {skipped_iterations:3d} |"
-    s += f" number of nan iterations: {nan_iterations:3d} |"
-    return s
-
-
-def log_validation_results(
-    prefix: str,
-    loss_dict: dict[str, Any],
-    iteration: int,
-    global_state: GlobalState,
-    write_to_tensorboard: bool = True,
-) -> str:
-    """Print Megatron's validation block and write ``'<key> validation'`` (and ``... ppl``) scalars.
-
-    Args:
-        prefix: what was evaluated, e.g. ``"iteration 100"``, ``"iteration 100 on validation set"`` or
-            ``"iteration 100 on test set"``; the line reads `` validation loss at {prefix} | ...``.
-        loss_dict: averaged losses ({name: float | 0-d tensor | [sum, count] tensor}).
-        iteration: the step the scalars are written at.
-        global_state: the GlobalState (config, sinks, consumed samples).
-        write_to_tensorboard: False skips TensorBoard (Megatron does so for the test set after skip_train).
-
-    Returns:
-        The line (also printed between two dashed lines on the last rank). Perplexity is ``exp(min(20, loss))``.
-    """
-    cfg = global_state.cfg
-    logger_cfg = getattr(cfg, "logger", None)
-    log_ppl = bool(_opt(logger_cfg, "log_validation_ppl_to_tensorboard", False))
-    consumed = global_state.train_state.consumed_train_samples
-    sinks = _sinks(global_state)
-    if not write_to_tensorboard:
-        sinks["tb_writer"] = None
-    losses = {key: _to_float(loss_value(v)) for key, v in loss_dict.items()}
-    line = f" validation loss at {prefix} | "
-    scalars: dict[str, float] = {}
-    ppls: dict[str, float] = {}
-    for key, value in losses.items():
-        ppl = math.exp(min(20.0, value))
-        ppls[key] = ppl
-        line += f"{key} value: {value:.6E} | {key} PPL: {ppl:.6E} | "
-        scalars[f"{key} validation"] = value
-        if log_ppl:
-            scalars[f"{key} validation ppl"] = ppl
-    log_scalars(scalars, iteration, **sinks)
-    _write_vs_samples(sinks["tb_writer"], scalars, consumed)
-    metrics_logger = global_state.metrics_logger
-    if metrics_logger is not None:
-        metrics_logger.write(
-            {"phase": "validation", "prefix": prefix, "iteration": iteration, "losses": losses, "ppl": ppls}
-        )
-    dashes = "-" * (len(line) + 1)
-    print_rank_last(dashes)
-    print_rank_last(line)
-    print_rank_last(dashes)
-    return line

@@ -3,7 +3,7 @@ groups, the training log, memory/throughput/runtime reports, and GlobalState inj
 
 The parallel-group helpers take process groups (or None) and are no-ops on one process. Norms live in
 ``utils/norms.py``, memory helpers in ``utils/memory.py``, FLOPs in ``utils/flop_utils.py``, the log line and
-metric writing in ``utils/log_line.py``; every seed-003 name is importable from here.
+metric writing in ``utils/log_line.py``, the validation block in ``utils/validation_log.py``; every seed-003 name is importable from here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from longspan.training.utils.comm import (
     reduce_max_stat_across_model_parallel_group,
 )
 from longspan.training.utils.flop_utils import num_floating_point_operations
-from longspan.training.utils.log_line import log_validation_results, training_log
+from longspan.training.utils.log_line import training_log
 from longspan.training.utils.memory import (
     MEMORY_KEYS,
     reduce_max_memory_across_pp_group,
@@ -39,6 +39,7 @@ from longspan.training.utils.norms import (
 )
 from longspan.training.utils.progress_log import append_to_progress_log
 from longspan.training.utils.reports import report_runtime, report_throughput
+from longspan.training.utils.validation_log import log_validation_results
 
 logger = get_logger(__name__)
 

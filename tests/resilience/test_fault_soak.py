@@ -1,8 +1,11 @@
-"""Acceptance soak test of fault tolerance (issue 12): a 2-rank ``longspan pretrain --max-restarts`` run survives,
-one after another, a SIGKILLed rank, a SIGSTOPped rank (found by the heartbeat monitor within its timeout) and a
-SIGKILL during a checkpoint save; it finishes every iteration and each iteration's loss equals an uninterrupted
-2-rank run's, bit for bit (CPU, dropout on). (A SIGKILL during an asynchronous save is not covered: see
-docs/resilience.md.)"""
+"""Acceptance soak test of fault tolerance (issue 12): a 2-rank ``longspan pretrain --max-restarts`` run with
+asynchronous checkpoint saves survives, one after another, a SIGKILLed rank, a SIGSTOPped rank (found by the
+heartbeat monitor within its timeout), a SIGKILL during a checkpoint save (the rank inside its save call) and a
+SIGKILL during an asynchronous save (training has moved on while the background writer is still writing the
+``.partial`` directory); it finishes every iteration and each iteration's loss equals an uninterrupted 2-rank
+run's, bit for bit (CPU, dropout on). The background writer is slowed down by the test hook
+``LONGSPAN_TEST_ASYNC_WRITE_DELAY_S`` (longspan.training.async_checkpoint) so that an async save is in flight for
+about a second."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from typing import Any, Callable
 
 import pytest
 
+from longspan.training.async_checkpoint import WRITE_DELAY_ENV
+from longspan.training.checkpointing import get_checkpoint_dir, read_tracker
 from longspan.training.configs.infra import FaultToleranceConfig
 from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV
 from tests.resilience.helpers import ENV, LONGSPAN, metrics_records, resilience_config, run, write_yaml
@@ -25,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 ITERS = 24
 RANK_TIMEOUT = 8.0
+WRITE_DELAY = 1.0  # seconds each rank's background writer waits after writing its shards
 
 
 def _beats(hb: Path) -> dict[int, dict[str, Any]]:
@@ -61,13 +67,35 @@ def _beat_at(hb: Path, rank: int, restart: int, min_iteration: int) -> Callable[
     return check
 
 
-def _saving(hb: Path, save: Path, rank: int, restart: int) -> Callable[[], Any]:
-    """A checkpoint is being written (its ``.partial`` directory exists) by the worker generation ``restart``."""
+def _saving(hb: Path, save: Path, rank: int, restart: int, after: int) -> Callable[[], Any]:
+    """Rank ``rank`` of generation >= ``restart`` is inside a checkpoint save past iteration ``after``: heartbeat
+    phase ``checkpoint`` for 0.1 s already (waiting for the previous async save to complete, which takes about
+    WRITE_DELAY, so the kill lands well inside the save), a ``.partial`` directory on disk."""
     def check() -> Any:
         beat = _beats(hb).get(rank)
-        if not beat or beat["restart"] < restart or beat["iteration"] < 1:
+        if not beat or beat["restart"] < restart or beat["phase"] != "checkpoint" or beat["iteration"] <= after:
+            return None
+        if time.time() - beat["time"] < 0.1:
             return None
         return beat if any(save.glob("iter_*.partial")) else None
+
+    return check
+
+
+def _async_writing(hb: Path, save: Path, rank: int, restart: int, after: int) -> Callable[[], Any]:
+    """An async save of an iteration > ``after`` is in flight while rank ``rank`` (generation >= ``restart``)
+    trains on: the rank's heartbeat says ``iteration`` at or past the save's iteration (its save call has
+    returned), and the save's ``.partial`` directory holds shard files but no ``.metadata`` yet."""
+    def check() -> Any:
+        beat = _beats(hb).get(rank)
+        if not beat or beat["restart"] < restart or beat["phase"] != "iteration":
+            return None
+        for partial in save.glob("iter_*.partial"):
+            saved_at = int(partial.name[len("iter_"):-len(".partial")])
+            if after < saved_at <= beat["iteration"] and any(partial.glob("*.distcp")) \
+                    and not (partial / ".metadata").exists():
+                return {**beat, "partial": partial.name}
+        return None
 
     return check
 
@@ -83,7 +111,7 @@ def _soak_config(tmp_path: Path, name: str, async_save: bool) -> Any:
 
 def _start(cfg: Any, yaml: Path, hb: Path, max_restarts: int) -> subprocess.Popen:
     hb.mkdir()
-    env = {**ENV, HEARTBEAT_DIR_ENV: str(hb)}
+    env = {**ENV, HEARTBEAT_DIR_ENV: str(hb), WRITE_DELAY_ENV: str(WRITE_DELAY)}
     args = ["pretrain", "--config", str(yaml), "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
             "--ft-initial-rank-heartbeat-timeout", "120", "--ft-rank-heartbeat-timeout", str(RANK_TIMEOUT)]
     log = open(hb.parent / f"{hb.name}.log", "w")  # a file, not a pipe: nobody reads while the run goes on
@@ -107,7 +135,8 @@ def _faults(cfg: Any) -> list[dict[str, Any]]:
     return [r for r in metrics_records(cfg) if r.get("phase") == "resilience" and r.get("event") == "fault"]
 
 
-def test_two_rank_run_survives_kill_hang_and_kill_during_save(tmp_path: Path) -> None:
+def test_two_rank_run_survives_kill_hang_kill_during_save_and_during_async_save(tmp_path: Path) -> None:
+    started = time.time()
     ref = _soak_config(tmp_path, "ref", async_save=False)
     result = run(["pretrain", "--config", str(write_yaml(ref, tmp_path / "ref.yaml")), "--nproc-per-node", "2"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -115,9 +144,10 @@ def test_two_rank_run_survives_kill_hang_and_kill_during_save(tmp_path: Path) ->
     assert sorted(reference) == list(range(1, ITERS + 1))
 
     injected = []
-    cfg = _soak_config(tmp_path, "soak", async_save=False)
+    cfg = _soak_config(tmp_path, "soak", async_save=True)
     save = Path(cfg.checkpoint.save)
     hb = tmp_path / "hb"
+    soak_started = time.time()
     proc = _start(cfg, write_yaml(cfg, tmp_path / "soak.yaml"), hb, max_restarts=6)
     try:
         beat = _wait_for(proc, "rank 1 at iteration 3", _beat_at(hb, 1, 0, 3))
@@ -132,29 +162,50 @@ def test_two_rank_run_survives_kill_hang_and_kill_during_save(tmp_path: Path) ->
                   timeout=RANK_TIMEOUT + 10, poll=0.05)
         detected_after = time.time() - stopped_at
 
-        beat = _wait_for(proc, "a checkpoint save after the restart", _saving(hb, save, 1, beat["restart"] + 1))
+        beat = _wait_for(proc, "a checkpoint save after the restart",
+                         _saving(hb, save, 1, beat["restart"] + 1, after=beat["iteration"]))
         os.kill(beat["pid"], signal.SIGKILL)
         injected.append(("SIGKILL rank 1 during a checkpoint save", beat["iteration"]))
+
+        beat = _wait_for(proc, "an async save in flight after the restart",
+                         _async_writing(hb, save, 0, beat["restart"] + 1, after=beat["iteration"]))
+        os.kill(beat["pid"], signal.SIGKILL)
+        in_flight = int(beat["partial"][len("iter_"):-len(".partial")])
+        tracker_at_kill = read_tracker(save)
+        tracked_complete = tracker_at_kill is not None and \
+            (get_checkpoint_dir(save, tracker_at_kill) / ".metadata").is_file()
+        injected.append((f"SIGKILL rank 0 during the async save {beat['partial']}", beat["iteration"]))
     finally:
         out = _finish(proc, hb)
+    soak_s = time.time() - soak_started
     assert proc.returncode == 0, out[-4000:]
 
     faults = _faults(cfg)
-    assert [(f["rank"], f["detection"]) for f in faults] == [(1, "rank_died"), (0, "rank_hung"), (1, "rank_died")]
+    assert [(f["rank"], f["detection"]) for f in faults] == [(1, "rank_died"), (0, "rank_hung"), (1, "rank_died"),
+                                                             (0, "rank_died")]
     remaining = [f["restarts_remaining"] for f in faults]
-    assert remaining[0] == 6 and remaining == sorted(remaining, reverse=True) and len(set(remaining)) == 3
+    assert remaining[0] == 6 and remaining == sorted(remaining, reverse=True) and len(set(remaining)) == 4
     assert "stopped (SIGSTOP)" in faults[1]["message"]
-    assert RANK_TIMEOUT < detected_after < RANK_TIMEOUT + 5
+    assert faults[2]["rank_phase"] == "checkpoint"
+    # Killed once silent for the timeout since its last heartbeat (which may precede the SIGSTOP by up to about the
+    # write delay: the rank may have been waiting for an async save).
+    silent = faults[1]["silent_s"]
+    assert RANK_TIMEOUT < silent < RANK_TIMEOUT + 2 and detected_after < RANK_TIMEOUT + 5
     progress = (save / "progress.txt").read_text()
-    assert progress.count("Resilience event\tfault") == 3
+    assert progress.count("Resilience event\tfault") == 4
+    # The tracker never named the save in flight; the restarted job resumed from a complete checkpoint.
+    assert tracked_complete and tracker_at_kill < in_flight
+    assert "loaded checkpoint" in out and not list(save.glob("iter_*.partial"))
 
     losses = losses_by_iteration(cfg)
     assert sorted(losses) == list(range(1, ITERS + 1))
-    assert losses == reference  # bit-exact across restarts, dropout on
+    assert losses == reference  # bit-exact across restarts, dropout on, async saves vs the synchronous reference
     logged = sum(1 for r in metrics_records(cfg) if r.get("phase", "train") == "train" and "losses" in r)
     lost = logged - ITERS
-    print(f"\nfault soak: {len(injected)} faults injected, {len(injected)} survived, {lost} iterations re-run "
-          f"(lost); hang detected after {detected_after:.1f} s (timeout {RANK_TIMEOUT} s): {injected}")
+    print(f"\nfault soak: {len(injected)} faults injected, {len(faults)} survived, {lost} iterations re-run "
+          f"(lost); hang detected {detected_after:.1f} s after the SIGSTOP, {silent:.1f} s after its last heartbeat "
+          f"(timeout {RANK_TIMEOUT} s); soak run {soak_s:.0f} s, "
+          f"test {time.time() - started:.0f} s: {injected}")
 
 
 def test_simulated_hang_is_detected_and_survived(tmp_path: Path) -> None:

@@ -64,6 +64,26 @@ def test_stopped_rank_is_killed_once_and_blamed(tmp_path: Path) -> None:
             p.wait()
 
 
+def test_rank_waiting_for_a_stopped_peer_is_not_blamed_even_when_silent_longer(tmp_path: Path) -> None:
+    stopped, waiting = _sleeper(), _sleeper()
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        _write_beat(tmp_path, 0, stopped.pid, "checkpoint", age=1.5)  # its last beat came after the peer's
+        _write_beat(tmp_path, 1, waiting.pid, "iteration", age=2.5)  # silent past the timeout: waits for rank 0
+        monitor, reports = _monitor(tmp_path)
+        monitor.check_once()
+        assert reports == [] and waiting.poll() is None
+        _write_beat(tmp_path, 0, stopped.pid, "checkpoint", age=2.1)
+        monitor.check_once()
+        assert stopped.wait(timeout=5) == -signal.SIGKILL and waiting.poll() is None
+        assert [(r["rank"], r["detection"]) for _, r in reports] == [(0, "rank_hung")]
+    finally:
+        for p in (stopped, waiting):
+            p.kill()
+            p.wait()
+
+
 def test_fresh_ranks_and_initial_timeout_are_left_alone(tmp_path: Path) -> None:
     alive = _sleeper()
     try:

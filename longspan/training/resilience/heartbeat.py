@@ -332,6 +332,8 @@ class HeartbeatMonitor(threading.Thread):
         # died is not the root cause; the dead peer is)
         order = {"gone": 0, "stopped": 2, "alive": 3}
         beats.sort(key=lambda b: (1 if b[0]["phase"] == "failed" else order[b[1]], float(b[0]["time"])))
+        # A rank of a generation with a stopped rank is silent because it waits for that rank: not blamed.
+        with_stopped = {int(b["restart"]) for b, state in beats if state == "stopped"}
         for beat, state in beats:
             pid = int(beat["pid"])
             if pid in self.handled:
@@ -350,6 +352,8 @@ class HeartbeatMonitor(threading.Thread):
                 if beat["phase"] != "startup":  # a worker that never beat and is gone: torch elastic reports it
                     self._detected("rank_died", beat, f"rank {beat['rank']} (pid {pid}) died at {where}: detected "
                                    f"by the launcher (process gone); restarts remaining: {remaining}", remaining)
+                continue
+            if state == "alive" and int(beat["restart"]) in with_stopped:
                 continue
             age = now - self._started_at(beat)
             timeout = self.timeout_for(beat)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,11 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from longspan.core.errors import CheckpointError, LongspanError
 
 METADATA_FILENAME = ".metadata"
+TRAIN_STATE_FILENAME = "train_state.pt"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -139,3 +141,38 @@ def load_weights_only(path: Path, what: str) -> Any:
     """``torch.load(path, weights_only=True)`` (tensors and plain containers only), errors naming the file."""
     with reading(path, what):
         return torch.load(path, weights_only=True, map_location="cpu")
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def iteration_from_dir(directory: Path) -> int:
+    """The step a checkpoint directory was saved at (its ``train_state.pt``); 0 when it has none."""
+    train_state_file = directory / TRAIN_STATE_FILENAME
+    if train_state_file.is_file():
+        train_state = load_weights_only(train_state_file, "training progress")
+        with reading(train_state_file, "training progress"):
+            return int(train_state["step"])
+    return 0
+
+
+def check_shapes(directory: Path, expected: dict[str, Any], section: str) -> None:
+    """Name the tensor and both shapes when a checkpoint does not fit the model."""
+    metadata = read_metadata(directory).state_dict_metadata
+    for name, value in expected.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = f"{section}.{name}"
+        stored = metadata.get(key)
+        if stored is None:
+            raise CheckpointError(f"checkpoint {directory} has no tensor {name} that the model needs")
+        if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != tuple(value.shape):
+            raise CheckpointError(
+                f"checkpoint {directory}: tensor {name} has shape {tuple(stored.size)} but the model expects "
+                f"{tuple(value.shape)}; the checkpoint was saved for a different model configuration"
+            )

@@ -16,21 +16,18 @@ layout. Per-rank state (RNG) is saved under rank-unique keys: DCP keeps one copy
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,13 +38,21 @@ from torch.distributed.checkpoint.state_dict import (
 
 from longspan.core.errors import CheckpointError
 from longspan.training.async_checkpoint import finalize_async_saves, start_async_save
-from longspan.training.checkpoint_io import load_shards, load_weights_only, read_metadata, reading
+from longspan.training.checkpoint_io import (
+    TRAIN_STATE_FILENAME,
+    check_shapes,
+    iteration_from_dir,
+    load_shards,
+    load_weights_only,
+    read_metadata,
+    reading,
+    single_process_quiet,
+)
 from longspan.core.logging import get_logger, print_rank_0
 
 logger = get_logger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-TRAIN_STATE_FILENAME = "train_state.pt"
 LATEST_TRAIN_STATE_FILENAME = "latest_train_state.pt"
 RUN_CONFIG_FILENAME = "run_config.yaml"
 METADATA_FILENAME = "metadata.json"
@@ -88,14 +93,6 @@ def _world_size() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns on every single-process save/load that it assumes one process; that is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -324,7 +321,7 @@ def save_checkpoint(
     if ckpt_cfg.async_save:  # on a group of its own (async_checkpoint): training goes on meanwhile
         context["pending_async_save"] = start_async_save(state_dict, partial_dir, iteration, finalize)
     else:
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         finalize()
 
@@ -382,7 +379,7 @@ def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
             iteration = read_tracker(root_path)
         if iteration is None:
             if (root_path / ".metadata").is_file():  # pointed straight at an iter_ directory
-                return root_path, _iteration_from_dir(root_path), pretrained or ckpt_cfg.finetune
+                return root_path, iteration_from_dir(root_path), pretrained or ckpt_cfg.finetune
             if ckpt_cfg.exit_on_missing_checkpoint or pretrained:
                 field_name = "checkpoint.pretrained_checkpoint" if pretrained else "checkpoint.load"
                 raise CheckpointError(
@@ -401,32 +398,6 @@ def _is_hf_model_dir(path: Path) -> bool:
     from longspan.conversion import is_hf_model_dir
 
     return is_hf_model_dir(path)
-
-
-def _iteration_from_dir(directory: Path) -> int:
-    train_state_file = directory / TRAIN_STATE_FILENAME
-    if train_state_file.is_file():
-        train_state = load_weights_only(train_state_file, "training progress")
-        with reading(train_state_file, "training progress"):
-            return int(train_state["step"])
-    return 0
-
-
-def _check_shapes(directory: Path, expected: dict[str, Any], section: str) -> None:
-    """Name the tensor and both shapes when a checkpoint does not fit the model."""
-    metadata = read_metadata(directory).state_dict_metadata
-    for name, value in expected.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        key = f"{section}.{name}"
-        stored = metadata.get(key)
-        if stored is None:
-            raise CheckpointError(f"checkpoint {directory} has no tensor {name} that the model needs")
-        if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != tuple(value.shape):
-            raise CheckpointError(
-                f"checkpoint {directory}: tensor {name} has shape {tuple(stored.size)} but the model expects "
-                f"{tuple(value.shape)}; the checkpoint was saved for a different model configuration"
-            )
 
 
 def _stored_keys(directory: Path) -> set[str]:
@@ -470,7 +441,7 @@ def load_checkpoint(
     if model_keys is not None:
         model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
         strict = False  # the other tensors come from another checkpoint
-    _check_shapes(directory, model_sd, "model")
+    check_shapes(directory, model_sd, "model")
     load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
     load_rng = ckpt_cfg.load_rng and not finetune
     if load_optim and not any(k.startswith("optimizer.") for k in stored):
@@ -504,7 +475,7 @@ def load_checkpoint(
             to_load.update(rerun)
 
     if not skip_load_to_model_and_opt:
-        with _single_process_quiet():
+        with single_process_quiet():
             load_shards(to_load, directory, no_dist=not dist.is_initialized())
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:

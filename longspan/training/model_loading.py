@@ -27,14 +27,11 @@ from longspan.config.overrides import apply_overrides
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer
-from longspan.training.checkpoint_io import load_shards
+from longspan.training.checkpoint_io import check_shapes, iteration_from_dir, load_shards, single_process_quiet
 from longspan.training.checkpointing import (
     RUN_CONFIG_FILENAME,
     TOKENIZER_DIRNAME,
     TRACKER_FILENAME,
-    _check_shapes,
-    _iteration_from_dir,
-    _single_process_quiet,
     get_checkpoint_dir,
     read_tracker,
     use_saved_tokenizer,
@@ -95,7 +92,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> tuple[Path, int]:
         directory = get_checkpoint_dir(root, iteration)
     elif (root / ".metadata").is_file() or (root / RUN_CONFIG_FILENAME).is_file():
         directory = root
-        iteration = _iteration_from_dir(directory) if (root / ".metadata").is_file() else 0
+        iteration = iteration_from_dir(directory) if (root / ".metadata").is_file() else 0
     else:
         raise CheckpointError(
             f"{root} holds no longspan checkpoint (no {TRACKER_FILENAME}, no iter_ directory's .metadata)"
@@ -132,9 +129,9 @@ def load_model_weights(directory: Path, model: list[nn.Module], select: Callable
     model_sd = get_model_state_dict(module)
     if select is not None:
         model_sd = {k: v for k, v in model_sd.items() if select(k)}
-    _check_shapes(directory, model_sd, "model")
+    check_shapes(directory, model_sd, "model")
     to_load = {"model": model_sd}
-    with _single_process_quiet():
+    with single_process_quiet():
         load_shards(to_load, directory, no_dist=not dist.is_initialized())
     set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=select is None))
 

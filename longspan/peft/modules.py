@@ -17,9 +17,13 @@ input and ``A x`` are computed once and shared, exactly as in the fused layer.
 Under tensor parallel (``adapt_parallel_style``) the adapter is split the way its base layer is: a
 column-parallel base keeps A replicated and splits B (and m) by output rows; a row-parallel base splits A by
 input columns and keeps B (and m) replicated. The adapter then runs inside the base layer's DTensor region,
-so its partial sums are reduced together with the base output. Adapter dropout under tensor parallel draws
-its masks on the DTensor inputs (a row-parallel layer's input is split), so with ``dropout > 0`` the masks
-depend on the layout, as attention dropout's do; without dropout every layout computes the same adapters.
+so its partial sums are reduced together with the base output. Under sequence parallel nothing changes for
+the adapters: the plan all-gathers the attention/MLP inputs before the column-parallel layers (adapter
+included), and a row-parallel layer's output, adapter part included, is reduce-scattered as one sum.
+
+Adapter dropout (``FullMaskDropout``) draws the mask of the whole tensor, as one process draws it, and keeps
+this rank's part, so tensor and sequence parallel runs drop the same elements as one process (and consume
+the same random numbers). Under context or pipeline parallel the masks are drawn per rank.
 """
 
 from __future__ import annotations
@@ -62,6 +66,28 @@ def _local_storage_key(t: torch.Tensor) -> tuple:
     return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), version)
 
 
+class FullMaskDropout(nn.Dropout):
+    """Dropout that is the same under every tensor-parallel split of its input.
+
+    The mask is drawn for the full (global) shape exactly as ``F.dropout`` on the whole tensor draws it, then
+    applied to this rank's part: a DTensor input (replicated, split, or a row-parallel layer's partial sums,
+    for which dropping is linear) is multiplied by the replicated mask, which DTensor slices locally. A plain
+    tensor takes the same path (``x * dropout(ones)``, which is what ``F.dropout`` computes on CPU).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        local = getattr(x, "_local_tensor", x)
+        mask = F.dropout(torch.ones(x.shape, dtype=x.dtype, device=local.device), self.p, True)
+        mesh = getattr(x, "device_mesh", None)
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mask = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return x * mask
+
+
 class LoRAAdapter(nn.Module):
     """``scale · linear_out(linear_in(dropout(x)))`` ('pre' dropout) or ``scale · dropout(linear_out(linear_in(x)))``
     ('post'). A group member without its own ``linear_in`` uses the group owner's (see the module docstring).
@@ -91,7 +117,7 @@ class LoRAAdapter(nn.Module):
         self.dim = dim
         self.scale = scale
         self.dropout_position = dropout_position
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.dropout = FullMaskDropout(dropout) if dropout > 0 else None
         if owner is None:
             self.linear_in: Optional[nn.Linear] = _linear(in_features, dim, init_rule(a_init, in_features, dim), dtype,
                                                           device)

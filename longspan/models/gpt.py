@@ -35,7 +35,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
-from longspan.models.loss import fused_linear_cross_entropy, linear_cross_entropy
+from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy, linear_cross_entropy
 from longspan.models.moe import resolve_moe_args
 from longspan.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -245,6 +245,8 @@ class DecoderLanguageModel(nn.Module):
         self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
         self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
         self.embedding = LanguageModelEmbedding(args) if pre_process else None
+        # the training loss's reused [tokens, vocab] buffers (longspan.models.loss.LogitsWorkspace; CPU only)
+        self.logits_workspace = LogitsWorkspace()
         if args.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 args.kv_channels,
@@ -365,7 +367,7 @@ class DecoderLanguageModel(nn.Module):
         ):
             return self.linear_cross_entropy(hidden_states, self.output_weight(), labels)
         if labels is not None and self._grad_in_forward_loss_applies(hidden_states):
-            return fused_linear_cross_entropy(hidden_states, self.output_weight(), labels)
+            return fused_linear_cross_entropy(hidden_states, self.output_weight(), labels, self.logits_workspace)
         if self.output_layer is not None:
             # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
             logits = self.output_layer(hidden_states)

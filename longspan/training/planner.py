@@ -339,7 +339,8 @@ def _stage_activations(cfg: Any, parts: dict[str, float], layers: int) -> float:
 
 def _output_transient(cfg: Any, layout: Layout) -> float:
     """Bytes alive only during the loss's backward: the float32 logits' gradient and the log-softmax gradient
-    (the plain loss), or the recomputed chunk and its gradient (the chunked loss)."""
+    (the plain loss), the reused logits buffer (the float32 fused loss), or the recomputed chunk and its
+    gradient (the chunked loss)."""
     from longspan.models.gpt import padded_vocab_size
     from longspan.models.loss import default_chunk_tokens
 
@@ -347,6 +348,12 @@ def _output_transient(cfg: Any, layout: Layout) -> float:
     tokens = int(cfg.train.micro_batch_size) * int(cfg.model.seq_length) // layout.cp
     if getattr(cfg.model, "cross_entropy_loss_fusion", False):
         return 2.0 * min(tokens, default_chunk_tokens(vocab)) * vocab * 4
+    if layout.tp == 1 and _dtype_bytes(cfg.model.params_dtype) == 4 and not (
+        getattr(cfg.model, "fp16_lm_cross_entropy", False) or getattr(cfg.model, "enable_autocast", False)
+    ):
+        # fused_linear_cross_entropy: the logits' gradient is formed in the forward (and saved, counted with
+        # the activations); the logits buffer it was computed from stays in the model's LogitsWorkspace
+        return 1.0 * tokens * vocab * 4
     # torch's loss_parallel (tp > 1) also keeps the shifted logits and their exponentials of the shard
     return (4.0 if layout.tp > 1 else 2.0) * tokens * vocab * 4
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from longspan.models.gpt import build_gpt_model
-from longspan.models.loss import fused_linear_cross_entropy
+from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy
 from longspan.models.rope import apply_rotary
 from longspan.models.transformer import RMSNorm
 from longspan.training.optimizer import get_megatron_optimizer
@@ -57,6 +57,35 @@ def test_fused_linear_cross_entropy_equals_plain_losses_and_gradients():
     _close(out[1], ref[1])
     _close(out[2], ref[2])
     assert torch.all(out[1][labels == -100] == 0)  # an ignored token sends no gradient back
+
+
+def test_logits_workspace_reuses_buffers_only_once_released():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(12, 8), torch.randn(40, 8)
+    labels = _labels((12,), 40, seed=2)
+    workspace = LogitsWorkspace()
+
+    def step(retain: bool = False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        losses = fused_linear_cross_entropy(h, w, labels, workspace)
+        losses.sum().backward(retain_graph=retain)
+        return losses, h, w
+
+    first = step()
+    pointers = {buf.data_ptr() for buf, _ in workspace._buffers}
+    assert len(pointers) == 2  # the logits and their gradient
+    second = step()
+    assert {buf.data_ptr() for buf, _ in workspace._buffers} == pointers  # reused, nothing new allocated
+    for a, b in zip((first[0], first[1].grad, first[2].grad), (second[0], second[1].grad, second[2].grad)):
+        assert torch.equal(a, b)
+    # A graph kept for a second backward keeps its gradient buffer: the next forward takes another one.
+    losses, h, w = step(retain=True)
+    expected = h.grad.clone()
+    step()
+    h.grad = None
+    losses.sum().backward()
+    assert torch.equal(h.grad, expected)
+    assert len(workspace._buffers) == 3
 
 
 def _fused_in_graph(losses: torch.Tensor) -> bool:

@@ -59,6 +59,36 @@ def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# The heartbeat an uncaught exception is reported to (the newest: a process that sets up again, as in-process
+# restart does, makes a new one), and whether that happened (then no later beat overwrites the failure).
+_active_heartbeat: Optional["RankHeartbeat"] = None
+_previous_excepthook: Callable[..., Any] = sys.excepthook
+_process_failed = False
+
+
+def _install_excepthook(heartbeat: "RankHeartbeat") -> None:
+    global _active_heartbeat, _previous_excepthook
+    _active_heartbeat = heartbeat
+    if sys.excepthook is not _report_uncaught:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _report_uncaught
+
+
+def _report_uncaught(exc_type: Any, exc: BaseException, tb: Any) -> None:
+    """sys.excepthook: the exception that ends this process goes into a last ``failed`` beat, then the usual
+    traceback."""
+    global _process_failed
+    try:
+        beat = _active_heartbeat
+        last = json.loads(beat.path.read_text()).get("phase") if beat.path.is_file() else None
+        beat.beat("failed", error=f"{exc_type.__name__}: {exc}"[:300], failed_phase=last, exit_code=1)
+        _process_failed = True
+    except Exception:  # reporting must never hide the real error
+        pass
+    finally:
+        _previous_excepthook(exc_type, exc, tb)
+
+
 @dataclass
 class TimeoutCalculator:
     """Timeouts learned from observed intervals: SAFETY_FACTOR x the longest, at least MIN_LEARNED_TIMEOUT."""
@@ -111,11 +141,9 @@ class RankHeartbeat:
         self.timeouts = TimeoutCalculator()
         self.last_beat = time.monotonic()
         self.iteration = 0
-        self.failed = False
         if self.enabled:
             atexit.register(self.beat, "exited")  # a normal end: not a fault for the monitor
-            self._previous_excepthook = sys.excepthook
-            sys.excepthook = self._uncaught  # an exception: the monitor reports it before torch elastic restarts
+            _install_excepthook(self)  # an exception: the monitor reports it before torch elastic restarts
         if self.learn and save_dir and (Path(save_dir) / TIMEOUTS_FILENAME).is_file():
             try:
                 self.timeouts.merge(json.loads((Path(save_dir) / TIMEOUTS_FILENAME).read_text()))
@@ -123,7 +151,7 @@ class RankHeartbeat:
                 logger.warning(f"ignoring unreadable {Path(save_dir) / TIMEOUTS_FILENAME}")
 
     def beat(self, phase: str, iteration: Optional[int] = None, **extra: Any) -> None:
-        if not self.enabled or self.failed:  # a failure stays the last word (the atexit beat comes after it)
+        if not self.enabled or _process_failed:  # a failure stays the last word (atexit beats come after it)
             return
         if iteration is not None:
             self.iteration = iteration
@@ -133,15 +161,6 @@ class RankHeartbeat:
             data["rank_timeout"] = self.timeouts.rank_timeout()
             data["checkpoint_timeout"] = self.timeouts.checkpoint_timeout()
         _atomic_write_json(self.path, data)
-
-    def _uncaught(self, exc_type: Any, exc: BaseException, tb: Any) -> None:
-        """sys.excepthook: the exception that ends this process goes into a last ``failed`` beat."""
-        try:
-            last_phase = json.loads(self.path.read_text()).get("phase") if self.path.is_file() else None
-            self.beat("failed", error=f"{exc_type.__name__}: {exc}"[:300], failed_phase=last_phase, exit_code=1)
-            self.failed = True
-        finally:
-            self._previous_excepthook(exc_type, exc, tb)
 
     def iteration_done(self, iteration: int) -> None:
         """After every iteration: beat, and learn from the time since the previous beat."""

@@ -454,11 +454,7 @@ def load_checkpoint(
     torch_optimizer = _unwrap_optimizer(optimizer) if load_optim else None
     main_module = _optimizer_module(module, optimizer) if load_optim else module
     if load_optim:
-        to_load["optimizer"] = get_optimizer_state_dict(main_module, torch_optimizer, options=_OPTIM_SD_OPTIONS)
-        if main_module is not module and any(k.startswith("main_params.") for k in stored):
-            to_load["main_params"] = main_module.state_dict()
-        if any(k.startswith("optimizer_extra") for k in stored):
-            to_load["optimizer_extra"] = _optimizer_extra_state(optimizer)
+        to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored))
     if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
         to_load["scheduler"] = opt_param_scheduler.state_dict()
     rng_key = _rng_key(_rank(), _world_size())
@@ -479,26 +475,9 @@ def load_checkpoint(
             load_shards(to_load, directory, no_dist=not dist.is_initialized())
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
-            set_optimizer_state_dict(
-                main_module, torch_optimizer, to_load["optimizer"], options=_OPTIM_SD_OPTIONS
-            )
-            _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
-            if main_module is not module:
-                if "main_params" in to_load:
-                    main_module.load_state_dict(to_load["main_params"])
-                    optimizer.copy_main_params_to_model_params()
-                else:
-                    optimizer.reload_model_params()
+            _restore_optimizer(to_load, optimizer, torch_optimizer, module, main_module)
     if "scheduler" in to_load:
-        try:
-            opt_param_scheduler.load_state_dict(to_load["scheduler"])
-        except CheckpointError as exc:
-            # Say the real situation first: this run resumes an earlier run's checkpoint.
-            raise CheckpointError(
-                f"resuming the checkpoint at iteration {iteration} in {directory} (checkpoint.load="
-                f"{ckpt_cfg.load}), whose learning-rate schedule differs from this config: {exc}; to start fresh "
-                "instead, set checkpoint.load=null or use another checkpoint.save directory"
-            ) from exc
+        _restore_scheduler(opt_param_scheduler, to_load["scheduler"], iteration, directory, ckpt_cfg)
     if "rerun_state_machine" in to_load:
         state.rerun_state_machine.load_state_dict(to_load["rerun_state_machine"])
 
@@ -506,14 +485,58 @@ def load_checkpoint(
         print_rank_0(f"loaded weights from {directory} for finetuning; starting at iteration 0", logger)
         iteration = 0
     else:
-        train_state_file = directory / TRAIN_STATE_FILENAME
-        train_state_dict = load_weights_only(train_state_file, "training progress")
-        with reading(train_state_file, "training progress"):
-            if not isinstance(train_state_dict, dict) or "step" not in train_state_dict:
-                raise ValueError(f"it holds {type(train_state_dict).__name__} without a 'step' entry")
-            state.train_state.load_state_dict(train_state_dict)
+        _restore_train_state(state, directory)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
+
+
+def _optimizer_sections(optimizer: Any, torch_optimizer: torch.optim.Optimizer | None, module: torch.nn.Module,
+                        main_module: torch.nn.Module, stored: set[str]) -> dict[str, Any]:
+    """The optimizer's templates for ``dcp.load``: its state, the main params and extra state the checkpoint has."""
+    sections: dict[str, Any] = {
+        "optimizer": get_optimizer_state_dict(main_module, torch_optimizer, options=_OPTIM_SD_OPTIONS)}
+    if main_module is not module and any(k.startswith("main_params.") for k in stored):
+        sections["main_params"] = main_module.state_dict()
+    if any(k.startswith("optimizer_extra") for k in stored):
+        sections["optimizer_extra"] = _optimizer_extra_state(optimizer)
+    return sections
+
+
+def _restore_optimizer(to_load: dict[str, Any], optimizer: Any, torch_optimizer: torch.optim.Optimizer | None,
+                       module: torch.nn.Module, main_module: torch.nn.Module) -> None:
+    """Put the loaded optimizer sections back; main params (when saved) are copied to the model params."""
+    set_optimizer_state_dict(
+        main_module, torch_optimizer, to_load["optimizer"], options=_OPTIM_SD_OPTIONS
+    )
+    _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
+    if main_module is not module:
+        if "main_params" in to_load:
+            main_module.load_state_dict(to_load["main_params"])
+            optimizer.copy_main_params_to_model_params()
+        else:
+            optimizer.reload_model_params()
+
+
+def _restore_scheduler(opt_param_scheduler: Any, scheduler_state: dict[str, Any], iteration: int, directory: Path,
+                       ckpt_cfg: Any) -> None:
+    try:
+        opt_param_scheduler.load_state_dict(scheduler_state)
+    except CheckpointError as exc:
+        # Say the real situation first: this run resumes an earlier run's checkpoint.
+        raise CheckpointError(
+            f"resuming the checkpoint at iteration {iteration} in {directory} (checkpoint.load="
+            f"{ckpt_cfg.load}), whose learning-rate schedule differs from this config: {exc}; to start fresh "
+            "instead, set checkpoint.load=null or use another checkpoint.save directory"
+        ) from exc
+
+
+def _restore_train_state(state: Any, directory: Path) -> None:
+    train_state_file = directory / TRAIN_STATE_FILENAME
+    train_state_dict = load_weights_only(train_state_file, "training progress")
+    with reading(train_state_file, "training progress"):
+        if not isinstance(train_state_dict, dict) or "step" not in train_state_dict:
+            raise ValueError(f"it holds {type(train_state_dict).__name__} without a 'step' entry")
+        state.train_state.load_state_dict(train_state_dict)
 
 
 def _adapter_keys(cfg: Any) -> Callable[[str], bool] | None:

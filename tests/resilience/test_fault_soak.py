@@ -109,11 +109,11 @@ def _soak_config(tmp_path: Path, name: str, async_save: bool) -> Any:
     return cfg
 
 
-def _start(cfg: Any, yaml: Path, hb: Path, max_restarts: int) -> subprocess.Popen:
+def _start(cfg: Any, yaml: Path, hb: Path, max_restarts: int, initial_timeout: float = 120) -> subprocess.Popen:
     hb.mkdir()
     env = {**ENV, HEARTBEAT_DIR_ENV: str(hb), WRITE_DELAY_ENV: str(WRITE_DELAY)}
     args = ["pretrain", "--config", str(yaml), "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
-            "--ft-initial-rank-heartbeat-timeout", "120", "--ft-rank-heartbeat-timeout", str(RANK_TIMEOUT)]
+            "--ft-initial-rank-heartbeat-timeout", str(initial_timeout), "--ft-rank-heartbeat-timeout", str(RANK_TIMEOUT)]
     log = open(hb.parent / f"{hb.name}.log", "w")  # a file, not a pipe: nobody reads while the run goes on
     return subprocess.Popen(LONGSPAN + args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group: a failed test kills all workers
@@ -216,7 +216,8 @@ def test_simulated_hang_is_detected_and_survived(tmp_path: Path) -> None:
     cfg.ft = FaultToleranceConfig(enable_ft_package=True, simulate_fault=True, simulated_fault_type="rank_hung",
                                   simulated_fault_rank=1, simulated_fault_base_delay=2)
     hb = tmp_path / "hb"
-    proc = _start(cfg, write_yaml(cfg, tmp_path / "sim.yaml"), hb, max_restarts=2)
+    # The fault may strike during set-up on a slow machine: then the initial timeout (from the spawn) finds it.
+    proc = _start(cfg, write_yaml(cfg, tmp_path / "sim.yaml"), hb, max_restarts=2, initial_timeout=45)
     out = _finish(proc, hb)
     assert proc.returncode == 0, out[-4000:]
     faults = _faults(cfg)

@@ -155,8 +155,8 @@ class TrainingConfig:
     """longspan's compiled fast path (not a Megatron field): torch.compile of each transformer layer, applied
     after the parallel plans (longspan.training.compile). True compiles, False runs eager, None (default)
     compiles where it pays: on CUDA, on a CPU only where measured to pay (longspan.training.compile.CPU_DEFAULT).
-    Losses are the same either way; a platform that cannot compile runs eager with a one-line note. Not with
-    tensor parallel yet (True with tp > 1 is an error; None runs eager there)."""
+    Losses are the same either way (tested with DP, FSDP2, TP/SP, PP, CP, MoE expert parallel and activation
+    recompute); a platform that cannot compile runs eager with a one-line note."""
 
 
 @dataclass

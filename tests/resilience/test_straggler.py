@@ -62,12 +62,14 @@ def test_settings_map_both_sections(tmp_path: Path) -> None:
 def test_stop_if_detected_ends_the_run_with_a_checkpoint(tmp_path: Path) -> None:
     cfg = resilience_config(tmp_path, "stop", 12)
     cfg.nvrx_straggler = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=0.0,
-                                                      calc_relative_gpu_perf=False, gpu_individual_perf_threshold=0.5,
+                                                      calc_relative_gpu_perf=False, gpu_individual_perf_threshold=0.25,
                                                       stop_if_detected=True)
 
     def slowing_forward_step(state, data_iterator, model, return_schedule_plan=False):
-        if state.train_state.step >= 5:  # from iteration 6 this rank slows down (a test hook)
-            time.sleep(0.3)
+        # From iteration 6 this rank slows down (a test hook): by far more than load noise on a shared machine
+        # slows an iteration (a 0.3 s sleep against a 0.5 threshold was seen to trip at iteration 4 under load).
+        if state.train_state.step >= 5:
+            time.sleep(1.5)
         return forward_step(state, data_iterator, model)
 
     state = pretrain(cfg, slowing_forward_step)
@@ -75,7 +77,7 @@ def test_stop_if_detected_ends_the_run_with_a_checkpoint(tmp_path: Path) -> None
     assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     records = [json.loads(ln) for ln in (Path(cfg.logger.tensorboard_dir) / "metrics.jsonl").read_text().splitlines()]
     events = [r for r in records if r.get("event") == "straggler"]
-    assert len(events) == 1 and events[0]["stragglers"] == [0] and events[0]["individual"][0] < 0.5
+    assert len(events) == 1 and events[0]["stragglers"] == [0] and events[0]["individual"][0] < 0.25
     assert "Resilience event\tstraggler" in (Path(cfg.checkpoint.save) / "progress.txt").read_text()
 
 

@@ -17,6 +17,7 @@ import torch
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.training.configs.range_rules import check_ranges, positive_int
 
 if TYPE_CHECKING:
     from longspan.training.configs.container import ConfigContainer
@@ -70,132 +71,6 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     cfg.world_size = ws
     cfg.data_parallel_size = dp
     cfg.num_microbatches = num_microbatches
-
-
-# --- Ranges: one table for every numeric field with a bound ------------------------------------------------
-# (field, kind, low, high, inclusive-low, inclusive-high); None for low/high is unbounded; a field whose
-# value is None (optional, "derive it") is skipped, and a field a section does not have is skipped too.
-INT, REAL = "an integer", "a number"
-RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool], ...] = (
-    ("model.num_layers", INT, 1, None, True, True),
-    ("model.hidden_size", INT, 1, None, True, True),
-    ("model.num_attention_heads", INT, 1, None, True, True),
-    ("model.num_query_groups", INT, 1, None, True, True),
-    ("model.ffn_hidden_size", INT, 1, None, True, True),
-    ("model.kv_channels", INT, 1, None, True, True),
-    ("model.seq_length", INT, 1, None, True, True),
-    ("model.vocab_size", INT, 1, None, True, True),
-    ("model.make_vocab_size_divisible_by", INT, 1, None, True, True),
-    ("model.layernorm_epsilon", REAL, 0, None, False, True),
-    ("model.init_method_std", REAL, 0, None, True, True),
-    ("model.embedding_init_method_std", REAL, 0, None, True, True),
-    ("model.softmax_scale", REAL, 0, None, False, True),
-    ("model.hidden_dropout", REAL, 0, 1, True, True),
-    ("model.attention_dropout", REAL, 0, 1, True, True),
-    ("model.rotary_base", REAL, 0, None, False, True),
-    ("model.rotary_percent", REAL, 0, 1, False, True),
-    ("model.rope_scaling_factor", REAL, 0, None, False, True),
-    ("model.recompute_num_layers", INT, 1, None, True, True),
-    ("model.num_moe_experts", INT, 1, None, True, True),
-    ("model.moe_router_topk", INT, 1, None, True, True),
-    ("model.moe_ffn_hidden_size", INT, 1, None, True, True),
-    ("model.moe_aux_loss_coeff", REAL, 0, None, True, True),
-    ("model.moe_z_loss_coeff", REAL, 0, None, True, True),
-    ("model.moe_expert_capacity_factor", REAL, 0, None, False, True),
-    ("model.expert_tensor_parallel_size", INT, 1, None, True, True),
-    ("model.num_layers_in_first_pipeline_stage", INT, 0, None, True, True),
-    ("model.num_layers_in_last_pipeline_stage", INT, 0, None, True, True),
-    ("train.micro_batch_size", INT, 1, None, True, True),
-    ("train.global_batch_size", INT, 1, None, True, True),
-    ("train.train_iters", INT, 0, None, True, True),
-    ("train.train_samples", INT, 0, None, True, True),
-    ("train.eval_iters", INT, 0, None, True, True),
-    ("train.eval_interval", INT, 1, None, True, True),
-    ("train.exit_interval", INT, 1, None, True, True),
-    ("train.exit_duration_in_mins", REAL, 0, None, False, True),
-    ("train.manual_gc_interval", INT, 0, None, True, True),
-    ("train.check_weight_hash_across_dp_replicas_interval", INT, 1, None, True, True),
-    ("train.train_sync_interval", INT, 1, None, True, True),
-    ("train.empty_unused_memory_level", INT, 0, 2, True, True),
-    ("optimizer.lr", REAL, 0, None, True, True),
-    ("optimizer.min_lr", REAL, 0, None, True, True),
-    ("optimizer.weight_decay", REAL, 0, None, True, True),
-    ("optimizer.adam_beta1", REAL, 0, 1, True, False),
-    ("optimizer.adam_beta2", REAL, 0, 1, True, False),
-    ("optimizer.adam_eps", REAL, 0, None, False, True),
-    ("optimizer.sgd_momentum", REAL, 0, 1, True, True),
-    ("optimizer.clip_grad", REAL, 0, None, True, True),
-    ("optimizer.loss_scale", REAL, 0, None, False, True),
-    ("optimizer.initial_loss_scale", REAL, 0, None, False, True),
-    ("optimizer.min_loss_scale", REAL, 0, None, False, True),
-    ("optimizer.loss_scale_window", REAL, 1, None, True, True),
-    ("optimizer.hysteresis", INT, 1, None, True, True),
-    ("scheduler.lr_warmup_iters", INT, 0, None, True, True),
-    ("scheduler.lr_warmup_samples", INT, 0, None, True, True),
-    ("scheduler.lr_decay_iters", INT, 1, None, True, True),
-    ("scheduler.lr_decay_samples", INT, 1, None, True, True),
-    ("scheduler.lr_wsd_decay_iters", INT, 1, None, True, True),
-    ("scheduler.lr_wsd_decay_samples", INT, 1, None, True, True),
-    ("scheduler.lr_warmup_fraction", REAL, 0, 1, True, True),
-    ("scheduler.lr_warmup_init", REAL, 0, None, True, True),
-    ("dataset.sequence_length", INT, 1, None, True, True),
-    ("dataset.seq_length", INT, 1, None, True, True),
-    ("dataset.num_workers", INT, 0, None, True, True),
-    ("dataset.random_seed", INT, 0, None, True, True),
-    ("dataset.mid_level_dataset_surplus", REAL, 0, None, True, True),
-    ("logger.log_interval", INT, 1, None, True, True),
-    ("logger.tensorboard_log_interval", INT, 1, None, True, True),
-    ("logger.tensorboard_queue_size", INT, 1, None, True, True),
-    ("checkpoint.save_interval", INT, 1, None, True, True),
-    ("checkpoint.non_persistent_save_interval", INT, 1, None, True, True),
-    ("checkpoint.ckpt_step", INT, 0, None, True, True),
-    ("rng.seed", INT, 0, None, True, True),
-    ("ddp.bucket_size", INT, 1, None, True, True),
-    ("ddp.num_distributed_optimizer_instances", INT, 1, None, True, True),
-    ("dist.distributed_timeout_minutes", REAL, 1, None, True, True),
-    ("tokenizer.vocab_size", INT, 1, None, True, True),
-    ("rerun_state_machine.error_injection_rate", INT, 0, None, True, True),
-)
-
-
-def _describe_range(kind: str, low: Optional[float], high: Optional[float], low_in: bool, high_in: bool) -> str:
-    if low is not None and high is not None:
-        return f"{kind} in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
-    if low is not None:
-        if kind == INT and low_in and low == 1:
-            return "a positive integer"
-        return f"{kind} {'>=' if low_in else '>'} {low}"
-    return f"{kind} {'<=' if high_in else '<'} {high}"
-
-
-def check_ranges(cfg: "ConfigContainer") -> None:
-    """Every bound in RANGE_RULES, then the exit signal: one ConfigError line naming the first bad field."""
-    for path, kind, low, high, low_in, high_in in RANGE_RULES:
-        section_name, name = path.split(".")
-        section = getattr(cfg, section_name, None)
-        if section is None or not hasattr(section, name):
-            continue
-        value = getattr(section, name)
-        if value is None:
-            continue
-        number_ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if kind == INT:
-            number_ok = number_ok and float(value).is_integer()
-        ok = number_ok and math.isfinite(value)
-        if ok and low is not None:
-            ok = value >= low if low_in else value > low
-        if ok and high is not None:
-            ok = value <= high if high_in else value < high
-        if not ok:
-            raise ConfigError(f"{path}={value!r} is out of range: use {_describe_range(kind, low, high, low_in, high_in)}")
-    exit_signal = cfg.train.exit_signal if cfg.train is not None else None
-    if exit_signal is not None:
-        valid = {int(s) for s in signal.valid_signals()}
-        if isinstance(exit_signal, bool) or not isinstance(exit_signal, int) or int(exit_signal) not in valid:
-            raise ConfigError(
-                f"train.exit_signal={exit_signal!r} is not a signal of this platform: use a signal number such as "
-                f"{int(signal.SIGTERM)} (SIGTERM) or {int(signal.SIGINT)} (SIGINT)"
-            )
 
 
 def check_vocab_fits(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> None:
@@ -300,18 +175,12 @@ def _check_optimizer_precision_and_overlap(cfg: "ConfigContainer") -> None:
     check_overlap_param_gather(cfg.ddp, cfg.optimizer.use_distributed_optimizer, fsdp2)
 
 
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
 def _check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
     m = cfg.model
-    tp = _positive(m.tensor_model_parallel_size, "model.tensor_model_parallel_size")
-    pp = _positive(m.pipeline_model_parallel_size, "model.pipeline_model_parallel_size")
-    cp = _positive(m.context_parallel_size, "model.context_parallel_size")
-    ep = _positive(m.expert_model_parallel_size, "model.expert_model_parallel_size")
+    tp = positive_int(m.tensor_model_parallel_size, "model.tensor_model_parallel_size")
+    pp = positive_int(m.pipeline_model_parallel_size, "model.pipeline_model_parallel_size")
+    cp = positive_int(m.context_parallel_size, "model.context_parallel_size")
+    ep = positive_int(m.expert_model_parallel_size, "model.expert_model_parallel_size")
     mp = tp * pp * cp
     if ws % mp != 0:
         raise ConfigError(
@@ -335,7 +204,7 @@ def _check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
             )
     if m.sequence_parallel and tp == 1:
         raise ConfigError("model.sequence_parallel=True needs model.tensor_model_parallel_size > 1 (it is 1)")
-    layers = _positive(m.num_layers, "model.num_layers")
+    layers = positive_int(m.num_layers, "model.num_layers")
     vp = m.virtual_pipeline_model_parallel_size
     uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
     uneven = uneven or m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
@@ -353,8 +222,8 @@ def _check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
         raise ConfigError(
             f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size={pp}"
         )
-    heads = _positive(m.num_attention_heads, "model.num_attention_heads")
-    hidden = _positive(m.hidden_size, "model.hidden_size")
+    heads = positive_int(m.num_attention_heads, "model.num_attention_heads")
+    hidden = positive_int(m.hidden_size, "model.hidden_size")
     groups = m.num_query_groups or heads
     if heads % groups != 0:
         raise ConfigError(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
@@ -448,10 +317,10 @@ def _check_batch(cfg: "ConfigContainer", dp: int) -> int:
     t = cfg.train
     if t.micro_batch_size is None:
         raise ConfigError("train.micro_batch_size is required (samples per forward pass on one rank)")
-    mbs = _positive(t.micro_batch_size, "train.micro_batch_size")
+    mbs = positive_int(t.micro_batch_size, "train.micro_batch_size")
     if t.global_batch_size is None:
         t.global_batch_size = mbs * dp
-    gbs = _positive(t.global_batch_size, "train.global_batch_size")
+    gbs = positive_int(t.global_batch_size, "train.global_batch_size")
     per_step = mbs * dp
     if gbs % per_step != 0:
         if not t.decrease_batch_size_if_needed:

@@ -9,6 +9,7 @@ workers are started through torch's elastic launcher in-process (see ``longspan.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 from typing import Any
 
@@ -102,8 +103,16 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     world_size = nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     from longspan.data.tokenizers import build_tokenizer
+    from longspan.training.checkpointing import apply_checkpoint_args
     from longspan.training.configs.validate import check_vocab_fits
+    from longspan.training.hf_weights import apply_hf_pretrained_config
 
+    # As setup() does in each worker: architecture and tokenizer from the pretrained checkpoint, on a copy (the
+    # workers build their own config from the command line).
+    cfg = copy.deepcopy(cfg)
+    if cfg.checkpoint.use_checkpoint_args:
+        apply_checkpoint_args(cfg)
+    apply_hf_pretrained_config(cfg)
     tokenizer_vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer_vocab_size

@@ -15,6 +15,12 @@ import torch
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.configs.data_rules import check_dataset
 from longspan.training.configs.layout_rules import check_parallel_layout, check_pipeline
+from longspan.training.configs.precision_rules import (
+    apply_precision,
+    check_autocast,
+    check_optimizer_precision_and_overlap,
+    sync_distributed_optimizer,
+)
 from longspan.training.configs.range_rules import check_ranges
 from longspan.training.configs.schedule_rules import check_batch, check_train_length, compute_scheduler_steps
 
@@ -53,10 +59,10 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     _check_sections(cfg)
     check_container_types(cfg)
     check_ranges(cfg)
-    _apply_precision(cfg)
+    apply_precision(cfg)
     _resolve_defaults(cfg)
-    _sync_distributed_optimizer(cfg)
-    _check_optimizer_precision_and_overlap(cfg)
+    sync_distributed_optimizer(cfg)
+    check_optimizer_precision_and_overlap(cfg)
     dp = check_parallel_layout(cfg, ws)
     num_microbatches = check_batch(cfg, dp)
     check_pipeline(cfg, num_microbatches)
@@ -92,41 +98,6 @@ def _check_sections(cfg: "ConfigContainer") -> None:
             raise ConfigError(f"{name} is a {type(value).__name__}: expected {names}")
 
 
-def _apply_precision(cfg: "ConfigContainer") -> None:
-    from longspan.training.configs.optim import (
-        MIXED_PRECISION_RECIPES,
-        MixedPrecisionConfig,
-        apply_mixed_precision,
-        get_mixed_precision_config,
-    )
-
-    model, opt = cfg.model, cfg.optimizer
-    mp = cfg.mixed_precision
-    if isinstance(mp, str):
-        resolved = get_mixed_precision_config(mp)
-        if resolved is None:
-            raise ConfigError(
-                f"mixed_precision={mp!r} is not a known recipe: choose one of {', '.join(MIXED_PRECISION_RECIPES)}"
-            )
-        mp = resolved
-    if isinstance(mp, MixedPrecisionConfig):
-        if sum([mp.fp32, mp.fp16, mp.bf16]) > 1:
-            raise ConfigError(
-                f"mixed_precision sets fp32={mp.fp32}, fp16={mp.fp16}, bf16={mp.bf16}: choose exactly one"
-            )
-        apply_mixed_precision(mp, model, opt, cfg.ddp)
-    else:
-        # One source of truth: without mixed_precision the model and optimizer flags must agree.
-        for flag in ("bf16", "fp16"):
-            if bool(getattr(model, flag)) != bool(getattr(opt, flag)):
-                raise ConfigError(
-                    f"model.{flag}={getattr(model, flag)} but optimizer.{flag}={getattr(opt, flag)}: "
-                    f"set both the same, or set mixed_precision (bf16_mixed, fp16_mixed, fp32)"
-                )
-    if model.fp16 and model.bf16:
-        raise ConfigError("model.fp16=True and model.bf16=True: choose one (or neither for fp32)")
-
-
 def _resolve_defaults(cfg: "ConfigContainer") -> None:
     model = cfg.model
     if model.params_dtype is None:
@@ -151,25 +122,6 @@ def _resolve_defaults(cfg: "ConfigContainer") -> None:
     for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         if hasattr(cfg.dataset, name) and getattr(cfg.dataset, name) is None:
             setattr(cfg.dataset, name, False)
-
-
-def _sync_distributed_optimizer(cfg: "ConfigContainer") -> None:
-    opt_flag, ddp_flag = cfg.optimizer.use_distributed_optimizer, cfg.ddp.use_distributed_optimizer
-    if ddp_flag and not opt_flag:
-        raise ConfigError(
-            "ddp.use_distributed_optimizer=True but optimizer.use_distributed_optimizer=False: "
-            "set optimizer.use_distributed_optimizer=true (it is copied to ddp)"
-        )
-    cfg.ddp.use_distributed_optimizer = opt_flag
-
-
-def _check_optimizer_precision_and_overlap(cfg: "ConfigContainer") -> None:
-    """Megatron's rules for the precision-aware optimizer fields and ddp.overlap_param_gather."""
-    from longspan.training.configs.optim import check_overlap_param_gather, check_precision_aware_optimizer
-
-    fsdp2 = bool(getattr(cfg.dist, "use_torch_fsdp2", False))
-    check_precision_aware_optimizer(cfg.optimizer, cfg.ddp, fsdp2)
-    check_overlap_param_gather(cfg.ddp, cfg.optimizer.use_distributed_optimizer, fsdp2)
 
 
 def _check_misc(cfg: "ConfigContainer") -> None:
@@ -200,7 +152,7 @@ def _check_misc(cfg: "ConfigContainer") -> None:
                 f"profiling.profile_step_start={p.profile_step_start}"
             )
     m = cfg.model
-    _check_autocast(m, via_mixed_precision=cfg.mixed_precision is not None)
+    check_autocast(m, via_mixed_precision=cfg.mixed_precision is not None)
     if m.recompute_granularity == "full" and m.recompute_method is None:
         raise ConfigError("model.recompute_granularity='full' needs model.recompute_method ('uniform' or 'block')")
     if m.recompute_method is not None and m.recompute_granularity != "full":
@@ -209,18 +161,3 @@ def _check_misc(cfg: "ConfigContainer") -> None:
         )
 
 
-def _check_autocast(m: object, via_mixed_precision: bool) -> None:
-    """Autocast runs in bf16 or fp16 (torch.autocast's dtypes); a dtype without autocast on changes nothing."""
-    enable, dtype = "model.enable_autocast", "model.autocast_dtype"
-    if via_mixed_precision:
-        enable, dtype = "mixed_precision.autocast_enabled", "mixed_precision.autocast_dtype"
-    if not m.enable_autocast:
-        if m.autocast_dtype is not None and not via_mixed_precision:
-            raise ConfigError(f"{dtype}={m.autocast_dtype} has no effect without {enable}=true: set both or neither")
-        return
-    resolved = m.autocast_dtype or m.pipeline_dtype
-    if resolved not in (torch.bfloat16, torch.float16):
-        raise ConfigError(
-            f"{enable}=True runs torch.autocast in {resolved} ({dtype}={m.autocast_dtype}, else the pipeline "
-            f"dtype): set {dtype} to torch.bfloat16 or torch.float16"
-        )

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.errors import ConfigError
 from longspan.training.configs.data_rules import check_dataset
+from longspan.training.configs.infra_rules import check_infra
 from longspan.training.configs.layout_rules import check_parallel_layout, check_pipeline
 from longspan.training.configs.precision_rules import (
     apply_precision,
@@ -69,7 +70,9 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     check_train_length(cfg)
     compute_scheduler_steps(cfg)
     check_dataset(cfg)
-    _check_misc(cfg)
+    check_infra(cfg)
+    check_autocast(cfg.model, via_mixed_precision=cfg.mixed_precision is not None)
+    _check_recompute(cfg.model)
     check_supported(cfg)
     cfg.world_size = ws
     cfg.data_parallel_size = dp
@@ -124,40 +127,12 @@ def _resolve_defaults(cfg: "ConfigContainer") -> None:
             setattr(cfg.dataset, name, False)
 
 
-def _check_misc(cfg: "ConfigContainer") -> None:
-    lg = cfg.logger
-    for enabling, naming, client in (("mlflow_experiment", "mlflow_run_name", "MLflow"),
-                                     ("comet_project", "comet_experiment_name", "Comet ML")):
-        if getattr(lg, enabling, None) and not getattr(lg, naming, None):
-            raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
-    c = cfg.checkpoint
-    if c.ckpt_format != "torch_dist":
-        # Checkpoints are written by torch.distributed.checkpoint (Megatron's torch_dist layout) only.
-        raise NotSupportedError(
-            f"checkpoint.ckpt_format={c.ckpt_format!r} is not supported yet by longspan (supported: 'torch_dist', "
-            "checkpoints written by torch.distributed.checkpoint)"
-        )
-    if c.load_main_params_from_ckpt and c.load_optim:
-        raise ConfigError("checkpoint.load_main_params_from_ckpt=True needs checkpoint.load_optim=False")
-    from longspan.training.resilience.checks import check_resilience_config
-
-    check_resilience_config(cfg)
-    p = cfg.profiling
-    if p is not None:
-        if p.use_nsys_profiler and p.use_pytorch_profiler:
-            raise ConfigError("profiling.use_nsys_profiler and profiling.use_pytorch_profiler are both True: choose one")
-        if p.profile_step_end < p.profile_step_start:
-            raise ConfigError(
-                f"profiling.profile_step_end={p.profile_step_end} is before "
-                f"profiling.profile_step_start={p.profile_step_start}"
-            )
-    m = cfg.model
-    check_autocast(m, via_mixed_precision=cfg.mixed_precision is not None)
+def _check_recompute(m: object) -> None:
+    """Full recompute needs a method, and a method needs full recompute."""
     if m.recompute_granularity == "full" and m.recompute_method is None:
         raise ConfigError("model.recompute_granularity='full' needs model.recompute_method ('uniform' or 'block')")
     if m.recompute_method is not None and m.recompute_granularity != "full":
         raise ConfigError(
             f"model.recompute_method={m.recompute_method!r} needs model.recompute_granularity='full'"
         )
-
 

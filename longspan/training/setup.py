@@ -40,6 +40,7 @@ from longspan.training.resilience.hooks import (
     start_fault_tolerance,
     start_straggler_detection,
 )
+from longspan.training.resilience.heartbeat import beat_before_distributed_init
 from longspan.training.resilience.non_persistent import load_newest_checkpoint
 from longspan.training.hf_weights import apply_hf_pretrained_config
 from longspan.training.microbatches import NumMicroBatchesCalculator
@@ -128,6 +129,7 @@ def setup(cfg: Any) -> SetupOutput:
     setup_logging(cfg.logger.logging_level)
     lg = cfg.logger
     configure_log_filters(lg.logging_level, lg.filter_warnings, lg.modules_to_filter, lg.set_level_for_all_loggers)
+    beat_before_distributed_init(cfg.ft)  # ft: this rank got as far as its set-up (the monitor's blame order)
     parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
     state = GlobalState()
     state.cfg = cfg

@@ -20,6 +20,7 @@ from longspan.training.resilience.heartbeat import (
     HeartbeatMonitor,
     RankHeartbeat,
     TimeoutCalculator,
+    beat_before_distributed_init,
 )
 from longspan.training.resilience.launch import fault_tolerance_monitor
 from tests.resilience.helpers import resilience_config
@@ -176,6 +177,36 @@ def test_worker_hung_before_its_first_heartbeat_is_killed_after_the_initial_time
         assert "before its first heartbeat" in message and "initial heartbeat timeout 1.5 s" in message
     finally:
         for p in (hung, other):
+            p.kill()
+            p.wait()
+
+
+def test_rank_that_never_beat_is_blamed_not_the_peers_waiting_for_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 reached its set-up (the beat before the process group forms) and waits there for rank 1, hung in its
+    imports: rank 1 is killed, although rank 0 was spawned first."""
+    waiting = _spawn_worker(tmp_path, rank=0, restart=0)
+    time.sleep(1.0)
+    hung = _spawn_worker(tmp_path, rank=1, restart=0)
+    try:
+        monkeypatch.setenv(HEARTBEAT_DIR_ENV, str(tmp_path))
+        monkeypatch.setenv("RANK", "0")
+        beat_before_distributed_init(SimpleNamespace(enable_ft_package=True))
+        beat = json.loads((tmp_path / "rank0.json").read_text())
+        assert beat["phase"] == "setup" and beat["rank"] == 0 and beat["pid"] == os.getpid()
+        _write_beat(tmp_path, 0, waiting.pid, "setup", age=0.0)  # as the worker would have written it
+        reports: list = []
+        monitor = HeartbeatMonitor(str(tmp_path), initial_timeout=1.5, rank_timeout=100.0, max_restarts=3,
+                                   report=lambda msg, rec: reports.append((msg, rec)), watch_spawned=True)
+        time.sleep(1.0)  # rank 0 is past the initial timeout since its spawn (2 s), rank 1 not yet (1 s)
+        monitor.check_once()
+        assert reports == [] and waiting.poll() is None
+        time.sleep(0.7)
+        monitor.check_once()
+        assert hung.wait(timeout=5) == -signal.SIGKILL and waiting.poll() is None
+        assert [(r["rank"], r["rank_phase"]) for _, r in reports] == [(1, "startup")]
+    finally:
+        for p in (waiting, hung):
             p.kill()
             p.wait()
 

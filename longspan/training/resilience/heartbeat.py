@@ -125,6 +125,17 @@ class TimeoutCalculator:
         self.iterations_seen = max(self.iterations_seen, int(saved.get("iterations_seen", 0)))
 
 
+def beat_before_distributed_init(ft_cfg: Any) -> None:
+    """A first ``setup`` heartbeat before the process group forms (rank from the launcher's ``RANK``): ranks
+    that wait there for a peer have beaten, a peer hung before (in its imports) has not, and is the one blamed."""
+    directory = os.environ.get(HEARTBEAT_DIR_ENV)
+    if ft_cfg is None or not ft_cfg.enable_ft_package or not directory or "RANK" not in os.environ:
+        return
+    rank = int(os.environ["RANK"])
+    _atomic_write_json(Path(directory) / f"rank{rank}.json", {"rank": rank, "pid": os.getpid(), "phase": "setup",
+                       "restart": _restart_count(), "iteration": 0, "time": time.time()})
+
+
 class RankHeartbeat:
     """This rank's heartbeat file (a no-op object when fault tolerance is off or nobody watches)."""
 
@@ -347,12 +358,20 @@ class HeartbeatMonitor(threading.Thread):
                 beats.append((beat, _process_state(int(beat["pid"]))))
         if self.watch_spawned:
             beats += [(b, _process_state(b["pid"])) for b in self._spawned_workers(beating)]
-        # killed from outside, raised, stopped, then the longest silent (a rank that raised because a peer
-        # died is not the root cause; the dead peer is)
-        order = {"gone": 0, "stopped": 2, "alive": 3}
-        beats.sort(key=lambda b: (1 if b[0]["phase"] == "failed" else order[b[1]], float(b[0]["time"])))
-        # A rank of a generation with a stopped rank is silent because it waits for that rank: not blamed.
-        with_stopped = {int(b["restart"]) for b, state in beats if state == "stopped"}
+        # killed from outside, raised, stopped, never beat, then the longest silent (a rank that raised because a
+        # peer died is not the root cause; the dead peer is)
+        order = {"gone": 0, "stopped": 2, "alive": 4}
+
+        def blame_order(item: tuple[dict[str, Any], str]) -> tuple[int, float]:
+            beat, state = item
+            if beat["phase"] == "failed":
+                return 1, float(beat["time"])
+            return (3 if state == "alive" and beat["phase"] == "startup" else order[state]), float(beat["time"])
+
+        beats.sort(key=blame_order)
+        # A rank of a generation with a stopped rank, or one that never beat, is silent because it waits for that
+        # rank: not blamed.
+        held_up = {int(b["restart"]) for b, state in beats if state == "stopped" or b["phase"] == "startup"}
         for beat, state in beats:
             pid = int(beat["pid"])
             if pid in self.handled:
@@ -372,7 +391,7 @@ class HeartbeatMonitor(threading.Thread):
                     self._detected("rank_died", beat, f"rank {beat['rank']} (pid {pid}) died at {where}: detected "
                                    f"by the launcher (process gone); restarts remaining: {remaining}", remaining)
                 continue
-            if state == "alive" and int(beat["restart"]) in with_stopped:
+            if state == "alive" and beat["phase"] != "startup" and int(beat["restart"]) in held_up:
                 continue
             age = now - self._started_at(beat)
             timeout = self.timeout_for(beat)

@@ -104,7 +104,7 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     from longspan.data.tokenizers import build_tokenizer
     from longspan.training.checkpointing import apply_checkpoint_args
-    from longspan.training.configs.validate import check_vocab_fits
+    from longspan.training.configs.data_rules import check_vocab_fits
     from longspan.training.hf_weights import apply_hf_pretrained_config
 
     # As setup() does in each worker: architecture and tokenizer from the pretrained checkpoint, on a copy (the

@@ -28,7 +28,7 @@ from longspan.parallel.parallelize import parallelize_model
 from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.training.compile import compile_model
 from longspan.training.precision import apply_float8, check_fp8
-from longspan.training.configs.validate import check_vocab_fits
+from longspan.training.configs.data_rules import check_vocab_fits
 from longspan.training.checkpointing import (
     apply_checkpoint_args,
     check_save_dir_writable,

@@ -1,12 +1,12 @@
-"""Data rules of ``ConfigContainer.validate()``: data paths, blends and splits, and the dataset's sequence
-length against the model's.
+"""Data and tokenizer rules: data paths, blends and splits, the dataset's sequence length against the model's
+(``ConfigContainer.validate()``), and the model vocabulary against the tokenizer's (checked at setup).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from longspan.core.errors import ConfigError
 
@@ -88,4 +88,13 @@ def check_dataset(cfg: "ConfigContainer") -> None:
     elif isinstance(d, FinetuningDatasetConfig) and d.seq_length is not None and d.seq_length != m.seq_length:
         raise ConfigError(
             f"dataset.seq_length={d.seq_length} differs from model.seq_length={m.seq_length}: set both the same"
+        )
+
+
+def check_vocab_fits(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> None:
+    """The model's vocabulary must hold every id the tokenizer can produce (never padded or cut silently)."""
+    if model_vocab_size is not None and model_vocab_size < tokenizer_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size} "
+            f"ids): set model.vocab_size >= {tokenizer_vocab_size} or null (taken from the tokenizer)"
         )

@@ -79,15 +79,6 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     cfg.num_microbatches = num_microbatches
 
 
-def check_vocab_fits(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> None:
-    """The model's vocabulary must hold every id the tokenizer can produce (never padded or cut silently)."""
-    if model_vocab_size is not None and model_vocab_size < tokenizer_vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size} "
-            f"ids): set model.vocab_size >= {tokenizer_vocab_size} or null (taken from the tokenizer)"
-        )
-
-
 def _check_sections(cfg: "ConfigContainer") -> None:
     from longspan.config.targets import registered_section_types
 

@@ -103,7 +103,7 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     world_size = nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     from longspan.data.tokenizers import build_tokenizer
-    from longspan.training.checkpointing import apply_checkpoint_args
+    from longspan.training.checkpoint_loading import apply_checkpoint_args
     from longspan.training.configs.data_rules import check_vocab_fits
     from longspan.training.hf_weights import apply_hf_pretrained_config
 

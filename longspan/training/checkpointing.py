@@ -12,6 +12,7 @@ replaced atomically after that: a crash or Ctrl-C mid-save leaves the previous c
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` so DTensor-sharded
 (tensor parallel / FSDP2) state is saved by global name and shape and reshards on load under another
 layout. Per-rank state (RNG) is saved under rank-unique keys: DCP keeps one copy of identical keys.
+This module writes checkpoints and defines their layout; ``checkpoint_loading.py`` reads them back.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,22 +32,11 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from longspan.core.errors import CheckpointError
 from longspan.training.async_checkpoint import finalize_async_saves, start_async_save
-from longspan.training.checkpoint_io import (
-    TRAIN_STATE_FILENAME,
-    check_shapes,
-    iteration_from_dir,
-    load_shards,
-    load_weights_only,
-    read_metadata,
-    reading,
-    single_process_quiet,
-)
+from longspan.training.checkpoint_io import TRAIN_STATE_FILENAME, single_process_quiet
 from longspan.core.logging import get_logger, print_rank_0
 
 logger = get_logger(__name__)
@@ -82,11 +71,13 @@ def read_tracker(root: str | os.PathLike) -> int | None:
         raise CheckpointError(f"{tracker} holds {text!r}; expected an iteration number") from None
 
 
-def _rank() -> int:
+def current_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world_size() -> int:
+def current_world_size() -> int:
+    """The default group's size (1 without torch.distributed)."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -130,7 +121,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda_rng_state"])
 
 
-def _rng_key(rank: int, world_size: int) -> str:
+def rng_key_for(rank: int, world_size: int) -> str:
     # The world size is part of the key: a resume under another layout has no matching RNG state and
     # starts its generators from the seed instead (as Megatron does).
     return f"rank{rank}_of{world_size}"
@@ -139,7 +130,7 @@ def _rng_key(rank: int, world_size: int) -> str:
 # ----------------------------------------------------------------------------------------- state dicts
 
 
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer behind a Megatron-style optimizer wrapper."""
     if optimizer is None:
         return None
@@ -151,26 +142,20 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     raise TypeError(f"cannot find the torch optimizer inside {type(optimizer).__name__}")
 
 
-def _optimizer_extra_state(optimizer: Any) -> dict[str, Any]:
+def optimizer_extra_state(optimizer: Any) -> dict[str, Any]:
     """Wrapper state beyond the torch optimizer: the fp16 loss scaler."""
     scaler = getattr(optimizer, "grad_scaler", None)
     return {"grad_scaler": scaler.state_dict()} if scaler is not None else {}
 
 
-def _load_optimizer_extra_state(optimizer: Any, extra: dict[str, Any]) -> None:
-    scaler = getattr(optimizer, "grad_scaler", None)
-    if scaler is not None and "grad_scaler" in extra:
-        scaler.load_state_dict(extra["grad_scaler"])
-
-
-def _optimizer_module(module: torch.nn.Module, optimizer: Any) -> torch.nn.Module:
+def optimizer_module(module: torch.nn.Module, optimizer: Any) -> torch.nn.Module:
     """The module whose parameters the torch optimizer updates: fp32 main copies of low-precision params."""
     if getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
         return optimizer.main_params_module(module)
     return module
 
 
-def _model_module(model: list[torch.nn.Module]) -> torch.nn.Module:
+def checkpoint_module(model: list[torch.nn.Module]) -> torch.nn.Module:
     """The module to save/load: the chunk itself, or (pipeline stages) one module holding every chunk's
     parameters under the unpipelined names, so checkpoints move between pipeline layouts."""
     from longspan.parallel.pipeline import state_dict_module
@@ -180,7 +165,7 @@ def _model_module(model: list[torch.nn.Module]) -> torch.nn.Module:
 
 # Optimizer state keyed by parameter name (``state.<name>.*``, ``param_groups.<name>.*``): each pipeline rank
 # saves and loads only its own parameters' entries, so any layout reads any other's checkpoint.
-_OPTIM_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+OPTIM_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _build_state_dict(
@@ -194,22 +179,23 @@ def _build_state_dict(
     extra: dict[str, Any] | None = None,
     model_keys: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
-    module = _model_module(model)
+    module = checkpoint_module(model)
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if model_keys is not None:  # PEFT: only the adapters (the base comes from pretrained_checkpoint)
         state["model"] = {k: v for k, v in state["model"].items() if model_keys(k)}
     if with_optimizer and optimizer is not None:
-        main_module = _optimizer_module(module, optimizer)
+        main_module = optimizer_module(module, optimizer)
         state["optimizer"] = get_optimizer_state_dict(
-            main_module, _unwrap_optimizer(optimizer), options=_OPTIM_SD_OPTIONS
+            main_module, unwrap_optimizer(optimizer), options=OPTIM_SD_OPTIONS
         )
         if main_module is not module:
             state["main_params"] = main_module.state_dict()
-        state["optimizer_extra"] = _optimizer_extra_state(optimizer)
+        state["optimizer_extra"] = optimizer_extra_state(optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if with_rng:
-        state["rng"] = {_rng_key(_rank(), _world_size()): rng_state if rng_state is not None else get_rng_state()}
+        rng = rng_state if rng_state is not None else get_rng_state()
+        state["rng"] = {rng_key_for(current_rank(), current_world_size()): rng}
     if extra:
         state.update(extra)
     return state
@@ -280,7 +266,7 @@ def save_checkpoint(
     partial_dir = final_dir.with_name(final_dir.name + ".partial")
 
     _check_finite_weights(model)
-    if _rank() == 0:
+    if current_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if partial_dir.exists():
             shutil.rmtree(partial_dir)  # left by a crash mid-save; the tracker never pointed at it
@@ -297,14 +283,14 @@ def save_checkpoint(
         opt_param_scheduler,
         with_optimizer=ckpt_cfg.save_optim,
         with_rng=ckpt_cfg.save_rng,
-        extra=_rerun_state(state),
+        extra=rerun_state(state),
         model_keys=_adapter_keys(cfg),
     )
     train_state_dict = state.train_state.state_dict()
 
     def finalize() -> None:
         _barrier()
-        if _rank() == 0:
+        if current_rank() == 0:
             _write_side_files(state, partial_dir, train_state_dict)
             old_dir = final_dir.with_name(final_dir.name + ".old")
             if final_dir.exists():
@@ -326,7 +312,8 @@ def save_checkpoint(
         finalize()
 
 
-def _rerun_state(state: Any) -> dict[str, Any]:
+def rerun_state(state: Any) -> dict[str, Any]:
+    """The rerun state machine's checkpoint section (empty when the run has none)."""
     machine = getattr(state, "rerun_state_machine", None)
     if machine is None or not hasattr(machine, "state_dict"):
         return {}
@@ -340,203 +327,13 @@ def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, A
         "format": "torch_dist",
         "longspan_checkpoint_version": CHECKPOINT_VERSION,
         "iteration": int(train_state_dict["step"]),
-        "world_size": _world_size(),
+        "world_size": current_world_size(),
         "torch_version": torch.__version__,
     }
     (directory / METADATA_FILENAME).write_text(json.dumps(metadata, indent=2) + "\n")
     tokenizer = getattr(state, "tokenizer", None)
     if tokenizer is not None and hasattr(tokenizer, "save_files"):
         tokenizer.save_files(str(directory / TOKENIZER_DIRNAME))
-
-
-# -------------------------------------------------------------------------------------------------- load
-
-
-@dataclass
-class LoadedCheckpoint:
-    """What ``load_checkpoint`` found: the directory, its iteration, and RNG state still to be applied."""
-
-    directory: Path
-    iteration: int
-    rng_state: dict[str, Any] | None = None
-
-
-def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
-    """(directory, iteration, is_finetune) of the checkpoint to load, or None to start from scratch.
-
-    ``checkpoint.load`` wins when it holds a checkpoint; otherwise ``pretrained_checkpoint`` loads weights
-    only (finetuning). ``ckpt_step`` picks an iteration other than the tracker's.
-    """
-    for root, pretrained in ((ckpt_cfg.load, False), (ckpt_cfg.pretrained_checkpoint, True)):
-        if not root:
-            continue
-        root_path = Path(root)
-        if pretrained and _is_hf_model_dir(root_path):
-            return root_path, 0, True  # Hugging Face weights: load_checkpoint reads them through AutoBridge
-        if ckpt_cfg.ckpt_step is not None and not pretrained:
-            iteration = ckpt_cfg.ckpt_step
-        else:
-            iteration = read_tracker(root_path)
-        if iteration is None:
-            if (root_path / ".metadata").is_file():  # pointed straight at an iter_ directory
-                return root_path, iteration_from_dir(root_path), pretrained or ckpt_cfg.finetune
-            if ckpt_cfg.exit_on_missing_checkpoint or pretrained:
-                field_name = "checkpoint.pretrained_checkpoint" if pretrained else "checkpoint.load"
-                raise CheckpointError(
-                    f"{field_name}={root}: no checkpoint there ({TRACKER_FILENAME} not found)"
-                    + ("" if pretrained else "; unset checkpoint.exit_on_missing_checkpoint to start from scratch")
-                )
-            continue
-        directory = get_checkpoint_dir(root_path, iteration)
-        if not (directory / ".metadata").is_file():
-            raise CheckpointError(f"checkpoint {directory} is missing or incomplete (no .metadata file)")
-        return directory, iteration, pretrained or ckpt_cfg.finetune
-    return None
-
-
-def _is_hf_model_dir(path: Path) -> bool:
-    from longspan.conversion import is_hf_model_dir
-
-    return is_hf_model_dir(path)
-
-
-def _stored_keys(directory: Path) -> set[str]:
-    return set(read_metadata(directory).state_dict_metadata)
-
-
-def load_checkpoint(
-    state: Any,
-    model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
-    strict: bool = True,
-    checkpointing_context: dict[str, Any] | None = None,
-    skip_load_to_model_and_opt: bool = False,
-    *,
-    checkpoint_config: Any = None,
-    model_keys: Callable[[str], bool] | None = None,
-) -> LoadedCheckpoint | None:
-    """Load the checkpoint ``checkpoint.load`` (or ``pretrained_checkpoint``) names into model and state.
-
-    Restores model, optimizer (``load_optim``), scheduler and train state; returns the RNG state (when
-    ``load_rng``) without applying it, because RNG must be restored after everything that draws from it at
-    start-up (building data iterators does). Returns None when there is nothing to load.
-    ``checkpoint_config`` replaces ``cfg.checkpoint``; ``model_keys`` limits the model tensors loaded (PEFT).
-    """
-    cfg = state.cfg
-    ckpt_cfg = checkpoint_config if checkpoint_config is not None else cfg.checkpoint
-    found = find_checkpoint(ckpt_cfg)
-    if found is None:
-        return None
-    directory, iteration, finetune = found
-    if _is_hf_model_dir(directory):
-        from longspan.training.hf_weights import load_hf_pretrained
-
-        load_hf_pretrained(directory, model, select=model_keys)
-        return LoadedCheckpoint(directory, 0, None)
-    module = _model_module(model)
-    stored = _stored_keys(directory)
-
-    model_sd = get_model_state_dict(module)
-    if model_keys is not None:
-        model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
-        strict = False  # the other tensors come from another checkpoint
-    check_shapes(directory, model_sd, "model")
-    load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
-    load_rng = ckpt_cfg.load_rng and not finetune
-    if load_optim and not any(k.startswith("optimizer.") for k in stored):
-        raise CheckpointError(
-            f"checkpoint {directory} holds no optimizer state (saved with save_optim=false); "
-            "set checkpoint.load_optim=false to load the weights only"
-        )
-
-    to_load: dict[str, Any] = {"model": model_sd}
-    torch_optimizer = _unwrap_optimizer(optimizer) if load_optim else None
-    main_module = _optimizer_module(module, optimizer) if load_optim else module
-    if load_optim:
-        to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored))
-    if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
-        to_load["scheduler"] = opt_param_scheduler.state_dict()
-    rng_key = _rng_key(_rank(), _world_size())
-    has_rng = load_rng and any(k.startswith(f"rng.{rng_key}") for k in stored)
-    if has_rng:
-        to_load["rng"] = {rng_key: get_rng_state()}
-    elif load_rng:
-        print_rank_0(
-            "checkpoint holds no RNG state for this world size; generators start from the seed instead", logger
-        )
-    if not finetune and "rerun_state_machine" in {k.split(".")[0] for k in stored}:
-        rerun = _rerun_state(state)
-        if rerun:
-            to_load.update(rerun)
-
-    if not skip_load_to_model_and_opt:
-        with single_process_quiet():
-            load_shards(to_load, directory, no_dist=not dist.is_initialized())
-        set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
-        if load_optim:
-            _restore_optimizer(to_load, optimizer, torch_optimizer, module, main_module)
-    if "scheduler" in to_load:
-        _restore_scheduler(opt_param_scheduler, to_load["scheduler"], iteration, directory, ckpt_cfg)
-    if "rerun_state_machine" in to_load:
-        state.rerun_state_machine.load_state_dict(to_load["rerun_state_machine"])
-
-    if finetune:
-        print_rank_0(f"loaded weights from {directory} for finetuning; starting at iteration 0", logger)
-        iteration = 0
-    else:
-        _restore_train_state(state, directory)
-        print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
-    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
-
-
-def _optimizer_sections(optimizer: Any, torch_optimizer: torch.optim.Optimizer | None, module: torch.nn.Module,
-                        main_module: torch.nn.Module, stored: set[str]) -> dict[str, Any]:
-    """The optimizer's templates for ``dcp.load``: its state, the main params and extra state the checkpoint has."""
-    sections: dict[str, Any] = {
-        "optimizer": get_optimizer_state_dict(main_module, torch_optimizer, options=_OPTIM_SD_OPTIONS)}
-    if main_module is not module and any(k.startswith("main_params.") for k in stored):
-        sections["main_params"] = main_module.state_dict()
-    if any(k.startswith("optimizer_extra") for k in stored):
-        sections["optimizer_extra"] = _optimizer_extra_state(optimizer)
-    return sections
-
-
-def _restore_optimizer(to_load: dict[str, Any], optimizer: Any, torch_optimizer: torch.optim.Optimizer | None,
-                       module: torch.nn.Module, main_module: torch.nn.Module) -> None:
-    """Put the loaded optimizer sections back; main params (when saved) are copied to the model params."""
-    set_optimizer_state_dict(
-        main_module, torch_optimizer, to_load["optimizer"], options=_OPTIM_SD_OPTIONS
-    )
-    _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
-    if main_module is not module:
-        if "main_params" in to_load:
-            main_module.load_state_dict(to_load["main_params"])
-            optimizer.copy_main_params_to_model_params()
-        else:
-            optimizer.reload_model_params()
-
-
-def _restore_scheduler(opt_param_scheduler: Any, scheduler_state: dict[str, Any], iteration: int, directory: Path,
-                       ckpt_cfg: Any) -> None:
-    try:
-        opt_param_scheduler.load_state_dict(scheduler_state)
-    except CheckpointError as exc:
-        # Say the real situation first: this run resumes an earlier run's checkpoint.
-        raise CheckpointError(
-            f"resuming the checkpoint at iteration {iteration} in {directory} (checkpoint.load="
-            f"{ckpt_cfg.load}), whose learning-rate schedule differs from this config: {exc}; to start fresh "
-            "instead, set checkpoint.load=null or use another checkpoint.save directory"
-        ) from exc
-
-
-def _restore_train_state(state: Any, directory: Path) -> None:
-    train_state_file = directory / TRAIN_STATE_FILENAME
-    train_state_dict = load_weights_only(train_state_file, "training progress")
-    with reading(train_state_file, "training progress"):
-        if not isinstance(train_state_dict, dict) or "step" not in train_state_dict:
-            raise ValueError(f"it holds {type(train_state_dict).__name__} without a 'step' entry")
-        state.train_state.load_state_dict(train_state_dict)
 
 
 def _adapter_keys(cfg: Any) -> Callable[[str], bool] | None:
@@ -546,86 +343,3 @@ def _adapter_keys(cfg: Any) -> Callable[[str], bool] | None:
     from longspan.peft.adapters import is_adapter_key
 
     return is_adapter_key
-
-
-def load_peft_checkpoint(
-    state: Any,
-    model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
-    checkpointing_context: dict[str, Any] | None = None,
-) -> LoadedCheckpoint | None:
-    """PEFT: the frozen base from ``pretrained_checkpoint`` (weights only), then, when ``checkpoint.load`` holds
-    a checkpoint of this run, its adapters, optimizer, scheduler, RNG and progress. Starting fresh, DoRA's
-    magnitudes are set from the loaded base."""
-    import dataclasses as _dc
-
-    from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key
-
-    ckpt_cfg = state.cfg.checkpoint
-    if not ckpt_cfg.pretrained_checkpoint:
-        raise CheckpointError(
-            "peft is set but checkpoint.pretrained_checkpoint is not: adapters train on a pretrained base; set it "
-            "to a longspan checkpoint (or Hugging Face model directory)"
-        )
-    base_cfg = _dc.replace(ckpt_cfg, load=None)
-    load_checkpoint(state, model, None, None, checkpointing_context=checkpointing_context,
-                    checkpoint_config=base_cfg, model_keys=lambda k: not is_adapter_key(k))
-    resume_cfg = _dc.replace(ckpt_cfg, pretrained_checkpoint=None)
-    if resume_cfg.load and find_checkpoint(resume_cfg) is not None:
-        return load_checkpoint(state, model, optimizer, opt_param_scheduler,
-                               checkpointing_context=checkpointing_context, checkpoint_config=resume_cfg,
-                               model_keys=is_adapter_key)
-    init_dora_magnitudes(model)
-    return None
-
-
-def use_saved_tokenizer(tokenizer_cfg: Any, saved: Path) -> None:
-    """Point ``tokenizer_cfg`` at the tokenizer files saved in a checkpoint (``Tokenizer.save_files``)."""
-    ttype = tokenizer_cfg.tokenizer_type
-    if ttype == "HuggingFaceTokenizer":
-        tokenizer_cfg.tokenizer_model = str(saved)
-    elif ttype == "SentencePieceTokenizer" and (saved / "tokenizer.model").is_file():
-        tokenizer_cfg.tokenizer_model = str(saved / "tokenizer.model")
-    elif ttype == "GPT2BPETokenizer" and (saved / "vocab.json").is_file():
-        tokenizer_cfg.vocab_file = str(saved / "vocab.json")
-        tokenizer_cfg.merge_file = str(saved / "merges.txt")
-    # NullTokenizer and ByteLevelTokenizer are described by the config alone.
-
-
-def _adopt_saved_tokenizer(cfg: Any, saved_cfg: Any, directory: Path) -> None:
-    """A run that names no tokenizer (the finetuning recipes) takes the checkpoint's, from its saved files."""
-    if cfg.tokenizer.tokenizer_type is not None:
-        return
-    cfg.tokenizer = saved_cfg.tokenizer
-    saved_files = directory / TOKENIZER_DIRNAME
-    if saved_files.is_dir():
-        use_saved_tokenizer(cfg.tokenizer, saved_files)
-    print_rank_0(f"use_checkpoint_args: tokenizer {cfg.tokenizer.tokenizer_type} from {directory}", logger)
-
-
-def apply_checkpoint_args(cfg: Any) -> list[str]:
-    """``checkpoint.use_checkpoint_args``: take the model architecture from the checkpoint's run_config.yaml.
-
-    Every model field except the parallel layout (ModelParallelConfig's fields) is copied, so a run resumes
-    with the saved architecture whatever the recipe says. Returns the names of the fields that changed.
-    """
-    from longspan.core.model_parallel_config import copy_model_fields
-
-    found = find_checkpoint(cfg.checkpoint)
-    if found is None or _is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
-        return []
-    run_config = found[0] / RUN_CONFIG_FILENAME
-    if not run_config.is_file():
-        raise CheckpointError(f"checkpoint.use_checkpoint_args=true but {run_config} does not exist")
-    saved_cfg = type(cfg).from_yaml(str(run_config))
-    _adopt_saved_tokenizer(cfg, saved_cfg, found[0])
-    saved = saved_cfg.model
-    if type(saved) is not type(cfg.model):
-        raise CheckpointError(
-            f"checkpoint {found[0]} holds a {type(saved).__name__}, but this run builds a {type(cfg.model).__name__}"
-        )
-    changed = copy_model_fields(saved, cfg.model)
-    if changed:
-        print_rank_0(f"use_checkpoint_args: model fields from {run_config}: {', '.join(sorted(changed))}", logger)
-    return changed

@@ -28,13 +28,13 @@ from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer
 from longspan.training.checkpoint_io import check_shapes, iteration_from_dir, load_shards, single_process_quiet
+from longspan.training.checkpoint_loading import use_saved_tokenizer
 from longspan.training.checkpointing import (
     RUN_CONFIG_FILENAME,
     TOKENIZER_DIRNAME,
     TRACKER_FILENAME,
     get_checkpoint_dir,
     read_tracker,
-    use_saved_tokenizer,
 )
 
 logger = get_logger(__name__)

@@ -29,12 +29,8 @@ from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.training.compile import compile_model
 from longspan.training.precision import apply_float8, check_fp8
 from longspan.training.configs.data_rules import check_vocab_fits
-from longspan.training.checkpointing import (
-    apply_checkpoint_args,
-    check_save_dir_writable,
-    load_peft_checkpoint,
-    set_rng_state,
-)
+from longspan.training.checkpoint_loading import apply_checkpoint_args, load_peft_checkpoint
+from longspan.training.checkpointing import check_save_dir_writable, set_rng_state
 from longspan.training.resilience.hooks import (
     build_rerun_state_machine,
     start_fault_tolerance,

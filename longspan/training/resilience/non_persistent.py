@@ -26,15 +26,8 @@ import torch.distributed as dist
 
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
-from longspan.training.checkpointing import (
-    LoadedCheckpoint,
-    find_checkpoint,
-    get_checkpoint_dir,
-    get_rng_state,
-    load_checkpoint,
-    read_tracker,
-    save_checkpoint,
-)
+from longspan.training.checkpoint_loading import LoadedCheckpoint, find_checkpoint, load_checkpoint
+from longspan.training.checkpointing import get_checkpoint_dir, get_rng_state, read_tracker, save_checkpoint
 
 logger = get_logger(__name__)
 

@@ -94,11 +94,13 @@ def compile_model(chunks: list[nn.Module], setting: Optional[bool], device: torc
                   tensor_parallel: int = 1) -> bool:
     """Compile each transformer layer's forward in place when ``setting`` resolves on; return whether it did.
 
-    Call after every parallel plan (TP/SP, CP, EP, FSDP2/DDP, pipeline split). Parts that must stay eager (an
-    MoE layer's token dispatch, a checkpointed or context-parallel attention core: see ``_eager_parts``) are
-    graph breaks inside the compiled layer; under tensor parallel (``tensor_parallel`` > 1) a layer with such
-    a part instead compiles only its other sub-blocks (attention, dense MLP) whole, because a graph break inside
-    a tensor-parallel layer gives wrong gradients or fails in backward (see ``_compile_layer``)."""
+    Call after every parallel plan (TP/SP, CP, EP, FSDP2/DDP, pipeline split). An MoE layer's token dispatch
+    and a checkpointed attention core (selective recompute) stay eager, and context parallel's attention has
+    graph breaks of its own: without tensor parallel these are graph breaks inside the compiled layer; under
+    tensor parallel (``tensor_parallel`` > 1) a layer with such a part compiles only its other sub-blocks
+    (attention, dense MLP) whole, because a graph break inside a tensor-parallel layer gives wrong gradients or
+    fails in backward (see ``_compile_layer``). Returns False (and says so) when no layer had anything left
+    to compile."""
     if not compile_enabled(setting, device):
         return False
     reason = compile_unavailable_reason(device)
@@ -113,17 +115,20 @@ def compile_model(chunks: list[nn.Module], setting: Optional[bool], device: torc
     layers = transformer_layers(chunks)
     # One graph serves every layer (parameters are graph inputs), but guards may still specialise per layer.
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 4 * len(layers) + 8)
-    for layer in layers:
-        _compile_layer(layer, tensor_parallel)
-    if layers:
-        _report_warmup(layers[0], len(layers))
-    return bool(layers)
+    compiled = [layer for layer in layers if _compile_layer(layer, tensor_parallel)]
+    if not compiled:
+        if layers:
+            print_rank_0("longspan: torch.compile: nothing to compile (under tensor parallel these layers' "
+                         "attention and MLP both stay eager); training runs eager", _log)
+        return False
+    _report_warmup(compiled[0], len(compiled))
+    return True
 
 
 def _eager_parts(layer: nn.Module) -> list[str]:
-    """Names of the layer's sub-blocks that hold code to keep out of a compiled graph: ``'mlp'`` for an MoE
-    layer (its dispatch), ``'self_attention'`` when its core is checkpointed (selective recompute) or replaced
-    (context parallel's attention, which has its own graph breaks)."""
+    """Names of the layer's sub-blocks that would put a graph break into a compiled layer: ``'mlp'`` for an
+    MoE layer (its dispatch), ``'self_attention'`` when its core is checkpointed (selective recompute) or
+    replaced (context parallel's attention)."""
     parts = []
     attention = getattr(layer, "self_attention", None)
     if attention is not None and (getattr(attention, "recompute_core_attention", False)
@@ -134,9 +139,9 @@ def _eager_parts(layer: nn.Module) -> list[str]:
     return parts
 
 
-def _compile_layer(layer: nn.Module, tensor_parallel: int) -> None:
+def _compile_layer(layer: nn.Module, tensor_parallel: int) -> bool:
     """Compile ``layer`` in place: its whole forward, or under tensor parallel with eager parts, each other
-    sub-block's forward.
+    sub-block's forward. Returns whether anything was compiled.
 
     Why the split under tensor parallel: the TP plans' DTensor hooks traced into a layer with a graph break give
     gradients that cross the break without their DTensor placements (torch 2.13): with sequence parallel and
@@ -147,12 +152,13 @@ def _compile_layer(layer: nn.Module, tensor_parallel: int) -> None:
     _keep_moe_dispatch_eager(layer)
     _keep_recomputed_attention_eager(layer)
     if tensor_parallel > 1 and eager:
-        for name in ("self_attention", "mlp"):
-            block = getattr(layer, name, None)
-            if block is not None and name not in eager:
-                block.forward = torch.compile(block.forward)
-        return
+        blocks = [getattr(layer, name, None) for name in ("self_attention", "mlp") if name not in eager]
+        blocks = [block for block in blocks if block is not None]
+        for block in blocks:
+            block.forward = torch.compile(block.forward)
+        return bool(blocks)
     layer.forward = torch.compile(layer.forward)
+    return True
 
 
 def _keep_recomputed_attention_eager(layer: nn.Module) -> None:

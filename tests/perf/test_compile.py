@@ -58,7 +58,9 @@ def test_compiled_equals_eager_and_resumes_bit_for_bit(tmp_path, caplog, capsys)
     text = caplog.text + capsys.readouterr().out
     assert "fp32, compiled layers" in text and "torch.compile warm-up:" in text
     reference = losses_by_iteration(compiled)
-    assert_rel_close(reference, losses_by_iteration(eager))
+    gap = assert_rel_close(reference, losses_by_iteration(eager))
+    print(f"compiled vs eager (one process): max rel {gap:.1e}; "
+          + next(line for line in text.splitlines() if "warm-up" in line))
 
     resumed = compile_config(tmp_path, "resumed", True)
     resumed.checkpoint.load = compiled.checkpoint.save
@@ -87,7 +89,7 @@ def test_compiled_dp2_equals_eager_dp2(tmp_path, pool2):
     """DDP over 2 ranks, dropout on (per-rank masks, so the reference is eager DP2, not one process)."""
     eager = pool2.run(_dp2_losses, str(tmp_path / "eager"), False, timeout=600)[0]
     compiled = pool2.run(_dp2_losses, str(tmp_path / "compiled"), True, timeout=600)[0]
-    assert_rel_close(compiled, eager)
+    print(f"compiled vs eager (DP2): max rel {assert_rel_close(compiled, eager):.1e}")
 
 
 def test_no_compiler_falls_back_to_eager_with_one_line(monkeypatch, caplog):
@@ -127,12 +129,15 @@ def _tiny_model(**model_overrides):
     (dict(recompute_granularity="selective"), 2, ["mlp"]),  # TP: no break inside a compiled graph
     (dict(num_moe_experts=4, moe_ffn_hidden_size=32), 1, ["layer"]),
     (dict(num_moe_experts=4, moe_ffn_hidden_size=32), 2, ["self_attention"]),
+    # TP, MoE and selective recompute: attention and MLP both eager, nothing left: the run is eager
+    (dict(num_moe_experts=4, moe_ffn_hidden_size=32, recompute_granularity="selective"), 2, []),
 ])
 def test_what_compiles_per_layer(overrides, tp, compiled_blocks):
     """Which forwards ``compile_model`` replaces (lazily: nothing compiles until called), and that the eager
     parts (checkpointed attention core, MoE dispatch) are wrapped to stay out of the graphs."""
     model = _tiny_model(**overrides)
-    assert compile_mod.compile_model([model], True, torch.device("cpu"), tensor_parallel=tp)
+    done = compile_mod.compile_model([model], True, torch.device("cpu"), tensor_parallel=tp)
+    assert done is bool(compiled_blocks)
     for layer in model.decoder.layers.values():
         blocks = {"layer": layer, "self_attention": layer.self_attention, "mlp": layer.mlp}
         assert sorted(name for name, block in blocks.items() if "forward" in vars(block)) == compiled_blocks

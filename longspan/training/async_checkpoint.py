@@ -77,10 +77,10 @@ def start_async_save(state_dict: dict[str, Any], directory: Path, iteration: int
     target: dict[str, Any] = (
         {"storage_writer": _DelayedWriter(str(directory), delay)} if delay > 0 else {"checkpoint_id": str(directory)}
     )
-    with warnings.catch_warnings():  # DCP warns that one process assumes a single rank: that is the intent
+    if not dist.is_initialized():  # DCP warns, from its background thread too, that one process saves alone: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        future = dcp.async_save(state_dict, process_group=checkpoint_process_group(),
-                                no_dist=not dist.is_initialized(), **target)
+    future = dcp.async_save(state_dict, process_group=checkpoint_process_group(), no_dist=not dist.is_initialized(),
+                            **target)
     return PendingAsyncSave(future, iteration, finalize)
 
 

@@ -29,6 +29,9 @@ WRITE_DELAY_ENV = "LONGSPAN_TEST_ASYNC_WRITE_DELAY_S"
 
 # (default group, its checkpoint group): a new default group (a re-initialized world) gets a new one.
 _checkpoint_group: tuple[Any, Any] | None = None
+# Futures of background saves not yet completed, for a process that tears its process groups down and trains
+# again (in-process restart): their threads must be done before the groups go and a new save may reuse the path.
+_in_flight: list[Any] = []
 
 
 def checkpoint_process_group() -> Any:
@@ -81,7 +84,23 @@ def start_async_save(state_dict: dict[str, Any], directory: Path, iteration: int
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     future = dcp.async_save(state_dict, process_group=checkpoint_process_group(), no_dist=not dist.is_initialized(),
                             **target)
+    _in_flight[:] = [f for f in _in_flight if not f.done()] + [future]
     return PendingAsyncSave(future, iteration, finalize)
+
+
+def abandon_in_flight_saves(timeout: float) -> int:
+    """Wait up to ``timeout`` seconds for every background save of this process to end (a save whose peer died
+    fails in its next collective), forget them, and return how many were still running at the deadline.
+
+    Never finalized: the tracker keeps naming the newest complete checkpoint, and the ``.partial`` directory is
+    replaced by the next save of that iteration."""
+    deadline = time.monotonic() + timeout
+    for future in _in_flight:
+        while not future.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    still_running = sum(1 for f in _in_flight if not f.done())
+    _in_flight.clear()
+    return still_running
 
 
 def finalize_async_saves(checkpointing_context: dict[str, Any], blocking: bool = False) -> bool:

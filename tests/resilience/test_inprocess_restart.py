@@ -566,6 +566,26 @@ def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: An
     assert emptied == [1]
 
 
+def test_teardown_waits_for_a_background_save_of_the_failed_run(monkeypatch: Any) -> None:
+    """A restarting worker lets an async save of the failed run end before its process groups go (the save's
+    thread runs collectives on the checkpoint group), then forgets it; one still running at the deadline is
+    dropped with a warning."""
+    from concurrent.futures import Future
+
+    from longspan.training import async_checkpoint
+
+    finishing: Future = Future()
+    stuck: Future = Future()
+    threading.Timer(0.3, finishing.set_result, args=(None,)).start()
+    monkeypatch.setattr(async_checkpoint, "_in_flight", [finishing])
+    t0 = time.monotonic()
+    inprocess.reset_process_state(empty_cuda_cache=False)
+    assert finishing.done() and time.monotonic() - t0 >= 0.25 and async_checkpoint._in_flight == []
+    monkeypatch.setattr(async_checkpoint, "_in_flight", [stuck])
+    monkeypatch.setattr(inprocess, "_ASYNC_SAVE_GRACE_S", 0.2)
+    assert async_checkpoint.abandon_in_flight_saves(0.2) == 1 and async_checkpoint._in_flight == []
+
+
 # ------------------------------------------------------------------------------------------------- config
 
 

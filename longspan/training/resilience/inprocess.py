@@ -206,13 +206,23 @@ def init_process_group(store: Any, generation: int, rank: int, world_size: int, 
                             world_size=world_size, timeout=timedelta(minutes=timeout_minutes))
 
 
+#: how long a restarting worker waits for a background save of the failed run to end
+_ASYNC_SAVE_GRACE_S = 30.0
+
+
 def reset_process_state(empty_cuda_cache: bool) -> None:
     """Forget everything one training run left in the process: process groups and longspan's parallel state,
     compiled graphs, the CUDA cache (``empty_cuda_cache``), then collect garbage."""
     import torch
 
     from longspan.parallel.init import destroy_distributed
+    from longspan.training.async_checkpoint import abandon_in_flight_saves
 
+    # A background save of the failed run still uses the checkpoint group: let it end before the groups go.
+    running = abandon_in_flight_saves(timeout=_ASYNC_SAVE_GRACE_S)
+    if running:
+        logger.warning(f"in-process restart: {running} background checkpoint save(s) still running after "
+                       f"{_ASYNC_SAVE_GRACE_S:.0f} s; their partial directories are ignored")
     try:
         destroy_distributed()
     except Exception as exc:  # noqa: BLE001 - a group whose peer died may fail to shut down cleanly

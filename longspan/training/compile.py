@@ -1,6 +1,7 @@
 """The compiled fast path: ``torch.compile`` per transformer layer, applied from outside after the parallel plans.
 
-``compile_model(chunks, setting, device)`` replaces each transformer layer's ``forward`` with a compiled one
+``compile_model(chunks, setting, device, tensor_parallel)`` replaces each transformer layer's ``forward`` with a
+compiled one
 (torchtitan's per-block compile). It runs after tensor/sequence/context/expert/data parallelism and pipeline
 splitting, so every layout gets it the same way: the module tree, parameter names and the wrappers' hooks
 (FSDP2's all-gathers, DDP's reducer) stay as they were. The TP plans' hooks on the layer's sub-modules
@@ -11,11 +12,16 @@ through them). Two pieces stay eager inside a compiled layer (graph breaks aroun
 - an MoE layer's token dispatch and experts (data-dependent token counts; expert parallel's all-to-all);
 - with selective recompute, the checkpointed attention core (traced, it fails under tensor parallel).
 
+Under tensor parallel, a layer with one of these (or with context parallel's attention, which breaks the
+graph itself) compiles its other sub-blocks whole instead of the layer: see ``_compile_layer``.
+
 Tested (compiled vs eager losses, fp32 CPU, dropout on, rel <= 1e-5 over 20 iterations; tests/perf/
 test_compile.py and test_compile_layouts.py): one process, DDP2, FSDP2 DP2, TP2 with full recompute, TP2 + SP
 with selective recompute, PP2, CP2, MoE under EP2; bit-exact resume compiled in one process and TP2 + SP.
-Also run by hand (same losses): DP2 x TP2 (FSDP2 over TP, 4 ranks), TP2 + SP with the chunked loss, MoE
-over DP2 without expert parallel.
+Model level (every parameter's gradient, rel 1e-5): TP2 + SP with selective recompute, MoE under TP2. Also
+run by hand (same losses or gradients): DP2 x TP2 (FSDP2 over TP), CP2 x TP2 + SP and MoE EP2 x TP2 (4 ranks
+each), TP2 + SP with the chunked loss, MoE over DP2 without expert parallel, hybrid Mamba in one process.
+Not tried: T5 (the decoder stack's layers would compile the same way; the encoder's are not compiled).
 
 Randomness: inductor is told to draw random numbers with eager's generator (``fallback_random``), so dropout
 masks, losses and resumed runs are the same with and without compile.

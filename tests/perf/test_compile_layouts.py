@@ -104,9 +104,11 @@ def test_compiled_tp2_sp_selective_recompute_equals_eager_and_resumes_bit_for_bi
 
 def _gradients_compiled_and_eager(model_overrides: dict) -> dict:
     """Worker task: the same layout built twice (eager, then compiled), two microbatches of forward/backward
-    each; the largest relative gradient difference per parameter (full tensors compared)."""
+    each; the largest relative gradient difference per parameter (full tensors compared) and the number of
+    graphs dynamo built."""
     import torch
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from longspan.parallel.parallelize import parallel_loss_context
     from longspan.training import compile as compile_mod
@@ -116,6 +118,7 @@ def _gradients_compiled_and_eager(model_overrides: dict) -> dict:
     grads = {}
     for compiled in (False, True):
         torch._dynamo.reset()
+        counters.clear()
         cfg = tiny_config(seq=32, num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                           num_query_groups=2, **model_overrides)
         parallel, model, _ = build_layout_model(cfg)
@@ -130,8 +133,9 @@ def _gradients_compiled_and_eager(model_overrides: dict) -> dict:
                 ((per_token * mask).sum() / mask.sum()).backward()
         grads[compiled] = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                            for name, p in model.named_parameters()}
-    return {name: float((grads[True][name] - want).abs().max() / want.abs().max())
+    gaps = {name: float((grads[True][name] - want).abs().max() / want.abs().max())
             for name, want in grads[False].items()}
+    return {"gaps": gaps, "graphs": counters["stats"]["unique_graphs"]}
 
 
 @pytest.mark.parametrize("name,overrides", [
@@ -140,6 +144,8 @@ def _gradients_compiled_and_eager(model_overrides: dict) -> dict:
     ("tp2_moe", dict(MOE, tensor_model_parallel_size=2)),
 ])
 def test_compiled_tensor_parallel_layer_with_eager_parts_has_eager_gradients(name, overrides, pool2):
-    for rank, gaps in enumerate(pool2.run(_gradients_compiled_and_eager, overrides, timeout=TIMEOUT)):
+    for rank, result in enumerate(pool2.run(_gradients_compiled_and_eager, overrides, timeout=TIMEOUT)):
+        assert result["graphs"] >= 1  # something compiled
+        gaps = result["gaps"]
         worst = max(gaps, key=gaps.get)
         assert gaps[worst] <= 1e-5, (name, rank, worst, gaps[worst])

@@ -1,10 +1,9 @@
 """The compiled fast path: ``torch.compile`` per transformer layer, applied from outside after the parallel plans.
 
-``compile_model(chunks, setting, device, tensor_parallel)`` replaces each transformer layer's ``forward`` with a
-compiled one
-(torchtitan's per-block compile). It runs after tensor/sequence/context/expert/data parallelism and pipeline
-splitting, so every layout gets it the same way: the module tree, parameter names and the wrappers' hooks
-(FSDP2's all-gathers, DDP's reducer) stay as they were. The TP plans' hooks on the layer's sub-modules
+``compile_model(chunks, setting, device, tensor_parallel)`` replaces each transformer layer's ``forward`` with
+a compiled one (torchtitan's per-block compile). It runs after tensor/sequence/context/expert/data parallelism
+and pipeline splitting, so every layout gets it the same way: the module tree, parameter names and the
+wrappers' hooks (FSDP2's all-gathers, DDP's reducer) stay as they were. The TP plans' hooks on the layer's sub-modules
 (linear_q, linear_proj, the SP norms, ...) are traced into the layer's graph with their DTensor
 redistributions. Full activation recompute wraps compiled layers (``torch.utils.checkpoint`` recomputes
 through them). Two pieces stay eager inside a compiled layer (graph breaks around them):

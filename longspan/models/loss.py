@@ -162,7 +162,7 @@ class LogitsWorkspace:
 
     def take(self, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         """An uninitialised float32 tensor of ``shape`` (a view of a kept buffer when one is free)."""
-        if device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):
+        if device.type != "cpu" or torch.compiler.is_compiling() or not hasattr(torch._C, "_storage_Use_Count"):
             return torch.empty(shape, dtype=torch.float32, device=device)
         free = [(buf, refs) for buf, refs in self._buffers if _storage_refs(buf) == refs]
         for buf, _ in free:

@@ -208,3 +208,20 @@ def test_cpu_optimizer_is_fused_and_follows_the_foreach_one(name):
         ref.step()
     for (n, p0), (_, p1) in zip(models[0].named_parameters(), models[1].named_parameters()):
         torch.testing.assert_close(p0, p1, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def test_fused_loss_compiles_with_a_workspace():
+    # Inside a compiled graph the workspace hands out plain torch.empty buffers (no reference counting traced).
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(12, 8), torch.randn(40, 8)
+    labels = _labels((12,), 40, seed=6)
+    workspace = LogitsWorkspace()
+
+    def run(loss_fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        losses = loss_fn(h, w, labels, workspace)
+        losses.sum().backward()
+        return losses.detach(), h.grad, w.grad
+
+    for actual, expected in zip(run(torch.compile(fused_linear_cross_entropy)), run(fused_linear_cross_entropy)):
+        _close(actual, expected)

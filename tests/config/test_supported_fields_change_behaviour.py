@@ -115,7 +115,6 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "optimizer.sgd_momentum": (0.5, {"optimizer.optimizer": "sgd"}),
     "optimizer.loss_scale": (8.0, {"model.fp16": True, "optimizer.fp16": True}),
     "optimizer.initial_loss_scale": (1024.0, {"model.fp16": True, "optimizer.fp16": True}),
-    "optimizer.min_loss_scale": (2.0**40, {"model.fp16": True, "optimizer.fp16": True}),
     "optimizer.loss_scale_window": (1, {"model.fp16": True, "optimizer.fp16": True, "optimizer.initial_loss_scale": 1.0}),
     "optimizer.hysteresis": (1, {"model.fp16": True, "optimizer.fp16": True, "optimizer.initial_loss_scale": 2.0**100}),
     "optimizer.fp16": (True, {}, {"model.fp16": True}),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 from longspan.core.logging import get_logger, get_rank
-from longspan.training.utils.progress_log import append_to_progress_log
+from longspan.training.utils.progress_log import append_to_progress_log, format_progress_line
 
 logger = get_logger(__name__)
 
@@ -31,3 +33,19 @@ def report_event(state: Any, kind: str, message: str, *, all_ranks: bool = False
         record.update({k: v for k, v in fields.items() if v is not None})
         sink.write(record)
         sink.flush()
+
+
+def append_event_files(save_dir: Optional[str], metrics_path: Optional[str], world_size: int, kind: str,
+                       message: str, record: dict[str, Any]) -> None:
+    """The files' part of an event reported from outside a run (the launcher's monitor, the in-process
+    supervisor): a ``{save_dir}/progress.txt`` entry and a ``metrics_path`` record (None fields left out)."""
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(os.path.join(save_dir, "progress.txt"), "a", encoding="utf-8") as fh:
+            fh.write(format_progress_line(f"Resilience event\t{kind}\t{message}", world_size))
+    if metrics_path:
+        os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
+        entry = {"phase": "resilience", "event": kind, "time": time.time(), "message": message,
+                 **{k: v for k, v in record.items() if v is not None}}
+        with open(metrics_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")

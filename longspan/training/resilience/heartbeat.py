@@ -429,18 +429,10 @@ class HeartbeatMonitor(threading.Thread):
 
 def monitor_reporter(save_dir: Optional[str], metrics_path: Optional[str], world_size: int) -> Callable[[str, dict], None]:
     """The launcher's event sink: a log line, a progress.txt entry and a metrics.jsonl record per detection."""
-    from longspan.training.utils.progress_log import format_progress_line
+    from longspan.training.resilience.events import append_event_files
 
     def report(message: str, record: dict[str, Any]) -> None:
         logger.warning(f"resilience: fault: {message}")
-        if save_dir:
-            os.makedirs(save_dir, exist_ok=True)
-            with open(os.path.join(save_dir, "progress.txt"), "a", encoding="utf-8") as fh:
-                fh.write(format_progress_line(f"Resilience event\tfault\t{message}", world_size))
-        if metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-            line = {"phase": "resilience", "event": "fault", "time": time.time(), "message": message, **record}
-            with open(metrics_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(line) + "\n")
+        append_event_files(save_dir, metrics_path, world_size, "fault", message, record)
 
     return report

@@ -21,7 +21,6 @@ Every fault and restart is a log line, a ``progress.txt`` entry and a ``metrics.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -131,22 +130,13 @@ def supervisor_reporter(save_dir: Optional[str], metrics_path: Optional[str], wo
                         log_dir: Optional[str]) -> Reporter:
     """The supervisor's event sink: ``report(kind, message, record)`` -> a log line, a progress.txt entry and a
     metrics.jsonl record (and a monitor log line)."""
-    from longspan.training.utils.progress_log import format_progress_line
+    from longspan.training.resilience.events import append_event_files
 
     def report(kind: str, message: str, record: dict) -> None:
         line = f"resilience: {kind}: {message}"
         logger.warning(line)
         monitor_log(log_dir, line)
-        if save_dir:
-            os.makedirs(save_dir, exist_ok=True)
-            with open(os.path.join(save_dir, "progress.txt"), "a", encoding="utf-8") as fh:
-                fh.write(format_progress_line(f"Resilience event\t{kind}\t{message}", world_size))
-        if metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-            entry = {"phase": "resilience", "event": kind, "time": time.time(), "message": message,
-                     **{k: v for k, v in record.items() if v is not None}}
-            with open(metrics_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(entry) + "\n")
+        append_event_files(save_dir, metrics_path, world_size, kind, message, record)
 
     return report
 

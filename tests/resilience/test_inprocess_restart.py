@@ -566,6 +566,30 @@ def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: An
     assert emptied == [1]
 
 
+def test_leaving_the_interruptible_span_leaves_python_fast() -> None:
+    """A run that entered and left the span (every attempt does) must not leave CPython's eval breaker set
+    (cancelling with PyThreadState_SetAsyncExc(tid, NULL) did): a torch-profiled loop with Python stacks then
+    crawled, and tests/training's profiler test hung after this file's tests. Fresh interpreter, so the
+    state of this process does not matter."""
+    script = textwrap.dedent("""
+        import time
+        from torch.profiler import profile
+        from longspan.training.config import InProcessRestartConfig
+        from longspan.training.resilience.inprocess import WorkerMonitor
+
+        monitor = WorkerMonitor("127.0.0.1:1", 0, InProcessRestartConfig(enabled=True))
+        monitor.running(0)
+        monitor.stopped()
+        start = time.perf_counter()
+        with profile(with_stack=True):
+            sum(i for i in range(200_000))
+        print(f"{time.perf_counter() - start:.2f}")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 20.0  # ~1 s normally; the stuck eval breaker: minutes
+
+
 def test_teardown_waits_for_a_background_save_of_the_failed_run(monkeypatch: Any) -> None:
     """A restarting worker lets an async save of the failed run end before its process groups go (the save's
     thread runs collectives on the checkpoint group), then forgets it; one still running at the deadline is

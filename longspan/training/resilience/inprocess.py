@@ -79,9 +79,9 @@ def _read_int(store: Any, key: str, default: int = 0) -> int:
     return int(store.get(key)) if store.check([key]) else default
 
 
-def _raise_in_thread(thread_id: int, exc: Optional[type]) -> None:
-    """Schedule ``exc`` in another thread (delivered at its next Python instruction); None cancels a pending one."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+def _raise_in_thread(thread_id: int, exc: type) -> None:
+    """Schedule ``exc`` in another thread (delivered at its next Python instruction)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
 
 
 class WorkerMonitor:
@@ -111,10 +111,13 @@ class WorkerMonitor:
             self._running_generation = generation
 
     def stopped(self) -> None:
-        """Leave the interruptible span; cancels an interruption scheduled but not yet delivered."""
+        """Leave the interruptible span: no interruption is scheduled after this.
+
+        Nothing is cancelled with ``PyThreadState_SetAsyncExc(tid, NULL)``: CPython then leaves the interpreter's
+        eval breaker set for good, and with the torch profiler's Python tracer (``with_stack``) every later
+        Python step crawls (a profiled run of the next training hung). An interruption already scheduled is
+        delivered and caught where ``_attempt`` expects it."""
         with self._lock:
-            if self._running_generation is not None:
-                _raise_in_thread(self._main_thread_id, None)
             self._running_generation = None
 
     def _loop(self) -> None:

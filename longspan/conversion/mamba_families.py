@@ -38,6 +38,18 @@ def _mamba_mixer_hf(p: Any) -> dict[str, Any]:
                 use_conv_bias=True, use_bias=False, heads=heads)
 
 
+def _shared_fields(cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """What Mamba-2 and Nemotron-H read alike: vocabulary, RMSNorm, no position embedding, tied embeddings."""
+    return dict(
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        position_embedding_type="none",
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
 def mamba2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     layers = required(cfg, "num_hidden_layers")
     vocab = required(cfg, "vocab_size")
@@ -48,12 +60,7 @@ def mamba2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         hybrid_override_pattern="M" * layers,
         hidden_size=required(cfg, "hidden_size"),
         mamba_expand=int(cfg.get("expand", 2)),
-        vocab_size=vocab,
-        make_vocab_size_divisible_by=vocab_divisor(vocab),
-        normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        position_embedding_type="none",
-        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        **_shared_fields(cfg, vocab),
         hidden_dropout=0.0,
         init_method_std=float(cfg.get("initializer_range", 0.1)),
     )
@@ -119,12 +126,7 @@ def nemotron_h_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         gated_linear_unit=False,
         add_bias_linear=False,
         seq_length=int(cfg.get("max_position_embeddings", 4096)),
-        vocab_size=vocab,
-        make_vocab_size_divisible_by=vocab_divisor(vocab),
-        normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        position_embedding_type="none",
-        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        **_shared_fields(cfg, vocab),
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         hidden_dropout=float(cfg.get("hidden_dropout", 0.0)),
         init_method_std=float(cfg.get("initializer_range", 0.02)),

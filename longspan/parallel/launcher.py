@@ -62,7 +62,8 @@ class WorkerFailure:
     log_file: str | None = None
 
 
-def _last_line(path: str | None) -> str:
+def last_log_line(path: str | None) -> str:
+    """The last non-blank line of a worker's log file ("" when there is none)."""
     if not path or not os.path.isfile(path):
         return ""
     with open(path, errors="replace") as fh:
@@ -112,7 +113,7 @@ def _pick_failure(failures: dict[int, Any], logs: Any, exit_dir: str) -> WorkerF
     log_file = None
     if logs is not None:
         log_file = getattr(logs, "stderrs", {}).get(f.local_rank)
-    message = _error_file_message(f.error_file) or _last_line(log_file)
+    message = _error_file_message(f.error_file) or last_log_line(log_file)
     return WorkerFailure(rank=rank, local_rank=f.local_rank, exitcode=f.exitcode, message=message,
                          log_file=log_file)
 

@@ -370,12 +370,10 @@ class InProcessSupervisor:
     def _failure_line(self, rank: int, returncode: int) -> str:
         """One line for a failed rank: how it ended, the last line of its stderr, where the full log is."""
         line = f"longspan: error: rank {rank} {describe_exit(returncode)}"
+        from longspan.parallel.launcher import last_log_line
+
         path = self.stderr_files.get(rank)
-        last = ""
-        if path and os.path.isfile(path):
-            with open(path, errors="replace") as fh:
-                lines = [ln.strip() for ln in fh.read().splitlines() if ln.strip()]
-            last = lines[-1] if lines else ""
+        last = last_log_line(path)
         if last:
             line += f": {last.removeprefix('longspan: error: ')}"
         return line + (f" (full log: {path})" if path else "")

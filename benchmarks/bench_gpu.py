@@ -7,7 +7,7 @@ Shape ``1b`` (the default on CUDA): a Llama-3.2-1B-like model, 16 layers, hidden
 64, vocabulary 512, batch 2 x 64, fp32 on the CPU, so the script runs end to end anywhere.
 
 MFU counts 6·N + 12·L·h·s FLOPs per token (N parameters without embeddings, L layers, h hidden, s sequence)
-against the device's peak (longspan.training.utils.mfu: table by device, measured on a CPU,
+against the device's peak (longspan.training.observability.mfu: table by device, measured on a CPU,
 LONGSPAN_PEAK_TFLOPS overrides). Kinds that cannot run here (float8 without CUDA FP8 hardware or torchao,
 compile without a compiler) are listed as skipped with the reason.
 
@@ -44,7 +44,7 @@ def longspan_config(shape: dict, run_dir: str, cuda: bool, **overrides: Any) -> 
     m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = shape["seq"], shape["vocab"], 128
     m.hidden_dropout = m.attention_dropout = 0.0
     if cuda:  # bf16 mixed: bf16 compute, fp32 master weights and optimizer state
-        from longspan.training.configs.optim import apply_mixed_precision, get_mixed_precision_config
+        from longspan.config.schema.optim import apply_mixed_precision, get_mixed_precision_config
 
         apply_mixed_precision(get_mixed_precision_config("bf16_mixed"), cfg.model, cfg.optimizer, cfg.ddp)
     cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model = "NullTokenizer", None
@@ -62,7 +62,7 @@ def longspan_config(shape: dict, run_dir: str, cuda: bool, **overrides: Any) -> 
 
 
 def longspan_kind(shape: dict, run_dir: str, cuda: bool, **overrides: Any) -> Callable[[], None]:
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.setup import setup
     from longspan.training.train import train_step
     from longspan.training.utils.train_utils import prepare_forward_step_func
@@ -158,7 +158,7 @@ def main() -> None:
     shape = dict(SHAPES[args.shape])
     if args.seq:
         shape["seq"] = args.seq
-    from longspan.training.utils.mfu import peak_flops_per_device
+    from longspan.training.observability.mfu import peak_flops_per_device
 
     device = torch.device("cuda" if cuda else "cpu")
     peak = peak_flops_per_device(device)

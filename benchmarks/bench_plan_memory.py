@@ -73,7 +73,7 @@ def case_config(name: str) -> Any:
 def estimate(name: str) -> float:
     """The planner's total bytes for the busiest rank of case ``name``."""
     from longspan.parallel.mesh import layout_from_config
-    from longspan.training.planner import estimate_memory
+    from longspan.planner.plan import estimate_memory
 
     cfg = case_config(name)
     cfg.model.vocab_size = cfg.tokenizer.vocab_size + 1

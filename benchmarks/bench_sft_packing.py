@@ -71,8 +71,8 @@ def tiny_model(seq: int):
 
 
 def run_mode(name: str, root: str, seq: int, mbs: int, steps: int, packed: bool, pad_to_max: bool) -> dict:
-    from longspan.training.forward_step import forward_step
-    from longspan.training.timers import Timers
+    from longspan.training.step.forward_step import forward_step
+    from longspan.training.observability.timers import Timers
 
     tokenizer = NullTokenizer(255)
     kwargs = None if pad_to_max else {"pad_to_max_length": False, "pad_seq_length_to_mult": 16}

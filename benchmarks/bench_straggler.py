@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from longspan.recipes import get_recipe
-from longspan.training.configs.infra import NVRxStragglerDetectionConfig
+from longspan.config.schema.infra import NVRxStragglerDetectionConfig
 from longspan.training.pretrain import pretrain
 from longspan.training.resilience.straggler import StragglerDetector, StragglerSettings
 

@@ -8,7 +8,7 @@ the medians compared, so machine noise hits them alike.
   norm, then the training log's bookkeeping and ``checkpoint_and_decide_exit``), as ``train()`` runs it,
   with longspan's defaults (``train.torch_compile=None``: compiled where it pays).
 - ``ls-eager`` / ``ls-compiled``: the same with ``train.torch_compile`` False / True (per-layer
-  ``torch.compile``, longspan.training.compile); the compiled kind's compilation happens in the warm-up steps.
+  ``torch.compile``, longspan.parallel.compile); the compiled kind's compilation happens in the warm-up steps.
 - ``bare``: the same longspan model with a hand-written loop (forward, mean loss, backward, clip, the fused
   torch AdamW longspan builds on a CPU). longspan / bare − 1 is the framework overhead.
 - ``hf``: LlamaForCausalLM with SDPA attention, loss from labels, torch's AdamW with its defaults (on a CPU
@@ -51,7 +51,7 @@ def longspan_config(run_dir: str):
 
 
 def build_longspan(run_dir: str, torch_compile=None):
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.setup import setup
     from longspan.training.utils.train_utils import prepare_forward_step_func
 
@@ -65,7 +65,7 @@ def build_longspan(run_dir: str, torch_compile=None):
 def longspan_iteration(out, history: list[float], total_loss: dict) -> None:
     """The body of ``train()`` for one iteration (no eval, no checkpoint due)."""
     from longspan.training.train import checkpoint_and_decide_exit, train_step
-    from longspan.training.utils.flop_utils import num_floating_point_operations
+    from longspan.models.flops import num_floating_point_operations
     state, ts = out.state, out.state.train_state
     state.num_microbatches_calculator.update(ts.consumed_train_samples, True)
     loss_dict, skipped, _, _, _, grad_norm, zeros = train_step(
@@ -84,7 +84,7 @@ def _log_iteration(out, loss_dict, total_loss, skipped, grad_norm, zeros, histor
     state, optimizer = out.state, out.optimizer
     try:
         from longspan.training.train import log_iteration
-        from longspan.training.utils.log_metrics import IterationMetrics
+        from longspan.training.observability.log_metrics import IterationMetrics
     except ImportError:
         from longspan.training.utils.train_utils import training_log
 

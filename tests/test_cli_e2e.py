@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from tests.training.pretrain_helpers import losses_by_iteration, small_config
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc_per_node:
         return _launch(args)
     if args.action == "import":
-        from longspan.training.hf_checkpoint import import_hf_checkpoint
+        from longspan.training.checkpointing.hf_checkpoint import import_hf_checkpoint
 
         import_hf_checkpoint(args.hf_model, args.output, args.overrides, args.config,
                              show_progress=not args.no_progress)
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.adapter_only:
         return _export_adapter(args)
-    from longspan.training.hf_checkpoint import export_longspan_checkpoint
+    from longspan.training.checkpointing.hf_checkpoint import export_longspan_checkpoint
 
     overrides = [*_yaml_as_dotlist(args.config), *args.overrides]
     export_longspan_checkpoint(args.checkpoint, args.output, overrides, architecture=args.architecture,
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_adapter(args: argparse.Namespace) -> int:
-    """The adapters of an adapter checkpoint in HF PEFT format (longspan.training.peft_checkpoint)."""
-    from longspan.training.peft_checkpoint import export_adapter_checkpoint
+    """The adapters of an adapter checkpoint in HF PEFT format (longspan.training.checkpointing.peft_checkpoint)."""
+    from longspan.training.checkpointing.peft_checkpoint import export_adapter_checkpoint
 
     export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
     print(f"exported adapters of {args.checkpoint} -> {args.output}")

@@ -86,7 +86,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
 
     device = _device(args.device)
     if args.checkpoint is not None:
-        from longspan.training.model_loading import load_model_from_checkpoint
+        from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 
         loaded = load_model_from_checkpoint(args.checkpoint, device=device)
         return loaded.model, loaded.tokenizer, None

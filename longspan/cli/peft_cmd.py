@@ -24,7 +24,7 @@ def add_parser(subparsers: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.training.peft_checkpoint import merge_adapter_checkpoint
+    from longspan.training.checkpointing.peft_checkpoint import merge_adapter_checkpoint
 
     if not Path(args.checkpoint).is_dir():
         raise CheckpointError(f"--checkpoint {args.checkpoint} is not a directory")

@@ -1,7 +1,7 @@
 """``longspan plan [--recipe NAME] [--config FILE ...] --world-size N --device h100|h200|a100|b200|cpu
 --memory-per-device 80GiB [section.field=value ...]``: per-rank memory and step time of every valid layout.
 
-Prints one table, layouts that fit first, each group fastest first (see ``longspan.training.planner``).
+Prints one table, layouts that fit first, each group fastest first (see ``longspan.planner.plan``).
 When no layout fits, one line names the smallest per-rank need against the memory given, and it exits 2.
 """
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from longspan.config import load_config
     from longspan.core.errors import ConfigError
     from longspan.data.tokenizers import build_tokenizer
-    from longspan.training.planner import GiB, format_table, parse_size, plan
+    from longspan.planner.plan import GiB, format_table, parse_size, plan
 
     if args.world_size < 1:
         raise ConfigError(f"--world-size={args.world_size} must be a positive integer")

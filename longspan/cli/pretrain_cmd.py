@@ -103,9 +103,9 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     world_size = nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     from longspan.data.tokenizers import build_tokenizer
-    from longspan.training.checkpoint_loading import apply_checkpoint_args
-    from longspan.training.configs.data_rules import check_vocab_fits
-    from longspan.training.hf_weights import apply_hf_pretrained_config
+    from longspan.training.checkpointing.load import apply_checkpoint_args
+    from longspan.config.rules.data import check_vocab_fits
+    from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
 
     # As setup() does in each worker: architecture and tokenizer from the pretrained checkpoint, on a copy (the
     # workers build their own config from the command line).
@@ -132,7 +132,7 @@ def _launch_inprocess(args: argparse.Namespace, cfg: Any) -> int:
         raise LaunchError(f"--max-restarts={args.max_restarts} restarts the whole worker group; with "
                           "inprocess_restart.enabled=True use inprocess_restart.max_iterations instead")
     world_size = _validate_for_launch(args, cfg)
-    from longspan.training.loggers import metrics_jsonl_path
+    from longspan.training.observability.loggers import metrics_jsonl_path
     from longspan.training.resilience.supervisor import InProcessSupervisor, supervisor_reporter
 
     ipr = cfg.inprocess_restart

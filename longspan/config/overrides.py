@@ -60,7 +60,7 @@ def load_config(
     partial override in Bridge's shape (only the sections and fields it names change). Without a recipe the
     first file must be a full config. Nothing is validated here (lazy validation); call ``cfg.validate()``.
     """
-    from longspan.training.configs.container import ConfigContainer
+    from longspan.config.schema.container import ConfigContainer
 
     cfg: Optional[ConfigContainer] = None
     if recipe:

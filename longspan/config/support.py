@@ -87,7 +87,7 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("model", HINT, "overlap_p2p_comm overlap_p2p_comm_warmup_flush deallocate_pipeline_outputs"),
     **_many("model", DEVICE, "use_cpu_initialization"),
-    # Issue 14: FP8 through torchao float8 (longspan.training.precision): CUDA with FP8 hardware only; set
+    # Issue 14: FP8 through torchao float8 (longspan.parallel.float8): CUDA with FP8 hardware only; set
     # elsewhere, the model build raises one line.
     **_many("model", DEVICE, "fp8 fp8_recipe fp8_param"),
     **_many("mixed_precision", DEVICE, "fp8 fp8_recipe"),
@@ -118,7 +118,7 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("ddp", SUPPORTED, "grad_reduce_in_fp32 overlap_grad_reduce use_distributed_optimizer bucket_size "
                               "average_in_collective"),
-    # Issue 14: the precision-aware optimizer (longspan.training.precision_aware_adam) and FSDP2's explicit
+    # Issue 14: the precision-aware optimizer (longspan.training.optim.precision_aware_adam) and FSDP2's explicit
     # all-gather prefetch for ddp.overlap_param_gather (longspan.parallel.data_parallel.set_explicit_prefetch).
     **_many("optimizer", SUPPORTED, "use_precision_aware_optimizer main_grads_dtype main_params_dtype "
                                     "exp_avg_dtype exp_avg_sq_dtype"),
@@ -137,7 +137,7 @@ FIELD_STATUS: dict[str, str] = {
         use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save also_save_hf_checkpoint
         use_persistent_ckpt_worker fully_parallel_load
         """),
-    # Issue 15: energy counters (longspan.training.utils.energy); without any readable counter setup() lists
+    # Issue 15: energy counters (longspan.training.observability.energy); without any readable counter setup() lists
     # the field as not applicable.
     **_many("logger", DEVICE, "log_energy"),
     **_many("logger", DEVICE, "log_memory_to_tensorboard"),

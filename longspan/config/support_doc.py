@@ -27,9 +27,9 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-support.md"
 
 
 def _section_classes() -> list[tuple[str, type]]:
-    from longspan.training.configs.container import SECTION_TYPES
-    from longspan.training.configs.data import MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
-    from longspan.training.configs.optim import MixedPrecisionConfig
+    from longspan.config.schema.container import SECTION_TYPES
+    from longspan.config.schema.data import MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
+    from longspan.config.schema.optim import MixedPrecisionConfig
 
     out: list[tuple[str, type]] = []
     for section, classes in SECTION_TYPES.items():

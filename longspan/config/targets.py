@@ -110,7 +110,7 @@ def longspan_target(cls: type) -> str:
     raise ConfigError(f"{cls.__name__} is not a longspan config class")
 
 
-# The config classes, registered by the module that defines the container (longspan.training.configs.container
+# The config classes, registered by the module that defines the container (longspan.config.schema.container
 # registers every section class when it is imported): this layer looks them up and imports nothing above it.
 _REGISTERED: dict[str, type] = {}
 _SECTION_TYPES: dict[str, tuple[type, ...]] = {}

@@ -64,7 +64,7 @@ _FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     "mtp_num_layers": None,
     "mtp_enabled": False,
-}  # fp8 is applied from outside (longspan.training.precision), not by the model
+}  # fp8 is applied from outside (longspan.parallel.float8), not by the model
 
 
 def padded_vocab_size(config: Any) -> int:

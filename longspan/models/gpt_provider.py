@@ -158,7 +158,7 @@ class TransformerConfig(ModelParallelConfig):
     # ---- fp8 -------------------------------------------------------------------------------------------
     fp8: Optional[str] = None
     """FP8 training format ('e4m3' or 'hybrid': e4m3 forward, e5m2 gradients); None = off. longspan: the
-    transformer layers' linears train in FP8 through torchao (longspan.training.precision; CUDA with the
+    transformer layers' linears train in FP8 through torchao (longspan.parallel.float8; CUDA with the
     recipe's hardware and the fp8 extra, else a one-line error); each recipe takes the format its kernels
     compute ('tensorwise': either; 'rowwise', 'blockwise', 'mxfp8': 'e4m3')."""
 

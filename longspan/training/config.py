@@ -10,8 +10,8 @@ from longspan.data.sft.packing import PackedSequenceSpecs
 from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
 from longspan.models.mamba_provider import MambaProvider
 from longspan.models.t5_provider import T5ModelProvider
-from longspan.training.configs.container import ConfigContainer
-from longspan.training.configs.data import (
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.data import (
     DataloaderConfig,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
@@ -19,7 +19,7 @@ from longspan.training.configs.data import (
     T5MaskedWordPieceDatasetConfig,
     TokenizerConfig,
 )
-from longspan.training.configs.infra import (
+from longspan.config.schema.infra import (
     DistributedInitConfig,
     FaultToleranceConfig,
     InProcessRestartConfig,
@@ -29,7 +29,7 @@ from longspan.training.configs.infra import (
     RNGConfig,
     StragglerDetectionConfig,
 )
-from longspan.training.configs.optim import (
+from longspan.config.schema.optim import (
     MIXED_PRECISION_RECIPES,
     DistributedDataParallelConfig,
     MixedPrecisionConfig,
@@ -39,7 +39,7 @@ from longspan.training.configs.optim import (
     fp32,
     get_mixed_precision_config,
 )
-from longspan.training.configs.training import CheckpointConfig, LoggerConfig, SchedulerConfig, TrainingConfig
+from longspan.config.schema.training import CheckpointConfig, LoggerConfig, SchedulerConfig, TrainingConfig
 
 __all__ = [
     "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig", "GPTDatasetConfig",

@@ -8,9 +8,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from longspan.core.logging import get_logger, print_rank_last
-from longspan.training.schedules import reduce_loss_reports, run_forward_backward
+from longspan.training.step.schedules import reduce_loss_reports, run_forward_backward
 from longspan.training.state import GlobalState
-from longspan.training.utils.validation_log import log_validation_results
+from longspan.training.observability.validation_log import log_validation_results
 
 logger = get_logger(__name__)
 

@@ -9,13 +9,13 @@ from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, print_rank_last
 from longspan.models.t5_provider import T5ModelProvider
 from longspan.training.eval import evaluate_and_print_results
-from longspan.training.forward_step import forward_step as default_forward_step
+from longspan.training.step.forward_step import forward_step as default_forward_step
 from longspan.training.setup import setup
-from longspan.training.t5_forward_step import t5_forward_step
+from longspan.training.step.t5_forward_step import t5_forward_step
 from longspan.training.state import GlobalState
 from longspan.training.train import train
-from longspan.training.utils.progress_log import STARTING_JOB, append_to_progress_log
-from longspan.training.utils.throughput_summary import run_throughput_summary
+from longspan.training.observability.progress_log import STARTING_JOB, append_to_progress_log
+from longspan.training.observability.throughput_summary import run_throughput_summary
 from longspan.training.utils.train_utils import prepare_forward_step_func
 
 logger = get_logger(__name__)

@@ -26,25 +26,25 @@ from longspan.core.errors import NotSupportedError
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.parallelize import parallelize_model
 from longspan.parallel.data_parallel import data_parallel_mode
-from longspan.training.compile import compile_model
-from longspan.training.precision import apply_float8, check_fp8
-from longspan.training.configs.data_rules import check_vocab_fits
-from longspan.training.checkpoint_loading import apply_checkpoint_args, load_peft_checkpoint
-from longspan.training.checkpointing import check_save_dir_writable, set_rng_state
+from longspan.parallel.compile import compile_model
+from longspan.parallel.float8 import apply_float8, check_fp8
+from longspan.config.rules.data import check_vocab_fits
+from longspan.training.checkpointing.load import apply_checkpoint_args, load_peft_checkpoint
+from longspan.training.checkpointing.save import check_save_dir_writable, set_rng_state
 from longspan.training.resilience.hooks import (
     build_rerun_state_machine,
     start_fault_tolerance,
     start_straggler_detection,
 )
 from longspan.training.resilience.heartbeat import beat_before_distributed_init
-from longspan.training.resilience.non_persistent import load_newest_checkpoint
-from longspan.training.hf_weights import apply_hf_pretrained_config
-from longspan.training.microbatches import NumMicroBatchesCalculator
-from longspan.training.optimizer import get_megatron_optimizer
-from longspan.training.scheduler import get_optimizer_param_scheduler
-from longspan.training.signals import DistributedSignalHandler
+from longspan.training.checkpointing.non_persistent import load_newest_checkpoint
+from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
+from longspan.training.step.microbatches import NumMicroBatchesCalculator
+from longspan.training.optim.optimizer import get_megatron_optimizer
+from longspan.training.optim.scheduler import get_optimizer_param_scheduler
+from longspan.training.resilience.signals import DistributedSignalHandler
 from longspan.training.state import GlobalState
-from longspan.training.utils.energy import build_energy_monitor
+from longspan.training.observability.energy import build_energy_monitor
 
 logger = get_logger(__name__)
 

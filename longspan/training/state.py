@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from longspan.core.logging import get_rank, get_world_size
-from longspan.training import loggers as _loggers
-from longspan.training.timers import Timers
+from longspan.training.observability import loggers as _loggers
+from longspan.training.observability.timers import Timers
 
 
 @dataclass

@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 
 from longspan.core.logging import get_logger, get_rank, print_rank_0
-from longspan.training.checkpointing import finalize_async_saves, save_checkpoint
+from longspan.training.checkpointing.save import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
-from longspan.training.schedules import (
+from longspan.training.step.schedules import (
     TrainingDivergedError,
     finalize_model_grads,
     reduce_loss_reports,
     run_forward_backward,
 )
-from longspan.training.optimizer import NonFiniteGradError
-from longspan.training.resilience.non_persistent import save_non_persistent, should_save_non_persistent
+from longspan.training.optim.optimizer import NonFiniteGradError
+from longspan.training.checkpointing.non_persistent import save_non_persistent, should_save_non_persistent
 from longspan.training.resilience.hooks import (
     after_forward_backward,
     after_iteration,
@@ -35,7 +35,7 @@ from longspan.training.resilience.hooks import (
     ensure_rerun_state_machine,
     resilience_stop_requested,
 )
-from longspan.training.profiling import (
+from longspan.training.observability.profiling import (
     handle_profiling_step,
     handle_profiling_stop,
     initialize_pytorch_profiler,
@@ -43,10 +43,10 @@ from longspan.training.profiling import (
     should_profile_rank,
 )
 from longspan.training.state import GlobalState
-from longspan.training.utils.flop_utils import num_floating_point_operations
-from longspan.training.utils.log_line import log_iteration
-from longspan.training.utils.log_metrics import IterationMetrics
-from longspan.training.utils.progress_log import (
+from longspan.models.flops import num_floating_point_operations
+from longspan.training.observability.log_line import log_iteration
+from longspan.training.observability.log_metrics import IterationMetrics
+from longspan.training.observability.progress_log import (
     STARTING_JOB,
     append_to_progress_log,
     format_saved_checkpoint_message,

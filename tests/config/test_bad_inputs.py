@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from longspan.cli import main
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from tests.training.pretrain_helpers import small_config
 

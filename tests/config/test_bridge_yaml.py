@@ -137,7 +137,7 @@ def test_bridge_fields_longspan_does_not_implement_say_so(override: str) -> None
 
 
 def test_save_config_filepath_writes_the_validated_config(tmp_path: Path) -> None:
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
     from tests.training.pretrain_helpers import small_config
 

@@ -32,7 +32,7 @@ import torch
 from longspan.config.support import SUPPORTED, field_status
 from longspan.config.types import is_derived_field, yaml_fields
 from longspan.data.gpt_dataset import MockGPTLowLevelDataset
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from longspan.training.setup import setup
 from longspan.training.train import train_step
@@ -233,7 +233,7 @@ def observe_maths(cfg: Any) -> dict[str, Any]:
 
 
 def _observe_maths(cfg: Any) -> dict[str, Any]:
-    from longspan.training.schedules import TrainingDivergedError
+    from longspan.training.step.schedules import TrainingDivergedError
 
     out = setup(cfg)
     state = out.state
@@ -304,7 +304,7 @@ def observe_run(cfg: Any, tmp_path: Path) -> dict[str, Any]:
             metrics.append(json.dumps({k: v for k, v in record.items() if k not in timing}, sort_keys=True))
     stored = {}
     for metadata in tmp_path.rglob(".metadata"):  # what each checkpoint holds (optimizer, rng, ... sections)
-        from longspan.training.checkpoint_io import read_metadata
+        from longspan.training.checkpointing.io import read_metadata
 
         keys = read_metadata(metadata.parent).state_dict_metadata
         stored[metadata.parent.name] = sorted({k.split(".")[0] for k in keys})
@@ -407,7 +407,7 @@ def _micro_cfg_with(tmp_path: Path, **dotted: Any) -> Any:
 @probe("model.barrier_with_L1_time", "optimizer.barrier_with_L1_time")
 def _barrier_flags_reach_the_level_1_timers(tmp_path: Path) -> bool:
     """The flag is the barrier= argument of the level-1 timers (a barrier only matters with several ranks)."""
-    from longspan.training import timers
+    from longspan.training.observability import timers
 
     seen: list[bool] = []
     real = timers.Timer.start
@@ -557,7 +557,7 @@ def _recorded_run(tmp_path: Path, **dotted: Any) -> dict[str, Any]:
     """A short pretrain run with a recording TensorBoard writer, the log lines and gc.collect calls it made."""
     import gc
 
-    from longspan.training import loggers
+    from longspan.training.observability import loggers
 
     writers: list[_RecordingWriter] = []
     lines: list[str] = []
@@ -763,7 +763,7 @@ def _global_non_persistent_checkpoints_go_to_their_directory(tmp_path: Path) -> 
 
 @probe("rerun_state_machine.check_for_nan_in_loss")
 def _nan_check_stops_a_run_whose_loss_is_nan(tmp_path: Path) -> bool:
-    from longspan.training.schedules import TrainingDivergedError
+    from longspan.training.step.schedules import TrainingDivergedError
 
     def nan_forward_step(state: Any, data_iterator: Any, model: Any) -> Any:
         output, loss_func = forward_step(state, data_iterator, model)

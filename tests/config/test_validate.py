@@ -209,7 +209,7 @@ def test_t5_and_mamba_load_round_trip_and_validate(tmp_path) -> None:
 
 
 def test_support_table_covers_every_field_and_device_fields_are_reported() -> None:
-    from longspan.training.configs.container import SECTION_TYPES
+    from longspan.config.schema.container import SECTION_TYPES
 
     statuses = set()
     for section, classes in SECTION_TYPES.items():

@@ -12,7 +12,7 @@ import transformers
 from safetensors import safe_open
 
 from longspan.cli import main
-from longspan.training.model_loading import load_model_from_checkpoint
+from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 from tests.conversion.hf_models import VOCAB, hf_logits, make_hf_model
 
 

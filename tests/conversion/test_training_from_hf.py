@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from longspan.training.finetune import finetune
-from longspan.training.forward_step import get_batch, loss_func
+from longspan.training.step.forward_step import get_batch, loss_func
 from longspan.training.pretrain import pretrain
 from tests.conversion.hf_models import make_hf_model
 from tests.training.pretrain_helpers import losses_by_iteration, small_config

@@ -38,7 +38,7 @@ def train_tiny_checkpoint(tmp_path: Path, iters: int = 3, **model_overrides: Any
 
     Returns (save root, the trained model as it was when saved, the run's config).
     """
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
 
     cfg = small_config(tmp_path, train_iters=iters, eval_interval=None, eval_iters=0)

@@ -12,7 +12,7 @@ import pytest
 
 from longspan.cli import main
 from longspan.inference import generate
-from longspan.training.model_loading import load_model_from_checkpoint
+from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 from tests.inference.helpers import train_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longspan.core.errors import CheckpointError, ConfigError
-from longspan.training.model_loading import load_model_from_checkpoint
+from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 from tests.inference.helpers import train_tiny_checkpoint
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspan.training.model_loading import load_model_from_checkpoint
+from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 from tests.inference.helpers import train_tiny_checkpoint
 
 
@@ -20,7 +20,7 @@ def _load_on_rank(root: str, overrides: list[str], tokens: torch.Tensor) -> dict
 
     from longspan.models.init import canonical_parameter_name
     from longspan.parallel import initialize_distributed
-    from longspan.training.model_loading import load_checkpoint_config, load_model_from_checkpoint
+    from longspan.training.checkpointing.model_loading import load_checkpoint_config, load_model_from_checkpoint
 
     cfg = load_checkpoint_config(root, overrides).cfg
     parallel = initialize_distributed(cfg.dist, cfg.model, device="cpu")

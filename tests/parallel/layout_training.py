@@ -18,7 +18,7 @@ def build_layout_model(cfg: Any, dp_replicate: int = 1) -> tuple[Any, Any, Any]:
     from longspan.models.gpt import build_gpt_model, init_weights
     from longspan.parallel.init import initialize_distributed
     from longspan.parallel.parallelize import parallelize_model
-    from longspan.training.optimizer import get_megatron_optimizer
+    from longspan.training.optim.optimizer import get_megatron_optimizer
 
     parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=dp_replicate, device="cpu")
     cfg.model.finalize()

@@ -123,7 +123,7 @@ def _fsdp_checks(mode: str, dp_replicate: int) -> dict:
     from longspan.models.gpt import build_gpt_model, init_weights
     from longspan.parallel.init import initialize_distributed
     from longspan.parallel.parallelize import parallelize_model
-    from longspan.training.optimizer import get_megatron_optimizer
+    from longspan.training.optim.optimizer import get_megatron_optimizer
     from tests.parallel.test_tp_plans import small_provider
 
     cfg = _cfg(fsdp2=mode == "fsdp2", dist_opt=mode == "distributed_optimizer")

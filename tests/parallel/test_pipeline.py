@@ -96,7 +96,7 @@ def _microbatches(n: int):
 def _forward_step(data_iterator, model):
     from functools import partial
 
-    from longspan.training.forward_step import loss_func
+    from longspan.training.step.forward_step import loss_func
 
     batch = next(data_iterator)
     output = model(batch["tokens"], labels=batch["labels"])
@@ -106,7 +106,7 @@ def _forward_step(data_iterator, model):
 def _reference(cfg, n: int, per_token: bool):
     """One process: the full model through the trainer's non-pipelined schedule."""
     from longspan.models.gpt import build_gpt_model
-    from longspan.training.schedules import forward_backward_no_pipelining
+    from longspan.training.step.schedules import forward_backward_no_pipelining
 
     model = build_gpt_model(cfg.model, seed=cfg.rng.seed, device="cpu")
     reports, tokens = forward_backward_no_pipelining(
@@ -122,7 +122,7 @@ def _pipeline_case(pp: int, vp: int | None, tp: int, n: int, schedule: str, per_
 
     from longspan.parallel.init import initialize_distributed
     from longspan.parallel.pipeline import build_pipeline_chunks, chunk_info, unwrap_chunk
-    from longspan.training.pipeline_schedules import forward_backward_pipelining
+    from longspan.training.step.pipeline_schedules import forward_backward_pipelining
 
     cfg = _cfg(pp, vp, tp, tied=tied)
     cfg.dist.use_torch_fsdp2 = fsdp2

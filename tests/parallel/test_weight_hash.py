@@ -15,7 +15,7 @@ def _train_with_hash_checks_then_perturb(run_dir: str, tp: int, fsdp: bool = Fal
     import torch
     import torch.distributed as dist
 
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
     from longspan.training.train import check_param_hashes_across_dp_replicas, replicated_parameter_count
     from tests.training.pretrain_helpers import small_config

@@ -13,9 +13,9 @@ from longspan.models.gpt import build_gpt_model, init_weights
 from longspan.peft import CanonicalLoRA, DoRA, LoRA
 from longspan.peft.adapters import init_adapters, init_dora_magnitudes, is_adapter_key, merged_state_dict
 from longspan.peft.modules import LoRALinear
-from longspan.training.configs.container import ConfigContainer
-from longspan.training.configs.optim import OptimizerConfig
-from longspan.training.optimizer import get_megatron_optimizer
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.optim import OptimizerConfig
+from longspan.training.optim.optimizer import get_megatron_optimizer
 from tests.models.gpt_test_config import llama_config, make_config
 
 SEED = 7

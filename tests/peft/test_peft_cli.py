@@ -15,8 +15,8 @@ from longspan.cli import main as cli_main
 from longspan.core.errors import CheckpointError
 from longspan.peft import DoRA, LoRA
 from longspan.training.finetune import finetune
-from longspan.training.forward_step import forward_step
-from longspan.training.model_loading import load_model_from_checkpoint
+from longspan.training.step.forward_step import forward_step
+from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 from tests.conversion.hf_models import hf_logits, make_hf_model
 from tests.training.pretrain_helpers import small_config
 
@@ -75,6 +75,6 @@ def test_merge_of_a_full_checkpoint_is_a_one_line_error(tmp_path: Path, capsys) 
     assert cli_main(["peft", "merge", "--checkpoint", cfg.checkpoint.save, "--output", str(tmp_path / "o")]) == 2
     assert "holds no adapters" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="holds no adapters"):
-        from longspan.training.peft_checkpoint import export_adapter_checkpoint
+        from longspan.training.checkpointing.peft_checkpoint import export_adapter_checkpoint
 
         export_adapter_checkpoint(cfg.checkpoint.save, tmp_path / "a")

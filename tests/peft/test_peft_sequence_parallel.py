@@ -225,7 +225,7 @@ def _finetune_config(root: str, name: str, kind: str, tp: int):
 
 def _finetune(root: str, name: str, kind: str, tp: int) -> list[tuple[float, float, int]]:
     from longspan.training.finetune import finetune
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
 
     cfg = _finetune_config(root, name, kind, tp)
     finetune(cfg, forward_step)

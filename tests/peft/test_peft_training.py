@@ -12,7 +12,7 @@ from longspan.core.errors import CheckpointError
 from longspan.peft import CanonicalLoRA, DoRA, LoRA
 from longspan.peft.adapters import is_adapter_key
 from longspan.training.finetune import finetune
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from tests.training.pretrain_helpers import losses_by_iteration, small_config
 

@@ -1,4 +1,4 @@
-"""The compiled fast path (train.torch_compile, longspan.training.compile): compiled and eager training give
+"""The compiled fast path (train.torch_compile, longspan.parallel.compile): compiled and eager training give
 the same losses (fp32 CPU, dropout on, rel <= 1e-5 over 20 iterations) in one process and DP2, a compiled run
 resumes bit for bit, the platform check falls back to eager with one line, and the default is resolved per
 device. The other layouts (TP2/SP, PP2, FSDP2, CP2, MoE EP2, recompute) are in test_compile_layouts.py.
@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from longspan.training import compile as compile_mod
+from longspan.parallel import compile as compile_mod
 from tests.training.pretrain_helpers import losses_by_iteration, small_config
 
 ITERS = 20  # the acceptance's 20 iterations

@@ -111,7 +111,7 @@ def _gradients_compiled_and_eager(model_overrides: dict) -> dict:
     from torch._dynamo.utils import counters
 
     from longspan.parallel.parallelize import parallel_loss_context
-    from longspan.training import compile as compile_mod
+    from longspan.parallel import compile as compile_mod
     from tests.parallel.layout_training import build_layout_model
     from tests.parallel.test_layout_parity import tiny_config
 

@@ -19,7 +19,7 @@ from longspan.models.gpt import build_gpt_model
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy
 from longspan.models.rope import apply_rotary
 from longspan.models.transformer import RMSNorm
-from longspan.training.optimizer import get_megatron_optimizer
+from longspan.training.optim.optimizer import get_megatron_optimizer
 from tests.models.gpt_test_config import llama_config
 
 

@@ -50,7 +50,7 @@ def _config(fsdp2: bool, overlap: bool, tp: int = 1, bf16: bool = False, **optim
     cfg.ddp.overlap_param_gather = overlap
     cfg.ddp.overlap_grad_reduce = overlap
     if bf16:  # bf16_mixed without fp32 reduction (bf16 main grads need that)
-        from longspan.training.configs.optim import apply_mixed_precision, bf16_mixed
+        from longspan.config.schema.optim import apply_mixed_precision, bf16_mixed
 
         apply_mixed_precision(bf16_mixed(), cfg.model, cfg.optimizer, cfg.ddp)
         cfg.ddp.grad_reduce_in_fp32 = False

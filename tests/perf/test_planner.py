@@ -11,7 +11,7 @@ import pytest
 from longspan.cli import main
 from longspan.core.errors import ConfigError
 from longspan.parallel.mesh import check_layout, derive_layout
-from longspan.training import planner
+from longspan.planner import plan as planner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import bench_plan_memory as bench  # noqa: E402

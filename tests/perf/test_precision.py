@@ -1,4 +1,4 @@
-"""FP8 (model.fp8 / fp8_recipe / fp8_param) through torchao (longspan.training.precision).
+"""FP8 (model.fp8 / fp8_recipe / fp8_param) through torchao (longspan.parallel.float8).
 
 - every setting is checked without a GPU or torchao: values and combinations no torchao recipe implements,
   'delayed' (removed from torchao), and the hardware each recipe needs are one-line errors;
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from longspan.core.errors import NotSupportedError
-from longspan.training.configs.optim import apply_mixed_precision, get_mixed_precision_config
-from longspan.training.precision import FP8_RECIPES, check_fp8, check_fp8_settings, convert_to_fp8
+from longspan.config.schema.optim import apply_mixed_precision, get_mixed_precision_config
+from longspan.parallel.float8 import FP8_RECIPES, check_fp8, check_fp8_settings, convert_to_fp8
 
 CPU = torch.device("cpu")
 # torchao is a test dependency (the mapping tests run its emulated kernels): missing, they fail loudly

@@ -1,5 +1,5 @@
 """The precision-aware optimizer (megatron-core's ``use_precision_aware_optimizer``, ``main_params_dtype``,
-``main_grads_dtype``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``): longspan.training.precision_aware_adam.
+``main_grads_dtype``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``): longspan.training.optim.precision_aware_adam.
 
 - with every dtype fp32 it is torch's AdamW / Adam bit for bit (the oracle: ``torch.optim``);
 - bf16/fp16 moments are stored in that dtype and the parameters stay close to the fp32 reference;
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.training.forward_step import forward_step
-from longspan.training.optimizer import get_megatron_optimizer
-from longspan.training.precision_aware_adam import PrecisionAwareAdamW
+from longspan.training.step.forward_step import forward_step
+from longspan.training.optim.optimizer import get_megatron_optimizer
+from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW
 from longspan.training.pretrain import pretrain
 from tests.training.pretrain_helpers import (
     losses_by_iteration,
@@ -309,7 +309,7 @@ def test_two_rank_distributed_optimizer_resumes_bit_for_bit(pool2, tmp_path: Pat
 def test_planner_counts_the_precision_aware_state(tmp_path: Path) -> None:
     """``longspan plan`` sizes main params and moments by their dtypes: bf16 moments halve the optimizer state,
     fp16 main params halve the main copies."""
-    from longspan.training.planner import Layout, estimate_memory
+    from longspan.planner.plan import Layout, estimate_memory
 
     def memory(**optimizer_fields):
         cfg = small_config(tmp_path, train_iters=2)

@@ -4,7 +4,7 @@ heartbeat monitor within its timeout), a SIGKILL during a checkpoint save (the r
 SIGKILL during an asynchronous save (training has moved on while the background writer is still writing the
 ``.partial`` directory); it finishes every iteration and each iteration's loss equals an uninterrupted 2-rank
 run's, bit for bit (CPU, dropout on). The background writer is slowed down by the test hook
-``LONGSPAN_TEST_ASYNC_WRITE_DELAY_S`` (longspan.training.async_checkpoint) so that an async save is in flight for
+``LONGSPAN_TEST_ASYNC_WRITE_DELAY_S`` (longspan.training.checkpointing.async_save) so that an async save is in flight for
 about a second."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import pytest
 
-from longspan.training.async_checkpoint import WRITE_DELAY_ENV
-from longspan.training.checkpointing import get_checkpoint_dir, read_tracker
-from longspan.training.configs.infra import FaultToleranceConfig
+from longspan.training.checkpointing.async_save import WRITE_DELAY_ENV
+from longspan.training.checkpointing.save import get_checkpoint_dir, read_tracker
+from longspan.config.schema.infra import FaultToleranceConfig
 from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV
 from tests.resilience.helpers import ENV, LONGSPAN, metrics_records, resilience_config, run, write_yaml
 from tests.training.pretrain_helpers import losses_by_iteration

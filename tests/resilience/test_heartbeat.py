@@ -272,7 +272,7 @@ def test_launch_flags_and_ft_fields_are_checked(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="--ft-rank-heartbeat-timeout=0"):
         with fault_tolerance_monitor(cfg, args, 2):
             pass
-    from longspan.training.configs.infra import FaultToleranceConfig
+    from longspan.config.schema.infra import FaultToleranceConfig
 
     cfg.ft = FaultToleranceConfig(simulate_fault=True)
     with pytest.raises(ConfigError, match="ft.simulate_fault=True needs ft.enable_ft_package"):

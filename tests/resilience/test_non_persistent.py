@@ -12,7 +12,7 @@ import pytest
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.pretrain import pretrain
-from longspan.training.resilience.non_persistent import local_iterations
+from longspan.training.checkpointing.non_persistent import local_iterations
 from tests.resilience.helpers import resilience_config, run, run_and_kill_at, write_yaml
 from tests.training.pretrain_helpers import losses_by_iteration, read_metrics
 

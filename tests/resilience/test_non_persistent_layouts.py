@@ -12,9 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def _crash_and_resume_case(root: str, tp: int, fsdp2: bool) -> tuple[dict, dict, list]:
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
-    from longspan.training.resilience.non_persistent import local_iterations
+    from longspan.training.checkpointing.non_persistent import local_iterations
 
     def config(name: str):
         cfg = pretrain_config(f"{root}/{name}", iters=10, tp=tp, fsdp2=fsdp2)

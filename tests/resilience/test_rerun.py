@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from longspan.core.errors import ConfigError
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from longspan.training.resilience.rerun import (
     CORRECT_RESULT,

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from longspan.training.configs.infra import NVRxStragglerDetectionConfig, StragglerDetectionConfig
-from longspan.training.forward_step import forward_step
+from longspan.config.schema.infra import NVRxStragglerDetectionConfig, StragglerDetectionConfig
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from longspan.training.resilience.straggler import StragglerDetector, StragglerSettings, straggler_settings
 from tests.parallel.harness import init_gloo

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-import longspan.training.utils.energy as energy
+import longspan.training.observability.energy as energy
 from tests.parallel.harness import get_shared_pool, init_gloo
 from longspan.config.support import DEVICE, field_status
 from longspan.training.pretrain import pretrain
-from longspan.training.forward_step import forward_step
-from longspan.training.utils.energy import EnergyMonitor, RaplCounter, interval_energy
+from longspan.training.step.forward_step import forward_step
+from longspan.training.observability.energy import EnergyMonitor, RaplCounter, interval_energy
 from tests.training.pretrain_helpers import read_metrics, small_config
 
 
@@ -115,7 +115,7 @@ def test_with_a_counter_the_run_logs_energy(tmp_path, monkeypatch, captured):
 
 def _two_rank_energy(root: str, joules_per_read: float):
     """On each rank: a monitor over this rank's fake tree (none when root is empty), and one lap."""
-    import longspan.training.utils.energy as energy
+    import longspan.training.observability.energy as energy
 
     energy.POWERCAP_ROOT = Path(root)
     init_gloo()

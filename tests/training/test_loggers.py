@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 
 from longspan.core.errors import ConfigError
-from longspan.training import loggers
+from longspan.training.observability import loggers
 from longspan.training.state import GlobalState
-from longspan.training.utils import log_line
+from longspan.training.observability import log_line
 from longspan.training.utils import train_utils as tu
-from longspan.training.loggers import (
+from longspan.training.observability.loggers import (
     MetricsJSONLWriter,
     build_tensorboard_writer,
     build_wandb_logger,

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.training.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from longspan.training.optimizer import MegatronOptimizer, get_megatron_optimizer
-from longspan.training.scheduler import OptimizerParamScheduler
+from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from longspan.training.optim.optimizer import MegatronOptimizer, get_megatron_optimizer
+from longspan.training.optim.scheduler import OptimizerParamScheduler
 
 
 def opt_config(**kw) -> SimpleNamespace:

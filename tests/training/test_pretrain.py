@@ -12,9 +12,9 @@ import torch
 
 from longspan.cli import main as cli_main
 from longspan.core.errors import CheckpointError
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
-from longspan.training.schedules import TrainingDivergedError
+from longspan.training.step.schedules import TrainingDivergedError
 from tests.training.pretrain_helpers import (
     losses_by_iteration,
     read_metrics,
@@ -135,7 +135,7 @@ def test_per_token_loss_weights_microbatches_by_their_tokens(tmp_path: Path) -> 
     """With end-of-document tokens masked, microbatches count different numbers of loss tokens. The per-token
     loss averages over all tokens of the global batch, Megatron's default over microbatch means: iteration 1
     starts from the same weights, so both log Σloss/Σmask, then their gradients, and so their losses, differ."""
-    from longspan.training.forward_step import get_batch
+    from longspan.training.step.forward_step import get_batch
 
     counts = []
 
@@ -279,7 +279,7 @@ def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path,
 
 
 def test_interrupt_mid_save_keeps_the_previous_checkpoint_loadable(tmp_path: Path, monkeypatch) -> None:
-    import longspan.training.checkpointing as ckpt_module
+    import longspan.training.checkpointing.save as ckpt_module
 
     cfg = small_config(tmp_path, "interrupt", train_iters=4, eval_interval=None)
     cfg.checkpoint.save_interval = 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longspan.core.errors import CheckpointError, ConfigError
-from longspan.training.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
+from longspan.training.optim.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longspan.core.errors import ConfigError
-from longspan.training.timers import DummyTimer, Timer, Timers
+from longspan.training.observability.timers import DummyTimer, Timer, Timers
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import torch
 
 from longspan.core.errors import ConfigError
 from longspan.training import train as train_module
-from longspan.training.forward_step import forward_step
-from longspan.training.microbatches import NumMicroBatchesCalculator
+from longspan.training.step.forward_step import forward_step
+from longspan.training.step.microbatches import NumMicroBatchesCalculator
 from longspan.training.pretrain import pretrain
 from longspan.training.train import (
     _handle_mxfp8_param_buffer_copy,
@@ -24,7 +24,7 @@ from longspan.training.train import (
     reduce_loss_reports,
     should_disable_forward_pre_hook,
 )
-from longspan.training.utils.progress_log import format_progress_line
+from longspan.training.observability.progress_log import format_progress_line
 from tests.training.pretrain_helpers import read_metrics, small_config
 
 

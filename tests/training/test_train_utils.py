@@ -19,10 +19,11 @@ import torch
 import torch.nn as nn
 
 from longspan.core.errors import ConfigError
-from longspan.training import profiling
+from longspan.training.observability import profiling
 from longspan.training.state import GlobalState, TrainState
-from longspan.training.utils import log_line, train_utils as tu
-from longspan.training.utils.progress_log import (
+from longspan.training.observability import log_line
+from longspan.training.utils import train_utils as tu
+from longspan.training.observability.progress_log import (
     append_to_progress_log,
     format_saved_checkpoint_message,
     parse_progress_log,
@@ -317,7 +318,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from longspan.training.timers import Timers
+    from longspan.training.observability.timers import Timers
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=_dt.timedelta(seconds=60))

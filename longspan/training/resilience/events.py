@@ -8,7 +8,7 @@ import time
 from typing import Any, Optional
 
 from longspan.core.logging import get_logger, get_rank
-from longspan.training.utils.progress_log import append_to_progress_log, format_progress_line
+from longspan.training.observability.progress_log import append_to_progress_log, format_progress_line
 
 logger = get_logger(__name__)
 

@@ -219,7 +219,7 @@ def reset_process_state(empty_cuda_cache: bool) -> None:
     import torch
 
     from longspan.parallel.init import destroy_distributed
-    from longspan.training.async_checkpoint import abandon_in_flight_saves
+    from longspan.training.checkpointing.async_save import abandon_in_flight_saves
 
     # A background save of the failed run still uses the checkpoint group: let it end before the groups go.
     running = abandon_in_flight_saves(timeout=_ASYNC_SAVE_GRACE_S)

@@ -39,7 +39,7 @@ def fault_tolerance_monitor(cfg: Any, args: Any, world_size: int) -> Iterator[di
     if cfg.ft is None or not cfg.ft.enable_ft_package:
         yield env
         return
-    from longspan.training.loggers import metrics_jsonl_path
+    from longspan.training.observability.loggers import metrics_jsonl_path
 
     given = os.environ.get(HEARTBEAT_DIR_ENV)
     directory = given or tempfile.mkdtemp(prefix="longspan_ft_")

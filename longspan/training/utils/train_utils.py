@@ -17,15 +17,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from longspan.core.logging import get_logger
-from longspan.training.loggers import sanitize_mlflow_metrics
+from longspan.training.observability.loggers import sanitize_mlflow_metrics
 from longspan.training.state import GlobalState
 from longspan.training.utils.comm import (
     logical_and_across_model_parallel_group,
     reduce_max_stat_across_model_parallel_group,
 )
-from longspan.training.utils.flop_utils import num_floating_point_operations
-from longspan.training.utils.log_line import training_log
-from longspan.training.utils.memory import (
+from longspan.models.flops import num_floating_point_operations
+from longspan.training.observability.log_line import training_log
+from longspan.training.observability.memory import (
     MEMORY_KEYS,
     reduce_max_memory_across_pp_group,
     report_memory,
@@ -37,9 +37,9 @@ from longspan.training.utils.norms import (
     param_is_not_shared,
     report_l2_norm_grad,
 )
-from longspan.training.utils.progress_log import append_to_progress_log
-from longspan.training.utils.reports import report_runtime, report_throughput
-from longspan.training.utils.validation_log import log_validation_results
+from longspan.training.observability.progress_log import append_to_progress_log
+from longspan.training.observability.reports import report_runtime, report_throughput
+from longspan.training.observability.validation_log import log_validation_results
 
 logger = get_logger(__name__)
 

@@ -75,7 +75,7 @@ def test_epoch_map_is_seeded_covers_each_epoch_and_resumes():
 
 
 def _cfg(root, train_iters=6, gbs=4, mbs=2, seq=48, **dataset):
-    from longspan.training.configs.data import FinetuningDatasetConfig
+    from longspan.config.schema.data import FinetuningDatasetConfig
 
     dataset.setdefault("num_workers", 0)
     d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, **dataset)

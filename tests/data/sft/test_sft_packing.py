@@ -132,7 +132,7 @@ def per_document_loss_sums(model, docs, members_per_microbatch):
 
 def packed_forward_step_state(pack_size=PACK):
     """What the trainer's forward step reads from the GlobalState (timers, device, the dataset config)."""
-    from longspan.training.timers import Timers
+    from longspan.training.observability.timers import Timers
 
     dataset = SimpleNamespace(packed_sequence_specs={"packed_sequence_size": pack_size})
     return SimpleNamespace(timers=Timers(0, "minmax"), device=torch.device("cpu"), cfg=SimpleNamespace(dataset=dataset))
@@ -162,8 +162,8 @@ def test_packed_loss_equals_per_document_losses_one_process(pad_to_mult):
     from functools import partial
 
     from longspan.models.gpt import build_gpt_model
-    from longspan.training.forward_step import forward_step
-    from longspan.training.schedules import forward_backward_no_pipelining
+    from longspan.training.step.forward_step import forward_step
+    from longspan.training.step.schedules import forward_backward_no_pipelining
 
     torch.manual_seed(0)
     model = build_gpt_model(tiny_provider(), seed=1234, device="cpu")
@@ -212,7 +212,7 @@ def test_specs_resolution():
 
 
 def _cfg(root, specs, seq=PACK, **dataset):
-    from longspan.training.configs.data import FinetuningDatasetConfig
+    from longspan.config.schema.data import FinetuningDatasetConfig
 
     d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, num_workers=0,
                                 packed_sequence_specs=specs, **dataset)

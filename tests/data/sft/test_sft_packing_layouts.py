@@ -54,8 +54,8 @@ def _layout_case(tp, pp, vp, cp, num_layers=4):
 
     from longspan.models.gpt import build_gpt_model
     from longspan.parallel.init import initialize_distributed
-    from longspan.training.forward_step import forward_step
-    from longspan.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
+    from longspan.training.step.forward_step import forward_step
+    from longspan.training.step.schedules import forward_backward_no_pipelining, get_forward_backward_func
 
     cfg = _layout_cfg(tp, pp, vp, cp, num_layers)
     parallel = initialize_distributed(cfg.dist, cfg.model, device="cpu")

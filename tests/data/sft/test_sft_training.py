@@ -55,7 +55,7 @@ def _expected_loss_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["microbatch_mean", "per_token_loss"])
 def test_logged_loss_and_token_counts_ignore_padding(sft_dirs, per_token):
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
 
     root, tok = sft_dirs
@@ -75,7 +75,7 @@ def test_logged_loss_and_token_counts_ignore_padding(sft_dirs, per_token):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_stop_and_resume_is_exact_with_dropout(sft_dirs, packed):
-    from longspan.training.forward_step import forward_step
+    from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
 
     root, tok = sft_dirs

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from longspan.models.mamba import MambaModel
-from longspan.training.forward_step import forward_step
+from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from tests.models.mamba.mamba_test_config import small_mamba_run
 from tests.training.pretrain_helpers import losses_by_iteration
@@ -51,7 +51,7 @@ def _check_saved_model_loads_and_exports(cfg, recipe: str, tmp_path: Path) -> No
 
     from longspan.conversion import AutoBridge
     from longspan.inference.text_generation import generate
-    from longspan.training.model_loading import load_model_from_checkpoint
+    from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 
     loaded = load_model_from_checkpoint(cfg.checkpoint.save, device="cpu")
     (model,) = loaded.model

@@ -76,7 +76,7 @@ def test_trained_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
     import transformers
 
     from longspan.cli import main
-    from longspan.training.model_loading import load_model_from_checkpoint
+    from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 
     cfg = small_t5_run(tmp_path, "export", train_iters=3, eval_interval=None, eval_iters=0)
     pretrain(cfg)
@@ -110,7 +110,7 @@ def test_finetuning_from_an_hf_t5_starts_at_transformers_loss(tmp_path: Path) ->
     its encoder/decoder lengths), HF weights loaded; the first logged loss equals transformers' on the same
     microbatches."""
     from longspan.training.finetune import finetune
-    from longspan.training.t5_forward_step import t5_forward_step
+    from longspan.training.step.t5_forward_step import t5_forward_step
 
     hf, hf_dir = _hf_t5_dir(tmp_path, vocab=533)  # the recipe tokenizer's size (bytes, <bos>, 20 sentinels)
     cfg = small_t5_run(tmp_path, "ft", train_iters=1, eval_interval=None, eval_iters=0)
@@ -143,7 +143,7 @@ def test_finetuning_from_an_hf_t5_starts_at_transformers_loss(tmp_path: Path) ->
 
 def test_hf_t5_directory_needs_a_t5_recipe(tmp_path: Path) -> None:
     from longspan.core.errors import ConfigError
-    from longspan.training.hf_weights import apply_hf_pretrained_config
+    from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
 
     _, hf_dir = _hf_t5_dir(tmp_path, vocab=533)
     cfg = get_recipe("tiny")
@@ -163,7 +163,7 @@ def test_convert_import_and_export_of_an_hf_t5_is_bit_exact(tmp_path: Path) -> N
 
     from longspan.models import T5ModelProvider
     from longspan.training.config import ConfigContainer
-    from longspan.training.hf_checkpoint import export_longspan_checkpoint, import_hf_checkpoint
+    from longspan.training.checkpointing.hf_checkpoint import export_longspan_checkpoint, import_hf_checkpoint
 
     _, hf_dir = _hf_t5_dir(tmp_path, vocab=533)
     ckpt, out = tmp_path / "ckpt", tmp_path / "back"

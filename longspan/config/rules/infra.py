@@ -1,0 +1,57 @@
+"""Rules of ``ConfigContainer.validate()`` for the run's infrastructure sections: logger, checkpoint,
+resilience (fault tolerance, straggler detection, in-process restart) and profiling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
+
+def check_infra(cfg: "ConfigContainer") -> None:
+    """Logger, checkpoint, resilience and profiling rules, in that order."""
+    check_logger(cfg)
+    check_checkpoint(cfg)
+    from longspan.config.rules.resilience import check_resilience_config
+
+    check_resilience_config(cfg)
+    check_profiling(cfg)
+
+
+def check_logger(cfg: "ConfigContainer") -> None:
+    """An MLflow or Comet run needs a name."""
+    lg = cfg.logger
+    for enabling, naming, client in (("mlflow_experiment", "mlflow_run_name", "MLflow"),
+                                     ("comet_project", "comet_experiment_name", "Comet ML")):
+        if getattr(lg, enabling, None) and not getattr(lg, naming, None):
+            raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
+
+
+def check_checkpoint(cfg: "ConfigContainer") -> None:
+    """Only the torch_dist format; main params from a checkpoint only without its optimizer state."""
+    c = cfg.checkpoint
+    if c.ckpt_format != "torch_dist":
+        # Checkpoints are written by torch.distributed.checkpoint (Megatron's torch_dist layout) only.
+        raise NotSupportedError(
+            f"checkpoint.ckpt_format={c.ckpt_format!r} is not supported yet by longspan (supported: 'torch_dist', "
+            "checkpoints written by torch.distributed.checkpoint)"
+        )
+    if c.load_main_params_from_ckpt and c.load_optim:
+        raise ConfigError("checkpoint.load_main_params_from_ckpt=True needs checkpoint.load_optim=False")
+
+
+def check_profiling(cfg: "ConfigContainer") -> None:
+    """One profiler at a time; the profiled steps in order."""
+    p = cfg.profiling
+    if p is not None:
+        if p.use_nsys_profiler and p.use_pytorch_profiler:
+            raise ConfigError("profiling.use_nsys_profiler and profiling.use_pytorch_profiler are both True: choose one")
+        if p.profile_step_end < p.profile_step_start:
+            raise ConfigError(
+                f"profiling.profile_step_end={p.profile_step_end} is before "
+                f"profiling.profile_step_start={p.profile_step_start}"
+            )

@@ -1,0 +1,171 @@
+"""Parallel-layout rules of ``ConfigContainer.validate()``: sizes against the world size, heads, layers and
+vocabulary against tensor/pipeline parallel, context- and expert-parallel options, the pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.config.rules.ranges import positive_int
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
+
+def check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
+    """Check the model's parallel sizes against ``ws`` ranks and the model's shapes; return the data-parallel size."""
+    m = cfg.model
+    dp = _check_sizes_against_world(m, ws)
+    _check_layer_split(m)
+    _check_shapes_against_parallel_sizes(m)
+    check_context_parallel_options(m)
+    return dp
+
+
+def _check_sizes_against_world(m: object, ws: int) -> int:
+    """tp x pp x cp and the expert grid must tile ``ws`` ranks; return the data-parallel size."""
+    tp = positive_int(m.tensor_model_parallel_size, "model.tensor_model_parallel_size")
+    pp = positive_int(m.pipeline_model_parallel_size, "model.pipeline_model_parallel_size")
+    cp = positive_int(m.context_parallel_size, "model.context_parallel_size")
+    ep = positive_int(m.expert_model_parallel_size, "model.expert_model_parallel_size")
+    mp = tp * pp * cp
+    if ws % mp != 0:
+        raise ConfigError(
+            f"world size {ws} is not divisible by model.tensor_model_parallel_size ({tp}) x "
+            f"model.pipeline_model_parallel_size ({pp}) x model.context_parallel_size ({cp}) = {mp}"
+        )
+    dp = ws // mp
+    etp = m.expert_tensor_parallel_size or tp
+    if (ep > 1 or etp != tp) and ws % (etp * ep * pp) != 0:
+        raise ConfigError(
+            f"world size {ws} is not divisible by model.expert_tensor_parallel_size ({etp}) x "
+            f"model.expert_model_parallel_size ({ep}) x model.pipeline_model_parallel_size ({pp})"
+        )
+    if ep > 1:
+        experts = getattr(m, "num_moe_experts", None)
+        if not experts:
+            raise ConfigError(f"model.expert_model_parallel_size={ep} needs model.num_moe_experts to be set")
+        if experts % ep != 0:
+            raise ConfigError(
+                f"model.num_moe_experts={experts} is not divisible by model.expert_model_parallel_size={ep}"
+            )
+    if m.sequence_parallel and tp == 1:
+        raise ConfigError("model.sequence_parallel=True needs model.tensor_model_parallel_size > 1 (it is 1)")
+    return dp
+
+
+def _check_layer_split(m: object) -> None:
+    """The layers divide evenly over pipeline (and virtual pipeline) stages unless the split is uneven."""
+    pp = m.pipeline_model_parallel_size
+    layers = positive_int(m.num_layers, "model.num_layers")
+    vp = m.virtual_pipeline_model_parallel_size
+    uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
+    uneven = uneven or m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
+    if vp is not None:
+        if pp == 1:
+            raise ConfigError(
+                f"model.virtual_pipeline_model_parallel_size={vp} needs model.pipeline_model_parallel_size > 1"
+            )
+        if not uneven and layers % (pp * vp) != 0:
+            raise ConfigError(
+                f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size ({pp}) x "
+                f"model.virtual_pipeline_model_parallel_size ({vp})"
+            )
+    if not uneven and layers % pp != 0:
+        raise ConfigError(
+            f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size={pp}"
+        )
+
+
+def _check_shapes_against_parallel_sizes(m: object) -> None:
+    """Heads, query groups, FFN width and the padded vocabulary split over tp; the sequence over 2 x cp."""
+    tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+    heads = positive_int(m.num_attention_heads, "model.num_attention_heads")
+    hidden = positive_int(m.hidden_size, "model.hidden_size")
+    groups = m.num_query_groups or heads
+    if heads % groups != 0:
+        raise ConfigError(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
+    if heads % tp != 0 or groups % tp != 0:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads ({heads}) and "
+            f"model.num_query_groups ({groups})"
+        )
+    if m.kv_channels is None and hidden % heads != 0:
+        raise ConfigError(
+            f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}: "
+            "set model.kv_channels"
+        )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp != 0:
+        raise ConfigError(
+            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by model.tensor_model_parallel_size={tp}"
+        )
+    if m.vocab_size is not None:
+        padded = calculate_padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+        if padded % tp != 0:
+            raise ConfigError(
+                f"padded vocabulary {padded} (model.vocab_size={m.vocab_size} rounded up to "
+                f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}) is not divisible by "
+                f"model.tensor_model_parallel_size={tp}: use a make_vocab_size_divisible_by that tp divides"
+            )
+    if cp > 1 and m.seq_length % (2 * cp) != 0:
+        raise ConfigError(
+            f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
+        )
+
+
+#: Megatron's cp_comm_type values; longspan computes the same exact attention for each (all-gather of K/V)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def check_context_parallel_options(m: object) -> None:
+    """Flat context parallel only; ``cp_comm_type`` one of CP_COMM_TYPES (or one per layer)."""
+    hierarchical = getattr(m, "hierarchical_context_parallel_sizes", None)
+    if hierarchical is not None:
+        raise NotSupportedError(
+            f"model.hierarchical_context_parallel_sizes={hierarchical!r} is not supported yet by longspan "
+            "(supported: None): context parallel uses one flat group of model.context_parallel_size ranks"
+        )
+    comm = getattr(m, "cp_comm_type", None)
+    for value in comm if isinstance(comm, (list, tuple)) else [comm]:
+        if value is not None and value not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"model.cp_comm_type={comm!r} is not valid: use None or one of {', '.join(CP_COMM_TYPES)} "
+                "(per layer as a list); 'a2a+p2p' needs hierarchical context parallel, which is not supported"
+            )
+
+
+def check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
+    """Pipeline rules: the layer split, enough microbatches for the schedule, the p2p knobs."""
+    from longspan.parallel.pipeline import layer_counts_for_config
+
+    m = cfg.model
+    pp = m.pipeline_model_parallel_size
+    if m.overlap_p2p_comm and m.batch_p2p_comm:
+        raise ConfigError("model.overlap_p2p_comm=True needs model.batch_p2p_comm=False (Megatron's rule): set one")
+    if m.overlap_p2p_comm_warmup_flush and (not m.overlap_p2p_comm or m.batch_p2p_comm):
+        raise ConfigError(
+            "model.overlap_p2p_comm_warmup_flush=True needs model.overlap_p2p_comm=True and model.batch_p2p_comm=False"
+        )
+    if pp == 1:
+        return
+    layer_counts_for_config(m, pp)  # uneven and embedding/loss-aware splits: one line naming the fields
+    if num_microbatches < pp:
+        raise ConfigError(
+            f"{num_microbatches} microbatches (train.global_batch_size={cfg.train.global_batch_size} / "
+            f"(micro_batch_size {cfg.train.micro_batch_size} x data-parallel size)) is fewer than "
+            f"model.pipeline_model_parallel_size={pp} stages: the pipeline needs at least one microbatch per stage"
+        )
+    group = m.microbatch_group_size_per_vp_stage
+    if m.virtual_pipeline_model_parallel_size is not None:
+        if group is not None and group != pp:
+            raise NotSupportedError(
+                f"model.microbatch_group_size_per_vp_stage={group} is not supported: torch's interleaved 1F1B "
+                f"runs groups of pipeline_model_parallel_size ({pp}) microbatches per virtual stage; leave it None"
+            )
+        if num_microbatches % pp != 0:
+            raise ConfigError(
+                f"{num_microbatches} microbatches is not a multiple of model.pipeline_model_parallel_size={pp}, "
+                "which the interleaved schedule (virtual_pipeline_model_parallel_size) needs"
+            )

@@ -1,0 +1,166 @@
+"""Batch and schedule rules of ``ConfigContainer.validate()``: the global batch and its ramp-up, the number of
+microbatches, the training length (iterations from samples) and the scheduler's step counts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from longspan.core.errors import ConfigError
+from longspan.core.logging import get_logger, warn_rank_0
+from longspan.config.rules.ranges import positive_int
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
+_log = get_logger(__name__)
+
+
+def check_batch(cfg: "ConfigContainer", dp: int) -> int:
+    """The global batch (derived when None) against micro batch x ``dp``; return the number of microbatches."""
+    t = cfg.train
+    if t.micro_batch_size is None:
+        raise ConfigError("train.micro_batch_size is required (samples per forward pass on one rank)")
+    mbs = positive_int(t.micro_batch_size, "train.micro_batch_size")
+    if t.global_batch_size is None:
+        t.global_batch_size = mbs * dp
+    gbs = positive_int(t.global_batch_size, "train.global_batch_size")
+    per_step = mbs * dp
+    if gbs % per_step != 0:
+        if not t.decrease_batch_size_if_needed:
+            raise ConfigError(
+                f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size ({mbs}) x "
+                f"data-parallel size ({dp}) = {per_step}"
+            )
+        if gbs < per_step:
+            raise ConfigError(
+                f"train.global_batch_size={gbs} is smaller than train.micro_batch_size ({mbs}) x "
+                f"data-parallel size ({dp}) = {per_step}, even with decrease_batch_size_if_needed"
+            )
+        warn_rank_0(
+            f"train.global_batch_size={gbs} is not divisible by {per_step}: using "
+            f"{gbs // per_step * per_step} (decrease_batch_size_if_needed)",
+            _log,
+        )
+    ramp = t.rampup_batch_size
+    if ramp is not None:
+        if len(ramp) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ramp):
+            raise ConfigError(
+                f"train.rampup_batch_size={ramp!r} must be three positive integers [start, increment, samples]"
+            )
+        start, incr, _ = ramp
+        if start > gbs or (gbs - start) % incr != 0:
+            raise ConfigError(
+                f"train.rampup_batch_size={ramp!r}: train.global_batch_size ({gbs}) minus the start ({start}) "
+                f"must be a non-negative multiple of the increment ({incr})"
+            )
+    return gbs // per_step
+
+
+def check_train_length(cfg: "ConfigContainer") -> None:
+    """Exactly one of train_iters / train_samples; with train_samples the iteration count is derived.
+
+    As Megatron's ``update_train_iters``, sample-based training sets ``train.train_iters`` from the samples
+    (walking the batch-size ramp-up), so a second ``validate()`` derives the same value again.
+    """
+    t = cfg.train
+    if t.train_iters is None and t.train_samples is None:
+        raise ConfigError("give one of train.train_iters and train.train_samples (both are null)")
+    for name in ("train_iters", "train_samples"):
+        value = getattr(t, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"train.{name}={value} must not be negative")
+    if t.train_samples is None and t.rampup_batch_size is not None:
+        raise ConfigError(
+            "train.rampup_batch_size needs sample-based training: set train.train_samples instead of train.train_iters"
+        )
+    if t.train_samples is not None:
+        t.train_iters = _iterations_for_samples(t.train_samples, t.global_batch_size, t.rampup_batch_size)
+
+
+def _iterations_for_samples(train_samples: int, global_batch_size: int, rampup: Optional[list]) -> int:
+    """Iterations that consume ``train_samples``, walking the batch-size ramp-up as Megatron does."""
+    if rampup is None:
+        return train_samples // global_batch_size
+    start, increment, ramp_samples = rampup
+    num_increments = (global_batch_size - start) // increment
+    per_increment = ramp_samples / num_increments if num_increments else 0.0
+    iterations = consumed = 0
+    while consumed <= ramp_samples and consumed <= train_samples:
+        steps = int(consumed / per_increment) if per_increment else 0
+        consumed += min(global_batch_size, start + steps * increment)
+        iterations += 1
+    return iterations + max(0, train_samples - consumed) // global_batch_size
+
+
+def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
+    """Warmup/decay/weight-decay lengths in samples, as Megatron computes them (reference §3)."""
+    s, t, opt = cfg.scheduler, cfg.train, cfg.optimizer
+    if opt.lr is None:
+        raise ConfigError("optimizer.lr is required (the peak learning rate)")
+    if opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr={opt.min_lr} must be between 0 and optimizer.lr={opt.lr}")
+    if s.lr_warmup_init < 0 or s.lr_warmup_init > opt.lr:
+        raise ConfigError(f"scheduler.lr_warmup_init={s.lr_warmup_init} must be between 0 and optimizer.lr={opt.lr}")
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "scheduler.override_opt_param_scheduler and scheduler.use_checkpoint_opt_param_scheduler are both "
+            "True: choose one"
+        )
+    gbs = t.global_batch_size
+    if t.train_samples is not None:
+        if s.lr_decay_iters is not None or s.lr_warmup_iters != 0 or s.lr_wsd_decay_iters is not None:
+            raise ConfigError(
+                "sample-based training (train.train_samples) uses scheduler.lr_decay_samples / lr_warmup_samples / "
+                "lr_wsd_decay_samples, not the *_iters fields"
+            )
+        if s.lr_warmup_fraction is not None and s.lr_warmup_samples != 0:
+            raise ConfigError("set only one of scheduler.lr_warmup_fraction and scheduler.lr_warmup_samples")
+        decay = s.lr_decay_samples if s.lr_decay_samples is not None else t.train_samples
+        s.lr_decay_steps = decay
+        s.wd_incr_steps = t.train_samples
+        s.wsd_decay_steps = s.lr_wsd_decay_samples
+        warmup = s.lr_warmup_fraction * decay if s.lr_warmup_fraction is not None else s.lr_warmup_samples
+    else:
+        if s.lr_decay_samples is not None or s.lr_warmup_samples != 0 or s.lr_wsd_decay_samples is not None:
+            raise ConfigError(
+                "iteration-based training (train.train_iters) uses scheduler.lr_decay_iters / lr_warmup_iters / "
+                "lr_wsd_decay_iters, not the *_samples fields"
+            )
+        if s.lr_warmup_fraction is not None and s.lr_warmup_iters != 0:
+            raise ConfigError("set only one of scheduler.lr_warmup_fraction and scheduler.lr_warmup_iters")
+        decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
+        s.lr_decay_steps = decay_iters * gbs
+        s.wd_incr_steps = t.train_iters * gbs
+        s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters is not None else None
+        warmup = (
+            s.lr_warmup_fraction * s.lr_decay_steps if s.lr_warmup_fraction is not None else s.lr_warmup_iters * gbs
+        )
+    if s.lr_warmup_fraction is not None and not 0.0 <= s.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"scheduler.lr_warmup_fraction={s.lr_warmup_fraction} must be between 0 and 1")
+    if s.lr_decay_steps <= 0 and not t.skip_train:
+        raise ConfigError(
+            f"the learning rate decays over {s.lr_decay_steps} samples: increase train.train_iters/train_samples "
+            "or scheduler.lr_decay_iters/lr_decay_samples"
+        )
+    if warmup >= s.lr_decay_steps > 0:
+        # Megatron Core asserts warmup < decay: a longer warmup would never reach the peak learning rate.
+        raise ConfigError(
+            f"scheduler warmup ({warmup:g} samples) is not shorter than the decay ({s.lr_decay_steps} samples): "
+            "shorten scheduler.lr_warmup_iters/lr_warmup_samples/lr_warmup_fraction or lengthen "
+            "scheduler.lr_decay_iters/train.train_iters"
+        )
+    s.lr_warmup_steps = warmup
+    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
+        raise ConfigError(
+            "scheduler.lr_decay_style='WSD' needs scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples)"
+        )
+    if s.start_weight_decay is None:
+        s.start_weight_decay = opt.weight_decay
+    if s.end_weight_decay is None:
+        s.end_weight_decay = opt.weight_decay
+    if s.start_weight_decay < 0 or s.end_weight_decay < s.start_weight_decay:
+        raise ConfigError(
+            f"scheduler.start_weight_decay={s.start_weight_decay} must be >= 0 and <= "
+            f"scheduler.end_weight_decay={s.end_weight_decay}"
+        )

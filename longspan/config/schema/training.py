@@ -1,0 +1,430 @@
+"""Scheduler, training loop, checkpoint and logger configs of seed 000."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+# Fields computed by ConfigContainer.validate(); not constructor arguments and not written to YAML.
+DERIVED_FIELD = {"yaml": False, "derived": True}
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate and weight-decay schedule (Megatron's OptimizerParamScheduler inputs)."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the learning-rate decay after warmup."""
+
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """Shape of the final annealing phase of the WSD schedule."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which the learning rate decays; None means train.train_iters."""
+
+    lr_decay_samples: Optional[int] = None
+    """Samples over which the learning rate decays (sample-based training); None means train.train_samples."""
+
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of the WSD annealing phase."""
+
+    lr_wsd_decay_samples: Optional[int] = None
+    """Samples of the WSD annealing phase (sample-based training)."""
+
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup length as a fraction of the decay length (instead of lr_warmup_iters/samples)."""
+
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup."""
+
+    lr_warmup_samples: int = 0
+    """Samples of linear warmup (sample-based training)."""
+
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warmup."""
+
+    override_opt_param_scheduler: bool = False
+    """On resume, take the schedule settings from this config and ignore the checkpoint's."""
+
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, take the schedule settings from the checkpoint and ignore this config's."""
+
+    start_weight_decay: Optional[float] = None
+    """Weight decay at the start; None means optimizer.weight_decay."""
+
+    end_weight_decay: Optional[float] = None
+    """Weight decay at the end; None means optimizer.weight_decay."""
+
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How the weight decay moves from start to end."""
+
+    lr_warmup_steps: Optional[int] = field(default=None, init=False, compare=False, metadata=DERIVED_FIELD)
+    """Warmup length in samples (computed by validate())."""
+
+    lr_decay_steps: Optional[int] = field(default=None, init=False, compare=False, metadata=DERIVED_FIELD)
+    """Decay length in samples (computed by validate())."""
+
+    wd_incr_steps: Optional[int] = field(default=None, init=False, compare=False, metadata=DERIVED_FIELD)
+    """Weight-decay increment length in samples (computed by validate())."""
+
+    wsd_decay_steps: Optional[int] = field(default=None, init=False, compare=False, metadata=DERIVED_FIELD)
+    """WSD annealing length in samples (computed by validate())."""
+
+    def __post_init__(self) -> None:
+        """Nothing: checks run in ``ConfigContainer.validate()`` (lazy validation)."""
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop and evaluation."""
+
+    micro_batch_size: Optional[int] = None
+    """Samples per forward/backward pass on one data-parallel rank."""
+
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all ranks: micro_batch_size x data-parallel size x microbatches.
+    None means micro_batch_size x data-parallel size (one microbatch)."""
+
+    rampup_batch_size: Optional[list[int]] = None
+    """[start, increment, ramp samples]: grow the global batch from start to global_batch_size in steps of
+    increment over ramp samples (sample-based training only)."""
+
+    decrease_batch_size_if_needed: bool = False
+    """When micro_batch_size x data-parallel size does not divide global_batch_size, round the global batch
+    down to a multiple instead of failing."""
+
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Release cached accelerator memory each iteration: 0 off, 1 moderate, 2 aggressive."""
+
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    """Every this many iterations, check that data-parallel replicas hold identical weights."""
+
+    train_sync_interval: Optional[int] = None
+    """Synchronize host and accelerator every this many iterations."""
+
+    train_iters: Optional[int] = None
+    """Total iterations over all runs (give this or train_samples)."""
+
+    train_samples: Optional[int] = None
+    """Total samples over all runs, instead of train_iters (Megatron-LM's sample-based training)."""
+
+    exit_interval: Optional[int] = None
+    """Save and exit when the iteration number is a multiple of this."""
+
+    exit_duration_in_mins: Optional[int] = None
+    """Save and exit after this many minutes."""
+
+    exit_signal_handler: bool = False
+    """On exit_signal (SIGTERM by default): save a checkpoint and exit cleanly."""
+
+    exit_signal: Optional[int] = None
+    """Signal the handler waits for; None is resolved to SIGTERM by validate()."""
+
+    exit_signal_handler_for_dataloader: bool = False
+    """Install the signal handler in dataloader workers too."""
+
+    manual_gc: bool = False
+    """Turn off Python's automatic garbage collector and collect at fixed points on every rank."""
+
+    manual_gc_interval: int = 0
+    """With manual_gc: collect every this many iterations (0: only around evaluation)."""
+
+    check_optimizer_step_success: bool = True
+    """Check that optimizer.step() succeeded (Megatron Bridge; longspan always stops on non-finite gradients
+    unless loss scaling skips the step); False is not supported."""
+
+    skip_sync_grad_norm_across_mp: bool = False
+    """Skip the model-parallel reduction of the gradient norm (Megatron Bridge); not supported."""
+
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Iterations whose batches are skipped (Megatron Bridge); not supported yet."""
+
+    manual_gc_eval: bool = True
+    """With manual_gc: collect at the start and end of each evaluation."""
+
+    eval_iters: int = 100
+    """Iterations per evaluation of the validation (and test) split."""
+
+    eval_interval: Optional[int] = 1000
+    """Evaluate on the validation split every this many iterations; None never evaluates during training."""
+
+    skip_train: bool = False
+    """Skip training: only evaluate, then exit."""
+
+    torch_compile: Optional[bool] = None
+    """longspan's compiled fast path (not a Megatron field): torch.compile of each transformer layer, applied
+    after the parallel plans (longspan.parallel.compile). True compiles, False runs eager, None (default)
+    compiles where it pays: on CUDA, on a CPU only where measured to pay (longspan.parallel.compile.CPU_DEFAULT).
+    Losses are the same either way (tested with DP, FSDP2, TP/SP, PP, CP, MoE expert parallel and activation
+    recompute); a platform that cannot compile runs eager with a one-line note."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading checkpoints."""
+
+    save: Optional[str] = None
+    """Directory checkpoints are saved to; None saves nothing."""
+
+    save_interval: Optional[int] = None
+    """Save a checkpoint every this many iterations."""
+
+    save_optim: bool = True
+    """Include the optimizer state in saved checkpoints."""
+
+    save_rng: bool = True
+    """Include the RNG states in saved checkpoints."""
+
+    load: Optional[str] = None
+    """Directory to resume from (its latest checkpoint); a missing directory starts from scratch."""
+
+    load_optim: bool = True
+    """Restore the optimizer state when loading."""
+
+    load_main_params_from_ckpt: bool = False
+    """Without the optimizer state: still restore the fp32 main parameters from the checkpoint's weights."""
+
+    load_rng: bool = True
+    """Restore the RNG states when loading."""
+
+    non_persistent_save_interval: Optional[int] = None
+    """Iterations between non-persistent checkpoints (an iteration with a persistent save skips it); only the
+    newest is kept, and a resume takes the newest complete checkpoint of any kind."""
+
+    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory"]] = None
+    """Kind of non-persistent checkpoint: 'global' (a torch_dist checkpoint in non_persistent_global_ckpt_dir),
+    'local' (each rank torch.saves its own state to non_persistent_local_ckpt_dir); None = none. 'in_memory'
+    is not supported yet."""
+
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    """Directory of global non-persistent checkpoints; None = {checkpoint.save}/non_persistent."""
+
+    non_persistent_local_ckpt_dir: Optional[str] = None
+    """Node-local directory of local non-persistent checkpoints (rank{R}_of{W}/iter_XXXXXXX.pt per rank)."""
+
+    non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
+    """Algorithm of local non-persistent checkpoints; in longspan every rank writes all of its own state
+    atomically either way (nothing replicated to de-duplicate), so both values write the same files."""
+
+    finetune: bool = False
+    """Load only the model weights and start at iteration 0 (no optimizer or RNG state)."""
+
+    pretrained_checkpoint: Optional[str] = None
+    """Checkpoint directory with the pretrained weights to finetune from: a longspan/Megatron checkpoint, or a
+    Hugging Face model directory (config.json + safetensors), whose config.json then sets the model
+    architecture (the layout and precision fields stay) and whose tokenizer files the tokenizer."""
+
+    also_save_hf_checkpoint: bool = False
+    """With every save, also write the model as a Hugging Face directory ``iter_XXXXXXX/hf/`` (config.json +
+    safetensors + tokenizer files), gathered one tensor at a time; the architecture is the HF one the run
+    started from, else the matching one (Llama for the tiny recipe)."""
+
+    ckpt_step: Optional[int] = None
+    """Load this iteration instead of the latest."""
+
+    use_checkpoint_args: bool = False
+    """Take the model configuration from the checkpoint's run_config.yaml."""
+
+    exit_on_missing_checkpoint: bool = False
+    """With load set: stop with an error when no checkpoint is found instead of starting from scratch."""
+
+    ckpt_format: Literal["torch_dist", "zarr"] = "torch_dist"
+    """On-disk format: 'torch_dist' is PyTorch Distributed Checkpoint."""
+
+    ckpt_convert_format: Optional[Literal["torch", "torch_dist", "zarr"]] = None
+    """Convert the loaded checkpoint to this format."""
+
+    ckpt_convert_save: Optional[str] = None
+    """Where the converted checkpoint is saved."""
+
+    fully_parallel_save: bool = True
+    """Spread the writing of replicated state across data-parallel ranks. Performance hint in longspan:
+    DCP's save planner already writes each replicated tensor once, from one rank."""
+
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (torch_dist only)."""
+
+    async_strategy: Literal["nvrx", "mcore"] = "nvrx"
+    """Megatron's engine for asynchronous saves (nvidia-resiliency-ext or Megatron Core's own). Performance
+    hint in longspan: async_save always runs on DCP's background executor."""
+
+    most_recent_k: Optional[int] = -1
+    """Keep only the newest k checkpoints (-1: keep all) (Megatron Bridge); not supported yet."""
+
+    storage_writers_per_rank: int = 1
+    """Storage writers per rank for torch_dist checkpoints (Megatron Bridge); not supported yet."""
+
+    strict_fsdp_dtensor_load: bool = False
+    """Strict loading of fsdp_dtensor checkpoints (Megatron Bridge); not supported yet."""
+
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Fully reshardable distributed-optimizer checkpoints (Megatron Bridge). longspan's optimizer state is
+    name-keyed DCP, reshardable across TP/PP/DP layouts already; not supported as a switch."""
+
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge); not supported yet."""
+
+    save_tokenizer_assets: bool = True
+    """Save the tokenizer files into each checkpoint (longspan always does; False is not supported)."""
+
+    use_persistent_ckpt_worker: bool = True
+    """Keep one background worker for asynchronous saves instead of one per save. Performance hint in
+    longspan: async_save runs on DCP's own background executor."""
+
+    fully_parallel_load: bool = False
+    """Spread the reading of replicated state across data-parallel ranks. Performance hint in longspan:
+    every rank reads what it needs through DCP; the loaded values are the same."""
+
+    ckpt_assume_constant_structure: bool = False
+    """The state dict structure never changes during the run (allows caching the save plan)."""
+
+    dist_ckpt_strictness: Literal[
+        "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+        "return_unexpected", "return_all", "ignore_all",
+    ] = "assume_ok_unexpected"
+    """How key mismatches between checkpoint and model are handled when loading."""
+
+    replication: bool = False
+    """Replicate local checkpoints on other ranks."""
+
+    replication_jump: Optional[int] = None
+    """Spacing between the ranks that hold a rank's replicas."""
+
+    replication_factor: int = 2
+    """Number of machines holding each replica."""
+
+    def __post_init__(self) -> None:
+        """Nothing: checks run in ``ConfigContainer.validate()`` (lazy validation)."""
+
+
+@dataclass
+class LoggerConfig:
+    """Console, TensorBoard and experiment-tracker logging."""
+
+    log_interval: int = 100
+    """Print the training log line every this many iterations."""
+
+    log_params_norm: bool = False
+    """Compute and log the L2 norm of the parameters."""
+
+    log_throughput: bool = False
+    """Log TFLOP/s per GPU."""
+
+    log_progress: bool = False
+    """Append progress (tokens, FLOPs) to progress.txt in the checkpoint directory."""
+
+    timing_log_level: Literal[0, 1, 2] = 0
+    """Which timers are reported: 0 iteration time only, 1 once-per-iteration operations, 2 everything."""
+
+    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    """How timers are reduced across ranks."""
+
+    tensorboard_dir: Optional[str] = None
+    """Directory for TensorBoard event files; None = no TensorBoard."""
+
+    tensorboard_log_interval: int = 1
+    """Write TensorBoard scalars every this many iterations."""
+
+    tensorboard_queue_size: int = 1000
+    """Pending TensorBoard events before a flush."""
+
+    log_timers_to_tensorboard: bool = False
+    """Write timers to TensorBoard."""
+
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the loss scale to TensorBoard."""
+
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write validation perplexity to TensorBoard."""
+
+    log_memory_to_tensorboard: bool = False
+    """Write memory statistics to TensorBoard."""
+
+    log_world_size_to_tensorboard: bool = False
+    """Write the world size to TensorBoard."""
+
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; None = no W&B."""
+
+    wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name."""
+
+    wandb_save_dir: Optional[str] = None
+    """Local directory for W&B files."""
+
+    wandb_entity: Optional[str] = None
+    """Weights & Biases entity (team or user)."""
+
+    logging_level: Optional[int] = None
+    """Level of longspan's loggers (e.g. 20 = INFO); None keeps the default."""
+
+    filter_warnings: bool = True
+    """Drop WARNING records of third-party loggers (torch, transformers, ...); longspan's own warnings, which
+    are about settings the user made, stay visible."""
+
+    modules_to_filter: Optional[list[str]] = None
+    """Logger name prefixes whose records are dropped entirely (e.g. ['torch.distributed'])."""
+
+    set_level_for_all_loggers: bool = False
+    """Apply logging_level (INFO when None) to the root and every existing logger, not just longspan's."""
+
+    log_energy: bool = False
+    """Log energy per GPU per iteration (J) and power per GPU (W) every log_interval (all ranks' joules over the
+    world size), from the platform's counters: NVML (pynvml) or torch.cuda.power_draw on CUDA, RAPL package
+    counters under /sys/class/powercap on a Linux CPU. Without a readable counter it is listed at start-up as
+    not applicable."""
+
+    # ---- Megatron Bridge 0.2+ fields ------------------------------------------------------------------------
+    skip_train_metrics_log: bool = False
+    """Skip the per-iteration training metrics: no training log line and nothing sent to any sink
+    (validation results are still logged)."""
+
+    log_throughput_to_tensorboard: bool = False
+    """Write TFLOP/s per GPU to TensorBoard (and the other sinks)."""
+
+    throughput_window_size: int = 100
+    """Batches in the rolling throughput average (Megatron Bridge); not supported yet."""
+
+    memory_keys: Optional[dict[str, str]] = None
+    """Names of torch.cuda.memory_stats() entries to log (Megatron Bridge); not supported yet."""
+
+    log_l2_norm_grad_to_tensorboard: bool = False
+    """Per-parameter gradient L2 norms to TensorBoard (Megatron Bridge); not supported yet."""
+
+    log_runtime_to_tensorboard: bool = False
+    """Runtime metrics to TensorBoard (Megatron Bridge); not supported yet."""
+
+    runtime_time_unit: str = "hours"
+    """Time unit of the runtime metrics (Megatron Bridge); not supported yet."""
+
+    mlflow_experiment: Optional[str] = None
+    """MLflow experiment name; set it (with mlflow_run_name) to log metrics to MLflow."""
+
+    mlflow_run_name: Optional[str] = None
+    """MLflow run name (required with mlflow_experiment)."""
+
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking URI (a server, sqlite:///path/mlflow.db, or a local file store file:///path/mlruns, which
+    MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true); None: MLflow's default (MLFLOW_TRACKING_URI)."""
+
+    mlflow_tags: Optional[dict[str, str]] = None
+    """Tags set on the MLflow run."""
+
+    comet_project: Optional[str] = None
+    """Comet ML project; set it (with comet_experiment_name) to log metrics to Comet. Offline mode follows
+    Comet's own settings (COMET_MODE=offline, COMET_OFFLINE_DIRECTORY)."""
+
+    comet_experiment_name: Optional[str] = None
+    """Comet ML experiment name (required with comet_project)."""
+
+    comet_workspace: Optional[str] = None
+    """Comet ML workspace; None: the API key's default."""
+
+    comet_api_key: Optional[str] = None
+    """Comet ML API key; None: COMET_API_KEY from the environment."""
+
+    comet_tags: Optional[list[str]] = None
+    """Tags added to the Comet ML experiment."""
+
+    save_config_filepath: Optional[str] = None
+    """Write the validated configuration (YAML) to this file at start-up."""

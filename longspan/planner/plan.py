@@ -1,0 +1,509 @@
+"""``longspan plan``: per-rank memory and step time of every valid layout for a config, best first.
+
+Megatron's theoretical memory report as a search over layouts. For each (tp, pp, cp, ep) that passes
+``longspan.parallel.mesh.check_layout`` and the config's own validation at that layout:
+
+- **weights, gradients, optimizer state** per rank from the model's real parameter list (built on the meta
+  device): each parameter is placed on its pipeline stage, divided by tp when the tensor-parallel plan
+  splits it and by ep × etp for routed experts; bytes per parameter follow the precision (parameters in
+  ``params_dtype``, float32 main copies for low-precision parameters, Adam's two float32 moments or SGD's
+  momentum) and the data-parallel mode (DDP: replicated plus its gradient buckets; distributed optimizer:
+  state and gradients sharded over dp with the parameters gathered from forward to backward; FSDP2: all
+  sharded, one layer gathered at a time).
+- **activations**: the bytes autograd saves, measured by running the model's own forward on the meta device
+  at the rank's local shapes (heads, FFN and vocabulary divided by tp, sequence by cp, one microbatch) with
+  a saved-tensor hook, so the recompute and fused-loss settings count as they run; times the microbatches in
+  flight on the stage (1F1B: ``min(pp - rank, microbatches)``). Full recompute keeps each recomputed
+  layer's input plus one layer's (or one recompute group's) activations during backward.
+- **buffers**: the optimizer step's temporaries (one float32 copy of the rank's optimizer-sharded
+  parameters), one layer's activation gradients in backward, and the gathered FSDP2 layer.
+
+Step time: model FLOPs (Megatron's formula, recompute adds a forward) at a fixed fraction of the device's
+peak (``longspan.training.observability.mfu``), stretched by the pipeline bubble, plus tensor-parallel all-reduces,
+context-parallel K/V gathers and the data-parallel gradient reduction at the device's link bandwidth. It is
+an estimate to rank layouts, not a promise; the memory figures are checked against measured peaks in
+tests/perf/test_planner.py and docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import re
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
+from longspan.parallel.mesh import Layout, check_layout, derive_layout
+from longspan.models.flops import num_floating_point_operations
+
+GiB = 1024**3
+
+#: device kind -> (peak FLOP/s of the run's dense precision, link bandwidth bytes/s, achievable fraction of peak)
+#: device kind -> bytes a training process holds beyond the model (CUDA context, NCCL and cuBLAS workspaces;
+#: on a CPU the libraries' and data pipeline's own allocations, measured at ~116 MiB)
+RUNTIME_BYTES: dict[str, float] = {"h100": 1.0 * 2**30, "h200": 1.0 * 2**30, "a100": 1.0 * 2**30,
+                                   "b200": 1.0 * 2**30, "cpu": 120.0 * 2**20}
+
+DEVICES: dict[str, tuple[Optional[float], float, float]] = {
+    "h100": (989.4e12, 450e9, 0.45),
+    "h200": (989.4e12, 450e9, 0.45),
+    "a100": (312e12, 300e9, 0.45),
+    "b200": (2250e12, 900e9, 0.45),
+    "cpu": (None, 5e9, 0.5),  # peak measured on this machine (longspan.training.observability.mfu)
+}
+
+_TP_SPLIT = re.compile(r"(linear_q|linear_k|linear_v|linear_proj|linear_fc1|linear_fc1_gate|linear_fc2|"
+                       r"word_embeddings|output_layer)\.weight$|(linear_q|linear_k|linear_v|linear_fc1|"
+                       r"linear_fc1_gate)\.bias$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class RankMemory:
+    """Bytes on the busiest rank of a layout: what each kind takes at its largest, and the peak.
+
+    The kinds are not all alive at once: the peak is the larger of two moments, the start of the loss's
+    backward (activations, the loss's gradient buffers, and the gradients accumulated by earlier
+    microbatches) and the optimizer step (final gradients and the step's temporaries), each on top of the
+    weights, optimizer state and persistent buffers.
+    """
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    peak: float
+
+    @property
+    def total(self) -> float:
+        return self.peak
+
+
+@dataclasses.dataclass
+class PlanRow:
+    """One candidate layout and its estimates."""
+
+    layout: Layout
+    dp_mode: str
+    memory: RankMemory
+    step_time_s: float
+    tokens_per_s_per_device: float
+
+    def fits(self, memory_per_device: float) -> bool:
+        return self.memory.total <= memory_per_device
+
+
+def parse_size(text: str) -> float:
+    """'80GiB', '80GB', '512MiB', '1.5TiB' or a plain number of bytes -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--memory-per-device={text!r} is not a size: use e.g. 80GiB, 80GB or 512MiB")
+    value, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return value * scale
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    return torch.tensor([], dtype=dtype or torch.float32).element_size()
+
+
+def data_parallel_mode_for(cfg: Any, layout: Layout) -> str:
+    """The data-parallel wrapper a run of ``cfg`` gets at ``layout`` (see longspan.parallel.data_parallel)."""
+    from longspan.parallel.data_parallel import data_parallel_mode
+
+    mode = data_parallel_mode(cfg, layout.tp)
+    if layout.dp * layout.cp == 1:
+        return "none"
+    if mode == "ddp" and layout.tp > 1:
+        return "distributed_optimizer"  # DDP does not compose with DTensors: FSDP2 without resharding
+    return mode
+
+
+def _layout_config(cfg: Any, layout: Layout) -> Any:
+    out = copy.deepcopy(cfg)
+    m = out.model
+    m.tensor_model_parallel_size, m.pipeline_model_parallel_size = layout.tp, layout.pp
+    m.context_parallel_size, m.expert_model_parallel_size = layout.cp, layout.ep
+    if getattr(m, "num_moe_experts", None):
+        m.expert_tensor_parallel_size = layout.etp
+    if layout.tp == 1:
+        m.sequence_parallel = False
+    if layout.pp == 1:
+        m.virtual_pipeline_model_parallel_size = None
+        m.num_layers_in_first_pipeline_stage = m.num_layers_in_last_pipeline_stage = None
+    return out
+
+
+def candidate_layouts(cfg: Any, world_size: int) -> tuple[list[tuple[Any, Layout]], list[str]]:
+    """Every (config at that layout, layout) that validates for ``world_size``, and why the others do not."""
+    m = cfg.model
+    experts = int(getattr(m, "num_moe_experts", None) or 0)
+    seq = int(m.seq_length)
+    rows, rejected = [], []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            if pp > int(m.num_layers):
+                continue
+            for cp in _divisors(world_size // (tp * pp)):
+                if cp > 1 and seq % (2 * cp):
+                    continue
+                for ep in (_divisors(world_size // pp) if experts else [1]):
+                    if experts and experts % ep:
+                        continue
+                    etp = tp if ep == 1 else 1
+                    try:
+                        layout = derive_layout(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
+                        lcfg = _layout_config(cfg, layout)
+                        check_layout(world_size, lcfg.model)
+                        lcfg.validate(world_size=world_size)
+                    except (ConfigError, LaunchError, NotSupportedError) as exc:
+                        rejected.append(f"tp={tp} pp={pp} cp={cp} ep={ep}: {exc}")
+                        continue
+                    rows.append((lcfg, layout))
+    return rows, rejected
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+def _stage_of_layers(cfg: Any, pp: int) -> dict[int, int]:
+    from longspan.parallel.pipeline import layer_counts_for_config, stage_layer_numbers
+
+    counts = layer_counts_for_config(cfg.model, pp)
+    stage_of = {}
+    for stage, numbers in enumerate(stage_layer_numbers(counts)):
+        for n in numbers:
+            stage_of[n] = stage % pp
+    return stage_of
+
+
+def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dict[str, float]]:
+    """Per pipeline rank: {'dense': parameters replicated over dp, 'expert': routed-expert parameters,
+    'largest_layer': parameters of its largest transformer layer, 'root': parameters outside the transformer
+    layers (embedding, final norm, output layer)} as this rank holds them."""
+    pp = layout.pp
+    stage_of = _stage_of_layers(cfg, pp)
+    tied = bool(cfg.model.share_embeddings_and_output_weights)
+    ranks = [{"dense": 0.0, "expert": 0.0, "largest_layer": 0.0, "root": 0.0} for _ in range(pp)]
+    layer_sizes: list[dict[int, float]] = [dict() for _ in range(pp)]
+    for name, p in meta_model.named_parameters():
+        n = float(p.numel())
+        expert = ".mlp.experts." in name
+        if expert:
+            n /= layout.ep * layout.etp
+        elif _TP_SPLIT.search(name):
+            n /= layout.tp
+        match = _LAYER.match(name)
+        if match:
+            stages = [stage_of[int(match.group(1))]]
+            layer = int(match.group(1))
+            layer_sizes[stages[0]][layer] = layer_sizes[stages[0]].get(layer, 0.0) + n
+        elif name.startswith("embedding."):
+            stages = [0]
+            if tied and pp > 1 and "word_embeddings" in name:
+                stages.append(pp - 1)  # the last stage keeps its own copy of the tied output weight
+        else:
+            stages = [pp - 1]
+        for s in stages:
+            ranks[s]["expert" if expert else "dense"] += n
+            if not match:
+                ranks[s]["root"] += n
+    for s in range(pp):
+        ranks[s]["largest_layer"] = max(layer_sizes[s].values(), default=0.0)
+    return ranks
+
+
+# ----------------------------------------------------------------------------------------------- activations
+
+@contextlib.contextmanager
+def _flash_attention_on_meta() -> Iterator[None]:
+    """On the meta device SDPA takes its math path, which saves the [s, s] attention weights; training on a
+    GPU (and torch's CPU kernel without an explicit mask) uses flash attention, which saves O(s). Count
+    that: maskless SDPA calls run torch's flash kernel (its meta form) while measuring."""
+    real = F.scaled_dot_product_attention
+
+    def flash_like(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or q.device.type != "meta":
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+        if k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = flash_like
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def _saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> float:
+    """Bytes autograd saves for one forward of ``provider``'s model (meta device, parameters excluded)."""
+    from longspan.models.gpt import build_gpt_model
+
+    provider = copy.deepcopy(provider)
+    provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
+    provider.context_parallel_size = provider.expert_model_parallel_size = 1
+    provider.sequence_parallel = False
+    model = build_gpt_model(provider, pre_process=pre, post_process=post, materialize=False)
+    model.train()
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, float] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in params and id(t) not in params:
+            saved[id(base)] = float(base.numel() * base.element_size())
+        return t
+
+    with torch.device("meta"), _flash_attention_on_meta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tokens = torch.zeros(mbs, seq, dtype=torch.long)
+        if pre:
+            model(tokens, labels=tokens)
+        else:
+            hidden = torch.zeros(mbs, seq, provider.hidden_size, dtype=provider.params_dtype, requires_grad=True)
+            model(hidden, labels=tokens)
+    return sum(saved.values())
+
+
+def _local_provider(cfg: Any, layout: Layout, num_layers: int) -> Any:
+    """The model config of one rank's local computation: heads, FFN and vocabulary divided by tp."""
+    from longspan.models.gpt import padded_vocab_size
+
+    m = copy.deepcopy(cfg.model)
+    tp = layout.tp
+    heads = int(m.num_attention_heads)
+    groups = int(m.num_query_groups or heads)
+    m.kv_channels = m.kv_channels or m.hidden_size // heads
+    m.num_attention_heads, m.num_query_groups = heads // tp, groups // tp
+    ffn = int(m.ffn_hidden_size or 4 * m.hidden_size)
+    if getattr(m, "num_moe_experts", None):  # activations of routed tokens: top-k experts' FFN per token
+        ffn = int(m.moe_ffn_hidden_size or ffn) * int(m.moe_router_topk or 1)
+        ffn += int(getattr(m, "moe_shared_expert_intermediate_size", None) or 0)
+        m.num_moe_experts = None
+        m.moe_layer_freq = 1
+    m.ffn_hidden_size = max(1, ffn // tp)
+    m.vocab_size = padded_vocab_size(m) // tp
+    m.make_vocab_size_divisible_by = 1
+    m.num_layers = num_layers
+    m.recompute_granularity = m.recompute_granularity if m.recompute_granularity == "selective" else None
+    m.recompute_method = m.recompute_num_layers = None
+    return m
+
+
+def activation_parts(cfg: Any, layout: Layout) -> dict[str, float]:
+    """Saved bytes of one microbatch: 'layer' (one transformer layer), 'embedding', 'output' (output layer +
+    loss), and 'layer_input' (a layer's input hidden states)."""
+    mbs = int(cfg.train.micro_batch_size)
+    seq = int(cfg.model.seq_length) // layout.cp
+    one = _local_provider(cfg, layout, 1)
+    two = _local_provider(cfg, layout, 2)
+    full1 = _saved_bytes(one, mbs, seq, True, True)
+    full2 = _saved_bytes(two, mbs, seq, True, True)
+    pre1 = _saved_bytes(one, mbs, seq, True, False)
+    layer = full2 - full1
+    hidden_bytes = _dtype_bytes(cfg.model.params_dtype)
+    return {
+        "layer": layer,
+        "embedding": max(0.0, pre1 - layer),
+        "output": max(0.0, full1 - pre1),
+        "layer_input": float(mbs * seq * cfg.model.hidden_size * hidden_bytes),
+    }
+
+
+def _stage_activations(cfg: Any, parts: dict[str, float], layers: int) -> float:
+    """Saved activations of ``layers`` transformer layers under the config's recompute setting."""
+    m = cfg.model
+    if m.recompute_granularity != "full" or layers == 0:
+        return layers * parts["layer"]
+    n = int(m.recompute_num_layers or 1)
+    if m.recompute_method == "block":
+        recomputed = min(n, layers)
+        return (layers - recomputed) * parts["layer"] + recomputed * parts["layer_input"] + parts["layer"]
+    groups = -(-layers // n)
+    return groups * parts["layer_input"] + min(n, layers) * parts["layer"]
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+def _output_transient(cfg: Any, layout: Layout) -> float:
+    """Bytes alive only during the loss's backward: the float32 logits' gradient and the log-softmax gradient
+    (the plain loss), the reused logits buffer (the float32 fused loss), or the recomputed chunk and its
+    gradient (the chunked loss)."""
+    from longspan.models.gpt import padded_vocab_size
+    from longspan.models.loss import default_chunk_tokens
+
+    vocab = padded_vocab_size(cfg.model) // layout.tp
+    tokens = int(cfg.train.micro_batch_size) * int(cfg.model.seq_length) // layout.cp
+    if getattr(cfg.model, "cross_entropy_loss_fusion", False):
+        return 2.0 * min(tokens, default_chunk_tokens(vocab)) * vocab * 4
+    if layout.tp == 1 and _dtype_bytes(cfg.model.params_dtype) == 4 and not (
+        getattr(cfg.model, "fp16_lm_cross_entropy", False) or getattr(cfg.model, "enable_autocast", False)
+    ):
+        # fused_linear_cross_entropy: the logits' gradient is formed in the forward (and saved, counted with
+        # the activations); the logits buffer it was computed from stays in the model's LogitsWorkspace
+        return 1.0 * tokens * vocab * 4
+    # torch's loss_parallel (tp > 1) also keeps the shifted logits and their exponentials of the shard
+    return (4.0 if layout.tp > 1 else 2.0) * tokens * vocab * 4
+
+
+def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
+                    parts: Optional[dict[str, float]] = None, device: str = "cpu") -> RankMemory:
+    """Memory of the busiest rank of ``cfg`` at ``layout`` (see the module docstring and ``RankMemory``)."""
+    from longspan.models.gpt import build_gpt_model
+
+    if meta_model is None:
+        meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
+    parts = parts or activation_parts(cfg, layout)
+    mode = data_parallel_mode_for(cfg, layout)
+    dp = layout.dp * layout.cp  # gradients are reduced (and FSDP2 shards) over dp x cp
+    edp = max(1, layout.edp)
+    m = cfg.model
+    pb = _dtype_bytes(m.params_dtype)
+    main_bytes = 0 if pb == 4 else 4
+    optimizer = str(getattr(cfg.optimizer, "optimizer", "adam")).lower()
+    state_bytes = 8 if optimizer == "adam" else (4 if float(getattr(cfg.optimizer, "sgd_momentum", 0) or 0) else 0)
+    if getattr(cfg.optimizer, "use_precision_aware_optimizer", False):  # main params and moments in their dtypes
+        main_bytes = 0 if pb == 4 else _dtype_bytes(cfg.optimizer.main_params_dtype)
+        state_bytes = _dtype_bytes(cfg.optimizer.exp_avg_dtype) + _dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)
+    gbs, mbs = int(cfg.train.global_batch_size), int(cfg.train.micro_batch_size)
+    microbatches = max(1, gbs // (mbs * layout.dp))
+    stage_of = _stage_of_layers(cfg, layout.pp)
+    runtime = RUNTIME_BYTES.get(device, RUNTIME_BYTES["h100"])
+    best: Optional[RankMemory] = None
+    for rank, counts in enumerate(rank_parameter_counts(cfg, layout, meta_model)):
+        local = counts["dense"] + counts["expert"]
+        if mode in ("none", "ddp"):
+            shard = held = final_grads = local
+            early_grads = 0.0
+            persistent = local * pb if mode == "ddp" else 0.0  # DDP's gradient buckets
+        else:
+            shard = counts["dense"] / dp + counts["expert"] / edp
+            if mode == "fsdp2":  # the root (embedding, final norm, output layer) stays gathered; one layer more
+                held = shard + counts["root"] + counts["largest_layer"]
+                persistent = counts["largest_layer"] * pb  # the next layer's all-gather (prefetch)
+            else:  # distributed optimizer: FSDP2 without resharding, parameters gathered forward to backward
+                held = shard + local
+                persistent = 0.0
+            final_grads = shard
+            early_grads = counts["root"]  # the root's unsharded gradients live until the end of backward
+        accumulated = (local if mode in ("none", "ddp") else local + shard) if microbatches > 1 else early_grads
+        weights = held * pb + shard * main_bytes
+        opt = shard * state_bytes
+        layers = sum(1 for s in stage_of.values() if s == rank)
+        in_flight = min(layout.pp - rank, microbatches) if layout.pp > 1 else 1
+        per_mb = _stage_activations(cfg, parts, layers)
+        if rank == 0:
+            per_mb += parts["embedding"]
+        last = rank == layout.pp - 1
+        if last:
+            per_mb += parts["output"]
+        activations = in_flight * per_mb
+        backward = parts["layer"] + (_output_transient(cfg, layout) if last else 0.0)
+        step = shard * 4  # the optimizer step's float32 temporaries
+        base = weights + opt + persistent + runtime
+        peak = max(base + activations + backward + accumulated * pb, base + final_grads * pb + step)
+        mem = RankMemory(weights, max(accumulated, final_grads) * pb, opt, activations,
+                         persistent + runtime + max(backward, step), peak)
+        if best is None or mem.peak > best.peak:
+            best = mem
+    assert best is not None
+    return best
+
+
+def _unsplit(model_cfg: Any) -> Any:
+    m = copy.deepcopy(model_cfg)
+    m.tensor_model_parallel_size = m.pipeline_model_parallel_size = m.context_parallel_size = 1
+    m.expert_model_parallel_size = 1
+    m.sequence_parallel = False
+    return m
+
+
+# ----------------------------------------------------------------------------------------------- time
+
+def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = None) -> float:
+    """Seconds per iteration (see the module docstring)."""
+    from longspan.training.observability.mfu import measured_cpu_tflops
+
+    peak, bandwidth, efficiency = DEVICES[device]
+    if peak is None:
+        peak = measured_cpu_tflops(torch.get_num_threads()) * 1e12
+    m = cfg.model
+    gbs, mbs = int(cfg.train.global_batch_size), int(cfg.train.micro_batch_size)
+    flops = num_floating_point_operations(cfg, gbs)
+    if m.recompute_granularity == "full":
+        flops *= 4.0 / 3.0
+    compute = flops / layout.world_size / (peak * efficiency)
+    microbatches = max(1, gbs // (mbs * layout.dp))
+    vp = int(getattr(m, "virtual_pipeline_model_parallel_size", None) or 1)
+    compute *= 1.0 + (layout.pp - 1) / (microbatches * vp)
+    seq = int(m.seq_length) // layout.cp
+    act_bytes = _dtype_bytes(m.params_dtype)
+    layers_per_stage = -(-int(m.num_layers) // layout.pp)
+    comm = 0.0
+    if layout.tp > 1:  # 2 all-reduces forward + 2 backward per layer and microbatch
+        size = mbs * seq * m.hidden_size * act_bytes
+        comm += 4 * layers_per_stage * microbatches * 2 * (layout.tp - 1) / layout.tp * size / bandwidth
+    if layout.cp > 1:  # K/V all-gather forward, reduce-scatter of their gradients backward
+        heads = int(m.num_attention_heads)
+        kv = 2 * mbs * seq * int(m.num_query_groups or heads) // layout.tp * (m.kv_channels or m.hidden_size // heads)
+        comm += 2 * layers_per_stage * microbatches * (layout.cp - 1) * kv * act_bytes / bandwidth
+    dp = layout.dp * layout.cp
+    if dp > 1:
+        if meta_model is None:
+            from longspan.models.gpt import build_gpt_model
+
+            meta_model = build_gpt_model(_unsplit(m), materialize=False)
+        params = max(r["dense"] + r["expert"] for r in rank_parameter_counts(cfg, layout, meta_model))
+        comm += 2 * (dp - 1) / dp * params * 4 / bandwidth
+    return compute + comm
+
+
+# ----------------------------------------------------------------------------------------------- search
+
+def plan(cfg: Any, world_size: int, device: str) -> tuple[list[PlanRow], list[str]]:
+    """Every valid layout with its estimates, fastest first; and the rejected layouts with reasons."""
+    from longspan.models.gpt import build_gpt_model
+
+    if device not in DEVICES:
+        raise ConfigError(f"--device={device!r} is not one of {', '.join(DEVICES)}")
+    cfg.model.finalize()
+    meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
+    candidates, rejected = candidate_layouts(cfg, world_size)
+    rows = []
+    tokens = int(cfg.train.global_batch_size) * int(cfg.model.seq_length)
+    for lcfg, layout in candidates:
+        memory = estimate_memory(lcfg, layout, meta_model, device=device)
+        step = estimate_step_time(lcfg, layout, device, meta_model)
+        rows.append(PlanRow(layout, data_parallel_mode_for(lcfg, layout), memory, step,
+                            tokens / step / world_size))
+    rows.sort(key=lambda r: (r.step_time_s, r.memory.total))
+    return rows, rejected
+
+
+def format_table(rows: list[PlanRow], memory_per_device: float) -> str:
+    """The plan as a fixed-width table (GiB per rank), fitting layouts first, each group fastest first."""
+    header = (f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>3} {'ep':>3} {'dp mode':<22} {'weights':>8} {'grads':>8} "
+              f"{'optim':>8} {'activ':>8} {'buffers':>8} {'peak':>8} {'fits':>4} {'step s':>9} {'tok/s/dev':>10}")
+    lines = [header, "-" * len(header)]
+    ordered = [r for r in rows if r.fits(memory_per_device)] + [r for r in rows if not r.fits(memory_per_device)]
+    for r in ordered:
+        L, M = r.layout, r.memory
+        lines.append(
+            f"{L.tp:>3} {L.pp:>3} {L.cp:>3} {L.dp:>3} {L.ep:>3} {r.dp_mode:<22} {M.weights / GiB:>8.3f} "
+            f"{M.grads / GiB:>8.3f} {M.optimizer / GiB:>8.3f} {M.activations / GiB:>8.3f} {M.buffers / GiB:>8.3f} "
+            f"{M.total / GiB:>8.3f} {'yes' if r.fits(memory_per_device) else 'no':>4} {r.step_time_s:>9.4g} "
+            f"{r.tokens_per_s_per_device:>10.4g}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,331 @@
+"""Loading ``torch_dist`` checkpoints (the layout ``checkpointing.py`` writes): which checkpoint to resume or
+finetune from, restoring model, optimizer, scheduler, rerun and training progress (RNG is returned, not
+applied), PEFT's base-then-adapters load, and ``use_checkpoint_args`` (architecture and tokenizer from a
+checkpoint's run_config.yaml).
+
+Model and optimizer state reshard on load: DTensor-sharded state is read by global name and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from longspan.core.errors import CheckpointError
+from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.checkpointing.io import (
+    TRAIN_STATE_FILENAME,
+    check_shapes,
+    iteration_from_dir,
+    load_shards,
+    load_weights_only,
+    read_metadata,
+    reading,
+    single_process_quiet,
+)
+from longspan.training.checkpointing.save import (
+    OPTIM_SD_OPTIONS,
+    RUN_CONFIG_FILENAME,
+    TOKENIZER_DIRNAME,
+    TRACKER_FILENAME,
+    checkpoint_module,
+    current_rank,
+    current_world_size,
+    get_checkpoint_dir,
+    get_rng_state,
+    optimizer_extra_state,
+    optimizer_module,
+    read_tracker,
+    rerun_state,
+    rng_key_for,
+    unwrap_optimizer,
+)
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` found: the directory, its iteration, and RNG state still to be applied."""
+
+    directory: Path
+    iteration: int
+    rng_state: dict[str, Any] | None = None
+
+
+def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
+    """(directory, iteration, is_finetune) of the checkpoint to load, or None to start from scratch.
+
+    ``checkpoint.load`` wins when it holds a checkpoint; otherwise ``pretrained_checkpoint`` loads weights
+    only (finetuning). ``ckpt_step`` picks an iteration other than the tracker's.
+    """
+    for root, pretrained in ((ckpt_cfg.load, False), (ckpt_cfg.pretrained_checkpoint, True)):
+        if not root:
+            continue
+        root_path = Path(root)
+        if pretrained and _is_hf_model_dir(root_path):
+            return root_path, 0, True  # Hugging Face weights: load_checkpoint reads them through AutoBridge
+        if ckpt_cfg.ckpt_step is not None and not pretrained:
+            iteration = ckpt_cfg.ckpt_step
+        else:
+            iteration = read_tracker(root_path)
+        if iteration is None:
+            if (root_path / ".metadata").is_file():  # pointed straight at an iter_ directory
+                return root_path, iteration_from_dir(root_path), pretrained or ckpt_cfg.finetune
+            if ckpt_cfg.exit_on_missing_checkpoint or pretrained:
+                field_name = "checkpoint.pretrained_checkpoint" if pretrained else "checkpoint.load"
+                raise CheckpointError(
+                    f"{field_name}={root}: no checkpoint there ({TRACKER_FILENAME} not found)"
+                    + ("" if pretrained else "; unset checkpoint.exit_on_missing_checkpoint to start from scratch")
+                )
+            continue
+        directory = get_checkpoint_dir(root_path, iteration)
+        if not (directory / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {directory} is missing or incomplete (no .metadata file)")
+        return directory, iteration, pretrained or ckpt_cfg.finetune
+    return None
+
+
+def _is_hf_model_dir(path: Path) -> bool:
+    from longspan.conversion import is_hf_model_dir
+
+    return is_hf_model_dir(path)
+
+
+def _stored_keys(directory: Path) -> set[str]:
+    return set(read_metadata(directory).state_dict_metadata)
+
+
+def load_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    strict: bool = True,
+    checkpointing_context: dict[str, Any] | None = None,
+    skip_load_to_model_and_opt: bool = False,
+    *,
+    checkpoint_config: Any = None,
+    model_keys: Callable[[str], bool] | None = None,
+) -> LoadedCheckpoint | None:
+    """Load the checkpoint ``checkpoint.load`` (or ``pretrained_checkpoint``) names into model and state.
+
+    Restores model, optimizer (``load_optim``), scheduler and train state; returns the RNG state (when
+    ``load_rng``) without applying it, because RNG must be restored after everything that draws from it at
+    start-up (building data iterators does). Returns None when there is nothing to load.
+    ``checkpoint_config`` replaces ``cfg.checkpoint``; ``model_keys`` limits the model tensors loaded (PEFT).
+    """
+    cfg = state.cfg
+    ckpt_cfg = checkpoint_config if checkpoint_config is not None else cfg.checkpoint
+    found = find_checkpoint(ckpt_cfg)
+    if found is None:
+        return None
+    directory, iteration, finetune = found
+    if _is_hf_model_dir(directory):
+        from longspan.training.checkpointing.hf_weights import load_hf_pretrained
+
+        load_hf_pretrained(directory, model, select=model_keys)
+        return LoadedCheckpoint(directory, 0, None)
+    module = checkpoint_module(model)
+    stored = _stored_keys(directory)
+
+    model_sd = get_model_state_dict(module)
+    if model_keys is not None:
+        model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
+        strict = False  # the other tensors come from another checkpoint
+    check_shapes(directory, model_sd, "model")
+    load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
+    load_rng = ckpt_cfg.load_rng and not finetune
+    if load_optim and not any(k.startswith("optimizer.") for k in stored):
+        raise CheckpointError(
+            f"checkpoint {directory} holds no optimizer state (saved with save_optim=false); "
+            "set checkpoint.load_optim=false to load the weights only"
+        )
+
+    to_load: dict[str, Any] = {"model": model_sd}
+    torch_optimizer = unwrap_optimizer(optimizer) if load_optim else None
+    main_module = optimizer_module(module, optimizer) if load_optim else module
+    if load_optim:
+        to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored))
+    if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
+        to_load["scheduler"] = opt_param_scheduler.state_dict()
+    rng_key = rng_key_for(current_rank(), current_world_size())
+    has_rng = load_rng and any(k.startswith(f"rng.{rng_key}") for k in stored)
+    if has_rng:
+        to_load["rng"] = {rng_key: get_rng_state()}
+    elif load_rng:
+        print_rank_0(
+            "checkpoint holds no RNG state for this world size; generators start from the seed instead", logger
+        )
+    if not finetune and "rerun_state_machine" in {k.split(".")[0] for k in stored}:
+        rerun = rerun_state(state)
+        if rerun:
+            to_load.update(rerun)
+
+    if not skip_load_to_model_and_opt:
+        with single_process_quiet():
+            load_shards(to_load, directory, no_dist=not dist.is_initialized())
+        set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
+        if load_optim:
+            _restore_optimizer(to_load, optimizer, torch_optimizer, module, main_module)
+    if "scheduler" in to_load:
+        _restore_scheduler(opt_param_scheduler, to_load["scheduler"], iteration, directory, ckpt_cfg)
+    if "rerun_state_machine" in to_load:
+        state.rerun_state_machine.load_state_dict(to_load["rerun_state_machine"])
+
+    if finetune:
+        print_rank_0(f"loaded weights from {directory} for finetuning; starting at iteration 0", logger)
+        iteration = 0
+    else:
+        _restore_train_state(state, directory)
+        print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
+    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
+
+
+def _optimizer_sections(optimizer: Any, torch_optimizer: torch.optim.Optimizer | None, module: torch.nn.Module,
+                        main_module: torch.nn.Module, stored: set[str]) -> dict[str, Any]:
+    """The optimizer's templates for ``dcp.load``: its state, the main params and extra state the checkpoint has."""
+    sections: dict[str, Any] = {
+        "optimizer": get_optimizer_state_dict(main_module, torch_optimizer, options=OPTIM_SD_OPTIONS)}
+    if main_module is not module and any(k.startswith("main_params.") for k in stored):
+        sections["main_params"] = main_module.state_dict()
+    if any(k.startswith("optimizer_extra") for k in stored):
+        sections["optimizer_extra"] = optimizer_extra_state(optimizer)
+    return sections
+
+
+def _restore_optimizer(to_load: dict[str, Any], optimizer: Any, torch_optimizer: torch.optim.Optimizer | None,
+                       module: torch.nn.Module, main_module: torch.nn.Module) -> None:
+    """Put the loaded optimizer sections back; main params (when saved) are copied to the model params."""
+    set_optimizer_state_dict(
+        main_module, torch_optimizer, to_load["optimizer"], options=OPTIM_SD_OPTIONS
+    )
+    _load_optimizer_extra_state(optimizer, to_load.get("optimizer_extra", {}))
+    if main_module is not module:
+        if "main_params" in to_load:
+            main_module.load_state_dict(to_load["main_params"])
+            optimizer.copy_main_params_to_model_params()
+        else:
+            optimizer.reload_model_params()
+
+
+def _load_optimizer_extra_state(optimizer: Any, extra: dict[str, Any]) -> None:
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is not None and "grad_scaler" in extra:
+        scaler.load_state_dict(extra["grad_scaler"])
+
+
+def _restore_scheduler(opt_param_scheduler: Any, scheduler_state: dict[str, Any], iteration: int, directory: Path,
+                       ckpt_cfg: Any) -> None:
+    try:
+        opt_param_scheduler.load_state_dict(scheduler_state)
+    except CheckpointError as exc:
+        # Say the real situation first: this run resumes an earlier run's checkpoint.
+        raise CheckpointError(
+            f"resuming the checkpoint at iteration {iteration} in {directory} (checkpoint.load="
+            f"{ckpt_cfg.load}), whose learning-rate schedule differs from this config: {exc}; to start fresh "
+            "instead, set checkpoint.load=null or use another checkpoint.save directory"
+        ) from exc
+
+
+def _restore_train_state(state: Any, directory: Path) -> None:
+    train_state_file = directory / TRAIN_STATE_FILENAME
+    train_state_dict = load_weights_only(train_state_file, "training progress")
+    with reading(train_state_file, "training progress"):
+        if not isinstance(train_state_dict, dict) or "step" not in train_state_dict:
+            raise ValueError(f"it holds {type(train_state_dict).__name__} without a 'step' entry")
+        state.train_state.load_state_dict(train_state_dict)
+
+
+def load_peft_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    checkpointing_context: dict[str, Any] | None = None,
+) -> LoadedCheckpoint | None:
+    """PEFT: the frozen base from ``pretrained_checkpoint`` (weights only), then, when ``checkpoint.load`` holds
+    a checkpoint of this run, its adapters, optimizer, scheduler, RNG and progress. Starting fresh, DoRA's
+    magnitudes are set from the loaded base."""
+    import dataclasses as _dc
+
+    from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key
+
+    ckpt_cfg = state.cfg.checkpoint
+    if not ckpt_cfg.pretrained_checkpoint:
+        raise CheckpointError(
+            "peft is set but checkpoint.pretrained_checkpoint is not: adapters train on a pretrained base; set it "
+            "to a longspan checkpoint (or Hugging Face model directory)"
+        )
+    base_cfg = _dc.replace(ckpt_cfg, load=None)
+    load_checkpoint(state, model, None, None, checkpointing_context=checkpointing_context,
+                    checkpoint_config=base_cfg, model_keys=lambda k: not is_adapter_key(k))
+    resume_cfg = _dc.replace(ckpt_cfg, pretrained_checkpoint=None)
+    if resume_cfg.load and find_checkpoint(resume_cfg) is not None:
+        return load_checkpoint(state, model, optimizer, opt_param_scheduler,
+                               checkpointing_context=checkpointing_context, checkpoint_config=resume_cfg,
+                               model_keys=is_adapter_key)
+    init_dora_magnitudes(model)
+    return None
+
+
+def use_saved_tokenizer(tokenizer_cfg: Any, saved: Path) -> None:
+    """Point ``tokenizer_cfg`` at the tokenizer files saved in a checkpoint (``Tokenizer.save_files``)."""
+    ttype = tokenizer_cfg.tokenizer_type
+    if ttype == "HuggingFaceTokenizer":
+        tokenizer_cfg.tokenizer_model = str(saved)
+    elif ttype == "SentencePieceTokenizer" and (saved / "tokenizer.model").is_file():
+        tokenizer_cfg.tokenizer_model = str(saved / "tokenizer.model")
+    elif ttype == "GPT2BPETokenizer" and (saved / "vocab.json").is_file():
+        tokenizer_cfg.vocab_file = str(saved / "vocab.json")
+        tokenizer_cfg.merge_file = str(saved / "merges.txt")
+    # NullTokenizer and ByteLevelTokenizer are described by the config alone.
+
+
+def _adopt_saved_tokenizer(cfg: Any, saved_cfg: Any, directory: Path) -> None:
+    """A run that names no tokenizer (the finetuning recipes) takes the checkpoint's, from its saved files."""
+    if cfg.tokenizer.tokenizer_type is not None:
+        return
+    cfg.tokenizer = saved_cfg.tokenizer
+    saved_files = directory / TOKENIZER_DIRNAME
+    if saved_files.is_dir():
+        use_saved_tokenizer(cfg.tokenizer, saved_files)
+    print_rank_0(f"use_checkpoint_args: tokenizer {cfg.tokenizer.tokenizer_type} from {directory}", logger)
+
+
+def apply_checkpoint_args(cfg: Any) -> list[str]:
+    """``checkpoint.use_checkpoint_args``: take the model architecture from the checkpoint's run_config.yaml.
+
+    Every model field except the parallel layout (ModelParallelConfig's fields) is copied, so a run resumes
+    with the saved architecture whatever the recipe says. Returns the names of the fields that changed.
+    """
+    from longspan.core.model_parallel_config import copy_model_fields
+
+    found = find_checkpoint(cfg.checkpoint)
+    if found is None or _is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
+        return []
+    run_config = found[0] / RUN_CONFIG_FILENAME
+    if not run_config.is_file():
+        raise CheckpointError(f"checkpoint.use_checkpoint_args=true but {run_config} does not exist")
+    saved_cfg = type(cfg).from_yaml(str(run_config))
+    _adopt_saved_tokenizer(cfg, saved_cfg, found[0])
+    saved = saved_cfg.model
+    if type(saved) is not type(cfg.model):
+        raise CheckpointError(
+            f"checkpoint {found[0]} holds a {type(saved).__name__}, but this run builds a {type(cfg.model).__name__}"
+        )
+    changed = copy_model_fields(saved, cfg.model)
+    if changed:
+        print_rank_0(f"use_checkpoint_args: model fields from {run_config}: {', '.join(sorted(changed))}", logger)
+    return changed

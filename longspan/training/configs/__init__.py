@@ -1,1 +1,0 @@
-"""The config dataclasses, split by topic; import them from ``longspan.training.config``."""

@@ -1,0 +1,70 @@
+"""The default GPT forward step and loss function (Megatron's contract).
+
+A forward step is called once per microbatch as ``forward_step(state, data_iterator, model)`` (or without
+``state``, see ``prepare_forward_step_func``) and returns ``(output_tensor, loss_func)``;
+``loss_func(output_tensor)`` returns ``(loss_sum, num_tokens, {name: tensor([sum, count])})`` (per-token
+form) or ``(loss, {name: value})`` (legacy per-microbatch form).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+from longspan.training.state import GlobalState
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
+def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Next microbatch moved to ``device`` (non-blocking when pinned)."""
+    batch = next(data_iterator)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in BATCH_KEYS and v is not None}
+
+
+def masked_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Σ(loss·mask), Σmask and the ``lm loss`` report [Σ, count] for one microbatch."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Megatron's GPT loss function (the per-token form)."""
+    return masked_loss(loss_mask, output_tensor)
+
+
+def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Module, return_schedule_plan: bool = False) -> tuple[torch.Tensor, Any]:
+    """Default GPT forward step: per-token losses from the model and a loss function masking them."""
+    if return_schedule_plan:
+        raise NotImplementedError("return_schedule_plan is a Megatron-internal MoE overlap feature")
+    timers = state.timers
+    timers("batch-generator", log_level=2).start()
+    device = state.device if getattr(state, "device", None) is not None else torch.device("cpu")
+    batch = get_batch(data_iterator, device)
+    timers("batch-generator").stop()
+    # GPT datasets build a plain causal mask unless reset_attention_mask, and unpacked SFT batches are
+    # right-padded: the model's causal fast path is the same maths without materializing [s, s] masks.
+    attention_mask = batch.get("attention_mask") if _needs_explicit_mask(state) else None
+    output = model(
+        batch["tokens"],
+        position_ids=batch.get("position_ids"),
+        attention_mask=attention_mask,
+        labels=batch["labels"],
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _needs_explicit_mask(state: GlobalState) -> bool:
+    """Document masks: GPT data with reset_attention_mask, or packed SFT data (block-diagonal per pack)."""
+    dataset_cfg = getattr(state.cfg, "dataset", None)
+    if getattr(dataset_cfg, "reset_attention_mask", False):
+        return True
+    specs = getattr(dataset_cfg, "packed_sequence_specs", None)
+    size = specs.get("packed_sequence_size") if isinstance(specs, dict) else getattr(specs, "packed_sequence_size", None)
+    return bool(size is not None and size > 0)

@@ -1,0 +1,283 @@
+"""Forward/backward over the microbatches of one global batch with pipeline parallelism.
+
+Built on ``torch.distributed.pipelining``: every model chunk of this rank (``longspan.parallel.pipeline``)
+becomes a ``PipelineStage`` and one schedule runs them: ``Schedule1F1B`` for one chunk per rank,
+``ScheduleInterleaved1F1B`` for several (virtual pipeline), ``ScheduleGPipe`` on request.
+
+Megatron's contract is kept: on *every* stage the forward step ``forward_step(data_iterator, model)`` is
+called once per microbatch and reads that microbatch itself (every rank of a data-parallel group builds the
+same iterator; the microbatches of a step are read once and replayed to each local chunk). On a stage
+after the first, ``model`` receives the previous stage's hidden states in place of the token ids; on the
+last stage the forward step's ``loss_func`` runs right after the forward, with the loss scaling of
+``forward_backward_no_pipelining`` (masked mean / num_microbatches, or the summed loss with
+``calculate_per_token_loss``), and the scaled loss is the stage's output that torch's schedule
+backpropagates (its own ``loss_fn`` is the identity and its gradient scaling is off).
+
+The per-microbatch loss reports and the token count live on the last stage; they are broadcast over the
+pipeline group, so the caller sees on every rank what ``forward_backward_no_pipelining`` returns. A non-finite
+loss is detected on the last stage and raised on every rank after the schedule (never mid-schedule, where
+the other stages would wait forever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.nn.parallel import DistributedDataParallel
+
+from longspan.core.errors import ConfigError
+from longspan.parallel.loss_parallel import parallel_loss_context
+from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads
+from longspan.training.step.loss_checks import check_finite, set_moe_aux_loss_scale
+
+#: schedule names ``forward_backward_pipelining`` accepts (``"auto"``: 1F1B, interleaved with virtual stages)
+SCHEDULES = ("auto", "1f1b", "interleaved_1f1b", "gpipe")
+
+_CACHE_ATTR = "_longspan_pipeline_runtimes"
+
+
+class _StepContext:
+    """What one call of ``forward_backward_pipelining`` gives the stages (and collects from the last one)."""
+
+    def __init__(
+        self,
+        forward_step_func: Callable,
+        num_microbatches: int,
+        calculate_per_token_loss: bool,
+        grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None,
+        autocast_dtype: torch.dtype | None,
+        device_type: str,
+        forward_only: bool,
+    ) -> None:
+        self.forward_step_func = forward_step_func
+        self.num_microbatches = num_microbatches
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.grad_scale_func = None if forward_only else grad_scale_func
+        self.autocast_dtype = autocast_dtype
+        self.device_type = device_type
+        self.reports: list[dict[str, Any]] = []
+        self.total_tokens = torch.zeros((), dtype=torch.int64)
+        self.finite = True
+        self.iterators: dict[int, Iterator] = {}
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+
+class _StageInputModel:
+    """The model a forward step sees on a stage after the first: its first input is replaced by the hidden
+    states received from the previous stage (token ids are meaningless there). Attributes come from the chunk."""
+
+    def __init__(self, module: nn.Module, hidden_states: torch.Tensor) -> None:
+        self._module = module
+        self._hidden_states = hidden_states
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (self._hidden_states, *args[1:])
+        else:
+            kwargs.pop("input_ids", None)
+            kwargs["hidden_states"] = self._hidden_states
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _ForwardStepStage(PipelineStage):
+    """A ``PipelineStage`` whose forward is the user's forward step on this chunk (see the module docstring)."""
+
+    def __init__(self, chunk: nn.Module, info: PipelineChunkInfo, device: torch.device, group: Any) -> None:
+        act = torch.empty(info.activation_shape, dtype=info.activation_dtype, device="meta", requires_grad=True)
+        index = torch.zeros(1, dtype=torch.long, device="meta")
+        loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+        super().__init__(
+            chunk,
+            info.stage_index,
+            info.num_stages,
+            device,
+            input_args=(index,) if info.is_first else (act,),
+            output_args=(loss,) if info.is_last else (act,),
+            group=group,
+        )
+        self.info = info
+        self.context: _StepContext | None = None
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        # torch's stage keeps DDP from reducing per microbatch; the reduction happens in the last backward.
+        if isinstance(self.submod, DistributedDataParallel):
+            with self.submod.no_sync():
+                return self._run_forward_step(args)
+        return self._run_forward_step(args)
+
+    def _run_forward_step(self, args: tuple[Any, ...]) -> torch.Tensor:
+        ctx = self.context
+        info = self.info
+        model = self.submod if info.is_first else _StageInputModel(self.submod, args[0])
+        with ctx.autocast():
+            output_tensor, loss_func = ctx.forward_step_func(ctx.iterators[info.vp_index], model)
+        if not info.is_last:
+            if tuple(output_tensor.shape) != tuple(info.activation_shape):
+                raise ConfigError(
+                    f"pipeline stage {info.stage_index} produced activations of shape {tuple(output_tensor.shape)}, "
+                    f"but stages exchange {tuple(info.activation_shape)} (micro_batch_size, seq_length, hidden_size); "
+                    "every microbatch must have train.micro_batch_size samples of model.seq_length tokens"
+                )
+            return output_tensor.to(info.activation_dtype)
+        return self._loss(loss_func(output_tensor))
+
+    def _loss(self, outputs: Any) -> torch.Tensor:
+        """Megatron's loss scaling, exactly as ``forward_backward_no_pipelining`` applies it."""
+        ctx = self.context
+        if len(outputs) == 3:
+            loss, num_tokens, report = outputs
+            ctx.total_tokens = ctx.total_tokens + num_tokens.detach().to(torch.int64).cpu()
+            if not ctx.calculate_per_token_loss:
+                loss = loss / num_tokens.clamp(min=1)
+                loss = loss / ctx.num_microbatches
+        elif len(outputs) == 2:
+            loss, report = outputs
+            loss = loss / ctx.num_microbatches
+        else:
+            raise TypeError("loss_func must return (loss, num_tokens, report) or (loss, report)")
+        if not bool(torch.isfinite(loss.detach()).all()):
+            ctx.finite = False
+        ctx.reports.append(report)
+        if ctx.grad_scale_func is not None:
+            loss = ctx.grad_scale_func(loss)
+        return loss.float().reshape(())
+
+
+def _identity_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output
+
+
+class _PipelineRuntime:
+    """The stages and schedule of one (num_microbatches, forward_only) combination, built once and reused."""
+
+    def __init__(self, model: list[nn.Module], infos: list[PipelineChunkInfo], num_microbatches: int,
+                 forward_only: bool, schedule: str, parallel: Any) -> None:
+        group = parallel.pp_group
+        self.stages = [_ForwardStepStage(chunk, info, parallel.device, group) for chunk, info in zip(model, infos)]
+        loss_fn = None if forward_only else _identity_loss
+        if schedule == "auto":
+            schedule = "interleaved_1f1b" if len(self.stages) > 1 else "1f1b"
+        if schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        elif len(self.stages) != 1:
+            raise ConfigError(
+                f"pipeline schedule {schedule!r} runs one model chunk per rank, but this rank holds {len(self.stages)} "
+                "(model.virtual_pipeline_model_parallel_size): use 'interleaved_1f1b'"
+            )
+        elif schedule == "1f1b":
+            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        elif schedule == "gpipe":
+            self.schedule = ScheduleGPipe(self.stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self.forward_only = forward_only
+        self.num_microbatches = num_microbatches
+
+    def run(self, ctx: _StepContext) -> None:
+        for stage in self.stages:
+            stage.context = ctx
+        n = self.num_microbatches
+        # The first stage's root input is the microbatch index; the target is unused (the loss is the output).
+        indices = torch.arange(n, dtype=torch.long, device=self.stages[0].device)
+        try:
+            if self.forward_only:
+                with torch.no_grad():
+                    self.schedule.step(indices, return_outputs=False)
+            else:
+                self.schedule.step(indices, target=torch.zeros(n), return_outputs=False)
+        finally:
+            for stage in self.stages:
+                stage.context = None
+
+
+def _runtime(model: list[nn.Module], num_microbatches: int, forward_only: bool, schedule: str,
+             parallel: Any) -> _PipelineRuntime:
+    infos = [chunk_info(chunk) for chunk in model]
+    if any(info is None for info in infos):
+        raise ValueError(
+            "forward_backward_pipelining needs the chunks of longspan.parallel.pipeline.build_pipeline_chunks"
+        )
+    cache: dict = model[0].__dict__.setdefault(_CACHE_ATTR, {})
+    key = (num_microbatches, forward_only, schedule, len(model))
+    if key not in cache:
+        cache[key] = _PipelineRuntime(model, infos, num_microbatches, forward_only, schedule, parallel)
+    return cache[key]
+
+
+def _last_stage_global_rank(parallel: Any) -> int:
+    return dist.get_process_group_ranks(parallel.pp_group)[-1]
+
+
+def _share_from_last_stage(ctx: _StepContext, parallel: Any) -> None:
+    """Broadcast the reports, token count and finiteness from the last pipeline stage to the others."""
+    payload = [(ctx.reports, ctx.total_tokens, ctx.finite)]
+    src = _last_stage_global_rank(parallel)
+    device = parallel.device if parallel.device.type == "cuda" else None
+    if dist.get_rank() == src:
+        payload[0] = (
+            [{k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in r.items()} for r in ctx.reports],
+            ctx.total_tokens,
+            ctx.finite,
+        )
+    dist.broadcast_object_list(payload, src=src, group=parallel.pp_group, device=device)
+    ctx.reports, ctx.total_tokens, ctx.finite = payload[0]
+
+
+def forward_backward_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | list[Iterator],
+    model: list[torch.nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    calculate_per_token_loss: bool = False,
+    grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    device_type: str = "cpu",
+    check_for_nan: bool = True,
+    iteration: int | None = None,
+    schedule: str = "auto",
+    parallel: Any = None,
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Run ``num_microbatches`` through the pipeline (forward, and backward unless ``forward_only``).
+
+    Same keyword arguments and return value as ``forward_backward_no_pipelining``: the per-microbatch loss
+    reports and the total token count, identical on every pipeline rank. ``data_iterator`` is one iterator
+    (read ``num_microbatches`` times, each microbatch given to every local chunk) or a list with one iterator
+    per local chunk (Megatron's virtual-pipeline form). Extra: ``schedule`` (one of ``SCHEDULES``) and
+    ``parallel`` (default: the process's ``ParallelState``).
+    """
+    if parallel is None:
+        from longspan.parallel.init import get_parallel_state
+
+        parallel = get_parallel_state()
+    runtime = _runtime(model, num_microbatches, forward_only, schedule, parallel)
+    set_moe_aux_loss_scale(grad_scale_func, num_microbatches, calculate_per_token_loss)
+    ctx = _StepContext(forward_step_func, num_microbatches, calculate_per_token_loss, grad_scale_func,
+                       autocast_dtype, device_type, forward_only)
+    if isinstance(data_iterator, (list, tuple)):
+        ctx.iterators = {stage.info.vp_index: data_iterator[stage.info.vp_index] for stage in runtime.stages}
+    else:
+        microbatches = [next(data_iterator) for _ in range(num_microbatches)] if data_iterator is not None else []
+        ctx.iterators = {stage.info.vp_index: iter(microbatches) for stage in runtime.stages}
+
+    with parallel_loss_context(model):
+        runtime.run(ctx)
+    _share_from_last_stage(ctx, parallel)
+    if check_for_nan and not ctx.finite:
+        check_finite(torch.tensor(float("nan")), "the loss", iteration)
+    if not forward_only:
+        sync_tied_embedding_grads(model, parallel)
+    return ctx.reports, ctx.total_tokens

@@ -24,186 +24,32 @@ without ``post_process`` returns hidden states.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
-from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.models.args import TransformerArgs, padded_vocab_size  # noqa: F401 (padded_vocab_size: imported from here)
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy, linear_cross_entropy
-from longspan.models.moe import resolve_moe_args
-from longspan.models.rope import (
-    LLAMA3_HIGH_FREQ_FACTOR,
-    LLAMA3_LOW_FREQ_FACTOR,
-    LLAMA3_ORIGINAL_MAX_POSITIONS,
-    RotaryEmbedding,
-)
+from longspan.models.rope import RotaryEmbedding
 from longspan.models.transformer import KVCache, TransformerBlock
 
 _log = get_logger(__name__)
 
-# TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
-# layers and T5 check them with check_fixed_fields, each adding its own).
-TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
-    "multi_latent_attention": False,
-    "apply_residual_connection_post_layernorm": False,
-    "layernorm_zero_centered_gamma": False,
-    "fp32_residual_connection": False,
-    "rotary_interleaved": False,
-    "window_size": None,
-}
 
-# TransformerConfig / GPTModelProvider fields (when the provider has them) that this model implements only
-# at these values. Pure kernel choices (fusions, TransformerEngine switches) change no maths and are accepted.
-_FIXED_FIELDS: dict[str, Any] = {
-    **TRANSFORMER_FIXED_FIELDS,
-    "mtp_num_layers": None,
-    "mtp_enabled": False,
-}  # fp8 is applied from outside (longspan.parallel.float8), not by the model
-
-
-def padded_vocab_size(config: Any) -> int:
-    """The provider's ``padded_vocab_size``, or vocab_size rounded up to make_vocab_size_divisible_by."""
-    if getattr(config, "vocab_size", None) is None:
-        raise ConfigError("model.vocab_size is None: set it, or let the tokenizer fill it in at start-up")
-    padded = getattr(config, "padded_vocab_size", None)
-    if padded is None:
-        padded = calculate_padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by)
-    return int(padded)
-
-
-def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str) -> None:
-    """Raise ``NotSupportedError`` for the first of ``fixed_fields`` (name -> the one value the model implements)
-    that ``config`` sets to another value; a missing field counts as supported, and a falsy value as ``False``.
-    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model")."""
-    for field, supported in fixed_fields.items():
-        value = getattr(config, field, supported)
-        if value != supported and not (supported is False and not value):
-            raise NotSupportedError(f"model.{field}={value!r} is not supported {model}: leave it at {supported!r}")
-
-
-def resolve_model_args(config: Any) -> SimpleNamespace:
-    """Check ``config`` and return the values the modules read, with Megatron's derived defaults filled in.
-
-    The provider itself is not modified. Raises ``NotSupportedError`` / ``ConfigError`` (one line naming the
-    field, the value and what is valid) for values this model cannot honour.
-    """
-    check_fixed_fields(config, _FIXED_FIELDS, "by longspan's GPT model")
-    if config.normalization not in ("LayerNorm", "RMSNorm"):
-        raise NotSupportedError(
-            f"model.normalization={config.normalization!r} is not supported: use 'LayerNorm' or 'RMSNorm'"
-        )
-    if config.position_embedding_type not in ("rope", "learned_absolute", "none"):
-        raise NotSupportedError(
-            f"model.position_embedding_type={config.position_embedding_type!r} is not supported: "
-            "use 'rope', 'learned_absolute' or 'none'"
-        )
-    if not callable(config.activation_func):
-        raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable: use F.gelu or F.silu")
-    if config.num_layers <= 0 or config.hidden_size <= 0:
-        raise ConfigError(
-            f"model.num_layers={config.num_layers} and model.hidden_size={config.hidden_size} must be positive"
-        )
-    heads = config.num_attention_heads
-    groups = config.num_query_groups or heads
-    if heads <= 0 or heads % groups != 0:
-        raise ConfigError(f"model.num_query_groups={groups} must divide model.num_attention_heads={heads}")
-    if config.kv_channels is None and config.hidden_size % heads != 0:
-        raise ConfigError(
-            f"model.hidden_size={config.hidden_size} must divide by model.num_attention_heads={heads} "
-            "(or set model.kv_channels)"
-        )
-    head_dim = config.kv_channels or config.hidden_size // heads
-    if config.position_embedding_type == "rope":
-        if not 0.0 < config.rotary_percent <= 1.0:
-            raise ConfigError(f"model.rotary_percent={config.rotary_percent} must be in (0, 1]")
-        rot_dim = int(head_dim * config.rotary_percent) if config.rotary_percent < 1.0 else head_dim
-        if rot_dim < 2 or rot_dim % 2 != 0:
-            raise ConfigError(
-                f"model.rotary_percent={config.rotary_percent} gives {rot_dim} rotary channels of "
-                f"{head_dim}: it must be an even number >= 2"
-            )
-    if config.recompute_granularity not in (None, "full", "selective"):
-        raise NotSupportedError(
-            f"model.recompute_granularity={config.recompute_granularity!r} is not supported: "
-            "use None, 'full' or 'selective'"
-        )
-    if config.recompute_granularity == "full":
-        if config.recompute_method not in ("uniform", "block"):
-            raise NotSupportedError(
-                f"model.recompute_method={config.recompute_method!r} is not supported with "
-                "recompute_granularity='full': use 'uniform' or 'block'"
-            )
-        if not config.recompute_num_layers or config.recompute_num_layers < 1:
-            raise ConfigError(
-                f"model.recompute_num_layers={config.recompute_num_layers!r} must be a positive integer "
-                "with recompute_granularity='full'"
-            )
-    modules = getattr(config, "recompute_modules", None)
-    if config.recompute_granularity == "selective" and modules not in (None, ["core_attn"]):
-        raise NotSupportedError(
-            f"model.recompute_modules={modules!r} is not supported: selective recompute covers ['core_attn'] only"
-        )
-    fused_loss = bool(getattr(config, "cross_entropy_loss_fusion", False))
-    fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
-    if fused_loss and fusion_impl != "native":
-        raise NotSupportedError(
-            f"model.cross_entropy_fusion_impl={fusion_impl!r} is not supported: use 'native' (longspan's chunked "
-            "linear + cross-entropy)"
-        )
-    init_std = config.init_method_std
-    ffn_hidden_size = config.ffn_hidden_size or 4 * config.hidden_size
-    moe = resolve_moe_args(config, config.num_layers, config.hidden_size, ffn_hidden_size)
-    return SimpleNamespace(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=ffn_hidden_size,
-        moe=moe,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=head_dim,
-        softmax_scale=getattr(config, "softmax_scale", None),
-        seq_length=config.seq_length,
-        vocab_size=padded_vocab_size(config),
-        normalization=config.normalization,
-        layernorm_epsilon=config.layernorm_epsilon,
-        activation_func=config.activation_func,
-        gated_linear_unit=bool(config.gated_linear_unit),
-        add_bias_linear=bool(config.add_bias_linear),
-        add_qkv_bias=bool(config.add_qkv_bias),
-        position_embedding_type=config.position_embedding_type,
-        rotary_base=float(config.rotary_base),
-        rotary_percent=float(config.rotary_percent),
-        seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
-        rope_scaling=bool(config.rope_scaling),
-        rope_scaling_factor=float(config.rope_scaling_factor),
-        low_freq_factor=float(getattr(config, "low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
-        high_freq_factor=float(getattr(config, "high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
-        old_context_len=int(getattr(config, "old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)),
-        share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
-        attention_dropout=float(config.attention_dropout),
-        hidden_dropout=float(config.hidden_dropout),
-        init_method_std=init_std,
-        embedding_init_method_std=getattr(config, "embedding_init_method_std", None) or init_std,
-        qk_layernorm=bool(config.qk_layernorm),
-        params_dtype=config.params_dtype or torch.float32,
-        fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
-        cross_entropy_loss_fusion=fused_loss,
-        recompute_granularity=config.recompute_granularity,
-        recompute_method=config.recompute_method,
-        recompute_num_layers=config.recompute_num_layers,
-    )
+def resolve_model_args(config: Any) -> TransformerArgs:
+    """Check ``config`` (the model rules of ``longspan.config.rules.model``) and return the typed arguments the
+    modules read, with Megatron's derived defaults filled in. The provider itself is not modified."""
+    return TransformerArgs.from_config(config)
 
 
 class LanguageModelEmbedding(nn.Module):
     """Word embeddings (+ learned absolute position embeddings), then embedding dropout (hidden_dropout)."""
 
-    def __init__(self, args: SimpleNamespace) -> None:
+    def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         dtype = args.params_dtype
         self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
@@ -233,7 +79,7 @@ class DecoderLanguageModel(nn.Module):
     # set; None keeps the plain output layer + cross-entropy.
     linear_cross_entropy = None
 
-    def __init__(self, config: Any, args: SimpleNamespace, pre_process: bool, post_process: bool,
+    def __init__(self, config: Any, args: TransformerArgs, pre_process: bool, post_process: bool,
                  vp_stage: int | None) -> None:
         super().__init__()
         self.config = config

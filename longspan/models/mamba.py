@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gpt import DecoderLanguageModel, resolve_model_args
+from longspan.config.rules.model import check_mamba_model, mamba_inner_size
+from longspan.core.errors import ConfigError
+from longspan.models.args import MambaArgs, TransformerArgs
+from longspan.models.gpt import DecoderLanguageModel
 from longspan.models.init import materialize_model
 from longspan.models.moe import MoELayer
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
@@ -95,7 +97,7 @@ def allocate_layers(num_layers: int, attention_ratio: float, mlp_ratio: float, p
 
 class _GPTFieldDefaults:
     """``config`` seen with GPTModelProvider's defaults for the GPT-only fields a MambaProvider lacks
-    (Llama-3 RoPE scaling), so the attention layers' checks and derivations are shared with GPT."""
+    (Llama-3 RoPE scaling), so the attention layers' arguments are derived as GPT's are."""
 
     _DEFAULTS = {"rope_scaling": False, "rope_scaling_factor": 8.0}
 
@@ -111,29 +113,12 @@ class _GPTFieldDefaults:
             raise
 
 
-def resolve_mamba_args(config: Any) -> SimpleNamespace:
-    """Check ``config`` (a ``MambaProvider``) and return the values the modules read.
-
-    The attention / MLP fields go through the GPT model's checks (``resolve_model_args``); the Mamba fields
-    get Megatron's derivations: ``d_inner = mamba_num_heads · mamba_head_dim`` when the heads are given, else
-    ``mamba_expand · hidden_size`` and ``heads = d_inner / mamba_head_dim``.
-    """
-    args = resolve_model_args(_GPTFieldDefaults(config))
-    if config.recompute_granularity is not None:
-        raise NotSupportedError(
-            f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
-            "MambaProvider models: leave it None"
-        )
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise NotSupportedError(
-            f"model.context_parallel_size={config.context_parallel_size} is not supported yet for MambaProvider "
-            "models (the scan would need its state passed between ranks): use tensor, pipeline or data parallel"
-        )
-    if getattr(config, "moe_layer_freq", 1) != 1:
-        raise NotSupportedError(
-            f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "
-            "mark MoE layers with 'E' in model.hybrid_override_pattern"
-        )
+def resolve_mamba_args(config: Any) -> TransformerArgs:
+    """Check ``config`` (a ``MambaProvider``: the model rules of ``longspan.config.rules.model``) and return the
+    typed arguments: the attention / MLP layers' as GPT derives them, the layer pattern, and the mixer's sizes
+    (Megatron's derivation of d_inner and heads)."""
+    check_mamba_model(config)
+    args = TransformerArgs.from_config(_GPTFieldDefaults(config))
     args.layer_types = allocate_layers(
         config.num_layers, config.hybrid_attention_ratio, config.hybrid_mlp_ratio, config.hybrid_override_pattern
     )
@@ -141,31 +126,13 @@ def resolve_mamba_args(config: Any) -> SimpleNamespace:
         raise ConfigError("model.hybrid_override_pattern has MoE layers ('E'): set model.num_moe_experts")
     if args.moe is not None:  # the pattern, not moe_layer_freq, says which layers are MoE
         args.moe.layer_flags = [t == MOE for t in args.layer_types]
-    head_dim, state, groups = config.mamba_head_dim, config.mamba_state_dim, config.mamba_num_groups
-    for name in ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel"):
-        if getattr(config, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(config, name)} must be a positive integer")
-    if config.mamba_num_heads is not None:
-        heads = config.mamba_num_heads
-        d_inner = heads * head_dim
-    else:
-        d_inner = int(config.mamba_expand * config.hidden_size)
-        if d_inner % head_dim != 0:
-            raise ConfigError(
-                f"model.mamba_expand·hidden_size={d_inner} must divide by model.mamba_head_dim={head_dim} "
-                "(or set model.mamba_num_heads)"
-            )
-        heads = d_inner // head_dim
-    if config.mamba_dt_limit_min < 0:
-        raise ConfigError(f"model.mamba_dt_limit_min={config.mamba_dt_limit_min} must be >= 0")
-    if heads < 1 or heads % groups != 0:
-        raise ConfigError(f"model.mamba_num_groups={groups} must divide the Mamba heads ({heads})")
-    args.mamba = SimpleNamespace(
+    d_inner, heads = mamba_inner_size(config)
+    args.mamba = MambaArgs(
         d_inner=d_inner,
         heads=heads,
-        head_dim=head_dim,
-        state_dim=state,
-        groups=groups,
+        head_dim=config.mamba_head_dim,
+        state_dim=config.mamba_state_dim,
+        groups=config.mamba_num_groups,
         conv_kernel=config.mamba_conv_kernel,
         chunk_size=config.mamba_chunk_size,
         dt_limit_min=float(config.mamba_dt_limit_min),
@@ -207,7 +174,7 @@ class MambaMixer(nn.Module):
     """The Mamba-2 mixer: ``in_proj`` -> causal depthwise conv over (x, B, C) -> SSD scan -> gated norm ->
     ``out_proj``. ``forward(hidden [b, s, hidden]) -> [b, s, hidden]``."""
 
-    def __init__(self, args: SimpleNamespace, layer_number: int) -> None:
+    def __init__(self, args: TransformerArgs, layer_number: int) -> None:
         super().__init__()
         m = args.mamba
         self.layer_number = layer_number
@@ -312,7 +279,7 @@ def _mamba_states(cache: KVCache | None) -> dict[int, dict[str, torch.Tensor]] |
 class MambaLayer(nn.Module):
     """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer)."""
 
-    def __init__(self, args: SimpleNamespace, layer_number: int) -> None:
+    def __init__(self, args: TransformerArgs, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.norm = build_norm(args, args.hidden_size)
@@ -327,7 +294,7 @@ class MambaLayer(nn.Module):
 class AttentionLayer(nn.Module):
     """A hybrid stack's attention layer: ``x + drop(attn(norm(x)))`` (no MLP, as in Megatron's hybrid)."""
 
-    def __init__(self, args: SimpleNamespace, layer_number: int) -> None:
+    def __init__(self, args: TransformerArgs, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(args, args.hidden_size)
@@ -343,7 +310,7 @@ class AttentionLayer(nn.Module):
 class MLPLayer(nn.Module):
     """A hybrid stack's MLP ('-') or MoE ('E') layer: ``x + drop(mlp(norm(x)))``."""
 
-    def __init__(self, args: SimpleNamespace, layer_number: int, moe: bool) -> None:
+    def __init__(self, args: TransformerArgs, layer_number: int, moe: bool) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.pre_mlp_layernorm = build_norm(args, args.hidden_size)
@@ -355,7 +322,7 @@ class MLPLayer(nn.Module):
         return hidden_states + self.mlp_dropout(self.mlp(self.pre_mlp_layernorm(hidden_states)))
 
 
-def build_layer(args: SimpleNamespace, layer_number: int) -> nn.Module:
+def build_layer(args: TransformerArgs, layer_number: int) -> nn.Module:
     """The layer the pattern names at ``layer_number``."""
     kind = args.layer_types[layer_number]
     if kind == MAMBA:
@@ -368,7 +335,7 @@ def build_layer(args: SimpleNamespace, layer_number: int) -> nn.Module:
 class MambaStack(nn.Module):
     """``layers`` keyed by global layer index (as ``TransformerBlock``) and, on the last stage, ``final_norm``."""
 
-    def __init__(self, args: SimpleNamespace, layer_numbers: list[int] | None = None, post_process: bool = True):
+    def __init__(self, args: TransformerArgs, layer_numbers: list[int] | None = None, post_process: bool = True):
         super().__init__()
         numbers = range(args.num_layers) if layer_numbers is None else layer_numbers
         self.layers = nn.ModuleDict({str(i): build_layer(args, i) for i in numbers})

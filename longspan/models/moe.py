@@ -36,124 +36,13 @@ coefficients, tokens per expert); ``moe_layer_metrics`` reads them and ``reset_m
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspan.core.errors import ConfigError, NotSupportedError
-
-#: load-balancing types this module implements
-SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
-
-
-# --------------------------------------------------------------------------------------------- configuration
-
-def moe_layer_flags(freq: Any, num_layers: int) -> list[bool]:
-    """Which layers are MoE layers: an int ``n`` makes every n-th layer (0, n, 2n, ...) MoE, a list is a 0/1
-    pattern per layer (Megatron's ``moe_layer_freq``)."""
-    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
-        raise ConfigError(f"model.moe_layer_freq={freq!r} must be a positive int or a 0/1 list per layer")
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ConfigError(f"model.moe_layer_freq={freq} must be >= 1 (or a 0/1 list per layer)")
-        return [i % freq == 0 for i in range(num_layers)]
-    if len(freq) != num_layers or any(x not in (0, 1, True, False) for x in freq):
-        raise ConfigError(
-            f"model.moe_layer_freq={list(freq)!r} must hold one 0/1 entry per layer ({num_layers} layers)"
-        )
-    return [bool(x) for x in freq]
-
-
-def _single(value: Any, field: str) -> Any:
-    """A scalar setting that Megatron also accepts as a one-element list."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise NotSupportedError(
-                f"model.{field}={list(value)!r}: only one load-balancing type (and one coefficient) is supported"
-            )
-        return value[0]
-    return value
-
-
-def resolve_moe_args(config: Any, num_layers: int, hidden_size: int, ffn_hidden_size: int) -> Optional[SimpleNamespace]:
-    """The MoE settings of ``config`` (a GPTModelProvider), checked; None for a dense model.
-
-    Raises ``NotSupportedError`` / ``ConfigError`` (one line naming the field, the value and what is valid).
-    """
-    experts = getattr(config, "num_moe_experts", None)
-    if not experts:
-        return None
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise ConfigError(f"model.num_moe_experts={experts!r} must be a positive integer (or None for dense)")
-    topk = getattr(config, "moe_router_topk", 2)
-    if not isinstance(topk, int) or not 1 <= topk <= experts:
-        raise ConfigError(f"model.moe_router_topk={topk!r} must be between 1 and num_moe_experts={experts}")
-    balancing = _single(getattr(config, "moe_router_load_balancing_type", "aux_loss"), "moe_router_load_balancing_type")
-    if balancing not in SUPPORTED_LOAD_BALANCING:
-        raise NotSupportedError(
-            f"model.moe_router_load_balancing_type={balancing!r} is not supported: use 'aux_loss' or 'none'"
-        )
-    aux_coeff = float(_single(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff") or 0.0)
-    if balancing == "none":
-        aux_coeff = 0.0
-    score = getattr(config, "moe_router_score_function", "softmax")
-    if score not in ("softmax", "sigmoid"):
-        raise ConfigError(f"model.moe_router_score_function={score!r} must be 'softmax' or 'sigmoid'")
-    groups, group_topk = getattr(config, "moe_router_num_groups", None), getattr(config, "moe_router_group_topk", None)
-    if bool(groups) != bool(group_topk):
-        raise ConfigError(
-            f"model.moe_router_num_groups={groups!r} and model.moe_router_group_topk={group_topk!r} must be set together"
-        )
-    if groups and (experts % groups or group_topk > groups or topk % group_topk):
-        raise ConfigError(
-            f"group-limited routing needs num_moe_experts ({experts}) divisible by moe_router_num_groups ({groups}), "
-            f"moe_router_group_topk ({group_topk}) <= moe_router_num_groups and dividing moe_router_topk ({topk})"
-        )
-    router_dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}.get(
-        getattr(config, "moe_router_dtype", None), "bad"
-    )
-    if router_dtype == "bad":
-        raise ConfigError(f"model.moe_router_dtype={config.moe_router_dtype!r} must be None, 'fp32' or 'fp64'")
-    capacity = getattr(config, "moe_expert_capacity_factor", None)
-    if capacity is not None and capacity <= 0:
-        raise ConfigError(f"model.moe_expert_capacity_factor={capacity!r} must be positive (or None: dropless)")
-    drop_policy = getattr(config, "moe_token_drop_policy", "probs")
-    if drop_policy not in ("probs", "position"):
-        raise ConfigError(f"model.moe_token_drop_policy={drop_policy!r} must be 'probs' or 'position'")
-    pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
-    if pad and capacity is None:
-        raise ConfigError("model.moe_pad_expert_input_to_capacity=True needs model.moe_expert_capacity_factor")
-    for field in ("moe_router_enable_expert_bias", "moe_input_jitter_eps", "moe_router_topk_limited_devices",
-                  "moe_token_dropping", "moe_layer_recompute"):
-        value = getattr(config, field, None)
-        if value:
-            raise NotSupportedError(f"model.{field}={value!r} is not supported by longspan's MoE layer: unset it")
-    shared = getattr(config, "moe_shared_expert_intermediate_size", None)
-    return SimpleNamespace(
-        num_experts=experts,
-        topk=topk,
-        ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) or ffn_hidden_size,
-        shared_ffn_hidden_size=shared or None,
-        shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
-        layer_flags=moe_layer_flags(getattr(config, "moe_layer_freq", 1), num_layers),
-        aux_loss_coeff=aux_coeff,
-        z_loss_coeff=getattr(config, "moe_z_loss_coeff", None),
-        pre_softmax=bool(getattr(config, "moe_router_pre_softmax", False)),
-        score_function=score,
-        num_groups=groups,
-        group_topk=group_topk,
-        topk_scaling_factor=getattr(config, "moe_router_topk_scaling_factor", None),
-        router_dtype=router_dtype,
-        capacity_factor=capacity,
-        drop_policy=drop_policy,
-        pad_to_capacity=pad,
-        per_layer_logging=bool(getattr(config, "moe_per_layer_logging", False)),
-        calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
-    )
-
+from longspan.models.args import MoEArgs
 
 # --------------------------------------------------------------------------------------------- aux losses
 
@@ -254,7 +143,7 @@ class TopKRouter(nn.Module):
     each selected (token, expert) pair, zero elsewhere.
     """
 
-    def __init__(self, hidden_size: int, moe: SimpleNamespace, init_std: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, moe: MoEArgs, init_std: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
@@ -356,7 +245,7 @@ class GroupedMLP(nn.Module):
     tensor parallel, a slice of each expert's ffn width); the computation uses the local shards.
     """
 
-    def __init__(self, config: Any, moe: SimpleNamespace) -> None:
+    def __init__(self, config: Any, moe: MoEArgs) -> None:
         super().__init__()
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)
@@ -405,7 +294,7 @@ class SharedExpertMLP(nn.Module):
     """Experts every token goes through (a dense MLP of width ``moe_shared_expert_intermediate_size``),
     optionally scaled by ``sigmoid(x @ gate_weight^T)`` per token (``moe_shared_expert_gate``)."""
 
-    def __init__(self, config: Any, moe: SimpleNamespace) -> None:
+    def __init__(self, config: Any, moe: MoEArgs) -> None:
         super().__init__()
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)

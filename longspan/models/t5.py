@@ -22,114 +22,18 @@ bool, True = masked. With relative positions, ``softmax_scale=1.0`` gives T5's u
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gpt import TRANSFORMER_FIXED_FIELDS, check_fixed_fields, padded_vocab_size
+from longspan.models.args import T5Args
 from longspan.models.init import materialize_model
 from longspan.models.transformer import MLP, _linear, build_norm
 
 # TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
 # extras, not built into T5 yet). Pure kernel choices are accepted.
-_FIXED_FIELDS: dict[str, Any] = {
-    **TRANSFORMER_FIXED_FIELDS,
-    "num_moe_experts": None,
-    "qk_layernorm": False,
-    "recompute_granularity": None,
-    "fp8": None,
-    "rotary_percent": 1.0,
-    "seq_len_interpolation_factor": None,
-    "encoder_pipeline_model_parallel_size": 0,
-    "pipeline_model_parallel_size": 1,
-    "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
-}
-
-
-def resolve_t5_args(config: Any) -> SimpleNamespace:
-    """Check ``config`` (a T5ModelProvider) and return the values the modules read; one-line errors otherwise."""
-    check_fixed_fields(config, _FIXED_FIELDS, "yet by longspan's T5 model")
-    if config.position_embedding_type not in ("learned_absolute", "relative"):
-        raise NotSupportedError(
-            f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "
-            "use 'learned_absolute' or 'relative'"
-        )
-    if config.normalization not in ("LayerNorm", "RMSNorm"):
-        raise NotSupportedError(f"model.normalization={config.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
-    if not callable(config.activation_func):
-        raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable")
-    decoder_layers = config.num_layers
-    encoder_layers = config.encoder_num_layers if config.encoder_num_layers is not None else decoder_layers
-    if decoder_layers <= 0 or encoder_layers <= 0 or config.hidden_size <= 0:
-        raise ConfigError(
-            f"model.num_layers={decoder_layers}, model.encoder_num_layers={config.encoder_num_layers} and "
-            f"model.hidden_size={config.hidden_size} must be positive"
-        )
-    heads = config.num_attention_heads
-    groups = config.num_query_groups or heads
-    if heads <= 0 or groups != heads:
-        raise NotSupportedError(
-            f"model.num_query_groups={config.num_query_groups} is not supported yet for T5: leave it None "
-            f"(one key/value head per query head, num_attention_heads={heads})"
-        )
-    if config.kv_channels is None and config.hidden_size % heads:
-        raise ConfigError(
-            f"model.hidden_size={config.hidden_size} must divide by model.num_attention_heads={heads} "
-            "(or set model.kv_channels)"
-        )
-    longest = max(config.seq_length, config.seq_length_dec)
-    if config.position_embedding_type == "learned_absolute" and longest > config.max_position_embeddings:
-        raise ConfigError(
-            f"model.max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
-            f"sequence (seq_length={config.seq_length}, seq_length_dec={config.seq_length_dec})"
-        )
-    if config.relative_attention_num_buckets <= 1 or config.relative_attention_max_distance <= 1:
-        raise ConfigError(
-            f"model.relative_attention_num_buckets={config.relative_attention_num_buckets} and "
-            f"model.relative_attention_max_distance={config.relative_attention_max_distance} must be > 1"
-        )
-    std = config.init_method_std
-    return SimpleNamespace(
-        encoder_num_layers=encoder_layers,
-        decoder_num_layers=decoder_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size or 4 * config.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=heads,
-        kv_channels=config.kv_channels or config.hidden_size // heads,
-        softmax_scale=config.softmax_scale,
-        vocab_size=padded_vocab_size(config),
-        max_position_embeddings=config.max_position_embeddings,
-        position_embedding_type=config.position_embedding_type,
-        relative_attention_num_buckets=config.relative_attention_num_buckets,
-        relative_attention_max_distance=config.relative_attention_max_distance,
-        normalization=config.normalization,
-        layernorm_epsilon=config.layernorm_epsilon,
-        activation_func=config.activation_func,
-        gated_linear_unit=bool(config.gated_linear_unit),
-        add_bias_linear=bool(config.add_bias_linear),
-        add_qkv_bias=bool(config.add_qkv_bias),
-        share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
-        scale_decoder_outputs=bool(config.scale_decoder_outputs),
-        attention_dropout=float(config.attention_dropout),
-        hidden_dropout=float(config.hidden_dropout),
-        init_method_std=std,
-        embedding_init_method_std=config.embedding_init_method_std or std,
-        params_dtype=config.params_dtype or torch.float32,
-        fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
-    )
-
-
-def _stack_args(args: SimpleNamespace, num_layers: int) -> SimpleNamespace:
-    """``args`` with ``num_layers`` set to one stack's depth (output projections scale their init std by it)."""
-    return SimpleNamespace(**{**vars(args), "num_layers": num_layers})
-
-
 def relative_position_bucket(
     relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
 ) -> torch.Tensor:
@@ -153,7 +57,7 @@ def relative_position_bucket(
 class RelativePositionBias(nn.Module):
     """A learned scalar per (bucket, head), looked up as an additive attention bias ``[1, heads, q, k]``."""
 
-    def __init__(self, args: SimpleNamespace, bidirectional: bool) -> None:
+    def __init__(self, args: T5Args, bidirectional: bool) -> None:
         super().__init__()
         self.bidirectional = bidirectional
         self.num_buckets = args.relative_attention_num_buckets
@@ -172,7 +76,7 @@ class RelativePositionBias(nn.Module):
 class Attention(nn.Module):
     """Multi-head attention with an additive bias; self-attention, or cross-attention over ``key_value_states``."""
 
-    def __init__(self, args: SimpleNamespace) -> None:
+    def __init__(self, args: T5Args) -> None:
         super().__init__()
         heads, hidden, dtype = args.num_attention_heads, args.hidden_size, args.params_dtype
         self.head_dim = args.kv_channels
@@ -204,7 +108,7 @@ class Attention(nn.Module):
 class T5Layer(nn.Module):
     """Pre-norm layer: self-attention, (decoder only) cross-attention, MLP; each a dropped-out residual add."""
 
-    def __init__(self, args: SimpleNamespace, is_decoder: bool) -> None:
+    def __init__(self, args: T5Args, is_decoder: bool) -> None:
         super().__init__()
         self.input_layernorm = build_norm(args, args.hidden_size)
         self.self_attention = Attention(args)
@@ -238,9 +142,9 @@ class T5Layer(nn.Module):
 class T5Stack(nn.Module):
     """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``."""
 
-    def __init__(self, args: SimpleNamespace, num_layers: int, is_decoder: bool) -> None:
+    def __init__(self, args: T5Args, num_layers: int, is_decoder: bool) -> None:
         super().__init__()
-        stack_args = _stack_args(args, num_layers)
+        stack_args = args.for_stack(num_layers)
         self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in range(num_layers)})
         self.final_layernorm = build_norm(args, args.hidden_size)
 
@@ -292,7 +196,7 @@ class T5Model(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        args = resolve_t5_args(config)
+        args = T5Args.from_config(config)
         self.config = config
         self.args = args
         self.vocab_size = args.vocab_size

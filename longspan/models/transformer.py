@@ -9,7 +9,7 @@ Plain PyTorch modules with Megatron Core's names, written so that tensor-paralle
 
 Every ``nn.Linear``/``nn.Embedding`` carries an ``init_std`` attribute read by ``longspan.models.init``.
 Hidden states are ``[batch, seq, hidden]`` throughout. ``config`` here is the resolved namespace from
-``longspan.models.gpt.resolve_model_args`` (derived defaults filled in, values checked).
+``longspan.models.args.TransformerArgs`` (checked by the model rules, derived defaults filled in).
 """
 
 from __future__ import annotations

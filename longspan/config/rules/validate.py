@@ -15,6 +15,7 @@ import torch
 from longspan.core.errors import ConfigError
 from longspan.config.rules.data import check_dataset
 from longspan.config.rules.infra import check_infra
+from longspan.config.rules.model import check_model
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
 from longspan.config.rules.precision import (
     apply_precision,
@@ -74,6 +75,7 @@ def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None)
     check_autocast(cfg.model, via_mixed_precision=cfg.mixed_precision is not None)
     _check_recompute(cfg.model)
     check_supported(cfg)
+    check_model(cfg)
     cfg.world_size = ws
     cfg.data_parallel_size = dp
     cfg.num_microbatches = num_microbatches

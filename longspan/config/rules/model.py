@@ -1,0 +1,334 @@
+"""Config rules of the model section: what longspan's GPT (dense and MoE), Mamba/hybrid and T5 models can
+build. ``validate()`` runs :func:`check_model` with the other rules; the models run the same checks when a
+provider is used on its own (``provider.provide()``), then derive their typed arguments (``models/args.py``).
+
+The rules read the provider's fields by name only (this package sits below ``models``): a provider is
+recognised by the fields it has, not by its class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+# TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
+# layers and T5 each add their own to these).
+TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
+    "multi_latent_attention": False,
+    "apply_residual_connection_post_layernorm": False,
+    "layernorm_zero_centered_gamma": False,
+    "fp32_residual_connection": False,
+    "rotary_interleaved": False,
+    "window_size": None,
+}
+
+# TransformerConfig / GPTModelProvider fields (when the provider has them) that the GPT model implements only
+# at these values. Pure kernel choices (fusions, TransformerEngine switches) change no maths and are accepted;
+# fp8 is applied from outside (longspan.parallel.float8), not by the model.
+GPT_FIXED_FIELDS: dict[str, Any] = {
+    **TRANSFORMER_FIXED_FIELDS,
+    "mtp_num_layers": None,
+    "mtp_enabled": False,
+}
+
+T5_FIXED_FIELDS: dict[str, Any] = {
+    **TRANSFORMER_FIXED_FIELDS,
+    "num_moe_experts": None,
+    "qk_layernorm": False,
+    "recompute_granularity": None,
+    "fp8": None,
+    "rotary_percent": 1.0,
+    "seq_len_interpolation_factor": None,
+    "encoder_pipeline_model_parallel_size": 0,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+}
+
+SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
+MOE_UNSUPPORTED_FIELDS = ("moe_router_enable_expert_bias", "moe_input_jitter_eps", "moe_router_topk_limited_devices",
+                          "moe_token_dropping", "moe_layer_recompute")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+
+
+def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str) -> None:
+    """Raise ``NotSupportedError`` for the first of ``fixed_fields`` (name -> the one value the model implements)
+    that ``config`` sets to another value; a missing field counts as supported, and a falsy value as ``False``.
+    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model")."""
+    for field, supported in fixed_fields.items():
+        value = getattr(config, field, supported)
+        if value != supported and not (supported is False and not value):
+            raise NotSupportedError(f"model.{field}={value!r} is not supported {model}: leave it at {supported!r}")
+
+
+def head_dim(config: Any) -> int:
+    """``kv_channels``, or hidden_size / num_attention_heads (Megatron's default)."""
+    return config.kv_channels or config.hidden_size // config.num_attention_heads
+
+
+def check_model(cfg: Any) -> None:
+    """The rule ``validate()`` runs: the model section's checks for the kind of provider it holds."""
+    config = cfg.model
+    if is_t5_provider(config):
+        check_t5_model(config)
+    elif is_mamba_provider(config):
+        check_mamba_model(config)
+    else:
+        check_gpt_model(config)
+
+
+def is_t5_provider(config: Any) -> bool:
+    """A T5 provider: it has an encoder depth and a decoder sequence length."""
+    return hasattr(config, "encoder_num_layers") and hasattr(config, "seq_length_dec")
+
+
+def is_mamba_provider(config: Any) -> bool:
+    """A Mamba/hybrid provider: it has the Mamba state size and the hybrid layer pattern."""
+    return hasattr(config, "mamba_state_dim") and hasattr(config, "hybrid_override_pattern")
+
+
+def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> None:
+    """The GPT model's checks (dense and MoE): one-line ``NotSupportedError`` / ``ConfigError`` naming the field,
+    the value and what is valid. Mamba's attention layers run them with ``TRANSFORMER_FIXED_FIELDS``."""
+    check_fixed_fields(config, fixed_fields, "by longspan's GPT model")
+    if config.normalization not in ("LayerNorm", "RMSNorm"):
+        raise NotSupportedError(
+            f"model.normalization={config.normalization!r} is not supported: use 'LayerNorm' or 'RMSNorm'"
+        )
+    if config.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        raise NotSupportedError(
+            f"model.position_embedding_type={config.position_embedding_type!r} is not supported: "
+            "use 'rope', 'learned_absolute' or 'none'"
+        )
+    if not callable(config.activation_func):
+        raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable: use F.gelu or F.silu")
+    if config.num_layers <= 0 or config.hidden_size <= 0:
+        raise ConfigError(
+            f"model.num_layers={config.num_layers} and model.hidden_size={config.hidden_size} must be positive"
+        )
+    _check_heads(config)
+    if config.position_embedding_type == "rope":
+        _check_rotary(config)
+    _check_recompute(config)
+    fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
+    if getattr(config, "cross_entropy_loss_fusion", False) and fusion_impl != "native":
+        raise NotSupportedError(
+            f"model.cross_entropy_fusion_impl={fusion_impl!r} is not supported: use 'native' (longspan's chunked "
+            "linear + cross-entropy)"
+        )
+    check_moe(config)
+
+
+def _check_heads(config: Any) -> None:
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads <= 0 or heads % groups != 0:
+        raise ConfigError(f"model.num_query_groups={groups} must divide model.num_attention_heads={heads}")
+    if config.kv_channels is None and config.hidden_size % heads != 0:
+        raise ConfigError(
+            f"model.hidden_size={config.hidden_size} must divide by model.num_attention_heads={heads} "
+            "(or set model.kv_channels)"
+        )
+
+
+def _check_rotary(config: Any) -> None:
+    if not 0.0 < config.rotary_percent <= 1.0:
+        raise ConfigError(f"model.rotary_percent={config.rotary_percent} must be in (0, 1]")
+    dim = head_dim(config)
+    rot_dim = int(dim * config.rotary_percent) if config.rotary_percent < 1.0 else dim
+    if rot_dim < 2 or rot_dim % 2 != 0:
+        raise ConfigError(
+            f"model.rotary_percent={config.rotary_percent} gives {rot_dim} rotary channels of "
+            f"{dim}: it must be an even number >= 2"
+        )
+
+
+def _check_recompute(config: Any) -> None:
+    if config.recompute_granularity not in (None, "full", "selective"):
+        raise NotSupportedError(
+            f"model.recompute_granularity={config.recompute_granularity!r} is not supported: "
+            "use None, 'full' or 'selective'"
+        )
+    if config.recompute_granularity == "full":
+        if config.recompute_method not in ("uniform", "block"):
+            raise NotSupportedError(
+                f"model.recompute_method={config.recompute_method!r} is not supported with "
+                "recompute_granularity='full': use 'uniform' or 'block'"
+            )
+        if not config.recompute_num_layers or config.recompute_num_layers < 1:
+            raise ConfigError(
+                f"model.recompute_num_layers={config.recompute_num_layers!r} must be a positive integer "
+                "with recompute_granularity='full'"
+            )
+    modules = getattr(config, "recompute_modules", None)
+    if config.recompute_granularity == "selective" and modules not in (None, ["core_attn"]):
+        raise NotSupportedError(
+            f"model.recompute_modules={modules!r} is not supported: selective recompute covers ['core_attn'] only"
+        )
+
+
+def single_value(value: Any, field: str) -> Any:
+    """A scalar setting that Megatron also accepts as a one-element list."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise NotSupportedError(
+                f"model.{field}={list(value)!r}: only one load-balancing type (and one coefficient) is supported"
+            )
+        return value[0]
+    return value
+
+
+def moe_layer_flags(freq: Any, num_layers: int) -> list[bool]:
+    """Which layers are MoE layers: an int ``n`` makes every n-th layer (0, n, 2n, ...) MoE, a list is a 0/1
+    pattern per layer (Megatron's ``moe_layer_freq``)."""
+    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
+        raise ConfigError(f"model.moe_layer_freq={freq!r} must be a positive int or a 0/1 list per layer")
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConfigError(f"model.moe_layer_freq={freq} must be >= 1 (or a 0/1 list per layer)")
+        return [i % freq == 0 for i in range(num_layers)]
+    if len(freq) != num_layers or any(x not in (0, 1, True, False) for x in freq):
+        raise ConfigError(
+            f"model.moe_layer_freq={list(freq)!r} must hold one 0/1 entry per layer ({num_layers} layers)"
+        )
+    return [bool(x) for x in freq]
+
+
+def check_moe(config: Any) -> None:
+    """The MoE fields' checks (nothing to check for a dense model: ``num_moe_experts`` None or 0)."""
+    experts = getattr(config, "num_moe_experts", None)
+    if not experts:
+        return
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ConfigError(f"model.num_moe_experts={experts!r} must be a positive integer (or None for dense)")
+    topk = getattr(config, "moe_router_topk", 2)
+    if not isinstance(topk, int) or not 1 <= topk <= experts:
+        raise ConfigError(f"model.moe_router_topk={topk!r} must be between 1 and num_moe_experts={experts}")
+    balancing = single_value(getattr(config, "moe_router_load_balancing_type", "aux_loss"),
+                             "moe_router_load_balancing_type")
+    if balancing not in SUPPORTED_LOAD_BALANCING:
+        raise NotSupportedError(
+            f"model.moe_router_load_balancing_type={balancing!r} is not supported: use 'aux_loss' or 'none'"
+        )
+    single_value(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff")
+    score = getattr(config, "moe_router_score_function", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe_router_score_function={score!r} must be 'softmax' or 'sigmoid'")
+    groups, group_topk = getattr(config, "moe_router_num_groups", None), getattr(config, "moe_router_group_topk", None)
+    if bool(groups) != bool(group_topk):
+        raise ConfigError(
+            f"model.moe_router_num_groups={groups!r} and model.moe_router_group_topk={group_topk!r} must be set together"
+        )
+    if groups and (experts % groups or group_topk > groups or topk % group_topk):
+        raise ConfigError(
+            f"group-limited routing needs num_moe_experts ({experts}) divisible by moe_router_num_groups ({groups}), "
+            f"moe_router_group_topk ({group_topk}) <= moe_router_num_groups and dividing moe_router_topk ({topk})"
+        )
+    if getattr(config, "moe_router_dtype", None) not in ROUTER_DTYPES:
+        raise ConfigError(f"model.moe_router_dtype={config.moe_router_dtype!r} must be None, 'fp32' or 'fp64'")
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None and capacity <= 0:
+        raise ConfigError(f"model.moe_expert_capacity_factor={capacity!r} must be positive (or None: dropless)")
+    drop_policy = getattr(config, "moe_token_drop_policy", "probs")
+    if drop_policy not in ("probs", "position"):
+        raise ConfigError(f"model.moe_token_drop_policy={drop_policy!r} must be 'probs' or 'position'")
+    if getattr(config, "moe_pad_expert_input_to_capacity", False) and capacity is None:
+        raise ConfigError("model.moe_pad_expert_input_to_capacity=True needs model.moe_expert_capacity_factor")
+    for field in MOE_UNSUPPORTED_FIELDS:
+        value = getattr(config, field, None)
+        if value:
+            raise NotSupportedError(f"model.{field}={value!r} is not supported by longspan's MoE layer: unset it")
+
+
+def check_t5_model(config: Any) -> None:
+    """The T5 model's checks."""
+    check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
+    if config.position_embedding_type not in ("learned_absolute", "relative"):
+        raise NotSupportedError(
+            f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "
+            "use 'learned_absolute' or 'relative'"
+        )
+    if config.normalization not in ("LayerNorm", "RMSNorm"):
+        raise NotSupportedError(f"model.normalization={config.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
+    if not callable(config.activation_func):
+        raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable")
+    decoder_layers = config.num_layers
+    encoder_layers = config.encoder_num_layers if config.encoder_num_layers is not None else decoder_layers
+    if decoder_layers <= 0 or encoder_layers <= 0 or config.hidden_size <= 0:
+        raise ConfigError(
+            f"model.num_layers={decoder_layers}, model.encoder_num_layers={config.encoder_num_layers} and "
+            f"model.hidden_size={config.hidden_size} must be positive"
+        )
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads <= 0 or groups != heads:
+        raise NotSupportedError(
+            f"model.num_query_groups={config.num_query_groups} is not supported yet for T5: leave it None "
+            f"(one key/value head per query head, num_attention_heads={heads})"
+        )
+    if config.kv_channels is None and config.hidden_size % heads:
+        raise ConfigError(
+            f"model.hidden_size={config.hidden_size} must divide by model.num_attention_heads={heads} "
+            "(or set model.kv_channels)"
+        )
+    longest = max(config.seq_length, config.seq_length_dec)
+    if config.position_embedding_type == "learned_absolute" and longest > config.max_position_embeddings:
+        raise ConfigError(
+            f"model.max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
+            f"sequence (seq_length={config.seq_length}, seq_length_dec={config.seq_length_dec})"
+        )
+    if config.relative_attention_num_buckets <= 1 or config.relative_attention_max_distance <= 1:
+        raise ConfigError(
+            f"model.relative_attention_num_buckets={config.relative_attention_num_buckets} and "
+            f"model.relative_attention_max_distance={config.relative_attention_max_distance} must be > 1"
+        )
+
+
+MAMBA_POSITIVE_FIELDS = ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size",
+                         "mamba_conv_kernel")
+
+
+def check_mamba_model(config: Any) -> None:
+    """A Mamba/hybrid model's checks: its attention and MLP layers' (the GPT checks), then the Mamba fields.
+    (That a pattern with MoE layers needs ``num_moe_experts`` is checked where the pattern is parsed.)"""
+    check_gpt_model(config)
+    if config.recompute_granularity is not None:
+        raise NotSupportedError(
+            f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
+            "MambaProvider models: leave it None"
+        )
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise NotSupportedError(
+            f"model.context_parallel_size={config.context_parallel_size} is not supported yet for MambaProvider "
+            "models (the scan would need its state passed between ranks): use tensor, pipeline or data parallel"
+        )
+    if getattr(config, "moe_layer_freq", 1) != 1:
+        raise NotSupportedError(
+            f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "
+            "mark MoE layers with 'E' in model.hybrid_override_pattern"
+        )
+    for name in MAMBA_POSITIVE_FIELDS:
+        if getattr(config, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(config, name)} must be a positive integer")
+    d_inner, heads = mamba_inner_size(config)
+    if config.mamba_dt_limit_min < 0:
+        raise ConfigError(f"model.mamba_dt_limit_min={config.mamba_dt_limit_min} must be >= 0")
+    groups = config.mamba_num_groups
+    if heads < 1 or heads % groups != 0:
+        raise ConfigError(f"model.mamba_num_groups={groups} must divide the Mamba heads ({heads})")
+
+
+def mamba_inner_size(config: Any) -> tuple[int, int]:
+    """Megatron's derivation: ``d_inner = mamba_num_heads · mamba_head_dim`` when the heads are given, else
+    ``mamba_expand · hidden_size`` with ``heads = d_inner / mamba_head_dim``. Returns (d_inner, heads)."""
+    head_size = config.mamba_head_dim
+    if config.mamba_num_heads is not None:
+        return config.mamba_num_heads * head_size, config.mamba_num_heads
+    d_inner = int(config.mamba_expand * config.hidden_size)
+    if d_inner % head_size != 0:
+        raise ConfigError(
+            f"model.mamba_expand·hidden_size={d_inner} must divide by model.mamba_head_dim={head_size} "
+            "(or set model.mamba_num_heads)"
+        )
+    return d_inner, d_inner // head_size

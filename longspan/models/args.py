@@ -1,0 +1,282 @@
+"""The typed arguments longspan's models are built from: a provider's fields, checked by the model rules
+(``longspan.config.rules.model``) and with Megatron's derived defaults filled in (head size, FFN size,
+padded vocabulary, MoE layer pattern, ...). The modules read these, never the provider's raw fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from longspan.config.rules.model import (
+    GPT_FIXED_FIELDS,
+    T5_FIXED_FIELDS,
+    check_gpt_model,
+    check_moe,
+    check_t5_model,
+    head_dim,
+    moe_layer_flags,
+    single_value,
+)
+from longspan.core.errors import ConfigError
+from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.models.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_MAX_POSITIONS
+
+_ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def padded_vocab_size(config: Any) -> int:
+    """The provider's ``padded_vocab_size``, or vocab_size rounded up to make_vocab_size_divisible_by."""
+    if getattr(config, "vocab_size", None) is None:
+        raise ConfigError("model.vocab_size is None: set it, or let the tokenizer fill it in at start-up")
+    padded = getattr(config, "padded_vocab_size", None)
+    if padded is None:
+        padded = calculate_padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by)
+    return int(padded)
+
+
+@dataclass
+class MoEArgs:
+    """A mixture-of-experts model's router and expert settings (``longspan.models.moe``)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    shared_ffn_hidden_size: Optional[int]
+    shared_expert_gate: bool
+    layer_flags: list[bool]
+    aux_loss_coeff: float
+    z_loss_coeff: Optional[float]
+    pre_softmax: bool
+    score_function: str
+    num_groups: Optional[int]
+    group_topk: Optional[int]
+    topk_scaling_factor: Optional[float]
+    router_dtype: Optional[torch.dtype]
+    capacity_factor: Optional[float]
+    drop_policy: str
+    pad_to_capacity: bool
+    per_layer_logging: bool
+    calculate_per_token_loss: bool
+
+    @classmethod
+    def from_config(cls, config: Any, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
+        """The MoE settings of ``config`` (checked); None for a dense model."""
+        check_moe(config)
+        experts = getattr(config, "num_moe_experts", None)
+        if not experts:
+            return None
+        balancing = single_value(getattr(config, "moe_router_load_balancing_type", "aux_loss"),
+                                 "moe_router_load_balancing_type")
+        aux_coeff = float(single_value(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff") or 0.0)
+        capacity = getattr(config, "moe_expert_capacity_factor", None)
+        return cls(
+            num_experts=experts,
+            topk=getattr(config, "moe_router_topk", 2),
+            ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) or ffn_hidden_size,
+            shared_ffn_hidden_size=getattr(config, "moe_shared_expert_intermediate_size", None) or None,
+            shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
+            layer_flags=moe_layer_flags(getattr(config, "moe_layer_freq", 1), num_layers),
+            aux_loss_coeff=0.0 if balancing == "none" else aux_coeff,
+            z_loss_coeff=getattr(config, "moe_z_loss_coeff", None),
+            pre_softmax=bool(getattr(config, "moe_router_pre_softmax", False)),
+            score_function=getattr(config, "moe_router_score_function", "softmax"),
+            num_groups=getattr(config, "moe_router_num_groups", None),
+            group_topk=getattr(config, "moe_router_group_topk", None),
+            topk_scaling_factor=getattr(config, "moe_router_topk_scaling_factor", None),
+            router_dtype=_ROUTER_DTYPES[getattr(config, "moe_router_dtype", None)],
+            capacity_factor=capacity,
+            drop_policy=getattr(config, "moe_token_drop_policy", "probs"),
+            pad_to_capacity=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
+            per_layer_logging=bool(getattr(config, "moe_per_layer_logging", False)),
+            calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+        )
+
+
+@dataclass
+class MambaArgs:
+    """A Mamba-2 mixer's sizes (``longspan.models.mamba``), with Megatron's derivation of d_inner and heads."""
+
+    d_inner: int
+    heads: int
+    head_dim: int
+    state_dim: int
+    groups: int
+    conv_kernel: int
+    chunk_size: int
+    dt_limit_min: float
+
+
+@dataclass
+class TransformerArgs:
+    """What the GPT model's modules (and a hybrid model's attention/MLP layers) read."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    moe: Optional[MoEArgs]
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    softmax_scale: Optional[float]
+    seq_length: int
+    vocab_size: int
+    normalization: str
+    layernorm_epsilon: float
+    activation_func: Callable[..., torch.Tensor]
+    gated_linear_unit: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    position_embedding_type: str
+    rotary_base: float
+    rotary_percent: float
+    seq_len_interpolation_factor: Optional[float]
+    rope_scaling: bool
+    rope_scaling_factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    old_context_len: int
+    share_embeddings_and_output_weights: bool
+    attention_dropout: float
+    hidden_dropout: float
+    init_method_std: float
+    embedding_init_method_std: float
+    qk_layernorm: bool
+    params_dtype: torch.dtype
+    fp16_lm_cross_entropy: bool
+    cross_entropy_loss_fusion: bool
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
+    layer_types: Optional[list[str]] = None
+    mamba: Optional[MambaArgs] = None
+
+    @classmethod
+    def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
+        """Check ``config`` (a GPTModelProvider, or any object with its TransformerConfig fields) and derive the
+        arguments; the provider itself is not modified."""
+        check_gpt_model(config, fixed_fields)
+        ffn_hidden_size = config.ffn_hidden_size or 4 * config.hidden_size
+        init_std = config.init_method_std
+        return cls(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+            moe=MoEArgs.from_config(config, config.num_layers, ffn_hidden_size),
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            kv_channels=head_dim(config),
+            softmax_scale=getattr(config, "softmax_scale", None),
+            seq_length=config.seq_length,
+            vocab_size=padded_vocab_size(config),
+            normalization=config.normalization,
+            layernorm_epsilon=config.layernorm_epsilon,
+            activation_func=config.activation_func,
+            gated_linear_unit=bool(config.gated_linear_unit),
+            add_bias_linear=bool(config.add_bias_linear),
+            add_qkv_bias=bool(config.add_qkv_bias),
+            position_embedding_type=config.position_embedding_type,
+            rotary_base=float(config.rotary_base),
+            rotary_percent=float(config.rotary_percent),
+            seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
+            rope_scaling=bool(config.rope_scaling),
+            rope_scaling_factor=float(config.rope_scaling_factor),
+            low_freq_factor=float(getattr(config, "low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
+            high_freq_factor=float(getattr(config, "high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
+            old_context_len=int(getattr(config, "old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)),
+            share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
+            attention_dropout=float(config.attention_dropout),
+            hidden_dropout=float(config.hidden_dropout),
+            init_method_std=init_std,
+            embedding_init_method_std=getattr(config, "embedding_init_method_std", None) or init_std,
+            qk_layernorm=bool(config.qk_layernorm),
+            params_dtype=config.params_dtype or torch.float32,
+            fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
+            cross_entropy_loss_fusion=bool(getattr(config, "cross_entropy_loss_fusion", False)),
+            recompute_granularity=config.recompute_granularity,
+            recompute_method=config.recompute_method,
+            recompute_num_layers=config.recompute_num_layers,
+        )
+
+
+@dataclass
+class T5Args:
+    """What the T5 model's modules read."""
+
+    encoder_num_layers: int
+    decoder_num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    softmax_scale: Optional[float]
+    vocab_size: int
+    max_position_embeddings: int
+    position_embedding_type: str
+    relative_attention_num_buckets: int
+    relative_attention_max_distance: int
+    normalization: str
+    layernorm_epsilon: float
+    activation_func: Callable[..., torch.Tensor]
+    gated_linear_unit: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    share_embeddings_and_output_weights: bool
+    scale_decoder_outputs: bool
+    attention_dropout: float
+    hidden_dropout: float
+    init_method_std: float
+    embedding_init_method_std: float
+    params_dtype: torch.dtype
+    fp16_lm_cross_entropy: bool
+    # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
+    num_layers: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> "T5Args":
+        """Check ``config`` (a T5ModelProvider) and derive the arguments."""
+        check_t5_model(config)
+        heads = config.num_attention_heads
+        std = config.init_method_std
+        return cls(
+            encoder_num_layers=config.encoder_num_layers if config.encoder_num_layers is not None
+            else config.num_layers,
+            decoder_num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.ffn_hidden_size or 4 * config.hidden_size,
+            num_attention_heads=heads,
+            num_query_groups=heads,
+            kv_channels=config.kv_channels or config.hidden_size // heads,
+            softmax_scale=config.softmax_scale,
+            vocab_size=padded_vocab_size(config),
+            max_position_embeddings=config.max_position_embeddings,
+            position_embedding_type=config.position_embedding_type,
+            relative_attention_num_buckets=config.relative_attention_num_buckets,
+            relative_attention_max_distance=config.relative_attention_max_distance,
+            normalization=config.normalization,
+            layernorm_epsilon=config.layernorm_epsilon,
+            activation_func=config.activation_func,
+            gated_linear_unit=bool(config.gated_linear_unit),
+            add_bias_linear=bool(config.add_bias_linear),
+            add_qkv_bias=bool(config.add_qkv_bias),
+            share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
+            scale_decoder_outputs=bool(config.scale_decoder_outputs),
+            attention_dropout=float(config.attention_dropout),
+            hidden_dropout=float(config.hidden_dropout),
+            init_method_std=std,
+            embedding_init_method_std=config.embedding_init_method_std or std,
+            params_dtype=config.params_dtype or torch.float32,
+            fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
+        )
+
+    def for_stack(self, num_layers: int) -> "T5Args":
+        """These arguments with ``num_layers`` set to one stack's depth."""
+        return dataclasses.replace(self, num_layers=num_layers)
+
+
+__all__ = ["MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size", "GPT_FIXED_FIELDS",
+           "T5_FIXED_FIELDS"]

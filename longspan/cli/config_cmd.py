@@ -48,7 +48,8 @@ def add_parser(subparsers: Any, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``config show`` or ``config validate``; user errors raise ConfigError (exit 2 in the dispatcher)."""
-    from longspan.config import inapplicable_fields, load_config
+    from longspan.config import inapplicable_fields
+    from longspan.recipes.loading import load_config
 
     cfg = load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
     if args.config_action == "show":

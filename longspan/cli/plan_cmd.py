@@ -27,7 +27,7 @@ def add_parser(subparsers: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.config import load_config
+    from longspan.recipes.loading import load_config
     from longspan.core.errors import ConfigError
     from longspan.data.tokenizers import build_tokenizer
     from longspan.planner.plan import GiB, format_table, parse_size, plan

@@ -58,7 +58,7 @@ def _strip_launch_args(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.config import load_config
+    from longspan.recipes.loading import load_config
     from longspan.training.resilience.inprocess import in_supervised_worker
 
     def fresh_config() -> Any:

@@ -18,14 +18,14 @@ import torch
 import yaml
 
 from longspan.config.targets import (
+    SECTION_TYPES,
     callable_name,
+    config_class,
     dtype_name,
     is_foreign_target,
     longspan_target,
     resolve_class,
     resolve_value_target,
-    _class_by_name,
-    registered_section_types,
 )
 from longspan.config.types import coerce_value, field_types, float_only, is_derived_field, yaml_fields
 from longspan.core.errors import ConfigError
@@ -253,8 +253,8 @@ def merge_into(obj: Any, data: dict[str, Any], path: str, ctx: LoadContext) -> N
 
 
 def _default_section_class(name: str) -> Optional[type]:
-    types_ = registered_section_types().get(name)
-    return types_[0] if types_ else None
+    names = SECTION_TYPES.get(name)
+    return config_class(names[0]) if names else None
 
 
 def apply_to_container(cfg: Any, data: dict[str, Any], ctx: LoadContext) -> None:
@@ -293,7 +293,7 @@ def apply_to_container(cfg: Any, data: dict[str, Any], ctx: LoadContext) -> None
             else:
                 cls = new_cls or _default_section_class(key)
                 if cls is None and key == "mixed_precision":
-                    cls = _class_by_name("MixedPrecisionConfig")
+                    cls = config_class("MixedPrecisionConfig")
                 if cls is None:
                     raise ConfigError(f"{ctx.source}: {key} cannot be built from a mapping")
                 setattr(cfg, key, build_dataclass(cls, value, key, ctx))
@@ -306,7 +306,7 @@ def apply_to_container(cfg: Any, data: dict[str, Any], ctx: LoadContext) -> None
 
 def container_from_dict(data: Any, allow_unknown: bool = False, source: str = "<dict>") -> Any:
     """A new ConfigContainer from a full mapping (``to_dict`` output, a longspan YAML or a Bridge run_config)."""
-    ConfigContainer = _class_by_name("ConfigContainer")  # noqa: N806 - registered by the container module
+    ConfigContainer = config_class("ConfigContainer")  # noqa: N806 - the container module imports this one
 
     if data is None:
         raise ConfigError(f"{source}: the file is empty")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from longspan.config.types import is_derived_field, yaml_fields
 from longspan.core.errors import NotSupportedError
 
@@ -293,8 +295,6 @@ def check_supported(cfg: Any) -> None:
 
 
 def _has_accelerator() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 

@@ -14,6 +14,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from longspan.config.schema.data import MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
+from longspan.config.schema.optim import MixedPrecisionConfig
 from longspan.config.support import (
     NOT_SUPPORTED,
     SECTION_DEFAULT,
@@ -21,18 +23,15 @@ from longspan.config.support import (
     SUPPORTED_MODELS,
     field_status,
 )
+from longspan.config.targets import section_types
 from longspan.config.types import is_derived_field, yaml_fields
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-support.md"
 
 
 def _section_classes() -> list[tuple[str, type]]:
-    from longspan.config.schema.container import SECTION_TYPES
-    from longspan.config.schema.data import MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
-    from longspan.config.schema.optim import MixedPrecisionConfig
-
     out: list[tuple[str, type]] = []
-    for section, classes in SECTION_TYPES.items():
+    for section, classes in section_types().items():
         for cls in classes:
             out.append((section, cls))
             if cls.__name__ == "GPTDatasetConfig":

@@ -3,10 +3,16 @@
 Nothing named in a file is ever imported or called. A ``_target_`` is looked up in these tables; longspan
 config classes are constructed with the file's values, known dtypes and activation functions are returned as
 objects, and everything else is an error. Megatron Bridge and Megatron Core names map onto longspan's.
+
+The tables name longspan's classes and functions by dotted path, resolved with importlib when a file is loaded
+or a container is validated (as Hydra resolves ``_target_``): the model providers and PEFT configs live in
+packages above ``config``, which this package never imports.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 from typing import Any, Callable, Optional
 
@@ -14,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError
-from longspan.models.activations import gelu_tanh, squared_relu
 
 DTYPES: dict[str, torch.dtype] = {
     "torch.float32": torch.float32,
@@ -30,7 +35,8 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
-CALLABLES: dict[str, Callable[..., Any]] = {
+# Allowlisted functions: the object, or the dotted path of a longspan function (resolved on first use).
+CALLABLES: dict[str, Any] = {
     "torch.nn.functional.gelu": F.gelu,
     "torch.nn.functional.silu": F.silu,
     "torch.nn.functional.relu": F.relu,
@@ -38,8 +44,8 @@ CALLABLES: dict[str, Callable[..., Any]] = {
     "torch.tanh": torch.tanh,
     "torch.sigmoid": torch.sigmoid,
     "torch.nn.functional.sigmoid": torch.sigmoid,
-    "longspan.models.activations.gelu_tanh": gelu_tanh,
-    "longspan.models.activations.squared_relu": squared_relu,
+    "longspan.models.activations.gelu_tanh": "longspan.models.activations.gelu_tanh",
+    "longspan.models.activations.squared_relu": "longspan.models.activations.squared_relu",
 }
 CALLABLE_ALIASES: dict[str, str] = {
     "gelu": "torch.nn.functional.gelu", "silu": "torch.nn.functional.silu", "swish": "torch.nn.functional.silu",
@@ -110,35 +116,68 @@ def longspan_target(cls: type) -> str:
     raise ConfigError(f"{cls.__name__} is not a longspan config class")
 
 
-# The config classes, registered by the module that defines the container (longspan.config.schema.container
-# registers every section class when it is imported): this layer looks them up and imports nothing above it.
-_REGISTERED: dict[str, type] = {}
-_SECTION_TYPES: dict[str, tuple[type, ...]] = {}
+_SCHEMA = "longspan.config.schema"
+
+# Where every config class a file may name is defined (dotted paths, imported on first use).
+CONFIG_CLASSES: dict[str, str] = {
+    "ConfigContainer": f"{_SCHEMA}.container.ConfigContainer",
+    **{name: f"{_SCHEMA}.data.{name}" for name in (
+        "DataloaderConfig", "GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
+        "FinetuningDatasetConfig", "TokenizerConfig", "PackedSequenceSpecs")},
+    **{name: f"{_SCHEMA}.infra.{name}" for name in (
+        "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "ProfilingConfig", "FaultToleranceConfig",
+        "InProcessRestartConfig", "StragglerDetectionConfig", "NVRxStragglerDetectionConfig")},
+    **{name: f"{_SCHEMA}.optim.{name}" for name in (
+        "OptimizerConfig", "DistributedDataParallelConfig", "MixedPrecisionConfig")},
+    **{name: f"{_SCHEMA}.training.{name}" for name in (
+        "SchedulerConfig", "TrainingConfig", "CheckpointConfig", "LoggerConfig")},
+    "GPTModelProvider": "longspan.models.gpt_provider.GPTModelProvider",
+    "T5ModelProvider": "longspan.models.t5_provider.T5ModelProvider",
+    "MambaProvider": "longspan.models.mamba_provider.MambaProvider",
+    "LoRA": "longspan.peft.config.LoRA",
+    "DoRA": "longspan.peft.config.DoRA",
+    "CanonicalLoRA": "longspan.peft.config.CanonicalLoRA",
+}
+
+# Container section -> the classes it may hold (names of CONFIG_CLASSES; the first is built for a mapping
+# without ``_target_``). validate() checks the sections against it.
+SECTION_TYPES: dict[str, tuple[str, ...]] = {
+    "rng": ("RNGConfig",),
+    "rerun_state_machine": ("RerunStateMachineConfig",),
+    "train": ("TrainingConfig",),
+    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider"),
+    "optimizer": ("OptimizerConfig",),
+    "ddp": ("DistributedDataParallelConfig",),
+    "scheduler": ("SchedulerConfig",),
+    "dataset": ("GPTDatasetConfig", "FinetuningDatasetConfig"),
+    "logger": ("LoggerConfig",),
+    "tokenizer": ("TokenizerConfig",),
+    "checkpoint": ("CheckpointConfig",),
+    "dist": ("DistributedInitConfig",),
+    "ft": ("FaultToleranceConfig",),
+    "straggler": ("StragglerDetectionConfig",),
+    "nvrx_straggler": ("NVRxStragglerDetectionConfig",),
+    "profiling": ("ProfilingConfig",),
+    "peft": ("LoRA", "DoRA", "CanonicalLoRA"),
+    "inprocess_restart": ("InProcessRestartConfig",),
+}
 
 
-def register_config_classes(classes: Any, section_types: Optional[dict[str, tuple[type, ...]]] = None) -> None:
-    """Make ``classes`` known to the loader by name; ``section_types`` maps container sections to classes."""
-    for cls in classes:
-        _REGISTERED[cls.__name__] = cls
-    if section_types:
-        _SECTION_TYPES.update(section_types)
-        for types_ in section_types.values():
-            for cls in types_:
-                _REGISTERED[cls.__name__] = cls
+@functools.lru_cache(maxsize=None)
+def resolve_dotted(path: str) -> Any:
+    """The object at ``module.attr`` (an allowlisted longspan name, never a name read from a file)."""
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
-def registered_section_types() -> dict[str, tuple[type, ...]]:
-    """Section name -> accepted classes, as registered by the container module."""
-    return dict(_SECTION_TYPES)
+def config_class(name: str) -> type:
+    """The longspan config class called ``name`` (a key of CONFIG_CLASSES)."""
+    return resolve_dotted(CONFIG_CLASSES[name])
 
 
-def _class_by_name(name: str) -> type:
-    cls = _REGISTERED.get(name)
-    if cls is None:
-        raise ConfigError(
-            f"config class {name} is not registered: import longspan.training.config (it registers the classes)"
-        )
-    return cls
+def section_types() -> dict[str, tuple[type, ...]]:
+    """Section name -> the classes it accepts."""
+    return {section: tuple(config_class(n) for n in names) for section, names in SECTION_TYPES.items()}
 
 
 def is_foreign_target(target: str) -> bool:
@@ -150,17 +189,17 @@ def resolve_class(target: str, where: str) -> Optional[type]:
     """The longspan config class for ``target``, or None when ``target`` is not a class of the allowlist."""
     for module, names in _LONGSPAN_CLASSES.items():
         if target.startswith(module + ".") and target[len(module) + 1:] in names:
-            return _class_by_name(target[len(module) + 1:])
+            return config_class(target[len(module) + 1:])
     if target in _FOREIGN_CLASSES:
-        return _class_by_name(_FOREIGN_CLASSES[target])
+        return config_class(_FOREIGN_CLASSES[target])
     match = _BRIDGE_PROVIDER.match(target)
     if match:
         name = match.group(1)
         if "T5" in name:
-            return _class_by_name("T5ModelProvider")
+            return config_class("T5ModelProvider")
         if "Mamba" in name or "NemotronH" in name:
-            return _class_by_name("MambaProvider")
-        return _class_by_name("GPTModelProvider")
+            return config_class("MambaProvider")
+        return config_class("GPTModelProvider")
     return None
 
 
@@ -169,9 +208,15 @@ def resolve_value_target(target: str, where: str) -> Any:
     if target in DTYPES:
         return DTYPES[target]
     if target in CALLABLES:
-        return CALLABLES[target]
+        return _callable(target)
     allowed = ", ".join(sorted(set(DTYPES) | set(CALLABLES)))
     raise ConfigError(f"{where}: _target_ {target!r} is not allowed (allowed values: {allowed}; or a longspan config class)")
+
+
+def _callable(name: str) -> Callable[..., Any]:
+    """The allowlisted function ``name`` (a key of CALLABLES)."""
+    value = CALLABLES[name]
+    return resolve_dotted(value) if isinstance(value, str) else value
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -184,8 +229,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def callable_name(fn: Callable[..., Any], where: str) -> str:
     """The allowlisted name of an activation function."""
-    for name, value in CALLABLES.items():
-        if value is fn:
+    for name in CALLABLES:
+        if _callable(name) is fn:
             return name
     raise ConfigError(
         f"{where}={getattr(fn, '__name__', fn)!r} cannot be written to a config: use one of "
@@ -216,7 +261,7 @@ def parse_callable(value: Any, where: str) -> Callable[..., Any]:
     if isinstance(value, str):
         name = CALLABLE_ALIASES.get(value, value)
         if name in CALLABLES:
-            return CALLABLES[name]
+            return _callable(name)
     raise ConfigError(
         f"{where}={value!r} is not an allowed function: use one of {', '.join(sorted(CALLABLE_ALIASES))} "
         "or their torch.nn.functional names"

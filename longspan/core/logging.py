@@ -17,7 +17,7 @@ _CONFIGURED = False
 
 def get_rank() -> int:
     """Global rank: from torch.distributed when initialized, else from the launcher's environment."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: the CLI logs through this module before it needs torch
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
@@ -25,7 +25,8 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
-    import torch.distributed as dist
+    """World size: from torch.distributed when initialized, else from the launcher's environment."""
+    import torch.distributed as dist  # start-up time: the CLI logs through this module before it needs torch
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()

@@ -1,21 +1,19 @@
-"""Every configuration class of a training run (seed 000, plus the Megatron Core configs it borrows).
+"""Every configuration class of a training run (Megatron Bridge's ``megatron.bridge.training.config``, plus
+the Megatron Core configs it borrows).
 
 Dataclasses only: construction never validates. ``ConfigContainer.validate()`` resolves defaults, derives
 the data-parallel size, the number of microbatches and the scheduler lengths, and checks consistency.
-The classes live in ``longspan.training.configs.*``; this module is their public name.
+The config classes live in ``longspan.config.schema.*`` and the model providers in ``longspan.models``; this
+module is their public name (the ``_target_`` longspan writes in YAML).
 """
 
-from longspan.core.model_parallel_config import ModelParallelConfig
-from longspan.data.sft.packing import PackedSequenceSpecs
-from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
-from longspan.models.mamba_provider import MambaProvider
-from longspan.models.t5_provider import T5ModelProvider
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.data import (
     DataloaderConfig,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     MockGPTDatasetConfig,
+    PackedSequenceSpecs,
     T5MaskedWordPieceDatasetConfig,
     TokenizerConfig,
 )
@@ -40,6 +38,10 @@ from longspan.config.schema.optim import (
     get_mixed_precision_config,
 )
 from longspan.config.schema.training import CheckpointConfig, LoggerConfig, SchedulerConfig, TrainingConfig
+from longspan.core.model_parallel_config import ModelParallelConfig
+from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
+from longspan.models.mamba_provider import MambaProvider
+from longspan.models.t5_provider import T5ModelProvider
 
 __all__ = [
     "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig", "GPTDatasetConfig",

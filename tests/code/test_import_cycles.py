@@ -1,4 +1,4 @@
-"""No import cycles inside longspan/, function-level imports included (issue 15).
+"""No import cycles inside longspan/, function-level imports included.
 
 Every ``import``/``from ... import`` anywhere in a module (top level, functions, TYPE_CHECKING blocks excepted)
 is an edge to the longspan module it names (``from pkg import name`` points at ``pkg.name`` when that is a
@@ -8,58 +8,13 @@ module, else at ``pkg``). A strongly connected component with more than one modu
 from __future__ import annotations
 
 import ast
-from pathlib import Path
+import sys
 
-ROOT = Path(__file__).resolve().parents[2] / "longspan"
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+from tests.code.import_graph import import_graph, import_statements
 
 
 def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
-
-
-def import_graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        targets = _imports(tree, name, path.name == "__init__.py")
-        graph[name] = {t for t in targets if t in modules and t != name}
-    return graph
+    return {t for stmt in import_statements(tree, module, is_package) for t in stmt.targets}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -92,8 +47,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     break
             if len(component) > 1:
                 out.append(sorted(component))
-
-    import sys
 
     sys.setrecursionlimit(10000)
     for v in sorted(graph):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from longspan.config import load_config
+from longspan.recipes.loading import load_config
 from longspan.config.support import inapplicable_fields
 from longspan.core.errors import ConfigError, NotSupportedError
 

@@ -271,7 +271,7 @@ def _observe_maths(cfg: Any) -> dict[str, Any]:
             state.signal_handler.__exit__(None, None, None)
 
 
-_NUMBER = re.compile(r"\d+(\.\d+)?(E[-+]\d+)?")
+_NUMBER = re.compile(r"\d+(\.\d+)?([eE][-+]?\d+)?")
 
 
 def observe_run(cfg: Any, tmp_path: Path) -> dict[str, Any]:

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from longspan.config import inapplicable_fields, load_config
+from longspan.config import inapplicable_fields
+from longspan.recipes.loading import load_config
 from longspan.config.support import DEVICE, HINT, NOT_SUPPORTED, SECTION_DEFAULT, field_status
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.recipes import get_recipe
@@ -210,10 +211,10 @@ def test_t5_and_mamba_load_round_trip_and_validate(tmp_path) -> None:
 
 
 def test_support_table_covers_every_field_and_device_fields_are_reported() -> None:
-    from longspan.config.schema.container import SECTION_TYPES
+    from longspan.config.targets import section_types
 
     statuses = set()
-    for section, classes in SECTION_TYPES.items():
+    for section, classes in section_types().items():
         assert section in SECTION_DEFAULT
         for cls in classes:
             for f in dataclasses.fields(cls):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import yaml
 
 from longspan.cli import main
-from longspan.config import load_config
+from longspan.recipes.loading import load_config
 from longspan.core.errors import ConfigError
 from longspan.recipes import RECIPES, get_recipe
 from longspan.training.config import ConfigContainer, MockGPTDatasetConfig

@@ -193,7 +193,7 @@ def test_pp2_tied_embeddings_sum_gradients(pool2):
 
 
 def _validated(world: int, *overrides: str):
-    from longspan.config import load_config
+    from longspan.recipes.loading import load_config
 
     cfg = load_config("tiny", [], list(overrides))
     cfg.validate(world_size=world)

@@ -8,6 +8,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Optional
 
+from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig
 from longspan.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,8 +54,6 @@ def check_data_path(data_path: str) -> None:
 
 def check_dataset(cfg: "ConfigContainer") -> None:
     """GPT data: one data source, valid blends and split, its sequence length the model's; SFT data: the length."""
-    from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig
-
     d, m = cfg.dataset, cfg.model
     if isinstance(d, GPTDatasetConfig):
         if getattr(d, "seq_length", None) is not None:  # current Megatron Bridge's name for sequence_length

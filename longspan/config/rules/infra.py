@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from longspan.config.rules.resilience import check_resilience_config
 from longspan.core.errors import ConfigError, NotSupportedError
 
 if TYPE_CHECKING:
@@ -16,8 +17,6 @@ def check_infra(cfg: "ConfigContainer") -> None:
     """Logger, checkpoint, resilience and profiling rules, in that order."""
     check_logger(cfg)
     check_checkpoint(cfg)
-    from longspan.config.rules.resilience import check_resilience_config
-
     check_resilience_config(cfg)
     check_profiling(cfg)
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.config.rules.pipeline_split import layer_counts_for_config
 from longspan.config.rules.ranges import positive_int
 
 if TYPE_CHECKING:
@@ -138,8 +139,6 @@ def check_context_parallel_options(m: object) -> None:
 
 def check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
     """Pipeline rules: the layer split, enough microbatches for the schedule, the p2p knobs."""
-    from longspan.parallel.pipeline import layer_counts_for_config
-
     m = cfg.model
     pp = m.pipeline_model_parallel_size
     if m.overlap_p2p_comm and m.batch_p2p_comm:

@@ -9,6 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from longspan.config.schema.optim import (
+    MIXED_PRECISION_RECIPES,
+    MixedPrecisionConfig,
+    apply_mixed_precision,
+    check_overlap_param_gather,
+    check_precision_aware_optimizer,
+    get_mixed_precision_config,
+)
 from longspan.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -17,13 +25,6 @@ if TYPE_CHECKING:
 
 def apply_precision(cfg: "ConfigContainer") -> None:
     """Apply ``mixed_precision`` (a recipe name or config) to model/optimizer/ddp, else require their flags agree."""
-    from longspan.config.schema.optim import (
-        MIXED_PRECISION_RECIPES,
-        MixedPrecisionConfig,
-        apply_mixed_precision,
-        get_mixed_precision_config,
-    )
-
     model, opt = cfg.model, cfg.optimizer
     mp = cfg.mixed_precision
     if isinstance(mp, str):
@@ -64,8 +65,6 @@ def sync_distributed_optimizer(cfg: "ConfigContainer") -> None:
 
 def check_optimizer_precision_and_overlap(cfg: "ConfigContainer") -> None:
     """Megatron's rules for the precision-aware optimizer fields and ddp.overlap_param_gather."""
-    from longspan.config.schema.optim import check_overlap_param_gather, check_precision_aware_optimizer
-
     fsdp2 = bool(getattr(cfg.dist, "use_torch_fsdp2", False))
     check_precision_aware_optimizer(cfg.optimizer, cfg.ddp, fsdp2)
     check_overlap_param_gather(cfg.ddp, cfg.optimizer.use_distributed_optimizer, fsdp2)

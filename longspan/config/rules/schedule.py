@@ -1,10 +1,11 @@
-"""Batch and schedule rules of ``ConfigContainer.validate()``: the global batch and its ramp-up, the number of
-microbatches, the training length (iterations from samples) and the scheduler's step counts.
+"""Batch and schedule rules: the global batch and its ramp-up, the number of microbatches, the training length
+(iterations from samples) and the scheduler's step counts (``ConfigContainer.validate()``), and the arguments of
+the LR scheduler (``SCHEDULER_ARGUMENT_RULES``, run by ``OptimizerParamScheduler`` when it is built).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger, warn_rank_0
@@ -14,6 +15,10 @@ if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
 
 _log = get_logger(__name__)
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
 def check_batch(cfg: "ConfigContainer", dp: int) -> int:
@@ -164,3 +169,90 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
             f"scheduler.start_weight_decay={s.start_weight_decay} must be >= 0 and <= "
             f"scheduler.end_weight_decay={s.end_weight_decay}"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the LR scheduler's arguments: ``s`` is anything with OptimizerParamScheduler's attribute names
+# ---------------------------------------------------------------------------------------------------------
+def check_lr_range(s: Any) -> None:
+    """0 <= min_lr <= max_lr, and warmup starts at or below the peak."""
+    if not s.min_lr >= 0.0:
+        raise ConfigError(f"optimizer.min_lr={s.min_lr} is invalid: it must be >= 0")
+    if not s.max_lr >= s.min_lr:
+        raise ConfigError(f"optimizer.lr={s.max_lr} is invalid: it must be >= optimizer.min_lr ({s.min_lr})")
+    if not s.init_lr <= s.max_lr:
+        raise ConfigError(
+            f"scheduler.lr_warmup_init={s.init_lr} is invalid: it must be <= optimizer.lr ({s.max_lr})"
+        )
+
+
+def check_lr_lengths(s: Any) -> None:
+    """A positive decay length and a warmup shorter than it."""
+    if not s.lr_decay_steps > 0:
+        raise ConfigError(
+            f"scheduler.lr_decay_steps={s.lr_decay_steps} is invalid: it must be > 0 "
+            "(set train.train_iters or scheduler.lr_decay_iters)"
+        )
+    if not s.lr_warmup_steps < s.lr_decay_steps:
+        raise ConfigError(
+            f"scheduler.lr_warmup_steps={s.lr_warmup_steps} is invalid: it must be < lr_decay_steps "
+            f"({s.lr_decay_steps}); lower lr_warmup_iters/lr_warmup_fraction"
+        )
+
+
+def check_lr_decay_style(s: Any) -> None:
+    """A known decay style; WSD needs its annealing length and shape."""
+    if s.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(
+            f"scheduler.lr_decay_style={s.lr_decay_style!r} is invalid: valid styles are {list(LR_DECAY_STYLES)}"
+        )
+    if s.lr_decay_style == "WSD":
+        if s.wsd_decay_steps is None:
+            raise ConfigError(
+                "scheduler.lr_wsd_decay_iters=None is invalid with lr_decay_style='WSD': set the length "
+                "of the annealing phase"
+            )
+        if s.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ConfigError(
+                f"scheduler.lr_wsd_decay_style={s.lr_wsd_decay_style!r} is invalid: valid styles are "
+                f"{list(WSD_DECAY_STYLES)}"
+            )
+
+
+def check_weight_decay_schedule(s: Any) -> None:
+    """0 <= start_wd <= end_wd, a known increment style, and 'constant' only with start == end."""
+    if not s.start_wd >= 0.0:
+        raise ConfigError(f"scheduler.start_weight_decay={s.start_wd} is invalid: it must be >= 0")
+    if not s.end_wd >= s.start_wd:
+        raise ConfigError(
+            f"scheduler.end_weight_decay={s.end_wd} is invalid: it must be >= start_weight_decay ({s.start_wd})"
+        )
+    if s.wd_incr_style not in WD_INCR_STYLES:
+        raise ConfigError(
+            f"scheduler.weight_decay_incr_style={s.wd_incr_style!r} is invalid: valid styles are "
+            f"{list(WD_INCR_STYLES)}"
+        )
+    if s.wd_incr_style == "constant" and s.start_wd != s.end_wd:
+        raise ConfigError(
+            f"scheduler.weight_decay_incr_style='constant' needs start_weight_decay ({s.start_wd}) == "
+            f"end_weight_decay ({s.end_wd}); use 'linear' or 'cosine' to change weight decay"
+        )
+
+
+def check_checkpoint_choice(s: Any) -> None:
+    """At most one of 'the config's values win' and 'the checkpoint's values win'."""
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "scheduler.override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True "
+            "contradict each other: set at most one"
+        )
+
+
+# What OptimizerParamScheduler checks when it is built, in order.
+SCHEDULER_ARGUMENT_RULES: list[tuple[str, Callable[[Any], None]]] = [
+    ("learning-rate range", check_lr_range),
+    ("warmup and decay lengths", check_lr_lengths),
+    ("decay style", check_lr_decay_style),
+    ("weight-decay schedule", check_weight_decay_schedule),
+    ("checkpoint or config values on resume", check_checkpoint_choice),
+]

@@ -1,22 +1,27 @@
 """``ConfigContainer.validate()``: resolve defaults, derive sizes and schedule lengths, check consistency.
 
-Every failure is one ``ConfigError`` line naming the fields, their values and what would be valid. The
-function only fills values that are None (or recomputes derived ones), so calling it twice is harmless.
+``VALIDATION_RULES`` is the whole validation, in the order it runs: one named rule per line. Every failure is
+one ``ConfigError`` line naming the fields, their values and what would be valid. Rules only fill values that
+are None (or recompute derived ones), so calling validate() twice is harmless.
+
+The LR scheduler checks its own arguments when it is built with the rules of ``SCHEDULER_ARGUMENT_RULES``
+(``longspan.config.rules.schedule``), since it can be built from values that never passed through a container.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from longspan.core.errors import ConfigError
 from longspan.config.rules.data import check_dataset
 from longspan.config.rules.infra import check_infra
-from longspan.config.rules.model import check_model
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
+from longspan.config.rules.model import check_model
 from longspan.config.rules.precision import (
     apply_precision,
     check_autocast,
@@ -25,6 +30,10 @@ from longspan.config.rules.precision import (
 )
 from longspan.config.rules.ranges import check_ranges
 from longspan.config.rules.schedule import check_batch, check_train_length, compute_scheduler_steps
+from longspan.config.support import check_supported
+from longspan.config.targets import section_types
+from longspan.config.types import check_container_types
+from longspan.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
@@ -36,58 +45,76 @@ def resolve_world_size(world_size: Optional[int] = None) -> int:
     """The world size: explicit, else torch.distributed's when initialized, else env WORLD_SIZE (default 1)."""
     if world_size is not None:
         ws = world_size
+    elif dist.is_available() and dist.is_initialized():
+        ws = dist.get_world_size()
     else:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            ws = dist.get_world_size()
-        else:
-            raw = os.environ.get("WORLD_SIZE", "1")
-            try:
-                ws = int(raw)
-            except ValueError:
-                raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
+        raw = os.environ.get("WORLD_SIZE", "1")
+        try:
+            ws = int(raw)
+        except ValueError:
+            raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
     if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
         raise ConfigError(f"world size={ws!r} is not valid: use a positive integer")
     return ws
 
 
+@dataclass
+class Derived:
+    """What validation derives for one launch (copied onto the container at the end)."""
+
+    world_size: int
+    data_parallel_size: int = 0
+    num_microbatches: int = 0
+
+
+Rule = Callable[["ConfigContainer", Derived], None]
+
+
+def _set_data_parallel_size(cfg: "ConfigContainer", derived: Derived) -> None:
+    derived.data_parallel_size = check_parallel_layout(cfg, derived.world_size)
+
+
+def _set_num_microbatches(cfg: "ConfigContainer", derived: Derived) -> None:
+    derived.num_microbatches = check_batch(cfg, derived.data_parallel_size)
+
+
+def _pipeline(cfg: "ConfigContainer", derived: Derived) -> None:
+    check_pipeline(cfg, derived.num_microbatches)
+
+
+def _autocast(cfg: "ConfigContainer", derived: Derived) -> None:
+    check_autocast(cfg.model, via_mixed_precision=cfg.mixed_precision is not None)
+
+
+def _recompute(cfg: "ConfigContainer", derived: Derived) -> None:
+    _check_recompute(cfg.model)
+
+
+def _peft(cfg: "ConfigContainer", derived: Derived) -> None:
+    if cfg.peft is not None:
+        cfg.peft.validate()
+
+
+def _on_config(check: Callable[["ConfigContainer"], object]) -> Rule:
+    """A rule that needs only the container."""
+    return lambda cfg, derived: check(cfg)
+
+
 def validate_container(cfg: "ConfigContainer", world_size: Optional[int] = None) -> None:
     """Validate ``cfg`` in place for ``world_size`` ranks (see ``ConfigContainer.validate``)."""
-    from longspan.config.support import check_supported
-    from longspan.config.types import check_container_types
-
-    ws = resolve_world_size(world_size)
-    _check_sections(cfg)
-    check_container_types(cfg)
-    check_ranges(cfg)
-    apply_precision(cfg)
-    _resolve_defaults(cfg)
-    sync_distributed_optimizer(cfg)
-    check_optimizer_precision_and_overlap(cfg)
-    dp = check_parallel_layout(cfg, ws)
-    num_microbatches = check_batch(cfg, dp)
-    check_pipeline(cfg, num_microbatches)
-    check_train_length(cfg)
-    compute_scheduler_steps(cfg)
-    check_dataset(cfg)
-    check_infra(cfg)
-    check_autocast(cfg.model, via_mixed_precision=cfg.mixed_precision is not None)
-    _check_recompute(cfg.model)
-    check_supported(cfg)
-    check_model(cfg)
-    cfg.world_size = ws
-    cfg.data_parallel_size = dp
-    cfg.num_microbatches = num_microbatches
+    derived = Derived(resolve_world_size(world_size))
+    for _name, rule in VALIDATION_RULES:
+        rule(cfg, derived)
+    cfg.world_size = derived.world_size
+    cfg.data_parallel_size = derived.data_parallel_size
+    cfg.num_microbatches = derived.num_microbatches
 
 
 def _check_sections(cfg: "ConfigContainer") -> None:
-    from longspan.config.targets import registered_section_types
-
     for name in REQUIRED_SECTIONS:
         if getattr(cfg, name) is None:
             raise ConfigError(f"the '{name}' section is missing: give it in a YAML file or start from a --recipe")
-    for name, types in registered_section_types().items():
+    for name, types in section_types().items():
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, types):
             names = " or ".join(t.__name__ for t in types)
@@ -129,3 +156,28 @@ def _check_recompute(m: object) -> None:
             f"model.recompute_method={m.recompute_method!r} needs model.recompute_granularity='full'"
         )
 
+
+
+# The whole validation, in order. Later rules rely on what earlier ones resolved (defaults, the data-parallel
+# size, the number of microbatches).
+VALIDATION_RULES: list[tuple[str, Rule]] = [
+    ("sections present and of an accepted class", _on_config(_check_sections)),
+    ("field types", _on_config(check_container_types)),
+    ("numeric ranges (RANGE_RULES)", _on_config(check_ranges)),
+    ("mixed-precision recipe copied onto model, optimizer, ddp", _on_config(apply_precision)),
+    ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
+    ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
+    ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
+    ("parallel layout -> data-parallel size", _set_data_parallel_size),
+    ("global batch -> number of microbatches", _set_num_microbatches),
+    ("pipeline split and schedule", _pipeline),
+    ("training length (iterations from samples)", _on_config(check_train_length)),
+    ("scheduler step counts", _on_config(compute_scheduler_steps)),
+    ("dataset", _on_config(check_dataset)),
+    ("infrastructure and resilience", _on_config(check_infra)),
+    ("autocast", _autocast),
+    ("activation recompute", _recompute),
+    ("fields longspan does not support yet", _on_config(check_supported)),
+    ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
+    ("PEFT adapters", _peft),
+]

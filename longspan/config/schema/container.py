@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-from longspan.models.gpt_provider import GPTModelProvider
-from longspan.models.mamba_provider import MambaProvider
-from longspan.models.t5_provider import T5ModelProvider
-from longspan.peft.config import PEFT, CanonicalLoRA, DoRA, LoRA
+from longspan.config.rules.validate import validate_container
 from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, TokenizerConfig
 from longspan.config.schema.infra import (
     DistributedInitConfig,
@@ -22,6 +20,16 @@ from longspan.config.schema.infra import (
 )
 from longspan.config.schema.optim import DistributedDataParallelConfig, MixedPrecisionConfig, OptimizerConfig
 from longspan.config.schema.training import CheckpointConfig, LoggerConfig, SchedulerConfig, TrainingConfig
+from longspan.config.serialize import container_from_dict, dump_yaml, load_yaml_file, to_dict
+from longspan.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    # Packages above config: named here for type checkers only; the YAML loader and validate() find the classes
+    # through the dotted paths of longspan.config.targets.SECTION_TYPES.
+    from longspan.models.gpt_provider import GPTModelProvider
+    from longspan.models.mamba_provider import MambaProvider
+    from longspan.models.t5_provider import T5ModelProvider
+    from longspan.peft.config import PEFT
 
 
 @dataclass(kw_only=True)
@@ -104,8 +112,6 @@ class ConfigContainer:
         """world_size / (tensor x pipeline x context parallel sizes)."""
         m = self.model
         model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-        from longspan.core.errors import ConfigError
-
         if world_size % model_parallel != 0:
             raise ConfigError(
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
@@ -119,30 +125,20 @@ class ConfigContainer:
         ``world_size`` defaults to torch.distributed's when initialized, else env WORLD_SIZE, else 1. Safe to
         call more than once.
         """
-        from longspan.config.rules.validate import validate_container
-
         validate_container(self, world_size)
-        if self.peft is not None:
-            self.peft.validate()
 
     # ---- serialization -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form with ``_target_`` keys (what to_yaml writes)."""
-        from longspan.config.serialize import to_dict
-
         return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], allow_unknown: bool = False) -> "ConfigContainer":
         """Build a container from ``to_dict`` output, a longspan YAML, or a Megatron Bridge run_config."""
-        from longspan.config.serialize import container_from_dict
-
         return container_from_dict(data, allow_unknown=allow_unknown)
 
     def to_yaml(self, path: Optional[str] = None) -> str:
         """The YAML text; also written to ``path`` when given."""
-        from longspan.config.serialize import dump_yaml
-
         text = dump_yaml(self)
         if path is not None:
             with open(path, "w", encoding="utf-8") as fh:
@@ -152,51 +148,9 @@ class ConfigContainer:
     @classmethod
     def from_yaml(cls, path: str, allow_unknown: bool = False) -> "ConfigContainer":
         """Load a container saved by ``to_yaml`` (or a Megatron Bridge run_config.yaml)."""
-        from longspan.config.serialize import container_from_dict, load_yaml_file
-
         return container_from_dict(load_yaml_file(path), allow_unknown=allow_unknown, source=path)
 
     def print_yaml(self) -> None:
         """Write the YAML to stdout."""
-        import sys
-
         sys.stdout.write(self.to_yaml())
 
-
-# Section name -> the classes it may hold (checked by validate()).
-SECTION_TYPES: dict[str, tuple[type, ...]] = {
-    "rng": (RNGConfig,),
-    "rerun_state_machine": (RerunStateMachineConfig,),
-    "train": (TrainingConfig,),
-    "model": (GPTModelProvider, T5ModelProvider, MambaProvider),
-    "optimizer": (OptimizerConfig,),
-    "ddp": (DistributedDataParallelConfig,),
-    "scheduler": (SchedulerConfig,),
-    "dataset": (GPTDatasetConfig, FinetuningDatasetConfig),
-    "logger": (LoggerConfig,),
-    "tokenizer": (TokenizerConfig,),
-    "checkpoint": (CheckpointConfig,),
-    "dist": (DistributedInitConfig,),
-    "ft": (FaultToleranceConfig,),
-    "straggler": (StragglerDetectionConfig,),
-    "nvrx_straggler": (NVRxStragglerDetectionConfig,),
-    "profiling": (ProfilingConfig,),
-    "peft": (LoRA, DoRA, CanonicalLoRA),
-    "inprocess_restart": (InProcessRestartConfig,),
-}
-
-
-def _register() -> None:
-    """Make every config class known to the YAML loader by name (longspan.config imports nothing above it)."""
-    from longspan.config.targets import register_config_classes
-    from longspan.data.sft.packing import PackedSequenceSpecs
-    from longspan.config.schema.data import DataloaderConfig, MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
-
-    register_config_classes(
-        [ConfigContainer, MixedPrecisionConfig, DataloaderConfig, MockGPTDatasetConfig,
-         T5MaskedWordPieceDatasetConfig, PackedSequenceSpecs],
-        SECTION_TYPES,
-    )
-
-
-_register()

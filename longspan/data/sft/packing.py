@@ -21,50 +21,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
 
+from longspan.config.schema.data import PackedSequenceSpecs  # a config class; data re-exports it
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.core.logging import get_logger
 
 logger = get_logger(__name__)
 
 PACK_FORMAT_VERSION = 1
-
-
-@dataclass
-class PackedSequenceSpecs:
-    """Megatron Bridge's ``PackedSequenceSpecs`` (``dataset.packed_sequence_specs``, a mapping in YAML)."""
-
-    packed_sequence_size: int = -1
-    """Tokens per pack; a positive value turns packing on (it must equal model.seq_length)."""
-
-    max_single_sequence_length: Optional[int] = None
-    """Documents are truncated to this many tokens before packing; None means dataset.seq_length."""
-
-    tokenizer_model_name: Optional[str] = None
-    """Name of the tokenizer, used in the default packed file paths (packed/{name}/...)."""
-
-    num_tokenizer_workers: int = -1
-    """Worker processes for tokenizing while packing; only -1 (tokenize in this process) is supported."""
-
-    packed_train_data_path: Optional[str] = None
-    """Packed training file (.npy); built there when missing. None: cached under dataset_root/packed/."""
-
-    packed_val_data_path: Optional[str] = None
-    """Packed validation file (.npy); built there when missing. None: cached under dataset_root/packed/."""
-
-    packed_metadata_path: Optional[str] = None
-    """Also write the packing metadata here (a JSON list: training, then validation, as Bridge does)."""
-
-    pad_cu_seqlens: bool = False
-    """Pad the batch's ``cu_seqlens`` to a fixed length (max documents per pack + 1) for static shapes."""
-
-    pad_seq_to_mult: Optional[int] = 1
-    """Pad each document inside its pack to a multiple of this many tokens (padding carries no loss)."""
 
 
 def resolve_packed_specs(value: Any) -> Optional[PackedSequenceSpecs]:

@@ -56,7 +56,7 @@ def import_hf_checkpoint(hf_path: str | os.PathLike, output: str | os.PathLike, 
     layout / ``model.seq_length`` from ``overrides``), the tokenizer files, the tracker, and the HF config.json it
     came from. Runs on every rank of a launch.
     """
-    from longspan.config import load_config
+    from longspan.recipes.loading import load_config
     from longspan.data.tokenizers import build_tokenizer
     from longspan.parallel import initialize_distributed
     from longspan.training.checkpointing.save import save_checkpoint

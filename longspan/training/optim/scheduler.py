@@ -15,17 +15,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from longspan.config.rules.schedule import (
+    LR_DECAY_STYLES,
+    SCHEDULER_ARGUMENT_RULES,
+    WD_INCR_STYLES,
+    WSD_DECAY_STYLES,
+)
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 
 __all__ = ["OptimizerParamScheduler", "get_optimizer_param_scheduler"]
 
 logger = get_logger(__name__)
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
-WD_INCR_STYLES = ("constant", "linear", "cosine")
-
 
 class OptimizerParamScheduler:
     """Anneals the learning rate and weight decay of every param group of ``optimizer``.
@@ -67,80 +68,24 @@ class OptimizerParamScheduler:
         lr_wsd_decay_style: str | None = None,
     ) -> None:
         self.optimizer = optimizer
-
         self.init_lr = init_lr
-        self.max_lr = float(max_lr)
+        self.max_lr = max_lr
         self.min_lr = min_lr
-        if not self.min_lr >= 0.0:
-            raise ConfigError(f"optimizer.min_lr={min_lr} is invalid: it must be >= 0")
-        if not self.max_lr >= self.min_lr:
-            raise ConfigError(f"optimizer.lr={max_lr} is invalid: it must be >= optimizer.min_lr ({min_lr})")
-        if not self.init_lr <= self.max_lr:
-            raise ConfigError(
-                f"scheduler.lr_warmup_init={init_lr} is invalid: it must be <= optimizer.lr ({max_lr})"
-            )
-
         self.lr_warmup_steps = lr_warmup_steps
-        self.num_steps = 0
         self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
         self.wsd_decay_steps = wsd_decay_steps
         self.lr_wsd_decay_style = lr_wsd_decay_style
-        if not self.lr_decay_steps > 0:
-            raise ConfigError(
-                f"scheduler.lr_decay_steps={lr_decay_steps} is invalid: it must be > 0 "
-                "(set train.train_iters or scheduler.lr_decay_iters)"
-            )
-        if not self.lr_warmup_steps < self.lr_decay_steps:
-            raise ConfigError(
-                f"scheduler.lr_warmup_steps={lr_warmup_steps} is invalid: it must be < lr_decay_steps "
-                f"({lr_decay_steps}); lower lr_warmup_iters/lr_warmup_fraction"
-            )
-
-        if lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError(
-                f"scheduler.lr_decay_style={lr_decay_style!r} is invalid: valid styles are {list(LR_DECAY_STYLES)}"
-            )
-        self.lr_decay_style = lr_decay_style
-        if self.lr_decay_style == "WSD":
-            if self.wsd_decay_steps is None:
-                raise ConfigError(
-                    "scheduler.lr_wsd_decay_iters=None is invalid with lr_decay_style='WSD': set the length "
-                    "of the annealing phase"
-                )
-            if lr_wsd_decay_style not in WSD_DECAY_STYLES:
-                raise ConfigError(
-                    f"scheduler.lr_wsd_decay_style={lr_wsd_decay_style!r} is invalid: valid styles are "
-                    f"{list(WSD_DECAY_STYLES)}"
-                )
-
         self.start_wd = start_wd
         self.end_wd = end_wd
-        if not self.start_wd >= 0.0:
-            raise ConfigError(f"scheduler.start_weight_decay={start_wd} is invalid: it must be >= 0")
-        if not self.end_wd >= self.start_wd:
-            raise ConfigError(
-                f"scheduler.end_weight_decay={end_wd} is invalid: it must be >= start_weight_decay ({start_wd})"
-            )
-        if wd_incr_style not in WD_INCR_STYLES:
-            raise ConfigError(
-                f"scheduler.weight_decay_incr_style={wd_incr_style!r} is invalid: valid styles are "
-                f"{list(WD_INCR_STYLES)}"
-            )
-        if wd_incr_style == "constant" and start_wd != end_wd:
-            raise ConfigError(
-                f"scheduler.weight_decay_incr_style='constant' needs start_weight_decay ({start_wd}) == "
-                f"end_weight_decay ({end_wd}); use 'linear' or 'cosine' to change weight decay"
-            )
         self.wd_incr_steps = wd_incr_steps
         self.wd_incr_style = wd_incr_style
-
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ConfigError(
-                "scheduler.override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True "
-                "contradict each other: set at most one"
-            )
+        for _name, rule in SCHEDULER_ARGUMENT_RULES:
+            rule(self)
+        self.max_lr = float(max_lr)
+        self.num_steps = 0
 
         # Write the step-0 values into the param groups right away, as megatron-core does.
         self.step(0)

@@ -1,0 +1,183 @@
+"""The package layering of longspan/, and why each function-level import is one.
+
+Layers, lowest first; a module may import its own layer and the layers below it, never one above:
+
+    core → config → models, data → parallel, peft, conversion → inference, planner → training → recipes → cli
+    → longspan (the package's ``__init__`` and ``__main__``)
+
+inference (text generation over the models' KV cache) and planner (memory/time estimates of a layout) use models
+and the parallel plans' arithmetic, and nothing below training uses them, so they sit just above
+parallel/peft/conversion. Every import counts, function-level ones included; ``if TYPE_CHECKING:`` imports do not
+(they never run).
+
+A function-level import is allowed only with a comment saying why (an optional dependency, start-up time, an
+import that must wait for something): on the import's own line(s) or on the line right above it, where a comment
+above a run of consecutive imports covers the run.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.code.import_graph import ROOT, ImportStatement, import_statements, longspan_modules, module_imports
+
+LAYERS: list[tuple[str, ...]] = [
+    ("core",),
+    ("config",),
+    ("models", "data"),
+    ("parallel", "peft", "conversion"),
+    ("inference", "planner"),
+    ("training",),
+    ("recipes",),
+    ("cli",),
+    ("longspan",),
+]
+# Upward imports that exist today and are being removed elsewhere: (importing module, imported module).
+# Nothing may be added here.
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    # convert import reads a recipe's training settings; it is to derive everything from the HF directory.
+    ("longspan.training.checkpointing.hf_checkpoint", "longspan.recipes.loading"),
+    # the planner's CPU peak comes from the training loop's MFU measurement; that belongs below the planner.
+    ("longspan.planner.plan", "longspan.training.observability.mfu"),
+}
+LAYER_OF: dict[str, int] = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+ORDER = " → ".join(", ".join(packages) for packages in LAYERS)
+
+
+def package_of(module: str) -> str:
+    """'longspan.config.rules.layout' -> 'config'; the package root and ``__main__`` -> 'longspan'."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return "longspan"
+    return parts[1]
+
+
+def upward_imports(graph: dict[str, list[tuple[int, str]]], paths: dict[str, Path]) -> list[str]:
+    """One line per import of a higher layer: where, which modules, which layers."""
+    out = []
+    for module, edges in sorted(graph.items()):
+        src = package_of(module)
+        for line, target in sorted(edges):
+            dst = package_of(target)
+            if LAYER_OF[dst] > LAYER_OF[src]:
+                where = f"{paths[module].relative_to(ROOT.parent)}:{line}" if module in paths else module
+                out.append(
+                    f"{where}: {module} (layer {LAYER_OF[src]}: {src}) imports {target} "
+                    f"(layer {LAYER_OF[dst]}: {dst})"
+                )
+    return out
+
+
+def _edges() -> tuple[dict[str, list[tuple[int, str]]], dict[str, Path]]:
+    modules = longspan_modules()
+    graph = {
+        name: [(stmt.line, target) for stmt in module_imports(name, path, modules) for target in stmt.targets]
+        for name, path in modules.items()
+    }
+    return graph, modules
+
+
+def _comment_lines(source: str) -> set[int]:
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            lines.add(tok.start[0])
+    return lines
+
+
+def uncommented_function_imports(source: str, statements: list[ImportStatement]) -> list[int]:
+    """Lines of function-level imports with no comment on their lines nor above them (or above their run)."""
+    comments = _comment_lines(source)
+    import_lines = {line for stmt in statements for line in range(stmt.line, stmt.end_line + 1)}
+    out = []
+    for stmt in statements:
+        if not stmt.function_level:
+            continue
+        if comments & set(range(stmt.line, stmt.end_line + 1)):
+            continue
+        above = stmt.line - 1
+        while above in import_lines and above not in comments:
+            above -= 1  # a run of consecutive imports shares the comment above it
+        if above not in comments:
+            out.append(stmt.line)
+    return out
+
+
+def function_import_offenders() -> list[str]:
+    out = []
+    for name, path in longspan_modules().items():
+        source = path.read_text(encoding="utf-8")
+        statements = import_statements(ast.parse(source), name, path.name == "__init__.py")
+        where = path.relative_to(ROOT.parent)
+        out.extend(f"{where}:{line}" for line in uncommented_function_imports(source, statements))
+    return out
+
+
+def _package_of_path(path: str) -> str:
+    """'longspan/cli/x.py' -> 'cli'; files at the package root -> 'longspan'."""
+    parts = Path(path).parts
+    return parts[1] if len(parts) > 2 else "longspan"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_every_package_has_a_layer() -> None:
+    packages = {package_of(name) for name in longspan_modules()}
+    assert packages <= set(LAYER_OF), f"packages without a layer: {sorted(packages - set(LAYER_OF))}"
+
+
+def test_the_layering_check_names_both_modules_and_layers() -> None:
+    paths = {"longspan.config.rules.layout": ROOT / "config" / "rules" / "layout.py"}
+    found = upward_imports({"longspan.config.rules.layout": [(3, "longspan.training.state"), (4, "longspan.core")]},
+                           paths)
+    assert found == [
+        "longspan/config/rules/layout.py:3: longspan.config.rules.layout (layer 1: config) imports "
+        "longspan.training.state (layer 5: training)"
+    ]
+
+
+def test_no_package_imports_a_higher_layer() -> None:
+    graph, paths = _edges()
+    graph = {
+        module: [(line, target) for line, target in edges if (module, target) not in KNOWN_UPWARD]
+        for module, edges in graph.items()
+    }
+    found = upward_imports(graph, paths)
+    assert not found, f"{len(found)} upward imports (the order is {ORDER}):\n" + "\n".join(found)
+
+
+def test_the_comment_check_sees_function_level_imports() -> None:
+    source = (
+        "import os\n"
+        "def f():\n"
+        "    import torch\n"
+        "def g():\n"
+        "    # optional dependency\n"
+        "    import yaml\n"
+        "    import json\n"
+        "    import sys  # start-up time\n"
+        "if TYPE_CHECKING:\n"
+        "    import torch\n"
+    )
+    statements = import_statements(ast.parse(source), "longspan.x", False)
+    assert uncommented_function_imports(source, statements) == [3]
+
+
+def test_every_function_level_import_says_why() -> None:
+    found = function_import_offenders()
+    per_package = Counter(_package_of_path(offender.split(":")[0]) for offender in found)
+    summary = ", ".join(f"{p}: {n}" for p, n in per_package.most_common())
+    assert not found, (
+        f"{len(found)} function-level imports without a comment saying why ({summary}):\n" + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize("package", ["core", "config"])
+def test_function_level_imports_say_why_in_cleaned_packages(package: str) -> None:
+    found = [o for o in function_import_offenders() if _package_of_path(o.split(":")[0]) == package]
+    assert not found, "function-level imports without a comment saying why:\n" + "\n".join(found)

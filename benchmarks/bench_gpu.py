@@ -7,7 +7,7 @@ Shape ``1b`` (the default on CUDA): a Llama-3.2-1B-like model, 16 layers, hidden
 64, vocabulary 512, batch 2 x 64, fp32 on the CPU, so the script runs end to end anywhere.
 
 MFU counts 6·N + 12·L·h·s FLOPs per token (N parameters without embeddings, L layers, h hidden, s sequence)
-against the device's peak (longspan.training.observability.mfu: table by device, measured on a CPU,
+against the device's peak (longspan.planner.peak_flops: table by device, measured on a CPU,
 LONGSPAN_PEAK_TFLOPS overrides). Kinds that cannot run here (float8 without CUDA FP8 hardware or torchao,
 compile without a compiler) are listed as skipped with the reason.
 
@@ -158,7 +158,7 @@ def main() -> None:
     shape = dict(SHAPES[args.shape])
     if args.seq:
         shape["seq"] = args.seq
-    from longspan.training.observability.mfu import peak_flops_per_device
+    from longspan.planner.peak_flops import peak_flops_per_device
 
     device = torch.device("cuda" if cuda else "cpu")
     peak = peak_flops_per_device(device)

@@ -5,7 +5,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):  # lazy: `import longspan` stays light
     if name == "AutoBridge":
-        from longspan.training.checkpointing.hf_checkpoint import AutoBridge  # the conversion bridge + checkpoint methods
+        # The conversion class with the training layer's checkpoint format plugged in (import_ckpt/export_ckpt);
+        # imported on first use so that `import longspan` does not load torch.
+        from longspan.training.checkpointing.hf_checkpoint import auto_bridge
 
-        return AutoBridge
+        return auto_bridge()
     raise AttributeError(f"module 'longspan' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 ``convert import --hf-model DIR --output CKPT_DIR [--config F.yaml] [section.field=value ...]`` writes a
 longspan checkpoint at iteration 0 (weights, run_config.yaml, tokenizer files, tracker) that ``pretrain`` /
-``finetune`` load as ``checkpoint.pretrained_checkpoint``. ``convert export --checkpoint CKPT_DIR --output
+``finetune`` load as ``checkpoint.pretrained_checkpoint``; the model comes from the HF directory alone, no
+recipe is read (``AutoBridge.import_ckpt``). ``convert export --checkpoint CKPT_DIR --output
 HF_DIR`` writes config.json + safetensors + tokenizer files for ``transformers``. Both take the layout as
 ``pretrain`` does (``model.tensor_model_parallel_size=2`` ...) and ``--nproc-per-node N`` for large models:
 each rank then reads (import) or gathers (export) only its own part, one tensor at a time.
@@ -49,21 +50,20 @@ def run(args: argparse.Namespace) -> int:
         _check_dir(args.checkpoint, "--checkpoint")
     if args.nproc_per_node:
         return _launch(args)
-    if args.action == "import":
-        from longspan.training.checkpointing.hf_checkpoint import import_hf_checkpoint
-
-        import_hf_checkpoint(args.hf_model, args.output, args.overrides, args.config,
-                             show_progress=not args.no_progress)
-        print(f"imported {args.hf_model} -> {args.output}")
-        return 0
-    if args.adapter_only:
+    if args.action == "export" and args.adapter_only:
         return _export_adapter(args)
-    from longspan.training.checkpointing.hf_checkpoint import export_longspan_checkpoint
+    # function level: `longspan --help` does not load the model stack
+    from longspan.training.checkpointing.hf_checkpoint import auto_bridge
 
+    AutoBridge = auto_bridge()
     overrides = [*_yaml_as_dotlist(args.config), *args.overrides]
-    export_longspan_checkpoint(args.checkpoint, args.output, overrides, architecture=args.architecture,
-                               show_progress=not args.no_progress)
-    print(f"exported {args.checkpoint} -> {args.output}")
+    if args.action == "import":
+        AutoBridge.import_ckpt(args.hf_model, args.output, overrides, show_progress=not args.no_progress)
+        print(f"imported {args.hf_model} -> {args.output}")
+    else:
+        AutoBridge.export_checkpoint(args.checkpoint, args.output, overrides, architecture=args.architecture,
+                                     show_progress=not args.no_progress)
+        print(f"exported {args.checkpoint} -> {args.output}")
     return 0
 
 
@@ -77,7 +77,8 @@ def _export_adapter(args: argparse.Namespace) -> int:
 
 
 def _yaml_as_dotlist(files: list[str]) -> list[str]:
-    """``--config`` files for export, as dotlist overrides of the saved run configuration (``section.field=v``)."""
+    """``--config`` files as dotlist overrides (``section.field=v``) of the configuration derived from the HF
+    directory (import) or saved in the checkpoint (export)."""
     import json
 
     from longspan.config import load_yaml_file

@@ -12,7 +12,13 @@
     bridge.save_hf_pretrained(model, "out/hf")          # config.json + safetensors (one tensor at a time)
     for name, tensor in bridge.export_hf_weights(model): ...
 
+    AutoBridge.import_ckpt("path/to/hf_model", "ckpt")  # a longspan checkpoint (iteration 0), no recipe
+    bridge.export_ckpt("ckpt", "out/hf")                 # and back, in this bridge's architecture
+
 Each rank reads only the slices of the HF tensors its parameters hold; see ``longspan.conversion.loader``.
+``import_ckpt`` / ``export_ckpt`` write and read checkpoints through ``AutoBridge.checkpoint_format``, which the
+training layer provides (``longspan.conversion.checkpoints`` says why); ``from longspan import AutoBridge``
+gives the class with it plugged in.
 """
 
 from __future__ import annotations
@@ -21,15 +27,22 @@ import copy
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 from torch import nn
 
 import longspan.conversion.families as families
+import longspan.models as models
+from longspan.conversion.checkpoints import (
+    HF_CONFIG_IN_CHECKPOINT,
+    CheckpointFormat,
+    ProgressLog,
+    SavedModel,
+    import_config,
+)
 from longspan.conversion.config_fields import DTYPE_NAMES
 from longspan.conversion.families import Family
 from longspan.conversion.loader import export_hf_weights, load_hf_weights, lookup
@@ -38,10 +51,15 @@ from longspan.conversion.safetensors_io import (
     StreamingSafetensorsWriter,
     finalize_shards,
 )
-from longspan.core.errors import CheckpointError
-from longspan.core.logging import get_logger, print_rank_0
+from longspan.core.errors import CheckpointError, NotSupportedError
+from longspan.core.logging import get_logger, get_rank, print_rank_0
+from longspan.data.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
+from longspan.parallel import init as parallel_init
 
 _log = get_logger(__name__)
+
+# Tokenizers whose files an HF model directory can hold (Null and byte-level ones are described by config alone).
+_HF_READABLE_TOKENIZERS = (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer)
 
 CONFIG_FILE = "config.json"
 #: tokenizer files copied with the weights (whichever exist)
@@ -57,6 +75,13 @@ def is_hf_model_dir(path: str | os.PathLike | None) -> bool:
     return (p / CONFIG_FILE).is_file() and (
         (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
     )
+
+
+def hf_pretrained_dir(cfg: Any) -> Path | None:
+    """``checkpoint.pretrained_checkpoint`` of a run configuration when it is an HF model directory, else None."""
+    ckpt = getattr(cfg, "checkpoint", None)
+    path = getattr(ckpt, "pretrained_checkpoint", None) if ckpt is not None else None
+    return Path(path) if path and is_hf_model_dir(path) else None
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -119,6 +144,29 @@ class AutoBridge:
             family = families.family_for_provider(provider)
         return cls(families.hf_config_dict(family, provider), family)
 
+    @classmethod
+    def for_run(cls, cfg: Any, architecture: str | None = None, saved_in: str | os.PathLike | None = None
+                ) -> "AutoBridge":
+        """The bridge that exports a run's model (``cfg`` a ConfigContainer).
+
+        Without ``architecture``: the HF config the checkpoint directory ``saved_in`` was imported from, else the
+        HF directory the run started from (``checkpoint.pretrained_checkpoint``), else the architecture matching
+        ``cfg.model``. ``architecture`` picks the HF architecture (the imported config is still used when it is
+        that architecture).
+        """
+        source = Path(saved_in) / HF_CONFIG_IN_CHECKPOINT if saved_in is not None else None
+        if source is not None and source.is_file():
+            try:
+                imported = json.loads(source.read_text())
+            except ValueError as exc:
+                raise CheckpointError(f"{source} is not valid JSON ({exc})") from None
+            if architecture is None or architecture in (imported.get("architectures") or []):
+                return cls.from_hf_config(imported)
+        hf_dir = hf_pretrained_dir(cfg)
+        if hf_dir is not None and architecture is None:
+            return cls.from_hf_pretrained(hf_dir)
+        return cls.from_longspan_provider(cfg.model, architecture)
+
     @staticmethod
     def list_supported_models() -> list[str]:
         """The HF ``architectures`` entries longspan converts."""
@@ -147,13 +195,16 @@ class AutoBridge:
         Its ``provide_distributed_model(wrap_with_ddp=False)`` builds the chunks for the provider's layout
         and (with ``load_weights``) loads the HF weights into them.
         """
-        import longspan.models as models
-
         if hf_path is not None:
             self.hf_path = Path(hf_path)
+        provider = self._provider()
+        provider.provide_distributed_model = _ProvideDistributedModel(self, provider, load_weights)
+        return provider
+
+    def _provider(self) -> Any:
+        """The provider of the HF config's architecture, finalized (a plain dataclass: it serializes)."""
         provider = getattr(models, self.family.provider_class)(**self.family.to_provider(self.hf_config))
         provider.finalize()
-        provider.provide_distributed_model = _ProvideDistributedModel(self, provider, load_weights)
         return provider
 
     def to_megatron_model(
@@ -178,8 +229,6 @@ class AutoBridge:
         Works on one process without ``torch.distributed`` initialized; under a launcher it initializes
         longspan's distributed state for the layout if nobody has.
         """
-        from longspan.parallel import init as parallel_init
-
         if cfg is None:
             cfg = container_for(provider if provider is not None else self.to_megatron_provider())
         if parallel_init.is_initialized():
@@ -224,8 +273,6 @@ class AutoBridge:
         Collective. Each pipeline stage's writer rank (first of its tensor/data-parallel group) streams its
         stage's tensors into its own shards; global rank 0 then names them and writes the index.
         """
-        from longspan.parallel import init as parallel_init
-
         parallel = parallel_init.get_parallel_state() if parallel_init.is_initialized() else None
         distributed = parallel is not None and parallel.world_size > 1
         rank = parallel.rank if distributed else 0
@@ -281,8 +328,92 @@ class AutoBridge:
             return None
         return entry.hf_name(layer)[: -len(".weight")]
 
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    #: writes and reads longspan checkpoints for ``import_ckpt`` / ``export_ckpt``; the training layer provides
+    #: it and ``from longspan import AutoBridge`` plugs it in (this package sits below training)
+    checkpoint_format: ClassVar[CheckpointFormat | None] = None
+
+    @classmethod
+    def import_ckpt(cls, hf_path: str | os.PathLike, megatron_path: str | os.PathLike, overrides: Sequence[str] = (),
+                    *, show_progress: bool = False) -> Path:
+        """Write the HF model at ``hf_path`` as a longspan checkpoint (iteration 0) under ``megatron_path``.
+
+        Everything comes from the HF directory (``checkpoints.import_config``): the architecture, dtype and
+        tokenizer; the checkpoint holds the weights, run_config.yaml, the tokenizer files, the tracker and the
+        HF config.json it came from (``hf_config.json``, for the export). ``overrides``: dotlist strings, e.g.
+        the layout (``model.tensor_model_parallel_size=2``); under a launch each rank reads only its slices.
+        Runs on every rank of a launch.
+        """
+        checkpoint_format = cls._checkpoint_format("import_ckpt")
+        bridge = cls.from_hf_pretrained(hf_path)
+        cfg = import_config(bridge._provider(), hf_path, megatron_path, overrides)
+        parallel = parallel_init.initialize_distributed(
+            cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
+        model = build_empty_model(cfg, parallel)
+        progress = ProgressLog(_count_tensors(model), "import", enabled=show_progress and parallel.rank == 0)
+        try:
+            bridge.load_weights_into(model, progress=progress)
+        finally:
+            progress.close()
+        iter_dir = checkpoint_format.save_model(cfg, model, parallel)
+        if parallel.rank == 0:
+            shutil.copyfile(Path(hf_path) / CONFIG_FILE, iter_dir / HF_CONFIG_IN_CHECKPOINT)
+            print_rank_0(f"imported {hf_path} ({bridge.family.architecture}, {cfg.model.num_layers} layers) "
+                         f"into {megatron_path} (iteration 0)", _log)
+        return Path(megatron_path)
+
+    def export_ckpt(self, megatron_path: str | os.PathLike, hf_path: str | os.PathLike, overrides: Sequence[str] = (),
+                    *, show_progress: bool = False) -> Path:
+        """Write the longspan checkpoint at ``megatron_path`` as an HF model directory ``hf_path`` in this
+        bridge's architecture (see ``export_checkpoint``)."""
+        return self.export_checkpoint(megatron_path, hf_path, overrides, architecture=self.family.architecture,
+                                      show_progress=show_progress)
+
+    @classmethod
+    def export_checkpoint(cls, megatron_path: str | os.PathLike, hf_path: str | os.PathLike,
+                          overrides: Sequence[str] = (), *, architecture: str | None = None,
+                          show_progress: bool = False) -> Path:
+        """A longspan checkpoint (save root or ``iter_`` directory) -> an HF model directory ``hf_path``.
+
+        The HF architecture and config.json are the ones the checkpoint was imported from, else the matching
+        ones (``for_run``; ``architecture`` forces one). An adapter checkpoint exports merged. ``overrides``
+        apply to the saved run_config.yaml (e.g. the layout of a launch). Runs on every rank of a launch.
+        """
+        saved = cls._checkpoint_format("export_ckpt").load_model(megatron_path, overrides)
+        bridge = cls.for_run(saved.cfg, architecture, saved_in=saved.directory)
+        progress = ProgressLog(_count_tensors(saved.model), "export", enabled=show_progress and get_rank() == 0)
+        try:
+            bridge.save_hf_pretrained(saved.model, hf_path, progress=progress)
+        finally:
+            progress.close()
+        if get_rank() == 0:
+            _write_tokenizer(saved, hf_path)
+            print_rank_0(f"exported {megatron_path} (iteration {saved.iteration}) as {bridge.family.architecture} "
+                         f"to {hf_path}", _log)
+        return Path(hf_path)
+
+    @classmethod
+    def _checkpoint_format(cls, method: str) -> CheckpointFormat:
+        if cls.checkpoint_format is None:
+            raise NotSupportedError(
+                f"AutoBridge.{method} needs longspan's checkpoint format, which the training layer provides: "
+                "use `from longspan import AutoBridge` (it plugs the format in)"
+            )
+        return cls.checkpoint_format
+
 
 # ----------------------------------------------------------------------------------------------- helpers
+
+
+def _count_tensors(model: list[nn.Module]) -> int:
+    return sum(1 for chunk in model for _ in chunk.parameters())
+
+
+def _write_tokenizer(saved: SavedModel, hf_path: str | os.PathLike) -> None:
+    """The checkpoint's tokenizer files into the HF directory, when transformers can read them."""
+    if isinstance(saved.tokenizer, _HF_READABLE_TOKENIZERS):
+        saved.tokenizer.save_files(str(hf_path))
 
 
 def container_for(provider: Any) -> Any:
@@ -344,34 +475,4 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
     return copied
 
 
-class ProgressLog:
-    """tqdm when installed, else a rank-0 log line every ``every`` items."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True, every: int = 50) -> None:
-        self.total, self.desc, self.enabled, self.every = total, desc, enabled, every
-        self.count = 0
-        self.start = time.time()
-        self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
-            except ImportError:
-                pass
-
-    def __call__(self, _name: str) -> None:
-        self.count += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(1)
-        elif self.count % self.every == 0 or self.count == self.total:
-            print_rank_0(f"{self.desc}: {self.count}/{self.total} tensors ({time.time() - self.start:.1f}s)", _log)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-__all__ = ["AutoBridge", "is_hf_model_dir", "read_hf_config", "lookup"]
+__all__ = ["AutoBridge", "hf_pretrained_dir", "is_hf_model_dir", "read_hf_config", "lookup"]

@@ -19,7 +19,7 @@ Megatron's theoretical memory report as a search over layouts. For each (tp, pp,
   parameters), one layer's activation gradients in backward, and the gathered FSDP2 layer.
 
 Step time: model FLOPs (Megatron's formula, recompute adds a forward) at a fixed fraction of the device's
-peak (``longspan.training.observability.mfu``), stretched by the pipeline bubble, plus tensor-parallel all-reduces,
+peak (``longspan.planner.peak_flops``), stretched by the pipeline bubble, plus tensor-parallel all-reduces,
 context-parallel K/V gathers and the data-parallel gradient reduction at the device's link bandwidth. It is
 an estimate to rank layouts, not a promise; the memory figures are checked against measured peaks in
 tests/perf/test_planner.py and docs/plan.md.
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
+from longspan.planner.peak_flops import measured_cpu_tflops
 from longspan.parallel.mesh import Layout, check_layout, derive_layout
 from longspan.models.flops import num_floating_point_operations
 
@@ -53,7 +54,7 @@ DEVICES: dict[str, tuple[Optional[float], float, float]] = {
     "h200": (989.4e12, 450e9, 0.45),
     "a100": (312e12, 300e9, 0.45),
     "b200": (2250e12, 900e9, 0.45),
-    "cpu": (None, 5e9, 0.5),  # peak measured on this machine (longspan.training.observability.mfu)
+    "cpu": (None, 5e9, 0.5),  # peak measured on this machine (longspan.planner.peak_flops)
 }
 
 _TP_SPLIT = re.compile(r"(linear_q|linear_k|linear_v|linear_proj|linear_fc1|linear_fc1_gate|linear_fc2|"
@@ -434,7 +435,6 @@ def _unsplit(model_cfg: Any) -> Any:
 
 def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = None) -> float:
     """Seconds per iteration (see the module docstring)."""
-    from longspan.training.observability.mfu import measured_cpu_tflops
 
     peak, bandwidth, efficiency = DEVICES[device]
     if peak is None:

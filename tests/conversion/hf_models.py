@@ -12,9 +12,37 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 VOCAB = 96  # not a multiple of 128: the provider's divisor keeps it unpadded
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+#: families whose HF models are not ``AutoModelForCausalLM`` decoders of FAMILIES' shape (own config fields)
+MAMBA_FAMILIES = ("mamba2", "nemotron_h")
+SEQ2SEQ_FAMILIES = ("t5",)
+#: one of each supported HF architecture
+EVERY_ARCHITECTURE = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", *MAMBA_FAMILIES,
+                      *SEQ2SEQ_FAMILIES)
+
+
+def _other_config(family: str):
+    if family == "mamba2":
+        return transformers.Mamba2Config(num_heads=8, head_dim=8, vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                         num_hidden_layers=3, n_groups=2, expand=2, chunk_size=8, conv_kernel=4)
+    if family == "nemotron_h":
+        return transformers.NemotronHConfig(
+            vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
+            intermediate_size=48, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8,
+            conv_kernel=4)
+    if family == "t5":
+        return transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=12, d_ff=48, num_layers=2,
+                                     num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
+                                     relative_attention_max_distance=12, dropout_rate=0.0, decoder_start_token_id=0)
+    raise ValueError(family)
 
 
 def hf_config(family: str, **overrides):
+    if family in MAMBA_FAMILIES or family in SEQ2SEQ_FAMILIES:
+        cfg = _other_config(family)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        return cfg
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False, attention_dropout=0.0)
@@ -54,9 +82,15 @@ def make_hf_model(family: str, directory, dtype=torch.float32, max_shard_size=No
     """Save a random ``family`` model (non-trivial norms and biases) to ``directory``; returns the model."""
     cfg = hf_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if family in SEQ2SEQ_FAMILIES:
+        model = transformers.AutoModelForSeq2SeqLM.from_config(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if family in MAMBA_FAMILIES or family in SEQ2SEQ_FAMILIES:  # constants (norms, D, dt bias) made distinct
+                p.add_(torch.randn_like(p) * 0.02)
+                continue
             if "norm" in name or name.endswith("bias") or "ln_" in name:
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.2)
             if "gate.weight" in name:  # routers: spread the routing so ties never happen

@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from longspan.cli import main
 from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
-from tests.conversion.hf_models import VOCAB, hf_logits, make_hf_model
+from longspan.core.errors import CheckpointError, NotSupportedError
+from tests.conversion.hf_models import VOCAB, hf_config, hf_logits, make_hf_model, read_config
 
 
 def _tensors(directory) -> dict[str, torch.Tensor]:
@@ -114,6 +115,12 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
     (bert / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(bert), "--output", str(tmp_path / "c")])
     assert "BertForMaskedLM is not supported" in err and "LlamaForCausalLM" in err
+    (bert / "config.json").write_text("{not json")
+    err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(bert), "--output", str(tmp_path / "c")])
+    assert "config.json is not valid JSON" in err
+    (bert / "config.json").unlink()
+    err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(bert), "--output", str(tmp_path / "c")])
+    assert "is not an HF model directory: it has no config.json" in err
 
     src = tmp_path / "hf"
     make_hf_model("llama", src, tokenizer=False)
@@ -127,6 +134,10 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(src), "--output", str(tmp_path / "c")])
     assert "model.safetensors is truncated" in err
+    f.unlink()
+    err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(src), "--output", str(tmp_path / "c")])
+    assert "holds no model.safetensors or model.safetensors.index.json" in err
+    assert not (tmp_path / "c").exists()  # nothing written for a failed import
 
 
 @pytest.mark.slow
@@ -145,9 +156,11 @@ def test_launched_import_with_tensor_parallel_round_trips(tmp_path):
 
 
 def test_import_ckpt_and_export_ckpt(tmp_path):
-    """Megatron Bridge's checkpoint methods on ``longspan.AutoBridge``."""
+    """Megatron Bridge's checkpoint methods on ``longspan.AutoBridge``, the one conversion class."""
+    import longspan.conversion
     from longspan import AutoBridge
 
+    assert AutoBridge is longspan.conversion.AutoBridge
     src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
     make_hf_model("qwen3_moe", src)
     AutoBridge.import_ckpt(src, ckpt)
@@ -155,3 +168,16 @@ def test_import_ckpt_and_export_ckpt(tmp_path):
     AutoBridge.from_hf_pretrained(src).export_ckpt(ckpt, out)
     original, exported = _tensors(src), _tensors(out)
     assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())
+    assert read_config(out) == read_config(src)  # the imported config.json, this bridge's architecture
+    llama = tmp_path / "as_llama"  # another architecture: config.json from the checkpoint's model
+    with pytest.raises(CheckpointError, match="router.weight has no LlamaForCausalLM equivalent"):
+        AutoBridge.from_hf_config(hf_config("llama")).export_ckpt(ckpt, llama)
+
+
+def test_checkpoint_methods_need_the_training_format(monkeypatch, tmp_path):
+    """Without the training layer's checkpoint format plugged in, import_ckpt is a one-line error naming the fix."""
+    from longspan.conversion import AutoBridge
+
+    monkeypatch.setattr(AutoBridge, "checkpoint_format", None)
+    with pytest.raises(NotSupportedError, match="from longspan import AutoBridge"):
+        AutoBridge.import_ckpt(tmp_path / "hf", tmp_path / "ckpt")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longspan.core.errors import ConfigError
-from longspan.training.observability import mfu as mfu_mod
+from longspan.planner import peak_flops as mfu_mod
 from longspan.training.observability.log_format import format_training_log_line
 from tests.training.pretrain_helpers import read_metrics, small_config
 

@@ -7,26 +7,23 @@
 - ``save_hf_checkpoint(state, model, directory)``: ``checkpoint.also_save_hf_checkpoint``.
 
 It sits below ``checkpointing``/``setup``/``model_loading`` (which call it) and imports none of them; the
-``convert`` commands live in ``hf_checkpoint``, above them.
+checkpoint format of ``longspan convert`` / ``AutoBridge.import_ckpt`` lives in ``hf_checkpoint``, above them.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from longspan.conversion.bridge import AutoBridge, is_hf_model_dir
+from longspan.conversion.bridge import AutoBridge, hf_pretrained_dir
 from longspan.core.errors import ConfigError
 from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS, copy_model_fields
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 
 logger = get_logger(__name__)
 
-#: the HF config.json a converted checkpoint was imported from (kept for the export)
-HF_CONFIG_IN_CHECKPOINT = "hf_config.json"
 #: the HF directory ``also_save_hf_checkpoint`` writes inside each iter_XXXXXXX directory
 HF_SUBDIR = "hf"
 
@@ -37,23 +34,14 @@ _KEEP_FROM_RECIPE_ROPE = ("seq_length",)
 _KEEP_FROM_RECIPE_RELATIVE = ("seq_length", "seq_length_dec", "max_position_embeddings")
 
 
-def hf_pretrained_dir(cfg: Any) -> Path | None:
-    """``checkpoint.pretrained_checkpoint`` when it is an HF model directory, else None."""
-    ckpt = getattr(cfg, "checkpoint", None)
-    path = getattr(ckpt, "pretrained_checkpoint", None) if ckpt is not None else None
-    return Path(path) if path and is_hf_model_dir(path) else None
-
-
-def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike, keep_precision: bool = True) -> list[str]:
+def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> list[str]:
     """Set ``cfg.model``'s architecture from the HF config.json in ``hf_dir``; returns the changed fields.
 
-    The layout fields (ModelParallelConfig's) stay, and with ``keep_precision`` so does the dtype; RoPE
-    models keep the recipe's ``seq_length`` (learned position tables take the HF one).
+    The layout and precision fields (ModelParallelConfig's) stay; RoPE models keep the recipe's
+    ``seq_length`` (learned position tables take the HF one).
     """
     hf_provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
     keep = set(PARALLEL_CONFIG_FIELDS)
-    if not keep_precision:
-        keep -= {"params_dtype"}
     if hf_provider.position_embedding_type == "rope":
         keep |= set(_KEEP_FROM_RECIPE_ROPE)
     if hf_provider.position_embedding_type == "relative":
@@ -94,17 +82,9 @@ def load_hf_pretrained(directory: str | os.PathLike, model: list[torch.nn.Module
     return count
 
 
-def bridge_for_run(cfg: Any) -> AutoBridge:
-    """The bridge that exports a run's model: its HF source when it started from one, else the matching one."""
-    hf_dir = hf_pretrained_dir(cfg)
-    if hf_dir is not None:
-        return AutoBridge.from_hf_pretrained(hf_dir)
-    return AutoBridge.from_longspan_provider(cfg.model)
-
-
 def save_hf_checkpoint(state: Any, model: list[torch.nn.Module], directory: str | os.PathLike) -> None:
     """``checkpoint.also_save_hf_checkpoint``: the model as an HF directory (collective; rank 0 writes)."""
-    bridge = bridge_for_run(state.cfg)
+    bridge = AutoBridge.for_run(state.cfg)
     bridge.save_hf_pretrained(model, directory)
     tokenizer = getattr(state, "tokenizer", None)
     if get_rank() == 0 and bridge.hf_path is None and type(tokenizer).__name__ == "HuggingFaceTokenizer":

@@ -59,7 +59,7 @@ def export_adapter_checkpoint(checkpoint: str | os.PathLike, output: str | os.Pa
     ``adapter_model.safetensors``) for the HF form of its base model."""
     from longspan.conversion import AutoBridge
     from longspan.peft.hf_export import save_hf_peft_adapter
-    from longspan.training.checkpointing.hf_weights import bridge_for_run, hf_pretrained_dir
+    from longspan.training.checkpointing.hf_weights import hf_pretrained_dir
     from longspan.training.checkpointing.model_loading import load_checkpoint_config, load_model_from_checkpoint
 
     _require_single_process("convert export --adapter-only")
@@ -69,7 +69,7 @@ def export_adapter_checkpoint(checkpoint: str | os.PathLike, output: str | os.Pa
         )
     loaded = load_model_from_checkpoint(str(checkpoint), list(overrides), device="cpu")
     cfg = loaded.cfg
-    bridge = bridge_for_run(cfg) if architecture is None else AutoBridge.from_longspan_provider(cfg.model, architecture)
+    bridge = AutoBridge.for_run(cfg, architecture)
     hf_dir = hf_pretrained_dir(cfg)
     save_hf_peft_adapter(loaded.model, cfg.peft, bridge, output,
                          base_model_name_or_path=str(hf_dir) if hf_dir is not None else None)

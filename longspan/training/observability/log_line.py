@@ -39,7 +39,7 @@ from longspan.training.observability.log_metrics import (
 )
 from longspan.training.observability.log_sinks import logger_sinks, option, write_vs_samples
 from longspan.training.observability.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
-from longspan.training.observability.mfu import mfu, peak_flops_per_device
+from longspan.planner.peak_flops import mfu, peak_flops_per_device
 from longspan.training.observability.moe_log import track_moe_metrics
 from longspan.training.utils.norms import report_l2_norm_grad
 from longspan.training.observability.reports import report_runtime, report_throughput

@@ -6,7 +6,7 @@ from typing import Optional
 
 from longspan.core.logging import get_world_size
 from longspan.training.state import GlobalState
-from longspan.training.observability.mfu import mfu, peak_flops_per_device
+from longspan.planner.peak_flops import mfu, peak_flops_per_device
 
 
 def record_log_interval(global_state: GlobalState, iteration: int, num_iterations: int, seconds: float,

@@ -157,21 +157,22 @@ def test_hf_t5_directory_needs_a_t5_recipe(tmp_path: Path) -> None:
 
 
 def test_convert_import_and_export_of_an_hf_t5_is_bit_exact(tmp_path: Path) -> None:
-    """Importing an HF T5 (`longspan convert import`'s function) writes a T5 checkpoint with tiny-t5's training
-    settings; exporting it gives back every tensor bit for bit."""
+    """Importing an HF T5 (``AutoBridge.import_ckpt``, what `longspan convert import` runs) writes a T5
+    checkpoint from config.json alone; exporting it gives back every tensor bit for bit."""
     import safetensors.torch
 
+    from longspan import AutoBridge
     from longspan.models import T5ModelProvider
     from longspan.training.config import ConfigContainer
-    from longspan.training.checkpointing.hf_checkpoint import export_longspan_checkpoint, import_hf_checkpoint
 
     _, hf_dir = _hf_t5_dir(tmp_path, vocab=533)
     ckpt, out = tmp_path / "ckpt", tmp_path / "back"
-    import_hf_checkpoint(hf_dir, ckpt, show_progress=False)
+    AutoBridge.import_ckpt(hf_dir, ckpt, ["model.seq_length_dec=64"])
     saved = ConfigContainer.from_yaml(str(next(ckpt.glob("iter_*")) / "run_config.yaml"))
-    assert isinstance(saved.model, T5ModelProvider) and saved.model.seq_length_dec == 64  # tiny-t5's lengths
-    assert saved.model.num_layers == 3 and saved.tokenizer.vocab_extra_ids == 0
-    export_longspan_checkpoint(ckpt, out, show_progress=False)
+    assert isinstance(saved.model, T5ModelProvider) and saved.model.seq_length_dec == 64  # the override
+    assert saved.model.num_layers == 3 and saved.model.encoder_num_layers == 2
+    assert saved.model.gated_linear_unit and saved.tokenizer.vocab_extra_ids == 0
+    AutoBridge.export_checkpoint(ckpt, out)
     original = safetensors.torch.load_file(str(hf_dir / "model.safetensors"))
     back = safetensors.torch.load_file(str(out / "model.safetensors"))
     assert set(back) == set(original)

@@ -1,4 +1,5 @@
-"""Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak.
+"""Device peak FLOP/s and model FLOPs utilisation (achieved model FLOP/s per device over that peak), for the
+planner's step-time estimates and the training log's MFU.
 
 ``peak_flops_per_device()`` is, in order: the ``LONGSPAN_PEAK_TFLOPS`` environment variable (TFLOP/s of one
 device, for the run's precision), the table below by the CUDA device's name (dense bf16 tensor-core peaks of
@@ -6,7 +7,7 @@ the SXM parts, no sparsity), or on a CPU a short float32 matmul measured once pe
 is relative to what this machine's matmul reaches with the current thread count, not a datasheet number).
 Unknown accelerators give None (MFU not reported; set the variable).
 
-Model FLOPs are Megatron's formula (``flop_utils.num_floating_point_operations``); recompute is not counted.
+Model FLOPs are Megatron's formula (``longspan.models.flops.num_floating_point_operations``); recompute is not counted.
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""What conversion needs to write and read longspan checkpoints (``AutoBridge.import_ckpt`` / ``export_ckpt``).
+
+Conversion knows what a model is: the provider derived from an HF config.json and the weights mapped tensor by
+tensor. The checkpoint format (tracker file, ``iter_XXXXXXX`` directories, DCP shards, run_config.yaml) belongs
+to the training layer, which sits above this package. The two meet at ``CheckpointFormat``: two operations the
+training layer implements (``longspan.training.checkpointing.hf_checkpoint.TrainingCheckpointFormat``) with the
+same save and load code a run uses. ``longspan.AutoBridge`` is ``longspan.conversion.AutoBridge`` with it plugged
+in, so this package never imports training and there is one copy of the format.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from torch import nn
+
+from longspan.config.overrides import apply_overrides
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.data import TokenizerConfig
+from longspan.config.schema.training import CheckpointConfig, TrainingConfig
+from longspan.core.logging import get_logger, print_rank_0
+
+_log = get_logger(__name__)
+
+#: the HF config.json a converted checkpoint was imported from (inside its iter_ directory; the export reads it)
+HF_CONFIG_IN_CHECKPOINT = "hf_config.json"
+#: files that make an HF directory's tokenizer loadable by ``HuggingFaceTokenizer``
+_HF_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+
+
+class SavedModel(Protocol):
+    """A model rebuilt from a longspan checkpoint (``model_loading.LoadedModel`` is one)."""
+
+    cfg: ConfigContainer
+    model: list[nn.Module]
+    tokenizer: Any
+    iteration: int
+    directory: Path
+
+
+class CheckpointFormat(Protocol):
+    """Writes and reads model-only longspan checkpoints; the training layer provides the implementation."""
+
+    def save_model(self, cfg: ConfigContainer, model: list[nn.Module], parallel: Any) -> Path:
+        """Write ``model``'s weights (no optimizer or RNG state), ``cfg`` as run_config.yaml and its tokenizer's
+        files as the checkpoint of iteration 0 under ``cfg.checkpoint.save``. Collective; returns the iteration
+        directory."""
+        ...
+
+    def load_model(self, path: str | os.PathLike, overrides: Sequence[str]) -> SavedModel:
+        """The model of the checkpoint at ``path`` (a save root or an ``iter_`` directory) with dotlist
+        ``overrides`` applied to its run_config.yaml: under a launch built for the saved layout (overrides
+        applied), on one process whole; adapter checkpoints come back merged. Runs on every rank."""
+        ...
+
+
+def import_config(provider: Any, hf_path: str | os.PathLike, output: str | os.PathLike,
+                  overrides: Sequence[str] = ()) -> ConfigContainer:
+    """The run configuration an imported checkpoint carries, from the HF directory alone (no recipe).
+
+    ``model`` is ``provider`` (the HF config.json's architecture and dtype); the tokenizer is the directory's
+    HF tokenizer, or a ``NullTokenizer`` of the model's vocabulary when it has none; ``checkpoint.save`` is
+    ``output`` with weights only. ``train.micro_batch_size=1`` sizes the activations between pipeline stages
+    when the checkpoint is built for a pipeline layout; a run's own sections replace all of these. ``overrides``
+    (dotlist, e.g. ``model.tensor_model_parallel_size=2``, ``model.seq_length=4096``) apply last.
+    """
+    hf_dir = Path(hf_path)
+    if any((hf_dir / name).is_file() for name in _HF_TOKENIZER_MARKERS):
+        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf_dir.resolve()))
+    else:
+        tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer")
+    cfg = ConfigContainer(
+        model=provider,
+        train=TrainingConfig(micro_batch_size=1),
+        tokenizer=tokenizer,
+        checkpoint=CheckpointConfig(save=str(output), save_optim=False, save_rng=False),
+    )
+    apply_overrides(cfg, overrides)
+    if cfg.tokenizer.tokenizer_type == "NullTokenizer" and cfg.tokenizer.vocab_size is None:
+        cfg.tokenizer.vocab_size = cfg.model.vocab_size
+    cfg.model.finalize()
+    return cfg
+
+
+class ProgressLog:
+    """tqdm when installed, else a rank-0 log line every ``every`` items."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True, every: int = 50) -> None:
+        self.total, self.desc, self.enabled, self.every = total, desc, enabled, every
+        self.count = 0
+        self.start = time.time()
+        self._bar = None
+        if enabled:
+            try:  # function level: tqdm is optional
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
+            except ImportError:
+                pass
+
+    def __call__(self, _name: str) -> None:
+        self.count += 1
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self.count % self.every == 0 or self.count == self.total:
+            print_rank_0(f"{self.desc}: {self.count}/{self.total} tensors ({time.time() - self.start:.1f}s)", _log)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+__all__ = ["CheckpointFormat", "HF_CONFIG_IN_CHECKPOINT", "ProgressLog", "SavedModel", "import_config"]

@@ -1,4 +1,4 @@
-"""Dense decoder families' config translations: Llama, Mistral, Qwen2, Qwen3 and GPT-2."""
+"""Dense decoder families' config translations: Llama, Mistral, Qwen2, Qwen3, Phi-3 and GPT-2."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from longspan.conversion.config_fields import (
     required,
     rope_fields,
     rope_hf,
+    rope_scaling_kind,
     vocab_divisor,
 )
 from longspan.core.errors import NotSupportedError
@@ -62,7 +63,8 @@ def llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str, 
 
 def llama_hf(p: Any) -> dict[str, Any]:
     act = hf_activation(p)
-    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or p.position_embedding_type != "rope":
+    rotary = p.position_embedding_type in ("rope", "yarn")
+    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or not rotary:
         raise NotSupportedError(
             "this model has no Llama-style HF equivalent (needs RMSNorm, RoPE and a gated silu/gelu MLP)"
         )
@@ -126,6 +128,49 @@ def qwen3_hf(p: Any) -> dict[str, Any]:
     out = llama_hf(p)
     out.pop("mlp_bias")
     return dict(out, use_sliding_window=False, sliding_window=None)
+
+
+# transformers' Phi3Config reads these rope_type spellings as LongRoPE, and its original_max_position_embeddings
+# (top level, default 4096) overrides the rope dict's.
+PHI3_LONGROPE_ALIASES = ("su", "yarn", "longrope")
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
+
+
+def phi3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.pop("type", None) or params.get("rope_type", "default")
+    if rope_type in PHI3_LONGROPE_ALIASES:
+        rope_type = "longrope"
+    if rope_type not in ("default", "longrope"):
+        raise NotSupportedError(
+            f"config.json rope_type={rope_type!r} is not supported for Phi-3: use 'default' or 'longrope' ('su')"
+        )
+    params["rope_type"] = rope_type
+    resid, embd = cfg.get("resid_pdrop", 0.0), cfg.get("embd_pdrop", 0.0)
+    if resid != embd:
+        raise NotSupportedError(
+            f"config.json resid_pdrop={resid} with embd_pdrop={embd}: longspan has one hidden_dropout for both"
+        )
+    original = cfg.get("original_max_position_embeddings") or PHI3_ORIGINAL_MAX_POSITIONS
+    hf = dict(cfg, rope_parameters=params, rope_scaling=None, original_max_position_embeddings=original,
+              attention_bias=False, mlp_bias=False)
+    return dict(llama_provider(hf, eps_default=1e-5), hidden_dropout=float(resid))
+
+
+def phi3_hf(p: Any) -> dict[str, Any]:
+    kind = rope_scaling_kind(p)
+    if kind not in ("default", "longrope"):
+        raise NotSupportedError(f"Phi-3 takes default or longrope RoPE, not {kind}: export this model as Llama")
+    if p.add_qkv_bias:
+        raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama or Qwen2")
+    out = llama_hf(p)
+    for key in ("attention_bias", "mlp_bias"):
+        if out.pop(key):
+            raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama")
+    original = p.rope_original_max_position_embeddings if kind == "longrope" else p.seq_length
+    dropout = float(p.hidden_dropout)
+    return dict(out, resid_pdrop=dropout, embd_pdrop=dropout, original_max_position_embeddings=int(original),
+                sliding_window=None)
 
 
 def gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike, keep_precision: b
     keep = set(PARALLEL_CONFIG_FIELDS)
     if not keep_precision:
         keep -= {"params_dtype"}
-    if hf_provider.position_embedding_type == "rope":
+    if hf_provider.position_embedding_type in ("rope", "yarn"):
         keep |= set(_KEEP_FROM_RECIPE_ROPE)
     if hf_provider.position_embedding_type == "relative":
         keep |= set(_KEEP_FROM_RECIPE_RELATIVE)

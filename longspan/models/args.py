@@ -5,7 +5,7 @@ padded vocabulary, MoE layer pattern, ...). The modules read these, never the pr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -17,6 +17,7 @@ from longspan.config.rules.model import (
     check_moe,
     check_t5_model,
     head_dim,
+    layer_windows,
     moe_layer_flags,
     single_value,
 )
@@ -158,6 +159,11 @@ class TransformerArgs:
     # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
     layer_types: Optional[list[str]] = None
     mamba: Optional[MambaArgs] = None
+    # sliding-window attention: Megatron's window_size (left, right), and each layer's window by global layer
+    # index: the positions a token attends to, itself included (HF's sliding_window = left + 1), None = full
+    # causal attention (see longspan.config.rules.model.layer_windows)
+    window_size: Optional[tuple[int, int]] = None
+    layer_windows: list[Optional[int]] = field(default_factory=list)
     # RoPE scalings (yarn, dynamic NTK, LongRoPE, llama3; linear is seq_len_interpolation_factor), interleaved
     # rotary pairs, and where the residual stream and the attention softmax are computed
     rope_scaling_method: Optional[RopeScaling] = None
@@ -213,6 +219,8 @@ class TransformerArgs:
             recompute_granularity=config.recompute_granularity,
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
+            window_size=_window_size(config),
+            layer_windows=layer_windows(config),
             rope_scaling_method=rope_scaling_method(config),
             rotary_interleaved=bool(getattr(config, "rotary_interleaved", False)),
             apply_residual_connection_post_layernorm=bool(
@@ -220,6 +228,11 @@ class TransformerArgs:
             fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
             attention_softmax_in_fp32=bool(getattr(config, "attention_softmax_in_fp32", True)),
         )
+
+
+def _window_size(config: Any) -> Optional[tuple[int, int]]:
+    window = getattr(config, "window_size", None)
+    return None if window is None else (int(window[0]), int(window[1]))
 
 
 def rope_scaling_method(config: Any) -> Optional[RopeScaling]:

@@ -14,7 +14,10 @@ whose flash kernel aligns causal masks top-left only, the diagonal block and the
 calls merged by their log-sum-exps, see ``_PrefixCausalAttention``). The backward pass is autograd's, through a differentiable all-gather whose backward is the matching
 reduce-scatter (sum of every rank's K/V gradients, each rank keeping its chunks), so forward and backward
 are exact. An explicit attention mask (``reset_attention_mask``: document masks) works too: its query rows
-are this rank's tokens and its key columns the whole sequence. Everything runs on ``torch.distributed``
+are this rank's tokens and its key columns the whole sequence. A sliding-window layer (its mask a
+``longspan.models.sliding_window.WindowedMask``) applies the window on the global positions and attends each
+query chunk only to the key chunks its window reaches: chunks wholly before it are skipped
+(``WINDOW_BLOCKS`` counts them), so its work per rank grows with the window, not the sequence. Everything runs on ``torch.distributed``
 collectives: gloo on CPU and NCCL on GPU alike.
 
 The plan (``apply_context_parallel``) keeps the model plain: it replaces ``SelfAttention.core_attention``
@@ -46,6 +49,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
+from longspan.models.sliding_window import WindowedMask, windowed_attention
 
 _log = get_logger(__name__)
 
@@ -252,6 +256,8 @@ def local_attention(
     seq_len, local_len = k_full.shape[2], q.shape[2]
     if local_len * cp_size != seq_len:
         raise ValueError(f"{local_len} local queries × cp {cp_size} != {seq_len} keys")
+    if isinstance(attention_mask, WindowedMask):
+        return _windowed_local_attention(q, k_full, v_full, cp_size, cp_rank, attention_mask, dropout_p, scale)
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:  # a 0/1 (or additive 0/-inf) mask: non-zero means masked
             attention_mask = attention_mask != 0
@@ -274,6 +280,43 @@ def local_attention(
         bias = causal_lower_right(chunk, end)
         outs.append(F.scaled_dot_product_attention(part, k_full[:, :, :end], v_full[:, :, :end], attn_mask=bias,
                                                    dropout_p=dropout_p, scale=scale))
+    return torch.cat(outs, dim=2)
+
+
+#: key blocks (sequence chunks of ``S / (2·cp)`` tokens) that sliding-window layers attended ("computed") and
+#: skipped because they lie wholly before every query's window ("skipped"), summed over calls on this process
+WINDOW_BLOCKS = {"computed": 0, "skipped": 0}
+
+
+def _windowed_local_attention(
+    q: torch.Tensor,
+    k_full: torch.Tensor,
+    v_full: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    mask: WindowedMask,
+    dropout_p: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """A sliding-window layer's ``local_attention``: each of this rank's query chunks (global chunk j) attends to
+    the key chunks from the first one its window reaches up to chunk j, with the window applied on the global
+    positions (keys end at the chunk's last query, as ``windowed_attention`` expects). Key chunks wholly before
+    the window are neither sliced nor computed (``WINDOW_BLOCKS`` counts them)."""
+    seq_len, local_len = k_full.shape[2], q.shape[2]
+    chunk = local_len // 2
+    base = mask.base
+    if base is not None and base.shape[-2] == seq_len and seq_len != local_len:
+        base = split_for_context_parallel(base, cp_size, cp_rank, seq_dim=-2)
+    outs = []
+    for row, j in ((0, cp_rank), (chunk, 2 * cp_size - 1 - cp_rank)):
+        end = (j + 1) * chunk
+        first_block = max(0, j * chunk - mask.window + 1) // chunk
+        WINDOW_BLOCKS["skipped"] += first_block
+        WINDOW_BLOCKS["computed"] += j + 1 - first_block
+        keys = slice(first_block * chunk, end)
+        part_base = None if base is None else base[..., row:row + chunk, keys]
+        outs.append(windowed_attention(q[:, :, row:row + chunk], k_full[:, :, keys], v_full[:, :, keys], mask,
+                                       dropout_p, scale, base=part_base))
     return torch.cat(outs, dim=2)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from longspan.config.rules.model import layer_types_from_windows, layer_windows, window_pattern_from_layer_types
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import gelu_tanh
 from longspan.models.rope import ROPE_SCALING_TYPES
@@ -198,6 +199,27 @@ def _yarn_hf(p: Any) -> dict[str, Any]:
         factor = float(p.yarn_rotary_scaling_factor)
         out["attention_factor"] = 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
     return out
+
+
+def window_fields(window: int | None, layer_types: list[str] | None, num_layers: int) -> dict[str, Any]:
+    """Provider fields for HF's ``sliding_window`` (the positions a token attends to, itself included) on the
+    layers ``layer_types`` marks ``sliding_attention`` (None: every layer): Megatron's ``window_size=[W - 1, 0]``
+    and, when only some layers slide, ``window_attn_skip_freq`` as their 0/1 pattern."""
+    if window is None:
+        return {}
+    pattern = window_pattern_from_layer_types(layer_types) if layer_types else [1] * num_layers
+    if not any(pattern):
+        return {}
+    return {"window_size": [int(window) - 1, 0], "window_attn_skip_freq": None if all(pattern) else pattern}
+
+
+def window_hf(p: Any) -> tuple[int | None, list[str]]:
+    """(HF ``sliding_window``, HF ``layer_types``) of provider ``p``; one window size for all sliding layers."""
+    windows = layer_windows(p)
+    sizes = sorted({w for w in windows if w is not None})
+    if len(sizes) > 1:
+        raise NotSupportedError(f"layer windows {sizes} differ: HF configs hold one sliding_window")
+    return (sizes[0] if sizes else None), layer_types_from_windows(windows)
 
 
 def hf_activation(p: Any) -> str | None:

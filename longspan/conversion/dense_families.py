@@ -1,4 +1,4 @@
-"""Dense decoder families' config translations: Llama, Mistral, Qwen2, Qwen3, Phi-3 and GPT-2."""
+"""Dense decoder families' config translations: Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3 and GPT-2."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from longspan.conversion.config_fields import (
     rope_hf,
     rope_scaling_kind,
     vocab_divisor,
+    window_fields,
+    window_hf,
 )
 from longspan.core.errors import NotSupportedError
 
@@ -104,9 +106,17 @@ def mistral_hf(p: Any) -> dict[str, Any]:
 
 
 def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    out = llama_provider(dict(cfg, attention_bias=False))
+    # transformers' Qwen2: the window applies only with use_sliding_window, on the layers layer_types marks
+    # (default: layers >= max_window_layers).
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    layers = required(cfg, "num_hidden_layers")
+    layer_types = cfg.get("layer_types")
+    if window is not None and not layer_types:
+        first_sliding = cfg.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)]
+    out = llama_provider(dict(cfg, attention_bias=False, use_sliding_window=False, sliding_window=None))
     out["add_qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none elsewhere)
-    return out
+    return dict(out, **window_fields(window, layer_types, layers))
 
 
 def qwen2_hf(p: Any) -> dict[str, Any]:
@@ -115,7 +125,29 @@ def qwen2_hf(p: Any) -> dict[str, Any]:
     out = llama_hf(_ProviderView(p, add_qkv_bias=False))
     for key in ("attention_bias", "mlp_bias"):
         out.pop(key)
-    return dict(out, use_sliding_window=False, sliding_window=None)
+    window, layer_types = window_hf(p)
+    if window is None:
+        return dict(out, use_sliding_window=False, sliding_window=None)
+    full_prefix = layer_types.index("sliding_attention")
+    return dict(out, use_sliding_window=True, sliding_window=window, max_window_layers=full_prefix,
+                layer_types=layer_types)
+
+
+def ministral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Ministral (8B): Mistral's layout with a sliding window on the layers ``layer_types`` marks (default:
+    every layer when sliding_window is set)."""
+    out = llama_provider(dict(cfg, sliding_window=None))
+    return dict(out, **window_fields(cfg.get("sliding_window"), cfg.get("layer_types"),
+                                     required(cfg, "num_hidden_layers")))
+
+
+def ministral_hf(p: Any) -> dict[str, Any]:
+    out = llama_hf(p)
+    for key in ("attention_bias", "mlp_bias"):
+        if out.pop(key):
+            raise NotSupportedError("Ministral has no linear biases: export this model as Llama")
+    window, layer_types = window_hf(p)
+    return dict(out, sliding_window=window, layer_types=layer_types)
 
 
 def qwen3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +185,10 @@ def phi3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         )
     original = cfg.get("original_max_position_embeddings") or PHI3_ORIGINAL_MAX_POSITIONS
     hf = dict(cfg, rope_parameters=params, rope_scaling=None, original_max_position_embeddings=original,
-              attention_bias=False, mlp_bias=False)
-    return dict(llama_provider(hf, eps_default=1e-5), hidden_dropout=float(resid))
+              attention_bias=False, mlp_bias=False, sliding_window=None)
+    out = dict(llama_provider(hf, eps_default=1e-5), hidden_dropout=float(resid))
+    # transformers' Phi-3 windows every layer when sliding_window is set
+    return dict(out, **window_fields(cfg.get("sliding_window"), None, required(cfg, "num_hidden_layers")))
 
 
 def phi3_hf(p: Any) -> dict[str, Any]:
@@ -167,10 +201,13 @@ def phi3_hf(p: Any) -> dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama")
+    window, layer_types = window_hf(p)
+    if window is not None and "full_attention" in layer_types:
+        raise NotSupportedError("Phi-3 windows every layer or none: this model mixes windowed and full layers")
     original = p.rope_original_max_position_embeddings if kind == "longrope" else p.seq_length
     dropout = float(p.hidden_dropout)
     return dict(out, resid_pdrop=dropout, embd_pdrop=dropout, original_max_position_embeddings=int(original),
-                sliding_window=None)
+                sliding_window=window)
 
 
 def gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def llama_hf(p: Any) -> dict[str, Any]:
         )
     if p.add_qkv_bias and not p.add_bias_linear:
         raise NotSupportedError("add_qkv_bias without add_bias_linear exports as Qwen2, not Llama")
+    _no_window(p, "Llama")
     out = dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
@@ -93,16 +94,40 @@ def llama_hf(p: Any) -> dict[str, Any]:
     return out
 
 
+def window_size_from_hf(sliding_window: Any, key: str = "sliding_window") -> list[int] | None:
+    """HF's ``sliding_window`` (positions a token attends to, itself included) as Megatron's ``window_size``
+    ``[W - 1, 0]``; None (or 0) = full attention."""
+    if sliding_window is None or sliding_window == 0:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise NotSupportedError(f"config.json {key}={sliding_window!r} must be a positive integer or null")
+    return [sliding_window - 1, 0]
+
+
+def hf_sliding_window(p: Any, family: str) -> int | None:
+    """A provider's window as HF's ``sliding_window`` of a family whose every layer uses it (Mistral)."""
+    window = getattr(p, "window_size", None)
+    if window is None or window[0] == -1:
+        return None
+    if getattr(p, "window_attn_skip_freq", None) not in (None, [1] * p.num_layers):
+        raise NotSupportedError(
+            f"window_attn_skip_freq={p.window_attn_skip_freq!r}: {family} applies its sliding window to every "
+            "layer; a model with full-attention layers between has no such HF equivalent"
+        )
+    return int(window[0]) + 1
+
+
 def mistral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    return llama_provider(cfg)
+    window = window_size_from_hf(cfg.get("sliding_window"))
+    return dict(llama_provider(dict(cfg, sliding_window=None)), window_size=window)
 
 
 def mistral_hf(p: Any) -> dict[str, Any]:
-    out = llama_hf(p)
+    out = llama_hf(_ProviderView(p, window_size=None, window_attn_skip_freq=None))
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Mistral has no linear biases: export this model as Llama")
-    return dict(out, sliding_window=None)
+    return dict(out, sliding_window=hf_sliding_window(p, "Mistral"))
 
 
 def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -250,6 +275,7 @@ def gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 def gpt2_hf(p: Any) -> dict[str, Any]:
     if p.normalization != "LayerNorm" or p.position_embedding_type != "learned_absolute" or p.gated_linear_unit:
         raise NotSupportedError("GPT-2 needs LayerNorm, learned absolute positions and a plain gelu MLP")
+    _no_window(p, "GPT-2")
     return dict(
         vocab_size=p.vocab_size, n_positions=p.seq_length, n_embd=p.hidden_size, n_layer=p.num_layers,
         n_head=p.num_attention_heads, n_inner=p.ffn_hidden_size, activation_function=hf_activation(p),
@@ -257,6 +283,14 @@ def gpt2_hf(p: Any) -> dict[str, Any]:
         embd_pdrop=float(p.hidden_dropout), attn_pdrop=float(p.attention_dropout),
         initializer_range=float(p.init_method_std), tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
     )
+
+
+def _no_window(p: Any, family: str) -> None:
+    window = getattr(p, "window_size", None)
+    if window is not None and window[0] != -1:
+        raise NotSupportedError(
+            f"window_size={list(window)!r}: {family} has no sliding-window attention (export as Mistral)"
+        )
 
 
 class _ProviderView:

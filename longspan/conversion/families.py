@@ -123,6 +123,9 @@ def family_for_provider(provider: Any) -> Family:
         return BY_ARCHITECTURE["Qwen3ForCausalLM"]
     if provider.add_qkv_bias and not provider.add_bias_linear:
         return BY_ARCHITECTURE["Qwen2ForCausalLM"]
+    window = getattr(provider, "window_size", None)
+    if window is not None and window[0] != -1:  # Llama has no sliding window
+        return BY_ARCHITECTURE["MistralForCausalLM"]
     return BY_ARCHITECTURE["LlamaForCausalLM"]
 
 

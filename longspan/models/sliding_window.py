@@ -82,7 +82,9 @@ def _combine(band: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
     return band[None, None] if base is None else band[None, None] | base
 
 
-def band_mask(q_len: int, k_len: int, window: int, first: int, device: torch.device | str | None = None) -> torch.Tensor:
+def band_mask(
+    q_len: int, k_len: int, window: int, first: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Bool ``[q_len, k_len]``, True = masked: query i (at key index ``first + i``) sees keys j with
     ``0 <= first + i - j < window``."""
     distance = (torch.arange(q_len, device=device) + first)[:, None] - torch.arange(k_len, device=device)[None, :]

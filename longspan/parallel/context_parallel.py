@@ -17,8 +17,8 @@ are exact. An explicit attention mask (``reset_attention_mask``: document masks)
 are this rank's tokens and its key columns the whole sequence. A sliding-window layer (its mask a
 ``longspan.models.sliding_window.WindowedMask``) applies the window on the global positions and attends each
 query chunk only to the key chunks its window reaches: chunks wholly before it are skipped
-(``WINDOW_BLOCKS`` counts them), so its work per rank grows with the window, not the sequence. Everything runs on ``torch.distributed``
-collectives: gloo on CPU and NCCL on GPU alike.
+(``WINDOW_BLOCKS`` counts them), so its work per rank grows with the window, not the sequence. Everything
+runs on ``torch.distributed`` collectives: gloo on CPU and NCCL on GPU alike.
 
 The plan (``apply_context_parallel``) keeps the model plain: it replaces ``SelfAttention.core_attention``
 on every layer and hooks the root ``GPTModel`` so that

@@ -130,6 +130,10 @@ def mistral_hf(p: Any) -> dict[str, Any]:
     return dict(out, sliding_window=hf_sliding_window(p, "Mistral"))
 
 
+# A provider seen without its window, for llama_hf (the family's own translation writes the window).
+NO_WINDOW = {"window_size": None, "window_attn_skip_freq": None}
+
+
 def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     # transformers' Qwen2: the window applies only with use_sliding_window, on the layers layer_types marks
     # (default: layers >= max_window_layers).
@@ -147,7 +151,7 @@ def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 def qwen2_hf(p: Any) -> dict[str, Any]:
     if not p.add_qkv_bias or p.add_bias_linear:
         raise NotSupportedError("Qwen2 needs add_qkv_bias=True and add_bias_linear=False")
-    out = llama_hf(_ProviderView(p, add_qkv_bias=False))
+    out = llama_hf(_ProviderView(p, add_qkv_bias=False, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         out.pop(key)
     window, layer_types = window_hf(p)
@@ -167,7 +171,7 @@ def ministral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def ministral_hf(p: Any) -> dict[str, Any]:
-    out = llama_hf(p)
+    out = llama_hf(_ProviderView(p, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Ministral has no linear biases: export this model as Llama")
@@ -222,7 +226,7 @@ def phi3_hf(p: Any) -> dict[str, Any]:
         raise NotSupportedError(f"Phi-3 takes default or longrope RoPE, not {kind}: export this model as Llama")
     if p.add_qkv_bias:
         raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama or Qwen2")
-    out = llama_hf(p)
+    out = llama_hf(_ProviderView(p, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama")

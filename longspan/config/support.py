@@ -157,9 +157,15 @@ FIELD_STATUS: dict[str, str] = {
     # itself: these Megatron switches change no maths here.
     **_many("model", HINT, "init_model_with_meta_device parallel_output should_pad_vocab batch_p2p_sync "
                            "moe_token_dispatcher_type"),
-    # torch's scaled_dot_product_attention always accumulates the softmax in fp32; the default (True) is what
-    # longspan does and False is not available.
-    **_many("model", NOT_SUPPORTED, "attention_softmax_in_fp32"),
+    # RoPE scalings (longspan.models.rope: YaRN with Megatron's names, dynamic NTK and LongRoPE with typed fields),
+    # interleaved rotary pairs, the residual stream's placement and precision, and the attention softmax's
+    # precision (True: SDPA's fp32 accumulation; False: scores and probabilities in the activations' dtype).
+    **_many("model", SUPPORTED, """
+        yarn_rotary_scaling_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
+        yarn_mscale_all_dim yarn_correction_range_round_to_int rope_dynamic_factor rope_longrope_short_factor
+        rope_longrope_long_factor rope_original_max_position_embeddings rope_attention_factor rotary_interleaved
+        apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
+        """),
     # Autocast (model.enable_autocast / mixed_precision.autocast_enabled) runs the forward step in
     # torch.autocast(autocast_dtype or the pipeline dtype).
     **_many("model", SUPPORTED, "enable_autocast autocast_dtype"),
@@ -227,9 +233,12 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split
         account_for_loss_in_pipeline_split qk_layernorm recompute_granularity recompute_method recompute_num_layers
         recompute_modules rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
-        expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq
+        expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
+        apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
         """),
-    "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq"),
+    # The hybrid stack's own layers keep the residual in the activations' dtype, taken before the norm.
+    "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq "
+                                                   "apply_residual_connection_post_layernorm fp32_residual_connection"),
 }
 
 

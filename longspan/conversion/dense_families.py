@@ -1,4 +1,4 @@
-"""Dense decoder families' config translations: Llama, Mistral, Qwen2, Qwen3 and GPT-2."""
+"""Dense decoder families' config translations: Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3 and GPT-2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from longspan.conversion.config_fields import (
     required,
     rope_fields,
     rope_hf,
+    rope_scaling_kind,
     vocab_divisor,
+    window_fields,
+    window_hf,
 )
 from longspan.core.errors import NotSupportedError
 
@@ -62,7 +65,8 @@ def llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str, 
 
 def llama_hf(p: Any) -> dict[str, Any]:
     act = hf_activation(p)
-    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or p.position_embedding_type != "rope":
+    rotary = p.position_embedding_type in ("rope", "yarn")
+    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or not rotary:
         raise NotSupportedError(
             "this model has no Llama-style HF equivalent (needs RMSNorm, RoPE and a gated silu/gelu MLP)"
         )
@@ -126,19 +130,53 @@ def mistral_hf(p: Any) -> dict[str, Any]:
     return dict(out, sliding_window=hf_sliding_window(p, "Mistral"))
 
 
+# A provider seen without its window, for llama_hf (the family's own translation writes the window).
+NO_WINDOW = {"window_size": None, "window_attn_skip_freq": None}
+
+
 def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    out = llama_provider(dict(cfg, attention_bias=False))
+    # transformers' Qwen2: the window applies only with use_sliding_window, on the layers layer_types marks
+    # (default: layers >= max_window_layers).
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    layers = required(cfg, "num_hidden_layers")
+    layer_types = cfg.get("layer_types")
+    if window is not None and not layer_types:
+        first_sliding = cfg.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)]
+    out = llama_provider(dict(cfg, attention_bias=False, use_sliding_window=False, sliding_window=None))
     out["add_qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none elsewhere)
-    return out
+    return dict(out, **window_fields(window, layer_types, layers))
 
 
 def qwen2_hf(p: Any) -> dict[str, Any]:
     if not p.add_qkv_bias or p.add_bias_linear:
         raise NotSupportedError("Qwen2 needs add_qkv_bias=True and add_bias_linear=False")
-    out = llama_hf(_ProviderView(p, add_qkv_bias=False))
+    out = llama_hf(_ProviderView(p, add_qkv_bias=False, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         out.pop(key)
-    return dict(out, use_sliding_window=False, sliding_window=None)
+    window, layer_types = window_hf(p)
+    if window is None:
+        return dict(out, use_sliding_window=False, sliding_window=None)
+    full_prefix = layer_types.index("sliding_attention")
+    return dict(out, use_sliding_window=True, sliding_window=window, max_window_layers=full_prefix,
+                layer_types=layer_types)
+
+
+def ministral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Ministral (8B): Mistral's layout with a sliding window on the layers ``layer_types`` marks (default:
+    every layer when sliding_window is set)."""
+    out = llama_provider(dict(cfg, sliding_window=None))
+    return dict(out, **window_fields(cfg.get("sliding_window"), cfg.get("layer_types"),
+                                     required(cfg, "num_hidden_layers")))
+
+
+def ministral_hf(p: Any) -> dict[str, Any]:
+    out = llama_hf(_ProviderView(p, **NO_WINDOW))
+    for key in ("attention_bias", "mlp_bias"):
+        if out.pop(key):
+            raise NotSupportedError("Ministral has no linear biases: export this model as Llama")
+    window, layer_types = window_hf(p)
+    return dict(out, sliding_window=window, layer_types=layer_types)
 
 
 def qwen3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +189,54 @@ def qwen3_hf(p: Any) -> dict[str, Any]:
     out = llama_hf(p)
     out.pop("mlp_bias")
     return dict(out, use_sliding_window=False, sliding_window=None)
+
+
+# transformers' Phi3Config reads these rope_type spellings as LongRoPE, and its original_max_position_embeddings
+# (top level, default 4096) overrides the rope dict's.
+PHI3_LONGROPE_ALIASES = ("su", "yarn", "longrope")
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
+
+
+def phi3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.pop("type", None) or params.get("rope_type", "default")
+    if rope_type in PHI3_LONGROPE_ALIASES:
+        rope_type = "longrope"
+    if rope_type not in ("default", "longrope"):
+        raise NotSupportedError(
+            f"config.json rope_type={rope_type!r} is not supported for Phi-3: use 'default' or 'longrope' ('su')"
+        )
+    params["rope_type"] = rope_type
+    resid, embd = cfg.get("resid_pdrop", 0.0), cfg.get("embd_pdrop", 0.0)
+    if resid != embd:
+        raise NotSupportedError(
+            f"config.json resid_pdrop={resid} with embd_pdrop={embd}: longspan has one hidden_dropout for both"
+        )
+    original = cfg.get("original_max_position_embeddings") or PHI3_ORIGINAL_MAX_POSITIONS
+    hf = dict(cfg, rope_parameters=params, rope_scaling=None, original_max_position_embeddings=original,
+              attention_bias=False, mlp_bias=False, sliding_window=None)
+    out = dict(llama_provider(hf, eps_default=1e-5), hidden_dropout=float(resid))
+    # transformers' Phi-3 windows every layer when sliding_window is set
+    return dict(out, **window_fields(cfg.get("sliding_window"), None, required(cfg, "num_hidden_layers")))
+
+
+def phi3_hf(p: Any) -> dict[str, Any]:
+    kind = rope_scaling_kind(p)
+    if kind not in ("default", "longrope"):
+        raise NotSupportedError(f"Phi-3 takes default or longrope RoPE, not {kind}: export this model as Llama")
+    if p.add_qkv_bias:
+        raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama or Qwen2")
+    out = llama_hf(_ProviderView(p, **NO_WINDOW))
+    for key in ("attention_bias", "mlp_bias"):
+        if out.pop(key):
+            raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama")
+    window, layer_types = window_hf(p)
+    if window is not None and "full_attention" in layer_types:
+        raise NotSupportedError("Phi-3 windows every layer or none: this model mixes windowed and full layers")
+    original = p.rope_original_max_position_embeddings if kind == "longrope" else p.seq_length
+    dropout = float(p.hidden_dropout)
+    return dict(out, resid_pdrop=dropout, embd_pdrop=dropout, original_max_position_embeddings=int(original),
+                sliding_window=window)
 
 
 def gpt2_provider(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The supported Hugging Face architectures: one ``Family`` per architecture (names, weight table, config translation).
 
-The translations live per family group: ``dense_families`` (Llama, Mistral, Qwen2, Qwen3, GPT-2),
-``moe_families`` (Mixtral, Qwen3-MoE), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
-helpers they share (dtypes, RoPE, activations) are in ``config_fields``.
+The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
+GPT-2), ``moe_families`` (Mixtral, Qwen3-MoE), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2,
+Nemotron-H); the helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ from longspan.conversion.dense_families import (
     llama_hf,
     llama_provider,
     mistral_hf,
+    ministral_hf,
+    ministral_provider,
     mistral_provider,
+    phi3_hf,
+    phi3_provider,
     qwen2_hf,
     qwen2_provider,
     qwen3_hf,
@@ -54,11 +58,20 @@ class Family:
         return self if self.weights_for is None else replace(self, weights=self.weights_for(cfg))
 
 
+def phi3_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    """Phi-3's table for config.json ``cfg``: the fused qkv_proj's block sizes follow its head counts."""
+    heads = cfg.get("num_attention_heads") or 1
+    return mapping.phi3(heads, cfg.get("num_key_value_heads") or heads)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "LlamaForCausalLM", "llama", mapping.LLAMA, llama_provider, llama_hf),
     Family("mistral", "MistralForCausalLM", "mistral", mapping.LLAMA, mistral_provider, mistral_hf),
+    Family("ministral", "MinistralForCausalLM", "ministral", mapping.LLAMA, ministral_provider, ministral_hf),
     Family("qwen2", "Qwen2ForCausalLM", "qwen2", mapping.LLAMA, qwen2_provider, qwen2_hf),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", mapping.LLAMA, qwen3_provider, qwen3_hf),
+    Family("phi3", "Phi3ForCausalLM", "phi3", mapping.phi3(1, 1), phi3_provider, phi3_hf,
+           weights_for=phi3_weights),
     Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, gpt2_provider, gpt2_hf),
     Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, mixtral_provider, mixtral_hf),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),

@@ -9,7 +9,7 @@ Placements that do not give a box (strided FSDP-over-TP shards) read the full te
 
 Export: parameters are gathered one at a time (``DTensor.full_tensor()``, a collective over the parameter's
 mesh, so every rank of a pipeline stage walks its parameters in the same order) and turned back into HF
-tensors; a fused HF tensor (GPT-2's ``c_attn``) is emitted once all its parts were seen.
+tensors; a fused HF tensor (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) is emitted once all its parts were seen.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def expected_hf_shape(entry: WeightMap, shape: tuple[int, ...], hf_vocab: int | 
     if entry.vocab and hf_vocab is not None:
         shape = (hf_vocab,) + shape[1:]
     if entry.split is not None:
-        shape = (shape[0] * entry.split[1],) + shape[1:]
+        shape = (entry.split_rows(shape[0])[1],) + shape[1:]
     if entry.transpose:
         shape = shape[::-1]
     return shape
@@ -98,7 +98,7 @@ def _read_box(reader: HFCheckpointReader, hf_name: str, entry: WeightMap, box: B
     ``rows`` is the size of dim 0 of the longspan-oriented block (for the split offset).
     """
     if entry.split is not None:
-        start = entry.split[0] * rows
+        start = entry.split_rows(rows)[0]
         box = (slice(box[0].start + start, box[0].stop + start),) + box[1:]
     if entry.transpose:
         return reader.read(hf_name, box[::-1]).t()

@@ -4,8 +4,9 @@ A ``WeightMap`` names a longspan parameter pattern and the HF tensor pattern it 
 rules the supported families need:
 
 - ``transpose``: HF stores the matrix as ``[in, out]`` (GPT-2's ``Conv1D``);
-- ``split=(k, n)``: the longspan tensor is the k-th of n equal row blocks of the HF tensor (GPT-2's fused
-  ``c_attn`` = [q | k | v]);
+- ``split=(k, n)``: the longspan tensor is the k-th of n row blocks of the HF tensor (GPT-2's fused
+  ``c_attn`` = [q | k | v]); the blocks are equal unless ``split_units`` gives their relative sizes (Phi-3's
+  grouped-query ``qkv_proj`` = [q | k | v] in units of heads: (heads, groups, groups));
 - ``per_expert``: the longspan tensor is a 3-D slab ``[num_experts, ...]`` stacked from one HF tensor per
   expert (``{e}`` in the HF pattern);
 - ``vocab``: rows beyond the HF vocabulary are padding (added as zeros on import, stripped on export).
@@ -34,7 +35,11 @@ class WeightMap:
     """HF holds the transpose (``Conv1D`` ``[in, out]``)."""
 
     split: tuple[int, int] | None = None
-    """(k, n): ours is the k-th of n equal blocks of the HF tensor's rows (after ``transpose``)."""
+    """(k, n): ours is the k-th of n blocks of the HF tensor's rows (after ``transpose``)."""
+
+    split_units: tuple[int, ...] | None = None
+    """The n blocks' relative sizes (default: equal): block j has ``split_units[j]`` units of
+    ``rows / split_units[k]`` rows each."""
 
     per_expert: bool = False
     """ours is ``[num_experts, ...]``, stacked from one HF tensor per expert."""
@@ -47,6 +52,13 @@ class WeightMap:
     def __post_init__(self) -> None:
         pattern = re.escape(self.ours).replace(r"\{i\}", r"(?P<i>\d+)")
         object.__setattr__(self, "regex", re.compile(f"^{pattern}$"))
+
+    def split_rows(self, rows: int) -> tuple[int, int]:
+        """(first row of ours in the HF tensor, the HF tensor's rows) for ours of ``rows`` rows (split only)."""
+        k, n = self.split
+        units = self.split_units or (1,) * n
+        unit_rows = rows // units[k]
+        return sum(units[:k]) * unit_rows, sum(units) * unit_rows
 
     def hf_name(self, layer: int | None, expert: int | None = None) -> str:
         """The HF tensor name for a layer (and expert)."""
@@ -105,6 +117,23 @@ QWEN3_MOE = LLAMA + (  # dense layers (mlp_only_layers / decoder_sparse_step) ke
     _layer("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
     _layer("mlp.experts.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", per_expert=True),
 )
+
+
+def phi3(heads: int, groups: int) -> tuple[WeightMap, ...]:
+    """Phi-3 / Phi-4: Llama's layout with fused ``qkv_proj`` ([q | k | v], grouped-query sizes) and
+    ``gate_up_proj`` ([gate | up]), split into longspan's separate projections on import, fused on export."""
+    qkv = (heads, groups, groups)
+    return LLAMA_EMBEDDINGS + (
+        _layer("input_layernorm.weight", "input_layernorm.weight"),
+        _layer("self_attention.linear_q.weight", "self_attn.qkv_proj.weight", split=(0, 3), split_units=qkv),
+        _layer("self_attention.linear_k.weight", "self_attn.qkv_proj.weight", split=(1, 3), split_units=qkv),
+        _layer("self_attention.linear_v.weight", "self_attn.qkv_proj.weight", split=(2, 3), split_units=qkv),
+        _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+        _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        _layer("mlp.linear_fc1_gate.weight", "mlp.gate_up_proj.weight", split=(0, 2)),
+        _layer("mlp.linear_fc1.weight", "mlp.gate_up_proj.weight", split=(1, 2)),
+        _layer("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+    )
 
 
 # --------------------------------------------------------------------------------------------- GPT-2

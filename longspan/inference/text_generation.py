@@ -161,7 +161,8 @@ def generate(
         top_p: sample among the most likely tokens whose probabilities sum to ``top_p`` (1: all).
         seed: seeds the sampling generator (same seed, same output); None draws from torch's global generator.
         use_cache: keep keys and values of past tokens (KV cache) instead of re-running the whole sequence
-            each step; both give the same tokens.
+            each step; both give the same tokens, except with dynamic NTK RoPE, whose cached keys keep the
+            frequencies of the length they were computed at (as in transformers).
         eos_ids: token ids that end generation; default the tokenizer's EOS (else EOD); ``()`` never stops early.
         return_logits: keep the logits each output token was chosen from (``GenerationResult.logits``).
     """
@@ -218,7 +219,12 @@ def _decode(
     step_input = tokens
     output_ids: list[int] = []
     kept_logits: list[torch.Tensor] = []
+    rotary = getattr(net, "rotary_pos_emb", None)
     for _ in range(max_new_tokens):
+        if cache is not None and cache.seq_len and rotary is not None and rotary.reencode_from(
+                cache.seq_len, tokens.shape[1]):
+            # LongRoPE switches to its long factors for the whole sequence: re-encode it (as transformers' Phi-3)
+            cache, step_input = KVCache(len(prompt_ids) + max_new_tokens), tokens
         if cache is not None:
             last = net(step_input, kv_cache=cache)[0, -1]
         else:

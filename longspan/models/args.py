@@ -23,7 +23,12 @@ from longspan.config.rules.model import (
 )
 from longspan.core.errors import ConfigError
 from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.models.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_MAX_POSITIONS
+from longspan.models.rope import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_MAX_POSITIONS,
+    RopeScaling,
+)
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -159,6 +164,13 @@ class TransformerArgs:
     # causal attention (see longspan.config.rules.model.layer_windows)
     window_size: Optional[tuple[int, int]] = None
     layer_windows: list[Optional[int]] = field(default_factory=list)
+    # RoPE scalings (yarn, dynamic NTK, LongRoPE, llama3; linear is seq_len_interpolation_factor), interleaved
+    # rotary pairs, and where the residual stream and the attention softmax are computed
+    rope_scaling_method: Optional[RopeScaling] = None
+    rotary_interleaved: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    fp32_residual_connection: bool = False
+    attention_softmax_in_fp32: bool = True
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -184,7 +196,9 @@ class TransformerArgs:
             gated_linear_unit=bool(config.gated_linear_unit),
             add_bias_linear=bool(config.add_bias_linear),
             add_qkv_bias=bool(config.add_qkv_bias),
-            position_embedding_type=config.position_embedding_type,
+            # YaRN is Megatron's position_embedding_type 'yarn': rotary embeddings with yarn_* scaling
+            position_embedding_type="rope" if config.position_embedding_type == "yarn"
+            else config.position_embedding_type,
             rotary_base=float(config.rotary_base),
             rotary_percent=float(config.rotary_percent),
             seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
@@ -207,12 +221,50 @@ class TransformerArgs:
             recompute_num_layers=config.recompute_num_layers,
             window_size=_window_size(config),
             layer_windows=layer_windows(config),
+            rope_scaling_method=rope_scaling_method(config),
+            rotary_interleaved=bool(getattr(config, "rotary_interleaved", False)),
+            apply_residual_connection_post_layernorm=bool(
+                getattr(config, "apply_residual_connection_post_layernorm", False)),
+            fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
+            attention_softmax_in_fp32=bool(getattr(config, "attention_softmax_in_fp32", True)),
         )
 
 
 def _window_size(config: Any) -> Optional[tuple[int, int]]:
     window = getattr(config, "window_size", None)
     return None if window is None else (int(window[0]), int(window[1]))
+
+
+def rope_scaling_method(config: Any) -> Optional[RopeScaling]:
+    """The provider's RoPE frequency scaling (checked by the model rules): YaRN (position_embedding_type 'yarn'),
+    dynamic NTK, LongRoPE or Llama-3.1; None for none (or only the linear seq_len_interpolation_factor)."""
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731 (providers without the field)
+    if get("position_embedding_type") == "yarn":
+        return RopeScaling(
+            "yarn", factor=float(get("yarn_rotary_scaling_factor")),
+            original_max_positions=int(get("yarn_original_max_position_embeddings")),
+            beta_fast=float(get("yarn_beta_fast") or 32.0), beta_slow=float(get("yarn_beta_slow") or 1.0),
+            mscale=float(1.0 if get("yarn_mscale") is None else get("yarn_mscale")),
+            mscale_all_dim=float(get("yarn_mscale_all_dim") or 0.0),
+            truncate=bool(get("yarn_correction_range_round_to_int", True)),
+            attention_factor=get("rope_attention_factor"),
+        )
+    if get("rope_dynamic_factor") is not None:
+        return RopeScaling("dynamic", factor=float(get("rope_dynamic_factor")),
+                           original_max_positions=int(get("rope_original_max_position_embeddings")))
+    if get("rope_longrope_short_factor") is not None:
+        return RopeScaling(
+            "longrope", original_max_positions=int(get("rope_original_max_position_embeddings")),
+            short_factor=tuple(float(x) for x in get("rope_longrope_short_factor")),
+            long_factor=tuple(float(x) for x in get("rope_longrope_long_factor")),
+            attention_factor=float(get("rope_attention_factor")),
+        )
+    if get("rope_scaling", False):
+        return RopeScaling("llama3", factor=float(config.rope_scaling_factor),
+                           low_freq_factor=float(get("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
+                           high_freq_factor=float(get("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
+                           original_max_positions=int(get("old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)))
+    return None
 
 
 @dataclass
@@ -291,5 +343,5 @@ class T5Args:
         return dataclasses.replace(self, num_layers=num_layers)
 
 
-__all__ = ["MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size", "GPT_FIXED_FIELDS",
-           "T5_FIXED_FIELDS"]
+__all__ = ["MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size", "rope_scaling_method",
+           "GPT_FIXED_FIELDS", "T5_FIXED_FIELDS"]

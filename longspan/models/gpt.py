@@ -94,17 +94,7 @@ class DecoderLanguageModel(nn.Module):
         # the training loss's reused [tokens, vocab] buffers (longspan.models.loss.LogitsWorkspace; CPU only)
         self.logits_workspace = LogitsWorkspace()
         if args.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                args.kv_channels,
-                rotary_percent=args.rotary_percent,
-                rotary_base=args.rotary_base,
-                rope_scaling=args.rope_scaling,
-                rope_scaling_factor=args.rope_scaling_factor,
-                low_freq_factor=args.low_freq_factor,
-                high_freq_factor=args.high_freq_factor,
-                original_max_positions=args.old_context_len,
-                seq_len_interpolation_factor=args.seq_len_interpolation_factor,
-            )
+            self.rotary_pos_emb = RotaryEmbedding.from_args(args)
         else:
             self.rotary_pos_emb = None
 

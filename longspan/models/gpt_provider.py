@@ -55,10 +55,13 @@ class TransformerConfig(ModelParallelConfig):
     """Dropout probability on the attention weights."""
 
     fp32_residual_connection: bool = False
-    """Keep the residual stream in fp32."""
+    """Keep the residual stream in fp32 (Megatron's semantics): the embeddings' output and every residual add
+    are float32, each norm's output is cast back to params_dtype for the layer it feeds, and pipeline stages
+    pass float32 hidden states. No effect with float32 parameters."""
 
     apply_residual_connection_post_layernorm: bool = False
-    """Take the residual from after the layer norm instead of before it."""
+    """Take the residual from after the layer norm instead of before it (Megatron's semantics): each sub-layer
+    adds its output to its own normalized input, ``norm(x) + attn(norm(x))``, instead of ``x + attn(norm(x))``."""
 
     layernorm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
@@ -88,7 +91,8 @@ class TransformerConfig(ModelParallelConfig):
     """Number of experts in each MoE layer; None means a dense model."""
 
     rotary_interleaved: bool = False
-    """Rotate interleaved channel pairs instead of the two halves of each head."""
+    """Rotate interleaved channel pairs ``(x0, x1), (x2, x3), ...`` instead of the two halves of each head
+    (Megatron's ``rotary_interleaved``; GPT-J / Meta's original Llama layout)."""
 
     window_size: Optional[list[int]] = None
     """If not None, then will use sliding window attention. The size of the window is specified by the numbers
@@ -127,8 +131,10 @@ class TransformerConfig(ModelParallelConfig):
     """Scale attention scores by the layer number (an fp16 stability trick)."""
 
     attention_softmax_in_fp32: bool = True
-    """Compute the attention softmax in fp32: torch's scaled_dot_product_attention always does; False (a
-    half-precision softmax) is not supported."""
+    """Compute the attention scores and softmax in fp32 when the model runs in lower precision (True: torch's
+    scaled_dot_product_attention, which accumulates scores and softmax in fp32). False materializes the scores
+    and the softmax probabilities in the activations' dtype (bf16/fp16) before multiplying by the values, as
+    Megatron's unfused path does; identical to True for float32 models. Not with context parallelism."""
 
     # ---- fusions ---------------------------------------------------------------------------------------
     bias_activation_fusion: bool = False
@@ -376,8 +382,9 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary up to a multiple of this (longspan never multiplies it by the tensor-parallel size)."""
 
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Position information: learned absolute embeddings, rotary embeddings, or none."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute"
+    """Position information: learned absolute embeddings, rotary embeddings, rotary embeddings with YaRN scaling
+    (the ``yarn_*`` fields), or none."""
 
     rotary_base: int = 10000
     """Base of the rotary embedding frequencies."""
@@ -402,6 +409,49 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
 
     old_context_len: int = 8192
     """Llama-3.1 rope scaling: the original context length."""
+
+    # ---- RoPE scaling: YaRN (Megatron's names), dynamic NTK and LongRoPE (HF rope_type semantics) -------------
+    yarn_rotary_scaling_factor: Optional[float] = None
+    """YaRN (position_embedding_type='yarn'): the context extension factor (HF ``factor``)."""
+
+    yarn_original_max_position_embeddings: Optional[int] = None
+    """YaRN: the pretraining context length its correction range is computed for."""
+
+    yarn_beta_fast: Optional[float] = None
+    """YaRN: rotations bounding the extrapolated (unscaled) frequencies; None = 32."""
+
+    yarn_beta_slow: Optional[float] = None
+    """YaRN: rotations bounding the interpolated (scaled) frequencies; None = 1."""
+
+    yarn_mscale: Optional[float] = None
+    """YaRN: cos/sin are scaled by ``(0.1·yarn_mscale·ln f + 1) / (0.1·yarn_mscale_all_dim·ln f + 1)``; None = 1."""
+
+    yarn_mscale_all_dim: Optional[float] = None
+    """YaRN: the denominator's mscale above; None = 0 (transformers' default attention factor 0.1·ln f + 1)."""
+
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN: round the correction range outwards to whole dimensions (HF ``truncate``)."""
+
+    rope_dynamic_factor: Optional[float] = None
+    """Dynamic NTK-aware RoPE scaling (HF rope_type 'dynamic'), off when None: for a sequence of L >
+    rope_original_max_position_embeddings positions (L = max(position_ids) + 1 of the forward) the base becomes
+    ``base·(factor·L/original - (factor - 1))^(d/(d-2))``. With a KV cache each decoding step uses its own length,
+    so cached keys keep the frequencies they were computed with (as transformers' generate)."""
+
+    rope_longrope_short_factor: Optional[list[float]] = None
+    """LongRoPE (HF rope_type 'longrope', Phi-3's 'su'), off when None: one divisor per rotary frequency
+    (rotary channels / 2 of them) used while the sequence is at most rope_original_max_position_embeddings."""
+
+    rope_longrope_long_factor: Optional[list[float]] = None
+    """LongRoPE: the divisors used for longer sequences (set with rope_longrope_short_factor)."""
+
+    rope_original_max_position_embeddings: Optional[int] = None
+    """Dynamic NTK and LongRoPE: the pretraining context length at which their scaling starts (HF: dynamic's
+    ``max_position_embeddings``, LongRoPE's ``original_max_position_embeddings``)."""
+
+    rope_attention_factor: Optional[float] = None
+    """YaRN and LongRoPE: the factor cos and sin are multiplied by. YaRN: None = the mscale ratio above;
+    LongRoPE: required (transformers' default is sqrt(1 + ln(factor) / ln(original)), written by the HF import)."""
 
     seq_length: int = 1024
     """Maximum sequence length the model is trained on (must equal dataset.sequence_length)."""

@@ -174,6 +174,40 @@ def core_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p, scale=scale)
 
 
+def low_precision_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """``core_attention`` with the scores and softmax probabilities materialized in the inputs' dtype
+    (``attention_softmax_in_fp32=False``, Megatron's unfused path without the fp32 upcast): for bf16/fp16
+    inputs the scores are rounded before the softmax and the probabilities before they weight the values.
+    float32 inputs take ``core_attention`` (the same maths)."""
+    if q.dtype == torch.float32:
+        return core_attention(q, k, v, attention_mask, dropout_p, scale)
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        b, g, s, d = k.shape
+        k = k[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
+        v = v[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if isinstance(attention_mask, WindowedMask):  # window and caller's mask together
+        attention_mask = ~attention_mask.dense_keep(q.shape[2], k.shape[2], q.device)
+    elif attention_mask is None:  # causal, aligned top-left as SDPA's is_causal
+        ones = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        attention_mask = ones.triu(diagonal=1)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask != 0
+    scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)  # stays in the inputs' dtype
+    probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return torch.matmul(probs, v)
+
+
 class SelfAttention(nn.Module):
     """Multi-head / grouped-query self-attention with optional per-head QK norm and RoPE.
 
@@ -208,13 +242,16 @@ class SelfAttention(nn.Module):
             self.k_layernorm = None
         self.attention_dropout = config.attention_dropout
         self.softmax_scale = getattr(config, "softmax_scale", None)
+        self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
         windows = getattr(config, "layer_windows", None)
         self.window: int | None = windows[layer_number] if windows else None
         # Set by the decoder for recompute_granularity='selective': recompute the attention core only.
         self.recompute_core_attention = False
         # The attention core (same signature as ``core_attention``); parallel plans may swap it, e.g. context
         # parallel's all-gather attention (longspan.parallel.context_parallel).
-        self.core_attention: Callable[..., torch.Tensor] = core_attention
+        self.core_attention: Callable[..., torch.Tensor] = (
+            core_attention if getattr(config, "attention_softmax_in_fp32", True) else low_precision_softmax_attention
+        )
 
     def forward(
         self,
@@ -234,9 +271,13 @@ class SelfAttention(nn.Module):
             k = self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
-            sin_signed = signed_sin(sin)  # shared by queries and keys
-            q = apply_rotary(q, cos, sin, sin_signed=sin_signed)
-            k = apply_rotary(k, cos, sin, sin_signed=sin_signed)
+            if self.rotary_interleaved:
+                q = apply_rotary(q, cos, sin, interleaved=True)
+                k = apply_rotary(k, cos, sin, interleaved=True)
+            else:
+                sin_signed = signed_sin(sin)  # shared by queries and keys
+                q = apply_rotary(q, cos, sin, sin_signed=sin_signed)
+                k = apply_rotary(k, cos, sin, sin_signed=sin_signed)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v, window=self.window)
@@ -282,8 +323,22 @@ class MLP(nn.Module):
         return self.linear_fc2(h)
 
 
+def norm_residual(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``norm(x)`` of a float32 residual stream (``fp32_residual_connection``) with parameters in ``dtype``:
+    normalized in float32, cast to ``dtype`` for the layer it feeds."""
+    if isinstance(norm, nn.LayerNorm):  # torch's CPU LayerNorm takes no float32 input with bf16/fp16 params
+        bias = norm.bias.float() if norm.bias is not None else None
+        out = F.layer_norm(x, norm.normalized_shape, norm.weight.float(), bias, norm.eps)
+    else:
+        out = norm(x)  # RMSNorm normalizes in float32 already
+    return out.to(dtype)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``.
+
+    ``apply_residual_connection_post_layernorm`` adds each sub-layer's output to its normalized input instead
+    (``norm(x) + drop(attn(norm(x)))``); ``fp32_residual_connection`` keeps ``x`` and the sums in float32.
 
     ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers ``moe_layer_freq`` marks (when the model has
     experts), else the dense ``MLP``.
@@ -302,6 +357,16 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(config)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
+        self.residual_post_norm = bool(getattr(config, "apply_residual_connection_post_layernorm", False))
+        self.fp32_residual = bool(getattr(config, "fp32_residual_connection", False))
+        self.params_dtype = config.params_dtype
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm_residual(norm, x, self.params_dtype) if self.fp32_residual else norm(x)
+
+    def _residual(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        residual = normed if self.residual_post_norm else x
+        return residual.float() if self.fp32_residual else residual
 
     def forward(
         self,
@@ -311,10 +376,11 @@ class TransformerLayer(nn.Module):
         *,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache=kv_cache)
-        hidden_states = hidden_states + self.self_attn_dropout(attn)
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return hidden_states + self.mlp_dropout(mlp)
+        normed = self._norm(self.input_layernorm, hidden_states)
+        attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache)
+        hidden_states = self._residual(hidden_states, normed) + self.self_attn_dropout(attn)
+        normed = self._norm(self.pre_mlp_layernorm, hidden_states)
+        return self._residual(hidden_states, normed) + self.mlp_dropout(self.mlp(normed))
 
 
 class TransformerBlock(nn.Module):
@@ -340,6 +406,8 @@ class TransformerBlock(nn.Module):
         self.recompute_granularity = config.recompute_granularity
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
+        self.fp32_residual = bool(getattr(config, "fp32_residual_connection", False))
+        self.params_dtype = config.params_dtype
         if self.recompute_granularity == "selective":
             for layer in self.layers.values():
                 layer.self_attention.recompute_core_attention = True
@@ -353,6 +421,8 @@ class TransformerBlock(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         layers = list(self.layers.values())
+        if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
+            hidden_states = hidden_states.float()
         masks = layer_masks(layers, attention_mask)
         if self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None:
             hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, masks)
@@ -360,6 +430,8 @@ class TransformerBlock(nn.Module):
             for layer, mask in zip(layers, masks):
                 hidden_states = layer(hidden_states, rotary, mask, kv_cache=kv_cache)
         if self.final_layernorm is not None:
+            if self.fp32_residual:
+                return norm_residual(self.final_layernorm, hidden_states, self.params_dtype)
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
 

@@ -93,12 +93,15 @@ class _StageParallelView:
 
 def activation_spec(cfg: Any) -> tuple[tuple[int, int, int], torch.dtype]:
     """Shape and dtype of the hidden states between stages: ``[micro_batch, seq / cp (/ tp with sequence
-    parallel), hidden]`` in ``model.pipeline_dtype`` (default: params_dtype)."""
+    parallel), hidden]`` in ``model.pipeline_dtype`` (default: params_dtype; float32 with
+    fp32_residual_connection)."""
     model = cfg.model
     seq = int(model.seq_length) // int(getattr(model, "context_parallel_size", 1) or 1)
     if getattr(model, "sequence_parallel", False):
         seq //= int(model.tensor_model_parallel_size)
     dtype = getattr(model, "pipeline_dtype", None) or getattr(model, "params_dtype", None) or torch.float32
+    if getattr(model, "fp32_residual_connection", False):
+        dtype = torch.float32  # the residual stream is float32 between layers, so between stages too (Megatron)
     return (int(cfg.train.micro_batch_size), seq, int(model.hidden_size)), dtype
 
 

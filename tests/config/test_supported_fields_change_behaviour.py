@@ -49,6 +49,9 @@ RUN_SECTIONS = ("train", "logger", "checkpoint", "profiling", "dist", "rerun_sta
 # Fields whose derived value needs a specific value and/or companions: "section.field": (value, {companion:
 # value} applied to the baseline too[, {extra: value} applied to the changed config only]).
 MOE = {"model.num_moe_experts": 4, "model.moe_router_topk": 2}
+YARN = {"model.position_embedding_type": "yarn", "model.yarn_rotary_scaling_factor": 4.0,
+        "model.yarn_original_max_position_embeddings": 8}
+YARN_RANGE = {**YARN, "model.yarn_original_max_position_embeddings": 2048, "model.yarn_correction_range_round_to_int": False}
 VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.num_layers": (4, {}),
     "model.hidden_size": (64, {}),
@@ -91,6 +94,29 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.low_freq_factor": (2.0, {"model.rope_scaling": True}),
     "model.high_freq_factor": (8.0, {"model.rope_scaling": True}),
     "model.old_context_len": (4, {"model.rope_scaling": True}),
+    # RoPE scalings on the 16-token micro model (head_dim 8: 4 rotary frequencies), original length below 16
+    "model.yarn_rotary_scaling_factor": (2.0, YARN),
+    # the correction range moves by fractions of a dimension at these sizes: unrounded, from 2048 positions
+    "model.yarn_original_max_position_embeddings": (1024, YARN_RANGE),
+    "model.yarn_beta_fast": (16.0, YARN_RANGE),
+    "model.yarn_beta_slow": (2.0, YARN_RANGE),
+    "model.yarn_mscale": (0.5, YARN),
+    "model.yarn_mscale_all_dim": (0.5, YARN),
+    "model.yarn_correction_range_round_to_int": (False, {**YARN, "model.yarn_original_max_position_embeddings": 2048}),
+    "model.rope_attention_factor": (1.5, YARN),
+    "model.rope_dynamic_factor": (4.0, {"model.rope_original_max_position_embeddings": 4}),
+    "model.rope_original_max_position_embeddings": (4, {"model.rope_dynamic_factor": 4.0,
+                                                        "model.rope_original_max_position_embeddings": 8}),
+    "model.rope_longrope_short_factor": ([2.0, 3.0, 4.0, 5.0], {"model.rope_longrope_long_factor": [1.0] * 4,
+                                                                "model.rope_original_max_position_embeddings": 64,
+                                                                "model.rope_attention_factor": 1.0}),
+    "model.rope_longrope_long_factor": ([2.0, 3.0, 4.0, 5.0], {"model.rope_longrope_short_factor": [1.0] * 4,
+                                                               "model.rope_longrope_long_factor": [1.0] * 4,
+                                                               "model.rope_original_max_position_embeddings": 4,
+                                                               "model.rope_attention_factor": 1.0}),
+    # precision fields: an effect only when the model runs below float32
+    "model.fp32_residual_connection": (True, {"model.bf16": True, "optimizer.bf16": True}),
+    "model.attention_softmax_in_fp32": (False, {"model.bf16": True, "optimizer.bf16": True}),
     "model.num_moe_experts": (4, {"model.moe_router_topk": 2}),
     "model.moe_per_layer_logging": (True, MOE),
     "model.moe_router_topk": (1, MOE),

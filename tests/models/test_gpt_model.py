@@ -230,8 +230,6 @@ def test_dropout_modules_active_only_in_training():
         ("normalization", "ScaleNorm"),
         ("position_embedding_type", "alibi"),
         ("recompute_granularity", "everything"),
-        ("fp32_residual_connection", True),
-        ("rotary_interleaved", True),
         ("multi_latent_attention", True),
         ("window_size", [128, 2]),  # a causal LM attends to no later token
     ],

@@ -16,10 +16,13 @@ from longspan.core.errors import ConfigError, NotSupportedError
 # layers and T5 each add their own to these).
 TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
     "multi_latent_attention": False,
-    "apply_residual_connection_post_layernorm": False,
     "layernorm_zero_centered_gamma": False,
+}
+
+# The residual-stream fields the GPT layer implements but the Mamba/hybrid and T5 layers do not.
+RESIDUAL_FIXED_FIELDS: dict[str, Any] = {
+    "apply_residual_connection_post_layernorm": False,
     "fp32_residual_connection": False,
-    "rotary_interleaved": False,
 }
 
 # TransformerConfig / GPTModelProvider fields (when the provider has them) that the GPT model implements only
@@ -33,6 +36,9 @@ GPT_FIXED_FIELDS: dict[str, Any] = {
 
 T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
+    **RESIDUAL_FIXED_FIELDS,
+    "rotary_interleaved": False,
+    "attention_softmax_in_fp32": True,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
@@ -97,10 +103,10 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
         raise NotSupportedError(
             f"model.normalization={config.normalization!r} is not supported: use 'LayerNorm' or 'RMSNorm'"
         )
-    if config.position_embedding_type not in ("rope", "learned_absolute", "none"):
+    if config.position_embedding_type not in ("rope", "yarn", "learned_absolute", "none"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported: "
-            "use 'rope', 'learned_absolute' or 'none'"
+            "use 'rope', 'yarn', 'learned_absolute' or 'none'"
         )
     if not callable(config.activation_func):
         raise ConfigError(f"model.activation_func={config.activation_func!r} is not callable: use F.gelu or F.silu")
@@ -109,8 +115,14 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
             f"model.num_layers={config.num_layers} and model.hidden_size={config.hidden_size} must be positive"
         )
     _check_heads(config)
-    if config.position_embedding_type == "rope":
+    if config.position_embedding_type in ("rope", "yarn"):
         _check_rotary(config)
+        check_rope_scaling(config)
+    if not getattr(config, "attention_softmax_in_fp32", True) and getattr(config, "context_parallel_size", 1) > 1:
+        raise NotSupportedError(
+            "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
+            "parallel attention always accumulates in fp32): leave it True"
+        )
     _check_recompute(config)
     layer_windows(config)
     fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
@@ -143,6 +155,69 @@ def _check_rotary(config: Any) -> None:
         raise ConfigError(
             f"model.rotary_percent={config.rotary_percent} gives {rot_dim} rotary channels of "
             f"{dim}: it must be an even number >= 2"
+        )
+
+
+def _rope_scalings_set(config: Any) -> list[str]:
+    """The RoPE frequency scalings ``config`` asks for, by the field that asks."""
+    get = lambda name: getattr(config, name, None)  # noqa: E731 (providers without the field)
+    asked = {
+        "rope_scaling": bool(get("rope_scaling")),
+        "position_embedding_type='yarn'": get("position_embedding_type") == "yarn",
+        "rope_dynamic_factor": get("rope_dynamic_factor") is not None,
+        "rope_longrope_short_factor": get("rope_longrope_short_factor") is not None,
+    }
+    return [name for name, on in asked.items() if on]
+
+
+def check_rope_scaling(config: Any) -> None:
+    """RoPE scaling fields: at most one scaling method (linear seq_len_interpolation_factor composes with any),
+    each with the constants it needs, and no sequence-dependent one under context parallelism."""
+    get = lambda name: getattr(config, name, None)  # noqa: E731 (providers without the field)
+    asked = _rope_scalings_set(config)
+    if len(asked) > 1:
+        raise ConfigError(f"model: {' and '.join(asked)} each choose a RoPE scaling: set only one")
+    interpolation = get("seq_len_interpolation_factor")
+    if interpolation is not None and interpolation <= 0:
+        raise ConfigError(f"model.seq_len_interpolation_factor={interpolation!r} must be positive (or None)")
+    if not asked:
+        return
+    if asked[0] == "position_embedding_type='yarn'":
+        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings"):
+            if get(name) is None or get(name) <= 0:
+                raise ConfigError(f"model.{name}={get(name)!r}: position_embedding_type='yarn' needs it positive")
+    if asked[0] in ("rope_dynamic_factor", "rope_longrope_short_factor"):
+        original = get("rope_original_max_position_embeddings")
+        if original is None or original <= 0:
+            raise ConfigError(
+                f"model.rope_original_max_position_embeddings={original!r}: model.{asked[0]} needs the "
+                "pretraining context length (a positive int)"
+            )
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise NotSupportedError(
+                f"model.{asked[0]} with context_parallel_size={config.context_parallel_size} is not supported: its "
+                "frequencies depend on the whole sequence's length, which no rank sees"
+            )
+    if asked[0] == "rope_dynamic_factor" and get("rope_dynamic_factor") <= 0:
+        raise ConfigError(f"model.rope_dynamic_factor={get('rope_dynamic_factor')!r} must be positive")
+    if asked[0] == "rope_longrope_short_factor":
+        _check_longrope(config)
+
+
+def _check_longrope(config: Any) -> None:
+    dim = head_dim(config)
+    pairs = (int(dim * config.rotary_percent) if config.rotary_percent < 1.0 else dim) // 2
+    for name in ("rope_longrope_short_factor", "rope_longrope_long_factor"):
+        factors = getattr(config, name, None)
+        if factors is None or len(factors) != pairs:
+            raise ConfigError(
+                f"model.{name} has {None if factors is None else len(factors)} entries: LongRoPE needs one per "
+                f"rotary frequency ({pairs})"
+            )
+    if getattr(config, "rope_attention_factor", None) is None:
+        raise ConfigError(
+            "model.rope_attention_factor=None: LongRoPE needs its cos/sin scale (transformers' default: "
+            "sqrt(1 + ln(factor) / ln(rope_original_max_position_embeddings)))"
         )
 
 
@@ -295,6 +370,7 @@ def check_mamba_model(config: Any) -> None:
     """A Mamba/hybrid model's checks: its attention and MLP layers' (the GPT checks), then the Mamba fields.
     (That a pattern with MoE layers needs ``num_moe_experts`` is checked where the pattern is parsed.)"""
     check_gpt_model(config)
+    check_fixed_fields(config, RESIDUAL_FIXED_FIELDS, "yet by longspan's Mamba/hybrid models")
     for name in ("window_size", "window_attn_skip_freq"):
         if getattr(config, name, None) is not None:
             raise NotSupportedError(

@@ -42,7 +42,7 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> list[str]:
     """
     hf_provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
     keep = set(PARALLEL_CONFIG_FIELDS)
-    if hf_provider.position_embedding_type == "rope":
+    if hf_provider.position_embedding_type in ("rope", "yarn"):
         keep |= set(_KEEP_FROM_RECIPE_ROPE)
     if hf_provider.position_embedding_type == "relative":
         keep |= set(_KEEP_FROM_RECIPE_RELATIVE)

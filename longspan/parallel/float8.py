@@ -159,7 +159,19 @@ def convert_to_fp8(model: nn.Module, recipe: str, fp8: str, *, fp8_param: bool =
     """Swap the transformer layers' linears of ``model`` for torchao's FP8 training ones of ``recipe``.
 
     ``emulated`` uses torchao's emulated kernels (any device; for tests and debugging, not for speed).
+    The swapped linears keep the ``init_*`` attributes ``init_weights`` reads (torchao builds new modules).
     """
+    init_attributes = {fqn: {k: v for k, v in vars(module).items() if k.startswith("init_")}
+                       for fqn, module in model.named_modules() if _transformer_linear(module, fqn)}
+    _swap_linears(model, recipe, fp8, fp8_param, emulated)
+    for fqn, attributes in init_attributes.items():
+        for key, value in attributes.items():
+            setattr(model.get_submodule(fqn), key, value)
+    return model
+
+
+def _swap_linears(model: nn.Module, recipe: str, fp8: str, fp8_param: bool, emulated: bool) -> None:
+    # torchao is optional (longspan[fp8]): imported only when model.fp8 is on
     if recipe in ("tensorwise", "rowwise"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.config import CastConfig, e4m3_dtype
@@ -189,7 +201,6 @@ def convert_to_fp8(model: nn.Module, recipe: str, fp8: str, *, fp8_param: bool =
     else:
         raise NotSupportedError(f"model.fp8_recipe={recipe!r} is not supported: use one of "
                                 f"{', '.join(map(repr, FP8_RECIPES))}")
-    return model
 
 
 def _check_linears(model: nn.Module, recipe: str, multiple: int) -> None:

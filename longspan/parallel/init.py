@@ -152,6 +152,9 @@ class ParallelState:
     layout: Layout
     launch: LaunchEnv = field(default_factory=lambda: LaunchEnv("single"))
     meshes: ParallelMeshes | None = None
+    #: process groups made on demand in this world (the pipeline's embedding groups), keyed by purpose and
+    #: ranks; ``destroy_distributed`` empties it: a group must not outlive its world (in-process restart)
+    extra_groups: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- generic accessors
     @property
@@ -256,8 +259,10 @@ def is_initialized() -> bool:
 
 
 def destroy_distributed() -> None:
-    """Tear down the process group (if any) and forget the parallel state."""
+    """Tear down the process group (if any) and forget the parallel state and the groups made in it."""
     global _STATE
+    if _STATE is not None:
+        _STATE.extra_groups.clear()  # a caller may still hold the state (GlobalState.parallel)
     _STATE = None
     import torch.distributed as dist
 

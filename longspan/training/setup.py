@@ -21,13 +21,13 @@ from longspan.config.support import inapplicable_fields
 from longspan.core.logging import configure_log_filters, get_logger, print_rank_0, setup_logging
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.tokenizers import build_tokenizer
-from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
-from longspan.core.errors import NotSupportedError
+from longspan.models.builder import build_meta_model
+from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
-from longspan.parallel.parallelize import parallelize_model
-from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.parallel.compile import compile_model
-from longspan.parallel.float8 import apply_float8, check_fp8
+from longspan.parallel.parallelize import materialize_parallel_model
+from longspan.parallel.pipeline import build_pipeline_chunks
+from longspan.peft.adapters import init_adapters
 from longspan.config.rules.data import check_vocab_fits
 from longspan.training.checkpointing.load import apply_checkpoint_args, load_peft_checkpoint
 from longspan.training.checkpointing.save import check_save_dir_writable, set_rng_state
@@ -92,31 +92,10 @@ def build_model(
     """Build on the meta device, apply the parallel plans, then materialize each parameter from its seed.
 
     ``pre_wrap_hook(chunk)`` runs on each meta-device chunk before the parallel plans (PEFT adapters)."""
-    from longspan.models.builder import build_meta_model
-
-    provider = cfg.model
     if parallel.pp_size > 1:
-        from longspan.parallel.pipeline import build_pipeline_chunks
-
-        if check_fp8(provider, parallel.device):
-            raise NotSupportedError("model.fp8 with pipeline_model_parallel_size > 1 is not supported yet: unset "
-                                    "model.fp8 or use pipeline_model_parallel_size=1")
-
-        # Stages are cut first; the TP/CP/DP plans then apply to each chunk.
+        # Stages are cut first; each chunk then goes through the same materialize step.
         return build_pipeline_chunks(cfg, parallel, seed, pre_wrap_hook)
-    model = build_meta_model(provider)
-    if pre_wrap_hook is not None:
-        pre_wrap_hook(model)
-    dp_mode = data_parallel_mode(cfg, parallel.tp_size) if parallel.dp_size * parallel.cp_size > 1 else "none"
-    apply_float8(model, provider, parallel.device, dp_mode)  # model.fp8: torchao float8 linears (CUDA only)
-    model = parallelize_model(model, cfg, parallel)
-    if getattr(provider, "perform_initialization", True):
-        init_weights(model, seed=seed, device=parallel.device)
-    else:  # weights come from a checkpoint next (HF import): materialize without drawing
-        model.to_empty(device=parallel.device)
-    if provider.params_dtype is not None and provider.params_dtype != torch.float32:
-        model = model.to(dtype=provider.params_dtype)
-    return [model]
+    return [materialize_parallel_model(build_meta_model(cfg.model), cfg, parallel, seed, pre_wrap_hook)]
 
 
 def setup(cfg: Any) -> SetupOutput:
@@ -172,8 +151,6 @@ def setup(cfg: Any) -> SetupOutput:
     # which are these; what stays per replica is the runtime generator seeded above.
     model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
-        from longspan.peft.adapters import init_adapters
-
         init_adapters(model, cfg.rng.seed)
     state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device, parallel.tp_size)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)

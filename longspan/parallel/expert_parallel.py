@@ -38,6 +38,7 @@ from torch import nn
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.moe import GroupedMLP, MoELayer, local_tensor, moe_layers, permute, unpermute
+from longspan.parallel.collectives import copy_to_group, reduce_from_group
 
 _log = get_logger(__name__)
 
@@ -58,35 +59,6 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
         return out, None, None, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (Megatron's copy_to_tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward (Megatron's reduce_from_tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 # --------------------------------------------------------------------------------------------- dispatcher
@@ -115,8 +87,8 @@ class AllToAllTokenDispatcher:
     def _run_experts(self, x: torch.Tensor, counts: list[int], experts: GroupedMLP) -> torch.Tensor:
         if self.etp_group is None:
             return experts(x, counts)
-        x = _CopyToGroup.apply(x, self.etp_group)
-        y = _ReduceFromGroup.apply(experts(x, counts, add_output_bias=False), self.etp_group)
+        x = copy_to_group(x, self.etp_group)
+        y = reduce_from_group(experts(x, counts, add_output_bias=False), self.etp_group)
         bias = experts.output_bias(counts)
         return y if bias is None else y + bias
 

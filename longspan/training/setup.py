@@ -100,50 +100,10 @@ def build_model(
 
 def setup(cfg: Any) -> SetupOutput:
     """Validate, initialize processes, build everything, and load the checkpoint when there is one."""
-    start_time = time.time()
-    setup_logging(cfg.logger.logging_level)
-    lg = cfg.logger
-    configure_log_filters(lg.logging_level, lg.filter_warnings, lg.modules_to_filter, lg.set_level_for_all_loggers)
-    beat_before_distributed_init(cfg.ft)  # ft: this rank got as far as its set-up (the monitor's blame order)
-    parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
-    state = GlobalState()
-    state.cfg = cfg
-    state.start_time = start_time
-    state.parallel = parallel
-    state.device = parallel.device
-
-    if cfg.checkpoint.use_checkpoint_args:
-        apply_checkpoint_args(cfg)
-    apply_hf_pretrained_config(cfg)  # pretrained_checkpoint = an HF directory: architecture + tokenizer from it
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    state.tokenizer = tokenizer
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
-    cfg.validate(world_size=parallel.world_size)
-    check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
-    if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:
-        cfg.to_yaml(cfg.logger.save_config_filepath)
-    if cfg.logger.log_energy:  # the platform's energy counters, when this machine exposes any
-        state.energy_monitor = build_energy_monitor(parallel.device)
-    _report_inapplicable(cfg, no_energy_counters=cfg.logger.log_energy and state.energy_monitor is None)
-    state.check_logger_dependencies()
-    if cfg.checkpoint.save:
-        check_save_dir_writable(cfg.checkpoint.save)
-
-    state.autocast_dtype = _autocast_dtype(cfg)
-    state.check_for_nan = bool(cfg.rerun_state_machine.check_for_nan_in_loss)
-    state.rerun_state_machine = build_rerun_state_machine(cfg)  # before loading: checkpoints carry its state
-    start_fault_tolerance(state)  # ft: this rank's heartbeat for the launcher's monitor
-    start_straggler_detection(state)  # straggler / nvrx_straggler
-    state.num_microbatches_calculator = NumMicroBatchesCalculator(
-        cfg.train.global_batch_size,
-        cfg.train.micro_batch_size,
-        cfg.data_parallel_size,
-        cfg.train.rampup_batch_size,
-        cfg.train.decrease_batch_size_if_needed,
-    )
-    if cfg.model.deterministic_mode:
-        apply_deterministic_mode(cfg.model)
+    state = _initialize(cfg, start_time=time.time())
+    parallel = state.parallel
+    _resolve_and_validate_config(cfg, state)
+    _start_run_services(cfg, state)
 
     set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
     # Weights come from the base seed (per-parameter generators), so every layout draws the same model.
@@ -168,7 +128,7 @@ def setup(cfg: Any) -> SetupOutput:
     state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
 
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        cfg, state.train_state, tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
+        cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
     )
     train_state = state.train_state
     train_state.do_train = train_it is not None and cfg.train.train_iters > 0
@@ -181,6 +141,61 @@ def setup(cfg: Any) -> SetupOutput:
         state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
     _print_banner(cfg, state, model, loaded)
     return SetupOutput(state, model, optimizer, scheduler, train_it, valid_it, test_it, checkpointing_context)
+
+
+def _initialize(cfg: Any, start_time: float) -> GlobalState:
+    """Logging, then the process group: a ``GlobalState`` holding the config and the parallel state."""
+    setup_logging(cfg.logger.logging_level)
+    lg = cfg.logger
+    configure_log_filters(lg.logging_level, lg.filter_warnings, lg.modules_to_filter, lg.set_level_for_all_loggers)
+    beat_before_distributed_init(cfg.ft)  # ft: this rank got as far as its set-up (the monitor's blame order)
+    parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
+    state = GlobalState()
+    state.cfg = cfg
+    state.start_time = start_time
+    state.parallel = parallel
+    state.device = parallel.device
+    return state
+
+
+def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
+    """Fill what the config leaves to the checkpoint and the tokenizer, validate it, check the run's outputs."""
+    parallel = state.parallel
+    if cfg.checkpoint.use_checkpoint_args:
+        apply_checkpoint_args(cfg)
+    apply_hf_pretrained_config(cfg)  # pretrained_checkpoint = an HF directory: architecture + tokenizer from it
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    state.tokenizer = tokenizer
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    cfg.validate(world_size=parallel.world_size)
+    check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
+    if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:
+        cfg.to_yaml(cfg.logger.save_config_filepath)
+    if cfg.logger.log_energy:  # the platform's energy counters, when this machine exposes any
+        state.energy_monitor = build_energy_monitor(parallel.device)
+    _report_inapplicable(cfg, no_energy_counters=cfg.logger.log_energy and state.energy_monitor is None)
+    state.check_logger_dependencies()
+    if cfg.checkpoint.save:
+        check_save_dir_writable(cfg.checkpoint.save)
+
+
+def _start_run_services(cfg: Any, state: GlobalState) -> None:
+    """What the step needs besides the model: autocast, NaN checks, rerun/ft/straggler, the microbatch count."""
+    state.autocast_dtype = _autocast_dtype(cfg)
+    state.check_for_nan = bool(cfg.rerun_state_machine.check_for_nan_in_loss)
+    state.rerun_state_machine = build_rerun_state_machine(cfg)  # before loading: checkpoints carry its state
+    start_fault_tolerance(state)  # ft: this rank's heartbeat for the launcher's monitor
+    start_straggler_detection(state)  # straggler / nvrx_straggler
+    state.num_microbatches_calculator = NumMicroBatchesCalculator(
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        cfg.data_parallel_size,
+        cfg.train.rampup_batch_size,
+        cfg.train.decrease_batch_size_if_needed,
+    )
+    if cfg.model.deterministic_mode:
+        apply_deterministic_mode(cfg.model)
 
 
 def _report_inapplicable(cfg: Any, no_energy_counters: bool = False) -> None:

@@ -34,6 +34,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
@@ -124,8 +127,6 @@ class AllToAllTokenDispatcher:
 
 def _expert_placements(name: str, ep: int, etp: int) -> list[Any]:
     """DTensor placements of an expert parameter (``linear_fc1.weight`` ...) over the mesh dims in use."""
-    from torch.distributed.tensor import Replicate, Shard
-
     placements: list[Any] = []
     if ep > 1:
         placements.append(Shard(0))
@@ -228,7 +229,6 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
         _shard_shared_experts(layers, parallel.submesh("tp"))
     if ep == 1 and etp == 1:
         return []
-    from torch.distributed.tensor import distribute_tensor
 
     mesh = _expert_mesh(parallel, ep, etp)
     etp_group = parallel.etp_group if etp > 1 else None
@@ -261,8 +261,6 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
 
 def _shard_shared_experts(layers: list[MoELayer], tp_mesh: Any) -> None:
     """Split shared experts like the dense MLP over ``tp``: fc1/gate column-wise, fc2 row-wise."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     for layer in layers:
         shared = layer.shared_experts
         if shared is None:
@@ -285,8 +283,6 @@ def expert_parameter_names(model: nn.Module, params: list[nn.Parameter]) -> list
 
 def ignore_in_ddp(model: nn.Module, params: list[nn.Parameter]) -> None:
     """Make a later ``DistributedDataParallel(model)`` skip ``params`` (expert weights are reduced here)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     names = expert_parameter_names(model, params)
     if names:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

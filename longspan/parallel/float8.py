@@ -171,10 +171,10 @@ def convert_to_fp8(model: nn.Module, recipe: str, fp8: str, *, fp8_param: bool =
 
 
 def _swap_linears(model: nn.Module, recipe: str, fp8: str, fp8_param: bool, emulated: bool) -> None:
-    # torchao is optional (longspan[fp8]): imported only when model.fp8 is on
     if recipe in ("tensorwise", "rowwise"):
+        # optional dependency: torchao (longspan[fp8]), only when model.fp8 is on
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.config import CastConfig, e4m3_dtype
+        from torchao.float8.config import CastConfig, e4m3_dtype  # (same reason)
 
         config = Float8LinearConfig.from_recipe_name(recipe)
         changes: dict[str, Any] = {"emulate": emulated, "enable_fsdp_float8_all_gather": fp8_param}
@@ -187,14 +187,16 @@ def _swap_linears(model: nn.Module, recipe: str, fp8: str, fp8_param: bool, emul
         _check_linears(model, recipe, multiple=128)
         if emulated:
             raise NotSupportedError("fp8_recipe='blockwise' has no emulated kernels in torchao")
+        # optional dependency: torchao (longspan[fp8]), only when model.fp8 is on
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig
-        from torchao.quantization import quantize_
+        from torchao.quantization import quantize_  # (same reason)
 
         quantize_(model, Float8BlockwiseLinearConfig(), filter_fn=_transformer_linear)
     elif recipe == "mxfp8":
         _check_linears(model, recipe, multiple=32)
+        # optional dependency: torchao (longspan[fp8]), only when model.fp8 is on
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-        from torchao.quantization import quantize_
+        from torchao.quantization import quantize_  # (same reason)
 
         name = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulated else MXFP8TrainingRecipe.MXFP8_RCEIL
         quantize_(model, MXFP8TrainingOpConfig.from_recipe(name), filter_fn=_transformer_linear)

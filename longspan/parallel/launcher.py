@@ -156,8 +156,8 @@ def launch(
 
     # torch elastic on first use: the CLI's start-up (--help, one-line config errors) does not load torch
     from torch.distributed.elastic.multiprocessing import SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # (same reason)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # (same reason)
 
     exit_dir = tempfile.mkdtemp(prefix="longspan_exit_")
     logs = _make_recording_logs_specs()(log_dir=log_dir, redirects=Std.ALL,

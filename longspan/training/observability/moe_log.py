@@ -7,10 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longspan.models.moe import moe_layer_metrics, reset_moe_metrics
-from longspan.training.observability.log_sinks import logger_sinks, option
 from longspan.training.observability.loggers import log_scalars
 from longspan.training.state import GlobalState
+from longspan.training.observability.log_sinks import logger_sinks, option
 
 
 def track_moe_metrics(model: list, config: Any, global_state: GlobalState, iteration: int) -> dict[str, float]:
@@ -26,6 +25,8 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     model_cfg = getattr(config, "model", None)
     if not getattr(model_cfg, "num_moe_experts", None):
         return {}
+    # model code on first use: train_utils and the loggers import no model module (tests/training/test_state.py)
+    from longspan.models.moe import moe_layer_metrics, reset_moe_metrics
 
     chunks = model if isinstance(model, list) else [model]
     per_layer = moe_layer_metrics(chunks)

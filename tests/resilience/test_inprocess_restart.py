@@ -162,7 +162,6 @@ def _pp2_tied_config(tmp_path: Path, name: str) -> Any:
     return cfg
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pipeline_survivor_makes_its_groups_again_after_a_restart(tmp_path: Path) -> None:
     """PP2, tied embeddings: the surviving stage's process keeps its modules across the restart, and must

@@ -8,6 +8,7 @@ output does not depend on the number of workers or partitions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -21,6 +22,7 @@ import numpy as np
 from longspan.core.errors import DataError
 from longspan.core.logging import get_logger
 from longspan.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from longspan.data.tokenizers import build_tokenizer
 
 logger = get_logger(__name__)
 
@@ -89,7 +91,7 @@ def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[s
     fmt = input_format(path)
     if fmt == "parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional dependency: only Parquet inputs need it
         except ImportError:
             raise DataError("reading Parquet needs the pyarrow package (pip install pyarrow)") from None
         try:
@@ -131,7 +133,7 @@ def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[s
 def input_size(path: str) -> int:
     """Total bytes (rows for Parquet) of the input, for the ETA."""
     if input_format(path) == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional dependency: only Parquet inputs need it
 
         return int(pq.ParquetFile(path).metadata.num_rows)
     return os.path.getsize(path)
@@ -143,14 +145,14 @@ _WORKER: Dict[str, Any] = {}
 
 def _sentence_splitter(lang: str, keep_newlines: bool):
     try:
-        import nltk
+        import nltk  # optional dependency: only --split-sentences needs it
     except ImportError:
         raise DataError("--split-sentences needs NLTK and its punkt data: pip install nltk && python -m nltk.downloader punkt") from None
     try:
         splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
     except LookupError:
         try:
-            from nltk.tokenize import PunktTokenizer
+            from nltk.tokenize import PunktTokenizer  # optional dependency (see above); newer NLTK's punkt_tab
 
             splitter = PunktTokenizer(lang)
         except Exception:
@@ -170,8 +172,6 @@ def _split(splitter: Any, text: str, keep_newlines: bool) -> List[str]:
 
 
 def _init_worker(tokenizer_config: Any, options: PreprocessOptions) -> None:
-    from longspan.data.tokenizers import build_tokenizer
-
     _WORKER["tokenizer"] = build_tokenizer(tokenizer_config)
     _WORKER["options"] = options
     _WORKER["splitter"] = _sentence_splitter(options.lang, options.keep_newlines) if options.split_sentences else None
@@ -257,10 +257,34 @@ def preprocess(
     ``partitions`` > 1 splits the work into that many contiguous parts written separately and merged in
     order (Megatron's option, for inputs too large for one pass); the files are the same either way.
     """
-    from longspan.data.tokenizers import build_tokenizer
-
     options = options or PreprocessOptions()
     tokenizer = build_tokenizer(tokenizer_config)
+    _check_inputs(input_path, output_prefix, tokenizer, options)
+    prefixes = {k: output_prefix_for(output_prefix, k, options.split_sentences) for k in options.json_keys}
+    workers = max(1, int(workers))
+    t0 = time.time()
+    total = input_size(input_path)
+    unit = "rows" if input_format(input_path) == "parquet" else "bytes"
+    writer = _PartitionedWriter(prefixes, max(1, int(partitions)), DType.optimal_dtype(tokenizer.vocab_size), total)
+    docs = tokens = 0
+    meter = _Progress(total, unit, workers, log_interval) if progress else None
+    position = [0]
+    with _encoded_chunks(input_path, tokenizer_config, options, workers, position) as results:
+        for encoded in results:
+            for doc in encoded:
+                tokens += writer.add(doc)
+                docs += 1
+            writer.advance_to(position[0])
+            if meter:
+                meter.update(docs, tokens, position[0])
+    writer.finish()
+    if meter:
+        meter.update(docs, tokens, total, force=True)
+    return PreprocessResult(prefixes, docs, tokens, time.time() - t0, workers, os.path.getsize(input_path))
+
+
+def _check_inputs(input_path: str, output_prefix: str, tokenizer: Any, options: PreprocessOptions) -> None:
+    """One-line DataErrors for options the tokenizer cannot honour, a missing input or output directory."""
     if options.append_eod and tokenizer.eod is None:
         raise DataError(f"--append-eod: the {type(tokenizer).__name__} tokenizer has no end-of-document token")
     if options.add_bos and tokenizer.bos is None:
@@ -272,73 +296,78 @@ def preprocess(
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(out_dir):
         raise DataError(f"output directory {out_dir} does not exist (from --output-prefix {output_prefix})")
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    prefixes = {k: output_prefix_for(output_prefix, k, options.split_sentences) for k in options.json_keys}
-    workers = max(1, int(workers))
-    partitions = max(1, int(partitions))
-    t0 = time.time()
-    total = input_size(input_path)
-    unit = "rows" if input_format(input_path) == "parquet" else "bytes"
-    part_prefixes = (
-        [{k: f"{p}_part{i}" for k, p in prefixes.items()} for i in range(partitions)] if partitions > 1 else [prefixes]
-    )
-    bounds = np.linspace(0, total, partitions + 1)
-    builders: Dict[str, IndexedDatasetBuilder] = {}
-    part = 0
-    docs = tokens = done_units = 0
-    meter = _Progress(total, unit, workers, log_interval) if progress else None
 
-    def open_part(i: int) -> None:
-        builders.clear()
-        for k in options.json_keys:
-            builders[k] = IndexedDatasetBuilder(get_bin_path(part_prefixes[i][k]), dtype=dtype)
 
-    def close_part(i: int) -> None:
-        for k, b in builders.items():
-            b.finalize(get_idx_path(part_prefixes[i][k]))
-
-    open_part(0)
-    position = [0]
+@contextlib.contextmanager
+def _encoded_chunks(input_path: str, tokenizer_config: Any, options: PreprocessOptions, workers: int,
+                    position: List[int]) -> Iterator[Iterator[List[Dict[str, Tuple[List[int], List[int]]]]]]:
+    """The encoded chunks of documents in input order (``workers`` processes when > 1); ``position[0]`` follows
+    the input position of the last chunk read."""
+    chunks = _chunks(iter_documents(input_path, options.json_keys), position)
+    if workers == 1:
+        _init_worker(tokenizer_config, options)
+        yield map(_encode_documents, chunks)
+        return
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_config, options)) if workers > 1 else None
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_config, options))
     try:
-        if pool is None:
-            _init_worker(tokenizer_config, options)
-            results = map(_encode_documents, _chunks(iter_documents(input_path, options.json_keys), position))
-        else:
-            results = pool.imap(_encode_documents, _chunks(iter_documents(input_path, options.json_keys), position), 4)
-        for encoded in results:
-            for doc in encoded:
-                for k, (ids, lengths) in doc.items():
-                    builders[k].add_document(np.asarray(ids, dtype=np.int64), lengths)
-                    tokens += len(ids)
-                docs += 1
-            done_units = position[0]
-            # Partition boundaries fall between chunks, at the input position they were meant to split.
-            while part + 1 < partitions and done_units >= bounds[part + 1]:
-                close_part(part)
-                part += 1
-                open_part(part)
-            if meter:
-                meter.update(docs, tokens, done_units)
+        yield pool.imap(_encode_documents, chunks, 4)
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-    close_part(part)
-    for i in range(part + 1, partitions):  # parts that received no documents
-        open_part(i)
-        close_part(i)
-    if partitions > 1:
-        for k, final in prefixes.items():
-            merged = IndexedDatasetBuilder(get_bin_path(final), dtype=dtype)
-            for i in range(partitions):
-                merged.add_index(part_prefixes[i][k])
+        pool.terminate()
+        pool.join()
+
+
+class _PartitionedWriter:
+    """One ``IndexedDatasetBuilder`` per key for the current partition of the input; with several partitions
+    each is written to ``{prefix}_part{i}`` and the parts are merged in order by ``finish``."""
+
+    def __init__(self, prefixes: Dict[str, str], partitions: int, dtype: Any, total: int) -> None:
+        self.prefixes, self.partitions, self.dtype = prefixes, partitions, dtype
+        self.part_prefixes = (
+            [{k: f"{p}_part{i}" for k, p in prefixes.items()} for i in range(partitions)]
+            if partitions > 1 else [prefixes]
+        )
+        self.bounds = np.linspace(0, total, partitions + 1)
+        self.part = 0
+        self.builders: Dict[str, IndexedDatasetBuilder] = {}
+        self._open(0)
+
+    def _open(self, i: int) -> None:
+        self.builders = {k: IndexedDatasetBuilder(get_bin_path(p), dtype=self.dtype)
+                         for k, p in self.part_prefixes[i].items()}
+
+    def _close(self, i: int) -> None:
+        for k, builder in self.builders.items():
+            builder.finalize(get_idx_path(self.part_prefixes[i][k]))
+
+    def add(self, doc: Dict[str, Tuple[List[int], List[int]]]) -> int:
+        """Append one encoded document (every key); returns its token count."""
+        tokens = 0
+        for k, (ids, lengths) in doc.items():
+            self.builders[k].add_document(np.asarray(ids, dtype=np.int64), lengths)
+            tokens += len(ids)
+        return tokens
+
+    def advance_to(self, done_units: int) -> None:
+        """Partition boundaries fall between chunks, at the input position they were meant to split."""
+        while self.part + 1 < self.partitions and done_units >= self.bounds[self.part + 1]:
+            self._close(self.part)
+            self.part += 1
+            self._open(self.part)
+
+    def finish(self) -> None:
+        """Finalize the open part and the parts that received no documents, then merge the parts in order."""
+        self._close(self.part)
+        for i in range(self.part + 1, self.partitions):
+            self._open(i)
+            self._close(i)
+        if self.partitions == 1:
+            return
+        for k, final in self.prefixes.items():
+            merged = IndexedDatasetBuilder(get_bin_path(final), dtype=self.dtype)
+            for i in range(self.partitions):
+                merged.add_index(self.part_prefixes[i][k])
             merged.finalize(get_idx_path(final))
-            for i in range(partitions):
-                for path in (get_bin_path(part_prefixes[i][k]), get_idx_path(part_prefixes[i][k])):
+            for i in range(self.partitions):
+                for path in (get_bin_path(self.part_prefixes[i][k]), get_idx_path(self.part_prefixes[i][k])):
                     os.remove(path)
-    if meter:
-        meter.update(docs, tokens, total, force=True)
-    result = PreprocessResult(prefixes, docs, tokens, time.time() - t0, workers, os.path.getsize(input_path))
-    return result

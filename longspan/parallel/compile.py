@@ -53,6 +53,7 @@ CPU_DEFAULT = False
 def compile_unavailable_reason(device: torch.device) -> Optional[str]:
     """Why this platform cannot run inductor-compiled code on ``device``, or None when it can."""
     try:
+        # start-up time: dynamo and inductor load only when train.torch_compile is on
         from torch._dynamo.eval_frame import is_dynamo_supported
 
         if not is_dynamo_supported():
@@ -61,6 +62,7 @@ def compile_unavailable_reason(device: torch.device) -> Optional[str]:
         return "this torch has no torch._dynamo"
     if device.type == "cuda":
         try:
+            # start-up time: dynamo and inductor load only when train.torch_compile is on
             from torch.utils._triton import has_triton
         except ImportError:
             return "this torch cannot tell whether Triton is installed"
@@ -113,8 +115,9 @@ def compile_model(chunks: list[nn.Module], setting: Optional[bool], device: torc
         warn_rank_0(f"train.torch_compile: {reason}; training runs eager (set train.torch_compile=False to "
                     "silence this)")
         return False
+    # start-up time: dynamo and inductor load only when train.torch_compile is on
     import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # (same reason)
 
     inductor_config.fallback_random = True  # eager's RNG: same dropout masks with and without compile
     layers = transformer_layers(chunks)

@@ -44,8 +44,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
@@ -135,8 +137,6 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: Any, seq_dim: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.group, ctx.seq_dim = group, seq_dim
         cp = dist.get_world_size(group)
         local = local.contiguous()
@@ -146,8 +146,6 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        import torch.distributed as dist
-
         group, seq_dim = ctx.group, ctx.seq_dim
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         per_rank = _sequence_to_rank_major(grad, cp, seq_dim)
@@ -167,8 +165,6 @@ def gather_sequence(local: torch.Tensor, group: Any, seq_dim: int = 1) -> torch.
 
     With ``group`` None or of size 1 ``local`` is returned unchanged.
     """
-    import torch.distributed as dist
-
     if group is None or dist.get_world_size(group) == 1:
         return local
     return _GatherSequence.apply(local, group, seq_dim % local.dim())
@@ -334,8 +330,6 @@ def context_parallel_attention(
     Gathers K/V (kv groups only) over ``group`` and runs ``local_attention``; returns this rank's output
     ``[b, heads, 2c, d]``. Same arguments as ``longspan.models.transformer.core_attention`` plus the group.
     """
-    import torch.distributed as dist
-
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     k_full = gather_sequence(k, group, seq_dim=2)
     v_full = gather_sequence(v, group, seq_dim=2)
@@ -379,8 +373,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _slice_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook: keep this rank's chunks of the full-length inputs."""
-    import torch.distributed as dist
-
     group = getattr(module, CONTEXT_PARALLEL_ATTR)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     kwargs = dict(kwargs)
@@ -413,10 +405,6 @@ def _gather_outputs(module: nn.Module, args: tuple, kwargs: dict, output: torch.
     """Forward hook: per-token losses (or logits) of the last stage back to the full sequence."""
     if not getattr(module, "post_process", True):
         return output
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = ()  # type: ignore[assignment]
     if isinstance(output, DTensor):
         output = output.full_tensor()
     return gather_sequence(output, getattr(module, CONTEXT_PARALLEL_ATTR), seq_dim=1)
@@ -431,8 +419,6 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     Returns ``model``. A group of one rank (or None) leaves the model unchanged, and so does a second call
     with the same group.
     """
-    import torch.distributed as dist
-
     if group is None or dist.get_world_size(group) == 1:
         return model
     root = _unwrap(model)

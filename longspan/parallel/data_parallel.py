@@ -46,7 +46,10 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger
@@ -86,8 +89,6 @@ def check_data_parallel_config(cfg: Any) -> None:
 def _reduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP checks real annotations; ours would be strings
     """DDP communication hook: average a gradient bucket (a ``GradBucket``) over the group, in fp32 when asked;
     returns a Future of the reduced bucket."""
-    import torch.distributed as dist
-
     group = state["group"]
     world = dist.get_world_size(group)
     grads = bucket.buffer()
@@ -109,8 +110,6 @@ def _reduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP checks real annot
 
 def _broadcast_at_first_forward(wrapped: nn.Module, group: Any) -> None:
     """Broadcast parameters and buffers from the group's first rank before the first forward, then unhook."""
-    import torch.distributed as dist
-
     src = dist.get_global_rank(group, 0) if group is not None else 0
 
     def hook(module: nn.Module, args: Any) -> None:
@@ -138,9 +137,6 @@ def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any =
         ddp_cfg: a DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, average_in_collective).
         param_dtype: the dtype the parameters will have in training (bucket sizes and the fp32 hook use it).
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     param_dtype = param_dtype or next(model.parameters()).dtype
@@ -183,8 +179,6 @@ def _fsdp_no_sync(module: nn.Module) -> Any:
 
 def mixed_precision_policy(model_cfg: Any, ddp_cfg: Any) -> Any:
     """FSDP2's MixedPrecisionPolicy: compute in bf16/fp16 when the model does; fp32 reduction on request."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     param_dtype = None
     if getattr(model_cfg, "bf16", False):
         param_dtype = torch.bfloat16
@@ -201,8 +195,6 @@ def apply_fsdp2(model: nn.Module, mesh: Any, *, mp_policy: Any = None, reshard_a
 
     ``prefetch`` (``ddp.overlap_param_gather``): explicit all-gather prefetch, see :func:`set_explicit_prefetch`.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp_policy = mp_policy or MixedPrecisionPolicy()
     decoder = getattr(model, "decoder", None)
     layers = list(decoder.layers.values()) if decoder is not None else []

@@ -34,10 +34,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.moe import GroupedMLP, MoELayer, local_tensor, moe_layers, permute, unpermute
+from longspan.parallel.collectives import copy_to_group, reduce_from_group
 
 _log = get_logger(__name__)
 
@@ -58,35 +62,6 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
         return out, None, None, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (Megatron's copy_to_tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward (Megatron's reduce_from_tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 # --------------------------------------------------------------------------------------------- dispatcher
@@ -115,8 +90,8 @@ class AllToAllTokenDispatcher:
     def _run_experts(self, x: torch.Tensor, counts: list[int], experts: GroupedMLP) -> torch.Tensor:
         if self.etp_group is None:
             return experts(x, counts)
-        x = _CopyToGroup.apply(x, self.etp_group)
-        y = _ReduceFromGroup.apply(experts(x, counts, add_output_bias=False), self.etp_group)
+        x = copy_to_group(x, self.etp_group)
+        y = reduce_from_group(experts(x, counts, add_output_bias=False), self.etp_group)
         bias = experts.output_bias(counts)
         return y if bias is None else y + bias
 
@@ -152,8 +127,6 @@ class AllToAllTokenDispatcher:
 
 def _expert_placements(name: str, ep: int, etp: int) -> list[Any]:
     """DTensor placements of an expert parameter (``linear_fc1.weight`` ...) over the mesh dims in use."""
-    from torch.distributed.tensor import Replicate, Shard
-
     placements: list[Any] = []
     if ep > 1:
         placements.append(Shard(0))
@@ -256,7 +229,6 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
         _shard_shared_experts(layers, parallel.submesh("tp"))
     if ep == 1 and etp == 1:
         return []
-    from torch.distributed.tensor import distribute_tensor
 
     mesh = _expert_mesh(parallel, ep, etp)
     etp_group = parallel.etp_group if etp > 1 else None
@@ -289,8 +261,6 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
 
 def _shard_shared_experts(layers: list[MoELayer], tp_mesh: Any) -> None:
     """Split shared experts like the dense MLP over ``tp``: fc1/gate column-wise, fc2 row-wise."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     for layer in layers:
         shared = layer.shared_experts
         if shared is None:
@@ -313,8 +283,6 @@ def expert_parameter_names(model: nn.Module, params: list[nn.Parameter]) -> list
 
 def ignore_in_ddp(model: nn.Module, params: list[nn.Parameter]) -> None:
     """Make a later ``DistributedDataParallel(model)`` skip ``params`` (expert weights are reduced here)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     names = expert_parameter_names(model, params)
     if names:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

@@ -159,10 +159,22 @@ def convert_to_fp8(model: nn.Module, recipe: str, fp8: str, *, fp8_param: bool =
     """Swap the transformer layers' linears of ``model`` for torchao's FP8 training ones of ``recipe``.
 
     ``emulated`` uses torchao's emulated kernels (any device; for tests and debugging, not for speed).
+    The swapped linears keep the ``init_*`` attributes ``init_weights`` reads (torchao builds new modules).
     """
+    init_attributes = {fqn: {k: v for k, v in vars(module).items() if k.startswith("init_")}
+                       for fqn, module in model.named_modules() if _transformer_linear(module, fqn)}
+    _swap_linears(model, recipe, fp8, fp8_param, emulated)
+    for fqn, attributes in init_attributes.items():
+        for key, value in attributes.items():
+            setattr(model.get_submodule(fqn), key, value)
+    return model
+
+
+def _swap_linears(model: nn.Module, recipe: str, fp8: str, fp8_param: bool, emulated: bool) -> None:
     if recipe in ("tensorwise", "rowwise"):
+        # optional dependency: torchao (longspan[fp8]), only when model.fp8 is on
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.config import CastConfig, e4m3_dtype
+        from torchao.float8.config import CastConfig, e4m3_dtype  # (same reason)
 
         config = Float8LinearConfig.from_recipe_name(recipe)
         changes: dict[str, Any] = {"emulate": emulated, "enable_fsdp_float8_all_gather": fp8_param}
@@ -175,21 +187,22 @@ def convert_to_fp8(model: nn.Module, recipe: str, fp8: str, *, fp8_param: bool =
         _check_linears(model, recipe, multiple=128)
         if emulated:
             raise NotSupportedError("fp8_recipe='blockwise' has no emulated kernels in torchao")
+        # optional dependency: torchao (longspan[fp8]), only when model.fp8 is on
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig
-        from torchao.quantization import quantize_
+        from torchao.quantization import quantize_  # (same reason)
 
         quantize_(model, Float8BlockwiseLinearConfig(), filter_fn=_transformer_linear)
     elif recipe == "mxfp8":
         _check_linears(model, recipe, multiple=32)
+        # optional dependency: torchao (longspan[fp8]), only when model.fp8 is on
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-        from torchao.quantization import quantize_
+        from torchao.quantization import quantize_  # (same reason)
 
         name = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulated else MXFP8TrainingRecipe.MXFP8_RCEIL
         quantize_(model, MXFP8TrainingOpConfig.from_recipe(name), filter_fn=_transformer_linear)
     else:
         raise NotSupportedError(f"model.fp8_recipe={recipe!r} is not supported: use one of "
                                 f"{', '.join(map(repr, FP8_RECIPES))}")
-    return model
 
 
 def _check_linears(model: nn.Module, recipe: str, multiple: int) -> None:

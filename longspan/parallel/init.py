@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping
 from longspan.core.errors import ConfigError, LaunchError, LongspanError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.parallel.mesh import Layout, ParallelMeshes, build_device_mesh, layout_from_config
+from datetime import timedelta
+from longspan.core.logging import get_rank
 
 _log = get_logger(__name__)
 
@@ -152,6 +154,9 @@ class ParallelState:
     layout: Layout
     launch: LaunchEnv = field(default_factory=lambda: LaunchEnv("single"))
     meshes: ParallelMeshes | None = None
+    #: process groups made on demand in this world (the pipeline's embedding groups), keyed by purpose and
+    #: ranks; ``destroy_distributed`` empties it: a group must not outlive its world (in-process restart)
+    extra_groups: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- generic accessors
     @property
@@ -256,9 +261,12 @@ def is_initialized() -> bool:
 
 
 def destroy_distributed() -> None:
-    """Tear down the process group (if any) and forget the parallel state."""
+    """Tear down the process group (if any) and forget the parallel state and the groups made in it."""
     global _STATE
+    if _STATE is not None:
+        _STATE.extra_groups.clear()  # a caller may still hold the state (GlobalState.parallel)
     _STATE = None
+    # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -288,6 +296,7 @@ def _check_supported(dist_cfg: Any) -> None:
 
 
 def _resolve_device(dist_cfg: Any, device: Any, local_rank: int) -> Any:
+    # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch
 
     if device is not None:
@@ -356,8 +365,8 @@ def initialize_distributed(
                                layout=layout, launch=launch)
         return _STATE
 
-    from datetime import timedelta
 
+    # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
 
     timeout = timedelta(minutes=float(getattr(dist_cfg, "distributed_timeout_minutes", 10)))
@@ -401,8 +410,6 @@ def report_user_error_once(exc: LongspanError, *, all_ranks: bool = False, strea
     prints its line prefixed with ``[rank R]``. The rank comes from torch.distributed when initialized, else
     from the launcher's environment, so it works before the process group exists.
     """
-    from longspan.core.logging import get_rank
-
     stream = stream or sys.stderr
     rank = get_rank()
     if rank == 0 and not all_ranks:

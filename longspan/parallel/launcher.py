@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -149,33 +151,21 @@ def launch(
     """
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node={nproc_per_node!r} must be a positive integer")
-    min_nodes, max_nodes = parse_nnodes(nnodes)
-    if rdzv_backend not in ("c10d", "static", "etcd", "etcd-v2"):
-        raise LaunchError(f"--rdzv-backend={rdzv_backend!r} is not valid; use c10d (default) or static")
-    rdzv_configs: dict[str, Any] = {}
-    if rdzv_endpoint is None:
-        if max_nodes > 1:
-            raise LaunchError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        rdzv_endpoint = "localhost:0"
-        rdzv_backend = "c10d"
-    if rdzv_backend == "static":
-        if not 0 <= node_rank < max_nodes:
-            raise LaunchError(f"--node-rank={node_rank} is not in [0, {max_nodes}) for --nnodes={nnodes}")
-        rdzv_configs["rank"] = node_rank
-    if max_nodes > 1 and rdzv_id is None and rdzv_backend != "static":
-        rdzv_id = os.environ.get("SLURM_JOB_ID") or "longspan"  # must agree across nodes
+    rdzv = _rendezvous(nnodes, rdzv_backend, rdzv_endpoint, node_rank, rdzv_id)
     filter_set = set(local_ranks_filter) if local_ranks_filter is not None else None
 
+    # torch elastic on first use: the CLI's start-up (--help, one-line config errors) does not load torch
     from torch.distributed.elastic.multiprocessing import SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # (same reason)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # (same reason)
 
     exit_dir = tempfile.mkdtemp(prefix="longspan_exit_")
     logs = _make_recording_logs_specs()(log_dir=log_dir, redirects=Std.ALL,
                                tee=Std.ALL if tee_stderr else Std.OUT, local_ranks_filter=filter_set)
     config = LaunchConfig(
-        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=rdzv_id or str(uuid.uuid4()),
-        role="longspan", rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_configs=rdzv_configs,
+        min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc_per_node,
+        run_id=rdzv.run_id or str(uuid.uuid4()), role="longspan", rdzv_endpoint=rdzv.endpoint,
+        rdzv_backend=rdzv.backend, rdzv_configs=rdzv.configs,
         max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="spawn", logs_specs=logs,
         log_line_prefix_template="[rank${rank}]:", shutdown_timeout=shutdown_timeout,
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
@@ -196,32 +186,75 @@ def launch(
         sys.stderr.flush()
         return 2 if failure.exitcode == 2 else 1
     except SignalException as sig:
-        codes = _exit_codes(exit_dir)
-        name = signal.Signals(sig.sigval).name
-        if len(codes) == nproc_per_node and all(c == 0 for c in codes.values()):
-            if log_dir is None:
-                _rmtree_quiet(logs.root)
-            _log.info(f"longspan: {name} forwarded to {nproc_per_node} workers; all exited cleanly")
-            return 0
-        bad = sorted(r for r, c in codes.items() if c != 0)
-        missing = nproc_per_node - len(codes)
-        sys.stderr.write(f"longspan: error: {name} received; workers did not all exit cleanly "
-                         f"(nonzero ranks: {bad}, {missing} killed or unreported; logs: {logs.root})\n")
-        return 128 + int(sig.sigval)
+        return _after_forwarded_signal(signal.Signals(sig.sigval), exit_dir, nproc_per_node, logs.root,
+                                       remove_logs=log_dir is None)
     finally:
-        for s, h in saved_handlers.items():
-            signal.signal(s, h)
-        for name, level in saved_levels.items():
-            logging.getLogger(name).setLevel(level)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore_launcher_process(saved_handlers, saved_levels, saved_env)
         _rmtree_quiet(exit_dir)
 
 
+def _restore_launcher_process(handlers: dict[int, Any], log_levels: dict[str, int], env: dict[str, str | None]) -> None:
+    """Put back the signal handlers, torch elastic's log levels and the environment ``launch`` changed."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    for name, level in log_levels.items():
+        logging.getLogger(name).setLevel(level)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    min_nodes: int
+    max_nodes: int
+    backend: str
+    endpoint: str
+    run_id: str | None
+    configs: dict[str, Any]
+
+
+def _rendezvous(nnodes: str, backend: str, endpoint: str | None, node_rank: int, run_id: str | None) -> _Rendezvous:
+    """The rendezvous the launch arguments describe (a private local one on a single node); LaunchError
+    for arguments that do not fit together."""
+    min_nodes, max_nodes = parse_nnodes(nnodes)
+    if backend not in ("c10d", "static", "etcd", "etcd-v2"):
+        raise LaunchError(f"--rdzv-backend={backend!r} is not valid; use c10d (default) or static")
+    configs: dict[str, Any] = {}
+    if endpoint is None:
+        if max_nodes > 1:
+            raise LaunchError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        endpoint = "localhost:0"
+        backend = "c10d"
+    if backend == "static":
+        if not 0 <= node_rank < max_nodes:
+            raise LaunchError(f"--node-rank={node_rank} is not in [0, {max_nodes}) for --nnodes={nnodes}")
+        configs["rank"] = node_rank
+    if max_nodes > 1 and run_id is None and backend != "static":
+        run_id = os.environ.get("SLURM_JOB_ID") or "longspan"  # must agree across nodes
+    return _Rendezvous(min_nodes, max_nodes, backend, endpoint, run_id, configs)
+
+
+def _after_forwarded_signal(sig: signal.Signals, exit_dir: str, nproc_per_node: int, log_root: str,
+                            remove_logs: bool) -> int:
+    """0 when every worker exited cleanly after the forwarded signal, else one error line and 128 + signal."""
+    codes = _exit_codes(exit_dir)
+    if len(codes) == nproc_per_node and all(c == 0 for c in codes.values()):
+        if remove_logs:
+            _rmtree_quiet(log_root)
+        _log.info(f"longspan: {sig.name} forwarded to {nproc_per_node} workers; all exited cleanly")
+        return 0
+    bad = sorted(r for r, c in codes.items() if c != 0)
+    missing = nproc_per_node - len(codes)
+    sys.stderr.write(f"longspan: error: {sig.name} received; workers did not all exit cleanly "
+                     f"(nonzero ranks: {bad}, {missing} killed or unreported; logs: {log_root})\n")
+    return 128 + int(sig)
+
+
 def _make_recording_logs_specs() -> type:
+    # torch elastic on first use (see launch)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
     class RecordingLogsSpecs(DefaultLogsSpecs):
@@ -242,7 +275,8 @@ def _make_recording_logs_specs() -> type:
 
 def _quiet_torch_elastic_logs() -> dict[str, int]:
     """Raise torch elastic's loggers to CRITICAL; return their previous levels for restoring."""
-    import torch.distributed.elastic.agent.server.api  # noqa: F401 - make sure its loggers exist
+    # torch elastic on first use (see launch); imported here so that its loggers exist
+    import torch.distributed.elastic.agent.server.api  # noqa: F401
     import torch.distributed.launcher.api  # noqa: F401
 
     saved = {}
@@ -265,15 +299,11 @@ def _exit_codes(exit_dir: str) -> dict[int, int]:
 
 
 def _rmtree_quiet(path: str) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 
 def _worker_entry() -> None:
     """Worker side of the shim: run ``python -m <module> <argv>`` and record the exit code by global rank."""
-    import runpy
-
     exit_dir, module, *rest = sys.argv[1:]
     rank = os.environ.get("RANK", "0")
     code: int = 1
@@ -287,7 +317,7 @@ def _worker_entry() -> None:
         except OSError:
             pass
 
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import record  # torch elastic on first use (see launch)
 
     @record
     def run() -> None:

@@ -17,6 +17,8 @@ import contextlib
 import threading
 from typing import Any, Iterator
 
+from torch.distributed.tensor.parallel import loss_parallel
+
 from longspan.parallel.tensor_parallel import LOSS_PARALLEL_ATTR
 
 
@@ -62,7 +64,6 @@ def _loss_parallel_once() -> Iterator[None]:
         finally:
             _state.depth -= 1
         return
-    from torch.distributed.tensor.parallel import loss_parallel
 
     context = loss_parallel()
     context.__enter__()

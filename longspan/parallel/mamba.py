@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.parallel.collectives import copy_to_group, reduce_from_group
 
 
 class _SliceReplicated(torch.autograd.Function):
@@ -43,35 +44,6 @@ class _SliceReplicated(torch.autograd.Function):
         full = grad.new_zeros(ctx.shape).index_copy_(ctx.dim, index, grad.contiguous())
         dist.all_reduce(full, group=ctx.group)
         return full, None, None, None
-
-
-class _CopyToRanks(torch.autograd.Function):
-    """Identity forward; the gradient is summed over ``group`` (Megatron's copy_to_tensor_model_parallel_region)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward (Megatron's reduce_from_tensor_model_parallel_region)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 def _segments(ranges: list[tuple[int, int]], rank: int, size: int) -> torch.Tensor:
@@ -144,5 +116,5 @@ def _shard_mixer(mixer: nn.Module, group: Any, rank: int, tp: int) -> None:
         )
 
     mixer.local_parameters = local_parameters
-    mixer.register_forward_pre_hook(lambda _m, args: (_CopyToRanks.apply(args[0], group), *args[1:]))
-    mixer.register_forward_hook(lambda _m, _args, out: _SumOverRanks.apply(out, group))
+    mixer.register_forward_pre_hook(lambda _m, args: (copy_to_group(args[0], group), *args[1:]))
+    mixer.register_forward_hook(lambda _m, _args, out: reduce_from_group(out, group))

@@ -199,6 +199,7 @@ def check_layout(
 
 def rank_grid(names: tuple[str, ...], sizes: tuple[int, ...]) -> Any:
     """``arange(prod(sizes)).reshape(sizes)`` as a torch tensor: the global rank at each mesh coordinate."""
+    # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch
 
     total = 1
@@ -267,6 +268,7 @@ def build_device_mesh(
     ``ParallelMeshes.flat``; the expert mesh exists only when ep > 1 or etp != tp (otherwise the expert groups
     equal the dense tp and dp×cp groups). Raises LaunchError/ConfigError when the sizes do not fit.
     """
+    # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     from torch.distributed.device_mesh import DeviceMesh
 
     layout = derive_layout(world_size, tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, ep=ep, etp=etp,

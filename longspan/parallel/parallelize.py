@@ -2,13 +2,15 @@
 
 Plans are applied from the outside (torchtitan's way): tensor/sequence parallel with DTensor plans, context
 parallel, expert parallel, then data parallel (DDP or FSDP2). The model code never knows.
-``longspan.training.setup`` calls ``parallelize_model`` on the meta model and ``init_weights`` afterwards, so
-every layout draws the same full weights from the seed.
+``materialize_parallel_model`` is the one step from a meta model to the model to train, shared by the
+whole-model path (``longspan.training.setup.build_model``) and each pipeline chunk
+(``longspan.parallel.pipeline.build_pipeline_chunks``): hook (adapters) → FP8 linears → ``parallelize_model``
+→ materialize, so every layout draws the same full weights from the seed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,11 +28,13 @@ from longspan.parallel.data_parallel import (
     data_parallel_mode,
     mixed_precision_policy,
 )
+from longspan.models.init import materialize_model
 from longspan.parallel.expert_parallel import apply_expert_parallel, hidden_parameters, ignore_in_ddp
+from longspan.parallel.float8 import apply_float8
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["parallelize_model", "parallel_loss_context"]
+__all__ = ["materialize_parallel_model", "parallelize_model", "parallel_loss_context"]
 
 _log = get_logger(__name__)
 
@@ -80,3 +84,29 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
         return apply_fsdp2(model, data_parallel_mesh(parallel), mp_policy=policy,
                            reshard_after_forward=(mode == FSDP2_MODE),
                            prefetch=bool(getattr(cfg.ddp, "overlap_param_gather", False)))
+
+
+def materialize_parallel_model(
+    model: torch.nn.Module,
+    cfg: Any,
+    parallel: Any,
+    seed: int,
+    pre_wrap_hook: Callable[[torch.nn.Module], Any] | None = None,
+) -> torch.nn.Module:
+    """The model to train from a meta-device model (the whole model or one pipeline chunk).
+
+    ``pre_wrap_hook(model)`` runs first (PEFT adapters), then ``model.fp8`` swaps the transformer layers'
+    linears for torchao's FP8 ones, the parallel plans apply (``parallelize_model``), and the parameters
+    are drawn from ``seed`` on ``parallel.device`` (only allocated with ``perform_initialization=False``:
+    a checkpoint fills them next) and cast to ``model.params_dtype``.
+    """
+    provider = cfg.model
+    if pre_wrap_hook is not None:
+        pre_wrap_hook(model)
+    dp_mode = data_parallel_mode(cfg, parallel.tp_size) if parallel.dp_size * parallel.cp_size > 1 else "none"
+    apply_float8(model, provider, parallel.device, dp_mode)  # model.fp8: torchao float8 linears (CUDA only)
+    model = parallelize_model(model, cfg, parallel)
+    materialize_model(model, provider, seed, device=parallel.device)
+    if provider.params_dtype is not None and provider.params_dtype != torch.float32:
+        model = model.to(dtype=provider.params_dtype)
+    return model

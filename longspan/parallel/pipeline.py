@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from longspan.config.rules.pipeline_split import (  # the split arithmetic; stage_layer_counts re-exported
@@ -34,6 +35,9 @@ from longspan.config.rules.pipeline_split import (  # the split arithmetic; stag
 )
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger
+from longspan.models.builder import build_meta_model
+from longspan.models.init import canonical_parameter_name
+from longspan.parallel.parallelize import materialize_parallel_model
 
 _log = get_logger(__name__)
 
@@ -112,13 +116,10 @@ def build_pipeline_chunks(
 
     ``pre_wrap_hook(chunk)`` runs on each meta-device chunk before the parallel plans (adapters: longspan.peft).
 
-    Each chunk is built on the meta device with its layers, the TP/DP plans are applied to it, and
-    ``init_weights`` materializes it from ``seed`` (the full model's weights, by canonical name).
+    Each chunk is built on the meta device with its layers and goes through ``materialize_parallel_model``
+    (FP8 linears, the TP/DP plans, then ``init_weights`` from ``seed``: the full model's weights, by
+    canonical name), as the whole model does without pipelining.
     """
-    from longspan.models.builder import build_meta_model
-    from longspan.models.init import init_weights
-    from longspan.parallel.parallelize import parallelize_model
-
     provider = cfg.model
     pp, rank = parallel.pp_size, parallel.pp_rank
     counts = layer_counts_for_config(provider, pp)
@@ -136,27 +137,24 @@ def build_pipeline_chunks(
             vp_stage=vp_index if num_stages > pp else None,
             layer_numbers=list(info.layer_numbers),
         )
-        if pre_wrap_hook is not None:
-            pre_wrap_hook(model)
-        tied_copy = _tied_output_copy(model)
-        model = parallelize_model(model, cfg, _StageParallelView(parallel))
-        if getattr(provider, "perform_initialization", True):
-            init_weights(model, seed=seed, device=parallel.device)
-        else:  # weights come from a checkpoint next (HF import): materialize without drawing
-            model.to_empty(device=parallel.device)
-        if provider.params_dtype is not None and provider.params_dtype != torch.float32:
-            model = model.to(dtype=provider.params_dtype)
-        if tied_copy is not None:
-            # Megatron's mark: the gradient norm and the parameter norm count this copy once (on stage 0).
-            tied_copy.weight.shared = True
-            tied_copy.weight.shared_embedding = True
-        setattr(model, CHUNK_INFO_ATTR, info)
-        # Megatron's per-model process groups: the parameter-norm report sums over ``pg_collection.pp``.
-        model.pg_collection = SimpleNamespace(pp=parallel.pp_group, tp=parallel.tp_group, cp=parallel.cp_group,
-                                              dp=parallel.dp_group)
+        model = materialize_parallel_model(model, cfg, _StageParallelView(parallel), seed, pre_wrap_hook)
+        _mark_chunk(model, info, parallel)
         chunks.append(model)
     _log.debug("pipeline rank %d/%d: stages %s", rank, pp, [getattr(c, CHUNK_INFO_ATTR).stage_index for c in chunks])
     return chunks
+
+
+def _mark_chunk(model: nn.Module, info: PipelineChunkInfo, parallel: Any) -> None:
+    """Attach the chunk's place in the pipeline, its process groups and the tied-copy marks."""
+    tied_copy = _tied_output_copy(unwrap_chunk(model))
+    if tied_copy is not None:
+        # Megatron's mark: the gradient norm and the parameter norm count this copy once (on stage 0).
+        tied_copy.weight.shared = True
+        tied_copy.weight.shared_embedding = True
+    setattr(model, CHUNK_INFO_ATTR, info)
+    # Megatron's per-model process groups: the parameter-norm report sums over ``pg_collection.pp``.
+    model.pg_collection = SimpleNamespace(pp=parallel.pp_group, tp=parallel.tp_group, cp=parallel.cp_group,
+                                          dp=parallel.dp_group)
 
 
 def unwrap_chunk(chunk: nn.Module) -> nn.Module:
@@ -203,19 +201,17 @@ def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:
 
 def embedding_group_ranks(parallel: Any) -> list[int]:
     """Global ranks of this rank's embedding group: the pipeline ranks holding the first and last stage."""
-    import torch.distributed as dist
-
     ranks = dist.get_process_group_ranks(parallel.pp_group)
     return [ranks[0], ranks[-1]]
 
 
-_EMBEDDING_GROUPS: dict[tuple[int, ...], Any] = {}
-
-
 def _embedding_group(parallel: Any) -> Any:
-    """The embedding process group of this rank (created collectively, once per set of ranks)."""
-    import torch.distributed as dist
+    """The embedding process group of this rank (created collectively, once per set of ranks and world).
 
+    The groups are kept in ``parallel.extra_groups``, which ``destroy_distributed`` empties: after an
+    in-process restart the new world creates its own.
+    """
+    groups = parallel.extra_groups
     mesh = parallel.mesh
     names = mesh.mesh_dim_names
     pp_dim = names.index("pp")
@@ -223,11 +219,11 @@ def _embedding_group(parallel: Any) -> Any:
     full = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim])
     mine = None
     for row in full.tolist():
-        key = (row[0], row[-1])
-        if key not in _EMBEDDING_GROUPS:
-            _EMBEDDING_GROUPS[key] = dist.new_group(list(key))
+        key = ("embedding", row[0], row[-1])
+        if key not in groups:
+            groups[key] = dist.new_group([row[0], row[-1]])
         if dist.get_rank() in row:
-            mine = _EMBEDDING_GROUPS[key]
+            mine = groups[key]
     return mine
 
 
@@ -243,8 +239,6 @@ def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
     provider_ties = any(getattr(unwrap_chunk(c), "share_embeddings_and_output_weights", False) for c in model)
     if not provider_ties:
         return
-    import torch.distributed as dist
-
     group = _embedding_group(parallel)
     if parallel.pp_rank not in (0, parallel.pp_size - 1):
         return
@@ -276,8 +270,6 @@ def state_dict_module(model: list[nn.Module]) -> nn.Module:
     registered as ``embedding.word_embeddings.weight``, the one tensor an unpipelined tied model has, so
     checkpoints move between layouts. A single chunk without such a copy is returned as it is.
     """
-    from longspan.models.init import canonical_parameter_name
-
     plains = [unwrap_chunk(chunk) for chunk in model]
     copies = {id(c.output_layer.weight) for c in plains
               if getattr(c, "embedding", None) is None and _tied_output_copy(c) is not None}

@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import NotSupportedError
 from longspan.models.t5 import T5Model
@@ -26,9 +28,6 @@ def is_t5_model(model: nn.Module) -> bool:
 
 def t5_tensor_parallel_plan(model: T5Model, sequence_parallel: bool = False) -> dict[str, Any]:
     """The ``parallelize_module`` plan for a T5 model: module name -> ParallelStyle."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     if sequence_parallel:
         raise NotSupportedError(
             "model.sequence_parallel=True is not supported yet for T5ModelProvider: set it to False"

@@ -34,6 +34,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
@@ -86,15 +95,6 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     Only modules this pipeline stage holds are named (embedding on the first stage, final norm and output
     layer on the last, the layers present in ``decoder.layers``).
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     sp = sequence_parallel
     plan: dict[str, Any] = {}
     if getattr(model, "embedding", None) is not None:
@@ -170,9 +170,8 @@ class SequenceShardedDropout(nn.Module):
 
 def loss_parallel_enabled() -> bool:
     """Whether torch's ``loss_parallel()`` is active right now (its DTensor loss handlers are installed)."""
-    try:
+    try:  # torch internals, looked up when asked: a torch without them falls back below
         import torch.distributed.tensor.parallel.loss as tp_loss
-        from torch.distributed.tensor import DTensor
 
         handlers = DTensor._op_dispatcher._custom_op_handlers
         return any(op in handlers for op in tp_loss.customized_loss_ops)
@@ -197,8 +196,6 @@ def _output_to_local(module: nn.Module, args: Any, output: Any) -> Any:
     The per-token loss (replicated over tp) becomes its local value; vocab-sharded logits (no labels given)
     are gathered into full logits, as a caller of the plain model expects.
     """
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(output, DTensor):
         return output
     if all(p.is_replicate() for p in output.placements):
@@ -212,8 +209,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     Parameters become DTensors on ``tp_mesh``; ``init_weights`` then materializes each rank's shard from the
     full parameter's seed. Marks the model so ``parallel_loss_context(model)`` enables vocab-parallel loss.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
     apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there

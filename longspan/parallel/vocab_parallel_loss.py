@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from longspan.models.loss import linear_cross_entropy
 
@@ -26,8 +27,6 @@ def vocab_parallel_linear_cross_entropy(
     Sequence-sharded hidden states (sequence parallel) are gathered first, as the output layer's plan does.
     A weight with another placement is gathered (correct, not vocab-parallel).
     """
-    from torch.distributed.tensor import DTensor, Replicate
-
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
     if not isinstance(weight, DTensor):

@@ -18,15 +18,18 @@ whole name. Only the linear layers of transformer layers are candidates (not the
 from __future__ import annotations
 
 import fnmatch
+import types
 from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
-from longspan.peft.modules import DoRALinear, LoRAAdapter, LoRALinear
+from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
+from longspan.peft.modules import DoRALinear, GroupedLoRAAdapter, LoRAAdapter, LoRALinear, adapted_grouped_mlp_forward
 
 logger = get_logger(__name__)
 
@@ -145,10 +148,6 @@ def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
 def _adapt_experts(model: nn.Module, name: str, base: nn.Module, peft: Any, owner: Any) -> Any:
     """Give the ``GroupedLinear`` ``name`` a per-expert adapter and make its GroupedMLP add it; returns the
     group's A owner."""
-    import types
-
-    from longspan.peft.modules import GroupedLoRAAdapter, adapted_grouped_mlp_forward
-
     num_experts, out_features, in_features = base.weight.shape
     adapter = GroupedLoRAAdapter(
         num_experts, in_features, out_features, dim=peft.dim, scale=peft.scale, dropout=float(peft.dropout),
@@ -166,8 +165,6 @@ def _adapt_experts(model: nn.Module, name: str, base: nn.Module, peft: Any, owne
 
 def grouped_adapted_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, GroupedLinear) of every routed-expert projection with an adapter."""
-    from longspan.peft.modules import GroupedLoRAAdapter
-
     return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "adapter", None), GroupedLoRAAdapter)]
 
 
@@ -222,8 +219,6 @@ def init_adapters(model_chunks: list[nn.Module], seed: int) -> None:
     """Draw every adapter parameter from its own (seed, canonical name) stream, as ``init_weights`` draws every
     parameter: the same full adapter weights under every layout, whether or not the base was drawn (a base
     loaded from a checkpoint is materialized without drawing)."""
-    from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
-
     for chunk in model_chunks:
         for module_name, module in chunk.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
@@ -234,8 +229,6 @@ def init_adapters(model_chunks: list[nn.Module], seed: int) -> None:
                 full = draw_full_parameter(seed, canonical, param.shape, _init_rule(module, param_name, full_name))
                 full = full.to(param.dtype)
                 if hasattr(param, "device_mesh"):
-                    from torch.distributed.tensor import distribute_tensor
-
                     local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
                     param.to_local().copy_(local)
                 else:

@@ -38,6 +38,54 @@ class PEFT:
     #: which adapter flavour ``apply`` builds: 'lora', 'dora' or 'canonical'
     kind = "lora"
 
+    def apply(self, model: Any) -> Any:
+        """Add adapters to ``model`` (one chunk, on the meta device or materialized) and freeze everything
+        else; returns the model. See ``longspan.peft.adapters.apply_adapters``."""
+        # adapters need torch: the config classes stay importable without it (config files, CLI start-up)
+        from longspan.peft.adapters import apply_adapters
+
+        return apply_adapters(model, self)
+
+    def __call__(self, model: Any, training: bool = True) -> Any:
+        """Bridge's spelling: ``peft(model)`` applies the adapters (to each chunk of a list)."""
+        chunks = model if isinstance(model, list) else [model]
+        for chunk in chunks:
+            self.apply(chunk)
+        return model
+
+
+@dataclass
+class LowRankAdapterConfig(PEFT):
+    """The fields LoRA, DoRA and CanonicalLoRA share (Bridge's names and order), and their checks.
+
+    A subclass re-declares a field where its default or its description differs.
+    """
+
+    target_modules: list[str] = field(default_factory=lambda: list(MEGATRON_TARGETS))
+    """Modules to adapt: 'linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2', or fnmatch patterns over full
+    module paths ('*.layers.0.*.linear_qkv'). 'linear_qkv' shares one A over q/k/v; 'linear_fc1' over gate/up."""
+
+    exclude_modules: list[str] = field(default_factory=list)
+    """Modules (names or patterns) never adapted."""
+
+    dim: int = 32
+    """Rank of the adapter (rows of A, columns of B)."""
+
+    alpha: int = 32
+    """Scale numerator: the adapter output is multiplied by alpha / dim."""
+
+    dropout: float = 0.0
+    """Dropout probability on the adapter path."""
+
+    dropout_position: Literal["pre", "post"] = "pre"
+    """Dropout on the adapter's input ('pre') or on its output ('post')."""
+
+    lora_A_init_method: str = "xavier"
+    """Initialization of A (see LoRA)."""
+
+    lora_B_init_method: str = "zero"
+    """Initialization of B (see LoRA)."""
+
     def validate(self) -> None:
         """Check the fields (one-line ``ConfigError`` naming the field, the value and what is valid)."""
         name = f"peft ({type(self).__name__})"
@@ -68,43 +116,13 @@ class PEFT:
         """The factor on the adapter's output: ``alpha / dim``."""
         return self.alpha / self.dim
 
-    def apply(self, model: Any) -> Any:
-        """Add adapters to ``model`` (one chunk, on the meta device or materialized) and freeze everything
-        else; returns the model. See ``longspan.peft.adapters.apply_adapters``."""
-        from longspan.peft.adapters import apply_adapters
-
-        return apply_adapters(model, self)
-
-    def __call__(self, model: Any, training: bool = True) -> Any:
-        """Bridge's spelling: ``peft(model)`` applies the adapters (to each chunk of a list)."""
-        chunks = model if isinstance(model, list) else [model]
-        for chunk in chunks:
-            self.apply(chunk)
-        return model
-
 
 @dataclass
-class LoRA(PEFT):
+class LoRA(LowRankAdapterConfig):
     """Low-rank adaptation (Megatron Bridge's ``LoRA``): ``y = W x + (alpha/dim) · B A dropout(x)``."""
-
-    target_modules: list[str] = field(default_factory=lambda: list(MEGATRON_TARGETS))
-    """Modules to adapt: 'linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2', or fnmatch patterns over full
-    module paths ('*.layers.0.*.linear_qkv'). 'linear_qkv' shares one A over q/k/v; 'linear_fc1' over gate/up."""
 
     exclude_modules: list[str] = field(default_factory=list)
     """Modules (names or patterns) never adapted; with an empty target_modules every linear layer but these is."""
-
-    dim: int = 32
-    """Rank of the adapter (rows of A, columns of B)."""
-
-    alpha: int = 32
-    """Scale numerator: the adapter output is multiplied by alpha / dim."""
-
-    dropout: float = 0.0
-    """Dropout probability on the adapter path."""
-
-    dropout_position: Literal["pre", "post"] = "pre"
-    """Dropout on the adapter's input ('pre') or on its output ('post')."""
 
     lora_A_init_method: str = "xavier"
     """Initialization of A: 'xavier' (normal), 'kaiming' (uniform, a=sqrt(5)), 'normal' (std 0.2) or 'zero'."""
@@ -118,16 +136,13 @@ class LoRA(PEFT):
 
 
 @dataclass
-class DoRA(PEFT):
+class DoRA(LowRankAdapterConfig):
     """Weight-decomposed low-rank adaptation (Megatron Bridge's ``DoRA``):
     ``y = m ⊙ (W + s·B A) x / ||W + s·B A||_row + b`` with a trainable magnitude ``m`` per output row (initialized
     to the base weight's row norms) and the norm detached from the graph (DoRA paper, section 4.3), as peft."""
 
     target_modules: list[str] = field(default_factory=lambda: list(MEGATRON_TARGETS))
     """Modules to adapt (as LoRA.target_modules)."""
-
-    exclude_modules: list[str] = field(default_factory=list)
-    """Modules (names or patterns) never adapted."""
 
     dim: int = 32
     """Rank of the adapter."""
@@ -141,12 +156,6 @@ class DoRA(PEFT):
     dropout_position: Literal["pre", "post"] = "pre"
     """Only 'pre' (dropout on the adapter's input), as Megatron Bridge."""
 
-    lora_A_init_method: str = "xavier"
-    """Initialization of A (see LoRA)."""
-
-    lora_B_init_method: str = "zero"
-    """Initialization of B (see LoRA)."""
-
     kind = "dora"
 
     def validate(self) -> None:
@@ -158,7 +167,7 @@ class DoRA(PEFT):
 
 
 @dataclass
-class CanonicalLoRA(PEFT):
+class CanonicalLoRA(LowRankAdapterConfig):
     """LoRA with a separate adapter for each of q, k, v and of gate, up (Megatron Bridge's ``CanonicalLoRA``;
     the layout of Hugging Face PEFT adapters)."""
 
@@ -166,26 +175,11 @@ class CanonicalLoRA(PEFT):
     """Modules to adapt: 'linear_q', 'linear_k', 'linear_v', 'linear_proj', 'linear_fc1_up', 'linear_fc1_gate',
     'linear_fc2', or fnmatch patterns over full module paths. The fused names are rejected."""
 
-    exclude_modules: list[str] = field(default_factory=list)
-    """Modules (names or patterns) never adapted."""
-
     dim: int = 32
     """Rank of each adapter."""
 
     alpha: int = 32
     """Scale numerator: each adapter's output is multiplied by alpha / dim."""
-
-    dropout: float = 0.0
-    """Dropout probability on the adapter path."""
-
-    dropout_position: Literal["pre", "post"] = "pre"
-    """Dropout on the adapter's input ('pre') or on its output ('post')."""
-
-    lora_A_init_method: str = "xavier"
-    """Initialization of A (see LoRA)."""
-
-    lora_B_init_method: str = "zero"
-    """Initialization of B (see LoRA)."""
 
     kind = "canonical"
 

@@ -15,9 +15,11 @@ import os
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from longspan.core.errors import NotSupportedError
+from longspan.models.init import canonical_parameter_name
 from longspan.peft.adapters import adapted_layers
 from longspan.peft.modules import DoRALinear
 
@@ -33,8 +35,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def hf_peft_state_dict(model: nn.Module, hf_module_name: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(peft state dict, HF module names adapted) for ``model``; ``hf_module_name(longspan_name)`` maps a
     longspan linear layer to its HF module path (None: no one-to-one module)."""
-    from longspan.models.init import canonical_parameter_name
-
     tensors: dict[str, torch.Tensor] = {}
     modules: list[str] = []
     for name, layer in adapted_layers(model):
@@ -57,8 +57,6 @@ def hf_peft_state_dict(model: nn.Module, hf_module_name: Any) -> tuple[dict[str,
 def save_hf_peft_adapter(model: nn.Module | list[nn.Module], peft: Any, bridge: Any, path: str | os.PathLike,
                          base_model_name_or_path: str | None = None) -> None:
     """Write ``peft``'s adapters of ``model`` (one process, one chunk) to ``path`` in HF PEFT format."""
-    from safetensors.torch import save_file
-
     chunks = model if isinstance(model, list) else [model]
     if len(chunks) != 1:
         raise NotSupportedError("HF PEFT export takes the whole model on one process (one chunk)")

@@ -34,6 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import NotSupportedError
 
@@ -82,8 +84,6 @@ class FullMaskDropout(nn.Dropout):
         mask = F.dropout(torch.ones(x.shape, dtype=x.dtype, device=local.device), self.p, True)
         mesh = getattr(x, "device_mesh", None)
         if mesh is not None:
-            from torch.distributed.tensor import DTensor, Replicate
-
             mask = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return x * mask
 
@@ -202,8 +202,6 @@ class LoRALinear(nn.Linear):
     # ---- tensor parallel ------------------------------------------------------------------------------
     def adapt_parallel_style(self, style: Any) -> Any:
         """``style`` (ColwiseParallel / RowwiseParallel for the base layer) made to place the adapter too."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
         if isinstance(style, ColwiseParallel):
             kind = "column"
         elif isinstance(style, RowwiseParallel):
@@ -266,8 +264,6 @@ class DoRALinear(LoRALinear):
 def place_adapted_linear(module: LoRALinear, mesh: Any, kind: str, src_data_rank: Any = 0) -> None:
     """Turn an adapted linear's parameters into DTensors on the 1-D ``mesh``: the base as ColwiseParallel /
     RowwiseParallel would, the adapter so that its maths matches the base split (module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
     def place(owner: nn.Module, name: str, placement: Any) -> None:
         param = getattr(owner, name)
         if param is None:

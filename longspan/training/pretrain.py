@@ -16,6 +16,7 @@ from longspan.training.state import GlobalState
 from longspan.training.train import train
 from longspan.training.observability.progress_log import STARTING_JOB, append_to_progress_log
 from longspan.training.observability.throughput_summary import run_throughput_summary
+from longspan.training.resilience.inprocess import in_supervised_worker
 from longspan.training.utils.train_utils import prepare_forward_step_func
 
 logger = get_logger(__name__)
@@ -44,8 +45,6 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
 def _check_inprocess_restart(config: Any) -> None:
     ipr = getattr(config, "inprocess_restart", None)
     if ipr is not None and ipr.enabled:
-        from longspan.training.resilience.inprocess import in_supervised_worker
-
         if not in_supervised_worker():
             raise NotSupportedError(
                 "inprocess_restart.enabled=True needs longspan's in-process supervisor: start the run with "

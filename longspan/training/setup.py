@@ -21,13 +21,13 @@ from longspan.config.support import inapplicable_fields
 from longspan.core.logging import configure_log_filters, get_logger, print_rank_0, setup_logging
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.tokenizers import build_tokenizer
-from longspan.models.gpt import apply_deterministic_mode, init_weights, num_parameters
-from longspan.core.errors import NotSupportedError
+from longspan.models.builder import build_meta_model
+from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
-from longspan.parallel.parallelize import parallelize_model
-from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.parallel.compile import compile_model
-from longspan.parallel.float8 import apply_float8, check_fp8
+from longspan.parallel.parallelize import materialize_parallel_model
+from longspan.parallel.pipeline import build_pipeline_chunks
+from longspan.peft.adapters import init_adapters
 from longspan.config.rules.data import check_vocab_fits
 from longspan.training.checkpointing.load import apply_checkpoint_args, load_peft_checkpoint
 from longspan.training.checkpointing.save import check_save_dir_writable, set_rng_state
@@ -92,36 +92,59 @@ def build_model(
     """Build on the meta device, apply the parallel plans, then materialize each parameter from its seed.
 
     ``pre_wrap_hook(chunk)`` runs on each meta-device chunk before the parallel plans (PEFT adapters)."""
-    from longspan.models.builder import build_meta_model
-
-    provider = cfg.model
     if parallel.pp_size > 1:
-        from longspan.parallel.pipeline import build_pipeline_chunks
-
-        if check_fp8(provider, parallel.device):
-            raise NotSupportedError("model.fp8 with pipeline_model_parallel_size > 1 is not supported yet: unset "
-                                    "model.fp8 or use pipeline_model_parallel_size=1")
-
-        # Stages are cut first; the TP/CP/DP plans then apply to each chunk.
+        # Stages are cut first; each chunk then goes through the same materialize step.
         return build_pipeline_chunks(cfg, parallel, seed, pre_wrap_hook)
-    model = build_meta_model(provider)
-    if pre_wrap_hook is not None:
-        pre_wrap_hook(model)
-    dp_mode = data_parallel_mode(cfg, parallel.tp_size) if parallel.dp_size * parallel.cp_size > 1 else "none"
-    apply_float8(model, provider, parallel.device, dp_mode)  # model.fp8: torchao float8 linears (CUDA only)
-    model = parallelize_model(model, cfg, parallel)
-    if getattr(provider, "perform_initialization", True):
-        init_weights(model, seed=seed, device=parallel.device)
-    else:  # weights come from a checkpoint next (HF import): materialize without drawing
-        model.to_empty(device=parallel.device)
-    if provider.params_dtype is not None and provider.params_dtype != torch.float32:
-        model = model.to(dtype=provider.params_dtype)
-    return [model]
+    return [materialize_parallel_model(build_meta_model(cfg.model), cfg, parallel, seed, pre_wrap_hook)]
 
 
 def setup(cfg: Any) -> SetupOutput:
     """Validate, initialize processes, build everything, and load the checkpoint when there is one."""
-    start_time = time.time()
+    state = _initialize(cfg, start_time=time.time())
+    parallel = state.parallel
+    _resolve_and_validate_config(cfg, state)
+    _start_run_services(cfg, state)
+
+    set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
+    # Weights come from the base seed (per-parameter generators), so every layout draws the same model.
+    # Megatron's data_parallel_random_init draws per-replica weights and then broadcasts data-parallel rank 0's,
+    # which are these; what stays per replica is the runtime generator seeded above.
+    model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
+    if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
+        init_adapters(model, cfg.rng.seed)
+    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device, parallel.tp_size)
+    optimizer = get_megatron_optimizer(cfg.optimizer, model)
+    if parallel.pp_size > 1:
+        # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.
+        optimizer.grad_stats_parallel_group = parallel.pp_group
+    scheduler = get_optimizer_param_scheduler(optimizer, cfg.scheduler, cfg.train, cfg.optimizer)
+
+    checkpointing_context: dict[str, Any] = {}
+    if cfg.peft is not None:  # the base from pretrained_checkpoint, then this run's adapters when resuming
+        loaded = load_peft_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+    else:
+        # the newest of checkpoint.load and the non-persistent (global/local) checkpoints
+        loaded = load_newest_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+    state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
+
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+        cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
+    )
+    train_state = state.train_state
+    train_state.do_train = train_it is not None and cfg.train.train_iters > 0
+    train_state.do_valid = valid_it is not None and cfg.train.eval_iters > 0
+    train_state.do_test = test_it is not None and cfg.train.eval_iters > 0
+    if loaded is not None and loaded.rng_state is not None:
+        set_rng_state(loaded.rng_state)
+
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
+    _print_banner(cfg, state, model, loaded)
+    return SetupOutput(state, model, optimizer, scheduler, train_it, valid_it, test_it, checkpointing_context)
+
+
+def _initialize(cfg: Any, start_time: float) -> GlobalState:
+    """Logging, then the process group: a ``GlobalState`` holding the config and the parallel state."""
     setup_logging(cfg.logger.logging_level)
     lg = cfg.logger
     configure_log_filters(lg.logging_level, lg.filter_warnings, lg.modules_to_filter, lg.set_level_for_all_loggers)
@@ -132,7 +155,12 @@ def setup(cfg: Any) -> SetupOutput:
     state.start_time = start_time
     state.parallel = parallel
     state.device = parallel.device
+    return state
 
+
+def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
+    """Fill what the config leaves to the checkpoint and the tokenizer, validate it, check the run's outputs."""
+    parallel = state.parallel
     if cfg.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(cfg)
     apply_hf_pretrained_config(cfg)  # pretrained_checkpoint = an HF directory: architecture + tokenizer from it
@@ -151,6 +179,9 @@ def setup(cfg: Any) -> SetupOutput:
     if cfg.checkpoint.save:
         check_save_dir_writable(cfg.checkpoint.save)
 
+
+def _start_run_services(cfg: Any, state: GlobalState) -> None:
+    """What the step needs besides the model: autocast, NaN checks, rerun/ft/straggler, the microbatch count."""
     state.autocast_dtype = _autocast_dtype(cfg)
     state.check_for_nan = bool(cfg.rerun_state_machine.check_for_nan_in_loss)
     state.rerun_state_machine = build_rerun_state_machine(cfg)  # before loading: checkpoints carry its state
@@ -165,45 +196,6 @@ def setup(cfg: Any) -> SetupOutput:
     )
     if cfg.model.deterministic_mode:
         apply_deterministic_mode(cfg.model)
-
-    set_random_seed(cfg.rng.seed, parallel, cfg.rng.data_parallel_random_init)
-    # Weights come from the base seed (per-parameter generators), so every layout draws the same model.
-    # Megatron's data_parallel_random_init draws per-replica weights and then broadcasts data-parallel rank 0's,
-    # which are these; what stays per replica is the runtime generator seeded above.
-    model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
-    if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
-        from longspan.peft.adapters import init_adapters
-
-        init_adapters(model, cfg.rng.seed)
-    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device, parallel.tp_size)
-    optimizer = get_megatron_optimizer(cfg.optimizer, model)
-    if parallel.pp_size > 1:
-        # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.
-        optimizer.grad_stats_parallel_group = parallel.pp_group
-    scheduler = get_optimizer_param_scheduler(optimizer, cfg.scheduler, cfg.train, cfg.optimizer)
-
-    checkpointing_context: dict[str, Any] = {}
-    if cfg.peft is not None:  # the base from pretrained_checkpoint, then this run's adapters when resuming
-        loaded = load_peft_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
-    else:
-        # the newest of checkpoint.load and the non-persistent (global/local) checkpoints
-        loaded = load_newest_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
-    state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
-
-    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        cfg, state.train_state, tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
-    )
-    train_state = state.train_state
-    train_state.do_train = train_it is not None and cfg.train.train_iters > 0
-    train_state.do_valid = valid_it is not None and cfg.train.eval_iters > 0
-    train_state.do_test = test_it is not None and cfg.train.eval_iters > 0
-    if loaded is not None and loaded.rng_state is not None:
-        set_rng_state(loaded.rng_state)
-
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
-    _print_banner(cfg, state, model, loaded)
-    return SetupOutput(state, model, optimizer, scheduler, train_it, valid_it, test_it, checkpointing_context)
 
 
 def _report_inapplicable(cfg: Any, no_energy_counters: bool = False) -> None:

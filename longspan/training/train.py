@@ -1,4 +1,4 @@
-"""The training loop (seed 001): data → forward/backward over microbatches → reduce → optimizer and
+"""The training loop: data → forward/backward over microbatches → reduce → optimizer and
 scheduler step → log → evaluate → checkpoint-and-exit, read top to bottom.
 
 Side concerns (timers, metric sinks, profiler, signal handler) are small objects the loop calls.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Iterator, Optional
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from longspan.core.logging import get_logger, get_rank, print_rank_0
+from longspan.parallel.init import get_parallel_state
 from longspan.training.checkpointing.save import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.step.schedules import (
@@ -61,6 +63,19 @@ from longspan.training.utils.train_utils import (
 logger = get_logger(__name__)
 
 
+@dataclass
+class _LoopState:
+    """What the loop carries from one iteration to the next besides ``GlobalState``."""
+
+    prof: Optional[torch.profiler.profile]
+    should_toggle_forward_pre_hook: bool
+    nsys_nvtx_context: Any = None
+    total_loss_dict: dict[str, Any] = field(default_factory=dict)
+    history_wct: list[float] = field(default_factory=list)
+    report_memory_flag: bool = True
+    flops_since_last_log: float = 0.0
+
+
 def train(
     forward_step_func: Callable,
     model: list[torch.nn.Module],
@@ -75,100 +90,56 @@ def train(
 ) -> None:
     """Train until ``train.train_iters``, an exit condition, or a signal; evaluate and checkpoint on the way."""
     cfg = global_state.cfg
-    train_cfg = cfg.train
     train_state = global_state.train_state
-    timers = global_state.timers
     for chunk in model:
         chunk.train()
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
-
-    total_loss_dict: dict[str, Any] = {}
-    history_wct: list[float] = []
-    report_memory_flag = True
-    flops_since_last_log = 0.0
-    should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
-        False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
+    loop = _LoopState(
+        prof=_start_pytorch_profiler(cfg),
+        should_toggle_forward_pre_hook=should_disable_forward_pre_hook(
+            False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
+        ),
     )
     global_state.last_saved_step = None
     train_data_iterator = ensure_rerun_state_machine(global_state).wrap_data_iterator(train_data_iterator)
-    prof = _start_pytorch_profiler(cfg)
-    nsys_nvtx_context = None
-    if train_cfg.manual_gc:
+    if cfg.train.manual_gc:
         gc.disable()
         gc.collect()
 
-    timers("interval-time", log_level=0).start(barrier=True)
-    while train_state.step < train_cfg.train_iters:
-        nsys_nvtx_context = handle_profiling_step(cfg.profiling, train_state.step, get_rank(), prof) or nsys_nvtx_context
+    def save() -> None:
+        save_checkpoint_and_time(
+            global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
+            checkpointing_context, train_data_iterator=train_data_iterator,
+        )
+
+    global_state.timers("interval-time", log_level=0).start(barrier=True)
+    while train_state.step < cfg.train.train_iters:
+        loop.nsys_nvtx_context = (
+            handle_profiling_step(cfg.profiling, train_state.step, get_rank(), loop.prof) or loop.nsys_nvtx_context
+        )
         global_state.num_microbatches_calculator.update(train_state.consumed_train_samples, True)
 
         before_iteration(global_state)  # resilience: the straggler detector's step timer
-        (
-            loss_dict,
-            skipped_iter,
-            should_checkpoint,
-            should_exit,
-            exit_code,
-            grad_norm,
-            num_zeros_in_grad,
-        ) = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = (
+            train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        )
         if should_checkpoint:
-            save_checkpoint_and_time(
-                global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
-                checkpointing_context, train_data_iterator=train_data_iterator,
-            )
+            save()
         if should_exit:
             global_state.exit_code = exit_code
             break
 
-        train_state.step += 1
-        after_iteration(global_state)  # resilience: heartbeat
-        batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
-        train_state.consumed_train_samples += batch_size
-        if skipped_iter:
-            train_state.skipped_train_samples += batch_size
-        flops = num_floating_point_operations(cfg, batch_size)
-        train_state.floating_point_operations_so_far += flops
-        flops_since_last_log += flops
-        history_wct.append(time.time() - global_state.start_time)
-
+        _count_iteration(global_state, loop, skipped_iter)
         if not cfg.logger.skip_train_metrics_log:
-            params_norm = calc_params_l2_norm(model, cfg.model) if cfg.logger.log_params_norm else None
-            metrics = IterationMetrics(
-                loss_dict=loss_dict,
-                learning_rate=_current_learning_rate(optimizer),
-                loss_scale=float(optimizer.get_loss_scale()),
-                skipped_iter=skipped_iter,
-                grad_norm=grad_norm,
-                params_norm=params_norm,
-                num_zeros_in_grad=num_zeros_in_grad,
-            )
-            report_memory_flag = log_iteration(
-                metrics, total_loss_dict, report_memory_flag, cfg, global_state, history_wct, model
-            )
+            _log_train_iteration(global_state, loop, model, optimizer, loss_dict, skipped_iter, grad_norm,
+                                 num_zeros_in_grad)
         global_state.last_loss_dict = loss_dict
-
-        if (
-            train_cfg.eval_interval
-            and train_state.step % train_cfg.eval_interval == 0
-            and train_state.do_valid
-            and valid_data_iterator is not None
-        ):
-            if train_cfg.manual_gc and train_cfg.manual_gc_eval:
-                gc.collect()
-            evaluate_and_print_results(
-                global_state, f"iteration {train_state.step}", forward_step_func, valid_data_iterator, model,
-                cfg, verbose=False, write_to_tensorboard=True,
-                process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func,
-            )
-            if train_cfg.manual_gc and train_cfg.manual_gc_eval:
-                gc.collect()
-            for chunk in model:
-                chunk.train()
+        _evaluate_at_interval(global_state, forward_step_func, valid_data_iterator, model,
+                              process_non_loss_data_func, non_loss_data_func)
 
         post_training_step_callbacks(
-            model, flops_since_last_log, getattr(global_state, "straggler_timer", None), train_state.step, prof,
-            cfg, should_toggle_forward_pre_hook, nsys_nvtx_context,
+            model, loop.flops_since_last_log, getattr(global_state, "straggler_timer", None), train_state.step,
+            loop.prof, cfg, loop.should_toggle_forward_pre_hook, loop.nsys_nvtx_context,
         )
         finalize_async_saves(checkpointing_context, blocking=False)
         if checkpoint_and_decide_exit(
@@ -179,21 +150,93 @@ def train(
         if resilience_stop_requested(global_state):  # straggler stop_if_detected: the final save follows
             break
 
-    # The final state is always saved (Megatron saves at the end unless the last iteration just did).
-    if (
-        cfg.checkpoint.save
-        and train_state.step > 0
-        and global_state.last_saved_step != train_state.step
-        and getattr(global_state, "exit_code", None) is None
-    ):
-        save_checkpoint_and_time(
-            global_state, model, optimizer, scheduler, train_state.floating_point_operations_so_far,
-            checkpointing_context, train_data_iterator=train_data_iterator,
-        )
+    if _final_save_due(global_state):
+        save()
     finalize_async_saves(checkpointing_context, blocking=True)
-    if train_cfg.manual_gc:
+    if cfg.train.manual_gc:
         gc.enable()
     _finish_train(global_state)
+
+
+def _count_iteration(global_state: GlobalState, loop: _LoopState, skipped_iter: int) -> None:
+    """Advance the step, the consumed (and skipped) samples, the FLOPs and the wall-clock history."""
+    train_state = global_state.train_state
+    train_state.step += 1
+    after_iteration(global_state)  # resilience: heartbeat
+    batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
+    train_state.consumed_train_samples += batch_size
+    if skipped_iter:
+        train_state.skipped_train_samples += batch_size
+    flops = num_floating_point_operations(global_state.cfg, batch_size)
+    train_state.floating_point_operations_so_far += flops
+    loop.flops_since_last_log += flops
+    loop.history_wct.append(time.time() - global_state.start_time)
+
+
+def _log_train_iteration(
+    global_state: GlobalState,
+    loop: _LoopState,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    loss_dict: dict[str, torch.Tensor],
+    skipped_iter: int,
+    grad_norm: Optional[float],
+    num_zeros_in_grad: Optional[int],
+) -> None:
+    """The iteration's metrics to the log line and the metric sinks."""
+    cfg = global_state.cfg
+    params_norm = calc_params_l2_norm(model, cfg.model) if cfg.logger.log_params_norm else None
+    metrics = IterationMetrics(
+        loss_dict=loss_dict,
+        learning_rate=_current_learning_rate(optimizer),
+        loss_scale=float(optimizer.get_loss_scale()),
+        skipped_iter=skipped_iter,
+        grad_norm=grad_norm,
+        params_norm=params_norm,
+        num_zeros_in_grad=num_zeros_in_grad,
+    )
+    loop.report_memory_flag = log_iteration(
+        metrics, loop.total_loss_dict, loop.report_memory_flag, cfg, global_state, loop.history_wct, model
+    )
+
+
+def _evaluate_at_interval(
+    global_state: GlobalState,
+    forward_step_func: Callable,
+    valid_data_iterator: Optional[Iterator],
+    model: list[torch.nn.Module],
+    process_non_loss_data_func: Optional[Callable],
+    non_loss_data_func: Optional[Callable],
+) -> None:
+    """Evaluate on the validation data every ``train.eval_interval`` iterations, then back to training mode."""
+    cfg = global_state.cfg
+    train_cfg = cfg.train
+    step = global_state.train_state.step
+    if not (train_cfg.eval_interval and step % train_cfg.eval_interval == 0
+            and global_state.train_state.do_valid and valid_data_iterator is not None):
+        return
+    if train_cfg.manual_gc and train_cfg.manual_gc_eval:
+        gc.collect()
+    evaluate_and_print_results(
+        global_state, f"iteration {step}", forward_step_func, valid_data_iterator, model,
+        cfg, verbose=False, write_to_tensorboard=True,
+        process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func,
+    )
+    if train_cfg.manual_gc and train_cfg.manual_gc_eval:
+        gc.collect()
+    for chunk in model:
+        chunk.train()
+
+
+def _final_save_due(global_state: GlobalState) -> bool:
+    """The final state is always saved (Megatron saves at the end unless the last iteration just did)."""
+    step = global_state.train_state.step
+    return bool(
+        global_state.cfg.checkpoint.save
+        and step > 0
+        and global_state.last_saved_step != step
+        and getattr(global_state, "exit_code", None) is None
+    )
 
 
 def train_step(
@@ -322,8 +365,6 @@ def _replica_groups(param: torch.Tensor, dp_group: Any) -> list[tuple[str, Any]]
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     groups = []
     if any(str(n) in ("ep", "etp") for n in names):  # experts: replicated over the expert data-parallel group
-        from longspan.parallel.init import get_parallel_state
-
         groups.append(("edp", get_parallel_state().edp_group))
     elif not any(str(n).startswith("dp") for n in names):
         groups.append(("dp", dp_group))
@@ -345,8 +386,6 @@ def check_param_hashes_across_dp_replicas(model: list[torch.nn.Module], dp_group
     if not dist.is_initialized():
         return True
     if dp_group is None:
-        from longspan.parallel.init import get_parallel_state
-
         dp_group = get_parallel_state().dp_group
     digests: dict[str, tuple[Any, Any]] = {}
     for chunk in model:
@@ -372,8 +411,6 @@ def replicated_parameter_count(model: list[torch.nn.Module], dp_group: Any = Non
     if not dist.is_initialized():
         return 0
     if dp_group is None:
-        from longspan.parallel.init import get_parallel_state
-
         dp_group = get_parallel_state().dp_group
     return sum(
         any(group is not None and dist.get_world_size(group) > 1 for _, group in _replica_groups(param, dp_group))

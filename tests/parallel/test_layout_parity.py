@@ -164,22 +164,22 @@ def logged(run_dir: str) -> dict:
 
 def run_pretrain(run_dir: str, **kwargs) -> str:
     """Worker task: ``pretrain`` the shrunk tiny recipe; returns the model's class name on this rank."""
-    import longspan.training.setup as setup_mod
+    import longspan.parallel.parallelize as parallelize_mod
     from longspan.training.pretrain import pretrain
 
     seen = {}
-    original = setup_mod.parallelize_model
+    original = parallelize_mod.parallelize_model
 
     def spy(model, cfg, parallel):
         wrapped = original(model, cfg, parallel)
         seen["wrapper"] = type(wrapped).__name__
         return wrapped
 
-    setup_mod.parallelize_model = spy
+    parallelize_mod.parallelize_model = spy
     try:
         pretrain(pretrain_config(run_dir, **kwargs))
     finally:
-        setup_mod.parallelize_model = original
+        parallelize_mod.parallelize_model = original
     return seen.get("wrapper", "")
 
 

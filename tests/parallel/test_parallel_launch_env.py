@@ -138,6 +138,20 @@ def test_single_process_has_no_process_group():
         get_parallel_state()
 
 
+def test_destroy_forgets_the_groups_made_in_the_dead_world():
+    """Groups made on demand (the pipeline's embedding groups) belong to one world: after an in-process
+    restart the cached ones would be the dead world's."""
+    ps = initialize_distributed(DistCfg(distributed_backend="gloo"), MPCfg(), env={})
+    ps.extra_groups[("embedding", 0, 1)] = object()
+    destroy_distributed()
+    assert ps.extra_groups == {}
+    fresh = initialize_distributed(DistCfg(distributed_backend="gloo"), MPCfg(), env={})
+    try:
+        assert fresh.extra_groups == {}
+    finally:
+        destroy_distributed()
+
+
 def test_single_process_layout_errors_still_raise():
     with pytest.raises(LaunchError, match="world size 1 is not divisible"):
         initialize_distributed(DistCfg(), MPCfg(tensor_model_parallel_size=2), env={})

@@ -161,3 +161,22 @@ def test_collectives_over_world_and_subgroups(pool4):
         assert res["gather"] == [tp_first * 10, tp_first * 10 + 10]
         assert res["barrier"] is None
 
+
+
+def _copy_reduce_case():
+    import torch
+
+    from longspan.parallel.collectives import copy_to_group, reduce_from_group
+    from longspan.parallel.init import initialize_distributed
+
+    ps = initialize_distributed(DistCfg(distributed_backend="gloo"), MPCfg(tensor_model_parallel_size=2))
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = reduce_from_group(copy_to_group(x, ps.tp_group) * (ps.tp_rank + 1), ps.tp_group)
+    (y * torch.tensor([1.0, 10.0])).sum().backward()
+    return y.tolist(), x.grad.tolist()
+
+
+def test_copy_to_group_and_reduce_from_group_are_a_split_computation(pool2):
+    """Rank r computes (r+1)·x: the sum over the group is 3x, and x's gradient the sum of both ranks' (r+1)·g."""
+    for y, grad in pool2.run(_copy_reduce_case):
+        assert y == [3.0, 6.0] and grad == [3.0, 30.0]

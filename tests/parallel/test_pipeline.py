@@ -189,6 +189,46 @@ def test_pp2_tied_embeddings_sum_gradients(pool2):
     assert "output_layer.weight" in results[1]["names"]  # the copy, compared with the shared tensor's grad
 
 
+def test_fp8_converts_the_linears_of_every_pipeline_stage(monkeypatch):
+    """model.fp8 under PP2: each stage goes through the same materialize step as the whole model, so the
+    transformer linears of every stage become torchao FP8 linears, drawn with the unpipelined model's
+    weights. Emulated kernels stand in for a GPU; the stages are built in this process, one per pipeline
+    rank, and compared with the whole model built by ``setup.build_model``."""
+    from types import SimpleNamespace
+
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+
+    from longspan.parallel import float8
+    from longspan.parallel.pipeline import chunk_info
+    from longspan.training.setup import build_model
+
+    monkeypatch.setattr(float8, "check_fp8", lambda provider, device, mode=None: bool(provider.fp8))
+    real_convert = float8.convert_to_fp8
+    monkeypatch.setattr(float8, "convert_to_fp8", lambda *a, **k: real_convert(*a, **k, emulated=True))
+
+    def build(pp: int, rank: int) -> torch.nn.Module:
+        cfg = _cfg(pp)
+        cfg.model.fp8, cfg.model.fp8_recipe = "hybrid", "tensorwise"
+        parallel = SimpleNamespace(world_size=1, pp_size=pp, pp_rank=rank, tp_size=1, dp_size=1, cp_size=1,
+                                   device=torch.device("cpu"), pp_group=None, tp_group=None, cp_group=None,
+                                   dp_group=None)
+        (model,) = build_model(cfg, parallel, cfg.rng.seed)
+        return model
+
+    whole = dict(build(1, 0).named_parameters())
+    for rank in (0, 1):
+        chunk = build(2, rank)
+        linears = {name: type(m) for name, m in chunk.named_modules() if isinstance(m, torch.nn.Linear)}
+        layers = {n: t for n, t in linears.items() if n.startswith("decoder.layers.")}
+        assert chunk_info(chunk).stage_index == rank
+        assert {n.split(".")[2] for n in layers} == {str(2 * rank), str(2 * rank + 1)}  # this stage's layers
+        assert len(layers) >= 4 and set(layers.values()) == {Float8Linear}, linears
+        assert all(t is not Float8Linear for n, t in linears.items() if n not in layers)  # output layer stays
+        for name, param in chunk.named_parameters():
+            assert torch.equal(param, whole[name]), name
+
+
 # ------------------------------------------------------------------------------------------ validate()
 
 

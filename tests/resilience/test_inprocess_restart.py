@@ -64,20 +64,15 @@ def _worker_pids(parent: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) -> None:
-    ref = resilience_config(tmp_path, "ref", ITERS)
-    result = run(["pretrain", "--config", str(write_yaml(ref, tmp_path / "ref.yaml")), "--nproc-per-node", "2"])
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    reference = _train_losses(ref)
-    assert sorted(reference) == list(range(1, ITERS + 1))
+class _KilledRun:
+    """What ``_kill_rank_1_mid_run`` saw: the log, the pids of each rank, the iteration rank 1 died after."""
 
-    cfg = resilience_config(tmp_path, "ipr", ITERS)
-    # only local non-persistent checkpoints before the end: the survivor restores its own file in place
-    cfg.checkpoint.non_persistent_ckpt_type = "local"
-    cfg.checkpoint.non_persistent_save_interval = 2
-    cfg.checkpoint.non_persistent_local_ckpt_dir = str(tmp_path / "node_local")
+    def __init__(self, cfg: Any, out: str, seen: dict[int, set[int]], killed_at: int) -> None:
+        self.cfg, self.out, self.seen, self.killed_at = cfg, out, seen, killed_at
+
+
+def _kill_rank_1_mid_run(tmp_path: Path, cfg: Any) -> _KilledRun:
+    """Run ``cfg`` on 2 ranks under the in-process supervisor and SIGKILL rank 1 after its third iteration."""
     cfg.inprocess_restart = InProcessRestartConfig(
         enabled=True, granularity="rank", monitor_process_interval=0.1, monitor_thread_interval=0.2,
         last_call_wait=0.2, monitor_process_logdir=str(tmp_path / "monitor"))
@@ -109,6 +104,28 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) 
     out = log_path.read_text()
     assert proc.returncode == 0, out[-4000:]
     assert killed_at is not None and killed_at < ITERS
+    return _KilledRun(cfg, out, seen, killed_at)
+
+
+def _reference_losses(cfg: Any, path: Path) -> dict[int, float]:
+    result = run(["pretrain", "--config", str(write_yaml(cfg, path)), "--nproc-per-node", "2"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    reference = _train_losses(cfg)
+    assert sorted(reference) == list(range(1, ITERS + 1))
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) -> None:
+    reference = _reference_losses(resilience_config(tmp_path, "ref", ITERS), tmp_path / "ref.yaml")
+    cfg = resilience_config(tmp_path, "ipr", ITERS)
+    # only local non-persistent checkpoints before the end: the survivor restores its own file in place
+    cfg.checkpoint.non_persistent_ckpt_type = "local"
+    cfg.checkpoint.non_persistent_save_interval = 2
+    cfg.checkpoint.non_persistent_local_ckpt_dir = str(tmp_path / "node_local")
+    killed = _kill_rank_1_mid_run(tmp_path, cfg)
+    out, seen, killed_at = killed.out, killed.seen, killed.killed_at
 
     losses = _train_losses(cfg)
     assert sorted(losses) == list(range(1, ITERS + 1))
@@ -135,6 +152,31 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) 
     rejoin = [line for line in monitor.splitlines() if "rejoined generation 1" in line]
     assert rejoin and "job finished with exit code 0 after 1 in-process restart(s)" in monitor
     print(f"\nin-process restart: rank 1 killed after iteration {killed_at}; {rejoin[0].split(': ', 1)[1]}")
+
+
+def _pp2_tied_config(tmp_path: Path, name: str) -> Any:
+    """Two pipeline stages with tied embeddings: every step sums the tied gradients over the embedding group."""
+    cfg = resilience_config(tmp_path, name, ITERS)
+    cfg.model.pipeline_model_parallel_size = 2
+    cfg.model.share_embeddings_and_output_weights = True
+    return cfg
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_survivor_makes_its_groups_again_after_a_restart(tmp_path: Path) -> None:
+    """PP2, tied embeddings: the surviving stage's process keeps its modules across the restart, and must
+    create the embedding group of the new world with its replaced peer, not reuse the dead world's."""
+    reference = _reference_losses(_pp2_tied_config(tmp_path, "ref"), tmp_path / "ref.yaml")
+    cfg = _pp2_tied_config(tmp_path, "ipr")
+    cfg.checkpoint.save_interval = 2
+    killed = _kill_rank_1_mid_run(tmp_path, cfg)
+    assert len(killed.seen[0]) == 1 and len(killed.seen[1]) == 2, killed.seen
+    assert "rank 0 (pid" in killed.out and "rejoined in generation 1" in killed.out
+    events = [r["event"] for r in metrics_records(cfg) if r.get("phase") == "resilience"]
+    assert events == ["fault", "restart"]
+    losses = _train_losses(cfg)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert losses == reference  # bit-exact: resumed from the last save, the tied gradients summed again
 
 
 # ------------------------------------------------------------------------------- supervisor, stand-in workers
@@ -596,7 +638,7 @@ def test_teardown_waits_for_a_background_save_of_the_failed_run(monkeypatch: Any
     dropped with a warning."""
     from concurrent.futures import Future
 
-    from longspan.training.checkpointing.save import async_save as async_checkpoint
+    from longspan.training.checkpointing import async_save as async_checkpoint
 
     finishing: Future = Future()
     stuck: Future = Future()

@@ -30,9 +30,6 @@ INDEX_VERSION = 1
 _CHUNK = 64 << 20  # bytes per indexing chunk
 _HASH_SPAN = 1 << 20
 
-#: how many times this process has scanned a file to build its index (tests check reuse with it)
-index_builds = 0
-
 
 def file_fingerprint(path: str) -> dict[str, Any]:
     """Size, mtime and a hash of the first and last MiB: changes whenever the file is replaced or edited."""
@@ -93,8 +90,6 @@ class JsonlIndex:
         return table[0], table[1]
 
     def _build(self, workers: int) -> tuple[np.ndarray, np.ndarray]:
-        global index_builds
-        index_builds += 1
         size = os.path.getsize(self.path)
         if size == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from longspan.core.errors import CheckpointError, LongspanError
 
@@ -103,8 +103,6 @@ class SafeFileSystemReader(FileSystemReader):
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP Metadata")
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -8,6 +8,7 @@ Model and optimizer state reshard on load: DTensor-sharded state is read by glob
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,8 +23,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.core.model_parallel_config import copy_model_fields
+from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key
 from longspan.training.checkpointing.io import (
     TRAIN_STATE_FILENAME,
     check_shapes,
@@ -51,6 +55,7 @@ from longspan.training.checkpointing.save import (
     rng_key_for,
     unwrap_optimizer,
 )
+from longspan.training.checkpointing.hf_weights import load_hf_pretrained
 
 logger = get_logger(__name__)
 
@@ -74,7 +79,7 @@ def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
         if not root:
             continue
         root_path = Path(root)
-        if pretrained and _is_hf_model_dir(root_path):
+        if pretrained and is_hf_model_dir(root_path):
             return root_path, 0, True  # Hugging Face weights: load_checkpoint reads them through AutoBridge
         if ckpt_cfg.ckpt_step is not None and not pretrained:
             iteration = ckpt_cfg.ckpt_step
@@ -95,12 +100,6 @@ def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
             raise CheckpointError(f"checkpoint {directory} is missing or incomplete (no .metadata file)")
         return directory, iteration, pretrained or ckpt_cfg.finetune
     return None
-
-
-def _is_hf_model_dir(path: Path) -> bool:
-    from longspan.conversion import is_hf_model_dir
-
-    return is_hf_model_dir(path)
 
 
 def _stored_keys(directory: Path) -> set[str]:
@@ -132,9 +131,7 @@ def load_checkpoint(
     if found is None:
         return None
     directory, iteration, finetune = found
-    if _is_hf_model_dir(directory):
-        from longspan.training.checkpointing.hf_weights import load_hf_pretrained
-
+    if is_hf_model_dir(directory):
         load_hf_pretrained(directory, model, select=model_keys)
         return LoadedCheckpoint(directory, 0, None)
     module = checkpoint_module(model)
@@ -147,27 +144,14 @@ def load_checkpoint(
     check_shapes(directory, model_sd, "model")
     load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
     load_rng = ckpt_cfg.load_rng and not finetune
-    if load_optim and not any(k.startswith("optimizer.") for k in stored):
-        raise CheckpointError(
-            f"checkpoint {directory} holds no optimizer state (saved with save_optim=false); "
-            "set checkpoint.load_optim=false to load the weights only"
-        )
-
     to_load: dict[str, Any] = {"model": model_sd}
     torch_optimizer = unwrap_optimizer(optimizer) if load_optim else None
     main_module = optimizer_module(module, optimizer) if load_optim else module
     if load_optim:
-        to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored))
+        to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored, directory))
     if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
         to_load["scheduler"] = opt_param_scheduler.state_dict()
-    rng_key = rng_key_for(current_rank(), current_world_size())
-    has_rng = load_rng and any(k.startswith(f"rng.{rng_key}") for k in stored)
-    if has_rng:
-        to_load["rng"] = {rng_key: get_rng_state()}
-    elif load_rng:
-        print_rank_0(
-            "checkpoint holds no RNG state for this world size; generators start from the seed instead", logger
-        )
+    rng_key, has_rng = _add_rng_template(to_load, stored, load_rng)
     if not finetune and "rerun_state_machine" in {k.split(".")[0] for k in stored}:
         rerun = rerun_state(state)
         if rerun:
@@ -193,9 +177,27 @@ def load_checkpoint(
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
 
 
+def _add_rng_template(to_load: dict[str, Any], stored: set[str], load_rng: bool) -> tuple[str, bool]:
+    """This rank's RNG-state key, and whether its state is loaded (a template added to ``to_load``)."""
+    rng_key = rng_key_for(current_rank(), current_world_size())
+    has_rng = load_rng and any(k.startswith(f"rng.{rng_key}") for k in stored)
+    if has_rng:
+        to_load["rng"] = {rng_key: get_rng_state()}
+    elif load_rng:
+        print_rank_0(
+            "checkpoint holds no RNG state for this world size; generators start from the seed instead", logger
+        )
+    return rng_key, has_rng
+
+
 def _optimizer_sections(optimizer: Any, torch_optimizer: torch.optim.Optimizer | None, module: torch.nn.Module,
-                        main_module: torch.nn.Module, stored: set[str]) -> dict[str, Any]:
+                        main_module: torch.nn.Module, stored: set[str], directory: Path) -> dict[str, Any]:
     """The optimizer's templates for ``dcp.load``: its state, the main params and extra state the checkpoint has."""
+    if not any(k.startswith("optimizer.") for k in stored):
+        raise CheckpointError(
+            f"checkpoint {directory} holds no optimizer state (saved with save_optim=false); "
+            "set checkpoint.load_optim=false to load the weights only"
+        )
     sections: dict[str, Any] = {
         "optimizer": get_optimizer_state_dict(main_module, torch_optimizer, options=OPTIM_SD_OPTIONS)}
     if main_module is not module and any(k.startswith("main_params.") for k in stored):
@@ -258,20 +260,16 @@ def load_peft_checkpoint(
     """PEFT: the frozen base from ``pretrained_checkpoint`` (weights only), then, when ``checkpoint.load`` holds
     a checkpoint of this run, its adapters, optimizer, scheduler, RNG and progress. Starting fresh, DoRA's
     magnitudes are set from the loaded base."""
-    import dataclasses as _dc
-
-    from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key
-
     ckpt_cfg = state.cfg.checkpoint
     if not ckpt_cfg.pretrained_checkpoint:
         raise CheckpointError(
             "peft is set but checkpoint.pretrained_checkpoint is not: adapters train on a pretrained base; set it "
             "to a longspan checkpoint (or Hugging Face model directory)"
         )
-    base_cfg = _dc.replace(ckpt_cfg, load=None)
+    base_cfg = dataclasses.replace(ckpt_cfg, load=None)
     load_checkpoint(state, model, None, None, checkpointing_context=checkpointing_context,
                     checkpoint_config=base_cfg, model_keys=lambda k: not is_adapter_key(k))
-    resume_cfg = _dc.replace(ckpt_cfg, pretrained_checkpoint=None)
+    resume_cfg = dataclasses.replace(ckpt_cfg, pretrained_checkpoint=None)
     if resume_cfg.load and find_checkpoint(resume_cfg) is not None:
         return load_checkpoint(state, model, optimizer, opt_param_scheduler,
                                checkpointing_context=checkpointing_context, checkpoint_config=resume_cfg,
@@ -310,10 +308,8 @@ def apply_checkpoint_args(cfg: Any) -> list[str]:
     Every model field except the parallel layout (ModelParallelConfig's fields) is copied, so a run resumes
     with the saved architecture whatever the recipe says. Returns the names of the fields that changed.
     """
-    from longspan.core.model_parallel_config import copy_model_fields
-
     found = find_checkpoint(cfg.checkpoint)
-    if found is None or _is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
+    if found is None or is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
         return []
     run_config = found[0] / RUN_CONFIG_FILENAME
     if not run_config.is_file():

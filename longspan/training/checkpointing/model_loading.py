@@ -24,9 +24,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from longspan.config.overrides import apply_overrides
+from longspan.config.schema.container import ConfigContainer
+from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer
+from longspan.models.builder import build_meta_model
+from longspan.parallel.pipeline import state_dict_module
+from longspan.peft.adapters import is_adapter_key, merge_adapters as merge_adapter_weights
+from longspan.training.checkpointing.hf_weights import load_hf_pretrained
 from longspan.training.checkpointing.io import check_shapes, iteration_from_dir, load_shards, single_process_quiet
 from longspan.training.checkpointing.load import use_saved_tokenizer
 from longspan.training.checkpointing.save import (
@@ -36,6 +42,7 @@ from longspan.training.checkpointing.save import (
     get_checkpoint_dir,
     read_tracker,
 )
+from longspan.training.setup import build_model
 
 logger = get_logger(__name__)
 
@@ -109,8 +116,6 @@ def load_checkpoint_config(path: str | os.PathLike, overrides: Sequence[str] = (
 
     Unless an override names a ``tokenizer.`` field, the tokenizer is the one saved with the checkpoint.
     """
-    from longspan.config.schema.container import ConfigContainer
-
     directory, iteration = resolve_checkpoint_dir(path)
     cfg = ConfigContainer.from_yaml(str(directory / RUN_CONFIG_FILENAME))
     saved_tokenizer = directory / TOKENIZER_DIRNAME
@@ -123,8 +128,6 @@ def load_checkpoint_config(path: str | os.PathLike, overrides: Sequence[str] = (
 def load_model_weights(directory: Path, model: list[nn.Module], select: Callable[[str], bool] | None = None) -> None:
     """Load the ``model.*`` tensors of the checkpoint in ``directory`` into ``model`` (any layout); ``select``
     limits the tensors to those names (PEFT: base and adapters come from two checkpoints)."""
-    from longspan.parallel.pipeline import state_dict_module
-
     module = state_dict_module(model)
     model_sd = get_model_state_dict(module)
     if select is not None:
@@ -138,19 +141,14 @@ def load_model_weights(directory: Path, model: list[nn.Module], select: Callable
 
 def _load_adapter_checkpoint(cfg: Any, directory: Path, model: list[nn.Module]) -> None:
     """PEFT: the base from the ``pretrained_checkpoint`` saved in the config, then the adapters of ``directory``."""
-    from longspan.peft.adapters import is_adapter_key
-
     base = cfg.checkpoint.pretrained_checkpoint
     if not base:
         raise CheckpointError(
             f"checkpoint {directory} holds adapters (peft is set) but its config names no "
             "checkpoint.pretrained_checkpoint to take the base model from; pass checkpoint.pretrained_checkpoint=DIR"
         )
-    from longspan.conversion import is_hf_model_dir
 
     if is_hf_model_dir(base):
-        from longspan.training.checkpointing.hf_weights import load_hf_pretrained
-
         load_hf_pretrained(base, model, select=lambda k: not is_adapter_key(k))
     else:
         base_dir, _ = resolve_checkpoint_dir(base)
@@ -164,8 +162,6 @@ def _default_device() -> torch.device:
 
 def _build_one_process(cfg: Any, device: torch.device) -> list[nn.Module]:
     """The whole model on ``device``, memory allocated but not drawn (the checkpoint fills it)."""
-    from longspan.models.builder import build_meta_model
-
     for name, value in _ONE_PROCESS_LAYOUT.items():
         if hasattr(cfg.model, name):
             setattr(cfg.model, name, value)
@@ -225,17 +221,13 @@ def load_model_from_checkpoint(
     elif merge_adapters and cfg.peft is not None:
         raise CheckpointError("merge_adapters=True needs the whole model on one process: pass parallel=None")
     else:
-        from longspan.training.setup import build_model
-
         if device is not None:
             raise CheckpointError("device= is for one-process loads; with parallel= the device is the layout's")
         model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:
         _load_adapter_checkpoint(cfg, found.directory, model)
         if merge_adapters:
-            from longspan.peft.adapters import merge_adapters as merge
-
-            model = [merge(chunk) for chunk in model]
+            model = [merge_adapter_weights(chunk) for chunk in model]
             cfg.peft = None
     else:
         load_model_weights(found.directory, model)

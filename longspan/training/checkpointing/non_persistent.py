@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
@@ -122,8 +123,6 @@ def _to_local(obj: Any) -> Any:
 def _from_local(saved: Any, like: Any) -> Any:
     """Rebuild a value saved by ``_to_local`` on the device (and DTensor layout) of ``like``."""
     if isinstance(saved, dict) and _SHARD_MARK in saved:
-        from torch.distributed.tensor import DTensor
-
         if not isinstance(like, DTensor):
             raise CheckpointError("a local non-persistent checkpoint holds a sharded tensor where the model has none; "
                                   "the parallel layout changed since it was saved")

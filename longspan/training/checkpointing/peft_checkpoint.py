@@ -12,17 +12,22 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import torch.distributed as dist
+
+from longspan.conversion import AutoBridge
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.parallel.init import detect_launch
+from longspan.peft.hf_export import save_hf_peft_adapter
+from longspan.training.checkpointing.hf_weights import hf_pretrained_dir
+from longspan.training.checkpointing.model_loading import load_checkpoint_config, load_model_from_checkpoint
+from longspan.training.checkpointing.save import save_checkpoint
+from longspan.training.state import GlobalState
 
 logger = get_logger(__name__)
 
 
 def _require_single_process(what: str) -> None:
-    import torch.distributed as dist
-
-    from longspan.parallel.init import detect_launch
-
     if detect_launch().world_size > 1 or (dist.is_initialized() and dist.get_world_size() > 1):
         raise CheckpointError(f"{what} runs on one process (the adapters are small): launch it without torchrun")
 
@@ -31,10 +36,6 @@ def merge_adapter_checkpoint(checkpoint: str | os.PathLike, output: str | os.Pat
                              overrides: Sequence[str] = ()) -> Path:
     """Write a full longspan checkpoint (iteration kept, weights only) with the adapters of ``checkpoint``
     folded into the base weights; its config has ``peft`` unset. Returns the save root ``output``."""
-    from longspan.training.checkpointing.save import save_checkpoint
-    from longspan.training.checkpointing.model_loading import load_checkpoint_config, load_model_from_checkpoint
-    from longspan.training.state import GlobalState
-
     _require_single_process("peft merge")
     if load_checkpoint_config(checkpoint, list(overrides)).cfg.peft is None:
         raise CheckpointError(f"checkpoint {checkpoint} holds no adapters (its config has no peft): nothing to merge")
@@ -57,11 +58,6 @@ def export_adapter_checkpoint(checkpoint: str | os.PathLike, output: str | os.Pa
                               overrides: Sequence[str] = (), architecture: str | None = None) -> Path:
     """Write the adapters of ``checkpoint`` as an HF PEFT adapter directory (``adapter_config.json`` +
     ``adapter_model.safetensors``) for the HF form of its base model."""
-    from longspan.conversion import AutoBridge
-    from longspan.peft.hf_export import save_hf_peft_adapter
-    from longspan.training.checkpointing.hf_weights import hf_pretrained_dir
-    from longspan.training.checkpointing.model_loading import load_checkpoint_config, load_model_from_checkpoint
-
     _require_single_process("convert export --adapter-only")
     if load_checkpoint_config(checkpoint, list(overrides)).cfg.peft is None:
         raise CheckpointError(

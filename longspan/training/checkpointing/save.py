@@ -35,9 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from longspan.core.errors import CheckpointError
-from longspan.training.checkpointing.async_save import finalize_async_saves, start_async_save
-from longspan.training.checkpointing.io import TRAIN_STATE_FILENAME, single_process_quiet
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.parallel.pipeline import state_dict_module
+from longspan.peft.adapters import is_adapter_key
+from longspan.training.checkpointing.async_save import finalize_async_saves, start_async_save
+from longspan.training.checkpointing.hf_weights import HF_SUBDIR, save_hf_checkpoint
+from longspan.training.checkpointing.io import TRAIN_STATE_FILENAME, single_process_quiet
 
 logger = get_logger(__name__)
 
@@ -158,8 +161,6 @@ def optimizer_module(module: torch.nn.Module, optimizer: Any) -> torch.nn.Module
 def checkpoint_module(model: list[torch.nn.Module]) -> torch.nn.Module:
     """The module to save/load: the chunk itself, or (pipeline stages) one module holding every chunk's
     parameters under the unpipelined names, so checkpoints move between pipeline layouts."""
-    from longspan.parallel.pipeline import state_dict_module
-
     return state_dict_module(model)
 
 
@@ -274,8 +275,6 @@ def save_checkpoint(
     _barrier()
 
     if getattr(ckpt_cfg, "also_save_hf_checkpoint", False):  # collective; renamed into place with the rest
-        from longspan.training.checkpointing.hf_weights import HF_SUBDIR, save_hf_checkpoint
-
         save_hf_checkpoint(state, model, partial_dir / HF_SUBDIR)
     state_dict = _build_state_dict(
         model,
@@ -340,6 +339,5 @@ def _adapter_keys(cfg: Any) -> Callable[[str], bool] | None:
     """With PEFT, the model tensors a checkpoint holds: the adapters' (``longspan.peft``)."""
     if getattr(cfg, "peft", None) is None:
         return None
-    from longspan.peft.adapters import is_adapter_key
 
     return is_adapter_key

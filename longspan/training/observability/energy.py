@@ -72,6 +72,7 @@ class _NvmlCounter:
     """This rank's GPU energy counter through pynvml (millijoules since the driver loaded)."""
 
     def __init__(self, device_index: int) -> None:
+        # optional dependency: NVIDIA's management library, only on CUDA machines
         import pynvml
 
         pynvml.nvmlInit()

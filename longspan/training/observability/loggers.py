@@ -152,6 +152,7 @@ def build_tensorboard_writer(logger_cfg: Any) -> Optional[Any]:
     tb_dir = _field(logger_cfg, "tensorboard_dir")
     if not tb_dir:
         return None
+    # start-up time: tensorboard loads only when a run writes to it
     from torch.utils.tensorboard import SummaryWriter
 
     logger.info(f"> setting tensorboard in {tb_dir}")

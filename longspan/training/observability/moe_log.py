@@ -25,6 +25,7 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     model_cfg = getattr(config, "model", None)
     if not getattr(model_cfg, "num_moe_experts", None):
         return {}
+    # model code on first use: train_utils and the loggers import no model module (tests/training/test_state.py)
     from longspan.models.moe import moe_layer_metrics, reset_moe_metrics
 
     chunks = model if isinstance(model, list) else [model]

@@ -510,57 +510,64 @@ def get_megatron_optimizer(
     if not param_groups:
         raise ConfigError("model has no trainable parameters: the optimizer needs at least one")
     all_params = [p for g in param_groups for p in g["params"]]
-    device_types = {p.device.type for p in all_params}
+    optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
+    grad_scaler = _grad_scaler(config, all_params[0].device)
+    return MegatronOptimizer(optimizer, config, grad_scaler)
+
+
+def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:
+    """The fused/foreach keyword for torch's optimizers that these parameters allow."""
     dtensors = [p for p in all_params if _is_dtensor(p)]
     if not dtensors:
         # torch's fused kernels (one pass over each tensor instead of ~10 foreach ops: 15x faster AdamW on a
         # CPU, benchmarks/bench_train_step.py) need every tensor on CUDA or every tensor on the CPU.
-        fast = {"fused": True} if device_types in ({"cuda"}, {"cpu"}) else {"foreach": True}
-    else:
-        # foreach kernels reject lists mixing DTensors with plain tensors or DTensors of different meshes
-        # (e.g. tensor parallel leaving norm weights unsharded): fall back to the per-tensor loop then.
-        one_mesh = len({id(p.device_mesh) for p in dtensors}) == 1
-        fast = {"foreach": len(dtensors) == len(all_params) and one_mesh}
+        device_types = {p.device.type for p in all_params}
+        return {"fused": True} if device_types in ({"cuda"}, {"cpu"}) else {"foreach": True}
+    # foreach kernels reject lists mixing DTensors with plain tensors or DTensors of different meshes
+    # (e.g. tensor parallel leaving norm weights unsharded): fall back to the per-tensor loop then.
+    one_mesh = len({id(p.device_mesh) for p in dtensors}) == 1
+    return {"foreach": len(dtensors) == len(all_params) and one_mesh}
 
+
+def _torch_optimizer(config: Any, name: str, precision_aware: bool, param_groups: list[dict[str, Any]],
+                     fast: dict[str, bool]) -> torch.optim.Optimizer:
+    """The torch optimizer ``optimizer.optimizer`` names (AdamW, Adam, SGD, or the precision-aware AdamW)."""
     lr = config.lr
     weight_decay = getattr(config, "weight_decay", 0.0)
+    betas = (getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999))
+    eps = getattr(config, "adam_eps", 1e-8)
     if precision_aware:
         # Moments stored in exp_avg_dtype / exp_avg_sq_dtype, update computed in fp32 (precision_aware_adam).
-        optimizer = PrecisionAwareAdamW(
-            param_groups, lr=lr, weight_decay=weight_decay,
-            betas=(getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999)),
-            eps=getattr(config, "adam_eps", 1e-8),
+        return PrecisionAwareAdamW(
+            param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
             decoupled_weight_decay=getattr(config, "decoupled_weight_decay", True),
             exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
             exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32),
         )
-    elif name == "adam":
-        betas = (getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999))
-        eps = getattr(config, "adam_eps", 1e-8)
+    if name == "adam":
         cls = torch.optim.AdamW if getattr(config, "decoupled_weight_decay", True) else torch.optim.Adam
-        optimizer = cls(param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **fast)
-    elif name == "sgd":
+        return cls(param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **fast)
+    if name == "sgd":
         momentum = getattr(config, "sgd_momentum", 0.9)
-        optimizer = torch.optim.SGD(param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum, **fast)
-    else:
-        raise ConfigError(f"optimizer.optimizer={name!r} is invalid: valid optimizers are 'adam' and 'sgd'")
+        return torch.optim.SGD(param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum, **fast)
+    raise ConfigError(f"optimizer.optimizer={name!r} is invalid: valid optimizers are 'adam' and 'sgd'")
 
-    fp16 = bool(getattr(config, "fp16", False))
-    bf16 = bool(getattr(config, "bf16", False))
-    device = all_params[0].device
-    grad_scaler: MegatronGradScaler | None = None
-    if fp16 or bf16:
-        loss_scale = getattr(config, "loss_scale", None)
-        if loss_scale:
-            grad_scaler = ConstantGradScaler(loss_scale, device=device)
-        elif fp16:
-            grad_scaler = DynamicGradScaler(
-                initial_scale=getattr(config, "initial_loss_scale", 2**32),
-                min_scale=getattr(config, "min_loss_scale", 1.0),
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=getattr(config, "loss_scale_window", 1000),
-                hysteresis=getattr(config, "hysteresis", 2),
-                device=device,
-            )
-    return MegatronOptimizer(optimizer, config, grad_scaler)
+
+def _grad_scaler(config: Any, device: torch.device) -> MegatronGradScaler | None:
+    """Megatron-core's loss scaler: constant with ``loss_scale`` (fp16 or bf16), dynamic for fp16 without it."""
+    if not (getattr(config, "fp16", False) or getattr(config, "bf16", False)):
+        return None
+    loss_scale = getattr(config, "loss_scale", None)
+    if loss_scale:
+        return ConstantGradScaler(loss_scale, device=device)
+    if getattr(config, "fp16", False):
+        return DynamicGradScaler(
+            initial_scale=getattr(config, "initial_loss_scale", 2**32),
+            min_scale=getattr(config, "min_loss_scale", 1.0),
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=getattr(config, "loss_scale_window", 1000),
+            hysteresis=getattr(config, "hysteresis", 2),
+            device=device,
+        )
+    return None

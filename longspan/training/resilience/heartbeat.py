@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger
 
 logger = get_logger(__name__)
@@ -203,8 +204,6 @@ class RankHeartbeat:
         rng = random.Random(seed)  # the same draw on every rank
         target = cfg.simulated_fault_rank if cfg.simulated_fault_rank is not None else rng.randrange(self.world_size)
         if target >= self.world_size:
-            from longspan.core.errors import ConfigError
-
             raise ConfigError(f"ft.simulated_fault_rank={target} is not a rank of this {self.world_size}-rank run")
         kind = cfg.simulated_fault_type if cfg.simulated_fault_type != "random" else rng.choice(["rank_hung", "rank_killed"])
         delay = cfg.simulated_fault_base_delay + rng.random()
@@ -429,6 +428,7 @@ class HeartbeatMonitor(threading.Thread):
 
 def monitor_reporter(save_dir: Optional[str], metrics_path: Optional[str], world_size: int) -> Callable[[str, dict], None]:
     """The launcher's event sink: a log line, a progress.txt entry and a metrics.jsonl record per detection."""
+    # events imports torch: the launcher's heartbeat monitor runs without it (start-up time)
     from longspan.training.resilience.events import append_event_files
 
     def report(message: str, record: dict[str, Any]) -> None:

@@ -7,6 +7,8 @@ from typing import Any
 from longspan.core.logging import get_logger
 from longspan.training.resilience.events import report_event
 from longspan.training.resilience.rerun import RerunStateMachine
+from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV, RankHeartbeat
+from longspan.training.resilience.straggler import StragglerDetector, straggler_settings
 
 logger = get_logger(__name__)
 
@@ -49,8 +51,6 @@ def after_forward_backward(state: Any, iteration: int) -> tuple[bool, bool, int]
 
 def start_fault_tolerance(state: Any) -> None:
     """Setup: this rank's heartbeat (``ft.enable_ft_package``) and the simulated fault (``ft.simulate_fault``)."""
-    from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV, RankHeartbeat
-
     cfg = state.cfg
     parallel = state.parallel
     beat = RankHeartbeat(cfg.ft, cfg.checkpoint.save, parallel.rank, parallel.world_size)
@@ -91,8 +91,6 @@ def checkpoint_phase_finished(state: Any) -> None:
 
 def start_straggler_detection(state: Any) -> None:
     """Setup: the straggler detector when ``straggler.log_straggler`` or ``nvrx_straggler.enabled`` is on."""
-    from longspan.training.resilience.straggler import StragglerDetector, straggler_settings
-
     settings = straggler_settings(state.cfg)
     state.straggler_detector = None if settings is None else StragglerDetector(
         settings, check_every=state.cfg.logger.log_interval or 1, device=state.device)

@@ -27,8 +27,9 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
-from longspan.core.errors import LaunchError
+from longspan.core.errors import LaunchError, LongspanError
 from longspan.core.logging import get_logger
+from longspan.parallel.init import destroy_distributed
 
 logger = get_logger(__name__)
 
@@ -69,6 +70,7 @@ def in_supervised_worker(env: Optional[Mapping[str, str]] = None) -> bool:
 
 def connect_store(address: str, timeout: float) -> Any:
     """A client of the supervisor's TCPStore at ``host:port``."""
+    # torch on first use: the supervisor imports this module without torch (start-up time)
     import torch.distributed as dist
 
     host, _, port = address.rpartition(":")
@@ -190,6 +192,7 @@ def wait_for_next_generation(store: Any, generation: int, timeout: float) -> Opt
 
 def _is_peer_failure(exc: BaseException) -> bool:
     """Errors a peer's failure causes here: a collective or store operation that lost its peer."""
+    # torch on first use: the supervisor imports this module without torch (start-up time)
     import torch.distributed as dist
 
     if isinstance(exc, (RestartAbort, dist.DistError, ConnectionError, TimeoutError)):
@@ -201,8 +204,9 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 def init_process_group(store: Any, generation: int, rank: int, world_size: int, timeout_minutes: float) -> None:
     """This generation's default process group, on its own key space of the supervisor's store."""
+    # torch on first use: the supervisor imports this module without torch (start-up time)
     import torch
-    import torch.distributed as dist
+    import torch.distributed as dist  # (same reason)
 
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/pg", store), rank=rank,
@@ -216,10 +220,10 @@ _ASYNC_SAVE_GRACE_S = 30.0
 def reset_process_state(empty_cuda_cache: bool) -> None:
     """Forget everything one training run left in the process: process groups and longspan's parallel state,
     compiled graphs, the CUDA cache (``empty_cuda_cache``), then collect garbage."""
+    # torch on first use: the supervisor imports this module without torch (start-up time)
     import torch
 
-    from longspan.parallel.init import destroy_distributed
-    from longspan.training.checkpointing.async_save import abandon_in_flight_saves
+    from longspan.training.checkpointing.async_save import abandon_in_flight_saves  # imports torch (as above)
 
     # A background save of the failed run still uses the checkpoint group: let it end before the groups go.
     running = abandon_in_flight_saves(timeout=_ASYNC_SAVE_GRACE_S)
@@ -230,6 +234,7 @@ def reset_process_state(empty_cuda_cache: bool) -> None:
         destroy_distributed()
     except Exception as exc:  # noqa: BLE001 - a group whose peer died may fail to shut down cleanly
         logger.warning(f"in-process restart: destroying the process group failed ({exc}); continuing")
+        # torch on first use: the supervisor imports this module without torch (start-up time)
         import torch.distributed as dist
 
         dist.distributed_c10d._world.pg_map.clear()  # noqa: SLF001 - make sure init_process_group can run again
@@ -259,8 +264,6 @@ def _attempt(monitor: WorkerMonitor, generation: int, train: Callable[[Any], int
 
 
 def _exit_code_of(exc: BaseException) -> int:
-    from longspan.core.errors import LongspanError
-
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 2 if isinstance(exc, LongspanError) else 1  # the CLI turns longspan's own errors into exit code 2

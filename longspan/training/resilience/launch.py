@@ -39,6 +39,7 @@ def fault_tolerance_monitor(cfg: Any, args: Any, world_size: int) -> Iterator[di
     if cfg.ft is None or not cfg.ft.enable_ft_package:
         yield env
         return
+    # loggers import torch: the launcher's fault-tolerance monitor runs without it (start-up time)
     from longspan.training.observability.loggers import metrics_jsonl_path
 
     given = os.environ.get(HEARTBEAT_DIR_ENV)

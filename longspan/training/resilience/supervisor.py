@@ -44,6 +44,7 @@ from longspan.training.resilience.inprocess import (
     heartbeat_key,
     progress_key,
 )
+from longspan.parallel.launcher import last_log_line
 
 logger = get_logger(__name__)
 
@@ -130,6 +131,7 @@ def supervisor_reporter(save_dir: Optional[str], metrics_path: Optional[str], wo
                         log_dir: Optional[str]) -> Reporter:
     """The supervisor's event sink: ``report(kind, message, record)`` -> a log line, a progress.txt entry and a
     metrics.jsonl record (and a monitor log line)."""
+    # events imports torch: the supervisor process runs without it (start-up time)
     from longspan.training.resilience.events import append_event_files
 
     def report(kind: str, message: str, record: dict) -> None:
@@ -218,6 +220,7 @@ class InProcessSupervisor:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def run(self) -> int:
+        # torch on first use: the supervisor process runs without torch (start-up time)
         import torch.distributed as dist
 
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -370,7 +373,6 @@ class InProcessSupervisor:
     def _failure_line(self, rank: int, returncode: int) -> str:
         """One line for a failed rank: how it ended, the last line of its stderr, where the full log is."""
         line = f"longspan: error: rank {rank} {describe_exit(returncode)}"
-        from longspan.parallel.launcher import last_log_line
 
         path = self.stderr_files.get(rank)
         last = last_log_line(path)

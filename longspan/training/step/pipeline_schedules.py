@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError
+from longspan.parallel.init import get_parallel_state
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads
 from longspan.training.step.loss_checks import check_finite, set_moe_aux_loss_scale
@@ -260,8 +261,6 @@ def forward_backward_pipelining(
     ``parallel`` (default: the process's ``ParallelState``).
     """
     if parallel is None:
-        from longspan.parallel.init import get_parallel_state
-
         parallel = get_parallel_state()
     runtime = _runtime(model, num_microbatches, forward_only, schedule, parallel)
     set_moe_aux_loss_scale(grad_scale_func, num_microbatches, calculate_per_token_loss)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.training.step.loss_checks import TrainingDivergedError  # noqa: F401 - re-exported (its old home)
 from longspan.training.step.loss_checks import check_finite, set_moe_aux_loss_scale
+from longspan.training.step.pipeline_schedules import forward_backward_pipelining
 
 
 def no_sync_context(model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -33,8 +34,6 @@ def no_sync_context(model: torch.nn.Module) -> contextlib.AbstractContextManager
 def get_forward_backward_func(pipeline_model_parallel_size: int) -> Callable:
     """Megatron's chooser: the pipelined schedules when there is more than one pipeline stage."""
     if pipeline_model_parallel_size > 1:
-        from longspan.training.step.pipeline_schedules import forward_backward_pipelining
-
         return forward_backward_pipelining
     return forward_backward_no_pipelining
 

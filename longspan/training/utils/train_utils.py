@@ -49,7 +49,6 @@ ModelHook = Callable[[Union[ModelList, nn.Module]], Optional[ModelList]]
 __all__ = [
     "LinearForLastLayer",
     "MEMORY_KEYS",
-    "REPLICATED_MODULE_TYPES",
     "ModelHook",
     "ModelList",
     "_MoeMetricFanoutWriter",
@@ -82,20 +81,12 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- value heads
-# Names of module types that tensor-parallel plans must leave replicated (never shard, never wrap in a
-# colwise/rowwise style). parallel/ consults this registry when it builds a plan; a value head is tiny and
-# its output must be whole on every rank.
-REPLICATED_MODULE_TYPES: set[str] = set()
 
 
 def _register_linear_for_last_layer_mapping() -> None:
-    """Register ``LinearForLastLayer`` as a module type tensor-parallel plans leave replicated.
-
-    In Megatron Bridge this registers the head with the HF weight-conversion mapping as "replicated"; in
-    longspan the same fact goes into ``REPLICATED_MODULE_TYPES``, which the tensor-parallel planner reads.
-    Idempotent.
-    """
-    REPLICATED_MODULE_TYPES.add(LinearForLastLayer.__name__)
+    """Megatron Bridge's hook registering ``LinearForLastLayer`` with its HF weight-conversion mappings as a
+    replicated parameter. longspan's conversion tables have no value-head entry, so there is nothing to
+    register; kept under Bridge's name for scripts that call it."""
 
 
 class LinearForLastLayer(nn.Linear):

@@ -11,29 +11,30 @@ import pytest
 import torch
 
 from longspan.core.errors import ConfigError, DataError
-from longspan.data.sft import jsonl_index
 from longspan.data.sft.dataset import EpochSampleMap, SFTDataset
 from longspan.data.sft.formatting import parse_format_options
 from longspan.data.sft.jsonl_index import JsonlIndex
 from tests.data.sft.conftest import qa_records, write_jsonl
 
 
-def test_index_is_built_once_and_reused(tmp_path):
+def test_index_is_built_once_and_reused(tmp_path, monkeypatch):
+    scans = []
+    build = JsonlIndex._build
+    monkeypatch.setattr(JsonlIndex, "_build", lambda self, workers: scans.append(self.path) or build(self, workers))
     path = write_jsonl(str(tmp_path / "training.jsonl"), qa_records(50) + [""] + qa_records(3, seed=1))
-    before = jsonl_index.index_builds
     index = JsonlIndex(path)
-    assert jsonl_index.index_builds == before + 1 and len(index) == 53  # the blank line is not a record
+    assert scans == [path] and len(index) == 53  # the blank line is not a record
     assert os.path.isfile(path + ".idx.npy") and os.path.isfile(path + ".idx.json")
     cache_mtime = os.stat(path + ".idx.npy").st_mtime_ns
     again = JsonlIndex(path)
-    assert jsonl_index.index_builds == before + 1  # reused: the file was not scanned again
+    assert scans == [path]  # reused: the file was not scanned again
     assert os.stat(path + ".idx.npy").st_mtime_ns == cache_mtime
     assert again.record(52) == qa_records(3, seed=1)[2]
     assert index.line_number(52) == 54
     # an edited file (same size or not) gets a new index
     time.sleep(0.01)
     write_jsonl(path, qa_records(7, seed=5))
-    assert len(JsonlIndex(path)) == 7 and jsonl_index.index_builds == before + 2
+    assert len(JsonlIndex(path)) == 7 and scans == [path, path]
 
 
 def test_index_handles_crlf_missing_final_newline_and_workers(tmp_path):

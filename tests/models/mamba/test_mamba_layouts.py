@@ -37,32 +37,33 @@ def _config(run_dir: str, recipe: str, dp_mode: str = "ddp", pp: int = 1, tp: in
 def _run(run_dir: str, recipe: str, **layout) -> tuple[str, list]:
     """Worker task: pretrain; returns the class of the trained model (one-stage layouts) and the layers of
     each model this rank built."""
-    import longspan.models.builder as builder
+    import longspan.parallel.parallelize as parallelize_mod
+    import longspan.parallel.pipeline as pipeline_mod
     import longspan.training.setup as setup_mod
     from longspan.training.pretrain import pretrain
 
     seen: dict = {"layers": []}
-    original = setup_mod.parallelize_model
-    original_build = builder.build_meta_model
+    original = parallelize_mod.parallelize_model
+    original_build = setup_mod.build_meta_model
 
     def build_spy(*args, **kwargs):
         model = original_build(*args, **kwargs)
         seen["layers"].append(list(model.decoder.layers))
         return model
 
-    builder.build_meta_model = build_spy
+    setup_mod.build_meta_model = pipeline_mod.build_meta_model = build_spy  # one model, or each pipeline chunk
 
     def spy(model, cfg, parallel):
         wrapped = original(model, cfg, parallel)
         seen["wrapper"] = type(wrapped).__name__
         return wrapped
 
-    setup_mod.parallelize_model = spy
+    parallelize_mod.parallelize_model = spy
     try:
         pretrain(_config(run_dir, recipe, **layout))
     finally:
-        setup_mod.parallelize_model = original
-        builder.build_meta_model = original_build
+        parallelize_mod.parallelize_model = original
+        setup_mod.build_meta_model = pipeline_mod.build_meta_model = original_build
     return seen.get("wrapper", ""), seen["layers"]
 
 
@@ -99,10 +100,9 @@ LAYOUTS = {  # name: (world size, overrides, model class after parallelize_model
 def test_layout_matches_one_process(name: str, recipe: str, references: dict, tmp_path: Path) -> None:
     world, overrides, wrapper = LAYOUTS[name]
     results = get_shared_pool(world).run(_run, str(tmp_path), recipe, timeout=300, **overrides)
-    if name == "pp2":  # the cut falls inside the pattern; stages are parallelized in build_pipeline_chunks
+    assert [w for w, _ in results] == [wrapper] * world
+    if name == "pp2":  # the cut falls inside the pattern
         assert [layers for _, layers in results] == [[["0", "1"]], [["2", "3"]]]
-    else:
-        assert [w for w, _ in results] == [wrapper] * world
     got, want = _logged(str(tmp_path)), references[recipe]
     assert got["iterations"] == list(range(1, ITERS + 1)) == want["iterations"]
     for key in ("losses", "norms"):

@@ -35,11 +35,11 @@ def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: 
 def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
     """Worker task: pretrain; returns the trained model's class after the parallel plans and the local shape
     of a few parameters on this rank."""
-    import longspan.training.setup as setup_mod
+    import longspan.parallel.parallelize as parallelize_mod
     from longspan.training.pretrain import pretrain
 
     seen: dict = {}
-    original = setup_mod.parallelize_model
+    original = parallelize_mod.parallelize_model
 
     def spy(model, cfg, parallel):
         wrapped = original(model, cfg, parallel)
@@ -53,11 +53,11 @@ def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
         seen["shapes"] = shapes
         return wrapped
 
-    setup_mod.parallelize_model = spy
+    parallelize_mod.parallelize_model = spy
     try:
         pretrain(_config(run_dir, data_dir, **layout))
     finally:
-        setup_mod.parallelize_model = original
+        parallelize_mod.parallelize_model = original
     return seen.get("wrapper", ""), seen.get("shapes", {})
 
 

@@ -1,4 +1,4 @@
-"""Every configuration class of a training run (seed 000, plus the Megatron Core configs it borrows).
+"""Every configuration class of a training run (Bridge's training.config, plus the Megatron Core configs it borrows).
 
 Dataclasses only: construction never validates. ``ConfigContainer.validate()`` resolves defaults, derives
 the data-parallel size, the number of microbatches and the scheduler lengths, and checks consistency.

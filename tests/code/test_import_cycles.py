@@ -1,4 +1,4 @@
-"""No import cycles inside longspan/, function-level imports included (issue 15).
+"""No import cycles inside longspan/, function-level imports included.
 
 Every ``import``/``from ... import`` anywhere in a module (top level, functions, TYPE_CHECKING blocks excepted)
 is an edge to the longspan module it names (``from pkg import name`` points at ``pkg.name`` when that is a

@@ -204,7 +204,7 @@ def test_t5_and_mamba_load_round_trip_and_validate(tmp_path) -> None:
         cfg.model = provider
         text = cfg.to_yaml(str(tmp_path / "cfg.yaml"))
         assert ConfigContainer.from_yaml(str(tmp_path / "cfg.yaml")).model == provider
-        cfg.validate(world_size=1)  # both families are built by longspan now (issue 13)
+        cfg.validate(world_size=1)  # longspan builds both families
         assert type(provider).__name__ in text
 
 

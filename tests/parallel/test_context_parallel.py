@@ -1,4 +1,4 @@
-"""Context parallel (issue 6): the load-balanced layout, exact attention, and model-level parity on 2 ranks.
+"""Context parallel: the load-balanced layout, exact attention, and model-level parity on 2 ranks.
 
 Oracles: the chunk layout written out by hand; attention as a naive softmax(QKᵀ·scale + mask)·V over the
 whole sequence in one process (with kv heads repeated by ``repeat_interleave``); the plain model (no plan)

@@ -1,4 +1,4 @@
-"""Layout parity (issue 5): every parallel layout trains the same model as one process.
+"""Layout parity: every parallel layout trains the same model as one process.
 
 Acceptance: 8 iterations of the ``tiny`` recipe (shrunk to seq 64, mock data, eval off) through
 ``longspan.training.pretrain.pretrain`` under DP2 (DDP), DP2 FSDP2, DP2 distributed optimizer, TP2, TP2+SP and

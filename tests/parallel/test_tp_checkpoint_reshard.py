@@ -1,4 +1,4 @@
-"""Checkpoints reshard across layouts (issue 5): save under TP2 at iteration 6, resume under DP2 and under one
+"""Checkpoints reshard across layouts: save under TP2 at iteration 6, resume under DP2 and under one
 process; iterations 7-12 match an uninterrupted one-process run within 1e-4 (relative).
 
 The trainer's DCP checkpoint holds model and optimizer state as DTensors by global name, so a tensor-parallel

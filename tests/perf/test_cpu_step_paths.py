@@ -1,4 +1,4 @@
-"""The CPU step's fast paths (issue 14, benchmarks/bench_train_step.py) keep the maths of the plain ones.
+"""The CPU step's fast paths (benchmarks/bench_train_step.py) keep the maths of the plain ones.
 
 - ``fused_linear_cross_entropy`` (the logits' gradient formed in the forward) gives ``F.cross_entropy``'s losses
   and gradients, ignored labels included, and the GPT model takes it for a training forward only;

@@ -1,4 +1,4 @@
-"""In-process restart (issue 12 item 4, ``inprocess_restart``).
+"""In-process restart (``inprocess_restart``).
 
 - The acceptance run (slow): a 2-rank ``longspan pretrain`` run whose rank 1 is SIGKILLed from outside finishes
   every iteration with an uninterrupted run's losses, bit for bit (dropout on); rank 0 keeps its process (one pid

@@ -1,4 +1,4 @@
-"""The experiment trackers through their real clients, offline (issue 15): W&B offline mode, MLflow with a
+"""The experiment trackers through their real clients, offline: W&B offline mode, MLflow with a
 local file store, Comet offline. Each gets every logged training iteration's ``lm loss``."""
 
 from __future__ import annotations

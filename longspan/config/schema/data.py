@@ -1,4 +1,4 @@
-"""Data configs: dataloader, GPT/mock/finetuning datasets (seed 000) and the tokenizer (Megatron Bridge)."""
+"""Data configs: dataloader, GPT/mock/finetuning datasets and the tokenizer (Megatron Bridge)."""
 
 from __future__ import annotations
 

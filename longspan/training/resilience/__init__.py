@@ -1,4 +1,4 @@
-"""Resilience (issue 12): small objects the training loop calls so long runs survive faults.
+"""Resilience: small objects the training loop calls so long runs survive faults.
 
 - ``non_persistent``: frequent cheap checkpoints (global DCP or per-rank local files), cleaned up as newer
   ones arrive; resume takes the newest complete checkpoint of any kind.

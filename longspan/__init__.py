@@ -1,4 +1,12 @@
-"""longspan: Megatron Bridge's training layer on PyTorch's own distributed engine."""
+"""longspan: Megatron Bridge's training layer on PyTorch's own distributed engine.
+
+Packages, lowest layer first; a package imports only packages to its left (a function-level import of a
+higher layer needs a comment saying why):
+
+    core → config → models, data → parallel, peft, conversion, inference, planner → training → recipes → cli
+
+``import longspan`` loads none of them; ``longspan.AutoBridge`` is resolved on first use.
+"""
 
 __version__ = "0.1.0"
 

@@ -9,5 +9,6 @@
   others tear down their process groups, re-rendezvous and resume in the same process.
 - ``events``: every resilience event as a log line, a progress.txt entry and a metrics.jsonl record.
 
-See docs/resilience.md.
+See docs/resilience.md. May import: everything below training, and training's checkpointing and
+observability.
 """

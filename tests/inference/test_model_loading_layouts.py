@@ -50,7 +50,7 @@ def test_layout_load_equals_one_process(checkpoint, pool2, layout):
     for rank, result in enumerate(results):
         assert result["iteration"] == 2
         if result["logits"] is not None:  # tensor parallel: every rank holds the whole output
-            torch.testing.assert_close(result["logits"], expected_logits, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(result["logits"], expected_logits, atol=1e-5, rtol=1e-5)
         for name, tensor in result["params"].items():
             assert torch.equal(tensor, expected[name].detach()), (rank, name)
     # Together the ranks hold every parameter (pipeline stages split them).

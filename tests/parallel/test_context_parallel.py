@@ -233,7 +233,7 @@ def test_two_rank_model_matches_one_process(pool2, pos, reset):
     results = pool2.run(_model_case, pos, reset, timeout=180)
     for rank, errors in enumerate(results):
         assert errors["per_token"] < 1e-5, f"rank {rank}: {errors}"
-        assert errors["loss_rel"] < 1e-6, f"rank {rank}: {errors}"
+        assert errors["loss_rel"] < 1e-5, f"rank {rank}: {errors}"
         assert errors["grad_rel"] < 1e-5, f"rank {rank}: {errors}"
     assert results[0]["loss"] == results[1]["loss"]  # every cp rank reports the whole sequence's loss
 

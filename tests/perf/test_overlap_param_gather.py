@@ -81,7 +81,7 @@ AWARE = {"use_precision_aware_optimizer": True, "use_distributed_optimizer": Tru
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2_distributed_optimizer", "tp2"])
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
 def test_precision_aware_optimizer_on_two_ranks_matches_one_process(pool2, moment_dtype, tp) -> None:
-    """Measured (dp2): 1.1e-7 (fp32 moments) and 1.2e-7 (bf16 moments) relative, so 1e-6."""
+    """Measured (dp2): 1.1e-7 (fp32 moments) and 1.2e-7 (bf16 moments) relative; the house bound for fp32 CPU layout parity, 1e-5."""
     fields = {**AWARE, "exp_avg_dtype": moment_dtype, "exp_avg_sq_dtype": moment_dtype}
     reference = _train_case(_config(fsdp2=False, overlap=False, **fields))
     results = pool2.run(_train_case, _config(fsdp2=False, overlap=False, tp=tp, **fields))
@@ -93,7 +93,7 @@ def test_precision_aware_optimizer_on_two_ranks_matches_one_process(pool2, momen
         kinds = {"DTensor"} if tp == 1 else {"DTensor", "Tensor"}
         assert {kind for kind, *_ in result["moments"]} == kinds
         assert {(m, v) for _, m, v in result["moments"]} == {(dtype, dtype)}
-        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     # The moments' dtype matters: bf16 moments train (slightly) differently from fp32 ones.
     if moment_dtype == torch.bfloat16:
         fp32 = _train_case(_config(fsdp2=False, overlap=False, **AWARE))

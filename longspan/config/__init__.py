@@ -1,12 +1,6 @@
-"""The whole config story: schema dataclasses (``schema/``), the validation rules (``rules/``), YAML and
-dotlist I/O (``serialize``, ``overrides``), the ``_target_`` allowlist (``targets``), and the field support
-table with its doc generator (``support``, ``support_doc``).
+"""Configuration I/O: YAML (safe, allowlisted ``_target_``), overrides, field support.
 
 The entry point for commands is ``load_config(recipe, config_files, overrides, allow_unknown=False)``.
-
-May import: core. The schema also names the providers and PEFT configs a ``ConfigContainer`` holds
-(``longspan.models.*_provider``, ``longspan.peft.config``); anything higher only inside a function, with a
-comment saying why.
 """
 
 from longspan.config.overrides import apply_overrides, load_config, parse_dotlist

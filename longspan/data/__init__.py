@@ -2,5 +2,5 @@
 blended and T5 span datasets, samplers and data loaders, the built-in corpus, and supervised finetuning data
 (``sft/``).
 
-May import: core, config.
+May import: core, config, models (its own layer).
 """

@@ -3,7 +3,7 @@
 Owns GPT (dense, MoE), Mamba/hybrid and T5 models, their providers, weight init, RoPE, the loss and the FLOP
 counts. No process groups here: parallelism is applied from outside by ``longspan.parallel``.
 
-May import: core, config.
+May import: core, config, data (its own layer).
 """
 
 from __future__ import annotations

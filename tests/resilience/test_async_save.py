@@ -16,7 +16,7 @@ ITERS = 10
 def _async_save_and_resume_case(root: str) -> tuple[dict, dict, list, str, bool]:
     import os
 
-    from longspan.training.checkpointing.save import async_save as async_checkpoint
+    from longspan.training.checkpointing import async_save as async_checkpoint
     from longspan.training.pretrain import pretrain
 
     def config(name: str, async_save: bool):

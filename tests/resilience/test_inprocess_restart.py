@@ -596,7 +596,7 @@ def test_teardown_waits_for_a_background_save_of_the_failed_run(monkeypatch: Any
     dropped with a warning."""
     from concurrent.futures import Future
 
-    from longspan.training.checkpointing.save import async_save as async_checkpoint
+    from longspan.training.checkpointing import async_save as async_checkpoint
 
     finishing: Future = Future()
     stuck: Future = Future()

@@ -2,5 +2,5 @@
 value ranges, precision, parallel layout, LR/WD schedule, data, infrastructure and resilience checks. A rule
 names the field, the value and what is valid (``ConfigError`` / ``NotSupportedError``).
 
-May import: core, config (layout rules ask ``longspan.parallel`` for the pipeline split inside a function).
+May import: core and the rest of config.
 """

@@ -3,5 +3,5 @@
 training loop, checkpoint and logger (``training``), RNG, distributed init, profiling and resilience (``infra``).
 Construction never validates; ``ConfigContainer.validate()`` runs the rules in ``longspan.config.rules``.
 
-May import: core and the rest of config (plus the model providers and PEFT configs the container holds).
+May import: core and the rest of config.
 """

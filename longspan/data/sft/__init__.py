@@ -1,6 +1,6 @@
 """Supervised finetuning data: JSONL prompt/completion and chat records, loss masks, sequence packing.
 
-May import: core, config.
+May import: core, config, models (its own layer).
 """
 
 from longspan.data.sft.dataset import (

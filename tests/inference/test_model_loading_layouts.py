@@ -38,6 +38,7 @@ def _load_on_rank(root: str, overrides: list[str], tokens: torch.Tensor) -> dict
     return {"params": params, "logits": logits, "iteration": loaded.iteration}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], ["model.pipeline_model_parallel_size=2"]])
 def test_layout_load_equals_one_process(checkpoint, pool2, layout):
     reference = load_model_from_checkpoint(checkpoint)

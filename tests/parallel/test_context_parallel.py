@@ -153,6 +153,7 @@ def _attention_case(masked: bool) -> dict:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "document_mask"])
 def test_two_rank_attention_matches_full_attention(pool2, masked):
     for rank, errors in enumerate(pool2.run(_attention_case, masked, timeout=120)):
@@ -225,6 +226,7 @@ def _model_case(position_embedding_type: str, reset_documents: bool) -> dict:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pos,reset", [("rope", False), ("learned_absolute", True), ("rope", True)],
     ids=["rope_causal", "learned_documents", "rope_documents"],

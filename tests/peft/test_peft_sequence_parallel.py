@@ -143,6 +143,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,sequence_parallel,dropout,position", CASES,
                          ids=[f"{k}-{'tp2_sp' if sp else 'tp2'}-{d}-{pos}" for k, sp, d, pos in CASES])
 def test_adapter_gradients_under_tp2_sp_match_one_process(kind: str, sequence_parallel: bool, dropout: float,

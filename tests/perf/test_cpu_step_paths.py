@@ -210,6 +210,7 @@ def test_cpu_optimizer_is_fused_and_follows_the_foreach_one(name):
         torch.testing.assert_close(p0, p1, rtol=1e-6, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_fused_loss_compiles_with_a_workspace():
     # Inside a compiled graph the workspace hands out plain torch.empty buffers (no reference counting traced).
     torch.manual_seed(0)

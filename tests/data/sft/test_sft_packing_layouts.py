@@ -111,6 +111,7 @@ def _check(results):
     ("pp2", 1, 2, None, 1),
     ("pp2_vp2_middle_stages", 1, 2, 2, 1),
 ])
+@pytest.mark.slow
 def test_packed_losses_match_per_document_losses(pool2, name, tp, pp, vp, cp):
     _check(pool2.run(_layout_case, tp, pp, vp, cp, timeout=240))
 

@@ -1,4 +1,12 @@
-"""longspan: Megatron Bridge's training layer on PyTorch's own distributed engine."""
+"""longspan: Megatron Bridge's training layer on PyTorch's own distributed engine.
+
+Packages, lowest layer first; a package imports its own layer and the layers to its left, never one to its
+right (tests/code asserts it; a function-level import needs a comment saying why):
+
+    core → config → models, data → parallel, peft, conversion → inference, planner → training → recipes → cli
+
+``import longspan`` loads none of them; ``longspan.AutoBridge`` is resolved on first use.
+"""
 
 __version__ = "0.1.0"
 

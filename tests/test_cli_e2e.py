@@ -142,7 +142,7 @@ def test_quickstart_tiny_recipe_learns_from_the_shipped_corpus(tmp_path: Path) -
 
 
 def test_preprocess_then_pretrain_on_the_result_with_a_local_hf_tokenizer(tmp_path: Path) -> None:
-    """Issue 4's path: JSONL → `longspan preprocess` (local HF tokenizer) → `longspan pretrain` on the prefix."""
+    """The raw-text path: JSONL → `longspan preprocess` (local HF tokenizer) → `longspan pretrain` on the prefix."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     docs = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # number {i}\n" for i in range(600)]

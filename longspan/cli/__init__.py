@@ -2,6 +2,8 @@
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``. User errors
 (``LongspanError``) become one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
+
+May import: every other package (the top layer).
 """
 
 from __future__ import annotations

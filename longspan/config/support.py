@@ -61,7 +61,7 @@ FIELD_STATUS: dict[str, str] = {
     **_many("rerun_state_machine", SUPPORTED, "check_for_nan_in_loss"),
     **_many("train", DEVICE, "empty_unused_memory_level train_sync_interval"),
     **_many("train", NOT_SUPPORTED, "exit_signal_handler_for_dataloader"),
-    # The model: what the GPT model (issue 3) and the tensor/sequence/data parallel plans (issue 5) build.
+    # The model: what the GPT model and the tensor/sequence/data parallel plans build.
     **_many("model", SUPPORTED, """
         tensor_model_parallel_size sequence_parallel perform_initialization fp16 bf16 params_dtype
         deterministic_mode pipeline_dtype barrier_with_L1_time
@@ -76,11 +76,11 @@ FIELD_STATUS: dict[str, str] = {
     **_many("model", SUPPORTED, """
         embedding_init_method_std seq_len_interpolation_factor low_freq_factor high_freq_factor old_context_len
         """),
-    # Context parallel (issue 6): one flat cp group, all-gather of K/V; every cp_comm_type computes the same
+    # Context parallel: one flat cp group, all-gather of K/V; every cp_comm_type computes the same
     # exact attention, so the communication choice is a hint (validate() still checks its value).
     **_many("model", SUPPORTED, "context_parallel_size"),
     **_many("model", HINT, "cp_comm_type"),
-    # Pipeline parallel (issue 6): stages on torch.distributed.pipelining. Its schedules always batch their
+    # Pipeline parallel: stages on torch.distributed.pipelining. Its schedules always batch their
     # send/recv pairs and post sends asynchronously, so the p2p knobs below change no maths.
     **_many("model", SUPPORTED, """
         pipeline_model_parallel_size virtual_pipeline_model_parallel_size microbatch_group_size_per_vp_stage
@@ -89,18 +89,18 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("model", HINT, "overlap_p2p_comm overlap_p2p_comm_warmup_flush deallocate_pipeline_outputs"),
     **_many("model", DEVICE, "use_cpu_initialization"),
-    # Issue 14: FP8 through torchao float8 (longspan.parallel.float8): CUDA with FP8 hardware only; set
+    # FP8 through torchao float8 (longspan.parallel.float8): CUDA with FP8 hardware only; set
     # elsewhere, the model build raises one line.
     **_many("model", DEVICE, "fp8 fp8_recipe fp8_param"),
     **_many("mixed_precision", DEVICE, "fp8 fp8_recipe"),
-    # Issue 14: the chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl keeps the
+    # The chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl keeps the
     # section default (not supported): only its default 'native' exists here.
     **_many("model", SUPPORTED, "cross_entropy_loss_fusion"),
     **_many("model", HINT, """
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
         bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion
         """),
-    # Mixture of experts and expert parallel (issue 6): longspan.models.moe, longspan.parallel.expert_parallel.
+    # Mixture of experts and expert parallel: longspan.models.moe, longspan.parallel.expert_parallel.
     # Tokens always move by all-to-all (every dispatcher type computes the same), so the dispatcher type and
     # the grouped-GEMM / fusion / overlap switches change no maths.
     **_many("model", SUPPORTED, """
@@ -120,13 +120,13 @@ FIELD_STATUS: dict[str, str] = {
         """),
     **_many("ddp", SUPPORTED, "grad_reduce_in_fp32 overlap_grad_reduce use_distributed_optimizer bucket_size "
                               "average_in_collective"),
-    # Issue 14: the precision-aware optimizer (longspan.training.optim.precision_aware_adam) and FSDP2's explicit
+    # The precision-aware optimizer (longspan.training.optim.precision_aware_adam) and FSDP2's explicit
     # all-gather prefetch for ddp.overlap_param_gather (longspan.parallel.data_parallel.set_explicit_prefetch).
     **_many("optimizer", SUPPORTED, "use_precision_aware_optimizer main_grads_dtype main_params_dtype "
                                     "exp_avg_dtype exp_avg_sq_dtype"),
     **_many("ddp", SUPPORTED, "overlap_param_gather"),
     **_many("dataset", NOT_SUPPORTED, "num_dataset_builder_threads object_storage_cache_path"),
-    # FinetuningDatasetConfig (issue 11): longspan.data.sft (JSONL under dataset_root, packing).
+    # FinetuningDatasetConfig: longspan.data.sft (JSONL under dataset_root, packing).
     **_many("dataset", SUPPORTED, """
         dataset_root seq_length seed memmap_workers max_train_samples packed_sequence_specs dataset_kwargs
         do_validation do_test
@@ -139,7 +139,7 @@ FIELD_STATUS: dict[str, str] = {
         use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save also_save_hf_checkpoint
         use_persistent_ckpt_worker fully_parallel_load
         """),
-    # Issue 15: energy counters (longspan.training.observability.energy); without any readable counter setup() lists
+    # Energy counters (longspan.training.observability.energy); without any readable counter setup() lists
     # the field as not applicable.
     **_many("logger", DEVICE, "log_energy"),
     **_many("logger", DEVICE, "log_memory_to_tensorboard"),
@@ -151,7 +151,7 @@ FIELD_STATUS: dict[str, str] = {
         fp32 fp16 bf16 params_dtype pipeline_dtype autocast_dtype autocast_enabled grad_reduce_in_fp32 loss_scale
         initial_loss_scale min_loss_scale loss_scale_window hysteresis
         """),
-    # Issue 15: switches no behaviour code reads get their honest status (later keys override earlier ones).
+    # Switches no behaviour code reads get their honest status (later keys override earlier ones).
     # longspan always builds on the meta device, keeps the vocabulary padded to make_vocab_size_divisible_by,
     # computes the loss from whatever the output layer's plan produces, and torch's pipelining batches p2p
     # itself: these Megatron switches change no maths here.
@@ -177,7 +177,7 @@ FIELD_STATUS: dict[str, str] = {
     # Padding each expert's input up to its capacity adds rows whose outputs are discarded: the same result.
     # torch.distributed.pipelining always batches its send/recv pairs: batch_p2p_comm changes no maths.
     **_many("model", HINT, "moe_pad_expert_input_to_capacity batch_p2p_comm"),
-    # Current Megatron Bridge names (issue 15): accepted with their meaning, or honestly not supported yet.
+    # Current Megatron Bridge names: accepted with their meaning, or honestly not supported yet.
     **_many("logger", SUPPORTED, """
         skip_train_metrics_log log_throughput_to_tensorboard mlflow_experiment mlflow_run_name mlflow_tracking_uri
         mlflow_tags comet_project comet_experiment_name comet_workspace comet_api_key comet_tags save_config_filepath
@@ -187,7 +187,7 @@ FIELD_STATUS: dict[str, str] = {
     **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp iterations_to_skip"),
     **_many("checkpoint", HINT, "async_strategy"),
     **_many("dataset", SUPPORTED, "seq_length"),
-    # Resilience (issue 12): longspan.training.resilience, docs/resilience.md.
+    # Resilience: longspan.training.resilience, docs/resilience.md.
     **_many("checkpoint", SUPPORTED, """
         non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir
         non_persistent_local_ckpt_dir
@@ -202,7 +202,7 @@ FIELD_STATUS: dict[str, str] = {
     **_many("inprocess_restart", NOT_SUPPORTED, "soft_timeout active_world_size"),
 }
 
-# Mamba and hybrid models (issue 13): longspan.models.mamba (MambaProvider).
+# Mamba and hybrid models: longspan.models.mamba (MambaProvider).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mamba_num_groups mamba_state_dim mamba_head_dim mamba_num_heads mamba_chunk_size mamba_conv_kernel
     mamba_expand mamba_dt_limit_min hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern
@@ -211,7 +211,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
 # Sliding-window attention (longspan.models.sliding_window): per-layer windows, packing, CP, the KV cache.
 FIELD_STATUS.update(_many("model", SUPPORTED, "window_size window_attn_skip_freq"))
 
-# T5 (issue 13): longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
+# T5: longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings
     seq_length_dec scale_decoder_outputs

@@ -1,4 +1,4 @@
-"""``ModelParallelConfig``: how a model is split across devices, and its numeric precision (seed 004).
+"""``ModelParallelConfig``: how a model is split across devices, and its numeric precision.
 
 Field names and defaults follow Megatron Core's ``core.model_parallel_config.ModelParallelConfig``. The class
 is plain data: construction never validates (``ConfigContainer.validate()`` checks the sizes against the

@@ -1,4 +1,7 @@
-"""Inference: text generation with a KV cache (``longspan generate`` and ``generate(...)``)."""
+"""Inference: text generation with a KV cache (``longspan generate`` and ``generate(...)``).
+
+May import: core, config, models, data, parallel, peft, conversion.
+"""
 
 from __future__ import annotations
 

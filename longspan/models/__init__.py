@@ -1,4 +1,10 @@
-"""Models (plain ``nn.Module``) and their providers (configuration dataclasses)."""
+"""Models (plain ``nn.Module``) and their providers (configuration dataclasses).
+
+Owns GPT (dense, MoE), Mamba/hybrid and T5 models, their providers, weight init, RoPE, the loss and the FLOP
+counts. No process groups here: parallelism is applied from outside by ``longspan.parallel``.
+
+May import: core, config, data (its own layer).
+"""
 
 from __future__ import annotations
 

@@ -367,7 +367,7 @@ class ModelProviderMixin:
 
 @dataclass
 class GPTModelProvider(ModelProviderMixin, TransformerConfig):
-    """A decoder-only GPT model's configuration; ``provide()`` builds the model (seed 002's model provider)."""
+    """A decoder-only GPT model's configuration; ``provide()`` builds the model (Megatron Bridge's model provider)."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the output cross-entropy in fp16 instead of fp32."""

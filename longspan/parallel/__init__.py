@@ -1,4 +1,8 @@
-"""Turn a plain model into a distributed one: process groups and device mesh, launch, collectives.
+"""Turn a plain model into a distributed one: process groups and device mesh, launch, collectives, and the
+plans applied from outside the model (DDP/FSDP2, tensor/sequence parallel, pipeline stages, context parallel,
+expert parallel, compile, float8).
+
+May import: core, config, models, data.
 
 Submodules (imported lazily, so ``import longspan.parallel`` costs nothing on one process):
 - ``longspan.parallel.init``: ``initialize_distributed``, ``ParallelState``, ``detect_launch``,

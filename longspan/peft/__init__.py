@@ -4,6 +4,8 @@
 in ``ConfigContainer.peft`` makes ``pretrain``/``finetune`` build the model on the meta device, add the
 adapters (``peft.apply(chunk)``), freeze the base, apply the parallel plans, load the base weights from
 ``checkpoint.pretrained_checkpoint`` and train (and checkpoint) only the adapters.
+
+May import: core, config, models, data, parallel.
 """
 
 from longspan.peft.config import PEFT, PEFT_CLASSES, CanonicalLoRA, DoRA, LoRA

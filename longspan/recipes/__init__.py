@@ -1,4 +1,7 @@
-"""Recipes: functions that return a complete ``ConfigContainer``; ``--recipe NAME`` picks one."""
+"""Recipes: functions that return a complete ``ConfigContainer``; ``--recipe NAME`` picks one.
+
+May import: everything below it (core through training).
+"""
 
 from __future__ import annotations
 

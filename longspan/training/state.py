@@ -90,7 +90,7 @@ class GlobalState:
     Attributes set by other parts (plain attributes, None until set):
         tokenizer: the tokenizer built by the data layer.
         signal_handler: the exit-signal handler installed by the trainer.
-        rerun_state_machine: the rerun state machine (seed 000's RerunStateMachineConfig).
+        rerun_state_machine: the rerun state machine (configured by RerunStateMachineConfig).
         num_microbatches_calculator: an object with ``get_current_global_batch_size()`` and
             ``get()`` (megatron-core's calculator API) when batch-size ramp-up is in use; the training log
             reads the current global batch size from it.

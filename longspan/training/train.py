@@ -1,4 +1,4 @@
-"""The training loop: data → forward/backward over microbatches → reduce → optimizer and
+"""The training loop (Bridge's training.train): data → forward/backward over microbatches → reduce → optimizer and
 scheduler step → log → evaluate → checkpoint-and-exit, read top to bottom.
 
 Side concerns (timers, metric sinks, profiler, signal handler) are small objects the loop calls.

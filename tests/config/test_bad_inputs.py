@@ -1,5 +1,5 @@
 """Bad input through ``longspan pretrain`` / ``preprocess``: one line on stderr, exit 2, no traceback, and
-nothing written to the save directory (issue 15).
+nothing written to the save directory.
 
 Most cases run in-process through ``longspan.cli.main`` (fast); two run as real subprocesses to prove the
 exit code and the absence of a traceback end to end.

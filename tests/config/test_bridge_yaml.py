@@ -1,4 +1,4 @@
-"""Current Megatron Bridge override files load (issue 15): the 0.2+ names (dataset.seq_length, logger.mlflow_*,
+"""Current Megatron Bridge override files load: the 0.2+ names (dataset.seq_length, logger.mlflow_*,
 logger.comet_*, logger.skip_train_metrics_log, checkpoint.async_strategy, ...) with their meaning, written the
 way Bridge's tutorials write overrides on top of a recipe."""
 

@@ -13,7 +13,7 @@ from longspan.config import targets
 from longspan.config.rules.schedule import SCHEDULER_ARGUMENT_RULES
 from longspan.config.rules.validate import VALIDATION_RULES
 
-# Megatron Bridge's ``megatron.bridge.training.config`` names (seed 000) and the Megatron Core configs it uses.
+# Megatron Bridge's ``megatron.bridge.training.config`` names and the Megatron Core configs it uses.
 BRIDGE_CONFIG_NAMES = [
     "ConfigContainer", "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig",
     "GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig", "T5MaskedWordPieceDatasetConfig",

@@ -119,7 +119,7 @@ def test_borrowed_megatron_core_defaults_match_megatron() -> None:
     from longspan.models import GPTModelProvider
     from longspan.training.config import DistributedDataParallelConfig, OptimizerConfig
 
-    # Deliberate differences: seed 004 documents params_dtype=None and async_tensor_model_parallel_allreduce=False;
+    # Deliberate differences: the spec documents params_dtype=None and async_tensor_model_parallel_allreduce=False;
     # Megatron Bridge's GPT provider changes some TransformerConfig defaults (seq_length, fusions).
     exceptions = {"params_dtype", "async_tensor_model_parallel_allreduce"}
     for ours, theirs in ((OptimizerConfig, MOpt), (DistributedDataParallelConfig, MDDP), (GPTModelProvider, MTC)):

@@ -1,4 +1,4 @@
-"""Every config field marked "supported" changes what longspan does (issue 15).
+"""Every config field marked "supported" changes what longspan does.
 
 For each supported field a non-default value is derived (flip a bool, scale a number, pick another choice,
 or a value from ``VALUES`` with the companion settings it needs) and something observable must differ from
@@ -150,7 +150,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "optimizer.bf16": (True, {}, {"model.bf16": True}),
     "optimizer.params_dtype": (torch.bfloat16, {"model.bf16": True, "optimizer.bf16": True}),
     "optimizer.clip_grad": (0.01, {}),
-    # The precision-aware optimizer (issue 14): moments / main params / main grads stored in other dtypes.
+    # The precision-aware optimizer: moments / main params / main grads stored in other dtypes.
     "optimizer.use_precision_aware_optimizer": (True, {"optimizer.use_distributed_optimizer": True},
                                                 {"optimizer.exp_avg_dtype": torch.bfloat16}),
     "optimizer.exp_avg_dtype": (torch.bfloat16, {"optimizer.use_precision_aware_optimizer": True,
@@ -917,7 +917,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "tokenizer.vocab_file": "tests/data/test_tokenizers.py",
     "tokenizer.merge_file": "tests/data/test_tokenizers.py",
     "tokenizer.hf_tokenizer_kwargs": "tests/data/test_tokenizers.py",
-    "tokenizer.chat_template": "tests/data/sft (issue 11)",
+    "tokenizer.chat_template": "tests/data/sft",
     "logger.save_config_filepath": "tests/config/test_bridge_yaml.py::test_save_config_filepath_writes_the_validated_config",
     "checkpoint.non_persistent_save_interval": "tests/resilience/test_non_persistent.py::test_global_checkpoints_are_cleaned_and_the_newest_kind_is_resumed (interval 2 writes non-persistent checkpoints) and ::test_local_checkpoint_resume_after_sigkill_matches_uninterrupted_run",
     "checkpoint.non_persistent_ckpt_type": "tests/resilience/test_non_persistent.py (global and local kinds resumed; in_memory rejected)",
@@ -948,7 +948,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
 # so every run-section field "changed" something: that false pass is fixed by test_the_observations_are_deterministic.)
 RUN_OBSERVATION_BLIND = "effect not visible in the short run's observation yet: needs a recorded-effect probe"
 
-# Supported fields this test does not probe yet (issue 15 follow-up): each needs a probe here or a status.
+# Supported fields this test does not probe yet: each needs a probe here or a status.
 NOT_YET_PROBED: dict[str, str] = {
     "dataset.mid_level_dataset_surplus": "blended datasets only",
     "logger.log_throughput_to_tensorboard": "its tags need throughput_window_size (only 100 supported) "

@@ -106,7 +106,7 @@ def test_layout_import_matches_one_process_and_export_is_bit_identical(pool2, tm
     logits = [r[0] for r in results if r[0] is not None]
     assert logits
     for got in logits:
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if layout or fsdp:
         assert any("DTensor" in r[2] for r in results) or layout.get("pipeline_model_parallel_size")
     merged = {}

@@ -30,6 +30,7 @@ def _prepare(cache, monkeypatch):
     return tok, prefixes[0], weights
 
 
+@pytest.mark.slow
 def test_builtin_stdlib_is_deterministic_and_cached(tmp_path, monkeypatch):
     tok, prefix, weights = _prepare(tmp_path / "a", monkeypatch)
     assert weights is None and prefix.startswith(str(tmp_path / "a"))

@@ -38,6 +38,7 @@ def _load_on_rank(root: str, overrides: list[str], tokens: torch.Tensor) -> dict
     return {"params": params, "logits": logits, "iteration": loaded.iteration}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], ["model.pipeline_model_parallel_size=2"]])
 def test_layout_load_equals_one_process(checkpoint, pool2, layout):
     reference = load_model_from_checkpoint(checkpoint)
@@ -50,7 +51,7 @@ def test_layout_load_equals_one_process(checkpoint, pool2, layout):
     for rank, result in enumerate(results):
         assert result["iteration"] == 2
         if result["logits"] is not None:  # tensor parallel: every rank holds the whole output
-            torch.testing.assert_close(result["logits"], expected_logits, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(result["logits"], expected_logits, atol=1e-5, rtol=1e-5)
         for name, tensor in result["params"].items():
             assert torch.equal(tensor, expected[name].detach()), (rank, name)
     # Together the ranks hold every parameter (pipeline stages split them).

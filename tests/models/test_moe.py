@@ -238,7 +238,7 @@ def test_metrics_count_tokens_and_reset():
 
 
 def test_freeze_moe_router_on_tiny_moe():
-    """seed 003's freeze_moe_router: router and shared-expert gate stop training, the experts keep training."""
+    """train_utils.freeze_moe_router: router and shared-expert gate stop training, the experts keep training."""
     from longspan.recipes import get_recipe
     from longspan.training.utils.train_utils import freeze_moe_router
 

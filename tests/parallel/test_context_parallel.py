@@ -1,4 +1,4 @@
-"""Context parallel (issue 6): the load-balanced layout, exact attention, and model-level parity on 2 ranks.
+"""Context parallel: the load-balanced layout, exact attention, and model-level parity on 2 ranks.
 
 Oracles: the chunk layout written out by hand; attention as a naive softmax(QKᵀ·scale + mask)·V over the
 whole sequence in one process (with kv heads repeated by ``repeat_interleave``); the plain model (no plan)
@@ -153,6 +153,7 @@ def _attention_case(masked: bool) -> dict:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "document_mask"])
 def test_two_rank_attention_matches_full_attention(pool2, masked):
     for rank, errors in enumerate(pool2.run(_attention_case, masked, timeout=120)):
@@ -225,6 +226,7 @@ def _model_case(position_embedding_type: str, reset_documents: bool) -> dict:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pos,reset", [("rope", False), ("learned_absolute", True), ("rope", True)],
     ids=["rope_causal", "learned_documents", "rope_documents"],
@@ -233,7 +235,7 @@ def test_two_rank_model_matches_one_process(pool2, pos, reset):
     results = pool2.run(_model_case, pos, reset, timeout=180)
     for rank, errors in enumerate(results):
         assert errors["per_token"] < 1e-5, f"rank {rank}: {errors}"
-        assert errors["loss_rel"] < 1e-6, f"rank {rank}: {errors}"
+        assert errors["loss_rel"] < 1e-5, f"rank {rank}: {errors}"
         assert errors["grad_rel"] < 1e-5, f"rank {rank}: {errors}"
     assert results[0]["loss"] == results[1]["loss"]  # every cp rank reports the whole sequence's loss
 

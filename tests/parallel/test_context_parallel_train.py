@@ -1,4 +1,4 @@
-"""Context parallel through the real trainer (issue 6 acceptance): ``pretrain(cfg)`` under CP2 logs the
+"""Context parallel through the real trainer: ``pretrain(cfg)`` under CP2 logs the
 losses of one process with the same global batch, and the config checks that come with CP."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Layout parity (issue 5): every parallel layout trains the same model as one process.
+"""Layout parity: every parallel layout trains the same model as one process.
 
 Acceptance: 8 iterations of the ``tiny`` recipe (shrunk to seq 64, mock data, eval off) through
 ``longspan.training.pretrain.pretrain`` under DP2 (DDP), DP2 FSDP2, DP2 distributed optimizer, TP2, TP2+SP and
 DP2×TP2 (4 processes) log the same per-iteration losses (metrics.jsonl) as one process with the same global
-batch, within 1e-6 relative (fp32 CPU runs agree to ~1e-7; a scaling bug moves them far more). The one-process
+batch, within 1e-5 relative (fp32 CPU layouts agree to 1e-7..1.1e-6; a scaling bug moves them far more). The one-process
 oracle runs once per session, in the test process.
 
 Model + optimizer level (what ``pretrain`` does not reach yet): the model is built as the trainer builds it
@@ -27,7 +27,9 @@ SEQ = 64
 MBS = 2
 GBS = 8
 ITERS = 4
-REL_TOL = 1e-6  # losses: fp32 CPU layouts agree to ~1e-7 (measured), so 1e-6 leaves a 10x margin
+# Losses: fp32 CPU layouts agree to ~1e-7 on one machine and up to 1.1e-6 on another of the same kind (CPU
+# kernels and thread counts differ), so the house bound for fp32 CPU layout parity, 1e-5.
+REL_TOL = 1e-5
 # Gradient norms: sums of squares reduced in different orders, on a model memorizing one batch; measured spread
 # up to 1.5e-5 (CP2 iteration 4, DP2xTP2), so 5e-5 (3x margin) instead of the former 1e-3.
 NORM_REL_TOL = 5e-5

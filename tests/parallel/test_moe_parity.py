@@ -1,4 +1,4 @@
-"""Expert parallel parity (issue 6): ``tiny-moe`` under EP2 and EP2 × TP2 trains the same model as one process.
+"""Expert parallel parity: ``tiny-moe`` under EP2 and EP2 × TP2 trains the same model as one process.
 
 Model + optimizer level: the model is built as the trainer builds it (meta model -> ``parallelize_model`` ->
 ``init_weights``) and trained on fixed global batches split Megatron's way (microbatch k of dp rank r holds

@@ -24,7 +24,7 @@ from longspan.parallel.init import (
 
 @dataclass
 class DistCfg:
-    """The DistributedInitConfig fields initialize_distributed reads (defaults as in seed 000)."""
+    """The DistributedInitConfig fields initialize_distributed reads (defaults as in bridge.training.config)."""
 
     distributed_backend: str = "nccl"
     distributed_timeout_minutes: float = 1

@@ -122,7 +122,7 @@ def _nccl_fallback_warning_count():
 
 
 def test_cpu_nccl_falls_back_to_gloo_silently(pool2):
-    """nccl is the default backend: on CPU it adapts to gloo without a warning (issue 15, first contact)."""
+    """nccl is the default backend: on CPU it adapts to gloo without a warning."""
     out = pool2.run(_nccl_fallback_warning_count)
     assert [backend for backend, _ in out] == ["gloo", "gloo"]
     assert [line for _, msgs in out for line in msgs] == []

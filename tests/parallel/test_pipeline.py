@@ -1,4 +1,4 @@
-"""Pipeline parallel (issue 6): stage splits, and model-level parity of the pipelined forward/backward.
+"""Pipeline parallel: stage splits, and model-level parity of the pipelined forward/backward.
 
 The oracle for the splits is Megatron's rule written out in the test; the oracle for the numbers is the same
 model on one process through ``forward_backward_no_pipelining`` (the trainer's non-pipelined path), computed

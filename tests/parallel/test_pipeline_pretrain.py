@@ -1,4 +1,4 @@
-"""Pipeline parallel through the real trainer (issue 6 acceptance, CPU/gloo).
+"""Pipeline parallel through the real trainer (CPU/gloo).
 
 ``longspan.training.pretrain.pretrain`` runs 8 iterations of the shrunk ``tiny`` recipe (mock data,
 NullTokenizer) under PP2 (1F1B), PP2 × VP2 (interleaved) and TP2 × PP2 in harness workers; the logged

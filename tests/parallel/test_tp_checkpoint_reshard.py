@@ -1,5 +1,5 @@
-"""Checkpoints reshard across layouts (issue 5): save under TP2 at iteration 6, resume under DP2 and under one
-process; iterations 7-12 match an uninterrupted one-process run within 1e-4 (relative).
+"""Checkpoints reshard across layouts: save under TP2 at iteration 6, resume under DP2 and under one
+process; iterations 7-12 match an uninterrupted one-process run within 1e-5 (relative).
 
 The trainer's DCP checkpoint holds model and optimizer state as DTensors by global name, so a tensor-parallel
 save loads into DDP's plain replicas or into a single process. Runs ``pretrain`` on the shrunk tiny recipe

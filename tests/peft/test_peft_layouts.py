@@ -1,6 +1,6 @@
 """PEFT under TP2, TP2 with sequence parallel, PP2, CP2, DP2 (DDP), DP2 (FSDP2) and EP2 (MoE), and on 4 ranks
 TP2+SP with DP2 / PP2 / CP2, through ``finetune()``: the logged losses and gradient norms match one process
-(fp32 CPU, rel 1e-6)."""
+(fp32 CPU, rel 1e-5)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.parallel.harness import get_shared_pool
 pytestmark = pytest.mark.slow
 
 ITERS = 5
-REL = 1e-6
+REL = 1e-5
 
 
 def _config(run_dir: str, base: str | None, peft_kind: str = "lora", tp: int = 1, sp: bool = False, pp: int = 1,

@@ -143,6 +143,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,sequence_parallel,dropout,position", CASES,
                          ids=[f"{k}-{'tp2_sp' if sp else 'tp2'}-{d}-{pos}" for k, sp, d, pos in CASES])
 def test_adapter_gradients_under_tp2_sp_match_one_process(kind: str, sequence_parallel: bool, dropout: float,
@@ -152,7 +153,7 @@ def test_adapter_gradients_under_tp2_sp_match_one_process(kind: str, sequence_pa
         assert r["trainable_split"] == r["trainable_whole"]
         assert r["trainable_split"] and all(".adapter." in n for n in r["trainable_split"])
         assert r["nonzero_grads"] == STEPS * len(r["trainable_split"])  # every adapter gradient compared, non-zero
-        assert r["loss_diff"] <= 1e-6, r  # relative
+        assert r["loss_diff"] <= 1e-5, r  # relative
         assert r["grad_diff"] <= ATOL, r
         assert r["grad_max"] > 1e-3, r  # the tolerance is small next to the gradients
         assert r["param_diff"] <= ATOL, r
@@ -197,7 +198,7 @@ def test_full_mask_dropout_is_torch_dropout_on_one_process() -> None:
 # ----------------------------------------------------------------------------------- HF model in, HF PEFT out
 
 ITERS = 4
-REL = 1e-6
+REL = 1e-5
 
 
 def _finetune_config(root: str, name: str, kind: str, tp: int):

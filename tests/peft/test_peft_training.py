@@ -55,6 +55,7 @@ def _peft_config(tmp: Path, name: str, base: Path, peft, **train):
     return cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peft", [LoRA(dim=4, dropout=0.1), DoRA(dim=4, dropout=0.1),
                                   CanonicalLoRA(dim=4, dropout=0.1, dropout_position="post")],
                          ids=lambda p: type(p).__name__)

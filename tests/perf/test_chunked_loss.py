@@ -134,6 +134,7 @@ def _tp_fused_checks(sequence_parallel: bool) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
 def test_vocab_parallel_fused_loss_matches_one_process(pool2, sequence_parallel):
     for r in pool2.run(_tp_fused_checks, sequence_parallel, timeout=180):
@@ -142,6 +143,7 @@ def test_vocab_parallel_fused_loss_matches_one_process(pool2, sequence_parallel)
         assert r["weight_gathers"] == 0, r
 
 
+@pytest.mark.slow
 def test_training_peak_memory_drops_by_the_logits_at_vocab_128k(monkeypatch):
     """One forward+backward of the output layer + loss over 512 tokens at vocab 131072, hidden 64."""
     monkeypatch.setattr(loss_mod, "DEFAULT_CHUNK_BYTES", 32 * 1024 * 1024)

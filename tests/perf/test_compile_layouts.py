@@ -1,4 +1,4 @@
-"""Compiled layers under the parallel layouts (issue 14): for each layout, a compiled run and an eager run of
+"""Compiled layers under the parallel layouts: for each layout, a compiled run and an eager run of
 the same layout give the same losses (fp32 CPU, dropout on, uneven loss masks, rel <= 1e-5 over 20
 iterations), and a compiled TP2 + SP run resumes bit for bit. Model level: the gradients of every parameter
 after two microbatches match eager (rel 1e-5) for the tensor-parallel layers that hold eager parts (sequence

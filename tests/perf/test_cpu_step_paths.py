@@ -1,4 +1,4 @@
-"""The CPU step's fast paths (issue 14, benchmarks/bench_train_step.py) keep the maths of the plain ones.
+"""The CPU step's fast paths (benchmarks/bench_train_step.py) keep the maths of the plain ones.
 
 - ``fused_linear_cross_entropy`` (the logits' gradient formed in the forward) gives ``F.cross_entropy``'s losses
   and gradients, ignored labels included, and the GPT model takes it for a training forward only;
@@ -210,6 +210,7 @@ def test_cpu_optimizer_is_fused_and_follows_the_foreach_one(name):
         torch.testing.assert_close(p0, p1, rtol=1e-6, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_fused_loss_compiles_with_a_workspace():
     # Inside a compiled graph the workspace hands out plain torch.empty buffers (no reference counting traced).
     torch.manual_seed(0)

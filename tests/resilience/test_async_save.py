@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.parallel.test_layout_parity import logged, pretrain_config
 
 ITERS = 10
@@ -16,7 +18,7 @@ ITERS = 10
 def _async_save_and_resume_case(root: str) -> tuple[dict, dict, list, str, bool]:
     import os
 
-    from longspan.training.checkpointing.save import async_save as async_checkpoint
+    from longspan.training.checkpointing import async_save as async_checkpoint
     from longspan.training.pretrain import pretrain
 
     def config(name: str, async_save: bool):
@@ -39,6 +41,7 @@ def _async_save_and_resume_case(root: str) -> tuple[dict, dict, list, str, bool]
     return logged(f"{root}/ref"), logged(f"{root}/async"), saved, tracker, used_own_group
 
 
+@pytest.mark.slow
 def test_two_rank_async_save_finishes_and_resumes_bit_exactly(pool2, tmp_path: Path) -> None:
     (ref, got, saved, tracker, own_group), _ = pool2.run(_async_save_and_resume_case, str(tmp_path), timeout=240)
     assert own_group

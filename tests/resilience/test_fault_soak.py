@@ -1,4 +1,4 @@
-"""Acceptance soak test of fault tolerance (issue 12): a 2-rank ``longspan pretrain --max-restarts`` run with
+"""Acceptance soak test of fault tolerance: a 2-rank ``longspan pretrain --max-restarts`` run with
 asynchronous checkpoint saves survives, one after another, a SIGKILLed rank, a SIGSTOPped rank (found by the
 heartbeat monitor within its timeout), a SIGKILL during a checkpoint save (the rank inside its save call) and a
 SIGKILL during an asynchronous save (training has moved on while the background writer is still writing the

@@ -1,4 +1,4 @@
-"""In-process restart (issue 12 item 4, ``inprocess_restart``).
+"""In-process restart (``inprocess_restart``).
 
 - The acceptance run (slow): a 2-rank ``longspan pretrain`` run whose rank 1 is SIGKILLed from outside finishes
   every iteration with an uninterrupted run's losses, bit for bit (dropout on); rank 0 keeps its process (one pid
@@ -319,6 +319,7 @@ def test_max_rank_faults_bounds_one_ranks_failures(tmp_path: Path, capsys: pytes
     assert "rank 1 failed 2 times, inprocess_restart.max_rank_faults=1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_last_call_wait_handles_concurrent_faults_in_one_restart(tmp_path: Path) -> None:
     plan = {"0:0": "kill:0.3", "0:1": "kill:0.8"}
     r = _supervise(tmp_path / "joined", plan, restarts=1, last_call_wait=2.0)
@@ -349,12 +350,14 @@ def test_barrier_timeout_bounds_a_start_without_heartbeat(tmp_path: Path) -> Non
     ({"hard_timeout": 1.0}, r"no progress for 1.* s \(inprocess_restart.hard_timeout=1\)"),
     ({"heartbeat_timeout": 1.0}, r"no heartbeat for 1.* s \(inprocess_restart.heartbeat_timeout=1\)"),
 ])
+@pytest.mark.slow
 def test_stale_timestamps_get_a_frozen_rank_replaced(tmp_path: Path, timeouts: dict, expected: str) -> None:
     r = _supervise(tmp_path, {"0:0": "stamp_stop", "1:0": "exit:0"}, world_size=1, **timeouts)
     assert r.code == 0 and r.kinds() == ["fault", "restart"]
     assert r.events[0]["detection"] == "rank_hung" and re.search(expected, r.events[0]["message"])
 
 
+@pytest.mark.slow
 def test_termination_grace_time_before_sigkill(tmp_path: Path) -> None:
     """A rank that ignores SIGTERM is SIGKILLed termination_grace_time seconds later."""
     for grace in (0.1, 1.5):
@@ -375,6 +378,7 @@ def test_completion_timeout_ends_ranks_that_do_not_finish(tmp_path: Path, capsys
     assert "did not exit within inprocess_restart.completion_timeout=0.5 s of the job's end (unfinished: [1])" in err
 
 
+@pytest.mark.slow
 def test_a_finished_rank_slow_to_exit_is_neither_hung_nor_failed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     r = _supervise(tmp_path, {"0:0": "finish_slowly"}, world_size=1, hard_timeout=1.0, completion_timeout=2.0)
     assert r.code == 0 and r.kinds() == []  # not reported hung although its progress stamp is older than hard_timeout
@@ -411,6 +415,7 @@ def test_worker_exit_codes_end_the_job_without_restarts(tmp_path: Path, codes: t
         assert err == []
 
 
+@pytest.mark.slow
 def test_monitor_process_interval_sets_how_often_workers_are_checked(tmp_path: Path) -> None:
     class Counting(InProcessSupervisor):
         polls = 0
@@ -583,6 +588,7 @@ def test_worker_restarts_in_place_after_a_peer_failure(store: Any, tmp_path: Pat
         store.delete_key(inprocess.arrived_key(1))
 
 
+@pytest.mark.slow
 def test_worker_error_without_a_new_generation_is_raised(store: Any, tmp_path: Path) -> None:
     def user_error(s: Any) -> int:
         raise ConfigError("model.x=1 is bad")
@@ -608,6 +614,7 @@ def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: An
     assert emptied == [1]
 
 
+@pytest.mark.slow
 def test_leaving_the_interruptible_span_leaves_python_fast() -> None:
     """A run that entered and left the span (every attempt does) must not leave CPython's eval breaker set
     (cancelling with PyThreadState_SetAsyncExc(tid, NULL) did): a torch-profiled loop with Python stacks then

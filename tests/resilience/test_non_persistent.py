@@ -53,6 +53,7 @@ def test_local_checkpoint_resume_after_sigkill_matches_uninterrupted_run(tmp_pat
     assert losses == reference_losses  # bit-exact, dropout on
 
 
+@pytest.mark.slow
 def test_global_checkpoints_are_cleaned_and_the_newest_kind_is_resumed(tmp_path: Path, reference_losses) -> None:
     """Global non-persistent saves every 2 iterations (older ones removed), persistent every 5. A run stopped
     after 6 whose persistent save of 6 is lost resumes from the non-persistent 6, not the persistent 5."""

@@ -59,6 +59,7 @@ def _tracker(cfg: Any) -> str:
     return (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text().strip()
 
 
+@pytest.mark.slow
 def test_transient_error_exits_17_and_resumes_with_the_uninjected_losses(tmp_path: Path, reference_losses) -> None:
     cfg = _injected(tmp_path, "transient_error")
     state = pretrain(cfg)
@@ -73,6 +74,7 @@ def test_transient_error_exits_17_and_resumes_with_the_uninjected_losses(tmp_pat
     assert losses_by_iteration(cfg) == reference_losses  # bit-exact, dropout on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, verdict", [("persistent_error", PERSISTENT_FAULT), ("correct_result", CORRECT_RESULT)])
 def test_reproducible_error_exits_16_then_decides_on_other_hardware(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, verdict: str

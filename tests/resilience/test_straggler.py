@@ -59,6 +59,7 @@ def test_settings_map_both_sections(tmp_path: Path) -> None:
     assert s.report_every_seconds == 7.0 and s.relative_threshold == 0.5 and s.stop_if_detected
 
 
+@pytest.mark.slow
 def test_stop_if_detected_ends_the_run_with_a_checkpoint(tmp_path: Path) -> None:
     cfg = resilience_config(tmp_path, "stop", 12)
     cfg.nvrx_straggler = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=0.0,

@@ -127,6 +127,7 @@ def _two_rank_energy(root: str, joules_per_read: float):
     return monitor.lap()[0]
 
 
+@pytest.mark.slow
 def test_ranks_sum_their_energy_and_agree_on_having_counters(tmp_path: Path) -> None:
     roots = []
     for rank in range(2):

@@ -1,4 +1,4 @@
-"""LoggerConfig's filters (issue 15): filter_warnings, modules_to_filter, set_level_for_all_loggers."""
+"""LoggerConfig's filters: filter_warnings, modules_to_filter, set_level_for_all_loggers."""
 
 from __future__ import annotations
 

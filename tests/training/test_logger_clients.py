@@ -1,4 +1,4 @@
-"""The experiment trackers through their real clients, offline (issue 15): W&B offline mode, MLflow with a
+"""The experiment trackers through their real clients, offline: W&B offline mode, MLflow with a
 local file store, Comet offline. Each gets every logged training iteration's ``lm loss``."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def _run(tmp_path: Path, **logger_fields) -> dict[int, float]:
     return losses_by_iteration(cfg)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_lm_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb  # noqa: F401 - the client is a test dependency: a missing one fails loudly
 
@@ -45,6 +46,7 @@ def test_wandb_offline_run_holds_the_lm_loss(tmp_path: Path, monkeypatch: pytest
     assert history.count(b"lm loss") >= ITERS  # one history record per logged iteration
 
 
+@pytest.mark.slow
 def test_mlflow_file_store_holds_every_iteration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -63,6 +65,7 @@ def test_mlflow_file_store_holds_every_iteration(tmp_path: Path, monkeypatch: py
     assert mlflow.active_run() is None  # the run was ended with the training
 
 
+@pytest.mark.slow
 def test_comet_offline_archive_holds_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import comet_ml  # noqa: F401
 

@@ -68,6 +68,7 @@ def test_run_trains_and_writes_megatron_checkpoint_layout(straight_run) -> None:
     assert any("Saved checkpoint\tIteration: 30\t" in line for line in progress)
 
 
+@pytest.mark.slow
 def test_exit_interval_and_resume_continue_bit_for_bit(tmp_path: Path, straight_run, corpus) -> None:
     _, _, reference = straight_run
     cfg = resumable_config(tmp_path, "resumed", corpus, exit_interval=15)
@@ -83,6 +84,7 @@ def test_exit_interval_and_resume_continue_bit_for_bit(tmp_path: Path, straight_
     assert [resumed[i] for i in range(1, 31)] == [reference[i] for i in range(1, 31)]
 
 
+@pytest.mark.slow
 def test_resume_without_the_rng_restore_drifts(tmp_path: Path, straight_run, corpus, monkeypatch) -> None:
     """The control that makes the resume tests meaningful: with dropout on, skipping the RNG restore changes
     the losses after the resume (so a no-op restore cannot pass them)."""
@@ -98,6 +100,7 @@ def test_resume_without_the_rng_restore_drifts(tmp_path: Path, straight_run, cor
     assert [resumed[i] for i in range(16, 31)] != [reference[i] for i in range(16, 31)]
 
 
+@pytest.mark.slow
 def test_signal_saves_and_exits_then_resumes(tmp_path: Path, straight_run, corpus) -> None:
     _, _, reference = straight_run
 
@@ -261,6 +264,7 @@ def test_use_checkpoint_args_takes_the_saved_architecture(tmp_path: Path, straig
     assert state.train_state.step == 32
 
 
+@pytest.mark.slow
 def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path, straight_run, corpus) -> None:
     _, _, reference = straight_run
     cfg = resumable_config(tmp_path, "async", corpus, exit_interval=15)
@@ -278,6 +282,7 @@ def test_async_save_writes_trackers_after_completion_and_resumes(tmp_path: Path,
     assert [resumed[i] for i in range(16, 31)] == [reference[i] for i in range(16, 31)]
 
 
+@pytest.mark.slow
 def test_interrupt_mid_save_keeps_the_previous_checkpoint_loadable(tmp_path: Path, monkeypatch) -> None:
     import longspan.training.checkpointing.save as ckpt_module
 

@@ -1,4 +1,4 @@
-"""Every function of seed 001 (bridge.training.train) exists in longspan.training.train with its parameters,
+"""Every function of Bridge's training.train (the spec page) exists in longspan.training.train with its parameters,
 read from the seed text itself."""
 
 from __future__ import annotations

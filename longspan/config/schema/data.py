@@ -1,4 +1,4 @@
-"""Data configs: dataloader, GPT/mock/finetuning datasets (seed 000), the tokenizer and the sequence-packing specs
+"""Data configs: dataloader, GPT/mock/finetuning datasets, the tokenizer and the sequence-packing specs
 (Megatron Bridge)."""
 
 from __future__ import annotations

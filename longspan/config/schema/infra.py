@@ -1,4 +1,4 @@
-"""Run infrastructure configs of seed 000: RNG, distributed init, rerun state machine, profiling, fault
+"""Run infrastructure configs (Bridge's training.config): RNG, distributed init, rerun state machine, profiling, fault
 tolerance and straggler detection."""
 
 from __future__ import annotations

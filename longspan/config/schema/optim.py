@@ -286,7 +286,7 @@ def _bf16_with_fp8(recipe: str, fp8: str) -> Any:
 
 MIXED_PRECISION_RECIPES = {
     "bf16_mixed": bf16_mixed, "fp16_mixed": fp16_mixed, "fp32": fp32,
-    # Megatron Bridge's FP8 recipe names (issue 14) onto torchao's recipes (longspan.parallel.float8, which
+    # Megatron Bridge's FP8 recipe names onto torchao's recipes (longspan.parallel.float8, which
     # checks them against the hardware when the model is built). The fp8 format is what torchao's kernels
     # compute: its blockwise and MXFP8 kernels cast gradients to e4m3 too, so those set 'e4m3' where Bridge
     # (TransformerEngine) sets 'hybrid'. Delayed scaling loads and is rejected in one line (torchao removed it).

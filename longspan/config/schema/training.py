@@ -1,4 +1,4 @@
-"""Scheduler, training loop, checkpoint and logger configs of seed 000."""
+"""Scheduler, training loop, checkpoint and logger configs of Bridge's training.config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Supervised finetuning data: JSONL prompt/completion and chat records, loss masks, sequence packing."""
+"""Supervised finetuning data: JSONL prompt/completion and chat records, loss masks, sequence packing.
+
+May import: core, config, models (its own layer).
+"""
 
 from longspan.data.sft.dataset import (
     EpochSampleMap,

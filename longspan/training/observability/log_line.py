@@ -128,7 +128,7 @@ def training_log(
     loaded_iteration: int = 0,
     seq_length: Optional[int] = None,
 ) -> bool:
-    """Megatron Bridge's positional ``training_log`` (seed 003): ``log_iteration`` with an IterationMetrics."""
+    """Megatron Bridge's positional ``training_log``: ``log_iteration`` with an IterationMetrics."""
     metrics = IterationMetrics(
         loss_dict=loss_dict, learning_rate=learning_rate, loss_scale=loss_scale, skipped_iter=skipped_iter,
         grad_norm=grad_norm, params_norm=params_norm, num_zeros_in_grad=num_zeros_in_grad,

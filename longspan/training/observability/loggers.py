@@ -7,7 +7,7 @@ it. ``check_logger_dependencies`` performs that check without creating anything,
 fast at start-up instead of at the first log line.
 
 Logger config fields read here (``cfg.logger``): ``tensorboard_dir``, ``tensorboard_queue_size``,
-``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``, ``wandb_entity`` (seed 000), and, when the config
+``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``, ``wandb_entity`` (Bridge's spec), and, when the config
 has them, ``mlflow_experiment``, ``mlflow_run_name``, ``mlflow_tracking_uri``, ``mlflow_tags``,
 ``comet_project``, ``comet_experiment_name``, ``comet_workspace``, ``comet_api_key``, ``comet_tags``.
 """
@@ -40,7 +40,7 @@ _OPTIONAL_INTEGRATIONS = (
 
 
 def _field(section: Any, name: str, default: Any = None) -> Any:
-    """``section.name`` or ``default`` when the section or field is absent (fields outside seed 000)."""
+    """``section.name`` or ``default`` when the section or field is absent (fields newer than Bridge's spec)."""
     return default if section is None else getattr(section, name, default)
 
 

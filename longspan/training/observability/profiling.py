@@ -1,4 +1,4 @@
-"""Profiling helpers for the training loop, driven by ``cfg.profiling`` (seed 000's ``ProfilingConfig``).
+"""Profiling helpers for the training loop, driven by ``cfg.profiling`` (Megatron Bridge's ``ProfilingConfig``).
 
 - torch.profiler: ``build_pytorch_profiler`` gives an unstarted profiler the loop starts at
   ``profile_step_start`` and stops at ``profile_step_end``; ``initialize_pytorch_profiler`` gives one with

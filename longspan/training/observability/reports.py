@@ -1,4 +1,4 @@
-"""Runtime and throughput reports (seed 003's ``report_runtime`` / ``report_throughput``)."""
+"""Runtime and throughput reports (Megatron Bridge's ``report_runtime`` / ``report_throughput``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Resilience (issue 12): small objects the training loop calls so long runs survive faults.
+"""Resilience: small objects the training loop calls so long runs survive faults.
 
 - ``non_persistent``: frequent cheap checkpoints (global DCP or per-rank local files), cleaned up as newer
   ones arrive; resume takes the newest complete checkpoint of any kind.
@@ -9,5 +9,6 @@
   others tear down their process groups, re-rendezvous and resume in the same process.
 - ``events``: every resilience event as a log line, a progress.txt entry and a metrics.jsonl record.
 
-See docs/resilience.md.
+See docs/resilience.md. May import: everything below training, and training's checkpointing and
+observability.
 """

@@ -1,4 +1,4 @@
-"""In-process restart, the worker side (``inprocess_restart``; issue 12 item 4).
+"""In-process restart, the worker side (``inprocess_restart``).
 
 A worker started by longspan's in-process supervisor (``resilience/supervisor.py``) trains inside a loop:
 

@@ -1,4 +1,4 @@
-"""Training utilities of seed 003: value heads, MoE router freezing, norms and reductions across parallel
+"""Training utilities of Bridge's train_utils: value heads, MoE router freezing, norms and reductions across parallel
 groups, the training log, memory/throughput/runtime reports, and GlobalState injection into forward steps.
 
 The parallel-group helpers take process groups (or None) and are no-ops on one process. Norms live in

@@ -1,5 +1,5 @@
 """Packed sequences in every parallel layout: the loss of each packed microbatch equals the sum of its documents'
-losses computed one by one on one process (fp32, rel <= 1e-6), through the trainer's forward step and schedules.
+losses computed one by one on one process (fp32, rel <= 1e-5), through the trainer's forward step and schedules.
 
 - TP2: the dense document mask is untouched by tensor parallel.
 - CP2: the context-parallel plan keeps this rank's query rows of the mask (documents cross the chunk split).
@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 
 from tests.data.sft.test_sft_packing import (
-    REL,
     _docs,
     packed_forward_step_state,
     packed_microbatches,
@@ -24,6 +23,7 @@ from tests.data.sft.test_sft_packing import (
 )
 
 MBS = 2
+REL = 1e-5  # fp32 CPU layout parity
 
 
 def _layout_cfg(tp=1, pp=1, vp=None, cp=1, num_layers=4):
@@ -111,6 +111,7 @@ def _check(results):
     ("pp2", 1, 2, None, 1),
     ("pp2_vp2_middle_stages", 1, 2, 2, 1),
 ])
+@pytest.mark.slow
 def test_packed_losses_match_per_document_losses(pool2, name, tp, pp, vp, cp):
     _check(pool2.run(_layout_case, tp, pp, vp, cp, timeout=240))
 

@@ -13,6 +13,7 @@ from tests.models.mamba.mamba_test_config import small_mamba_run
 from tests.training.pretrain_helpers import losses_by_iteration
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiny-mamba", "tiny-hybrid"])
 def test_recipe_trains_and_resumes_bit_for_bit(tmp_path: Path, recipe: str) -> None:
     straight = small_mamba_run(tmp_path, recipe, "straight", dropout=0.1)

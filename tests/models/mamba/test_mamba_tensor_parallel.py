@@ -61,7 +61,7 @@ def test_tp2_splits_heads_and_matches_one_process() -> None:
         local_rows = (2 * d_inner + 2 * groups * state + heads) // 2
         assert result["heads"] == (heads // 2, groups // 2, d_inner // 2, (local_rows, 32))
         assert result["full_heads"] == heads
-        assert result["loss"] <= 1e-6
+        assert result["loss"] <= 1e-5
         assert result["grad"] <= 1e-6
 
 

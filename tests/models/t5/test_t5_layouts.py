@@ -2,7 +2,7 @@
 
 Each layout runs 8 iterations of the shrunk recipe (byte corpus, hidden 32, encoder 64 / decoder 32 tokens)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
-run's within 1e-6 relative. Pipeline parallel is a one-line "not supported yet" error.
+run's within 1e-5 relative. Pipeline parallel is a one-line "not supported yet" error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.parallel.harness import get_shared_pool
 pytestmark = pytest.mark.slow
 
 ITERS = 8
-REL = 1e-6
+REL = 1e-5
 
 
 def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: int = 1):

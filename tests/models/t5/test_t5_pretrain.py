@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from longspan.core.errors import DataError
@@ -18,6 +19,7 @@ from tests.models.t5.t5_test_config import small_t5_run
 from tests.training.pretrain_helpers import losses_by_iteration
 
 
+@pytest.mark.slow
 def test_tiny_t5_trains_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     straight = small_t5_run(tmp_path, "straight", dropout=0.1)
     state = pretrain(straight)  # no forward step given: the T5 one is picked for a T5ModelProvider
@@ -71,6 +73,7 @@ def test_recipe_builds_a_t5_model() -> None:
     assert len(model.encoder.layers) == 2 and len(model.decoder.layers) == 2
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
     """`longspan convert export` of a tiny-t5 checkpoint gives a T5ForConditionalGeneration with our logits."""
     import transformers

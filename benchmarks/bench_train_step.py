@@ -65,7 +65,7 @@ def build_longspan(run_dir: str, torch_compile=None):
 def longspan_iteration(out, history: list[float], total_loss: dict) -> None:
     """The body of ``train()`` for one iteration (no eval, no checkpoint due)."""
     from longspan.training.train import checkpoint_and_decide_exit, train_step
-    from longspan.models.flops import num_floating_point_operations
+    from longspan.planner.flops import num_floating_point_operations
     state, ts = out.state, out.state.train_state
     state.num_microbatches_calculator.update(ts.consumed_train_samples, True)
     loss_dict, skipped, _, _, _, grad_norm, zeros = train_step(

@@ -7,7 +7,7 @@ the SXM parts, no sparsity), or on a CPU a short float32 matmul measured once pe
 is relative to what this machine's matmul reaches with the current thread count, not a datasheet number).
 Unknown accelerators give None (MFU not reported; set the variable).
 
-Model FLOPs are Megatron's formula (``longspan.models.flops.num_floating_point_operations``); recompute is not counted.
+Model FLOPs are Megatron's formula (``longspan.planner.flops.num_floating_point_operations``); recompute is not counted.
 """
 
 from __future__ import annotations

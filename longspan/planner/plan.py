@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
 from longspan.planner.peak_flops import measured_cpu_tflops
 from longspan.parallel.mesh import Layout, check_layout, derive_layout
-from longspan.models.flops import num_floating_point_operations
+from longspan.planner.flops import num_floating_point_operations
 
 GiB = 1024**3
 

@@ -45,7 +45,7 @@ from longspan.training.observability.profiling import (
     should_profile_rank,
 )
 from longspan.training.state import GlobalState
-from longspan.models.flops import num_floating_point_operations
+from longspan.planner.flops import num_floating_point_operations
 from longspan.training.observability.log_line import log_iteration
 from longspan.training.observability.log_metrics import IterationMetrics
 from longspan.training.observability.progress_log import (

@@ -67,7 +67,7 @@ def test_pretrain_logs_mfu_and_summary(tmp_path, monkeypatch, caplog, capsys):
     tokens_per_s, tflops, pct = int(match.group(1)), float(match.group(2)), float(match.group(3))
     assert pct == pytest.approx(tflops / 0.5 * 100, rel=0.01, abs=0.05)
     # tokens/s and FLOP/s describe the same iterations: their ratio is the model FLOPs per token
-    from longspan.models.flops import num_floating_point_operations
+    from longspan.planner.flops import num_floating_point_operations
 
     flops_per_token = num_floating_point_operations(cfg, 1) / cfg.model.seq_length
     assert tflops * 1e12 / tokens_per_s == pytest.approx(flops_per_token, rel=0.01)

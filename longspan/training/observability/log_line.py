@@ -24,7 +24,7 @@ from longspan.training.observability.loggers import log_scalars
 from longspan.training.state import GlobalState
 from longspan.training.utils.comm import reduce_max_stat_across_model_parallel_group
 from longspan.training.observability.energy import interval_energy
-from longspan.models.flops import num_floating_point_operations
+from longspan.planner.flops import num_floating_point_operations
 from longspan.training.observability.log_format import format_training_log_line
 from longspan.training.observability.log_metrics import (
     ADVANCED_ITERS_KEY,

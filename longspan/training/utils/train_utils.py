@@ -23,7 +23,7 @@ from longspan.training.utils.comm import (
     logical_and_across_model_parallel_group,
     reduce_max_stat_across_model_parallel_group,
 )
-from longspan.models.flops import num_floating_point_operations
+from longspan.planner.flops import num_floating_point_operations
 from longspan.training.observability.log_line import training_log
 from longspan.training.observability.memory import (
     MEMORY_KEYS,

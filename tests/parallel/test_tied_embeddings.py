@@ -230,3 +230,16 @@ def test_tied_layout_matches_one_process(name, one_process):
             assert got["placements"] == ["Shard(dim=0)"], (where, got["placements"])
             if name != "tp2_fused_loss":  # the fused loss forms no logits at all
                 assert got["logits_in_loss"] == ("DTensor", ["Shard(dim=2)"]), (where, got["logits_in_loss"])
+
+
+@pytest.mark.slow  # four processes: ~45 s here, most of it starting them
+def test_tied_pipeline_copy_under_tp2_pp2_sums_gradients():
+    """PP keeps its synced copy of the tied weight on the last stage; under TP both the embedding's and the
+    copy's gradients are vocab-sharded alike before the embedding group sums them (the lookup's comes back
+    replicated), so every stage's gradients equal one process's."""
+    from tests.parallel.test_pipeline import _check, _pipeline_case
+
+    results = get_shared_pool(4).run(_pipeline_case, 2, None, 2, 2, "1f1b", False, True, timeout=300)
+    _check(results)
+    assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
+    assert all("output_layer.weight" in r["names"] for r in results[2:])  # the copy, checked against the tied grad

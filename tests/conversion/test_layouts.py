@@ -83,7 +83,7 @@ def _original(hf_dir) -> dict:
 
 LAYOUTS = [
     ("llama", {"tensor_model_parallel_size": 2}, False),
-    ("gpt2-untied", {"tensor_model_parallel_size": 2}, False),  # TP does not take tied embeddings
+    ("gpt2-untied", {"tensor_model_parallel_size": 2}, False),  # GPT-2 with its output layer untied, under TP
     ("llama", {"pipeline_model_parallel_size": 2}, False),
     ("qwen3", {"pipeline_model_parallel_size": 2}, False),  # tied embeddings across stages
     ("qwen2", {}, True),  # data parallel 2 with FSDP2

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LongspanError as exc:
-        from longspan.core.logging import get_world_size
+        from longspan.core.logging import get_world_size  # error path only: `import longspan.cli` stays light
 
         if get_world_size() > 1:  # under torchrun/srun every rank hits the same error: print it once
             from longspan.parallel.init import report_user_error_once

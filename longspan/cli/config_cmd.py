@@ -48,6 +48,7 @@ def add_parser(subparsers: Any, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``config show`` or ``config validate``; user errors raise ConfigError (exit 2 in the dispatcher)."""
+    # `longspan --help` must not import torch (config and recipes do)
     from longspan.config import inapplicable_fields
     from longspan.recipes.loading import load_config
 

@@ -12,9 +12,11 @@ each rank then reads (import) or gathers (export) only its own part, one tensor 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
+from longspan.cli.pretrain_cmd import _strip_launch_args
 from longspan.core.errors import CheckpointError, ConfigError
 
 
@@ -69,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _export_adapter(args: argparse.Namespace) -> int:
     """The adapters of an adapter checkpoint in HF PEFT format (longspan.training.checkpointing.peft_checkpoint)."""
+    # `longspan --help` must not import torch
     from longspan.training.checkpointing.peft_checkpoint import export_adapter_checkpoint
 
     export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
@@ -79,8 +82,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
 def _yaml_as_dotlist(files: list[str]) -> list[str]:
     """``--config`` files as dotlist overrides (``section.field=v``) of the configuration derived from the HF
     directory (import) or saved in the checkpoint (export)."""
-    import json
-
+    # `longspan --help` must not import torch (config does)
     from longspan.config import load_yaml_file
 
     out = []
@@ -102,7 +104,7 @@ def _check_dir(path: str, flag: str) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from longspan.cli.pretrain_cmd import _strip_launch_args
+    # `longspan --help` loads only the parsers
     from longspan.parallel.launcher import launch
 
     return launch(_strip_launch_args(args.argv), nproc_per_node=args.nproc_per_node)

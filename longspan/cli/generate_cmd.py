@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from longspan.core.errors import CheckpointError, ConfigError, LaunchError
+from longspan.core.logging import get_world_size
+
 
 def add_parser(subparsers: Any, name: str) -> None:
     parser = subparsers.add_parser(
@@ -47,7 +50,7 @@ def _hf_eos_ids(hf_dir: Path, tokenizer: Any) -> list[int] | None:
 
 
 def _load_hf_model(hf_dir: str) -> tuple[Any, Any, list[int] | None]:
-    from longspan.core.errors import CheckpointError
+    # `longspan --help` must not import torch
     from longspan.data.tokenizers import build_tokenizer
     from longspan.training.config import TokenizerConfig
 
@@ -56,6 +59,7 @@ def _load_hf_model(hf_dir: str) -> tuple[Any, Any, list[int] | None]:
         raise CheckpointError(f"--hf-model {hf_dir} is not a directory: give a Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"--hf-model {hf_dir} has no config.json: give a Hugging Face model directory")
+    # `longspan --help` must not import torch
     from longspan.conversion import AutoBridge
 
     model = AutoBridge.from_hf_pretrained(str(path)).to_megatron_model(wrap_with_ddp=False)
@@ -65,9 +69,7 @@ def _load_hf_model(hf_dir: str) -> tuple[Any, Any, list[int] | None]:
 
 def _device(name: str | None) -> Any:
     """``--device`` as a torch.device (None: the default), or a one-line error."""
-    import torch
-
-    from longspan.core.errors import ConfigError
+    import torch  # `longspan --help` must not import torch
 
     if not name:
         return None
@@ -82,10 +84,11 @@ def _device(name: str | None) -> Any:
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
     """(model chunks, tokenizer, end-of-sequence ids or None for the tokenizer's) of the chosen source."""
-    import torch
+    import torch  # `longspan --help` must not import torch
 
     device = _device(args.device)
     if args.checkpoint is not None:
+        # `longspan --help` must not import torch
         from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 
         loaded = load_model_from_checkpoint(args.checkpoint, device=device)
@@ -97,9 +100,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.core.errors import ConfigError, LaunchError
-    from longspan.core.logging import get_world_size
-    from longspan.inference import check_generation_args, generate
+    from longspan.inference import check_generation_args, generate  # `longspan --help` must not import torch
 
     if get_world_size() > 1:
         raise LaunchError(

@@ -24,6 +24,7 @@ def add_parser(subparsers: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # `longspan --help` must not import torch
     from longspan.training.checkpointing.peft_checkpoint import merge_adapter_checkpoint
 
     if not Path(args.checkpoint).is_dir():

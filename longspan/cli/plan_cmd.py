@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from longspan.core.errors import ConfigError
+
 
 def add_parser(subparsers: Any, name: str) -> None:
     parser = subparsers.add_parser(
@@ -27,10 +29,10 @@ def add_parser(subparsers: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.recipes.loading import load_config
-    from longspan.core.errors import ConfigError
+    # `longspan --help` must not import torch
     from longspan.data.tokenizers import build_tokenizer
     from longspan.planner.plan import GiB, format_table, parse_size, plan
+    from longspan.recipes.loading import load_config
 
     if args.world_size < 1:
         raise ConfigError(f"--world-size={args.world_size} must be a positive integer")

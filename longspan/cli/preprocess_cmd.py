@@ -8,6 +8,7 @@ ahead of time into the files a finetuning run with ``dataset.packed_sequence_spe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -79,7 +80,7 @@ def _positive_float(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.data.preprocess import PreprocessOptions, preprocess
+    from longspan.data.preprocess import PreprocessOptions, preprocess  # `longspan --help` must not import torch
 
     setup_logging()
     if args.pack_sft is not None:
@@ -116,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pack_sft(args: argparse.Namespace) -> int:
-    import json
-
+    # `longspan --help` must not import torch
     from longspan.data.sft import PackedSequenceSpecs, pack_sft_dataset
     from longspan.data.tokenizers import build_tokenizer
 

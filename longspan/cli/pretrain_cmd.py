@@ -13,6 +13,8 @@ import copy
 import os
 from typing import Any
 
+from longspan.core.errors import LaunchError, NotSupportedError
+
 
 def add_parser(subparsers: Any, name: str) -> None:
     parser = subparsers.add_parser(
@@ -58,6 +60,7 @@ def _strip_launch_args(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # `longspan --help` must not import torch
     from longspan.recipes.loading import load_config
     from longspan.training.resilience.inprocess import in_supervised_worker
 
@@ -72,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
     in_worker = "TORCHELASTIC_RUN_ID" in os.environ  # started by a launcher (ours or torchrun): train here
     if cfg.inprocess_restart is not None and cfg.inprocess_restart.enabled:
         if in_worker:
-            from longspan.core.errors import NotSupportedError
-
             raise NotSupportedError("inprocess_restart.enabled=True needs longspan's own supervisor: start the run "
                                     "with longspan pretrain [--nproc-per-node N], not torchrun")
         return _launch_inprocess(args, cfg)
@@ -84,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, cfg: Any) -> int:
     if args.command_name == "finetune":
-        from longspan.training.finetune import finetune
+        from longspan.training.finetune import finetune  # `longspan --help` must not import torch
 
         state = finetune(cfg)
     else:
-        from longspan.training.pretrain import pretrain
+        from longspan.training.pretrain import pretrain  # `longspan --help` must not import torch
 
         state = pretrain(cfg)
     return int(getattr(state, "exit_code", None) or 0)
@@ -96,16 +97,18 @@ def _train(args: argparse.Namespace, cfg: Any) -> int:
 
 def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     """Check the configuration for the whole world size before any worker starts; return the world size."""
+    # `longspan --help` loads only the parsers
     from longspan.parallel.mesh import check_layout
 
     args.nproc_per_node = args.nproc_per_node or 1
     nnodes = int(str(args.nnodes).split(":")[-1])
     world_size = nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
-    from longspan.data.tokenizers import build_tokenizer
-    from longspan.training.checkpointing.load import apply_checkpoint_args
+    # `longspan --help` must not import torch
     from longspan.config.rules.data import check_vocab_fits
+    from longspan.data.tokenizers import build_tokenizer
     from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
+    from longspan.training.checkpointing.load import apply_checkpoint_args
 
     # As setup() does in each worker: architecture and tokenizer from the pretrained checkpoint, on a copy (the
     # workers build their own config from the command line).
@@ -123,8 +126,6 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
 
 def _launch_inprocess(args: argparse.Namespace, cfg: Any) -> int:
     """inprocess_restart.enabled: one node's workers under longspan's in-process restart supervisor."""
-    from longspan.core.errors import LaunchError, NotSupportedError
-
     if str(args.nnodes) != "1" or args.rdzv_endpoint is not None:
         raise NotSupportedError(f"inprocess_restart.enabled=True with --nnodes={args.nnodes} is not supported yet: "
                                 "the in-process supervisor runs one node (use --nnodes 1)")
@@ -132,6 +133,7 @@ def _launch_inprocess(args: argparse.Namespace, cfg: Any) -> int:
         raise LaunchError(f"--max-restarts={args.max_restarts} restarts the whole worker group; with "
                           "inprocess_restart.enabled=True use inprocess_restart.max_iterations instead")
     world_size = _validate_for_launch(args, cfg)
+    # `longspan --help` must not import torch
     from longspan.training.observability.loggers import metrics_jsonl_path
     from longspan.training.resilience.supervisor import InProcessSupervisor, supervisor_reporter
 
@@ -141,11 +143,11 @@ def _launch_inprocess(args: argparse.Namespace, cfg: Any) -> int:
 
 
 def _launch(args: argparse.Namespace, cfg: Any) -> int:
-    from longspan.parallel.launcher import launch
+    from longspan.parallel.launcher import launch  # `longspan --help` loads only the parsers
 
     world_size = _validate_for_launch(args, cfg)
     worker_argv = _strip_launch_args(args.argv)
-    from longspan.training.resilience.launch import fault_tolerance_monitor
+    from longspan.training.resilience.launch import fault_tolerance_monitor  # `longspan --help` must not import torch
 
     with fault_tolerance_monitor(cfg, args, world_size) as ft_env:
         return launch(

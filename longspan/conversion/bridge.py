@@ -32,6 +32,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import longspan.conversion.families as families
@@ -46,6 +47,7 @@ from longspan.conversion.checkpoints import (
 from longspan.conversion.config_fields import DTYPE_NAMES
 from longspan.conversion.families import Family
 from longspan.conversion.loader import export_hf_weights, load_hf_weights, lookup
+from longspan.conversion.mapping import match
 from longspan.conversion.safetensors_io import (
     HFCheckpointReader,
     StreamingSafetensorsWriter,
@@ -54,7 +56,10 @@ from longspan.conversion.safetensors_io import (
 from longspan.core.errors import CheckpointError, NotSupportedError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.data.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
+from longspan.models.builder import build_meta_model
 from longspan.parallel import init as parallel_init
+from longspan.parallel.parallelize import parallelize_model
+from longspan.parallel.pipeline import build_pipeline_chunks
 
 _log = get_logger(__name__)
 
@@ -292,8 +297,6 @@ class AutoBridge:
         weight_map = writer.finish() if writer is not None else {}
         total = writer.total_bytes if writer is not None else 0
         if distributed:
-            import torch.distributed as dist
-
             gathered: list[Any] = [None] * parallel.world_size
             dist.all_gather_object(gathered, (weight_map, total))
             weight_map, total = {}, 0
@@ -318,8 +321,6 @@ class AutoBridge:
         ``decoder.layers.3.self_attention.linear_q`` -> ``model.layers.3.self_attn.q_proj``. Fused (GPT-2
         ``c_attn``), transposed (``Conv1D``) and per-expert tensors have no one-to-one module.
         """
-        from longspan.conversion.mapping import match
-
         found = match(self.family.weights, f"{longspan_module_name}.weight")
         if found is None:
             return None
@@ -426,10 +427,6 @@ def container_for(provider: Any) -> Any:
 
 def build_empty_model(cfg: Any, parallel: Any) -> list[nn.Module]:
     """The model chunks for ``cfg``'s layout (parallel plans applied), materialized but not initialized."""
-    from longspan.models.builder import build_meta_model
-    from longspan.parallel.parallelize import parallelize_model
-    from longspan.parallel.pipeline import build_pipeline_chunks
-
     provider = copy.copy(cfg.model)
     provider.perform_initialization = False
     shadow = copy.copy(cfg)
@@ -451,8 +448,6 @@ def _is_stage_writer(parallel: Any) -> bool:
 
 def _barrier(distributed: bool) -> None:
     if distributed:
-        import torch.distributed as dist
-
         dist.barrier()
 
 

@@ -24,6 +24,7 @@ from longspan.conversion.mapping import WeightMap, match
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger
+from longspan.models.init import canonical_parameter_name
 
 _log = get_logger(__name__)
 
@@ -31,7 +32,7 @@ Box = tuple[slice, ...]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # slow to import; already loaded wherever a DTensor exists
 
     return isinstance(t, DTensor)
 
@@ -41,8 +42,6 @@ def iter_named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Mod
 
     A tied output copy on a last pipeline stage is named after the word embeddings it copies.
     """
-    from longspan.models.init import canonical_parameter_name
-
     seen: set[int] = set()
     for chunk in chunks:
         for module_name, module in chunk.named_modules():
@@ -67,8 +66,8 @@ def _local_box(param: torch.Tensor) -> Box | None:
     shape = tuple(param.shape)
     if not _is_dtensor(param):
         return tuple(slice(0, n) for n in shape)
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Replicate, Shard  # slow to import; already loaded wherever a DTensor exists
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # (the same)
 
     if not all(type(p) in (Shard, Replicate) for p in param.placements):
         return None
@@ -149,7 +148,7 @@ def load_hf_weights(chunks: list[nn.Module], family: Family, reader: HFCheckpoin
         full_shape = tuple(param.shape)
         box = _local_box(param)
         if box is None:
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import distribute_tensor  # slow to import; already loaded wherever a DTensor exists
 
             full = read_parameter_part(reader, entry, layer, name, full_shape,
                                        tuple(slice(0, n) for n in full_shape), hf_vocab)

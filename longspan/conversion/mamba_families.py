@@ -7,6 +7,7 @@ from typing import Any
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import squared_relu
+from longspan.models.mamba import allocate_layers
 
 
 def _mamba_mixer_fields(cfg: dict[str, Any], heads_key: str, head_dim_key: str, state_key: str, act_key: str,
@@ -140,8 +141,6 @@ def nemotron_h_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def nemotron_h_hf(p: Any) -> dict[str, Any]:
-    from longspan.models.mamba import allocate_layers
-
     pattern = "".join(allocate_layers(p.num_layers, p.hybrid_attention_ratio, p.hybrid_mlp_ratio,
                                       p.hybrid_override_pattern))
     if "E" in pattern or p.normalization != "RMSNorm" or p.add_bias_linear or p.gated_linear_unit:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from longspan.core.errors import CheckpointError
 
@@ -115,8 +116,6 @@ class HFCheckpointReader:
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor ``name``, or only the part ``box`` (one slice per dimension) of it."""
-        from safetensors import SafetensorError, safe_open
-
         name = self._resolve(name)
         path = self._path(name)
         self.shape(name)  # validates the file first

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from longspan.core.errors import DataError
 from longspan.core.logging import get_logger
@@ -187,8 +188,6 @@ class BlendedMegatronDatasetBuilder:
 
     def build(self) -> List[Optional[Any]]:
         """One dataset (or None) per split. Distributed-aware: call it on every rank."""
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return self._build()
         # Rank 0 builds (and caches) first; the others then read its caches. An error on rank 0 still

@@ -24,6 +24,8 @@ import tempfile
 from typing import Any, Iterator, List, Tuple
 
 import numpy as np
+import torch.distributed as dist
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from longspan.core.errors import DataError
 from longspan.core.logging import get_logger
@@ -152,8 +154,6 @@ def _file_lock(path: str) -> Iterator[None]:
 
 def _rank0_first(prepare) -> Any:
     """Run ``prepare`` on rank 0, barrier, then on the other ranks (a cache hit there)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return prepare()
     result, error = None, None
@@ -177,8 +177,6 @@ def _publish(tmp_dir: str, final_dir: str) -> None:
 
 
 def _train_tokenizer(docs: List[str], out_dir: str) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -7,15 +7,19 @@ run rebuilds them from those numbers and continues with exactly the samples it w
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from longspan.core.errors import DataError
+from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
 from longspan.data.blended import BlendedMegatronDatasetBuilder
+from longspan.data.builtin import prepare_builtin_corpus
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from longspan.data.sft.dataset import build_sft_datasets
+from longspan.data.sft.formatting import parse_format_options
 from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
 
@@ -34,8 +38,6 @@ def resolve_data_path(data_path: str, tokenizer: Any) -> Blend:
     resolved = []
     for p in prefixes:
         if p.startswith("builtin:"):
-            from longspan.data.builtin import prepare_builtin_corpus
-
             p = prepare_builtin_corpus(p, tokenizer)
         resolved.append(p)
     return resolved, weights
@@ -133,8 +135,6 @@ def is_finetuning_dataset(dataset_cfg: Any) -> bool:
 
 
 def _build_finetuning_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
-    from longspan.data.sft.dataset import build_sft_datasets
-
     d = cfg.dataset
     model_seq = getattr(getattr(cfg, "model", None), "seq_length", None)
     seq_length = d.seq_length if d.seq_length is not None else model_seq
@@ -147,9 +147,6 @@ def _build_finetuning_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
 
 def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:
     """Microbatches padded to their longest sample must still fit the layout's fixed shapes."""
-    from longspan.core.errors import ConfigError
-    from longspan.data.sft.formatting import parse_format_options
-
     opts = parse_format_options(getattr(dataset_cfg, "dataset_kwargs", None))
     if opts.pad_to_max_length:
         return
@@ -160,8 +157,6 @@ def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:
             "dataset.dataset_kwargs.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages "
             "exchange activations of a fixed length; leave pad_to_max_length at True"
         )
-    import math
-
     tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
     sp = bool(getattr(model, "sequence_parallel", False)) and tp > 1
     # context parallel cuts sequences into 2 x cp chunks; sequence parallel splits them over tp

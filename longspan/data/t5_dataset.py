@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from longspan.core.errors import ConfigError, DataError
+from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.data.indexed_dataset import IndexedDataset
 from longspan.data.utils import Split
 
@@ -325,8 +325,6 @@ def _check_masking_config(config: Any) -> None:
     if config.masking_max_ngram < 1:
         raise ConfigError(f"dataset.masking_max_ngram={config.masking_max_ngram} must be >= 1")
     if config.masking_do_permutation:
-        from longspan.core.errors import NotSupportedError
-
         raise NotSupportedError("dataset.masking_do_permutation=True is not supported yet: T5 masks without permuting")
     if config.sequence_length_decoder is None or config.sequence_length_decoder < 2:
         raise ConfigError(f"dataset.sequence_length_decoder={config.sequence_length_decoder} must be >= 2")

@@ -13,6 +13,8 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
+from tokenizers import Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
+
 from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
 
@@ -72,8 +74,6 @@ class HuggingFaceTokenizer(Tokenizer):
         self._hf = None
         self._fast = None
         if os.path.isfile(json_file):
-            from tokenizers import Tokenizer as FastTokenizer
-
             try:
                 self._fast = FastTokenizer.from_file(json_file)
             except Exception as exc:  # the tokenizers library raises its own exception type
@@ -91,7 +91,7 @@ class HuggingFaceTokenizer(Tokenizer):
             eot = self._fast.token_to_id("<|endoftext|>")
         elif os.path.isdir(path):
             try:
-                from transformers import AutoTokenizer
+                from transformers import AutoTokenizer  # optional dependency: the hf extra
             except ImportError:
                 raise ConfigError(
                     f"tokenizer.tokenizer_model={path!r} has no tokenizer.json; reading it needs the transformers "
@@ -183,7 +183,7 @@ class SentencePieceTokenizer(Tokenizer):
         if not model_file or not os.path.isfile(model_file):
             raise ConfigError(f"tokenizer.tokenizer_model={model_file!r} is not a SentencePiece .model file")
         try:
-            import sentencepiece
+            import sentencepiece  # optional dependency: the sentencepiece extra
         except ImportError:
             raise ConfigError("SentencePieceTokenizer needs the sentencepiece package (pip install sentencepiece)") from None
         self.model_file = model_file
@@ -211,8 +211,6 @@ class GPT2BPETokenizer(Tokenizer):
         for name, value in (("vocab_file", vocab_file), ("merge_file", merge_file)):
             if not value or not os.path.isfile(value):
                 raise ConfigError(f"tokenizer.{name}={value!r} does not exist (GPT2BPETokenizer needs vocab.json and merges.txt)")
-        from tokenizers import Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
-
         self.vocab_file, self.merge_file = vocab_file, merge_file
         self._tok = FastTokenizer(models.BPE.from_file(vocab_file, merge_file))
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -359,6 +357,7 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
             raise ConfigError("tokenizer.tokenizer_model is required for HuggingFaceTokenizer (a directory, tokenizer.json, or builtin:stdlib)")
         model = str(model)
         if model.startswith("builtin:"):
+            # data.builtin loads torch (through indexed_dataset); only builtin: tokenizers pay for it
             from longspan.data.builtin import builtin_tokenizer_dir
 
             model = builtin_tokenizer_dir(model)

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch.distributed as dist
 
 from longspan.core.errors import DataError
 
@@ -97,14 +98,10 @@ def parse_blend_string(text: str, field: str = "dataset.data_path") -> Blend:
 
 def barrier_if_distributed() -> None:
     """torch.distributed barrier when a process group is up; a no-op otherwise."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def dist_rank() -> int:
     """Rank in the default process group, 0 without one."""
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -62,7 +62,7 @@ def _single_model(model: nn.Module | Sequence[nn.Module]) -> nn.Module:
         model = model[0]
     while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # slow to import; already loaded wherever a DTensor exists
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ConfigError(

@@ -20,7 +20,7 @@ __all__ = ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "TransformerC
 def __getattr__(name: str) -> Any:
     # GPTModel pulls in the model code; import it only when asked for, so configs stay light.
     if name == "GPTModel":
-        from longspan.models.gpt import GPTModel
+        from longspan.models.gpt import GPTModel  # the model code loads only when asked for (see above)
 
         return GPTModel
     raise AttributeError(f"module 'longspan.models' has no attribute {name!r}")

@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from longspan.models.gpt import build_gpt_model
+
 
 def build_meta_model(
     provider: Any,
@@ -25,6 +27,4 @@ def build_meta_model(
     provide_meta = getattr(provider, "provide_meta", None)
     if provide_meta is not None:
         return provide_meta(pre_process, post_process, vp_stage, layer_numbers)
-    from longspan.models.gpt import build_gpt_model
-
     return build_gpt_model(provider, pre_process, post_process, vp_stage, materialize=False, layer_numbers=layer_numbers)

@@ -487,7 +487,7 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``longspan.models.gpt.build_gpt_model`` (see ``ModelProviderMixin``)."""
-        from longspan.models.gpt import build_gpt_model
+        from longspan.models.gpt import build_gpt_model  # keeps the providers (configs) free of the model code
 
         return build_gpt_model(self, pre_process, post_process, vp_stage, materialize=materialize,
                                layer_numbers=layer_numbers)

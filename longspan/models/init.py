@@ -52,7 +52,7 @@ def parameter_seed(seed: int, canonical_name: str) -> int:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # slow to import; already loaded wherever a DTensor exists
 
     return isinstance(t, DTensor)
 
@@ -131,7 +131,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
             rule = _init_rule(module, param_name, full_name)
             full = draw_full_parameter(seed, canonical, param.shape, rule).to(param.dtype)
             if _is_dtensor(param):
-                from torch.distributed.tensor import distribute_tensor
+                from torch.distributed.tensor import distribute_tensor  # slow to import; loaded for a DTensor
 
                 # src_data_rank=None: every rank drew the same full tensor, so each slices its own shard
                 # locally with no communication (on a CUDA mesh the one full tensor visits the GPU briefly).

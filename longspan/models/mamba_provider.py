@@ -113,7 +113,7 @@ class MambaProvider(ModelProviderMixin, TransformerConfig):
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``longspan.models.mamba.build_mamba_model`` (see ``ModelProviderMixin``)."""
-        from longspan.models.mamba import build_mamba_model
+        from longspan.models.mamba import build_mamba_model  # keeps the providers (configs) free of the model code
 
         return build_mamba_model(self, pre_process, post_process, vp_stage, materialize=materialize,
                                  layer_numbers=layer_numbers)

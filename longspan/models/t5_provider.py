@@ -76,7 +76,7 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``longspan.models.t5.build_t5_model`` (see ``ModelProviderMixin``); whole models only."""
-        from longspan.models.t5 import build_t5_model
+        from longspan.models.t5 import build_t5_model  # keeps the providers (configs) free of the model code
 
         if not (pre_process and post_process) or layer_numbers is not None or vp_stage is not None:
             raise NotSupportedError(

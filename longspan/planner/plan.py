@@ -37,9 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
-from longspan.planner.peak_flops import measured_cpu_tflops
+from longspan.models.gpt import build_gpt_model, padded_vocab_size
+from longspan.models.loss import default_chunk_tokens
+from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.parallel.mesh import Layout, check_layout, derive_layout
+from longspan.parallel.pipeline import layer_counts_for_config, stage_layer_numbers
 from longspan.planner.flops import num_floating_point_operations
+from longspan.planner.peak_flops import measured_cpu_tflops
 
 GiB = 1024**3
 
@@ -120,8 +124,6 @@ def _dtype_bytes(dtype: Any) -> int:
 
 def data_parallel_mode_for(cfg: Any, layout: Layout) -> str:
     """The data-parallel wrapper a run of ``cfg`` gets at ``layout`` (see longspan.parallel.data_parallel)."""
-    from longspan.parallel.data_parallel import data_parallel_mode
-
     mode = data_parallel_mode(cfg, layout.tp)
     if layout.dp * layout.cp == 1:
         return "none"
@@ -177,8 +179,6 @@ def candidate_layouts(cfg: Any, world_size: int) -> tuple[list[tuple[Any, Layout
 # ----------------------------------------------------------------------------------------------- weights
 
 def _stage_of_layers(cfg: Any, pp: int) -> dict[int, int]:
-    from longspan.parallel.pipeline import layer_counts_for_config, stage_layer_numbers
-
     counts = layer_counts_for_config(cfg.model, pp)
     stage_of = {}
     for stage, numbers in enumerate(stage_layer_numbers(counts)):
@@ -251,8 +251,6 @@ def _flash_attention_on_meta() -> Iterator[None]:
 
 def _saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> float:
     """Bytes autograd saves for one forward of ``provider``'s model (meta device, parameters excluded)."""
-    from longspan.models.gpt import build_gpt_model
-
     provider = copy.deepcopy(provider)
     provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
     provider.context_parallel_size = provider.expert_model_parallel_size = 1
@@ -280,8 +278,6 @@ def _saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> fl
 
 def _local_provider(cfg: Any, layout: Layout, num_layers: int) -> Any:
     """The model config of one rank's local computation: heads, FFN and vocabulary divided by tp."""
-    from longspan.models.gpt import padded_vocab_size
-
     m = copy.deepcopy(cfg.model)
     tp = layout.tp
     heads = int(m.num_attention_heads)
@@ -342,9 +338,6 @@ def _output_transient(cfg: Any, layout: Layout) -> float:
     """Bytes alive only during the loss's backward: the float32 logits' gradient and the log-softmax gradient
     (the plain loss), the reused logits buffer (the float32 fused loss), or the recomputed chunk and its
     gradient (the chunked loss)."""
-    from longspan.models.gpt import padded_vocab_size
-    from longspan.models.loss import default_chunk_tokens
-
     vocab = padded_vocab_size(cfg.model) // layout.tp
     tokens = int(cfg.train.micro_batch_size) * int(cfg.model.seq_length) // layout.cp
     if getattr(cfg.model, "cross_entropy_loss_fusion", False):
@@ -362,8 +355,6 @@ def _output_transient(cfg: Any, layout: Layout) -> float:
 def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
                     parts: Optional[dict[str, float]] = None, device: str = "cpu") -> RankMemory:
     """Memory of the busiest rank of ``cfg`` at ``layout`` (see the module docstring and ``RankMemory``)."""
-    from longspan.models.gpt import build_gpt_model
-
     if meta_model is None:
         meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
     parts = parts or activation_parts(cfg, layout)
@@ -462,9 +453,7 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
     dp = layout.dp * layout.cp
     if dp > 1:
         if meta_model is None:
-            from longspan.models.gpt import build_gpt_model
-
-            meta_model = build_gpt_model(_unsplit(m), materialize=False)
+                    meta_model = build_gpt_model(_unsplit(m), materialize=False)
         params = max(r["dense"] + r["expert"] for r in rank_parameter_counts(cfg, layout, meta_model))
         comm += 2 * (dp - 1) / dp * params * 4 / bandwidth
     return compute + comm
@@ -474,8 +463,6 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
 
 def plan(cfg: Any, world_size: int, device: str) -> tuple[list[PlanRow], list[str]]:
     """Every valid layout with its estimates, fastest first; and the rejected layouts with reasons."""
-    from longspan.models.gpt import build_gpt_model
-
     if device not in DEVICES:
         raise ConfigError(f"--device={device!r} is not one of {', '.join(DEVICES)}")
     cfg.model.finalize()

@@ -25,6 +25,7 @@ import json
 import re
 import string
 from dataclasses import dataclass, fields
+from datetime import datetime
 from functools import lru_cache
 from typing import Any, Callable, Optional
 
@@ -190,8 +191,7 @@ def compile_chat_template(template: str) -> Callable[..., str]:
     """A render function for a Jinja chat template, in the environment transformers uses for
     ``apply_chat_template`` (sandboxed, trim_blocks/lstrip_blocks, loop controls, ``raise_exception``,
     ``tojson``, ``strftime_now``). ``{% generation %}`` markers are dropped: spans are found by rendering."""
-    from datetime import datetime
-
+    # jinja2 is not a declared dependency (torch brings it); only chat templates need it
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -259,7 +259,7 @@ class ChatFormatter:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, where: str) -> str:
         """The template applied to ``messages`` (the text ``apply_chat_template(tokenize=False)`` gives)."""
-        import jinja2
+        import jinja2  # not a declared dependency (torch brings it); only chat templates need it
 
         render = self._renderer(where)
         try:

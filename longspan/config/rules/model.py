@@ -17,7 +17,6 @@ from longspan.core.errors import ConfigError, NotSupportedError
 TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
     "multi_latent_attention": False,
     "apply_residual_connection_post_layernorm": False,
-    "layernorm_zero_centered_gamma": False,
     "fp32_residual_connection": False,
     "rotary_interleaved": False,
     "window_size": None,
@@ -34,6 +33,7 @@ GPT_FIXED_FIELDS: dict[str, Any] = {
 
 T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
+    "layernorm_zero_centered_gamma": False,
     "num_moe_experts": None,
     "qk_layernorm": False,
     "recompute_granularity": None,
@@ -110,6 +110,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
     _check_heads(config)
     if config.position_embedding_type == "rope":
         _check_rotary(config)
+    _check_norms_and_caps(config)
     _check_recompute(config)
     fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
     if getattr(config, "cross_entropy_loss_fusion", False) and fusion_impl != "native":
@@ -133,6 +134,7 @@ def _check_heads(config: Any) -> None:
 
 
 def _check_rotary(config: Any) -> None:
+    _check_rotary_base(config)
     if not 0.0 < config.rotary_percent <= 1.0:
         raise ConfigError(f"model.rotary_percent={config.rotary_percent} must be in (0, 1]")
     dim = head_dim(config)
@@ -142,6 +144,42 @@ def _check_rotary(config: Any) -> None:
             f"model.rotary_percent={config.rotary_percent} gives {rot_dim} rotary channels of "
             f"{dim}: it must be an even number >= 2"
         )
+
+
+def _check_rotary_base(config: Any) -> None:
+    """``rotary_base``: a positive number, or a ``[local, global]`` pair of them (then no Llama-3 scaling: the
+    pair's global scaling is ``rope_scaling_factor``, linear)."""
+    base = config.rotary_base
+    pair = isinstance(base, (list, tuple))
+    values = list(base) if pair else [base]
+    if (pair and len(values) != 2) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values
+    ):
+        raise ConfigError(
+            f"model.rotary_base={base!r} must be a positive number or a [local, global] pair of positive numbers"
+        )
+    if pair and getattr(config, "rope_scaling", False):
+        raise NotSupportedError(
+            f"model.rope_scaling=True with model.rotary_base={list(base)!r} is not supported: with a "
+            "[local, global] pair the global layers' scaling is rope_scaling_factor (linear); set rope_scaling=False"
+        )
+
+
+def _check_norms_and_caps(config: Any) -> None:
+    """QK-norm across heads, the soft-capping values."""
+    if getattr(config, "qk_layernorm_across_heads", False):
+        if not config.qk_layernorm:
+            raise ConfigError("model.qk_layernorm_across_heads=True needs model.qk_layernorm=True")
+        tp = getattr(config, "tensor_model_parallel_size", 1)
+        if tp > 1:
+            raise NotSupportedError(
+                f"model.qk_layernorm_across_heads=True with tensor_model_parallel_size={tp} is not supported (the "
+                "norm spans every head): use tensor_model_parallel_size=1 (data, pipeline or context parallel)"
+            )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = getattr(config, name, None)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise ConfigError(f"model.{name}={cap!r} must be a positive number (or None: off)")
 
 
 def _check_recompute(config: Any) -> None:

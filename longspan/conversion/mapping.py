@@ -107,6 +107,36 @@ QWEN3_MOE = LLAMA + (  # dense layers (mlp_only_layers / decoder_sparse_step) ke
 )
 
 
+# --------------------------------------------------------------------------------------------- Gemma 2/3, OLMo-2
+
+# Norms after attention and the MLP: HF's post_attention_layernorm here is longspan's post_self_attn_layernorm
+# (in Llama it is the pre-MLP norm).
+_POST_NORMS = (
+    _layer("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
+    _layer("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
+)
+_QKVO = tuple(e for e in LLAMA_ATTENTION if ".self_attention." in e.ours)
+
+GEMMA = LLAMA_EMBEDDINGS + _QKVO + _POST_NORMS + LLAMA_MLP[:3] + (
+    _layer("input_layernorm.weight", "input_layernorm.weight"),
+    _layer("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
+)
+
+# OLMo-2: no pre-norms; q_norm / k_norm span the whole projections.
+OLMO2 = LLAMA_EMBEDDINGS + _QKVO + _POST_NORMS + LLAMA_MLP[:3]
+
+
+def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[WeightMap, ...]:
+    """``table`` with the HF names starting ``old`` renamed to start ``new`` (a model nested in a bigger one)."""
+    return tuple(WeightMap(e.ours, new + e.hf[len(old):], transpose=e.transpose, split=e.split,
+                           per_expert=e.per_expert, vocab=e.vocab) if e.hf.startswith(old) else e for e in table)
+
+
+# The text tower of Gemma3ForConditionalGeneration as transformers 5 saves it (the hub's original files name
+# it language_model.model.*: HFCheckpointReader's prefix aliases find those).
+GEMMA3_TEXT_TOWER = with_prefix(GEMMA, "model.", "model.language_model.")
+
+
 # --------------------------------------------------------------------------------------------- GPT-2
 
 def _gpt2(ours: str, hf: str, **kw) -> WeightMap:

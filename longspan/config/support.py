@@ -200,6 +200,9 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
     mamba_expand mamba_dt_limit_min hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern
     """))
 
+# Sliding-window attention (longspan.models.sliding_window): per-layer windows, packing, CP, the KV cache.
+FIELD_STATUS.update(_many("model", SUPPORTED, "window_size window_attn_skip_freq"))
+
 # T5 (issue 13): longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings
@@ -222,8 +225,9 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split
         account_for_loss_in_pipeline_split qk_layernorm recompute_granularity recompute_method recompute_num_layers
         recompute_modules rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
-        expert_tensor_parallel_size cross_entropy_loss_fusion
+        expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq
         """),
+    "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq"),
 }
 
 

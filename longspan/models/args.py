@@ -5,7 +5,7 @@ padded vocabulary, MoE layer pattern, ...). The modules read these, never the pr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -17,6 +17,7 @@ from longspan.config.rules.model import (
     check_moe,
     check_t5_model,
     head_dim,
+    layer_windows,
     moe_layer_flags,
     single_value,
 )
@@ -165,6 +166,11 @@ class TransformerArgs:
     """From a ``[local, global]`` rotary_base: the sliding-window layers' base (``rotary_base`` is the global)."""
     global_rope_linear_factor: float = 1.0
     """With a ``[local, global]`` rotary_base: the global layers' frequencies are divided by this."""
+    # sliding-window attention: Megatron's window_size (left, right), and each layer's window by global layer
+    # index: the positions a token attends to, itself included (HF's sliding_window = left + 1), None = full
+    # causal attention (see longspan.config.rules.model.layer_windows)
+    window_size: Optional[tuple[int, int]] = None
+    layer_windows: list[Optional[int]] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -210,6 +216,8 @@ class TransformerArgs:
             recompute_granularity=config.recompute_granularity,
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
+            window_size=_window_size(config),
+            layer_windows=layer_windows(config),
             **_gemma_fields(config),
         )
 
@@ -234,6 +242,11 @@ def _gemma_fields(config: Any) -> dict[str, Any]:
         apply_embedding_scaling=bool(getattr(config, "apply_embedding_scaling", False)),
         **{name: float(cap) if cap else None for name, cap in caps.items()},
     )
+
+
+def _window_size(config: Any) -> Optional[tuple[int, int]]:
+    window = getattr(config, "window_size", None)
+    return None if window is None else (int(window[0]), int(window[1]))
 
 
 @dataclass

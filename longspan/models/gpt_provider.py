@@ -92,7 +92,17 @@ class TransformerConfig(ModelParallelConfig):
     """Rotate interleaved channel pairs instead of the two halves of each head."""
 
     window_size: Optional[list[int]] = None
-    """Sliding-window attention as [left, right]; None means full (causal) attention."""
+    """If not None, then will use sliding window attention. The size of the window is specified by the numbers
+    inside the tuple (left, right): a token attends to the ``left`` tokens before it and itself (right must be 0
+    for a causal LM); -1 is the special value meaning "infinite window size". HF's ``sliding_window=W`` (W
+    positions including the token itself) is ``(W - 1, 0)``."""
+
+    window_attn_skip_freq: Optional[Union[int, list[int]]] = None
+    """Frequency of full attention layers among sliding window attention layers. Accepts either:
+    - An integer N: Represents a (N-1):1 ratio, one full attention layer after (N-1) SWA layers.
+    - A list that defines a custom pattern, e.g.: [1,1,1,1,0,0,0,0], where 1 represents SWA.
+    The list is also how a per-layer pattern is given directly (HF ``layer_types``: sliding_attention -> 1,
+    full_attention -> 0). None: every layer uses the window."""
 
     multi_latent_attention: bool = False
     """Use multi-latent attention (DeepSeek)."""

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from longspan.core.errors import ConfigError
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
+from longspan.models.sliding_window import WindowedMask, windowed_attention
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -34,9 +35,12 @@ RotaryTables = tuple[torch.Tensor, torch.Tensor]
 class KVCache:
     """Keys and values of the tokens seen so far, per layer, for incremental decoding (generation).
 
-    Preallocated ``[batch, kv_heads, max_seq_len, head_dim]`` per layer on its first update. ``seq_len`` counts
-    the cached positions: ``GPTModel.forward(..., kv_cache=cache)`` numbers new tokens from it (RoPE and
-    learned positions), masks attention causally from it, and advances it after the forward.
+    A full-attention layer's keys and values are preallocated ``[batch, kv_heads, max_seq_len, head_dim]`` on
+    its first update. A sliding-window layer (``update(..., window=w)``) keeps only its ``w - 1`` most recent
+    positions (all a later token can see besides itself), so its memory is bounded by the window whatever the
+    sequence length. ``seq_len`` counts the positions seen: ``GPTModel.forward(..., kv_cache=cache)`` numbers
+    new tokens from it (RoPE and learned positions), masks attention causally from it, and advances it after
+    the forward.
     """
 
     def __init__(self, max_seq_len: int) -> None:
@@ -45,11 +49,17 @@ class KVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
-    def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new ``k``/``v`` ``[b, kv_heads, s, d]`` of one layer; return all of its keys and values."""
+    def update(
+        self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new ``k``/``v`` ``[b, kv_heads, s, d]`` of one layer; return its keys and values: all of
+        them, or for a sliding-window layer the kept ones then the new ones (the last key is always the last new
+        token's, as ``longspan.models.sliding_window`` expects)."""
         start, end = self.seq_len, self.seq_len + k.shape[2]
         if end > self.max_seq_len:
             raise ValueError(f"KVCache holds at most {self.max_seq_len} positions; {end} were asked for")
+        if window is not None:
+            return self._update_window(layer_number, k, v, window)
         if layer_number not in self.keys:
             shape = (k.shape[0], k.shape[1], self.max_seq_len, k.shape[3])
             self.keys[layer_number] = k.new_empty(shape)
@@ -57,6 +67,19 @@ class KVCache:
         self.keys[layer_number][:, :, start:end] = k
         self.values[layer_number][:, :, start:end] = v
         return self.keys[layer_number][:, :, :end], self.values[layer_number][:, :, :end]
+
+    def _update_window(
+        self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = k, v
+        if layer_number in self.keys:
+            keys = torch.cat([self.keys[layer_number], k], dim=2)
+            values = torch.cat([self.values[layer_number], v], dim=2)
+        keep = min(window - 1, keys.shape[2])
+        # copies: a slice would hold on to the whole prompt's keys
+        self.keys[layer_number] = keys[:, :, keys.shape[2] - keep:].clone()
+        self.values[layer_number] = values[:, :, values.shape[2] - keep:].clone()
+        return keys, values
 
     def causal_mask(self, new_tokens: int, device: torch.device) -> torch.Tensor:
         """Megatron's bool mask (True = masked) ``[1, 1, new, cached + new]``: token i sees keys up to its position."""
@@ -163,7 +186,8 @@ def core_attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention on ``[b, heads, s, d]`` tensors; grouped k/v heads are repeated.
 
-    ``attention_mask`` follows Megatron: bool, True = masked. ``None`` means causal (SDPA's fast path).
+    ``attention_mask`` follows Megatron: bool, True = masked. ``None`` means causal (SDPA's fast path). A
+    ``WindowedMask`` (a sliding-window layer) runs ``longspan.models.sliding_window.windowed_attention``.
     """
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
@@ -171,6 +195,8 @@ def core_attention(
         b, g, s, d = k.shape
         k = k[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
         v = v[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
+    if isinstance(attention_mask, WindowedMask):
+        return windowed_attention(q, k, v, attention_mask, dropout_p, scale)
     if attention_mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     if attention_mask.dtype != torch.bool:  # a 0/1 (or additive 0/-inf) mask: non-zero means masked
@@ -197,8 +223,10 @@ def softcapped_core_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is None:
-        s_q, s_k = scores.shape[-2], scores.shape[-1]
+    s_q, s_k = scores.shape[-2], scores.shape[-1]
+    if isinstance(attention_mask, WindowedMask):  # a sliding-window layer: its band and the caller's mask
+        attention_mask = ~attention_mask.dense_keep(s_q, s_k, scores.device)
+    elif attention_mask is None:  # causal, bottom-right aligned (queries after cached keys)
         attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
     elif attention_mask.dtype != torch.bool:
         attention_mask = attention_mask != 0
@@ -215,6 +243,10 @@ class SelfAttention(nn.Module):
     Parameters: ``linear_q`` [heads*d, hidden], ``linear_k`` / ``linear_v`` [groups*d, hidden], ``linear_proj``
     [hidden, heads*d], and with ``qk_layernorm`` ``q_layernorm`` / ``k_layernorm`` over ``d`` channels.
     """
+
+    # Sliding window: the positions each token attends to, itself included (HF's sliding_window); None: full
+    # causal attention. Set per layer from ``layer_windows``.
+    window: int | None = None
 
     def __init__(self, config: Any, layer_number: int) -> None:
         super().__init__()
@@ -243,6 +275,8 @@ class SelfAttention(nn.Module):
             self.k_layernorm = None
         self.attention_dropout = config.attention_dropout
         self.softmax_scale = getattr(config, "softmax_scale", None)
+        windows = getattr(config, "layer_windows", None)
+        self.window: int | None = windows[layer_number] if windows else None
         # Set by the decoder for recompute_granularity='selective': recompute the attention core only.
         self.recompute_core_attention = False
         # The attention core (same signature as ``core_attention``); parallel plans may swap it, e.g. context
@@ -278,7 +312,10 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin, sin_signed=sin_signed)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_number, k, v)
+            k, v = kv_cache.update(self.layer_number, k, v, window=self.window)
+        if self.window is not None and not isinstance(attention_mask, WindowedMask):
+            # called without the decoder's per-forward masks (a layer on its own, a hybrid stack)
+            attention_mask = WindowedMask(self.window, attention_mask)
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.recompute_core_attention and torch.is_grad_enabled():
             out = checkpoint(
@@ -427,11 +464,12 @@ class TransformerBlock(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         layers = list(self.layers.values())
+        masks = layer_masks(layers, attention_mask)
         if self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None:
-            hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, attention_mask)
+            hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, masks)
         else:
-            for layer in layers:
-                hidden_states = layer(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+            for layer, mask in zip(layers, masks):
+                hidden_states = layer(hidden_states, rotary, mask, kv_cache=kv_cache)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -441,13 +479,13 @@ class TransformerBlock(nn.Module):
         layers: list[nn.Module],
         hidden_states: torch.Tensor,
         rotary: RotaryTables | None,
-        attention_mask: torch.Tensor | None,
+        masks: list[Any],
     ) -> torch.Tensor:
         n = self.recompute_num_layers
 
-        def run(chunk: list[nn.Module]) -> Callable[..., torch.Tensor]:
-            def forward_chunk(h: torch.Tensor, rot: RotaryTables | None, mask: torch.Tensor | None) -> torch.Tensor:
-                for layer in chunk:
+        def run(chunk: list[nn.Module], chunk_masks: list[Any]) -> Callable[..., torch.Tensor]:
+            def forward_chunk(h: torch.Tensor, rot: RotaryTables | None) -> torch.Tensor:
+                for layer, mask in zip(chunk, chunk_masks):
                     h = layer(h, rot, mask)
                 return h
 
@@ -455,12 +493,30 @@ class TransformerBlock(nn.Module):
 
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), n):
-                fn = run(layers[start : start + n])
-                hidden_states = checkpoint(fn, hidden_states, rotary, attention_mask, use_reentrant=False)
+                fn = run(layers[start : start + n], masks[start : start + n])
+                hidden_states = checkpoint(fn, hidden_states, rotary, use_reentrant=False)
         else:  # 'block': the first n layers of this stage are recomputed, the rest keep activations
-            for index, layer in enumerate(layers):
+            for index, (layer, mask) in enumerate(zip(layers, masks)):
                 if index < n:
-                    hidden_states = checkpoint(layer, hidden_states, rotary, attention_mask, use_reentrant=False)
+                    hidden_states = checkpoint(layer, hidden_states, rotary, mask, use_reentrant=False)
                 else:
-                    hidden_states = layer(hidden_states, rotary, attention_mask)
+                    hidden_states = layer(hidden_states, rotary, mask)
         return hidden_states
+
+
+def layer_masks(layers: list[nn.Module], attention_mask: torch.Tensor | None) -> list[Any]:
+    """The ``attention_mask`` argument of each layer: the caller's mask for full-attention layers (None keeps
+    SDPA's causal fast path), and for sliding-window layers one ``WindowedMask`` per distinct window, sharing
+    one memo, so each window's mask is built once per forward whatever the number of layers."""
+    memo: dict[Any, torch.Tensor] = {}
+    by_window: dict[int, WindowedMask] = {}
+    masks: list[Any] = []
+    for layer in layers:
+        window = getattr(getattr(layer, "self_attention", None), "window", None)
+        if window is None:
+            masks.append(attention_mask)
+            continue
+        if window not in by_window:
+            by_window[window] = WindowedMask(window, attention_mask, memo)
+        masks.append(by_window[window])
+    return masks

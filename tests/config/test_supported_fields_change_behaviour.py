@@ -109,6 +109,9 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.moe_expert_capacity_factor": (0.5, MOE),
     "model.moe_pad_expert_input_to_capacity": (True, {**MOE, "model.moe_expert_capacity_factor": 0.5}),
     "model.moe_token_drop_policy": ("position", {**MOE, "model.moe_expert_capacity_factor": 0.5}),
+    # sliding window of 2 positions on a 16-token micro model; then layer 2 of 2 back to full attention
+    "model.window_size": ([1, 0], {}),
+    "model.window_attn_skip_freq": (2, {"model.window_size": [1, 0]}),
     "optimizer.optimizer": ("sgd", {}),
     "optimizer.lr": (1e-2, {}),
     "optimizer.min_lr": (1e-3, {}),

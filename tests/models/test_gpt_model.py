@@ -233,7 +233,7 @@ def test_dropout_modules_active_only_in_training():
         ("fp32_residual_connection", True),
         ("rotary_interleaved", True),
         ("multi_latent_attention", True),
-        ("window_size", [128, 0]),
+        ("window_size", [128, 2]),  # a causal LM attends to no later token
     ],
 )
 def test_unsupported_values_raise_one_line(field, value):

@@ -1,0 +1,143 @@
+"""Sliding-window attention: the mask of a layer whose tokens attend only to the ``window`` most recent positions
+(themselves included), and an attention that skips the work outside the window on long sequences.
+
+Semantics (exactly HF's ``sliding_window`` and Megatron's ``window_size=(window - 1, 0)``, see
+``longspan.config.rules.model``): a query at position i attends to the key at position j when
+``0 <= i - j < window``.
+
+Keys are **bottom-right aligned** with the queries: the last key is at the last query's position and keys are
+contiguous. That holds for training (queries = keys) and for a KV cache (cached keys, then the new ones), and
+lets one mask serve a cache that keeps only the window (``KVCache`` for local layers): no absolute offsets.
+
+A caller's mask (Megatron's bool, True = masked: document boundaries of packed sequences, a KV cache's causal
+mask) is combined with the window: a key is attended only if both allow it. When the caller's mask has more key
+columns than the keys at hand (a KV cache that kept only the window), its last columns are the ones used.
+
+Cost: on a sequence of ``s`` tokens the dense path builds an ``[s, s]`` mask and lets SDPA compute every score;
+``windowed_attention`` instead cuts the queries into chunks of ``max(window, MIN_CHUNK)`` and attends each chunk
+only to the keys its window reaches (at most ``chunk + window - 1``), so time and memory grow with
+``s · (chunk + window)`` instead of ``s²``. Both are exact: the skipped scores are masked scores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: the smallest query chunk of the block-local path (a small window still gets chunks of this many queries,
+#: so the per-chunk kernel calls stay few)
+MIN_CHUNK = 256
+
+
+class WindowedMask:
+    """What a sliding-window layer receives as its ``attention_mask``: the window, the caller's mask (or None)
+    and a memo shared by every layer of one forward, so each distinct (window, shape) mask is built once per
+    forward, not per layer."""
+
+    __slots__ = ("window", "base", "memo")
+
+    def __init__(self, window: int, base: torch.Tensor | None, memo: dict[Any, torch.Tensor] | None = None) -> None:
+        if base is not None and base.dtype != torch.bool:  # a 0/1 (or additive 0/-inf) mask: non-zero is masked
+            base = base != 0
+        self.window = int(window)
+        self.base = base
+        self.memo = {} if memo is None else memo
+
+    def aligned_base(self, q_len: int, k_len: int) -> torch.Tensor | None:
+        """The caller's mask for ``q_len`` queries and the last ``k_len`` key positions (bottom-right)."""
+        base = self.base
+        if base is None:
+            return None
+        if base.shape[-2] != q_len:
+            raise ValueError(f"attention mask has {base.shape[-2]} query rows for {q_len} queries")
+        return base[..., base.shape[-1] - k_len:] if base.shape[-1] != k_len else base
+
+    def band(self, q_len: int, k_len: int, first: int, device: torch.device) -> torch.Tensor:
+        """The window's mask ``[q_len, k_len]`` (True = masked) when query i sits at key index ``first + i``."""
+        key = ("band", self.window, q_len, k_len, first, device)
+        mask = self.memo.get(key)
+        if mask is None:
+            mask = band_mask(q_len, k_len, self.window, first, device)
+            self.memo[key] = mask
+        return mask
+
+    def dense_keep(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        """Window and caller's mask together as SDPA's ``attn_mask`` (True = attend), ``[b or 1, 1, q_len,
+        k_len]``; built once per forward."""
+        key = ("dense", self.window, q_len, k_len, device)
+        keep = self.memo.get(key)
+        if keep is None:
+            band = self.band(q_len, k_len, k_len - q_len, device)
+            keep = ~_combine(band, self.aligned_base(q_len, k_len))
+            self.memo[key] = keep
+        return keep
+
+    def __repr__(self) -> str:
+        return f"WindowedMask(window={self.window}, base={None if self.base is None else tuple(self.base.shape)})"
+
+
+def _combine(band: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    return band[None, None] if base is None else band[None, None] | base
+
+
+def band_mask(q_len: int, k_len: int, window: int, first: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool ``[q_len, k_len]``, True = masked: query i (at key index ``first + i``) sees keys j with
+    ``0 <= first + i - j < window``."""
+    distance = (torch.arange(q_len, device=device) + first)[:, None] - torch.arange(k_len, device=device)[None, :]
+    return (distance < 0) | (distance >= window)
+
+
+def windowed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: WindowedMask,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    base: torch.Tensor | None | str = "aligned",
+) -> torch.Tensor:
+    """Sliding-window attention of ``q`` ``[b, heads, sq, d]`` to bottom-right aligned ``k``/``v``
+    ``[b, heads, sk, d]`` (kv heads already repeated), with ``mask``'s window and caller's mask.
+
+    ``base``: the caller's mask already cut to these queries and keys (``[b or 1, 1, sq, sk]`` or None); by
+    default ``mask.aligned_base(sq, sk)``. Long sequences run block-local (see the module docstring).
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    window = mask.window
+    own_base = isinstance(base, str)  # the caller's mask of ``mask``: its combinations are memoized
+    if own_base:
+        base = mask.aligned_base(q_len, k_len)
+    first = k_len - q_len  # the key index of the first query's position
+    if base is None and q_len == k_len and window >= k_len:
+        # the window reaches every earlier key: plain causal attention (SDPA's is_causal fast path)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    chunk = max(window, MIN_CHUNK)
+    if q_len <= chunk or k_len <= chunk + window - 1:
+        if own_base:
+            keep = mask.dense_keep(q_len, k_len, q.device)
+        else:
+            keep = ~_combine(mask.band(q_len, k_len, first, q.device), base)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale)
+    outs = []
+    for start in range(0, q_len, chunk):
+        end = min(start + chunk, q_len)
+        key_start, key_end = max(0, first + start - window + 1), first + end
+        # interior chunks without a caller's mask share one key (the same relative band)
+        memo_key = (("chunk", window, q_len, k_len, start, q.device) if base is not None
+                    else ("chunk", window, end - start, key_end - key_start, first + start - key_start, q.device))
+        keep = mask.memo.get(memo_key) if own_base or base is None else None
+        if keep is None:
+            band = mask.band(end - start, key_end - key_start, first + start - key_start, q.device)
+            keep = ~_combine(band, None if base is None else base[..., start:end, key_start:key_end])
+            if own_base or base is None:
+                mask.memo[memo_key] = keep
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, key_start:key_end], v[:, :, key_start:key_end], attn_mask=keep,
+            dropout_p=dropout_p, scale=scale,
+        ))
+    return torch.cat(outs, dim=2)
+
+
+__all__ = ["MIN_CHUNK", "WindowedMask", "band_mask", "windowed_attention"]

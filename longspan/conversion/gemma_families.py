@@ -23,6 +23,7 @@ from longspan.conversion.config_fields import (
     rope_hf,
     vocab_divisor,
 )
+from longspan.config.rules.model import layer_types_from_windows, layer_windows, window_pattern_from_layer_types
 from longspan.core.errors import NotSupportedError
 
 GEMMA3_ROPE_TYPES = ("default", "linear")
@@ -103,12 +104,30 @@ def _gemma_common(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The sliding-window layers (``layer_types``) and their window (``sliding_window``)."""
-    return {}
+    """The sliding-window layers (``layer_types``; older files: Gemma 2 alternates from a sliding first layer,
+    Gemma 3 has ``sliding_window_pattern``, default 6) and their window ``sliding_window`` (HF's W positions,
+    the token itself included, is Megatron's ``window_size=[W - 1, 0]``)."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return {}
+    layers = required(cfg, "num_hidden_layers")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        every = 2 if cfg.get("model_type") == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers:
+        raise NotSupportedError(
+            f"config.json layer_types has {len(layer_types)} entries for num_hidden_layers={layers}: give one per layer"
+        )
+    return dict(window_size=[int(window) - 1, 0], window_attn_skip_freq=window_pattern_from_layer_types(layer_types))
 
 
 def _sliding_window_hf(p: Any) -> dict[str, Any]:
-    return {}
+    windows = layer_windows(p)
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1 or (p.window_size is not None and p.window_size[1] != 0):
+        raise NotSupportedError(f"model.window_size={p.window_size!r} has no HF Gemma equivalent: use [W - 1, 0]")
+    return dict(sliding_window=sizes.pop() if sizes else None, layer_types=layer_types_from_windows(windows))
 
 
 def _query_pre_attn_scalar(p: Any) -> float | int:

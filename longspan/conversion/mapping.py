@@ -132,9 +132,10 @@ def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[Weigh
                            per_expert=e.per_expert, vocab=e.vocab) if e.hf.startswith(old) else e for e in table)
 
 
-# The text tower of Gemma3ForConditionalGeneration as transformers 5 saves it (the hub's original files name
-# it language_model.model.*: HFCheckpointReader's prefix aliases find those).
-GEMMA3_TEXT_TOWER = with_prefix(GEMMA, "model.", "model.language_model.")
+# The text tower of Gemma3ForConditionalGeneration as the hub's files and transformers' save_pretrained name it
+# (transformers' modules are model.language_model.*: HFCheckpointReader's prefix aliases find files named so).
+GEMMA3_TEXT_TOWER = with_prefix(with_prefix(GEMMA, "model.", "language_model.model."), "lm_head.",
+                                "language_model.lm_head.")
 
 
 # --------------------------------------------------------------------------------------------- GPT-2

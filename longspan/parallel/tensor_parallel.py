@@ -115,14 +115,24 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[f"{attn}.linear_k"] = ColwiseParallel()
             plan[f"{attn}.linear_v"] = ColwiseParallel()
             plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+            if getattr(layer.self_attention, "q_layernorm", None) is not None:
+                # per-head QK-norm on this rank's heads ([b, s, heads, d] split on dim 2): a replicated weight
+                # whose gradient is summed over the tp ranks (each sees only its heads)
+                plan[f"{attn}.q_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+                plan[f"{attn}.k_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if hasattr(layer, "mlp") and not getattr(layer.mlp, "is_moe", False):  # MoE: parallel/expert_parallel.py
             plan[f"{mlp}.linear_fc1"] = ColwiseParallel()
             if layer.mlp.linear_fc1_gate is not None:
                 plan[f"{mlp}.linear_fc1_gate"] = ColwiseParallel()
             plan[f"{mlp}.linear_fc2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
         if sp:
-            plan[f"{prefix}.input_layernorm"] = SequenceParallel()
-            plan[f"{prefix}.pre_mlp_layernorm"] = SequenceParallel()
+            for norm in ("input_layernorm", "pre_mlp_layernorm"):  # absent without layernorm_before_sublayers
+                if getattr(layer, norm, None) is not None:
+                    plan[f"{prefix}.{norm}"] = SequenceParallel()
+            # norms after attention / the MLP (layernorm_after_sublayers): their output joins the local residual
+            for norm in ("post_self_attn_layernorm", "post_mlp_layernorm"):
+                if getattr(layer, norm, None) is not None:
+                    plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
             # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
             plan[attn] = PrepareModuleInput(
                 input_layouts=(Shard(1), None, None),

@@ -178,6 +178,12 @@ def _check_norms_and_caps(config: Any) -> None:
                 f"model.qk_layernorm_across_heads=True with tensor_model_parallel_size={tp} is not supported (the "
                 "norm spans every head): use tensor_model_parallel_size=1 (data, pipeline or context parallel)"
             )
+    cp = getattr(config, "context_parallel_size", 1)
+    if getattr(config, "attn_logit_softcapping", None) and cp > 1:
+        raise NotSupportedError(
+            f"model.attn_logit_softcapping with context_parallel_size={cp} is not supported (context parallel "
+            "attention has no soft-cap): use context_parallel_size=1"
+        )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         cap = getattr(config, name, None)
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
@@ -338,6 +344,7 @@ def check_mamba_model(config: Any) -> None:
             raise NotSupportedError(
                 f"model.{name}={getattr(config, name)!r} is not supported yet for MambaProvider models: leave it None"
             )
+    check_fixed_fields(config, {"layernorm_zero_centered_gamma": False}, "yet for MambaProvider models")
     if config.recompute_granularity is not None:
         raise NotSupportedError(
             f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "

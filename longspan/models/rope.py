@@ -146,6 +146,6 @@ class LinearScaledRotaryEmbedding(RotaryEmbedding):
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         cached = self._scaled_cache.get(device)
         if cached is None:
-            cached = (super().inv_freq(torch.device("cpu")) / self.linear_factor).to(device)
+            cached = super().inv_freq(device) / self.linear_factor  # IEEE division: the same on every device
             self._scaled_cache[device] = cached
         return cached

@@ -116,8 +116,8 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[f"{attn}.linear_v"] = ColwiseParallel()
             plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
             if getattr(layer.self_attention, "q_layernorm", None) is not None:
-                # per-head QK-norm on this rank's heads ([b, s, heads, d] split on dim 2): a replicated weight
-                # whose gradient is summed over the tp ranks (each sees only its heads)
+                # QK-norm runs on this rank's heads ([b, s, heads, d]): its weight is replicated and its
+                # gradient, a partial sum over local heads, must be summed over tp (dim 2 = heads).
                 plan[f"{attn}.q_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
                 plan[f"{attn}.k_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if hasattr(layer, "mlp") and not getattr(layer.mlp, "is_moe", False):  # MoE: parallel/expert_parallel.py

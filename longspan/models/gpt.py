@@ -14,6 +14,8 @@ names::
     decoder.layers.{i}.mlp.router / experts / shared_experts   (MoE layers: see longspan.models.moe)
     decoder.final_layernorm                    (post_process only)
     output_layer                               nn.Linear [padded_vocab, hidden], bias-free (absent when tied)
+    tied_output                                parameter-free: logits = hidden @ word_embeddings.weight^T
+                                               (present only when tied on a stage with the embedding)
 
 ``{i}`` is the global layer index. Pipeline stages: ``pre_process`` keeps the embedding, ``post_process`` the
 final norm, output layer and loss. A stage without ``pre_process`` takes hidden states ``[b, s, hidden]`` as its
@@ -73,6 +75,17 @@ class LanguageModelEmbedding(nn.Module):
         return self.embedding_dropout(embeddings)
 
 
+class TiedOutputProjection(nn.Module):
+    """The logits of a model whose output layer is its word embeddings: ``hidden @ weight^T``.
+
+    Parameter-free (the embedding's weight is passed in, so the two uses share one tensor); a module rather than
+    a bare ``F.linear`` so that parallel plans can lay out its input and output as they do the output layer's.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, weight)
+
+
 class DecoderLanguageModel(nn.Module):
     """What the decoder-only language models (``GPTModel``, ``longspan.models.mamba.MambaModel``) share around
     their layer stack: the embedding (first pipeline stage), the rotary table, the output layer and loss (last
@@ -96,6 +109,8 @@ class DecoderLanguageModel(nn.Module):
         self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
         self.fp16_lm_cross_entropy = args.fp16_lm_cross_entropy
         self.embedding = LanguageModelEmbedding(args) if pre_process else None
+        tied_here = args.share_embeddings_and_output_weights and pre_process and post_process
+        self.tied_output = TiedOutputProjection() if tied_here else None
         # the training loss's reused [tokens, vocab] buffers (longspan.models.loss.LogitsWorkspace; CPU only)
         self.logits_workspace = LogitsWorkspace()
         self.rotary_pos_emb, self.local_rotary_pos_emb = _rotary_embeddings(args)
@@ -141,7 +156,7 @@ class DecoderLanguageModel(nn.Module):
         device_type = "cpu" if hidden_states.device.type == "meta" else hidden_states.device.type  # meta: `plan`
         if torch.is_autocast_enabled(device_type):
             return False
-        layer = self.output_layer
+        layer = self.output_layer if self.output_layer is not None else self.tied_output
         if layer is not None and (layer._forward_hooks or layer._forward_pre_hooks):
             return False
         return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
@@ -219,7 +234,7 @@ class DecoderLanguageModel(nn.Module):
         if self.output_layer is not None:
             # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
             return self.output_layer(hidden_states)
-        return F.linear(hidden_states, self.embedding.word_embeddings.weight)
+        return self.tied_output(hidden_states, self.embedding.word_embeddings.weight)
 
     def _softcapped_output(self, hidden_states: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Logits (or the per-token loss on them) with Gemma 2's final soft-cap, ``cap * tanh(logits / cap)``."""

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger
 
 _log = get_logger(__name__)
@@ -340,19 +340,17 @@ def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
         grad = weight.grad
         if grad is None:
             grad = weight.grad = torch.zeros_like(weight)
+        if hasattr(grad, "to_local") and tuple(grad.placements) != tuple(weight.placements):
+            # Under tensor parallel the lookup's gradient comes back replicated while the output copy's is
+            # vocab-sharded like its weight: lay both out as their weights (a local slice, no communication)
+            # so the two stages reduce the same vocabulary rows.
+            grad = weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         dist.all_reduce(local, group=group)
 
 
 def check_pipeline_model(model_cfg: Any, pp: int) -> None:
     """Reject pipeline settings the stages cannot honour (one line each)."""
-    if pp > 1 and bool(getattr(model_cfg, "share_embeddings_and_output_weights", False)) and int(
-        getattr(model_cfg, "tensor_model_parallel_size", 1)
-    ) > 1:
-        raise NotSupportedError(
-            "model.share_embeddings_and_output_weights=True with tensor and pipeline parallelism is not "
-            "supported: untie the embeddings or use tensor_model_parallel_size=1"
-        )
     layer_counts_for_config(model_cfg, pp)
 
 

@@ -5,7 +5,8 @@ over the 1-D ``tp`` mesh:
 
 - attention: ``linear_q`` / ``linear_k`` / ``linear_v`` column-wise (each rank keeps whole heads and whole
   kv groups: the attention code reads its local head counts from the projected shapes), ``linear_proj``
-  row-wise;
+  row-wise; the QK-norms (``q_layernorm`` / ``k_layernorm``) keep replicated weights and see head-sharded
+  inputs, so their gradients are summed over every rank's heads;
 - MLP: ``linear_fc1`` and ``linear_fc1_gate`` column-wise, ``linear_fc2`` row-wise;
 - vocabulary: ``embedding.word_embeddings`` row-wise (vocab-sharded table, masked lookup + all-reduce) and
   ``output_layer`` column-wise with vocab-sharded ``DTensor`` logits (``Shard(-1)``, ``use_local_output=False``),
@@ -14,6 +15,13 @@ over the 1-D ``tp`` mesh:
   loss stays correct, e.g. in evaluation, but is not vocab-parallel). The per-token loss leaves the model as
   a plain tensor (a forward hook on the root takes the replicated local value), so loss functions and the
   trainer see ordinary tensors.
+- tied embeddings (``share_embeddings_and_output_weights``), Megatron's way: the output projection uses the
+  very word-embedding parameter, a ``DTensor`` sharded over the vocabulary (``Shard(0)``), so each rank's
+  logits are those of its own vocabulary rows (``Shard(-1)``, as the untied output layer's) and the weight's
+  gradient is the sum of the lookup's and the projection's, accumulated into one sharded tensor. The plan
+  only lays out the input of the parameter-free ``tied_output`` (replicated hidden states; under sequence
+  parallel gathered from sequence shards); the rest is DTensor's matmul on a replicated input and a sharded
+  weight, which needs no communication.
 
 With ``sequence_parallel`` the residual stream between the column/row pairs is sharded along the sequence
 (dim 1): the embedding's output is split along the sequence, norms run as ``SequenceParallel`` on their
@@ -73,10 +81,11 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
             f"padded vocabulary size {args.vocab_size} is not divisible by model.tensor_model_parallel_size={tp}; "
             "set model.make_vocab_size_divisible_by to a multiple of it"
         )
-    if args.share_embeddings_and_output_weights:
+    if args.share_embeddings_and_output_weights and is_t5_model(model):
         raise NotSupportedError(
             f"model.share_embeddings_and_output_weights=True with tensor_model_parallel_size={tp} is not "
-            "supported: set share_embeddings_and_output_weights=False or tensor_model_parallel_size=1"
+            "supported for T5ModelProvider: set share_embeddings_and_output_weights=False or "
+            "tensor_model_parallel_size=1"
         )
 
 
@@ -147,6 +156,14 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     if getattr(model, "output_layer", None) is not None:
         plan["output_layer"] = ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+        )
+    if getattr(model, "tied_output", None) is not None:
+        # tied_output(hidden_states, weight): the weight is the embedding's vocab-sharded DTensor already; the
+        # hidden states become a replicated DTensor, so the matmul yields vocab-sharded logits locally.
+        plan["tied_output"] = PrepareModuleInput(
+            input_layouts=(Shard(1) if sp else Replicate(), None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=False,
         )
     return plan
 
@@ -251,12 +268,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             "attention_dropout=%s under tensor parallel: its masks are drawn per rank on local heads and "
             "depend on the layout", model.args.attention_dropout,
         )
-    if getattr(model, "output_layer", None) is not None:
-        model.output_layer.register_forward_hook(_gather_logits_outside_loss_parallel)
+    vocab_output = getattr(model, "output_layer", None)
+    if vocab_output is None:
+        vocab_output = getattr(model, "tied_output", None)
+    if vocab_output is not None:
+        vocab_output.register_forward_hook(_gather_logits_outside_loss_parallel)
     model.register_forward_hook(_output_to_local)
     if getattr(model, "linear_cross_entropy", None) is not None:
         vocab_parallel_loss.install(model)
-    setattr(model, LOSS_PARALLEL_ATTR, getattr(model, "output_layer", None) is not None)
+    setattr(model, LOSS_PARALLEL_ATTR, vocab_output is not None)
     _log.debug("tensor parallel over %d ranks (sequence_parallel=%s): %d modules", tp, sequence_parallel,
                len(plan))
     return model

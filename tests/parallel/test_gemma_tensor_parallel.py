@@ -12,6 +12,7 @@ from tests.parallel.test_tp_plans import small_provider
 GEMMA_LIKE = dict(layernorm_zero_centered_gamma=True, layernorm_after_sublayers=True, apply_embedding_scaling=True,
                   qk_layernorm=True, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, window_size=[3, 0],
                   window_attn_skip_freq=[1, 0], rotary_base=[10000, 1000000], rope_scaling_factor=8.0)
+GEMMA_TIED = dict(GEMMA_LIKE, share_embeddings_and_output_weights=True)
 OLMO2_LIKE = dict(layernorm_before_sublayers=False, layernorm_after_sublayers=True, qk_layernorm=True)
 
 
@@ -53,7 +54,7 @@ def _loss_and_grads(fields: dict, sequence_parallel: bool) -> tuple[float, float
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-@pytest.mark.parametrize("fields", [GEMMA_LIKE, OLMO2_LIKE], ids=["gemma", "olmo2_placement"])
+@pytest.mark.parametrize("fields", [GEMMA_LIKE, GEMMA_TIED, OLMO2_LIKE], ids=["gemma", "gemma_tied", "olmo2_placement"])
 def test_gemma_layers_split_match_whole_model(fields, sequence_parallel):
     for loss_diff, grad_diff in get_shared_pool(2).run(_loss_and_grads, fields, sequence_parallel, timeout=180):
         assert loss_diff < 1e-5 and grad_diff < 1e-5, (loss_diff, grad_diff)

@@ -146,5 +146,5 @@ def test_local_and_global_rotary_bases():
     assert not torch.allclose(other_local, one_base) and not torch.allclose(scaled_global, one_base)
     with pytest.raises(NotSupportedError, match="rope_scaling=True with model.rotary_base"):
         build_gpt_model(_provider(rotary_base=[10000, 10000], rope_scaling=True, **windows))
-    with pytest.raises(ConfigError, match=r"model.rotary_base=\[1, 2, 3\] must be a positive number or a"):
+    with pytest.raises(ConfigError, match=r"model.rotary_base=\[1, 2, 3\] is out of range: use a positive number or a"):
         build_gpt_model(_provider(rotary_base=[1, 2, 3]))

@@ -158,7 +158,8 @@ def _check_rotary_base(config: Any) -> None:
         isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values
     ):
         raise ConfigError(
-            f"model.rotary_base={base!r} must be a positive number or a [local, global] pair of positive numbers"
+            f"model.rotary_base={base!r} is out of range: use a positive number or a [local, global] pair of "
+            "positive numbers"
         )
     if pair and getattr(config, "rope_scaling", False):
         raise NotSupportedError(

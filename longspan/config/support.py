@@ -211,6 +211,13 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
 # Sliding-window attention (longspan.models.sliding_window): per-layer windows, packing, CP, the KV cache.
 FIELD_STATUS.update(_many("model", SUPPORTED, "window_size window_attn_skip_freq"))
 
+# Gemma 2/3 and OLMo-2 (longspan.models.transformer / gpt): norm form and placement, QK-norm across heads,
+# embedding scaling, soft-capping.
+FIELD_STATUS.update(_many("model", SUPPORTED, """
+    layernorm_zero_centered_gamma layernorm_before_sublayers layernorm_after_sublayers qk_layernorm_across_heads
+    apply_embedding_scaling attn_logit_softcapping final_logit_softcapping
+    """))
+
 # T5: longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings
@@ -235,10 +242,12 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
         recompute_modules rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
         expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
         apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
+        layernorm_zero_centered_gamma
         """),
     # The hybrid stack's own layers keep the residual in the activations' dtype, taken before the norm.
     "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq "
-                                                   "apply_residual_connection_post_layernorm fp32_residual_connection"),
+                                                   "apply_residual_connection_post_layernorm fp32_residual_connection "
+                                                   "layernorm_zero_centered_gamma"),
 }
 
 

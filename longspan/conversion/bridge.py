@@ -192,6 +192,8 @@ class AutoBridge:
 
     @property
     def hf_vocab_size(self) -> int | None:
+        if self.family.export_config is not None:  # a text tower: the vocabulary is the text model's
+            return self.family.export_config(self.hf_config).get("vocab_size")
         return self.hf_config.get("vocab_size")
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path: str | os.PathLike | None = None) -> Any:
@@ -252,7 +254,7 @@ class AutoBridge:
         ``select(longspan_name)`` False leaves a parameter alone."""
         if self.hf_path is None:
             raise CheckpointError("this bridge has no HF weights (it was made from a config): use from_hf_pretrained")
-        reader = HFCheckpointReader(self.hf_path)
+        reader = HFCheckpointReader(self.hf_path, self.family.hf_prefix_aliases)
         try:
             return load_hf_weights(chunks, self.family, reader, self.hf_vocab_size, progress=progress, select=select)
         finally:
@@ -268,8 +270,17 @@ class AutoBridge:
         model's parameters: copy them if you keep them past the next step.
         """
         chunks = model if isinstance(model, list) else [model]
-        tied = bool(self.hf_config.get("tie_word_embeddings", self.family.name == "gpt2"))
-        return export_hf_weights(chunks, self.family, self.hf_vocab_size, tied, cpu=cpu)
+        family, config = self.export_family_and_config()
+        tied = bool(config.get("tie_word_embeddings", family.name == "gpt2"))
+        return export_hf_weights(chunks, family, self.hf_vocab_size, tied, cpu=cpu)
+
+    def export_family_and_config(self) -> tuple[Family, dict[str, Any]]:
+        """The family and config.json an export writes: the source's, or for the text tower of a bigger model
+        (a vision-language model) the text model's."""
+        if self.family.export_architecture is None:
+            return self.family, dict(self.hf_config)
+        config = self.family.export_config(self.hf_config)
+        return families.BY_ARCHITECTURE[self.family.export_architecture].for_config(config), config
 
     def save_hf_pretrained(self, model: nn.Module | list[nn.Module], path: str | os.PathLike,
                            max_shard_size: int = 5 * 2**30, progress: Callable[[str], None] | None = None) -> None:
@@ -305,7 +316,7 @@ class AutoBridge:
                 total += size
         if rank == 0:
             finalize_shards(out, weight_map, total)
-            config = dict(self.hf_config)
+            config = self.export_family_and_config()[1]
             dtype = _first_dtype(model)
             if dtype is not None:
                 config["dtype"] = DTYPE_NAMES.get(dtype, "float32")

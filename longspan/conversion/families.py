@@ -1,8 +1,9 @@
 """The supported Hugging Face architectures: one ``Family`` per architecture (names, weight table, config translation).
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-GPT-2), ``moe_families`` (Mixtral, Qwen3-MoE), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2,
-Nemotron-H); the helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
+GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 and its vision-language model's text tower, OLMo-2),
+``moe_families`` (Mixtral, Qwen3-MoE), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
+helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from longspan.conversion.dense_families import (
     qwen3_hf,
     qwen3_provider,
 )
+from longspan.conversion.gemma_families import (
+    gemma2_hf,
+    gemma2_provider,
+    gemma3_hf,
+    gemma3_provider,
+    gemma3_vlm_provider,
+    gemma3_vlm_text_config,
+    olmo2_hf,
+    olmo2_provider,
+)
 from longspan.conversion.mamba_families import mamba2_hf, mamba2_provider, nemotron_h_hf, nemotron_h_provider
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
@@ -52,6 +63,12 @@ class Family:
     """The ``longspan.models`` provider class ``to_provider``'s fields are for."""
     weights_for: Callable[[dict[str, Any]], tuple[mapping.WeightMap, ...]] | None = None
     """When set, the weight table depends on config.json (T5's gated or plain MLP): it replaces ``weights``."""
+    hf_prefix_aliases: tuple[tuple[str, str], ...] = ()
+    """(prefix, other spelling) of HF tensor names: files that use the other spelling load too."""
+    export_architecture: str | None = None
+    """When set, the import is a part of a bigger HF model (a vision-language model's text tower) and exports
+    as this architecture (``export_config`` turns the source config.json into its config.json)."""
+    export_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def for_config(self, cfg: dict[str, Any]) -> "Family":
         """This family with the weight table for config.json dict ``cfg``."""
@@ -78,6 +95,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
            t5_weights),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
+    Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_TEXT_TOWER, gemma3_vlm_provider,
+           gemma3_hf, hf_prefix_aliases=(("language_model.model.", "model.language_model."),
+                                         ("language_model.lm_head.", "lm_head.")),
+           export_architecture="Gemma3ForCausalLM", export_config=gemma3_vlm_text_config),
+    Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
     Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.MAMBA2, mamba2_provider, mamba2_hf, "MambaProvider"),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, nemotron_h_provider,
            nemotron_h_hf, "MambaProvider"),
@@ -117,6 +141,10 @@ def family_for_provider(provider: Any) -> Family:
         return BY_ARCHITECTURE["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
     if provider.position_embedding_type == "learned_absolute":
         return BY_ARCHITECTURE["GPT2LMHeadModel"]
+    if not getattr(provider, "layernorm_before_sublayers", True):
+        return BY_ARCHITECTURE["Olmo2ForCausalLM"]
+    if getattr(provider, "layernorm_after_sublayers", False):
+        return BY_ARCHITECTURE["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
     if provider.num_moe_experts:
         return BY_ARCHITECTURE["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
     if provider.qk_layernorm:

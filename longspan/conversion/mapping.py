@@ -17,6 +17,7 @@ family: it only reads these tables.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -134,6 +135,34 @@ def phi3(heads: int, groups: int) -> tuple[WeightMap, ...]:
         _layer("mlp.linear_fc1.weight", "mlp.gate_up_proj.weight", split=(1, 2)),
         _layer("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
     )
+# --------------------------------------------------------------------------------------------- Gemma 2/3, OLMo-2
+
+# Norms after attention and the MLP: HF's post_attention_layernorm here is longspan's post_self_attn_layernorm
+# (in Llama it is the pre-MLP norm).
+_POST_NORMS = (
+    _layer("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
+    _layer("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
+)
+_QKVO = tuple(e for e in LLAMA_ATTENTION if ".self_attention." in e.ours)
+
+GEMMA = LLAMA_EMBEDDINGS + _QKVO + _POST_NORMS + LLAMA_MLP[:3] + (
+    _layer("input_layernorm.weight", "input_layernorm.weight"),
+    _layer("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
+)
+
+# OLMo-2: no pre-norms; q_norm / k_norm span the whole projections.
+OLMO2 = LLAMA_EMBEDDINGS + _QKVO + _POST_NORMS + LLAMA_MLP[:3]
+
+
+def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[WeightMap, ...]:
+    """``table`` with the HF names starting ``old`` renamed to start ``new`` (a model nested in a bigger one)."""
+    return tuple(dataclasses.replace(e, hf=new + e.hf[len(old):]) if e.hf.startswith(old) else e for e in table)
+
+
+# The text tower of Gemma3ForConditionalGeneration as the hub's files and transformers' save_pretrained name it
+# (transformers' modules are model.language_model.*: HFCheckpointReader's prefix aliases find files named so).
+GEMMA3_TEXT_TOWER = with_prefix(with_prefix(GEMMA, "model.", "language_model.model."), "lm_head.",
+                                "language_model.lm_head.")
 
 
 # --------------------------------------------------------------------------------------------- GPT-2

@@ -57,8 +57,10 @@ def _read_header(path: Path) -> dict[str, Any]:
 class HFCheckpointReader:
     """Tensor names, shapes and slices of an HF model directory's safetensors files."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, prefix_aliases: tuple[tuple[str, str], ...] = ()) -> None:
         self.directory = Path(directory)
+        # (prefix, other spelling): a missing ``prefix...`` tensor is looked up as ``other spelling...``
+        self.prefix_aliases = tuple(prefix_aliases)
         index = self.directory / INDEX_FILE
         single = self.directory / SINGLE_FILE
         if index.is_file():
@@ -89,6 +91,10 @@ class HFCheckpointReader:
     def _resolve(self, name: str) -> str:
         """``name``, or the same tensor saved from the base model without its prefix (GPT-2's ``h.0...``
         for ``transformer.h.0...``, ``layers.0...`` for ``model.layers.0...``)."""
+        if name not in self.files:
+            for prefix, alias in self.prefix_aliases:
+                if name.startswith(prefix) and alias + name[len(prefix):] in self.files:
+                    return alias + name[len(prefix):]
         if name not in self.files and "." in name:
             bare = name.split(".", 1)[1]
             if bare in self.files:
@@ -112,6 +118,7 @@ class HFCheckpointReader:
 
     def dtype_name(self, name: str) -> str:
         """The safetensors dtype string (``BF16``, ``F32``, ...) of tensor ``name``."""
+        name = self._resolve(name)
         return self._header(self._path(name))[name]["dtype"]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:

@@ -159,6 +159,18 @@ class TransformerArgs:
     # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
     layer_types: Optional[list[str]] = None
     mamba: Optional[MambaArgs] = None
+    # Gemma 2/3 and OLMo-2: norm form and placement, soft-capping, embedding scale, the local layers' RoPE base
+    layernorm_zero_centered_gamma: bool = False
+    layernorm_before_sublayers: bool = True
+    layernorm_after_sublayers: bool = False
+    qk_layernorm_across_heads: bool = False
+    apply_embedding_scaling: bool = False
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    rotary_base_local: Optional[float] = None
+    """From a ``[local, global]`` rotary_base: the sliding-window layers' base (``rotary_base`` is the global)."""
+    global_rope_linear_factor: float = 1.0
+    """With a ``[local, global]`` rotary_base: the global layers' frequencies are divided by this."""
     # sliding-window attention: Megatron's window_size (left, right), and each layer's window by global layer
     # index: the positions a token attends to, itself included (HF's sliding_window = left + 1), None = full
     # causal attention (see longspan.config.rules.model.layer_windows)
@@ -199,7 +211,6 @@ class TransformerArgs:
             # YaRN is Megatron's position_embedding_type 'yarn': rotary embeddings with yarn_* scaling
             position_embedding_type="rope" if config.position_embedding_type == "yarn"
             else config.position_embedding_type,
-            rotary_base=float(config.rotary_base),
             rotary_percent=float(config.rotary_percent),
             seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
             rope_scaling=bool(config.rope_scaling),
@@ -227,7 +238,30 @@ class TransformerArgs:
                 getattr(config, "apply_residual_connection_post_layernorm", False)),
             fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
             attention_softmax_in_fp32=bool(getattr(config, "attention_softmax_in_fp32", True)),
+            **_gemma_fields(config),
         )
+
+
+def _gemma_fields(config: Any) -> dict[str, Any]:
+    """The Gemma / OLMo-2 fields of ``config`` (absent on providers without them: their defaults)."""
+    base = config.rotary_base
+    local = None
+    global_factor = 1.0
+    if isinstance(base, (list, tuple)):  # [local, global] (Bridge's Gemma 3); checked by the model rules
+        local, base = float(base[0]), float(base[1])
+        global_factor = float(config.rope_scaling_factor)
+    caps = {name: getattr(config, name, None) for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(
+        rotary_base=float(base),
+        rotary_base_local=local,
+        global_rope_linear_factor=global_factor,
+        layernorm_zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
+        layernorm_before_sublayers=bool(getattr(config, "layernorm_before_sublayers", True)),
+        layernorm_after_sublayers=bool(getattr(config, "layernorm_after_sublayers", False)),
+        qk_layernorm_across_heads=bool(getattr(config, "qk_layernorm_across_heads", False)),
+        apply_embedding_scaling=bool(getattr(config, "apply_embedding_scaling", False)),
+        **{name: float(cap) if cap else None for name, cap in caps.items()},
+    )
 
 
 def _window_size(config: Any) -> Optional[tuple[int, int]]:

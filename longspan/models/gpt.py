@@ -36,8 +36,8 @@ from longspan.core.logging import get_logger
 from longspan.models.args import TransformerArgs, padded_vocab_size  # noqa: F401 (padded_vocab_size: imported from here)
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy, linear_cross_entropy
-from longspan.models.rope import RotaryEmbedding
-from longspan.models.transformer import KVCache, TransformerBlock
+from longspan.models.rope import LinearScaledRotaryEmbedding, RotaryEmbedding
+from longspan.models.transformer import KVCache, LocalGlobalRotary, TransformerBlock
 
 _log = get_logger(__name__)
 
@@ -62,9 +62,14 @@ class LanguageModelEmbedding(nn.Module):
         else:
             self.position_embeddings = None
         self.embedding_dropout = nn.Dropout(args.hidden_dropout)
+        # Gemma: sqrt(hidden), as a float32 number rounded to the embeddings' dtype (HF's embed_scale)
+        self.embedding_scale = args.hidden_size**0.5 if args.apply_embedding_scaling else None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids)
+        if self.embedding_scale is not None:
+            scale = torch.tensor(self.embedding_scale, dtype=torch.float32, device=embeddings.device)
+            embeddings = embeddings * scale.to(embeddings.dtype)
         if self.position_embeddings is not None:
             embeddings = embeddings + self.position_embeddings(position_ids)
         return self.embedding_dropout(embeddings)
@@ -108,10 +113,7 @@ class DecoderLanguageModel(nn.Module):
         self.tied_output = TiedOutputProjection() if tied_here else None
         # the training loss's reused [tokens, vocab] buffers (longspan.models.loss.LogitsWorkspace; CPU only)
         self.logits_workspace = LogitsWorkspace()
-        if args.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding.from_args(args)
-        else:
-            self.rotary_pos_emb = None
+        self.rotary_pos_emb, self.local_rotary_pos_emb = _rotary_embeddings(args)
 
     def build_output_layer(self) -> nn.Linear | None:
         """The output layer of a last stage, or None (not the last stage, or tied to this stage's embedding)."""
@@ -205,11 +207,15 @@ class DecoderLanguageModel(nn.Module):
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        if self.local_rotary_pos_emb is not None:
+            rotary = LocalGlobalRotary(global_tables=rotary, local_tables=self.local_rotary_pos_emb(position_ids))
         hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
         if kv_cache is not None:
             kv_cache.seq_len += seq_len
         if not self.post_process:
             return hidden_states
+        if self.args.final_logit_softcapping:  # the loss needs the capped logits: no fused loss path
+            return self._softcapped_output(hidden_states, labels)
         if (
             labels is not None
             and self.linear_cross_entropy is not None
@@ -219,13 +225,24 @@ class DecoderLanguageModel(nn.Module):
             return self.linear_cross_entropy(hidden_states, self.output_weight(), labels)
         if labels is not None and self._grad_in_forward_loss_applies(hidden_states):
             return fused_linear_cross_entropy(hidden_states, self.output_weight(), labels, self.logits_workspace)
-        if self.output_layer is not None:
-            # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
-            logits = self.output_layer(hidden_states)
-        else:
-            logits = self.tied_output(hidden_states, self.embedding.word_embeddings.weight)
+        logits = self._logits(hidden_states)
         if labels is None:
             return logits
+        return self._per_token_loss(logits, labels)
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.output_layer is not None:
+            # Called as a module (not F.linear on its weight) so tensor-parallel plans' hooks on it run.
+            return self.output_layer(hidden_states)
+        return self.tied_output(hidden_states, self.embedding.word_embeddings.weight)
+
+    def _softcapped_output(self, hidden_states: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Logits (or the per-token loss on them) with Gemma 2's final soft-cap, ``cap * tanh(logits / cap)``."""
+        cap = self.args.final_logit_softcapping
+        logits = torch.tanh(self._logits(hidden_states) / cap) * cap
+        return logits if labels is None else self._per_token_loss(logits, labels)
+
+    def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Float32 logits (unless fp16_lm_cross_entropy) and reduction='none', on [b*s, vocab], keep this torch's
         # loss_parallel-compatible under tensor parallel (vocab-sharded logits, no full-vocab gather).
         flat = logits.flatten(0, 1)
@@ -236,6 +253,20 @@ class DecoderLanguageModel(nn.Module):
         else:
             loss = F.cross_entropy(flat.float(), labels.flatten(0, 1), reduction="none")
         return loss.float().view(labels.shape)
+
+
+def _rotary_embeddings(args: TransformerArgs) -> tuple[RotaryEmbedding | None, RotaryEmbedding | None]:
+    """The rotary table(s): (global, local). The local one exists only with a ``[local, global]`` rotary_base;
+    then the global one carries the linear scaling (``global_rope_linear_factor``) and the local one none."""
+    if args.position_embedding_type != "rope":
+        return None, None
+    common = dict(rotary_percent=args.rotary_percent, seq_len_interpolation_factor=args.seq_len_interpolation_factor)
+    if args.rotary_base_local is not None:
+        global_table = LinearScaledRotaryEmbedding(args.kv_channels, args.global_rope_linear_factor,
+                                                   rotary_base=args.rotary_base, **common)
+        return global_table, RotaryEmbedding(args.kv_channels, rotary_base=args.rotary_base_local, **common)
+    global_table = RotaryEmbedding.from_args(args)
+    return global_table, None
 
 
 class GPTModel(DecoderLanguageModel):

@@ -67,7 +67,8 @@ class TransformerConfig(ModelParallelConfig):
     """Epsilon of the normalization layers."""
 
     layernorm_zero_centered_gamma: bool = False
-    """Store the norm's scale as (gamma - 1), centred at zero."""
+    """Store every norm's scale as (gamma - 1), centred at zero: the norm computes ``normed * (1 + w)`` (in
+    float32 for RMSNorm, as Gemma does) and its weight starts at zero."""
 
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization layer type."""
@@ -386,8 +387,12 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     """Position information: learned absolute embeddings, rotary embeddings, rotary embeddings with YaRN scaling
     (the ``yarn_*`` fields), or none."""
 
-    rotary_base: int = 10000
-    """Base of the rotary embedding frequencies."""
+    rotary_base: Union[int, float, list[float]] = 10000
+    """Base of the rotary embedding frequencies; a pair ``[local, global]`` gives the sliding-window (local)
+    layers their own base (Megatron Bridge's Gemma 3: ``(10_000, 1_000_000)``). With a pair,
+    ``rope_scaling_factor`` is the linear scaling of the global layers' frequencies (they are divided by it,
+    HF's ``linear`` rope type; 1.0 = none), as in Bridge's Gemma3ModelProvider, and ``rope_scaling`` must be
+    False."""
 
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings rotate."""
@@ -452,6 +457,29 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     rope_attention_factor: Optional[float] = None
     """YaRN and LongRoPE: the factor cos and sin are multiplied by. YaRN: None = the mscale ratio above;
     LongRoPE: required (transformers' default is sqrt(1 + ln(factor) / ln(original)), written by the HF import)."""
+    # ---- Gemma 2/3 and OLMo-2: norm placement, soft-capping, embedding scale ------------------------------
+    layernorm_before_sublayers: bool = True
+    """Normalize the input of attention and of the MLP (the pre-norm of Llama and GPT). False together with
+    layernorm_after_sublayers is OLMo-2's placement: ``x + norm(attn(x))``."""
+
+    layernorm_after_sublayers: bool = False
+    """Normalize the output of attention and of the MLP before the residual add: ``x + norm(attn(...))``
+    (Gemma 2/3's post-attention and post-feed-forward norms, OLMo-2's only norms)."""
+
+    qk_layernorm_across_heads: bool = False
+    """With qk_layernorm: normalize each token's whole query and key projections (all heads together, one
+    weight per channel: OLMo-2) instead of each head separately. Not with tensor parallel."""
+
+    apply_embedding_scaling: bool = False
+    """Multiply the word embeddings by sqrt(hidden_size), the factor rounded to the embeddings' dtype first
+    (Gemma, as Hugging Face computes it)."""
+
+    attn_logit_softcapping: Optional[float] = None
+    """Cap attention scores softly, ``cap * tanh(score / cap)``, after scaling and before the mask and
+    softmax (Gemma 2); None = off. Runs an unfused attention (scores are materialized)."""
+
+    final_logit_softcapping: Optional[float] = None
+    """Cap the output logits softly, ``cap * tanh(logits / cap)`` (Gemma 2), also inside the loss; None = off."""
 
     seq_length: int = 1024
     """Maximum sequence length the model is trained on (must equal dataset.sequence_length)."""

@@ -315,3 +315,21 @@ def apply_rotary(
         return x * cos + x.roll(rot_dim // 2, dims=-1) * sin_signed
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     return torch.cat((x_rot * cos + x_rot.roll(rot_dim // 2, dims=-1) * sin_signed, x_pass), dim=-1)
+
+
+class LinearScaledRotaryEmbedding(RotaryEmbedding):
+    """``RotaryEmbedding`` whose inverse frequencies are divided by ``linear_factor`` (HF's ``linear`` rope type,
+    computed as HF does: the plain frequencies, then the division). Gemma 3's global layers use it, with their
+    own base, next to the local layers' plain table."""
+
+    def __init__(self, head_dim: int, linear_factor: float, **kwargs) -> None:
+        super().__init__(head_dim, **kwargs)
+        self.linear_factor = float(linear_factor)
+        self._scaled_cache: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device, seq_len: int | None = None) -> torch.Tensor:
+        cached = self._scaled_cache.get(device)
+        if cached is None:
+            cached = super().inv_freq(device, seq_len) / self.linear_factor  # IEEE division: the same on every device
+            self._scaled_cache[device] = cached
+        return cached

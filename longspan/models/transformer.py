@@ -14,7 +14,9 @@ Hidden states are ``[batch, seq, hidden]`` throughout. ``config`` here is the re
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -115,15 +117,28 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32 (as HF Llama and Transformer Engine do), cast back after."""
+    """Root-mean-square norm computed in float32 (as HF Llama and Transformer Engine do), cast back after.
 
-    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+    With ``zero_centered_gamma`` the weight stores ``gamma - 1`` (Megatron's layernorm_zero_centered_gamma,
+    HF Gemma's norms): the output is ``normed * (1 + w)`` with the product in float32, cast back after.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None,
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__()
         self.normalized_shape = (dim,)
         self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        if zero_centered_gamma:
+            self.init_rule = ("zeros", 0.0)  # gamma = 1 + w starts at one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered_gamma:
+            gamma = 1.0 + self.weight.float()
+            if type(x) is torch.Tensor and type(self.weight) is nn.Parameter:
+                return _RMSNormFunction.apply(x.float(), gamma, self.eps).to(x.dtype)
+            return (gamma * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)).to(x.dtype)
         if type(x) is torch.Tensor and type(self.weight) is nn.Parameter:
             return _RMSNormFunction.apply(x, self.weight, self.eps)
         # DTensors (sequence / tensor parallel): the composite form, which DTensor's op rules cover.
@@ -131,12 +146,27 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class ZeroCenteredLayerNorm(nn.LayerNorm):
+    """LayerNorm whose weight stores ``gamma - 1`` (Megatron's layernorm_zero_centered_gamma); starts at zero."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, eps=eps, dtype=dtype)
+        self.init_rule = {"weight": ("zeros", 0.0), "bias": ("zeros", 0.0)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
 def build_norm(config: Any, dim: int) -> nn.Module:
-    """The norm named by ``config.normalization`` ('LayerNorm' or 'RMSNorm') over ``dim`` channels."""
+    """The norm named by ``config.normalization`` ('LayerNorm' or 'RMSNorm') over ``dim`` channels, zero-centred
+    when ``config.layernorm_zero_centered_gamma``."""
+    centred = bool(getattr(config, "layernorm_zero_centered_gamma", False))
     if config.normalization == "LayerNorm":
+        if centred:
+            return ZeroCenteredLayerNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
         return nn.LayerNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
     if config.normalization == "RMSNorm":
-        return RMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+        return RMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype, zero_centered_gamma=centred)
     raise ConfigError(f"model.normalization={config.normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
 
 
@@ -208,6 +238,39 @@ def low_precision_softmax_attention(
     return torch.matmul(probs, v)
 
 
+def softcapped_core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    *,
+    softcap: float,
+) -> torch.Tensor:
+    """``core_attention`` with Gemma 2's soft-capped scores: ``cap * tanh(q·k * scale / cap)`` before the mask
+    and a float32 softmax, in HF's order. Unfused (SDPA has no soft-cap): the scores are materialized."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    s_q, s_k = scores.shape[-2], scores.shape[-1]
+    if isinstance(attention_mask, WindowedMask):  # a sliding-window layer: its band and the caller's mask
+        attention_mask = ~attention_mask.dense_keep(s_q, s_k, scores.device)
+    elif attention_mask is None:  # causal, bottom-right aligned (queries after cached keys)
+        attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask != 0
+    scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
 class SelfAttention(nn.Module):
     """Multi-head / grouped-query self-attention with optional per-head QK norm and RoPE.
 
@@ -234,9 +297,13 @@ class SelfAttention(nn.Module):
         self.linear_k = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
         self.linear_v = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
         self.linear_proj = _linear(heads * self.head_dim, hidden, config.add_bias_linear, out_std, dtype)
+        # Per head (Qwen3, Gemma 3), or across heads over the whole projection (OLMo-2)
+        self.qk_norm_across_heads = bool(getattr(config, "qk_layernorm_across_heads", False))
         if config.qk_layernorm:
-            self.q_layernorm = build_norm(config, self.head_dim)
-            self.k_layernorm = build_norm(config, self.head_dim)
+            q_dim, k_dim = (heads * self.head_dim, groups * self.head_dim) if self.qk_norm_across_heads else \
+                (self.head_dim, self.head_dim)
+            self.q_layernorm = build_norm(config, q_dim)
+            self.k_layernorm = build_norm(config, k_dim)
         else:
             self.q_layernorm = None
             self.k_layernorm = None
@@ -252,6 +319,9 @@ class SelfAttention(nn.Module):
         self.core_attention: Callable[..., torch.Tensor] = (
             core_attention if getattr(config, "attention_softmax_in_fp32", True) else low_precision_softmax_attention
         )
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap:
+            self.core_attention = functools.partial(softcapped_core_attention, softcap=float(softcap))
 
     def forward(
         self,
@@ -262,11 +332,14 @@ class SelfAttention(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = hidden_states.shape
+        q, k = self.linear_q(hidden_states), self.linear_k(hidden_states)
+        if self.q_layernorm is not None and self.qk_norm_across_heads:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
-        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim)
-        k = self.linear_k(hidden_states).view(b, s, -1, self.head_dim)
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
         v = self.linear_v(hidden_states).view(b, s, -1, self.head_dim)
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and not self.qk_norm_across_heads:
             q = self.q_layernorm(q)
             k = self.k_layernorm(k)
         if rotary is not None:
@@ -334,11 +407,27 @@ def norm_residual(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch
     return out.to(dtype)
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``.
+@dataclass
+class LocalGlobalRotary:
+    """The rotary tables of a model whose sliding-window (local) layers have their own RoPE base (Gemma 3):
+    each layer picks its own (``TransformerLayer.uses_local_rope``)."""
 
+    global_tables: RotaryTables
+    local_tables: RotaryTables
+
+
+def _optional_norm(config: Any, wanted: bool) -> nn.Module | None:
+    return build_norm(config, config.hidden_size) if wanted else None
+
+
+class TransformerLayer(nn.Module):
+    """Transformer layer: ``x + drop(post(attn(pre(x))))`` then ``x + drop(post(mlp(pre(x))))``.
+
+    ``pre`` are ``input_layernorm`` / ``pre_mlp_layernorm`` (the usual pre-norm; absent without
+    ``layernorm_before_sublayers``: OLMo-2), ``post`` are ``post_self_attn_layernorm`` / ``post_mlp_layernorm``
+    (with ``layernorm_after_sublayers``: Gemma 2/3's extra norms, OLMo-2's only ones), identity otherwise.
     ``apply_residual_connection_post_layernorm`` adds each sub-layer's output to its normalized input instead
-    (``norm(x) + drop(attn(norm(x)))``); ``fp32_residual_connection`` keeps ``x`` and the sums in float32.
+    (``pre(x) + drop(post(attn(pre(x))))``); ``fp32_residual_connection`` keeps ``x`` and the sums in float32.
 
     ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers ``moe_layer_freq`` marks (when the model has
     experts), else the dense ``MLP``.
@@ -347,21 +436,28 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: Any, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.input_layernorm = build_norm(config, config.hidden_size)
+        before = getattr(config, "layernorm_before_sublayers", True)
+        after = getattr(config, "layernorm_after_sublayers", False)
+        self.input_layernorm = _optional_norm(config, before)
         self.self_attention = SelfAttention(config, layer_number)
+        self.post_self_attn_layernorm = _optional_norm(config, after)
         self.self_attn_dropout = nn.Dropout(config.hidden_dropout)
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        self.pre_mlp_layernorm = _optional_norm(config, before)
         moe = getattr(config, "moe", None)
         if moe is not None and moe.layer_flags[layer_number]:
             self.mlp: nn.Module = MoELayer(config, layer_number)
         else:
             self.mlp = MLP(config)
+        self.post_mlp_layernorm = _optional_norm(config, after)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
         self.residual_post_norm = bool(getattr(config, "apply_residual_connection_post_layernorm", False))
         self.fp32_residual = bool(getattr(config, "fp32_residual_connection", False))
         self.params_dtype = config.params_dtype
+        self.uses_local_rope = uses_local_rope(config, layer_number)
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        if norm is None:  # no pre-norm (OLMo-2): the sub-layer reads the residual stream itself
+            return x.to(self.params_dtype) if self.fp32_residual else x
         return norm_residual(norm, x, self.params_dtype) if self.fp32_residual else norm(x)
 
     def _residual(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
@@ -371,16 +467,32 @@ class TransformerLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rotary: RotaryTables | None = None,
+        rotary: RotaryTables | LocalGlobalRotary | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
+        if isinstance(rotary, LocalGlobalRotary):
+            rotary = rotary.local_tables if self.uses_local_rope else rotary.global_tables
         normed = self._norm(self.input_layernorm, hidden_states)
         attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache)
+        if self.post_self_attn_layernorm is not None:
+            attn = self.post_self_attn_layernorm(attn)
         hidden_states = self._residual(hidden_states, normed) + self.self_attn_dropout(attn)
         normed = self._norm(self.pre_mlp_layernorm, hidden_states)
-        return self._residual(hidden_states, normed) + self.mlp_dropout(self.mlp(normed))
+        mlp = self.mlp(normed)
+        if self.post_mlp_layernorm is not None:
+            mlp = self.post_mlp_layernorm(mlp)
+        return self._residual(hidden_states, normed) + self.mlp_dropout(mlp)
+
+
+def uses_local_rope(config: Any, layer_number: int) -> bool:
+    """Whether layer ``layer_number`` rotates with the local base: the model has one (a ``[local, global]``
+    rotary_base) and the layer attends within a sliding window."""
+    if getattr(config, "rotary_base_local", None) is None:
+        return False
+    windows = getattr(config, "layer_windows", None)
+    return bool(windows) and windows[layer_number] is not None
 
 
 class TransformerBlock(nn.Module):
@@ -415,7 +527,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rotary: RotaryTables | None = None,
+        rotary: RotaryTables | LocalGlobalRotary | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,

@@ -135,8 +135,13 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
                 plan[f"{mlp}.linear_fc1_gate"] = ColwiseParallel()
             plan[f"{mlp}.linear_fc2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
         if sp:
-            plan[f"{prefix}.input_layernorm"] = SequenceParallel()
-            plan[f"{prefix}.pre_mlp_layernorm"] = SequenceParallel()
+            for norm in ("input_layernorm", "pre_mlp_layernorm"):  # absent without layernorm_before_sublayers
+                if getattr(layer, norm, None) is not None:
+                    plan[f"{prefix}.{norm}"] = SequenceParallel()
+            # norms after attention / the MLP (layernorm_after_sublayers): their output joins the local residual
+            for norm in ("post_self_attn_layernorm", "post_mlp_layernorm"):
+                if getattr(layer, norm, None) is not None:
+                    plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
             # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
             plan[attn] = PrepareModuleInput(
                 input_layouts=(Shard(1), None, None),

@@ -11,6 +11,7 @@ from typing import Callable
 from longspan.core.errors import ConfigError
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
+from longspan.recipes.small_models import gemma3, llama32, llama32_3b
 from longspan.recipes.tiny import tiny
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
@@ -27,6 +28,9 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "llama3_70b": llama3_70b,
     "qwen3_8b": qwen3_8b,
     "qwen3_600m": qwen3_600m,
+    "gemma3": gemma3,
+    "llama32": llama32,
+    "llama32_3b": llama32_3b,
     "sft": sft,
     "lora": lora,
     "dora": dora,
@@ -48,4 +52,5 @@ def get_recipe(name: str) -> ConfigContainer:
     return RECIPES[key]()
 
 
-__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "sft", "lora", "dora"]
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",
+           "llama32_3b", "sft", "lora", "dora"]

@@ -38,7 +38,8 @@ def _placeholder_model() -> GPTModelProvider:
     return model
 
 
-def _finetune(name: str, lr: float) -> ConfigContainer:
+def finetune_recipe(name: str, lr: float) -> ConfigContainer:
+    """The finetuning run every finetuning recipe starts from (its model is replaced by the pretrained one)."""
     run_dir = f"runs/{name}"
     return ConfigContainer(
         rng=RNGConfig(seed=1234),
@@ -62,18 +63,18 @@ def _finetune(name: str, lr: float) -> ConfigContainer:
 
 def sft() -> ConfigContainer:
     """Full-parameter supervised finetuning of the pretrained checkpoint (lr 5e-6)."""
-    return _finetune("sft", lr=5e-6)
+    return finetune_recipe("sft", lr=5e-6)
 
 
 def lora() -> ConfigContainer:
     """LoRA (Megatron Bridge's defaults: rank 32, alpha 32, on linear_qkv/proj/fc1/fc2) on a frozen base (lr 1e-4)."""
-    cfg = _finetune("lora", lr=1e-4)
+    cfg = finetune_recipe("lora", lr=1e-4)
     cfg.peft = LoRA()
     return cfg
 
 
 def dora() -> ConfigContainer:
     """DoRA (Megatron Bridge's defaults: rank 32, alpha 64) on a frozen base (lr 1e-4)."""
-    cfg = _finetune("dora", lr=1e-4)
+    cfg = finetune_recipe("dora", lr=1e-4)
     cfg.peft = DoRA()
     return cfg

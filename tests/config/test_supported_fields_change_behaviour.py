@@ -138,6 +138,10 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     # sliding window of 2 positions on a 16-token micro model; then layer 2 of 2 back to full attention
     "model.window_size": ([1, 0], {}),
     "model.window_attn_skip_freq": (2, {"model.window_size": [1, 0]}),
+    # Gemma / OLMo-2: soft-caps that bite on a micro model, QK-norm over the whole projections
+    "model.attn_logit_softcapping": (0.5, {}),
+    "model.final_logit_softcapping": (0.5, {}),
+    "model.qk_layernorm_across_heads": (True, {"model.qk_layernorm": True}),
     "optimizer.optimizer": ("sgd", {}),
     "optimizer.lr": (1e-2, {}),
     "optimizer.min_lr": (1e-3, {}),

@@ -16,7 +16,6 @@ from longspan.core.errors import ConfigError, NotSupportedError
 # layers and T5 each add their own to these).
 TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
     "multi_latent_attention": False,
-    "layernorm_zero_centered_gamma": False,
 }
 
 # The residual-stream fields the GPT layer implements but the Mamba/hybrid and T5 layers do not.
@@ -39,6 +38,7 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **RESIDUAL_FIXED_FIELDS,
     "rotary_interleaved": False,
     "attention_softmax_in_fp32": True,
+    "layernorm_zero_centered_gamma": False,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
@@ -123,6 +123,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
             "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
             "parallel attention always accumulates in fp32): leave it True"
         )
+    _check_norms_and_caps(config)
     _check_recompute(config)
     layer_windows(config)
     fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
@@ -147,6 +148,7 @@ def _check_heads(config: Any) -> None:
 
 
 def _check_rotary(config: Any) -> None:
+    _check_rotary_base(config)
     if not 0.0 < config.rotary_percent <= 1.0:
         raise ConfigError(f"model.rotary_percent={config.rotary_percent} must be in (0, 1]")
     dim = head_dim(config)
@@ -219,6 +221,49 @@ def _check_longrope(config: Any) -> None:
             "model.rope_attention_factor=None: LongRoPE needs its cos/sin scale (transformers' default: "
             "sqrt(1 + ln(factor) / ln(rope_original_max_position_embeddings)))"
         )
+
+
+def _check_rotary_base(config: Any) -> None:
+    """``rotary_base``: a positive number, or a ``[local, global]`` pair of them (then no Llama-3 scaling: the
+    pair's global scaling is ``rope_scaling_factor``, linear)."""
+    base = config.rotary_base
+    pair = isinstance(base, (list, tuple))
+    values = list(base) if pair else [base]
+    if (pair and len(values) != 2) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values
+    ):
+        raise ConfigError(
+            f"model.rotary_base={base!r} is out of range: use a positive number or a [local, global] pair of "
+            "positive numbers"
+        )
+    if pair and getattr(config, "rope_scaling", False):
+        raise NotSupportedError(
+            f"model.rope_scaling=True with model.rotary_base={list(base)!r} is not supported: with a "
+            "[local, global] pair the global layers' scaling is rope_scaling_factor (linear); set rope_scaling=False"
+        )
+
+
+def _check_norms_and_caps(config: Any) -> None:
+    """QK-norm across heads, the soft-capping values."""
+    if getattr(config, "qk_layernorm_across_heads", False):
+        if not config.qk_layernorm:
+            raise ConfigError("model.qk_layernorm_across_heads=True needs model.qk_layernorm=True")
+        tp = getattr(config, "tensor_model_parallel_size", 1)
+        if tp > 1:
+            raise NotSupportedError(
+                f"model.qk_layernorm_across_heads=True with tensor_model_parallel_size={tp} is not supported (the "
+                "norm spans every head): use tensor_model_parallel_size=1 (data, pipeline or context parallel)"
+            )
+    cp = getattr(config, "context_parallel_size", 1)
+    if getattr(config, "attn_logit_softcapping", None) and cp > 1:
+        raise NotSupportedError(
+            f"model.attn_logit_softcapping with context_parallel_size={cp} is not supported (context parallel "
+            "attention has no soft-cap): use context_parallel_size=1"
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = getattr(config, name, None)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise ConfigError(f"model.{name}={cap!r} must be a positive number (or None: off)")
 
 
 def _check_recompute(config: Any) -> None:
@@ -376,6 +421,7 @@ def check_mamba_model(config: Any) -> None:
             raise NotSupportedError(
                 f"model.{name}={getattr(config, name)!r} is not supported yet for MambaProvider models: leave it None"
             )
+    check_fixed_fields(config, {"layernorm_zero_centered_gamma": False}, "yet for MambaProvider models")
     if config.recompute_granularity is not None:
         raise NotSupportedError(
             f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "

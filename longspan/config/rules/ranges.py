@@ -37,7 +37,6 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("model.softmax_scale", REAL, 0, None, False, True),
     ("model.hidden_dropout", REAL, 0, 1, True, True),
     ("model.attention_dropout", REAL, 0, 1, True, True),
-    ("model.rotary_base", REAL, 0, None, False, True),
     ("model.rotary_percent", REAL, 0, 1, False, True),
     ("model.rope_scaling_factor", REAL, 0, None, False, True),
     ("model.recompute_num_layers", INT, 1, None, True, True),

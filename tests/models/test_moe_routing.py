@@ -208,6 +208,8 @@ def test_device_limited_routing_is_group_limited_with_one_group_per_ep_rank():
         ({"moe_input_jitter_eps": 0.0}, "moe_input_jitter_eps"),
         ({"moe_input_jitter_eps": 1.5}, "moe_input_jitter_eps"),
         ({"moe_token_dropping": True}, "moe_expert_capacity_factor"),
+        ({**SIGMOID_BIAS, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+         "moe_pad_expert_input_to_capacity"),
     ],
 )
 def test_bad_routing_settings_raise_one_line(overrides, field):

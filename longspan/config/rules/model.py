@@ -243,6 +243,12 @@ def _check_aux_loss_free_routing(config: Any, score: str) -> None:
                 f"model.moe_router_enable_expert_bias=True needs model.moe_router_score_function='sigmoid' "
                 f"(got {score!r})"
             )
+        if getattr(config, "moe_pad_expert_input_to_capacity", False):
+            # megatron-core counts the padded routing map: every expert at its capacity, so the bias never moves.
+            raise ConfigError(
+                "model.moe_router_enable_expert_bias=True with model.moe_pad_expert_input_to_capacity=True: every "
+                "expert's padded input is its capacity, so the bias would never move; unset one of them"
+            )
         rate = getattr(config, "moe_router_bias_update_rate", 1e-3)
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
             raise ConfigError(f"model.moe_router_bias_update_rate={rate!r} must be a number >= 0")

@@ -122,7 +122,8 @@ def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk
     return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=topk, dim=-1)
 
 
-def _select(scores: torch.Tensor, moe: MoEArgs, expert_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _select(scores: torch.Tensor, moe: MoEArgs,
+            expert_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of ``scores``; with an expert bias the choice is made on ``scores + bias`` and the returned values
     are the unbiased scores of the chosen experts (megatron-core's sigmoid path)."""
     if expert_bias is None:

@@ -3,6 +3,7 @@
 - Data parallel 2 and expert parallel 2 (each on 2 ranks) train the same model as one process: losses within
   1e-5, and after every step the expert bias is bit-identical on both ranks and equal to one process's (the
   token counts are summed over the data-parallel group before the update).
+- The trainer (``pretrain``) under EP2 on 2 ranks gives one process's losses and final-checkpoint biases.
 - Stop/resume of the trainer (``pretrain``, exit after 3 of 6 iterations) gives the straight run's losses bit
   for bit; a control that zeroes the bias on load drifts, so the checkpointed bias is what makes it pass.
 """
@@ -95,8 +96,8 @@ def test_ep2_with_expert_bias_matches_one_process():
 RESUME_ITERS = 6
 
 
-def _pretrain_config(tmp_path, name: str, exit_interval: int | None = None):
-    cfg = bias_config()
+def _pretrain_config(tmp_path, name: str, exit_interval: int | None = None, ep: int = 1):
+    cfg = bias_config(ep=ep)
     cfg.train.train_iters = RESUME_ITERS
     cfg.train.exit_interval = exit_interval
     cfg.train.eval_interval = None
@@ -168,3 +169,29 @@ def test_stop_and_resume_with_expert_bias_is_bit_exact(tmp_path, monkeypatch):
     pretrain(control_cfg)
     control = _losses(control_cfg)
     assert [control[i] for i in range(4, RESUME_ITERS + 1)] != [reference[i] for i in range(4, RESUME_ITERS + 1)]
+
+
+def _pretrain_ep_task(tmp_path, name: str, ep: int) -> None:
+    from longspan.training.pretrain import pretrain
+
+    pretrain(_pretrain_config(tmp_path, name, ep=ep))
+
+
+@pytest.mark.slow
+def test_pretrain_ep2_with_expert_bias_matches_one_process(tmp_path):
+    """The trainer's own step (train_step's update over the dp x cp group) under EP2 on 2 ranks: the losses
+    of one process within 1e-5 and the same biases in the final checkpoint."""
+    import torch
+
+    from longspan.training.pretrain import pretrain
+
+    single = _pretrain_config(tmp_path, "single")
+    pretrain(single)
+    get_shared_pool(2).run(_pretrain_ep_task, tmp_path, "ep2", 2, timeout=300)
+    ep2 = _pretrain_config(tmp_path, "ep2", ep=2)
+    want, got = _losses(single), _losses(ep2)
+    assert sorted(got) == sorted(want) == list(range(1, RESUME_ITERS + 1))
+    for i in want:
+        assert math.isclose(got[i], want[i], rel_tol=REL_TOL), f"iteration {i}: {got[i]} vs {want[i]}"
+    for g, w in zip(_saved_bias(ep2), _saved_bias(single)):
+        assert torch.equal(g, w)

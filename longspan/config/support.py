@@ -111,6 +111,14 @@ FIELD_STATUS: dict[str, str] = {
         moe_token_drop_policy moe_token_dispatcher_type moe_per_layer_logging expert_model_parallel_size
         expert_tensor_parallel_size
         """),
+    # DeepSeek-V3 routing (longspan.models.moe): the aux-loss-free expert bias (updated once per step by
+    # longspan.parallel.expert_parallel.update_expert_biases), device-limited routing (group-limited top-k over
+    # expert-parallel ranks), router input jitter, and moe_token_dropping as the switch that requires the
+    # capacity factor its dropping uses.
+    **_many("model", SUPPORTED, """
+        moe_router_enable_expert_bias moe_router_bias_update_rate moe_router_topk_limited_devices
+        moe_input_jitter_eps moe_token_dropping
+        """),
     **_many("model", HINT, "moe_grouped_gemm moe_permute_fusion moe_shared_expert_overlap "
                            "overlap_moe_expert_parallel_comm"),
     **_many("optimizer", SUPPORTED, """

@@ -19,6 +19,7 @@ from longspan.config.rules.model import (
     head_dim,
     layer_windows,
     moe_layer_flags,
+    routing_groups,
     single_value,
 )
 from longspan.core.errors import ConfigError
@@ -66,6 +67,9 @@ class MoEArgs:
     pad_to_capacity: bool
     per_layer_logging: bool
     calculate_per_token_loss: bool
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    input_jitter_eps: Optional[float] = None
 
     @classmethod
     def from_config(cls, config: Any, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
@@ -78,6 +82,7 @@ class MoEArgs:
                                  "moe_router_load_balancing_type")
         aux_coeff = float(single_value(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff") or 0.0)
         capacity = getattr(config, "moe_expert_capacity_factor", None)
+        num_groups, group_topk = routing_groups(config)
         return cls(
             num_experts=experts,
             topk=getattr(config, "moe_router_topk", 2),
@@ -89,8 +94,8 @@ class MoEArgs:
             z_loss_coeff=getattr(config, "moe_z_loss_coeff", None),
             pre_softmax=bool(getattr(config, "moe_router_pre_softmax", False)),
             score_function=getattr(config, "moe_router_score_function", "softmax"),
-            num_groups=getattr(config, "moe_router_num_groups", None),
-            group_topk=getattr(config, "moe_router_group_topk", None),
+            num_groups=num_groups,
+            group_topk=group_topk,
             topk_scaling_factor=getattr(config, "moe_router_topk_scaling_factor", None),
             router_dtype=_ROUTER_DTYPES[getattr(config, "moe_router_dtype", None)],
             capacity_factor=capacity,
@@ -98,6 +103,9 @@ class MoEArgs:
             pad_to_capacity=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
             per_layer_logging=bool(getattr(config, "moe_per_layer_logging", False)),
             calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+            expert_bias=bool(getattr(config, "moe_router_enable_expert_bias", False)),
+            bias_update_rate=float(getattr(config, "moe_router_bias_update_rate", 1e-3)),
+            input_jitter_eps=getattr(config, "moe_input_jitter_eps", None),
         )
 
 

@@ -211,7 +211,8 @@ class TransformerConfig(ModelParallelConfig):
     """Experts each token is routed to."""
 
     moe_router_topk_limited_devices: Optional[int] = None
-    """Limit each token's experts to this many expert-parallel ranks."""
+    """Limit each token's experts to this many expert-parallel ranks (group-limited top-k with one group per
+    expert-parallel rank; not together with moe_router_num_groups / moe_router_group_topk)."""
 
     moe_router_num_groups: Optional[int] = None
     """Number of expert groups for group-limited routing."""
@@ -232,10 +233,11 @@ class TransformerConfig(ModelParallelConfig):
     """dtype of the router computation; None means the model's dtype."""
 
     moe_router_enable_expert_bias: bool = False
-    """Aux-loss-free load balancing with a learned per-expert bias."""
+    """Aux-loss-free load balancing (sigmoid scores only): a per-expert bias added to the scores to choose the
+    top-k (not to the routing weights), updated once per step from the tokens each expert received."""
 
     moe_router_bias_update_rate: float = 1e-3
-    """Update rate of the expert bias."""
+    """Update rate of the expert bias: each step it moves by this much towards balance (sign of mean - count)."""
 
     moe_grouped_gemm: bool = False
     """Run the experts as one grouped GEMM."""
@@ -247,10 +249,11 @@ class TransformerConfig(ModelParallelConfig):
     """Coefficient of the router z-loss; None = off."""
 
     moe_input_jitter_eps: Optional[float] = None
-    """Multiplicative noise on router inputs; None = off."""
+    """Multiplicative noise uniform in [1 - eps, 1 + eps] on the router's input while training; None = off."""
 
     moe_token_dropping: bool = False
-    """Drop tokens above each expert's capacity (legacy switch)."""
+    """Drop tokens above each expert's capacity (legacy switch): needs moe_expert_capacity_factor, which drops
+    them whether or not this is set."""
 
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
     """How tokens reach their experts across expert-parallel ranks. Performance hint in longspan: tokens

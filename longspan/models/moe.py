@@ -16,10 +16,26 @@ ep mesh and ``init_weights`` draws the full slab from (seed, name) under every l
 
 Routing (``TopKRouter``): logits = x @ router.weight^T (in ``moe_router_dtype``), then softmax-after-top-k
 (default), softmax-before-top-k (``moe_router_pre_softmax``) or sigmoid scores normalized over the top-k;
-optional group-limited top-k and a scaling factor; optional token dropping at the router with
+optional group-limited top-k (device-limited routing is the same with one group per expert-parallel rank)
+and a scaling factor; optional token dropping at the router with
 ``moe_expert_capacity_factor`` (Megatron's ``apply_router_token_dropping``: capacity per expert =
 ceil(tokens * topk / experts * factor), drop policy 'probs' or 'position'). Dropping happens on the tokens
 this rank routes, before any dispatch, so the dropped set does not depend on the expert-parallel layout.
+
+Aux-loss-free balancing (``moe_router_enable_expert_bias``, sigmoid scores, DeepSeek-V3): a persistent float32
+buffer ``router.expert_bias [E]`` is added to the scores to choose the top-k only; the routing weights stay
+the unbiased scores. Each training forward (grad enabled, not an activation-recompute pass) adds the tokens
+each expert received after dropping to ``router.local_tokens_per_expert`` (a plain tensor, not a buffer, so
+no wrapper broadcasts it); once per optimizer step ``longspan.parallel.expert_parallel.update_expert_biases``
+sums those counts over the data-parallel ranks and moves every bias by ``rate * sign(mean - count)``
+(megatron-core's ``get_updated_expert_bias``), identically on every rank.
+
+Input jitter (``moe_input_jitter_eps``): while training, the router's input (not the experts') is multiplied
+by noise uniform in [1 - eps, 1 + eps], drawn like megatron-core's from torch's global generator (unlike
+megatron-core, never in eval mode). Like dropout, the draw is the same on ranks that share the generator state
+and the input shape (tensor-parallel ranks), is replayed by activation recompute (checkpoint restores the
+generator) and resumes with the checkpointed RNG state; data-parallel ranks draw the same pattern for their
+own tokens, so a data/expert-parallel run equals one process only with jitter off.
 
 Auxiliary losses are attached with ``MoEAuxLossAutoScaler`` (identity forward; backward adds the loss's
 gradient scaled by ``main_loss_backward_scale``), so the LM loss the trainer logs stays the LM loss:
@@ -106,6 +122,30 @@ def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk
     return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=topk, dim=-1)
 
 
+def _select(scores: torch.Tensor, moe: MoEArgs,
+            expert_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``scores``; with an expert bias the choice is made on ``scores + bias`` and the returned values
+    are the unbiased scores of the chosen experts (megatron-core's sigmoid path)."""
+    if expert_bias is None:
+        return _topk(scores, moe.topk, moe.num_groups, moe.group_topk)
+    top_idx = _topk(scores + expert_bias, moe.topk, moe.num_groups, moe.group_topk)[1]
+    return torch.gather(scores, dim=1, index=top_idx).type_as(scores), top_idx
+
+
+def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
+    """The next expert bias from the step's global token counts (``[..., E]``): raised by ``rate`` for experts
+    below the mean count, lowered for those above, unchanged at the mean (megatron-core's
+    ``get_updated_expert_bias`` after its all-reduce)."""
+    average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+    return expert_bias + torch.sign(average - tokens_per_expert) * rate
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward pass: a forward called then is an activation-recompute replay
+    (non-reentrant checkpoint), which must not count its tokens a second time."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
     """Tokens each expert may take: ``ceil(num_tokens * topk / num_experts * capacity_factor)``."""
     return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
@@ -148,6 +188,50 @@ class TopKRouter(nn.Module):
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
         self.init_std = init_std  # read by init_weights (Megatron: init_method)
+        if moe.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias: Optional[torch.Tensor] = None
+        # Tokens per expert since the last bias update (float32, as Megatron's buffer); None when nothing counted.
+        self.local_tokens_per_expert: Optional[torch.Tensor] = None
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "TopKRouter":
+        was_meta = self.expert_bias is not None and self.expert_bias.is_meta
+        super()._apply(fn, recurse)
+        bias = self.expert_bias
+        if bias is not None and not bias.is_meta:
+            if was_meta:  # to_empty() materializing a meta-built model: the bias starts at zero, as in Megatron
+                bias.zero_()
+            if bias.dtype != torch.float32:  # kept in float32 under model.to(bf16), as Megatron does
+                self.expert_bias = bias.float()
+        return self
+
+    def count_tokens(self, routing_map: torch.Tensor) -> None:
+        """Add ``routing_map``'s tokens per expert to the counts the next bias update uses (training forwards
+        only: grad enabled and not an activation-recompute replay, as megatron-core counts)."""
+        if self.expert_bias is None or not torch.is_grad_enabled() or in_backward_pass():
+            return
+        counts = routing_map.sum(dim=0).to(torch.float32)
+        previous = self.local_tokens_per_expert
+        self.local_tokens_per_expert = counts if previous is None else previous + counts
+
+    def take_token_counts(self) -> torch.Tensor:
+        """The counts since the last call (zeros when none), and reset them."""
+        counts = self.local_tokens_per_expert
+        self.local_tokens_per_expert = None
+        if counts is None:
+            return torch.zeros(self.moe.num_experts, dtype=torch.float32, device=self.expert_bias.device)
+        return counts.to(self.expert_bias.device)
+
+    def jitter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times noise uniform in [1 - eps, 1 + eps] while training (``moe_input_jitter_eps``); the draw
+        is megatron-core's (``Uniform(1 - eps, 1 + eps).rsample`` in x's dtype on torch's global generator)."""
+        eps = self.moe.input_jitter_eps
+        if not eps or not self.training:
+            return x
+        low = torch.tensor(1.0 - eps, dtype=x.dtype, device=x.device)
+        high = torch.tensor(1.0 + eps, dtype=x.dtype, device=x.device)
+        return x * (low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low))
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, in ``moe_router_dtype`` when set."""
@@ -176,9 +260,9 @@ class TopKRouter(nn.Module):
             else:
                 top_logits, top_idx = _topk(logits, moe.topk, moe.num_groups, moe.group_topk)
                 top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
-        else:  # sigmoid scores, normalized over the selected experts when topk > 1
+        else:  # sigmoid scores (chosen with the expert bias), normalized over the selected experts when topk > 1
             scores = torch.sigmoid(logits.float()).type_as(logits)
-            top_probs, top_idx = _topk(scores, moe.topk, moe.num_groups, moe.group_topk)
+            top_probs, top_idx = _select(scores, moe, self.expert_bias)
             if moe.topk > 1:
                 top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
         if moe.topk_scaling_factor:
@@ -202,10 +286,11 @@ class TopKRouter(nn.Module):
                                               moe.num_experts, moe.aux_loss_coeff)
             probs = MoEAuxLossAutoScaler.apply(probs, loss * token_scale)
             tracked["load_balancing_loss"] = loss.detach() / moe.aux_loss_coeff
+        self.count_tokens(routing_map)
         return probs, routing_map, tracked
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs, routing_map, tracked = self.routing(self.gating(x))
+        probs, routing_map, tracked = self.routing(self.gating(self.jitter(x)))
         self.last_tracked = tracked
         return probs, routing_map
 
@@ -397,7 +482,7 @@ class MoELayer(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         probs, routing_map = self.router(x)
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not in_backward_pass():
             self._track(self.router.last_tracked, routing_map)
         out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts)
         if self.shared_experts is not None:

@@ -22,6 +22,11 @@ parallel (``longspan.parallel.parallelize``):
   all-to-all makes the average over all data-parallel ranks (Megatron's ``expert_gradient_scaling_factor``);
   it reduces on every microbatch (no ``no_sync`` deferral). Dense parameters are averaged by the wrappers.
 
+Aux-loss-free routing: ``update_expert_biases`` (called once per optimizer step by the trainer) sums every MoE
+layer's token counts over the data-parallel × context-parallel group (the ranks that together hold the global
+batch; tensor-parallel ranks hold the same tokens and expert-parallel ranks are data-parallel ranks here), so
+every rank applies the same update to the same bias: the one a single process computes from the whole batch.
+
 Supported layouts: expert_tensor_parallel_size equal to tensor_model_parallel_size (its default), no
 sequence parallel and no context parallel with MoE layers (each raises NotSupportedError naming the field).
 """
@@ -40,7 +45,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
-from longspan.models.moe import GroupedMLP, MoELayer, local_tensor, moe_layers, permute, unpermute
+from longspan.models.moe import (
+    GroupedMLP,
+    MoELayer,
+    local_tensor,
+    moe_layers,
+    permute,
+    unpermute,
+    updated_expert_bias,
+)
 from longspan.parallel.collectives import copy_to_group, reduce_from_group
 
 _log = get_logger(__name__)
@@ -304,3 +317,21 @@ def hidden_parameters(model: nn.Module, params: list[nn.Parameter]) -> Iterator[
     finally:
         for module, name, param in removed:
             module.register_parameter(name, param)
+
+
+# --------------------------------------------------------------------------------------------- expert bias
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module | list[nn.Module], parallel: Any = None) -> None:
+    """Once per optimizer step: move every MoE layer's ``expert_bias`` by ``moe_router_bias_update_rate *
+    sign(mean - count)`` from the tokens per expert counted over the step's microbatches, summed over the
+    ``dp_cp`` group of ``parallel`` (None: one process), and reset the counts. Nothing happens for models
+    without expert bias. Collective over that group when it has several ranks."""
+    routers = [layer.router for layer in moe_layers(model) if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([router.take_token_counts() for router in routers])  # [layers, experts] float32
+    if parallel is not None and parallel.size("dp_cp") > 1:
+        dist.all_reduce(counts, group=parallel.dp_cp_group)
+    for router, layer_counts in zip(routers, counts):
+        router.expert_bias.copy_(updated_expert_bias(layer_counts, router.expert_bias, router.moe.bias_update_rate))

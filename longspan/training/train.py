@@ -20,6 +20,7 @@ from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.parallel.init import get_parallel_state
 from longspan.training.checkpointing.save import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
+from longspan.parallel.expert_parallel import update_expert_biases
 from longspan.training.step.schedules import (
     TrainingDivergedError,
     finalize_model_grads,
@@ -278,6 +279,7 @@ def train_step(
     global_state.last_loss_tokens = _global_loss_tokens(num_tokens, parallel, global_state.device)
     if cfg.model.calculate_per_token_loss:
         finalize_model_grads(model, num_tokens, dp_group=parallel.dp_group, dp_size=parallel.dp_size)
+    update_expert_biases(model, parallel)  # aux-loss-free routing: once per step, before the optimizer (Megatron)
 
     if cfg.train.empty_unused_memory_level >= 1 and global_state.device.type == "cuda":
         torch.cuda.empty_cache()

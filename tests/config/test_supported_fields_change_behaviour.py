@@ -135,6 +135,13 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.moe_expert_capacity_factor": (0.5, MOE),
     "model.moe_pad_expert_input_to_capacity": (True, {**MOE, "model.moe_expert_capacity_factor": 0.5}),
     "model.moe_token_drop_policy": ("position", {**MOE, "model.moe_expert_capacity_factor": 0.5}),
+    # Aux-loss-free routing: the bias is zero for the first step and moves after every step, so steps 2 and 3
+    # route (and lose) differently; a rate of 0.5 makes the move large enough to change the top-k of a micro model.
+    "model.moe_router_enable_expert_bias": (True, {**MOE, "model.moe_router_score_function": "sigmoid",
+                                                   "model.moe_router_bias_update_rate": 0.5}),
+    "model.moe_router_bias_update_rate": (0.5, {**MOE, "model.moe_router_score_function": "sigmoid",
+                                                "model.moe_router_enable_expert_bias": True}),
+    "model.moe_input_jitter_eps": (0.5, MOE),
     # sliding window of 2 positions on a 16-token micro model; then layer 2 of 2 back to full attention
     "model.window_size": ([1, 0], {}),
     "model.window_attn_skip_freq": (2, {"model.window_size": [1, 0]}),
@@ -424,6 +431,39 @@ def _fused_loss_never_runs_the_full_output_layer(tmp_path: Path) -> bool:
         model(tokens, labels=tokens)
         called.append(bool(seen))
     return called == [True, False]
+
+
+@probe("model.moe_router_topk_limited_devices")
+def _device_limited_routing_keeps_each_token_on_fewer_expert_ranks(tmp_path: Path) -> bool:
+    """The effect needs expert parallel (one rank: one group, no limit): with 4 experts over 2 EP ranks and
+    top-2, limiting to 1 device keeps both of every token's experts on one rank, which plain top-2 does not."""
+    from longspan.models.gpt import build_gpt_model
+
+    cfg = _micro(tmp_path)
+    cfg.model.vocab_size = cfg.tokenizer.vocab_size
+    cfg.model.num_moe_experts, cfg.model.moe_router_topk, cfg.model.expert_model_parallel_size = 4, 2, 2
+    logits = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    ranks_used = []
+    for limited in (None, 1):
+        cfg.model.moe_router_topk_limited_devices = limited
+        router = build_gpt_model(cfg.model, seed=1, device="cpu").decoder.layers["0"].mlp.router.eval()
+        routing_map = router.routing(logits)[1]
+        ranks_used.append(int(routing_map.view(64, 2, 2).any(dim=-1).sum(dim=-1).max()))
+    return ranks_used == [2, 1]
+
+
+@probe("model.moe_token_dropping")
+def _token_dropping_switch_needs_the_capacity_factor(tmp_path: Path) -> bool:
+    """The legacy switch: the capacity factor does the dropping (a behaviour-changing field of its own); the
+    switch without one is an error naming both fields, and with one it validates."""
+    from longspan.core.errors import ConfigError
+
+    moe = {"model__num_moe_experts": 4, "model__moe_router_topk": 2, "model__moe_token_dropping": True}
+    with pytest.raises(ConfigError, match="moe_token_dropping=True needs model.moe_expert_capacity_factor"):
+        _validated(1, **moe)
+    _validated(1, **moe, model__moe_expert_capacity_factor=1.0)
+    _validated(1, **{**moe, "model__moe_token_dropping": False})
+    return True
 
 
 # Maths-section fields whose effect is in the run's records (logging) rather than its numbers.

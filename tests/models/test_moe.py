@@ -208,7 +208,7 @@ def test_expert_init_follows_megatron_stds_and_seed():
         ({"moe_router_topk": 5}, ConfigError, "moe_router_topk"),
         ({"moe_layer_freq": [1, 0, 1]}, ConfigError, "moe_layer_freq"),
         ({"moe_router_num_groups": 2}, ConfigError, "moe_router_group_topk"),
-        ({"moe_router_enable_expert_bias": True}, NotSupportedError, "moe_router_enable_expert_bias"),
+        ({"moe_layer_recompute": True}, NotSupportedError, "moe_layer_recompute"),
         ({"moe_pad_expert_input_to_capacity": True}, ConfigError, "moe_expert_capacity_factor"),
     ],
 )

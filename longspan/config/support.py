@@ -226,6 +226,10 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
     apply_embedding_scaling attn_logit_softcapping final_logit_softcapping
     """))
 
+# GPT-OSS (longspan.models.attention_sinks, activations.gated_activation): attention sinks, the gated MLP's
+# linear offset and clamp.
+FIELD_STATUS.update(_many("model", SUPPORTED, "softmax_type glu_linear_offset activation_func_clamp_value"))
+
 # T5: longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings

@@ -46,6 +46,7 @@ CALLABLES: dict[str, Any] = {
     "torch.nn.functional.sigmoid": torch.sigmoid,
     "longspan.models.activations.gelu_tanh": "longspan.models.activations.gelu_tanh",
     "longspan.models.activations.squared_relu": "longspan.models.activations.squared_relu",
+    "longspan.models.activations.quick_gelu": "longspan.models.activations.quick_gelu",
 }
 CALLABLE_ALIASES: dict[str, str] = {
     "gelu": "torch.nn.functional.gelu", "silu": "torch.nn.functional.silu", "swish": "torch.nn.functional.silu",
@@ -54,6 +55,8 @@ CALLABLE_ALIASES: dict[str, str] = {
     "gelu_tanh": "longspan.models.activations.gelu_tanh", "openai_gelu": "longspan.models.activations.gelu_tanh",
     "squared_relu": "longspan.models.activations.squared_relu",
     "megatron.core.activations.squared_relu": "longspan.models.activations.squared_relu",
+    "quick_gelu": "longspan.models.activations.quick_gelu",
+    "megatron.core.fusions.fused_bias_geglu.quick_gelu": "longspan.models.activations.quick_gelu",
 }
 
 # Canonical (longspan) names of the config classes, used in the YAML that longspan writes.

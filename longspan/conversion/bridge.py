@@ -278,7 +278,10 @@ class AutoBridge:
         """The family and config.json an export writes: the source's, or for the text tower of a bigger model
         (a vision-language model) the text model's."""
         if self.family.export_architecture is None:
-            return self.family, dict(self.hf_config)
+            config = dict(self.hf_config)
+            if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+                del config["quantization_config"]  # the export writes the decoded (plain) expert weights
+            return self.family, config
         config = self.family.export_config(self.hf_config)
         return families.BY_ARCHITECTURE[self.family.export_architecture].for_config(config), config
 

@@ -2,7 +2,7 @@
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 and its vision-language model's text tower, OLMo-2),
-``moe_families`` (Mixtral, Qwen3-MoE), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
+``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
 helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
 """
 
@@ -41,6 +41,7 @@ from longspan.conversion.gemma_families import (
     olmo2_hf,
     olmo2_provider,
 )
+from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
 from longspan.conversion.mamba_families import mamba2_hf, mamba2_provider, nemotron_h_hf, nemotron_h_provider
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
@@ -105,6 +106,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.MAMBA2, mamba2_provider, mamba2_hf, "MambaProvider"),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, nemotron_h_provider,
            nemotron_h_hf, "MambaProvider"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
 )
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
@@ -145,6 +147,8 @@ def family_for_provider(provider: Any) -> Family:
         return BY_ARCHITECTURE["Olmo2ForCausalLM"]
     if getattr(provider, "layernorm_after_sublayers", False):
         return BY_ARCHITECTURE["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
+    if provider.num_moe_experts and getattr(provider, "softmax_type", "vanilla") == "learnable":
+        return BY_ARCHITECTURE["GptOssForCausalLM"]
     if provider.num_moe_experts:
         return BY_ARCHITECTURE["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
     if provider.qk_layernorm:

@@ -109,6 +109,8 @@ def read_parameter_part(
     hf_vocab: int | None,
 ) -> torch.Tensor:
     """The part ``box`` of longspan parameter ``name`` (full shape ``full_shape``), read from the HF files."""
+    if entry.stacked:
+        return _read_stacked_part(reader, entry, layer, name, full_shape, box)
     first_hf = entry.hf_name(layer, 0 if entry.per_expert else None)
     want = expected_hf_shape(entry, full_shape, hf_vocab)
     have = reader.shape(first_hf)
@@ -131,6 +133,42 @@ def read_parameter_part(
         pad = torch.zeros((box[0].stop - box[0].start - real.shape[0],) + tuple(real.shape[1:]), dtype=real.dtype)
         return torch.cat([real, pad])
     return _read_box(reader, entry.hf_name(layer), entry, box, full_shape[0])
+
+
+def _read_stacked_part(reader: HFCheckpointReader, entry: WeightMap, layer: int | None, name: str,
+                       full_shape: tuple[int, ...], box: Box) -> torch.Tensor:
+    """``box`` of an expert slab held by one HF tensor for all experts (plain or MXFP4): the experts of the box
+    are read whole, turned to longspan's orientation, de-interleaved, then cut to the box."""
+    hf_name = entry.hf_name(layer)
+    experts = (box[0],)
+    n = entry.interleave[1] if entry.interleave else 1
+    want = (full_shape[0], full_shape[1] * n) + tuple(full_shape[2:])
+    if hf_name in reader or not entry.mxfp4:
+        have = tuple(reader.shape(hf_name))
+        oriented = have[:1] + have[1:][::-1] if entry.transpose else have
+        if oriented != want:
+            raise CheckpointError(f"shape mismatch: HF tensor {hf_name} has shape {have} but longspan's {name} "
+                                  f"needs {want[:1] + want[1:][::-1] if entry.transpose else want}")
+        full = reader.read(hf_name, experts)
+        full = full.transpose(1, 2) if entry.transpose else full
+    else:
+        from longspan.conversion.gpt_oss_families import dequantize_mxfp4  # the one family with MXFP4 tensors
+
+        blocks_name, scales_name = f"{hf_name}_blocks", f"{hf_name}_scales"
+        if blocks_name not in reader or scales_name not in reader:
+            raise CheckpointError(f"HF tensor {hf_name} is missing (neither it nor {blocks_name} / {scales_name})")
+        blocks, scales = reader.shape(blocks_name), reader.shape(scales_name)
+        if tuple(blocks[:-1]) != tuple(scales):
+            raise CheckpointError(f"MXFP4 tensor {hf_name}: {scales_name} has shape {tuple(scales)} but "
+                                  f"{blocks_name} {tuple(blocks)} needs {tuple(blocks[:-1])}")
+        decoded = tuple(blocks[:-2]) + (blocks[-2] * blocks[-1] * 2,)
+        if decoded != want:
+            raise CheckpointError(f"shape mismatch: MXFP4 tensor {hf_name} decodes to {decoded} but longspan's "
+                                  f"{name} needs {want}")
+        full = dequantize_mxfp4(reader.read(blocks_name, experts), reader.read(scales_name, experts), hf_name)
+    if entry.interleave:
+        full = full[:, entry.interleave[0]::n]
+    return full[(slice(None),) + tuple(box[1:])].contiguous()
 
 
 @torch.no_grad()
@@ -195,6 +233,12 @@ def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | N
                 yield entry.hf_name(layer, e), _to_hf(entry, full[e])
             continue
         hf_name = entry.hf_name(layer)
+        if entry.stacked:
+            stacked = _stacked_to_hf(entry, full, pending.setdefault(hf_name, {}))
+            if stacked is not None:
+                del pending[hf_name]
+                yield hf_name, stacked
+            continue
         if entry.split is not None:
             parts = pending.setdefault(hf_name, {})
             parts[entry.split[0]] = full
@@ -209,3 +253,18 @@ def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | N
 
 def _to_hf(entry: WeightMap, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.t().contiguous() if entry.transpose else tensor.contiguous()
+
+
+def _stacked_to_hf(entry: WeightMap, full: torch.Tensor, parts: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The HF tensor of a stacked expert entry once all its interleaved parts were seen (None before)."""
+    if entry.interleave:
+        k, n = entry.interleave
+        parts[k] = full
+        if len(parts) < n:
+            return None
+        first = parts[0]
+        full = first.new_empty((first.shape[0], first.shape[1] * n) + tuple(first.shape[2:]))
+        for j in range(n):
+            full[:, j::n] = parts[j]
+    return (full.transpose(1, 2) if entry.transpose else full).contiguous()
+

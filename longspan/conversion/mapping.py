@@ -48,6 +48,18 @@ class WeightMap:
     vocab: bool = False
     """Dim 0 is the vocabulary: padding rows beyond the HF vocabulary are zeros on import, dropped on export."""
 
+    stacked: bool = False
+    """ours is ``[num_experts, ...]`` and so is the one HF tensor (GPT-OSS's experts); with ``transpose`` HF
+    holds each expert's matrix transposed (``[E, in, out]``)."""
+
+    interleave: tuple[int, int] | None = None
+    """(k, n), stacked only: ours' dim 1 is every n-th row of HF's (after ``transpose``) from row k (GPT-OSS's
+    ``gate_up_proj``: gate = (0, 2), up = (1, 2))."""
+
+    mxfp4: bool = False
+    """stacked only: the HF checkpoint may hold the tensor as MXFP4 ``{hf}_blocks`` / ``{hf}_scales`` (already
+    ``[E, out, in]``), decoded on import."""
+
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -292,3 +304,21 @@ def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | Non
             layer = found.groupdict().get("i")
             return entry, (int(layer) if layer is not None else None)
     return None
+
+
+# --------------------------------------------------------------------------------------------- GPT-OSS
+
+GPT_OSS = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + (
+    _layer("self_attention.softmax_offset", "self_attn.sinks"),
+    _layer("mlp.router.weight", "mlp.router.weight"),
+    _layer("mlp.router.bias", "mlp.router.bias"),
+    _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
+           interleave=(0, 2), mxfp4=True),
+    _layer("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
+           interleave=(1, 2), mxfp4=True),
+    _layer("mlp.experts.linear_fc1_gate.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(0, 2)),
+    _layer("mlp.experts.linear_fc1.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(1, 2)),
+    _layer("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True, transpose=True, mxfp4=True),
+    _layer("mlp.experts.linear_fc2.bias", "mlp.experts.down_proj_bias", stacked=True),
+)
+

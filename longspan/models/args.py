@@ -191,6 +191,10 @@ class TransformerArgs:
     apply_residual_connection_post_layernorm: bool = False
     fp32_residual_connection: bool = False
     attention_softmax_in_fp32: bool = True
+    # GPT-OSS: attention sinks ('vanilla', 'off-by-one', 'learnable') and the gated MLP's offset and clamp
+    softmax_type: str = "vanilla"
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -246,6 +250,9 @@ class TransformerArgs:
                 getattr(config, "apply_residual_connection_post_layernorm", False)),
             fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
             attention_softmax_in_fp32=bool(getattr(config, "attention_softmax_in_fp32", True)),
+            softmax_type=getattr(config, "softmax_type", "vanilla"),
+            glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0)),
+            activation_func_clamp_value=_optional_float(getattr(config, "activation_func_clamp_value", None)),
             **_gemma_fields(config),
         )
 
@@ -270,6 +277,10 @@ def _gemma_fields(config: Any) -> dict[str, Any]:
         apply_embedding_scaling=bool(getattr(config, "apply_embedding_scaling", False)),
         **{name: float(cap) if cap else None for name, cap in caps.items()},
     )
+
+
+def _optional_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _window_size(config: Any) -> Optional[tuple[int, int]]:

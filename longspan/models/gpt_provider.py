@@ -515,6 +515,21 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     restore_modelopt_state: bool = False
     """Restore NVIDIA ModelOpt (quantization/sparsity) state from the checkpoint."""
 
+    # ---- GPT-OSS: attention sinks and the clamped, offset SwiGLU ------------------------------------------------
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    """The attention softmax: 'vanilla' (plain; the fused SDPA path), 'off-by-one' (an extra zero logit per head
+    in the denominator) or 'learnable' (an extra learned logit per head, ``self_attention.softmax_offset``
+    [heads], starting at zero: GPT-OSS's attention sinks). Sinks run an unfused attention that materializes the
+    scores; sliding-window layers keep their window. Not with context parallel or attn_logit_softcapping."""
+
+    glu_linear_offset: float = 0.0
+    """Added to the up projection of a gated MLP before the product: ``act(gate) * (up + offset)`` (GPT-OSS:
+    1.0). Dense and expert MLPs; needs gated_linear_unit."""
+
+    activation_func_clamp_value: Optional[float] = None
+    """Clamp of a gated MLP's inputs before the activation: the gate above at this value, the up projection to
+    ``[-value, value]`` (GPT-OSS: 7.0, HF ``swiglu_limit``); None = off. Needs gated_linear_unit."""
+
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``longspan.models.gpt.build_gpt_model`` (see ``ModelProviderMixin``)."""

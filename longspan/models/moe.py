@@ -5,6 +5,7 @@ outside by ``longspan.parallel.expert_parallel``, which swaps the layer's ``toke
 the expert weights). Module and parameter names follow Megatron::
 
     decoder.layers.{i}.mlp.router.weight                          [num_experts, hidden]
+    decoder.layers.{i}.mlp.router.bias                            [num_experts]  (add_bias_linear)
     decoder.layers.{i}.mlp.experts.linear_fc1.weight              [num_experts, moe_ffn, hidden]  (up)
     decoder.layers.{i}.mlp.experts.linear_fc1_gate.weight         [num_experts, moe_ffn, hidden]  (gated only)
     decoder.layers.{i}.mlp.experts.linear_fc2.weight              [num_experts, hidden, moe_ffn]  (down)
@@ -58,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longspan.models.activations import gated_activation
 from longspan.models.args import MoEArgs
 
 # --------------------------------------------------------------------------------------------- aux losses
@@ -177,17 +179,20 @@ def drop_tokens(
 
 
 class TopKRouter(nn.Module):
-    """Linear router (no bias) followed by top-k selection; attaches the aux and z losses while training.
+    """Linear router (with a bias when ``add_bias_linear``, as Megatron's) followed by top-k selection; attaches the aux and z losses while training.
 
     ``forward(x [T, hidden])`` returns ``(probs [T, E], routing_map [T, E] bool)``: the routing weight of
     each selected (token, expert) pair, zero elsewhere.
     """
 
-    def __init__(self, hidden_size: int, moe: MoEArgs, init_std: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, moe: MoEArgs, init_std: float, dtype: torch.dtype,
+                 bias: bool = False) -> None:
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
         self.init_std = init_std  # read by init_weights (Megatron: init_method)
+        # A learned logit offset per expert (Megatron: with add_bias_linear; GPT-OSS's router); starts at zero.
+        self.bias = nn.Parameter(torch.empty(moe.num_experts, dtype=dtype)) if bias else None
         if moe.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
         else:
@@ -236,9 +241,10 @@ class TopKRouter(nn.Module):
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, in ``moe_router_dtype`` when set."""
         dtype = self.moe.router_dtype
+        bias = self.bias
         if dtype is not None:
-            return F.linear(x.to(dtype), self.weight.to(dtype))
-        return F.linear(x, self.weight)
+            return F.linear(x.to(dtype), self.weight.to(dtype), None if bias is None else bias.to(dtype))
+        return F.linear(x, self.weight, bias)
 
     def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Top-k routing of ``logits``; returns probs, routing map and the unscaled losses for logging."""
@@ -340,6 +346,8 @@ class GroupedMLP(nn.Module):
         self.linear_fc1_gate = GroupedLinear(e, h, ffn, bias, std, dtype) if config.gated_linear_unit else None
         self.linear_fc2 = GroupedLinear(e, ffn, h, bias, out_std, dtype)
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
+        self.glu_linear_offset = float(getattr(config, "glu_linear_offset", 0.0))
+        self.activation_func_clamp_value = getattr(config, "activation_func_clamp_value", None)
         # How a parameter becomes the tensor the computation uses: its local shard. Expert parallel installs
         # a version that also routes the gradient through its expert-data-parallel reduction.
         self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = local_tensor
@@ -358,7 +366,8 @@ class GroupedMLP(nn.Module):
         for j, rows in enumerate(torch.split(x, tokens_per_expert, dim=0)):
             up = F.linear(rows, w1[j], None if b1 is None else b1[j])
             if wg is not None:
-                h = self.activation_func(F.linear(rows, wg[j], None if bg is None else bg[j])) * up
+                h = gated_activation(F.linear(rows, wg[j], None if bg is None else bg[j]), up, self.activation_func,
+                                     self.glu_linear_offset, self.activation_func_clamp_value)
             else:
                 h = self.activation_func(up)
             outputs.append(F.linear(h, w2[j], None if b2 is None else b2[j]))
@@ -459,7 +468,8 @@ class MoELayer(nn.Module):
         moe = config.moe
         self.layer_number = layer_number
         self.num_experts = moe.num_experts
-        self.router = TopKRouter(config.hidden_size, moe, config.init_method_std, config.params_dtype)
+        self.router = TopKRouter(config.hidden_size, moe, config.init_method_std, config.params_dtype,
+                                 bias=bool(config.add_bias_linear))
         self.experts = GroupedMLP(config, moe)
         self.shared_experts = SharedExpertMLP(config, moe) if moe.shared_ffn_hidden_size else None
         self.token_dispatcher: Any = LocalTokenDispatcher()

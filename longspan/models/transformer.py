@@ -25,6 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError
+from longspan.models.activations import gated_activation
+from longspan.models.attention_sinks import sink_core_attention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
 from longspan.models.sliding_window import WindowedMask, windowed_attention
@@ -322,6 +324,25 @@ class SelfAttention(nn.Module):
         softcap = getattr(config, "attn_logit_softcapping", None)
         if softcap:
             self.core_attention = functools.partial(softcapped_core_attention, softcap=float(softcap))
+        # Attention sinks (softmax_type): one extra softmax logit per head, learned ('learnable', GPT-OSS's
+        # sinks) or fixed at zero ('off-by-one').
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.softmax_offset: nn.Parameter | None = None
+        if softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(heads, dtype=dtype))
+            self.init_rule = {"softmax_offset": ("zeros", 0.0)}
+        if softmax_type != "vanilla":
+            self.core_attention = self._sink_attention
+
+    def _sink_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Any,
+                        dropout_p: float, scale: float | None) -> torch.Tensor:
+        offset = self.softmax_offset
+        if offset is None:  # 'off-by-one': a zero logit
+            sinks = q.new_zeros(q.shape[1])
+        else:  # this process's heads (tensor parallel shards them with the projections)
+            to_local = getattr(offset, "to_local", None)
+            sinks = to_local() if callable(to_local) else offset
+        return sink_core_attention(q, k, v, attention_mask, dropout_p, scale, sinks=sinks)
 
     def forward(
         self,
@@ -386,11 +407,14 @@ class MLP(nn.Module):
         self.linear_fc1_gate = _linear(config.hidden_size, ffn, bias, std, dtype) if config.gated_linear_unit else None
         self.linear_fc2 = _linear(ffn, config.hidden_size, bias, out_std, dtype)
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
+        self.glu_linear_offset = float(getattr(config, "glu_linear_offset", 0.0))
+        self.activation_func_clamp_value = getattr(config, "activation_func_clamp_value", None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         up = self.linear_fc1(hidden_states)
         if self.linear_fc1_gate is not None:
-            h = self.activation_func(self.linear_fc1_gate(hidden_states)) * up
+            h = gated_activation(self.linear_fc1_gate(hidden_states), up, self.activation_func,
+                                 self.glu_linear_offset, self.activation_func_clamp_value)
         else:
             h = self.activation_func(up)
         return self.linear_fc2(h)

@@ -220,6 +220,11 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "profiling.profile_ranks": ([1], {"profiling.use_pytorch_profiler": True, "profiling.profile_step_start": 1,
                                       "profiling.profile_step_end": 2}),
     "tokenizer.tokenizer_type": ("ByteLevelTokenizer", {}, {"tokenizer.vocab_size": 512}),
+    # GPT-OSS: attention sinks (a zero-initialized learned logit already changes the softmax's denominator) and
+    # the gated MLP's offset and clamp
+    "model.softmax_type": ("learnable", {}),
+    "model.glu_linear_offset": (1.0, {"model.gated_linear_unit": True}),
+    "model.activation_func_clamp_value": (0.01, {"model.gated_linear_unit": True}),
 }
 
 

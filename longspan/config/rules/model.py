@@ -132,6 +132,32 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
             "linear + cross-entropy)"
         )
     check_moe(config)
+    check_gpt_oss_fields(config)
+
+
+def check_gpt_oss_fields(config: Any) -> None:
+    """Attention sinks (``softmax_type``) and the gated MLP's ``glu_linear_offset`` /
+    ``activation_func_clamp_value``: valid values and the combinations longspan implements."""
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type not in ("vanilla", "off-by-one", "learnable"):
+        raise ConfigError(f"model.softmax_type={softmax_type!r}: use 'vanilla', 'off-by-one' or 'learnable'")
+    if softmax_type != "vanilla":
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
+                                    "context_parallel_size > 1: use 'vanilla' or context_parallel_size=1")
+        if getattr(config, "attn_logit_softcapping", None):
+            raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
+                                    "attn_logit_softcapping: use one of them")
+        if getattr(config, "tensor_model_parallel_size", 1) > 1:
+            raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
+                                    "tensor_model_parallel_size > 1 yet: use 'vanilla' or tensor_model_parallel_size=1")
+    offset = getattr(config, "glu_linear_offset", 0.0)
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    if (offset or clamp is not None) and not config.gated_linear_unit:
+        raise ConfigError(f"model.glu_linear_offset={offset!r} / model.activation_func_clamp_value={clamp!r} need "
+                          "gated_linear_unit=True (they act on a gated MLP's gate and up projections)")
+    if clamp is not None and not clamp > 0:
+        raise ConfigError(f"model.activation_func_clamp_value={clamp!r} must be a positive number or None")
 
 
 def _check_heads(config: Any) -> None:

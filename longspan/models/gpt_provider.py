@@ -520,7 +520,8 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     """The attention softmax: 'vanilla' (plain; the fused SDPA path), 'off-by-one' (an extra zero logit per head
     in the denominator) or 'learnable' (an extra learned logit per head, ``self_attention.softmax_offset``
     [heads], starting at zero: GPT-OSS's attention sinks). Sinks run an unfused attention that materializes the
-    scores; sliding-window layers keep their window. Not with context parallel or attn_logit_softcapping."""
+    scores; sliding-window layers keep their window; tensor parallel splits the sinks by heads. Not with context
+    parallel or attn_logit_softcapping."""
 
     glu_linear_offset: float = 0.0
     """Added to the up projection of a gated MLP before the product: ``act(gate) * (up + offset)`` (GPT-OSS:

@@ -230,6 +230,19 @@ def _output_to_local(module: nn.Module, args: Any, output: Any) -> Any:
     return output.full_tensor()
 
 
+def _shard_attention_sinks(model: nn.Module, tp_mesh: Any) -> None:
+    """Learned attention sinks (``self_attention.softmax_offset [heads]``) split by heads like the q projection:
+    each rank keeps its own heads' sinks (``Shard(0)``)."""
+    from torch.distributed.tensor import distribute_tensor  # (the DTensor module is loaded already)
+
+    for layer in model.decoder.layers.values():
+        attention = getattr(layer, "self_attention", None)
+        offset = getattr(attention, "softmax_offset", None)
+        if offset is not None and not isinstance(offset, DTensor):
+            attention.softmax_offset = nn.Parameter(distribute_tensor(offset.data, tp_mesh, [Shard(0)]),
+                                                    requires_grad=offset.requires_grad)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model`` (on the meta device or materialized) over the 1-D ``tp_mesh`` in place; return it.
 
@@ -251,6 +264,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     # would unfreeze a frozen base (peft: the norms then train and enter the grad norm). Keep each flag as set.
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
+    _shard_attention_sinks(model, tp_mesh)
     for name, p in model.named_parameters():
         if name in requires_grad:
             p.requires_grad_(requires_grad[name])

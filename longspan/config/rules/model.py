@@ -148,9 +148,6 @@ def check_gpt_oss_fields(config: Any) -> None:
         if getattr(config, "attn_logit_softcapping", None):
             raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
                                     "attn_logit_softcapping: use one of them")
-        if getattr(config, "tensor_model_parallel_size", 1) > 1:
-            raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
-                                    "tensor_model_parallel_size > 1 yet: use 'vanilla' or tensor_model_parallel_size=1")
     offset = getattr(config, "glu_linear_offset", 0.0)
     clamp = getattr(config, "activation_func_clamp_value", None)
     if (offset or clamp is not None) and not config.gated_linear_unit:

@@ -181,3 +181,34 @@ def test_mxfp4_scales_of_wrong_shape_name_the_tensor(mxfp4_dirs, tmp_path):
         AutoBridge.from_hf_pretrained(broken).to_megatron_model()
     message = str(info.value)
     assert "\n" not in message and "model.layers.2.mlp.experts.down_proj" in message and "scales" in message
+
+
+# --------------------------------------------------------------------------------------------- layouts
+
+LAYOUTS = [({"expert_model_parallel_size": 2}, "plain"), ({"tensor_model_parallel_size": 2}, "plain"),
+           ({"expert_model_parallel_size": 2}, "mxfp4"), ({"tensor_model_parallel_size": 2}, "mxfp4")]
+
+
+@pytest.mark.parametrize("layout, weights", LAYOUTS,
+                         ids=[f"{next(iter(l))[:2]}2-{w}" for l, w in LAYOUTS])
+def test_layout_import_matches_one_process(pool2, mxfp4_dirs, imported, tmp_path, layout, weights):
+    """EP2 reads each rank's experts (TP2: each rank's half of every expert's ffn width, de-interleaved from
+    gate_up_proj, and its heads' sinks); logits equal one process's and the export equals the plain tensors."""
+    from tests.conversion.test_layouts import _import_forward_export
+
+    src = imported[0] if weights == "plain" else mxfp4_dirs / "mxfp4"
+    plain = imported[0] if weights == "plain" else mxfp4_dirs / "dequantized"
+    tokens = torch.randint(0, VOCAB, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(5))
+    bridge = AutoBridge.from_hf_pretrained(src)
+    expected = ours_logits(bridge.to_megatron_model()[0], tokens)
+    results = pool2.run(_import_forward_export, str(src), layout, False, tokens, str(tmp_path / "saved"),
+                        timeout=240)
+    # tensor parallel sums partial products in another order: 1e-5 of the logits' scale (MXFP4's are large)
+    scale = max(1.0, expected.abs().max().item())
+    for logits, exported, params, _ in results:
+        assert (logits - expected).abs().max().item() <= 1e-5 * scale
+        assert "DTensor" in params
+    original = load_file(str(plain / "model.safetensors"))
+    merged = {name: t for _, exported, _, _ in results for name, t in exported.items()}
+    assert sorted(merged) == sorted(original)
+    assert all(torch.equal(merged[name], t) for name, t in original.items())

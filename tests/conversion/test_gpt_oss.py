@@ -212,3 +212,36 @@ def test_layout_import_matches_one_process(pool2, mxfp4_dirs, imported, tmp_path
     merged = {name: t for _, exported, _, _ in results for name, t in exported.items()}
     assert sorted(merged) == sorted(original)
     assert all(torch.equal(merged[name], t) for name, t in original.items())
+
+
+def test_longspan_model_exports_as_gpt_oss(tmp_path):
+    """A GPT-OSS-shaped model that never came from HF (the layout tests' provider, trained sinks aside) exports
+    as GptOssForCausalLM that transformers runs with the same logits."""
+    from longspan.models.gpt import build_gpt_model
+    from tests.parallel.test_gpt_oss_layouts import gpt_oss_config as layout_config
+
+    provider = layout_config().model
+    provider.vocab_size, provider.make_vocab_size_divisible_by = 256, 128
+    provider.finalize()
+    model = build_gpt_model(provider, seed=3).eval()
+    with torch.no_grad():  # zero-initialized sinks and biases would hide a mapping error
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("softmax_offset"):
+                p.normal_(0.0, 0.3)
+    bridge = AutoBridge.from_longspan_provider(provider)
+    assert bridge.family.architecture == "GptOssForCausalLM"
+    bridge.save_hf_pretrained([model], tmp_path)
+    hf = load_hf(tmp_path)
+    assert hf.config.layer_types == ["sliding_attention", "full_attention"] and hf.config.sliding_window == 4
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-5
+
+
+def test_swiglu_alpha_other_than_quick_gelu_is_refused(tmp_path):
+    from longspan.core.errors import NotSupportedError
+
+    src = tmp_path / "hf"
+    random_gpt_oss(gpt_oss_config(swiglu_alpha=1.5)).save_pretrained(str(src))
+    with pytest.raises(NotSupportedError, match="swiglu_alpha=1.5"):
+        AutoBridge.from_hf_pretrained(src).to_megatron_provider()

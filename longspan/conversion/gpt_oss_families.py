@@ -22,8 +22,15 @@ from typing import Any
 
 import torch
 
-from longspan.conversion.config_fields import dtype_fields, required, rope_fields, rope_hf, vocab_divisor, window_fields, \
-    window_hf
+from longspan.conversion.config_fields import (
+    dtype_fields,
+    required,
+    rope_fields,
+    rope_hf,
+    vocab_divisor,
+    window_fields,
+    window_hf,
+)
 from longspan.core.errors import CheckpointError, NotSupportedError
 from longspan.models.activations import quick_gelu
 

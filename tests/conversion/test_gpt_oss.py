@@ -99,7 +99,8 @@ def test_bf16_export_is_bit_identical(tmp_path):
     bridge = AutoBridge.from_hf_pretrained(src)
     model = bridge.to_megatron_model()
     bridge.save_hf_pretrained(model, tmp_path / "out")
-    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    original = load_file(str(src / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(original) == sorted(exported)
     for name, tensor in original.items():
         assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name

@@ -35,7 +35,8 @@ def _hf_attention(q, k, v, sinks, window=None):
 @pytest.mark.parametrize("window", [None, 3])
 def test_sink_attention_equals_transformers(window):
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    q = torch.randn(2, 4, 10, 8, generator=g)
+    k, v = torch.randn(2, 2, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
     sinks = torch.randn(4, generator=g) * 2
     mask = None if window is None else WindowedMask(window, None)
     ours = sink_core_attention(q, k, v, mask, 0.0, None, sinks=sinks)

@@ -1,7 +1,8 @@
-"""GPT-OSS's model features under expert parallel 2 and tensor parallel 2 train the same model as one process:
-learned attention sinks (split by heads under TP), q/k/v/o, router and expert biases, the clamped SwiGLU with
-its +1 offset (a clamp that bites), alternating sliding/full layers. Losses and gradient norms over 8
-iterations within 1e-5 relative (fp32, dropout off), model + optimizer level as ``test_moe_parity``."""
+"""GPT-OSS's model features under expert parallel 2, tensor parallel 2 and both (4 ranks) train the same
+model as one process: learned attention sinks (split by heads under TP), q/k/v/o, router and expert biases, the
+clamped SwiGLU with its +1 offset (a clamp that bites), alternating sliding/full layers. Losses and gradient
+norms over 8 iterations within 1e-5 relative (fp32, dropout off), model + optimizer level as
+``test_moe_parity``."""
 
 from __future__ import annotations
 
@@ -65,3 +66,13 @@ def test_layout_matches_one_process(ep, tp):
     for r in get_shared_pool(2).run(_layout_task, ep, tp, timeout=400):
         _assert_close(r["losses"], ref["losses"], f"EP{ep} TP{tp} loss")
         _assert_close(r["norms"], ref["norms"], f"EP{ep} TP{tp} grad norm")
+
+
+@pytest.mark.slow
+def test_ep2_tp2_matches_one_process():
+    """EP2 × TP2 on 4 ranks: 2 experts per rank, each half its ffn width (gate/up biases split with it)."""
+    ref = _reference()
+    for r in get_shared_pool(4).run(_layout_task, 2, 2, timeout=500):
+        assert r["local_expert_shape"] == (2, 16, 64)
+        _assert_close(r["losses"], ref["losses"], "EP2xTP2 loss")
+        _assert_close(r["norms"], ref["norms"], "EP2xTP2 grad norm")

@@ -12,6 +12,9 @@ A Llama-style decoder with:
 - ``n_shared_experts`` shared experts as one MLP of ``n_shared_experts * moe_intermediate_size``;
 - the first ``first_k_dense_replace`` layers dense (``intermediate_size``), the rest MoE.
 
+``deepseek_moe_fields`` / ``deepseek_moe_hf_fields`` translate the MoE keys GLM-4.5 shares with DeepSeek-V3's
+config.json (the same router, experts and names: ``mapping.DEEPSEEK_MOE_MLP``).
+
 The multi-token-prediction layers GLM checkpoints ship after the decoder (``num_nextn_predict_layers``, stored
 as ``model.layers.{num_hidden_layers + k}``) are not imported; the export writes none.
 """
@@ -63,7 +66,10 @@ def _log_skipped_mtp(cfg: dict[str, Any]) -> None:
                   f"model.layers.{first}..{first + mtp - 1} are not imported")
 
 
-def glm4_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+def deepseek_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Provider MoE fields for the DeepSeek-V3-style keys GLM-4.5 and DeepSeek-V3 config.json files share
+    (``n_routed_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``n_shared_experts``,
+    ``first_k_dense_replace``, ``n_group``, ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``)."""
     experts = required(cfg, "n_routed_experts") if cfg.get("num_local_experts") is None else cfg["num_local_experts"]
     topk = int(cfg.get("num_experts_per_tok", 8))
     norm = bool(cfg.get("norm_topk_prob", True))
@@ -72,41 +78,44 @@ def glm4_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
             f"config.json norm_topk_prob={str(norm).lower()} with num_experts_per_tok={topk} is not supported: "
             "longspan's sigmoid routing normalizes the chosen scores exactly when more than one expert is chosen"
         )
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_cfg = dict(cfg, rope_parameters=dict(rope, partial_rotary_factor=_partial_rotary_factor(cfg)))
-    out = llama_provider(dict(rope_cfg, attention_bias=False), eps_default=1e-5)
-    layers = out["num_layers"]
     dense = int(cfg.get("first_k_dense_replace", 1))
     shared = int(cfg.get("n_shared_experts") or 0)
     moe_ffn = required(cfg, "moe_intermediate_size")
-    out.update(
-        add_qkv_bias=bool(cfg.get("attention_bias", False)),
-        qk_layernorm=bool(cfg.get("use_qk_norm", False)),
+    out = dict(
         num_moe_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=moe_ffn,
         moe_shared_expert_intermediate_size=moe_ffn * shared if shared else None,
-        moe_layer_freq=[int(i >= dense) for i in range(layers)] if dense else 1,
+        moe_layer_freq=[int(i >= dense) for i in range(num_layers)] if dense else 1,
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        moe_router_dtype="fp32",
+        moe_router_dtype="fp32",  # transformers computes the router in float32 in any model dtype
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
     )
     out.update(_routing_groups(cfg, experts, topk))
+    return out
+
+
+def glm4_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_cfg = dict(cfg, rope_parameters=dict(rope, partial_rotary_factor=_partial_rotary_factor(cfg)))
+    out = llama_provider(dict(rope_cfg, attention_bias=False), eps_default=1e-5)
+    out.update(add_qkv_bias=bool(cfg.get("attention_bias", False)), qk_layernorm=bool(cfg.get("use_qk_norm", False)))
+    out.update(deepseek_moe_fields(cfg, out["num_layers"]))
     _log_skipped_mtp(cfg)
     return out
 
 
-def _check_glm_provider(p: Any) -> None:
+def _check_deepseek_moe(p: Any) -> None:
     problems = []
     if not p.num_moe_experts or p.moe_router_score_function != "sigmoid" or not p.moe_router_enable_expert_bias:
         problems.append("an MoE with sigmoid routing and moe_router_enable_expert_bias=True")
     if p.add_bias_linear or getattr(p, "moe_shared_expert_gate", False):
         problems.append("no linear biases but q/k/v's (add_bias_linear=False) and no shared-expert gate")
     if problems:
-        raise NotSupportedError(f"this model has no GLM-4.5 (Glm4MoeForCausalLM) equivalent: it needs {'; '.join(problems)}")
+        raise NotSupportedError(f"this model has no DeepSeek-V3-style HF MoE equivalent: it needs {'; '.join(problems)}")
 
 
 def _dense_prefix(p: Any) -> int:
@@ -117,36 +126,30 @@ def _dense_prefix(p: Any) -> int:
     dense = flags.index(1) if 1 in flags else p.num_layers
     if flags != [0] * dense + [1] * (p.num_layers - dense):
         raise NotSupportedError(
-            f"model.moe_layer_freq={freq!r} has no GLM-4.5 equivalent: GLM's dense layers are the first "
+            f"model.moe_layer_freq={freq!r} has no HF equivalent: the dense layers are the first "
             "first_k_dense_replace layers, every later layer is MoE"
         )
     return dense
 
 
-def glm4_moe_hf(p: Any) -> dict[str, Any]:
-    _check_glm_provider(p)
+def deepseek_moe_hf_fields(p: Any) -> dict[str, Any]:
+    """The DeepSeek-V3-style config.json MoE keys of provider ``p`` (one-line error where they cannot say it)."""
+    _check_deepseek_moe(p)
     groups, keep = p.moe_router_num_groups, p.moe_router_group_topk
     if groups and keep and p.moe_router_topk // keep != GLM_GROUP_SCORE_TOPK:
         raise NotSupportedError(
-            f"model.moe_router_group_topk={keep} with moe_router_topk={p.moe_router_topk} has no GLM-4.5 "
-            f"equivalent: GLM scores a group by its top {GLM_GROUP_SCORE_TOPK} experts"
+            f"model.moe_router_group_topk={keep} with moe_router_topk={p.moe_router_topk} has no HF equivalent: "
+            f"DeepSeek-V3 and GLM score a group by its top {GLM_GROUP_SCORE_TOPK} experts"
         )
-    out = llama_hf(_WithoutQkvBias(p))
-    out.pop("mlp_bias")
     shared = p.moe_shared_expert_intermediate_size or 0
     moe_ffn = p.moe_ffn_hidden_size or p.ffn_hidden_size
     if shared % moe_ffn:
         raise NotSupportedError(
-            f"model.moe_shared_expert_intermediate_size={shared} has no GLM-4.5 equivalent: it must be a multiple "
+            f"model.moe_shared_expert_intermediate_size={shared} has no HF equivalent: it must be a multiple "
             f"of moe_ffn_hidden_size ({moe_ffn})"
         )
-    rope = dict(out["rope_parameters"], partial_rotary_factor=float(p.rotary_percent))
-    out.pop("partial_rotary_factor", None)
     scaling = p.moe_router_topk_scaling_factor
-    out.update(
-        rope_parameters=rope,
-        attention_bias=bool(p.add_qkv_bias),
-        use_qk_norm=bool(p.qk_layernorm),
+    return dict(
         n_routed_experts=p.num_moe_experts,
         num_experts_per_tok=p.moe_router_topk,
         moe_intermediate_size=moe_ffn,
@@ -156,8 +159,20 @@ def glm4_moe_hf(p: Any) -> dict[str, Any]:
         topk_group=keep or 1,
         norm_topk_prob=p.moe_router_topk > 1,
         routed_scaling_factor=float(1.0 if scaling is None else scaling),
+    )
+
+
+def glm4_moe_hf(p: Any) -> dict[str, Any]:
+    out = llama_hf(_WithoutQkvBias(p))
+    out.pop("mlp_bias")
+    out.pop("partial_rotary_factor", None)
+    out.update(
+        rope_parameters=dict(out["rope_parameters"], partial_rotary_factor=float(p.rotary_percent)),
+        attention_bias=bool(p.add_qkv_bias),
+        use_qk_norm=bool(p.qk_layernorm),
         num_nextn_predict_layers=0,
     )
+    out.update(deepseek_moe_hf_fields(p))
     return out
 
 

@@ -142,3 +142,19 @@ def test_longspan_model_with_sigmoid_routing_exports_as_glm(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     with torch.no_grad():
         assert (model[0].eval()(tokens) - hf_logits(again, tokens)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"moe_layer_freq": [1, 0, 1]}, "model.moe_layer_freq=[1, 0, 1]"),
+    ({"moe_shared_expert_intermediate_size": 24}, "model.moe_shared_expert_intermediate_size=24"),
+    ({"moe_router_num_groups": 4, "moe_router_group_topk": 2}, "model.moe_router_group_topk=2"),
+])
+def test_export_of_a_model_glm_cannot_express_fails_in_one_line(tmp_path, changes, field):
+    src = tmp_path / "hf"
+    make_glm_model(src, tokenizer=False)
+    provider = AutoBridge.from_hf_pretrained(src).to_megatron_provider(load_weights=False)
+    for key, value in changes.items():
+        setattr(provider, key, value)
+    with pytest.raises(NotSupportedError) as info:
+        families.hf_config_dict(families.BY_ARCHITECTURE["Glm4MoeForCausalLM"], provider)
+    assert field in str(info.value) and "\n" not in str(info.value)

@@ -115,7 +115,9 @@ def _check_deepseek_moe(p: Any) -> None:
     if p.add_bias_linear or getattr(p, "moe_shared_expert_gate", False):
         problems.append("no linear biases but q/k/v's (add_bias_linear=False) and no shared-expert gate")
     if problems:
-        raise NotSupportedError(f"this model has no DeepSeek-V3-style HF MoE equivalent: it needs {'; '.join(problems)}")
+        raise NotSupportedError(
+            f"this model has no DeepSeek-V3-style HF MoE equivalent: it needs {'; '.join(problems)}"
+        )
 
 
 def _dense_prefix(p: Any) -> int:

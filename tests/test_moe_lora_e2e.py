@@ -16,8 +16,6 @@ from longspan.recipes import get_recipe
 from tests.conversion.glm_models import make_glm_model
 from tests.test_finetune_e2e import _char_tokenizer, _hf_completion_loss, _reverse_words, _run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
 
 def test_recipe_adapts_attention_and_every_expert(tmp_path: Path) -> None:
     """On a GLM-4.5 model: adapters on attention, the dense MLP, the shared experts and (per expert) the routed
@@ -41,6 +39,8 @@ def test_recipe_adapts_attention_and_every_expert(tmp_path: Path) -> None:
     assert not any("router" in name for name in trainable)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_lora_finetune_of_glm_from_the_cli(tmp_path: Path) -> None:
     hf_dir, data, out = tmp_path / "hf", tmp_path / "data", tmp_path / "run"
     make_glm_model(hf_dir, tokenizer=False, vocab_size=16, hidden_size=64, head_dim=16, eos_token_id=1,

@@ -42,6 +42,7 @@ from longspan.conversion.gemma_families import (
     olmo2_provider,
 )
 from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
+from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
 from longspan.conversion.mamba_families import mamba2_hf, mamba2_provider, nemotron_h_hf, nemotron_h_provider
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
@@ -107,6 +108,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, nemotron_h_provider,
            nemotron_h_hf, "MambaProvider"),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
+    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf),
 )
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
@@ -149,6 +151,8 @@ def family_for_provider(provider: Any) -> Family:
         return BY_ARCHITECTURE["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
     if provider.num_moe_experts and getattr(provider, "softmax_type", "vanilla") == "learnable":
         return BY_ARCHITECTURE["GptOssForCausalLM"]
+    if provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
+        return BY_ARCHITECTURE["Glm4MoeForCausalLM"]  # DeepSeek-V3 routing with Llama-style attention
     if provider.num_moe_experts:
         return BY_ARCHITECTURE["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
     if provider.qk_layernorm:

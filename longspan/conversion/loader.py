@@ -10,6 +10,9 @@ Placements that do not give a box (strided FSDP-over-TP shards) read the full te
 Export: parameters are gathered one at a time (``DTensor.full_tensor()``, a collective over the parameter's
 mesh, so every rank of a pipeline stage walks its parameters in the same order) and turned back into HF
 tensors; a fused HF tensor (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) is emitted once all its parts were seen.
+
+Persistent buffers (the routers' float32 ``expert_bias``) follow the parameters: each needs a table entry
+flagged ``buffer`` and is copied whole, keeping its dtype, so it round-trips bit-exactly.
 """
 
 from __future__ import annotations
@@ -54,10 +57,24 @@ def iter_named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Mod
                 yield overrides.get(param_name) or canonical_parameter_name(full), module, param_name, param
 
 
-def lookup(family: Family, name: str) -> tuple[WeightMap, int | None]:
+def iter_named_buffers(chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, buffer) of every persistent buffer of the chunks, each tensor once."""
+    seen: set[int] = set()
+    for chunk in chunks:
+        for module_name, module in chunk.named_modules():
+            for buffer_name, buffer in module.named_buffers(recurse=False):
+                if buffer is None or id(buffer) in seen or buffer_name in module._non_persistent_buffers_set:
+                    continue
+                seen.add(id(buffer))
+                full = f"{module_name}.{buffer_name}" if module_name else buffer_name
+                yield canonical_parameter_name(full), buffer
+
+
+def lookup(family: Family, name: str, buffer: bool = False) -> tuple[WeightMap, int | None]:
     found = match(family.weights, name)
-    if found is None:
-        raise CheckpointError(f"longspan parameter {name} has no {family.architecture} equivalent")
+    kind = "buffer" if buffer else "parameter"
+    if found is None or found[0].buffer != buffer:
+        raise CheckpointError(f"longspan {kind} {name} has no {family.architecture} equivalent")
     return found
 
 
@@ -201,6 +218,27 @@ def load_hf_weights(chunks: list[nn.Module], family: Family, reader: HFCheckpoin
         count += 1
         if progress is not None:
             progress(name)
+    return count + _load_buffers(chunks, family, reader, progress, select)
+
+
+def _load_buffers(chunks: list[nn.Module], family: Family, reader: HFCheckpointReader, progress: Any,
+                  select: Callable[[str], bool] | None) -> int:
+    """Copy every persistent buffer whole from its HF tensor (buffers are replicated, never sharded)."""
+    count = 0
+    for name, buffer in iter_named_buffers(chunks):
+        if select is not None and not select(name):
+            continue
+        entry, layer = lookup(family, name, buffer=True)
+        hf_name = entry.hf_name(layer)
+        if tuple(reader.shape(hf_name)) != tuple(buffer.shape):
+            raise CheckpointError(f"shape mismatch: HF tensor {hf_name} has shape {tuple(reader.shape(hf_name))} "
+                                  f"but longspan's {name} needs {tuple(buffer.shape)}")
+        full = reader.read(hf_name)
+        target = buffer.to_local() if _is_dtensor(buffer) else buffer
+        target.copy_(full.to(dtype=target.dtype))
+        count += 1
+        if progress is not None:
+            progress(name)
     return count
 
 
@@ -249,6 +287,10 @@ def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | N
         yield hf_name, _to_hf(entry, full)
     if pending:
         raise CheckpointError(f"incomplete fused HF tensors (some parts are on no chunk): {sorted(pending)}")
+    for name, buffer in iter_named_buffers(chunks):
+        entry, layer = lookup(family, name, buffer=True)
+        full = _full(buffer).detach()
+        yield entry.hf_name(layer), (full.cpu() if cpu else full).clone()
 
 
 def _to_hf(entry: WeightMap, tensor: torch.Tensor) -> torch.Tensor:

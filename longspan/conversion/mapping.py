@@ -9,7 +9,9 @@ rules the supported families need:
   grouped-query ``qkv_proj`` = [q | k | v] in units of heads: (heads, groups, groups));
 - ``per_expert``: the longspan tensor is a 3-D slab ``[num_experts, ...]`` stacked from one HF tensor per
   expert (``{e}`` in the HF pattern);
-- ``vocab``: rows beyond the HF vocabulary are padding (added as zeros on import, stripped on export).
+- ``vocab``: rows beyond the HF vocabulary are padding (added as zeros on import, stripped on export);
+- ``buffer``: ours is a persistent buffer, not a parameter (the aux-loss-free routing bias
+  ``router.expert_bias``, HF's ``e_score_correction_bias``): copied whole and bit-exactly, in its own dtype.
 
 ``{i}`` is the global layer index in both names. The loader (``longspan.conversion.loader``) is shared by every
 family: it only reads these tables.
@@ -59,6 +61,8 @@ class WeightMap:
     mxfp4: bool = False
     """stacked only: the HF checkpoint may hold the tensor as MXFP4 ``{hf}_blocks`` / ``{hf}_scales`` (already
     ``[E, out, in]``), decoded on import."""
+    buffer: bool = False
+    """ours is a persistent buffer of the module (read and written whole, keeping its dtype)."""
 
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -294,6 +298,26 @@ NEMOTRON_H = (
     _nemotron_h("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
     _nemotron_h("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
 )
+
+
+# --------------------------------------------------------------------------------------------- DeepSeek-style MoE
+
+# DeepSeek-V3 / GLM-4.5 MoE layers: a sigmoid router with the aux-loss-free routing bias (a float32 buffer on
+# both sides), routed experts one HF module each, shared experts as one dense MLP. Dense first layers keep
+# Llama's MLP names.
+DEEPSEEK_MOE_MLP = (
+    _layer("mlp.router.weight", "mlp.gate.weight"),
+    _layer("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", buffer=True),
+    _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.{e}.gate_proj.weight", per_expert=True),
+    _layer("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
+    _layer("mlp.experts.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", per_expert=True),
+    _layer("mlp.shared_experts.linear_fc1_gate.weight", "mlp.shared_experts.gate_proj.weight"),
+    _layer("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.up_proj.weight"),
+    _layer("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
+)
+
+# GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama's attention (q/k/v biases, optional per-head QK-norm) and MLP names.
+GLM4_MOE = LLAMA + DEEPSEEK_MOE_MLP
 
 
 def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | None] | None:

@@ -11,6 +11,7 @@ from typing import Callable
 from longspan.core.errors import ConfigError
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
+from longspan.recipes.moe_finetune import moe_lora
 from longspan.recipes.small_models import gemma3, llama32, llama32_3b
 from longspan.recipes.tiny import tiny
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
@@ -34,6 +35,7 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "sft": sft,
     "lora": lora,
     "dora": dora,
+    "moe_lora": moe_lora,
 }
 
 
@@ -53,4 +55,4 @@ def get_recipe(name: str) -> ConfigContainer:
 
 
 __all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",
-           "llama32_3b", "sft", "lora", "dora"]
+           "llama32_3b", "sft", "lora", "dora", "moe_lora"]

@@ -384,4 +384,9 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
         return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
     if ttype in ("ByteLevelTokenizer", "ByteTokenizer"):
         return ByteLevelTokenizer(getattr(tokenizer_config, "vocab_size", None) or 512)
+    if ttype is None:
+        raise ConfigError(
+            f"tokenizer.tokenizer_type is not set: set it ({', '.join(TOKENIZER_TYPES)}) or give "
+            f"checkpoint.pretrained_checkpoint=DIR (an HF model directory or a longspan checkpoint) to take it from"
+        )
     raise ConfigError(f"tokenizer.tokenizer_type={ttype!r} is not supported; valid: {', '.join(TOKENIZER_TYPES)}")

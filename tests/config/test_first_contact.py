@@ -42,3 +42,41 @@ def test_unset_tokenizer_type_names_where_it_comes_from() -> None:
     with pytest.raises(ConfigError, match=r"tokenizer.tokenizer_type is not set: set it \(HuggingFaceTokenizer.*\) or "
                                           r"give checkpoint.pretrained_checkpoint=DIR"):
         build_tokenizer(SimpleNamespace(tokenizer_type=None, tokenizer_model=None))
+
+
+def _small_yaml(tmp_path: Path, **logger: object) -> tuple[Path, Path]:
+    from tests.training.pretrain_helpers import small_config
+
+    cfg = small_config(tmp_path, "run", train_iters=2)
+    for key, value in logger.items():
+        setattr(cfg.logger, key, value)
+    path = tmp_path / "base.yaml"
+    path.write_text(cfg.to_yaml())
+    return path, tmp_path / "run"
+
+
+@pytest.mark.parametrize("given", ["uri", "environment"])
+def test_mlflow_file_store_refusal_is_one_line_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, given: str
+) -> None:
+    pytest.importorskip("mlflow")  # an optional client (the test extras install it)
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)  # a URI set by an earlier test in this process
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    uri = (tmp_path / "mlruns").as_uri()
+    fields = {"mlflow_experiment": "first-contact", "mlflow_run_name": "r"}
+    if given == "uri":
+        fields["mlflow_tracking_uri"] = uri
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    config, run_dir = _small_yaml(tmp_path, **fields)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["pretrain", "--config", str(config)])
+    where = f"logger.mlflow_tracking_uri={uri}" if given == "uri" else f"MLflow's tracking URI {uri}"
+    err = capsys.readouterr().err
+    _assert_one_line(code, err, f"{where} is a file store, which MLflow ")
+    assert ("opens only with MLFLOW_ALLOW_FILE_STORE=true in the environment; set it, or use a database, e.g. "
+            "logger.mlflow_tracking_uri=sqlite:///mlflow.db") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # refused at start-up: no run directory either

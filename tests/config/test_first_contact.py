@@ -80,3 +80,42 @@ def test_mlflow_file_store_refusal_is_one_line_with_the_fix(
     assert ("opens only with MLFLOW_ALLOW_FILE_STORE=true in the environment; set it, or use a database, e.g. "
             "logger.mlflow_tracking_uri=sqlite:///mlflow.db") in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # refused at start-up: no run directory either
+
+
+# --- optimizer.finetune_lr (Megatron Bridge's recipe argument) ------------------------------------------------
+
+
+def test_finetune_lr_sets_lr_when_finetuning_with_a_notice(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from longspan.recipes.finetune import lora
+
+    cfg = lora()
+    cfg.optimizer.finetune_lr = 5e-5
+    with caplog.at_level(logging.INFO, logger="longspan"):
+        cfg.validate(world_size=1)
+    assert cfg.optimizer.lr == 5e-5
+    notices = [r.getMessage() for r in caplog.records if "finetune_lr" in r.getMessage()]
+    assert notices == ["optimizer.finetune_lr=5e-05 sets optimizer.lr for this finetuning run (was 0.0001)"]
+    caplog.clear()
+    cfg.validate(world_size=1)  # validating again changes nothing and says nothing
+    assert cfg.optimizer.lr == 5e-5 and not [r for r in caplog.records if "finetune_lr" in r.getMessage()]
+
+
+def test_finetune_lr_in_a_bridge_style_override_file_loads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    override = tmp_path / "override.yaml"
+    override.write_text("optimizer:\n  finetune_lr: 2.0e-5\n")
+    assert main(["config", "validate", "--recipe", "lora", "--config", str(override)]) == 0
+    assert "configuration is valid" in capsys.readouterr().out
+
+
+def test_finetune_lr_in_pretraining_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    code = main(["config", "validate", "--recipe", "tiny", "optimizer.finetune_lr=1e-4"])
+    _assert_one_line(code, capsys.readouterr().err,
+                     "optimizer.finetune_lr=0.0001 applies to finetuning runs (checkpoint.pretrained_checkpoint or "
+                     "peft set); this run pretrains: set optimizer.lr=0.0001 instead")
+
+
+def test_finetune_lr_out_of_range_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    code = main(["config", "validate", "--recipe", "lora", "optimizer.finetune_lr=-1"])
+    _assert_one_line(code, capsys.readouterr().err, "optimizer.finetune_lr=-1")

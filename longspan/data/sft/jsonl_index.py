@@ -24,7 +24,6 @@ import hashlib
 import json
 import mmap
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -55,15 +54,9 @@ def file_fingerprint(path: str) -> dict[str, Any]:
 
 
 def is_writable_directory(directory: str) -> bool:
-    """Whether files can be created in ``directory`` (tried, not guessed: permission bits lie for root and
-    read-only mounts)."""
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".longspan-write-probe")
-    except OSError:
-        return False
-    os.close(fd)
-    os.remove(probe)
-    return True
+    """Whether files can be created in ``directory`` (access(2): permissions and read-only mounts; a write that
+    still fails, e.g. on a squashed network mount, leaves the index uncached)."""
+    return os.access(directory, os.W_OK | os.X_OK)
 
 
 def cache_directory_for(data_dir: str, path_to_cache: Optional[str] = None) -> str:

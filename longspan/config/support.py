@@ -195,6 +195,7 @@ FIELD_STATUS: dict[str, str] = {
     **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp iterations_to_skip"),
     **_many("checkpoint", HINT, "async_strategy"),
     **_many("dataset", SUPPORTED, "seq_length"),
+    **_many("optimizer", SUPPORTED, "finetune_lr"),
     # Resilience: longspan.training.resilience, docs/resilience.md.
     **_many("checkpoint", SUPPORTED, """
         non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from longspan.core.errors import DataError
+from longspan.core.errors import DataError, LongspanError
 from longspan.core.logging import get_logger
 from longspan.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from longspan.data.tokenizers import build_tokenizer
@@ -86,6 +86,12 @@ def input_format(path: str) -> str:
 
 def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int]]:
     """(``{key: text}``, bytes or rows read so far) for each document of the input file."""
+    for doc, done, _ in iter_located_documents(path, json_keys):
+        yield doc, done
+
+
+def iter_located_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int, int]]:
+    """(``{key: text}``, bytes or rows read so far, line number or row) for each document of the input file."""
     if not os.path.isfile(path):
         raise DataError(f"input file {path} does not exist")
     fmt = input_format(path)
@@ -106,7 +112,7 @@ def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[s
             cols = {k: batch.column(k).to_pylist() for k in json_keys}
             for i in range(batch.num_rows):
                 rows += 1
-                yield {k: "" if cols[k][i] is None else str(cols[k][i]) for k in json_keys}, rows
+                yield {k: "" if cols[k][i] is None else str(cols[k][i]) for k in json_keys}, rows, rows
         return
     done = 0
     with open(path, "rb") as f:
@@ -114,7 +120,7 @@ def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[s
             done += len(raw)
             if fmt == "text":
                 text = raw.decode("utf-8", errors="replace").rstrip("\n")
-                yield {k: text for k in json_keys}, done
+                yield {k: text for k in json_keys}, done, lineno
                 continue
             if not raw.strip():
                 continue
@@ -125,7 +131,7 @@ def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[s
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{lineno} is not a JSON object")
             try:
-                yield {k: str(record[k]) for k in json_keys}, done
+                yield {k: str(record[k]) for k in json_keys}, done, lineno
             except KeyError as exc:
                 raise DataError(f"{path}:{lineno} has no key {exc.args[0]!r} (--json-keys {' '.join(json_keys)})") from None
 
@@ -171,14 +177,17 @@ def _split(splitter: Any, text: str, keep_newlines: bool) -> List[str]:
     return [text[start : spans[i + 1][0] if i + 1 < len(spans) else len(text)] for i, (start, _) in enumerate(spans)]
 
 
-def _init_worker(tokenizer_config: Any, options: PreprocessOptions) -> None:
+def _init_worker(tokenizer_config: Any, options: PreprocessOptions, input_path: str = "") -> None:
     _WORKER["tokenizer"] = build_tokenizer(tokenizer_config)
+    _WORKER["input_path"] = input_path
     _WORKER["options"] = options
     _WORKER["splitter"] = _sentence_splitter(options.lang, options.keep_newlines) if options.split_sentences else None
 
 
-def _encode_documents(docs: List[Dict[str, str]]) -> List[Dict[str, Tuple[List[int], List[int]]]]:
-    """For each document and key: (token ids, sequence lengths)."""
+def _encode_documents(chunk: Tuple[List[Dict[str, str]], List[int]]) -> List[Dict[str, Tuple[List[int], List[int]]]]:
+    """For each document of a chunk (documents, their line numbers or rows) and key: (token ids, sequence
+    lengths)."""
+    docs, locations = chunk
     tok = _WORKER["tokenizer"]
     opts: PreprocessOptions = _WORKER["options"]
     splitter = _WORKER["splitter"]
@@ -186,13 +195,11 @@ def _encode_documents(docs: List[Dict[str, str]]) -> List[Dict[str, Tuple[List[i
     for key in opts.json_keys:
         texts = [d[key] for d in docs]
         if splitter is None:
-            batch = getattr(tok, "tokenize_batch", None)
-            encoded = batch(texts) if batch is not None else [tok.tokenize(t) for t in texts]
-            pieces = [[ids] if len(ids) else [] for ids in encoded]
+            pieces = [[ids] if len(ids) else [] for ids in _tokenize_texts(tok, texts, locations, key)]
         else:
             pieces = []
-            for t in texts:
-                sents = [tok.tokenize(s) for s in _split(splitter, t, opts.keep_newlines)]
+            for t, where in zip(texts, locations):
+                sents = [_tokenize_one(tok, s, where, key) for s in _split(splitter, t, opts.keep_newlines)]
                 pieces.append([s for s in sents if len(s)])
         for i, seqs in enumerate(pieces):
             if opts.add_bos and seqs:
@@ -204,16 +211,38 @@ def _encode_documents(docs: List[Dict[str, str]]) -> List[Dict[str, Tuple[List[i
     return out
 
 
-def _chunks(docs: Iterator[Tuple[Dict[str, str], int]], progress: List[int]) -> Iterator[List[Dict[str, str]]]:
+def _tokenize_texts(tok: Any, texts: List[str], locations: List[int], key: str) -> List[Any]:
+    """The texts' ids, batched when the tokenizer can; a text it rejects is named by file and line."""
+    batch = getattr(tok, "tokenize_batch", None)
+    try:
+        return batch(texts) if batch is not None else [tok.tokenize(t) for t in texts]
+    except (ValueError, LongspanError):
+        # find the document at fault (the batch call does not say which one)
+        return [_tokenize_one(tok, t, where, key) for t, where in zip(texts, locations)]
+
+
+def _tokenize_one(tok: Any, text: str, where: int, key: str) -> Any:
+    try:
+        return tok.tokenize(text)
+    except (ValueError, LongspanError) as exc:
+        path = _WORKER.get("input_path", "")
+        place = f"{path} row {where}" if input_format(path) == "parquet" else f"{path}:{where}"
+        raise DataError(f"{place} (key {key!r}): {exc}") from None
+
+
+def _chunks(docs: Iterator[Tuple[Dict[str, str], int, int]],
+            progress: List[int]) -> Iterator[Tuple[List[Dict[str, str]], List[int]]]:
     chunk: List[Dict[str, str]] = []
-    for doc, done in docs:
+    locations: List[int] = []
+    for doc, done, where in docs:
         progress[0] = done
         chunk.append(doc)
+        locations.append(where)
         if len(chunk) == CHUNK_DOCS:
-            yield chunk
-            chunk = []
+            yield chunk, locations
+            chunk, locations = [], []
     if chunk:
-        yield chunk
+        yield chunk, locations
 
 
 class _Progress:
@@ -222,6 +251,7 @@ class _Progress:
     def __init__(self, total: int, unit: str, workers: int, interval_s: float = 2.0) -> None:
         self.total, self.unit, self.workers, self.interval = total, unit, workers, interval_s
         self.start = self.last = time.time()
+        self.printed = False
 
     def update(self, docs: int, tokens: int, done: int, force: bool = False) -> None:
         now = time.time()
@@ -233,6 +263,7 @@ class _Progress:
         eta = (self.total - done) / (done / elapsed) if done else float("nan")
         pct = 100.0 * done / self.total if self.total else 100.0
         eta_s = "--:--" if eta != eta else f"{int(eta) // 60:02d}:{int(eta) % 60:02d}"
+        self.printed = True
         sys.stderr.write(
             f"\r[{pct:5.1f}%] {docs} documents | {tokens} tokens | {rate:,.0f} tokens/s "
             f"({rate / self.workers:,.0f}/core) | ETA {eta_s}   "
@@ -269,15 +300,22 @@ def preprocess(
     docs = tokens = 0
     meter = _Progress(total, unit, workers, log_interval) if progress else None
     position = [0]
-    with _encoded_chunks(input_path, tokenizer_config, options, workers, position) as results:
-        for encoded in results:
-            for doc in encoded:
-                tokens += writer.add(doc)
-                docs += 1
-            writer.advance_to(position[0])
-            if meter:
-                meter.update(docs, tokens, position[0])
-    writer.finish()
+    try:
+        with _encoded_chunks(input_path, tokenizer_config, options, workers, position) as results:
+            for encoded in results:
+                for doc in encoded:
+                    tokens += writer.add(doc)
+                    docs += 1
+                writer.advance_to(position[0])
+                if meter:
+                    meter.update(docs, tokens, position[0])
+        writer.finish()
+    except BaseException:
+        # a half-written .bin/.idx would look like a dataset to the next run
+        writer.remove_outputs()
+        if meter and meter.printed:
+            sys.stderr.write("\n")  # the error goes on its own line, after the progress line
+        raise
     if meter:
         meter.update(docs, tokens, total, force=True)
     return PreprocessResult(prefixes, docs, tokens, time.time() - t0, workers, os.path.getsize(input_path))
@@ -303,13 +341,13 @@ def _encoded_chunks(input_path: str, tokenizer_config: Any, options: PreprocessO
                     position: List[int]) -> Iterator[Iterator[List[Dict[str, Tuple[List[int], List[int]]]]]]:
     """The encoded chunks of documents in input order (``workers`` processes when > 1); ``position[0]`` follows
     the input position of the last chunk read."""
-    chunks = _chunks(iter_documents(input_path, options.json_keys), position)
+    chunks = _chunks(iter_located_documents(input_path, options.json_keys), position)
     if workers == 1:
-        _init_worker(tokenizer_config, options)
+        _init_worker(tokenizer_config, options, input_path)
         yield map(_encode_documents, chunks)
         return
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_config, options))
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_config, options, input_path))
     try:
         yield pool.imap(_encode_documents, chunks, 4)
     finally:
@@ -330,11 +368,23 @@ class _PartitionedWriter:
         self.bounds = np.linspace(0, total, partitions + 1)
         self.part = 0
         self.builders: Dict[str, IndexedDatasetBuilder] = {}
+        self.written: List[str] = []
         self._open(0)
 
     def _open(self, i: int) -> None:
-        self.builders = {k: IndexedDatasetBuilder(get_bin_path(p), dtype=self.dtype)
-                         for k, p in self.part_prefixes[i].items()}
+        self.builders = {}
+        for k, p in self.part_prefixes[i].items():
+            self.written += [get_bin_path(p), get_idx_path(p)]
+            self.builders[k] = IndexedDatasetBuilder(get_bin_path(p), dtype=self.dtype)
+
+    def remove_outputs(self) -> None:
+        """Close and delete every file this writer created (parts and final outputs)."""
+        for builder in self.builders.values():
+            with contextlib.suppress(Exception):
+                builder.data_file.close()
+        for path in dict.fromkeys(self.written):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def _close(self, i: int) -> None:
         for k, builder in self.builders.items():
@@ -364,6 +414,7 @@ class _PartitionedWriter:
         if self.partitions == 1:
             return
         for k, final in self.prefixes.items():
+            self.written += [get_bin_path(final), get_idx_path(final)]
             merged = IndexedDatasetBuilder(get_bin_path(final), dtype=self.dtype)
             for i in range(self.partitions):
                 merged.add_index(self.part_prefixes[i][k])

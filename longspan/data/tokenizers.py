@@ -231,6 +231,14 @@ class GPT2BPETokenizer(Tokenizer):
         shutil.copyfile(self.merge_file, os.path.join(directory, "merges.txt"))
 
 
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+    except ValueError:
+        return False
+    return True
+
+
 class NullTokenizer(Tokenizer):
     """Ids written as space-separated integers (for mock data): vocab_size ids plus EOD = vocab_size."""
 
@@ -243,7 +251,13 @@ class NullTokenizer(Tokenizer):
         self.eos = None
 
     def tokenize(self, text: str) -> List[int]:
-        return [int(x) for x in text.split()]
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError:
+            word = next(w for w in text.split() if not _is_int(w))
+            raise DataError(
+                f"NullTokenizer expects space-separated integer token ids, got {word[:40]!r}"
+            ) from None
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -370,4 +384,9 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
         return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
     if ttype in ("ByteLevelTokenizer", "ByteTokenizer"):
         return ByteLevelTokenizer(getattr(tokenizer_config, "vocab_size", None) or 512)
+    if ttype is None:
+        raise ConfigError(
+            f"tokenizer.tokenizer_type is not set: set it ({', '.join(TOKENIZER_TYPES)}) or give "
+            f"checkpoint.pretrained_checkpoint=DIR (an HF model directory or a longspan checkpoint) to take it from"
+        )
     raise ConfigError(f"tokenizer.tokenizer_type={ttype!r} is not supported; valid: {', '.join(TOKENIZER_TYPES)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from longspan.core.errors import ConfigError
+from longspan.training.checkpointing.load import find_checkpoint
 from longspan.training.pretrain import pretrain
 from longspan.training.state import GlobalState
 
@@ -16,8 +17,10 @@ def finetune(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
     finetuning run has saved its own checkpoints, ``checkpoint.load`` resumes it exactly.
     """
     ckpt = config.checkpoint
-    if not ckpt.pretrained_checkpoint and not ckpt.load:
+    if not ckpt.pretrained_checkpoint and (not ckpt.load or find_checkpoint(ckpt) is None):
+        resumable = f" (checkpoint.load={ckpt.load} holds no run to resume yet)" if ckpt.load else ""
         raise ConfigError(
-            "finetune needs checkpoint.pretrained_checkpoint (weights to start from) or checkpoint.load (a run to resume)"
+            "finetune needs checkpoint.pretrained_checkpoint: give checkpoint.pretrained_checkpoint=DIR, an HF model "
+            f"directory or a longspan checkpoint to start from{resumable}"
         )
     return pretrain(config, forward_step_func)

@@ -95,19 +95,32 @@ def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
 def _print_summary(state: GlobalState) -> None:
     cfg = state.cfg
     elapsed = time.time() - state.start_time
-    tokens = state.train_state.consumed_train_samples * cfg.model.seq_length
-    losses = getattr(state, "last_loss_dict", None) or {}
-    steady = run_throughput_summary(state)
-    loss_text = ", ".join(f"{k} {float(v):.4f}" for k, v in losses.items()) or "n/a"
     where = []
     if cfg.checkpoint.save:
         where.append(f"checkpoints in {cfg.checkpoint.save}")
     if cfg.logger.tensorboard_dir:
         where.append(f"TensorBoard logs in {cfg.logger.tensorboard_dir}")
+    places = f"; {'; '.join(where)}" if where else ""
+    start = getattr(state, "start_iteration", 0)
+    trained = state.train_state.step - start
+    if trained <= 0 and not cfg.train.skip_train and start >= cfg.train.train_iters > 0:
+        print_rank_last(
+            f"longspan: nothing to train: checkpoint at iteration {start} >= train.train_iters="
+            f"{cfg.train.train_iters} (raise train.train_iters to train on, or give checkpoint.load=null or "
+            f"another checkpoint.save to start fresh){places}",
+            logger,
+        )
+        return
+    samples = state.train_state.consumed_train_samples - getattr(state, "start_consumed_train_samples", 0)
+    tokens = samples * cfg.model.seq_length
+    losses = getattr(state, "last_loss_dict", None) or {}
+    steady = run_throughput_summary(state)
+    loss_text = ", ".join(f"{k} {float(v):.4f}" for k, v in losses.items()) or "n/a"
+    span = f"iterations {start + 1}-{state.train_state.step}" if start else f"{state.train_state.step} iterations"
     print_rank_last(
-        f"longspan: done: {state.train_state.step} iterations in {elapsed:.1f} s, "
+        f"longspan: done: {span} in {elapsed:.1f} s, "
         f"{tokens / max(elapsed, 1e-9):.0f} tokens/s overall, final {loss_text}"
         + (f"; {steady}" if steady else "")
-        + (f"; {'; '.join(where)}" if where else ""),
+        + places,
         logger,
     )

@@ -12,6 +12,7 @@ import platform
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -29,6 +30,7 @@ from longspan.parallel.parallelize import materialize_parallel_model
 from longspan.parallel.pipeline import build_pipeline_chunks
 from longspan.peft.adapters import init_adapters
 from longspan.config.rules.data import check_vocab_fits
+from longspan.conversion import is_hf_model_dir
 from longspan.training.checkpointing.load import apply_checkpoint_args, load_peft_checkpoint
 from longspan.training.checkpointing.save import check_save_dir_writable, set_rng_state
 from longspan.training.resilience.hooks import (
@@ -126,6 +128,8 @@ def setup(cfg: Any) -> SetupOutput:
         # the newest of checkpoint.load and the non-persistent (global/local) checkpoints
         loaded = load_newest_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
     state.train_state_at_start_flops = state.train_state.floating_point_operations_so_far
+    state.start_iteration = state.train_state.step
+    state.start_consumed_train_samples = state.train_state.consumed_train_samples
 
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
         cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
@@ -204,6 +208,23 @@ def _report_inapplicable(cfg: Any, no_energy_counters: bool = False) -> None:
         print_rank_0(f"not applicable on this machine (ignored): {', '.join(fields)}", logger)
 
 
+def weights_source(cfg: Any, loaded: Any) -> str:
+    """Where the run's weights came from, for the start-up banner: scratch, a Hugging Face model directory, a
+    pretrained checkpoint (weights only), or a resumed checkpoint at its iteration (PEFT: base + adapters)."""
+    pretrained = cfg.checkpoint.pretrained_checkpoint
+    if pretrained and (cfg.peft is not None or (loaded is not None and loaded.finetune)):
+        kind = "Hugging Face model" if is_hf_model_dir(Path(pretrained)) else "pretrained checkpoint"
+        base = f"weights from the {kind} {pretrained}"
+    else:
+        base = ""
+    if loaded is None or loaded.finetune:
+        if cfg.peft is not None:
+            return f"{base}, new adapters, starting at iteration 0"
+        return f"{base}, starting at iteration 0" if base else "starting from scratch"
+    resumed = f"resuming {loaded.directory} at iteration {loaded.iteration}"
+    return f"{resumed} (base {base})" if cfg.peft is not None and base else resumed
+
+
 def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], loaded: Any) -> None:
     parallel = state.parallel
     params = sum(num_parameters(chunk) for chunk in model)
@@ -216,10 +237,9 @@ def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], lo
         f"tp={cfg.model.tensor_model_parallel_size} pp={cfg.model.pipeline_model_parallel_size} "
         f"cp={cfg.model.context_parallel_size} dp={cfg.data_parallel_size}"
     )
-    start = f"resuming from iteration {loaded.iteration}" if loaded is not None else "starting from scratch"
     print_rank_0(
         f"longspan: {params / 1e6:.2f}M parameters | world size {parallel.world_size} ({layout}) | "
-        f"device {parallel.device.type} | {precision} | {start}",
+        f"device {parallel.device.type} | {precision} | {weights_source(cfg, loaded)}",
         logger,
     )
     print_rank_0(

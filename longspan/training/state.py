@@ -110,6 +110,9 @@ class GlobalState:
         self.num_microbatches_calculator: Optional[Any] = None
         self.energy_monitor: Optional[Any] = None
         self.start_time: float = time.time()
+        # Where this run's training starts (after loading a checkpoint): the summary reports this run's part.
+        self.start_iteration: int = 0
+        self.start_consumed_train_samples: int = 0
         # Running FLOPs total at the last training-log line (for TFLOP/s over the interval).
         self._flops_at_last_log: Optional[float] = None
 

@@ -151,6 +151,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.qk_layernorm_across_heads": (True, {"model.qk_layernorm": True}),
     "optimizer.optimizer": ("sgd", {}),
     "optimizer.lr": (1e-2, {}),
+    "optimizer.finetune_lr": (1e-2, {"checkpoint.finetune": True}),  # sets lr when finetuning
     "optimizer.min_lr": (1e-3, {}),
     "optimizer.sgd_momentum": (0.5, {"optimizer.optimizer": "sgd"}),
     "optimizer.loss_scale": (8.0, {"model.fp16": True, "optimizer.fp16": True}),

@@ -63,6 +63,7 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("train.empty_unused_memory_level", INT, 0, 2, True, True),
     ("optimizer.lr", REAL, 0, None, True, True),
     ("optimizer.min_lr", REAL, 0, None, True, True),
+    ("optimizer.finetune_lr", REAL, 0, None, True, True),
     ("optimizer.weight_decay", REAL, 0, None, True, True),
     ("optimizer.adam_beta1", REAL, 0, 1, True, False),
     ("optimizer.adam_beta2", REAL, 0, 1, True, False),

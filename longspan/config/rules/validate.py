@@ -34,9 +34,12 @@ from longspan.config.support import check_supported
 from longspan.config.targets import section_types
 from longspan.config.types import check_container_types
 from longspan.core.errors import ConfigError
+from longspan.core.logging import get_logger
 
 if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
+
+logger = get_logger(__name__)
 
 REQUIRED_SECTIONS = ("train", "model", "optimizer", "scheduler", "dataset", "logger", "tokenizer", "checkpoint")
 
@@ -147,6 +150,28 @@ def _resolve_defaults(cfg: "ConfigContainer") -> None:
             setattr(cfg.dataset, name, False)
 
 
+def is_finetuning(cfg: "ConfigContainer") -> bool:
+    """The run starts from pretrained weights (checkpoint.pretrained_checkpoint / finetune) or trains adapters."""
+    ckpt = cfg.checkpoint
+    return bool(getattr(ckpt, "pretrained_checkpoint", None) or getattr(ckpt, "finetune", False) or cfg.peft is not None)
+
+
+def _apply_finetune_lr(cfg: "ConfigContainer") -> None:
+    """Bridge's ``finetune_lr``: the finetuning run's peak LR (optimizer.lr); meaningless when pretraining."""
+    opt = cfg.optimizer
+    value = getattr(opt, "finetune_lr", None)
+    if value is None or opt.lr == value:
+        return
+    if not is_finetuning(cfg):
+        raise ConfigError(
+            f"optimizer.finetune_lr={value} applies to finetuning runs (checkpoint.pretrained_checkpoint or peft "
+            f"set); this run pretrains: set optimizer.lr={value} instead"
+        )
+    was = "" if opt.lr is None else f" (was {opt.lr})"
+    logger.info(f"optimizer.finetune_lr={value} sets optimizer.lr for this finetuning run{was}")
+    opt.lr = value
+
+
 def _check_recompute(m: object) -> None:
     """Full recompute needs a method, and a method needs full recompute."""
     if m.recompute_granularity == "full" and m.recompute_method is None:
@@ -164,6 +189,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("sections present and of an accepted class", _on_config(_check_sections)),
     ("field types", _on_config(check_container_types)),
     ("numeric ranges (RANGE_RULES)", _on_config(check_ranges)),
+    ("optimizer.finetune_lr -> optimizer.lr when finetuning", _on_config(_apply_finetune_lr)),
     ("mixed-precision recipe copied onto model, optimizer, ddp", _on_config(apply_precision)),
     ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),

@@ -20,6 +20,11 @@ class OptimizerConfig:
     lr: Optional[float] = None
     """Peak learning rate (required)."""
 
+    finetune_lr: Optional[float] = None
+    """Megatron Bridge's recipe argument for the finetuning learning rate: when the run finetunes
+    (checkpoint.pretrained_checkpoint, checkpoint.finetune or peft set) validate() sets lr to it, with a one-line
+    notice; a pretraining run rejects it (set lr)."""
+
     min_lr: Optional[float] = None
     """Learning rate at the end of decay; None is resolved to 0.0 by validate()."""
 

@@ -26,7 +26,7 @@ import torch
 from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
 from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options
-from longspan.data.sft.jsonl_index import JsonlIndex, file_fingerprint
+from longspan.data.sft.jsonl_index import JsonlIndex, cache_directory_for, file_fingerprint
 from longspan.data.sft.packing import (
     PackedSequenceSpecs,
     collate_packs,
@@ -98,18 +98,25 @@ class SFTDataset(torch.utils.data.Dataset):
         opts: formatting options (``dataset.dataset_kwargs``).
         chat_template: overrides the tokenizer's chat template.
         index_workers: threads that build the line index (``dataset.memmap_workers``).
+        cache_dir: where the line index is cached (default: beside the file when writable, see
+            ``cache_directory_for``).
+
+    Every record is parsed and its keys checked against the formatting options here, once (the index keeps
+    the key sets), so a bad line stops the run before its first step.
     """
 
     def __init__(self, path: str, tokenizer: Any, seq_length: int, num_samples: Optional[int], seed: int,
                  shuffle: bool, opts: SFTFormatOptions, chat_template: Optional[str] = None,
-                 index_workers: int = 1) -> None:
+                 index_workers: int = 1, cache_dir: Optional[str] = None) -> None:
         self.path = path
-        self.index = JsonlIndex(path, workers=index_workers)
+        self.index = JsonlIndex(path, workers=index_workers, cache_dir=cache_dir)
         if len(self.index) == 0:
             raise DataError(f"{path} has no records")
         self.seq_length = seq_length
         self.opts = opts
         self.format_record = RecordFormatter(tokenizer, opts, seq_length + 1, chat_template)
+        for keys, first in self.index.key_sets:
+            self.format_record.check_keys(keys, self.location(first))
         self.samples = EpochSampleMap(len(self.index), num_samples or len(self.index), seed, shuffle)
         self.pad_id = pad_token_id(tokenizer)
 
@@ -193,14 +200,17 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
 # ------------------------------------------------------------------------------------------- building
 
-def _packed_path(root: str, split: str, specs: PackedSequenceSpecs, tokenizer: Any) -> str:
+def _packed_path(root: str, split: str, specs: PackedSequenceSpecs, tokenizer: Any,
+                 cache_dir: Optional[str] = None) -> str:
+    """The given packed path, else ``{cache}/packed/{tokenizer}/{split}_{size}.npy`` with the cache directory
+    of ``root`` (``root`` itself when writable)."""
     given = specs.packed_train_data_path if split == "train" else specs.packed_val_data_path if split == "validation" else None
     if given:
         return str(given)
     name = specs.tokenizer_model_name or type(tokenizer).__name__
     name = str(name).replace("/", "--")
     stem = os.path.splitext(SPLIT_FILES[split])[0]
-    return os.path.join(root, "packed", name, f"{stem}_{specs.packed_sequence_size}.npy")
+    return os.path.join(cache_dir or root, "packed", name, f"{stem}_{specs.packed_sequence_size}.npy")
 
 
 def _settings(tokenizer: Any, opts: SFTFormatOptions, seq_len: int, specs: PackedSequenceSpecs, seed: int,
@@ -214,7 +224,8 @@ def _settings(tokenizer: Any, opts: SFTFormatOptions, seq_len: int, specs: Packe
 
 def prepare_packed_split(jsonl_path: str, out_path: str, tokenizer: Any, opts: SFTFormatOptions, seq_length: int,
                          specs: PackedSequenceSpecs, seed: int, chat_template: Optional[str] = None,
-                         index_workers: int = 1, rebuild_stale: bool = True) -> dict[str, Any]:
+                         index_workers: int = 1, rebuild_stale: bool = True,
+                         cache_dir: Optional[str] = None) -> dict[str, Any]:
     """Make sure ``out_path`` holds the packs of ``jsonl_path``; returns its metadata.
 
     An existing file whose fingerprint (source file, tokenizer, options) matches is reused; a stale one is
@@ -231,14 +242,16 @@ def prepare_packed_split(jsonl_path: str, out_path: str, tokenizer: Any, opts: S
     fingerprint = packing_fingerprint(file_fingerprint(jsonl_path), settings)
     if exists and meta is not None and (meta.get("fingerprint") == fingerprint or not rebuild_stale):
         return meta
-    formatter = SFTDataset(jsonl_path, tokenizer, max_len, None, seed, False, opts, chat_template, index_workers)
+    formatter = SFTDataset(jsonl_path, tokenizer, max_len, None, seed, False, opts, chat_template, index_workers,
+                           cache_dir)
     return pack_jsonl(formatter.index, formatter.format_record, out_path, specs, seed, formatter.pad_id, fingerprint,
                       formatter.location)
 
 
 def pack_sft_dataset(root: str, tokenizer: Any, specs: PackedSequenceSpecs, seq_length: Optional[int] = None,
                      seed: int = 1234, dataset_kwargs: Optional[dict[str, Any]] = None,
-                     chat_template: Optional[str] = None, index_workers: int = 1) -> list[tuple[str, dict[str, Any]]]:
+                     chat_template: Optional[str] = None, index_workers: int = 1,
+                     path_to_cache: Optional[str] = None) -> list[tuple[str, dict[str, Any]]]:
     """Pack training.jsonl and validation.jsonl of ``root`` ahead of time (``longspan preprocess --pack-sft``).
 
     The files go where training looks for them (``specs``' packed paths, else ``root/packed/...``), with the
@@ -247,6 +260,7 @@ def pack_sft_dataset(root: str, tokenizer: Any, specs: PackedSequenceSpecs, seq_
     """
     opts = parse_format_options(dataset_kwargs)
     seq_length = seq_length or specs.packed_sequence_size
+    cache_dir = cache_directory_for(root, path_to_cache)
     out = []
     for split in ("train", "validation"):
         path = os.path.join(root, SPLIT_FILES[split])
@@ -254,9 +268,9 @@ def pack_sft_dataset(root: str, tokenizer: Any, specs: PackedSequenceSpecs, seq_
             if split == "train":
                 raise DataError(f"data file {path} does not exist")
             continue
-        packed = _packed_path(root, split, specs, tokenizer)
+        packed = _packed_path(root, split, specs, tokenizer, cache_dir)
         out.append((packed, prepare_packed_split(path, packed, tokenizer, opts, seq_length, specs, seed, chat_template,
-                                                 index_workers)))
+                                                 index_workers, cache_dir=cache_dir)))
     return out
 
 
@@ -273,14 +287,14 @@ def _split_samples(split: str, num_items: int, needed: int, seed: int) -> EpochS
 
 def _packed_split(root: str, split: str, path: str, needed: int, tokenizer: Any, opts: SFTFormatOptions,
                   seq_length: int, specs: PackedSequenceSpecs, seed: int, chat_template: Optional[str],
-                  workers: int, metas: list[dict[str, Any]]) -> PackedSFTDataset:
+                  workers: int, metas: list[dict[str, Any]], cache_dir: str) -> PackedSFTDataset:
     """The packed dataset of one split; the packs are built (or rebuilt when stale) unless given explicitly."""
-    packed = _packed_path(root, split, specs, tokenizer)
+    packed = _packed_path(root, split, specs, tokenizer, cache_dir)
     explicit = bool(specs.packed_train_data_path if split == "train" else specs.packed_val_data_path)
     if not os.path.isfile(path) and not (explicit and os.path.isfile(packed)):
         raise DataError(f"data file {path} does not exist{_missing_hint(split)}")
     metas.append(prepare_packed_split(path, packed, tokenizer, opts, seq_length, specs, seed, chat_template, workers,
-                                      rebuild_stale=not explicit))
+                                      rebuild_stale=not explicit, cache_dir=cache_dir))
     ds = PackedSFTDataset(packed, None, seed, split == "train", bool(specs.pad_cu_seqlens))
     if ds.pack_size != seq_length:
         raise DataError(f"{packed} holds packs of {ds.pack_size} tokens, not packed_sequence_size={seq_length}")
@@ -304,6 +318,9 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
     specs = resolve_packed_specs(getattr(dataset_cfg, "packed_sequence_specs", None))
     seed = int(getattr(dataset_cfg, "seed", 1234))
     workers = int(getattr(dataset_cfg, "memmap_workers", 1) or 1)
+    cache_dir = cache_directory_for(root, getattr(dataset_cfg, "path_to_cache", None))
+    if cache_dir != os.path.abspath(root):
+        logger.info(f"{root} is not writable: its line indexes and packs are cached in {cache_dir}")
     train_needed, valid_needed, test_needed = sizes
     max_train = getattr(dataset_cfg, "max_train_samples", None)
     if max_train is not None:
@@ -333,12 +350,13 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
         elif specs is None or split == "test":
             if not os.path.isfile(path):
                 raise DataError(f"data file {path} does not exist{_missing_hint(split)}")
-            ds = SFTDataset(path, tokenizer, seq_length, None, seed, split == "train", opts, chat_template, workers)
+            ds = SFTDataset(path, tokenizer, seq_length, None, seed, split == "train", opts, chat_template, workers,
+                            cache_dir)
             ds.samples = _split_samples(split, len(ds.index), needed[split], seed)
             out.append(ds)
         else:
             out.append(_packed_split(root, split, path, needed[split], tokenizer, opts, seq_length, specs, seed,
-                                     chat_template, workers, metas))
+                                     chat_template, workers, metas, cache_dir))
     if specs is not None and specs.packed_metadata_path and metas:
         with open(specs.packed_metadata_path, "w") as f:
             json.dump(metas, f, indent=1)

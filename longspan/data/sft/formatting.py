@@ -134,11 +134,15 @@ class PromptCompletionFormatter:
         if opts.add_eos and getattr(tokenizer, "eos", None) is None and getattr(tokenizer, "eod", None) is None:
             raise ConfigError("dataset.dataset_kwargs.add_eos=True, but the tokenizer has no EOS token")
 
-    def __call__(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
+    def check_keys(self, keys: Any, where: Any) -> None:
+        """A one-line DataError naming the first template field missing from ``keys``."""
         for key in self.keys:
-            if key not in record:
+            if key not in keys:
                 raise DataError(f"{where}: the record has no {key!r} key (prompt_template {self.opts.prompt_template!r}; "
-                                f"keys found: {sorted(record)})")
+                                f"keys found: {sorted(keys)})")
+
+    def __call__(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
+        self.check_keys(record, where)
         tok = self.tokenizer.tokenize
         segments: list[tuple[Optional[str], list[int], bool]] = []  # (field name, ids, in completion)
         in_completion = False
@@ -326,6 +330,17 @@ class RecordFormatter:
         self.opts = opts
         self.prompt = PromptCompletionFormatter(tokenizer, opts, max_ids)
         self.chat = ChatFormatter(tokenizer, chat_template or tokenizer_chat_template(tokenizer), opts, max_ids)
+
+    def check_keys(self, keys: list[str], where: Any) -> None:
+        """A one-line DataError when records with these keys cannot be formatted (checked once per key set,
+        when the file is indexed, so a bad record stops the run before its first step)."""
+        is_chat = self.opts.chat if self.opts.chat is not None else self.opts.messages_key in keys
+        if is_chat and self.opts.messages_key not in keys:
+            raise DataError(f"{where}: dataset_kwargs.chat=True, but the record has no {self.opts.messages_key!r} key")
+        if is_chat and self.chat.template is None:
+            raise DataError(f"{where}: a chat record, but the tokenizer has no chat template: set tokenizer.chat_template")
+        if not is_chat:
+            self.prompt.check_keys(keys, where)
 
     def __call__(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         is_chat = self.opts.chat if self.opts.chat is not None else self.opts.messages_key in record

@@ -62,11 +62,13 @@ logger = get_logger(__name__)
 
 @dataclass
 class LoadedCheckpoint:
-    """What ``load_checkpoint`` found: the directory, its iteration, and RNG state still to be applied."""
+    """What ``load_checkpoint`` found: the directory, its iteration, and RNG state still to be applied;
+    ``finetune`` when only its weights were taken (a pretrained checkpoint or HF model: the run starts at 0)."""
 
     directory: Path
     iteration: int
     rng_state: dict[str, Any] | None = None
+    finetune: bool = False
 
 
 def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
@@ -133,7 +135,7 @@ def load_checkpoint(
     directory, iteration, finetune = found
     if is_hf_model_dir(directory):
         load_hf_pretrained(directory, model, select=model_keys)
-        return LoadedCheckpoint(directory, 0, None)
+        return LoadedCheckpoint(directory, 0, None, finetune=True)
     module = checkpoint_module(model)
     stored = _stored_keys(directory)
 
@@ -174,7 +176,7 @@ def load_checkpoint(
     else:
         _restore_train_state(state, directory)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
-    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None)
+    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None, finetune=finetune)
 
 
 def _add_rng_template(to_load: dict[str, Any], stored: set[str], load_rng: bool) -> tuple[str, bool]:

@@ -45,12 +45,40 @@ def _field(section: Any, name: str, default: Any = None) -> Any:
 
 
 def check_logger_dependencies(logger_cfg: Any) -> None:
-    """Raise ``ConfigError`` when an optional integration is configured but its client is not installed."""
+    """Raise ``ConfigError`` when an optional integration is configured but its client is not installed, or
+    when MLflow would refuse the tracking store (checked at start-up, before anything is trained or written)."""
     for field_name, module, extra in _OPTIONAL_INTEGRATIONS:
         if _field(logger_cfg, field_name) and importlib.util.find_spec(module) is None:
             raise ConfigError(
                 f"logger.{field_name} is set but {module} is not installed: pip install longspan[{extra}]"
             )
+    if _field(logger_cfg, "mlflow_experiment"):
+        _check_mlflow_store(logger_cfg)
+
+
+def _check_mlflow_store(logger_cfg: Any) -> None:
+    mlflow = _import_optional(logger_cfg, "mlflow_experiment")
+    uri = _field(logger_cfg, "mlflow_tracking_uri")
+    utils = getattr(getattr(getattr(mlflow, "tracking", None), "_tracking_service", None), "utils", None)
+    get_store = getattr(utils, "_get_store", None)  # private, but the one way to ask without starting a run
+    if get_store is None:
+        return  # another MLflow: its refusal is still turned into one line when the run starts
+    try:
+        get_store(uri or None)
+    except mlflow.exceptions.MlflowException as exc:
+        _raise_if_file_store_refused(mlflow, uri, exc)
+
+
+def _raise_if_file_store_refused(mlflow: Any, uri: Optional[str], exc: Exception) -> None:
+    """MLflow 3 refuses its file store unless the user opts in; the choice stays the user's, so say how."""
+    if "MLFLOW_ALLOW_FILE_STORE" not in str(exc):
+        return
+    where = f"logger.mlflow_tracking_uri={uri}" if uri else f"MLflow's tracking URI {mlflow.get_tracking_uri()}"
+    raise ConfigError(
+        f"{where} is a file store, which MLflow {getattr(mlflow, '__version__', '')} opens only with "
+        f"MLFLOW_ALLOW_FILE_STORE=true in the environment; set it, or use a database, e.g. "
+        f"logger.mlflow_tracking_uri=sqlite:///mlflow.db"
+    ) from None
 
 
 def _import_optional(logger_cfg: Any, field_name: str) -> Any:
@@ -208,7 +236,11 @@ def build_mlflow_logger(cfg: Any) -> Optional[Any]:
     uri = _field(logger_cfg, "mlflow_tracking_uri")
     if uri:
         mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)
+    try:
+        mlflow.set_experiment(experiment)
+    except mlflow.exceptions.MlflowException as exc:
+        _raise_if_file_store_refused(mlflow, uri, exc)
+        raise
     mlflow.start_run(run_name=_field(logger_cfg, "mlflow_run_name"), tags=_field(logger_cfg, "mlflow_tags"))
     return mlflow
 

@@ -46,22 +46,25 @@ def test_index_handles_crlf_missing_final_newline_and_workers(tmp_path):
 
 
 def test_bad_lines_name_the_file_and_line(tmp_path):
+    """Indexing parses every line: a bad one is found when the file is opened, not when its sample is drawn."""
     path = write_jsonl(str(tmp_path / "bad.jsonl"), qa_records(2) + ['{"input": "x", "output": '] + qa_records(1))
-    index = JsonlIndex(path)
     with pytest.raises(DataError, match=r"bad.jsonl line 3: not valid JSON"):
-        index.record(2)
-    write_jsonl(path, qa_records(1) + ["[1, 2]"])
-    with pytest.raises(DataError, match=r"line 2: expected a JSON object"):
-        JsonlIndex(path).record(1)
+        JsonlIndex(path)
+    assert not os.path.exists(path + ".idx.npy")  # no cache of a file that failed
+    write_jsonl(path, qa_records(1) + ["", "[1, 2]"])
+    with pytest.raises(DataError, match=r"line 3: expected a JSON object, got list"):
+        JsonlIndex(path)
     with pytest.raises(DataError, match="does not exist"):
         JsonlIndex(str(tmp_path / "missing.jsonl"))
 
 
 def test_missing_key_error_names_the_line(tmp_path, tokenizer):
-    path = write_jsonl(str(tmp_path / "t.jsonl"), qa_records(3) + [{"question": "x", "output": "y"}])
-    ds = SFTDataset(path, tokenizer, 64, None, 1, False, parse_format_options(None))
-    with pytest.raises(DataError, match=r"t.jsonl line 4: the record has no 'input' key"):
-        ds[3]
+    path = write_jsonl(str(tmp_path / "t.jsonl"), qa_records(3) + ["    ", {"question": "x", "output": "y"}])
+    with pytest.raises(DataError, match=r"t.jsonl line 5: the record has no 'input' key"):
+        SFTDataset(path, tokenizer, 64, None, 1, False, parse_format_options(None))
+    # checked from the cached key sets too (a second open does not scan the file)
+    with pytest.raises(DataError, match=r"t.jsonl line 5: the record has no 'input' key"):
+        SFTDataset(path, tokenizer, 64, None, 1, False, parse_format_options(None))
 
 
 def test_epoch_map_is_seeded_covers_each_epoch_and_resumes():

@@ -1,0 +1,121 @@
+"""What a new user meets in the first hour: each bad input is one line naming the field and the fix, exit 2,
+no traceback, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from longspan.cli import main
+
+
+def _assert_one_line(code: int, err: str, fragment: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("longspan"), lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("recipe", ["lora", "sft"])
+def test_finetune_without_pretrained_checkpoint_names_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, recipe: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    code = main(["finetune", "--recipe", recipe, f"dataset.dataset_root={tmp_path / 'data'}"])
+    _assert_one_line(code, capsys.readouterr().err,
+                     "finetune needs checkpoint.pretrained_checkpoint: give checkpoint.pretrained_checkpoint=DIR, "
+                     f"an HF model directory or a longspan checkpoint to start from (checkpoint.load=runs/{recipe}/"
+                     "checkpoints holds no run to resume yet)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_unset_tokenizer_type_names_where_it_comes_from() -> None:
+    from types import SimpleNamespace
+
+    from longspan.core.errors import ConfigError
+    from longspan.data.tokenizers import build_tokenizer
+
+    with pytest.raises(ConfigError, match=r"tokenizer.tokenizer_type is not set: set it \(HuggingFaceTokenizer.*\) or "
+                                          r"give checkpoint.pretrained_checkpoint=DIR"):
+        build_tokenizer(SimpleNamespace(tokenizer_type=None, tokenizer_model=None))
+
+
+def _small_yaml(tmp_path: Path, **logger: object) -> tuple[Path, Path]:
+    from tests.training.pretrain_helpers import small_config
+
+    cfg = small_config(tmp_path, "run", train_iters=2)
+    for key, value in logger.items():
+        setattr(cfg.logger, key, value)
+    path = tmp_path / "base.yaml"
+    path.write_text(cfg.to_yaml())
+    return path, tmp_path / "run"
+
+
+@pytest.mark.parametrize("given", ["uri", "environment"])
+def test_mlflow_file_store_refusal_is_one_line_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, given: str
+) -> None:
+    pytest.importorskip("mlflow")  # an optional client (the test extras install it)
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)  # a URI set by an earlier test in this process
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    uri = (tmp_path / "mlruns").as_uri()
+    fields = {"mlflow_experiment": "first-contact", "mlflow_run_name": "r"}
+    if given == "uri":
+        fields["mlflow_tracking_uri"] = uri
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    config, run_dir = _small_yaml(tmp_path, **fields)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["pretrain", "--config", str(config)])
+    where = f"logger.mlflow_tracking_uri={uri}" if given == "uri" else f"MLflow's tracking URI {uri}"
+    err = capsys.readouterr().err
+    _assert_one_line(code, err, f"{where} is a file store, which MLflow ")
+    assert ("opens only with MLFLOW_ALLOW_FILE_STORE=true in the environment; set it, or use a database, e.g. "
+            "logger.mlflow_tracking_uri=sqlite:///mlflow.db") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # refused at start-up: no run directory either
+
+
+# --- optimizer.finetune_lr (Megatron Bridge's recipe argument) ------------------------------------------------
+
+
+def test_finetune_lr_sets_lr_when_finetuning_with_a_notice(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from longspan.recipes.finetune import lora
+
+    cfg = lora()
+    cfg.optimizer.finetune_lr = 5e-5
+    with caplog.at_level(logging.INFO, logger="longspan"):
+        cfg.validate(world_size=1)
+    assert cfg.optimizer.lr == 5e-5
+    notices = [r.getMessage() for r in caplog.records if "finetune_lr" in r.getMessage()]
+    assert notices == ["optimizer.finetune_lr=5e-05 sets optimizer.lr for this finetuning run (was 0.0001)"]
+    caplog.clear()
+    cfg.validate(world_size=1)  # validating again changes nothing and says nothing
+    assert cfg.optimizer.lr == 5e-5 and not [r for r in caplog.records if "finetune_lr" in r.getMessage()]
+
+
+def test_finetune_lr_in_a_bridge_style_override_file_loads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    override = tmp_path / "override.yaml"
+    override.write_text("optimizer:\n  finetune_lr: 2.0e-5\n")
+    assert main(["config", "validate", "--recipe", "lora", "--config", str(override)]) == 0
+    assert "configuration is valid" in capsys.readouterr().out
+
+
+def test_finetune_lr_in_pretraining_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    code = main(["config", "validate", "--recipe", "tiny", "optimizer.finetune_lr=1e-4"])
+    _assert_one_line(code, capsys.readouterr().err,
+                     "optimizer.finetune_lr=0.0001 applies to finetuning runs (checkpoint.pretrained_checkpoint or "
+                     "peft set); this run pretrains: set optimizer.lr=0.0001 instead")
+
+
+def test_finetune_lr_out_of_range_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    code = main(["config", "validate", "--recipe", "lora", "optimizer.finetune_lr=-1"])
+    _assert_one_line(code, capsys.readouterr().err, "optimizer.finetune_lr=-1")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longspan.models.sliding_window import WindowedMask
+from longspan.models.attention import dense_mask, repeat_kv
 
 
 def sink_core_attention(
@@ -26,19 +26,11 @@ def sink_core_attention(
     HF's order (mask, the row maximum subtracted, float32 softmax). Unfused: the scores are materialized.
     ``sinks`` holds this process's heads ``[heads]``."""
     n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (torch.matmul(q, k.transpose(-2, -1)) * scale).float()
     b, h, s_q, s_k = scores.shape
-    if isinstance(attention_mask, WindowedMask):  # a sliding-window layer: its band and the caller's mask
-        attention_mask = ~attention_mask.dense_keep(s_q, s_k, scores.device)
-    elif attention_mask is None:  # causal, bottom-right aligned (queries after cached keys)
-        attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
-    elif attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask != 0
-    scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+    scores = scores.masked_fill(dense_mask(attention_mask, s_q, s_k, scores.device), torch.finfo(scores.dtype).min)
     sink = sinks.float().view(1, h, 1, 1).expand(b, h, s_q, 1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.amax(dim=-1, keepdim=True)

@@ -26,10 +26,11 @@ from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError
 from longspan.models.activations import gated_activation
+from longspan.models.attention import core_attention, low_precision_softmax_attention, softcapped_core_attention
 from longspan.models.attention_sinks import sink_core_attention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
-from longspan.models.sliding_window import WindowedMask, windowed_attention
+from longspan.models.sliding_window import WindowedMask
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -176,101 +177,6 @@ def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: 
     layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     layer.init_std = std  # read by init_weights
     return layer
-
-
-def core_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout_p: float,
-    scale: float | None,
-) -> torch.Tensor:
-    """Scaled dot-product attention on ``[b, heads, s, d]`` tensors; grouped k/v heads are repeated.
-
-    ``attention_mask`` follows Megatron: bool, True = masked. ``None`` means causal (SDPA's fast path). A
-    ``WindowedMask`` (a sliding-window layer) runs ``longspan.models.sliding_window.windowed_attention``.
-    """
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        # Query head i attends with kv group i // n_rep, as in Megatron Core and HF's repeat_kv.
-        b, g, s, d = k.shape
-        k = k[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
-        v = v[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
-    if isinstance(attention_mask, WindowedMask):
-        return windowed_attention(q, k, v, attention_mask, dropout_p, scale)
-    if attention_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
-    if attention_mask.dtype != torch.bool:  # a 0/1 (or additive 0/-inf) mask: non-zero means masked
-        attention_mask = attention_mask != 0
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p, scale=scale)
-
-
-def low_precision_softmax_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout_p: float,
-    scale: float | None,
-) -> torch.Tensor:
-    """``core_attention`` with the scores and softmax probabilities materialized in the inputs' dtype
-    (``attention_softmax_in_fp32=False``, Megatron's unfused path without the fp32 upcast): for bf16/fp16
-    inputs the scores are rounded before the softmax and the probabilities before they weight the values.
-    float32 inputs take ``core_attention`` (the same maths)."""
-    if q.dtype == torch.float32:
-        return core_attention(q, k, v, attention_mask, dropout_p, scale)
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        b, g, s, d = k.shape
-        k = k[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
-        v = v[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if isinstance(attention_mask, WindowedMask):  # window and caller's mask together
-        attention_mask = ~attention_mask.dense_keep(q.shape[2], k.shape[2], q.device)
-    elif attention_mask is None:  # causal, aligned top-left as SDPA's is_causal
-        ones = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-        attention_mask = ones.triu(diagonal=1)
-    elif attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask != 0
-    scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1)  # stays in the inputs' dtype
-    probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
-    return torch.matmul(probs, v)
-
-
-def softcapped_core_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout_p: float,
-    scale: float | None,
-    *,
-    softcap: float,
-) -> torch.Tensor:
-    """``core_attention`` with Gemma 2's soft-capped scores: ``cap * tanh(q·k * scale / cap)`` before the mask
-    and a float32 softmax, in HF's order. Unfused (SDPA has no soft-cap): the scores are materialized."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    s_q, s_k = scores.shape[-2], scores.shape[-1]
-    if isinstance(attention_mask, WindowedMask):  # a sliding-window layer: its band and the caller's mask
-        attention_mask = ~attention_mask.dense_keep(s_q, s_k, scores.device)
-    elif attention_mask is None:  # causal, bottom-right aligned (queries after cached keys)
-        attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
-    elif attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask != 0
-    scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, v)
 
 
 class SelfAttention(nn.Module):

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from longspan.core.logging import get_logger, print_rank_0, warn_rank_0
-from longspan.models.transformer import core_attention
+from longspan.models.attention import core_attention
 
 _log = get_logger(__name__)
 

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
+from longspan.models.attention import repeat_kv
 from longspan.models.sliding_window import WindowedMask, windowed_attention
 
 _log = get_logger(__name__)
@@ -172,14 +173,6 @@ def gather_sequence(local: torch.Tensor, group: Any, seq_dim: int = 1) -> torch.
 
 # ---------------------------------------------------------------------------------------- attention
 
-def _repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
-    # Query head i attends with kv group i // n_rep (as transformer.core_attention and Megatron do).
-    if n_rep == 1:
-        return t
-    b, g, s, d = t.shape
-    return t[:, :, None].expand(b, g, n_rep, s, d).reshape(b, g * n_rep, s, d)
-
-
 class _PrefixCausalAttention(torch.autograd.Function):
     """One query chunk against keys ``[0, end)``, causal inside its own (last) key chunk, on CPU kernels.
 
@@ -248,7 +241,7 @@ def local_attention(
     all queries, which are then sliced). No communication: ``context_parallel_attention`` gathers first.
     """
     n_rep = q.shape[1] // k_full.shape[1]
-    k_full, v_full = _repeat_kv(k_full, n_rep), _repeat_kv(v_full, n_rep)
+    k_full, v_full = repeat_kv(k_full, n_rep), repeat_kv(v_full, n_rep)
     seq_len, local_len = k_full.shape[2], q.shape[2]
     if local_len * cp_size != seq_len:
         raise ValueError(f"{local_len} local queries × cp {cp_size} != {seq_len} keys")

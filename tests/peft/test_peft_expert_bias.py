@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from longspan.peft import LoRA
+from longspan.peft.adapters import is_adapter_key
 from longspan.training.finetune import finetune
 from longspan.training.pretrain import pretrain
 from longspan.training.step.forward_step import forward_step
@@ -94,6 +95,9 @@ def test_lora_stop_and_resume_keeps_the_finetuned_routing_bias(tmp_path: Path, b
     assert sorted(reference) == list(range(1, ITERS + 1))
     finetuned = _saved_biases(_iteration_dir(straight.checkpoint.save, ITERS))
     assert any(not torch.equal(f, p) for f, p in zip(finetuned, pretrained))  # the finetune moved the bias
+    stored = dcp.FileSystemReader(str(_iteration_dir(straight.checkpoint.save, ITERS))).read_metadata()
+    model_keys = {k[len("model."):] for k in stored.state_dict_metadata if k.startswith("model.")}
+    assert {k for k in model_keys if not is_adapter_key(k)} == set(BIAS_KEYS)  # adapters + bias, no base
 
     state = finetune(_lora_config(tmp_path, "resumed", base_checkpoint, exit_interval=3), forward_step)
     assert state.train_state.step == 3
@@ -115,27 +119,39 @@ def test_lora_stop_and_resume_keeps_the_finetuned_routing_bias(tmp_path: Path, b
         assert torch.equal(got, want)
 
 
-def test_hf_adapter_export_says_the_routing_bias_is_left_out(tmp_path: Path, caplog) -> None:
+def test_hf_adapter_export_says_the_routing_bias_is_left_out(tmp_path: Path) -> None:
     from longspan.peft.hf_export import ADAPTER_WEIGHTS, save_hf_peft_adapter
-
-    cfg = bias_config()
-    cfg.peft = LoRA(dim=4, target_modules=["linear_qkv"])
-    model = cfg.model.provide()
-    cfg.peft.apply(model)
 
     class Bridge:  # one HF module per adapted layer, named as in longspan
         @staticmethod
         def hf_module_name(name: str) -> str:
             return name
 
+    class Lines(logging.Handler):  # the "longspan" logger may not propagate to pytest's handler
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    def export(with_bias: bool, name: str) -> list[str]:
+        cfg = bias_config()
+        cfg.model.moe_router_enable_expert_bias = with_bias
+        cfg.peft = LoRA(dim=4, target_modules=["linear_qkv"])
+        model = cfg.model.provide()
+        cfg.peft.apply(model)
+        handler = Lines()
+        hf_logger.addHandler(handler)
+        try:
+            save_hf_peft_adapter(model, cfg.peft, Bridge(), tmp_path / name)
+        finally:
+            hf_logger.removeHandler(handler)
+        assert (tmp_path / name / ADAPTER_WEIGHTS).is_file()
+        return handler.lines
+
     hf_logger = logging.getLogger("longspan.peft.hf_export")
-    hf_logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="longspan.peft.hf_export"):
-            save_hf_peft_adapter(model, cfg.peft, Bridge(), tmp_path / "hf")
-    finally:
-        hf_logger.removeHandler(caplog.handler)
-    assert (tmp_path / "hf" / ADAPTER_WEIGHTS).is_file()
-    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert export(with_bias=False, name="plain") == []
+    lines = export(with_bias=True, name="bias")
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert "router.expert_bias" in lines[0] and "merge" in lines[0]

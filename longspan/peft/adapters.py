@@ -38,9 +38,21 @@ _ATTENTION = ("linear_q", "linear_k", "linear_v")
 _CANDIDATES = _ATTENTION + ("linear_proj", "linear_fc1", "linear_fc1_gate", "linear_fc2")
 
 
+# Non-parameter state the trainer updates while the base is frozen: the aux-loss-free routing bias (moved every
+# optimizer step from token counts, ``parallel.expert_parallel.update_expert_biases``).
+FINETUNED_BUFFER_SUFFIXES = (".router.expert_bias",)
+
+
 def is_adapter_key(name: str) -> bool:
     """True for the parameter / state-dict names of adapters (everything else is the frozen base)."""
     return ADAPTER_MARKER in f".{name}"
+
+
+def is_finetuned_state_key(name: str) -> bool:
+    """True for the state-dict names a PEFT finetune changes, which its checkpoint holds: the adapters and the
+    buffers training updates although the base is frozen (the routing bias). Everything else comes from the
+    pretrained base."""
+    return is_adapter_key(name) or f".{name}".endswith(FINETUNED_BUFFER_SUFFIXES)
 
 
 def megatron_name(name: str) -> str:

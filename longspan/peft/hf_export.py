@@ -6,6 +6,9 @@ longspan layer maps to one HF module (``AutoBridge.hf_module_name``: ``...self_a
 as one copy of A per member (q_proj, k_proj, v_proj) with each member's slice of B, which computes exactly
 the fused adapter. DoRA layers carry ``lora_magnitude_vector`` and set ``use_dora`` (peft's DoRA is the same
 formula: magnitude · (W + s·B A) / ||W + s·B A|| by output row, norm detached).
+
+An HF PEFT adapter holds adapter tensors only: the aux-loss-free routing bias a finetune also moves
+(``router.expert_bias``) is not part of it (a warning says so); a merged export carries it.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from longspan.core.errors import NotSupportedError
+from longspan.core.logging import get_logger
 from longspan.models.init import canonical_parameter_name
-from longspan.peft.adapters import adapted_layers
+from longspan.peft.adapters import FINETUNED_BUFFER_SUFFIXES, adapted_layers
 from longspan.peft.modules import DoRALinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+logger = get_logger(__name__)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -61,6 +67,7 @@ def save_hf_peft_adapter(model: nn.Module | list[nn.Module], peft: Any, bridge: 
     if len(chunks) != 1:
         raise NotSupportedError("HF PEFT export takes the whole model on one process (one chunk)")
     tensors, modules = hf_peft_state_dict(chunks[0], bridge.hf_module_name)
+    _warn_finetuned_buffers_left_out(chunks[0])
     os.makedirs(path, exist_ok=True)
     config = {
         "peft_type": "LORA",
@@ -82,3 +89,13 @@ def save_hf_peft_adapter(model: nn.Module | list[nn.Module], peft: Any, bridge: 
     with open(os.path.join(path, ADAPTER_CONFIG), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def _warn_finetuned_buffers_left_out(model: nn.Module) -> None:
+    """One line when ``model`` has state a finetune changes besides the adapters (the routing bias)."""
+    left_out = [n for n, _ in model.named_buffers() if f".{n}".endswith(FINETUNED_BUFFER_SUFFIXES)]
+    if left_out:
+        logger.warning(
+            "HF PEFT adapter export: the finetuned routing bias (router.expert_bias, %d layers) is not part of an "
+            "HF adapter (it holds adapter tensors only) and the base's bias is used with it; a merged export "
+            "(longspan peft merge, convert export without --adapter-only) carries the finetuned bias", len(left_out))

@@ -27,7 +27,7 @@ from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.core.model_parallel_config import copy_model_fields
-from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key
+from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key, is_finetuned_state_key
 from longspan.training.checkpointing.io import (
     TRAIN_STATE_FILENAME,
     check_shapes,
@@ -260,8 +260,8 @@ def load_peft_checkpoint(
     checkpointing_context: dict[str, Any] | None = None,
 ) -> LoadedCheckpoint | None:
     """PEFT: the frozen base from ``pretrained_checkpoint`` (weights only), then, when ``checkpoint.load`` holds
-    a checkpoint of this run, its adapters, optimizer, scheduler, RNG and progress. Starting fresh, DoRA's
-    magnitudes are set from the loaded base."""
+    a checkpoint of this run, what the finetune changed (adapters, routing bias), optimizer, scheduler, RNG and
+    progress. Starting fresh, DoRA's magnitudes are set from the loaded base."""
     ckpt_cfg = state.cfg.checkpoint
     if not ckpt_cfg.pretrained_checkpoint:
         raise CheckpointError(
@@ -275,7 +275,7 @@ def load_peft_checkpoint(
     if resume_cfg.load and find_checkpoint(resume_cfg) is not None:
         return load_checkpoint(state, model, optimizer, opt_param_scheduler,
                                checkpointing_context=checkpointing_context, checkpoint_config=resume_cfg,
-                               model_keys=is_adapter_key)
+                               model_keys=is_finetuned_state_key)
     init_dora_magnitudes(model)
     return None
 

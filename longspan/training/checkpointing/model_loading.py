@@ -31,7 +31,7 @@ from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer
 from longspan.models.builder import build_meta_model
 from longspan.parallel.pipeline import state_dict_module
-from longspan.peft.adapters import is_adapter_key, merge_adapters as merge_adapter_weights
+from longspan.peft.adapters import is_adapter_key, is_finetuned_state_key, merge_adapters as merge_adapter_weights
 from longspan.training.checkpointing.hf_weights import load_hf_pretrained
 from longspan.training.checkpointing.io import check_shapes, iteration_from_dir, load_shards, single_process_quiet
 from longspan.training.checkpointing.load import use_saved_tokenizer
@@ -140,7 +140,8 @@ def load_model_weights(directory: Path, model: list[nn.Module], select: Callable
 
 
 def _load_adapter_checkpoint(cfg: Any, directory: Path, model: list[nn.Module]) -> None:
-    """PEFT: the base from the ``pretrained_checkpoint`` saved in the config, then the adapters of ``directory``."""
+    """PEFT: the base from the ``pretrained_checkpoint`` saved in the config, then what the finetune changed
+    (adapters, routing bias) from ``directory``."""
     base = cfg.checkpoint.pretrained_checkpoint
     if not base:
         raise CheckpointError(
@@ -153,7 +154,7 @@ def _load_adapter_checkpoint(cfg: Any, directory: Path, model: list[nn.Module]) 
     else:
         base_dir, _ = resolve_checkpoint_dir(base)
         load_model_weights(base_dir, model, select=lambda k: not is_adapter_key(k))
-    load_model_weights(directory, model, select=is_adapter_key)
+    load_model_weights(directory, model, select=is_finetuned_state_key)
 
 
 def _default_device() -> torch.device:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.parallel.pipeline import state_dict_module
-from longspan.peft.adapters import is_adapter_key
+from longspan.peft.adapters import is_finetuned_state_key
 from longspan.training.checkpointing.async_save import finalize_async_saves, start_async_save
 from longspan.training.checkpointing.hf_weights import HF_SUBDIR, save_hf_checkpoint
 from longspan.training.checkpointing.io import TRAIN_STATE_FILENAME, single_process_quiet
@@ -182,7 +182,7 @@ def _build_state_dict(
 ) -> dict[str, Any]:
     module = checkpoint_module(model)
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
-    if model_keys is not None:  # PEFT: only the adapters (the base comes from pretrained_checkpoint)
+    if model_keys is not None:  # PEFT: what the finetune changes (the base comes from pretrained_checkpoint)
         state["model"] = {k: v for k, v in state["model"].items() if model_keys(k)}
     if with_optimizer and optimizer is not None:
         main_module = optimizer_module(module, optimizer)
@@ -283,7 +283,7 @@ def save_checkpoint(
         with_optimizer=ckpt_cfg.save_optim,
         with_rng=ckpt_cfg.save_rng,
         extra=rerun_state(state),
-        model_keys=_adapter_keys(cfg),
+        model_keys=_peft_model_keys(cfg),
     )
     train_state_dict = state.train_state.state_dict()
 
@@ -335,9 +335,10 @@ def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, A
         tokenizer.save_files(str(directory / TOKENIZER_DIRNAME))
 
 
-def _adapter_keys(cfg: Any) -> Callable[[str], bool] | None:
-    """With PEFT, the model tensors a checkpoint holds: the adapters' (``longspan.peft``)."""
+def _peft_model_keys(cfg: Any) -> Callable[[str], bool] | None:
+    """With PEFT, the model tensors a checkpoint holds: the adapters and the buffers the finetune updates
+    (``longspan.peft.adapters.is_finetuned_state_key``)."""
     if getattr(cfg, "peft", None) is None:
         return None
 
-    return is_adapter_key
+    return is_finetuned_state_key

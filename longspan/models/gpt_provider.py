@@ -108,7 +108,35 @@ class TransformerConfig(ModelParallelConfig):
     full_attention -> 0). None: every layer uses the window."""
 
     multi_latent_attention: bool = False
-    """Use multi-latent attention (DeepSeek)."""
+    """Use multi-latent attention (DeepSeek-V2/V3): keys and values are expanded from a compressed per-token
+    latent (kv_lora_rank) plus one rotary key shared by all heads (qk_pos_emb_head_dim); the MLA fields below
+    apply only when this is True."""
+
+    q_lora_rank: Optional[int] = 512
+    """Rank of Query tensor's low rank representation. None: no query compression (one linear_q_proj)."""
+
+    kv_lora_rank: int = 512
+    """Rank of Key and Value tensors' low rank representation."""
+
+    qk_head_dim: int = 128
+    """Dimension of the head in the QK projection. q_head_dim = qk_head_dim + qk_pos_emb_head_dim"""
+
+    qk_pos_emb_head_dim: int = 64
+    """Dimension of the position embedding in the QK projection."""
+
+    v_head_dim: int = 128
+    """Dimension of the head in the V projection."""
+
+    rotary_scaling_factor: float = 40
+    """Rotary scaling factor for the rotary embeddings, used by yarn. Multi-latent attention: the YaRN factor
+    (position_embedding_type='yarn') and, with mscale_all_dim, the softmax scale
+    ``mscale(factor, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``."""
+
+    mscale: float = 1.0
+    """Mscale for YaRN RoPE in Multi-Latent Attention, used by yarn."""
+
+    mscale_all_dim: float = 0.0
+    """Mscale all dimensions for YaRN RoPE in Multi-Latent Attention, used by yarn."""
 
     test_mode: bool = False
     """Megatron's internal test switch."""

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError
+from longspan.models.mla import MLASelfAttention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
 from longspan.models.sliding_window import WindowedMask, windowed_attention
@@ -46,6 +47,8 @@ class KVCache:
         self.seq_len = 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        # multi-latent attention layers: [batch, max_seq_len, kv_lora_rank + qk_pos_emb_head_dim] per layer
+        self.latents: dict[int, torch.Tensor] = {}
 
     def update(
         self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
@@ -65,6 +68,29 @@ class KVCache:
         self.keys[layer_number][:, :, start:end] = k
         self.values[layer_number][:, :, start:end] = v
         return self.keys[layer_number][:, :, :end], self.values[layer_number][:, :, :end]
+
+    def update_latent(
+        self, layer_number: int, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A multi-latent attention layer's cache: store the new tokens' normed latent ``[b, s, kv_lora_rank]``
+        and rotated shared key ``[b, s, 1, qk_pos_emb_head_dim]`` side by side in one preallocated
+        ``[b, max_seq_len, kv_lora_rank + qk_pos_emb_head_dim]`` tensor; return both for every position so far."""
+        start, end = self.seq_len, self.seq_len + latent.shape[1]
+        if end > self.max_seq_len:
+            raise ValueError(f"KVCache holds at most {self.max_seq_len} positions; {end} were asked for")
+        rank = latent.shape[-1]
+        if layer_number not in self.latents:
+            shape = (latent.shape[0], self.max_seq_len, rank + k_pe.shape[-1])
+            self.latents[layer_number] = latent.new_empty(shape)
+        store = self.latents[layer_number]
+        store[:, start:end, :rank] = latent
+        store[:, start:end, rank:] = k_pe.squeeze(2)
+        return store[:, :end, :rank], store[:, :end, None, rank:]
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds (keys, values and latents of every layer)."""
+        tensors = [*self.keys.values(), *self.values.values(), *self.latents.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _update_window(
         self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int
@@ -348,7 +374,11 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number)
+        if getattr(config, "mla", None) is not None:
+            core = core_attention if config.attention_softmax_in_fp32 else low_precision_softmax_attention
+            self.self_attention: nn.Module = MLASelfAttention(config, layer_number, core, build_norm)
+        else:
+            self.self_attention = SelfAttention(config, layer_number)
         self.self_attn_dropout = nn.Dropout(config.hidden_dropout)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         moe = getattr(config, "moe", None)

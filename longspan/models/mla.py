@@ -81,6 +81,10 @@ def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: 
     return layer
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def rotate_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [..., rot_dim]`` whose channels are interleaved pairs: de-interleave (even channels, then odd),
     then the rotate-half rotation with tables ``[..., rot_dim]`` (``cat(freqs, freqs)``)."""
@@ -106,7 +110,7 @@ class MLASelfAttention(nn.Module):
         self.mla = mla
         heads = config.num_attention_heads
         hidden = config.hidden_size
-        bias = bool(config.add_bias_linear)
+        bias = False  # megatron-core's MLA projections are bias-free; only linear_proj follows add_bias_linear
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)
         dtype = config.params_dtype
@@ -123,11 +127,15 @@ class MLASelfAttention(nn.Module):
         self.kv_layernorm = build_norm(config, mla.kv_lora_rank) if config.qk_layernorm else None
         self.linear_kv_up_proj = _linear(mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim), bias, std,
                                          dtype)
-        self.linear_proj = _linear(heads * mla.v_head_dim, hidden, bias, out_std, dtype)
+        self.linear_proj = _linear(heads * mla.v_head_dim, hidden, bool(config.add_bias_linear), out_std, dtype)
         self.attention_dropout = config.attention_dropout
         self.softmax_scale = mla.softmax_scale
         self.recompute_core_attention = False
         self.core_attention = core_attention
+        # Applied to the shared rotary key before it joins this module's heads. Identity here; a tensor-parallel
+        # plan (which leaves each rank a share of the heads) swaps in an identity whose backward sums the key's
+        # gradient over every rank's heads (longspan.parallel.tensor_parallel).
+        self.shared_key: Callable[[torch.Tensor], torch.Tensor] = _unchanged
 
     def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.linear_q_proj is not None:
@@ -160,6 +168,7 @@ class MLASelfAttention(nn.Module):
             k_pe = rotate_interleaved_pairs(k_pe, cos, sin)
         if kv_cache is not None:
             latent, k_pe = kv_cache.update_latent(self.layer_number, latent, k_pe)
+        k_pe = self.shared_key(k_pe)
         kv = self.linear_kv_up_proj(latent).view(b, latent.shape[1], -1, mla.qk_head_dim + mla.v_head_dim)
         k_nope, v = torch.split(kv, [mla.qk_head_dim, mla.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)

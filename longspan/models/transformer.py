@@ -37,7 +37,9 @@ class KVCache:
     A full-attention layer's keys and values are preallocated ``[batch, kv_heads, max_seq_len, head_dim]`` on
     its first update. A sliding-window layer (``update(..., window=w)``) keeps only its ``w - 1`` most recent
     positions (all a later token can see besides itself), so its memory is bounded by the window whatever the
-    sequence length. ``seq_len`` counts the positions seen: ``GPTModel.forward(..., kv_cache=cache)`` numbers
+    sequence length. A multi-latent attention layer (``update_latent``) keeps its compressed latent and shared
+    rotary key instead (``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token). ``seq_len`` counts the
+    positions seen: ``GPTModel.forward(..., kv_cache=cache)`` numbers
     new tokens from it (RoPE and learned positions), masks attention causally from it, and advances it after
     the forward.
     """
@@ -366,7 +368,9 @@ class TransformerLayer(nn.Module):
     ``apply_residual_connection_post_layernorm`` adds each sub-layer's output to its normalized input instead
     (``norm(x) + drop(attn(norm(x)))``); ``fp32_residual_connection`` keeps ``x`` and the sums in float32.
 
-    ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers ``moe_layer_freq`` marks (when the model has
+    ``self_attention`` is ``longspan.models.mla.MLASelfAttention`` when the model has multi-latent attention
+    (``config.mla``), else ``SelfAttention``. ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers
+    ``moe_layer_freq`` marks (when the model has
     experts), else the dense ``MLP``.
     """
 

@@ -21,6 +21,11 @@ from longspan.conversion.config_fields import (
 from longspan.core.errors import NotSupportedError
 
 
+# transformers builds DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
+# rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
+HF_LATENT_NORM_EPS = 1e-6
+
+
 def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -36,6 +41,12 @@ def _check_deepseek_config(cfg: dict[str, Any]) -> None:
             f"config.json first_k_dense_replace={dense!r} with num_hidden_layers={layers}: DeepSeek-V3's "
             "mixture-of-experts layers are not supported yet by the converter (only dense models, "
             "first_k_dense_replace >= num_hidden_layers)"
+        )
+    eps = float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS))
+    if eps != HF_LATENT_NORM_EPS:
+        raise NotSupportedError(
+            f"config.json rms_norm_eps={eps!r} is not supported for DeepSeek-V3: transformers normalizes the latents "
+            f"with eps {HF_LATENT_NORM_EPS} and the other norms with rms_norm_eps, longspan uses one epsilon"
         )
     if cfg.get("attention_bias"):
         raise NotSupportedError("config.json attention_bias=true is not supported for DeepSeek-V3: set it to false")
@@ -93,7 +104,7 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         vocab_size=vocab,
         make_vocab_size_divisible_by=vocab_divisor(vocab),
         normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS)),
         gated_linear_unit=True,
         activation_func=HF_ACTIVATIONS[cfg.get("hidden_act", "silu")],
         add_bias_linear=False,
@@ -140,6 +151,11 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
         raise NotSupportedError(
             "this model has no DeepSeek-V3 HF equivalent (needs RMSNorm, the latent norms (qk_layernorm) and a "
             "gated silu/gelu MLP)"
+        )
+    if p.layernorm_epsilon != HF_LATENT_NORM_EPS:
+        raise NotSupportedError(
+            f"layernorm_epsilon={p.layernorm_epsilon!r}: DeepSeek-V3 in transformers normalizes the latents with eps "
+            f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs layernorm_epsilon={HF_LATENT_NORM_EPS}"
         )
     if p.add_bias_linear or p.num_moe_experts:
         raise NotSupportedError(

@@ -128,6 +128,7 @@ def test_yarn_softmax_scale_matters(tmp_path):
     (dict(first_k_dense_replace=1, n_routed_experts=4), "first_k_dense_replace=1"),
     (dict(rope_interleave=False), "rope_interleave=false"),
     (dict(attention_bias=True), "attention_bias=true"),
+    (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),
 ])
 def test_unsupported_configs_fail_in_one_line(tmp_path, overrides, match):
     cfg = deepseek_config(24).to_dict()
@@ -137,3 +138,39 @@ def test_unsupported_configs_fail_in_one_line(tmp_path, overrides, match):
     with pytest.raises(NotSupportedError, match=match) as info:
         AutoBridge.from_hf_pretrained(tmp_path).to_megatron_provider()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(position_embedding_type="rope"),
+    # mscale without mscale_all_dim: transformers ignores mscale, so the export writes the factor it stands for
+    dict(position_embedding_type="yarn", yarn_original_max_position_embeddings=16, rotary_scaling_factor=4.0,
+         mscale=0.7, mscale_all_dim=0.0),
+    dict(position_embedding_type="yarn", yarn_original_max_position_embeddings=16, rotary_scaling_factor=4.0,
+         mscale=0.9, mscale_all_dim=0.6),
+], ids=["rope", "yarn_mscale_only", "yarn_both_mscales"])
+def test_model_built_in_longspan_exports_as_deepseek_v3(rope, tmp_path):
+    """A multi-latent attention model trained from scratch exports as DeepseekV3ForCausalLM: transformers reads
+    it back and computes the same logits."""
+    from longspan.models.gpt import build_gpt_model
+    from tests.models.test_mla import mla_config
+
+    provider = mla_config(vocab_size=VOCAB, make_vocab_size_divisible_by=32, init_method_std=0.15,
+                          layernorm_epsilon=1e-6, **rope)
+    model = build_gpt_model(provider, seed=3).eval()
+    bridge = AutoBridge.from_longspan_provider(provider)
+    assert bridge.family.architecture == "DeepseekV3ForCausalLM"
+    bridge.save_hf_pretrained(model, tmp_path / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
+    ours, theirs = ours_logits(model, tokens)[..., :VOCAB], hf_logits(load_hf(tmp_path / "hf"), tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_export_refuses_what_transformers_cannot_express():
+    from tests.models.test_mla import mla_config
+
+    provider = mla_config(mscale_all_dim=0.5, layernorm_epsilon=1e-6)  # a softmax mscale without YaRN
+    with pytest.raises(NotSupportedError, match="mscale_all_dim=0.5"):
+        AutoBridge.from_longspan_provider(provider).family.to_hf(provider)
+    provider = mla_config(layernorm_epsilon=1e-5)  # transformers' latent norms have eps 1e-6
+    with pytest.raises(NotSupportedError, match="layernorm_epsilon=1e-05"):
+        AutoBridge.from_longspan_provider(provider).family.to_hf(provider)

@@ -7,7 +7,6 @@ has the dense MLP); its mixture-of-experts layers (sigmoid routing with an exper
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from longspan.conversion.config_fields import (
@@ -19,15 +18,12 @@ from longspan.conversion.config_fields import (
     vocab_divisor,
 )
 from longspan.core.errors import NotSupportedError
+from longspan.models.mla import yarn_mscale
 
 
 # transformers builds DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
 # rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
 HF_LATENT_NORM_EPS = 1e-6
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _check_deepseek_config(cfg: dict[str, Any]) -> None:
@@ -79,7 +75,7 @@ def _mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     all_dim = float(params.get("mscale_all_dim") or 0.0)
     out.update(mscale=1.0, mscale_all_dim=all_dim)  # the softmax scale reads mscale_all_dim alone
     if all_dim and "rope_attention_factor" not in out:
-        out["rope_attention_factor"] = _yarn_mscale(factor, 1.0)  # transformers' cos/sin factor without mscale
+        out["rope_attention_factor"] = yarn_mscale(factor, 1.0)  # transformers' cos/sin factor without mscale
     return out
 
 
@@ -131,7 +127,7 @@ def _rope_hf(p: Any) -> dict[str, Any]:
         if p.rope_attention_factor is not None:
             params["attention_factor"] = float(p.rope_attention_factor)
         elif not p.mscale_all_dim and p.mscale != 1.0:  # transformers ignores mscale without mscale_all_dim
-            params["attention_factor"] = _yarn_mscale(factor, float(p.mscale))
+            params["attention_factor"] = yarn_mscale(factor, float(p.mscale))
     elif p.mscale_all_dim:
         raise NotSupportedError(
             f"mscale_all_dim={p.mscale_all_dim!r} with position_embedding_type='rope' has no HF equivalent "

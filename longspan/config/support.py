@@ -173,6 +173,7 @@ FIELD_STATUS: dict[str, str] = {
         yarn_mscale_all_dim yarn_correction_range_round_to_int rope_dynamic_factor rope_longrope_short_factor
         rope_longrope_long_factor rope_original_max_position_embeddings rope_attention_factor rotary_interleaved
         apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
+        multi_latent_attention
         """),
     # Autocast (model.enable_autocast / mixed_precision.autocast_enabled) runs the forward step in
     # torch.autocast(autocast_dtype or the pipeline dtype).
@@ -217,6 +218,12 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
     mamba_expand mamba_dt_limit_min hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern
     """))
 
+# Multi-latent attention (longspan.models.mla): GPT models only.
+FIELD_STATUS.update(_many("model", SUPPORTED, """
+    multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor
+    mscale mscale_all_dim
+    """))
+
 # Sliding-window attention (longspan.models.sliding_window): per-layer windows, packing, CP, the KV cache.
 FIELD_STATUS.update(_many("model", SUPPORTED, "window_size window_attn_skip_freq"))
 
@@ -255,10 +262,10 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
         recompute_modules rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
         expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
         apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
-        layernorm_zero_centered_gamma
+        layernorm_zero_centered_gamma multi_latent_attention
         """),
     # The hybrid stack's own layers keep the residual in the activations' dtype, taken before the norm.
-    "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq "
+    "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "
                                                    "apply_residual_connection_post_layernorm fp32_residual_connection "
                                                    "layernorm_zero_centered_gamma"),
 }

@@ -2,7 +2,8 @@
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 and its vision-language model's text tower, OLMo-2),
-``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
+``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
+``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
 helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import DTYPE_NAMES
+from longspan.conversion.deepseek_families import deepseek_v3_hf, deepseek_v3_provider
 from longspan.conversion.dense_families import (
     gpt2_hf,
     gpt2_provider,
@@ -94,6 +96,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, gpt2_provider, gpt2_hf),
     Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, mixtral_provider, mixtral_hf),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3, deepseek_v3_provider,
+           deepseek_v3_hf),
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
            t5_weights),
@@ -143,6 +147,8 @@ def family_for_provider(provider: Any) -> Family:
         pattern = provider.hybrid_override_pattern
         pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)
         return BY_ARCHITECTURE["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
+    if getattr(provider, "multi_latent_attention", False):
+        return BY_ARCHITECTURE["DeepseekV3ForCausalLM"]
     if provider.position_embedding_type == "learned_absolute":
         return BY_ARCHITECTURE["GPT2LMHeadModel"]
     if not getattr(provider, "layernorm_before_sublayers", True):

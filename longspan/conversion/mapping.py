@@ -136,6 +136,25 @@ QWEN3_MOE = LLAMA + (  # dense layers (mlp_only_layers / decoder_sparse_step) ke
 )
 
 
+# DeepSeek-V3 (dense layers): multi-latent attention (longspan.models.mla). Without query compression HF has
+# q_proj, with it q_a_proj / q_a_layernorm / q_b_proj; kv_a_proj_with_mqa is [latent | shared rotary key] as
+# longspan's linear_kv_down_proj; kv_b_proj is per head [key without RoPE | value] as linear_kv_up_proj.
+DEEPSEEK_V3_ATTENTION = (
+    _layer("input_layernorm.weight", "input_layernorm.weight"),
+    _layer("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
+    _layer("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+    _layer("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+    _layer("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+    _layer("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    _layer("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    _layer("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+    _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+)
+
+DEEPSEEK_V3 = LLAMA_EMBEDDINGS + DEEPSEEK_V3_ATTENTION + LLAMA_MLP
+
+
 def phi3(heads: int, groups: int) -> tuple[WeightMap, ...]:
     """Phi-3 / Phi-4: Llama's layout with fused ``qkv_proj`` ([q | k | v], grouped-query sizes) and
     ``gate_up_proj`` ([gate | up]), split into longspan's separate projections on import, fused on export."""

@@ -24,6 +24,7 @@ from longspan.config.rules.model import (
 )
 from longspan.core.errors import ConfigError
 from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.models.mla import MLAArgs, mla_softmax_scale
 from longspan.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
@@ -195,6 +196,8 @@ class TransformerArgs:
     softmax_type: str = "vanilla"
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: Optional[float] = None
+    # multi-latent attention's sizes and softmax scale (longspan.models.mla); None = the plain attention
+    mla: Optional[MLAArgs] = None
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -253,6 +256,7 @@ class TransformerArgs:
             softmax_type=getattr(config, "softmax_type", "vanilla"),
             glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0)),
             activation_func_clamp_value=_optional_float(getattr(config, "activation_func_clamp_value", None)),
+            mla=mla_args(config),
             **_gemma_fields(config),
         )
 
@@ -283,6 +287,18 @@ def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
 
 
+def mla_args(config: Any) -> Optional[MLAArgs]:
+    """The multi-latent attention settings of ``config`` (checked by the model rules); None without MLA."""
+    if not getattr(config, "multi_latent_attention", False):
+        return None
+    return MLAArgs(
+        q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
+        qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
+        softmax_scale=mla_softmax_scale(config.qk_head_dim, config.qk_pos_emb_head_dim,
+                                        float(config.rotary_scaling_factor), float(config.mscale_all_dim)),
+    )
+
+
 def _window_size(config: Any) -> Optional[tuple[int, int]]:
     window = getattr(config, "window_size", None)
     return None if window is None else (int(window[0]), int(window[1]))
@@ -292,6 +308,16 @@ def rope_scaling_method(config: Any) -> Optional[RopeScaling]:
     """The provider's RoPE frequency scaling (checked by the model rules): YaRN (position_embedding_type 'yarn'),
     dynamic NTK, LongRoPE or Llama-3.1; None for none (or only the linear seq_len_interpolation_factor)."""
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731 (providers without the field)
+    if get("position_embedding_type") == "yarn" and get("multi_latent_attention", False):
+        # multi-latent attention's own YaRN constants (megatron-core's MLATransformerConfig)
+        return RopeScaling(
+            "yarn", factor=float(config.rotary_scaling_factor),
+            original_max_positions=int(get("yarn_original_max_position_embeddings")),
+            beta_fast=float(get("yarn_beta_fast") or 32.0), beta_slow=float(get("yarn_beta_slow") or 1.0),
+            mscale=float(config.mscale), mscale_all_dim=float(config.mscale_all_dim),
+            truncate=bool(get("yarn_correction_range_round_to_int", True)),
+            attention_factor=get("rope_attention_factor"),
+        )
     if get("position_embedding_type") == "yarn":
         return RopeScaling(
             "yarn", factor=float(get("yarn_rotary_scaling_factor")),

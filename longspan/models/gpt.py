@@ -9,6 +9,8 @@ names::
     decoder.layers.{i}.input_layernorm         LayerNorm / RMSNorm
     decoder.layers.{i}.self_attention.linear_q / linear_k / linear_v / linear_proj   nn.Linear
     decoder.layers.{i}.self_attention.q_layernorm / k_layernorm                       (qk_layernorm only)
+    decoder.layers.{i}.self_attention.linear_q_proj or linear_q_down_proj + q_layernorm + linear_q_up_proj,
+        linear_kv_down_proj, kv_layernorm, linear_kv_up_proj, linear_proj   (multi_latent_attention: models/mla.py)
     decoder.layers.{i}.pre_mlp_layernorm
     decoder.layers.{i}.mlp.linear_fc1 (up), linear_fc1_gate (gated only), linear_fc2 (down)
     decoder.layers.{i}.mlp.router / experts / shared_experts   (MoE layers: see longspan.models.moe)

@@ -109,7 +109,9 @@ class TransformerConfig(ModelParallelConfig):
     full_attention -> 0). None: every layer uses the window."""
 
     multi_latent_attention: bool = False
-    """Use multi-latent attention (DeepSeek)."""
+    """Use multi-latent attention (DeepSeek-V2/V3): keys and values are expanded from a compressed per-token
+    latent (kv_lora_rank) plus one rotary key shared by all heads (qk_pos_emb_head_dim). GPT models only; the
+    MLA fields of GPTModelProvider (q_lora_rank, kv_lora_rank, ...) apply only when this is True."""
 
     test_mode: bool = False
     """Megatron's internal test switch."""
@@ -483,6 +485,36 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
 
     final_logit_softcapping: Optional[float] = None
     """Cap the output logits softly, ``cap * tanh(logits / cap)`` (Gemma 2), also inside the loss; None = off."""
+
+    # ---- multi-latent attention (megatron-core's MLATransformerConfig; read when multi_latent_attention) ----
+    q_lora_rank: Optional[int] = 512
+    """Rank of Query tensor's low rank representation. None: no query compression (one linear_q_proj)."""
+
+    kv_lora_rank: int = 512
+    """Rank of Key and Value tensors' low rank representation."""
+
+    qk_head_dim: int = 128
+    """Dimension of the head in the QK projection. q_head_dim = qk_head_dim + qk_pos_emb_head_dim"""
+
+    qk_pos_emb_head_dim: int = 64
+    """Dimension of the position embedding in the QK projection."""
+
+    v_head_dim: int = 128
+    """Dimension of the head in the V projection."""
+
+    rotary_scaling_factor: float = 40
+    """Rotary scaling factor for the rotary embeddings, used by yarn. Multi-latent attention: the YaRN factor
+    (position_embedding_type='yarn') and, with mscale_all_dim, the softmax scale
+    ``mscale(factor, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``."""
+
+    mscale: float = 1.0
+    """Mscale for YaRN RoPE in Multi-Latent Attention, used by yarn: cos/sin are scaled by
+    ``mscale(f, mscale) / mscale(f, mscale_all_dim)`` with ``mscale(f, m) = 0.1·m·ln f + 1`` (f =
+    rotary_scaling_factor; rope_attention_factor, when set, replaces the ratio)."""
+
+    mscale_all_dim: float = 0.0
+    """Mscale all dimensions for YaRN RoPE in Multi-Latent Attention, used by yarn: the ratio's denominator
+    above, and the softmax scale's factor ``mscale(f, mscale_all_dim)^2`` (1 when 0)."""
 
     seq_length: int = 1024
     """Maximum sequence length the model is trained on (must equal dataset.sequence_length)."""

@@ -190,8 +190,9 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_args(cls, args: Any) -> "RotaryEmbedding":
-        """The rotary embedding of ``TransformerArgs`` ``args``."""
-        return cls(args.kv_channels, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        """The rotary embedding of ``TransformerArgs`` ``args`` (multi-latent attention: over its rotary part)."""
+        mla = getattr(args, "mla", None)
+        return cls(args.kv_channels if mla is None else mla.qk_pos_emb_head_dim, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
                    rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
                    low_freq_factor=args.low_freq_factor, high_freq_factor=args.high_freq_factor,
                    original_max_positions=args.old_context_len,

@@ -28,6 +28,7 @@ from longspan.core.errors import ConfigError
 from longspan.models.activations import gated_activation
 from longspan.models.attention import core_attention, low_precision_softmax_attention, softcapped_core_attention
 from longspan.models.attention_sinks import sink_core_attention
+from longspan.models.mla import MLASelfAttention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
 from longspan.models.sliding_window import WindowedMask
@@ -41,7 +42,9 @@ class KVCache:
     A full-attention layer's keys and values are preallocated ``[batch, kv_heads, max_seq_len, head_dim]`` on
     its first update. A sliding-window layer (``update(..., window=w)``) keeps only its ``w - 1`` most recent
     positions (all a later token can see besides itself), so its memory is bounded by the window whatever the
-    sequence length. ``seq_len`` counts the positions seen: ``GPTModel.forward(..., kv_cache=cache)`` numbers
+    sequence length. A multi-latent attention layer (``update_latent``) keeps its compressed latent and shared
+    rotary key instead (``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token). ``seq_len`` counts the
+    positions seen: ``GPTModel.forward(..., kv_cache=cache)`` numbers
     new tokens from it (RoPE and learned positions), masks attention causally from it, and advances it after
     the forward.
     """
@@ -51,6 +54,8 @@ class KVCache:
         self.seq_len = 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        # multi-latent attention layers: [batch, max_seq_len, kv_lora_rank + qk_pos_emb_head_dim] per layer
+        self.latents: dict[int, torch.Tensor] = {}
 
     def update(
         self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
@@ -70,6 +75,29 @@ class KVCache:
         self.keys[layer_number][:, :, start:end] = k
         self.values[layer_number][:, :, start:end] = v
         return self.keys[layer_number][:, :, :end], self.values[layer_number][:, :, :end]
+
+    def update_latent(
+        self, layer_number: int, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A multi-latent attention layer's cache: store the new tokens' normed latent ``[b, s, kv_lora_rank]``
+        and rotated shared key ``[b, s, 1, qk_pos_emb_head_dim]`` side by side in one preallocated
+        ``[b, max_seq_len, kv_lora_rank + qk_pos_emb_head_dim]`` tensor; return both for every position so far."""
+        start, end = self.seq_len, self.seq_len + latent.shape[1]
+        if end > self.max_seq_len:
+            raise ValueError(f"KVCache holds at most {self.max_seq_len} positions; {end} were asked for")
+        rank = latent.shape[-1]
+        if layer_number not in self.latents:
+            shape = (latent.shape[0], self.max_seq_len, rank + k_pe.shape[-1])
+            self.latents[layer_number] = latent.new_empty(shape)
+        store = self.latents[layer_number]
+        store[:, start:end, :rank] = latent
+        store[:, start:end, rank:] = k_pe.squeeze(2)
+        return store[:, :end, :rank], store[:, :end, None, rank:]
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds (keys, values and latents of every layer)."""
+        tensors = [*self.keys.values(), *self.values.values(), *self.latents.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _update_window(
         self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int
@@ -359,7 +387,9 @@ class TransformerLayer(nn.Module):
     ``apply_residual_connection_post_layernorm`` adds each sub-layer's output to its normalized input instead
     (``pre(x) + drop(post(attn(pre(x))))``); ``fp32_residual_connection`` keeps ``x`` and the sums in float32.
 
-    ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers ``moe_layer_freq`` marks (when the model has
+    ``self_attention`` is ``longspan.models.mla.MLASelfAttention`` when the model has multi-latent attention
+    (``config.mla``), else ``SelfAttention``. ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers
+    ``moe_layer_freq`` marks (when the model has
     experts), else the dense ``MLP``.
     """
 
@@ -369,7 +399,11 @@ class TransformerLayer(nn.Module):
         before = getattr(config, "layernorm_before_sublayers", True)
         after = getattr(config, "layernorm_after_sublayers", False)
         self.input_layernorm = _optional_norm(config, before)
-        self.self_attention = SelfAttention(config, layer_number)
+        if getattr(config, "mla", None) is not None:
+            core = core_attention if config.attention_softmax_in_fp32 else low_precision_softmax_attention
+            self.self_attention: nn.Module = MLASelfAttention(config, layer_number, core, build_norm)
+        else:
+            self.self_attention = SelfAttention(config, layer_number)
         self.post_self_attn_layernorm = _optional_norm(config, after)
         self.self_attn_dropout = nn.Dropout(config.hidden_dropout)
         self.pre_mlp_layernorm = _optional_norm(config, before)

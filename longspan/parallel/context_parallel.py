@@ -420,7 +420,9 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
         return model
     if applied is not None:
         raise NotSupportedError("the context-parallel plan is already applied to this model over another group")
-    attentions = [m for m in root.modules() if hasattr(m, "core_attention") and hasattr(m, "linear_q")]
+    # self-attention (linear_q) and multi-latent attention (mla) layers
+    attentions = [m for m in root.modules()
+                  if hasattr(m, "core_attention") and (hasattr(m, "linear_q") or hasattr(m, "mla"))]
     if not attentions or not hasattr(root, "decoder"):
         raise NotSupportedError(
             f"context_parallel_size={dist.get_world_size(group)}: the context-parallel plan needs longspan's "

@@ -7,6 +7,8 @@ over the 1-D ``tp`` mesh:
   kv groups: the attention code reads its local head counts from the projected shapes), ``linear_proj``
   row-wise; the QK-norms (``q_layernorm`` / ``k_layernorm``) keep replicated weights and see head-sharded
   inputs, so their gradients are summed over every rank's heads;
+- multi-latent attention: ``linear_q_proj`` / ``linear_q_up_proj`` and ``linear_kv_up_proj`` column-wise,
+  ``linear_proj`` row-wise; the down-projections and latent norms replicated (see ``_mla_plan``);
 - MLP: ``linear_fc1`` and ``linear_fc1_gate`` column-wise, ``linear_fc2`` row-wise;
 - vocabulary: ``embedding.word_embeddings`` row-wise (vocab-sharded table, masked lookup + all-reduce) and
   ``output_layer`` column-wise with vocab-sharded ``DTensor`` logits (``Shard(-1)``, ``use_local_output=False``),
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -119,7 +121,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
         prefix = f"decoder.layers.{key}"
         attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
         layer = model.decoder.layers[key]
-        if hasattr(layer, "self_attention"):  # hybrid Mamba stacks: attention-only, MLP-only and Mamba layers
+        if getattr(layer, "self_attention", None) is not None and hasattr(layer.self_attention, "mla"):
+            plan.update(_mla_plan(attn, layer.self_attention, sp))
+        elif hasattr(layer, "self_attention"):  # hybrid Mamba stacks: attention-only, MLP-only and Mamba layers
             plan[f"{attn}.linear_q"] = ColwiseParallel()
             plan[f"{attn}.linear_k"] = ColwiseParallel()
             plan[f"{attn}.linear_v"] = ColwiseParallel()
@@ -166,6 +170,34 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             use_local_output=False,
         )
     return plan
+
+
+def _mla_plan(attn: str, module: nn.Module, sp: bool) -> dict[str, Any]:
+    """Multi-latent attention, Megatron's way: the query and key/value up-projections column-wise (whole heads per
+    rank), ``linear_proj`` row-wise; the down-projections and the latent norms replicated, on the full input
+    (their gradients are full sums: the up-projections all-reduce their input gradients, and the shared rotary
+    key's gradient is summed over ranks by ``apply_mla_shared_key``)."""
+    plan: dict[str, Any] = {f"{attn}.linear_kv_up_proj": ColwiseParallel(),
+                            f"{attn}.linear_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
+    if module.linear_q_proj is not None:
+        plan[f"{attn}.linear_q_proj"] = ColwiseParallel()
+    else:
+        plan[f"{attn}.linear_q_up_proj"] = ColwiseParallel()
+    return plan
+
+
+def apply_mla_shared_key(model: nn.Module, tp_mesh: Any) -> None:
+    """Give every multi-latent attention module of ``model`` a shared rotary key whose gradient is summed over
+    the tp ranks: each rank's heads use the one replicated key, so each sees only its heads' share."""
+
+    def shared_key(k_pe: torch.Tensor) -> torch.Tensor:
+        # forward: the same tensor; backward: the local gradient is a partial sum, all-reduced to Replicate
+        replicated = DTensor.from_local(k_pe, tp_mesh, (Replicate(),), run_check=False)
+        return replicated.to_local(grad_placements=(Partial(),))
+
+    for module in model.modules():
+        if hasattr(module, "mla") and hasattr(module, "shared_key"):
+            module.shared_key = shared_key
 
 
 class SequenceShardedDropout(nn.Module):
@@ -265,6 +297,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
     _shard_attention_sinks(model, tp_mesh)
+    apply_mla_shared_key(model, tp_mesh)
     for name, p in model.named_parameters():
         if name in requires_grad:
             p.requires_grad_(requires_grad[name])

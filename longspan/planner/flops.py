@@ -7,7 +7,8 @@ k = kv_channels * query_groups, FFN width f, and F = 3 for gated (SwiGLU) MLPs e
 
 (each matmul costs 2 FLOPs per multiply-add, training costs 3x the forward pass, and causal attention halves
 the s^2 term). An MoE layer replaces f by ``moe_ffn_hidden_size * moe_router_topk`` plus the shared experts'
-``moe_shared_expert_intermediate_size``.
+``moe_shared_expert_intermediate_size``. Multi-latent attention counts its own projections and core
+(``_mla_attention_terms``).
 """
 
 from __future__ import annotations
@@ -77,5 +78,21 @@ def num_floating_point_operations(cfg: Any, batch_size: int = 1) -> float:
     # Sum of the per-layer MLP widths: dense layers use f, MoE layers the routed experts plus shared ones.
     ffn_width_sum = sum((moe_ffn * topk + shared_ffn) if is_moe else dense_ffn for is_moe in moe_flags)
 
-    per_token = 6 * h * gated * ffn_width_sum + 6 * num_layers * (h * (q + 2 * k) + q * h) + 6 * h * vocab
-    return float(B * s * per_token + 6 * q * num_layers * B * s * s)
+    attention_weights, attention_core = h * (q + 2 * k) + q * h, 6 * q
+    if getattr(model, "multi_latent_attention", False):
+        attention_weights, attention_core = _mla_attention_terms(model, h, heads)
+    per_token = 6 * h * gated * ffn_width_sum + 6 * num_layers * attention_weights + 6 * h * vocab
+    return float(B * s * per_token + attention_core * num_layers * B * s * s)
+
+
+def _mla_attention_terms(model: Any, h: int, heads: int) -> tuple[int, int]:
+    """Multi-latent attention's (projection weights a token multiplies through, s^2 coefficient): the query
+    projection (or its down and up halves), the key/value down and up projections, the output projection; the
+    causal core's Q.K^T over ``qk_head_dim + qk_pos_emb_head_dim`` and P.V over ``v_head_dim`` channels."""
+    q_head = int(model.qk_head_dim) + int(model.qk_pos_emb_head_dim)
+    v_head = int(model.v_head_dim)
+    kv_rank = int(model.kv_lora_rank)
+    q_rank = model.q_lora_rank
+    query = h * heads * q_head if q_rank is None else int(q_rank) * (h + heads * q_head)
+    key_value = h * (kv_rank + int(model.qk_pos_emb_head_dim)) + kv_rank * heads * (int(model.qk_head_dim) + v_head)
+    return query + key_value + heads * v_head * h, 3 * heads * (q_head + v_head)

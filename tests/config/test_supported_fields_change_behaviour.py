@@ -52,6 +52,11 @@ MOE = {"model.num_moe_experts": 4, "model.moe_router_topk": 2}
 YARN = {"model.position_embedding_type": "yarn", "model.yarn_rotary_scaling_factor": 4.0,
         "model.yarn_original_max_position_embeddings": 8}
 YARN_RANGE = {**YARN, "model.yarn_original_max_position_embeddings": 2048, "model.yarn_correction_range_round_to_int": False}
+# multi-latent attention on the micro model (4 heads, no grouped keys and values)
+MLA = {"model.multi_latent_attention": True, "model.num_query_groups": None, "model.q_lora_rank": 8,
+       "model.kv_lora_rank": 8, "model.qk_head_dim": 4, "model.qk_pos_emb_head_dim": 4, "model.v_head_dim": 4}
+MLA_YARN = {**MLA, "model.position_embedding_type": "yarn", "model.yarn_original_max_position_embeddings": 8,
+            "model.rotary_scaling_factor": 4.0}
 VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.num_layers": (4, {}),
     "model.hidden_size": (64, {}),
@@ -142,6 +147,15 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.moe_router_bias_update_rate": (0.5, {**MOE, "model.moe_router_score_function": "sigmoid",
                                                 "model.moe_router_enable_expert_bias": True}),
     "model.moe_input_jitter_eps": (0.5, MOE),
+    "model.multi_latent_attention": (True, {k: v for k, v in MLA.items() if k != "model.multi_latent_attention"}),
+    "model.q_lora_rank": (None, MLA),
+    "model.kv_lora_rank": (4, MLA),
+    "model.qk_head_dim": (8, MLA),
+    "model.qk_pos_emb_head_dim": (8, MLA),
+    "model.v_head_dim": (8, MLA),
+    "model.rotary_scaling_factor": (2.0, MLA_YARN),
+    "model.mscale": (0.5, MLA_YARN),
+    "model.mscale_all_dim": (0.5, MLA),
     # sliding window of 2 positions on a 16-token micro model; then layer 2 of 2 back to full attention
     "model.window_size": ([1, 0], {}),
     "model.window_attn_skip_freq": (2, {"model.window_size": [1, 0]}),

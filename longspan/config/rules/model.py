@@ -13,10 +13,11 @@ from typing import Any
 from longspan.core.errors import ConfigError, NotSupportedError
 
 # TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
-# layers and T5 each add their own to these).
-TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {
-    "multi_latent_attention": False,
-}
+# layers and T5 each add their own to these): none left; the per-model tables below hold the rest.
+TRANSFORMER_FIXED_FIELDS: dict[str, Any] = {}
+
+# Multi-latent attention is built by the GPT model's layers only.
+MLA_FIXED_FIELDS: dict[str, Any] = {"multi_latent_attention": False}
 
 # The residual-stream fields the GPT layer implements but the Mamba/hybrid and T5 layers do not.
 RESIDUAL_FIXED_FIELDS: dict[str, Any] = {
@@ -35,6 +36,7 @@ GPT_FIXED_FIELDS: dict[str, Any] = {
 
 T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
+    **MLA_FIXED_FIELDS,
     **RESIDUAL_FIXED_FIELDS,
     "rotary_interleaved": False,
     "attention_softmax_in_fp32": True,
@@ -113,9 +115,13 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
         raise ConfigError(
             f"model.num_layers={config.num_layers} and model.hidden_size={config.hidden_size} must be positive"
         )
-    _check_heads(config)
+    if getattr(config, "multi_latent_attention", False):
+        check_mla(config)
+    else:
+        _check_heads(config)
+        if config.position_embedding_type in ("rope", "yarn"):
+            _check_rotary(config)
     if config.position_embedding_type in ("rope", "yarn"):
-        _check_rotary(config)
         check_rope_scaling(config)
     if not getattr(config, "attention_softmax_in_fp32", True) and getattr(config, "context_parallel_size", 1) > 1:
         raise NotSupportedError(
@@ -169,6 +175,68 @@ def _check_heads(config: Any) -> None:
         )
 
 
+# Fields a multi-latent attention layer does not read (its own fields replace them), at the values that mean
+# "nothing asked for".
+MLA_UNUSED_FIELDS: dict[str, Any] = {
+    "add_qkv_bias": False,
+    "rotary_interleaved": False,
+    "rotary_percent": 1.0,
+    "softmax_scale": None,
+    "window_size": None,
+    "rope_scaling": False,
+    "rope_dynamic_factor": None,
+    "rope_longrope_short_factor": None,
+}
+
+# YaRN fields of the plain attention and the multi-latent attention field each stands for.
+MLA_YARN_FIELDS = {"yarn_rotary_scaling_factor": "rotary_scaling_factor", "yarn_mscale": "mscale",
+                   "yarn_mscale_all_dim": "mscale_all_dim"}
+
+
+def check_mla(config: Any) -> None:
+    """Multi-latent attention's sizes (positive; an even rotary part) and the attention fields it does not read
+    left at their defaults; under YaRN, the plain attention's yarn_* factor and mscales either unset or equal to
+    MLA's own (rotary_scaling_factor, mscale, mscale_all_dim, which are what MLA reads)."""
+    if config.position_embedding_type not in ("rope", "yarn"):
+        raise NotSupportedError(
+            f"model.position_embedding_type={config.position_embedding_type!r} is not supported with "
+            "multi_latent_attention: use 'rope' or 'yarn'"
+        )
+    for name, default in MLA_UNUSED_FIELDS.items():
+        value = getattr(config, name, default)
+        if value != default and not (default is False and not value):
+            raise NotSupportedError(
+                f"model.{name}={value!r} is not supported with multi_latent_attention: leave it at {default!r}"
+            )
+    q_lora_rank = config.q_lora_rank
+    if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank < 1):
+        raise ConfigError(f"model.q_lora_rank={q_lora_rank!r} must be a positive int (or None: no query compression)")
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model.{name}={value!r} must be a positive int (multi_latent_attention)")
+    if config.qk_pos_emb_head_dim % 2 != 0:
+        raise ConfigError(f"model.qk_pos_emb_head_dim={config.qk_pos_emb_head_dim} must be even (rotary pairs)")
+    if config.num_attention_heads <= 0:
+        raise ConfigError(f"model.num_attention_heads={config.num_attention_heads} must be positive")
+    groups = config.num_query_groups
+    if groups not in (None, config.num_attention_heads):
+        raise NotSupportedError(
+            f"model.num_query_groups={groups} is not supported with multi_latent_attention (every head has its own "
+            f"keys and values from the latent): leave it None or {config.num_attention_heads}"
+        )
+    for name in ("rotary_scaling_factor", "mscale"):
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(config, name)!r} must be positive (multi_latent_attention)")
+    for yarn_name, mla_name in MLA_YARN_FIELDS.items():
+        value = getattr(config, yarn_name, None)
+        if value is not None and value != getattr(config, mla_name):
+            raise ConfigError(
+                f"model.{yarn_name}={value!r} differs from model.{mla_name}={getattr(config, mla_name)!r}: "
+                f"multi-latent attention reads {mla_name}; leave {yarn_name} None"
+            )
+
+
 def _check_rotary(config: Any) -> None:
     _check_rotary_base(config)
     if not 0.0 < config.rotary_percent <= 1.0:
@@ -207,7 +275,10 @@ def check_rope_scaling(config: Any) -> None:
     if not asked:
         return
     if asked[0] == "position_embedding_type='yarn'":
-        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings"):
+        # multi-latent attention takes YaRN's factor from rotary_scaling_factor (check_mla)
+        needed = ("yarn_original_max_position_embeddings",) if get("multi_latent_attention") else (
+            "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings")
+        for name in needed:
             if get(name) is None or get(name) <= 0:
                 raise ConfigError(f"model.{name}={get(name)!r}: position_embedding_type='yarn' needs it positive")
     if asked[0] in ("rope_dynamic_factor", "rope_longrope_short_factor"):
@@ -495,7 +566,7 @@ def check_mamba_model(config: Any) -> None:
     """A Mamba/hybrid model's checks: its attention and MLP layers' (the GPT checks), then the Mamba fields.
     (That a pattern with MoE layers needs ``num_moe_experts`` is checked where the pattern is parsed.)"""
     check_gpt_model(config)
-    check_fixed_fields(config, RESIDUAL_FIXED_FIELDS, "yet by longspan's Mamba/hybrid models")
+    check_fixed_fields(config, {**RESIDUAL_FIXED_FIELDS, **MLA_FIXED_FIELDS}, "yet by longspan's Mamba/hybrid models")
     for name in ("window_size", "window_attn_skip_freq"):
         if getattr(config, name, None) is not None:
             raise NotSupportedError(

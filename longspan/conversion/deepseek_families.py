@@ -1,0 +1,183 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi K2, Moonlight) config translation: multi-latent
+attention (``longspan.models.mla``) with DeepSeek's interleaved rotary channels, RoPE or YaRN.
+
+The converter handles dense DeepSeek-V3 models (``first_k_dense_replace`` >= ``num_hidden_layers``: every layer
+has the dense MLP); its mixture-of-experts layers (sigmoid routing with an expert bias) are not converted yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longspan.conversion.config_fields import (
+    HF_ACTIVATIONS,
+    dtype_fields,
+    hf_activation,
+    required,
+    rope_fields,
+    vocab_divisor,
+)
+from longspan.core.errors import NotSupportedError
+from longspan.models.mla import yarn_mscale
+
+
+# transformers builds DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
+# rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
+HF_LATENT_NORM_EPS = 1e-6
+
+
+def _check_deepseek_config(cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act not in HF_ACTIVATIONS:
+        raise NotSupportedError(f"config.json hidden_act={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}")
+    layers = required(cfg, "num_hidden_layers")
+    dense = cfg.get("first_k_dense_replace")
+    if cfg.get("n_routed_experts") and (dense is None or dense < layers):
+        raise NotSupportedError(
+            f"config.json first_k_dense_replace={dense!r} with num_hidden_layers={layers}: DeepSeek-V3's "
+            "mixture-of-experts layers are not supported yet by the converter (only dense models, "
+            "first_k_dense_replace >= num_hidden_layers)"
+        )
+    eps = float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS))
+    if eps != HF_LATENT_NORM_EPS:
+        raise NotSupportedError(
+            f"config.json rms_norm_eps={eps!r} is not supported for DeepSeek-V3: transformers normalizes the latents "
+            f"with eps {HF_LATENT_NORM_EPS} and the other norms with rms_norm_eps, longspan uses one epsilon"
+        )
+    if cfg.get("attention_bias"):
+        raise NotSupportedError("config.json attention_bias=true is not supported for DeepSeek-V3: set it to false")
+    if cfg.get("rope_interleave", True) is False:
+        raise NotSupportedError(
+            "config.json rope_interleave=false is not supported: longspan's multi-latent attention reads the rotary "
+            "channels as interleaved pairs (DeepSeek's and megatron-core's layout)"
+        )
+
+
+def _mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE / YaRN provider fields of a DeepSeek config: YaRN's factor and mscales as MLA's own fields."""
+    out = rope_fields(cfg)
+    kind = out.get("position_embedding_type")
+    if any(key in out for key in ("rope_scaling", "seq_len_interpolation_factor", "rope_dynamic_factor",
+                                  "rope_longrope_short_factor", "rotary_percent")):
+        raise NotSupportedError(
+            "config.json rope_parameters: DeepSeek-V3 models convert with rope_type 'default' or 'yarn' and the "
+            "whole qk_rope_head_dim rotating"
+        )
+    if kind != "yarn":
+        return out
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    factor = out.pop("yarn_rotary_scaling_factor")
+    out["rotary_scaling_factor"] = factor
+    if "yarn_mscale" in out:  # both mscales set: transformers' cos/sin factor is their ratio, as MLA's
+        out["mscale"] = out.pop("yarn_mscale")
+        out["mscale_all_dim"] = out.pop("yarn_mscale_all_dim")
+        return out
+    all_dim = float(params.get("mscale_all_dim") or 0.0)
+    out.update(mscale=1.0, mscale_all_dim=all_dim)  # the softmax scale reads mscale_all_dim alone
+    if all_dim and "rope_attention_factor" not in out:
+        out["rope_attention_factor"] = yarn_mscale(factor, 1.0)  # transformers' cos/sin factor without mscale
+    return out
+
+
+def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPTModelProvider fields of a (dense) ``DeepseekV3ForCausalLM`` config.json."""
+    _check_deepseek_config(cfg)
+    heads = required(cfg, "num_attention_heads")
+    vocab = required(cfg, "vocab_size")
+    out: dict[str, Any] = dict(
+        num_layers=required(cfg, "num_hidden_layers"),
+        hidden_size=required(cfg, "hidden_size"),
+        ffn_hidden_size=required(cfg, "intermediate_size"),
+        num_attention_heads=heads,
+        multi_latent_attention=True,
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=required(cfg, "kv_lora_rank"),
+        qk_head_dim=required(cfg, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=required(cfg, "qk_rope_head_dim"),
+        v_head_dim=required(cfg, "v_head_dim"),
+        qk_layernorm=True,  # the latent norms q_a_layernorm / kv_a_layernorm
+        seq_length=cfg.get("max_position_embeddings", 4096),
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_divisor(vocab),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS)),
+        gated_linear_unit=True,
+        activation_func=HF_ACTIVATIONS[cfg.get("hidden_act", "silu")],
+        add_bias_linear=False,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        hidden_dropout=0.0,
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    out.update(_mla_rope_fields(cfg))
+    out.update(dtype_fields(cfg))
+    return out
+
+
+def _rope_hf(p: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": float(p.rotary_base), "rope_type": "default"}
+    if p.position_embedding_type == "yarn":
+        factor = float(p.rotary_scaling_factor)
+        params.update(rope_type="yarn", factor=factor,
+                      original_max_position_embeddings=int(p.yarn_original_max_position_embeddings),
+                      beta_fast=float(p.yarn_beta_fast or 32.0), beta_slow=float(p.yarn_beta_slow or 1.0),
+                      mscale=float(p.mscale), mscale_all_dim=float(p.mscale_all_dim))
+        if not p.yarn_correction_range_round_to_int:
+            params["truncate"] = False
+        if p.rope_attention_factor is not None:
+            params["attention_factor"] = float(p.rope_attention_factor)
+        elif not p.mscale_all_dim and p.mscale != 1.0:  # transformers ignores mscale without mscale_all_dim
+            params["attention_factor"] = yarn_mscale(factor, float(p.mscale))
+    elif p.mscale_all_dim:
+        raise NotSupportedError(
+            f"mscale_all_dim={p.mscale_all_dim!r} with position_embedding_type='rope' has no HF equivalent "
+            "(transformers scales the softmax by the mscale only under YaRN): use 'yarn' or mscale_all_dim=0"
+        )
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_parameters": params, "rope_theta": params["rope_theta"],
+            "rope_scaling": scaling if params["rope_type"] != "default" else None}
+
+
+def deepseek_v3_hf(p: Any) -> dict[str, Any]:
+    """config.json of a multi-latent attention provider as a dense ``DeepseekV3ForCausalLM``."""
+    act = hf_activation(p)
+    if not getattr(p, "multi_latent_attention", False):
+        raise NotSupportedError("DeepSeek-V3 export needs multi_latent_attention=True")
+    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or not p.qk_layernorm:
+        raise NotSupportedError(
+            "this model has no DeepSeek-V3 HF equivalent (needs RMSNorm, the latent norms (qk_layernorm) and a "
+            "gated silu/gelu MLP)"
+        )
+    if p.layernorm_epsilon != HF_LATENT_NORM_EPS:
+        raise NotSupportedError(
+            f"layernorm_epsilon={p.layernorm_epsilon!r}: DeepSeek-V3 in transformers normalizes the latents with eps "
+            f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs layernorm_epsilon={HF_LATENT_NORM_EPS}"
+        )
+    if p.add_bias_linear or p.num_moe_experts:
+        raise NotSupportedError(
+            "DeepSeek-V3 export supports bias-free dense models only (add_bias_linear=False, num_moe_experts=None)"
+        )
+    out = dict(
+        vocab_size=p.vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.ffn_hidden_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_attention_heads,
+        q_lora_rank=p.q_lora_rank,
+        kv_lora_rank=p.kv_lora_rank,
+        qk_nope_head_dim=p.qk_head_dim,
+        qk_rope_head_dim=p.qk_pos_emb_head_dim,
+        v_head_dim=p.v_head_dim,
+        first_k_dense_replace=p.num_layers,
+        max_position_embeddings=p.seq_length,
+        rms_norm_eps=p.layernorm_epsilon,
+        hidden_act=act,
+        tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
+        attention_dropout=float(p.attention_dropout),
+        initializer_range=float(p.init_method_std),
+        attention_bias=False,
+        rope_interleave=True,
+    )
+    out.update(_rope_hf(p))
+    return out

@@ -191,6 +191,11 @@ class TransformerArgs:
     apply_residual_connection_post_layernorm: bool = False
     fp32_residual_connection: bool = False
     attention_softmax_in_fp32: bool = True
+    # multi-token prediction (longspan.models.mtp): depths (None = off), the weight of their averaged loss, and
+    # whether losses are token sums (the MTP loss is then not divided by its token count)
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
+    calculate_per_token_loss: bool = False
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -246,6 +251,9 @@ class TransformerArgs:
                 getattr(config, "apply_residual_connection_post_layernorm", False)),
             fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
             attention_softmax_in_fp32=bool(getattr(config, "attention_softmax_in_fp32", True)),
+            mtp_num_layers=getattr(config, "mtp_num_layers", None) or None,
+            mtp_loss_scaling_factor=float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0),
+            calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
             **_gemma_fields(config),
         )
 

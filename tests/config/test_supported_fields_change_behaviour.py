@@ -220,6 +220,9 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "profiling.profile_ranks": ([1], {"profiling.use_pytorch_profiler": True, "profiling.profile_step_start": 1,
                                       "profiling.profile_step_end": 2}),
     "tokenizer.tokenizer_type": ("ByteLevelTokenizer", {}, {"tokenizer.vocab_size": 512}),
+    # multi-token prediction: the depths' loss changes the shared weights' gradients
+    "model.mtp_num_layers": (1, {}),
+    "model.mtp_loss_scaling_factor": (0.5, {"model.mtp_num_layers": 1}),
 }
 
 

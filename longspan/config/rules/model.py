@@ -29,12 +29,12 @@ RESIDUAL_FIXED_FIELDS: dict[str, Any] = {
 # fp8 is applied from outside (longspan.parallel.float8), not by the model.
 GPT_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
-    "mtp_num_layers": None,
     "mtp_enabled": False,
 }
 
 T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
+    "mtp_num_layers": None,
     **RESIDUAL_FIXED_FIELDS,
     "rotary_interleaved": False,
     "attention_softmax_in_fp32": True,
@@ -132,6 +132,27 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
             "linear + cross-entropy)"
         )
     check_moe(config)
+    check_mtp(config)
+
+
+def check_mtp(config: Any) -> None:
+    """Multi-token prediction: a positive depth count, a non-negative loss weight, and a layout that can place
+    the depths (one stage holding the whole sequence: no context parallel yet, no pipeline yet)."""
+    depths = getattr(config, "mtp_num_layers", None)
+    if depths is None:
+        return
+    if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
+        raise ConfigError(f"model.mtp_num_layers={depths!r} must be a positive integer, or None to turn MTP off")
+    factor = getattr(config, "mtp_loss_scaling_factor", 0.1)
+    if factor is None or not isinstance(factor, (int, float)) or factor < 0:
+        raise ConfigError(f"model.mtp_loss_scaling_factor={factor!r} must be a number >= 0 when mtp_num_layers is set")
+    for name in ("context_parallel_size", "pipeline_model_parallel_size"):
+        size = getattr(config, name, 1) or 1
+        if size > 1:
+            raise NotSupportedError(
+                f"model.mtp_num_layers={depths} is not supported yet with model.{name}={size}: "
+                f"set {name}=1 or mtp_num_layers=None"
+            )
 
 
 def _check_heads(config: Any) -> None:
@@ -473,6 +494,7 @@ def check_mamba_model(config: Any) -> None:
     (That a pattern with MoE layers needs ``num_moe_experts`` is checked where the pattern is parsed.)"""
     check_gpt_model(config)
     check_fixed_fields(config, RESIDUAL_FIXED_FIELDS, "yet by longspan's Mamba/hybrid models")
+    check_fixed_fields(config, {"mtp_num_layers": None}, "yet for MambaProvider models")
     for name in ("window_size", "window_attn_skip_freq"):
         if getattr(config, name, None) is not None:
             raise NotSupportedError(

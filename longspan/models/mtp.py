@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from longspan.models.moe import in_backward_pass
+from longspan.models.moe import in_backward_pass, local_tensor
 from longspan.models.transformer import TransformerLayer, build_norm, layer_masks
 
 PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [b,s,h], labels [b,s]) -> [b,s]
@@ -171,7 +171,8 @@ class MultiTokenPredictionBlock(nn.Module):
             labels = roll_left(labels, cu_seqlens)
             mask = roll_left(mask, cu_seqlens)
             hidden_states = layer(hidden_states, embed(input_ids, position_ids), rotary, attention_mask)
-            losses = per_token_loss(hidden_states, labels) * mask.float()
+            # under tensor parallel the vocab-parallel loss is a replicated DTensor: its local value is the loss
+            losses = local_tensor(per_token_loss(hidden_states, labels)) * mask.float()
             out.append((losses, mask.float().sum()))
         return out
 

@@ -117,7 +117,8 @@ def test_mtp_loss_and_gradients_equal_the_hand_written_reference(depths: int, po
     expected_total.backward()
     assert steps == 1
     for k in range(depths):
-        torch.testing.assert_close(torch.tensor(logged[k], dtype=torch.float64), expected_depths[k].detach().double(), rtol=1e-6, atol=0)
+        want = expected_depths[k].detach().double()
+        torch.testing.assert_close(torch.tensor(logged[k], dtype=torch.float64), want, rtol=1e-6, atol=0)
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert grads["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
@@ -205,6 +206,8 @@ def test_mtp_config_rules() -> None:
         build_gpt_model(provider(mtp_num_layers=1, pipeline_model_parallel_size=2), materialize=False)
     with pytest.raises(NotSupportedError, match=r"mtp_num_layers=1 .*model.context_parallel_size=2"):
         check_mtp(provider(mtp_num_layers=1, context_parallel_size=2))
+    with pytest.raises(NotSupportedError, match=r"mtp_num_layers=1 .*model.sequence_parallel=True"):
+        check_mtp(provider(mtp_num_layers=1, tensor_model_parallel_size=2, sequence_parallel=True))
 
 
 def test_mamba_refuses_mtp() -> None:

@@ -137,7 +137,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
 
 def check_mtp(config: Any) -> None:
     """Multi-token prediction: a positive depth count, a non-negative loss weight, and a layout that can place
-    the depths (one stage holding the whole sequence: no context parallel yet, no pipeline yet)."""
+    the depths (one stage holding the whole sequence: no context or sequence parallel yet, no pipeline yet)."""
     depths = getattr(config, "mtp_num_layers", None)
     if depths is None:
         return
@@ -146,6 +146,11 @@ def check_mtp(config: Any) -> None:
     factor = getattr(config, "mtp_loss_scaling_factor", 0.1)
     if factor is None or not isinstance(factor, (int, float)) or factor < 0:
         raise ConfigError(f"model.mtp_loss_scaling_factor={factor!r} must be a number >= 0 when mtp_num_layers is set")
+    if getattr(config, "sequence_parallel", False):
+        raise NotSupportedError(
+            f"model.mtp_num_layers={depths} is not supported yet with model.sequence_parallel=True: "
+            "set sequence_parallel=False or mtp_num_layers=None"
+        )
     for name in ("context_parallel_size", "pipeline_model_parallel_size"):
         size = getattr(config, name, 1) or 1
         if size > 1:

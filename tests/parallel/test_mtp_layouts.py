@@ -1,0 +1,52 @@
+"""Multi-token prediction under parallel layouts: 8 ``pretrain`` iterations of the shrunk tiny recipe with two
+MTP depths log the same ``lm loss`` and ``mtp_k loss`` values (metrics.jsonl) under TP2 and DP2 as one process,
+within the fp32 CPU layout bound (1e-5 relative)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel.harness import get_shared_pool
+from tests.parallel.test_layout_parity import REL_TOL, _max_rel, pretrain_config
+
+pytestmark = pytest.mark.slow
+
+DEPTHS = 2
+NAMES = ["lm loss"] + [f"mtp_{k} loss" for k in range(1, DEPTHS + 1)]
+
+
+def run_mtp_pretrain(run_dir: str, tp: int = 1) -> None:
+    """Worker task: ``pretrain`` with MTP depths (a large loss weight, so the MTP gradient shows)."""
+    from longspan.training.pretrain import pretrain
+
+    cfg = pretrain_config(run_dir, tp=tp)
+    cfg.model.mtp_num_layers = DEPTHS
+    cfg.model.mtp_loss_scaling_factor = 0.5
+    pretrain(cfg)
+
+
+def logged_losses(run_dir: str) -> dict[str, list[float]]:
+    import json
+    import os
+
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [r for r in rows if r.get("phase") == "train"]
+    return {name: [r["losses"][name] for r in rows] for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(tmp_path_factory) -> dict[str, list[float]]:
+    run_dir = str(tmp_path_factory.mktemp("mtp_reference"))
+    run_mtp_pretrain(run_dir)
+    return logged_losses(run_dir)
+
+
+@pytest.mark.parametrize("name,overrides", [("tp2", dict(tp=2)), ("dp2", dict())])
+def test_mtp_layout_matches_one_process(name, overrides, mtp_reference, tmp_path):
+    get_shared_pool(2).run(run_mtp_pretrain, str(tmp_path), timeout=300, **overrides)
+    got = logged_losses(str(tmp_path))
+    for loss in NAMES:
+        want = mtp_reference[loss]
+        assert len(want) == 8 and want[-1] < want[0]
+        assert len(got[loss]) == 8 and _max_rel(got[loss], want) <= REL_TOL, (
+            f"{name} {loss}: {got[loss]} vs one process {want} (max rel {_max_rel(got[loss], want):.1e})")

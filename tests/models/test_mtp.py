@@ -254,3 +254,26 @@ def test_training_logs_mtp_losses(tmp_path: Path) -> None:
         assert losses["mtp_1 loss"] > 0 and losses["mtp_2 loss"] > 0 and losses["mtp_1 loss"] != losses["lm loss"]
     lines = [m for m in messages if " iteration " in m and "consumed samples" in m]
     assert lines and all("mtp_1 loss:" in line and "mtp_2 loss:" in line for line in lines)
+
+
+def test_moe_models_build_moe_depths_numbered_after_the_decoder(tmp_path: Path) -> None:
+    from longspan.models.moe import MoELayer, moe_layer_metrics
+    from longspan.training.pretrain import pretrain
+    from longspan.training.step.forward_step import forward_step
+    from tests.training.pretrain_helpers import read_metrics, small_config
+
+    config = provider(mtp_num_layers=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)
+    model = build_gpt_model(config, seed=1)
+    assert [type(d.transformer_layer.mlp) for d in model.mtp.layers] == [MoELayer, MoELayer]
+    ids, labels, mask = batch(6)
+    main_objective(model, ids, labels, mask).backward()
+    assert sorted(moe_layer_metrics(model)) == [0, 1, 2, 3]
+    assert model.mtp.layers[1].transformer_layer.mlp.router.weight.grad.abs().sum() > 0
+
+    cfg = small_config(tmp_path, train_iters=2, eval_interval=None)
+    cfg.model.mtp_num_layers = 1
+    cfg.model.num_moe_experts = 4
+    cfg.model.moe_router_topk = 2
+    pretrain(cfg, forward_step)
+    losses = read_metrics(cfg)[-1]["losses"]
+    assert "mtp_1 loss" in losses and "load_imbalance" in losses  # the depth's MoE layer is row 2 of its table

@@ -1,5 +1,5 @@
 """Multi-token prediction under parallel layouts: 8 ``pretrain`` iterations of the shrunk tiny recipe with two
-MTP depths log the same ``lm loss`` and ``mtp_k loss`` values (metrics.jsonl) under TP2 and DP2 as one process,
+MTP depths log the same ``lm loss`` and ``mtp_k loss`` values (metrics.jsonl) under TP2, DP2 (DDP) and DP2 FSDP2 as one process,
 within the fp32 CPU layout bound (1e-5 relative)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ DEPTHS = 2
 NAMES = ["lm loss"] + [f"mtp_{k} loss" for k in range(1, DEPTHS + 1)]
 
 
-def run_mtp_pretrain(run_dir: str, tp: int = 1) -> None:
+def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False) -> None:
     """Worker task: ``pretrain`` with MTP depths (a large loss weight, so the MTP gradient shows)."""
     from longspan.training.pretrain import pretrain
 
-    cfg = pretrain_config(run_dir, tp=tp)
+    cfg = pretrain_config(run_dir, tp=tp, fsdp2=fsdp2)
     cfg.model.mtp_num_layers = DEPTHS
     cfg.model.mtp_loss_scaling_factor = 0.5
     pretrain(cfg)
@@ -41,7 +41,7 @@ def mtp_reference(tmp_path_factory) -> dict[str, list[float]]:
     return logged_losses(run_dir)
 
 
-@pytest.mark.parametrize("name,overrides", [("tp2", dict(tp=2)), ("dp2", dict())])
+@pytest.mark.parametrize("name,overrides", [("tp2", dict(tp=2)), ("dp2", dict()), ("dp2_fsdp2", dict(fsdp2=True))])
 def test_mtp_layout_matches_one_process(name, overrides, mtp_reference, tmp_path):
     get_shared_pool(2).run(run_mtp_pretrain, str(tmp_path), timeout=300, **overrides)
     got = logged_losses(str(tmp_path))

@@ -48,5 +48,6 @@ def test_mtp_layout_matches_one_process(name, overrides, mtp_reference, tmp_path
     for loss in NAMES:
         want = mtp_reference[loss]
         assert len(want) == 8 and want[-1] < want[0]
+        print(f"{name} {loss}: max rel {_max_rel(got[loss], want):.1e} over {len(want)} iterations")  # with -rP
         assert len(got[loss]) == 8 and _max_rel(got[loss], want) <= REL_TOL, (
             f"{name} {loss}: {got[loss]} vs one process {want} (max rel {_max_rel(got[loss], want):.1e})")

@@ -310,7 +310,8 @@ class TransformerConfig(ModelParallelConfig):
     """Layer implementation Megatron uses; longspan always uses its own plain PyTorch layers."""
 
     mtp_num_layers: Optional[int] = None
-    """Multi-token-prediction depths on the last stage; depth k predicts the token k+1 ahead; None = off."""
+    """Multi-token-prediction depths on the last stage; depth k predicts the token k+1 ahead; None = off.
+    Not yet with pipeline, context or sequence parallel."""
 
     mtp_loss_scaling_factor: Optional[float] = 0.1
     """Weight of the multi-token-prediction loss: the depths' mean loss times this joins the objective."""

@@ -277,3 +277,16 @@ def test_moe_models_build_moe_depths_numbered_after_the_decoder(tmp_path: Path) 
     pretrain(cfg, forward_step)
     losses = read_metrics(cfg)[-1]["losses"]
     assert "mtp_1 loss" in losses and "load_imbalance" in losses  # the depth's MoE layer is row 2 of its table
+
+
+def test_the_forward_step_passes_the_loss_mask_and_documents_only_with_mtp() -> None:
+    from longspan.training.step.forward_step import _mtp_inputs
+
+    batch_ = {"tokens": torch.zeros(1, 4), "loss_mask": torch.ones(1, 4), "cu_seqlens": torch.tensor([[0, 2, 4]])}
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(model=provider()))
+    assert _mtp_inputs(state, batch_) == {}
+    state.cfg.model = provider(mtp_num_layers=1)
+    inputs = _mtp_inputs(state, batch_)
+    assert set(inputs) == {"loss_mask", "cu_seqlens"} and inputs["cu_seqlens"] is batch_["cu_seqlens"]
+    del batch_["cu_seqlens"]
+    assert set(_mtp_inputs(state, batch_)) == {"loss_mask"}

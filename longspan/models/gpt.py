@@ -178,6 +178,7 @@ class DecoderLanguageModel(nn.Module):
         kv_cache: KVCache | None = None,
         loss_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the model (or this pipeline stage).
 
@@ -196,6 +197,8 @@ class DecoderLanguageModel(nn.Module):
             loss_mask: ``[b, s]``, read only by multi-token prediction (its shifted masks; None = all ones).
             cu_seqlens: packed documents' boundaries ``[b, n]``, read only by multi-token prediction (no shifted
                 token crosses a document).
+            token_ids: the microbatch's token ids on a stage without ``pre_process`` (its first input is hidden
+                states), read only by multi-token prediction.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` without labels; float32 per-token cross-entropy
@@ -227,8 +230,11 @@ class DecoderLanguageModel(nn.Module):
             return hidden_states
         if self.mtp is not None and labels is not None:
             # the MTP loss joins the gradients through the main head's input; the return stays the main loss
+            mtp_ids = input_ids if self.pre_process else token_ids
+            if mtp_ids is None:
+                raise ValueError("multi-token prediction on a stage after the first needs token_ids=")
             hidden_states = self.mtp(
-                hidden_states, input_ids=input_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
+                hidden_states, input_ids=mtp_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
                 embed=self.embedding, per_token_loss=self._output_loss, rotary=rotary,
                 attention_mask=attention_mask, cu_seqlens=cu_seqlens,
             )
@@ -321,6 +327,10 @@ class GPTModel(DecoderLanguageModel):
         self.decoder = TransformerBlock(self.args, layer_numbers=layer_numbers, post_process=post_process)
         self.output_layer = self.build_output_layer()
         if self.args.mtp_num_layers and post_process:
+            if not pre_process:
+                # the depths embed shifted token ids: a last stage keeps its own copy of the embedding, kept
+                # equal to the first stage's by the pipeline layer (megatron-core's MTP embedding tie)
+                self.embedding = LanguageModelEmbedding(self.args)
             self.mtp = MultiTokenPredictionBlock(self.args)
 
 

@@ -202,8 +202,11 @@ def test_mtp_config_rules() -> None:
         check_mtp(provider(mtp_num_layers=0))
     with pytest.raises(ConfigError, match=r"model.mtp_loss_scaling_factor=-1.0"):
         check_mtp(provider(mtp_num_layers=1, mtp_loss_scaling_factor=-1.0))
-    with pytest.raises(NotSupportedError, match=r"mtp_num_layers=1 .*model.pipeline_model_parallel_size=2"):
-        build_gpt_model(provider(mtp_num_layers=1, pipeline_model_parallel_size=2), materialize=False)
+    with pytest.raises(NotSupportedError, match=r"mtp_num_layers=1 with model.pipeline_model_parallel_size=2 .*"
+                                                r"model.share_embeddings_and_output_weights=True"):
+        build_gpt_model(provider(mtp_num_layers=1, pipeline_model_parallel_size=2,
+                                 share_embeddings_and_output_weights=True), materialize=False)
+    check_mtp(provider(mtp_num_layers=1, pipeline_model_parallel_size=2))  # untied: the last stage copies
     with pytest.raises(NotSupportedError, match=r"mtp_num_layers=1 .*model.context_parallel_size=2"):
         check_mtp(provider(mtp_num_layers=1, context_parallel_size=2))
     with pytest.raises(NotSupportedError, match=r"mtp_num_layers=1 .*model.sequence_parallel=True"):

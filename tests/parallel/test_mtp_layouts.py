@@ -1,5 +1,5 @@
 """Multi-token prediction under parallel layouts: 8 ``pretrain`` iterations of the shrunk tiny recipe with two
-MTP depths log the same ``lm loss`` and ``mtp_k loss`` values (metrics.jsonl) under TP2, DP2 (DDP) and DP2 FSDP2 as one process,
+MTP depths log the same ``lm loss`` and ``mtp_k loss`` values (metrics.jsonl) under TP2, DP2 (DDP), DP2 FSDP2 and PP2 (depths on the last stage) as one process,
 within the fp32 CPU layout bound (1e-5 relative)."""
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ DEPTHS = 2
 NAMES = ["lm loss"] + [f"mtp_{k} loss" for k in range(1, DEPTHS + 1)]
 
 
-def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False) -> None:
+def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False, pp: int = 1, tied: bool = True) -> None:
     """Worker task: ``pretrain`` with MTP depths (a large loss weight, so the MTP gradient shows)."""
     from longspan.training.pretrain import pretrain
 
     cfg = pretrain_config(run_dir, tp=tp, fsdp2=fsdp2)
     cfg.model.mtp_num_layers = DEPTHS
     cfg.model.mtp_loss_scaling_factor = 0.5
+    cfg.model.share_embeddings_and_output_weights = tied
+    cfg.model.pipeline_model_parallel_size = pp
     pretrain(cfg)
 
 
@@ -35,18 +37,31 @@ def logged_losses(run_dir: str) -> dict[str, list[float]]:
 
 
 @pytest.fixture(scope="module")
-def mtp_reference(tmp_path_factory) -> dict[str, list[float]]:
-    run_dir = str(tmp_path_factory.mktemp("mtp_reference"))
-    run_mtp_pretrain(run_dir)
-    return logged_losses(run_dir)
+def mtp_reference(tmp_path_factory):
+    """One-process runs, tied and untied embeddings, each once per module."""
+    cache: dict[bool, dict[str, list[float]]] = {}
+
+    def reference(tied: bool) -> dict[str, list[float]]:
+        if tied not in cache:
+            run_dir = str(tmp_path_factory.mktemp("mtp_reference"))
+            run_mtp_pretrain(run_dir, tied=tied)
+            cache[tied] = logged_losses(run_dir)
+        return cache[tied]
+
+    return reference
 
 
-@pytest.mark.parametrize("name,overrides", [("tp2", dict(tp=2)), ("dp2", dict()), ("dp2_fsdp2", dict(fsdp2=True))])
+@pytest.mark.parametrize("name,overrides", [
+    ("tp2", dict(tp=2)), ("dp2", dict()), ("dp2_fsdp2", dict(fsdp2=True)),
+    # the depths on the last stage, with their copy of the (untied) embedding
+    ("pp2", dict(pp=2, tied=False)),
+])
 def test_mtp_layout_matches_one_process(name, overrides, mtp_reference, tmp_path):
     get_shared_pool(2).run(run_mtp_pretrain, str(tmp_path), timeout=300, **overrides)
     got = logged_losses(str(tmp_path))
+    reference = mtp_reference(overrides.get("tied", True))
     for loss in NAMES:
-        want = mtp_reference[loss]
+        want = reference[loss]
         assert len(want) == 8 and want[-1] < want[0]
         print(f"{name} {loss}: max rel {_max_rel(got[loss], want):.1e} over {len(want)} iterations")  # with -rP
         assert len(got[loss]) == 8 and _max_rel(got[loss], want) <= REL_TOL, (

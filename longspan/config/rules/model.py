@@ -137,7 +137,8 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
 
 def check_mtp(config: Any) -> None:
     """Multi-token prediction: a positive depth count, a non-negative loss weight, and a layout that can place
-    the depths (one stage holding the whole sequence: no context or sequence parallel yet, no pipeline yet)."""
+    the depths (the whole sequence on one rank: no context or sequence parallel yet; with pipeline stages, untied
+    embeddings, the last stage holding a copy of the embedding)."""
     depths = getattr(config, "mtp_num_layers", None)
     if depths is None:
         return
@@ -151,13 +152,18 @@ def check_mtp(config: Any) -> None:
             f"model.mtp_num_layers={depths} is not supported yet with model.sequence_parallel=True: "
             "set sequence_parallel=False or mtp_num_layers=None"
         )
-    for name in ("context_parallel_size", "pipeline_model_parallel_size"):
-        size = getattr(config, name, 1) or 1
-        if size > 1:
-            raise NotSupportedError(
-                f"model.mtp_num_layers={depths} is not supported yet with model.{name}={size}: "
-                f"set {name}=1 or mtp_num_layers=None"
-            )
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise NotSupportedError(
+            f"model.mtp_num_layers={depths} is not supported yet with model.context_parallel_size={cp}: "
+            "set context_parallel_size=1 or mtp_num_layers=None"
+        )
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1 and getattr(config, "share_embeddings_and_output_weights", False):
+        raise NotSupportedError(
+            f"model.mtp_num_layers={depths} with model.pipeline_model_parallel_size={pp} is not supported yet "
+            "with model.share_embeddings_and_output_weights=True: untie them, or use one pipeline stage"
+        )
 
 
 def _check_heads(config: Any) -> None:

@@ -15,7 +15,8 @@ DEPTHS = 2
 NAMES = ["lm loss"] + [f"mtp_{k} loss" for k in range(1, DEPTHS + 1)]
 
 
-def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False, pp: int = 1, tied: bool = True) -> None:
+def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False, pp: int = 1, vp: int | None = None,
+                     tied: bool = True) -> None:
     """Worker task: ``pretrain`` with MTP depths (a large loss weight, so the MTP gradient shows)."""
     from longspan.training.pretrain import pretrain
 
@@ -24,6 +25,7 @@ def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False, pp: int = 1
     cfg.model.mtp_loss_scaling_factor = 0.5
     cfg.model.share_embeddings_and_output_weights = tied
     cfg.model.pipeline_model_parallel_size = pp
+    cfg.model.virtual_pipeline_model_parallel_size = vp
     pretrain(cfg)
 
 
@@ -55,6 +57,7 @@ def mtp_reference(tmp_path_factory):
     ("tp2", dict(tp=2)), ("dp2", dict()), ("dp2_fsdp2", dict(fsdp2=True)),
     # the depths on the last stage, with their copy of the (untied) embedding
     ("pp2", dict(pp=2, tied=False)),
+    ("pp2_vp2", dict(pp=2, vp=2, tied=False)),  # the last virtual stage (rank 1's second chunk)
 ])
 def test_mtp_layout_matches_one_process(name, overrides, mtp_reference, tmp_path):
     get_shared_pool(2).run(run_mtp_pretrain, str(tmp_path), timeout=300, **overrides)

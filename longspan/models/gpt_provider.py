@@ -311,7 +311,7 @@ class TransformerConfig(ModelParallelConfig):
 
     mtp_num_layers: Optional[int] = None
     """Multi-token-prediction depths on the last stage; depth k predicts the token k+1 ahead; None = off.
-    Not yet with pipeline, context or sequence parallel."""
+    Not yet with context or sequence parallel, nor with pipeline stages and tied embeddings."""
 
     mtp_loss_scaling_factor: Optional[float] = 0.1
     """Weight of the multi-token-prediction loss: the depths' mean loss times this joins the objective."""

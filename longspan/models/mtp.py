@@ -20,7 +20,9 @@ joins the gradients through ``MTPLossAutoScaler`` attached to the main head's in
 value (the main per-token loss) and the logged ``lm loss`` stay the main loss. The trainer's schedule sets the
 autoscaler's gradient scale as it does the MoE aux losses' (``loss_scale / num_microbatches``).
 
-The transformer layer of each depth is built like the decoder's last layer (dense or MoE, its window); its
+Under pipeline parallelism the depths sit on the last stage, which keeps its own copy of the embedding
+(``GPTModel``; ``longspan.parallel.pipeline`` keeps it equal to the first stage's) and receives the token ids as
+``token_ids``. The transformer layer of each depth is built like the decoder's last layer (dense or MoE, its window); its
 layer number is ``num_layers + k - 1`` (0-based), after the decoder's. The rotary tables and attention mask
 are the decoder's; the shifted position ids feed learned absolute position embeddings only.
 

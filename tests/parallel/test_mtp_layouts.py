@@ -69,3 +69,45 @@ def test_mtp_layout_matches_one_process(name, overrides, mtp_reference, tmp_path
         print(f"{name} {loss}: max rel {_max_rel(got[loss], want):.1e} over {len(want)} iterations")  # with -rP
         assert len(got[loss]) == 8 and _max_rel(got[loss], want) <= REL_TOL, (
             f"{name} {loss}: {got[loss]} vs one process {want} (max rel {_max_rel(got[loss], want):.1e})")
+
+
+def mtp_checkpointed_pretrain(run_dir: str, **layout) -> int:
+    """Worker task: the pipeline tests' checkpointing config (saves at iterations 4 and 8) with MTP depths."""
+    from longspan.training.pretrain import pretrain
+    from tests.parallel.test_pipeline_pretrain import _config
+
+    cfg = _config(run_dir, **layout)
+    cfg.model.mtp_num_layers = DEPTHS
+    cfg.model.mtp_loss_scaling_factor = 0.5
+    return pretrain(cfg).train_state.step
+
+
+def test_mtp_checkpoints_move_between_one_process_and_pp2(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from tests.parallel.test_pipeline_pretrain import _config
+    from tests.training.pretrain_helpers import read_metrics
+
+    def losses(run_dir) -> dict[int, dict[str, float]]:
+        return {r["iteration"]: {n: r["losses"][n] for n in NAMES} for r in read_metrics(_config(str(run_dir)))}
+
+    def close(got, want, iterations) -> None:
+        assert sorted(got) == list(iterations)
+        for it in iterations:
+            for name in NAMES:
+                assert _max_rel([got[it][name]], [want[it][name]]) <= REL_TOL, (it, name, got[it], want[it])
+
+    one, pp = tmp_path / "one", tmp_path / "pp2"
+    assert mtp_checkpointed_pretrain(str(one)) == 8
+    pool = get_shared_pool(2)
+    assert pool.run(mtp_checkpointed_pretrain, str(pp), pp=2, timeout=300) == [8, 8]
+    ref = losses(one)
+    close(losses(pp), ref, range(1, 9))
+    keys = set(dcp.FileSystemReader(str(pp / "ckpt" / "iter_0000004")).read_metadata().state_dict_metadata)
+    assert {"model.embedding.word_embeddings.weight", "model.mtp.layers.1.eh_proj.weight",
+            "model.mtp.layers.0.transformer_layer.mlp.linear_fc2.weight"} <= keys
+    to_one, to_pp = tmp_path / "pp2_to_one", tmp_path / "one_to_pp2"
+    mtp_checkpointed_pretrain(str(to_one), load=str(pp / "ckpt"), ckpt_step=4)
+    close(losses(to_one), ref, range(5, 9))
+    pool.run(mtp_checkpointed_pretrain, str(to_pp), pp=2, load=str(one / "ckpt"), ckpt_step=4, timeout=300)
+    close(losses(to_pp), ref, range(5, 9))

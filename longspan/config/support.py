@@ -270,6 +270,11 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
                                                    "layernorm_zero_centered_gamma"),
 }
 
+# Multi-token prediction (longspan.models.mtp): GPT models only, on one pipeline stage without context parallel.
+FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_num_layers mtp_loss_scaling_factor"))
+for _cls in ("T5ModelProvider", "MambaProvider"):
+    CLASS_FIELD_STATUS[_cls].update(_many("model", NOT_SUPPORTED, "mtp_num_layers mtp_loss_scaling_factor"))
+
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""

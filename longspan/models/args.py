@@ -198,6 +198,11 @@ class TransformerArgs:
     activation_func_clamp_value: Optional[float] = None
     # multi-latent attention's sizes and softmax scale (longspan.models.mla); None = the plain attention
     mla: Optional[MLAArgs] = None
+    # multi-token prediction (longspan.models.mtp): depths (None = off), the weight of their averaged loss, and
+    # whether losses are token sums (the MTP loss is then not divided by its token count)
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
+    calculate_per_token_loss: bool = False
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -257,6 +262,9 @@ class TransformerArgs:
             glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0)),
             activation_func_clamp_value=_optional_float(getattr(config, "activation_func_clamp_value", None)),
             mla=mla_args(config),
+            mtp_num_layers=getattr(config, "mtp_num_layers", None) or None,
+            mtp_loss_scaling_factor=float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0),
+            calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
             **_gemma_fields(config),
         )
 

@@ -15,6 +15,8 @@ names::
     decoder.layers.{i}.mlp.linear_fc1 (up), linear_fc1_gate (gated only), linear_fc2 (down)
     decoder.layers.{i}.mlp.router / experts / shared_experts   (MoE layers: see longspan.models.moe)
     decoder.final_layernorm                    (post_process only)
+    mtp.layers.{k}.enorm / hnorm / eh_proj / transformer_layer.* / final_layernorm
+                                               (mtp_num_layers, post_process only: see longspan.models.mtp)
     output_layer                               nn.Linear [padded_vocab, hidden], bias-free (absent when tied)
     tied_output                                parameter-free: logits = hidden @ word_embeddings.weight^T
                                                (present only when tied on a stage with the embedding)
@@ -38,6 +40,7 @@ from longspan.core.logging import get_logger
 from longspan.models.args import TransformerArgs, padded_vocab_size  # noqa: F401 (padded_vocab_size: imported from here)
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy, linear_cross_entropy
+from longspan.models.mtp import MultiTokenPredictionBlock
 from longspan.models.rope import LinearScaledRotaryEmbedding, RotaryEmbedding
 from longspan.models.transformer import KVCache, LocalGlobalRotary, TransformerBlock
 
@@ -116,6 +119,9 @@ class DecoderLanguageModel(nn.Module):
         # the training loss's reused [tokens, vocab] buffers (longspan.models.loss.LogitsWorkspace; CPU only)
         self.logits_workspace = LogitsWorkspace()
         self.rotary_pos_emb, self.local_rotary_pos_emb = _rotary_embeddings(args)
+        # multi-token prediction (longspan.models.mtp) on the last stage, when a subclass builds it (registered
+        # then, after the output layer)
+        self.mtp: nn.Module | None = None
 
     def build_output_layer(self) -> nn.Linear | None:
         """The output layer of a last stage, or None (not the last stage, or tied to this stage's embedding)."""
@@ -172,6 +178,9 @@ class DecoderLanguageModel(nn.Module):
         *,
         hidden_states: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        loss_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the model (or this pipeline stage).
 
@@ -187,6 +196,11 @@ class DecoderLanguageModel(nn.Module):
             kv_cache: incremental decoding (``longspan.inference``): the keys and values of the tokens before
                 ``input_ids`` are read from it and the new ones appended. Default positions continue from
                 ``kv_cache.seq_len`` and a ``None`` mask means causal over cached + new tokens.
+            loss_mask: ``[b, s]``, read only by multi-token prediction (its shifted masks; None = all ones).
+            cu_seqlens: packed documents' boundaries ``[b, n]``, read only by multi-token prediction (no shifted
+                token crosses a document).
+            token_ids: the microbatch's token ids on a stage without ``pre_process`` (its first input is hidden
+                states), read only by multi-token prediction.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` without labels; float32 per-token cross-entropy
@@ -216,21 +230,35 @@ class DecoderLanguageModel(nn.Module):
             kv_cache.seq_len += seq_len
         if not self.post_process:
             return hidden_states
+        if self.mtp is not None and labels is not None:
+            # the MTP loss joins the gradients through the main head's input; the return stays the main loss
+            mtp_ids = input_ids if self.pre_process else token_ids
+            if mtp_ids is None:
+                raise ValueError("multi-token prediction on a stage after the first needs token_ids=")
+            hidden_states = self.mtp(
+                hidden_states, input_ids=mtp_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
+                embed=self.embedding, per_token_loss=self._output_loss, rotary=rotary,
+                attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+            )
+        if labels is None:
+            if self.args.final_logit_softcapping:
+                return self._softcapped_output(hidden_states, None)
+            return self._logits(hidden_states)
+        return self._output_loss(hidden_states, labels)
+
+    def _output_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The float32 per-token cross-entropy ``[b, s]`` of the output layer on ``hidden_states``."""
         if self.args.final_logit_softcapping:  # the loss needs the capped logits: no fused loss path
             return self._softcapped_output(hidden_states, labels)
         if (
-            labels is not None
-            and self.linear_cross_entropy is not None
+            self.linear_cross_entropy is not None
             and self.args.cross_entropy_loss_fusion
             and self._fused_loss_applies()
         ):
             return self.linear_cross_entropy(hidden_states, self.output_weight(), labels)
-        if labels is not None and self._grad_in_forward_loss_applies(hidden_states):
+        if self._grad_in_forward_loss_applies(hidden_states):
             return fused_linear_cross_entropy(hidden_states, self.output_weight(), labels, self.logits_workspace)
-        logits = self._logits(hidden_states)
-        if labels is None:
-            return logits
-        return self._per_token_loss(logits, labels)
+        return self._per_token_loss(self._logits(hidden_states), labels)
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.output_layer is not None:
@@ -300,6 +328,12 @@ class GPTModel(DecoderLanguageModel):
         self.linear_cross_entropy = linear_cross_entropy
         self.decoder = TransformerBlock(self.args, layer_numbers=layer_numbers, post_process=post_process)
         self.output_layer = self.build_output_layer()
+        if self.args.mtp_num_layers and post_process:
+            if not pre_process:
+                # the depths embed shifted token ids: a last stage keeps its own copy of the embedding, kept
+                # equal to the first stage's by the pipeline layer (megatron-core's MTP embedding tie)
+                self.embedding = LanguageModelEmbedding(self.args)
+            self.mtp = MultiTokenPredictionBlock(self.args)
 
 
 def build_gpt_model(

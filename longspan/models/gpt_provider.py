@@ -312,10 +312,11 @@ class TransformerConfig(ModelParallelConfig):
     """Layer implementation Megatron uses; longspan always uses its own plain PyTorch layers."""
 
     mtp_num_layers: Optional[int] = None
-    """Multi-token-prediction layers; None = off."""
+    """Multi-token-prediction depths on the last stage; depth k predicts the token k+1 ahead; None = off.
+    Not yet with context or sequence parallel, nor with pipeline stages and tied embeddings."""
 
     mtp_loss_scaling_factor: Optional[float] = 0.1
-    """Weight of the multi-token-prediction loss."""
+    """Weight of the multi-token-prediction loss: the depths' mean loss times this joins the objective."""
 
     num_layers_in_first_pipeline_stage: Optional[int] = None
     """Layers on the first pipeline stage when the split is uneven."""

@@ -150,6 +150,9 @@ def _mark_chunk(model: nn.Module, info: PipelineChunkInfo, parallel: Any) -> Non
         # Megatron's mark: the gradient norm and the parameter norm count this copy once (on stage 0).
         tied_copy.weight.shared = True
         tied_copy.weight.shared_embedding = True
+    for param in _mtp_embedding_copy(unwrap_chunk(model), info):
+        param.shared = True
+        param.shared_embedding = True
     setattr(model, CHUNK_INFO_ATTR, info)
     # Megatron's per-model process groups: the parameter-norm report sums over ``pg_collection.pp``.
     model.pg_collection = SimpleNamespace(pp=parallel.pp_group, tp=parallel.tp_group, cp=parallel.cp_group,
@@ -177,6 +180,27 @@ def _tied_output_copy(model: nn.Module) -> nn.Linear | None:
     return None
 
 
+def _mtp_embedding_copy(model: nn.Module, info: PipelineChunkInfo) -> list[torch.Tensor]:
+    """The embedding parameters a last stage with multi-token prediction holds as a copy of the first
+    stage's (word, then position embeddings), or [] (no MTP, or one stage holds both)."""
+    if getattr(model, "mtp", None) is None or info.is_first or getattr(model, "embedding", None) is None:
+        return []
+    return _embedding_params(model)
+
+
+def _embedding_params(model: nn.Module) -> list[torch.Tensor]:
+    embedding = model.embedding
+    params = [embedding.word_embeddings.weight]
+    if embedding.position_embeddings is not None:
+        params.append(embedding.position_embeddings.weight)
+    return params
+
+
+def _has_mtp(model: list[nn.Module]) -> bool:
+    return any(getattr(unwrap_chunk(c), "mtp", None) is not None for c in model) or any(
+        getattr(getattr(unwrap_chunk(c), "args", None), "mtp_num_layers", None) for c in model)
+
+
 def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:
     """This rank's tied embedding tensors that must stay equal across pipeline stages (empty when untied).
 
@@ -186,9 +210,14 @@ def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:
     out = []
     for chunk in model:
         plain = unwrap_chunk(chunk)
+        info = chunk_info(chunk)
+        if _has_mtp(model) and info is not None and info.num_stages > 1:
+            # multi-token prediction: the last stage's embedding copy (untied models only: config rules)
+            if info.is_first or _mtp_embedding_copy(plain, info):
+                out.extend(_embedding_params(plain))
+            continue
         if not getattr(plain, "share_embeddings_and_output_weights", False):
             continue
-        info = chunk_info(chunk)
         if info is None or info.num_stages == 1:
             continue
         if info.is_first and plain.embedding is not None:
@@ -236,7 +265,7 @@ def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
         return
     tied = tied_embedding_weights(model)
     provider_ties = any(getattr(unwrap_chunk(c), "share_embeddings_and_output_weights", False) for c in model)
-    if not provider_ties:
+    if not provider_ties and not _has_mtp(model):
         return
     group = _embedding_group(parallel)
     if parallel.pp_rank not in (0, parallel.pp_size - 1):

@@ -117,10 +117,8 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan["embedding"] = PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             )
-    for key in model.decoder.layers.keys():
-        prefix = f"decoder.layers.{key}"
+    for prefix, layer in _transformer_layers(model):
         attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
-        layer = model.decoder.layers[key]
         if getattr(layer, "self_attention", None) is not None and hasattr(layer.self_attention, "mla"):
             plan.update(_mla_plan(attn, layer.self_attention, sp))
         elif hasattr(layer, "self_attention"):  # hybrid Mamba stacks: attention-only, MLP-only and Mamba layers
@@ -155,6 +153,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[mlp] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
+    plan.update(_mtp_plan(model))
     if getattr(model.decoder, "final_layernorm", None) is not None and sp:
         plan["decoder.final_layernorm"] = SequenceParallel()
     if getattr(model, "output_layer", None) is not None:
@@ -198,6 +197,23 @@ def apply_mla_shared_key(model: nn.Module, tp_mesh: Any) -> None:
     for module in model.modules():
         if hasattr(module, "mla") and hasattr(module, "shared_key"):
             module.shared_key = shared_key
+def _transformer_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every transformer layer this stage holds: the decoder's, then the multi-token
+    prediction depths' (their ``eh_proj`` is planned in ``_mtp_plan``)."""
+    layers = [(f"decoder.layers.{key}", layer) for key, layer in model.decoder.layers.items()]
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        layers += [(f"mtp.layers.{k}.transformer_layer", depth.transformer_layer) for k, depth in enumerate(mtp.layers)]
+    return layers
+
+
+def _mtp_plan(model: nn.Module) -> dict[str, Any]:
+    """The MTP depths' projections: column-parallel, gathered (megatron-core's ``eh_proj`` + gather); their
+    norms stay replicated like the decoder's (sequence parallel with MTP is refused by the config rules)."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return {}
+    return {f"mtp.layers.{k}.eh_proj": ColwiseParallel(output_layouts=Replicate()) for k in range(len(mtp.layers))}
 
 
 class SequenceShardedDropout(nn.Module):

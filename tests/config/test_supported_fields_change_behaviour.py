@@ -240,6 +240,9 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.softmax_type": ("learnable", {}),
     "model.glu_linear_offset": (1.0, {"model.gated_linear_unit": True}),
     "model.activation_func_clamp_value": (0.01, {"model.gated_linear_unit": True}),
+    # multi-token prediction: the depths' loss changes the shared weights' gradients
+    "model.mtp_num_layers": (1, {}),
+    "model.mtp_loss_scaling_factor": (0.5, {"model.mtp_num_layers": 1}),
 }
 
 

@@ -30,13 +30,13 @@ RESIDUAL_FIXED_FIELDS: dict[str, Any] = {
 # fp8 is applied from outside (longspan.parallel.float8), not by the model.
 GPT_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
-    "mtp_num_layers": None,
     "mtp_enabled": False,
 }
 
 T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     **MLA_FIXED_FIELDS,
+    "mtp_num_layers": None,
     **RESIDUAL_FIXED_FIELDS,
     "rotary_interleaved": False,
     "attention_softmax_in_fp32": True,
@@ -139,6 +139,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
         )
     check_moe(config)
     check_gpt_oss_fields(config)
+    check_mtp(config)
 
 
 def check_gpt_oss_fields(config: Any) -> None:
@@ -161,6 +162,37 @@ def check_gpt_oss_fields(config: Any) -> None:
                           "gated_linear_unit=True (they act on a gated MLP's gate and up projections)")
     if clamp is not None and not clamp > 0:
         raise ConfigError(f"model.activation_func_clamp_value={clamp!r} must be a positive number or None")
+
+
+def check_mtp(config: Any) -> None:
+    """Multi-token prediction: a positive depth count, a non-negative loss weight, and a layout that can place
+    the depths (the whole sequence on one rank: no context or sequence parallel yet; with pipeline stages, untied
+    embeddings, the last stage holding a copy of the embedding)."""
+    depths = getattr(config, "mtp_num_layers", None)
+    if depths is None:
+        return
+    if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
+        raise ConfigError(f"model.mtp_num_layers={depths!r} must be a positive integer, or None to turn MTP off")
+    factor = getattr(config, "mtp_loss_scaling_factor", 0.1)
+    if factor is None or not isinstance(factor, (int, float)) or factor < 0:
+        raise ConfigError(f"model.mtp_loss_scaling_factor={factor!r} must be a number >= 0 when mtp_num_layers is set")
+    if getattr(config, "sequence_parallel", False):
+        raise NotSupportedError(
+            f"model.mtp_num_layers={depths} is not supported yet with model.sequence_parallel=True: "
+            "set sequence_parallel=False or mtp_num_layers=None"
+        )
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise NotSupportedError(
+            f"model.mtp_num_layers={depths} is not supported yet with model.context_parallel_size={cp}: "
+            "set context_parallel_size=1 or mtp_num_layers=None"
+        )
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1 and getattr(config, "share_embeddings_and_output_weights", False):
+        raise NotSupportedError(
+            f"model.mtp_num_layers={depths} with model.pipeline_model_parallel_size={pp} is not supported yet "
+            "with model.share_embeddings_and_output_weights=True: untie them, or use one pipeline stage"
+        )
 
 
 def _check_heads(config: Any) -> None:
@@ -567,6 +599,7 @@ def check_mamba_model(config: Any) -> None:
     (That a pattern with MoE layers needs ``num_moe_experts`` is checked where the pattern is parsed.)"""
     check_gpt_model(config)
     check_fixed_fields(config, {**RESIDUAL_FIXED_FIELDS, **MLA_FIXED_FIELDS}, "yet by longspan's Mamba/hybrid models")
+    check_fixed_fields(config, {"mtp_num_layers": None}, "yet for MambaProvider models")
     for name in ("window_size", "window_attn_skip_freq"):
         if getattr(config, name, None) is not None:
             raise NotSupportedError(

@@ -41,6 +41,7 @@ from longspan.training.observability.log_sinks import logger_sinks, option, writ
 from longspan.training.observability.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
 from longspan.planner.peak_flops import mfu, peak_flops_per_device
 from longspan.training.observability.moe_log import track_moe_metrics
+from longspan.training.observability.mtp_log import track_mtp_metrics
 from longspan.training.utils.norms import report_l2_norm_grad
 from longspan.training.observability.reports import report_runtime, report_throughput
 from longspan.training.observability.throughput_summary import record_log_interval
@@ -164,6 +165,8 @@ def log_iteration(
     values = {key: loss_value(v) for key, v in metrics.loss_dict.items()}
     # MoE: aux losses and load imbalance join the iteration's values (log line, sinks, metrics.jsonl).
     values.update(track_moe_metrics(model, config, global_state, iteration))
+    # MTP: the per-depth losses ("mtp_1 loss", ...), megatron-core's names.
+    values.update(track_mtp_metrics(model, config, global_state))
     values.update(metrics.extra_values)
     got_nan = accumulate(total_loss_dict, values, metrics.skipped_iter)
     ctx = _LogContext.create(metrics, config, global_state, history_wct, pg_collection, total_loss_dict)

@@ -31,7 +31,9 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     chunks = model if isinstance(model, list) else [model]
     per_layer = moe_layer_metrics(chunks)
     reset_moe_metrics(chunks)
-    num_layers, experts = int(model_cfg.num_layers), int(model_cfg.num_moe_experts)
+    # MTP depths' MoE layers are numbered after the decoder's (megatron-core counts them too)
+    num_layers = int(model_cfg.num_layers) + int(getattr(model_cfg, "mtp_num_layers", None) or 0)
+    experts = int(model_cfg.num_moe_experts)
     names = ["load_balancing_loss", "z_loss"]
     # [num_layers, 2 losses + steps + experts]: zeros for layers on other pipeline stages, summed across them.
     table = torch.zeros(num_layers, len(names) + 1 + experts, dtype=torch.float64)

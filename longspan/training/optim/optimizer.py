@@ -251,7 +251,10 @@ class MegatronOptimizer:
         # Same coefficient as megatron-core and torch.nn.utils.clip_grad_norm_.
         clip_coeff = clip_grad / (total_norm + 1.0e-6)
         if clip_coeff < 1.0:
-            for local_grads in _by_device([_local(g) for g in grads]).values():
+            # every gradient is scaled, the shared copies' too (counted once in the norm, but stepped on every
+            # stage that holds one: megatron-core clips all parameters' gradients)
+            every = [g for g in (main_grad(p) for p in self.get_parameters()) if g is not None]
+            for local_grads in _by_device([_local(g) for g in every]).values():
                 torch._foreach_mul_(local_grads, clip_coeff)
         return float(total_norm)
 

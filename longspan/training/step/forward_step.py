@@ -15,7 +15,7 @@ import torch
 
 from longspan.training.state import GlobalState
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens")
 
 
 def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -56,8 +56,20 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
         position_ids=batch.get("position_ids"),
         attention_mask=attention_mask,
         labels=batch["labels"],
+        **_mtp_inputs(state, batch),
     )
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Multi-token prediction shifts the loss mask (and, for packed documents, stops at their boundaries): the
+    model gets them only when it has MTP depths, so other models' forward signatures stay as they are."""
+    if not getattr(getattr(state.cfg, "model", None), "mtp_num_layers", None):
+        return {}
+    inputs = {"loss_mask": batch["loss_mask"]}
+    if batch.get("cu_seqlens") is not None:
+        inputs["cu_seqlens"] = batch["cu_seqlens"]
+    return inputs
 
 
 def _needs_explicit_mask(state: GlobalState) -> bool:

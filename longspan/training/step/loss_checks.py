@@ -11,6 +11,7 @@ import torch
 
 from longspan.core.errors import LongspanError
 from longspan.models.moe import set_aux_loss_scale
+from longspan.models.mtp import set_mtp_loss_scale
 
 
 class TrainingDivergedError(LongspanError):
@@ -32,6 +33,9 @@ def check_finite(value: torch.Tensor, what: str, iteration: int | None) -> None:
 def set_moe_aux_loss_scale(
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None, num_microbatches: int, calculate_per_token_loss: bool
 ) -> None:
-    """MoE aux losses add their gradient in backward, scaled like the LM loss (Megatron's schedules do this)."""
+    """MoE aux losses and the multi-token-prediction loss add their gradient in backward, scaled like the LM
+    loss (Megatron's schedules do this)."""
     loss_scale = float(grad_scale_func(torch.ones(())).item()) if grad_scale_func is not None else 1.0
-    set_aux_loss_scale(loss_scale if calculate_per_token_loss else loss_scale / num_microbatches)
+    scale = loss_scale if calculate_per_token_loss else loss_scale / num_microbatches
+    set_aux_loss_scale(scale)
+    set_mtp_loss_scale(scale)

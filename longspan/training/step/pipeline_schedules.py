@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from longspan.core.errors import ConfigError
 from longspan.parallel.init import get_parallel_state
 from longspan.parallel.loss_parallel import parallel_loss_context
-from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads
+from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads, unwrap_chunk
 from longspan.training.step.loss_checks import check_finite, set_moe_aux_loss_scale
 
 #: schedule names ``forward_backward_pipelining`` accepts (``"auto"``: 1F1B, interleaved with virtual stages)
@@ -81,11 +81,14 @@ class _StageInputModel:
         self._hidden_states = hidden_states
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        token_ids = args[0] if args else kwargs.get("input_ids")
         if args:
             args = (self._hidden_states, *args[1:])
         else:
             kwargs.pop("input_ids", None)
             kwargs["hidden_states"] = self._hidden_states
+        if getattr(unwrap_chunk(self._module), "mtp", None) is not None and token_ids is not None:
+            kwargs["token_ids"] = token_ids  # multi-token prediction on this stage embeds shifted token ids
         return self._module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

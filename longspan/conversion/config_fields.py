@@ -21,7 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longspan.config.rules.model import layer_types_from_windows, layer_windows, window_pattern_from_layer_types
+from longspan.config.rules.sliding_window import (
+    layer_types_from_windows,
+    layer_windows,
+    window_pattern_from_layer_types,
+)
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import gelu_tanh
 from longspan.models.rope import ROPE_SCALING_TYPES

@@ -23,7 +23,11 @@ from longspan.conversion.config_fields import (
     rope_hf,
     vocab_divisor,
 )
-from longspan.config.rules.model import layer_types_from_windows, layer_windows, window_pattern_from_layer_types
+from longspan.config.rules.sliding_window import (
+    layer_types_from_windows,
+    layer_windows,
+    window_pattern_from_layer_types,
+)
 from longspan.core.errors import NotSupportedError
 
 GEMMA3_ROPE_TYPES = ("default", "linear")

@@ -9,7 +9,7 @@ import torch
 
 from tests.models.gpt_test_config import llama_config
 
-from longspan.config.rules.model import (
+from longspan.config.rules.sliding_window import (
     layer_types_from_windows,
     layer_windows,
     window_pattern_from_layer_types,

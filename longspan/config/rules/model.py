@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from longspan.config.rules.moe import check_moe
+from longspan.config.rules.sliding_window import layer_windows
 from longspan.core.errors import ConfigError, NotSupportedError
 
 # TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
@@ -55,9 +57,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     "expert_model_parallel_size": 1,
 }
 
-SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
-MOE_UNSUPPORTED_FIELDS = ("moe_layer_recompute",)
-ROUTER_DTYPES = (None, "fp32", "fp64")
 
 
 def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str) -> None:
@@ -415,137 +414,6 @@ def _check_recompute(config: Any) -> None:
         )
 
 
-def single_value(value: Any, field: str) -> Any:
-    """A scalar setting that Megatron also accepts as a one-element list."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise NotSupportedError(
-                f"model.{field}={list(value)!r}: only one load-balancing type (and one coefficient) is supported"
-            )
-        return value[0]
-    return value
-
-
-def moe_layer_flags(freq: Any, num_layers: int) -> list[bool]:
-    """Which layers are MoE layers: an int ``n`` makes every n-th layer (0, n, 2n, ...) MoE, a list is a 0/1
-    pattern per layer (Megatron's ``moe_layer_freq``)."""
-    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
-        raise ConfigError(f"model.moe_layer_freq={freq!r} must be a positive int or a 0/1 list per layer")
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ConfigError(f"model.moe_layer_freq={freq} must be >= 1 (or a 0/1 list per layer)")
-        return [i % freq == 0 for i in range(num_layers)]
-    if len(freq) != num_layers or any(x not in (0, 1, True, False) for x in freq):
-        raise ConfigError(
-            f"model.moe_layer_freq={list(freq)!r} must hold one 0/1 entry per layer ({num_layers} layers)"
-        )
-    return [bool(x) for x in freq]
-
-
-def routing_groups(config: Any) -> tuple[Any, Any]:
-    """(moe_router_num_groups, moe_router_group_topk) of group-limited routing. Device-limited routing
-    (``moe_router_topk_limited_devices=M``) is the same routing with one group per expert-parallel rank:
-    (expert_model_parallel_size, M), as megatron-core's TransformerConfig maps it."""
-    limited = getattr(config, "moe_router_topk_limited_devices", None)
-    if limited:
-        return getattr(config, "expert_model_parallel_size", 1) or 1, limited
-    return getattr(config, "moe_router_num_groups", None), getattr(config, "moe_router_group_topk", None)
-
-
-def _check_routing_groups(config: Any, experts: int, topk: int) -> None:
-    groups, group_topk = getattr(config, "moe_router_num_groups", None), getattr(config, "moe_router_group_topk", None)
-    limited = getattr(config, "moe_router_topk_limited_devices", None)
-    if limited is not None and (isinstance(limited, bool) or not isinstance(limited, int) or limited < 1):
-        raise ConfigError(f"model.moe_router_topk_limited_devices={limited!r} must be a positive integer (or None)")
-    if limited and (groups or group_topk):
-        raise ConfigError(
-            f"model.moe_router_topk_limited_devices={limited} and model.moe_router_num_groups={groups!r} / "
-            f"model.moe_router_group_topk={group_topk!r} both limit the routing: set only one"
-        )
-    if limited:
-        ep = getattr(config, "expert_model_parallel_size", 1) or 1
-        if limited > ep or topk % limited:
-            raise ConfigError(
-                f"model.moe_router_topk_limited_devices={limited} must be at most expert_model_parallel_size "
-                f"({ep}) and divide moe_router_topk ({topk})"
-            )
-        return
-    if bool(groups) != bool(group_topk):
-        raise ConfigError(
-            f"model.moe_router_num_groups={groups!r} and model.moe_router_group_topk={group_topk!r} must be set together"
-        )
-    if groups and (experts % groups or group_topk > groups or topk % group_topk):
-        raise ConfigError(
-            f"group-limited routing needs num_moe_experts ({experts}) divisible by moe_router_num_groups ({groups}), "
-            f"moe_router_group_topk ({group_topk}) <= moe_router_num_groups and dividing moe_router_topk ({topk})"
-        )
-
-
-def _check_aux_loss_free_routing(config: Any, score: str) -> None:
-    """The expert bias (sigmoid scores only, as megatron-core) and the router input jitter."""
-    if getattr(config, "moe_router_enable_expert_bias", False):
-        if score != "sigmoid":
-            raise ConfigError(
-                f"model.moe_router_enable_expert_bias=True needs model.moe_router_score_function='sigmoid' "
-                f"(got {score!r})"
-            )
-        if getattr(config, "moe_pad_expert_input_to_capacity", False):
-            # megatron-core counts the padded routing map: every expert at its capacity, so the bias never moves.
-            raise ConfigError(
-                "model.moe_router_enable_expert_bias=True with model.moe_pad_expert_input_to_capacity=True: every "
-                "expert's padded input is its capacity, so the bias would never move; unset one of them"
-            )
-        rate = getattr(config, "moe_router_bias_update_rate", 1e-3)
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
-            raise ConfigError(f"model.moe_router_bias_update_rate={rate!r} must be a number >= 0")
-    eps = getattr(config, "moe_input_jitter_eps", None)
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
-        raise ConfigError(f"model.moe_input_jitter_eps={eps!r} must be between 0 and 1 (exclusive), or None")
-
-
-def check_moe(config: Any) -> None:
-    """The MoE fields' checks (nothing to check for a dense model: ``num_moe_experts`` None or 0)."""
-    experts = getattr(config, "num_moe_experts", None)
-    if not experts:
-        return
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise ConfigError(f"model.num_moe_experts={experts!r} must be a positive integer (or None for dense)")
-    topk = getattr(config, "moe_router_topk", 2)
-    if not isinstance(topk, int) or not 1 <= topk <= experts:
-        raise ConfigError(f"model.moe_router_topk={topk!r} must be between 1 and num_moe_experts={experts}")
-    balancing = single_value(getattr(config, "moe_router_load_balancing_type", "aux_loss"),
-                             "moe_router_load_balancing_type")
-    if balancing not in SUPPORTED_LOAD_BALANCING:
-        raise NotSupportedError(
-            f"model.moe_router_load_balancing_type={balancing!r} is not supported: use 'aux_loss' or 'none'"
-        )
-    single_value(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff")
-    score = getattr(config, "moe_router_score_function", "softmax")
-    if score not in ("softmax", "sigmoid"):
-        raise ConfigError(f"model.moe_router_score_function={score!r} must be 'softmax' or 'sigmoid'")
-    _check_routing_groups(config, experts, topk)
-    _check_aux_loss_free_routing(config, score)
-    if getattr(config, "moe_router_dtype", None) not in ROUTER_DTYPES:
-        raise ConfigError(f"model.moe_router_dtype={config.moe_router_dtype!r} must be None, 'fp32' or 'fp64'")
-    capacity = getattr(config, "moe_expert_capacity_factor", None)
-    if capacity is not None and capacity <= 0:
-        raise ConfigError(f"model.moe_expert_capacity_factor={capacity!r} must be positive (or None: dropless)")
-    drop_policy = getattr(config, "moe_token_drop_policy", "probs")
-    if drop_policy not in ("probs", "position"):
-        raise ConfigError(f"model.moe_token_drop_policy={drop_policy!r} must be 'probs' or 'position'")
-    if getattr(config, "moe_pad_expert_input_to_capacity", False) and capacity is None:
-        raise ConfigError("model.moe_pad_expert_input_to_capacity=True needs model.moe_expert_capacity_factor")
-    if getattr(config, "moe_token_dropping", False) and capacity is None:
-        raise ConfigError(
-            "model.moe_token_dropping=True needs model.moe_expert_capacity_factor (the capacity beyond which "
-            "tokens are dropped; None means dropless)"
-        )
-    for field in MOE_UNSUPPORTED_FIELDS:
-        value = getattr(config, field, None)
-        if value:
-            raise NotSupportedError(f"model.{field}={value!r} is not supported by longspan's MoE layer: unset it")
-
-
 def check_t5_model(config: Any) -> None:
     """The T5 model's checks."""
     check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
@@ -645,90 +513,3 @@ def mamba_inner_size(config: Any) -> tuple[int, int]:
             "(or set model.mamba_num_heads)"
         )
     return d_inner, d_inner // head_size
-
-
-# ------------------------------------------------------------------------------------ sliding-window attention
-#
-# Megatron's ``window_size=(left, right)``: a query at position i attends to keys j with i - left <= j <= i + right
-# (flash-attention's convention; -1 = unbounded), so ``left`` counts the past tokens and the window holds
-# ``left + 1`` positions with the query itself. HF's ``sliding_window=W`` (Mistral, Qwen2, Gemma: transformers'
-# ``sliding_window_overlay``, ``kv_idx > q_idx - W``) holds W positions with the query itself, i.e. left = W - 1.
-# longspan's per-layer ``layer_windows`` use HF's count: w = left + 1, None = full causal attention.
-
-
-def _window_left(config: Any) -> int | None:
-    """The checked ``window_size`` left extent, or None when the model has no window."""
-    window = getattr(config, "window_size", None)
-    skip = getattr(config, "window_attn_skip_freq", None)
-    if window is None:
-        if skip is not None:
-            raise ConfigError(
-                f"model.window_attn_skip_freq={skip!r} needs model.window_size (the sliding window it alternates "
-                "with full attention): set window_size=[left, 0] or unset window_attn_skip_freq"
-            )
-        return None
-    if (not isinstance(window, (list, tuple)) or len(window) != 2
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in window)):
-        raise ConfigError(f"model.window_size={window!r} must be two integers [left, right] (or None)")
-    left, right = window
-    if right != 0:
-        raise NotSupportedError(
-            f"model.window_size={list(window)!r}: right={right} is not supported: a causal language model "
-            "attends to no later token, use [left, 0]"
-        )
-    if left < -1:
-        raise ConfigError(
-            f"model.window_size={list(window)!r}: left={left} must be >= 0 (past tokens each token sees) or -1 "
-            "(unbounded: full attention)"
-        )
-    return None if left == -1 else left
-
-
-def window_layer_flags(skip_freq: Any, num_layers: int) -> list[bool]:
-    """Which layers use the sliding window (Megatron's ``window_attn_skip_freq``): None -> every layer; an int N
-    -> all but every N-th layer (layers with ``(i + 1) % N == 0``, 0-based i, are full attention); a list -> its
-    0/1 entry per layer (1 = sliding window)."""
-    if skip_freq is None:
-        return [True] * num_layers
-    if isinstance(skip_freq, bool) or not isinstance(skip_freq, (int, list, tuple)):
-        raise ConfigError(
-            f"model.window_attn_skip_freq={skip_freq!r} must be a positive int or a 0/1 list per layer (or None)"
-        )
-    if isinstance(skip_freq, int):
-        if skip_freq < 1:
-            raise ConfigError(f"model.window_attn_skip_freq={skip_freq} must be >= 1 (or a 0/1 list per layer)")
-        return [(i + 1) % skip_freq != 0 for i in range(num_layers)]
-    if len(skip_freq) != num_layers or any(x not in (0, 1) for x in skip_freq):
-        raise ConfigError(
-            f"model.window_attn_skip_freq={list(skip_freq)!r} must hold one 0/1 entry per layer ({num_layers} "
-            "layers; 1 = sliding window, 0 = full attention)"
-        )
-    return [bool(x) for x in skip_freq]
-
-
-def layer_windows(config: Any) -> list[int | None]:
-    """Each layer's attention window (checked): the number of positions a token attends to, itself included
-    (HF's ``sliding_window``; Megatron's left extent + 1), or None for full causal attention."""
-    left = _window_left(config)
-    flags = window_layer_flags(getattr(config, "window_attn_skip_freq", None), config.num_layers)
-    if left is None:
-        return [None] * config.num_layers
-    return [left + 1 if sliding else None for sliding in flags]
-
-
-def window_pattern_from_layer_types(layer_types: list[str]) -> list[int]:
-    """HF ``layer_types`` (``"sliding_attention"`` / ``"full_attention"`` per layer) as the 0/1 list of
-    ``window_attn_skip_freq`` (1 = sliding window)."""
-    pattern = []
-    for i, kind in enumerate(layer_types):
-        if kind not in ("sliding_attention", "full_attention"):
-            raise NotSupportedError(
-                f"config.json layer_types[{i}]={kind!r} is not supported: use 'sliding_attention' or 'full_attention'"
-            )
-        pattern.append(1 if kind == "sliding_attention" else 0)
-    return pattern
-
-
-def layer_types_from_windows(windows: list[int | None]) -> list[str]:
-    """The inverse: HF ``layer_types`` of per-layer windows."""
-    return ["full_attention" if w is None else "sliding_attention" for w in windows]

@@ -17,7 +17,7 @@ def _train_with_hash_checks_then_perturb(run_dir: str, tp: int, fsdp: bool = Fal
 
     from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
-    from longspan.training.train import check_param_hashes_across_dp_replicas, replicated_parameter_count
+    from longspan.parallel.replica_hash import check_param_hashes_across_dp_replicas, replicated_parameter_count
     from tests.training.pretrain_helpers import small_config
 
     seen = {}

@@ -1,0 +1,105 @@
+"""LoRA on multi-latent attention: the MLA projections (linear_q_proj, or linear_q_down_proj + linear_q_up_proj;
+linear_kv_down_proj, linear_kv_up_proj; linear_proj) take adapters under their own names (megatron-core's, as
+Bridge's DeepSeek / Moonlight recipes target them), the adapters train (loss falls, the base stays frozen), and
+the merged weights are base + scale·B·A."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspan.config.schema.optim import OptimizerConfig
+from longspan.core.errors import ConfigError
+from longspan.models.gpt import build_gpt_model, init_weights
+from longspan.peft import CanonicalLoRA, LoRA
+from longspan.peft.adapters import init_adapters, is_adapter_key, merged_state_dict
+from longspan.peft.modules import LoRALinear
+from longspan.training.optim.optimizer import get_megatron_optimizer
+from tests.models.test_mla import mla_config
+
+SEED = 7
+MLA_TARGETS = {24: ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                    "linear_proj"],
+               None: ["linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]}
+
+
+def _adapted(cfg, peft):
+    model = build_gpt_model(cfg, materialize=False)
+    peft.apply(model)
+    init_weights(model, seed=SEED)
+    init_adapters([model], SEED)
+    return model
+
+
+def _base(cfg):
+    model = build_gpt_model(cfg, materialize=False)
+    init_weights(model, seed=SEED)
+    return model
+
+
+def _adapted_names(model) -> set[str]:
+    return {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q_lora", "no_q_lora"])
+@pytest.mark.parametrize("peft_class", [LoRA, CanonicalLoRA])
+def test_mla_projections_take_adapters_by_name(q_lora_rank, peft_class) -> None:
+    cfg = mla_config(q_lora_rank=q_lora_rank)
+    model = _adapted(cfg, peft_class(target_modules=MLA_TARGETS[q_lora_rank], dim=4, alpha=8))
+    assert _adapted_names(model) == set(MLA_TARGETS[q_lora_rank])
+    per_layer = {n for n, m in model.named_modules() if isinstance(m, LoRALinear) and ".layers.1." in n}
+    assert len(per_layer) == len(MLA_TARGETS[q_lora_rank])
+
+
+def test_default_lora_targets_cover_the_mla_output_projection_and_mlp() -> None:
+    """Bridge's default targets (linear_qkv, linear_proj, linear_fc1, linear_fc2): MLA has no linear_qkv; the
+    rest adapt."""
+    model = _adapted(mla_config(), LoRA(dim=4, alpha=8))
+    assert _adapted_names(model) == {"linear_proj", "linear_fc1", "linear_fc1_gate", "linear_fc2"}
+
+
+def test_a_target_matching_nothing_names_the_mla_projections() -> None:
+    with pytest.raises(ConfigError, match="linear_kv_down_proj"):
+        _adapted(mla_config(), LoRA(target_modules=["linear_nope"], dim=4, alpha=8))
+
+
+def test_lora_on_mla_trains_and_merges_into_base_plus_scaled_ba() -> None:
+    cfg = mla_config()
+    peft = LoRA(target_modules=MLA_TARGETS[24], dim=4, alpha=8)
+    model = _adapted(cfg, peft)
+    base = _base(cfg).eval()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_key(n)}
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0), [model])
+    ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, 1)
+    losses = []
+    for _ in range(12):
+        loss = model(ids, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.95, losses
+    for name, p in model.named_parameters():
+        if not is_adapter_key(name):
+            assert torch.equal(p, frozen[name]), name
+
+    merged = merged_state_dict(model)
+    base_state = base.state_dict()
+    scale = peft.alpha / peft.dim
+    checked = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoRALinear):
+            continue
+        a, b = layer.adapter.shared_in.weight, layer.adapter.linear_out.weight
+        assert b.abs().max() > 0  # trained away from the zero start
+        expected = base_state[f"{name}.weight"] + scale * (b @ a)
+        torch.testing.assert_close(merged[f"{name}.weight"], expected, rtol=0, atol=1e-6)
+        checked += 1
+    assert checked == 2 * len(MLA_TARGETS[24])
+    plain = build_gpt_model(cfg, materialize=False)
+    plain.to_empty(device="cpu")
+    plain.load_state_dict(merged)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(ids), model(ids), rtol=1e-5, atol=1e-5)

@@ -37,6 +37,11 @@ from longspan.models.mla import yarn_mscale
 # rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
 HF_LATENT_NORM_EPS = 1e-6
 
+# transformers' DeepseekV3Config defaults for the MoE keys a config.json may leave out (GLM's differ).
+HF_MOE_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                       first_k_dense_replace=3, n_group=8, topk_group=4, norm_topk_prob=True,
+                       routed_scaling_factor=2.5)
+
 
 def _check_deepseek_config(cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_act", "silu")
@@ -83,9 +88,8 @@ def _mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _has_moe_layers(cfg: dict[str, Any]) -> bool:
-    dense = cfg.get("first_k_dense_replace")
-    return bool(cfg.get("n_routed_experts")) and (dense is None or int(dense) < int(cfg["num_hidden_layers"]))
+def _with_moe_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**HF_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k not in HF_MOE_DEFAULTS}}
 
 
 def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -120,8 +124,9 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     out.update(_mla_rope_fields(cfg))
     out.update(dtype_fields(cfg))
-    if _has_moe_layers(cfg):
-        out.update(deepseek_moe_fields(cfg, out["num_layers"]))
+    moe_cfg = _with_moe_defaults(cfg)
+    if moe_cfg["n_routed_experts"] and int(moe_cfg["first_k_dense_replace"]) < out["num_layers"]:
+        out.update(deepseek_moe_fields(moe_cfg, out["num_layers"]))
     log_skipped_mtp(cfg, "DeepSeek-V3")
     return out
 

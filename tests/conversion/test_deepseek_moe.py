@@ -148,3 +148,24 @@ def test_multi_token_prediction_layer_is_skipped_with_a_log_line(tmp_path, caplo
     assert len(lines) >= 1 and f"model.layers.{LAYERS}..{LAYERS}" in lines[0] and "DeepSeek-V3" in lines[0]
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     assert (ours_logits(model[0], tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-5
+
+
+def test_moe_keys_left_out_of_config_json_take_transformers_defaults(tmp_path):
+    """A config.json without the MoE keys means transformers' DeepseekV3Config defaults (3 dense layers, 2.5
+    scaling, 8 groups keeping 4, one shared expert), not GLM's."""
+    import json
+
+    defaults = transformers.DeepseekV3Config()
+    src = tmp_path / "hf"
+    save_random_deepseek_moe(src, 24, num_hidden_layers=5)
+    cfg = read_config(src)
+    for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"):
+        cfg.pop(key)
+    (src / "config.json").write_text(json.dumps(cfg))
+    provider = AutoBridge.from_hf_pretrained(src).to_megatron_provider(load_weights=False)
+    assert provider.num_moe_experts == defaults.n_routed_experts and provider.moe_router_topk == 8
+    assert provider.moe_layer_freq == [0] * defaults.first_k_dense_replace + [1, 1]
+    assert provider.moe_router_topk_scaling_factor == defaults.routed_scaling_factor
+    assert (provider.moe_router_num_groups, provider.moe_router_group_topk) == (defaults.n_group, defaults.topk_group)
+    assert provider.moe_shared_expert_intermediate_size == defaults.moe_intermediate_size

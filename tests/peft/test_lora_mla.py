@@ -1,7 +1,8 @@
 """LoRA on multi-latent attention: the MLA projections (linear_q_proj, or linear_q_down_proj + linear_q_up_proj;
 linear_kv_down_proj, linear_kv_up_proj; linear_proj) take adapters under their own names (megatron-core's, as
 Bridge's DeepSeek / Moonlight recipes target them), the adapters train (loss falls, the base stays frozen), and
-the merged weights are base + scale·B·A."""
+the merged weights are base + scale·B·A; under TP2 they train as on one process, and they export in HF PEFT
+format onto DeepSeek-V3 with transformers + peft computing the same logits."""
 
 from __future__ import annotations
 
@@ -171,3 +172,45 @@ def test_lora_on_mla_under_tp2_matches_one_process(tmp_path) -> None:
     for it, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, want), start=1):
         assert loss == pytest.approx(want_loss, rel=1e-5), (it, loss, want_loss)
         assert norm == pytest.approx(want_norm, rel=1e-5), (it, norm, want_norm)
+
+
+# --------------------------------------------------------------- HF PEFT export of MLA adapters
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q_lora", "no_q_lora"])
+def test_mla_adapters_export_to_hf_peft_on_deepseek_v3(q_lora_rank, tmp_path) -> None:
+    """Adapters on an imported DeepSeek-V3 (MoE) model's MLA projections, written in HF PEFT format
+    (q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), load with peft onto transformers'
+    model and give longspan's logits."""
+    import peft as hf_peft
+
+    from longspan.conversion import AutoBridge
+    from longspan.peft.hf_export import save_hf_peft_adapter
+    from tests.conversion.test_deepseek_moe import VOCAB, save_random_deepseek_moe
+
+    hf = save_random_deepseek_moe(tmp_path / "hf", q_lora_rank)
+    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
+    model = bridge.to_megatron_model()[0]
+    config = LoRA(target_modules=MLA_TARGETS[q_lora_rank], dim=4, alpha=8)
+    config.apply(model)
+    init_adapters([model], seed=5)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_out.weight"):  # as after training: non-zero B
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        base = hf(input_ids=tokens).logits
+    save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    peft_model = hf_peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (theirs - base).abs().max().item() > 1e-3  # the adapters change the outputs
+    attn = peft_model.base_model.model.model.layers[1].self_attn
+    adapted = {n for n in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+               if hasattr(getattr(attn, n, None), "lora_A")}
+    assert adapted == ({"q_a_proj", "q_b_proj"} if q_lora_rank else {"q_proj"}) | {"kv_a_proj_with_mqa",
+                                                                                   "kv_b_proj", "o_proj"}

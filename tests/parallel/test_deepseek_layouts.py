@@ -5,7 +5,7 @@ first layer, group-limited sigmoid routing with non-zero routing biases, a share
   bit-identical to the source;
 - trained by ``pretrain`` under EP2 on 2 ranks (dropout off; the routing biases move every step) it gives one
   process's per-iteration losses and grad norms (relative 1e-5 over 8 iterations);
-- the ``tiny-deepseek`` recipe from random weights under EP2 and TP2 gives one process's losses and grad norms
+- the ``tiny-deepseek`` recipe from random weights under EP2, TP2 and PP2 gives one process's losses and grad norms
   (relative 1e-5 over 8 iterations).
 """
 
@@ -62,7 +62,7 @@ def test_deepseek_moe_pretrain_ep2_matches_one_process(tmp_path):
     assert ref[-1]["losses"]["lm loss"] < ref[0]["losses"]["lm loss"]
 
 
-def _recipe_config(run_dir: str, ep: int = 1, tp: int = 1):
+def _recipe_config(run_dir: str, ep: int = 1, tp: int = 1, pp: int = 1):
     """``tiny-deepseek`` from random weights (MLA with query compression, a dense first layer, 8 routed + 1 shared
     expert, expert bias) shrunk to seconds: mock data, 64-token sequences, dropout off."""
     from longspan.recipes import get_recipe
@@ -71,7 +71,7 @@ def _recipe_config(run_dir: str, ep: int = 1, tp: int = 1):
     m = cfg.model
     m.hidden_size, m.ffn_hidden_size, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size = 64, 128, 32, 32
     m.num_attention_heads, m.seq_length, m.vocab_size = 4, 64, None
-    m.expert_model_parallel_size, m.tensor_model_parallel_size = ep, tp
+    m.expert_model_parallel_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size = ep, tp, pp
     cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
     cfg.dataset.data_path, cfg.dataset.sequence_length = None, 64
     t = cfg.train
@@ -84,20 +84,21 @@ def _recipe_config(run_dir: str, ep: int = 1, tp: int = 1):
     return cfg
 
 
-def _recipe_pretrain(run_dir: str, ep: int = 1, tp: int = 1) -> None:
+def _recipe_pretrain(run_dir: str, ep: int = 1, tp: int = 1, pp: int = 1) -> None:
     from longspan.training.pretrain import pretrain
 
-    pretrain(_recipe_config(run_dir, ep, tp))
+    pretrain(_recipe_config(run_dir, ep, tp, pp))
 
 
-RECIPE_LAYOUTS = {"ep2": (2, 1), "tp2": (1, 2)}
+RECIPE_LAYOUTS = {"ep2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(RECIPE_LAYOUTS))
 def test_tiny_deepseek_from_random_weights_under_layout_matches_one_process(tmp_path, layout):
     """Random initialization, MLA and the MoE layers (with the per-step routing-bias update from the DP-summed
-    token counts) give one process's losses and grad norms under EP2 and TP2."""
+    token counts) give one process's losses and grad norms under EP2, TP2 and PP2 (the dense and one MoE
+    layer on the first stage, two MoE layers on the second)."""
     _recipe_pretrain(str(tmp_path / "one"))
     get_shared_pool(2).run(_recipe_pretrain, str(tmp_path / layout), *RECIPE_LAYOUTS[layout], timeout=300)
     ref, got = _logged(str(tmp_path / "one")), _logged(str(tmp_path / layout))

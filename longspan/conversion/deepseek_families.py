@@ -89,7 +89,7 @@ def _mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_moe_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {**HF_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k not in HF_MOE_DEFAULTS}}
+    return {**HF_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
 
 
 def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:

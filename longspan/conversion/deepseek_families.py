@@ -1,8 +1,19 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi K2, Moonlight) config translation: multi-latent
-attention (``longspan.models.mla``) with DeepSeek's interleaved rotary channels, RoPE or YaRN.
+attention (``longspan.models.mla``) with DeepSeek's interleaved rotary channels, RoPE or YaRN, and DeepSeek's
+mixture of experts.
 
-The converter handles dense DeepSeek-V3 models (``first_k_dense_replace`` >= ``num_hidden_layers``: every layer
-has the dense MLP); its mixture-of-experts layers (sigmoid routing with an expert bias) are not converted yet.
+What maps where (``mapping.DEEPSEEK_V3_MOE``):
+
+- every layer ``model.layers.{i}.self_attn.*``: multi-latent attention (``mapping.DEEPSEEK_V3_ATTENTION``);
+- the first ``first_k_dense_replace`` layers ``mlp.{gate,up,down}_proj``: the dense MLP of ``intermediate_size``;
+- the later layers the DeepSeek-style MoE shared with GLM-4.5 (``mapping.DEEPSEEK_MOE_MLP``, config keys through
+  ``glm_families.deepseek_moe_fields``): the router ``mlp.gate.weight`` with its aux-loss-free routing bias
+  ``mlp.gate.e_score_correction_bias`` (longspan's float32 ``router.expert_bias`` buffer), the routed experts
+  ``mlp.experts.{e}.*`` stacked into one slab per projection, and ``mlp.shared_experts.*`` as one MLP of
+  ``n_shared_experts * moe_intermediate_size``;
+- the multi-token-prediction layers a checkpoint may carry after the decoder (``num_nextn_predict_layers``,
+  stored as ``model.layers.{num_hidden_layers + k}.*``) are not imported (one log line says so) and the export
+  writes none (``num_nextn_predict_layers=0``).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from longspan.conversion.config_fields import (
     rope_fields,
     vocab_divisor,
 )
+from longspan.conversion.glm_families import deepseek_moe_fields, deepseek_moe_hf_fields, log_skipped_mtp
 from longspan.core.errors import NotSupportedError
 from longspan.models.mla import yarn_mscale
 
@@ -25,19 +37,16 @@ from longspan.models.mla import yarn_mscale
 # rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
 HF_LATENT_NORM_EPS = 1e-6
 
+# transformers' DeepseekV3Config defaults for the MoE keys a config.json may leave out (GLM's differ).
+HF_MOE_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                       first_k_dense_replace=3, n_group=8, topk_group=4, norm_topk_prob=True,
+                       routed_scaling_factor=2.5)
+
 
 def _check_deepseek_config(cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
         raise NotSupportedError(f"config.json hidden_act={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}")
-    layers = required(cfg, "num_hidden_layers")
-    dense = cfg.get("first_k_dense_replace")
-    if cfg.get("n_routed_experts") and (dense is None or dense < layers):
-        raise NotSupportedError(
-            f"config.json first_k_dense_replace={dense!r} with num_hidden_layers={layers}: DeepSeek-V3's "
-            "mixture-of-experts layers are not supported yet by the converter (only dense models, "
-            "first_k_dense_replace >= num_hidden_layers)"
-        )
     eps = float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS))
     if eps != HF_LATENT_NORM_EPS:
         raise NotSupportedError(
@@ -79,8 +88,12 @@ def _mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_moe_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**HF_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+
+
 def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    """GPTModelProvider fields of a (dense) ``DeepseekV3ForCausalLM`` config.json."""
+    """GPTModelProvider fields of a ``DeepseekV3ForCausalLM`` config.json (dense or with MoE layers)."""
     _check_deepseek_config(cfg)
     heads = required(cfg, "num_attention_heads")
     vocab = required(cfg, "vocab_size")
@@ -111,6 +124,10 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     out.update(_mla_rope_fields(cfg))
     out.update(dtype_fields(cfg))
+    moe_cfg = _with_moe_defaults(cfg)
+    if moe_cfg["n_routed_experts"] and int(moe_cfg["first_k_dense_replace"]) < out["num_layers"]:
+        out.update(deepseek_moe_fields(moe_cfg, out["num_layers"]))
+    log_skipped_mtp(cfg, "DeepSeek-V3")
     return out
 
 
@@ -139,7 +156,7 @@ def _rope_hf(p: Any) -> dict[str, Any]:
 
 
 def deepseek_v3_hf(p: Any) -> dict[str, Any]:
-    """config.json of a multi-latent attention provider as a dense ``DeepseekV3ForCausalLM``."""
+    """config.json of a multi-latent attention provider as a ``DeepseekV3ForCausalLM`` (dense or MoE)."""
     act = hf_activation(p)
     if not getattr(p, "multi_latent_attention", False):
         raise NotSupportedError("DeepSeek-V3 export needs multi_latent_attention=True")
@@ -153,10 +170,8 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
             f"layernorm_epsilon={p.layernorm_epsilon!r}: DeepSeek-V3 in transformers normalizes the latents with eps "
             f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs layernorm_epsilon={HF_LATENT_NORM_EPS}"
         )
-    if p.add_bias_linear or p.num_moe_experts:
-        raise NotSupportedError(
-            "DeepSeek-V3 export supports bias-free dense models only (add_bias_linear=False, num_moe_experts=None)"
-        )
+    if p.add_bias_linear:
+        raise NotSupportedError("DeepSeek-V3 export supports bias-free models only (add_bias_linear=False)")
     out = dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
@@ -178,6 +193,9 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
         initializer_range=float(p.init_method_std),
         attention_bias=False,
         rope_interleave=True,
+        num_nextn_predict_layers=0,
     )
     out.update(_rope_hf(p))
+    if p.num_moe_experts:
+        out.update(deepseek_moe_hf_fields(p))
     return out

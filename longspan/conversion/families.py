@@ -96,7 +96,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, gpt2_provider, gpt2_hf),
     Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, mixtral_provider, mixtral_hf),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3, deepseek_v3_provider,
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
            deepseek_v3_hf),
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",

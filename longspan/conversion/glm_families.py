@@ -58,11 +58,12 @@ def _routing_groups(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, A
     return dict(moe_router_num_groups=groups, moe_router_group_topk=keep)
 
 
-def _log_skipped_mtp(cfg: dict[str, Any]) -> None:
+def log_skipped_mtp(cfg: dict[str, Any], family: str) -> None:
+    """One log line naming the multi-token-prediction layers (after the decoder) that the import leaves out."""
     mtp = int(cfg.get("num_nextn_predict_layers") or 0)
     if mtp:
         first = int(cfg["num_hidden_layers"])
-        _log.info(f"GLM-4.5: config.json num_nextn_predict_layers={mtp}: the multi-token-prediction layers "
+        _log.info(f"{family}: config.json num_nextn_predict_layers={mtp}: the multi-token-prediction layers "
                   f"model.layers.{first}..{first + mtp - 1} are not imported")
 
 
@@ -104,7 +105,7 @@ def glm4_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     out = llama_provider(dict(rope_cfg, attention_bias=False), eps_default=1e-5)
     out.update(add_qkv_bias=bool(cfg.get("attention_bias", False)), qk_layernorm=bool(cfg.get("use_qk_norm", False)))
     out.update(deepseek_moe_fields(cfg, out["num_layers"]))
-    _log_skipped_mtp(cfg)
+    log_skipped_mtp(cfg, "GLM-4.5")
     return out
 
 

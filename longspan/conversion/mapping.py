@@ -365,3 +365,7 @@ GPT_OSS = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + (
     _layer("mlp.experts.linear_fc2.bias", "mlp.experts.down_proj_bias", stacked=True),
 )
 
+
+# DeepSeek-V3 with mixture-of-experts layers: MLA on every layer, Llama's dense MLP names on the first
+# first_k_dense_replace layers, the DeepSeek-style MoE (router + routing bias, routed and shared experts) after.
+DEEPSEEK_V3_MOE = DEEPSEEK_V3 + DEEPSEEK_MOE_MLP

@@ -10,7 +10,10 @@ calls the layer that holds its weight) and a canonical name (CanonicalLoRA's spl
     X.mlp.linear_fc1_gate           X.mlp.linear_fc1             X.mlp.linear_fc1_gate
     X.mlp.linear_fc2                (same)                       (same)
 
-(and the same under ``mlp.shared_experts``). A ``target_modules`` entry without ``*``/``?`` matches the last
+(and the same under ``mlp.shared_experts``). Multi-latent attention's projections keep their own names in all
+three, as in megatron-core's MLA (Bridge's DeepSeek / Moonlight recipes target them by these names):
+``linear_q_proj`` (no query compression) or ``linear_q_down_proj`` + ``linear_q_up_proj``, ``linear_kv_down_proj``,
+``linear_kv_up_proj``, and ``linear_proj``. A ``target_modules`` entry without ``*``/``?`` matches the last
 component of that name (Bridge's rule) or the whole name; with wildcards it is an fnmatch pattern over the
 whole name. Only the linear layers of transformer layers are candidates (not the output layer).
 """
@@ -35,7 +38,8 @@ logger = get_logger(__name__)
 
 ADAPTER_MARKER = ".adapter."
 _ATTENTION = ("linear_q", "linear_k", "linear_v")
-_CANDIDATES = _ATTENTION + ("linear_proj", "linear_fc1", "linear_fc1_gate", "linear_fc2")
+_MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+_CANDIDATES = _ATTENTION + _MLA + ("linear_proj", "linear_fc1", "linear_fc1_gate", "linear_fc2")
 
 
 # Non-parameter state the trainer updates while the base is frozen: the aux-loss-free routing bias (moved every
@@ -114,7 +118,8 @@ def plan_adapters(model: nn.Module, peft: Any) -> "OrderedDict[str, list[str]]":
             f"peft.target_modules={peft.target_modules!r} (exclude_modules={peft.exclude_modules!r}) matches no "
             "linear layer of the model; valid names: " + ", ".join(
                 ("linear_q linear_k linear_v linear_proj linear_fc1_up linear_fc1_gate linear_fc2"
-                 if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2").split())
+                 if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2").split()
+                + list(_MLA))
         )
     return groups
 

@@ -14,6 +14,7 @@ from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
 from longspan.recipes.moe_finetune import moe_lora
 from longspan.recipes.small_models import gemma3, llama32, llama32_3b
 from longspan.recipes.tiny import tiny
+from longspan.recipes.tiny_deepseek import tiny_deepseek
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
 from longspan.recipes.tiny_t5 import tiny_t5
@@ -22,6 +23,7 @@ from longspan.training.config import ConfigContainer
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny": tiny,
     "tiny_moe": tiny_moe,
+    "tiny_deepseek": tiny_deepseek,
     "tiny_mamba": tiny_mamba,
     "tiny_hybrid": tiny_hybrid,
     "tiny_t5": tiny_t5,
@@ -54,5 +56,5 @@ def get_recipe(name: str) -> ConfigContainer:
     return RECIPES[key]()
 
 
-__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",
+__all__ = ["RECIPES", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",
            "llama32_3b", "sft", "lora", "dora", "moe_lora"]

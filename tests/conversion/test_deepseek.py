@@ -125,7 +125,6 @@ def test_yarn_softmax_scale_matters(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(first_k_dense_replace=1, n_routed_experts=4), "first_k_dense_replace=1"),
     (dict(rope_interleave=False), "rope_interleave=false"),
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),

@@ -54,7 +54,7 @@ def _attention_steps(seq: int, steps: int, device: Any, group: Any) -> list[floa
     import torch
     import torch.distributed as dist
 
-    from longspan.models.transformer import core_attention
+    from longspan.models.attention import core_attention
     from longspan.parallel.context_parallel import context_parallel_attention, split_for_context_parallel
 
     torch.manual_seed(0)

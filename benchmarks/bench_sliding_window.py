@@ -1,7 +1,7 @@
 """Sliding-window attention cost per token: full causal attention against a window of 512, sequences 2k -> 16k.
 
 Grouped-query attention alone (8 query heads, 4 kv groups, head dim 64, batch 1), forward and backward, through
-longspan's attention core (``longspan.models.transformer.core_attention``):
+longspan's attention core (``longspan.models.attention.core_attention``):
 
 - ``full causal``: no mask, SDPA's ``is_causal`` path (what a full-attention layer runs);
 - ``window W``: a ``WindowedMask(W)`` (what a sliding-window layer runs): on long sequences the block-local path
@@ -30,7 +30,7 @@ def _step_times(seq: int, window: int | None, steps: int) -> list[float]:
     import torch
 
     from longspan.models.sliding_window import WindowedMask
-    from longspan.models.transformer import core_attention
+    from longspan.models.attention import core_attention
 
     g = torch.Generator().manual_seed(seq)
     q = torch.randn(1, HEADS, seq, HEAD_DIM, generator=g).requires_grad_()

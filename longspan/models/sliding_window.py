@@ -122,10 +122,20 @@ def windowed_attention(
         else:
             keep = ~_combine(mask.band(q_len, k_len, first, q.device), base)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale)
+    # Chunks are cut with split (whose backward is one concatenation) and each chunk's keys are its own key piece
+    # plus the tail of the previous one (a window never reaches further: chunk >= window), so the backward
+    # costs O(sequence), not a zero-filled full-length gradient per chunk as slicing the whole K/V would.
+    q_pieces = q.split(chunk, dim=2)
+    k_prefix, v_prefix = k[:, :, :first], v[:, :, :first]
+    k_pieces, v_pieces = k[:, :, first:].split(chunk, dim=2), v[:, :, first:].split(chunk, dim=2)
     outs = []
-    for start in range(0, q_len, chunk):
+    for j, start in enumerate(range(0, q_len, chunk)):
         end = min(start + chunk, q_len)
-        key_start, key_end = max(0, first + start - window + 1), first + end
+        prev_k, prev_v = (k_pieces[j - 1], v_pieces[j - 1]) if j > 0 else (k_prefix, v_prefix)
+        tail = min(window - 1, prev_k.shape[2])
+        keys = torch.cat([prev_k[:, :, prev_k.shape[2] - tail:], k_pieces[j]], dim=2)
+        values = torch.cat([prev_v[:, :, prev_v.shape[2] - tail:], v_pieces[j]], dim=2)
+        key_start, key_end = first + start - tail, first + end
         # interior chunks without a caller's mask share one key (the same relative band)
         memo_key = (("chunk", window, q_len, k_len, start, q.device) if base is not None
                     else ("chunk", window, end - start, key_end - key_start, first + start - key_start, q.device))
@@ -135,10 +145,8 @@ def windowed_attention(
             keep = ~_combine(band, None if base is None else base[..., start:end, key_start:key_end])
             if own_base or base is None:
                 mask.memo[memo_key] = keep
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, start:end], k[:, :, key_start:key_end], v[:, :, key_start:key_end], attn_mask=keep,
-            dropout_p=dropout_p, scale=scale,
-        ))
+        outs.append(F.scaled_dot_product_attention(q_pieces[j], keys, values, attn_mask=keep, dropout_p=dropout_p,
+                                                    scale=scale))
     return torch.cat(outs, dim=2)
 
 

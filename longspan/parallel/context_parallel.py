@@ -321,7 +321,7 @@ def context_parallel_attention(
     """Exact attention for load-balanced local ``[b, heads, 2c, d]`` q and ``[b, groups, 2c, d]`` k/v.
 
     Gathers K/V (kv groups only) over ``group`` and runs ``local_attention``; returns this rank's output
-    ``[b, heads, 2c, d]``. Same arguments as ``longspan.models.transformer.core_attention`` plus the group.
+    ``[b, heads, 2c, d]``. Same arguments as ``longspan.models.attention.core_attention`` plus the group.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     k_full = gather_sequence(k, group, seq_dim=2)

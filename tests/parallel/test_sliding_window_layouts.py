@@ -108,7 +108,7 @@ def _cp_case(seq: int, window: int, cp: int, with_base: bool):
 @pytest.mark.parametrize("seq,window,cp", [(64, 8, 2), (64, 20, 2), (96, 5, 3), (32, 64, 2)])
 @pytest.mark.parametrize("with_base", [False, True])
 def test_cp_windowed_attention_equals_one_process_and_skips_blocks(seq, window, cp, with_base):
-    from longspan.models.transformer import core_attention
+    from longspan.models.attention import core_attention
 
     q, k, v, base = _cp_case(seq, window, cp, with_base)
     want = core_attention(q, k, v, sw.WindowedMask(window, base), 0.0, None)

@@ -343,12 +343,27 @@ class WorkerPool:
 
 _SHARED: dict[int, WorkerPool] = {}
 
+# Tasks leave native threads behind in a worker (gloo's, background savers', monitors'); hundreds of them
+# polling kept idle workers at a third of a core each and slowed the whole suite. A shared pool whose worker
+# holds more threads than this is restarted before its next task.
+MAX_WORKER_THREADS = 64
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
 
 def get_shared_pool(world_size: int) -> WorkerPool:
-    """The process-wide pool of ``world_size`` workers (started on first use, closed at exit)."""
+    """The process-wide pool of ``world_size`` workers (started on first use, restarted when a worker has piled
+    up threads, closed at exit)."""
     pool = _SHARED.get(world_size)
     if pool is None:
         pool = _SHARED[world_size] = WorkerPool(world_size)
+    elif pool.alive and any(_thread_count(p.pid) > MAX_WORKER_THREADS for p in pool._procs):
+        pool.close()
     pool.start()
     return pool
 

@@ -129,6 +129,12 @@ def _random_metadata(iter_dir: Path) -> str:
     return f"{iter_dir / '.metadata'} (DCP metadata) cannot be read"
 
 
+def _random_pickle_metadata(iter_dir: Path) -> str:
+    # Starts like a protocol-4 pickle, so the unpickler itself meets the random opcodes.
+    (iter_dir / ".metadata").write_bytes(b"\x80\x04" + os.urandom(300))
+    return f"{iter_dir / '.metadata'} (DCP metadata) cannot be read"
+
+
 def _hostile_metadata(iter_dir: Path) -> str:
     class Hostile:
         def __reduce__(self):  # noqa: D105 - a pickle that would run a command when loaded unsafely
@@ -189,6 +195,7 @@ def _garbage_tracker(iter_dir: Path) -> str:
 
 DAMAGES: dict[str, Callable[[Path], str]] = {
     "random bytes in .metadata": _random_metadata,
+    "random pickle opcodes in .metadata": _random_pickle_metadata,
     "hostile pickle in .metadata": _hostile_metadata,
     "truncated .distcp shard": _truncated_shard,
     "missing .distcp shard": _missing_shard,

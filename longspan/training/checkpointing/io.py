@@ -18,7 +18,9 @@ into one line naming the file and what is wrong.
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -91,6 +93,28 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata never holds")
 
 
+@contextlib.contextmanager
+def _unraisable_collected() -> Iterator[list[Any]]:
+    # A pickle of random bytes can make CPython report an error from a finalizer ("deallocated bytearray
+    # object has exported buffers") on stderr, besides the exception the load raises: keep that line off
+    # the terminal, the load's own error names the file.
+    collected: list[Any] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = collected.append
+    try:
+        yield collected
+    finally:
+        sys.unraisablehook = previous
+
+
+def _unpickle_metadata(payload: bytes) -> Any:
+    # DCP writes .metadata with pickle protocol >= 2, whose stream starts with the PROTO opcode.
+    if not payload.startswith(pickle.PROTO):
+        raise pickle.UnpicklingError("it is not a pickle (DCP metadata starts with the pickle PROTO opcode)")
+    with _unraisable_collected():
+        return _MetadataUnpickler(io.BytesIO(payload)).load()
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with ``.metadata`` read by the allow-listing unpickler and errors naming the file."""
 
@@ -98,8 +122,7 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         path = Path(self._get_metadata_path(rank))
         with reading(path, "DCP metadata"):
-            with open(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
+            metadata = _unpickle_metadata(path.read_bytes())
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP Metadata")
         if getattr(metadata, "storage_meta", None) is None:

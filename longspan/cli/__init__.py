@@ -1,4 +1,4 @@
-"""The ``longspan`` command: ``pretrain | finetune | preprocess | config ...``.
+"""The ``longspan`` command: ``pretrain | finetune | config | preprocess | generate | convert | plan | peft``.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``. User errors
 (``LongspanError``) become one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
+from typing import Any
 
 from longspan.core.errors import LongspanError
 
@@ -27,16 +29,36 @@ _SUBCOMMANDS = {
 }
 
 
+DESCRIPTION = ("Megatron Bridge's training layer on PyTorch's own distributed engine: train, finetune, convert "
+               "and generate from the command line. Each command explains itself with --help.")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapping at spaces only: option names like --nproc-per-node are never cut."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one line with exit code 2 (argparse's own code)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"longspan {self.prog.split()[-1]}: error: {message}\n")
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="longspan", description=__doc__.splitlines()[0])
+    """The ``longspan`` parser with every subcommand (no torch import: ``--help`` stays fast)."""
+    parser = _Parser(prog="longspan", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, module_name in _SUBCOMMANDS.items():
         try:
@@ -49,9 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse the line; ``section.field=value`` tokens after later options join the command's overrides."""
+    args, extras = parser.parse_known_args(argv)
+    if extras and hasattr(args, "overrides") and not any(e.startswith("-") for e in extras):
+        args.overrides = [*(args.overrides or []), *extras]
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``longspan`` command; returns its exit code (2 for a user error, reported as one line)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return int(args.func(args) or 0)

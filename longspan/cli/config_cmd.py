@@ -11,38 +11,28 @@ import argparse
 import sys
 from typing import Any
 
+from longspan.cli.common import SOURCES_SENTENCE, add_config_arguments
 
-def _override_aware(parser_cls: type) -> type:
-    """A parser class that collects ``section.field=value`` tokens wherever they appear on the line."""
 
-    class OverrideParser(parser_cls):  # type: ignore[misc, valid-type]
-        def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-            ns, extras = super().parse_known_args(args, namespace)
-            # Every bare token is an override; load_config explains a malformed one in a single line.
-            overrides = [a for a in extras if not a.startswith("-")]
-            rest = [a for a in extras if a.startswith("-")]
-            ns.overrides = list(getattr(ns, "overrides", None) or []) + overrides
-            return ns, rest
-
-    return OverrideParser
+DESCRIPTION = "Show or validate the configuration a run would use. " + SOURCES_SENTENCE
+SHOW = ("Print the merged configuration as YAML. Nothing is validated, so the output loads back unchanged "
+        "with --config.")
+VALIDATE = ("Validate the merged configuration for a world size, as a run would before its first step, and print "
+            "the derived values (data-parallel size, microbatches, schedule lengths).")
 
 
 def add_parser(subparsers: Any, name: str) -> None:
     """Register ``longspan config show|validate``."""
-    parser = subparsers.add_parser(name, help="show or validate a configuration", description=__doc__.splitlines()[0])
-    actions = parser.add_subparsers(dest="config_action", required=True, parser_class=_override_aware(type(parser)))
-    for action, text in (("show", "print the merged configuration as YAML"),
-                         ("validate", "validate the configuration for a world size")):
-        sub = actions.add_parser(action, help=text, description=text)
-        sub.add_argument("--recipe", default=None, help="recipe name, e.g. tiny")
-        sub.add_argument("--config", action="append", default=[], metavar="FILE",
-                         help="YAML file: a full config or a partial override (repeatable; later wins)")
-        sub.add_argument("--allow-unknown", action="store_true",
-                         help="load Megatron Bridge files even when they set fields longspan does not know")
+    parser = subparsers.add_parser(name, help="show or validate a configuration", description=DESCRIPTION)
+    actions = parser.add_subparsers(dest="config_action", required=True, parser_class=type(parser))
+    for action, short, text in (("show", "print the merged configuration as YAML", SHOW),
+                                ("validate", "validate the configuration for a world size", VALIDATE)):
+        sub = actions.add_parser(action, help=short, description=text)
+        add_config_arguments(sub, config_help="YAML file: a full config or a partial override "
+                                              "(repeatable; later wins)")
         if action == "validate":
-            sub.add_argument("--world-size", type=int, default=None,
+            sub.add_argument("--world-size", type=int, default=None, metavar="N",
                              help="number of ranks to validate for (default: WORLD_SIZE or 1)")
-        sub.set_defaults(overrides=[])
     parser.set_defaults(func=run)
 
 

@@ -16,22 +16,36 @@ import json
 from pathlib import Path
 from typing import Any
 
+from longspan.cli.common import add_overrides_argument
 from longspan.cli.pretrain_cmd import _strip_launch_args
 from longspan.core.errors import CheckpointError, ConfigError
 
 
+LAYOUT = ("The layout is given as for pretrain (model.tensor_model_parallel_size=2 ...); with --nproc-per-node N "
+          "each rank reads or writes only its own part, one tensor at a time.")
+DESCRIPTION = "Convert Hugging Face models to longspan checkpoints and back. " + LAYOUT
+IMPORT = ("Write a longspan checkpoint at iteration 0 (weights, run_config.yaml, tokenizer files) from a Hugging "
+          "Face model directory; pretrain and finetune load it as checkpoint.pretrained_checkpoint. The model comes "
+          "from the HF directory alone: no recipe is read. " + LAYOUT)
+EXPORT = ("Write a Hugging Face model directory (config.json, safetensors, tokenizer files) that transformers "
+          "loads, from a longspan checkpoint. An adapter checkpoint is merged into its base, or written as an HF PEFT "
+          "adapter with --adapter-only. " + LAYOUT)
+
+
 def add_parser(subparsers: Any, name: str) -> None:
+    """Register ``longspan convert import|export``."""
     parser = subparsers.add_parser(name, help="convert Hugging Face models to longspan checkpoints and back",
-                                   description=__doc__.splitlines()[0])
+                                   description=DESCRIPTION)
     actions = parser.add_subparsers(dest="action", required=True, parser_class=type(parser))
-    imp = actions.add_parser("import", help="HF model directory -> longspan checkpoint (iteration 0)")
+    imp = actions.add_parser("import", help="HF model directory -> longspan checkpoint (iteration 0)",
+                             description=IMPORT)
     imp.add_argument("--hf-model", required=True, metavar="DIR", help="HF model directory (config.json + safetensors)")
     imp.add_argument("--output", required=True, metavar="CKPT_DIR", help="longspan checkpoint directory to write")
-    exp = actions.add_parser("export", help="longspan checkpoint -> HF model directory")
+    exp = actions.add_parser("export", help="longspan checkpoint -> HF model directory", description=EXPORT)
     exp.add_argument("--checkpoint", required=True, metavar="CKPT_DIR",
                      help="longspan checkpoint: a save root (with the tracker file) or an iter_XXXXXXX directory")
     exp.add_argument("--output", required=True, metavar="HF_DIR", help="HF model directory to write")
-    exp.add_argument("--architecture", default=None,
+    exp.add_argument("--architecture", default=None, metavar="NAME",
                      help="HF architecture to export as (default: the one the checkpoint was imported from, "
                           "else the matching one, e.g. LlamaForCausalLM)")
     exp.add_argument("--adapter-only", action="store_true",
@@ -39,9 +53,10 @@ def add_parser(subparsers: Any, name: str) -> None:
     for sub in (imp, exp):
         sub.add_argument("--config", action="append", default=[], metavar="FILE",
                          help="YAML file with the layout (repeatable; later wins)")
-        sub.add_argument("--nproc-per-node", type=int, default=None, help="start N worker processes on this node")
+        sub.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                         help="start N worker processes on this node")
         sub.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
-        sub.add_argument("overrides", nargs="*", help="dotlist overrides: section.field=value (the layout)")
+        add_overrides_argument(sub, "overrides of single fields, e.g. model.tensor_model_parallel_size=2 (the layout)")
         sub.set_defaults(func=run, command_name=name)
 
 

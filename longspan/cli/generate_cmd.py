@@ -19,21 +19,28 @@ from longspan.core.errors import CheckpointError, ConfigError, LaunchError
 from longspan.core.logging import get_world_size
 
 
+DESCRIPTION = ("Continue a prompt with a longspan checkpoint (a checkpoint.save directory or one of its "
+               "iter_XXXXXXX directories) or a Hugging Face model directory, on one process with a KV cache. "
+               "Greedy unless --temperature is above 0. The text goes to stdout (with --json: prompt_ids, output_ids "
+               "and text as one JSON line); loading messages go to stderr.")
+
+
 def add_parser(subparsers: Any, name: str) -> None:
-    parser = subparsers.add_parser(
-        name, help="generate text from a checkpoint or a Hugging Face model", description=__doc__.splitlines()[0]
-    )
+    """Register ``longspan generate``."""
+    parser = subparsers.add_parser(name, help="generate text from a checkpoint or a Hugging Face model",
+                                   description=DESCRIPTION)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", default=None, metavar="DIR", help="longspan checkpoint: save root or iter_ dir")
+    source.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="longspan checkpoint: a checkpoint.save directory or an iter_XXXXXXX directory")
     source.add_argument("--hf-model", default=None, metavar="DIR", help="Hugging Face model directory")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample among tokens holding probability p (1 = all)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sample among tokens holding probability p (1 = all)")
+    parser.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the sampling generator")
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (no KV cache)")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--device", default=None, metavar="DEVICE", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print prompt_ids, output_ids and text as JSON")
     parser.set_defaults(func=run)
 

@@ -10,21 +10,26 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from longspan.cli.common import SOURCES_SENTENCE, add_config_arguments
 from longspan.core.errors import ConfigError
 
 
+DESCRIPTION = ("Estimate the per-rank memory and step time of every valid layout (tensor, pipeline, context, data "
+               "and expert parallel sizes) of a configuration on a world size and device. " + SOURCES_SENTENCE +
+               " Prints one table, layouts that fit first, each group fastest first; when none fits, one line names "
+               "the smallest per-rank need and the command exits 2.")
+
+
 def add_parser(subparsers: Any, name: str) -> None:
-    parser = subparsers.add_parser(
-        name, help="estimate per-rank memory and step time of every valid layout", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--recipe", default=None, help="recipe name, e.g. tiny (see longspan.recipes)")
-    parser.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML file (repeatable; later wins)")
-    parser.add_argument("--allow-unknown", action="store_true", help="load Megatron Bridge files with unknown fields")
-    parser.add_argument("--world-size", type=int, required=True, help="number of devices (ranks)")
+    """Register ``longspan plan``."""
+    parser = subparsers.add_parser(name, help="estimate per-rank memory and step time of every valid layout",
+                                   description=DESCRIPTION)
+    add_config_arguments(parser)
+    parser.add_argument("--world-size", type=int, required=True, metavar="N", help="number of devices (ranks)")
     parser.add_argument("--device", default="h100", help="h100, h200, a100, b200 or cpu (default h100)")
-    parser.add_argument("--memory-per-device", default="80GiB", help="memory of one device, e.g. 80GiB (default)")
+    parser.add_argument("--memory-per-device", default="80GiB", metavar="SIZE",
+                        help="memory of one device, e.g. 80GiB (default 80GiB)")
     parser.add_argument("--show-rejected", action="store_true", help="also list layouts the config rejects, and why")
-    parser.add_argument("overrides", nargs="*", help="dotlist overrides: section.field=value")
     parser.set_defaults(func=run)
 
 

@@ -19,41 +19,54 @@ from longspan.core.logging import get_logger, setup_logging
 logger = get_logger(__name__)
 
 
+DESCRIPTION = ("Tokenize JSONL, JSON, Parquet or plain text (one document per line) into Megatron's .bin/.idx "
+               "files, PREFIX_KEY_document.bin/.idx for each JSON key, with the options of Megatron's "
+               "tools/preprocess_data.py. With --pack-sft DIR --packed-sequence-size N it instead packs an SFT "
+               "dataset (DIR/training.jsonl and validation.jsonl) ahead of time into the files a finetuning run with "
+               "dataset.packed_sequence_specs reads.")
+
+
 def add_parser(subparsers: Any, name: str) -> None:
+    """Register ``longspan preprocess``."""
     parser = subparsers.add_parser(name, help="tokenize JSONL / text / Parquet into Megatron .bin/.idx files",
-                                   description=__doc__.splitlines()[0])
+                                   description=DESCRIPTION)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", help="a .jsonl/.json file, a .parquet file, or plain text (one document per line)")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys (Parquet columns) to extract")
+    group.add_argument("--input", metavar="FILE", help="a .jsonl/.json file, a .parquet file, or plain text (one document per line)")
+    group.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                       help="JSON keys (Parquet columns) to extract (default text)")
     group.add_argument("--split-sentences", action="store_true", help="store each sentence as a sequence (needs NLTK punkt)")
     group.add_argument("--keep-newlines", action="store_true", help="keep newlines between sentences when splitting")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True,
+    group.add_argument("--tokenizer-type", required=True, metavar="TYPE",
                        help="HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer, NullTokenizer, ByteLevelTokenizer")
-    group.add_argument("--tokenizer-model", default=None, help="HF directory / tokenizer.json / .model file / builtin:stdlib")
-    group.add_argument("--vocab-file", default=None, help="vocab.json (GPT2BPETokenizer)")
-    group.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer)")
-    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (NullTokenizer)")
+    group.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                       help="HF directory, tokenizer.json, SentencePiece .model file, or builtin:stdlib")
+    group.add_argument("--vocab-file", default=None, metavar="FILE", help="vocab.json (GPT2BPETokenizer)")
+    group.add_argument("--merge-file", default=None, metavar="FILE", help="merges.txt (GPT2BPETokenizer)")
+    group.add_argument("--vocab-size", type=int, default=None, metavar="N", help="vocabulary size (NullTokenizer)")
     group.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     group.add_argument("--add-bos", action="store_true", help="prepend the beginning-of-sequence token to each document")
-    group.add_argument("--lang", default="english", help="language of the sentence splitter")
+    group.add_argument("--lang", default="english", help="language of the sentence splitter (default english)")
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", help="path prefix of the output files (without _key_document)")
+    group.add_argument("--output-prefix", metavar="PREFIX", help="path prefix of the output files (without _KEY_document)")
     group = parser.add_argument_group("SFT packing (instead of --input/--output-prefix)")
     group.add_argument("--pack-sft", metavar="DIR", default=None,
                        help="pack DIR/training.jsonl and validation.jsonl for dataset.packed_sequence_specs")
-    group.add_argument("--packed-sequence-size", type=int, default=None, help="tokens per pack (= model.seq_length)")
-    group.add_argument("--seq-length", type=int, default=None, help="truncate documents to this (default: the pack size)")
-    group.add_argument("--seed", type=int, default=1234, help="dataset.seed (packing tie-breaks)")
-    group.add_argument("--dataset-kwargs", default=None, help="dataset.dataset_kwargs as JSON")
-    group.add_argument("--chat-template", default=None, help="a file with the Jinja chat template (tokenizer.chat_template)")
-    group.add_argument("--tokenizer-model-name", default=None, help="packed_sequence_specs.tokenizer_model_name")
-    group.add_argument("--pad-seq-to-mult", type=int, default=1, help="packed_sequence_specs.pad_seq_to_mult")
+    group.add_argument("--packed-sequence-size", type=int, default=None, metavar="N", help="tokens per pack (= model.seq_length)")
+    group.add_argument("--seq-length", type=int, default=None, metavar="N", help="truncate documents to this (default: the pack size)")
+    group.add_argument("--seed", type=int, default=1234, help="dataset.seed, for packing tie-breaks (default 1234)")
+    group.add_argument("--dataset-kwargs", default=None, metavar="JSON", help="dataset.dataset_kwargs as JSON")
+    group.add_argument("--chat-template", default=None, metavar="FILE", help="a file with the Jinja chat template (tokenizer.chat_template)")
+    group.add_argument("--tokenizer-model-name", default=None, metavar="NAME", help="packed_sequence_specs.tokenizer_model_name")
+    group.add_argument("--pad-seq-to-mult", type=int, default=1, metavar="N",
+                       help="packed_sequence_specs.pad_seq_to_mult (default 1)")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=_positive_int, default=1, help="tokenizer worker processes")
-    group.add_argument("--partitions", type=_positive_int, default=1,
+    group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                       help="tokenizer worker processes (default 1)")
+    group.add_argument("--partitions", type=_positive_int, default=1, metavar="N",
                        help="write the output in this many parts, then merge them")
-    group.add_argument("--log-interval", type=_positive_float, default=2.0, help="seconds between progress lines")
+    group.add_argument("--log-interval", type=_positive_float, default=2.0, metavar="S",
+                       help="seconds between progress lines (default 2)")
     group.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.set_defaults(func=run)
 

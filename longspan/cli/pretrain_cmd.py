@@ -13,31 +13,46 @@ import copy
 import os
 from typing import Any
 
+from longspan.cli.common import SOURCES_SENTENCE, add_config_arguments
 from longspan.core.errors import LaunchError, NotSupportedError
 
 
+DESCRIPTIONS = {
+    "pretrain": "Pretrain a model. " + SOURCES_SENTENCE + " Rerunning the same command resumes from the last "
+                "checkpoint (checkpoint.load); give another checkpoint.save and checkpoint.load, or "
+                "checkpoint.load=null, to start fresh.",
+    "finetune": "Finetune a model from checkpoint.pretrained_checkpoint, a Hugging Face model directory or a "
+                "longspan checkpoint (recipes such as sft, lora and dora). "
+                + SOURCES_SENTENCE + " Rerunning the same command resumes from the last checkpoint.",
+}
+LAUNCH = ("With --nproc-per-node N the configuration is checked for the whole world size first, then N workers are "
+          "started on this node (torch's elastic launcher); torchrun and srun work too.")
+
+
 def add_parser(subparsers: Any, name: str) -> None:
-    parser = subparsers.add_parser(
-        name,
-        help=f"{name} a model from a recipe, YAML files and dotlist overrides",
-        description=__doc__.splitlines()[0],
-    )
-    parser.add_argument("--recipe", default=None, help="recipe name, e.g. tiny (see longspan.recipes)")
-    parser.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML file (repeatable; later wins)")
-    parser.add_argument("--allow-unknown", action="store_true", help="load Megatron Bridge files with unknown fields")
-    parser.add_argument("--nproc-per-node", type=int, default=None, help="start N worker processes on this node")
-    parser.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX) when launching workers")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank when launching workers")
-    parser.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend for multi-node launches")
-    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous")
-    parser.add_argument("--rdzv-id", default="longspan", help="rendezvous id shared by every node of the job")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    """Register ``longspan pretrain`` or ``longspan finetune`` (the same options)."""
+    parser = subparsers.add_parser(name, help=f"{name} a model from a recipe, YAML files and dotlist overrides",
+                                   description=f"{DESCRIPTIONS[name]} {LAUNCH}")
+    add_config_arguments(parser)
+    launch = parser.add_argument_group("launching workers")
+    launch.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="start N worker processes on this node")
+    launch.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                        help="number of nodes (or MIN:MAX) when launching workers (default 1)")
+    launch.add_argument("--node-rank", type=int, default=0, metavar="RANK",
+                        help="this node's rank when launching workers (default 0)")
+    launch.add_argument("--rdzv-backend", default="c10d", metavar="BACKEND",
+                        help="rendezvous backend for multi-node launches (default c10d)")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="address of the rendezvous")
+    launch.add_argument("--rdzv-id", default="longspan", metavar="ID",
+                        help="rendezvous id shared by every node of the job (default longspan)")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart the worker group up to N times after a worker fails or hangs (torchrun's flag)")
-    parser.add_argument("--ft-initial-rank-heartbeat-timeout", type=float, default=None, metavar="S",
-                        help="ft: seconds a rank may take from start-up to its first iteration (default 3600)")
-    parser.add_argument("--ft-rank-heartbeat-timeout", type=float, default=None, metavar="S",
-                        help="ft: seconds a rank may go without a heartbeat after that (default 2700)")
-    parser.add_argument("overrides", nargs="*", help="dotlist overrides: section.field=value")
+    launch.add_argument("--ft-initial-rank-heartbeat-timeout", type=float, default=None, metavar="S",
+                        help="fault tolerance: seconds a rank may take from start-up to its first iteration "
+                             "(default 3600)")
+    launch.add_argument("--ft-rank-heartbeat-timeout", type=float, default=None, metavar="S",
+                        help="fault tolerance: seconds a rank may go without a heartbeat after that (default 2700)")
     parser.set_defaults(func=run, command_name=name)
 
 

@@ -29,6 +29,10 @@ from pathlib import Path
 
 import pytest
 
+from longspan.cli import _parse, build_parser, main
+from longspan.recipes import list_recipes
+from longspan.recipes.loading import load_config
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 SKIP_MARK = re.compile(r"^<!-- readme-test: skip \((?P<why>[^)]+)\) -->$")
@@ -94,9 +98,6 @@ def shortened(iterations: int) -> int:
 
 def shorten_run(argv: list[str]) -> list[str]:
     """A ``longspan pretrain|finetune`` line that trains a hundredth of the iterations it would (later wins)."""
-    from longspan.cli import _parse, build_parser
-    from longspan.recipes.loading import load_config
-
     args = _parse(build_parser(), argv)
     cfg = load_config(args.recipe, args.config, args.overrides, allow_unknown=args.allow_unknown)
     return [*argv, f"train.train_iters={shortened(cfg.train.train_iters)}", "train.eval_iters=1"]
@@ -137,8 +138,6 @@ def longspan_on_path(bin_dir: Path) -> dict[str, str]:
 def run_command(command: list[str], cwd: Path, env: dict[str, str], capsys: pytest.CaptureFixture) -> str | None:
     """Run one README command; None when it succeeded, else what went wrong."""
     if command[0] == "longspan" and not SHELL_OPERATORS & set(command):
-        from longspan.cli import main
-
         argv = command[1:]
         if argv[0] in ("pretrain", "finetune"):
             argv = shorten_run(argv)
@@ -229,8 +228,6 @@ def test_readme_install_keeps_torch_a_choice_of_the_machine() -> None:
 
 
 def test_readme_lists_every_recipe_with_the_spelling_the_cli_shows() -> None:
-    from longspan.recipes import list_recipes
-
     text = README.read_text()
     section = text[text.index("## Recipes"):]
     section = section[:section.index("\n## ", 1)]

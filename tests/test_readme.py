@@ -38,7 +38,7 @@ README = REPO / "README.md"
 SKIP_MARK = re.compile(r"^<!-- readme-test: skip \((?P<why>[^)]+)\) -->$")
 RUNNABLE = ("bash", "python")
 SHORTEN_BY = 100
-SHELL_OPERATORS = {">", ">>", "<", "|", "||", ";", "&", "2>", "$("}
+SHELL_OPERATORS = {">", ">>", "<", "|", "||", ";", "&"}
 
 
 @dataclass

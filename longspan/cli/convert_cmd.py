@@ -18,6 +18,7 @@ from typing import Any
 
 from longspan.cli.pretrain_cmd import _strip_launch_args
 from longspan.core.errors import CheckpointError, ConfigError
+from longspan.core.logging import is_rank_0
 
 
 def add_parser(subparsers: Any, name: str) -> None:
@@ -61,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
     overrides = [*_yaml_as_dotlist(args.config), *args.overrides]
     if args.action == "import":
         AutoBridge.import_ckpt(args.hf_model, args.output, overrides, show_progress=not args.no_progress)
-        print(f"imported {args.hf_model} -> {args.output}")
+        _report(f"imported {args.hf_model} -> {args.output}")
     else:
         AutoBridge.export_checkpoint(args.checkpoint, args.output, overrides, architecture=args.architecture,
                                      show_progress=not args.no_progress)
-        print(f"exported {args.checkpoint} -> {args.output}")
+        _report(f"exported {args.checkpoint} -> {args.output}")
     return 0
 
 
@@ -75,8 +76,14 @@ def _export_adapter(args: argparse.Namespace) -> int:
     from longspan.training.checkpointing.peft_checkpoint import export_adapter_checkpoint
 
     export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
-    print(f"exported adapters of {args.checkpoint} -> {args.output}")
+    _report(f"exported adapters of {args.checkpoint} -> {args.output}")
     return 0
+
+
+def _report(line: str) -> None:
+    """The command's result, once per job: every rank of a launch runs this command, rank 0 says it."""
+    if is_rank_0():
+        print(line)
 
 
 def _yaml_as_dotlist(files: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from longspan.core.errors import CheckpointError
+from longspan.core.logging import is_rank_0
 
 
 def add_parser(subparsers: Any, name: str) -> None:
@@ -30,5 +31,6 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).is_dir():
         raise CheckpointError(f"--checkpoint {args.checkpoint} is not a directory")
     out = merge_adapter_checkpoint(args.checkpoint, args.output, args.overrides)
-    print(f"merged {args.checkpoint} -> {out}")
+    if is_rank_0():  # under a launcher every rank merges; the result is said once
+        print(f"merged {args.checkpoint} -> {out}")
     return 0

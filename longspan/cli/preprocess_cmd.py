@@ -53,8 +53,9 @@ def add_parser(subparsers: Any, name: str) -> None:
     group.add_argument("--workers", type=_positive_int, default=1, help="tokenizer worker processes")
     group.add_argument("--partitions", type=_positive_int, default=1,
                        help="write the output in this many parts, then merge them")
-    group.add_argument("--log-interval", type=_positive_float, default=2.0, help="seconds between progress lines")
-    group.add_argument("--no-progress", action="store_true", help="no progress line")
+    group.add_argument("--log-interval", type=_positive_float, default=2.0,
+                       help="seconds between progress bar redraws on a terminal (elsewhere: a line every 10%%)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
     parser.set_defaults(func=run)
 
 

@@ -121,6 +121,23 @@ def test_final_loss_without_a_log_line_says_why() -> None:
                                                         **logger}))
         return SimpleNamespace(cfg=cfg, train_state=SimpleNamespace(step=7), start_iteration=0)
 
-    assert final_loss_text(state()) == "final loss n/a (no training log line: logger.log_interval=100, 7 iterations trained)"
+    assert final_loss_text(state()) == (
+        "final loss n/a (no training log line: logger.log_interval=100, 7 iterations trained)")
     assert final_loss_text(state(skip_train_metrics_log=True)) == (
         "final loss n/a (logger.skip_train_metrics_log=True: no training log line)")
+
+
+def test_peft_banner_names_the_base_and_whether_adapters_are_new_or_resumed(tmp_path: Path) -> None:
+    from longspan.config.schema.training import CheckpointConfig
+    from longspan.training.setup import weights_source
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    resumed = SimpleNamespace(directory=tmp_path / "ckpt" / "iter_0000050", iteration=50, finetune=False)
+    cfg = SimpleNamespace(checkpoint=CheckpointConfig(pretrained_checkpoint=str(hf), load=str(tmp_path / "ckpt")),
+                          peft=object())
+    assert weights_source(cfg, None) == f"weights from HF directory {hf}, new adapters, starting at iteration 0"
+    assert weights_source(cfg, resumed) == (
+        f"resuming from {resumed.directory} at iteration 50 (base weights from HF directory {hf})")

@@ -30,6 +30,7 @@ def _import_then_finetune(run_dir: str, hf_dir: str) -> tuple[int, list[str]]:
         cfg.checkpoint.load = None
         cfg.checkpoint.pretrained_checkpoint = hf_dir
         cfg.dataset.sequence_length = cfg.model.seq_length = 32
+        cfg.optimizer.finetune_lr = 2e-3  # a notice from the config rules, which every rank runs
         finetune(cfg)
     return code, out.getvalue().splitlines()
 
@@ -42,7 +43,8 @@ def test_each_start_up_and_finish_line_is_printed_by_one_rank(tmp_path: Path) ->
     assert code0 == code1 == 0
     lines = rank0 + rank1
     assert lines.count(f"imported {hf_dir} -> {tmp_path / 'imported'}") == 1, lines
-    for start in ("loaded Hugging Face weights from", "longspan: samples train/valid/test", "longspan: done:"):
+    for start in ("optimizer.finetune_lr=", "loaded Hugging Face weights from", "longspan: samples train/valid/test",
+                  "longspan: done:"):
         assert sum(m.startswith(start) for m in lines) == 1, (start, lines)
     banner = [m for m in lines if "parameters | world size 2" in m]
     assert len(banner) == 1 and banner[0].endswith(f"| weights from HF directory {hf_dir}, starting at iteration 0")

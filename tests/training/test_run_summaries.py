@@ -67,11 +67,16 @@ def test_banner_names_the_weights_and_a_finished_checkpoint_trains_nothing(tmp_p
     assert not any("validation loss" in m for m in lines)  # no test evaluation either
     assert _files(run_dir) == before  # no checkpoint rewritten, no progress entry, no metrics
 
-    # training on: only this run's iterations are counted
-    cfg = small_config(tmp_path, "run", train_iters=4, eval_interval=100)
+    # evaluation only: no training numbers
+    cfg.train.skip_train = True
+    _, summary = _run(pretrain, cfg, capsys)
+    assert summary.startswith("longspan: done: evaluation only (train.skip_train=True) at iteration 2 in ")
+
+    # training on, stopped by exit_interval: only this run's iterations are counted, and the stop is named
+    cfg = small_config(tmp_path, "run", train_iters=5, eval_interval=100, exit_interval=4)
     cfg.scheduler.override_opt_param_scheduler = True  # a longer run: the schedule stretches with it
     _, summary = _run(pretrain, cfg, capsys)
-    assert summary.startswith("longspan: done: iterations 3-4 in ")
+    assert summary.startswith("longspan: done: iterations 3-4 (stopped before train.train_iters=5) in ")
     assert "(iteration 4, the last log line)" in summary  # log_interval=1: the window is the last iteration
 
     # weights only, from another run's checkpoint: finetune starts at iteration 0 and says from where

@@ -86,8 +86,12 @@ def summary_line(state: GlobalState, elapsed: float) -> str:
     if cfg.train.skip_train:
         return f"longspan: done: evaluation only (train.skip_train=True) at iteration {step} in {elapsed:.1f} s{places}"
     trained = step - start
-    span = f"iterations {start + 1}-{step}" if start and trained > 0 else (
-        f"{trained} iteration{'' if trained == 1 else 's'}")
+    if start and trained > 1:
+        span = f"iterations {start + 1}-{step}"
+    elif start and trained == 1:
+        span = f"iteration {step}"
+    else:
+        span = f"{trained} iteration{'' if trained == 1 else 's'}"
     if step < (cfg.train.train_iters or 0):
         span += f" (stopped before train.train_iters={cfg.train.train_iters})"
     samples = state.train_state.consumed_train_samples - state.start_consumed_train_samples

@@ -19,6 +19,7 @@ from typing import Any
 from longspan.cli.common import add_overrides_argument
 from longspan.cli.pretrain_cmd import _strip_launch_args
 from longspan.core.errors import CheckpointError, ConfigError
+from longspan.core.logging import is_rank_0
 
 
 LAYOUT = ("The layout is given as for pretrain (model.tensor_model_parallel_size=2 ...); with --nproc-per-node N "
@@ -76,11 +77,11 @@ def run(args: argparse.Namespace) -> int:
     overrides = [*_yaml_as_dotlist(args.config), *args.overrides]
     if args.action == "import":
         AutoBridge.import_ckpt(args.hf_model, args.output, overrides, show_progress=not args.no_progress)
-        print(f"imported {args.hf_model} -> {args.output}")
+        _report(f"imported {args.hf_model} -> {args.output}")
     else:
         AutoBridge.export_checkpoint(args.checkpoint, args.output, overrides, architecture=args.architecture,
                                      show_progress=not args.no_progress)
-        print(f"exported {args.checkpoint} -> {args.output}")
+        _report(f"exported {args.checkpoint} -> {args.output}")
     return 0
 
 
@@ -90,8 +91,14 @@ def _export_adapter(args: argparse.Namespace) -> int:
     from longspan.training.checkpointing.peft_checkpoint import export_adapter_checkpoint
 
     export_adapter_checkpoint(args.checkpoint, args.output, args.overrides, architecture=args.architecture)
-    print(f"exported adapters of {args.checkpoint} -> {args.output}")
+    _report(f"exported adapters of {args.checkpoint} -> {args.output}")
     return 0
+
+
+def _report(line: str) -> None:
+    """The command's result, once per job: every rank of a launch runs this command, rank 0 says it."""
+    if is_rank_0():
+        print(line)
 
 
 def _yaml_as_dotlist(files: list[str]) -> list[str]:

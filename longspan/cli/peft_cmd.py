@@ -10,6 +10,7 @@ from typing import Any
 
 from longspan.cli.common import add_overrides_argument
 from longspan.core.errors import CheckpointError
+from longspan.core.logging import is_rank_0
 
 
 MERGE = ("Fold the LoRA/DoRA adapters of an adapter checkpoint into its base and write a full longspan checkpoint, "
@@ -39,5 +40,6 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).is_dir():
         raise CheckpointError(f"--checkpoint {args.checkpoint} is not a directory")
     out = merge_adapter_checkpoint(args.checkpoint, args.output, args.overrides)
-    print(f"merged {args.checkpoint} -> {out}")
+    if is_rank_0():  # under a launcher every rank merges; the result is said once
+        print(f"merged {args.checkpoint} -> {out}")
     return 0

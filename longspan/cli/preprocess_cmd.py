@@ -66,8 +66,8 @@ def add_parser(subparsers: Any, name: str) -> None:
     group.add_argument("--partitions", type=_positive_int, default=1, metavar="N",
                        help="write the output in this many parts, then merge them")
     group.add_argument("--log-interval", type=_positive_float, default=2.0, metavar="S",
-                       help="seconds between progress lines (default 2)")
-    group.add_argument("--no-progress", action="store_true", help="no progress line")
+                       help="seconds between progress bar redraws on a terminal (elsewhere: a line every 10%%)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
     parser.set_defaults(func=run)
 
 

@@ -11,7 +11,6 @@ in, so this package never imports training and there is one copy of the format.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -21,9 +20,7 @@ from longspan.config.overrides import apply_overrides
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.data import TokenizerConfig
 from longspan.config.schema.training import CheckpointConfig, TrainingConfig
-from longspan.core.logging import get_logger, print_rank_0
-
-_log = get_logger(__name__)
+from longspan.core.progress import Progress
 
 #: the HF config.json a converted checkpoint was imported from (inside its iter_ directory; the export reads it)
 HF_CONFIG_IN_CHECKPOINT = "hf_config.json"
@@ -85,34 +82,15 @@ def import_config(provider: Any, hf_path: str | os.PathLike, output: str | os.Pa
     return cfg
 
 
-class ProgressLog:
-    """tqdm when installed, else a rank-0 log line every ``every`` items."""
+class ProgressLog(Progress):
+    """Tensors loaded or written by an HF import/export (called with each tensor's name): a bar on a terminal,
+    a line every 10% elsewhere (``longspan.core.progress``)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True, every: int = 50) -> None:
-        self.total, self.desc, self.enabled, self.every = total, desc, enabled, every
-        self.count = 0
-        self.start = time.time()
-        self._bar = None
-        if enabled:
-            try:  # function level: tqdm is optional
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
-            except ImportError:
-                pass
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
+        super().__init__(total, desc, unit="tensors", enabled=enabled)
 
     def __call__(self, _name: str) -> None:
-        self.count += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(1)
-        elif self.count % self.every == 0 or self.count == self.total:
-            print_rank_0(f"{self.desc}: {self.count}/{self.total} tensors ({time.time() - self.start:.1f}s)", _log)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        self.advance()
 
 
 __all__ = ["CheckpointFormat", "HF_CONFIG_IN_CHECKPOINT", "ProgressLog", "SavedModel", "import_config"]

@@ -26,7 +26,7 @@ from typing import Any
 from longspan.conversion.config_fields import required
 from longspan.conversion.dense_families import llama_hf, llama_provider
 from longspan.core.errors import NotSupportedError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, print_rank_0
 
 _log = get_logger(__name__)
 
@@ -63,8 +63,8 @@ def log_skipped_mtp(cfg: dict[str, Any], family: str) -> None:
     mtp = int(cfg.get("num_nextn_predict_layers") or 0)
     if mtp:
         first = int(cfg["num_hidden_layers"])
-        _log.info(f"{family}: config.json num_nextn_predict_layers={mtp}: the multi-token-prediction layers "
-                  f"model.layers.{first}..{first + mtp - 1} are not imported")
+        print_rank_0(f"{family}: config.json num_nextn_predict_layers={mtp}: the multi-token-prediction layers "
+                     f"model.layers.{first}..{first + mtp - 1} are not imported", _log)
 
 
 def deepseek_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from longspan.core.errors import DataError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, warn_rank_0
 from longspan.data.indices import build_blending_indices, build_exhaustive_blending_indices
 from longspan.data.utils import (
     Blend,
@@ -182,7 +182,7 @@ class BlendedMegatronDatasetBuilder:
             check_weights(weights, field)
             kept = [(p, w) for p, w in zip(prefixes, weights) if w > 0]
             if len(kept) < len(prefixes):
-                logger.warning(f"{field}: dropping {len(prefixes) - len(kept)} prefix(es) with weight 0")
+                warn_rank_0(f"{field}: dropping {len(prefixes) - len(kept)} prefix(es) with weight 0", logger)
             prefixes, weights = [p for p, _ in kept], [w for _, w in kept]
         return prefixes, weights
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from longspan.core.errors import ConfigError, DataError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, warn_rank_0
 from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.builtin import prepare_builtin_corpus
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
@@ -99,7 +99,7 @@ def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[A
             f"the model cannot take such samples; set both the same"
         )
     if tokenizer is not None and getattr(tokenizer, "eod", None) is None:
-        logger.warning("the tokenizer has no end-of-document token: eod_mask_loss and the resets have no effect")
+        warn_rank_0("the tokenizer has no end-of-document token: eod_mask_loss and the resets have no effect", logger)
     sizes = get_train_valid_test_num_samples(cfg)
     if is_t5_dataset(ds_cfg):
         _check_t5_dataset(ds_cfg, model)
@@ -256,7 +256,7 @@ def build_train_valid_test_data_iterators(
     train_it = None
     if train_ds is not None and len(train_ds) > 0 and not skip_train:
         if dl_type == "single" and train_consumed >= len(train_ds):
-            logger.warning(f"all {len(train_ds)} training samples were consumed; no training data left")
+            warn_rank_0(f"all {len(train_ds)} training samples were consumed; no training data left", logger)
         else:
             loader = build_pretraining_data_loader(train_ds, train_consumed, dl_type, **kwargs)
             train_it = loader if dl_type == "external" else iter(loader) if dl_type == "single" else iter(cyclic_iter(loader))

@@ -21,6 +21,7 @@ import numpy as np
 
 from longspan.core.errors import DataError, LongspanError
 from longspan.core.logging import get_logger
+from longspan.core.progress import Progress
 from longspan.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from longspan.data.tokenizers import build_tokenizer
 
@@ -245,32 +246,10 @@ def _chunks(docs: Iterator[Tuple[Dict[str, str], int, int]],
         yield chunk, locations
 
 
-class _Progress:
-    """Periodic progress lines: documents, tokens/s, MB/s and the time left."""
-
-    def __init__(self, total: int, unit: str, workers: int, interval_s: float = 2.0) -> None:
-        self.total, self.unit, self.workers, self.interval = total, unit, workers, interval_s
-        self.start = self.last = time.time()
-        self.printed = False
-
-    def update(self, docs: int, tokens: int, done: int, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self.last < self.interval:
-            return
-        self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        rate = tokens / elapsed
-        eta = (self.total - done) / (done / elapsed) if done else float("nan")
-        pct = 100.0 * done / self.total if self.total else 100.0
-        eta_s = "--:--" if eta != eta else f"{int(eta) // 60:02d}:{int(eta) % 60:02d}"
-        self.printed = True
-        sys.stderr.write(
-            f"\r[{pct:5.1f}%] {docs} documents | {tokens} tokens | {rate:,.0f} tokens/s "
-            f"({rate / self.workers:,.0f}/core) | ETA {eta_s}   "
-        )
-        if force:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+def _progress_detail(docs: int, tokens: int, elapsed: float, workers: int) -> str:
+    """Preprocessing's own counters for a progress report: documents, tokens, tokens/s overall and per core."""
+    rate = tokens / max(elapsed, 1e-9)
+    return f"{docs} documents | {tokens} tokens | {rate:,.0f} tokens/s ({rate / workers:,.0f}/core)"
 
 
 def preprocess(
@@ -298,7 +277,8 @@ def preprocess(
     unit = "rows" if input_format(input_path) == "parquet" else "bytes"
     writer = _PartitionedWriter(prefixes, max(1, int(partitions)), DType.optimal_dtype(tokenizer.vocab_size), total)
     docs = tokens = 0
-    meter = _Progress(total, unit, workers, log_interval) if progress else None
+    # a bar redrawn every log_interval seconds on a terminal, a line every 10% of the input elsewhere
+    meter = Progress(total, "preprocess", unit, enabled=progress, refresh_s=log_interval)
     position = [0]
     try:
         with _encoded_chunks(input_path, tokenizer_config, options, workers, position) as results:
@@ -307,17 +287,15 @@ def preprocess(
                     tokens += writer.add(doc)
                     docs += 1
                 writer.advance_to(position[0])
-                if meter:
-                    meter.update(docs, tokens, position[0])
+                meter.update(position[0], _progress_detail(docs, tokens, time.time() - t0, workers))
         writer.finish()
     except BaseException:
         # a half-written .bin/.idx would look like a dataset to the next run
         writer.remove_outputs()
-        if meter and meter.printed:
-            sys.stderr.write("\n")  # the error goes on its own line, after the progress line
+        meter.close()  # the error goes on its own line, after the progress line
         raise
-    if meter:
-        meter.update(docs, tokens, total, force=True)
+    meter.update(total, _progress_detail(docs, tokens, time.time() - t0, workers))
+    meter.close(_progress_detail(docs, tokens, time.time() - t0, workers))
     return PreprocessResult(prefixes, docs, tokens, time.time() - t0, workers, os.path.getsize(input_path))
 
 

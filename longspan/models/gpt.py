@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.models.args import TransformerArgs, padded_vocab_size  # noqa: F401 (padded_vocab_size: imported from here)
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy, linear_cross_entropy
@@ -391,4 +391,4 @@ def apply_deterministic_mode(provider: Any) -> None:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    _log.info("deterministic_mode: torch deterministic algorithms enabled")
+    print_rank_0("deterministic_mode: torch deterministic algorithms enabled", _log)

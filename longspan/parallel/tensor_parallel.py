@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
 from longspan.parallel.mamba import apply_mamba_tensor_parallel
 from longspan.parallel.t5 import is_t5_model, t5_tensor_parallel_plan
@@ -322,9 +322,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             layer.self_attn_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
             layer.mlp_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
     if model.args.attention_dropout > 0:
-        _log.warning(
-            "attention_dropout=%s under tensor parallel: its masks are drawn per rank on local heads and "
-            "depend on the layout", model.args.attention_dropout,
+        warn_rank_0(
+            f"attention_dropout={model.args.attention_dropout} under tensor parallel: its masks are drawn per rank "
+            "on local heads and depend on the layout", _log,
         )
     vocab_output = getattr(model, "output_layer", None)
     if vocab_output is None:

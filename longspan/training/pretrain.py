@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Optional
 
 from longspan.core.errors import NotSupportedError
-from longspan.core.logging import get_logger, print_rank_last
+from longspan.core.logging import get_logger
 from longspan.models.t5_provider import T5ModelProvider
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.step.forward_step import forward_step as default_forward_step
@@ -15,7 +14,7 @@ from longspan.training.step.t5_forward_step import t5_forward_step
 from longspan.training.state import GlobalState
 from longspan.training.train import train
 from longspan.training.observability.progress_log import STARTING_JOB, append_to_progress_log
-from longspan.training.observability.throughput_summary import run_throughput_summary
+from longspan.training.observability.run_summary import nothing_to_train, print_nothing_to_train, print_run_summary
 from longspan.training.resilience.inprocess import in_supervised_worker
 from longspan.training.utils.train_utils import prepare_forward_step_func
 
@@ -54,18 +53,27 @@ def _check_inprocess_restart(config: Any) -> None:
 
 def _abandon(state: GlobalState) -> None:
     """Release what a failed attempt holds: the exit-signal handler and the logger sinks."""
+    try:
+        _release(state)
+    except Exception:  # noqa: BLE001 - best effort while another error propagates
+        logger.debug("closing the loggers of a failed run failed", exc_info=True)
+
+
+def _release(state: GlobalState) -> None:
+    """Give back the exit-signal handler and close the logger sinks."""
     if state.signal_handler is not None:
         state.signal_handler.release()
         state.signal_handler = None
-    try:
-        state.close_loggers()
-    except Exception:  # noqa: BLE001 - best effort while another error propagates
-        logger.debug("closing the loggers of a failed run failed", exc_info=True)
+    state.close_loggers()
 
 
 def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
     state = out.state
     cfg = state.cfg
+    if nothing_to_train(state):  # say so and leave everything as it was: no checkpoint, no logs, no evaluation
+        print_nothing_to_train(state)
+        _release(state)
+        return state
     if cfg.logger.log_progress:
         append_to_progress_log(cfg.checkpoint.save, STARTING_JOB)
 
@@ -87,40 +95,6 @@ def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
             prepare_forward_step_func(forward_step_func, state), out.test_data_iterator, out.model, cfg,
             write_to_tensorboard=True,
         )
-    _print_summary(state)
+    print_run_summary(state)
     state.close_loggers()
     return state
-
-
-def _print_summary(state: GlobalState) -> None:
-    cfg = state.cfg
-    elapsed = time.time() - state.start_time
-    where = []
-    if cfg.checkpoint.save:
-        where.append(f"checkpoints in {cfg.checkpoint.save}")
-    if cfg.logger.tensorboard_dir:
-        where.append(f"TensorBoard logs in {cfg.logger.tensorboard_dir}")
-    places = f"; {'; '.join(where)}" if where else ""
-    start = getattr(state, "start_iteration", 0)
-    trained = state.train_state.step - start
-    if trained <= 0 and not cfg.train.skip_train and start >= cfg.train.train_iters > 0:
-        print_rank_last(
-            f"longspan: nothing to train: checkpoint at iteration {start} >= train.train_iters="
-            f"{cfg.train.train_iters} (raise train.train_iters to train on, or give checkpoint.load=null or "
-            f"another checkpoint.save to start fresh){places}",
-            logger,
-        )
-        return
-    samples = state.train_state.consumed_train_samples - getattr(state, "start_consumed_train_samples", 0)
-    tokens = samples * cfg.model.seq_length
-    losses = getattr(state, "last_loss_dict", None) or {}
-    steady = run_throughput_summary(state)
-    loss_text = ", ".join(f"{k} {float(v):.4f}" for k, v in losses.items()) or "n/a"
-    span = f"iterations {start + 1}-{state.train_state.step}" if start else f"{state.train_state.step} iterations"
-    print_rank_last(
-        f"longspan: done: {span} in {elapsed:.1f} s, "
-        f"{tokens / max(elapsed, 1e-9):.0f} tokens/s overall, final {loss_text}"
-        + (f"; {steady}" if steady else "")
-        + places,
-        logger,
-    )

@@ -7,6 +7,7 @@ states are applied last).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import random
@@ -31,7 +32,7 @@ from longspan.parallel.pipeline import build_pipeline_chunks
 from longspan.peft.adapters import init_adapters
 from longspan.config.rules.data import check_vocab_fits
 from longspan.conversion import is_hf_model_dir
-from longspan.training.checkpointing.load import apply_checkpoint_args, load_peft_checkpoint
+from longspan.training.checkpointing.load import apply_checkpoint_args, find_checkpoint, load_peft_checkpoint
 from longspan.training.checkpointing.save import check_save_dir_writable, set_rng_state
 from longspan.training.resilience.hooks import (
     build_rerun_state_machine,
@@ -209,20 +210,27 @@ def _report_inapplicable(cfg: Any, no_energy_counters: bool = False) -> None:
 
 
 def weights_source(cfg: Any, loaded: Any) -> str:
-    """Where the run's weights came from, for the start-up banner: scratch, a Hugging Face model directory, a
-    pretrained checkpoint (weights only), or a resumed checkpoint at its iteration (PEFT: base + adapters)."""
-    pretrained = cfg.checkpoint.pretrained_checkpoint
-    if pretrained and (cfg.peft is not None or (loaded is not None and loaded.finetune)):
-        kind = "Hugging Face model" if is_hf_model_dir(Path(pretrained)) else "pretrained checkpoint"
-        base = f"weights from the {kind} {pretrained}"
-    else:
-        base = ""
-    if loaded is None or loaded.finetune:
-        if cfg.peft is not None:
-            return f"{base}, new adapters, starting at iteration 0"
-        return f"{base}, starting at iteration 0" if base else "starting from scratch"
-    resumed = f"resuming {loaded.directory} at iteration {loaded.iteration}"
-    return f"{resumed} (base {base})" if cfg.peft is not None and base else resumed
+    """Where the run's weights came from, for the start-up banner: "starting from scratch", "weights from HF
+    directory D", "weights from pretrained checkpoint D (iteration N)" (both start at iteration 0), or "resuming
+    from D at iteration N"; PEFT names its base too. ``loaded``: what the checkpoint loading returned."""
+    if cfg.peft is not None:  # the base always comes from pretrained_checkpoint; adapters are new or resumed
+        found = find_checkpoint(dataclasses.replace(cfg.checkpoint, load=None))
+        base = _weights_origin(*found[:2]) if found is not None else str(cfg.checkpoint.pretrained_checkpoint)
+        if loaded is None:
+            return f"weights from {base}, new adapters, starting at iteration 0"
+        return f"resuming from {loaded.directory} at iteration {loaded.iteration} (base weights from {base})"
+    if loaded is None:
+        return "starting from scratch"
+    if loaded.finetune:
+        saved = loaded.saved_iteration if loaded.saved_iteration is not None else loaded.iteration
+        return f"weights from {_weights_origin(loaded.directory, saved)}, starting at iteration 0"
+    return f"resuming from {loaded.directory} at iteration {loaded.iteration}"
+
+
+def _weights_origin(directory: Any, iteration: int) -> str:
+    if is_hf_model_dir(Path(directory)):
+        return f"HF directory {directory}"
+    return f"pretrained checkpoint {directory} (iteration {iteration})"
 
 
 def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], loaded: Any) -> None:

@@ -34,7 +34,7 @@ from longspan.config.support import check_supported
 from longspan.config.targets import section_types
 from longspan.config.types import check_container_types
 from longspan.core.errors import ConfigError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, print_rank_0
 
 if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
@@ -168,7 +168,7 @@ def _apply_finetune_lr(cfg: "ConfigContainer") -> None:
             f"set); this run pretrains: set optimizer.lr={value} instead"
         )
     was = "" if opt.lr is None else f" (was {opt.lr})"
-    logger.info(f"optimizer.finetune_lr={value} sets optimizer.lr for this finetuning run{was}")
+    print_rank_0(f"optimizer.finetune_lr={value} sets optimizer.lr for this finetuning run{was}", logger)
     opt.lr = value
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from longspan.core.errors import ConfigError, DataError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options
 from longspan.data.sft.jsonl_index import JsonlIndex, cache_directory_for, file_fingerprint
 from longspan.data.sft.packing import (
@@ -320,7 +320,7 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
     workers = int(getattr(dataset_cfg, "memmap_workers", 1) or 1)
     cache_dir = cache_directory_for(root, getattr(dataset_cfg, "path_to_cache", None))
     if cache_dir != os.path.abspath(root):
-        logger.info(f"{root} is not writable: its line indexes and packs are cached in {cache_dir}")
+        print_rank_0(f"{root} is not writable: its line indexes and packs are cached in {cache_dir}", logger)
     train_needed, valid_needed, test_needed = sizes
     max_train = getattr(dataset_cfg, "max_train_samples", None)
     if max_train is not None:
@@ -345,7 +345,7 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
         if not wanted[split] or needed[split] <= 0:
             out.append(None)
         elif split == "test" and not os.path.isfile(path):
-            logger.info(f"no {path}: the test split is skipped")
+            print_rank_0(f"no {path}: the test split is skipped", logger)
             out.append(None)
         elif specs is None or split == "test":
             if not os.path.isfile(path):

@@ -29,7 +29,7 @@ import torch
 
 from longspan.config.schema.data import PackedSequenceSpecs  # a config class; data re-exports it
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, print_rank_0
 
 logger = get_logger(__name__)
 
@@ -205,8 +205,9 @@ def pack_jsonl(
     meta.update({"fingerprint": fingerprint, "source": index.path, "seed": seed,
                  "pad_seq_to_mult": specs.pad_seq_to_mult or 1})
     write_packed(out_path, packs, meta)
-    logger.info(f"packed {meta['num_documents']} documents of {index.path} into {meta['num_packs']} packs of "
-                f"{meta['packed_sequence_size']} tokens ({meta['useful_token_fraction']:.1%} useful): {out_path}")
+    print_rank_0(f"packed {meta['num_documents']} documents of {index.path} into {meta['num_packs']} packs of "
+                 f"{meta['packed_sequence_size']} tokens ({meta['useful_token_fraction']:.1%} useful): {out_path}",
+                 logger)
     return meta
 
 

@@ -62,13 +62,15 @@ logger = get_logger(__name__)
 
 @dataclass
 class LoadedCheckpoint:
-    """What ``load_checkpoint`` found: the directory, its iteration, and RNG state still to be applied;
-    ``finetune`` when only its weights were taken (a pretrained checkpoint or HF model: the run starts at 0)."""
+    """What ``load_checkpoint`` found: the directory, the iteration the run goes on from, and RNG state still to
+    be applied; ``finetune`` when only its weights were taken (a pretrained checkpoint or HF model: the run starts
+    at 0, and ``saved_iteration`` is the iteration the checkpoint was saved at)."""
 
     directory: Path
     iteration: int
     rng_state: dict[str, Any] | None = None
     finetune: bool = False
+    saved_iteration: int | None = None
 
 
 def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
@@ -170,13 +172,15 @@ def load_checkpoint(
     if "rerun_state_machine" in to_load:
         state.rerun_state_machine.load_state_dict(to_load["rerun_state_machine"])
 
+    saved_iteration = iteration
     if finetune:
         print_rank_0(f"loaded weights from {directory} for finetuning; starting at iteration 0", logger)
         iteration = 0
     else:
         _restore_train_state(state, directory)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
-    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None, finetune=finetune)
+    return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None, finetune=finetune,
+                            saved_iteration=saved_iteration)
 
 
 def _add_rng_template(to_load: dict[str, Any], stored: set[str], load_rng: bool) -> tuple[str, bool]:

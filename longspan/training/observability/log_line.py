@@ -44,6 +44,7 @@ from longspan.training.observability.moe_log import track_moe_metrics
 from longspan.training.observability.mtp_log import track_mtp_metrics
 from longspan.training.utils.norms import report_l2_norm_grad
 from longspan.training.observability.reports import report_runtime, report_throughput
+from longspan.training.observability.run_summary import record_logged_window
 from longspan.training.observability.throughput_summary import record_log_interval
 
 logger = get_logger(__name__)
@@ -349,6 +350,10 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
     if ctx.any_sink:
         log_scalars(interval_scalars, iteration, **ctx.sinks)
 
+    means = interval_means(total_loss_dict)
+    # the end-of-run summary's final loss is this line's (the forward step's losses, not the MoE/MTP extras)
+    record_logged_window(ctx.global_state, iteration, ctx.total_iterations,
+                         {key: means[key] for key in m.loss_dict if key in means})
     line = format_training_log_line(
         iteration=iteration,
         train_iters=ctx.config.train.train_iters,
@@ -360,7 +365,7 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
         learning_rate=ctx.learning_rate,
         decoupled_learning_rate=m.decoupled_learning_rate,
         batch_size=ctx.batch_size,
-        losses=interval_means(total_loss_dict),
+        losses=means,
         loss_scale=m.loss_scale,
         grad_norm=m.grad_norm,
         num_zeros_in_grad=m.num_zeros_in_grad,

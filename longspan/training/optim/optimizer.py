@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.core.logging import get_logger
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
@@ -362,7 +362,7 @@ class MegatronOptimizer:
             if self.grad_scaler is not None:
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
             else:
-                logger.info("checkpoint has a grad scaler state but this run uses none; ignoring it")
+                print_rank_0("checkpoint has a grad scaler state but this run uses none; ignoring it", logger)
         if "fp32_from_fp16_params" in state_dict and self._has_float16:
             with torch.no_grad():
                 for current, saved in zip(self.fp32_from_float16_groups, state_dict["fp32_from_fp16_params"]):

@@ -45,7 +45,7 @@ class MatmulTerms:
     core: float
 
 
-def _moe_layer_flags(model: Any, num_layers: int) -> list[bool]:
+def moe_layer_flags(model: Any, num_layers: int) -> list[bool]:
     """Which layers are MoE layers: ``moe_layer_freq`` is an int (every n-th layer) or a 0/1 list."""
     if not getattr(model, "num_moe_experts", None):
         return [False] * num_layers
@@ -122,7 +122,7 @@ def matmul_terms(model: Any) -> MatmulTerms:
     qk_layernorm; mtp_num_layers.
     """
     h = int(model.hidden_size)
-    moe_flags = _moe_layer_flags(model, int(model.num_layers))
+    moe_flags = moe_layer_flags(model, int(model.num_layers))
     depths = int(getattr(model, "mtp_num_layers", None) or 0)
     layer_kinds = moe_flags + [moe_flags[-1]] * depths  # an MTP depth's layer is built like the last layer
     attention = _attention_terms(model)

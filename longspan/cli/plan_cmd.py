@@ -1,7 +1,8 @@
 """``longspan plan [--recipe NAME] [--config FILE ...] --world-size N --device h100|h200|a100|b200|cpu
 --memory-per-device 80GiB [section.field=value ...]``: per-rank memory and step time of every valid layout.
 
-Prints one table, layouts that fit first, each group fastest first (see ``longspan.planner.plan``).
+Prints the model's size (parameters, active per token, model FLOPs per iteration), then one table, layouts that
+fit first, each group fastest first (see ``longspan.planner.plan``).
 When no layout fits, one line names the smallest per-rank need against the memory given, and it exits 2.
 """
 
@@ -36,7 +37,7 @@ def add_parser(subparsers: Any, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     # `longspan --help` must not import torch
     from longspan.data.tokenizers import build_tokenizer
-    from longspan.planner.plan import GiB, format_table, parse_size, plan
+    from longspan.planner.plan import GiB, format_table, parse_size, plan, summary_line
     from longspan.recipes.loading import load_config
 
     if args.world_size < 1:
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             f"no layout of this config is valid on {args.world_size} ranks"
             + (f" (first reason: {rejected[0]})" if rejected else "")
         )
+    print(summary_line(cfg))
     print(format_table(rows, memory))
     if args.show_rejected:
         for line in rejected:

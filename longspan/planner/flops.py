@@ -1,4 +1,4 @@
-"""Model FLOPs per training iteration (forward + backward), Megatron's formula.
+"""Model FLOPs per training iteration (forward + backward), Megatron Bridge's formula.
 
 For batch B, sequence s, hidden h, layers L, vocabulary V, query width q = kv_channels * heads, key/value width
 k = kv_channels * query_groups, FFN width f, and F = 3 for gated (SwiGLU) MLPs else 2:
@@ -6,19 +6,46 @@ k = kv_channels * query_groups, FFN width f, and F = 3 for gated (SwiGLU) MLPs e
     B*s*[ 6*h*F*f*L + 6*L*(h*(q + 2k) + q*h) + 6*h*V ] + 6*q*L*B*s^2
 
 (each matmul costs 2 FLOPs per multiply-add, training costs 3x the forward pass, and causal attention halves
-the s^2 term). An MoE layer replaces f by ``moe_ffn_hidden_size * moe_router_topk`` plus the shared experts'
-``moe_shared_expert_intermediate_size``. Multi-latent attention counts its own projections and core
-(``_mla_attention_terms``).
+the s^2 term). Per layer kind:
+
+- an MoE layer (``moe_layer_freq``) replaces f by ``moe_ffn_hidden_size * moe_router_topk`` plus the shared
+  experts' ``moe_shared_expert_intermediate_size``; the router's own small matmul is not counted (Megatron);
+- multi-latent attention counts its projections (the query's down and up halves, or one query projection
+  without ``q_lora_rank``; the key/value down projection with the shared rotary key; the key/value up
+  projection; the output projection), its latent norms as Megatron does (one multiply-add per channel; only
+  when the model has them, ``qk_layernorm``), and its causal core over ``qk_head_dim + qk_pos_emb_head_dim``
+  (Q.K^T) and ``v_head_dim`` (P.V) channels per head;
+- multi-token prediction (``mtp_num_layers`` = D) adds per depth ``eh_proj`` (2h -> h), its three norms
+  (enorm, hnorm, final norm: 3h, as Megatron counts them) and one transformer layer of the decoder's last
+  layer's kind, and the shared output layer runs D + 1 times.
+
+With PEFT (``cfg.peft``: LoRA, DoRA, CanonicalLoRA) the base is frozen: its weight matmuls run forward and
+input-gradient but no weight-gradient (2/3 of the 6 FLOPs per weight and token), the attention core (no
+weights) stays at 3x forward, and each adapter adds its own forward, input- and weight-gradient matmuls
+(``adapter_multiply_adds_per_token``). DoRA's per-step weight norm and adapter dropout are not counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from torch import nn
+
 from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.peft.adapters import plan_adapters
 
 
-def _moe_layer_flags(model: Any, num_layers: int) -> list[bool]:
+@dataclasses.dataclass(frozen=True)
+class MatmulTerms:
+    """Forward multiply-adds of one token: ``weights`` through weight matrices (and the counted norms),
+    ``core`` per position attended before the causal halving (attention's Q.K^T and P.V widths)."""
+
+    weights: float
+    core: float
+
+
+def moe_layer_flags(model: Any, num_layers: int) -> list[bool]:
     """Which layers are MoE layers: ``moe_layer_freq`` is an int (every n-th layer) or a 0/1 list."""
     if not getattr(model, "num_moe_experts", None):
         return [False] * num_layers
@@ -47,52 +74,107 @@ def _seq_length(cfg: Any) -> int:
     return int(seq)
 
 
-def num_floating_point_operations(cfg: Any, batch_size: int = 1) -> float:
-    """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
-
-    Reads ``cfg.model``: num_layers, hidden_size, num_attention_heads, num_query_groups (default: heads),
-    kv_channels (default: hidden/heads), ffn_hidden_size (default: 4*hidden), gated_linear_unit,
-    padded_vocab_size (or vocab_size padded to make_vocab_size_divisible_by), seq_length (else
-    ``cfg.dataset.seq_length``), and for MoE num_moe_experts, moe_router_topk, moe_ffn_hidden_size,
-    moe_shared_expert_intermediate_size, moe_layer_freq.
-    """
-    model = cfg.model
+def _attention_terms(model: Any) -> MatmulTerms:
+    """One layer's attention: projection multiply-adds per token and the core's width per position."""
     h = int(model.hidden_size)
-    num_layers = int(model.num_layers)
     heads = int(model.num_attention_heads)
+    if getattr(model, "multi_latent_attention", False):
+        return _mla_attention_terms(model, h, heads)
     groups = int(getattr(model, "num_query_groups", None) or heads)
     kv_channels = int(getattr(model, "kv_channels", None) or h // heads)
-    dense_ffn = int(getattr(model, "ffn_hidden_size", None) or 4 * h)
-    gated = 3 if getattr(model, "gated_linear_unit", False) else 2
-    vocab = _vocab_size(model)
-    s = _seq_length(cfg)
-    B = int(batch_size)
-
-    q = kv_channels * heads
-    k = kv_channels * groups
-
-    moe_flags = _moe_layer_flags(model, num_layers)
-    topk = int(getattr(model, "moe_router_topk", 2) or 2)
-    moe_ffn = int(getattr(model, "moe_ffn_hidden_size", None) or dense_ffn)
-    shared_ffn = int(getattr(model, "moe_shared_expert_intermediate_size", None) or 0)
-    # Sum of the per-layer MLP widths: dense layers use f, MoE layers the routed experts plus shared ones.
-    ffn_width_sum = sum((moe_ffn * topk + shared_ffn) if is_moe else dense_ffn for is_moe in moe_flags)
-
-    attention_weights, attention_core = h * (q + 2 * k) + q * h, 6 * q
-    if getattr(model, "multi_latent_attention", False):
-        attention_weights, attention_core = _mla_attention_terms(model, h, heads)
-    per_token = 6 * h * gated * ffn_width_sum + 6 * num_layers * attention_weights + 6 * h * vocab
-    return float(B * s * per_token + attention_core * num_layers * B * s * s)
+    q, k = kv_channels * heads, kv_channels * groups
+    return MatmulTerms(weights=h * (q + 2 * k) + q * h, core=2 * q)
 
 
-def _mla_attention_terms(model: Any, h: int, heads: int) -> tuple[int, int]:
-    """Multi-latent attention's (projection weights a token multiplies through, s^2 coefficient): the query
-    projection (or its down and up halves), the key/value down and up projections, the output projection; the
-    causal core's Q.K^T over ``qk_head_dim + qk_pos_emb_head_dim`` and P.V over ``v_head_dim`` channels."""
+def _mla_attention_terms(model: Any, h: int, heads: int) -> MatmulTerms:
+    """Multi-latent attention (see the module docstring): the query path, the key/value down projection (latent
+    and shared rotary key) and up projection, the output projection; the latent norms when the model has them."""
     q_head = int(model.qk_head_dim) + int(model.qk_pos_emb_head_dim)
     v_head = int(model.v_head_dim)
     kv_rank = int(model.kv_lora_rank)
     q_rank = model.q_lora_rank
-    query = h * heads * q_head if q_rank is None else int(q_rank) * (h + heads * q_head)
-    key_value = h * (kv_rank + int(model.qk_pos_emb_head_dim)) + kv_rank * heads * (int(model.qk_head_dim) + v_head)
-    return query + key_value + heads * v_head * h, 3 * heads * (q_head + v_head)
+    norms = 1 if getattr(model, "qk_layernorm", False) else 0
+    query = h * heads * q_head if q_rank is None else int(q_rank) * (h + heads * q_head + norms)
+    key_value = h * int(model.qk_pos_emb_head_dim) + kv_rank * (h + heads * (int(model.qk_head_dim) + v_head) + norms)
+    return MatmulTerms(weights=query + key_value + heads * v_head * h, core=heads * (q_head + v_head))
+
+
+def _mlp_multiply_adds(model: Any, is_moe: bool) -> int:
+    h = int(model.hidden_size)
+    gated = 3 if getattr(model, "gated_linear_unit", False) else 2
+    dense_ffn = int(getattr(model, "ffn_hidden_size", None) or 4 * h)
+    if not is_moe:
+        return gated * h * dense_ffn
+    topk = int(getattr(model, "moe_router_topk", 2) or 2)
+    moe_ffn = int(getattr(model, "moe_ffn_hidden_size", None) or dense_ffn)
+    shared_ffn = int(getattr(model, "moe_shared_expert_intermediate_size", None) or 0)
+    return gated * h * (moe_ffn * topk + shared_ffn)
+
+
+def matmul_terms(model: Any) -> MatmulTerms:
+    """Forward multiply-adds per token of the whole model (decoder layers, MTP depths, output layer).
+
+    Reads ``model``: num_layers, hidden_size, num_attention_heads, num_query_groups (default: heads),
+    kv_channels (default: hidden/heads), ffn_hidden_size (default: 4*hidden), gated_linear_unit,
+    padded_vocab_size (or vocab_size padded to make_vocab_size_divisible_by); for MoE num_moe_experts,
+    moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_layer_freq; for MLA
+    multi_latent_attention, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim,
+    qk_layernorm; mtp_num_layers.
+    """
+    h = int(model.hidden_size)
+    moe_flags = moe_layer_flags(model, int(model.num_layers))
+    depths = int(getattr(model, "mtp_num_layers", None) or 0)
+    layer_kinds = moe_flags + [moe_flags[-1]] * depths  # an MTP depth's layer is built like the last layer
+    attention = _attention_terms(model)
+    weights = sum(attention.weights + _mlp_multiply_adds(model, is_moe) for is_moe in layer_kinds)
+    weights += depths * (2 * h * h + 3 * h)  # eh_proj and the depth's enorm, hnorm, final norm
+    weights += (depths + 1) * h * _vocab_size(model)  # the output layer, shared by the MTP depths
+    return MatmulTerms(weights=float(weights), core=float(attention.core * len(layer_kinds)))
+
+
+def num_floating_point_operations(cfg: Any, batch_size: int = 1) -> float:
+    """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences of
+    ``cfg.model.seq_length`` (else ``cfg.dataset.seq_length``) tokens; see the module docstring, ``matmul_terms``
+    for the model fields read, and ``adapter_multiply_adds_per_token`` for ``cfg.peft``."""
+    terms = matmul_terms(cfg.model)
+    s = _seq_length(cfg)
+    tokens = int(batch_size) * s
+    core = 3.0 * terms.core * tokens * s  # 2 FLOPs x 3 (forward + backward) x 1/2 (causal)
+    peft = getattr(cfg, "peft", None)
+    if peft is None:
+        return 6.0 * terms.weights * tokens + core
+    adapters = adapter_multiply_adds_per_token(cfg.model, peft)
+    return 4.0 * terms.weights * tokens + core + 6.0 * adapters * tokens
+
+
+def adapter_multiply_adds_per_token(model_cfg: Any, peft: Any) -> float:
+    """Forward multiply-adds of one token through the adapters ``peft`` puts on ``model_cfg``'s model: per
+    adapter group ``dim * (in + sum of the members' out)`` (one A shared by a fused group, a B per member);
+    routed experts' adapters ``moe_router_topk`` times (each token runs through that many experts' adapters).
+    The model is built once on the meta device to match the targets by name (cached per config)."""
+    return _adapter_multiply_adds(repr(model_cfg), repr(peft), model_cfg, peft)
+
+
+#: (repr of the model config, repr of the PEFT config) -> adapter multiply-adds per token: the formula runs
+#: every iteration, the meta model is built once
+_ADAPTER_CACHE: dict[tuple[str, str], float] = {}
+
+
+def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: Any, peft: Any) -> float:
+    cached = _ADAPTER_CACHE.get((model_key, peft_key))
+    if cached is not None:
+        return cached
+    model = model_cfg.provide_meta()
+    topk = int(getattr(model_cfg, "moe_router_topk", 1) or 1)
+    total = 0.0
+    for names in plan_adapters(model, peft).values():
+        layers = [model.get_submodule(name) for name in names]
+        if isinstance(layers[0], nn.Linear):
+            fan_in, outs, share = layers[0].in_features, [m.out_features for m in layers], 1
+        else:  # routed experts' GroupedLinear [E, out, in]: one adapter per expert, top-k of them per token
+            fan_in, outs, share = int(layers[0].weight.shape[2]), [int(m.weight.shape[1]) for m in layers], topk
+        total += share * int(peft.dim) * (fan_in + sum(outs))
+    if len(_ADAPTER_CACHE) > 16:
+        _ADAPTER_CACHE.clear()
+    _ADAPTER_CACHE[(model_key, peft_key)] = total
+    return total

@@ -12,7 +12,8 @@ Megatron's theoretical memory report as a search over layouts. For each (tp, pp,
   sharded, one layer gathered at a time).
 - **activations**: the bytes autograd saves, measured by running the model's own forward on the meta device
   at the rank's local shapes (heads, FFN and vocabulary divided by tp, sequence by cp, one microbatch) with
-  a saved-tensor hook, so the recompute and fused-loss settings count as they run; times the microbatches in
+  a saved-tensor hook, so the recompute and fused-loss settings count as they run; dense and MoE layers
+  apart, MoE routing's own tensors added (``longspan.planner.activations``); times the microbatches in
   flight on the stage (1F1B: ``min(pp - rank, microbatches)``). Full recompute keeps each recomputed
   layer's input plus one layer's (or one recompute group's) activations during backward.
 - **buffers**: the optimizer step's temporaries (one float32 copy of the rank's optimizer-sharded
@@ -27,14 +28,13 @@ tests/perf/test_planner.py and docs/plan.md.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
 from longspan.models.gpt import build_gpt_model, padded_vocab_size
@@ -42,6 +42,8 @@ from longspan.models.loss import default_chunk_tokens
 from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.parallel.mesh import Layout, check_layout, derive_layout
 from longspan.parallel.pipeline import layer_counts_for_config, stage_layer_numbers
+from longspan.parallel.tensor_parallel import tensor_parallel_plan
+from longspan.planner.activations import activation_parts, dtype_bytes, stage_activations
 from longspan.planner.flops import num_floating_point_operations
 from longspan.planner.peak_flops import measured_cpu_tflops
 
@@ -61,9 +63,12 @@ DEVICES: dict[str, tuple[Optional[float], float, float]] = {
     "cpu": (None, 5e9, 0.5),  # peak measured on this machine (longspan.planner.peak_flops)
 }
 
-_TP_SPLIT = re.compile(r"(linear_q|linear_k|linear_v|linear_proj|linear_fc1|linear_fc1_gate|linear_fc2|"
-                       r"word_embeddings|output_layer)\.weight$|(linear_q|linear_k|linear_v|linear_fc1|"
-                       r"linear_fc1_gate)\.bias$")
+#: parameters split over tp outside the tensor-parallel plan's module table: shared experts (by the expert-parallel
+#: plan, like a dense MLP: fc1 and its gate column-wise, fc2 row-wise with its bias replicated) and the decoder
+#: layers' attention sinks (by heads)
+_SPLIT_OUTSIDE_THE_PLAN = re.compile(r"\.shared_experts\.(linear_fc1|linear_fc1_gate)\.(weight|bias)$|"
+                                     r"\.shared_experts\.linear_fc2\.weight$|"
+                                     r"^decoder\.layers\.\d+\.self_attention\.softmax_offset$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -118,10 +123,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _dtype_bytes(dtype: Any) -> int:
-    return torch.tensor([], dtype=dtype or torch.float32).element_size()
-
-
 def data_parallel_mode_for(cfg: Any, layout: Layout) -> str:
     """The data-parallel wrapper a run of ``cfg`` gets at ``layout`` (see longspan.parallel.data_parallel)."""
     mode = data_parallel_mode(cfg, layout.tp)
@@ -163,7 +164,7 @@ def candidate_layouts(cfg: Any, world_size: int) -> tuple[list[tuple[Any, Layout
                 for ep in (_divisors(world_size // pp) if experts else [1]):
                     if experts and experts % ep:
                         continue
-                    etp = tp if ep == 1 else 1
+                    etp = tp  # longspan's expert parallel needs expert_tensor_parallel_size == tp
                     try:
                         layout = derive_layout(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
                         lcfg = _layout_config(cfg, layout)
@@ -187,21 +188,39 @@ def _stage_of_layers(cfg: Any, pp: int) -> dict[int, int]:
     return stage_of
 
 
+def tensor_parallel_split_names(meta_model: Any) -> set[str]:
+    """Names of the parameters tensor parallel splits, read off the tensor-parallel plan the run applies
+    (``longspan.parallel.tensor_parallel``): column-parallel weights and biases, row-parallel weights (their
+    biases stay replicated), the shared experts' projections and attention sinks. Norms, routers, the MLA
+    down-projections and latent norms stay whole."""
+    names = set()
+    for module, style in tensor_parallel_plan(meta_model).items():
+        if isinstance(style, ColwiseParallel):
+            names |= {f"{module}.weight", f"{module}.bias"}
+        elif isinstance(style, RowwiseParallel):
+            names.add(f"{module}.weight")
+    names |= {n for n, _ in meta_model.named_parameters() if _SPLIT_OUTSIDE_THE_PLAN.search(n)}
+    return names
+
+
 def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dict[str, float]]:
     """Per pipeline rank: {'dense': parameters replicated over dp, 'expert': routed-expert parameters,
     'largest_layer': parameters of its largest transformer layer, 'root': parameters outside the transformer
-    layers (embedding, final norm, output layer)} as this rank holds them."""
+    layers (embedding, final norm, output layer, multi-token prediction depths: FSDP2 keeps them with the root)}
+    as this rank holds them."""
     pp = layout.pp
     stage_of = _stage_of_layers(cfg, pp)
     tied = bool(cfg.model.share_embeddings_and_output_weights)
+    mtp = bool(getattr(cfg.model, "mtp_num_layers", None))
     ranks = [{"dense": 0.0, "expert": 0.0, "largest_layer": 0.0, "root": 0.0} for _ in range(pp)]
     layer_sizes: list[dict[int, float]] = [dict() for _ in range(pp)]
+    split = tensor_parallel_split_names(meta_model) if layout.tp > 1 else set()
     for name, p in meta_model.named_parameters():
         n = float(p.numel())
         expert = ".mlp.experts." in name
         if expert:
             n /= layout.ep * layout.etp
-        elif _TP_SPLIT.search(name):
+        elif name in split:
             n /= layout.tp
         match = _LAYER.match(name)
         if match:
@@ -212,6 +231,8 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
             stages = [0]
             if tied and pp > 1 and "word_embeddings" in name:
                 stages.append(pp - 1)  # the last stage keeps its own copy of the tied output weight
+            if mtp and pp > 1:
+                stages.append(pp - 1)  # and of the whole embedding, for the MTP depths' shifted tokens
         else:
             stages = [pp - 1]
         for s in stages:
@@ -223,113 +244,23 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
     return ranks
 
 
-# ----------------------------------------------------------------------------------------------- activations
-
-@contextlib.contextmanager
-def _flash_attention_on_meta() -> Iterator[None]:
-    """On the meta device SDPA takes its math path, which saves the [s, s] attention weights; training on a
-    GPU (and torch's CPU kernel without an explicit mask) uses flash attention, which saves O(s). Count
-    that: maskless SDPA calls run torch's flash kernel (its meta form) while measuring."""
-    real = F.scaled_dot_product_attention
-
-    def flash_like(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or q.device.type != "meta":
-            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
-        if k.shape[-3] != q.shape[-3]:
-            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, scale=scale)[0]
-
-    F.scaled_dot_product_attention = flash_like
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = real
+def model_parameter_counts(cfg: Any, meta_model: Any) -> dict[str, float]:
+    """{'total': the model's parameters (tied ones once), 'active': those one token runs through, routed
+    experts counted ``moe_router_topk`` of ``num_moe_experts``}, by the per-rank accounting at one rank."""
+    one = rank_parameter_counts(cfg, derive_layout(1), meta_model)[0]
+    experts = int(getattr(cfg.model, "num_moe_experts", None) or 0)
+    share = int(cfg.model.moe_router_topk or 1) / experts if experts else 1.0
+    return {"total": one["dense"] + one["expert"], "active": one["dense"] + one["expert"] * share}
 
 
-def _saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> float:
-    """Bytes autograd saves for one forward of ``provider``'s model (meta device, parameters excluded)."""
-    provider = copy.deepcopy(provider)
-    provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
-    provider.context_parallel_size = provider.expert_model_parallel_size = 1
-    provider.sequence_parallel = False
-    model = build_gpt_model(provider, pre_process=pre, post_process=post, materialize=False)
-    model.train()
-    params = {id(p) for p in model.parameters()}
-    saved: dict[int, float] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(base) not in params and id(t) not in params:
-            saved[id(base)] = float(base.numel() * base.element_size())
-        return t
-
-    with torch.device("meta"), _flash_attention_on_meta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        tokens = torch.zeros(mbs, seq, dtype=torch.long)
-        if pre:
-            model(tokens, labels=tokens)
-        else:
-            hidden = torch.zeros(mbs, seq, provider.hidden_size, dtype=provider.params_dtype, requires_grad=True)
-            model(hidden, labels=tokens)
-    return sum(saved.values())
-
-
-def _local_provider(cfg: Any, layout: Layout, num_layers: int) -> Any:
-    """The model config of one rank's local computation: heads, FFN and vocabulary divided by tp."""
-    m = copy.deepcopy(cfg.model)
-    tp = layout.tp
-    heads = int(m.num_attention_heads)
-    groups = int(m.num_query_groups or heads)
-    m.kv_channels = m.kv_channels or m.hidden_size // heads
-    m.num_attention_heads, m.num_query_groups = heads // tp, groups // tp
-    ffn = int(m.ffn_hidden_size or 4 * m.hidden_size)
-    if getattr(m, "num_moe_experts", None):  # activations of routed tokens: top-k experts' FFN per token
-        ffn = int(m.moe_ffn_hidden_size or ffn) * int(m.moe_router_topk or 1)
-        ffn += int(getattr(m, "moe_shared_expert_intermediate_size", None) or 0)
-        m.num_moe_experts = None
-        m.moe_layer_freq = 1
-    m.ffn_hidden_size = max(1, ffn // tp)
-    m.vocab_size = padded_vocab_size(m) // tp
-    m.make_vocab_size_divisible_by = 1
-    m.num_layers = num_layers
-    m.recompute_granularity = m.recompute_granularity if m.recompute_granularity == "selective" else None
-    m.recompute_method = m.recompute_num_layers = None
-    return m
-
-
-def activation_parts(cfg: Any, layout: Layout) -> dict[str, float]:
-    """Saved bytes of one microbatch: 'layer' (one transformer layer), 'embedding', 'output' (output layer +
-    loss), and 'layer_input' (a layer's input hidden states)."""
-    mbs = int(cfg.train.micro_batch_size)
-    seq = int(cfg.model.seq_length) // layout.cp
-    one = _local_provider(cfg, layout, 1)
-    two = _local_provider(cfg, layout, 2)
-    full1 = _saved_bytes(one, mbs, seq, True, True)
-    full2 = _saved_bytes(two, mbs, seq, True, True)
-    pre1 = _saved_bytes(one, mbs, seq, True, False)
-    layer = full2 - full1
-    hidden_bytes = _dtype_bytes(cfg.model.params_dtype)
-    return {
-        "layer": layer,
-        "embedding": max(0.0, pre1 - layer),
-        "output": max(0.0, full1 - pre1),
-        "layer_input": float(mbs * seq * cfg.model.hidden_size * hidden_bytes),
-    }
-
-
-def _stage_activations(cfg: Any, parts: dict[str, float], layers: int) -> float:
-    """Saved activations of ``layers`` transformer layers under the config's recompute setting."""
-    m = cfg.model
-    if m.recompute_granularity != "full" or layers == 0:
-        return layers * parts["layer"]
-    n = int(m.recompute_num_layers or 1)
-    if m.recompute_method == "block":
-        recomputed = min(n, layers)
-        return (layers - recomputed) * parts["layer"] + recomputed * parts["layer_input"] + parts["layer"]
-    groups = -(-layers // n)
-    return groups * parts["layer_input"] + min(n, layers) * parts["layer"]
+def summary_line(cfg: Any, meta_model: Any = None) -> str:
+    """'model: N parameters (M active per token); F model FLOPs per iteration' for the plan's first line."""
+    if meta_model is None:
+        meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
+    counts = model_parameter_counts(cfg, meta_model)
+    flops = num_floating_point_operations(cfg, int(cfg.train.global_batch_size))
+    return (f"model: {counts['total']:,.0f} parameters ({counts['active']:,.0f} active per token); "
+            f"{flops:.3e} model FLOPs per iteration")
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -342,7 +273,7 @@ def _output_transient(cfg: Any, layout: Layout) -> float:
     tokens = int(cfg.train.micro_batch_size) * int(cfg.model.seq_length) // layout.cp
     if getattr(cfg.model, "cross_entropy_loss_fusion", False):
         return 2.0 * min(tokens, default_chunk_tokens(vocab)) * vocab * 4
-    if layout.tp == 1 and _dtype_bytes(cfg.model.params_dtype) == 4 and not (
+    if layout.tp == 1 and dtype_bytes(cfg.model.params_dtype) == 4 and not (
         getattr(cfg.model, "fp16_lm_cross_entropy", False) or getattr(cfg.model, "enable_autocast", False)
     ):
         # fused_linear_cross_entropy: the logits' gradient is formed in the forward (and saved, counted with
@@ -362,13 +293,13 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
     dp = layout.dp * layout.cp  # gradients are reduced (and FSDP2 shards) over dp x cp
     edp = max(1, layout.edp)
     m = cfg.model
-    pb = _dtype_bytes(m.params_dtype)
+    pb = dtype_bytes(m.params_dtype)
     main_bytes = 0 if pb == 4 else 4
     optimizer = str(getattr(cfg.optimizer, "optimizer", "adam")).lower()
     state_bytes = 8 if optimizer == "adam" else (4 if float(getattr(cfg.optimizer, "sgd_momentum", 0) or 0) else 0)
     if getattr(cfg.optimizer, "use_precision_aware_optimizer", False):  # main params and moments in their dtypes
-        main_bytes = 0 if pb == 4 else _dtype_bytes(cfg.optimizer.main_params_dtype)
-        state_bytes = _dtype_bytes(cfg.optimizer.exp_avg_dtype) + _dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)
+        main_bytes = 0 if pb == 4 else dtype_bytes(cfg.optimizer.main_params_dtype)
+        state_bytes = dtype_bytes(cfg.optimizer.exp_avg_dtype) + dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)
     gbs, mbs = int(cfg.train.global_batch_size), int(cfg.train.micro_batch_size)
     microbatches = max(1, gbs // (mbs * layout.dp))
     stage_of = _stage_of_layers(cfg, layout.pp)
@@ -393,9 +324,9 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
         accumulated = (local if mode in ("none", "ddp") else local + shard) if microbatches > 1 else early_grads
         weights = held * pb + shard * main_bytes
         opt = shard * state_bytes
-        layers = sum(1 for s in stage_of.values() if s == rank)
+        layers = [n for n, s in stage_of.items() if s == rank]
         in_flight = min(layout.pp - rank, microbatches) if layout.pp > 1 else 1
-        per_mb = _stage_activations(cfg, parts, layers)
+        per_mb = stage_activations(cfg, parts, layers)
         if rank == 0:
             per_mb += parts["embedding"]
         last = rank == layout.pp - 1
@@ -440,7 +371,7 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
     vp = int(getattr(m, "virtual_pipeline_model_parallel_size", None) or 1)
     compute *= 1.0 + (layout.pp - 1) / (microbatches * vp)
     seq = int(m.seq_length) // layout.cp
-    act_bytes = _dtype_bytes(m.params_dtype)
+    act_bytes = dtype_bytes(m.params_dtype)
     layers_per_stage = -(-int(m.num_layers) // layout.pp)
     comm = 0.0
     if layout.tp > 1:  # 2 all-reduces forward + 2 backward per layer and microbatch

@@ -142,8 +142,8 @@ def test_yarn_uses_the_mla_fields():
 
 
 def test_flops_count_the_mla_matmuls():
-    """Training FLOPs (3x forward, 2 per multiply-add) of the MLA projections and causal core, counted from the
-    built module's weight shapes; the rest of the model is counted as for the same model with plain attention."""
+    """Training FLOPs (3x forward, 2 per multiply-add) of the MLA projections, latent norms and causal core,
+    counted from the built module's weight shapes; the rest of the model is counted as for the same model with plain attention."""
     from types import SimpleNamespace
 
     from longspan.planner.flops import num_floating_point_operations
@@ -155,7 +155,9 @@ def test_flops_count_the_mla_matmuls():
     for q_lora_rank in (24, None):
         provider = mla_config(q_lora_rank=q_lora_rank)
         attn = build_gpt_model(provider, seed=0).decoder.layers["0"].self_attention
-        weights = sum(m.weight.numel() for n, m in attn.named_modules() if n.startswith("linear_"))
+        # the projections, and the latent norms as Megatron Bridge's formula counts them (a multiply-add each)
+        weights = sum(m.weight.numel() for n, m in attn.named_modules()
+                      if n.startswith("linear_") or n in ("q_layernorm", "kv_layernorm"))
         core = 3 * 4 * ((12 + 8) + 10)  # per s^2: Q.K^T over 20 channels, P.V over 10, halved by causality
         got = num_floating_point_operations(SimpleNamespace(model=provider))
         assert got == rest + s * 6 * layers * weights + core * layers * s * s

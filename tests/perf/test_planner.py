@@ -76,8 +76,14 @@ def test_candidate_layouts_are_valid_and_complete():
 def test_plan_cli_table_best_first(capsys):
     assert main(["plan", "--recipe", "tiny", "--world-size", "4", "--device", "cpu", "--memory-per-device", "8GiB"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:5] == ["tp", "pp", "cp", "dp", "ep"]
-    rows = [line.split() for line in out[2:]]
+    from longspan.models.gpt import num_parameters
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("tiny")
+    total = num_parameters(cfg.model.provide_meta())
+    assert out[0].startswith(f"model: {total:,} parameters ({total:,} active per token); ")
+    assert out[1].split()[:5] == ["tp", "pp", "cp", "dp", "ep"]
+    rows = [line.split() for line in out[3:]]
     assert len(rows) >= 6 and all(r[-3] == "yes" for r in rows)
     times = [float(r[-2]) for r in rows]
     assert times == sorted(times)

@@ -119,7 +119,7 @@ LINE_RE = re.compile(
     r" consumed samples: (?P<consumed>[ \d]{12}) \|"
     r" elapsed time per iteration \(ms\): (?P<ms>\d+\.\d) \|"
     r" throughput per GPU \(TFLOP/s/GPU\): (?P<tput>\d+\.\d) \|"
-    r"( MFU: (?P<mfu>\d+\.\d)% \|)?"
+    r"( MFU: ((?P<mfu>\d+\.\d)%|n/a \(peak too low\)) \|)?"  # n/a: these fake timings beat the CPU's peak
     r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
     r" global batch size: (?P<gbs>[ \d]{5}) \|"
     r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d) \|"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Optional
 
+from longspan.planner.peak_flops import format_mfu
+
 
 def format_training_log_line(
     *,
@@ -39,7 +41,7 @@ def format_training_log_line(
     if throughput is not None:
         s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     if mfu is not None:
-        s += f" MFU: {100.0 * mfu:.1f}% |"
+        s += f" MFU: {format_mfu(mfu)} |"
     if energy is not None:
         s += f" energy per GPU (J/iter/GPU): {energy['energy_per_gpu_j_per_iter']:.1f} |"
         s += f" power per GPU (W/GPU): {energy['power_per_gpu_w']:.1f} |"

@@ -39,7 +39,7 @@ from longspan.training.observability.log_metrics import (
 )
 from longspan.training.observability.log_sinks import logger_sinks, option, write_vs_samples
 from longspan.training.observability.memory import dump_memory_snapshot, reduce_max_memory_across_pp_group, report_memory
-from longspan.planner.peak_flops import mfu, peak_flops_per_device
+from longspan.planner.peak_flops import mfu, peak_flops_per_device, reported_mfu
 from longspan.training.observability.moe_log import track_moe_metrics
 from longspan.training.observability.mtp_log import track_mtp_metrics
 from longspan.training.utils.norms import report_l2_norm_grad
@@ -301,7 +301,9 @@ def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: boo
         "loss_tokens": loss_tokens,
         "loss_tokens_per_s": loss_tokens / iteration_time if iteration_time and loss_tokens is not None else None,
         "throughput": flops / iteration_time / get_world_size() / 1e12 if iteration_time and flops else None,
-        "mfu": mfu(flops / iteration_time / get_world_size(), ctx.peak) if iteration_time and flops else None,
+        # None rather than a utilisation above 100% (the peak is too low; see longspan.planner.peak_flops)
+        "mfu": reported_mfu(mfu(flops / iteration_time / get_world_size(), ctx.peak)) if iteration_time and flops
+        else None,
         "skipped_iterations": int(m.skipped_iter),
         "nan_iterations": int(got_nan),
         **(ctx.energy or {}),

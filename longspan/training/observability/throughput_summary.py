@@ -6,7 +6,7 @@ from typing import Optional
 
 from longspan.core.logging import get_world_size
 from longspan.training.state import GlobalState
-from longspan.planner.peak_flops import mfu, peak_flops_per_device
+from longspan.planner.peak_flops import format_mfu, mfu, peak_flops_per_device
 
 
 def record_log_interval(global_state: GlobalState, iteration: int, num_iterations: int, seconds: float,
@@ -34,5 +34,5 @@ def run_throughput_summary(global_state: GlobalState) -> Optional[str]:
         value = mfu(per_device, peak_flops_per_device(getattr(global_state, "device", None)))
         text += f", {per_device / 1e12:.3g} TFLOP/s/device"
         if value is not None:
-            text += f", MFU {100.0 * value:.1f}%"
+            text += f", MFU {format_mfu(value)}"
     return text

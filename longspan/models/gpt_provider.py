@@ -542,8 +542,11 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     use_transformer_engine_op_fuser: bool = False
     """Use TransformerEngine's operation fuser."""
 
-    mtp_enabled: bool = False
-    """Enable multi-token prediction."""
+    mtp_enabled: Optional[bool] = None
+    """Enable multi-token prediction. ``mtp_num_layers`` is the switch (as in megatron-core; Megatron Bridge
+    only stores this field, default False, and never reads it): None (default) leaves it to mtp_num_layers;
+    True asserts MTP is on and needs mtp_num_layers set; False asserts it is off and needs mtp_num_layers=None.
+    A contradiction is a one-line ConfigError naming both fields, never a silently ignored setting."""
 
     restore_modelopt_state: bool = False
     """Restore NVIDIA ModelOpt (quantization/sparsity) state from the checkpoint."""

@@ -32,7 +32,6 @@ RESIDUAL_FIXED_FIELDS: dict[str, Any] = {
 # fp8 is applied from outside (longspan.parallel.float8), not by the model.
 GPT_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
-    "mtp_enabled": False,
 }
 
 T5_FIXED_FIELDS: dict[str, Any] = {
@@ -168,6 +167,7 @@ def check_mtp(config: Any) -> None:
     the depths (the whole sequence on one rank: no context or sequence parallel yet; with pipeline stages, untied
     embeddings, the last stage holding a copy of the embedding)."""
     depths = getattr(config, "mtp_num_layers", None)
+    _check_mtp_enabled(getattr(config, "mtp_enabled", None), depths)
     if depths is None:
         return
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
@@ -192,6 +192,20 @@ def check_mtp(config: Any) -> None:
             f"model.mtp_num_layers={depths} with model.pipeline_model_parallel_size={pp} is not supported yet "
             "with model.share_embeddings_and_output_weights=True: untie them, or use one pipeline stage"
         )
+
+
+def _check_mtp_enabled(enabled: Any, depths: Any) -> None:
+    """``mtp_enabled`` states what ``mtp_num_layers`` switches: True needs depths, False needs none."""
+    if enabled is None:
+        return
+    if enabled not in (True, False):
+        raise ConfigError(f"model.mtp_enabled={enabled!r} must be true, false or null (mtp_num_layers decides)")
+    if enabled and depths is None:
+        raise ConfigError("model.mtp_enabled=True needs model.mtp_num_layers (the number of multi-token-prediction "
+                          "depths, e.g. 1): set it, or leave mtp_enabled null")
+    if not enabled and depths is not None:
+        raise ConfigError(f"model.mtp_enabled=False contradicts model.mtp_num_layers={depths!r}: set "
+                          "mtp_num_layers=None to turn multi-token prediction off, or mtp_enabled to null or true")
 
 
 def _check_heads(config: Any) -> None:

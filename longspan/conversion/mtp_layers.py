@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from longspan.conversion import mapping
+from longspan.conversion.mapping import WeightMap, with_mtp
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
@@ -34,12 +34,12 @@ def declared_depths(cfg: dict[str, Any]) -> int:
     return int(cfg.get(HF_MTP_KEY) or 0)
 
 
-def mtp_weights_for(table: tuple[mapping.WeightMap, ...]) -> Callable[[dict[str, Any]], tuple[mapping.WeightMap, ...]]:
+def mtp_weights_for(table: tuple[WeightMap, ...]) -> Callable[[dict[str, Any]], tuple[WeightMap, ...]]:
     """A family's ``weights_for``: ``table`` plus the MTP depths config.json declares."""
 
-    def weights_for(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
-        return mapping.with_mtp(table, int(cfg.get("num_hidden_layers") or 0), declared_depths(cfg),
-                                bool(cfg.get("tie_word_embeddings", False)))
+    def weights_for(cfg: dict[str, Any]) -> tuple[WeightMap, ...]:
+        return with_mtp(table, int(cfg.get("num_hidden_layers") or 0), declared_depths(cfg),
+                        bool(cfg.get("tie_word_embeddings", False)))
 
     return weights_for
 

@@ -287,3 +287,19 @@ def test_a_last_pipeline_stage_embedding_copy_is_exported_once(imported, tmp_pat
     assert torch.equal(chunks[0].embedding.word_embeddings.weight, chunks[1].embedding.word_embeddings.weight)
     names = [name for name, _ in bridge.export_hf_weights(chunks)]
     assert len(names) == len(set(names)) and sorted(names) == sorted(tensors(src))
+
+
+@pytest.mark.parametrize("depths", [None, 1])
+def test_training_from_the_hf_directory_keeps_the_recipes_mtp_choice(tmp_path, depths):
+    """checkpoint.pretrained_checkpoint: the architecture comes from config.json, whether to train the MTP
+    layers from the recipe (they load when it asks for them, else are skipped with one log line)."""
+    from longspan.recipes import get_recipe
+    from longspan.training.checkpointing.hf_weights import apply_hf_model_config
+
+    src = tmp_path / "hf"
+    make_source("glm4_moe", src)
+    cfg = get_recipe("tiny")
+    cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor = depths, 0.2
+    changed = apply_hf_model_config(cfg, src)
+    assert "num_moe_experts" in changed and not {"mtp_num_layers", "mtp_loss_scaling_factor"} & set(changed)
+    assert (cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor) == (depths, 0.2)

@@ -22,9 +22,8 @@ first stage exports it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
-
 import dataclasses
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn

@@ -274,6 +274,8 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_num_layers mtp_loss_scaling_factor"))
 for _cls in ("T5ModelProvider", "MambaProvider"):
     CLASS_FIELD_STATUS[_cls].update(_many("model", NOT_SUPPORTED, "mtp_num_layers mtp_loss_scaling_factor"))
+# mtp_enabled states what mtp_num_layers switches (config rules: a contradiction is an error).
+FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:

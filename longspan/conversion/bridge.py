@@ -48,6 +48,14 @@ from longspan.conversion.config_fields import DTYPE_NAMES
 from longspan.conversion.families import Family
 from longspan.conversion.loader import export_hf_weights, load_hf_weights, lookup
 from longspan.conversion.mapping import match
+from longspan.conversion.mtp_layers import (
+    check_export,
+    check_import,
+    declared_depths,
+    importable_depths,
+    model_depths,
+    with_depths,
+)
 from longspan.conversion.safetensors_io import (
     HFCheckpointReader,
     StreamingSafetensorsWriter,
@@ -209,8 +217,15 @@ class AutoBridge:
         return provider
 
     def _provider(self) -> Any:
-        """The provider of the HF config's architecture, finalized (a plain dataclass: it serializes)."""
+        """The provider of the HF config's architecture, finalized (a plain dataclass: it serializes). With
+        weights, ``mtp_num_layers`` counts the multi-token-prediction layers the files hold."""
         provider = getattr(models, self.family.provider_class)(**self.family.to_provider(self.hf_config))
+        if self.family.mtp_layers and self.hf_path is not None and declared_depths(self.hf_config):
+            reader = HFCheckpointReader(self.hf_path, self.family.hf_prefix_aliases)
+            try:
+                provider.mtp_num_layers = importable_depths(reader, self.hf_config, self.family.architecture)
+            finally:
+                reader.close()
         provider.finalize()
         return provider
 
@@ -256,7 +271,11 @@ class AutoBridge:
             raise CheckpointError("this bridge has no HF weights (it was made from a config): use from_hf_pretrained")
         reader = HFCheckpointReader(self.hf_path, self.family.hf_prefix_aliases)
         try:
-            return load_hf_weights(chunks, self.family, reader, self.hf_vocab_size, progress=progress, select=select)
+            family, requested = self.family, model_depths(chunks)
+            if family.mtp_layers or requested:
+                check_import(reader, self.hf_config, requested, family.architecture)
+                family = family.for_config(with_depths(self.hf_config, requested))
+            return load_hf_weights(chunks, family, reader, self.hf_vocab_size, progress=progress, select=select)
         finally:
             reader.close()
 
@@ -270,20 +289,25 @@ class AutoBridge:
         model's parameters: copy them if you keep them past the next step.
         """
         chunks = model if isinstance(model, list) else [model]
-        family, config = self.export_family_and_config()
+        family, config = self.export_family_and_config(model_depths(chunks))
         tied = bool(config.get("tie_word_embeddings", family.name == "gpt2"))
         return export_hf_weights(chunks, family, self.hf_vocab_size, tied, cpu=cpu)
 
-    def export_family_and_config(self) -> tuple[Family, dict[str, Any]]:
+    def export_family_and_config(self, mtp_depths: int = 0) -> tuple[Family, dict[str, Any]]:
         """The family and config.json an export writes: the source's, or for the text tower of a bigger model
-        (a vision-language model) the text model's."""
+        (a vision-language model) the text model's; declaring the model's ``mtp_depths`` multi-token-prediction
+        layers where the architecture stores them (``num_nextn_predict_layers``)."""
         if self.family.export_architecture is None:
-            config = dict(self.hf_config)
+            family, config = self.family, dict(self.hf_config)
             if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
                 del config["quantization_config"]  # the export writes the decoded (plain) expert weights
-            return self.family, config
-        config = self.family.export_config(self.hf_config)
-        return families.BY_ARCHITECTURE[self.family.export_architecture].for_config(config), config
+        else:
+            config = self.family.export_config(self.hf_config)
+            family = families.BY_ARCHITECTURE[self.family.export_architecture]
+        check_export(family.mtp_layers, mtp_depths, family.architecture)
+        if family.mtp_layers:
+            config = with_depths(config, mtp_depths)
+        return family.for_config(config), config
 
     def save_hf_pretrained(self, model: nn.Module | list[nn.Module], path: str | os.PathLike,
                            max_shard_size: int = 5 * 2**30, progress: Callable[[str], None] | None = None) -> None:
@@ -319,7 +343,7 @@ class AutoBridge:
                 total += size
         if rank == 0:
             finalize_shards(out, weight_map, total)
-            config = self.export_family_and_config()[1]
+            config = self.export_family_and_config(model_depths(model if isinstance(model, list) else [model]))[1]
             dtype = _first_dtype(model)
             if dtype is not None:
                 config["dtype"] = DTYPE_NAMES.get(dtype, "float32")

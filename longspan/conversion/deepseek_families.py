@@ -11,9 +11,16 @@ What maps where (``mapping.DEEPSEEK_V3_MOE``):
   ``mlp.gate.e_score_correction_bias`` (longspan's float32 ``router.expert_bias`` buffer), the routed experts
   ``mlp.experts.{e}.*`` stacked into one slab per projection, and ``mlp.shared_experts.*`` as one MLP of
   ``n_shared_experts * moe_intermediate_size``;
-- the multi-token-prediction layers a checkpoint may carry after the decoder (``num_nextn_predict_layers``,
-  stored as ``model.layers.{num_hidden_layers + k}.*``) are not imported (one log line says so) and the export
-  writes none (``num_nextn_predict_layers=0``).
+- the multi-token-prediction layers after the decoder (``num_nextn_predict_layers``, depth k stored as
+  ``model.layers.{num_hidden_layers + k}.*``): ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm`` are
+  ``mtp.layers.{k}.enorm`` / ``hnorm`` / ``eh_proj`` / ``final_layernorm``, the rest is the depth's
+  ``transformer_layer`` under the decoder layers' names (``mapping.with_mtp``, shared with GLM-4.5). The depth's
+  ``embed_tokens`` / ``shared_head.head`` repeat the shared embedding and output head, which longspan's depths use
+  (megatron-core's): the import checks each copy equals them bit for bit (a one-line ``CheckpointError`` names a
+  copy that differs), the export writes them from the shared tensors. ``mtp_num_layers`` comes from
+  ``num_nextn_predict_layers`` (None for 0) as in Megatron Bridge, with its default ``mtp_loss_scaling_factor``
+  (0.1, Bridge's DeepSeek-V3 recipe); ``longspan.conversion.mtp_layers`` says what happens when the files hold
+  fewer layers or the model asks for fewer or more.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from longspan.conversion.config_fields import (
     rope_fields,
     vocab_divisor,
 )
-from longspan.conversion.glm_families import deepseek_moe_fields, deepseek_moe_hf_fields, log_skipped_mtp
+from longspan.conversion.glm_families import deepseek_moe_fields, deepseek_moe_hf_fields
+from longspan.conversion.mtp_layers import HF_MTP_KEY, declared_depths
 from longspan.core.errors import NotSupportedError
 from longspan.models.mla import yarn_mscale
 
@@ -121,13 +129,13 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         hidden_dropout=0.0,
         init_method_std=float(cfg.get("initializer_range", 0.02)),
+        mtp_num_layers=declared_depths(cfg) or None,
     )
     out.update(_mla_rope_fields(cfg))
     out.update(dtype_fields(cfg))
     moe_cfg = _with_moe_defaults(cfg)
     if moe_cfg["n_routed_experts"] and int(moe_cfg["first_k_dense_replace"]) < out["num_layers"]:
         out.update(deepseek_moe_fields(moe_cfg, out["num_layers"]))
-    log_skipped_mtp(cfg, "DeepSeek-V3")
     return out
 
 
@@ -193,8 +201,8 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
         initializer_range=float(p.init_method_std),
         attention_bias=False,
         rope_interleave=True,
-        num_nextn_predict_layers=0,
     )
+    out[HF_MTP_KEY] = int(p.mtp_num_layers or 0)
     out.update(_rope_hf(p))
     if p.num_moe_experts:
         out.update(deepseek_moe_hf_fields(p))

@@ -47,6 +47,7 @@ from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
 from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
 from longspan.conversion.mamba_families import mamba2_hf, mamba2_provider, nemotron_h_hf, nemotron_h_provider
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
+from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
 
@@ -73,6 +74,10 @@ class Family:
     """When set, the import is a part of a bigger HF model (a vision-language model's text tower) and exports
     as this architecture (``export_config`` turns the source config.json into its config.json)."""
     export_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    mtp_layers: bool = False
+    """config.json's ``num_nextn_predict_layers`` counts multi-token-prediction layers stored after the decoder
+    (``mapping.with_mtp``; ``weights_for`` adds them): the import reads them into ``mtp.layers.*``, the export
+    writes the model's (``longspan.conversion.mtp_layers``)."""
 
     def for_config(self, cfg: dict[str, Any]) -> "Family":
         """This family with the weight table for config.json dict ``cfg``."""
@@ -97,7 +102,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, mixtral_provider, mixtral_hf),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
-           deepseek_v3_hf),
+           deepseek_v3_hf, weights_for=mtp_weights_for(mapping.DEEPSEEK_V3_MOE), mtp_layers=True),
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
            t5_weights),
@@ -112,7 +117,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, nemotron_h_provider,
            nemotron_h_hf, "MambaProvider"),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
-    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf),
+    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
+           weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
 )
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}

@@ -16,7 +16,9 @@ A Llama-style decoder with:
 config.json (the same router, experts and names: ``mapping.DEEPSEEK_MOE_MLP``).
 
 The multi-token-prediction layers GLM checkpoints ship after the decoder (``num_nextn_predict_layers``, stored
-as ``model.layers.{num_hidden_layers + k}``) are not imported; the export writes none.
+as ``model.layers.{num_hidden_layers + k}``) use DeepSeek-V3's names (``mapping.with_mtp``, one table for both;
+see ``deepseek_families``). As Megatron Bridge's GLM-4.5 bridge, the import sets ``mtp_num_layers`` from
+``num_nextn_predict_layers`` (None for 0) and ``mtp_loss_scaling_factor`` to 0.3.
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ from typing import Any
 
 from longspan.conversion.config_fields import required
 from longspan.conversion.dense_families import llama_hf, llama_provider
+from longspan.conversion.mtp_layers import HF_MTP_KEY, declared_depths
 from longspan.core.errors import NotSupportedError
-from longspan.core.logging import get_logger, print_rank_0
-
-_log = get_logger(__name__)
 
 # transformers' Glm4MoeConfig default when config.json has no partial_rotary_factor.
 GLM_PARTIAL_ROTARY_DEFAULT = 0.5
 # transformers' Glm4MoeTopkRouter scores each expert group by the sum of its top two scores.
 GLM_GROUP_SCORE_TOPK = 2
+# Megatron Bridge's GLM-4.5 bridge weighs the multi-token-prediction loss so.
+GLM_MTP_LOSS_SCALING_FACTOR = 0.3
 
 
 def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
@@ -56,15 +58,6 @@ def _routing_groups(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, A
             f"{GLM_GROUP_SCORE_TOPK} (use num_experts_per_tok = {GLM_GROUP_SCORE_TOPK} * topk_group)"
         )
     return dict(moe_router_num_groups=groups, moe_router_group_topk=keep)
-
-
-def log_skipped_mtp(cfg: dict[str, Any], family: str) -> None:
-    """One log line naming the multi-token-prediction layers (after the decoder) that the import leaves out."""
-    mtp = int(cfg.get("num_nextn_predict_layers") or 0)
-    if mtp:
-        first = int(cfg["num_hidden_layers"])
-        print_rank_0(f"{family}: config.json num_nextn_predict_layers={mtp}: the multi-token-prediction layers "
-                     f"model.layers.{first}..{first + mtp - 1} are not imported", _log)
 
 
 def deepseek_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -105,7 +98,7 @@ def glm4_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     out = llama_provider(dict(rope_cfg, attention_bias=False), eps_default=1e-5)
     out.update(add_qkv_bias=bool(cfg.get("attention_bias", False)), qk_layernorm=bool(cfg.get("use_qk_norm", False)))
     out.update(deepseek_moe_fields(cfg, out["num_layers"]))
-    log_skipped_mtp(cfg, "GLM-4.5")
+    out.update(mtp_num_layers=declared_depths(cfg) or None, mtp_loss_scaling_factor=GLM_MTP_LOSS_SCALING_FACTOR)
     return out
 
 
@@ -173,8 +166,8 @@ def glm4_moe_hf(p: Any) -> dict[str, Any]:
         rope_parameters=dict(out["rope_parameters"], partial_rotary_factor=float(p.rotary_percent)),
         attention_bias=bool(p.add_qkv_bias),
         use_qk_norm=bool(p.qk_layernorm),
-        num_nextn_predict_layers=0,
     )
+    out[HF_MTP_KEY] = int(p.mtp_num_layers or 0)
     out.update(deepseek_moe_hf_fields(p))
     return out
 

@@ -13,10 +13,16 @@ tensors; a fused HF tensor (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) is emitted
 
 Persistent buffers (the routers' float32 ``expert_bias``) follow the parameters: each needs a table entry
 flagged ``buffer`` and is copied whole, keeping its dtype, so it round-trips bit-exactly.
+
+An entry's ``copies`` (the embedding and output head a multi-token-prediction layer repeats) are read for the
+same part as the parameter on import and must equal it bit for bit; the export writes the tensor under each.
+A last pipeline stage's own embedding (multi-token prediction needs one there) is the first stage's: only the
+first stage exports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
@@ -205,12 +211,14 @@ def load_hf_weights(chunks: list[nn.Module], family: Family, reader: HFCheckpoin
         if box is None:
             from torch.distributed.tensor import distribute_tensor  # slow to import; already loaded wherever a DTensor exists
 
-            full = read_parameter_part(reader, entry, layer, name, full_shape,
-                                       tuple(slice(0, n) for n in full_shape), hf_vocab)
+            whole = tuple(slice(0, n) for n in full_shape)
+            full = read_parameter_part(reader, entry, layer, name, full_shape, whole, hf_vocab)
+            _check_copies(reader, entry, layer, name, full_shape, whole, hf_vocab, full)
             local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
                                       src_data_rank=None).to_local()
         else:
             local = read_parameter_part(reader, entry, layer, name, full_shape, box, hf_vocab)
+            _check_copies(reader, entry, layer, name, full_shape, box, hf_vocab, local)
         target = param.to_local() if _is_dtensor(param) else param
         if tuple(local.shape) != tuple(target.shape):
             raise CheckpointError(f"{name}: read a part of shape {tuple(local.shape)} for a shard of {tuple(target.shape)}")
@@ -219,6 +227,21 @@ def load_hf_weights(chunks: list[nn.Module], family: Family, reader: HFCheckpoin
         if progress is not None:
             progress(name)
     return count + _load_buffers(chunks, family, reader, progress, select)
+
+
+def _check_copies(reader: HFCheckpointReader, entry: WeightMap, layer: int | None, name: str,
+                  full_shape: tuple[int, ...], box: Box, hf_vocab: int | None, part: torch.Tensor) -> None:
+    """The same ``box`` of every copy of ``entry``'s HF tensor equals ``part`` (what ``name`` loaded) bit for bit."""
+    for copy in entry.copies:
+        other = read_parameter_part(reader, dataclasses.replace(entry, hf=copy, copies=()), layer, name, full_shape,
+                                    box, hf_vocab)
+        if other.dtype != part.dtype or not torch.equal(other, part):
+            differ = (other.float() - part.float()).abs().max().item()
+            raise CheckpointError(
+                f"HF tensor {copy} differs from {entry.hf_name(layer)} (max |difference| {differ:.3g}): longspan's "
+                f"multi-token-prediction layers share the model's {name}; import with mtp_num_layers=None to "
+                "leave them out"
+            )
 
 
 def _load_buffers(chunks: list[nn.Module], family: Family, reader: HFCheckpointReader, progress: Any,
@@ -255,9 +278,10 @@ def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | N
     (HF stores the tied ``lm_head`` once, as the embeddings).
     """
     pending: dict[str, dict[int, torch.Tensor]] = {}
+    stage_copies = _last_stage_embedding_copies(chunks)
     for name, module, pname, param in iter_named_parameters(chunks):
         entry, layer = lookup(family, name)
-        is_copy = getattr(module, "init_name_overrides", {}).get(pname) is not None
+        is_copy = getattr(module, "init_name_overrides", {}).get(pname) is not None or id(param) in stage_copies
         full = _full(param)
         if is_copy or (tied and name == "output_layer.weight"):
             continue  # the first stage exports the embeddings this copies
@@ -284,13 +308,29 @@ def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | N
                 continue
             full = torch.cat([parts[k] for k in range(entry.split[1])])
             del pending[hf_name]
-        yield hf_name, _to_hf(entry, full)
+        tensor = _to_hf(entry, full)
+        yield hf_name, tensor
+        for copy in entry.copies:
+            yield copy, tensor
     if pending:
         raise CheckpointError(f"incomplete fused HF tensors (some parts are on no chunk): {sorted(pending)}")
     for name, buffer in iter_named_buffers(chunks):
         entry, layer = lookup(family, name, buffer=True)
         full = _full(buffer).detach()
         yield entry.hf_name(layer), (full.cpu() if cpu else full).clone()
+
+
+def _last_stage_embedding_copies(chunks: list[nn.Module]) -> set[int]:
+    """ids of the embedding parameters a pipeline stage without the input layer holds as the first stage's copy
+    (multi-token prediction's, ``GPTModel``)."""
+    out: set[int] = set()
+    for chunk in chunks:
+        while isinstance(getattr(chunk, "module", None), nn.Module):  # a DDP wrapper
+            chunk = chunk.module
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None and getattr(chunk, "pre_process", True) is False:
+            out.update(id(p) for p in embedding.parameters())
+    return out
 
 
 def _to_hf(entry: WeightMap, tensor: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ rules the supported families need:
   expert (``{e}`` in the HF pattern);
 - ``vocab``: rows beyond the HF vocabulary are padding (added as zeros on import, stripped on export);
 - ``buffer``: ours is a persistent buffer, not a parameter (the aux-loss-free routing bias
-  ``router.expert_bias``, HF's ``e_score_correction_bias``): copied whole and bit-exactly, in its own dtype.
+  ``router.expert_bias``, HF's ``e_score_correction_bias``): copied whole and bit-exactly, in its own dtype;
+- ``copies``: HF also stores the same tensor under these names (the embedding and output head each
+  multi-token-prediction layer of DeepSeek-V3 / GLM-4.5 repeats: ``with_mtp``).
 
 ``{i}`` is the global layer index in both names. The loader (``longspan.conversion.loader``) is shared by every
 family: it only reads these tables.
@@ -63,6 +65,10 @@ class WeightMap:
     ``[E, out, in]``), decoded on import."""
     buffer: bool = False
     """ours is a persistent buffer of the module (read and written whole, keeping its dtype)."""
+
+    copies: tuple[str, ...] = ()
+    """Other HF names holding the same tensor: export writes it under each; import checks each equals it bit for
+    bit (one-line ``CheckpointError`` naming the first that differs)."""
 
     regex: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -337,6 +343,46 @@ DEEPSEEK_MOE_MLP = (
 
 # GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama's attention (q/k/v biases, optional per-head QK-norm) and MLP names.
 GLM4_MOE = LLAMA + DEEPSEEK_MOE_MLP
+
+
+# --------------------------------------------------------------------------------------------- multi-token prediction
+
+# DeepSeek-V3 and GLM-4.5 store multi-token-prediction depth k (0-based) after the decoder, as decoder layer
+# num_hidden_layers + k: its own norms and projection, a decoder layer under the decoder's names, and copies of
+# the shared embedding and output head (longspan's depths use the shared ones: megatron-core's MTP block).
+MTP_OWN = (
+    ("enorm.weight", "enorm.weight"),
+    ("hnorm.weight", "hnorm.weight"),
+    ("eh_proj.weight", "eh_proj.weight"),  # [h, 2h]: the first h input columns read the embedding, as ours
+    ("final_layernorm.weight", "shared_head.norm.weight"),
+)
+MTP_SHARED_COPIES = {
+    "embedding.word_embeddings.weight": "embed_tokens.weight",
+    "output_layer.weight": "shared_head.head.weight",
+}
+
+
+def with_mtp(table: tuple[WeightMap, ...], num_layers: int, depths: int, tied: bool = False) -> tuple[WeightMap, ...]:
+    """``table`` plus ``depths`` multi-token-prediction depths stored after ``num_layers`` decoder layers:
+    ``mtp.layers.{k}.*`` <-> ``model.layers.{num_layers + k}.*``, each depth's ``transformer_layer`` with the
+    table's decoder-layer entries, and the depths' embedding / head copies on the shared entries (with ``tied``
+    embeddings the head copies are the embedding's too)."""
+    if not depths:
+        return table
+    shared_of = {"output_layer.weight": "embedding.word_embeddings.weight"} if tied else {}
+    copies: dict[str, tuple[str, ...]] = {}
+    for ours, hf in MTP_SHARED_COPIES.items():
+        owner = shared_of.get(ours, ours)
+        copies[owner] = copies.get(owner, ()) + tuple(f"model.layers.{num_layers + k}.{hf}" for k in range(depths))
+    out = [dataclasses.replace(e, copies=e.copies + copies[e.ours]) if e.ours in copies else e for e in table]
+    decoder = "decoder.layers.{i}."
+    for k in range(depths):
+        hf_layer = f"model.layers.{num_layers + k}."
+        out += [WeightMap(f"mtp.layers.{k}.{ours}", hf_layer + hf) for ours, hf in MTP_OWN]
+        out += [dataclasses.replace(e, ours=f"mtp.layers.{k}.transformer_layer." + e.ours[len(decoder):],
+                                    hf=hf_layer + e.hf[len("model.layers.{i}."):])
+                for e in table if e.ours.startswith(decoder) and e.hf.startswith("model.layers.{i}.")]
+    return tuple(out)
 
 
 def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | None] | None:

@@ -543,7 +543,9 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     """Use TransformerEngine's operation fuser."""
 
     mtp_enabled: bool = False
-    """Enable multi-token prediction."""
+    """Enable multi-token prediction. ``mtp_num_layers`` is the switch, as in megatron-core (Megatron Bridge
+    stores this field and never reads it): True asserts MTP is on and needs mtp_num_layers set (a one-line
+    ConfigError naming both fields otherwise); False, the default, leaves the choice to mtp_num_layers."""
 
     restore_modelopt_state: bool = False
     """Restore NVIDIA ModelOpt (quantization/sparsity) state from the checkpoint."""

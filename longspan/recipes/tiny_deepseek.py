@@ -7,10 +7,13 @@
   normalized and scaled by 2.5, plus one always-on shared expert of width 128;
 - aux-loss-free load balancing: the routing bias (``router.expert_bias``) moves every step from the token
   counts (rate 1e-3), no auxiliary loss.
+- multi-token prediction: one depth (``mtp_num_layers=1``, an MoE layer like the last decoder layer) predicts
+  the token two places ahead; its loss joins the objective weighted 0.1 (``mtp_loss_scaling_factor``, Megatron
+  Bridge's DeepSeek-V3 recipe) and is logged as ``mtp_1 loss``.
 
 Eight experts divide by expert_model_parallel_size 2, 4 and 8; every setting has a DeepSeek-V3 HF equivalent
 (``layernorm_epsilon`` 1e-6 as transformers' latent norms), so a trained checkpoint exports as
-``DeepseekV3ForCausalLM``.
+``DeepseekV3ForCausalLM``, its MTP depth as ``model.layers.4`` (``num_nextn_predict_layers=1``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ RUN_DIR = "runs/tiny-deepseek"
 
 def tiny_deepseek() -> ConfigContainer:
     """``tiny`` with MLA (q_lora_rank 64, kv_lora_rank 32), a dense first layer, then 8 routed + 1 shared
-    expert per layer with DeepSeek-V3's group-limited sigmoid routing and the aux-loss-free expert bias."""
+    expert per layer with DeepSeek-V3's group-limited sigmoid routing and the aux-loss-free expert bias, and one
+    multi-token-prediction depth."""
     cfg = tiny()
     model = cfg.model
     model.num_query_groups = None  # MLA: every head its own key and value from the shared latent
@@ -51,6 +55,8 @@ def tiny_deepseek() -> ConfigContainer:
     model.moe_aux_loss_coeff = 0.0
     model.moe_expert_capacity_factor = None
     model.moe_token_dispatcher_type = "alltoall"
+    model.mtp_num_layers = 1
+    model.mtp_loss_scaling_factor = 0.1
     cfg.logger.tensorboard_dir = f"{RUN_DIR}/tensorboard"
     cfg.checkpoint.save = f"{RUN_DIR}/checkpoints"
     cfg.checkpoint.load = f"{RUN_DIR}/checkpoints"

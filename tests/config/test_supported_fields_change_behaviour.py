@@ -489,6 +489,24 @@ def _token_dropping_switch_needs_the_capacity_factor(tmp_path: Path) -> bool:
     return True
 
 
+@probe("model.mtp_enabled")
+def _mtp_enabled_states_what_the_depth_count_switches(tmp_path: Path) -> bool:
+    """mtp_num_layers is the switch (megatron-core's; Bridge only stores mtp_enabled): True without depths is a
+    one-line error naming both fields; True with depths builds the MTP block; False, the default, leaves the
+    choice to mtp_num_layers."""
+    from longspan.core.errors import ConfigError
+    from longspan.models.gpt import build_gpt_model
+
+    with pytest.raises(ConfigError, match=r"model.mtp_enabled=True needs model.mtp_num_layers") as info:
+        _validated(1, model__mtp_enabled=True)
+    assert "\n" not in str(info.value)
+    built = []
+    for enabled, depths in ((False, None), (True, 1), (False, 1)):
+        cfg = _validated(1, model__mtp_enabled=enabled, model__mtp_num_layers=depths)
+        built.append(build_gpt_model(cfg.model, materialize=False).mtp is not None)
+    return built == [False, True, True]
+
+
 # Maths-section fields whose effect is in the run's records (logging) rather than its numbers.
 RUN_OBSERVED = {"model.moe_per_layer_logging"}
 

@@ -2,17 +2,14 @@
 attention with and without query compression, a dense first layer, then sigmoid routing over two expert groups
 with random non-zero routing biases (``e_score_correction_bias``, large enough that ignoring them routes
 differently) and a shared expert. Logits equal transformers' (fp32 <= 1e-5), import -> export is bit-identical,
-greedy generation equals transformers' token for token, and a multi-token-prediction layer in the checkpoint is
-skipped with one log line."""
+and greedy generation equals transformers' token for token (multi-token-prediction layers:
+test_mtp_conversion)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from longspan import AutoBridge
 from longspan.conversion import families
@@ -128,26 +125,6 @@ def test_model_built_in_longspan_exports_as_deepseek_v3(imported, tmp_path):
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     ours = ours_logits(model[0], tokens)
     assert (ours - hf_logits(load_hf(tmp_path / "out"), tokens)).abs().max().item() <= 1e-5
-
-
-def test_multi_token_prediction_layer_is_skipped_with_a_log_line(tmp_path, caplog):
-    """DeepSeek-V3 checkpoints ship their MTP layer as model.layers.{num_hidden_layers}: import leaves it out."""
-    src = tmp_path / "hf"
-    hf = save_random_deepseek_moe(src, 24, seed=1)
-    cfg = read_config(src)
-    cfg["num_nextn_predict_layers"] = 1
-    (src / "config.json").write_text(__import__("json").dumps(cfg))
-    weights = load_file(str(src / "model.safetensors"))
-    last = f"model.layers.{LAYERS - 1}."
-    extra = {k.replace(last, f"model.layers.{LAYERS}."): v.clone() for k, v in weights.items() if k.startswith(last)}
-    extra[f"model.layers.{LAYERS}.eh_proj.weight"] = torch.randn(HIDDEN, 2 * HIDDEN)
-    save_file({**weights, **extra}, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with caplog.at_level(logging.INFO, logger="longspan"):
-        model = AutoBridge.from_hf_pretrained(src).to_megatron_model()
-    lines = [r.getMessage() for r in caplog.records if "num_nextn_predict_layers=1" in r.getMessage()]
-    assert len(lines) >= 1 and f"model.layers.{LAYERS}..{LAYERS}" in lines[0] and "DeepSeek-V3" in lines[0]
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    assert (ours_logits(model[0], tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-5
 
 
 def test_moe_keys_left_out_of_config_json_take_transformers_defaults(tmp_path):

@@ -5,12 +5,10 @@ that change the choice of experts), import -> export is bit-identical with an eq
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from longspan import AutoBridge
 from longspan.conversion import families
@@ -77,25 +75,6 @@ def test_greedy_generate_equals_transformers(tmp_path):
     model = AutoBridge.from_hf_pretrained(src).to_megatron_model()
     result = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_ids=())
     assert result.output_ids == expected and len(expected) == NEW_TOKENS
-
-
-def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, caplog):
-    """GLM checkpoints ship their MTP layer as model.layers.{num_hidden_layers}: import leaves it out, saying so."""
-    src = tmp_path / "hf"
-    hf = make_glm_model(src, tokenizer=False)
-    weights = load_file(str(src / "model.safetensors"))
-    extra = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items()
-             if k.startswith("model.layers.2.")}
-    extra["model.layers.3.eh_proj.weight"] = torch.randn(32, 64)
-    save_file({**weights, **extra}, str(src / "model.safetensors"), metadata={"format": "pt"})
-    assert read_config(src)["num_nextn_predict_layers"] == 1
-    with caplog.at_level(logging.INFO, logger="longspan"):
-        model = AutoBridge.from_hf_pretrained(src).to_megatron_model()
-    assert any("num_nextn_predict_layers=1" in r.getMessage() and "model.layers.3..3" in r.getMessage()
-               for r in caplog.records)
-    tokens = _tokens(seed=1)
-    with torch.no_grad():
-        assert (model[0].eval()(tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-5
 
 
 def test_partial_rotary_factor_defaults_as_transformers(tmp_path):

@@ -32,7 +32,6 @@ RESIDUAL_FIXED_FIELDS: dict[str, Any] = {
 # fp8 is applied from outside (longspan.parallel.float8), not by the model.
 GPT_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
-    "mtp_enabled": False,
 }
 
 T5_FIXED_FIELDS: dict[str, Any] = {
@@ -168,6 +167,7 @@ def check_mtp(config: Any) -> None:
     the depths (the whole sequence on one rank: no context or sequence parallel yet; with pipeline stages, untied
     embeddings, the last stage holding a copy of the embedding)."""
     depths = getattr(config, "mtp_num_layers", None)
+    _check_mtp_enabled(getattr(config, "mtp_enabled", False), depths)
     if depths is None:
         return
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
@@ -192,6 +192,13 @@ def check_mtp(config: Any) -> None:
             f"model.mtp_num_layers={depths} with model.pipeline_model_parallel_size={pp} is not supported yet "
             "with model.share_embeddings_and_output_weights=True: untie them, or use one pipeline stage"
         )
+
+
+def _check_mtp_enabled(enabled: Any, depths: Any) -> None:
+    """``mtp_enabled=True`` asserts what ``mtp_num_layers`` switches on; False leaves it to mtp_num_layers."""
+    if enabled and depths is None:
+        raise ConfigError("model.mtp_enabled=True needs model.mtp_num_layers (the number of multi-token-prediction "
+                          "depths, e.g. 1): set it, or mtp_enabled=False")
 
 
 def _check_heads(config: Any) -> None:

@@ -32,16 +32,19 @@ HF_SUBDIR = "hf"
 _KEEP_FROM_RECIPE_ROPE = ("seq_length",)
 # T5's relative positions have no length limit either: the recipe's encoder and decoder lengths stay.
 _KEEP_FROM_RECIPE_RELATIVE = ("seq_length", "seq_length_dec", "max_position_embeddings")
+# Multi-token prediction is the recipe's training choice (Megatron Bridge's recipes set mtp_num_layers): the HF
+# directory's MTP layers load when the recipe asks for them and are skipped with one log line when it does not.
+_KEEP_FROM_RECIPE_MTP = ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_enabled")
 
 
 def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> list[str]:
     """Set ``cfg.model``'s architecture from the HF config.json in ``hf_dir``; returns the changed fields.
 
-    The layout and precision fields (ModelParallelConfig's) stay; RoPE models keep the recipe's
-    ``seq_length`` (learned position tables take the HF one).
+    The layout and precision fields (ModelParallelConfig's) and the multi-token-prediction choice stay; RoPE
+    models keep the recipe's ``seq_length`` (learned position tables take the HF one).
     """
     hf_provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
-    keep = set(PARALLEL_CONFIG_FIELDS)
+    keep = set(PARALLEL_CONFIG_FIELDS) | set(_KEEP_FROM_RECIPE_MTP)
     if hf_provider.position_embedding_type in ("rope", "yarn"):
         keep |= set(_KEEP_FROM_RECIPE_ROPE)
     if hf_provider.position_embedding_type == "relative":

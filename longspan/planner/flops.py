@@ -33,7 +33,6 @@ from typing import Any
 from torch import nn
 
 from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.peft.adapters import plan_adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +163,10 @@ def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: Any, peft: 
     cached = _ADAPTER_CACHE.get((model_key, peft_key))
     if cached is not None:
         return cached
+    # Only PEFT runs need the adapter plan, and it pulls in the model code that the training state and the
+    # FLOPs formula of a plain run stay free of.
+    from longspan.peft.adapters import plan_adapters
+
     model = model_cfg.provide_meta()
     topk = int(getattr(model_cfg, "moe_router_topk", 1) or 1)
     total = 0.0

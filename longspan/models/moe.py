@@ -44,6 +44,9 @@ gradient scaled by ``main_loss_backward_scale``), so the LM loss the trainer log
   normalized sigmoid) scores over all experts and n_i the tokens whose top-k includes expert i;
 - z-loss: ``coeff * mean_t(logsumexp(logits_t)^2)``.
 
+The trainer's schedule should call ``set_aux_loss_scale(loss_scale / num_microbatches)`` before the
+microbatches (Megatron's schedule does), so the aux-loss gradient averages over microbatches like the LM loss.
+
 Split sequences (context parallel): when a layout gives each of ``size`` ranks an equal share of every
 sequence, ``longspan.parallel`` installs a ``SequenceShards`` on each router (``router.sequence_shards``; the
 model holds no process group, only the summing callable). The losses are then those of the whole microbatch,
@@ -55,8 +58,6 @@ context-parallel size), which the layout's gradient average over data × context
 one-process gradient. Token dropping (``moe_expert_capacity_factor``) would choose among each rank's own
 tokens, a different set than one process's, so ``longspan.parallel.expert_parallel`` refuses it with context
 parallel; input jitter draws for each rank's own tokens, as under data parallel (see above).
-The trainer's schedule should call ``set_aux_loss_scale(loss_scale / num_microbatches)`` before the
-microbatches (Megatron's schedule does), so the aux-loss gradient averages over microbatches like the LM loss.
 
 Each MoE layer accumulates its own metrics while training (load-balancing loss and z-loss without their
 coefficients, tokens per expert); ``moe_layer_metrics`` reads them and ``reset_moe_metrics`` clears them. With

@@ -363,7 +363,7 @@ class ContextParallelAttention:
 # ------------------------------------------------------------------------- MoE and multi-token prediction
 
 class GroupSum:
-    """``SequenceShards.sum`` over a cp group: a float copy of the tensor all-reduced (summed), no gradient."""
+    """``SequenceShards.sum`` over a cp group: a copy of the tensor all-reduced (summed), no gradient."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -459,10 +459,10 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     """Apply the context-parallel plan over ``group`` to ``model`` (a ``GPTModel``, possibly on meta).
 
     Replaces every ``SelfAttention.core_attention`` with ``ContextParallelAttention(group)``, gives MoE routers
-    and multi-token prediction their view of the split sequence, and hooks the model so that it takes full-length inputs and returns full-length per-token losses (see the module
-    docstring). Apply it after tensor parallel and before data parallel (DDP/FSDP2 over ``dp × cp``).
-    Returns ``model``. A group of one rank (or None) leaves the model unchanged, and so does a second call
-    with the same group.
+    and multi-token prediction their view of the split sequence, and hooks the model so that it takes
+    full-length inputs and returns full-length per-token losses (see the module docstring). Apply it after
+    tensor parallel and before data parallel (DDP/FSDP2 over ``dp × cp``). Returns ``model``. A group of one
+    rank (or None) leaves the model unchanged, and so does a second call with the same group.
     """
     if group is None or dist.get_world_size(group) == 1:
         return model

@@ -189,7 +189,8 @@ def check_expert_parallel(model: nn.Module, parallel: Any) -> None:
     if cp > 1 and capacity is not None:
         raise NotSupportedError(
             f"model.moe_expert_capacity_factor={capacity} with model.context_parallel_size={cp} is not supported: "
-            "each rank would drop among its own sequence chunks, unlike one process; use moe_expert_capacity_factor=None"
+            "each rank would drop among its own sequence chunks, unlike one process; "
+            "use moe_expert_capacity_factor=None"
         )
     experts = layers[0].num_experts
     if experts % ep:

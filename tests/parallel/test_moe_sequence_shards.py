@@ -5,7 +5,8 @@ quarter, rank 1: the middle, the load-balanced split), each with a ``SequenceSha
 other rank's token counts (recorded in a first pass). The layout's rules then give the whole microbatch's
 results: the logged load-balancing loss and z-loss averaged over the two ranks (``track_moe_metrics`` averages
 over data × context ranks) equal one process's, and so does the router gradient averaged over them (the
-data-parallel wrappers average over data × context ranks), for softmax and for sigmoid routing.
+data-parallel wrappers average over data × context ranks), for softmax and for sigmoid routing, with the aux
+losses as microbatch means or scaled by the microbatch's token count (``calculate_per_token_loss``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from longspan.models.moe import SequenceShards, TopKRouter, set_aux_loss_scale
 HIDDEN, EXPERTS, TOKENS = 16, 8, 24
 
 
-def _router(score_function: str) -> TopKRouter:
+def _router(score_function: str, per_token: bool) -> TopKRouter:
     moe = MoEArgs(num_experts=EXPERTS, topk=2, ffn_hidden_size=8, shared_ffn_hidden_size=None,
                   shared_expert_gate=False, layer_flags=[True], aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                   pre_softmax=False, score_function=score_function, num_groups=None, group_topk=None,
                   topk_scaling_factor=None, router_dtype=None, capacity_factor=None, drop_policy="probs",
-                  pad_to_capacity=False, per_layer_logging=False, calculate_per_token_loss=False)
+                  pad_to_capacity=False, per_layer_logging=False, calculate_per_token_loss=per_token)
     router = TopKRouter(HIDDEN, moe, init_std=0.5, dtype=torch.float32)
     with torch.no_grad():
         router.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(3)) * 0.5)
@@ -39,10 +40,11 @@ def _route(router: TopKRouter, x: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return dict(router.last_tracked), router.weight.grad.clone()
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per_token"])
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
-def test_split_sequence_aux_losses_average_to_the_whole_microbatch(score_function):
+def test_split_sequence_aux_losses_average_to_the_whole_microbatch(score_function, per_token):
     set_aux_loss_scale(1.0)
-    router = _router(score_function)
+    router = _router(score_function, per_token)
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(5))
     whole_tracked, whole_grad = _route(router, x)
 

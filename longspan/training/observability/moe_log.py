@@ -18,8 +18,9 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     Returns (empty for a dense model) ``load_balancing_loss`` and ``z_loss`` (when enabled; without their
     coefficients, averaged over microbatches, MoE layers and data × context-parallel ranks, as Megatron logs
     them) and ``load_imbalance``: per layer the busiest expert's token count over the mean count (1.0 = balanced;
-    tokens summed over microbatches and data × context-parallel ranks), averaged over layers. With ``moe_per_layer_logging``
-    each layer's values also go to the sinks as ``moe/<name>_layer_<i>`` every ``tensorboard_log_interval``.
+    tokens summed over microbatches and data × context-parallel ranks), averaged over layers. With
+    ``moe_per_layer_logging`` each layer's values also go to the sinks as ``moe/<name>_layer_<i>`` every
+    ``tensorboard_log_interval``.
     Collective over the pipeline and data × context-parallel groups: call on every rank.
     """
     model_cfg = getattr(config, "model", None)

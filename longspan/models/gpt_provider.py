@@ -265,7 +265,8 @@ class TransformerConfig(ModelParallelConfig):
     """Log MoE statistics per layer."""
 
     moe_expert_capacity_factor: Optional[float] = None
-    """Capacity of each expert as a multiple of the even share; None means no token dropping."""
+    """Capacity of each expert as a multiple of the even share; None means no token dropping. Not with
+    context_parallel_size > 1 (each rank would drop among its own chunks)."""
 
     moe_pad_expert_input_to_capacity: bool = False
     """Pad every expert's input to its full capacity."""
@@ -313,7 +314,8 @@ class TransformerConfig(ModelParallelConfig):
 
     mtp_num_layers: Optional[int] = None
     """Multi-token-prediction depths on the last stage; depth k predicts the token k+1 ahead; None = off.
-    Not yet with context or sequence parallel, nor with pipeline stages and tied embeddings."""
+    Not yet with pipeline stages and tied embeddings together (tensor, sequence, context, expert and data
+    parallel work)."""
 
     mtp_loss_scaling_factor: Optional[float] = 0.1
     """Weight of the multi-token-prediction loss: the depths' mean loss times this joins the objective."""

@@ -43,16 +43,32 @@ gradient scaled by ``main_loss_backward_scale``), so the LM loss the trainer log
 - load balancing ('aux_loss'): ``E * coeff / (k * T^2) * sum_i(sum_t p_ti * n_i)`` with p the softmax (or
   normalized sigmoid) scores over all experts and n_i the tokens whose top-k includes expert i;
 - z-loss: ``coeff * mean_t(logsumexp(logits_t)^2)``.
+
 The trainer's schedule should call ``set_aux_loss_scale(loss_scale / num_microbatches)`` before the
 microbatches (Megatron's schedule does), so the aux-loss gradient averages over microbatches like the LM loss.
 
+Split sequences (context parallel): when a layout gives each of ``size`` ranks an equal share of every
+sequence, ``longspan.parallel`` installs a ``SequenceShards`` on each router (``router.sequence_shards``; the
+model holds no process group, only the summing callable). The losses are then those of the whole microbatch,
+as megatron-core computes them over its tensor × context group: the load-balancing loss uses the token counts
+n_i summed over the ranks and T = size × local tokens, with this rank's own scores, so the ranks' values add up
+to the one-process loss; the z-loss stays this rank's mean, whose average over the ranks is the whole mean.
+Each rank's gradient share is multiplied by ``size`` (megatron-core scales the aux-loss gradient by the
+context-parallel size), which the layout's gradient average over data × context parallel brings back to the
+one-process gradient. Token dropping (``moe_expert_capacity_factor``) would choose among each rank's own
+tokens, a different set than one process's, so ``longspan.parallel.expert_parallel`` refuses it with context
+parallel; input jitter draws for each rank's own tokens, as under data parallel (see above).
+
 Each MoE layer accumulates its own metrics while training (load-balancing loss and z-loss without their
-coefficients, tokens per expert); ``moe_layer_metrics`` reads them and ``reset_moe_metrics`` clears them.
+coefficients, tokens per expert); ``moe_layer_metrics`` reads them and ``reset_moe_metrics`` clears them. With
+split sequences each rank tracks ``size`` × its share of the load-balancing loss, its own z-loss mean and its
+own token counts, so the log's average (sum for counts) over the data × context ranks is the whole batch's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -110,6 +126,16 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- router
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """The ranks that split every sequence a router sees into equal shares (context parallel): ``size`` of them,
+    and ``sum``, which returns a tensor summed over them (a collective; no gradient). Installed on routers by
+    ``longspan.parallel.context_parallel``; None on a router that sees whole sequences."""
+
+    size: int
+    sum: Callable[[torch.Tensor], torch.Tensor]
+
 
 def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (values, indices) per row; with groups, only within the ``group_topk`` best expert groups (a
@@ -199,6 +225,8 @@ class TopKRouter(nn.Module):
             self.expert_bias: Optional[torch.Tensor] = None
         # Tokens per expert since the last bias update (float32, as Megatron's buffer); None when nothing counted.
         self.local_tokens_per_expert: Optional[torch.Tensor] = None
+        # Set by the context-parallel plan when this router sees a share of each sequence (see the module docstring).
+        self.sequence_shards: Optional[SequenceShards] = None
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "TopKRouter":
         was_meta = self.expert_bias is not None and self.expert_bias.is_meta
@@ -251,10 +279,12 @@ class TopKRouter(nn.Module):
         moe = self.moe
         tracked: dict[str, torch.Tensor] = {}
         attach = self.training and torch.is_grad_enabled()
+        shards = self.sequence_shards
+        num_shards = 1 if shards is None else shards.size
         num_tokens = logits.shape[0]
         # With calculate_per_token_loss the trainer divides every gradient by the global token count afterwards;
-        # scaling by the local token count keeps the aux losses averaged per microbatch (as Megatron does).
-        token_scale = num_tokens if moe.calculate_per_token_loss else 1
+        # scaling by the microbatch's token count keeps the aux losses averaged per microbatch (as Megatron does).
+        token_scale = num_tokens * num_shards if moe.calculate_per_token_loss else 1
         if moe.z_loss_coeff is not None and attach:
             loss = z_loss(logits, moe.z_loss_coeff)
             logits = MoEAuxLossAutoScaler.apply(logits, loss * token_scale)
@@ -288,8 +318,11 @@ class TopKRouter(nn.Module):
                 aux_scores = aux_scores / (aux_scores.sum(dim=-1, keepdim=True) + 1e-20)
             aux_idx = torch.topk(aux_scores, k=moe.topk, dim=1)[1]
             aux_map = torch.zeros_like(aux_scores).scatter(1, aux_idx, 1.0)
-            loss = switch_load_balancing_loss(aux_scores, aux_map.sum(dim=0), num_tokens, moe.topk,
-                                              moe.num_experts, moe.aux_loss_coeff)
+            counts = aux_map.sum(dim=0)
+            if shards is not None:  # the whole sequence's counts; this rank's share of the loss (docstring)
+                counts = shards.sum(counts)
+            loss = switch_load_balancing_loss(aux_scores, counts, num_tokens * num_shards, moe.topk,
+                                              moe.num_experts, moe.aux_loss_coeff) * num_shards
             probs = MoEAuxLossAutoScaler.apply(probs, loss * token_scale)
             tracked["load_balancing_loss"] = loss.detach() / moe.aux_loss_coeff
         self.count_tokens(routing_map)

@@ -12,13 +12,25 @@ shifted left by ``k`` under the loss mask shifted the same way (``roll_left``: t
 id 0 / mask 0; with packed sequences, ``cu_seqlens``, the last token of every document as well, so no
 prediction crosses a document boundary, as megatron-core's packed roll). Per depth and microbatch::
 
-    mtp_loss_k = sum(mask_k * ce_k) / sum(mask_k)            (logged as "mtp_{k} loss")
+    mtp_loss_k = sum(mask_k * ce_k) / max(sum(mask_k), 1)    (logged as "mtp_{k} loss")
     objective += mtp_loss_scaling_factor / D * mtp_loss_k    (gradient only, through MTPLossAutoScaler)
 
 With ``calculate_per_token_loss`` the depth's sum is not divided by its token count (megatron-core). The loss
 joins the gradients through ``MTPLossAutoScaler`` attached to the main head's input, so the model's return
 value (the main per-token loss) and the logged ``lm loss`` stay the main loss. The trainer's schedule sets the
 autoscaler's gradient scale as it does the MoE aux losses' (``loss_scale / num_microbatches``).
+
+Under context parallel each rank holds two chunks of every sequence (``longspan.parallel.context_parallel``), so
+a shift crosses chunk boundaries. The plan installs a ``SequenceChunks`` (``block.sequence_chunks``; the model
+holds no process group): the depths gather the whole token ids, positions, labels and loss mask (the ones the
+model got sliced), shift them on the whole sequence, embed and score this rank's chunks, and gather the
+per-token losses back to the whole sequence, as the main loss is gathered. Every rank then computes the
+one-process loss, and the gathers' backward gives each rank ``cp ×`` its share of the gradient, which the
+gradient average over data × context parallel brings back (as for the main loss). The hidden states stay
+local: depth ``k``'s state at a position depends only on the previous depth's state there and on attention,
+which the context-parallel attention makes exact. Under sequence parallel the depths' norms and projection
+work on sequence shards (``longspan.parallel.tensor_parallel``) and the shared output layer gathers its input
+as the main head's does.
 
 Under pipeline parallelism the depths sit on the last stage, which keeps its own copy of the embedding
 (``GPTModel``; ``longspan.parallel.pipeline`` keeps it equal to the first stage's) and receives the token ids as
@@ -49,7 +61,7 @@ HF DeepSeek-V3 checkpoints store depth ``k`` as decoder layer ``num_hidden_layer
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -58,6 +70,17 @@ from longspan.models.moe import in_backward_pass, local_tensor
 from longspan.models.transformer import TransformerLayer, build_norm, layer_masks
 
 PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [b,s,h], labels [b,s]) -> [b,s]
+
+
+class SequenceChunks(Protocol):
+    """This rank's part of every sequence under context parallel (``longspan.parallel.context_parallel``)."""
+
+    def whole(self, tensor: torch.Tensor, local_len: int) -> torch.Tensor:
+        """``tensor [b, s]`` over the whole sequence: gathered (differentiably) when it holds ``local_len``
+        positions, else returned as it is (already whole)."""
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a whole-sequence ``tensor [b, S]``."""
 
 
 def roll_left(tensor: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,6 +168,8 @@ class MultiTokenPredictionBlock(nn.Module):
         self.loss_scaling_factor = float(config.mtp_loss_scaling_factor or 0.0)
         self.calculate_per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
         self.layers = nn.ModuleList(MultiTokenPredictionLayer(config, k + 1) for k in range(self.num_layers))
+        # Installed by the context-parallel plan: the sequence is split over ranks (see the module docstring).
+        self.sequence_chunks: Optional[SequenceChunks] = None
         self.reset_losses()
 
     def reset_losses(self) -> None:
@@ -162,19 +187,28 @@ class MultiTokenPredictionBlock(nn.Module):
                      labels: torch.Tensor, loss_mask: Optional[torch.Tensor], embed: Callable[..., torch.Tensor],
                      per_token_loss: PerTokenLoss, rotary: Any, attention_mask: Any,
                      cu_seqlens: Optional[torch.Tensor] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per depth: (masked per-token losses ``[b, s]``, number of unmasked tokens)."""
-        mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+        """Per depth: (masked per-token losses ``[b, S]`` of the whole sequence, number of unmasked tokens)."""
+        chunks = self.sequence_chunks
         position_ids = position_ids.expand(labels.shape[0], -1) if position_ids.shape[0] != labels.shape[0] \
             else position_ids
+        if chunks is not None:  # context parallel: shift the whole sequence, then keep this rank's chunks
+            local_len = labels.shape[-1]
+            input_ids, position_ids, labels = (chunks.whole(t, local_len) for t in (input_ids, position_ids, labels))
+            loss_mask = None if loss_mask is None else chunks.whole(loss_mask, local_len)
+        here = (lambda t: t) if chunks is None else chunks.local
+        mask = torch.ones_like(labels) if loss_mask is None else loss_mask
         out = []
         for layer in self.layers:
             input_ids = roll_left(input_ids, cu_seqlens)
             position_ids = roll_left(position_ids, cu_seqlens)
             labels = roll_left(labels, cu_seqlens)
             mask = roll_left(mask, cu_seqlens)
-            hidden_states = layer(hidden_states, embed(input_ids, position_ids), rotary, attention_mask)
+            hidden_states = layer(hidden_states, embed(here(input_ids), here(position_ids)), rotary, attention_mask)
             # under tensor parallel the vocab-parallel loss is a replicated DTensor: its local value is the loss
-            losses = local_tensor(per_token_loss(hidden_states, labels)) * mask.float()
+            losses = local_tensor(per_token_loss(hidden_states, here(labels)))
+            if chunks is not None:
+                losses = chunks.whole(losses, local_len)
+            losses = losses * mask.float()
             out.append((losses, mask.float().sum()))
         return out
 
@@ -185,6 +219,7 @@ class MultiTokenPredictionBlock(nn.Module):
         track = self.training and torch.is_grad_enabled() and not in_backward_pass()
         for k, (losses, num_tokens) in enumerate(per_depth):
             total = losses.sum()
+            num_tokens = num_tokens.clamp(min=1)  # a fully masked microbatch adds 0, not NaN (megatron-core)
             if track:
                 self.loss_sums[k] += float((total / num_tokens).detach())
             objective = scale * total if self.calculate_per_token_loss else scale * total / num_tokens

@@ -33,6 +33,12 @@ on every layer and hooks the root ``GPTModel`` so that
   ``dp × cp`` brings back to the exact gradient. The loss maths therefore does not depend on the layout
   (no "multiply by cp" in the schedule, unlike Megatron, whose loss is per cp rank).
 
+MoE layers are token-wise and need nothing but their losses' statistics: every router gets a
+``longspan.models.moe.SequenceShards`` (the cp size and a sum over the cp group), with which the load-balancing
+loss counts the whole sequence's tokens per expert. Multi-token prediction shifts tokens across chunk
+boundaries: its block gets a ``ContextParallelSequence`` (``longspan.models.mtp``), with which it shifts the
+whole gathered sequence and gathers its per-token losses like the main ones.
+
 Pipeline stages: a stage without ``pre_process`` receives hidden states that are already local (they are
 not sliced; the full length is read from full-length ``position_ids`` or ``labels`` when given, else
 ``model.args.seq_length``); a stage without ``post_process`` returns local hidden states (not gathered). A
@@ -52,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
+from longspan.models.moe import SequenceShards, moe_layers
 from longspan.models.sliding_window import WindowedMask, windowed_attention
 
 _log = get_logger(__name__)
@@ -353,6 +360,51 @@ class ContextParallelAttention:
         return "ContextParallelAttention(all-gather K/V)"
 
 
+# ------------------------------------------------------------------------- MoE and multi-token prediction
+
+class GroupSum:
+    """``SequenceShards.sum`` over a cp group: a copy of the tensor all-reduced (summed), no gradient."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+
+class ContextParallelSequence:
+    """``longspan.models.mtp.SequenceChunks`` over a cp group: whole sequences gathered from every rank's
+    load-balanced chunks (differentiably, ``gather_sequence``) and this rank's chunks cut from them."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def whole(self, tensor: torch.Tensor, local_len: int) -> torch.Tensor:
+        """``tensor [b, s]``: gathered along dim 1 when it holds ``local_len`` positions, else returned as is."""
+        if tensor.shape[1] != local_len:
+            return tensor
+        return gather_sequence(tensor, self.group, seq_dim=1)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's two chunks of a whole-sequence ``tensor [b, S]``."""
+        return split_for_context_parallel(tensor, dist.get_world_size(self.group), dist.get_rank(self.group))
+
+    def __repr__(self) -> str:
+        return "ContextParallelSequence(all-gather)"
+
+
+def _install_sequence_shards(root: nn.Module, group: Any) -> None:
+    """Routers count the whole sequence's tokens; multi-token prediction shifts the whole sequence."""
+    shards = SequenceShards(size=dist.get_world_size(group), sum=GroupSum(group))
+    for layer in moe_layers(root):
+        layer.router.sequence_shards = shards
+    mtp = getattr(root, "mtp", None)
+    if mtp is not None:
+        mtp.sequence_chunks = ContextParallelSequence(group)
+
+
 # --------------------------------------------------------------------------------------------- the plan
 
 _FORWARD_ARGS = ("input_ids", "position_ids", "attention_mask", "labels")
@@ -406,11 +458,11 @@ def _gather_outputs(module: nn.Module, args: tuple, kwargs: dict, output: torch.
 def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     """Apply the context-parallel plan over ``group`` to ``model`` (a ``GPTModel``, possibly on meta).
 
-    Replaces every ``SelfAttention.core_attention`` with ``ContextParallelAttention(group)`` and hooks the
-    model so that it takes full-length inputs and returns full-length per-token losses (see the module
-    docstring). Apply it after tensor parallel and before data parallel (DDP/FSDP2 over ``dp × cp``).
-    Returns ``model``. A group of one rank (or None) leaves the model unchanged, and so does a second call
-    with the same group.
+    Replaces every ``SelfAttention.core_attention`` with ``ContextParallelAttention(group)``, gives MoE routers
+    and multi-token prediction their view of the split sequence, and hooks the model so that it takes
+    full-length inputs and returns full-length per-token losses (see the module docstring). Apply it after
+    tensor parallel and before data parallel (DDP/FSDP2 over ``dp × cp``). Returns ``model``. A group of one
+    rank (or None) leaves the model unchanged, and so does a second call with the same group.
     """
     if group is None or dist.get_world_size(group) == 1:
         return model
@@ -431,6 +483,7 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     core = ContextParallelAttention(group)
     for attention in attentions:
         attention.core_attention = core
+    _install_sequence_shards(root, group)
     setattr(root, CONTEXT_PARALLEL_ATTR, group)
     root.register_forward_pre_hook(_slice_inputs, with_kwargs=True)
     root.register_forward_hook(_gather_outputs, with_kwargs=True)

@@ -16,6 +16,10 @@ parallel (``longspan.parallel.parallelize``):
   parallel); each computes a partial fc2 output from its ffn slice and the partial sums are all-reduced.
 - Shared experts are split like the dense MLP over ``tp`` (fc1/gate column-wise, fc2 row-wise); the router
   and the shared-expert gate stay replicated.
+- Sequence parallel: the tensor-parallel plan gathers every MLP's input from its sequence shards, so an MoE
+  layer routes the whole sequence on every tp rank exactly as without sequence parallel (its aux losses
+  included); its replicated output is then cut back to this rank's sequence shard (no communication; the
+  backward all-gathers the gradient), where the residual stream expects it.
 - Gradients: expert weights are left out of the data-parallel wrappers (DDP ignores them; FSDP2 never sees
   them). The experts' ``weight_fn`` (``ExpertWeight``) routes each weight's gradient through a function that
   scales every contribution by 1/(dp × cp) and sums it over the expert-data-parallel group, which with the ep
@@ -27,8 +31,15 @@ layer's token counts over the data-parallel × context-parallel group (the ranks
 batch; tensor-parallel ranks hold the same tokens and expert-parallel ranks are data-parallel ranks here), so
 every rank applies the same update to the same bias: the one a single process computes from the whole batch.
 
-Supported layouts: expert_tensor_parallel_size equal to tensor_model_parallel_size (its default), no
-sequence parallel and no context parallel with MoE layers (each raises NotSupportedError naming the field).
+Context parallel: MoE layers are token-wise, so each rank routes the tokens of its sequence chunks; the
+expert-parallel group is carved out of the data × context-parallel ranks (``longspan.parallel.mesh``: the expert
+mesh has no cp dimension), the expert gradients are averaged over data × context parallel as above, and the
+bias counts summed over it. The aux losses see the whole sequence through the ``SequenceShards`` the
+context-parallel plan installs on every router (``longspan.models.moe``).
+
+Supported layouts: expert_tensor_parallel_size equal to tensor_model_parallel_size (its default), and no
+token dropping (``moe_expert_capacity_factor``) with context parallel (each raises NotSupportedError naming the
+field).
 """
 
 from __future__ import annotations
@@ -40,7 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError, NotSupportedError
@@ -158,7 +174,7 @@ def _expert_mesh(parallel: Any, ep: int, etp: int) -> Any:
     return parallel.submesh("ep" if ep > 1 else "etp")
 
 
-def check_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bool = False) -> None:
+def check_expert_parallel(model: nn.Module, parallel: Any) -> None:
     """Raise (one line) when the MoE layers of ``model`` cannot run on ``parallel``'s layout."""
     layers = moe_layers(model)
     if not layers:
@@ -169,14 +185,12 @@ def check_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
             f"model.expert_tensor_parallel_size={etp} differs from model.tensor_model_parallel_size={tp}: "
             "longspan's expert parallel needs them equal (leave expert_tensor_parallel_size unset)"
         )
-    if tp > 1 and sequence_parallel:
+    capacity = layers[0].router.moe.capacity_factor
+    if cp > 1 and capacity is not None:
         raise NotSupportedError(
-            f"model.sequence_parallel=True with MoE layers and tensor_model_parallel_size={tp} is not supported "
-            "yet: set sequence_parallel=False"
-        )
-    if cp > 1:
-        raise NotSupportedError(
-            f"model.context_parallel_size={cp} with MoE layers is not supported yet: set context_parallel_size=1"
+            f"model.moe_expert_capacity_factor={capacity} with model.context_parallel_size={cp} is not supported: "
+            "each rank would drop among its own sequence chunks, unlike one process; "
+            "use moe_expert_capacity_factor=None"
         )
     experts = layers[0].num_experts
     if experts % ep:
@@ -236,10 +250,12 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
     layers = moe_layers(model)
     if not layers:
         return []
-    check_expert_parallel(model, parallel, sequence_parallel)
+    check_expert_parallel(model, parallel)
     ep, etp, tp = parallel.ep_size, parallel.etp_size, parallel.tp_size
     if tp > 1:
         _shard_shared_experts(layers, parallel.submesh("tp"))
+        if sequence_parallel:
+            _return_sequence_shards(layers, parallel.submesh("tp"))
     if ep == 1 and etp == 1:
         return []
 
@@ -286,6 +302,14 @@ def _shard_shared_experts(layers: list[MoELayer], tp_mesh: Any) -> None:
             if adapt is not None:
                 plan[name] = adapt(style)
         parallelize_module(shared, tp_mesh, plan)
+
+
+def _return_sequence_shards(layers: list[MoELayer], tp_mesh: Any) -> None:
+    """Under sequence parallel: each MoE layer's replicated output cut to this rank's sequence shard (its input
+    is gathered by the tensor-parallel plan's ``PrepareModuleInput`` on every ``mlp``)."""
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
 
 
 def expert_parameter_names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:

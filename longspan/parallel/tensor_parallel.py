@@ -153,7 +153,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[mlp] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
-    plan.update(_mtp_plan(model))
+    plan.update(_mtp_plan(model, sp))
     if getattr(model.decoder, "final_layernorm", None) is not None and sp:
         plan["decoder.final_layernorm"] = SequenceParallel()
     if getattr(model, "output_layer", None) is not None:
@@ -207,13 +207,27 @@ def _transformer_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return layers
 
 
-def _mtp_plan(model: nn.Module) -> dict[str, Any]:
-    """The MTP depths' projections: column-parallel, gathered (megatron-core's ``eh_proj`` + gather); their
-    norms stay replicated like the decoder's (sequence parallel with MTP is refused by the config rules)."""
+def _mtp_plan(model: nn.Module, sp: bool) -> dict[str, Any]:
+    """The MTP depths' projections: column-parallel, gathered (megatron-core's ``eh_proj`` + gather). Without
+    sequence parallel the norms stay replicated like the decoder's. With it the depth works on sequence shards
+    like a decoder layer: ``enorm`` / ``hnorm`` on shards (the embedding's output is a shard already, the
+    previous depth's a sharded DTensor), ``eh_proj`` gathers its input and hands its output back as a sequence
+    shard (megatron-core: gather, then scatter to the sequence-parallel region), and ``final_layernorm`` gives
+    the shared output layer a sharded DTensor, which it gathers as it does the decoder's."""
     mtp = getattr(model, "mtp", None)
     if mtp is None:
         return {}
-    return {f"mtp.layers.{k}.eh_proj": ColwiseParallel(output_layouts=Replicate()) for k in range(len(mtp.layers))}
+    plan: dict[str, Any] = {}
+    for k in range(len(mtp.layers)):
+        depth = f"mtp.layers.{k}"
+        if not sp:
+            plan[f"{depth}.eh_proj"] = ColwiseParallel(output_layouts=Replicate())
+            continue
+        plan[f"{depth}.enorm"] = SequenceParallel(use_local_output=True)
+        plan[f"{depth}.hnorm"] = SequenceParallel(use_local_output=True)
+        plan[f"{depth}.eh_proj"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1))
+        plan[f"{depth}.final_layernorm"] = SequenceParallel()
+    return plan
 
 
 class SequenceShardedDropout(nn.Module):
@@ -318,7 +332,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         if name in requires_grad:
             p.requires_grad_(requires_grad[name])
     if sequence_parallel and model.args.hidden_dropout > 0:
-        for layer in model.decoder.layers.values():
+        for _, layer in _transformer_layers(model):
             layer.self_attn_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
             layer.mlp_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
     if model.args.attention_dropout > 0:

@@ -233,22 +233,31 @@ def _fake_parallel(ep=1, etp=1, tp=1, cp=1):
     return SimpleNamespace(ep_size=ep, etp_size=etp, tp_size=tp, cp_size=cp)
 
 
-@pytest.mark.parametrize("layout, sp, error, field", [
-    (dict(ep=2, etp=1, tp=2), False, "NotSupportedError", "expert_tensor_parallel_size"),
-    (dict(ep=2, etp=2, tp=2), True, "NotSupportedError", "sequence_parallel"),
-    (dict(ep=2, cp=2), False, "NotSupportedError", "context_parallel_size"),
-    (dict(ep=3), False, "ConfigError", "num_moe_experts"),
-    (dict(etp=3, tp=3), False, "ConfigError", "moe_ffn_hidden_size"),
+@pytest.mark.parametrize("layout, capacity, error, field", [
+    (dict(ep=2, etp=1, tp=2), None, "NotSupportedError", "expert_tensor_parallel_size"),
+    # token dropping would choose among each context-parallel rank's own chunks
+    (dict(ep=2, cp=2), 1.0, "NotSupportedError", "moe_expert_capacity_factor"),
+    (dict(ep=3), None, "ConfigError", "num_moe_experts"),
+    (dict(etp=3, tp=3), None, "ConfigError", "moe_ffn_hidden_size"),
 ])
-def test_unsupported_expert_layouts_raise_one_line(layout, sp, error, field):
+def test_unsupported_expert_layouts_raise_one_line(layout, capacity, error, field):
+    from longspan.models.gpt import build_gpt_model
+    from longspan.parallel.expert_parallel import check_expert_parallel
+
+    model = build_gpt_model(moe_config(capacity=capacity).model, materialize=False)
+    with pytest.raises(Exception) as info:
+        check_expert_parallel(model, _fake_parallel(**layout))
+    assert type(info.value).__name__ == error
+    assert field in str(info.value) and "\n" not in str(info.value)
+
+
+def test_context_parallel_and_sequence_parallel_expert_layouts_pass_the_checks():
     from longspan.models.gpt import build_gpt_model
     from longspan.parallel.expert_parallel import check_expert_parallel
 
     model = build_gpt_model(moe_config().model, materialize=False)
-    with pytest.raises(Exception) as info:
-        check_expert_parallel(model, _fake_parallel(**layout), sequence_parallel=sp)
-    assert type(info.value).__name__ == error
-    assert field in str(info.value) and "\n" not in str(info.value)
+    for layout in (dict(ep=2, cp=2), dict(cp=2), dict(ep=2, etp=2, tp=2)):
+        check_expert_parallel(model, _fake_parallel(**layout))
 
 
 def test_dense_model_and_single_rank_experts_are_left_alone():

@@ -164,8 +164,7 @@ def check_gpt_oss_fields(config: Any) -> None:
 
 def check_mtp(config: Any) -> None:
     """Multi-token prediction: a positive depth count, a non-negative loss weight, and a layout that can place
-    the depths (the whole sequence on one rank: no context or sequence parallel yet; with pipeline stages, untied
-    embeddings, the last stage holding a copy of the embedding)."""
+    the depths (with pipeline stages, untied embeddings, the last stage holding a copy of the embedding)."""
     depths = getattr(config, "mtp_num_layers", None)
     _check_mtp_enabled(getattr(config, "mtp_enabled", False), depths)
     if depths is None:
@@ -175,17 +174,6 @@ def check_mtp(config: Any) -> None:
     factor = getattr(config, "mtp_loss_scaling_factor", 0.1)
     if factor is None or not isinstance(factor, (int, float)) or factor < 0:
         raise ConfigError(f"model.mtp_loss_scaling_factor={factor!r} must be a number >= 0 when mtp_num_layers is set")
-    if getattr(config, "sequence_parallel", False):
-        raise NotSupportedError(
-            f"model.mtp_num_layers={depths} is not supported yet with model.sequence_parallel=True: "
-            "set sequence_parallel=False or mtp_num_layers=None"
-        )
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    if cp > 1:
-        raise NotSupportedError(
-            f"model.mtp_num_layers={depths} is not supported yet with model.context_parallel_size={cp}: "
-            "set context_parallel_size=1 or mtp_num_layers=None"
-        )
     pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
     if pp > 1 and getattr(config, "share_embeddings_and_output_weights", False):
         raise NotSupportedError(

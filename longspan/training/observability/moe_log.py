@@ -16,11 +16,12 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     """Megatron's ``track_moe_metrics``: the MoE layers' metrics of the iteration just finished, then reset.
 
     Returns (empty for a dense model) ``load_balancing_loss`` and ``z_loss`` (when enabled; without their
-    coefficients, averaged over microbatches, MoE layers and data-parallel ranks, as Megatron logs them) and
-    ``load_imbalance``: per layer the busiest expert's token count over the mean count (1.0 = balanced; tokens
-    summed over microbatches and data-parallel ranks), averaged over layers. With ``moe_per_layer_logging``
-    each layer's values also go to the sinks as ``moe/<name>_layer_<i>`` every ``tensorboard_log_interval``.
-    Collective over the pipeline and data-parallel groups: call on every rank.
+    coefficients, averaged over microbatches, MoE layers and data × context-parallel ranks, as Megatron logs
+    them) and ``load_imbalance``: per layer the busiest expert's token count over the mean count (1.0 = balanced;
+    tokens summed over microbatches and data × context-parallel ranks), averaged over layers. With
+    ``moe_per_layer_logging`` each layer's values also go to the sinks as ``moe/<name>_layer_<i>`` every
+    ``tensorboard_log_interval``.
+    Collective over the pipeline and data × context-parallel groups: call on every rank.
     """
     model_cfg = getattr(config, "model", None)
     if not getattr(model_cfg, "num_moe_experts", None):
@@ -48,7 +49,9 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     parallel = getattr(global_state, "parallel", None)
     if parallel is not None and dist.is_initialized():
         groups = [parallel.pp_group] if parallel.pp_size > 1 else []
-        groups += [parallel.dp_group] if parallel.dp_size > 1 else []
+        # data × context parallel: context-parallel ranks route different chunks of the same sequences
+        if parallel.size("dp_cp") > 1:
+            groups.append(parallel.dp_cp_group)
         for group in groups:
             dist.all_reduce(table, group=group)
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
@@ -60,7 +63,7 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     layer_values: dict[str, torch.Tensor] = {}
     for j, name in enumerate(names):
         if present[j] > 0:
-            # steps were summed over dp ranks too, so sum/steps is the mean over microbatches and ranks
+            # steps were summed over dp × cp ranks too, so sum/steps is the mean over microbatches and ranks
             layer_values[name] = table[moe_rows, j] / steps[moe_rows]
     tokens = table[moe_rows, len(names) + 1:]
     layer_values["load_imbalance"] = tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-12)

@@ -300,7 +300,9 @@ class AutoBridge:
         if self.family.export_architecture is None:
             family, config = self.family, dict(self.hf_config)
             if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-                del config["quantization_config"]  # the export writes the decoded (plain) expert weights
+                del config["quantization_config"]
+                print_rank_0(f"{family.architecture}: the source's expert weights are MXFP4; the export writes them "
+                             "decoded, in the model's dtype (MXFP4 export is not supported yet)", _log)
         else:
             config = self.family.export_config(self.hf_config)
             family = families.BY_ARCHITECTURE[self.family.export_architecture]

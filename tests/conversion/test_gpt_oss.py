@@ -151,7 +151,7 @@ def mxfp4_dirs(tmp_path_factory):
     return make_mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"))
 
 
-def test_mxfp4_import_equals_transformers_dequantized(mxfp4_dirs, tmp_path):
+def test_mxfp4_import_equals_transformers_dequantized(mxfp4_dirs, tmp_path, caplog):
     bridge = AutoBridge.from_hf_pretrained(mxfp4_dirs / "mxfp4")
     model = bridge.to_megatron_model()
     reference = load_hf(mxfp4_dirs / "dequantized")
@@ -164,7 +164,9 @@ def test_mxfp4_import_equals_transformers_dequantized(mxfp4_dirs, tmp_path):
     diff = (ours_logits(model[0], tokens) - hf_logits(reference, tokens)).abs().max().item()
     assert diff <= 1e-5, diff
     # export writes the decoded weights, plain: the dequantized checkpoint, tensor for tensor
-    bridge.save_hf_pretrained(model, tmp_path / "out")
+    with caplog.at_level("INFO"):
+        bridge.save_hf_pretrained(model, tmp_path / "out")
+    assert "MXFP4 export is not supported yet" in caplog.text
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, tensor in load_file(str(mxfp4_dirs / "dequantized" / "model.safetensors")).items():
         assert torch.equal(exported[name], tensor), name

@@ -92,6 +92,9 @@ class SFTFormatOptions:
     """Chat records: False keeps ``<think>...</think>`` spans of assistant turns in the input but out of the
     loss (the tags included)."""
 
+    def __post_init__(self) -> None:  # also when built directly (the HF-dataset configs), not via dataset_kwargs
+        _check_chat_loss_options(self)
+
 
 def parse_format_options(dataset_kwargs: Optional[dict[str, Any]]) -> SFTFormatOptions:
     """``dataset.dataset_kwargs`` -> options; an unknown key or a bad value is a one-line ConfigError."""
@@ -111,7 +114,6 @@ def parse_format_options(dataset_kwargs: Optional[dict[str, Any]]) -> SFTFormatO
         raise ConfigError(
             f"dataset.dataset_kwargs.pad_seq_length_to_mult={opts.pad_seq_length_to_mult!r} must be an integer >= 1"
         )
-    _check_chat_loss_options(opts)
     keys = template_keys(opts.prompt_template)
     if opts.label_key not in keys:
         raise ConfigError(

@@ -8,6 +8,7 @@ Qwen2.5-style ChatML one with tools and tool calls, and a Llama-3.1-style one wi
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from longspan.core.errors import ConfigError, DataError
-from longspan.data.sft.formatting import RecordFormatter, parse_format_options
+from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options
 
 
 def _qwen_template(marked: bool) -> str:
@@ -224,9 +225,9 @@ def test_string_tool_arguments_and_null_content_render_like_objects(tokenizer):
     for m in record["messages"]:
         if m.get("tool_calls"):
             m["content"] = None
-            m["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                                 "arguments": '{"city": "%s"}' % c["function"]["arguments"]["city"]}}
-                               for c in m["tool_calls"]]
+            m["tool_calls"] = [{"type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
     a = _format(tokenizer, _qwen_template(False), TOOL_CALLS)
     b = _format(tokenizer, _qwen_template(False), record)
     assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
@@ -253,6 +254,8 @@ def test_bad_loss_options_are_one_line_config_errors():
         with pytest.raises(ConfigError, match=message) as info:
             parse_format_options(kwargs)
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="loss_mode='everything'"):
+        SFTFormatOptions(loss_mode="everything")  # built directly, as the HF-dataset configs do
     opts = parse_format_options({"loss_mode": "last_turn", "train_on_think": False})
     assert (opts.loss_mode, opts.train_on_think) == ("last_turn", False)
 

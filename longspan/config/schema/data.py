@@ -174,7 +174,9 @@ class FinetuningDatasetConfig(DataloaderConfig):
     dataset_kwargs: Optional[dict[str, Any]] = None
     """Formatting options (Bridge's GPT SFT dataset arguments): prompt_template, label_key, truncation_field,
     truncation_method, add_bos, add_eos, answer_only_loss, pad_to_max_length, pad_seq_length_to_mult, chat,
-    messages_key. Unknown keys are rejected."""
+    messages_key, and for chat records loss_mode ('assistant' | 'last_turn' | 'full', Bridge's
+    ChatSFTPreprocessingConfig.loss_mode) and train_on_think (False: <think> spans out of the loss). Unknown keys
+    are rejected."""
 
     do_validation: bool = True
     """Build the validation split from validation.jsonl (which must then exist)."""

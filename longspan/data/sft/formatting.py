@@ -7,8 +7,10 @@ Two record kinds (Megatron Bridge's GPT SFT datasets):
   loss, together with the EOS token; the text before it is context only. Each piece of the template is
   tokenized on its own (as Bridge does), so a too-long ``truncation_field`` can be cut by tokens.
 - **chat** ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the chat template (the
-  ``tokenizer.chat_template`` config field, else the tokenizer's own). The loss covers the assistant turns.
-  Their spans are found without relying on ``{% generation %}`` markers: for the k-th assistant message the
+  ``tokenizer.chat_template`` config field, else the tokenizer's own; a record's ``tools`` go to the template as
+  ``tools``). The loss covers the assistant turns, the last one only or every token as ``loss_mode`` says, and
+  ``train_on_think=False`` takes ``<think>`` spans out of it (``chat_loss``). Assistant turns (tool-call turns
+  included) are found without relying on ``{% generation %}`` markers: for the k-th assistant message the
   conversation before it is rendered with the generation prompt, and the conversation up to and including it
   without; the tokens between the two renders are that turn. Both renders must be prefixes of the full render
   (in text and in tokens), otherwise the template rewrites history (or tokenization merges across turns) and
@@ -32,6 +34,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
+from longspan.data.sft.chat_loss import (
+    LOSS_MODES,
+    loss_flags,
+    never_trained_ids,
+    normalize_messages,
+    think_spans,
+    tokens_overlapping,
+)
 
 
 @dataclass
@@ -73,6 +83,18 @@ class SFTFormatOptions:
     messages_key: str = "messages"
     """Record field holding the chat messages."""
 
+    loss_mode: str = "assistant"
+    """Chat records (Bridge's ChatSFTPreprocessingConfig.loss_mode): 'assistant' trains every assistant turn
+    (tool calls included, tool results never), 'last_turn' only the last assistant message, 'full' every token
+    of the conversation. All three leave out Bridge's turn-start control tokens (<|im_start|>, ...)."""
+
+    train_on_think: bool = True
+    """Chat records: False keeps ``<think>...</think>`` spans of assistant turns in the input but out of the
+    loss (the tags included)."""
+
+    def __post_init__(self) -> None:  # also when built directly (the HF-dataset configs), not via dataset_kwargs
+        _check_chat_loss_options(self)
+
 
 def parse_format_options(dataset_kwargs: Optional[dict[str, Any]]) -> SFTFormatOptions:
     """``dataset.dataset_kwargs`` -> options; an unknown key or a bad value is a one-line ConfigError."""
@@ -105,6 +127,20 @@ def parse_format_options(dataset_kwargs: Optional[dict[str, Any]]) -> SFTFormatO
                 f"prompt_template {opts.prompt_template!r}"
             )
     return opts
+
+
+def _check_chat_loss_options(opts: SFTFormatOptions) -> None:
+    if opts.loss_mode not in LOSS_MODES:
+        raise ConfigError(f"dataset.dataset_kwargs.loss_mode={opts.loss_mode!r}: use one of {list(LOSS_MODES)}")
+    if not isinstance(opts.train_on_think, bool):
+        raise ConfigError(f"dataset.dataset_kwargs.train_on_think={opts.train_on_think!r}: use true or false")
+    changed = [f"{name}={value!r}" for name, value, default in (
+        ("loss_mode", opts.loss_mode, "assistant"), ("train_on_think", opts.train_on_think, True)) if value != default]
+    if changed and not opts.answer_only_loss:
+        raise ConfigError(f"dataset.dataset_kwargs: answer_only_loss=False trains on every token, so "
+                          f"{', '.join(changed)} would have no effect; use loss_mode='full' instead")
+    if changed and opts.chat is False:
+        raise ConfigError(f"dataset.dataset_kwargs: {', '.join(changed)} applies to chat records, but chat=False")
 
 
 def template_keys(template: str) -> list[str]:
@@ -231,7 +267,8 @@ def _special_text(tokenizer: Any, token_id: Optional[int]) -> str:
 
 
 class ChatFormatter:
-    """Chat records -> (ids, in_loss) with loss on assistant turns (see the module docstring)."""
+    """Chat records -> (ids, in_loss) with the loss where ``loss_mode`` says (see the module docstring and
+    ``chat_loss``)."""
 
     def __init__(self, tokenizer: Any, template: Optional[str], opts: SFTFormatOptions, max_ids: int) -> None:
         self.tokenizer = tokenizer
@@ -240,6 +277,7 @@ class ChatFormatter:
         self.max_ids = max_ids
         self._render: Optional[Callable[..., str]] = None
         self._specials: dict[str, str] = {}
+        self._never_trained: frozenset[int] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:  # the compiled template is rebuilt (and cached) where it is used
         state = dict(self.__dict__)
@@ -259,61 +297,69 @@ class ChatFormatter:
                 "eos_token": _special_text(t, getattr(t, "eos", None)),
                 "pad_token": _special_text(t, getattr(t, "pad", None)),
             }
+            self._never_trained = never_trained_ids(t)
         return self._render
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, where: str) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, where: str,
+               tools: Optional[list[Any]] = None) -> str:
         """The template applied to ``messages`` (the text ``apply_chat_template(tokenize=False)`` gives)."""
         import jinja2  # not a declared dependency (torch brings it); only chat templates need it
 
         render = self._renderer(where)
         try:
-            return render(messages=messages, add_generation_prompt=add_generation_prompt, **self._specials)
+            return render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                          **self._specials)
         except jinja2.exceptions.TemplateError as exc:
             raise DataError(f"{where}: the chat template failed on this record: {exc}") from None
 
     def __call__(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
-        messages = record.get(self.opts.messages_key)
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
-        ):
-            raise DataError(f"{where}: {self.opts.messages_key!r} must be a list of {{\"role\", \"content\"}} objects")
+        messages = normalize_messages(record.get(self.opts.messages_key), self.opts.messages_key, where)
+        tools = record.get("tools")  # tool schemas for the template, as transformers' apply_chat_template(tools=)
+        mode = self.opts.loss_mode
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not assistant:
+        if not assistant and (mode != "full" or not self.opts.answer_only_loss):
             raise DataError(f"{where}: the conversation has no assistant turn, so nothing would be trained on")
-        full_text = self.render(messages, False, where)
+        full_text = self.render(messages, False, where, tools)
         with_offsets = getattr(self.tokenizer, "tokenize_with_offsets", None)
         if callable(with_offsets):
             ids, offsets = with_offsets(full_text)
             ids = list(ids)
         else:
             ids, offsets = list(self.tokenizer.tokenize(full_text)), None
-        flags = [0 if self.opts.answer_only_loss else 1] * len(ids)
-        for k in assistant:
-            before = self.render(messages[:k], True, where)
-            upto = self.render(messages[: k + 1], False, where)
-            if not (full_text.startswith(upto) and upto.startswith(before)):
-                raise DataError(
-                    f"{where}: cannot find assistant turn {k} in the chat template's output (rendering the "
-                    f"conversation up to it is not a prefix of the full render; the template rewrites earlier turns)"
-                )
-            start, end = self._token_bounds(ids, offsets, before, upto, k, where)
-            for i in range(start, end):
-                flags[i] = 1
-        ids, flags = ids[: self.max_ids], flags[: self.max_ids]
-        return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.int8)
+        if not self.opts.answer_only_loss:
+            flags = np.ones(len(ids), dtype=np.int8)
+        else:
+            located = assistant[-1:] if mode == "last_turn" else assistant
+            if mode == "full" and self.opts.train_on_think:
+                located = []  # every token is trained: no turn needs finding
+            spans = [self._turn_chars(messages, k, full_text, where, tools) for k in located]
+            trained = [] if mode == "full" else [
+                self._token_bounds(ids, offsets, full_text, span, k, where) for k, span in zip(located, spans)]
+            thinking = [] if self.opts.train_on_think else [
+                self._overlapping_tokens(ids, offsets, full_text, think)
+                for span in spans for think in think_spans(full_text, *span)]
+            flags = loss_flags(len(ids), mode, trained, thinking, ids, self._never_trained)
+        return np.asarray(ids[: self.max_ids], dtype=np.int64), np.asarray(flags[: self.max_ids], dtype=np.int8)
 
-    def _token_bounds(self, ids: list[int], offsets: Optional[list[tuple[int, int]]], before: str, upto: str,
-                      turn: int, where: Any) -> tuple[int, int]:
-        """Token indices [start, end) of the characters [len(before), len(upto)) of the full render."""
+    def _turn_chars(self, messages: list[dict[str, Any]], k: int, full_text: str, where: str,
+                    tools: Optional[list[Any]]) -> tuple[int, int]:
+        """Characters [start, end) of assistant turn ``k`` in the full render: what the template adds for it
+        after the generation prompt."""
+        before = self.render(messages[:k], True, where, tools)
+        upto = self.render(messages[: k + 1], False, where, tools)
+        if not (full_text.startswith(upto) and upto.startswith(before)):
+            raise DataError(
+                f"{where}: cannot find assistant turn {k} in the chat template's output (rendering the "
+                f"conversation up to it is not a prefix of the full render; the template rewrites earlier turns)"
+            )
+        return len(before), len(upto)
+
+    def _token_bounds(self, ids: list[int], offsets: Optional[list[tuple[int, int]]], full_text: str,
+                      span: tuple[int, int], turn: int, where: Any) -> tuple[int, int]:
+        """Token indices [start, end) of the characters ``span`` of the full render (on token boundaries)."""
         bounds = []
-        for cut in (len(before), len(upto)):
-            if offsets is not None:
-                index = sum(1 for s, _ in offsets if s < cut)
-                straddles = index > 0 and offsets[index - 1][1] > cut
-            else:  # no offsets: the tokens of the prefix must be a prefix of the tokens of the whole
-                prefix = list(self.tokenizer.tokenize(before if cut == len(before) else upto))
-                index = len(prefix)
-                straddles = ids[:index] != prefix
+        for cut in span:
+            index, straddles = self._token_index(ids, offsets, full_text, cut)
             if straddles:
                 raise DataError(
                     f"{where}: assistant turn {turn} does not start or end on a token boundary of the full render "
@@ -321,6 +367,30 @@ class ChatFormatter:
                 )
             bounds.append(index)
         return bounds[0], bounds[1]
+
+    def _overlapping_tokens(self, ids: list[int], offsets: Optional[list[tuple[int, int]]], full_text: str,
+                            span: tuple[int, int]) -> tuple[int, int]:
+        """Token indices [start, end) of every token touching the characters ``span`` (a token that straddles
+        an edge is included)."""
+        if offsets is not None:
+            return tokens_overlapping(offsets, *span)
+        start, _ = self._token_index(ids, None, full_text, span[0])
+        end, straddles = self._token_index(ids, None, full_text, span[1])
+        return start, end + int(straddles)
+
+    def _token_index(self, ids: list[int], offsets: Optional[list[tuple[int, int]]], full_text: str,
+                     cut: int) -> tuple[int, bool]:
+        """(number of tokens starting before character ``cut``, whether the last of them runs past it); without
+        offsets, the tokens of ``full_text[:cut]`` must be a prefix of ``ids``, else the first differing token
+        is taken to straddle the cut."""
+        if offsets is not None:
+            index = sum(1 for s, _ in offsets if s < cut)
+            return index, index > 0 and offsets[index - 1][1] > cut
+        prefix = list(self.tokenizer.tokenize(full_text[:cut]))
+        if ids[: len(prefix)] == prefix:
+            return len(prefix), False
+        common = next((i for i, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
+        return common, True
 
 
 class RecordFormatter:

@@ -73,6 +73,12 @@ class SFTFormatOptions:
     messages_key: str = "messages"
     """Record field holding the chat messages."""
 
+    loss_mode: str = "assistant"
+    """Which chat tokens carry the loss: 'assistant', 'last_turn' or 'full' (see ChatFormatter)."""
+
+    train_on_think: bool = True
+    """Whether ``<think>`` spans of assistant turns carry the loss (see ChatFormatter)."""
+
 
 def parse_format_options(dataset_kwargs: Optional[dict[str, Any]]) -> SFTFormatOptions:
     """``dataset.dataset_kwargs`` -> options; an unknown key or a bad value is a one-line ConfigError."""

@@ -102,6 +102,7 @@ def _load(source: Any, split: str) -> Any:
         builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
         if builder is None:
             raise DataError(f"{where}: unknown file type; use .jsonl, .json, .parquet, .csv or a save_to_disk directory")
+        _check_local_file(path, builder, where, split)
         kwargs.setdefault("data_files", path)
         path = builder
     elif not os.path.isdir(path) and path not in _PACKAGED:
@@ -124,7 +125,28 @@ def _load(source: Any, split: str) -> Any:
     return parts[0] if len(parts) == 1 else ds.concatenate_datasets(parts)
 
 
+def _check_local_file(path: str, builder: str, where: str, split: str) -> None:
+    """Files ``datasets`` cannot turn into an empty split (it fails on them with a generic generation error):
+    no rows, or a Parquet file whose footer is damaged."""
+    if builder == "parquet":
+        # pyarrow comes with datasets (the hf-data extra)
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception as exc:  # noqa: BLE001 - pyarrow's errors for a damaged file vary by version
+            raise DataError(f"{where}: cannot be read as Parquet (truncated or damaged?): {_first_line(exc)}") from None
+    else:
+        with open(path, "rb") as f:
+            head = f.read(4096).strip()
+        rows = 0 if head in (b"", b"[]") else 1
+    if rows == 0:
+        raise DataError(f"{where} split {split!r} has no rows")
+
+
 def _first_line(exc: BaseException) -> str:
+    while exc.__cause__ is not None and str(exc.__cause__).strip():
+        exc = exc.__cause__  # datasets wraps the reader's own error in a generic one
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
 

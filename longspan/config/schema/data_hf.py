@@ -82,10 +82,12 @@ class DirectHFSFTDatasetConfig(DataloaderConfig):
     """Seed of the training sample order (each source's epochs are seeded permutations)."""
 
     validation_source: Optional[HFDatasetSourceConfig] = None
-    """The validation data; None reads split 'validation' of the (single) training source."""
+    """The validation data (its split, 'train' when unset); None reads split 'validation' of the (single)
+    training source."""
 
     test_source: Optional[HFDatasetSourceConfig] = None
-    """The test data; None reads split 'test' of the (single) training source when it has one."""
+    """The test data (its split, 'train' when unset); None reads split 'test' of the (single) training source
+    when it has one."""
 
     preprocessing: ChatSFTPreprocessingConfig = field(default_factory=ChatSFTPreprocessingConfig)
     """How conversations are rendered and which tokens carry the loss."""

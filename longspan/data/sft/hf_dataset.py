@@ -145,9 +145,11 @@ def _rank_zero_first(build: Callable[[], Any]) -> Any:
 
 
 def _split_source(dataset_cfg: Any, split: str) -> Optional[Any]:
+    """An explicit validation/test source reads its own split ('train' when unset, as any source); without
+    one, the single training source's split named ``split``."""
     explicit = dataset_cfg.validation_source if split == "validation" else dataset_cfg.test_source
     if explicit is not None:
-        return explicit
+        return explicit if explicit.split else dataclasses.replace(explicit, split="train")
     sources = dataset_cfg.training_sources
     return dataclasses.replace(sources[0], split=split) if len(sources) == 1 else None
 
@@ -180,7 +182,7 @@ def _eval_dataset(dataset_cfg: Any, split: str, tokenize: _Tokenizer, seq_length
         print_rank_0(f"direct HF SFT data: no {split} source for a blend: the {split} split is skipped", logger)
         return None
     try:
-        docs, cut = _tokenize_source(source, source.split or split, tokenize, seq_length + 1)
+        docs, cut = _tokenize_source(source, source.split, tokenize, seq_length + 1)
     except MissingSplitError as exc:
         if split == "test" and dataset_cfg.test_source is None:
             print_rank_0(f"direct HF SFT data: {exc}; the test split is skipped", logger)

@@ -32,9 +32,8 @@ class MissingSplitError(DataError):
 
 
 def _datasets() -> Any:
-    # optional dependency (the hf-data extra): only direct HF SFT data needs it
     try:
-        import datasets
+        import datasets  # optional dependency (the hf-data extra): only direct HF SFT data needs it
     except ImportError:
         raise ConfigError(f"DirectHFSFTDatasetConfig reads data through the 'datasets' package: {INSTALL_HINT}") from None
     datasets.disable_progress_bars()
@@ -89,6 +88,11 @@ def _load(source: Any, split: str) -> Any:
     kwargs.setdefault("cache_dir", default_cache_dir())
     subsets = source.subset if isinstance(source.subset, list) else [source.subset]
     where = describe_source(source)
+    if source.subset is not None and (os.path.isfile(path) or path in _PACKAGED or (
+            os.path.isdir(path) and _is_saved_dataset(path))):
+        raise ConfigError(f"{where}: subset={source.subset!r} names a configuration, but a single file or a "
+                          "save_to_disk directory has none: leave subset unset (or use a dataset directory whose "
+                          "README.md declares configs)")
     if os.path.isdir(path) and _is_saved_dataset(path):
         loaded = ds.load_from_disk(path)
         if isinstance(loaded, ds.DatasetDict):

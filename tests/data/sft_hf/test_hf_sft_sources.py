@@ -147,3 +147,81 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_subset_selects_a_configuration_of_a_dataset_directory(tmp_path, hf_sft_tokenizer):
+    convs = conversations(12, seed=8)
+    root = tmp_path / "corpus"
+    write_jsonl(str(root / "chat" / "part.jsonl"), [{"messages": c} for c in convs[:7]])
+    write_jsonl(str(root / "more" / "part.jsonl"), [{"messages": c} for c in convs[7:]])
+    (root / "README.md").write_text("---\nconfigs:\n- config_name: chat\n  data_files: chat/*.jsonl\n"
+                                    "- config_name: more\n  data_files: more/*.jsonl\n---\n")
+    one = _docs(hf_sft_tokenizer, HFDatasetSourceConfig(path_or_dataset=str(root), subset="more"), 5)
+    both = _docs(hf_sft_tokenizer, HFDatasetSourceConfig(path_or_dataset=str(root), subset=["chat", "more"]), 12)
+    ref = write_jsonl(str(tmp_path / "ref.jsonl"), [{"messages": c} for c in convs])
+    expected = _docs(hf_sft_tokenizer, HFDatasetSourceConfig(path_or_dataset=ref), 12)
+    assert one == expected[7:] and both == expected
+    with pytest.raises(ConfigError, match=r"ref.jsonl: subset='more' names a configuration, but a single file"):
+        _docs(hf_sft_tokenizer, HFDatasetSourceConfig(path_or_dataset=ref, subset="more"), 12)
+
+
+def test_tool_calls_pass_through_and_text_rows_train_every_token(tmp_path, hf_sft_tokenizer_dir):
+    from longspan.data.tokenizers import HuggingFaceTokenizer
+
+    # a template that renders tool calls and tool results only when a message has them
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}"
+                "{% endif %}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}call {{ c['function']['name'] }}"
+                "{% endfor %}{% endif %}{% if m.tool_call_id is defined %} id {{ m.tool_call_id }}{% endif %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"fox\"}"}}
+    rows = [{"messages": [{"role": "user", "content": "hello fox"},
+                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "content": "brown", "tool_call_id": "c1"},
+                          {"role": "assistant", "content": "the fox is brown"}]},
+            {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]}]
+    tokenizer = HuggingFaceTokenizer(hf_sft_tokenizer_dir)
+    d = lambda path: DirectHFSFTDatasetConfig(  # noqa: E731
+        seq_length=SEQ, source=HFDatasetSourceConfig(path_or_dataset=path), num_workers=0)
+    jsonl = write_jsonl(str(tmp_path / "tools.jsonl"), rows)
+    parquet = write_parquet(str(tmp_path / "tools.parquet"), rows)
+    a = build_direct_hf_sft_datasets(d(jsonl), tokenizer, (2, 0, 0), SEQ, template)[0]
+    b = build_direct_hf_sft_datasets(d(parquet), tokenizer, (2, 0, 0), SEQ, template)[0]
+    text = tokenizer.detokenize(a.docs[0][0].tolist())
+    assert "call lookup" in text and " id c1" in text and "tool_call_id" not in tokenizer.detokenize(a.docs[1][0].tolist())
+    assert "call" not in tokenizer.detokenize(a.docs[1][0].tolist())  # Arrow's null keys do not reach the template
+    assert [(x.tolist(), y.tolist()) for x, y in a.docs] == [(x.tolist(), y.tolist()) for x, y in b.docs]
+
+    plain = write_jsonl(str(tmp_path / "text.jsonl"), [{"text": "the quick brown fox"}, {"text": "hello world"}])
+    docs = build_direct_hf_sft_datasets(d(plain), tokenizer, (2, 0, 0), SEQ)[0].docs
+    assert docs[0][0].tolist() == tokenizer.tokenize("the quick brown fox") + [tokenizer.eos]
+    assert all(flags.all() for _, flags in docs)
+
+
+def test_splits_padding_and_switches(tmp_path, hf_sft_tokenizer):
+    convs = conversations(20, seed=9)
+    path = write_saved_dataset(str(tmp_path / "saved"), {
+        "train": [{"messages": c} for c in convs[:12]], "validation": [{"messages": c} for c in convs[12:16]],
+        "test": [{"messages": c} for c in convs[16:]]})
+    source = HFDatasetSourceConfig(path_or_dataset=path)
+    tr, va, te = build_direct_hf_sft_datasets(
+        DirectHFSFTDatasetConfig(seq_length=SEQ, source=source, num_workers=0), hf_sft_tokenizer, (12, 4, 4), SEQ)
+    assert (len(tr.docs), len(va.docs), len(te.docs)) == (12, 4, 4)
+    assert [va.samples[i] for i in range(4)] == [0, 1, 2, 3]  # evaluation reads in order
+    # explicit test_source (its own split), do_validation=False
+    other = HFDatasetSourceConfig(path_or_dataset=path, split="validation")
+    tr2, va2, te2 = build_direct_hf_sft_datasets(
+        DirectHFSFTDatasetConfig(seq_length=SEQ, source=source, test_source=other, do_validation=False, num_workers=0),
+        hf_sft_tokenizer, (12, 4, 4), SEQ)
+    assert va2 is None and [d[0].tolist() for d in te2.docs] == [d[0].tolist() for d in va.docs]
+    # padding: the longest sample rounded up to pad_to_multiple_of (capped at seq_length), or seq_length
+    batch = [tr[i] for i in range(4)]
+    longest = max(s["tokens"].numel() for s in batch)
+    tight = build_direct_hf_sft_datasets(DirectHFSFTDatasetConfig(seq_length=SEQ, source=source, num_workers=0,
+                                                                  pad_to_multiple_of=16), hf_sft_tokenizer,
+                                         (12, 0, 0), SEQ)[0]
+    full = build_direct_hf_sft_datasets(DirectHFSFTDatasetConfig(seq_length=SEQ, source=source, num_workers=0,
+                                                                 pad_to_max_length=True), hf_sft_tokenizer,
+                                        (12, 0, 0), SEQ)[0]
+    assert tight.collate_fn(batch)["tokens"].shape[1] == -(-longest // 16) * 16 < SEQ
+    assert full.collate_fn(batch)["tokens"].shape[1] == SEQ
+    assert tr.collate_fn(batch)["tokens"].shape[1] == SEQ  # 128 rounds up past seq_length: capped

@@ -108,3 +108,6 @@ def snapshot(directory: str) -> dict[str, float]:
             path = os.path.join(root, name)
             out[path] = os.path.getmtime(path)
     return out
+
+
+from tests.parallel.conftest import pool2  # noqa: E402,F401 - the shared two-rank pool for the distributed build

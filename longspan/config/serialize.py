@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import enum
 import os
+import types
+import typing
 from typing import Any, Optional
 
 import torch
@@ -196,7 +198,23 @@ def _convert(value: Any, tp: Any, path: str, ctx: LoadContext) -> Any:
             if ctx.compat and is_foreign_target(target):
                 raise _Unknown() from None
             raise ConfigError(f"{ctx.source}: {path}: _target_ {target!r} is not allowed") from None
-    return coerce_value(value, tp, path)
+    nested = _nested_config(value, tp, path, ctx)
+    return nested if nested is not None else coerce_value(value, tp, path)
+
+
+def _nested_config(value: Any, tp: Any, path: str, ctx: LoadContext) -> Any:
+    """A field typed as a config dataclass (or a list of them) built from a mapping (or a list); else None."""
+    arms = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if isinstance(value, dict):
+        for arm in arms:
+            if dataclasses.is_dataclass(arm):
+                return build_dataclass(arm, value, path, ctx)
+    if isinstance(value, list):
+        for arm in arms:
+            inner = typing.get_args(arm) if typing.get_origin(arm) is list else ()
+            if inner and dataclasses.is_dataclass(inner[0]):
+                return [_convert(v, inner[0], f"{path}[{i}]", ctx) for i, v in enumerate(value)]
+    return None
 
 
 class _Unknown(Exception):

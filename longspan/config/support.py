@@ -249,7 +249,9 @@ FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
 # The model classes and dataset classes longspan can build.
 SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider",)
 SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
-                      "FinetuningDatasetConfig")
+                      "FinetuningDatasetConfig", "DirectHFSFTDatasetConfig")
+# Classes nested inside a dataset section (their fields have their own tables in the generated document).
+NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 
 
 # Per config class: fields the shared table supports (for GPT) that this class does not implement. validate()
@@ -269,6 +271,24 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
                                                    "apply_residual_connection_post_layernorm fp32_residual_connection "
                                                    "layernorm_zero_centered_gamma"),
 }
+
+# Direct HF SFT data (longspan.data.sft.hf_dataset): the run's tokenizer formats the rows; in-batch packing and
+# Bridge's named Hub presets are not implemented.
+CLASS_FIELD_STATUS["DirectHFSFTDatasetConfig"] = {
+    **_many("dataset", SUPPORTED, """
+        seq_length source source_weights blend_seed validation_source test_source preprocessing do_validation
+        do_test pad_to_max_length pad_to_multiple_of dataloader_type
+        """),
+    **_many("dataset", NOT_SUPPORTED, """
+        hf_processor_path hf_processor_kwargs skip_getting_attention_mask_from_dataset enable_in_batch_packing
+        defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
+        """),
+}
+CLASS_FIELD_STATUS["HFDatasetSourceConfig"] = {
+    **_many("dataset", SUPPORTED, "path_or_dataset split subset load_kwargs schema_adapter adapter_kwargs"),
+    **_many("dataset", NOT_SUPPORTED, "dataset_name"),
+}
+CLASS_FIELD_STATUS["ChatSFTPreprocessingConfig"] = _many("dataset", SUPPORTED, "loss_mode")
 
 # Multi-token prediction (longspan.models.mtp): GPT models only, on one pipeline stage without context parallel.
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_num_layers mtp_loss_scaling_factor"))

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from longspan.config.schema.data import MockGPTDatasetConfig, T5MaskedWordPieceDatasetConfig
+from longspan.config.schema.data_hf import ChatSFTPreprocessingConfig, HFDatasetSourceConfig
 from longspan.config.schema.optim import MixedPrecisionConfig
 from longspan.config.support import (
+    NESTED_DATASET_CLASSES,
     NOT_SUPPORTED,
     SECTION_DEFAULT,
     SUPPORTED_DATASETS,
@@ -37,6 +39,9 @@ def _section_classes() -> list[tuple[str, type]]:
             if cls.__name__ == "GPTDatasetConfig":
                 out.append((section, MockGPTDatasetConfig))
                 out.append((section, T5MaskedWordPieceDatasetConfig))
+            if cls.__name__ == "DirectHFSFTDatasetConfig":
+                out.append((section, HFDatasetSourceConfig))
+                out.append((section, ChatSFTPreprocessingConfig))
     out.append(("mixed_precision", MixedPrecisionConfig))
     return out
 
@@ -95,7 +100,10 @@ def render() -> str:
         "(longspan.models.mamba); the model-section statuses are shared by the three, and a value one family does",
         "not implement stops the build with a one-line error. Datasets: GPTDatasetConfig, MockGPTDatasetConfig,",
         "T5MaskedWordPieceDatasetConfig (T5 span corruption: longspan.data.t5_dataset) and",
-        "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
+        "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft) and DirectHFSFTDatasetConfig",
+        "(JSONL/JSON/Parquet/CSV/save_to_disk data in the shapes of TRL, ShareGPT and Alpaca, read through `datasets`:",
+        "longspan.data.sft.hf_dataset; its nested HFDatasetSourceConfig and ChatSFTPreprocessingConfig have tables",
+        "below). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
         "`comm_overlap` is not supported yet.",
         "",
     ]
@@ -104,7 +112,8 @@ def render() -> str:
         lines += [f"## `{section}`: {cls.__name__}", "",
                   f"Fields not listed in the table of exceptions default to **{SECTION_DEFAULT[section]}**.", "",
                   "| field | default | status | meaning |", "| --- | --- | --- | --- |"]
-        class_ok = section not in ("model", "dataset") or cls.__name__ in SUPPORTED_MODELS + SUPPORTED_DATASETS
+        class_ok = section not in ("model", "dataset") or cls.__name__ in (
+            SUPPORTED_MODELS + SUPPORTED_DATASETS + NESTED_DATASET_CLASSES)
         for f in dataclasses.fields(cls):
             if f.name.startswith("_"):
                 continue

@@ -68,6 +68,7 @@ _LONGSPAN_CLASSES = {
         "TrainingConfig", "CheckpointConfig", "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig",
         "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "InProcessRestartConfig", "OptimizerConfig",
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
+        "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
     ],
     "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider"],
     "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
@@ -88,6 +89,16 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.data.datasets.packed_sequence.PackedSequenceSpecs": "PackedSequenceSpecs",
     "megatron.bridge.data.packing.PackedSequenceSpecs": "PackedSequenceSpecs",
     "megatron.core.datasets.gpt_dataset.GPTDatasetConfig": "GPTDatasetConfig",
+    # Direct HF SFT data: the paths Bridge's modules define these classes at and its tutorials import them from.
+    "megatron.bridge.data.builders.direct_hf_sft.DirectHFSFTDatasetConfig": "DirectHFSFTDatasetConfig",
+    "megatron.bridge.data.builders.DirectHFSFTDatasetConfig": "DirectHFSFTDatasetConfig",
+    "megatron.bridge.data.sources.hf.HFDatasetSourceConfig": "HFDatasetSourceConfig",
+    "megatron.bridge.data.sources.HFDatasetSourceConfig": "HFDatasetSourceConfig",
+    "megatron.bridge.data.hf_source.HFDatasetSourceConfig": "HFDatasetSourceConfig",
+    "megatron.bridge.data.builders.HFDatasetSourceConfig": "HFDatasetSourceConfig",
+    "megatron.bridge.data.builders.direct_hf_sft.HFDatasetSourceConfig": "HFDatasetSourceConfig",
+    "megatron.bridge.data.sft_processing.ChatSFTPreprocessingConfig": "ChatSFTPreprocessingConfig",
+    "megatron.bridge.data.builders.direct_hf_sft.ChatSFTPreprocessingConfig": "ChatSFTPreprocessingConfig",
     "megatron.core.datasets.t5_dataset.T5MaskedWordPieceDatasetConfig": "T5MaskedWordPieceDatasetConfig",
     "megatron.bridge.models.gpt_provider.GPTModelProvider": "GPTModelProvider",
     "megatron.bridge.models.GPTModelProvider": "GPTModelProvider",
@@ -127,6 +138,8 @@ CONFIG_CLASSES: dict[str, str] = {
     **{name: f"{_SCHEMA}.data.{name}" for name in (
         "DataloaderConfig", "GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
         "FinetuningDatasetConfig", "TokenizerConfig", "PackedSequenceSpecs")},
+    **{name: f"{_SCHEMA}.data_hf.{name}" for name in (
+        "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")},
     **{name: f"{_SCHEMA}.infra.{name}" for name in (
         "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "ProfilingConfig", "FaultToleranceConfig",
         "InProcessRestartConfig", "StragglerDetectionConfig", "NVRxStragglerDetectionConfig")},
@@ -152,7 +165,7 @@ SECTION_TYPES: dict[str, tuple[str, ...]] = {
     "optimizer": ("OptimizerConfig",),
     "ddp": ("DistributedDataParallelConfig",),
     "scheduler": ("SchedulerConfig",),
-    "dataset": ("GPTDatasetConfig", "FinetuningDatasetConfig"),
+    "dataset": ("GPTDatasetConfig", "FinetuningDatasetConfig", "DirectHFSFTDatasetConfig"),
     "logger": ("LoggerConfig",),
     "tokenizer": ("TokenizerConfig",),
     "checkpoint": ("CheckpointConfig",),

@@ -19,6 +19,7 @@ from longspan.data.builtin import prepare_builtin_corpus
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from longspan.data.sft.dataset import build_sft_datasets
+from longspan.data.sft.hf_dataset import build_direct_hf_sft_datasets
 from longspan.data.sft.formatting import parse_format_options
 from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
@@ -88,6 +89,10 @@ def _is_mock(cfg: Any) -> bool:
 
 def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
     """[train, valid, test] datasets of a ConfigContainer (None for a split that is not built)."""
+    if is_direct_hf_sft_dataset(cfg.dataset):
+        chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
+        return build_direct_hf_sft_datasets(cfg.dataset, tokenizer, get_train_valid_test_num_samples(cfg),
+                                            int(cfg.dataset.seq_length), chat_template)
     if is_finetuning_dataset(cfg.dataset):
         return _build_finetuning_datasets(cfg, tokenizer)
     ds_cfg = resolve_dataset_config(cfg.dataset, tokenizer)
@@ -127,6 +132,11 @@ def _check_t5_dataset(ds_cfg: Any, model: Any) -> None:
     if dec is not None and dec != ds_cfg.sequence_length_decoder:
         raise DataError(f"dataset.sequence_length_decoder={ds_cfg.sequence_length_decoder} differs from "
                         f"model.seq_length_dec={dec}: set both the same")
+
+
+def is_direct_hf_sft_dataset(dataset_cfg: Any) -> bool:
+    """True for a DirectHFSFTDatasetConfig (files read through ``datasets``, longspan.data.sft.hf_dataset)."""
+    return hasattr(dataset_cfg, "source") and hasattr(dataset_cfg, "preprocessing")
 
 
 def is_finetuning_dataset(dataset_cfg: Any) -> bool:

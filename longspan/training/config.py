@@ -17,6 +17,11 @@ from longspan.config.schema.data import (
     T5MaskedWordPieceDatasetConfig,
     TokenizerConfig,
 )
+from longspan.config.schema.data_hf import (
+    ChatSFTPreprocessingConfig,
+    DirectHFSFTDatasetConfig,
+    HFDatasetSourceConfig,
+)
 from longspan.config.schema.infra import (
     DistributedInitConfig,
     FaultToleranceConfig,
@@ -53,4 +58,5 @@ __all__ = [
     "TokenizerConfig", "MixedPrecisionConfig", "MIXED_PRECISION_RECIPES", "bf16_mixed", "fp16_mixed", "fp32",
     "get_mixed_precision_config", "ModelParallelConfig", "TransformerConfig", "GPTModelProvider",
     "T5ModelProvider", "MambaProvider", "PackedSequenceSpecs",
+    "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
 ]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from longspan.config.rules.data import check_dataset
+from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.infra import check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
 from longspan.config.rules.model import check_model
@@ -200,6 +201,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("training length (iterations from samples)", _on_config(check_train_length)),
     ("scheduler step counts", _on_config(compute_scheduler_steps)),
     ("dataset", _on_config(check_dataset)),
+    ("direct HF SFT data: sources, blend, preprocessing", _on_config(check_direct_hf_sft)),
     ("infrastructure and resilience", _on_config(check_infra)),
     ("autocast", _autocast),
     ("activation recompute", _recompute),

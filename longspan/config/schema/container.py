@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from longspan.config.rules.validate import validate_container
 from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, TokenizerConfig
+from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig
 from longspan.config.schema.infra import (
     DistributedInitConfig,
     FaultToleranceConfig,
@@ -61,7 +62,7 @@ class ConfigContainer:
     scheduler: Optional[SchedulerConfig] = None
     """Learning-rate and weight-decay schedule (required)."""
 
-    dataset: Optional[Union[GPTDatasetConfig, FinetuningDatasetConfig]] = None
+    dataset: Optional[Union[GPTDatasetConfig, FinetuningDatasetConfig, DirectHFSFTDatasetConfig]] = None
     """Data (required)."""
 
     logger: Optional[LoggerConfig] = None

@@ -1,0 +1,136 @@
+"""Rules of the direct HF SFT data (``DirectHFSFTDatasetConfig``): sources, blend weights, preprocessing and
+the sample length. The data files themselves are read (and their rows checked) when the datasets are built,
+before the first step."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from longspan.config.schema.data_hf import (
+    LOSS_MODES,
+    SCHEMA_ADAPTERS,
+    ChatSFTPreprocessingConfig,
+    DirectHFSFTDatasetConfig,
+    HFDatasetSourceConfig,
+)
+from longspan.core.errors import ConfigError, NotSupportedError
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
+# load_dataset arguments the source's own fields set
+_SOURCE_OWNED_LOAD_KWARGS = ("path", "name", "split")
+
+
+def _has_empty_path(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, tuple)):
+        return not value or any(_has_empty_path(v) for v in value)
+    if isinstance(value, dict):
+        return not value or any(_has_empty_path(v) for v in value.values())
+    return True
+
+
+def check_hf_source(source: Any, where: str) -> None:
+    """One source: exactly one of dataset_name / path_or_dataset, well-formed split, subset, kwargs, adapter."""
+    if not isinstance(source, HFDatasetSourceConfig):
+        raise ConfigError(f"{where} is a {type(source).__name__}: expected an HFDatasetSourceConfig mapping")
+    if source.dataset_name is not None:
+        raise NotSupportedError(
+            f"{where}.dataset_name={source.dataset_name!r}: Megatron Bridge's named dataset presets are not "
+            "supported yet by longspan; give the data with path_or_dataset (a local file or directory)"
+        )
+    if not isinstance(source.path_or_dataset, str) or not source.path_or_dataset.strip():
+        raise ConfigError(f"{where}.path_or_dataset={source.path_or_dataset!r}: give a file, directory or dataset name")
+    if source.split is not None and not source.split.strip():
+        raise ConfigError(f"{where}.split={source.split!r} is empty: give a split name such as 'train' or null")
+    subset = source.subset
+    if subset is not None and (
+        (isinstance(subset, str) and not subset.strip())
+        or (isinstance(subset, list) and (not subset or not all(isinstance(s, str) and s.strip() for s in subset)))
+    ):
+        raise ConfigError(f"{where}.subset={subset!r}: give a configuration name, a non-empty list of them, or null")
+    load_kwargs = source.load_kwargs or {}
+    owned = sorted(set(_SOURCE_OWNED_LOAD_KWARGS) & set(load_kwargs))
+    if owned:
+        raise ConfigError(f"{where}.load_kwargs sets {owned}: use the source's path_or_dataset, subset and split")
+    if "data_files" in load_kwargs and _has_empty_path(load_kwargs["data_files"]):
+        raise ConfigError(f"{where}.load_kwargs.data_files={load_kwargs['data_files']!r} must name non-empty paths")
+    if source.schema_adapter is not None and source.schema_adapter not in SCHEMA_ADAPTERS:
+        raise ConfigError(
+            f"{where}.schema_adapter={source.schema_adapter!r} is not known: use one of {', '.join(SCHEMA_ADAPTERS)} "
+            "or null (detected from the columns)"
+        )
+
+
+def _check_blend(d: DirectHFSFTDatasetConfig) -> None:
+    sources = d.training_sources
+    if not sources:
+        raise ConfigError("dataset.source=[] names no data: give one source or a list of them")
+    if d.source_weights is not None:
+        if len(d.source_weights) != len(sources):
+            raise ConfigError(
+                f"dataset.source_weights has {len(d.source_weights)} weight(s) for {len(sources)} source(s): "
+                "give one per source"
+            )
+        for w in d.source_weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+                raise ConfigError(f"dataset.source_weights={d.source_weights!r}: weights must be positive numbers")
+    if len(sources) > 1 and d.do_validation and d.validation_source is None:
+        raise ConfigError(
+            "dataset.source blends several sources, so there is no single 'validation' split to read: set "
+            "dataset.validation_source or dataset.do_validation=False"
+        )
+
+
+def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
+    """Direct HF SFT data: its sources, blend, preprocessing and lengths against the model."""
+    d = cfg.dataset
+    if not isinstance(d, DirectHFSFTDatasetConfig):
+        return
+    m = cfg.model
+    if d.seq_length <= 0:
+        raise ConfigError(f"dataset.seq_length={d.seq_length} must be positive")
+    if getattr(m, "seq_length", None) is not None and d.seq_length != m.seq_length:
+        raise ConfigError(
+            f"dataset.seq_length={d.seq_length} differs from model.seq_length={m.seq_length}: set both the same"
+        )
+    _check_blend(d)
+    for i, source in enumerate(d.training_sources):
+        check_hf_source(source, "dataset.source" if not isinstance(d.source, list) else f"dataset.source[{i}]")
+    for name in ("validation_source", "test_source"):
+        if getattr(d, name) is not None:
+            check_hf_source(getattr(d, name), f"dataset.{name}")
+    if not isinstance(d.preprocessing, ChatSFTPreprocessingConfig):
+        raise NotSupportedError(
+            f"dataset.preprocessing={type(d.preprocessing).__name__} is not supported yet by longspan: use "
+            "ChatSFTPreprocessingConfig (prompt/completion rows are read as a user turn and an assistant turn)"
+        )
+    if d.preprocessing.loss_mode not in LOSS_MODES:
+        raise ConfigError(
+            f"dataset.preprocessing.loss_mode={d.preprocessing.loss_mode!r} is not valid: choose one of "
+            f"{', '.join(LOSS_MODES)}"
+        )
+    if d.pad_to_multiple_of < 1:
+        raise ConfigError(f"dataset.pad_to_multiple_of={d.pad_to_multiple_of} must be an integer >= 1")
+    if not d.pad_to_max_length and int(getattr(m, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise ConfigError(
+            "dataset.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages exchange "
+            "activations of a fixed length; set dataset.pad_to_max_length=True"
+        )
+    if not d.pad_to_max_length:
+        cp = int(getattr(m, "context_parallel_size", 1) or 1)
+        tp = int(getattr(m, "tensor_model_parallel_size", 1) or 1)
+        sp = bool(getattr(m, "sequence_parallel", False)) and tp > 1
+        # context parallel cuts sequences into 2 x cp chunks; sequence parallel splits them over tp
+        multiple = math.lcm(2 * cp if cp > 1 else 1, tp if sp else 1)
+        if d.pad_to_multiple_of % multiple or d.seq_length % multiple:
+            raise ConfigError(
+                f"dataset.pad_to_multiple_of={d.pad_to_multiple_of} and dataset.seq_length={d.seq_length} must be "
+                f"multiples of {multiple} (2 x context_parallel_size={cp}, tensor_model_parallel_size={tp} with "
+                "sequence_parallel) when pad_to_max_length=False"
+            )

@@ -48,6 +48,7 @@ from longspan.training.optim.scheduler import get_optimizer_param_scheduler
 from longspan.training.resilience.signals import DistributedSignalHandler
 from longspan.training.state import GlobalState
 from longspan.training.observability.energy import build_energy_monitor
+from longspan.training.observability.eval_samples import check_eval_samples_layout
 
 logger = get_logger(__name__)
 
@@ -132,9 +133,12 @@ def setup(cfg: Any) -> SetupOutput:
     state.start_iteration = state.train_state.step
     state.start_consumed_train_samples = state.train_state.consumed_train_samples
 
+    datasets: list[Any] = []
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
+        cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+        datasets_out=datasets,
     )
+    state.valid_dataset = datasets[1] if datasets else None  # logger.log_eval_samples takes its prompts from it
     train_state = state.train_state
     train_state.do_train = train_it is not None and cfg.train.train_iters > 0
     train_state.do_valid = valid_it is not None and cfg.train.eval_iters > 0
@@ -166,6 +170,7 @@ def _initialize(cfg: Any, start_time: float) -> GlobalState:
 def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
     """Fill what the config leaves to the checkpoint and the tokenizer, validate it, check the run's outputs."""
     parallel = state.parallel
+    check_eval_samples_layout(cfg, parallel)
     if cfg.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(cfg)
     apply_hf_pretrained_config(cfg)  # pretrained_checkpoint = an HF directory: architecture + tokenizer from it

@@ -1,0 +1,170 @@
+"""Sample generations at evaluation (``logger.log_eval_samples``, longspan's own field).
+
+At each evaluation the prompts of the first N validation samples are continued greedily with
+``longspan.inference.generate`` and logged as text: one console line per sample, TensorBoard ``add_text``, a W&B
+Table, an MLflow text artifact, Comet ``log_text`` and a ``phase: eval_samples`` record in metrics.jsonl.
+
+The prompt of a sample whose loss mask starts at 0 (SFT) is its tokens up to the first answer token; otherwise
+(pretraining) its first ``eval_samples_prompt_tokens`` tokens. Generation never touches the training streams:
+decoding is greedy (nothing is drawn), the model runs in eval mode (no dropout), the validation iterator is not
+read (samples come from the dataset by index) and the RNG states of Python, NumPy and torch are restored anyway.
+
+Generation runs one whole model on one process: one process, or plain DDP data parallelism (the logging rank
+generates, the others wait for nothing). Sharded layouts (tensor, pipeline, context or expert parallel, FSDP2)
+are refused at start-up by ``check_eval_samples_layout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from longspan.core.errors import NotSupportedError
+from longspan.core.logging import get_logger, is_last_rank, print_rank_last
+from longspan.inference import generate
+from longspan.parallel.data_parallel import DDP_MODE, data_parallel_mode
+
+logger = get_logger(__name__)
+
+TEXT_TAG = "eval samples"
+
+
+@dataclass
+class EvalSample:
+    """One validation prompt and the model's greedy continuation of it."""
+
+    index: int
+    """The validation sample's index."""
+    prompt: str
+    """The prompt, detokenized."""
+    generation: str
+    """The continuation, detokenized (without the EOS token that stopped it)."""
+    finish_reason: str
+    """``"eos"`` or ``"length"``."""
+
+
+def check_eval_samples_layout(cfg: Any, parallel: Any) -> None:
+    """Refuse ``logger.log_eval_samples`` in one line where generation cannot run yet (sharded models, T5)."""
+    count = getattr(cfg.logger, "log_eval_samples", 0)
+    if not count:
+        return
+    sharded = [f"{name}={size}" for name, size in (
+        ("tensor_model_parallel_size", parallel.tp_size), ("pipeline_model_parallel_size", parallel.pp_size),
+        ("context_parallel_size", parallel.cp_size),
+        ("expert_model_parallel_size", getattr(cfg.model, "expert_model_parallel_size", 1) or 1)) if size > 1]
+    if parallel.dp_size > 1 and _dp_is_sharded(cfg, parallel.tp_size):
+        sharded.append(f"data parallel {parallel.dp_size} with sharded parameters (FSDP2 / distributed optimizer)")
+    if sharded:
+        raise NotSupportedError(
+            f"logger.log_eval_samples={count} is not supported yet with {', '.join(sharded)}: sample generation "
+            "runs a whole model on one process (one process or DDP data parallelism); set logger.log_eval_samples=0"
+        )
+    if hasattr(cfg.model, "encoder_num_layers"):
+        raise NotSupportedError(f"logger.log_eval_samples={count} is not supported yet for encoder-decoder models "
+                                f"({type(cfg.model).__name__}); set logger.log_eval_samples=0")
+
+
+def _dp_is_sharded(cfg: Any, tp: int) -> bool:
+    return data_parallel_mode(cfg, tp) != DDP_MODE
+
+
+def prompt_ids(sample: dict[str, Any], prompt_tokens: int) -> list[int]:
+    """The prompt of one dataset sample: up to the first answer token when the loss mask starts at 0, else
+    the first ``prompt_tokens`` tokens."""
+    tokens = torch.as_tensor(sample["tokens"]).reshape(-1)
+    mask = sample.get("loss_mask")
+    if mask is not None:
+        mask = torch.as_tensor(mask).reshape(-1)
+        if mask.numel() and float(mask[0]) == 0.0:
+            answer = torch.nonzero(mask > 0)
+            if answer.numel():  # loss_mask[j] scores tokens[j + 1]: the prompt ends at position j
+                return [int(t) for t in tokens[: int(answer[0]) + 1]]
+    return [int(t) for t in tokens[:prompt_tokens]]
+
+
+@contextlib.contextmanager
+def preserved_rng_state() -> Iterator[None]:
+    """Restore the Python, NumPy and torch (CPU and accelerator) generators afterwards."""
+    python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def generate_eval_samples(model: Sequence[torch.nn.Module], tokenizer: Any, dataset: Any, count: int,
+                          max_new_tokens: int, prompt_tokens: int, max_positions: Optional[int]) -> list[EvalSample]:
+    """Greedy continuations of the prompts of the first ``count`` samples of ``dataset``."""
+    samples = []
+    with preserved_rng_state():
+        for index in range(min(count, len(dataset))):
+            ids = prompt_ids(dataset[index], prompt_tokens)
+            if max_positions is not None and len(ids) + max_new_tokens > max_positions:
+                ids = ids[-max(1, max_positions - max_new_tokens):]  # the end of the prompt leads to the answer
+            result = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
+            samples.append(EvalSample(index, tokenizer.detokenize(ids), result.text, result.finish_reason))
+    return samples
+
+
+def log_eval_samples(state: Any, model: Sequence[torch.nn.Module], iteration: int) -> list[EvalSample]:
+    """The evaluation hook: generate on the logging (last) rank and write to every sink; returns the samples."""
+    cfg = state.cfg
+    count = getattr(cfg.logger, "log_eval_samples", 0)
+    dataset = getattr(state, "valid_dataset", None)
+    if not count or not is_last_rank():
+        return []
+    if dataset is None or len(dataset) == 0:
+        print_rank_last("logger.log_eval_samples: no validation dataset to take prompts from; skipped", logger)
+        return []
+    learned = getattr(cfg.model, "position_embedding_type", None) == "learned_absolute"
+    samples = generate_eval_samples(
+        model, state.tokenizer, dataset, count, cfg.logger.eval_samples_max_new_tokens,
+        cfg.logger.eval_samples_prompt_tokens, cfg.model.seq_length if learned else None)
+    _write(state, samples, iteration)
+    return samples
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else "…" + text[-(limit - 1):]
+
+
+def _write(state: Any, samples: list[EvalSample], iteration: int) -> None:
+    for s in samples:
+        print_rank_last(f"eval sample {s.index} at iteration {iteration}: {_short(s.prompt)!r} -> "
+                        f"{s.generation!r} ({s.finish_reason})", logger)
+    rows = [[iteration, s.index, s.prompt, s.generation, s.finish_reason] for s in samples]
+    tb = state.tensorboard_logger
+    if tb is not None:
+        table = "| sample | prompt | generation |\n| --- | --- | --- |\n" + "\n".join(
+            f"| {s.index} | {_markdown(s.prompt)} | {_markdown(s.generation)} |" for s in samples)
+        tb.add_text(TEXT_TAG, table, iteration)
+    wandb = state.wandb_logger
+    if wandb is not None:
+        columns = ["iteration", "sample", "prompt", "generation", "finish_reason"]
+        wandb.log({TEXT_TAG: wandb.Table(columns=columns, data=rows)}, step=iteration)
+    text = "\n\n".join(f"[sample {s.index}] {s.prompt}\n=> {s.generation}" for s in samples)
+    mlflow = state.mlflow_logger
+    if mlflow is not None:
+        mlflow.log_text(text, f"eval_samples/iteration_{iteration:07d}.txt")
+    comet = state.comet_logger
+    if comet is not None:
+        comet.log_text(text, step=iteration)
+    metrics = state.metrics_logger
+    if metrics is not None:
+        metrics.write({"phase": "eval_samples", "iteration": iteration,
+                       "samples": [{"index": s.index, "prompt": s.prompt, "generation": s.generation,
+                                    "finish_reason": s.finish_reason} for s in samples]})
+
+
+def _markdown(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

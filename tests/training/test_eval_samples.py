@@ -47,6 +47,8 @@ def test_losses_with_sample_generation_equal_losses_without_bit_for_bit(tmp_path
     records = _records(on, "eval_samples")
     assert [r["iteration"] for r in records] == [2, 4, 6]
     assert all(len(r["samples"]) == 2 and [s["index"] for s in r["samples"]] == [0, 1] for r in records)
+    # eval_samples_prompt_tokens=7 (pretraining data) and eval_samples_max_new_tokens=5
+    assert {(s["prompt_tokens"], s["generated_tokens"]) for r in records for s in r["samples"]} == {(7, 5)}
     lines = [m for m in capsys.readouterr().out.splitlines() if m.startswith("eval sample ")]
     assert len(lines) == 6 and lines[0].startswith("eval sample 0 at iteration 2: ")
     tb_files = list(Path(on.logger.tensorboard_dir).glob("events.out.tfevents.*"))

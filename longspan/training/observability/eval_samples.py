@@ -17,6 +17,7 @@ are refused at start-up by ``check_eval_samples_layout``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -46,6 +47,10 @@ class EvalSample:
     """The continuation, detokenized (without the EOS token that stopped it)."""
     finish_reason: str
     """``"eos"`` or ``"length"``."""
+    prompt_tokens: int = 0
+    """The prompt's length in tokens."""
+    generated_tokens: int = 0
+    """How many tokens were generated (an EOS that stopped generation included)."""
 
 
 def check_eval_samples_layout(cfg: Any, parallel: Any) -> None:
@@ -112,7 +117,8 @@ def generate_eval_samples(model: Sequence[torch.nn.Module], tokenizer: Any, data
             if max_positions is not None and len(ids) + max_new_tokens > max_positions:
                 ids = ids[-max(1, max_positions - max_new_tokens):]  # the end of the prompt leads to the answer
             result = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
-            samples.append(EvalSample(index, tokenizer.detokenize(ids), result.text, result.finish_reason))
+            samples.append(EvalSample(index, tokenizer.detokenize(ids), result.text, result.finish_reason, len(ids),
+                                      len(result.output_ids)))
     return samples
 
 
@@ -162,8 +168,7 @@ def _write(state: Any, samples: list[EvalSample], iteration: int) -> None:
     metrics = state.metrics_logger
     if metrics is not None:
         metrics.write({"phase": "eval_samples", "iteration": iteration,
-                       "samples": [{"index": s.index, "prompt": s.prompt, "generation": s.generation,
-                                    "finish_reason": s.finish_reason} for s in samples]})
+                       "samples": [dataclasses.asdict(s) for s in samples]})
 
 
 def _markdown(text: str) -> str:

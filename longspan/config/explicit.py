@@ -19,6 +19,9 @@ _ATTR = "_explicit_fields"
 _META_KEYS = ("_target_", "_call_", "_partial_", "_args_", "_name_")
 
 RECIPE_SOURCE_PREFIX = "recipe "
+# A section a YAML file writes whole (with its ``_target_``: ``config show`` output, a Bridge run_config.yaml)
+# cannot say which values were edited: like a recipe, it marks the fields that differ from the class defaults.
+WHOLE_SECTION_SUFFIX = " (whole section)"
 
 
 def _record(cfg: Any) -> dict[str, str]:
@@ -42,18 +45,25 @@ def explicit_fields(cfg: Any, section: str) -> dict[str, str]:
 
 
 def is_recipe_source(source: str) -> bool:
-    return source.startswith(RECIPE_SOURCE_PREFIX)
+    """Whether ``source`` is a template (a recipe, or a section a file writes whole) rather than a choice of one
+    field: a pretrained checkpoint's architecture replaces a template's."""
+    return source.startswith(RECIPE_SOURCE_PREFIX) or source.endswith(WHOLE_SECTION_SUFFIX)
 
 
 def mark_mapping(cfg: Any, data: Any, source: str, prefix: str = "") -> None:
-    """Mark every field a (YAML) mapping names, sections included down to their fields."""
+    """Mark every field a (YAML) mapping names; a section written whole (with ``_target_``) marks, as a
+    template, the fields that differ from its class defaults."""
     if not isinstance(data, dict):
         return
     for key, value in data.items():
         if key in _META_KEYS:
             continue
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and not prefix:
+        if isinstance(value, dict) and not prefix and "_target_" in value:
+            section = getattr(cfg, key, None)
+            if dataclasses.is_dataclass(section) and not isinstance(section, type):
+                _mark_non_defaults(cfg, key, section, source + WHOLE_SECTION_SUFFIX)
+        elif isinstance(value, dict) and not prefix:
             mark_mapping(cfg, value, source, path + ".")
         else:
             mark_explicit(cfg, path, source)
@@ -72,13 +82,16 @@ def mark_recipe_fields(cfg: Any, recipe_name: str) -> None:
     source = RECIPE_SOURCE_PREFIX + recipe_name
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
-        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
-            continue
-        for f in dataclasses.fields(obj):
-            default = _default(f)
-            try:
-                differs = default is dataclasses.MISSING or getattr(obj, f.name) != default
-            except Exception:  # values without a usable == (tensors): count them as set
-                differs = True
-            if differs:
-                mark_explicit(cfg, f"{section.name}.{f.name}", source)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            _mark_non_defaults(cfg, section.name, obj, source)
+
+
+def _mark_non_defaults(cfg: Any, section: str, obj: Any, source: str) -> None:
+    for f in dataclasses.fields(obj):
+        default = _default(f)
+        try:
+            differs = default is dataclasses.MISSING or getattr(obj, f.name) != default
+        except Exception:  # values without a usable == (tensors): count them as set
+            differs = True
+        if differs:
+            mark_explicit(cfg, f"{section}.{f.name}", source)

@@ -90,6 +90,16 @@ def test_a_shape_set_in_a_yaml_file_that_matches_is_fine(tmp_path: Path, hf_dir:
     assert f"rotary_base=20000 (config file {override_file})" in line
 
 
+def test_a_whole_config_file_is_a_template_like_a_recipe(tmp_path: Path, hf_dir: Path) -> None:
+    """``config show`` output (every field written) cannot say what was edited: its architecture yields."""
+    dumped = tmp_path / "sft.yaml"
+    get_recipe("sft").to_yaml(str(dumped))
+    cfg = load_config(None, [str(dumped)], [f"checkpoint.pretrained_checkpoint={hf_dir}"])
+    assert explicit_fields(cfg, "model")["hidden_size"] == f"config file {dumped} (whole section)"
+    apply_hf_pretrained_config(cfg)
+    assert (cfg.model.hidden_size, cfg.model.num_layers) == (32, 2)
+
+
 def test_the_recipes_training_choices_stay_and_its_architecture_yields(hf_dir: Path) -> None:
     cfg = get_recipe("tiny")  # hidden 128, 4 layers, dropouts 0.0
     cfg.checkpoint.pretrained_checkpoint = str(hf_dir)

@@ -11,10 +11,11 @@ import torch
 
 from longspan.core.errors import NotSupportedError
 from longspan.inference import generate
+from longspan.config.rules.infra import check_eval_samples_layout
 from longspan.training.observability.eval_samples import (
     EvalSample,
     _write,
-    check_eval_samples_layout,
+    check_eval_samples_data_parallel,
     prompt_ids,
 )
 from longspan.training.pretrain import pretrain
@@ -111,15 +112,26 @@ def test_every_sink_gets_the_text() -> None:
     assert metrics.calls[0][1][0]["samples"][0]["generation"] == "c"
 
 
-@pytest.mark.parametrize("tp,pp,cp,fragment", [(2, 1, 1, "tensor_model_parallel_size=2"),
-                                               (1, 2, 1, "pipeline_model_parallel_size=2"),
-                                               (1, 1, 2, "context_parallel_size=2")])
-def test_sharded_layouts_say_not_supported_yet(tmp_path: Path, tp: int, pp: int, cp: int, fragment: str) -> None:
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size"])
+def test_sharded_layouts_say_not_supported_yet(tmp_path: Path, field: str) -> None:
     cfg = small_config(tmp_path)
     cfg.logger.log_eval_samples = 2
-    parallel = SimpleNamespace(tp_size=tp, pp_size=pp, cp_size=cp, dp_size=1)
+    setattr(cfg.model, field, 2)
     with pytest.raises(NotSupportedError) as info:
-        check_eval_samples_layout(cfg, parallel)
-    assert "not supported yet" in str(info.value) and fragment in str(info.value) and "\n" not in str(info.value)
+        cfg.validate(world_size=2)
+    message = str(info.value)
+    assert "logger.log_eval_samples=2 is not supported yet" in message and f"model.{field}=2" in message
+    assert "\n" not in message
     cfg.logger.log_eval_samples = 0
-    check_eval_samples_layout(cfg, parallel)  # off: any layout
+    check_eval_samples_layout(cfg)  # off: any layout
+
+
+def test_sharded_data_parallel_says_not_supported_yet(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg.logger.log_eval_samples = 2
+    parallel = SimpleNamespace(tp_size=1, dp_size=2)
+    check_eval_samples_data_parallel(cfg, parallel)  # DDP: the logging rank generates
+    cfg.dist.use_torch_fsdp2 = True
+    with pytest.raises(NotSupportedError, match="not supported yet with data parallel 2 over sharded parameters"):
+        check_eval_samples_data_parallel(cfg, parallel)

@@ -28,6 +28,28 @@ def check_logger(cfg: "ConfigContainer") -> None:
                                      ("comet_project", "comet_experiment_name", "Comet ML")):
         if getattr(lg, enabling, None) and not getattr(lg, naming, None):
             raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
+    check_eval_samples_layout(cfg)
+
+
+def check_eval_samples_layout(cfg: "ConfigContainer") -> None:
+    """``logger.log_eval_samples`` generates with a whole decoder-only model on one process: sharded layouts and
+    encoder-decoder models are not supported yet (FSDP2 data parallelism is refused at start-up, where the data
+    parallel wrapper is known)."""
+    count = getattr(cfg.logger, "log_eval_samples", 0)
+    if not count:
+        return
+    m = cfg.model
+    sharded = [f"model.{name}={getattr(m, name)}" for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "expert_model_parallel_size") if (getattr(m, name, 1) or 1) > 1]
+    if sharded:
+        raise NotSupportedError(
+            f"logger.log_eval_samples={count} is not supported yet with {', '.join(sharded)}: sample generation "
+            "runs a whole model on one process (one process or DDP data parallelism); set logger.log_eval_samples=0"
+        )
+    if hasattr(m, "encoder_num_layers"):
+        raise NotSupportedError(f"logger.log_eval_samples={count} is not supported yet for encoder-decoder models "
+                                f"({type(m).__name__}); set logger.log_eval_samples=0")
 
 
 def check_checkpoint(cfg: "ConfigContainer") -> None:

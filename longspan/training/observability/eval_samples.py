@@ -10,8 +10,9 @@ decoding is greedy (nothing is drawn), the model runs in eval mode (no dropout),
 read (samples come from the dataset by index) and the RNG states of Python, NumPy and torch are restored anyway.
 
 Generation runs one whole model on one process: one process, or plain DDP data parallelism (the logging rank
-generates, the others wait for nothing). Sharded layouts (tensor, pipeline, context or expert parallel, FSDP2)
-are refused at start-up by ``check_eval_samples_layout``.
+generates, the others wait for nothing). Sharded layouts are not supported yet: tensor, pipeline, context and
+expert parallelism are refused by the config rules (``longspan.config.rules.infra.check_eval_samples_layout``),
+FSDP2 data parallelism at start-up (``check_eval_samples_data_parallel``).
 """
 
 from __future__ import annotations
@@ -53,29 +54,16 @@ class EvalSample:
     """How many tokens were generated (an EOS that stopped generation included)."""
 
 
-def check_eval_samples_layout(cfg: Any, parallel: Any) -> None:
-    """Refuse ``logger.log_eval_samples`` in one line where generation cannot run yet (sharded models, T5)."""
+def check_eval_samples_data_parallel(cfg: Any, parallel: Any) -> None:
+    """Refuse ``logger.log_eval_samples`` in one line under sharded data parallelism (FSDP2, the distributed
+    optimizer); the config rules refuse the other sharded layouts (``check_eval_samples_layout``)."""
     count = getattr(cfg.logger, "log_eval_samples", 0)
-    if not count:
-        return
-    sharded = [f"{name}={size}" for name, size in (
-        ("tensor_model_parallel_size", parallel.tp_size), ("pipeline_model_parallel_size", parallel.pp_size),
-        ("context_parallel_size", parallel.cp_size),
-        ("expert_model_parallel_size", getattr(cfg.model, "expert_model_parallel_size", 1) or 1)) if size > 1]
-    if parallel.dp_size > 1 and _dp_is_sharded(cfg, parallel.tp_size):
-        sharded.append(f"data parallel {parallel.dp_size} with sharded parameters (FSDP2 / distributed optimizer)")
-    if sharded:
+    if count and parallel.dp_size > 1 and data_parallel_mode(cfg, parallel.tp_size) != DDP_MODE:
         raise NotSupportedError(
-            f"logger.log_eval_samples={count} is not supported yet with {', '.join(sharded)}: sample generation "
-            "runs a whole model on one process (one process or DDP data parallelism); set logger.log_eval_samples=0"
+            f"logger.log_eval_samples={count} is not supported yet with data parallel {parallel.dp_size} over "
+            "sharded parameters (FSDP2 / distributed optimizer): sample generation runs a whole model on one "
+            "process (one process or DDP data parallelism); set logger.log_eval_samples=0"
         )
-    if hasattr(cfg.model, "encoder_num_layers"):
-        raise NotSupportedError(f"logger.log_eval_samples={count} is not supported yet for encoder-decoder models "
-                                f"({type(cfg.model).__name__}); set logger.log_eval_samples=0")
-
-
-def _dp_is_sharded(cfg: Any, tp: int) -> bool:
-    return data_parallel_mode(cfg, tp) != DDP_MODE
 
 
 def prompt_ids(sample: dict[str, Any], prompt_tokens: int) -> list[int]:

@@ -48,7 +48,6 @@ from longspan.training.optim.scheduler import get_optimizer_param_scheduler
 from longspan.training.resilience.signals import DistributedSignalHandler
 from longspan.training.state import GlobalState
 from longspan.training.observability.energy import build_energy_monitor
-from longspan.training.observability.eval_samples import check_eval_samples_data_parallel
 
 logger = get_logger(__name__)
 
@@ -170,7 +169,6 @@ def _initialize(cfg: Any, start_time: float) -> GlobalState:
 def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
     """Fill what the config leaves to the checkpoint and the tokenizer, validate it, check the run's outputs."""
     parallel = state.parallel
-    check_eval_samples_data_parallel(cfg, parallel)
     if cfg.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(cfg)
     apply_hf_pretrained_config(cfg)  # pretrained_checkpoint = an HF directory: architecture + tokenizer from it

@@ -15,7 +15,6 @@ from longspan.config.rules.infra import check_eval_samples_layout
 from longspan.training.observability.eval_samples import (
     EvalSample,
     _write,
-    check_eval_samples_data_parallel,
     prompt_ids,
 )
 from longspan.training.pretrain import pretrain
@@ -112,26 +111,32 @@ def test_every_sink_gets_the_text() -> None:
     assert metrics.calls[0][1][0]["samples"][0]["generation"] == "c"
 
 
-@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                   "context_parallel_size"])
-def test_sharded_layouts_say_not_supported_yet(tmp_path: Path, field: str) -> None:
+@pytest.mark.parametrize("field,value", [("pipeline_model_parallel_size", 2), ("context_parallel_size", 2),
+                                         ("sequence_parallel", True)])
+def test_unsupported_layouts_say_not_supported_yet(tmp_path: Path, field: str, value) -> None:
     cfg = small_config(tmp_path)
     cfg.logger.log_eval_samples = 2
-    setattr(cfg.model, field, 2)
+    cfg.model.tensor_model_parallel_size = 2  # supported (tests/parallel/test_eval_samples_layouts.py)
+    setattr(cfg.model, field, value)
     with pytest.raises(NotSupportedError) as info:
-        cfg.validate(world_size=2)
+        check_eval_samples_layout(cfg)
     message = str(info.value)
-    assert "logger.log_eval_samples=2 is not supported yet" in message and f"model.{field}=2" in message
+    assert "logger.log_eval_samples=2 is not supported yet" in message and f"model.{field}={value}" in message
     assert "\n" not in message
     cfg.logger.log_eval_samples = 0
     check_eval_samples_layout(cfg)  # off: any layout
 
 
-def test_sharded_data_parallel_says_not_supported_yet(tmp_path: Path) -> None:
+def test_the_rule_runs_in_validate(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     cfg.logger.log_eval_samples = 2
-    parallel = SimpleNamespace(tp_size=1, dp_size=2)
-    check_eval_samples_data_parallel(cfg, parallel)  # DDP: the logging rank generates
-    cfg.dist.use_torch_fsdp2 = True
-    with pytest.raises(NotSupportedError, match="not supported yet with data parallel 2 over sharded parameters"):
-        check_eval_samples_data_parallel(cfg, parallel)
+    cfg.model.pipeline_model_parallel_size = 2
+    with pytest.raises(NotSupportedError, match="log_eval_samples=2 is not supported yet"):
+        cfg.validate(world_size=2)
+
+
+def test_collective_generation_is_greedy_only(tmp_path: Path) -> None:
+    from longspan.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="collective generation is greedy only"):
+        generate(torch.nn.Linear(2, 2), None, [1], temperature=0.5, collective=True)

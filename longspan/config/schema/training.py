@@ -433,7 +433,9 @@ class LoggerConfig:
     """longspan's own (Megatron Bridge has no such field): at each evaluation, greedily continue the prompts of the
     first N validation samples and log prompt and continuation as text (console, TensorBoard, W&B, MLflow, Comet,
     metrics.jsonl). An SFT sample's prompt is its tokens up to the first answer token; a pretraining sample's is
-    its first eval_samples_prompt_tokens tokens. 0: off. Never changes training (greedy, RNG state restored)."""
+    its first eval_samples_prompt_tokens tokens. 0: off. Never changes training (greedy, RNG state restored).
+    Runs with one process, DDP, FSDP2 and tensor parallelism; pipeline, context, expert and sequence
+    parallelism are not supported yet."""
 
     eval_samples_max_new_tokens: int = 32
     """longspan's own: the most tokens generated per sample of log_eval_samples (stops early at EOS)."""

@@ -9,10 +9,11 @@ The prompt of a sample whose loss mask starts at 0 (SFT) is its tokens up to the
 decoding is greedy (nothing is drawn), the model runs in eval mode (no dropout), the validation iterator is not
 read (samples come from the dataset by index) and the RNG states of Python, NumPy and torch are restored anyway.
 
-Generation runs one whole model on one process: one process, or plain DDP data parallelism (the logging rank
-generates, the others wait for nothing). Sharded layouts are not supported yet: tensor, pipeline, context and
-expert parallelism are refused by the config rules (``longspan.config.rules.infra.check_eval_samples_layout``),
-FSDP2 data parallelism at start-up (``check_eval_samples_data_parallel``).
+Where every rank holds the whole model (one process, DDP) the logging rank generates alone, with a KV cache.
+Where parameters are sharded (tensor parallel, FSDP2 / the distributed optimizer) every rank runs the same
+greedy decoding (``generate(..., collective=True)``: the whole sequence each step, the tensor-parallel output
+layer gathers the logits) and the logging rank writes. Pipeline, context and expert parallelism and sequence
+parallelism are refused by the config rules as not supported yet (``config.rules.infra.check_eval_samples_layout``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, is_last_rank, print_rank_last
 from longspan.inference import generate
-from longspan.parallel.data_parallel import DDP_MODE, data_parallel_mode
 
 logger = get_logger(__name__)
 
@@ -52,18 +52,6 @@ class EvalSample:
     """The prompt's length in tokens."""
     generated_tokens: int = 0
     """How many tokens were generated (an EOS that stopped generation included)."""
-
-
-def check_eval_samples_data_parallel(cfg: Any, parallel: Any) -> None:
-    """Refuse ``logger.log_eval_samples`` in one line under sharded data parallelism (FSDP2, the distributed
-    optimizer); the config rules refuse the other sharded layouts (``check_eval_samples_layout``)."""
-    count = getattr(cfg.logger, "log_eval_samples", 0)
-    if count and parallel.dp_size > 1 and data_parallel_mode(cfg, parallel.tp_size) != DDP_MODE:
-        raise NotSupportedError(
-            f"logger.log_eval_samples={count} is not supported yet with data parallel {parallel.dp_size} over "
-            "sharded parameters (FSDP2 / distributed optimizer): sample generation runs a whole model on one "
-            "process (one process or DDP data parallelism); set logger.log_eval_samples=0"
-        )
 
 
 def prompt_ids(sample: dict[str, Any], prompt_tokens: int) -> list[int]:
@@ -95,36 +83,51 @@ def preserved_rng_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
+def is_sharded(model: Sequence[torch.nn.Module]) -> bool:
+    """Whether the model's parameters are DTensors (tensor parallel, FSDP2): then every rank must generate."""
+    from torch.distributed.tensor import DTensor  # slow to import; already loaded wherever a DTensor exists
+
+    return any(isinstance(p, DTensor) for chunk in model for p in chunk.parameters())
+
+
 def generate_eval_samples(model: Sequence[torch.nn.Module], tokenizer: Any, dataset: Any, count: int,
-                          max_new_tokens: int, prompt_tokens: int, max_positions: Optional[int]) -> list[EvalSample]:
-    """Greedy continuations of the prompts of the first ``count`` samples of ``dataset``."""
+                          max_new_tokens: int, prompt_tokens: int, max_positions: Optional[int],
+                          collective: bool = False) -> list[EvalSample]:
+    """Greedy continuations of the prompts of the first ``count`` samples of ``dataset`` (``collective``: every
+    rank of a sharded model calls this with the same arguments)."""
     samples = []
     with preserved_rng_state():
         for index in range(min(count, len(dataset))):
             ids = prompt_ids(dataset[index], prompt_tokens)
             if max_positions is not None and len(ids) + max_new_tokens > max_positions:
                 ids = ids[-max(1, max_positions - max_new_tokens):]  # the end of the prompt leads to the answer
-            result = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
+            result = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                              collective=collective)
             samples.append(EvalSample(index, tokenizer.detokenize(ids), result.text, result.finish_reason, len(ids),
                                       len(result.output_ids)))
     return samples
 
 
 def log_eval_samples(state: Any, model: Sequence[torch.nn.Module], iteration: int) -> list[EvalSample]:
-    """The evaluation hook: generate on the logging (last) rank and write to every sink; returns the samples."""
+    """The evaluation hook: generate (on the logging rank, or on every rank of a sharded model) and write to
+    every sink from the logging (last) rank; returns the samples (empty where nothing was generated)."""
     cfg = state.cfg
     count = getattr(cfg.logger, "log_eval_samples", 0)
     dataset = getattr(state, "valid_dataset", None)
-    if not count or not is_last_rank():
+    if not count:
         return []
-    if dataset is None or len(dataset) == 0:
+    if dataset is None or len(dataset) == 0:  # the same on every rank: the datasets are global
         print_rank_last("logger.log_eval_samples: no validation dataset to take prompts from; skipped", logger)
+        return []
+    collective = is_sharded(model)
+    if not (collective or is_last_rank()):
         return []
     learned = getattr(cfg.model, "position_embedding_type", None) == "learned_absolute"
     samples = generate_eval_samples(
         model, state.tokenizer, dataset, count, cfg.logger.eval_samples_max_new_tokens,
-        cfg.logger.eval_samples_prompt_tokens, cfg.model.seq_length if learned else None)
-    _write(state, samples, iteration)
+        cfg.logger.eval_samples_prompt_tokens, cfg.model.seq_length if learned else None, collective)
+    if is_last_rank():
+        _write(state, samples, iteration)
     return samples
 
 

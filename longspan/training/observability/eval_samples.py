@@ -27,7 +27,6 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, is_last_rank, print_rank_last
 from longspan.inference import generate
 

@@ -19,9 +19,9 @@ import torch
 
 from longspan.conversion.bridge import AutoBridge, hf_pretrained_dir
 from longspan.core.errors import ConfigError
+from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS
 from longspan.training.checkpointing.model_fields import ModelFieldMerge, merge_pretrained_model_fields
-from longspan.core.logging import get_logger, get_rank, print_rank_0
 
 logger = get_logger(__name__)
 

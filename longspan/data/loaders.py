@@ -238,17 +238,20 @@ def build_pretraining_data_loader(
 
 
 def build_train_valid_test_data_iterators(
-    cfg: Any, train_state: Any, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1
+    cfg: Any, train_state: Any, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1,
+    datasets_out: Optional[List[Any]] = None,
 ) -> Tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
     """(train, valid, test) iterators of micro-batches for this data-parallel rank.
 
     Each yields dicts of CPU tensors with a leading micro_batch_size dimension. Training starts at
     ``train_state.consumed_train_samples``; validation at ``consumed_valid_samples`` (0 with skip_train) and,
-    as in Megatron, cycles; so does test.
+    as in Megatron, cycles; so does test. ``datasets_out``, when given, receives the three datasets.
     """
     t, d = cfg.train, cfg.dataset
     dl_type = getattr(d, "dataloader_type", None) or "single"
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer)
+    if datasets_out is not None:
+        datasets_out[:] = [train_ds, valid_ds, test_ds]
     mbs = int(t.micro_batch_size)
     kwargs = dict(
         micro_batch_size=mbs,

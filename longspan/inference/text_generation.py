@@ -2,7 +2,9 @@
 
 One prompt on one process. The model is a plain ``GPTModel`` (or the one-chunk list that
 ``load_model_from_checkpoint`` and ``AutoBridge.to_megatron_model`` return); a model split over several
-processes (tensor / pipeline parallel, FSDP2) is refused with a one-line error: load it with ``parallel=None``.
+processes (tensor / pipeline parallel, FSDP2) is refused with a one-line error: load it with ``parallel=None``;
+or, with ``collective=True`` (training-time sample generations), every rank of a tensor-parallel or FSDP2 model
+runs the same greedy decoding.
 
 Each step turns the logits of the last position into the next token: ``temperature == 0`` takes the argmax
 (greedy, the same rule as transformers' ``generate(do_sample=False)``); otherwise the logits are divided by the
@@ -51,8 +53,9 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: int, t
         raise ConfigError(f"top_p={top_p!r} must be in (0, 1] (1 means no top-p cut)")
 
 
-def _single_model(model: nn.Module | Sequence[nn.Module]) -> nn.Module:
-    """The one plain module to run: a list must hold a single chunk; DDP wrappers are unwrapped."""
+def _single_model(model: nn.Module | Sequence[nn.Module], collective: bool = False) -> nn.Module:
+    """The one plain module to run: a list must hold a single chunk; DDP wrappers are unwrapped. ``collective``:
+    sharded parameters are accepted (every rank of the model runs the same decoding)."""
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
             raise ConfigError(
@@ -64,7 +67,7 @@ def _single_model(model: nn.Module | Sequence[nn.Module]) -> nn.Module:
         model = model.module
     from torch.distributed.tensor import DTensor  # slow to import; already loaded wherever a DTensor exists
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if not collective and any(isinstance(p, DTensor) for p in model.parameters()):
         raise ConfigError(
             "generation runs on one process, but this model's parameters are sharded (tensor parallel / FSDP2): "
             "load the checkpoint with parallel=None"
@@ -148,6 +151,7 @@ def generate(
     *,
     eos_ids: Sequence[int] | None = None,
     return_logits: bool = False,
+    collective: bool = False,
 ) -> GenerationResult:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens.
 
@@ -165,9 +169,16 @@ def generate(
             frequencies of the length they were computed at (as in transformers).
         eos_ids: token ids that end generation; default the tokenizer's EOS (else EOD); ``()`` never stops early.
         return_logits: keep the logits each output token was chosen from (``GenerationResult.logits``).
+        collective: the model's parameters are sharded over processes (tensor parallel without sequence
+            parallel, FSDP2) and every one of them calls ``generate`` with the same arguments; each step runs the
+            whole sequence (no KV cache) and the full logits every rank sees (gathered by the tensor-parallel
+            output layer) choose the same tokens. Greedy only (a draw could differ between ranks).
     """
     check_generation_args(max_new_tokens, temperature, top_k, top_p)
-    net = _single_model(model)
+    if collective and temperature != 0.0:
+        raise ConfigError(f"collective generation is greedy only, got temperature={temperature!r}")
+    net = _single_model(model, collective)
+    use_cache = use_cache and not collective
     prompt_ids = tokenizer.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:
         raise ConfigError("the prompt is empty: give at least one token of text")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Callable
 
+from longspan.config.explicit import mark_recipe_fields
 from longspan.core.errors import ConfigError
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
@@ -61,7 +62,9 @@ def get_recipe(name: str) -> ConfigContainer:
         close = difflib.get_close_matches(key, RECIPES, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"unknown recipe {name!r}: {hint}choose one of {', '.join(list_recipes())}")
-    return RECIPES[key]()
+    cfg = RECIPES[key]()
+    mark_recipe_fields(cfg, key)  # the recipe's own settings count as set on purpose
+    return cfg
 
 
 __all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",

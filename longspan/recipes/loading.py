@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from longspan.config.explicit import mark_mapping
 from longspan.config.overrides import apply_overrides
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.serialize import LoadContext, apply_to_container, has_foreign_targets, load_yaml_file
@@ -37,6 +38,7 @@ def load_config(
             cfg = ConfigContainer()
         apply_to_container(cfg, data, ctx)
         ctx.finish()
+        mark_mapping(cfg, data, f"config file {path}")
     if cfg is None:
         if overrides:
             raise ConfigError("overrides need a base config: give --recipe NAME or --config FILE")

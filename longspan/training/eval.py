@@ -10,6 +10,7 @@ import torch
 from longspan.core.logging import get_logger, print_rank_last
 from longspan.training.step.schedules import reduce_loss_reports, run_forward_backward
 from longspan.training.state import GlobalState
+from longspan.training.observability.eval_samples import log_eval_samples
 from longspan.training.observability.validation_log import log_validation_results
 
 logger = get_logger(__name__)
@@ -66,12 +67,18 @@ def evaluate_and_print_results(
     write_to_tensorboard: bool = True,
     process_non_loss_data_func: Optional[Callable] = None,
     non_loss_data_func: Optional[Callable] = None,
+    sample_generations: bool = True,
 ) -> dict[str, float]:
-    """Evaluate, print Megatron's validation block and write ``<loss> validation`` (and ppl) to the sinks."""
+    """Evaluate, print Megatron's validation block and write ``<loss> validation`` (and ppl) to the sinks.
+
+    With ``logger.log_eval_samples`` (and ``sample_generations``, False for the test set) greedy continuations of
+    validation prompts are logged too."""
     results, collected, _ = evaluate(
         state, forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose, non_loss_data_func
     )
     log_validation_results(prefix, results, state.train_state.step, state, write_to_tensorboard=write_to_tensorboard)
     if collected is not None and process_non_loss_data_func is not None:
         process_non_loss_data_func(collected, state.train_state.step, state.tensorboard_logger)
+    if sample_generations:
+        log_eval_samples(state, model, state.train_state.step)
     return {key: float(v) for key, v in results.items()}

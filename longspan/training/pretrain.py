@@ -93,7 +93,7 @@ def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
         state.test_results = evaluate_and_print_results(
             state, f"iteration {state.train_state.step} on test set",
             prepare_forward_step_func(forward_step_func, state), out.test_data_iterator, out.model, cfg,
-            write_to_tensorboard=True,
+            write_to_tensorboard=True, sample_generations=False,
         )
     print_run_summary(state)
     state.close_loggers()

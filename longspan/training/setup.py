@@ -132,9 +132,12 @@ def setup(cfg: Any) -> SetupOutput:
     state.start_iteration = state.train_state.step
     state.start_consumed_train_samples = state.train_state.consumed_train_samples
 
+    datasets: list[Any] = []
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size
+        cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+        datasets_out=datasets,
     )
+    state.valid_dataset = datasets[1] if datasets else None  # logger.log_eval_samples takes its prompts from it
     train_state = state.train_state
     train_state.do_train = train_it is not None and cfg.train.train_iters > 0
     train_state.do_valid = valid_it is not None and cfg.train.eval_iters > 0

@@ -95,6 +95,7 @@ class GlobalState:
             ``get()`` (megatron-core's calculator API) when batch-size ramp-up is in use; the training log
             reads the current global batch size from it.
         energy_monitor: an object with ``lap() -> joules`` when ``logger.log_energy`` is honoured.
+        valid_dataset: the validation dataset (indexable), where ``logger.log_eval_samples`` takes its prompts.
         start_time: ``time.time()`` when the state was created (the trainer may reset it).
     """
 
@@ -109,6 +110,7 @@ class GlobalState:
         self.rerun_state_machine: Optional[Any] = None
         self.num_microbatches_calculator: Optional[Any] = None
         self.energy_monitor: Optional[Any] = None
+        self.valid_dataset: Optional[Any] = None
         self.start_time: float = time.time()
         # Where this run's training starts (after loading a checkpoint): the summary reports this run's part.
         self.start_iteration: int = 0

@@ -28,6 +28,30 @@ def check_logger(cfg: "ConfigContainer") -> None:
                                      ("comet_project", "comet_experiment_name", "Comet ML")):
         if getattr(lg, enabling, None) and not getattr(lg, naming, None):
             raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
+    check_eval_samples_layout(cfg)
+
+
+def check_eval_samples_layout(cfg: "ConfigContainer") -> None:
+    """``logger.log_eval_samples`` runs the whole sequence through the model on every rank (tensor parallel,
+    FSDP2 and DDP data parallelism): pipeline, context and expert parallelism, sequence parallelism and
+    encoder-decoder models are not supported yet."""
+    count = getattr(cfg.logger, "log_eval_samples", 0)
+    if not count:
+        return
+    m = cfg.model
+    sharded = [f"model.{name}={getattr(m, name)}" for name in (
+        "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+        if (getattr(m, name, 1) or 1) > 1]
+    if getattr(m, "sequence_parallel", False):
+        sharded.append("model.sequence_parallel=True")
+    if sharded:
+        raise NotSupportedError(
+            f"logger.log_eval_samples={count} is not supported yet with {', '.join(sharded)}: sample generation "
+            "runs with one process, data parallelism or tensor parallelism; set logger.log_eval_samples=0"
+        )
+    if hasattr(m, "encoder_num_layers"):
+        raise NotSupportedError(f"logger.log_eval_samples={count} is not supported yet for encoder-decoder models "
+                                f"({type(m).__name__}); set logger.log_eval_samples=0")
 
 
 def check_checkpoint(cfg: "ConfigContainer") -> None:

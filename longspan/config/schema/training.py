@@ -428,3 +428,18 @@ class LoggerConfig:
 
     save_config_filepath: Optional[str] = None
     """Write the validated configuration (YAML) to this file at start-up."""
+
+    log_eval_samples: int = 0
+    """longspan's own (Megatron Bridge has no such field): at each evaluation, greedily continue the prompts of the
+    first N validation samples and log prompt and continuation as text (console, TensorBoard, W&B, MLflow, Comet,
+    metrics.jsonl). An SFT sample's prompt is its tokens up to the first answer token; a pretraining sample's is
+    its first eval_samples_prompt_tokens tokens. 0: off. Never changes training (greedy, RNG state restored).
+    Runs with one process, DDP, FSDP2 and tensor parallelism; pipeline, context, expert and sequence
+    parallelism are not supported yet."""
+
+    eval_samples_max_new_tokens: int = 32
+    """longspan's own: the most tokens generated per sample of log_eval_samples (stops early at EOS)."""
+
+    eval_samples_prompt_tokens: int = 32
+    """longspan's own: prompt length of log_eval_samples for pretraining data (samples without a loss-masked
+    prompt); longer SFT prompts keep their last this-many + max_new_tokens tokens where the model's positions end."""

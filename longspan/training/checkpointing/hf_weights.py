@@ -1,8 +1,8 @@
 """Hugging Face model directories inside training runs (the part of HF interop the trainer itself needs).
 
 - ``apply_hf_pretrained_config(cfg)``: with ``checkpoint.pretrained_checkpoint`` an HF directory, the model
-  architecture comes from its config.json (layout and precision fields of the recipe stay) and the tokenizer
-  from its tokenizer files.
+  architecture comes from its config.json (layout and precision fields of the recipe stay, and so does every
+  value set on purpose that the weights do not contradict) and the tokenizer from its tokenizer files.
 - ``load_hf_pretrained(directory, model)``: the HF weights into the built chunks (instead of a DCP load).
 - ``save_hf_checkpoint(state, model, directory)``: ``checkpoint.also_save_hf_checkpoint``.
 
@@ -19,42 +19,48 @@ import torch
 
 from longspan.conversion.bridge import AutoBridge, hf_pretrained_dir
 from longspan.core.errors import ConfigError
-from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS, copy_model_fields
 from longspan.core.logging import get_logger, get_rank, print_rank_0
+from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS
+from longspan.training.checkpointing.model_fields import ModelFieldMerge, merge_pretrained_model_fields
 
 logger = get_logger(__name__)
 
 #: the HF directory ``also_save_hf_checkpoint`` writes inside each iter_XXXXXXX directory
 HF_SUBDIR = "hf"
 
-# Fields of the recipe that an HF config.json does not override: the layout and precision (the
-# ModelParallelConfig fields) and, for RoPE models, the training sequence length.
-_KEEP_FROM_RECIPE_ROPE = ("seq_length",)
-# T5's relative positions have no length limit either: the recipe's encoder and decoder lengths stay.
-_KEEP_FROM_RECIPE_RELATIVE = ("seq_length", "seq_length_dec", "max_position_embeddings")
-# Multi-token prediction is the recipe's training choice (Megatron Bridge's recipes set mtp_num_layers): the HF
-# directory's MTP layers load when the recipe asks for them and are skipped with one log line when it does not.
-_KEEP_FROM_RECIPE_MTP = ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_enabled")
+# Fields that are the run's own, never taken from an HF config.json: the layout and precision (the
+# ModelParallelConfig fields), multi-token prediction (Megatron Bridge's recipes set mtp_num_layers: the HF
+# directory's MTP layers load when the run asks for them and are skipped with one log line when it does not) and,
+# for RoPE models, the training sequence length.
+_RUN_FIELDS_MTP = ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_enabled")
+_RUN_FIELDS_ROPE = ("seq_length",)
+# T5's relative positions have no length limit either: the run's encoder and decoder lengths stay.
+_RUN_FIELDS_RELATIVE = ("seq_length", "seq_length_dec", "max_position_embeddings")
 
 
 def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> list[str]:
     """Set ``cfg.model``'s architecture from the HF config.json in ``hf_dir``; returns the changed fields.
 
-    The layout and precision fields (ModelParallelConfig's) and the multi-token-prediction choice stay; RoPE
-    models keep the recipe's ``seq_length`` (learned position tables take the HF one).
+    The run's own fields stay (layout, precision, multi-token prediction; ``seq_length`` for RoPE models) and so
+    does every value set on purpose that the weights do not contradict (``merge_pretrained_model_fields``).
     """
+    return merge_hf_model_config(cfg, hf_dir).changed
+
+
+def merge_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> ModelFieldMerge:
+    """``apply_hf_model_config``, returning which fields came from config.json and which were kept."""
     hf_provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
-    keep = set(PARALLEL_CONFIG_FIELDS) | set(_KEEP_FROM_RECIPE_MTP)
+    run_fields = set(PARALLEL_CONFIG_FIELDS) | set(_RUN_FIELDS_MTP)
     if hf_provider.position_embedding_type in ("rope", "yarn"):
-        keep |= set(_KEEP_FROM_RECIPE_ROPE)
+        run_fields |= set(_RUN_FIELDS_ROPE)
     if hf_provider.position_embedding_type == "relative":
-        keep |= set(_KEEP_FROM_RECIPE_RELATIVE)
+        run_fields |= set(_RUN_FIELDS_RELATIVE)
     if type(cfg.model) is not type(hf_provider):
         raise ConfigError(
             f"checkpoint.pretrained_checkpoint={str(hf_dir)!r} holds a {type(hf_provider).__name__} model but the "
             f"recipe's model is a {type(cfg.model).__name__}: use a recipe of the same family (e.g. tiny-t5 for T5)"
         )
-    return copy_model_fields(hf_provider, cfg.model, keep)
+    return merge_pretrained_model_fields(cfg, hf_provider, "config.json", str(hf_dir), run_fields)
 
 
 def apply_hf_pretrained_config(cfg: Any) -> bool:
@@ -66,12 +72,12 @@ def apply_hf_pretrained_config(cfg: Any) -> bool:
     hf_dir = hf_pretrained_dir(cfg)
     if hf_dir is None:
         return False
-    changed = apply_hf_model_config(cfg, hf_dir)
+    merge = merge_hf_model_config(cfg, hf_dir)
     if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
         cfg.tokenizer.tokenizer_model = str(hf_dir)
-    print_rank_0(f"pretrained_checkpoint {hf_dir} is a Hugging Face model: model fields from its config.json"
-                 f" ({', '.join(sorted(changed)) or 'none changed'})", logger)
+    print_rank_0(f"pretrained_checkpoint {hf_dir} is a Hugging Face model: {merge.describe('its config.json')}",
+                 logger)
     return True
 
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
-from longspan.core.model_parallel_config import copy_model_fields
+from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS
 from longspan.peft.adapters import init_dora_magnitudes, is_adapter_key, is_finetuned_state_key
 from longspan.training.checkpointing.io import (
     TRAIN_STATE_FILENAME,
@@ -56,6 +56,7 @@ from longspan.training.checkpointing.save import (
     unwrap_optimizer,
 )
 from longspan.training.checkpointing.hf_weights import load_hf_pretrained
+from longspan.training.checkpointing.model_fields import merge_pretrained_model_fields
 
 logger = get_logger(__name__)
 
@@ -311,8 +312,9 @@ def _adopt_saved_tokenizer(cfg: Any, saved_cfg: Any, directory: Path) -> None:
 def apply_checkpoint_args(cfg: Any) -> list[str]:
     """``checkpoint.use_checkpoint_args``: take the model architecture from the checkpoint's run_config.yaml.
 
-    Every model field except the parallel layout (ModelParallelConfig's fields) is copied, so a run resumes
-    with the saved architecture whatever the recipe says. Returns the names of the fields that changed.
+    Every model field except the parallel layout (ModelParallelConfig's fields) comes from the saved config,
+    so a run resumes with the saved architecture whatever the recipe says, except values set on purpose that the
+    weights do not contradict (``merge_pretrained_model_fields``). Returns the names of the fields that changed.
     """
     found = find_checkpoint(cfg.checkpoint)
     if found is None or is_hf_model_dir(found[0]):  # an HF directory's config.json is applied at setup
@@ -327,7 +329,7 @@ def apply_checkpoint_args(cfg: Any) -> list[str]:
         raise CheckpointError(
             f"checkpoint {found[0]} holds a {type(saved).__name__}, but this run builds a {type(cfg.model).__name__}"
         )
-    changed = copy_model_fields(saved, cfg.model)
-    if changed:
-        print_rank_0(f"use_checkpoint_args: model fields from {run_config}: {', '.join(sorted(changed))}", logger)
-    return changed
+    merge = merge_pretrained_model_fields(cfg, saved, RUN_CONFIG_FILENAME, str(found[0]), PARALLEL_CONFIG_FIELDS)
+    if merge.changed or merge.kept:
+        print_rank_0(f"use_checkpoint_args: {merge.describe(str(run_config))}", logger)
+    return merge.changed

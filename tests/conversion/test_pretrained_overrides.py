@@ -136,3 +136,17 @@ def test_use_checkpoint_args_follows_the_same_rule() -> None:
     with pytest.raises(ConfigError, match=r"^model.num_attention_heads=16 \(set by you, override\) contradicts "
                                           r"run_config.yaml num_attention_heads=8 in /ckpt"):
         merge_pretrained_model_fields(cfg, saved, "run_config.yaml", "/ckpt", run_fields=())
+
+
+def test_checkpoint_tokenizer_keeps_the_fields_set_on_purpose(tmp_path) -> None:
+    """A run naming no tokenizer takes the checkpoint's, but not over a tokenizer field the user set."""
+    from longspan.training.checkpointing.load import _adopt_saved_tokenizer
+
+    saved = get_recipe("tiny")
+    cfg = get_recipe("tiny")
+    cfg.tokenizer.tokenizer_type = None  # as the finetuning recipes leave it
+    apply_overrides(cfg, ["tokenizer.chat_template=mine"])
+    saved_type, saved_template = saved.tokenizer.tokenizer_type, saved.tokenizer.chat_template
+    _adopt_saved_tokenizer(cfg, saved, tmp_path)
+    assert cfg.tokenizer.tokenizer_type == saved_type is not None
+    assert cfg.tokenizer.chat_template == "mine" != saved_template

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from longspan.config.explicit import explicit_fields, is_recipe_source
 from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
@@ -299,14 +300,21 @@ def use_saved_tokenizer(tokenizer_cfg: Any, saved: Path) -> None:
 
 
 def _adopt_saved_tokenizer(cfg: Any, saved_cfg: Any, directory: Path) -> None:
-    """A run that names no tokenizer (the finetuning recipes) takes the checkpoint's, from its saved files."""
+    """A run that names no tokenizer (the finetuning recipes) takes the checkpoint's, from its saved files; the
+    tokenizer fields the user set on purpose (a YAML key or an override, e.g. ``tokenizer.chat_template``) keep
+    the user's values."""
     if cfg.tokenizer.tokenizer_type is not None:
         return
+    kept = {name: getattr(cfg.tokenizer, name) for name, source in explicit_fields(cfg, "tokenizer").items()
+            if not is_recipe_source(source) and hasattr(cfg.tokenizer, name)}
     cfg.tokenizer = saved_cfg.tokenizer
     saved_files = directory / TOKENIZER_DIRNAME
     if saved_files.is_dir():
         use_saved_tokenizer(cfg.tokenizer, saved_files)
-    print_rank_0(f"use_checkpoint_args: tokenizer {cfg.tokenizer.tokenizer_type} from {directory}", logger)
+    for name, value in kept.items():
+        setattr(cfg.tokenizer, name, value)
+    note = f"; kept as set: {', '.join(sorted(kept))}" if kept else ""
+    print_rank_0(f"use_checkpoint_args: tokenizer {cfg.tokenizer.tokenizer_type} from {directory}{note}", logger)
 
 
 def apply_checkpoint_args(cfg: Any) -> list[str]:

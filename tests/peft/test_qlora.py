@@ -139,3 +139,28 @@ def test_nf4_model_logits_within_the_quantization_error() -> None:
     print(f"\nNF4 relative weight error max {max(relative.values()):.4f}; logits relative change {change:.4f} "
           f"<= first-order bound {bound:.4f}")
     assert 0 < change <= bound
+
+
+def test_planner_counts_nf4_base_at_half_a_byte_plus_scales() -> None:
+    from longspan.planner import plan as planner
+    from longspan.models.gpt import build_gpt_model
+    from longspan.parallel.mesh import derive_layout
+    from longspan.peft.nf4 import NF4_BYTES_PER_PARAM
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("tiny")
+    cfg.model.vocab_size = 256
+    meta = build_gpt_model(cfg.model, materialize=False)
+    quantized = sum(m.weight.numel() for n, m in meta.named_modules()
+                    if n.rpartition(".")[2] in ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1",
+                                                "linear_fc1_gate", "linear_fc2"))
+    memory, counts = {}, {}
+    for quantization in (None, "nf4"):
+        cfg.peft = LoRA(base_quantization=quantization)
+        memory[quantization] = planner.estimate_memory(cfg, derive_layout(1), meta)
+        counts[quantization] = planner.rank_parameter_counts(cfg, derive_layout(1), meta)[0]
+        assert planner.model_parameter_counts(cfg, meta)["total"] == counts[None]["dense"]
+    assert counts["nf4"]["nf4"] == quantized and counts["nf4"]["dense"] == counts[None]["dense"] - quantized
+    # fp32 parameters: 4 bytes each become 0.5625; their gradients and Adam moments (4 + 8 bytes) go
+    assert memory[None].weights - memory["nf4"].weights == pytest.approx(quantized * (4 - NF4_BYTES_PER_PARAM))
+    assert memory[None].optimizer - memory["nf4"].optimizer == pytest.approx(quantized * 8)

@@ -167,6 +167,10 @@ class DoRA(LowRankAdapterConfig):
     dropout_position: Literal["pre", "post"] = "pre"
     """Only 'pre' (dropout on the adapter's input), as Megatron Bridge."""
 
+    base_quantization: Optional[str] = None
+    """longspan's own QLoRA switch (see LoRA.base_quantization); DoRA takes only None: its weight norm reads the
+    whole base weight every step (any other value is a NotSupportedError)."""
+
     kind = "dora"
 
     def validate(self) -> None:

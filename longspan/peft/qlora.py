@@ -99,6 +99,11 @@ def quantize_layer(layer: LoRALinear, name: str = "layer", block_size: int = DEF
     weight = layer.weight
     tensor_parallel = _tensor_parallel_kind(weight, name)
     local = weight.to_local() if isinstance(weight, DTensor) else weight
+    if tensor_parallel is not None and tensor_parallel[1] == "row" and local.shape[1] % block_size:
+        logger.warning(
+            "peft.base_quantization: %s is split over its %d input columns into shards of %d, not a multiple of the "
+            "NF4 block size %d: the blocks at shard edges differ from one process's (the run is not bit-comparable "
+            "with a one-process run)", name, weight.shape[1], local.shape[1], block_size)
     packed, absmax = quantize_nf4(local, block_size)
     layer.__class__ = NF4LoRALinear
     del layer._parameters["weight"]

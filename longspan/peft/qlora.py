@@ -132,8 +132,3 @@ def quantize_base_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module,
                  "stored in NF4 (4-bit, block 64, float32 scales)", logger)
     return count
 
-
-def quantized_base_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The base weights ``apply_adapters`` marked for quantization (still parameters: before loading)."""
-    return [m.weight for m in model.modules()
-            if type(m) is LoRALinear and getattr(m, QUANTIZE_MARK, None) is not None]

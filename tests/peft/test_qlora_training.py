@@ -50,7 +50,7 @@ def _config(tmp: Path, name: str, base: Path, quantization: str | None = "nf4", 
 
 def test_qlora_loss_falls_and_stop_resume_is_bit_exact(tmp_path: Path, base_checkpoint: Path) -> None:
     straight = _config(tmp_path, "straight", base_checkpoint)
-    state = finetune(straight, forward_step)
+    finetune(straight, forward_step)
     reference = losses_by_iteration(straight)
     assert sorted(reference) == list(range(1, ITERS + 1))
     assert reference[ITERS] < reference[1]

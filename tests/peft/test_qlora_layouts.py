@@ -1,4 +1,4 @@
-"""QLoRA under TP2, TP2 with sequence parallel, FSDP2 and PP2 through ``finetune()``: the logged losses and
+"""QLoRA under TP2, TP2 with sequence parallel, FSDP2, PP2 and DDP through ``finetune()``: the logged losses and
 gradient norms match one process (fp32 CPU, rel 1e-5).
 
 Like with like: NF4 blocks run along each row's input columns (64 at a time) and never cross rows. Column-parallel
@@ -52,7 +52,7 @@ def reference(base: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list
     return _logged(run)
 
 
-LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_fsdp2": dict(fsdp2=True), "pp2": dict(pp=2)}
+LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_fsdp2": dict(fsdp2=True), "pp2": dict(pp=2), "dp2_ddp": dict()}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -80,7 +80,10 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
         return apply_ddp(model, parallel.group("dp_cp" if parallel.cp_size > 1 else "dp"), parallel.device,
                          cfg.ddp, param_dtype=dtype)
     policy = mixed_precision_policy(cfg.model, cfg.ddp)
-    with hidden_parameters(model, expert_params):
+    # QLoRA: frozen base weights that become NF4 after loading stay out of fully_shard (every rank keeps its
+    # whole 4-bit copy; see longspan.peft.qlora). Marked by the adapters, read by name: no peft import here.
+    quantized_base = [m.weight for m in model.modules() if getattr(m, "base_quantization", None) is not None]
+    with hidden_parameters(model, expert_params + quantized_base):
         return apply_fsdp2(model, data_parallel_mesh(parallel), mp_policy=policy,
                            reshard_after_forward=(mode == FSDP2_MODE),
                            prefetch=bool(getattr(cfg.ddp, "overlap_param_gather", False)))

@@ -151,7 +151,10 @@ def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
             owner = owner or adapter
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, leaf, wrapper(base, adapter))
+            layer = wrapper(base, adapter)
+            # read by the FSDP2 wrapping (keeps these weights out of it) and by quantize_base_weights
+            layer.base_quantization = getattr(peft, "base_quantization", None)
+            setattr(parent, leaf, layer)
     freeze_base(model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

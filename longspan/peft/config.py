@@ -21,9 +21,9 @@ module path (``*.layers.0.*.linear_qkv``, ``decoder.layers.1.mlp.linear_fc2``); 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
-from longspan.core.errors import ConfigError
+from longspan.core.errors import ConfigError, NotSupportedError
 
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -88,6 +88,13 @@ class LowRankAdapterConfig(PEFT):
     lora_B_init_method: str = "zero"
     """Initialization of B (see LoRA)."""
 
+    base_quantization: Optional[str] = None
+    """longspan's own field (Megatron Bridge has none): store the frozen base weights of the adapted linear
+    layers in 4 bits, QLoRA's way. None keeps them in params_dtype; 'nf4' quantizes them to 4-bit NormalFloat
+    (blocks of 64 along each row, a float32 absmax per block, no double quantization: 0.5625 byte per weight)
+    once the base is loaded, and dequantizes each layer's weight in the compute dtype in forward and backward.
+    The quantized base is not saved: resuming re-quantizes the pretrained base (deterministic). Not for DoRA."""
+
     def validate(self) -> None:
         """Check the fields (one-line ``ConfigError`` naming the field, the value and what is valid)."""
         name = f"peft ({type(self).__name__})"
@@ -107,6 +114,8 @@ class LowRankAdapterConfig(PEFT):
             value = getattr(self, fname)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
                 raise ConfigError(f"{name}.{fname}={value!r} must be a list of module names or patterns")
+        if self.base_quantization not in (None, "nf4"):
+            raise ConfigError(f"{name}.base_quantization={self.base_quantization!r} must be None or 'nf4'")
         if not self.target_modules and not self.exclude_modules:
             raise ConfigError(
                 f"{name}.target_modules is empty: name the modules to adapt (e.g. {list(MEGATRON_TARGETS)}), or "
@@ -158,10 +167,19 @@ class DoRA(LowRankAdapterConfig):
     dropout_position: Literal["pre", "post"] = "pre"
     """Only 'pre' (dropout on the adapter's input), as Megatron Bridge."""
 
+    base_quantization: Optional[str] = None
+    """longspan's own QLoRA switch (see LoRA.base_quantization); DoRA takes only None: its weight norm reads the
+    whole base weight every step (any other value is a NotSupportedError)."""
+
     kind = "dora"
 
     def validate(self) -> None:
         super().validate()
+        if self.base_quantization is not None:
+            raise NotSupportedError(
+                f"peft (DoRA).base_quantization={self.base_quantization!r}: DoRA's weight norm needs the whole base "
+                "weight every step; use LoRA or CanonicalLoRA with an NF4 base, or base_quantization=None"
+            )
         if self.dropout_position != "pre":
             raise ConfigError(
                 f"peft (DoRA).dropout_position={self.dropout_position!r}: DoRA supports only 'pre' (as Megatron Bridge)"

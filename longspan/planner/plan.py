@@ -43,6 +43,8 @@ from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.parallel.mesh import Layout, check_layout, derive_layout
 from longspan.parallel.pipeline import layer_counts_for_config, stage_layer_numbers
 from longspan.parallel.tensor_parallel import tensor_parallel_plan
+from longspan.peft.adapters import plan_adapters
+from longspan.peft.nf4 import NF4_BYTES_PER_PARAM
 from longspan.planner.activations import activation_parts, dtype_bytes, stage_activations
 from longspan.planner.flops import num_floating_point_operations
 from longspan.planner.peak_flops import measured_cpu_tflops
@@ -212,9 +214,10 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
     stage_of = _stage_of_layers(cfg, pp)
     tied = bool(cfg.model.share_embeddings_and_output_weights)
     mtp = bool(getattr(cfg.model, "mtp_num_layers", None))
-    ranks = [{"dense": 0.0, "expert": 0.0, "largest_layer": 0.0, "root": 0.0} for _ in range(pp)]
+    ranks = [{"dense": 0.0, "expert": 0.0, "largest_layer": 0.0, "root": 0.0, "nf4": 0.0} for _ in range(pp)]
     layer_sizes: list[dict[int, float]] = [dict() for _ in range(pp)]
     split = tensor_parallel_split_names(meta_model) if layout.tp > 1 else set()
+    nf4 = nf4_weight_names(cfg, meta_model)
     for name, p in meta_model.named_parameters():
         n = float(p.numel())
         expert = ".mlp.experts." in name
@@ -223,6 +226,9 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
         elif name in split:
             n /= layout.tp
         match = _LAYER.match(name)
+        if name in nf4:  # frozen 4-bit base: no gradient, no optimizer state, not sharded by FSDP2
+            ranks[stage_of[int(match.group(1))]]["nf4"] += n
+            continue
         if match:
             stages = [stage_of[int(match.group(1))]]
             layer = int(match.group(1))
@@ -244,13 +250,25 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
     return ranks
 
 
+def nf4_weight_names(cfg: Any, meta_model: Any) -> set[str]:
+    """The base weights QLoRA stores in NF4 (``peft.base_quantization='nf4'``): those of the adapted linear
+    layers (``longspan.peft.qlora``)."""
+    peft = getattr(cfg, "peft", None)
+    if peft is None or getattr(peft, "base_quantization", None) != "nf4":
+        return set()
+    modules = dict(meta_model.named_modules())
+    return {f"{name}.weight" for names in plan_adapters(meta_model, peft).values() for name in names
+            if isinstance(modules[name], torch.nn.Linear)}
+
+
 def model_parameter_counts(cfg: Any, meta_model: Any) -> dict[str, float]:
     """{'total': the model's parameters (tied ones once), 'active': those one token runs through, routed
     experts counted ``moe_router_topk`` of ``num_moe_experts``}, by the per-rank accounting at one rank."""
     one = rank_parameter_counts(cfg, derive_layout(1), meta_model)[0]
     experts = int(getattr(cfg.model, "num_moe_experts", None) or 0)
     share = int(cfg.model.moe_router_topk or 1) / experts if experts else 1.0
-    return {"total": one["dense"] + one["expert"], "active": one["dense"] + one["expert"] * share}
+    dense = one["dense"] + one["nf4"]
+    return {"total": dense + one["expert"], "active": dense + one["expert"] * share}
 
 
 def summary_line(cfg: Any, meta_model: Any = None) -> str:
@@ -322,7 +340,7 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
             final_grads = shard
             early_grads = counts["root"]  # the root's unsharded gradients live until the end of backward
         accumulated = (local if mode in ("none", "ddp") else local + shard) if microbatches > 1 else early_grads
-        weights = held * pb + shard * main_bytes
+        weights = held * pb + shard * main_bytes + counts["nf4"] * NF4_BYTES_PER_PARAM
         opt = shard * state_bytes
         layers = [n for n, s in stage_of.items() if s == rank]
         in_flight = min(layout.pp - rank, microbatches) if layout.pp > 1 else 1

@@ -30,6 +30,7 @@ from longspan.parallel.compile import compile_model
 from longspan.parallel.parallelize import materialize_parallel_model
 from longspan.parallel.pipeline import build_pipeline_chunks
 from longspan.peft.adapters import init_adapters
+from longspan.peft.qlora import quantize_base_weights
 from longspan.config.rules.data import check_vocab_fits
 from longspan.conversion import is_hf_model_dir
 from longspan.training.checkpointing.load import apply_checkpoint_args, find_checkpoint, load_peft_checkpoint
@@ -125,6 +126,7 @@ def setup(cfg: Any) -> SetupOutput:
     checkpointing_context: dict[str, Any] = {}
     if cfg.peft is not None:  # the base from pretrained_checkpoint, then this run's adapters when resuming
         loaded = load_peft_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)
+        quantize_base_weights(model, cfg.peft)  # QLoRA: the loaded base to NF4 (again on resume: deterministic)
     else:
         # the newest of checkpoint.load and the non-persistent (global/local) checkpoints
         loaded = load_newest_checkpoint(state, model, optimizer, scheduler, checkpointing_context=checkpointing_context)

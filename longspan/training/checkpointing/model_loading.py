@@ -32,6 +32,7 @@ from longspan.data.tokenizers import Tokenizer, build_tokenizer
 from longspan.models.builder import build_meta_model
 from longspan.parallel.pipeline import state_dict_module
 from longspan.peft.adapters import is_adapter_key, is_finetuned_state_key, merge_adapters as merge_adapter_weights
+from longspan.peft.qlora import quantize_base_weights
 from longspan.training.checkpointing.hf_weights import load_hf_pretrained
 from longspan.training.checkpointing.io import check_shapes, iteration_from_dir, load_shards, single_process_quiet
 from longspan.training.checkpointing.load import use_saved_tokenizer
@@ -227,6 +228,7 @@ def load_model_from_checkpoint(
         model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:
         _load_adapter_checkpoint(cfg, found.directory, model)
+        quantize_base_weights(model, cfg.peft)  # QLoRA: the adapters were trained on the NF4 base; merge onto it
         if merge_adapters:
             model = [merge_adapter_weights(chunk) for chunk in model]
             cfg.peft = None

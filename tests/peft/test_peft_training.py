@@ -32,18 +32,6 @@ def _stored_keys(directory: Path) -> set[str]:
     return set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
 
 
-@pytest.fixture(scope="module")
-def base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small pretrained base (a few iterations of the tiny model), saved without optimizer state."""
-    tmp = tmp_path_factory.mktemp("peft_base")
-    cfg = small_config(tmp, "base", train_iters=4)
-    cfg.checkpoint.save_optim = False
-    cfg.checkpoint.save_interval = 4
-    cfg.train.eval_iters = 0
-    pretrain(cfg, forward_step)
-    return Path(cfg.checkpoint.save)
-
-
 def _peft_config(tmp: Path, name: str, base: Path, peft, **train):
     cfg = small_config(tmp, name, train_iters=ITERS, **train)
     cfg.train.eval_interval = 4

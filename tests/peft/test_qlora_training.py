@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 from safetensors import safe_open
@@ -17,24 +16,12 @@ from longspan.peft.adapters import is_adapter_key
 from longspan.peft.qlora import NF4LoRALinear
 from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 from longspan.training.finetune import finetune
-from longspan.training.pretrain import pretrain
 from longspan.training.step.forward_step import forward_step
 from tests.conversion.hf_models import hf_logits, make_hf_model
 from tests.peft.test_peft_training import _stored_keys
 from tests.training.pretrain_helpers import losses_by_iteration, small_config
 
 ITERS = 6
-
-
-@pytest.fixture(scope="module")
-def base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("qlora_base")
-    cfg = small_config(tmp, "base", train_iters=4)
-    cfg.checkpoint.save_optim = False
-    cfg.checkpoint.save_interval = 4
-    cfg.train.eval_iters = 0
-    pretrain(cfg, forward_step)
-    return Path(cfg.checkpoint.save)
 
 
 def _config(tmp: Path, name: str, base: Path, quantization: str | None = "nf4", **train):

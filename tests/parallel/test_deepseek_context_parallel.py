@@ -26,6 +26,7 @@ import math
 import pytest
 
 from tests.parallel.harness import get_shared_pool
+from tests.training.pretrain_helpers import mock_layout_run
 
 pytestmark = pytest.mark.slow
 
@@ -63,17 +64,10 @@ def _config(run_dir: str, cache_dir: str, cp: int = 1, ep: int = 1, tp: int = 1,
     m.hidden_dropout = m.attention_dropout = 0.0
     m.context_parallel_size, m.expert_model_parallel_size = cp, ep
     m.tensor_model_parallel_size, m.sequence_parallel = tp, sp
-    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
+    mock_layout_run(cfg, run_dir, SEQ, 2, 4, ITERS)
     d = cfg.dataset
-    d.data_path, d.sequence_length, d.path_to_cache = None, SEQ, cache_dir
+    d.path_to_cache = cache_dir
     d.eod_mask_loss = d.reset_attention_mask = d.reset_position_ids = True
-    t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.train_iters, t.eval_interval, t.eval_iters = 2, 4, ITERS, None, 0
-    cfg.scheduler.lr_warmup_fraction, cfg.scheduler.lr_warmup_iters = None, 2
-    cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
-    cfg.checkpoint.save = cfg.checkpoint.load = None
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = run_dir
     return cfg
 
 

@@ -20,6 +20,7 @@ from tests.conversion.test_deepseek_moe import VOCAB, save_random_deepseek_moe
 from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
 from tests.parallel.harness import get_shared_pool
 from tests.parallel.test_glm_layouts import _glm_pretrain_task, _logged
+from tests.training.pretrain_helpers import mock_layout_run
 
 ITERS = 8
 REL_TOL = 1e-5
@@ -72,16 +73,7 @@ def _recipe_config(run_dir: str, ep: int = 1, tp: int = 1, pp: int = 1):
     m.hidden_size, m.ffn_hidden_size, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size = 64, 128, 32, 32
     m.num_attention_heads, m.seq_length, m.vocab_size = 4, 64, None
     m.expert_model_parallel_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size = ep, tp, pp
-    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
-    cfg.dataset.data_path, cfg.dataset.sequence_length = None, 64
-    t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.train_iters, t.eval_interval, t.eval_iters = 2, 8, ITERS, None, 0
-    cfg.scheduler.lr_warmup_fraction, cfg.scheduler.lr_warmup_iters = None, 2
-    cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
-    cfg.checkpoint.save = cfg.checkpoint.load = None
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = run_dir
-    return cfg
+    return mock_layout_run(cfg, run_dir, 64, 2, 8, ITERS)
 
 
 def _recipe_pretrain(run_dir: str, ep: int = 1, tp: int = 1, pp: int = 1) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.parallel.harness import get_shared_pool
-from tests.training.pretrain_helpers import losses_by_iteration
+from tests.training.pretrain_helpers import losses_by_iteration, mock_layout_run
 
 from longspan.models import sliding_window as sw
 from longspan.parallel import context_parallel as cpmod
@@ -36,20 +36,10 @@ def _config(run_dir: str, tp: int = 1, sp: bool = False, pp: int = 1, cp: int = 
     m.window_size, m.window_attn_skip_freq = list(WINDOW), 2
     m.tensor_model_parallel_size, m.sequence_parallel = tp, sp
     m.pipeline_model_parallel_size, m.context_parallel_size = pp, cp
-    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
-    d = cfg.dataset
-    d.data_path, d.sequence_length = None, SEQ
-    d.reset_attention_mask = d.reset_position_ids = True  # packed documents: boundaries and window together
-    t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.train_iters = 2, 8, ITERS
-    t.eval_interval, t.eval_iters = None, 0
-    cfg.scheduler.lr_warmup_fraction, cfg.scheduler.lr_warmup_iters = None, 2
+    # packed documents: boundaries and window together
+    cfg.dataset.reset_attention_mask = cfg.dataset.reset_position_ids = True
     cfg.dist.use_torch_fsdp2 = fsdp2
-    cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
-    cfg.checkpoint.save = cfg.checkpoint.load = None
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = f"{run_dir}/tb"
-    return cfg
+    return mock_layout_run(cfg, f"{run_dir}/tb", SEQ, 2, 8, ITERS)
 
 
 def _pretrain(run_dir: str, **layout) -> int:

@@ -87,3 +87,21 @@ def with_dropout_and_real_data(cfg: Any, data_prefix: str, dropout: float = 0.1)
     cfg.dataset.split = "90,8,2"
     cfg.dataset.eod_mask_loss = True
     return cfg
+
+
+def mock_layout_run(cfg: Any, tb_dir: str, seq: int, micro: int, global_batch: int, iters: int) -> Any:
+    """``cfg`` set up for a layout-parity run of the real trainer: NullTokenizer (vocabulary 255) on mock data
+    of ``seq`` tokens, ``iters`` iterations of ``global_batch`` in microbatches of ``micro``, no evaluation, no
+    checkpoints, a 2-iteration warmup, gloo with a one-minute timeout, every iteration logged to ``tb_dir``."""
+    cfg.model.seq_length, cfg.model.vocab_size = seq, None
+    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
+    cfg.dataset.data_path, cfg.dataset.sequence_length = None, seq
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.eval_interval, t.eval_iters = (
+        micro, global_batch, iters, None, 0)
+    cfg.scheduler.lr_warmup_fraction, cfg.scheduler.lr_warmup_iters = None, 2
+    cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    cfg.logger.log_interval = 1
+    cfg.logger.tensorboard_dir = tb_dir
+    return cfg

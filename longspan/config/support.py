@@ -145,7 +145,7 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", SUPPORTED, """
         save save_interval save_optim save_rng load load_optim load_rng finetune pretrained_checkpoint ckpt_step
         use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save also_save_hf_checkpoint
-        use_persistent_ckpt_worker fully_parallel_load
+        use_persistent_ckpt_worker fully_parallel_load most_recent_k
         """),
     # Energy counters (longspan.training.observability.energy); without any readable counter setup() lists
     # the field as not applicable.

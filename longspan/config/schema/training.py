@@ -249,7 +249,9 @@ class CheckpointConfig:
     hint in longspan: async_save always runs on DCP's background executor."""
 
     most_recent_k: Optional[int] = -1
-    """Keep only the newest k checkpoints (-1: keep all) (Megatron Bridge); not supported yet."""
+    """Keep only the newest k complete checkpoints under ``save`` (-1 or None: keep all). Older ones are deleted
+    after each save completes (for async saves, once the tracker names the new one); the newest and the one
+    ``load`` / ``ckpt_step`` points at are never deleted."""
 
     storage_writers_per_rank: int = 1
     """Storage writers per rank for torch_dist checkpoints (Megatron Bridge); not supported yet."""

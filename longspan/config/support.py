@@ -197,6 +197,8 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", HINT, "async_strategy"),
     **_many("dataset", SUPPORTED, "seq_length"),
     **_many("optimizer", SUPPORTED, "finetune_lr"),
+    # The embedding and output layer's own param group (longspan.training.optim.optimizer.get_param_groups).
+    **_many("optimizer", SUPPORTED, "decoupled_lr decoupled_min_lr"),
     # Resilience: longspan.training.resilience, docs/resilience.md.
     **_many("checkpoint", SUPPORTED, """
         non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir

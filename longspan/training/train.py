@@ -189,6 +189,7 @@ def _log_train_iteration(
     metrics = IterationMetrics(
         loss_dict=loss_dict,
         learning_rate=_current_learning_rate(optimizer),
+        decoupled_learning_rate=_decoupled_learning_rate(optimizer),
         loss_scale=float(optimizer.get_loss_scale()),
         skipped_iter=skipped_iter,
         grad_norm=grad_norm,
@@ -532,6 +533,14 @@ def _handle_mxfp8_param_buffer_copy(optimizer: Any, reuse_grad_buf_for_mxfp8_par
 def _current_learning_rate(optimizer: Any) -> Optional[float]:
     for group in optimizer.param_groups:
         if not group.get("is_decoupled_lr", False):
+            return float(group["lr"])
+    return None
+
+
+def _decoupled_learning_rate(optimizer: Any) -> Optional[float]:
+    """Learning rate of the embedding/output group (``optimizer.decoupled_lr``), None when there is none."""
+    for group in optimizer.param_groups:
+        if group.get("is_decoupled_lr", False):
             return float(group["lr"])
     return None
 

@@ -167,6 +167,9 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "optimizer.lr": (1e-2, {}),
     "optimizer.finetune_lr": (1e-2, {"checkpoint.finetune": True}),  # sets lr when finetuning
     "optimizer.min_lr": (1e-3, {}),
+    "optimizer.decoupled_lr": (1e-2, {}),
+    # the decay ends at iteration 2, so iteration 3 trains the embedding and output layer at their own minimum
+    "optimizer.decoupled_min_lr": (1e-3, {"optimizer.decoupled_lr": 1e-2, "scheduler.lr_decay_iters": 2}),
     "optimizer.sgd_momentum": (0.5, {"optimizer.optimizer": "sgd"}),
     "optimizer.loss_scale": (8.0, {"model.fp16": True, "optimizer.fp16": True}),
     "optimizer.initial_loss_scale": (1024.0, {"model.fp16": True, "optimizer.fp16": True}),

@@ -29,10 +29,11 @@ class OptimizerConfig:
     """Learning rate at the end of decay; None is resolved to 0.0 by validate()."""
 
     decoupled_lr: Optional[float] = None
-    """Separate learning rate for the input/output layers; None = same as lr."""
+    """Peak learning rate of the input embedding and the output layer (their own param group, scheduled by the
+    same scheduler as ``lr``); None = the same as ``lr``."""
 
     decoupled_min_lr: Optional[float] = None
-    """Separate minimum learning rate for the input/output layers."""
+    """Minimum learning rate of the input embedding and the output layer (needs ``decoupled_lr``); None = ``min_lr``."""
 
     weight_decay: float = 0.01
     """Weight decay coefficient (biases and norm weights get none)."""

@@ -133,6 +133,8 @@ FIELD_STATUS: dict[str, str] = {
     **_many("optimizer", SUPPORTED, "use_precision_aware_optimizer main_grads_dtype main_params_dtype "
                                     "exp_avg_dtype exp_avg_sq_dtype"),
     **_many("ddp", SUPPORTED, "overlap_param_gather"),
+    # Checks of the reduced gradients before the update (longspan.training.step.grad_checks).
+    **_many("ddp", SUPPORTED, "check_for_nan_in_grad check_for_large_grads"),
     **_many("dataset", NOT_SUPPORTED, "num_dataset_builder_threads object_storage_cache_path"),
     # FinetuningDatasetConfig: longspan.data.sft (JSONL under dataset_root, packing).
     **_many("dataset", SUPPORTED, """

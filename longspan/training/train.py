@@ -27,6 +27,7 @@ from longspan.training.step.schedules import (
     run_forward_backward,
 )
 from longspan.training.optim.optimizer import NonFiniteGradError
+from longspan.training.step.grad_checks import reduced_grad_checks
 from longspan.training.checkpointing.non_persistent import save_non_persistent, should_save_non_persistent
 from longspan.training.resilience.hooks import (
     after_forward_backward,
@@ -284,6 +285,7 @@ def train_step(
     if cfg.train.empty_unused_memory_level >= 1 and global_state.device.type == "cuda":
         torch.cuda.empty_cache()
 
+    reduced_grad_checks(global_state).check(model, iteration, get_rank())
     timers("optimizer", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
     optimizer.check_for_nan_in_grad = global_state.check_for_nan
     try:

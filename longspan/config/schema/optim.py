@@ -156,10 +156,12 @@ class DistributedDataParallelConfig:
     """Replicas of the distributed optimizer (hybrid sharding); 1 shards across all data-parallel ranks."""
 
     check_for_nan_in_grad: bool = False
-    """Check the reduced gradients for NaN."""
+    """Stop the run (one line naming the iteration) when a rank's reduced gradients hold NaN or Inf, before the
+    optimizer step."""
 
     check_for_large_grads: bool = False
-    """Check the reduced gradients for unexpectedly large values."""
+    """Stop the run when a rank's reduced-gradient norm is at least 10x the largest of its first 100 norms
+    (Megatron's ``is_unexpectedly_large``)."""
 
     bucket_size: Optional[int] = None
     """Gradient bucket size in elements; None lets the wrapper pick."""

@@ -193,7 +193,8 @@ FIELD_STATUS: dict[str, str] = {
         skip_train_metrics_log log_throughput_to_tensorboard mlflow_experiment mlflow_run_name mlflow_tracking_uri
         mlflow_tags comet_project comet_experiment_name comet_workspace comet_api_key comet_tags save_config_filepath
         """),
-    **_many("logger", NOT_SUPPORTED, "throughput_window_size memory_keys log_l2_norm_grad_to_tensorboard "
+    **_many("logger", SUPPORTED, "throughput_window_size"),  # observability/reports.py:report_throughput
+    **_many("logger", NOT_SUPPORTED, "memory_keys log_l2_norm_grad_to_tensorboard "
                                      "log_runtime_to_tensorboard runtime_time_unit"),
     **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp iterations_to_skip"),
     **_many("checkpoint", HINT, "async_strategy"),

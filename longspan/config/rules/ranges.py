@@ -91,7 +91,7 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("dataset.random_seed", INT, 0, None, True, True),
     ("dataset.mid_level_dataset_surplus", REAL, 0, None, True, True),
     ("logger.log_interval", INT, 1, None, True, True),
-    ("logger.throughput_window_size", INT, 1, None, True, True),
+    ("logger.throughput_window_size", INT, 2, None, True, True),  # 2 marks span the shortest window: 1 batch
     ("logger.tensorboard_log_interval", INT, 1, None, True, True),
     ("logger.tensorboard_queue_size", INT, 1, None, True, True),
     ("logger.log_eval_samples", INT, 0, None, True, True),

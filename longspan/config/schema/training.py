@@ -385,7 +385,8 @@ class LoggerConfig:
     """Write TFLOP/s per GPU to TensorBoard (and the other sinks)."""
 
     throughput_window_size: int = 100
-    """Batches in the rolling throughput average (Megatron Bridge); not supported yet."""
+    """Wall-clock marks (one per iteration) in the rolling throughput that ``log_throughput_to_tensorboard``
+    writes: the average spans the last ``throughput_window_size - 1`` iterations (at least 2)."""
 
     memory_keys: Optional[dict[str, str]] = None
     """Names of torch.cuda.memory_stats() entries to log (Megatron Bridge); not supported yet."""

@@ -196,7 +196,8 @@ FIELD_STATUS: dict[str, str] = {
     **_many("logger", SUPPORTED, "throughput_window_size"),  # observability/reports.py:report_throughput
     **_many("logger", NOT_SUPPORTED, "memory_keys log_l2_norm_grad_to_tensorboard "
                                      "log_runtime_to_tensorboard runtime_time_unit"),
-    **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp iterations_to_skip"),
+    **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp"),
+    **_many("train", SUPPORTED, "iterations_to_skip"),  # training/train.py:_skip_iteration
     **_many("checkpoint", HINT, "async_strategy"),
     **_many("dataset", SUPPORTED, "seq_length"),
     **_many("optimizer", SUPPORTED, "finetune_lr"),

@@ -114,11 +114,15 @@ def train(
         )
 
     global_state.timers("interval-time", log_level=0).start(barrier=True)
+    skip = set(cfg.train.iterations_to_skip or ())
     while train_state.step < cfg.train.train_iters:
         loop.nsys_nvtx_context = (
             handle_profiling_step(cfg.profiling, train_state.step, get_rank(), loop.prof) or loop.nsys_nvtx_context
         )
         global_state.num_microbatches_calculator.update(train_state.consumed_train_samples, True)
+        if train_state.step in skip:
+            _skip_iteration(global_state, train_data_iterator)
+            continue
 
         before_iteration(global_state)  # resilience: the straggler detector's step timer
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = (
@@ -157,6 +161,30 @@ def train(
     if cfg.train.manual_gc:
         gc.enable()
     _finish_train(global_state)
+
+
+def _skip_iteration(global_state: GlobalState, train_data_iterator: Any) -> None:
+    """``train.iterations_to_skip``: read and drop the iteration's global batch, train on nothing.
+
+    As Megatron-LM's loop: the step and the consumed and skipped samples advance by one global batch (so a
+    resumed run's samplers stay in step); no forward, backward, optimizer or LR-scheduler step, no log line.
+    """
+    train_state = global_state.train_state
+    num_microbatches = global_state.num_microbatches_calculator.get()
+    iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
+    for iterator in iterators:
+        if iterator is None:
+            continue
+        for _ in range(num_microbatches):
+            next(iterator)
+        if hasattr(iterator, "advance"):  # a replayable iterator must not re-run the dropped batch
+            iterator.advance()
+    batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
+    print_rank_0(f"skipping iteration {train_state.step + 1} (train.iterations_to_skip lists {train_state.step}, "
+                 f"the count of completed iterations): its {batch_size} samples are read but not trained on", logger)
+    train_state.step += 1
+    train_state.consumed_train_samples += batch_size
+    train_state.skipped_train_samples += batch_size
 
 
 def _count_iteration(global_state: GlobalState, loop: _LoopState, skipped_iter: int) -> None:

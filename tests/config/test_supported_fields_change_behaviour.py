@@ -986,6 +986,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "ddp.check_for_nan_in_grad": "tests/training/test_grad_checks.py::test_nan_in_a_gradient_stops_the_run_naming_the_iteration",
     "ddp.check_for_large_grads": "tests/training/test_grad_checks.py::test_large_gradient_after_the_learned_scale_stops_the_run",
     "logger.throughput_window_size": "tests/training/test_throughput_window.py::test_window_sets_the_span_of_the_throughput_average",
+    "train.iterations_to_skip": "tests/training/test_iterations_to_skip.py::test_skipped_iterations_consume_their_batches_without_training",
     "checkpoint.most_recent_k": "tests/training/test_most_recent_k.py::test_most_recent_k_keeps_the_two_newest_of_ten_saves",
     "checkpoint.ckpt_step": "tests/training/test_state.py / test_pretrain.py (loading an older iteration)",
     "checkpoint.pretrained_checkpoint": "tests/conversion/test_training_from_hf.py",

@@ -139,6 +139,7 @@ def check_ranges(cfg: "ConfigContainer") -> None:
             ok = value <= high if high_in else value < high
         if not ok:
             raise ConfigError(f"{path}={value!r} is out of range: use {_describe_range(kind, low, high, low_in, high_in)}")
+    _check_iterations_to_skip(getattr(cfg.train, "iterations_to_skip", None) if cfg.train is not None else None)
     most_recent_k = getattr(cfg.checkpoint, "most_recent_k", None) if cfg.checkpoint is not None else None
     if most_recent_k is not None and (isinstance(most_recent_k, bool) or not isinstance(most_recent_k, int)
                                       or (most_recent_k < 1 and most_recent_k != -1)):
@@ -152,6 +153,17 @@ def check_ranges(cfg: "ConfigContainer") -> None:
                 f"train.exit_signal={exit_signal!r} is not a signal of this platform: use a signal number such as "
                 f"{int(signal.SIGTERM)} (SIGTERM) or {int(signal.SIGINT)} (SIGINT)"
             )
+
+
+def _check_iterations_to_skip(skip: object) -> None:
+    """``train.iterations_to_skip``: a list of counts of completed iterations (non-negative integers)."""
+    if skip is None:
+        return
+    valid = isinstance(skip, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip
+    )
+    if not valid:
+        raise ConfigError(f"train.iterations_to_skip={skip!r} is invalid: use a list of iteration counts >= 0")
 
 
 def positive_int(value: object, name: str) -> int:

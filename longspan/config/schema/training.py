@@ -137,7 +137,9 @@ class TrainingConfig:
     """Skip the model-parallel reduction of the gradient norm (Megatron Bridge); not supported."""
 
     iterations_to_skip: list[int] = field(default_factory=list)
-    """Iterations whose batches are skipped (Megatron Bridge); not supported yet."""
+    """Iterations to skip, as Megatron-LM counts them: a listed ``i`` skips the iteration that starts after ``i``
+    completed iterations (the one logged as ``i + 1``). Its global batch is read and dropped, counted in the
+    consumed and skipped samples; nothing is trained, scheduled, logged, evaluated or saved for it."""
 
     manual_gc_eval: bool = True
     """With manual_gc: collect at the start and end of each evaluation."""

@@ -317,7 +317,7 @@ def train_step(
     if cfg.train.empty_unused_memory_level >= 1 and global_state.device.type == "cuda":
         torch.cuda.empty_cache()
 
-    reduced_grad_checks(global_state).check(model, iteration, get_rank())
+    reduced_grad_checks(global_state).check(model, iteration, get_rank(), loss_scaling=_uses_loss_scaling(optimizer))
     timers("optimizer", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
     optimizer.check_for_nan_in_grad = global_state.check_for_nan
     try:

@@ -157,7 +157,7 @@ class DistributedDataParallelConfig:
 
     check_for_nan_in_grad: bool = False
     """Stop the run (one line naming the iteration) when a rank's reduced gradients hold NaN or Inf, before the
-    optimizer step."""
+    optimizer step. Under fp16 loss scaling the scaler handles such steps (it skips them) instead."""
 
     check_for_large_grads: bool = False
     """Stop the run when a rank's reduced-gradient norm is at least 10x the largest of its first 100 norms

@@ -299,8 +299,9 @@ def save_checkpoint(
                 shutil.rmtree(old_dir)
             _atomic_torch_save(train_state_dict, root / LATEST_TRAIN_STATE_FILENAME)
             _atomic_write_text(root / TRACKER_FILENAME, str(iteration))
-            protected = protected_load_iterations(ckpt_cfg, root)
-            remove_old_checkpoints(root, getattr(ckpt_cfg, "most_recent_k", -1), protected)
+            if save_dir is None:  # most_recent_k is about checkpoint.save; non-persistent ones have their own cleanup
+                protected = protected_load_iterations(ckpt_cfg, root)
+                remove_old_checkpoints(root, getattr(ckpt_cfg, "most_recent_k", -1), protected)
         _barrier()
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}", logger)
 

@@ -5,7 +5,9 @@ Megatron checks each rank's local norm of the reduced gradients once the gradien
 Inf norm stops the run; a "large" one is a norm at least ``LARGE_GRAD_FACTOR`` times the largest of the first
 ``LARGE_GRAD_SAMPLES`` norms seen (Megatron's ``is_unexpectedly_large``: those first norms only learn the
 scale and are never flagged). Without the rerun state machine both are fatal in Megatron; so they are here:
-one line naming the iteration, the rank and the norm. The verdict is agreed across ranks, so every rank stops
+one line naming the iteration, the rank and the norm. Under loss scaling (fp16) a non-finite gradient is the
+overflow signal on which the scaler skips the step and lowers the scale, so the NaN/Inf check is left to it. The
+verdict is agreed across ranks, so every rank stops
 together instead of leaving its peers waiting in the next collective.
 """
 
@@ -59,13 +61,14 @@ class ReducedGradChecks:
             return False
         return norm >= self.max_norm * LARGE_GRAD_FACTOR
 
-    def check(self, model: list[torch.nn.Module], iteration: int, rank: int) -> None:
-        """Raise TrainingDivergedError when a rank's reduced gradients are NaN/Inf or unexpectedly large."""
+    def check(self, model: list[torch.nn.Module], iteration: int, rank: int, loss_scaling: bool = False) -> None:
+        """Raise TrainingDivergedError when a rank's reduced gradients are NaN/Inf (unless ``loss_scaling``: the
+        scaler skips such steps) or unexpectedly large."""
         if not self.enabled:
             return
         norm = local_grad_norm(model)
         flags = torch.tensor([
-            1.0 if self.check_for_nan and not math.isfinite(norm) else 0.0,
+            1.0 if self.check_for_nan and not loss_scaling and not math.isfinite(norm) else 0.0,
             1.0 if self.check_for_large and self._is_large(norm) else 0.0,
         ])
         local_flags = flags.clone()

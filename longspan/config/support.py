@@ -133,6 +133,8 @@ FIELD_STATUS: dict[str, str] = {
     **_many("optimizer", SUPPORTED, "use_precision_aware_optimizer main_grads_dtype main_params_dtype "
                                     "exp_avg_dtype exp_avg_sq_dtype"),
     **_many("ddp", SUPPORTED, "overlap_param_gather"),
+    # Checks of the reduced gradients before the update (longspan.training.step.grad_checks).
+    **_many("ddp", SUPPORTED, "check_for_nan_in_grad check_for_large_grads"),
     **_many("dataset", NOT_SUPPORTED, "num_dataset_builder_threads object_storage_cache_path"),
     # FinetuningDatasetConfig: longspan.data.sft (JSONL under dataset_root, packing).
     **_many("dataset", SUPPORTED, """
@@ -145,7 +147,7 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", SUPPORTED, """
         save save_interval save_optim save_rng load load_optim load_rng finetune pretrained_checkpoint ckpt_step
         use_checkpoint_args exit_on_missing_checkpoint ckpt_format fully_parallel_save async_save also_save_hf_checkpoint
-        use_persistent_ckpt_worker fully_parallel_load
+        use_persistent_ckpt_worker fully_parallel_load most_recent_k
         """),
     # Energy counters (longspan.training.observability.energy); without any readable counter setup() lists
     # the field as not applicable.
@@ -191,12 +193,16 @@ FIELD_STATUS: dict[str, str] = {
         skip_train_metrics_log log_throughput_to_tensorboard mlflow_experiment mlflow_run_name mlflow_tracking_uri
         mlflow_tags comet_project comet_experiment_name comet_workspace comet_api_key comet_tags save_config_filepath
         """),
-    **_many("logger", NOT_SUPPORTED, "throughput_window_size memory_keys log_l2_norm_grad_to_tensorboard "
+    **_many("logger", SUPPORTED, "throughput_window_size"),  # observability/reports.py:report_throughput
+    **_many("logger", NOT_SUPPORTED, "memory_keys log_l2_norm_grad_to_tensorboard "
                                      "log_runtime_to_tensorboard runtime_time_unit"),
-    **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp iterations_to_skip"),
+    **_many("train", NOT_SUPPORTED, "check_optimizer_step_success skip_sync_grad_norm_across_mp"),
+    **_many("train", SUPPORTED, "iterations_to_skip"),  # training/train.py:_skip_iteration
     **_many("checkpoint", HINT, "async_strategy"),
     **_many("dataset", SUPPORTED, "seq_length"),
     **_many("optimizer", SUPPORTED, "finetune_lr"),
+    # The embedding and output layer's own param group (longspan.training.optim.optimizer.get_param_groups).
+    **_many("optimizer", SUPPORTED, "decoupled_lr decoupled_min_lr"),
     # Resilience: longspan.training.resilience, docs/resilience.md.
     **_many("checkpoint", SUPPORTED, """
         non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir

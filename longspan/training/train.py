@@ -27,6 +27,7 @@ from longspan.training.step.schedules import (
     run_forward_backward,
 )
 from longspan.training.optim.optimizer import NonFiniteGradError
+from longspan.training.step.grad_checks import reduced_grad_checks
 from longspan.training.checkpointing.non_persistent import save_non_persistent, should_save_non_persistent
 from longspan.training.resilience.hooks import (
     after_forward_backward,
@@ -113,11 +114,15 @@ def train(
         )
 
     global_state.timers("interval-time", log_level=0).start(barrier=True)
+    skip = set(cfg.train.iterations_to_skip or ())
     while train_state.step < cfg.train.train_iters:
         loop.nsys_nvtx_context = (
             handle_profiling_step(cfg.profiling, train_state.step, get_rank(), loop.prof) or loop.nsys_nvtx_context
         )
         global_state.num_microbatches_calculator.update(train_state.consumed_train_samples, True)
+        if train_state.step in skip:
+            _skip_iteration(global_state, train_data_iterator)
+            continue
 
         before_iteration(global_state)  # resilience: the straggler detector's step timer
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = (
@@ -158,6 +163,30 @@ def train(
     _finish_train(global_state)
 
 
+def _skip_iteration(global_state: GlobalState, train_data_iterator: Any) -> None:
+    """``train.iterations_to_skip``: read and drop the iteration's global batch, train on nothing.
+
+    As Megatron-LM's loop: the step and the consumed and skipped samples advance by one global batch (so a
+    resumed run's samplers stay in step); no forward, backward, optimizer or LR-scheduler step, no log line.
+    """
+    train_state = global_state.train_state
+    num_microbatches = global_state.num_microbatches_calculator.get()
+    iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
+    for iterator in iterators:
+        if iterator is None:
+            continue
+        for _ in range(num_microbatches):
+            next(iterator)
+        if hasattr(iterator, "advance"):  # a replayable iterator must not re-run the dropped batch
+            iterator.advance()
+    batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
+    print_rank_0(f"skipping iteration {train_state.step + 1} (train.iterations_to_skip lists {train_state.step}, "
+                 f"the count of completed iterations): its {batch_size} samples are read but not trained on", logger)
+    train_state.step += 1
+    train_state.consumed_train_samples += batch_size
+    train_state.skipped_train_samples += batch_size
+
+
 def _count_iteration(global_state: GlobalState, loop: _LoopState, skipped_iter: int) -> None:
     """Advance the step, the consumed (and skipped) samples, the FLOPs and the wall-clock history."""
     train_state = global_state.train_state
@@ -171,6 +200,10 @@ def _count_iteration(global_state: GlobalState, loop: _LoopState, skipped_iter: 
     train_state.floating_point_operations_so_far += flops
     loop.flops_since_last_log += flops
     loop.history_wct.append(time.time() - global_state.start_time)
+    # Only the throughput window and one log interval are ever read back: keep no more marks than those.
+    logger_cfg = global_state.cfg.logger
+    keep = max(int(logger_cfg.throughput_window_size), int(logger_cfg.log_interval) + 1, 2)
+    del loop.history_wct[:-keep]
 
 
 def _log_train_iteration(
@@ -189,6 +222,7 @@ def _log_train_iteration(
     metrics = IterationMetrics(
         loss_dict=loss_dict,
         learning_rate=_current_learning_rate(optimizer),
+        decoupled_learning_rate=_decoupled_learning_rate(optimizer),
         loss_scale=float(optimizer.get_loss_scale()),
         skipped_iter=skipped_iter,
         grad_norm=grad_norm,
@@ -283,6 +317,7 @@ def train_step(
     if cfg.train.empty_unused_memory_level >= 1 and global_state.device.type == "cuda":
         torch.cuda.empty_cache()
 
+    reduced_grad_checks(global_state).check(model, iteration, get_rank(), loss_scaling=_uses_loss_scaling(optimizer))
     timers("optimizer", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
     optimizer.check_for_nan_in_grad = global_state.check_for_nan
     try:
@@ -532,6 +567,14 @@ def _handle_mxfp8_param_buffer_copy(optimizer: Any, reuse_grad_buf_for_mxfp8_par
 def _current_learning_rate(optimizer: Any) -> Optional[float]:
     for group in optimizer.param_groups:
         if not group.get("is_decoupled_lr", False):
+            return float(group["lr"])
+    return None
+
+
+def _decoupled_learning_rate(optimizer: Any) -> Optional[float]:
+    """Learning rate of the embedding/output group (``optimizer.decoupled_lr``), None when there is none."""
+    for group in optimizer.param_groups:
+        if group.get("is_decoupled_lr", False):
             return float(group["lr"])
     return None
 

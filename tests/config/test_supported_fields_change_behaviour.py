@@ -167,6 +167,9 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "optimizer.lr": (1e-2, {}),
     "optimizer.finetune_lr": (1e-2, {"checkpoint.finetune": True}),  # sets lr when finetuning
     "optimizer.min_lr": (1e-3, {}),
+    "optimizer.decoupled_lr": (1e-2, {}),
+    # the decay ends at iteration 2, so iteration 3 trains the embedding and output layer at their own minimum
+    "optimizer.decoupled_min_lr": (1e-3, {"optimizer.decoupled_lr": 1e-2, "scheduler.lr_decay_iters": 2}),
     "optimizer.sgd_momentum": (0.5, {"optimizer.optimizer": "sgd"}),
     "optimizer.loss_scale": (8.0, {"model.fp16": True, "optimizer.fp16": True}),
     "optimizer.initial_loss_scale": (1024.0, {"model.fp16": True, "optimizer.fp16": True}),
@@ -980,6 +983,11 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "logger.modules_to_filter": "tests/training/test_log_filters.py",
     "logger.set_level_for_all_loggers": "tests/training/test_log_filters.py",
     "checkpoint.async_save": "tests/training/test_pretrain.py::test_async_save_writes_trackers_after_completion_and_resumes",
+    "ddp.check_for_nan_in_grad": "tests/training/test_grad_checks.py::test_nan_in_a_gradient_stops_the_run_naming_the_iteration",
+    "ddp.check_for_large_grads": "tests/training/test_grad_checks.py::test_large_gradient_after_the_learned_scale_stops_the_run",
+    "logger.throughput_window_size": "tests/training/test_throughput_window.py::test_window_sets_the_span_of_the_throughput_average",
+    "train.iterations_to_skip": "tests/training/test_iterations_to_skip.py::test_skipped_iterations_consume_their_batches_without_training",
+    "checkpoint.most_recent_k": "tests/training/test_most_recent_k.py::test_most_recent_k_keeps_the_two_newest_of_ten_saves",
     "checkpoint.ckpt_step": "tests/training/test_state.py / test_pretrain.py (loading an older iteration)",
     "checkpoint.pretrained_checkpoint": "tests/conversion/test_training_from_hf.py",
     "dataset.blend": "tests/data/test_gpt_dataset.py (blended datasets against megatron-core)",

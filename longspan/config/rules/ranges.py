@@ -64,6 +64,8 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("optimizer.lr", REAL, 0, None, True, True),
     ("optimizer.min_lr", REAL, 0, None, True, True),
     ("optimizer.finetune_lr", REAL, 0, None, True, True),
+    ("optimizer.decoupled_lr", REAL, 0, None, True, True),
+    ("optimizer.decoupled_min_lr", REAL, 0, None, True, True),
     ("optimizer.weight_decay", REAL, 0, None, True, True),
     ("optimizer.adam_beta1", REAL, 0, 1, True, False),
     ("optimizer.adam_beta2", REAL, 0, 1, True, False),
@@ -89,6 +91,7 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("dataset.random_seed", INT, 0, None, True, True),
     ("dataset.mid_level_dataset_surplus", REAL, 0, None, True, True),
     ("logger.log_interval", INT, 1, None, True, True),
+    ("logger.throughput_window_size", INT, 2, None, True, True),  # 2 marks span the shortest window: 1 batch
     ("logger.tensorboard_log_interval", INT, 1, None, True, True),
     ("logger.tensorboard_queue_size", INT, 1, None, True, True),
     ("logger.log_eval_samples", INT, 0, None, True, True),
@@ -136,6 +139,12 @@ def check_ranges(cfg: "ConfigContainer") -> None:
             ok = value <= high if high_in else value < high
         if not ok:
             raise ConfigError(f"{path}={value!r} is out of range: use {_describe_range(kind, low, high, low_in, high_in)}")
+    _check_iterations_to_skip(getattr(cfg.train, "iterations_to_skip", None) if cfg.train is not None else None)
+    most_recent_k = getattr(cfg.checkpoint, "most_recent_k", None) if cfg.checkpoint is not None else None
+    if most_recent_k is not None and (isinstance(most_recent_k, bool) or not isinstance(most_recent_k, int)
+                                      or (most_recent_k < 1 and most_recent_k != -1)):
+        raise ConfigError(f"checkpoint.most_recent_k={most_recent_k!r} is out of range: use -1 (keep every "
+                          "checkpoint) or a positive integer (keep that many newest)")
     exit_signal = cfg.train.exit_signal if cfg.train is not None else None
     if exit_signal is not None:
         valid = {int(s) for s in signal.valid_signals()}
@@ -144,6 +153,17 @@ def check_ranges(cfg: "ConfigContainer") -> None:
                 f"train.exit_signal={exit_signal!r} is not a signal of this platform: use a signal number such as "
                 f"{int(signal.SIGTERM)} (SIGTERM) or {int(signal.SIGINT)} (SIGINT)"
             )
+
+
+def _check_iterations_to_skip(skip: object) -> None:
+    """``train.iterations_to_skip``: a list of counts of completed iterations (non-negative integers)."""
+    if skip is None:
+        return
+    valid = isinstance(skip, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip
+    )
+    if not valid:
+        raise ConfigError(f"train.iterations_to_skip={skip!r} is invalid: use a list of iteration counts >= 0")
 
 
 def positive_int(value: object, name: str) -> int:

@@ -105,6 +105,13 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
         raise ConfigError("optimizer.lr is required (the peak learning rate)")
     if opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr={opt.min_lr} must be between 0 and optimizer.lr={opt.lr}")
+    decoupled_lr, decoupled_min_lr = getattr(opt, "decoupled_lr", None), getattr(opt, "decoupled_min_lr", None)
+    if decoupled_min_lr is not None and decoupled_lr is None:
+        raise ConfigError(f"optimizer.decoupled_min_lr={decoupled_min_lr} needs optimizer.decoupled_lr (the peak "
+                          "learning rate of the embedding and output layer): set it, or leave decoupled_min_lr None")
+    if decoupled_lr is not None and decoupled_min_lr is not None and decoupled_min_lr > decoupled_lr:
+        raise ConfigError(f"optimizer.decoupled_min_lr={decoupled_min_lr} must be between 0 and "
+                          f"optimizer.decoupled_lr={decoupled_lr}")
     if s.lr_warmup_init < 0 or s.lr_warmup_init > opt.lr:
         raise ConfigError(f"scheduler.lr_warmup_init={s.lr_warmup_init} must be between 0 and optimizer.lr={opt.lr}")
     if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:

@@ -29,10 +29,11 @@ class OptimizerConfig:
     """Learning rate at the end of decay; None is resolved to 0.0 by validate()."""
 
     decoupled_lr: Optional[float] = None
-    """Separate learning rate for the input/output layers; None = same as lr."""
+    """Peak learning rate of the input embedding and the output layer (their own param group, scheduled by the
+    same scheduler as ``lr``); None = the same as ``lr``."""
 
     decoupled_min_lr: Optional[float] = None
-    """Separate minimum learning rate for the input/output layers."""
+    """Minimum learning rate of the input embedding and the output layer (needs ``decoupled_lr``); None = ``min_lr``."""
 
     weight_decay: float = 0.01
     """Weight decay coefficient (biases and norm weights get none)."""
@@ -155,10 +156,12 @@ class DistributedDataParallelConfig:
     """Replicas of the distributed optimizer (hybrid sharding); 1 shards across all data-parallel ranks."""
 
     check_for_nan_in_grad: bool = False
-    """Check the reduced gradients for NaN."""
+    """Stop the run (one line naming the iteration) when a rank's reduced gradients hold NaN or Inf, before the
+    optimizer step. Under fp16 loss scaling the scaler handles such steps (it skips them) instead."""
 
     check_for_large_grads: bool = False
-    """Check the reduced gradients for unexpectedly large values."""
+    """Stop the run when a rank's reduced-gradient norm is at least 10x the largest of its first 100 norms
+    (Megatron's ``is_unexpectedly_large``)."""
 
     bucket_size: Optional[int] = None
     """Gradient bucket size in elements; None lets the wrapper pick."""

@@ -137,7 +137,9 @@ class TrainingConfig:
     """Skip the model-parallel reduction of the gradient norm (Megatron Bridge); not supported."""
 
     iterations_to_skip: list[int] = field(default_factory=list)
-    """Iterations whose batches are skipped (Megatron Bridge); not supported yet."""
+    """Iterations to skip, as Megatron-LM counts them: a listed ``i`` skips the iteration that starts after ``i``
+    completed iterations (the one logged as ``i + 1``). Its global batch is read and dropped, counted in the
+    consumed and skipped samples; nothing is trained, scheduled, logged, evaluated or saved for it."""
 
     manual_gc_eval: bool = True
     """With manual_gc: collect at the start and end of each evaluation."""
@@ -249,7 +251,9 @@ class CheckpointConfig:
     hint in longspan: async_save always runs on DCP's background executor."""
 
     most_recent_k: Optional[int] = -1
-    """Keep only the newest k checkpoints (-1: keep all) (Megatron Bridge); not supported yet."""
+    """Keep only the newest k complete checkpoints under ``save`` (-1 or None: keep all). Older ones are deleted
+    after each save completes (for async saves, once the tracker names the new one); the newest and the one
+    ``load`` / ``ckpt_step`` points at are never deleted."""
 
     storage_writers_per_rank: int = 1
     """Storage writers per rank for torch_dist checkpoints (Megatron Bridge); not supported yet."""
@@ -383,7 +387,8 @@ class LoggerConfig:
     """Write TFLOP/s per GPU to TensorBoard (and the other sinks)."""
 
     throughput_window_size: int = 100
-    """Batches in the rolling throughput average (Megatron Bridge); not supported yet."""
+    """Wall-clock marks (one per iteration) in the rolling throughput that ``log_throughput_to_tensorboard``
+    writes: the average spans the last ``throughput_window_size - 1`` iterations (at least 2)."""
 
     memory_keys: Optional[dict[str, str]] = None
     """Names of torch.cuda.memory_stats() entries to log (Megatron Bridge); not supported yet."""

@@ -299,6 +299,9 @@ def save_checkpoint(
                 shutil.rmtree(old_dir)
             _atomic_torch_save(train_state_dict, root / LATEST_TRAIN_STATE_FILENAME)
             _atomic_write_text(root / TRACKER_FILENAME, str(iteration))
+            if save_dir is None:  # most_recent_k is about checkpoint.save; non-persistent ones have their own cleanup
+                protected = protected_load_iterations(ckpt_cfg, root)
+                remove_old_checkpoints(root, getattr(ckpt_cfg, "most_recent_k", -1), protected)
         _barrier()
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}", logger)
 
@@ -309,6 +312,50 @@ def save_checkpoint(
         with single_process_quiet():
             dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
         finalize()
+
+
+def complete_checkpoint_iterations(root: Path) -> list[int]:
+    """Iterations of the complete checkpoints under ``root`` (renamed into place: no ``.partial``), oldest first."""
+    iterations = []
+    for entry in root.glob("iter_*"):
+        digits = entry.name[len("iter_"):]
+        if entry.is_dir() and digits.isdigit():
+            iterations.append(int(digits))
+    return sorted(iterations)
+
+
+def protected_load_iterations(ckpt_cfg: Any, root: Path) -> set[int]:
+    """Iterations under ``root`` that ``checkpoint.load`` points at (its ``ckpt_step``, or an ``iter_`` directory
+    named directly): never removed by ``most_recent_k``, so a run can always be started again from them."""
+    load = getattr(ckpt_cfg, "load", None)
+    if not load:
+        return set()
+    load_path = Path(load).resolve()
+    if load_path == root.resolve():
+        step = getattr(ckpt_cfg, "ckpt_step", None)
+        return {int(step)} if step is not None else set()
+    if load_path.parent == root.resolve() and load_path.name[len("iter_"):].isdigit():
+        return {int(load_path.name[len("iter_"):])}
+    return set()
+
+
+def remove_old_checkpoints(root: Path, most_recent_k: int | None, protected: set[int]) -> None:
+    """Keep the ``most_recent_k`` newest complete checkpoints under ``root`` (-1 or None: keep all).
+
+    Runs after the tracker names the newest save, so the newest complete checkpoint is always among those kept;
+    ``protected`` iterations (what ``checkpoint.load`` points at) are kept too. ``.partial`` directories are
+    never touched here: the next save of that iteration replaces them.
+    """
+    if most_recent_k is None or most_recent_k < 0:
+        return
+    newest = read_tracker(root)
+    iterations = complete_checkpoint_iterations(root)
+    keep = set(iterations[-most_recent_k:]) | protected | ({newest} if newest is not None else set())
+    for iteration in iterations:
+        if iteration not in keep:
+            shutil.rmtree(get_checkpoint_dir(root, iteration), ignore_errors=True)
+            logger.info("removed checkpoint %s (checkpoint.most_recent_k=%d)", checkpoint_dir_name(iteration),
+                        most_recent_k)
 
 
 def rerun_state(state: Any) -> dict[str, Any]:

@@ -416,6 +416,19 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
+# Megatron marks the input embedding and the output layer (``is_embedding_or_output_parameter``). The mark is an
+# attribute that FSDP2's DTensor parameters and meta-device materialization do not carry over, so longspan goes
+# by the parameter's name, which every wrapper keeps (a suffix: pipeline stages and compile add prefixes).
+_EMBEDDING_OR_OUTPUT_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output_parameter(name: str, param: nn.Parameter) -> bool:
+    """Whether ``param`` is the input embedding or the output layer: the params ``optimizer.decoupled_lr`` takes."""
+    if getattr(param, "is_embedding_or_output_parameter", False):
+        return True
+    return name.endswith(_EMBEDDING_OR_OUTPUT_SUFFIXES)
+
+
 def get_param_groups(
     model_chunks: list[nn.Module],
     config: Any,
@@ -455,7 +468,7 @@ def get_param_groups(
             wd_mult = 0.0 if no_wd else 1.0
             group_lr_mult = float(lr_mult) if scale_lr else 1.0
             is_expert_parallel = not getattr(param, "allreduce", True)
-            is_decoupled_lr = decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+            is_decoupled_lr = decoupled_lr is not None and is_embedding_or_output_parameter(name, param)
             params_map.setdefault((wd_mult, group_lr_mult, is_expert_parallel, is_decoupled_lr), []).append(param)
 
     groups = []

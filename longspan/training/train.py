@@ -77,6 +77,30 @@ class _LoopState:
     flops_since_last_log: float = 0.0
 
 
+def _begin_training(
+    forward_step_func: Callable, model: list[torch.nn.Module], global_state: GlobalState,
+    train_data_iterator: Optional[Iterator],
+) -> tuple[Callable, _LoopState, Optional[Iterator]]:
+    """The model chunks in training mode, the prepared forward step, the loop's state (profiler, pre-hook
+    toggling), the data iterator behind the rerun state machine; Python's GC off with ``train.manual_gc``."""
+    cfg = global_state.cfg
+    for chunk in model:
+        chunk.train()
+    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
+    loop = _LoopState(
+        prof=_start_pytorch_profiler(cfg),
+        should_toggle_forward_pre_hook=should_disable_forward_pre_hook(
+            False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
+        ),
+    )
+    global_state.last_saved_step = None
+    train_data_iterator = ensure_rerun_state_machine(global_state).wrap_data_iterator(train_data_iterator)
+    if cfg.train.manual_gc:
+        gc.disable()
+        gc.collect()
+    return forward_step_func, loop, train_data_iterator
+
+
 def train(
     forward_step_func: Callable,
     model: list[torch.nn.Module],
@@ -92,20 +116,8 @@ def train(
     """Train until ``train.train_iters``, an exit condition, or a signal; evaluate and checkpoint on the way."""
     cfg = global_state.cfg
     train_state = global_state.train_state
-    for chunk in model:
-        chunk.train()
-    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
-    loop = _LoopState(
-        prof=_start_pytorch_profiler(cfg),
-        should_toggle_forward_pre_hook=should_disable_forward_pre_hook(
-            False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather
-        ),
-    )
-    global_state.last_saved_step = None
-    train_data_iterator = ensure_rerun_state_machine(global_state).wrap_data_iterator(train_data_iterator)
-    if cfg.train.manual_gc:
-        gc.disable()
-        gc.collect()
+    forward_step_func, loop, train_data_iterator = _begin_training(
+        forward_step_func, model, global_state, train_data_iterator)
 
     def save() -> None:
         save_checkpoint_and_time(

@@ -2,20 +2,22 @@
 
 Each line is ``{%Y-%m-%d %H:%M:%S}\\tJob ID: {SLURM_JOB_ID}\\t# GPUs: {world size}\\t{message}``; the
 messages are ``Starting job`` and ``Saved checkpoint\\tIteration: ...`` (see
-``format_saved_checkpoint_message``). The trainer's ``get_start_time_from_progress_log`` and
-``compute_throughputs_and_append_to_progress_log`` build on these helpers.
+``format_saved_checkpoint_message``), and the trainer's ``get_start_time_from_progress_log`` and
+``compute_throughputs_and_append_to_progress_log`` built on them.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
 from longspan.core.logging import get_rank, get_world_size
+from longspan.training.state import GlobalState
 
 PROGRESS_FILENAME = "progress.txt"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -108,3 +110,46 @@ def parse_progress_log(save_dir: str) -> list[ProgressLogEntry]:
                 ProgressLogEntry(stamp, parts[1][len("Job ID:") :].strip(), num_gpus, parts[3], fields_)
             )
     return entries
+
+
+def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
+    """Start time of the earliest job with this world size, and the FLOPs of the last saved checkpoint.
+
+    Walks ``progress.txt``: a ``Starting job`` line with a new world size restarts the window; the FLOPs at
+    that point are subtracted when computing the cumulative throughput.
+    """
+    start_time = None
+    start_num_flops = -1.0
+    latest_num_flops = 0.0
+    world_size = None
+    for entry in parse_progress_log(cfg.checkpoint.save):
+        if entry.message == STARTING_JOB:
+            if entry.num_gpus != world_size:
+                world_size = entry.num_gpus
+                start_time = entry.timestamp
+                start_num_flops = latest_num_flops
+        elif "Floating-point operations" in entry.fields:
+            latest_num_flops = float(entry.fields["Floating-point operations"])
+    if start_time is None:
+        raise ValueError(f"{cfg.checkpoint.save}/progress.txt has no '{STARTING_JOB}' line")
+    return start_time, max(start_num_flops, 0.0)
+
+
+def compute_throughputs_and_append_to_progress_log(state: GlobalState, num_floating_point_operations_so_far: float) -> None:
+    """Append job and cumulative TFLOP/s/GPU, FLOPs and tokens to ``{save}/progress.txt``."""
+    cfg = state.cfg
+    if not cfg.checkpoint.save:
+        return
+    world_size = state.parallel.world_size
+    job_flops = num_floating_point_operations_so_far - state.train_state_at_start_flops
+    job_tput = job_flops / max(time.time() - state.start_time, 1e-9) / world_size / 1e12
+    start_time, start_flops = get_start_time_from_progress_log(cfg)
+    cumulative_seconds = max((datetime.now() - start_time).total_seconds(), 1e-9)
+    cumulative_tput = (num_floating_point_operations_so_far - start_flops) / cumulative_seconds / world_size / 1e12
+    tokens = state.train_state.consumed_train_samples * cfg.model.seq_length
+    append_to_progress_log(
+        cfg.checkpoint.save,
+        format_saved_checkpoint_message(
+            state.train_state.step, job_tput, cumulative_tput, num_floating_point_operations_so_far, tokens
+        ),
+    )

@@ -7,7 +7,7 @@ from just before ``pretrain`` starts; with several ranks, the largest rank's. Th
 total for the busiest rank at the same layout.
 
 Run: ``python benchmarks/bench_plan_memory.py [--cases NAME ...]``; prints a markdown table (docs/plan.md).
-``--one NAME`` measures one single-process case in this process and prints JSON (used by the test).
+``--one NAME`` measures one single-process case in this process and prints JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -108,6 +107,34 @@ def measure_here(name: str) -> float:
     return float((_status_kib("VmHWM") - start) * 1024)
 
 
+def _measure_in_child(name: str, results: Any) -> None:
+    import logging
+
+    logging.disable(logging.CRITICAL)
+    results.send(measure_here(name))
+
+
+def _fresh_process_context() -> Any:
+    """A forkserver whose server process has imported torch and the trainer once: each measurement runs in a
+    child forked from it, a process as fresh as a new interpreter after its imports, without paying for them."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "longspan.training.pretrain", __name__])
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment, inherited by every child
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
 def measure(name: str, repeats: int = 3) -> float:
     """Measured bytes of case ``name`` in fresh processes (largest rank).
 
@@ -117,11 +144,19 @@ def measure(name: str, repeats: int = 3) -> float:
     """
     world = CASES[name][0]
     if world == 1:
+        ctx = _fresh_process_context()
         runs = []
         for _ in range(repeats):
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name], capture_output=True,
-                                 text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            runs.append(float(json.loads(out.stdout.strip().splitlines()[-1])["measured"]))
+            receive, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_measure_in_child, args=(name, send))
+            child.start()
+            send.close()
+            try:
+                runs.append(float(receive.recv()))
+            except EOFError:
+                child.join()
+                raise RuntimeError(f"measuring {name} failed in a fresh process (exit {child.exitcode})") from None
+            child.join()
         return min(runs)
     from tests.parallel.harness import run_distributed
 

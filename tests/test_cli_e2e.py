@@ -1,7 +1,8 @@
 """End to end through the `longspan` command: the quickstart run, the self-launcher, multi-node rendezvous on
 loopback, signal forwarding, and launch errors that must stop before any worker starts.
 
-These start real processes (seconds each on 2 cores), so they are few and marked slow.
+The launches start real processes (seconds each on 2 cores), so they are few and marked slow; runs that need no
+process of their own (preprocess, then pretrain on its output) call the command's entry point in this process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from longspan.cli import main
 from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from tests.training.pretrain_helpers import losses_by_iteration, small_config
@@ -49,15 +51,6 @@ def single_process_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int,
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(LONGSPAN + args, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def test_self_launched_data_parallel_matches_one_process(tmp_path: Path, single_process_losses) -> None:
-    config, cfg = _small_yaml(tmp_path, "dp2", train_iters=6)
-    result = _run(["pretrain", "--config", str(config), "--nproc-per-node", "2"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    losses = losses_by_iteration(cfg)
-    for i in range(1, 7):
-        assert losses[i] == pytest.approx(single_process_losses[i], rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -95,21 +88,29 @@ def test_two_nodes_on_loopback_train_together(tmp_path: Path, single_process_los
         assert losses[i] == pytest.approx(single_process_losses[i], rel=1e-4)
 
 
-def test_sigterm_to_the_launcher_saves_and_exits_zero(tmp_path: Path) -> None:
-    config, cfg = _small_yaml(tmp_path, "sigterm", train_iters=100000, exit_signal_handler=True, eval_interval=None)
+def test_self_launched_data_parallel_matches_one_process_and_saves_on_sigterm(tmp_path: Path) -> None:
+    """``--nproc-per-node 2``: the two ranks log one process's losses; SIGTERM to the launcher reaches the workers,
+    which save a checkpoint and exit 0 (``train.exit_signal_handler``)."""
+    config, cfg = _small_yaml(tmp_path, "dp2", train_iters=100000, exit_signal_handler=True, eval_interval=None)
+    reference_cfg = small_config(tmp_path, "one", train_iters=100000, exit_interval=4, eval_interval=None)
+    pretrain(reference_cfg, forward_step)  # the same schedule, stopped after 4 iterations
+    reference = losses_by_iteration(reference_cfg)
     proc = subprocess.Popen(
         LONGSPAN + ["pretrain", "--config", str(config), "--nproc-per-node", "2"],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     metrics = Path(cfg.logger.tensorboard_dir) / "metrics.jsonl"
     deadline = time.time() + 180
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     saved = int((Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text())
-    assert saved >= 3
+    assert saved >= 4
+    losses = losses_by_iteration(cfg)
+    for i in range(1, 5):
+        assert losses[i] == pytest.approx(reference[i], rel=1e-4)
 
 
 def test_quickstart_tiny_recipe_learns_from_the_shipped_corpus(tmp_path: Path) -> None:
@@ -161,19 +162,17 @@ def test_preprocess_then_pretrain_on_the_result_with_a_local_hf_tokenizer(tmp_pa
 
     (tmp_path / "data").mkdir()
     prefix = tmp_path / "data" / "code"
-    result = _run(["preprocess", "--input", str(jsonl), "--output-prefix", str(prefix), "--tokenizer-type",
-                   "HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir), "--json-keys", "text", "--append-eod",
-                   "--workers", "1", "--no-progress"])
-    assert result.returncode == 0, result.stderr
+    assert main(["preprocess", "--input", str(jsonl), "--output-prefix", str(prefix), "--tokenizer-type",
+                 "HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir), "--json-keys", "text", "--append-eod",
+                 "--workers", "1", "--no-progress"]) == 0
     data_prefix = f"{prefix}_text_document"
     assert Path(data_prefix + ".bin").is_file() and Path(data_prefix + ".idx").is_file()
 
     tb = tmp_path / "tb"
-    result = _run(["pretrain", "--recipe", "tiny", f"dataset.data_path={data_prefix}",
-                   "tokenizer.tokenizer_type=HuggingFaceTokenizer", f"tokenizer.tokenizer_model={tok_dir}",
-                   "model.vocab_size=null", "train.train_iters=3", "train.eval_interval=3", "train.eval_iters=1",
-                   "model.seq_length=64", "dataset.sequence_length=64", "dataset.split=90,8,2",
-                   "checkpoint.save=null", "checkpoint.load=null", f"logger.tensorboard_dir={tb}"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["pretrain", "--recipe", "tiny", f"dataset.data_path={data_prefix}",
+                 "tokenizer.tokenizer_type=HuggingFaceTokenizer", f"tokenizer.tokenizer_model={tok_dir}",
+                 "model.vocab_size=null", "train.train_iters=3", "train.eval_interval=3", "train.eval_iters=1",
+                 "model.seq_length=64", "dataset.sequence_length=64", "dataset.split=90,8,2",
+                 "checkpoint.save=null", "checkpoint.load=null", f"logger.tensorboard_dir={tb}"]) == 0
     records = [json.loads(x) for x in (tb / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if r.get("phase") == "train"] == [1, 2, 3]

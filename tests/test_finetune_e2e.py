@@ -1,4 +1,5 @@
 """End to end through the `longspan` command: Hugging Face model in -> LoRA finetune -> Hugging Face model out.
+The finetune runs as its own process; the export and the generation call the command's entry point in this one.
 
 A tiny random HF Llama and a character-level tokenizer are made locally; the task is reversing short words
 (prompt "reverse: abc=", completion "cba"). The run must lower the validation loss clearly, save adapter-only
@@ -77,6 +78,26 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+def _run_here(args: list[str], cwd: Path) -> str:
+    """``longspan <args>`` in this process from ``cwd`` (the command's entry point without a new interpreter's
+    start-up); returns what it printed on stdout."""
+    import contextlib
+    import io
+
+    from longspan.cli import main
+
+    printed = io.StringIO()
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = main(args)
+    finally:
+        os.chdir(previous)
+    assert code == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
+
+
 def test_lora_finetune_of_an_hf_model_from_the_cli(tmp_path: Path) -> None:
     hf_dir, data, out = tmp_path / "hf", tmp_path / "data", tmp_path / "run"
     hf_dir.mkdir()
@@ -114,14 +135,14 @@ def test_lora_finetune_of_an_hf_model_from_the_cli(tmp_path: Path) -> None:
 
     # HF model out (adapters merged), loadable by transformers, greedy answers equal longspan's generate.
     export = tmp_path / "export"
-    _run(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
+    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
     prompt = "abcdh= "
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     hf_ids = merged.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=2)[0].tolist()
-    gen = _run(["generate", "--checkpoint", str(out), "--prompt", prompt, "--max-new-tokens", "4", "--json"],
-               cwd=tmp_path)
-    ours = json.loads(gen.stdout.strip().splitlines()[-1])
+    gen = _run_here(["generate", "--checkpoint", str(out), "--prompt", prompt, "--max-new-tokens", "4", "--json"],
+                    cwd=tmp_path)
+    ours = json.loads(gen.strip().splitlines()[-1])
     assert ours["prompt_ids"] == ids[0].tolist()
     assert ours["output_ids"] == hf_ids[len(ours["prompt_ids"]):][: len(ours["output_ids"])]

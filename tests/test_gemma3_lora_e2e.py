@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from tests.test_finetune_e2e import _char_tokenizer, _hf_completion_loss, _reverse_words, _run
+from tests.test_finetune_e2e import _char_tokenizer, _hf_completion_loss, _reverse_words, _run, _run_here
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,7 +57,7 @@ def test_lora_finetune_of_gemma3_from_the_cli(tmp_path: Path) -> None:
     # HF model out (adapters merged): transformers loads it and answers as longspan's generate does, with a
     # prompt longer than the window.
     export = tmp_path / "export"
-    _run(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
+    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
     assert json.loads((export / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(export), attn_implementation="eager").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
@@ -65,9 +65,9 @@ def test_lora_finetune_of_gemma3_from_the_cli(tmp_path: Path) -> None:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     assert ids.shape[1] > WINDOW
     hf_ids = merged.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=2)[0].tolist()
-    gen = _run(["generate", "--checkpoint", str(out), "--prompt", prompt, "--max-new-tokens", "5", "--json"],
-               cwd=tmp_path)
-    ours = json.loads(gen.stdout.strip().splitlines()[-1])
+    gen = _run_here(["generate", "--checkpoint", str(out), "--prompt", prompt, "--max-new-tokens", "5", "--json"],
+                    cwd=tmp_path)
+    ours = json.loads(gen.strip().splitlines()[-1])
     assert ours["prompt_ids"] == ids[0].tolist()
     assert ours["output_ids"] == hf_ids[len(ours["prompt_ids"]):][: len(ours["output_ids"])]
     assert len(ours["output_ids"]) >= 3  # the finetuned model answers (does not stop at once)

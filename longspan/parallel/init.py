@@ -17,6 +17,8 @@ Only one rank should print a configuration error under plain torchrun/srun: catc
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import shutil
 import subprocess
@@ -260,8 +262,50 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
+#: callbacks that drop module-level references to process groups of the world being torn down
+_TEARDOWN_HOOKS: list[Callable[[], None]] = []
+
+
+def on_destroy_distributed(hook: Callable[[], None]) -> Callable[[], None]:
+    """Register ``hook`` to run in ``destroy_distributed`` (a module that keeps a process group of its own, e.g.
+    the background checkpoint group, forgets it there); returns ``hook``."""
+    if hook not in _TEARDOWN_HOOKS:
+        _TEARDOWN_HOOKS.append(hook)
+    return hook
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches that hold device meshes (sharding propagation, redistribution plans, mesh
+    topology). A destroyed group stays alive while anything references its mesh: every gloo group keeps three
+    native threads and its sockets, so each world created in one process (in-process restarts, a test worker)
+    would pile them up. The caches refill on the next DTensor operation."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was ever made in this process
+    # torch on first use, as in destroy_distributed
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for clear in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # the C++ dispatch fast path
+        getattr(propagator.propagate_op_sharding, "cache_clear", None),
+        getattr(getattr(type(propagator), "_propagate_tensor_meta_cached", None), "cache_clear", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(MeshTopoInfo.build_from_mesh, "cache_clear", None),
+    ):
+        if clear is not None:
+            with contextlib.suppress(Exception):  # private torch caches: a missing or changed one is no error
+                clear()
+
+
 def destroy_distributed() -> None:
-    """Tear down the process group (if any) and forget the parallel state and the groups made in it."""
+    """Tear down the process group (if any) and forget the parallel state and the groups made in it.
+
+    The groups' native threads and sockets are released here, not at some later garbage collection: torch's
+    DTensor caches are emptied, the registered teardown hooks run, and reference cycles (modules, optimizers)
+    that still hold meshes are collected."""
     global _STATE
     if _STATE is not None:
         _STATE.extra_groups.clear()  # a caller may still hold the state (GlobalState.parallel)
@@ -269,8 +313,14 @@ def destroy_distributed() -> None:
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
 
+    for hook in _TEARDOWN_HOOKS:
+        hook()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _clear_dtensor_caches()
+    for _ in range(3):  # FSDP2's state is freed in a second pass (weakref callbacks of the first make garbage)
+        if not gc.collect():
+            break
 
 
 # --------------------------------------------------------------------------------------------- initialization

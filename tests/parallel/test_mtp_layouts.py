@@ -21,6 +21,7 @@ def run_mtp_pretrain(run_dir: str, tp: int = 1, fsdp2: bool = False, pp: int = 1
     from longspan.training.pretrain import pretrain
 
     cfg = pretrain_config(run_dir, tp=tp, fsdp2=fsdp2)
+    cfg.train.global_batch_size = 8  # four microbatches per iteration on one process or TP2, two per DP rank
     cfg.model.mtp_num_layers = DEPTHS
     cfg.model.mtp_loss_scaling_factor = 0.5
     cfg.model.share_embeddings_and_output_weights = tied

@@ -1,5 +1,6 @@
-"""Checkpoints reshard across layouts: save under TP2 at iteration 6, resume under DP2 and under one
-process; iterations 7-12 match an uninterrupted one-process run within 1e-5 (relative).
+"""Checkpoints reshard across layouts: save under TP2 at iteration 3, resume under DP2 and under one
+process; iterations 4-6 match an uninterrupted one-process run within 1e-5 (relative). Global batch 8 (four
+microbatches per iteration under TP2, two per rank under DP2).
 
 The trainer's DCP checkpoint holds model and optimizer state as DTensors by global name, so a tensor-parallel
 save loads into DDP's plain replicas or into a single process. Runs ``pretrain`` on the shrunk tiny recipe
@@ -17,15 +18,16 @@ from tests.parallel.test_layout_parity import REL_TOL, _close, logged, pretrain_
 
 pytestmark = pytest.mark.slow
 
-ITERS = 12
-SAVE_AT = 6
+ITERS = 6
+SAVE_AT = 3
 
 
 def run_with_checkpoints(run_dir: str, ckpt_dir: str, *, load: bool, stop_at: int | None = None, tp: int = 1) -> int:
-    """Worker (or in-process) task: ``pretrain`` for 12 iterations, saving every 6 into ``ckpt_dir``."""
+    """Worker (or in-process) task: ``pretrain`` for ITERS iterations, saving every SAVE_AT into ``ckpt_dir``."""
     from longspan.training.pretrain import pretrain
 
     cfg = pretrain_config(run_dir, iters=ITERS, tp=tp)
+    cfg.train.global_batch_size = 8
     cfg.checkpoint.save = ckpt_dir
     cfg.checkpoint.save_interval = SAVE_AT
     cfg.checkpoint.load = ckpt_dir if load else None
@@ -36,7 +38,7 @@ def run_with_checkpoints(run_dir: str, ckpt_dir: str, *, load: bool, stop_at: in
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
-    """12 iterations in one process without stopping (checkpoints written but never read)."""
+    """ITERS iterations in one process without stopping (checkpoints written but never read)."""
     root = tmp_path_factory.mktemp("uninterrupted")
     run_with_checkpoints(str(root / "run"), str(root / "ckpt"), load=False)
     return logged(str(root / "run"))
@@ -44,7 +46,7 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2_checkpoint(tmp_path_factory, uninterrupted) -> str:
-    """A checkpoint saved by a TP2 run that stopped at iteration 6."""
+    """A checkpoint saved by a TP2 run that stopped at iteration SAVE_AT."""
     root = tmp_path_factory.mktemp("tp2")
     steps = get_shared_pool(2).run(run_with_checkpoints, str(root / "run"), str(root / "ckpt"), load=False,
                                    stop_at=SAVE_AT, tp=2, timeout=300)
@@ -52,7 +54,7 @@ def tp2_checkpoint(tmp_path_factory, uninterrupted) -> str:
     first = logged(str(root / "run"))
     assert first["iterations"] == list(range(1, SAVE_AT + 1))
     assert _close(first["losses"], uninterrupted["losses"][:SAVE_AT])
-    assert (root / "ckpt" / "iter_0000006" / ".metadata").exists()
+    assert (root / "ckpt" / f"iter_{SAVE_AT:07d}" / ".metadata").exists()
     return str(root / "ckpt")
 
 
@@ -66,7 +68,7 @@ def _check_resumed(run_dir: str, uninterrupted: dict) -> None:
 
 def test_tp2_checkpoint_resumes_under_dp2(tp2_checkpoint, uninterrupted, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(tp2_checkpoint, ckpt)  # resuming saves again at 12: keep the shared copy pristine
+    shutil.copytree(tp2_checkpoint, ckpt)  # resuming saves again at ITERS: keep the shared copy pristine
     steps = get_shared_pool(2).run(run_with_checkpoints, str(tmp_path / "run"), ckpt, load=True, timeout=300)
     assert steps == [ITERS, ITERS]
     _check_resumed(str(tmp_path / "run"), uninterrupted)

@@ -1,9 +1,10 @@
 """In-process restart (``inprocess_restart``).
 
-- The acceptance run (slow): a 2-rank ``longspan pretrain`` run whose rank 1 is SIGKILLed from outside finishes
-  every iteration with an uninterrupted run's losses, bit for bit (dropout on); rank 0 keeps its process (one pid
-  for the whole run, two start-ups in it, restoring its local non-persistent checkpoint), rank 1 gets a new one; the fault and the restart are log lines,
-  progress.txt entries and metrics.jsonl records.
+- The acceptance run (slow): a 2-rank ``longspan pretrain`` run (two pipeline stages, tied embeddings) whose rank 1
+  is SIGKILLed from outside finishes every iteration with an uninterrupted run's losses, bit for bit (dropout on);
+  rank 0 keeps its process (one pid for the whole run, two start-ups in it, restoring its local non-persistent
+  checkpoint, making the embedding group of the new world), rank 1 gets a new one; the fault and the restart are
+  log lines, progress.txt entries and metrics.jsonl records.
 - The supervisor's rules with stand-in workers (tiny Python scripts, no torch): restarts, their budgets, concurrent
   faults, hung ranks, completion, exit codes, granularity — one test per config field.
 - The worker side against a real TCPStore: the re-rendezvous barrier, the monitor thread's timestamps and its
@@ -30,12 +31,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longspan.cli import main
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
 from longspan.training.config import ConfigContainer, FaultToleranceConfig, InProcessRestartConfig
 from longspan.training.resilience import inprocess, supervisor
 from longspan.training.resilience.inprocess import RestartAbort, WorkerMonitor, rendezvous
 from longspan.training.resilience.supervisor import InProcessSupervisor, supervisor_reporter
-from tests.resilience.helpers import ENV, LONGSPAN, metrics_records, resilience_config, run, write_yaml
+from tests.resilience.helpers import ENV, LONGSPAN, metrics_records, resilience_config, write_yaml
 from tests.training.pretrain_helpers import small_config
 
 ITERS = 12
@@ -107,20 +109,31 @@ def _kill_rank_1_mid_run(tmp_path: Path, cfg: Any) -> _KilledRun:
     return _KilledRun(cfg, out, seen, killed_at)
 
 
-def _reference_losses(cfg: Any, path: Path) -> dict[int, float]:
-    result = run(["pretrain", "--config", str(write_yaml(cfg, path)), "--nproc-per-node", "2"])
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+def _reference_losses(pool2: Any, cfg: Any, path: Path) -> dict[int, float]:
+    """The uninterrupted 2-rank run of ``cfg``: ``longspan pretrain --config`` on the shared worker pool (the
+    command a launched worker runs, without starting fresh interpreters)."""
+    assert pool2.run(main, ["pretrain", "--config", str(write_yaml(cfg, path))], timeout=240) == [0, 0]
     reference = _train_losses(cfg)
     assert sorted(reference) == list(range(1, ITERS + 1))
     return reference
 
 
+def _pp2_tied_config(tmp_path: Path, name: str) -> Any:
+    """Two pipeline stages with tied embeddings: every step sums the tied gradients over the embedding group."""
+    cfg = resilience_config(tmp_path, name, ITERS)
+    cfg.model.pipeline_model_parallel_size = 2
+    cfg.model.share_embeddings_and_output_weights = True
+    return cfg
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) -> None:
-    reference = _reference_losses(resilience_config(tmp_path, "ref", ITERS), tmp_path / "ref.yaml")
-    cfg = resilience_config(tmp_path, "ipr", ITERS)
-    # only local non-persistent checkpoints before the end: the survivor restores its own file in place
+def test_killed_rank_is_replaced_and_survivor_keeps_its_process(pool2: Any, tmp_path: Path) -> None:
+    """PP2 with tied embeddings and only local non-persistent checkpoints before the end. The surviving stage's
+    process keeps its modules across the restart and must create the embedding group of the new world with its
+    replaced peer, not reuse the dead world's; it restores its own local file in place."""
+    reference = _reference_losses(pool2, _pp2_tied_config(tmp_path, "ref"), tmp_path / "ref.yaml")
+    cfg = _pp2_tied_config(tmp_path, "ipr")
     cfg.checkpoint.non_persistent_ckpt_type = "local"
     cfg.checkpoint.non_persistent_save_interval = 2
     cfg.checkpoint.non_persistent_local_ckpt_dir = str(tmp_path / "node_local")
@@ -129,7 +142,7 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) 
 
     losses = _train_losses(cfg)
     assert sorted(losses) == list(range(1, ITERS + 1))
-    assert losses == reference  # bit-exact across the in-process restart, dropout on
+    assert losses == reference  # bit-exact across the in-process restart, dropout on, the tied gradients summed again
 
     assert len(seen[0]) == 1, seen  # rank 0: one process for the whole run
     assert len(seen[1]) == 2, seen  # rank 1: the killed process and its replacement
@@ -152,31 +165,6 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(tmp_path: Path) 
     rejoin = [line for line in monitor.splitlines() if "rejoined generation 1" in line]
     assert rejoin and "job finished with exit code 0 after 1 in-process restart(s)" in monitor
     print(f"\nin-process restart: rank 1 killed after iteration {killed_at}; {rejoin[0].split(': ', 1)[1]}")
-
-
-def _pp2_tied_config(tmp_path: Path, name: str) -> Any:
-    """Two pipeline stages with tied embeddings: every step sums the tied gradients over the embedding group."""
-    cfg = resilience_config(tmp_path, name, ITERS)
-    cfg.model.pipeline_model_parallel_size = 2
-    cfg.model.share_embeddings_and_output_weights = True
-    return cfg
-
-
-@pytest.mark.timeout(400)
-def test_pipeline_survivor_makes_its_groups_again_after_a_restart(tmp_path: Path) -> None:
-    """PP2, tied embeddings: the surviving stage's process keeps its modules across the restart, and must
-    create the embedding group of the new world with its replaced peer, not reuse the dead world's."""
-    reference = _reference_losses(_pp2_tied_config(tmp_path, "ref"), tmp_path / "ref.yaml")
-    cfg = _pp2_tied_config(tmp_path, "ipr")
-    cfg.checkpoint.save_interval = 2
-    killed = _kill_rank_1_mid_run(tmp_path, cfg)
-    assert len(killed.seen[0]) == 1 and len(killed.seen[1]) == 2, killed.seen
-    assert "rank 0 (pid" in killed.out and "rejoined in generation 1" in killed.out
-    events = [r["event"] for r in metrics_records(cfg) if r.get("phase") == "resilience"]
-    assert events == ["fault", "restart"]
-    losses = _train_losses(cfg)
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    assert losses == reference  # bit-exact: resumed from the last save, the tied gradients summed again
 
 
 # ------------------------------------------------------------------------------- supervisor, stand-in workers

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from longspan.cli import main
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.pretrain import pretrain
 from longspan.training.checkpointing.non_persistent import local_iterations
-from tests.resilience.helpers import resilience_config, run, run_and_kill_at, write_yaml
+from tests.resilience.helpers import resilience_config, run_and_kill_at, write_yaml
 from tests.training.pretrain_helpers import losses_by_iteration, read_metrics
 
 
@@ -30,7 +31,8 @@ def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, floa
 
 
 @pytest.mark.slow
-def test_local_checkpoint_resume_after_sigkill_matches_uninterrupted_run(tmp_path: Path, reference_losses) -> None:
+def test_local_checkpoint_resume_after_sigkill_matches_uninterrupted_run(tmp_path: Path, reference_losses,
+                                                                         capfd: pytest.CaptureFixture) -> None:
     cfg = resilience_config(tmp_path, "np", ITERS)
     ckpt = cfg.checkpoint
     ckpt.non_persistent_ckpt_type = "local"
@@ -44,9 +46,9 @@ def test_local_checkpoint_resume_after_sigkill_matches_uninterrupted_run(tmp_pat
     assert len(saved) == 1 and saved[0] % 3 == 0 and saved[0] <= killed_at  # older saves were cleaned up
     assert not Path(ckpt.save, "latest_checkpointed_iteration.txt").exists()  # no persistent save yet
 
-    result = run(["pretrain", "--config", str(config)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = result.stdout + result.stderr
+    assert main(["pretrain", "--config", str(config)]) == 0  # the same command again, in this process
+    captured = capfd.readouterr()
+    log = captured.out + captured.err
     assert f"loaded local non-persistent checkpoint of iteration {saved[0]}" in log
     losses = losses_by_iteration(cfg)  # re-run iterations overwrite the killed run's records
     assert sorted(losses) == list(range(1, ITERS + 1))

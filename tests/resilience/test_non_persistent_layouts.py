@@ -1,6 +1,7 @@
 """Local non-persistent checkpoints with sharded state (DTensor model and optimizer shards under TP2 and FSDP2): a
-2-rank run that crashes in iteration 8 resumes from the local save of iteration 6 and matches an uninterrupted run
-bit for bit (dropout on)."""
+2-rank run that crashes in iteration 6 resumes from the local save of iteration 4 (the save of 2 cleaned up) and
+matches an uninterrupted run bit for bit (dropout on). Global batch 8: four microbatches per iteration under TP2,
+two per rank under FSDP2."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from tests.parallel.test_layout_parity import logged, pretrain_config
 
 pytestmark = pytest.mark.slow
 
+ITERS = 6
+
 
 def _crash_and_resume_case(root: str, tp: int, fsdp2: bool) -> tuple[dict, dict, list]:
     from longspan.training.step.forward_step import forward_step
@@ -17,7 +20,8 @@ def _crash_and_resume_case(root: str, tp: int, fsdp2: bool) -> tuple[dict, dict,
     from longspan.training.checkpointing.non_persistent import local_iterations
 
     def config(name: str):
-        cfg = pretrain_config(f"{root}/{name}", iters=10, tp=tp, fsdp2=fsdp2)
+        cfg = pretrain_config(f"{root}/{name}", iters=ITERS, tp=tp, fsdp2=fsdp2)
+        cfg.train.global_batch_size = 8
         cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.1
         cfg.checkpoint.save = cfg.checkpoint.load = f"{root}/{name}_ckpt"
         return cfg
@@ -25,12 +29,12 @@ def _crash_and_resume_case(root: str, tp: int, fsdp2: bool) -> tuple[dict, dict,
     pretrain(config("ref"))
     cfg = config("np")
     cfg.checkpoint.non_persistent_ckpt_type = "local"
-    cfg.checkpoint.non_persistent_save_interval = 3
+    cfg.checkpoint.non_persistent_save_interval = 2
     cfg.checkpoint.non_persistent_local_ckpt_dir = f"{root}/node_local"
 
     def crashing_forward_step(state, data_iterator, model, return_schedule_plan=False):
-        if state.train_state.step == 7:
-            raise RuntimeError("simulated crash in iteration 8")
+        if state.train_state.step == 5:
+            raise RuntimeError("simulated crash in iteration 6")
         return forward_step(state, data_iterator, model)
 
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -43,7 +47,7 @@ def _crash_and_resume_case(root: str, tp: int, fsdp2: bool) -> tuple[dict, dict,
 @pytest.mark.parametrize("tp, fsdp2", [(2, False), (1, True)], ids=["tp2", "fsdp2"])
 def test_local_checkpoint_resume_with_sharded_state(pool2, tmp_path, tp: int, fsdp2: bool) -> None:
     (ref, got, saved), _ = pool2.run(_crash_and_resume_case, str(tmp_path), tp, fsdp2, timeout=300)
-    assert saved == [6]
-    assert got["iterations"] == list(range(1, 8)) + list(range(7, 11))  # 7 ran again after the resume from 6
+    assert saved == [4]
+    assert got["iterations"] == list(range(1, 6)) + list(range(5, ITERS + 1))  # 5 ran again after the resume from 4
     final = dict(zip(got["iterations"], got["losses"]))
-    assert [final[i] for i in range(1, 11)] == ref["losses"]  # bit-exact, dropout on
+    assert [final[i] for i in range(1, ITERS + 1)] == ref["losses"]  # bit-exact, dropout on

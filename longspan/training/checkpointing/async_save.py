@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from longspan.parallel.init import on_destroy_distributed
+
 WRITE_DELAY_ENV = "LONGSPAN_TEST_ASYNC_WRITE_DELAY_S"
 
 # (default group, its checkpoint group): a new default group (a re-initialized world) gets a new one.
@@ -47,6 +49,13 @@ def checkpoint_process_group() -> Any:
     if _checkpoint_group is None or _checkpoint_group[0] is not default:
         _checkpoint_group = (default, dist.new_group(backend="gloo"))
     return _checkpoint_group[1]
+
+
+@on_destroy_distributed
+def _forget_checkpoint_group() -> None:
+    """The world is being torn down: drop its checkpoint group (and the default group it was made for)."""
+    global _checkpoint_group
+    _checkpoint_group = None
 
 
 @dataclass

@@ -39,6 +39,14 @@ def _cpu_peak_mib() -> float:
 
 
 def _reset_cpu_peak() -> None:
+    # glibc keeps freed pages (the full-precision base QLoRA quantized away) in the process: hand them back
+    # first, or the RSS peak of the steps would still count them.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # resets VmHWM to the current RSS

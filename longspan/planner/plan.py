@@ -432,7 +432,9 @@ def format_table(rows: list[PlanRow], memory_per_device: float) -> str:
     """The plan as a fixed-width table (GiB per rank), fitting layouts first, each group fastest first."""
     header = (f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>3} {'ep':>3} {'dp mode':<22} {'weights':>8} {'grads':>8} "
               f"{'optim':>8} {'activ':>8} {'buffers':>8} {'peak':>8} {'fits':>4} {'step s':>9} {'tok/s/dev':>10}")
-    lines = [header, "-" * len(header)]
+    memory_unit = f"{'GiB':>8} " * 6
+    units = f"{'':>3} {'':>3} {'':>3} {'':>3} {'':>3} {'(per rank)':<22} {memory_unit}{'':>4} {'seconds':>9} {'tokens/s':>10}"
+    lines = [header, units.rstrip(), "-" * len(header)]
     ordered = [r for r in rows if r.fits(memory_per_device)] + [r for r in rows if not r.fits(memory_per_device)]
     for r in ordered:
         L, M = r.layout, r.memory

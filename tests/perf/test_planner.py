@@ -83,7 +83,8 @@ def test_plan_cli_table_best_first(capsys):
     total = num_parameters(cfg.model.provide_meta())
     assert out[0].startswith(f"model: {total:,} parameters ({total:,} active per token); ")
     assert out[1].split()[:5] == ["tp", "pp", "cp", "dp", "ep"]
-    rows = [line.split() for line in out[3:]]
+    assert out[2].split() == ["(per", "rank)"] + ["GiB"] * 6 + ["seconds", "tokens/s"]
+    rows = [line.split() for line in out[4:]]
     assert len(rows) >= 6 and all(r[-3] == "yes" for r in rows)
     times = [float(r[-2]) for r in rows]
     assert times == sorted(times)

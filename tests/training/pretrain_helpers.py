@@ -105,3 +105,16 @@ def mock_layout_run(cfg: Any, tb_dir: str, seq: int, micro: int, global_batch: i
     cfg.logger.log_interval = 1
     cfg.logger.tensorboard_dir = tb_dir
     return cfg
+
+
+def tiniest_config(tmp_path: Path, name: str = "run", train_iters: int = 6, **train_overrides: Any) -> Any:
+    """``small_config`` cut to about a second per run for tests of one trainer behaviour: one layer of hidden 32,
+    16-token sequences, a 63-token vocabulary, global batches of 2, one warmup iteration, no evaluation."""
+    cfg = small_config(tmp_path, name, train_iters=train_iters, eval_interval=None, **train_overrides)
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups = 1, 32, 64, 4, 2
+    m.seq_length = cfg.dataset.sequence_length = 16
+    cfg.tokenizer.vocab_size = 63
+    cfg.train.global_batch_size = 2
+    cfg.scheduler.lr_warmup_iters = 1
+    return cfg

@@ -12,17 +12,11 @@ import longspan.training.step.grad_checks as grad_checks
 from longspan.training.pretrain import pretrain
 from longspan.training.step.forward_step import forward_step
 from longspan.training.step.loss_checks import TrainingDivergedError
-from tests.training.pretrain_helpers import small_config
+from tests.training.pretrain_helpers import tiniest_config
 
 
 def _tiny(tmp_path: Path, **ddp: Any) -> Any:
-    cfg = small_config(tmp_path, "run", train_iters=5, eval_interval=None)
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups = 1, 32, 64, 4, 2
-    m.seq_length = cfg.dataset.sequence_length = 16
-    cfg.tokenizer.vocab_size = 63
-    cfg.train.global_batch_size = 2
-    cfg.scheduler.lr_warmup_iters = 1
+    cfg = tiniest_config(tmp_path, "run", train_iters=5)
     cfg.logger.tensorboard_dir = None
     cfg.checkpoint.save = cfg.checkpoint.load = None
     for key, value in ddp.items():

@@ -10,17 +10,11 @@ import pytest
 from longspan.core.errors import ConfigError
 from longspan.training.pretrain import pretrain
 from longspan.training.step.forward_step import forward_step
-from tests.training.pretrain_helpers import losses_by_iteration, read_metrics, small_config
+from tests.training.pretrain_helpers import losses_by_iteration, read_metrics, tiniest_config
 
 
 def _tiny(tmp_path: Path, name: str, **train: Any) -> Any:
-    cfg = small_config(tmp_path, name, train_iters=6, eval_interval=None, **train)
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups = 1, 32, 64, 4, 2
-    m.seq_length = cfg.dataset.sequence_length = 16
-    cfg.tokenizer.vocab_size = 63
-    cfg.train.global_batch_size = 2
-    cfg.scheduler.lr_warmup_iters = 1
+    cfg = tiniest_config(tmp_path, name, train_iters=6, **train)
     cfg.scheduler.lr_decay_style = "constant"  # the skipped run is then one update short on the same batches
     cfg.checkpoint.save = cfg.checkpoint.load = None
     return cfg

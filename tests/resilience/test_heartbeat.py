@@ -153,6 +153,46 @@ def test_killed_peer_is_blamed_rather_than_the_rank_that_raised_after_it(tmp_pat
         survivor.wait()
 
 
+def _wait_gone(proc: subprocess.Popen) -> None:
+    """Until ``proc`` has ended (a zombie: not reaped, as torch elastic has not collected it yet)."""
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {proc.pid} did not end")
+
+
+@pytest.mark.parametrize("seen", ["one_at_a_time", "both_in_one_look"])
+def test_rank_killed_from_outside_is_blamed_not_the_peer_the_launcher_stopped_after_it(tmp_path: Path,
+                                                                                      seen: str) -> None:
+    """Rank 1 is SIGKILLed inside a checkpoint save; torch elastic then stops rank 0 (SIGTERM), whose last beat is
+    older (it waited for its own async save). Both are gone when the monitor looks: the order of the ends (seen
+    through pidfds as they happen) or, when both ended between two looks, the SIGTERM names rank 1."""
+    killed, stopped = _sleeper(), _sleeper()
+    try:
+        _write_beat(tmp_path, 0, stopped.pid, "checkpoint", age=1.0)
+        _write_beat(tmp_path, 1, killed.pid, "checkpoint", age=0.2)
+        monitor, reports = _monitor(tmp_path)
+        monitor.check_once()  # starts watching both
+        assert reports == []
+        killed.kill()
+        if seen == "one_at_a_time":
+            monitor.exits.wait(5.0)  # the monitor thread wakes at the kill
+            assert list(monitor.exits.ended) == [killed.pid]
+        _wait_gone(killed)
+        stopped.terminate()
+        _wait_gone(stopped)
+        monitor.check_once()
+        assert [(r["rank"], r["detection"]) for _, r in reports] == [(1, "rank_died")]
+        assert monitor.exits.ended[stopped.pid].signal == signal.SIGTERM
+    finally:
+        for p in (killed, stopped):
+            p.kill()
+            p.wait()
+
+
 def _spawn_worker(hb: Path, rank: int, restart: int) -> subprocess.Popen:
     env = {**os.environ, HEARTBEAT_DIR_ENV: str(hb), "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(restart)}
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)

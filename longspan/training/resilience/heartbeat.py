@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger
+from longspan.training.resilience.process_exits import ProcessExits
 
 logger = get_logger(__name__)
 
@@ -296,6 +297,7 @@ class HeartbeatMonitor(threading.Thread):
         self._spawn_info: dict[int, Optional[dict[str, Any]]] = {}
         self.handled: set[int] = set()  # pids already reported
         self.detections: list[dict[str, Any]] = []
+        self.exits = ProcessExits()
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -303,11 +305,17 @@ class HeartbeatMonitor(threading.Thread):
         self.join(timeout=5)
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.poll_interval):
-            try:
-                self.check_once()
-            except Exception as exc:  # the monitor must never take the launcher down
-                logger.warning(f"ft monitor: {exc}")
+        try:
+            while not self._stop_event.is_set():
+                self.exits.wait(self.poll_interval)  # wakes at once when a watched worker ends
+                if self._stop_event.is_set():
+                    break
+                try:
+                    self.check_once()
+                except Exception as exc:  # the monitor must never take the launcher down
+                    logger.warning(f"ft monitor: {exc}")
+        finally:
+            self.exits.close()
 
     def timeout_for(self, beat: dict[str, Any]) -> float:
         if beat["phase"] in ("setup", "startup"):
@@ -357,17 +365,10 @@ class HeartbeatMonitor(threading.Thread):
                 beats.append((beat, _process_state(int(beat["pid"]))))
         if self.watch_spawned:
             beats += [(b, _process_state(b["pid"])) for b in self._spawned_workers(beating)]
-        # killed from outside, raised, stopped, never beat, then the longest silent (a rank that raised because a
-        # peer died is not the root cause; the dead peer is)
-        order = {"gone": 0, "stopped": 2, "alive": 4}
-
-        def blame_order(item: tuple[dict[str, Any], str]) -> tuple[int, float]:
-            beat, state = item
-            if beat["phase"] == "failed":
-                return 1, float(beat["time"])
-            return (3 if state == "alive" and beat["phase"] == "startup" else order[state]), float(beat["time"])
-
-        beats.sort(key=blame_order)
+        for beat, _ in beats:
+            self.exits.watch(int(beat["pid"]))
+        self.exits.wait(0)  # ends since the last look, each with the time it was first seen
+        beats.sort(key=self._blame_order)
         # A rank of a generation with a stopped rank, or one that never beat, is silent because it waits for that
         # rank: not blamed.
         held_up = {int(b["restart"]) for b, state in beats if state == "stopped" or b["phase"] == "startup"}
@@ -408,6 +409,21 @@ class HeartbeatMonitor(threading.Thread):
                                f"{age:.1f} s > {initial}heartbeat timeout {timeout:.1f} s, detected by the heartbeat "
                                f"monitor; killed (SIGKILL); restarts remaining: {remaining}", remaining,
                                timeout=timeout, silent_s=round(age, 3))
+
+    def _blame_order(self, item: tuple[dict[str, Any], str]) -> tuple[int, float]:
+        """Killed from outside (the first to end first), raised, stopped, never beat, the longest silent; last a
+        rank that ended on SIGTERM: torch elastic's stop of the rest of a failed group, not a root cause."""
+        beat, state = item
+        if state == "gone":
+            end = self.exits.ended.get(int(beat["pid"]))
+            if end is None:
+                return 0, float(beat["time"])
+            return (6 if end.signal == signal.SIGTERM else 0), end.seen_at
+        if beat["phase"] == "failed":
+            return 1, float(beat["time"])
+        if state == "stopped":
+            return 2, float(beat["time"])
+        return (3 if beat["phase"] == "startup" else 4), float(beat["time"])
 
     def _detected(self, kind: str, beat: dict[str, Any], message: str, remaining: int, **extra: Any) -> None:
         record = {"rank": beat["rank"], "pid": beat["pid"], "restart": beat["restart"], "iteration": beat["iteration"],

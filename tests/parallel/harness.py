@@ -343,9 +343,10 @@ class WorkerPool:
 
 _SHARED: dict[int, WorkerPool] = {}
 
-# Tasks leave native threads behind in a worker (gloo's, background savers', monitors'); hundreds of them
-# polling kept idle workers at a third of a core each and slowed the whole suite. A shared pool whose worker
-# holds more threads than this is restarted before its next task.
+# A safety net: a worker that piles up native threads (gloo groups kept alive by something that still references
+# their device mesh; hundreds of polling threads once kept idle workers at a third of a core each) is restarted
+# before its next task. longspan's destroy_distributed, which the task cleanup calls, releases them (see
+# tests/parallel/test_teardown.py), so a worker now stays at a handful and the pools start once per session.
 MAX_WORKER_THREADS = 64
 
 

@@ -3,8 +3,9 @@
 config.json nests the language model's fields under ``text_config`` (transformers 5) or keeps them at the top
 (the hub's original files); the vision encoder's are under ``vision_config``. The language model is a Qwen2
 decoder whose RoPE has mRoPE sections (``rope_parameters.mrope_section``, or ``rope_scaling`` with type
-'mrope' in the older spelling). Weights: transformers 5 names ``model.language_model.*``, ``model.visual.*``
-and ``lm_head.*``; the hub's original files ``model.*``, ``visual.*`` (the family's prefix aliases read both).
+'mrope' in the older spelling). Weights: the files (the hub's, and transformers' save_pretrained) name them
+``model.*`` (the language model), ``visual.*`` (encoder and merger) and ``lm_head.*``; transformers' module
+paths ``model.language_model.*`` / ``model.visual.*`` are read too (the family's prefix aliases).
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ def qwen25_vl_hf(p: Any) -> dict[str, Any]:
 
 
 def _nested(table: tuple[mapping.WeightMap, ...]) -> tuple[mapping.WeightMap, ...]:
-    """A text model's table moved under ``language_model`` (ours) and ``model.language_model`` (HF)."""
-    moved = mapping.with_prefix(table, "model.", "model.language_model.")
-    return tuple(dataclasses.replace(e, ours="language_model." + e.ours) for e in moved)
+    """A text model's table with our names moved under ``language_model`` (the files keep the text model's)."""
+    return tuple(dataclasses.replace(e, ours="language_model." + e.ours) for e in table)
 
 
 _VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
@@ -88,10 +88,11 @@ _VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bi
 _MERGER = ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
 
 QWEN25_VL = _nested(mapping.LLAMA) + (
-    mapping.WeightMap("vision.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"),
-    *(mapping.WeightMap(f"vision.blocks.{{i}}.{name}", f"model.visual.blocks.{{i}}.{name}") for name in _VISION_BLOCK),
-    *(mapping.WeightMap(f"merger.{name}", f"model.visual.merger.{name}") for name in _MERGER),
+    mapping.WeightMap("vision.patch_embed.proj.weight", "visual.patch_embed.proj.weight"),
+    *(mapping.WeightMap(f"vision.blocks.{{i}}.{name}", f"visual.blocks.{{i}}.{name}") for name in _VISION_BLOCK),
+    *(mapping.WeightMap(f"merger.{name}", f"visual.merger.{name}") for name in _MERGER),
 )
 
-#: the hub's original tensor names (before transformers 4.52) as the reader's prefix aliases
-QWEN25_VL_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+#: the module paths of transformers >= 4.52 (``model.language_model.*``, ``model.visual.*``), which some
+#: writers use as tensor names, as the reader's prefix aliases
+QWEN25_VL_ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))

@@ -1,0 +1,146 @@
+"""Qwen2.5-VL against transformers: logits on a prompt with two images of different sizes, mRoPE position ids,
+bit-identical export, greedy generation with an image (library and ``longspan generate --image``), and the bad
+inputs (image tokens that do not match the images, images for a text-only model, missing or unreadable files)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from longspan import AutoBridge
+from longspan.cli import main
+from longspan.core.errors import DataError, NotSupportedError
+from longspan.data.tokenizers import NullTokenizer
+from longspan.inference import generate
+from longspan.inference.images import expand_image_tokens, load_images
+from longspan.models.vlm.mrope import mrope_position_ids
+from tests.conversion.parity import tensors
+from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, make_qwen_vl, processed
+
+PROMPT = ("describe <|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> "
+          "<|vision_end|> what colour")
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    """(HF directory, transformers model, processed inputs, longspan model imported from the directory)."""
+    directory = tmp_path_factory.mktemp("qwen_vl")
+    hf = make_qwen_vl(directory)
+    hf.config._attn_implementation = "sdpa"
+    # two images of different sizes: 2x2 and 1x3 merged patches (the second spans two attention windows)
+    images = [draw_image(56, 56, seed=1), draw_image(84, 28, seed=2)]
+    inputs = processed(directory, PROMPT, images)
+    model = AutoBridge.from_hf_pretrained(directory).to_megatron_model()[0].eval()
+    return directory, hf, inputs, model
+
+
+def _image_inputs(inputs):
+    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def test_logits_equal_transformers_on_two_images(qwen_vl):
+    _, hf, inputs, model = qwen_vl
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6]]
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+        ours = model(inputs["input_ids"], **_image_inputs(inputs))
+        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
+                             image_grid_thw=inputs["image_grid_thw"])
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    assert (other_pixels - ours).abs().max() > 1e-2  # the images do reach the logits
+
+
+def test_mrope_positions_equal_get_rope_index(qwen_vl):
+    directory, hf, _, _ = qwen_vl
+    # a batch of two rows: images in different places, one row text-only
+    a = processed(directory, "one <|vision_start|> <|image_pad|> <|vision_end|> two", [draw_image(56, 84, 3)])
+    b = processed(directory, "<|vision_start|> <|image_pad|> <|vision_end|> big dog", [draw_image(28, 56, 4)])
+    width = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    ids = torch.cat([pad(a["input_ids"]), pad(b["input_ids"])])
+    grid = torch.cat([a["image_grid_thw"], b["image_grid_thw"]])
+    expected, expected_deltas = hf.model.get_rope_index(ids, mm_token_type_ids=(ids == hf.config.image_token_id).int(),
+                                                        image_grid_thw=grid)
+    ours, deltas = mrope_position_ids(ids, grid, hf.config.image_token_id, spatial_merge_size=2)
+    assert torch.equal(ours, expected) and torch.equal(deltas, expected_deltas)
+
+
+def test_export_is_bit_identical_with_the_processor_files(qwen_vl, tmp_path):
+    directory, _, _, model = qwen_vl
+    AutoBridge.from_hf_pretrained(directory).save_hf_pretrained(model, tmp_path)
+    original, exported = tensors(directory), tensors(tmp_path)
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (directory / name).read_bytes(), name
+    read = lambda d: {k: v for k, v in transformers.AutoConfig.from_pretrained(d).to_dict().items()  # noqa: E731
+                      if k != "_name_or_path"}
+    assert read(tmp_path) == read(directory)
+
+
+def test_greedy_generate_with_images_equals_transformers(qwen_vl):
+    _, hf, inputs, model = qwen_vl
+    prompt = inputs["input_ids"]
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
+                      min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    expected = out[0, prompt.shape[1]:].tolist()
+    for use_cache in (True, False):
+        result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS,
+                          eos_ids=(), use_cache=use_cache, model_inputs=_image_inputs(inputs))
+        assert result.output_ids == expected, use_cache
+
+
+def test_generate_cli_with_an_image(qwen_vl, tmp_path, capsys):
+    directory, hf, _, _ = qwen_vl
+    image = tmp_path / "picture.png"
+    draw_image(84, 28, seed=2).save(image)
+    prompt = "describe <|image_pad|> what colour"
+    capsys.readouterr()
+    code = main(["generate", "--hf-model", str(directory), "--image", str(image), "--prompt", prompt,
+                 "--max-new-tokens", str(NEW_TOKENS), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    inputs = processed(directory, prompt, load_images([image]))
+    assert result["prompt_ids"] == inputs["input_ids"][0].tolist()
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]), do_sample=False,
+                      max_new_tokens=NEW_TOKENS)  # stops at the end-of-sequence token, as the CLI does
+    assert result["output_ids"] == out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_bad_images_and_image_tokens_are_one_line_errors(qwen_vl, tmp_path, capsys):
+    directory, _, inputs, model = qwen_vl
+    ids = inputs["input_ids"][0].tolist()
+    last = max(i for i, t in enumerate(ids) if t == model.config.image_token_id)
+    short = torch.tensor([ids[:last] + ids[last + 1:]])  # the second image lacks one of its 3 tokens
+    with pytest.raises(DataError, match="row 0: image 1 .* needs 3 image tokens, the prompt has 2"):
+        model(short, **_image_inputs(inputs))
+    with pytest.raises(DataError, match="2 image tokens.*for 1 images"):
+        mark = model.config.image_token_id
+        expand_image_tokens([1, mark, 2, mark], inputs["image_grid_thw"][:1], model.config)
+    unreadable = tmp_path / "notes.png"
+    unreadable.write_text("not a picture")
+    for path, reason in ((tmp_path / "missing.png", "no such file"), (unreadable, "not a readable image")):
+        capsys.readouterr()
+        code = main(["generate", "--hf-model", str(directory), "--image", str(path), "--prompt", "a"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and reason in err and str(path) in err and "\n" not in err
+
+
+def test_an_image_for_a_text_only_model_is_refused(tmp_path, capsys):
+    from tests.conversion.hf_models import make_hf_model
+
+    make_hf_model("qwen2", tmp_path / "text")
+    image = tmp_path / "picture.png"
+    draw_image(28, 28, seed=0).save(image)
+    capsys.readouterr()
+    code = main(["generate", "--hf-model", str(tmp_path / "text"), "--image", str(image), "--prompt", "the"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "text-only model" in err and "\n" not in err
+    with pytest.raises(NotSupportedError, match="text-only"):
+        model = AutoBridge.from_hf_pretrained(tmp_path / "text").to_megatron_model()
+        generate(model, NullTokenizer(95), [1, 2], max_new_tokens=1, model_inputs={"pixel_values": torch.zeros(1)})

@@ -21,7 +21,6 @@ from longspan.models.vlm.qwen_vision import QwenVisionArgs
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "vision_start_token_id", "vision_end_token_id",
                    "vision_token_id", "image_token_id", "video_token_id")
-VISION_FIELDS = tuple(f.name for f in dataclasses.fields(QwenVisionArgs))
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +55,10 @@ def qwen25_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     out = qwen2_provider(plain)
     out.update(position_embedding_type="mrope", mrope_section=sections)
     vision = required(cfg, "vision_config")
-    QwenVisionArgs.from_dict(vision)  # one-line error for an encoder longspan cannot build
-    out["vision_config"] = {k: v for k, v in vision.items() if k in VISION_FIELDS}
+    # every encoder field spelled out (HF's nested rope_parameters read), one-line error for one longspan
+    # cannot build
+    resolved = dataclasses.asdict(QwenVisionArgs.from_dict(vision))
+    out["vision_config"] = dict(resolved, fullatt_block_indexes=list(resolved["fullatt_block_indexes"]))
     for key in TOKEN_ID_FIELDS:
         value = cfg.get(key, text.get(key))
         if isinstance(value, int):

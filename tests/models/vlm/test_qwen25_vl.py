@@ -144,3 +144,25 @@ def test_an_image_for_a_text_only_model_is_refused(tmp_path, capsys):
     with pytest.raises(NotSupportedError, match="text-only"):
         model = AutoBridge.from_hf_pretrained(tmp_path / "text").to_megatron_model()
         generate(model, NullTokenizer(95), [1, 2], max_new_tokens=1, model_inputs={"pixel_values": torch.zeros(1)})
+
+
+def test_checkpoint_round_trip_and_generate_from_it(qwen_vl, tmp_path, capsys):
+    """HF -> longspan checkpoint -> HF is bit-identical with the processor files; ``generate --checkpoint
+    --image`` finds the image processor in the checkpoint and equals ``--hf-model``."""
+    directory, _, _, _ = qwen_vl
+    AutoBridge.import_ckpt(directory, tmp_path / "ckpt")
+    AutoBridge.export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    original, exported = tensors(directory), tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        assert (tmp_path / "hf" / name).read_bytes() == (directory / name).read_bytes(), name
+    image = tmp_path / "picture.png"
+    draw_image(56, 28, seed=5).save(image)
+    outputs = []
+    for source in (["--checkpoint", str(tmp_path / "ckpt")], ["--hf-model", str(directory)]):
+        capsys.readouterr()
+        assert main(["generate", *source, "--image", str(image), "--prompt", "what shape", "--max-new-tokens", "4",
+                     "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]

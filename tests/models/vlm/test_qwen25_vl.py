@@ -166,3 +166,63 @@ def test_checkpoint_round_trip_and_generate_from_it(qwen_vl, tmp_path, capsys):
                      "--json"]) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0] == outputs[1]
+
+
+def test_a_provider_made_export_reads_back_in_transformers(qwen_vl, tmp_path):
+    """The provider's config translation (no source config.json): transformers builds the same model from it."""
+    directory, hf, inputs, model = qwen_vl
+    bridge = AutoBridge.from_longspan_provider(model.config)
+    assert bridge.family.architecture == "Qwen2_5_VLForConditionalGeneration"
+    bridge.save_hf_pretrained(model, tmp_path)
+    reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id"):
+        assert getattr(reloaded.config, key) == getattr(hf.config, key), key
+    with torch.no_grad():
+        assert torch.equal(reloaded(**inputs).logits, hf(**inputs).logits)
+
+
+def test_the_hubs_flat_config_spelling_translates_alike(qwen_vl):
+    """The hub's config.json keeps the text fields at the top and spells mRoPE as rope_scaling type 'mrope'."""
+    from longspan.conversion.qwen_vl_families import qwen25_vl_provider
+
+    directory, _, _, _ = qwen_vl
+    nested = json.loads((directory / "config.json").read_text())
+    text = dict(nested["text_config"])
+    params = text.pop("rope_parameters")
+    flat = {k: v for k, v in nested.items() if k != "text_config"}
+    flat.update(text, rope_theta=params["rope_theta"],
+                rope_scaling={"type": "mrope", "mrope_section": params["mrope_section"]})
+    assert qwen25_vl_provider(flat) == qwen25_vl_provider(nested)
+
+
+def _rebuilt(directory, **fields):
+    """The imported model rebuilt from its provider with ``fields`` changed, the HF weights loaded."""
+    bridge = AutoBridge.from_hf_pretrained(directory)
+    provider = bridge.to_megatron_provider()
+    for name, value in fields.items():
+        setattr(provider, name, value)
+    model = provider.provide()
+    bridge.load_weights_into([model])
+    return model.eval()
+
+
+def test_the_vlm_fields_change_the_model(qwen_vl):
+    """mrope_section, image_token_id, vision_config and the freeze options each act on the model."""
+    directory, _, inputs, model = qwen_vl
+    with torch.no_grad():
+        base = model(inputs["input_ids"], **_image_inputs(inputs))
+        other_sections = _rebuilt(directory, mrope_section=[1, 1, 2])(inputs["input_ids"], **_image_inputs(inputs))
+    assert (other_sections - base).abs().max() > 1e-3
+    with pytest.raises(DataError, match="image tokens"):  # the image marks are other tokens now
+        _rebuilt(directory, image_token_id=3)(inputs["input_ids"], **_image_inputs(inputs))
+    provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+    provider.vision_config = dict(provider.vision_config, depth=3, fullatt_block_indexes=[2])
+    assert len(provider.provide_meta().vision.blocks) == 3
+    for flag, part in (("freeze_language_model", "language_model"), ("freeze_vision_model", "vision"),
+                       ("freeze_vision_projection", "merger")):
+        provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+        setattr(provider, flag, True)
+        built = provider.provide_meta()
+        frozen = {name.split(".")[0] for name, p in built.named_parameters() if not p.requires_grad}
+        trained = {name.split(".")[0] for name, p in built.named_parameters() if p.requires_grad}
+        assert frozen == {part} and part not in trained, flag

@@ -12,7 +12,7 @@ import transformers
 
 from longspan import AutoBridge
 from longspan.cli import main
-from longspan.core.errors import DataError, NotSupportedError
+from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from longspan.inference.images import expand_image_tokens, load_images
@@ -216,6 +216,10 @@ def test_the_vlm_fields_change_the_model(qwen_vl):
     with pytest.raises(DataError, match="image tokens"):  # the image marks are other tokens now
         _rebuilt(directory, image_token_id=3)(inputs["input_ids"], **_image_inputs(inputs))
     provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+    provider.mrope_section = [2, 2, 2]  # 6 frequency pairs for a head of 8 channels
+    with pytest.raises(ConfigError, match=r"model.mrope_section=\[2, 2, 2\] .* summing to kv_channels / 2 = 4"):
+        provider.provide_meta()
+    provider.mrope_section = [2, 1, 1]
     provider.vision_config = dict(provider.vision_config, depth=3, fullatt_block_indexes=[2])
     assert len(provider.provide_meta().vision.blocks) == 3
     for flag, part in (("freeze_language_model", "language_model"), ("freeze_vision_model", "vision"),
@@ -226,3 +230,27 @@ def test_the_vlm_fields_change_the_model(qwen_vl):
         frozen = {name.split(".")[0] for name, p in built.named_parameters() if not p.requires_grad}
         trained = {name.split(".")[0] for name, p in built.named_parameters() if p.requires_grad}
         assert frozen == {part} and part not in trained, flag
+    # the training loss reaches the merger and the language model, not the frozen encoder
+    frozen_vision = _rebuilt(directory, freeze_vision_model=True).train()
+    ids = inputs["input_ids"]
+    frozen_vision(ids, labels=ids.roll(-1, 1), **_image_inputs(inputs)).mean().backward()
+    grads = {name.split(".")[0]: p.grad for name, p in frozen_vision.named_parameters()}
+    assert grads["vision"] is None and grads["merger"].abs().sum() > 0 and grads["language_model"].abs().sum() > 0
+
+
+def test_tied_bf16_model_round_trips_and_matches_transformers(tmp_path):
+    """The 3B's shape (output layer tied to the embeddings) in bf16: the vision encoder keeps the dtype, the
+    export is bit-identical, the logits stay close to transformers' in bf16."""
+    hf = make_qwen_vl(tmp_path / "src", seed=1, tie=True, dtype=torch.bfloat16)
+    model = AutoBridge.from_hf_pretrained(tmp_path / "src").to_megatron_model()[0].eval()
+    assert model.language_model.output_layer is None
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    AutoBridge.from_hf_pretrained(tmp_path / "src").save_hf_pretrained(model, tmp_path / "out")
+    original, exported = tensors(tmp_path / "src"), tensors(tmp_path / "out")
+    assert sorted(original) == sorted(exported) and "lm_head.weight" not in exported
+    assert all(exported[k].dtype == v.dtype and torch.equal(exported[k], v) for k, v in original.items())
+    inputs = processed(tmp_path / "src", "a <|image_pad|> b", [draw_image(56, 28, seed=6)])
+    with torch.no_grad():
+        expected = hf(**inputs).logits.float()
+        ours = model(inputs["input_ids"], **_image_inputs(inputs)).float()
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0.05 * expected.abs().max().item())

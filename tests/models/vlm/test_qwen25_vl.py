@@ -254,3 +254,13 @@ def test_tied_bf16_model_round_trips_and_matches_transformers(tmp_path):
         expected = hf(**inputs).logits.float()
         ours = model(inputs["input_ids"], **_image_inputs(inputs)).float()
     torch.testing.assert_close(ours, expected, rtol=0, atol=0.05 * expected.abs().max().item())
+
+
+def test_bridge_run_configs_name_the_provider():
+    """A Megatron Bridge run_config.yaml's Qwen2.5-VL provider loads as longspan's (not as a GPT provider)."""
+    from longspan.config.targets import resolve_class
+    from longspan.models import Qwen25VLModelProvider
+
+    for target in ("megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider",
+                   "megatron.bridge.models.Qwen25VLModelProvider", "longspan.models.Qwen25VLModelProvider"):
+        assert resolve_class(target, "model") is Qwen25VLModelProvider, target

@@ -78,6 +78,8 @@ CONFIG_FILE = "config.json"
 #: tokenizer files copied with the weights (whichever exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+#: a multimodal processor's files (image processor, processor settings, chat template), copied the same way
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
 
 
 def is_hf_model_dir(path: str | os.PathLike | None) -> bool:
@@ -202,6 +204,8 @@ class AutoBridge:
     def hf_vocab_size(self) -> int | None:
         if self.family.export_config is not None:  # a text tower: the vocabulary is the text model's
             return self.family.export_config(self.hf_config).get("vocab_size")
+        if "vocab_size" not in self.hf_config and "text_config" in self.hf_config:  # a vision-language model
+            return (self.hf_config["text_config"] or {}).get("vocab_size")
         return self.hf_config.get("vocab_size")
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path: str | os.PathLike | None = None) -> Any:
@@ -502,7 +506,7 @@ def _first_dtype(model: nn.Module | list[nn.Module]) -> torch.dtype | None:
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     """Copy the tokenizer files of an HF (or longspan tokenizer) directory; returns the names copied."""
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + PROCESSOR_FILES:
         f = Path(src) / name
         if f.is_file():
             shutil.copyfile(f, Path(dst) / name)

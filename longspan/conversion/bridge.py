@@ -61,7 +61,8 @@ from longspan.conversion.safetensors_io import (
     StreamingSafetensorsWriter,
     finalize_shards,
 )
-from longspan.core.errors import CheckpointError, NotSupportedError
+from longspan.config.targets import longspan_target
+from longspan.core.errors import CheckpointError, ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.data.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
 from longspan.models.builder import build_meta_model
@@ -392,7 +393,9 @@ class AutoBridge:
         """
         checkpoint_format = cls._checkpoint_format("import_ckpt")
         bridge = cls.from_hf_pretrained(hf_path)
-        cfg = import_config(bridge._provider(), hf_path, megatron_path, overrides)
+        provider = bridge._provider()
+        _check_run_config_class(provider, bridge.family.architecture)
+        cfg = import_config(provider, hf_path, megatron_path, overrides)
         parallel = parallel_init.initialize_distributed(
             cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
         model = build_empty_model(cfg, parallel)
@@ -451,6 +454,19 @@ class AutoBridge:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
+def _check_run_config_class(provider: Any, architecture: str) -> None:
+    """A one-line NotSupportedError for a provider a run's configuration cannot hold yet (a checkpoint stores
+    its run_config.yaml), before any weight is read."""
+    try:
+        longspan_target(type(provider))
+    except ConfigError:
+        raise NotSupportedError(
+            f"{architecture} checkpoints (import_ckpt, training runs) are not supported yet: its "
+            f"{type(provider).__name__} is not a run configuration's model; convert in memory with "
+            "AutoBridge.from_hf_pretrained(path).to_megatron_model() and save_hf_pretrained"
+        ) from None
+
+
 def _count_tensors(model: list[nn.Module]) -> int:
     return sum(1 for chunk in model for _ in chunk.parameters())
 
@@ -504,7 +520,8 @@ def _first_dtype(model: nn.Module | list[nn.Module]) -> torch.dtype | None:
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer files of an HF (or longspan tokenizer) directory; returns the names copied."""
+    """Copy the tokenizer and processor files of an HF (or longspan tokenizer) directory; returns the names
+    copied."""
     copied = []
     for name in TOKENIZER_FILES + PROCESSOR_FILES:
         f = Path(src) / name

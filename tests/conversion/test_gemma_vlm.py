@@ -150,6 +150,13 @@ def test_bad_images_and_image_token_counts_are_one_line_errors(vlm, tmp_path):
         assert "\n" not in str(info.value)
 
 
+def test_checkpoint_import_is_refused_in_one_line(vlm, tmp_path):
+    """A run's configuration cannot hold the VLM provider yet: import_ckpt says so before reading weights."""
+    with pytest.raises(NotSupportedError, match="Gemma3ForConditionalGeneration checkpoints .* not supported yet") as info:
+        AutoBridge.import_ckpt(vlm[0], tmp_path / "ckpt")
+    assert "\n" not in str(info.value) and not (tmp_path / "ckpt").exists()
+
+
 def test_provider_freezes_parts_and_refuses_layouts(vlm):
     bridge = vlm[4]
     provider = bridge.to_megatron_provider()

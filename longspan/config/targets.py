@@ -70,7 +70,7 @@ _LONGSPAN_CLASSES = {
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
         "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
     ],
-    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider"],
+    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "Gemma3VLModelProvider"],
     "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
 }
 
@@ -106,6 +106,9 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.models.t5_provider.T5ModelProvider": "T5ModelProvider",
     "megatron.bridge.models.mamba.mamba_provider.MambaProvider": "MambaProvider",
     "megatron.bridge.models.MambaProvider": "MambaProvider",
+    "megatron.bridge.models.gemma_vl.gemma3_vl_provider.Gemma3VLModelProvider": "Gemma3VLModelProvider",
+    "megatron.bridge.models.gemma_vl.Gemma3VLModelProvider": "Gemma3VLModelProvider",
+    "megatron.bridge.models.Gemma3VLModelProvider": "Gemma3VLModelProvider",
     "megatron.bridge.peft.lora.LoRA": "LoRA",
     "megatron.bridge.peft.lora.lora.LoRA": "LoRA",
     "megatron.bridge.peft.dora.DoRA": "DoRA",
@@ -150,6 +153,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "GPTModelProvider": "longspan.models.gpt_provider.GPTModelProvider",
     "T5ModelProvider": "longspan.models.t5_provider.T5ModelProvider",
     "MambaProvider": "longspan.models.mamba_provider.MambaProvider",
+    "Gemma3VLModelProvider": "longspan.models.vlm.gemma_vlm_provider.Gemma3VLModelProvider",
     "LoRA": "longspan.peft.config.LoRA",
     "DoRA": "longspan.peft.config.DoRA",
     "CanonicalLoRA": "longspan.peft.config.CanonicalLoRA",
@@ -161,7 +165,7 @@ SECTION_TYPES: dict[str, tuple[str, ...]] = {
     "rng": ("RNGConfig",),
     "rerun_state_machine": ("RerunStateMachineConfig",),
     "train": ("TrainingConfig",),
-    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider"),
+    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Gemma3VLModelProvider"),
     "optimizer": ("OptimizerConfig",),
     "ddp": ("DistributedDataParallelConfig",),
     "scheduler": ("SchedulerConfig",),
@@ -215,6 +219,8 @@ def resolve_class(target: str, where: str) -> Optional[type]:
             return config_class("T5ModelProvider")
         if "Mamba" in name or "NemotronH" in name:
             return config_class("MambaProvider")
+        if "Gemma3VL" in name:
+            return config_class("Gemma3VLModelProvider")
         return config_class("GPTModelProvider")
     return None
 

@@ -61,8 +61,7 @@ from longspan.conversion.safetensors_io import (
     StreamingSafetensorsWriter,
     finalize_shards,
 )
-from longspan.config.targets import longspan_target
-from longspan.core.errors import CheckpointError, ConfigError, NotSupportedError
+from longspan.core.errors import CheckpointError, NotSupportedError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.data.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
 from longspan.models.builder import build_meta_model
@@ -76,11 +75,13 @@ _log = get_logger(__name__)
 _HF_READABLE_TOKENIZERS = (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer)
 
 CONFIG_FILE = "config.json"
-#: tokenizer files copied with the weights (whichever exist)
+#: a vision-language model's processor files (image processor settings, the processor's chat template), which
+#: a longspan checkpoint imported from HF keeps beside its weights
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "chat_template.jinja", "video_preprocessor_config.json")
+#: tokenizer (and processor) files copied with the weights (whichever exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-#: a multimodal processor's files (image processor, processor settings, chat template), copied the same way
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
+                   "vocab.json", "merges.txt", "generation_config.json") + PROCESSOR_FILES
 
 
 def is_hf_model_dir(path: str | os.PathLike | None) -> bool:
@@ -205,9 +206,8 @@ class AutoBridge:
     def hf_vocab_size(self) -> int | None:
         if self.family.export_config is not None:  # a text tower: the vocabulary is the text model's
             return self.family.export_config(self.hf_config).get("vocab_size")
-        if "vocab_size" not in self.hf_config and "text_config" in self.hf_config:  # a vision-language model
-            return (self.hf_config["text_config"] or {}).get("vocab_size")
-        return self.hf_config.get("vocab_size")
+        # a vision-language model's config.json nests its text model's fields (transformers 5)
+        return self.hf_config.get("vocab_size") or (self.hf_config.get("text_config") or {}).get("vocab_size")
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path: str | os.PathLike | None = None) -> Any:
         """A ``GPTModelProvider`` whose architecture fields come from the HF config.
@@ -393,9 +393,7 @@ class AutoBridge:
         """
         checkpoint_format = cls._checkpoint_format("import_ckpt")
         bridge = cls.from_hf_pretrained(hf_path)
-        provider = bridge._provider()
-        _check_run_config_class(provider, bridge.family.architecture)
-        cfg = import_config(provider, hf_path, megatron_path, overrides)
+        cfg = import_config(bridge._provider(), hf_path, megatron_path, overrides)
         parallel = parallel_init.initialize_distributed(
             cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
         model = build_empty_model(cfg, parallel)
@@ -407,6 +405,7 @@ class AutoBridge:
         iter_dir = checkpoint_format.save_model(cfg, model, parallel)
         if parallel.rank == 0:
             shutil.copyfile(Path(hf_path) / CONFIG_FILE, iter_dir / HF_CONFIG_IN_CHECKPOINT)
+            copy_tokenizer_files(hf_path, iter_dir, PROCESSOR_FILES)  # for the export and generation with images
             print_rank_0(f"imported {hf_path} ({bridge.family.architecture}, {cfg.model.num_layers} layers) "
                          f"into {megatron_path} (iteration 0)", _log)
         return Path(megatron_path)
@@ -437,6 +436,7 @@ class AutoBridge:
             progress.close()
         if get_rank() == 0:
             _write_tokenizer(saved, hf_path)
+            copy_tokenizer_files(saved.directory, hf_path, PROCESSOR_FILES)
             print_rank_0(f"exported {megatron_path} (iteration {saved.iteration}) as {bridge.family.architecture} "
                          f"to {hf_path}", _log)
         return Path(hf_path)
@@ -452,19 +452,6 @@ class AutoBridge:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def _check_run_config_class(provider: Any, architecture: str) -> None:
-    """A one-line NotSupportedError for a provider a run's configuration cannot hold yet (a checkpoint stores
-    its run_config.yaml), before any weight is read."""
-    try:
-        longspan_target(type(provider))
-    except ConfigError:
-        raise NotSupportedError(
-            f"{architecture} checkpoints (import_ckpt, training runs) are not supported yet: its "
-            f"{type(provider).__name__} is not a run configuration's model; convert in memory with "
-            "AutoBridge.from_hf_pretrained(path).to_megatron_model() and save_hf_pretrained"
-        ) from None
 
 
 def _count_tensors(model: list[nn.Module]) -> int:
@@ -519,11 +506,12 @@ def _first_dtype(model: nn.Module | list[nn.Module]) -> torch.dtype | None:
     return None
 
 
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer and processor files of an HF (or longspan tokenizer) directory; returns the names
-    copied."""
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike,
+                         names: Sequence[str] = TOKENIZER_FILES) -> list[str]:
+    """Copy the tokenizer files (``names``: whichever exist) of an HF (or longspan tokenizer) directory; returns
+    the names copied."""
     copied = []
-    for name in TOKENIZER_FILES + PROCESSOR_FILES:
+    for name in names:
         f = Path(src) / name
         if f.is_file():
             shutil.copyfile(f, Path(dst) / name)

@@ -5,8 +5,8 @@ images into ``pixel_values``; the tokenizer expands each image marker of the pro
 for Gemma 3, marks them in ``token_type_ids``), feeds every processor output but the token ids to the first
 forward (the prompt), then decodes token by token from the KV cache exactly as ``generate`` does (greedy or
 sampled; the same stopping rules). ``generate_from_hf_with_images`` does it for an HF model directory (the
-weights through ``AutoBridge``, the processor from the same directory): what ``longspan generate --image``
-calls.
+weights through ``AutoBridge``, the processor from the same directory). ``prompt_inputs`` gives the prompt's ids
+and the model's image inputs alone, for a caller with its own decoding loop (``longspan generate --image``).
 
 The processor's outputs keep HF's names (``pixel_values``, ``token_type_ids``, ...): the model's forward takes
 them as keyword arguments (``longspan.models.vlm``).
@@ -71,6 +71,14 @@ def load_processor(hf_path: str | os.PathLike) -> Any:
                               "files (processor_config.json or preprocessor_config.json, the tokenizer)") from None
 
 
+def prompt_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """(the prompt's token ids with each image's tokens, the model's other inputs: ``pixel_values``,
+    ``token_type_ids``, ...) from the HF processor; what ``generate(..., model_inputs=...)`` takes for a prompt
+    with images. ``images``: paths or PIL images."""
+    inputs = processor_inputs(processor, prompt, load_images(images))
+    return inputs["input_ids"][0].tolist(), {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+
+
 def processor_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> dict[str, torch.Tensor]:
     """The processor's tensors for one prompt and its images (one-line DataError when they do not match)."""
     marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
@@ -104,12 +112,11 @@ def generate_with_images(
     ``images`` (paths or PIL images) with up to ``max_new_tokens`` tokens; arguments as ``generate``."""
     check_generation_args(max_new_tokens, temperature, top_k, top_p)
     net = _single_model(model)
-    inputs = processor_inputs(processor, prompt, load_images(images))
+    prompt_ids, extra = prompt_inputs(processor, prompt, images)
     device = next(net.parameters()).device
-    prompt_ids = inputs["input_ids"][0].tolist()
     if not prompt_ids:
         raise ConfigError("the prompt is empty: give at least one token of text")
-    extra = {k: v.to(device) for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+    extra = {k: v.to(device) for k, v in extra.items()}
     tokenizer = processor.tokenizer
     stop = set(int(i) for i in eos_ids) if eos_ids is not None else _eos_ids(_TokenizerIds(tokenizer), None)
     vocab_size = _real_vocab_size(net, None)
@@ -121,7 +128,7 @@ def generate_with_images(
     net.eval()
     try:
         cache = KVCache(len(prompt_ids) + max_new_tokens)
-        step_input = inputs["input_ids"].to(device)
+        step_input = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         output_ids: list[int] = []
         kept: list[torch.Tensor] = []
         finish = "length"
@@ -164,4 +171,4 @@ def generate_from_hf_with_images(hf_path: str | os.PathLike, prompt: str, images
 
 
 __all__ = ["generate_from_hf_with_images", "generate_with_images", "load_images", "load_processor",
-           "processor_inputs"]
+           "processor_inputs", "prompt_inputs"]

@@ -202,8 +202,9 @@ class DecoderLanguageModel(nn.Module):
                 token crosses a document).
             token_ids: the microbatch's token ids on a stage without ``pre_process`` (its first input is hidden
                 states), read only by multi-token prediction.
-            decoder_input: the embeddings ``[b, s, hidden]`` of ``input_ids``, computed by the caller (a
-                vision-language model merges image embeddings into them); None runs the embedding.
+            decoder_input: the first stage's input embeddings ``[b, s, hidden]``, computed by the caller instead
+                of the embedding lookup (a vision-language model's token embeddings with its image embeddings
+                put in); ``input_ids`` still gives the shape and multi-token prediction's tokens.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` without labels; float32 per-token cross-entropy

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from longspan import AutoBridge
 from longspan.conversion import families
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
-from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images
+from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images, prompt_inputs
 from tests.conversion.gemma_vlm_models import draw_image, make_gemma3_vlm
 
 PROMPT = "describe <start_of_image> the picture and <start_of_image> a dot"
@@ -123,9 +123,16 @@ def test_greedy_generate_with_an_image_equals_transformers(vlm, tmp_path):
     result = generate_with_images(model, processor, prompt, [image], max_new_tokens=8, eos_ids=())
     assert result.prompt_ids == inputs["input_ids"][0].tolist()
     assert result.output_ids == expected and len(expected) == 8
-    # From the HF directory (what `longspan generate --image` runs).
+    # From the HF directory.
     again = generate_from_hf_with_images(src, prompt, [str(image)], max_new_tokens=8, eos_ids=())
     assert again.output_ids == expected
+    # Without a KV cache: every forward re-runs the sequence; the image inputs cover the prompt only.
+    ids, image_inputs = prompt_inputs(processor, prompt, [image])
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(8):
+            tokens = torch.cat([tokens, model(tokens, **image_inputs)[:, -1:].argmax(-1)], dim=1)
+    assert tokens[0, len(ids):].tolist() == expected
 
 
 def test_bad_images_and_image_token_counts_are_one_line_errors(vlm, tmp_path):
@@ -163,6 +170,8 @@ def test_checkpoint_import_and_export_are_bit_identical(vlm, tmp_path):
     source_cfg, exported_cfg = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "hf"))
     exported_cfg.pop("transformers_version", None), source_cfg.pop("transformers_version", None)
     assert exported_cfg == source_cfg
+    for name in ("processor_config.json", "chat_template.jinja", "tokenizer.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
 
 
 def test_provider_freezes_parts_and_refuses_layouts(vlm):

@@ -160,7 +160,8 @@ class Gemma3VLModel(nn.Module):
 
         ``pixel_values``: the images whose soft tokens sit at the image-token positions (None: a text-only batch,
         or decoding after the prompt). ``token_type_ids`` (1 = image token) makes each image's tokens attend to
-        each other both ways; None attends causally, as transformers does without it. ``attention_mask``:
+        each other both ways (shorter than ``input_ids``: the tokens after it are text); None attends causally, as
+        transformers does without it. ``attention_mask``:
         Megatron's bool mask (True = masked) the image blocks are unmasked in; None = causal. Other arguments
         as ``GPTModel.forward``.
         """
@@ -169,6 +170,8 @@ class Gemma3VLModel(nn.Module):
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         embeds = self._embed(input_ids, position_ids, pixel_values)
         if token_type_ids is not None and bool((token_type_ids == 1).any()):
+            if token_type_ids.shape[1] < input_ids.shape[1]:  # tokens generated after the prompt are text
+                token_type_ids = F.pad(token_type_ids, (0, input_ids.shape[1] - token_type_ids.shape[1]))
             if past:
                 raise NotSupportedError("token_type_ids after cached tokens are not supported: pass the image "
                                         "tokens in the first forward of a KV cache (the prompt)")

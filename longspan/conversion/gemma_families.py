@@ -1,4 +1,4 @@
-"""Config translations of Gemma 2, Gemma 3 (text, and the text tower of Gemma3ForConditionalGeneration) and
+"""Config translations of Gemma 2, Gemma 3 (text, and the vision-language Gemma3ForConditionalGeneration) and
 OLMo-2: the decoders whose norms sit after attention and the MLP.
 
 - Gemma 2/3: zero-centred RMSNorm ``x * (1 + w)`` before and after attention and the MLP, embeddings scaled by

@@ -23,8 +23,9 @@ SUPPORTED_VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 class Gemma3VLModelProvider(GPTModelProvider):
     """A Gemma 3 vision-language model: SigLIP encoder, multimodal projector, Gemma 3 language model.
 
-    Built on one process or with data parallel (DDP / FSDP2); tensor, context and pipeline parallel raise a
-    one-line NotSupportedError when the model is built."""
+    Tested on one process; the data-parallel wrappers apply as to any model (FSDP2 shards it as one unit: it
+    has no top-level ``decoder.layers``). Tensor, context and pipeline parallel raise a one-line
+    NotSupportedError when the model is built."""
 
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,

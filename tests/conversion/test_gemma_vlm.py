@@ -18,6 +18,7 @@ from longspan.conversion import families
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images, prompt_inputs
 from tests.conversion.gemma_vlm_models import draw_image, make_gemma3_vlm
+from tests.training.pretrain_helpers import small_config
 
 PROMPT = "describe <start_of_image> the picture and <start_of_image> a dot"
 WINDOW = 3  # shorter than an image's 4 tokens: the window's far edge cuts inside an image
@@ -174,7 +175,7 @@ def test_checkpoint_import_and_export_are_bit_identical(vlm, tmp_path):
         assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
 
 
-def test_provider_freezes_parts_and_refuses_layouts(vlm):
+def test_provider_freezes_parts_and_refuses_layouts(vlm, tmp_path):
     bridge = vlm[4]
     provider = bridge.to_megatron_provider()
     provider.freeze_vision_model = provider.freeze_vision_projection = True
@@ -193,3 +194,10 @@ def test_provider_freezes_parts_and_refuses_layouts(vlm):
     provider.mm_tokens_per_image = 2
     with pytest.raises(ConfigError, match="mm_tokens_per_image=2 is invalid"):
         provider.provide()
+    # validate() runs the same rule on a run's configuration.
+    cfg = small_config(tmp_path)
+    cfg.dataset.sequence_length = provider.seq_length
+    cfg.model = provider
+    with pytest.raises(ConfigError, match="mm_tokens_per_image=2 is invalid") as info:
+        cfg.validate()
+    assert "\n" not in str(info.value)

@@ -8,15 +8,12 @@ becomes after average pooling.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.config.rules.vision import check_image_model
+from longspan.core.errors import NotSupportedError
 from longspan.models.gpt_provider import GPTModelProvider
-
-#: SigLIP vision_config values the vision tower implements (anything else: NotSupportedError when built)
-SUPPORTED_VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 
 
 @dataclass
@@ -25,7 +22,7 @@ class Gemma3VLModelProvider(GPTModelProvider):
 
     Tested on one process; the data-parallel wrappers apply as to any model (FSDP2 shards it as one unit: it
     has no top-level ``decoder.layers``). Tensor, context and pipeline parallel raise a one-line
-    NotSupportedError when the model is built."""
+    NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is built)."""
 
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,
@@ -61,49 +58,14 @@ class Gemma3VLModelProvider(GPTModelProvider):
     freeze_vision_projection: bool = False
     """Train no multimodal-projector parameter (``multi_modal_projector.*``)."""
 
-    def check_vision(self) -> None:
-        """One-line errors for vision fields the model cannot build."""
-        vision = self.vision_config or {}
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
-                    "patch_size"):
-            value = vision.get(key)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.vision_config.{key}={value!r} is invalid: give a positive integer")
-        if vision.get("vision_use_head"):
-            raise NotSupportedError("model.vision_config.vision_use_head=True is not supported: Gemma 3 uses every "
-                                    "patch vector (set it to false)")
-        act = vision.get("hidden_act", "gelu_pytorch_tanh")
-        if act not in SUPPORTED_VISION_ACTIVATIONS:
-            raise NotSupportedError(f"model.vision_config.hidden_act={act!r} is not supported: use one of "
-                                    f"{', '.join(SUPPORTED_VISION_ACTIVATIONS)}")
-        if vision["hidden_size"] % vision["num_attention_heads"]:
-            raise ConfigError(f"model.vision_config.hidden_size={vision['hidden_size']} is not a multiple of "
-                              f"num_attention_heads={vision['num_attention_heads']}")
-        grid = vision["image_size"] // vision["patch_size"]
-        side = math.isqrt(self.mm_tokens_per_image) if self.mm_tokens_per_image > 0 else 0
-        if side * side != self.mm_tokens_per_image or grid % side:
-            raise ConfigError(
-                f"model.mm_tokens_per_image={self.mm_tokens_per_image} is invalid: give a square number whose "
-                f"side divides the {grid}x{grid} patch grid (image_size // patch_size)"
-            )
-
-    def check_layout(self, pre_process: bool, post_process: bool, layer_numbers: Optional[list[int]]) -> None:
-        """One-line NotSupportedError for the parallel layouts not implemented yet."""
-        for name in ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"):
-            value = getattr(self, name, 1) or 1
-            if value > 1:
-                raise NotSupportedError(f"model.{name}={value} is not supported yet for Gemma3VLModelProvider: "
-                                        "use 1 (data parallel works)")
-        if not (pre_process and post_process) or layer_numbers is not None:
-            raise NotSupportedError("pipeline stages are not supported yet for Gemma3VLModelProvider")
-
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``longspan.models.vlm.gemma_vlm.build_gemma3_vl_model`` (see ``ModelProviderMixin``)."""
         from longspan.models.vlm.gemma_vlm import build_gemma3_vl_model  # keeps the provider free of model code
 
-        self.check_layout(pre_process, post_process, layer_numbers)
-        self.check_vision()
+        check_image_model(self)
+        if not (pre_process and post_process) or layer_numbers is not None:
+            raise NotSupportedError("pipeline stages are not supported yet for Gemma3VLModelProvider")
         return build_gemma3_vl_model(self, vp_stage, materialize=materialize)
 
 

@@ -70,7 +70,8 @@ _LONGSPAN_CLASSES = {
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
         "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
     ],
-    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider"],
+    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider",
+                        "Gemma3VLModelProvider"],
     "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
 }
 
@@ -109,6 +110,9 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider": "Qwen25VLModelProvider",
     "megatron.bridge.models.qwen_vl.Qwen25VLModelProvider": "Qwen25VLModelProvider",
     "megatron.bridge.models.Qwen25VLModelProvider": "Qwen25VLModelProvider",
+    "megatron.bridge.models.gemma_vl.gemma3_vl_provider.Gemma3VLModelProvider": "Gemma3VLModelProvider",
+    "megatron.bridge.models.gemma_vl.Gemma3VLModelProvider": "Gemma3VLModelProvider",
+    "megatron.bridge.models.Gemma3VLModelProvider": "Gemma3VLModelProvider",
     "megatron.bridge.peft.lora.LoRA": "LoRA",
     "megatron.bridge.peft.lora.lora.LoRA": "LoRA",
     "megatron.bridge.peft.dora.DoRA": "DoRA",
@@ -154,6 +158,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "T5ModelProvider": "longspan.models.t5_provider.T5ModelProvider",
     "MambaProvider": "longspan.models.mamba_provider.MambaProvider",
     "Qwen25VLModelProvider": "longspan.models.vlm.qwen25_vl_provider.Qwen25VLModelProvider",
+    "Gemma3VLModelProvider": "longspan.models.vlm.gemma_vlm_provider.Gemma3VLModelProvider",
     "LoRA": "longspan.peft.config.LoRA",
     "DoRA": "longspan.peft.config.DoRA",
     "CanonicalLoRA": "longspan.peft.config.CanonicalLoRA",
@@ -165,7 +170,7 @@ SECTION_TYPES: dict[str, tuple[str, ...]] = {
     "rng": ("RNGConfig",),
     "rerun_state_machine": ("RerunStateMachineConfig",),
     "train": ("TrainingConfig",),
-    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider"),
+    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider", "Gemma3VLModelProvider"),
     "optimizer": ("OptimizerConfig",),
     "ddp": ("DistributedDataParallelConfig",),
     "scheduler": ("SchedulerConfig",),
@@ -221,6 +226,8 @@ def resolve_class(target: str, where: str) -> Optional[type]:
             return config_class("MambaProvider")
         if name.startswith("Qwen25VL"):
             return config_class("Qwen25VLModelProvider")
+        if "Gemma3VL" in name:
+            return config_class("Gemma3VLModelProvider")
         return config_class("GPTModelProvider")
     return None
 

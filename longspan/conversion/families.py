@@ -1,7 +1,7 @@
 """The supported Hugging Face architectures: one ``Family`` per architecture (names, weight table, config translation).
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 and its vision-language model's text tower, OLMo-2),
+GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text and vision-language, OLMo-2),
 ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
 ``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H),
 ``qwen_vl_families`` (Qwen2.5-VL); the helpers they share (dtypes, RoPE, sliding windows, activations) are in
@@ -39,8 +39,8 @@ from longspan.conversion.gemma_families import (
     gemma2_provider,
     gemma3_hf,
     gemma3_provider,
+    gemma3_vlm_hf,
     gemma3_vlm_provider,
-    gemma3_vlm_text_config,
     olmo2_hf,
     olmo2_provider,
 )
@@ -92,6 +92,12 @@ def phi3_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
     return mapping.phi3(heads, cfg.get("num_key_value_heads") or heads)
 
 
+#: other spellings of Gemma3ForConditionalGeneration's tensor names: transformers' module paths and the hub's
+#: files (whose vision encoder sits under vision_tower.vision_model.)
+GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                      ("vision_tower.", "vision_tower.vision_model."), ("vision_tower.", "model.vision_tower."),
+                      ("multi_modal_projector.", "model.multi_modal_projector."))
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "LlamaForCausalLM", "llama", mapping.LLAMA, llama_provider, llama_hf),
     Family("mistral", "MistralForCausalLM", "mistral", mapping.LLAMA, mistral_provider, mistral_hf),
@@ -110,10 +116,8 @@ FAMILIES: tuple[Family, ...] = (
            t5_weights),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
-    Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_TEXT_TOWER, gemma3_vlm_provider,
-           gemma3_hf, hf_prefix_aliases=(("language_model.model.", "model.language_model."),
-                                         ("language_model.lm_head.", "lm_head.")),
-           export_architecture="Gemma3ForCausalLM", export_config=gemma3_vlm_text_config),
+    Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_VLM, gemma3_vlm_provider,
+           gemma3_vlm_hf, "Gemma3VLModelProvider", hf_prefix_aliases=GEMMA3_VLM_ALIASES),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
     Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.MAMBA2, mamba2_provider, mamba2_hf, "MambaProvider"),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, nemotron_h_provider,
@@ -151,6 +155,8 @@ def family_for_config(cfg: dict[str, Any]) -> Family:
 
 def family_for_provider(provider: Any) -> Family:
     """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
+    if type(provider).__name__ == "Gemma3VLModelProvider":
+        return BY_ARCHITECTURE["Gemma3ForConditionalGeneration"]
     if type(provider).__name__ == "T5ModelProvider":
         return BY_ARCHITECTURE["T5ForConditionalGeneration"]
     if type(provider).__name__ == "Qwen25VLModelProvider":

@@ -1,4 +1,4 @@
-"""Config translations of Gemma 2, Gemma 3 (text, and the text tower of Gemma3ForConditionalGeneration) and
+"""Config translations of Gemma 2, Gemma 3 (text, and the vision-language Gemma3ForConditionalGeneration) and
 OLMo-2: the decoders whose norms sit after attention and the MLP.
 
 - Gemma 2/3: zero-centred RMSNorm ``x * (1 + w)`` before and after attention and the MLP, embeddings scaled by
@@ -242,9 +242,53 @@ def gemma3_hf(p: Any) -> dict[str, Any]:
     return out
 
 
+#: vision_config keys the SigLIP encoder reads (the others, e.g. transformers' bookkeeping, are not kept)
+SIGLIP_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                 "image_size", "patch_size", "layer_norm_eps", "hidden_act", "attention_dropout", "vision_use_head")
+
+
 def gemma3_vlm_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The text tower of a Gemma3ForConditionalGeneration config.json (its ``text_config``)."""
-    return gemma3_provider(gemma3_vlm_text_config(cfg))
+    """Gemma3VLModelProvider fields of a Gemma3ForConditionalGeneration config.json: the language model from
+    its ``text_config``, the SigLIP encoder from ``vision_config``, the image tokens."""
+    out = gemma3_provider(gemma3_vlm_text_config(cfg))
+    vision = dict(cfg.get("vision_config") or {})
+    if not vision:
+        raise NotSupportedError("config.json of Gemma3ForConditionalGeneration has no vision_config to convert")
+    if vision.get("vision_use_head"):
+        raise NotSupportedError("config.json vision_config.vision_use_head=true is not supported: Gemma 3 uses "
+                                "every patch vector (false)")
+    out.update(
+        vision_config={k: vision[k] for k in SIGLIP_FIELDS if k in vision},
+        mm_tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)),
+        image_token_id=int(_first(cfg, "image_token_index", "image_token_id", default=262144)),
+        vision_start_token_id=int(_first(cfg, "boi_token_index", "boi_token_id", default=255999)),
+        vision_end_token_id=int(_first(cfg, "eoi_token_index", "eoi_token_id", default=256000)),
+    )
+    text = cfg.get("text_config") or {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = cfg.get(key, text.get(key))
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def gemma3_vlm_hf(p: Any) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json body for a Gemma3VLModelProvider."""
+    if not getattr(p, "vision_config", None):
+        raise NotSupportedError("this model has no vision encoder: export it as Gemma3ForCausalLM")
+    text = dict(gemma3_hf(p), model_type="gemma3_text")
+    vision = dict(p.vision_config, model_type="siglip_vision_model", vision_use_head=False)
+    return dict(text_config=text, vision_config=vision, mm_tokens_per_image=p.mm_tokens_per_image,
+                image_token_index=p.image_token_id, boi_token_index=p.vision_start_token_id,
+                eoi_token_index=p.vision_end_token_id, tie_word_embeddings=text["tie_word_embeddings"],
+                initializer_range=text["initializer_range"])
 
 
 def gemma3_vlm_text_config(cfg: dict[str, Any]) -> dict[str, Any]:

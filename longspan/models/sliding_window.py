@@ -13,6 +13,10 @@ A caller's mask (Megatron's bool, True = masked: document boundaries of packed s
 mask) is combined with the window: a key is attended only if both allow it. When the caller's mask has more key
 columns than the keys at hand (a KV cache that kept only the window), its last columns are the ones used.
 
+A ``TwoSidedMask`` is a caller's mask that may let a query see later keys (Gemma 3's image tokens see their whole
+image): the window then cuts only the keys too far back (``i - j >= window``) and the caller's mask decides the
+later ones, as transformers' Gemma 3 does (its sliding mask is AND(window, OR(causal, image block))).
+
 Cost: on a sequence of ``s`` tokens the dense path builds an ``[s, s]`` mask and lets SDPA compute every score;
 ``windowed_attention`` instead cuts the queries into chunks of ``max(window, MIN_CHUNK)`` and attends each chunk
 only to the keys its window reaches (at most ``chunk + window - 1``), so time and memory grow with
@@ -31,19 +35,35 @@ import torch.nn.functional as F
 MIN_CHUNK = 256
 
 
+class TwoSidedMask:
+    """A caller's attention mask (bool ``[b or 1, 1, s_q, s_k]``, True = masked) that decides later keys itself:
+    it may unmask keys after the query. Full-attention layers receive ``mask`` as it is; sliding-window layers
+    combine it with only the far edge of their window (``WindowedMask(causal=False)``)."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+
 class WindowedMask:
     """What a sliding-window layer receives as its ``attention_mask``: the window, the caller's mask (or None)
     and a memo shared by every layer of one forward, so each distinct (window, shape) mask is built once per
-    forward, not per layer."""
+    forward, not per layer. ``causal=False`` (a ``TwoSidedMask``'s): the window masks only keys too far back and
+    the caller's mask, required then, decides the later keys."""
 
-    __slots__ = ("window", "base", "memo")
+    __slots__ = ("window", "base", "memo", "causal")
 
-    def __init__(self, window: int, base: torch.Tensor | None, memo: dict[Any, torch.Tensor] | None = None) -> None:
+    def __init__(self, window: int, base: torch.Tensor | None, memo: dict[Any, torch.Tensor] | None = None,
+                 causal: bool = True) -> None:
         if base is not None and base.dtype != torch.bool:  # a 0/1 (or additive 0/-inf) mask: non-zero is masked
             base = base != 0
+        if not causal and base is None:
+            raise ValueError("a sliding-window mask without its causal part needs the caller's mask")
         self.window = int(window)
         self.base = base
         self.memo = {} if memo is None else memo
+        self.causal = causal
 
     def aligned_base(self, q_len: int, k_len: int) -> torch.Tensor | None:
         """The caller's mask for ``q_len`` queries and the last ``k_len`` key positions (bottom-right)."""
@@ -56,17 +76,17 @@ class WindowedMask:
 
     def band(self, q_len: int, k_len: int, first: int, device: torch.device) -> torch.Tensor:
         """The window's mask ``[q_len, k_len]`` (True = masked) when query i sits at key index ``first + i``."""
-        key = ("band", self.window, q_len, k_len, first, device)
+        key = ("band", self.window, q_len, k_len, first, device, self.causal)
         mask = self.memo.get(key)
         if mask is None:
-            mask = band_mask(q_len, k_len, self.window, first, device)
+            mask = band_mask(q_len, k_len, self.window, first, device, causal=self.causal)
             self.memo[key] = mask
         return mask
 
     def dense_keep(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
         """Window and caller's mask together as SDPA's ``attn_mask`` (True = attend), ``[b or 1, 1, q_len,
         k_len]``; built once per forward."""
-        key = ("dense", self.window, q_len, k_len, device)
+        key = ("dense", self.window, q_len, k_len, device, self.causal)
         keep = self.memo.get(key)
         if keep is None:
             band = self.band(q_len, k_len, k_len - q_len, device)
@@ -75,7 +95,8 @@ class WindowedMask:
         return keep
 
     def __repr__(self) -> str:
-        return f"WindowedMask(window={self.window}, base={None if self.base is None else tuple(self.base.shape)})"
+        base = None if self.base is None else tuple(self.base.shape)
+        return f"WindowedMask(window={self.window}, base={base}, causal={self.causal})"
 
 
 def _combine(band: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
@@ -83,12 +104,12 @@ def _combine(band: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
 
 
 def band_mask(
-    q_len: int, k_len: int, window: int, first: int, device: torch.device | str | None = None
+    q_len: int, k_len: int, window: int, first: int, device: torch.device | str | None = None, causal: bool = True
 ) -> torch.Tensor:
     """Bool ``[q_len, k_len]``, True = masked: query i (at key index ``first + i``) sees keys j with
-    ``0 <= first + i - j < window``."""
+    ``0 <= first + i - j < window`` (``causal=False``: every j with ``first + i - j < window``)."""
     distance = (torch.arange(q_len, device=device) + first)[:, None] - torch.arange(k_len, device=device)[None, :]
-    return (distance < 0) | (distance >= window)
+    return ((distance < 0) | (distance >= window)) if causal else distance >= window
 
 
 def windowed_attention(
@@ -116,7 +137,8 @@ def windowed_attention(
         # the window reaches every earlier key: plain causal attention (SDPA's is_causal fast path)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     chunk = max(window, MIN_CHUNK)
-    if q_len <= chunk or k_len <= chunk + window - 1:
+    # a two-sided mask may reach keys after a chunk's end, which the block-local path never looks at
+    if q_len <= chunk or k_len <= chunk + window - 1 or not mask.causal:
         if own_base:
             keep = mask.dense_keep(q_len, k_len, q.device)
         else:
@@ -150,4 +172,4 @@ def windowed_attention(
     return torch.cat(outs, dim=2)
 
 
-__all__ = ["MIN_CHUNK", "WindowedMask", "band_mask", "windowed_attention"]
+__all__ = ["MIN_CHUNK", "TwoSidedMask", "WindowedMask", "band_mask", "windowed_attention"]

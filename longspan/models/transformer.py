@@ -31,7 +31,7 @@ from longspan.models.attention_sinks import sink_core_attention
 from longspan.models.mla import MLASelfAttention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
-from longspan.models.sliding_window import WindowedMask
+from longspan.models.sliding_window import TwoSidedMask, WindowedMask
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -545,17 +545,21 @@ class TransformerBlock(nn.Module):
 
 def layer_masks(layers: list[nn.Module], attention_mask: torch.Tensor | None) -> list[Any]:
     """The ``attention_mask`` argument of each layer: the caller's mask for full-attention layers (None keeps
-    SDPA's causal fast path), and for sliding-window layers one ``WindowedMask`` per distinct window, sharing
+    SDPA's causal fast path; a ``TwoSidedMask``'s tensor), and for sliding-window layers one ``WindowedMask``
+    per distinct window (without its causal part for a ``TwoSidedMask``), sharing
     one memo, so each window's mask is built once per forward whatever the number of layers."""
     memo: dict[Any, torch.Tensor] = {}
     by_window: dict[int, WindowedMask] = {}
     masks: list[Any] = []
+    causal = not isinstance(attention_mask, TwoSidedMask)
+    if not causal:
+        attention_mask = attention_mask.mask
     for layer in layers:
         window = getattr(getattr(layer, "self_attention", None), "window", None)
         if window is None:
             masks.append(attention_mask)
             continue
         if window not in by_window:
-            by_window[window] = WindowedMask(window, attention_mask, memo)
+            by_window[window] = WindowedMask(window, attention_mask, memo, causal=causal)
         masks.append(by_window[window])
     return masks

@@ -59,6 +59,7 @@ def test_the_tables_name_only_known_classes() -> None:
     ("megatron.core.optimizer.OptimizerConfig", "OptimizerConfig"),
     ("megatron.bridge.models.llama.llama_provider.Llama3ModelProvider8B", "GPTModelProvider"),
     ("megatron.bridge.models.nemotronh.NemotronHModelProvider", "MambaProvider"),
+    ("megatron.bridge.models.gemma_vl.gemma3_vl_provider.Gemma3VLModelProvider", "Gemma3VLModelProvider"),
     ("megatron.bridge.peft.lora.LoRA", "LoRA"),
     ("megatron.bridge.data.datasets.packed_sequence.PackedSequenceSpecs", "PackedSequenceSpecs"),
 ])

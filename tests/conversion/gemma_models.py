@@ -28,7 +28,7 @@ def gemma_config(family: str, window: int = WINDOW, **overrides):
             cfg = transformers.Gemma3TextConfig(**text)
         else:
             vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          image_size=28, patch_size=14)
+                          image_size=28, patch_size=14, vision_use_head=False)
             cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                             image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2,
                                             eoi_token_index=VOCAB - 3)

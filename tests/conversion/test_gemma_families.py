@@ -1,6 +1,7 @@
-"""Gemma 2, Gemma 3 (text and the text tower of the vision-language model) and OLMo-2 through AutoBridge: logits
-equal transformers' (sliding windows shorter than the prompts), import -> export is bit-identical with an
-equivalent config.json, and greedy ``longspan generate`` equals transformers' ``generate``."""
+"""Gemma 2, Gemma 3 (text, and the vision-language model on text-only prompts) and OLMo-2 through AutoBridge:
+logits equal transformers' (sliding windows shorter than the prompts), import -> export is bit-identical with an
+equivalent config.json, and greedy ``longspan generate`` equals transformers' ``generate``. Images:
+tests/conversion/test_gemma_vlm.py."""
 
 from __future__ import annotations
 
@@ -39,14 +40,6 @@ def _tokens(n=14, seed=0):
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _text_tensors(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The source tensors an export writes: a vision-language model's text tower under Gemma3ForCausalLM names."""
-    if family != "gemma3_vlm":
-        return tensors
-    prefix = "language_model."
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
 @pytest.mark.parametrize("family", GEMMA_FAMILIES)
 def test_logits_equal_transformers_and_export_is_bit_identical(family, tmp_path):
     src, out = tmp_path / "hf", tmp_path / "out"
@@ -62,24 +55,24 @@ def test_logits_equal_transformers_and_export_is_bit_identical(family, tmp_path)
     assert diff <= 1e-5, diff
 
     bridge.save_hf_pretrained(model, out)
-    original, exported = _text_tensors(family, _tensors(src)), _tensors(out)
+    original, exported = _tensors(src), _tensors(out)
     assert sorted(original) == sorted(exported)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    # config.json: every key the translation writes equals the source's (the text config for the VLM tower).
+    # config.json: every key the translation writes equals the source's (the VLM's text config: its text tower).
     source_cfg = read_config(src)
-    if family == "gemma3_vlm":
-        source_cfg = source_cfg["text_config"]
     exported_cfg = read_config(out)
-    expected_arch = "Gemma3ForCausalLM" if family == "gemma3_vlm" else source_cfg.get("architectures", [None])[0]
+    expected_arch = source_cfg["architectures"][0]
     assert exported_cfg["architectures"] == [expected_arch]
     regenerated = families.hf_config_dict(families.BY_ARCHITECTURE[expected_arch], bridge.to_megatron_provider())
+    if family == "gemma3_vlm":
+        source_cfg, regenerated = source_cfg["text_config"], regenerated["text_config"]
     for key, value in regenerated.items():
         if key in source_cfg and key not in ("architectures", "dtype"):
             assert source_cfg[key] == value or (isinstance(value, float) and source_cfg[key] == pytest.approx(value)), key
-    # transformers loads the export and computes the source's logits (the VLM's text tower as a text model).
+    # transformers loads the export and computes the source's logits.
     again, source = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(str(out)), tokens), hf_logits(hf, tokens)
-    assert torch.equal(again, source) if family != "gemma3_vlm" else (again - source).abs().max().item() <= 1e-5
+    assert torch.equal(again, source)
 
 
 @pytest.mark.parametrize("family", GEMMA_FAMILIES)

@@ -23,6 +23,7 @@ from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.infra import check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
 from longspan.config.rules.model import check_model
+from longspan.config.rules.vision import check_image_model
 from longspan.config.rules.precision import (
     apply_precision,
     check_autocast,
@@ -97,6 +98,10 @@ def _recompute(cfg: "ConfigContainer", derived: Derived) -> None:
 def _peft(cfg: "ConfigContainer", derived: Derived) -> None:
     if cfg.peft is not None:
         cfg.peft.validate()
+
+
+def _check_image_model(cfg: "ConfigContainer") -> None:
+    check_image_model(cfg.model)
 
 
 def _on_config(check: Callable[["ConfigContainer"], object]) -> Rule:
@@ -207,5 +212,6 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("activation recompute", _recompute),
     ("fields longspan does not support yet", _on_config(check_supported)),
     ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
+    ("a vision-language model's image fields and layout", _on_config(_check_image_model)),
     ("PEFT adapters", _peft),
 ]

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from longspan.models.gpt_provider import GPTModelProvider
     from longspan.models.mamba_provider import MambaProvider
     from longspan.models.t5_provider import T5ModelProvider
+    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
     from longspan.peft.config import PEFT
 
 
@@ -50,7 +51,7 @@ class ConfigContainer:
     train: Optional[TrainingConfig] = None
     """Training loop (required)."""
 
-    model: Optional[Union[GPTModelProvider, T5ModelProvider, MambaProvider]] = None
+    model: Optional[Union[GPTModelProvider, T5ModelProvider, MambaProvider, Gemma3VLModelProvider]] = None
     """Model architecture and parallel layout (required)."""
 
     optimizer: Optional[OptimizerConfig] = None

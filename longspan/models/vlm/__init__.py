@@ -5,11 +5,16 @@ attention and 2-D RoPE, patch merger), ``mrope`` (multimodal RoPE and its positi
 vision-language models can use: ``GPTModel.forward(decoder_input=...)`` (embeddings computed by the caller,
 e.g. with image embeddings put in) and ``qwen25_vl.freeze`` (the freeze options' pattern).
 
+Gemma 3 (``Gemma3VLModelProvider`` -> ``gemma_vlm.Gemma3VLModel``): ``siglip`` (the SigLIP encoder) and the
+multimodal projector (average pooling to ``mm_tokens_per_image``); the tokens of one image attend to each other
+both ways (``models.sliding_window.TwoSidedMask``).
+
 Importing this package loads the providers only; the model code loads when a model is built.
 """
 
 from __future__ import annotations
 
+from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
 from longspan.models.vlm.qwen25_vl_provider import Qwen25VLModelProvider
 
-__all__ = ["Qwen25VLModelProvider"]
+__all__ = ["Gemma3VLModelProvider", "Qwen25VLModelProvider"]

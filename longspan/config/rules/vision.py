@@ -1,0 +1,58 @@
+"""Config rules of a vision-language model's image fields (Gemma 3's: ``Gemma3VLModelProvider``): the SigLIP
+encoder's ``vision_config``, ``mm_tokens_per_image`` and the layouts the model builds in. A provider is
+recognised by its ``mm_tokens_per_image`` field (this package sits below ``models``). ``validate()`` runs
+:func:`check_image_model`; the model runs it too when the provider is used on its own."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+#: SigLIP ``hidden_act`` values the vision encoder implements
+SUPPORTED_VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
+
+#: vision_config keys that must be positive integers
+_VISION_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                 "patch_size")
+
+#: layouts the vision-language model does not build yet (field -> the one value it takes)
+_IMAGE_MODEL_LAYOUT = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size")
+
+
+def is_image_model(config: Any) -> bool:
+    """A Gemma 3 vision-language provider: it has ``mm_tokens_per_image``."""
+    return hasattr(config, "mm_tokens_per_image")
+
+
+def check_image_model(config: Any) -> None:
+    """The image fields of ``config`` (nothing for other providers): one-line errors naming the field."""
+    if not is_image_model(config):
+        return
+    for name in _IMAGE_MODEL_LAYOUT:
+        value = getattr(config, name, 1) or 1
+        if value > 1:
+            raise NotSupportedError(f"model.{name}={value} is not supported yet for {type(config).__name__}: "
+                                    "use 1 (one process or data parallel)")
+    vision = config.vision_config or {}
+    for key in _VISION_SIZES:
+        value = vision.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"model.vision_config.{key}={value!r} is invalid: give a positive integer")
+    if vision.get("vision_use_head"):
+        raise NotSupportedError("model.vision_config.vision_use_head=True is not supported: Gemma 3 uses every "
+                                "patch vector (set it to false)")
+    act = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in SUPPORTED_VISION_ACTIVATIONS:
+        raise NotSupportedError(f"model.vision_config.hidden_act={act!r} is not supported: use one of "
+                                f"{', '.join(SUPPORTED_VISION_ACTIVATIONS)}")
+    if vision["hidden_size"] % vision["num_attention_heads"]:
+        raise ConfigError(f"model.vision_config.hidden_size={vision['hidden_size']} is not a multiple of "
+                          f"num_attention_heads={vision['num_attention_heads']}")
+    grid = vision["image_size"] // vision["patch_size"]
+    tokens = config.mm_tokens_per_image
+    side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
+    if side == 0 or side * side != tokens or grid % side:
+        raise ConfigError(f"model.mm_tokens_per_image={tokens!r} is invalid: give a square number whose side "
+                          f"divides the {grid}x{grid} patch grid (vision_config image_size // patch_size)")

@@ -1,0 +1,174 @@
+"""Generation from a vision-language model: a prompt with images, the model's HF processor, a KV cache.
+
+``generate_with_images(model, processor, prompt, images)`` runs the HF processor (the image processor turns the
+images into ``pixel_values``; the tokenizer expands each image marker of the prompt into the image's tokens and,
+for Gemma 3, marks them in ``token_type_ids``), feeds every processor output but the token ids to the first
+forward (the prompt), then decodes token by token from the KV cache exactly as ``generate`` does (greedy or
+sampled; the same stopping rules). ``generate_from_hf_with_images`` does it for an HF model directory (the
+weights through ``AutoBridge``, the processor from the same directory). ``prompt_inputs`` gives the prompt's ids
+and the model's image inputs alone, for a caller with its own decoding loop (``longspan generate --image``).
+
+The processor's outputs keep HF's names (``pixel_values``, ``token_type_ids``, ...): the model's forward takes
+them as keyword arguments (``longspan.models.vlm``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from longspan.core.errors import CheckpointError, ConfigError, DataError
+from longspan.inference.text_generation import (
+    GenerationResult,
+    _choose,
+    _eos_ids,
+    _real_vocab_size,
+    _single_model,
+    check_generation_args,
+    next_token_logits_processor,
+)
+from longspan.models.transformer import KVCache
+
+#: processor outputs the model does not take: the token ids go positionally, the padding mask is HF's 2-D one
+#: (one prompt has no padding)
+_NOT_MODEL_INPUTS = ("input_ids", "attention_mask")
+
+
+def load_images(images: Sequence[Any]) -> list[Any]:
+    """PIL images from paths (or PIL images, kept); a missing or unreadable file is a one-line DataError."""
+    from PIL import Image, UnidentifiedImageError  # optional dependency: only image prompts need Pillow
+
+    out = []
+    for item in images:
+        if not isinstance(item, (str, os.PathLike)):
+            out.append(item)
+            continue
+        path = Path(item)
+        if not path.is_file():
+            raise DataError(f"image {path} does not exist: give the path of an image file")
+        try:
+            with Image.open(path) as opened:
+                out.append(opened.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as exc:
+            raise DataError(f"image {path} cannot be read as an image ({type(exc).__name__}): give a PNG, JPEG or "
+                            "another format Pillow reads") from None
+    return out
+
+
+def load_processor(hf_path: str | os.PathLike) -> Any:
+    """The HF processor (image processor + tokenizer + chat template) saved in model directory ``hf_path``."""
+    import transformers  # optional dependency and slow to import: only image prompts need it
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(str(hf_path))
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{hf_path} has no HF processor that loads ({first}): it needs the processor's "
+                              "files (processor_config.json or preprocessor_config.json, the tokenizer)") from None
+
+
+def prompt_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """(the prompt's token ids with each image's tokens, the model's other inputs: ``pixel_values``,
+    ``token_type_ids``, ...) from the HF processor; what ``generate(..., model_inputs=...)`` takes for a prompt
+    with images. ``images``: paths or PIL images."""
+    inputs = processor_inputs(processor, prompt, load_images(images))
+    return inputs["input_ids"][0].tolist(), {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+
+
+def processor_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """The processor's tensors for one prompt and its images (one-line DataError when they do not match)."""
+    marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+    if marker and prompt.count(marker) != len(images):
+        raise DataError(f"the prompt has {prompt.count(marker)} image marker(s) {marker} for {len(images)} "
+                        f"image(s): put one {marker} where each image goes")
+    try:
+        inputs = processor(text=prompt, images=list(images) or None, return_tensors="pt")
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise DataError(f"the processor refused the prompt and its {len(images)} image(s): {first}") from None
+    return dict(inputs)
+
+
+@torch.inference_mode()
+def generate_with_images(
+    model: nn.Module | Sequence[nn.Module],
+    processor: Any,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    *,
+    eos_ids: Sequence[int] | None = None,
+    return_logits: bool = False,
+) -> GenerationResult:
+    """Continue ``prompt`` (text with one image marker per image, e.g. Gemma 3's ``<start_of_image>``) about
+    ``images`` (paths or PIL images) with up to ``max_new_tokens`` tokens; arguments as ``generate``."""
+    check_generation_args(max_new_tokens, temperature, top_k, top_p)
+    net = _single_model(model)
+    prompt_ids, extra = prompt_inputs(processor, prompt, images)
+    device = next(net.parameters()).device
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty: give at least one token of text")
+    extra = {k: v.to(device) for k, v in extra.items()}
+    tokenizer = processor.tokenizer
+    stop = set(int(i) for i in eos_ids) if eos_ids is not None else _eos_ids(_TokenizerIds(tokenizer), None)
+    vocab_size = _real_vocab_size(net, None)
+    generator = None
+    if seed is not None and temperature > 0.0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(seed))
+    was_training = net.training
+    net.eval()
+    try:
+        cache = KVCache(len(prompt_ids) + max_new_tokens)
+        step_input = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        output_ids: list[int] = []
+        kept: list[torch.Tensor] = []
+        finish = "length"
+        for _ in range(max_new_tokens):
+            last = net(step_input, kv_cache=cache, **extra)[0, -1]
+            extra = {}  # the images are in the cache after the prompt's forward
+            if return_logits:
+                kept.append(last.float().cpu())
+            token = _choose(next_token_logits_processor(last, vocab_size, temperature, top_k, top_p), temperature,
+                            generator)
+            output_ids.append(token)
+            if token in stop:
+                finish = "eos"
+                break
+            step_input = torch.tensor([[token]], dtype=torch.long, device=device)
+    finally:
+        net.train(was_training)
+    text_ids = output_ids[:-1] if finish == "eos" else output_ids
+    return GenerationResult(prompt_ids, output_ids, tokenizer.decode(text_ids), finish, kept)
+
+
+class _TokenizerIds:
+    """An HF tokenizer seen as a longspan one for ``_eos_ids`` (its ``eos``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.eos = getattr(tokenizer, "eos_token_id", None)
+
+
+def generate_from_hf_with_images(hf_path: str | os.PathLike, prompt: str, images: Sequence[Any],
+                                 **kwargs: Any) -> GenerationResult:
+    """``generate_with_images`` for the HF vision-language model directory ``hf_path`` (weights imported
+    through ``AutoBridge``, the processor read from the same directory); ``kwargs`` as
+    ``generate_with_images``."""
+    from longspan.conversion.bridge import AutoBridge  # the conversion stack loads only when asked for
+
+    images = load_images(images)  # a bad image fails before the model is built
+    processor = load_processor(hf_path)
+    model = AutoBridge.from_hf_pretrained(hf_path).to_megatron_model()
+    return generate_with_images(model, processor, prompt, images, **kwargs)
+
+
+__all__ = ["generate_from_hf_with_images", "generate_with_images", "load_images", "load_processor",
+           "processor_inputs", "prompt_inputs"]

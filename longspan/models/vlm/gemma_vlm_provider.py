@@ -1,0 +1,72 @@
+"""``Gemma3VLModelProvider``: Gemma 3's vision-language model (Megatron Bridge's name and fields); ``provide()``
+builds ``longspan.models.vlm.gemma_vlm.Gemma3VLModel``.
+
+The GPT fields describe the language model (Gemma 3's text tower); ``vision_config`` the SigLIP encoder (HF's
+``SiglipVisionConfig`` fields, as in config.json); ``mm_tokens_per_image`` how many soft tokens each image
+becomes after average pooling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from longspan.config.rules.vision import check_image_model
+from longspan.core.errors import NotSupportedError
+from longspan.models.gpt_provider import GPTModelProvider
+
+
+@dataclass
+class Gemma3VLModelProvider(GPTModelProvider):
+    """A Gemma 3 vision-language model: SigLIP encoder, multimodal projector, Gemma 3 language model.
+
+    Tested on one process; the data-parallel wrappers apply as to any model (FSDP2 shards it as one unit: it
+    has no top-level ``decoder.layers``). Tensor, context and pipeline parallel raise a one-line
+    NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is built)."""
+
+    vision_config: dict[str, Any] = field(default_factory=dict)
+    """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``num_channels``, ``image_size``, ``patch_size``,
+    ``layer_norm_eps``, ``hidden_act``); ``vision_use_head`` must be false (Gemma 3 uses every patch)."""
+
+    mm_tokens_per_image: int = 256
+    """Soft tokens per image: the encoder's ``(image_size / patch_size)^2`` patch vectors are average-pooled to
+    this many (a square number whose side divides the patch grid's), normed and projected to the LM's width."""
+
+    bos_token_id: int = 2
+    """The tokenizer's beginning-of-sequence id (recorded for the export; the model does not read it)."""
+
+    eos_token_id: Union[int, list[int]] = 1
+    """The end-of-sequence id(s) (recorded for the export; generation stops at the tokenizer's)."""
+
+    vision_start_token_id: int = 255999
+    """``<start_of_image>`` (HF ``boi_token_index``): an ordinary text token before each image's soft tokens."""
+
+    vision_end_token_id: int = 256000
+    """``<end_of_image>`` (HF ``eoi_token_index``): an ordinary text token after each image's soft tokens."""
+
+    image_token_id: int = 262144
+    """``<image_soft_token>`` (HF ``image_token_index``): the positions whose embeddings become the image's
+    projected vectors, in order. An id beyond the vocabulary is embedded as id 0 before it is replaced."""
+
+    freeze_language_model: bool = False
+    """Train no language-model parameter (``requires_grad=False`` on ``language_model.*``)."""
+
+    freeze_vision_model: bool = False
+    """Train no vision-encoder parameter (``vision_tower.*``)."""
+
+    freeze_vision_projection: bool = False
+    """Train no multimodal-projector parameter (``multi_modal_projector.*``)."""
+
+    def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
+                    layer_numbers: Optional[list[int]], materialize: bool) -> Any:
+        """``longspan.models.vlm.gemma_vlm.build_gemma3_vl_model`` (see ``ModelProviderMixin``)."""
+        from longspan.models.vlm.gemma_vlm import build_gemma3_vl_model  # keeps the provider free of model code
+
+        check_image_model(self)
+        if not (pre_process and post_process) or layer_numbers is not None:
+            raise NotSupportedError("pipeline stages are not supported yet for Gemma3VLModelProvider")
+        return build_gemma3_vl_model(self, vp_stage, materialize=materialize)
+
+
+__all__ = ["Gemma3VLModelProvider"]

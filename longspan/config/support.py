@@ -283,10 +283,10 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
 CLASS_FIELD_STATUS["DirectHFSFTDatasetConfig"] = {
     **_many("dataset", SUPPORTED, """
         seq_length source source_weights blend_seed validation_source test_source preprocessing do_validation
-        do_test pad_to_max_length pad_to_multiple_of dataloader_type
+        do_test pad_to_max_length pad_to_multiple_of dataloader_type hf_processor_path hf_processor_kwargs
         """),
     **_many("dataset", NOT_SUPPORTED, """
-        hf_processor_path hf_processor_kwargs skip_getting_attention_mask_from_dataset enable_in_batch_packing
+        skip_getting_attention_mask_from_dataset enable_in_batch_packing
         defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
         """),
 }

@@ -21,6 +21,7 @@ from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPre
 from longspan.data.sft.dataset import build_sft_datasets
 from longspan.data.sft.hf_dataset import build_direct_hf_sft_datasets
 from longspan.data.sft.formatting import parse_format_options
+from longspan.data.sft.multimodal import processor_for_tokenizer
 from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
 
@@ -152,7 +153,8 @@ def _build_finetuning_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
         raise DataError("dataset.seq_length and model.seq_length are both unset: set the sequence length")
     _check_sft_layout(d, getattr(cfg, "model", None))
     chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
-    return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length), chat_template)
+    return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length), chat_template,
+                              processor_for_tokenizer(tokenizer))
 
 
 def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:

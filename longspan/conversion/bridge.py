@@ -77,7 +77,10 @@ _HF_READABLE_TOKENIZERS = (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPE
 CONFIG_FILE = "config.json"
 #: tokenizer files copied with the weights (whichever exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+                   # a vision-language model's processor: image processor settings and its chat template
+                   "preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "video_preprocessor_config.json")
 
 
 def is_hf_model_dir(path: str | os.PathLike | None) -> bool:
@@ -202,7 +205,8 @@ class AutoBridge:
     def hf_vocab_size(self) -> int | None:
         if self.family.export_config is not None:  # a text tower: the vocabulary is the text model's
             return self.family.export_config(self.hf_config).get("vocab_size")
-        return self.hf_config.get("vocab_size")
+        # a vision-language model's config.json nests its text model's fields (transformers 5)
+        return self.hf_config.get("vocab_size") or (self.hf_config.get("text_config") or {}).get("vocab_size")
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path: str | os.PathLike | None = None) -> Any:
         """A ``GPTModelProvider`` whose architecture fields come from the HF config.

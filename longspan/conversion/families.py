@@ -3,7 +3,7 @@
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 and its vision-language model's text tower, OLMo-2),
 ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
-``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
+``deepseek_families`` (DeepSeek-V3), ``qwen_vl_families`` (Qwen2.5-VL), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
 helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
 """
 
@@ -48,6 +48,7 @@ from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
 from longspan.conversion.mamba_families import mamba2_hf, mamba2_provider, nemotron_h_hf, nemotron_h_provider
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.mtp_layers import mtp_weights_for
+from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
 
@@ -119,6 +120,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
            weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
+    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN25_VL, qwen25_vl_provider,
+           qwen25_vl_hf, "Qwen25VLModelProvider", hf_prefix_aliases=QWEN25_VL_ALIASES),
 )
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
@@ -149,6 +152,8 @@ def family_for_provider(provider: Any) -> Family:
     """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
     if type(provider).__name__ == "T5ModelProvider":
         return BY_ARCHITECTURE["T5ForConditionalGeneration"]
+    if type(provider).__name__ == "Qwen25VLModelProvider":
+        return BY_ARCHITECTURE["Qwen2_5_VLForConditionalGeneration"]
     if type(provider).__name__ == "MambaProvider":
         pattern = provider.hybrid_override_pattern
         pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)

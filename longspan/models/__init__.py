@@ -13,8 +13,10 @@ from typing import Any
 from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
 from longspan.models.mamba_provider import MambaProvider
 from longspan.models.t5_provider import T5ModelProvider
+from longspan.models.vlm import Qwen25VLModelProvider
 
-__all__ = ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "TransformerConfig", "GPTModel"]
+__all__ = ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider", "TransformerConfig",
+           "GPTModel"]
 
 
 def __getattr__(name: str) -> Any:

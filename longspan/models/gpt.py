@@ -181,6 +181,7 @@ class DecoderLanguageModel(nn.Module):
         loss_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the model (or this pipeline stage).
 
@@ -201,6 +202,9 @@ class DecoderLanguageModel(nn.Module):
                 token crosses a document).
             token_ids: the microbatch's token ids on a stage without ``pre_process`` (its first input is hidden
                 states), read only by multi-token prediction.
+            decoder_input: the first stage's input embeddings ``[b, s, hidden]``, computed by the caller instead
+                of the embedding lookup (a vision-language model's token embeddings with its image embeddings
+                put in); ``input_ids`` still gives the shape and multi-token prediction's tokens.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` without labels; float32 per-token cross-entropy
@@ -221,7 +225,7 @@ class DecoderLanguageModel(nn.Module):
             # SDPA's is_causal aligns the mask top-left, which is wrong when queries start after cached keys.
             attention_mask = kv_cache.causal_mask(seq_len, device)
         if self.pre_process:
-            hidden_states = self.embedding(input_ids, position_ids)
+            hidden_states = self.embedding(input_ids, position_ids) if decoder_input is None else decoder_input
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         if self.local_rotary_pos_emb is not None:
             rotary = LocalGlobalRotary(global_tables=rotary, local_tables=self.local_rotary_pos_emb(position_ids))

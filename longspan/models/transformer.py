@@ -56,6 +56,8 @@ class KVCache:
         self.values: dict[int, torch.Tensor] = {}
         # multi-latent attention layers: [batch, max_seq_len, kv_lora_rank + qk_pos_emb_head_dim] per layer
         self.latents: dict[int, torch.Tensor] = {}
+        # mRoPE models (longspan.models.vlm): the prompt's position shift [b, 1] the tokens after it continue with
+        self.rope_deltas: torch.Tensor | None = None
 
     def update(
         self, layer_number: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None

@@ -8,6 +8,7 @@ recognised by the fields it has, not by its class.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from longspan.config.rules.moe import check_moe
@@ -80,8 +81,31 @@ def check_model(cfg: Any) -> None:
         check_t5_model(config)
     elif is_mamba_provider(config):
         check_mamba_model(config)
+    elif getattr(config, "position_embedding_type", None) == "mrope":
+        check_mrope_model(config)
     else:
         check_gpt_model(config)
+
+
+def check_mrope_model(config: Any) -> None:
+    """A multimodal-RoPE model (Qwen2.5-VL): its mRoPE fields, then its language model's GPT checks (as plain
+    RoPE, which mRoPE extends)."""
+    sections = getattr(config, "mrope_section", None)
+    if sections is None:
+        raise NotSupportedError("model.position_embedding_type='mrope' needs a vision-language provider "
+                                "(Qwen25VLModelProvider): use 'rope' for a text-only model")
+    half = head_dim(config) // 2
+    if (not isinstance(sections, (list, tuple)) or len(sections) != 3
+            or not all(isinstance(n, int) and n >= 0 for n in sections) or sum(sections) != half):
+        raise ConfigError(f"model.mrope_section={sections!r} must be 3 counts of rotary frequency pairs "
+                          f"(temporal, height, width) summing to kv_channels / 2 = {half}")
+    for name, plain in (("rotary_percent", 1.0), ("seq_len_interpolation_factor", None), ("rope_scaling", False)):
+        if getattr(config, name, plain) != plain:
+            raise NotSupportedError(f"model.{name}={getattr(config, name)!r} is not supported with mRoPE: "
+                                    f"leave it at {plain!r}")
+    text = copy.copy(config)
+    text.position_embedding_type = "rope"
+    check_gpt_model(text)
 
 
 def is_t5_provider(config: Any) -> bool:

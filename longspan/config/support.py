@@ -253,7 +253,7 @@ FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
 FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
 
 # The model classes and dataset classes longspan can build.
-SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider",)
+SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider",)
 SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
                       "FinetuningDatasetConfig", "DirectHFSFTDatasetConfig")
 # Classes nested inside a dataset section (their fields have their own tables in the generated document).
@@ -303,6 +303,14 @@ for _cls in ("T5ModelProvider", "MambaProvider"):
 # mtp_enabled states what mtp_num_layers switches (config rules: a contradiction is an error).
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 
+
+# Qwen2.5-VL (longspan.models.vlm): vision encoder, merger and mRoPE fields; the freeze options. Trained with
+# multimodal SFT data (longspan.data.sft.multimodal) under FSDP2 / DDP and tensor parallel (the vision encoder
+# replicated over the tensor-parallel ranks).
+FIELD_STATUS.update(_many("model", SUPPORTED, """
+    mrope_section vision_config bos_token_id eos_token_id vision_start_token_id vision_end_token_id vision_token_id
+    image_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
+    """))
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""

@@ -70,7 +70,7 @@ _LONGSPAN_CLASSES = {
         "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
         "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
     ],
-    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider"],
+    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider"],
     "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
 }
 
@@ -150,6 +150,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "GPTModelProvider": "longspan.models.gpt_provider.GPTModelProvider",
     "T5ModelProvider": "longspan.models.t5_provider.T5ModelProvider",
     "MambaProvider": "longspan.models.mamba_provider.MambaProvider",
+    "Qwen25VLModelProvider": "longspan.models.vlm.qwen25_vl_provider.Qwen25VLModelProvider",
     "LoRA": "longspan.peft.config.LoRA",
     "DoRA": "longspan.peft.config.DoRA",
     "CanonicalLoRA": "longspan.peft.config.CanonicalLoRA",
@@ -161,7 +162,7 @@ SECTION_TYPES: dict[str, tuple[str, ...]] = {
     "rng": ("RNGConfig",),
     "rerun_state_machine": ("RerunStateMachineConfig",),
     "train": ("TrainingConfig",),
-    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider"),
+    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider"),
     "optimizer": ("OptimizerConfig",),
     "ddp": ("DistributedDataParallelConfig",),
     "scheduler": ("SchedulerConfig",),
@@ -215,6 +216,8 @@ def resolve_class(target: str, where: str) -> Optional[type]:
             return config_class("T5ModelProvider")
         if "Mamba" in name or "NemotronH" in name:
             return config_class("MambaProvider")
+        if "Qwen25VL" in name:
+            return config_class("Qwen25VLModelProvider")
         return config_class("GPTModelProvider")
     return None
 

@@ -77,12 +77,34 @@ def load_processor(path: str, kwargs: Optional[dict[str, Any]] = None, field: st
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unreadable processor files
         raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(exc)}") from None
     try:
-        with open(os.path.join(path, "processor_config.json")) as f:
-            name = json.load(f)["processor_class"]
-        cls = processor_class_from_name(name)
+        cls = processor_class_from_name(_processor_class_name(path))
         return _image_only_processor_class(cls).from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - as above
         raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(exc)}") from None
+
+
+def _processor_class_name(path: str) -> str:
+    """The processor class a model directory names (processor_config.json, preprocessor_config.json or
+    tokenizer_config.json ``processor_class``), else the one transformers maps its config.json model_type to."""
+    # transformers is an optional dependency of the data layer: only multimodal data needs a processor
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        found = _json_file(os.path.join(path, name)).get("processor_class")
+        if isinstance(found, str):
+            return found
+    model_type = _json_file(os.path.join(path, "config.json")).get("model_type")
+    if model_type in PROCESSOR_MAPPING_NAMES:
+        return PROCESSOR_MAPPING_NAMES[model_type]
+    raise ValueError("no processor_class in its processor files and no known model_type in config.json")
+
+
+def _json_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        value = json.load(f)
+    return value if isinstance(value, dict) else {}
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,7 +15,10 @@ import torch
 
 from longspan.training.state import GlobalState
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens")
+# The HF processor's image inputs of multimodal batches (longspan.data.sft.multimodal), under HF's names: the
+# vision-language models take them as keyword arguments of these names.
+IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", *IMAGE_BATCH_KEYS)
 
 
 def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -51,12 +54,15 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
     # GPT datasets build a plain causal mask unless reset_attention_mask, and unpacked SFT batches are
     # right-padded: the model's causal fast path is the same maths without materializing [s, s] masks.
     attention_mask = batch.get("attention_mask") if _needs_explicit_mask(state) else None
+    images = {k: batch[k] for k in IMAGE_BATCH_KEYS if k in batch}
     output = model(
         batch["tokens"],
-        position_ids=batch.get("position_ids"),
+        # images numbered by their patch grids (Qwen2.5-VL's mRoPE): the model computes the positions itself
+        position_ids=None if "image_grid_thw" in images else batch.get("position_ids"),
         attention_mask=attention_mask,
         labels=batch["labels"],
         **_mtp_inputs(state, batch),
+        **images,
     )
     return output, partial(loss_func, batch["loss_mask"])
 

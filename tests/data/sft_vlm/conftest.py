@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.data.sft.conftest import make_hf_tokenizer_dir
+from tests.parallel.conftest import pool2  # noqa: F401
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 

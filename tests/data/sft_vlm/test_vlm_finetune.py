@@ -77,3 +77,50 @@ def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_p
     for it in want:
         assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]}"
     assert want[ITERS] < want[1]
+
+
+def _hf_validation_loss(model_dir: Path, data: Path) -> float:
+    """Σ loss / Σ loss tokens of transformers' Qwen2.5-VL over validation.jsonl (longspan's samples and masks)."""
+    import torch
+    import transformers
+
+    from longspan.data.sft.dataset import EpochSampleMap
+    from longspan.data.sft.formatting import SFTFormatOptions
+    from longspan.data.sft.multimodal import build_multimodal_jsonl_split, load_processor
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir)).eval()
+    samples = build_multimodal_jsonl_split(str(data / "validation.jsonl"), load_processor(str(model_dir)),
+                                           SFTFormatOptions(), 32, lambda n: EpochSampleMap(n, n, 0, False), 0)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(len(samples)):
+            s = samples[i]
+            ids = s["tokens"][None]  # transformers finds the image tokens for mRoPE through mm_token_type_ids
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                           pixel_values=s["pixel_values"], image_grid_thw=s["image_grid_thw"]).logits[0]
+            losses = torch.nn.functional.cross_entropy(logits.float(), s["labels"], reduction="none")
+            total += float((losses * s["loss_mask"]).sum())
+            count += float(s["loss_mask"].sum())
+    return total / count
+
+
+def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_the_same(vl_run_inputs, tmp_path):
+    from tests.test_finetune_e2e import _run_here
+
+    hf, data = vl_run_inputs
+    out, export = tmp_path / "run", tmp_path / "export"
+    before = _hf_validation_loss(hf, data)
+    _run_here(["finetune", "--recipe", "vlm-lora", f"checkpoint.pretrained_checkpoint={hf}",
+               f"dataset.dataset_root={data}", f"checkpoint.save={out}", f"checkpoint.load={out}",
+               f"logger.tensorboard_dir={out}/tb", "model.seq_length=32", "train.train_iters=24",
+               "train.eval_interval=12", "train.eval_iters=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+               "optimizer.lr=5e-3", "scheduler.lr_warmup_iters=2", "peft.dim=8", "peft.alpha=16",
+               "checkpoint.save_interval=24"], cwd=tmp_path)
+    records = [json.loads(x) for x in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r["losses"]["lm loss"] for r in records if r.get("phase") == "validation"]
+    assert len(valid) == 2 and valid[1] < valid[0] < before and valid[1] < 0.5 * before, (before, valid)
+
+    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
+    assert (export / "preprocessor_config.json").is_file()
+    merged = _hf_validation_loss(export, data)  # the adapters merged into the weights
+    assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])

@@ -144,3 +144,28 @@ def test_bad_rows_stop_the_build_naming_file_and_line(tmp_path, vl_processor_dir
         build_sft_datasets(_finetuning_cfg(str(tmp_path)), _LongspanTok(vl_processor_dir), (3, 0, 0), SEQ,
                            processor=vl_processor)
     assert "\n" not in str(info.value) and "training.jsonl" in str(info.value)
+
+
+def test_images_for_a_text_only_model_and_textual_rows_under_data_parallel_are_one_line_errors(colour_data, tmp_path,
+                                                                                               vl_processor):
+    """Without an image processor (a text-only model's tokenizer) an image row is refused naming its line; with
+    data parallel a training conversation without an image is refused before the first step (a rank without
+    images would skip the vision encoder and reduce other gradients than its peers)."""
+    from longspan.core.errors import NotSupportedError
+    from longspan.data.loaders import check_images_on_every_rank
+    from tests.data.sft.conftest import make_hf_tokenizer_dir
+
+    root, _ = colour_data
+    text_only = _LongspanTok(make_hf_tokenizer_dir(str(tmp_path / "text-tok")))
+    train, _, _ = build_sft_datasets(_finetuning_cfg(root), text_only, (2, 0, 0), SEQ)
+    with pytest.raises(DataError, match=r"training.jsonl line \d+: the conversation has images, but no image "
+                                        r"processor formats the data \(a text-only model"):
+        train[0]
+    rows = colour_rows(str(tmp_path), 2) + [{"messages": [{"role": "user", "content": "hello"},
+                                                          {"role": "assistant", "content": "world"}]}]
+    write_jsonl(str(tmp_path / "training.jsonl"), rows)
+    datasets = build_sft_datasets(_finetuning_cfg(str(tmp_path)), text_only, (3, 0, 0), SEQ, processor=vl_processor)
+    assert check_images_on_every_rank(SimpleNamespace(data_parallel_size=1), datasets) is datasets
+    with pytest.raises(NotSupportedError, match=r"training.jsonl line 3: a conversation without an image is not "
+                                                r"supported yet with data parallel \(data_parallel_size=2\)"):
+        check_images_on_every_rank(SimpleNamespace(data_parallel_size=2), datasets)

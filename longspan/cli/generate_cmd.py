@@ -1,7 +1,8 @@
-"""``longspan generate --checkpoint DIR | --hf-model DIR --prompt TEXT [--max-new-tokens N] [--temperature T ...]``.
+"""``longspan generate --checkpoint DIR | --hf-model DIR --prompt TEXT [--image PATH ...] [--max-new-tokens N] ...``.
 
 Loads a longspan checkpoint (a ``checkpoint.save`` directory or one of its ``iter_XXXXXXX`` directories) or a
-Hugging Face model directory, continues the prompt on one process with a KV cache, and prints the generated
+Hugging Face model directory, continues the prompt (with ``--image``: and images, for a vision-language model)
+on one process with a KV cache, and prints the generated
 text, or with ``--json`` one line ``{"prompt_ids": [...], "output_ids": [...], "text": "..."}``. Greedy unless
 ``--temperature`` > 0. Loading messages go to stderr, so stdout holds only the result.
 """
@@ -34,6 +35,9 @@ def add_parser(subparsers: Any, name: str) -> None:
                         help="longspan checkpoint: a checkpoint.save directory or an iter_XXXXXXX directory")
     source.add_argument("--hf-model", default=None, metavar="DIR", help="Hugging Face model directory")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    parser.add_argument("--image", action="append", default=None, metavar="PATH",
+                        help="an image for a vision-language model (repeatable, in order): the prompt's "
+                             "<|image_pad|> tokens mark where each goes, else they go in front")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k most likely tokens (0 = all)")
@@ -89,8 +93,9 @@ def _device(name: str | None) -> Any:
     return device
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
-    """(model chunks, tokenizer, end-of-sequence ids or None for the tokenizer's) of the chosen source."""
+def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None, list[Path]]:
+    """(model chunks, tokenizer, end-of-sequence ids or None for the tokenizer's, directories that may hold the
+    image processor) of the chosen source."""
     import torch  # `longspan --help` must not import torch
 
     device = _device(args.device)
@@ -99,11 +104,36 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None]:
         from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 
         loaded = load_model_from_checkpoint(args.checkpoint, device=device)
-        return loaded.model, loaded.tokenizer, None
+        sources = [loaded.directory, getattr(loaded.cfg.tokenizer, "tokenizer_model", None),
+                   getattr(loaded.cfg.checkpoint, "pretrained_checkpoint", None)]
+        return loaded.model, loaded.tokenizer, None, [Path(s) for s in sources if s]
     model, tokenizer, eos_ids = _load_hf_model(args.hf_model)
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return [chunk.to(device) for chunk in model], tokenizer, eos_ids
+    return [chunk.to(device) for chunk in model], tokenizer, eos_ids, [Path(args.hf_model)]
+
+
+def _image_inputs(args: argparse.Namespace, model: list[Any], tokenizer: Any, images: list[Any],
+                  processor_dirs: list[Path]) -> tuple[list[int] | str, dict[str, Any]]:
+    """(prompt ids with the images' tokens, the model's image inputs) for ``--image``; the prompt as given and
+    no inputs without images. A text-only model or one without an image processor is a one-line error."""
+    if not images:
+        return args.prompt, {}
+    # `longspan --help` must not import torch
+    from longspan.inference.images import PROCESSOR_FILE, expand_image_tokens, load_image_processor, process_images
+    from longspan.inference.text_generation import check_model_inputs
+
+    net = model[0] if isinstance(model, list) else model
+    source = args.hf_model or args.checkpoint
+    check_model_inputs(net, {"pixel_values": None}, f"--image: {source}")
+    found = [d for d in processor_dirs if (d / PROCESSOR_FILE).is_file()]
+    if not found:
+        raise CheckpointError(f"--image: {source} has no {PROCESSOR_FILE} (the image processor) in "
+                              f"{', '.join(str(d) for d in processor_dirs)}")
+    device = next(net.parameters()).device
+    inputs = {k: v.to(device) for k, v in process_images(load_image_processor(found[0]), images).items()}
+    prompt_ids = expand_image_tokens(tokenizer.tokenize(args.prompt), inputs["image_grid_thw"], net.config)
+    return prompt_ids, inputs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,10 +148,17 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt is empty: give the text to continue")
     check_generation_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     with contextlib.redirect_stdout(sys.stderr):  # library logs; stdout carries the result only
-        model, tokenizer, eos_ids = _load(args)
+        images = []
+        if args.image:
+            from longspan.inference.images import load_images  # `longspan --help` must not import torch
+
+            images = load_images(args.image)  # a bad file fails before the model loads
+        model, tokenizer, eos_ids, processor_dirs = _load(args)
+        prompt, model_inputs = _image_inputs(args, model, tokenizer, images, processor_dirs)
         result = generate(
-            model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, eos_ids=eos_ids,
+            model_inputs=model_inputs,
         )
     if args.json:
         payload = {"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": result.text}

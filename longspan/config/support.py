@@ -253,7 +253,7 @@ FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
 FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
 
 # The model classes and dataset classes longspan can build.
-SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider",)
+SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider",)
 SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
                       "FinetuningDatasetConfig", "DirectHFSFTDatasetConfig")
 # Classes nested inside a dataset section (their fields have their own tables in the generated document).
@@ -303,14 +303,24 @@ for _cls in ("T5ModelProvider", "MambaProvider"):
 # mtp_enabled states what mtp_num_layers switches (config rules: a contradiction is an error).
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 
-
-# Qwen2.5-VL (longspan.models.vlm): vision encoder, merger and mRoPE fields; the freeze options. Trained with
-# multimodal SFT data (longspan.data.sft.multimodal) under FSDP2 / DDP and tensor parallel (the vision encoder
-# replicated over the tensor-parallel ranks).
+# Qwen2.5-VL (longspan.models.vlm, Qwen25VLModelProvider): its own fields, each shown to act by
+# tests/models/vlm/test_qwen25_vl.py (test_the_vlm_fields_change_the_model; the token ids other than
+# image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
+# Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
+# encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
+# Sequence / context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
+SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
-    mrope_section vision_config bos_token_id eos_token_id vision_start_token_id vision_end_token_id vision_token_id
-    image_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
+    mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
+    vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
+CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
+    sequence_parallel context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
+    num_layers_in_last_pipeline_stage
+    account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split expert_model_parallel_size
+    expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
+    """)
+
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""

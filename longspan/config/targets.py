@@ -106,6 +106,9 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.models.t5_provider.T5ModelProvider": "T5ModelProvider",
     "megatron.bridge.models.mamba.mamba_provider.MambaProvider": "MambaProvider",
     "megatron.bridge.models.MambaProvider": "MambaProvider",
+    "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider": "Qwen25VLModelProvider",
+    "megatron.bridge.models.qwen_vl.Qwen25VLModelProvider": "Qwen25VLModelProvider",
+    "megatron.bridge.models.Qwen25VLModelProvider": "Qwen25VLModelProvider",
     "megatron.bridge.peft.lora.LoRA": "LoRA",
     "megatron.bridge.peft.lora.lora.LoRA": "LoRA",
     "megatron.bridge.peft.dora.DoRA": "DoRA",
@@ -216,7 +219,7 @@ def resolve_class(target: str, where: str) -> Optional[type]:
             return config_class("T5ModelProvider")
         if "Mamba" in name or "NemotronH" in name:
             return config_class("MambaProvider")
-        if "Qwen25VL" in name:
+        if name.startswith("Qwen25VL"):
             return config_class("Qwen25VLModelProvider")
         return config_class("GPTModelProvider")
     return None

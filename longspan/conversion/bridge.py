@@ -75,12 +75,13 @@ _log = get_logger(__name__)
 _HF_READABLE_TOKENIZERS = (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer)
 
 CONFIG_FILE = "config.json"
-#: tokenizer files copied with the weights (whichever exist)
+#: a vision-language model's processor files (image processor settings, the processor's chat template), which
+#: a longspan checkpoint imported from HF keeps beside its weights
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "chat_template.jinja", "video_preprocessor_config.json")
+#: tokenizer (and processor) files copied with the weights (whichever exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
-                   # a vision-language model's processor: image processor settings and its chat template
-                   "preprocessor_config.json", "processor_config.json", "chat_template.json",
-                   "video_preprocessor_config.json")
+                   "vocab.json", "merges.txt", "generation_config.json") + PROCESSOR_FILES
 
 
 def is_hf_model_dir(path: str | os.PathLike | None) -> bool:
@@ -404,6 +405,7 @@ class AutoBridge:
         iter_dir = checkpoint_format.save_model(cfg, model, parallel)
         if parallel.rank == 0:
             shutil.copyfile(Path(hf_path) / CONFIG_FILE, iter_dir / HF_CONFIG_IN_CHECKPOINT)
+            copy_tokenizer_files(hf_path, iter_dir, PROCESSOR_FILES)  # for the export and generation with images
             print_rank_0(f"imported {hf_path} ({bridge.family.architecture}, {cfg.model.num_layers} layers) "
                          f"into {megatron_path} (iteration 0)", _log)
         return Path(megatron_path)
@@ -434,6 +436,7 @@ class AutoBridge:
             progress.close()
         if get_rank() == 0:
             _write_tokenizer(saved, hf_path)
+            copy_tokenizer_files(saved.directory, hf_path, PROCESSOR_FILES)
             print_rank_0(f"exported {megatron_path} (iteration {saved.iteration}) as {bridge.family.architecture} "
                          f"to {hf_path}", _log)
         return Path(hf_path)
@@ -503,10 +506,12 @@ def _first_dtype(model: nn.Module | list[nn.Module]) -> torch.dtype | None:
     return None
 
 
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer files of an HF (or longspan tokenizer) directory; returns the names copied."""
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike,
+                         names: Sequence[str] = TOKENIZER_FILES) -> list[str]:
+    """Copy the tokenizer files (``names``: whichever exist) of an HF (or longspan tokenizer) directory; returns
+    the names copied."""
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in names:
         f = Path(src) / name
         if f.is_file():
             shutil.copyfile(f, Path(dst) / name)

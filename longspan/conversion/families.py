@@ -3,8 +3,9 @@
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 and its vision-language model's text tower, OLMo-2),
 ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
-``deepseek_families`` (DeepSeek-V3), ``qwen_vl_families`` (Qwen2.5-VL), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
-helpers they share (dtypes, RoPE, sliding windows, activations) are in ``config_fields``.
+``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H),
+``qwen_vl_families`` (Qwen2.5-VL); the helpers they share (dtypes, RoPE, sliding windows, activations) are in
+``config_fields``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 config.json nests the language model's fields under ``text_config`` (transformers 5) or keeps them at the top
 (the hub's original files); the vision encoder's are under ``vision_config``. The language model is a Qwen2
 decoder whose RoPE has mRoPE sections (``rope_parameters.mrope_section``, or ``rope_scaling`` with type
-'mrope' in the older spelling). Weights: transformers 5 names ``model.language_model.*``, ``model.visual.*``
-and ``lm_head.*``; the hub's original files ``model.*``, ``visual.*`` (the family's prefix aliases read both).
+'mrope' in the older spelling). Weights: the files (the hub's, and transformers' save_pretrained) name them
+``model.*`` (the language model), ``visual.*`` (encoder and merger) and ``lm_head.*``; transformers' module
+paths ``model.language_model.*`` / ``model.visual.*`` are read too (the family's prefix aliases).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from longspan.models.vlm.qwen_vision import QwenVisionArgs
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "vision_start_token_id", "vision_end_token_id",
                    "vision_token_id", "image_token_id", "video_token_id")
-VISION_FIELDS = tuple(f.name for f in dataclasses.fields(QwenVisionArgs))
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +55,10 @@ def qwen25_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     out = qwen2_provider(plain)
     out.update(position_embedding_type="mrope", mrope_section=sections)
     vision = required(cfg, "vision_config")
-    QwenVisionArgs.from_dict(vision)  # one-line error for an encoder longspan cannot build
-    out["vision_config"] = {k: v for k, v in vision.items() if k in VISION_FIELDS}
+    # every encoder field spelled out (HF's nested rope_parameters read), one-line error for one longspan
+    # cannot build
+    resolved = dataclasses.asdict(QwenVisionArgs.from_dict(vision))
+    out["vision_config"] = dict(resolved, fullatt_block_indexes=list(resolved["fullatt_block_indexes"]))
     for key in TOKEN_ID_FIELDS:
         value = cfg.get(key, text.get(key))
         if isinstance(value, int):
@@ -77,9 +79,8 @@ def qwen25_vl_hf(p: Any) -> dict[str, Any]:
 
 
 def _nested(table: tuple[mapping.WeightMap, ...]) -> tuple[mapping.WeightMap, ...]:
-    """A text model's table moved under ``language_model`` (ours) and ``model.language_model`` (HF)."""
-    moved = mapping.with_prefix(table, "model.", "model.language_model.")
-    return tuple(dataclasses.replace(e, ours="language_model." + e.ours) for e in moved)
+    """A text model's table with our names moved under ``language_model`` (the files keep the text model's)."""
+    return tuple(dataclasses.replace(e, ours="language_model." + e.ours) for e in table)
 
 
 _VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
@@ -88,10 +89,11 @@ _VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bi
 _MERGER = ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
 
 QWEN25_VL = _nested(mapping.LLAMA) + (
-    mapping.WeightMap("vision.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"),
-    *(mapping.WeightMap(f"vision.blocks.{{i}}.{name}", f"model.visual.blocks.{{i}}.{name}") for name in _VISION_BLOCK),
-    *(mapping.WeightMap(f"merger.{name}", f"model.visual.merger.{name}") for name in _MERGER),
+    mapping.WeightMap("vision.patch_embed.proj.weight", "visual.patch_embed.proj.weight"),
+    *(mapping.WeightMap(f"vision.blocks.{{i}}.{name}", f"visual.blocks.{{i}}.{name}") for name in _VISION_BLOCK),
+    *(mapping.WeightMap(f"merger.{name}", f"visual.merger.{name}") for name in _MERGER),
 )
 
-#: the hub's original tensor names (before transformers 4.52) as the reader's prefix aliases
-QWEN25_VL_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+#: the module paths of transformers >= 4.52 (``model.language_model.*``, ``model.visual.*``), which some
+#: writers use as tensor names, as the reader's prefix aliases
+QWEN25_VL_ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))

@@ -15,6 +15,7 @@ stops after ``max_new_tokens`` tokens or at an end-of-sequence token (kept in ``
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -80,6 +81,21 @@ def _single_model(model: nn.Module | Sequence[nn.Module], collective: bool = Fal
             "it runs decoder-only models (GPT, Mamba)"
         )
     return model
+
+
+def check_model_inputs(net: nn.Module, model_inputs: dict[str, Any], context: str = "generate") -> None:
+    """One-line ``NotSupportedError`` (starting with ``context``) when ``net``'s forward does not take every
+    key of ``model_inputs`` (images for a text-only model)."""
+    if not model_inputs:
+        return
+    accepted = inspect.signature(net.forward).parameters
+    missing = [name for name in model_inputs if name not in accepted]
+    if missing:
+        kind = "images" if "pixel_values" in missing else ", ".join(missing)
+        raise NotSupportedError(
+            f"{context}: {type(net).__name__} is a text-only model, it takes no {kind}; give a vision-language "
+            "model (Qwen2.5-VL) or drop the images"
+        )
 
 
 def _eos_ids(tokenizer: Any, eos_ids: Sequence[int] | None) -> set[int]:
@@ -152,6 +168,7 @@ def generate(
     eos_ids: Sequence[int] | None = None,
     return_logits: bool = False,
     collective: bool = False,
+    model_inputs: dict[str, Any] | None = None,
 ) -> GenerationResult:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens.
 
@@ -173,11 +190,17 @@ def generate(
             parallel, FSDP2) and every one of them calls ``generate`` with the same arguments; each step runs the
             whole sequence (no KV cache) and the full logits every rank sees (gathered by the tensor-parallel
             output layer) choose the same tokens. Greedy only (a draw could differ between ranks).
+        model_inputs: more keyword arguments of the model's forward for the prompt, e.g. a vision-language
+            model's ``pixel_values`` and ``image_grid_thw`` (``longspan.inference.images``); they go with the
+            prompt's forward (every forward without the KV cache). A model whose forward does not take them is
+            refused with a one-line error.
     """
     check_generation_args(max_new_tokens, temperature, top_k, top_p)
     if collective and temperature != 0.0:
         raise ConfigError(f"collective generation is greedy only, got temperature={temperature!r}")
     net = _single_model(model, collective)
+    model_inputs = dict(model_inputs or {})
+    check_model_inputs(net, model_inputs)
     use_cache = use_cache and not collective
     prompt_ids = tokenizer.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:
@@ -202,7 +225,7 @@ def generate(
     try:
         output_ids, logits, finish = _decode(
             net, prompt_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache, stop, vocab_size,
-            device, return_logits,
+            device, return_logits, model_inputs,
         )
     finally:
         net.train(was_training)
@@ -223,8 +246,10 @@ def _decode(
     vocab_size: int | None,
     device: torch.device,
     return_logits: bool,
+    model_inputs: dict[str, Any],
 ) -> tuple[list[int], list[torch.Tensor], str]:
-    """The decoding loop: (output ids, per-step logits if asked, finish reason)."""
+    """The decoding loop: (output ids, per-step logits if asked, finish reason). ``model_inputs`` go with the
+    prompt's forward (with the cache: the first step only)."""
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     cache = KVCache(len(prompt_ids) + max_new_tokens) if use_cache else None
     step_input = tokens
@@ -237,9 +262,10 @@ def _decode(
             # LongRoPE switches to its long factors for the whole sequence: re-encode it (as transformers' Phi-3)
             cache, step_input = KVCache(len(prompt_ids) + max_new_tokens), tokens
         if cache is not None:
-            last = net(step_input, kv_cache=cache)[0, -1]
+            extra = model_inputs if cache.seq_len == 0 else {}
+            last = net(step_input, kv_cache=cache, **extra)[0, -1]
         else:
-            last = net(tokens)[0, -1]
+            last = net(tokens, **model_inputs)[0, -1]
         if return_logits:
             kept_logits.append(last.float().cpu())
         scores = next_token_logits_processor(last, vocab_size, temperature, top_k, top_p)

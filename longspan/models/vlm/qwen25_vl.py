@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from longspan.config.rules.model import check_mrope_model
 from longspan.core.errors import ConfigError, DataError
 from longspan.models.gpt import GPTModel
 from longspan.models.transformer import KVCache
@@ -44,6 +45,10 @@ class Qwen25VLModel(nn.Module):
         super().__init__()
         self.config = config
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        if config.position_embedding_type != "mrope":
+            raise ConfigError(f"model.position_embedding_type={config.position_embedding_type!r}: Qwen2.5-VL "
+                              "numbers its positions with mRoPE: leave it 'mrope'")
+        check_mrope_model(config)
         self.vision_args = QwenVisionArgs.from_dict(config.vision_config)
         if self.vision_args.out_hidden_size != config.hidden_size:
             raise ConfigError(f"model.vision_config.out_hidden_size={self.vision_args.out_hidden_size} must equal "

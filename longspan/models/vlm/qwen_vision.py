@@ -51,9 +51,10 @@ class QwenVisionArgs:
     initializer_range: float = 0.02
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any] | None) -> "QwenVisionArgs":
-        """From a ``vision_config`` dict (HF's names; unknown keys ignored: HF configs carry many generic ones)."""
-        config = dict(config or {})
+    def from_dict(cls, config: Any) -> "QwenVisionArgs":
+        """From a ``vision_config`` dict, or an HF ``Qwen2_5_VLVisionConfig`` as Megatron Bridge's provider holds
+        (HF's names; unknown keys ignored: HF configs carry many generic ones)."""
+        config = dict(config.to_dict() if hasattr(config, "to_dict") else config or {})
         rope = config.get("rope_parameters") or {}
         if "rope_theta" not in config and "rope_theta" in rope:
             config["rope_theta"] = rope["rope_theta"]

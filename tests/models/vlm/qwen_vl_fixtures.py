@@ -54,8 +54,9 @@ def hf_config(tie: bool = False) -> transformers.Qwen2_5_VLConfig:
                                          eos_token_id=tok.eos_token_id, **special)
 
 
-def make_qwen_vl(directory: Path, seed: int = 0, tie: bool = False) -> transformers.Qwen2_5_VLForConditionalGeneration:
-    """Save a random fp32 Qwen2.5-VL (non-trivial norms and biases) with its tokenizer and image processor."""
+def make_qwen_vl(directory: Path, seed: int = 0, tie: bool = False,
+                 dtype: torch.dtype = torch.float32) -> transformers.Qwen2_5_VLForConditionalGeneration:
+    """Save a random Qwen2.5-VL (non-trivial norms and biases) with its tokenizer and image processor."""
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(hf_config(tie))
     with torch.no_grad():
@@ -66,7 +67,7 @@ def make_qwen_vl(directory: Path, seed: int = 0, tie: bool = False) -> transform
                 p.normal_(0, 0.2)
             else:
                 p.normal_(0, 0.3)  # large enough that images and positions move the logits
-    model = model.float().eval()
+    model = model.to(dtype).eval()
     model.save_pretrained(str(directory))
     make_tokenizer().save_pretrained(str(directory))
     image_processor().save_pretrained(str(directory))

@@ -1,7 +1,8 @@
 """Finetuning a tiny random Qwen2.5-VL on drawn squares ('what colour' -> the colour) through the trainer:
 FSDP2 over two ranks and tensor parallel over two ranks log the losses of one process (fp32, rel <= 1e-5, every
-one of 8 iterations; the vision encoder replicated under TP), and a LoRA finetune from the command line lowers
-the validation loss, exports a merged HF model that transformers loads and that scores as longspan does."""
+one of 8 iterations; the vision encoder replicated under TP, on the first stage under PP), and a LoRA finetune
+from the command line lowers the validation loss and exports a merged HF model that transformers loads, that
+scores the validation set as longspan did and answers an image question as ``longspan generate`` does."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def _hf_validation_loss(model_dir: Path, data: Path) -> float:
     return total / count
 
 
-def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_the_same(vl_run_inputs, tmp_path):
+def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_and_answers_alike(vl_run_inputs, tmp_path):
     from tests.test_finetune_e2e import _run_here
 
     hf, data = vl_run_inputs
@@ -125,3 +126,35 @@ def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_the_same
     assert (export / "preprocessor_config.json").is_file()
     merged = _hf_validation_loss(export, data)  # the adapters merged into the weights
     assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])
+    _answers_alike(out, export, data, tmp_path)
+
+
+def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> None:
+    """``longspan generate --image`` from the finetuned checkpoint (base + adapters) and transformers' greedy
+    generate of the merged export give the same answer to a validation question."""
+    import torch
+    import transformers
+
+    from longspan.data.sft.multimodal import load_processor
+    from tests.test_finetune_e2e import _run_here
+
+    row = json.loads((data / "validation.jsonl").read_text().splitlines()[0])
+    image = data / row["messages"][0]["content"][0]["image"]
+    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n<|im_start|>assistant\n"
+    printed = _run_here(["generate", "--checkpoint", str(checkpoint), "--image", str(image), "--prompt", prompt,
+                         "--max-new-tokens", "3", "--json"], cwd=cwd)
+    ours = json.loads(printed.strip().splitlines()[-1])
+    processor = load_processor(str(export))
+    pixels = processor.image_processor(images=[_rgb(image)], return_tensors="pt")
+    ids = torch.tensor([ours["prompt_ids"]])
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export)).eval()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         mm_token_type_ids=(ids == model.config.image_token_id).int(), do_sample=False,
+                         max_new_tokens=3, **pixels)
+    assert ours["output_ids"] == out[0, ids.shape[1]:].tolist()[: len(ours["output_ids"])] and ours["output_ids"]
+
+
+def _rgb(path: Path):
+    from PIL import Image
+
+    return Image.open(path).convert("RGB")

@@ -19,9 +19,10 @@ SEQ = 96
 
 
 def _finetuning_cfg(root: str, **kwargs):
-    return SimpleNamespace(dataset_root=root, dataset_kwargs={"pad_to_max_length": False, "pad_seq_length_to_mult": 8},
-                           packed_sequence_specs=None, seed=3, memmap_workers=1, path_to_cache=None,
-                           max_train_samples=None, do_validation=False, do_test=False, **kwargs)
+    fields = dict(dataset_root=root, dataset_kwargs={"pad_to_max_length": False, "pad_seq_length_to_mult": 8},
+                  packed_sequence_specs=None, seed=3, memmap_workers=1, path_to_cache=None, max_train_samples=None,
+                  do_validation=False, do_test=False)
+    return SimpleNamespace(**{**fields, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +170,7 @@ def test_images_for_a_text_only_model_and_textual_rows_under_data_parallel_are_o
     with pytest.raises(NotSupportedError, match=r"training.jsonl line 3: a conversation without an image is not "
                                                 r"supported yet with data parallel \(data_parallel_size=2\)"):
         check_images_on_every_rank(SimpleNamespace(data_parallel_size=2), datasets)
+    packed = _finetuning_cfg(str(tmp_path), packed_sequence_specs={"packed_sequence_size": SEQ})
+    with pytest.raises(NotSupportedError, match=r"^dataset.packed_sequence_specs: packing is not supported for "
+                                                r"multimodal \(image\) data yet"):
+        build_sft_datasets(packed, text_only, (3, 0, 0), SEQ, processor=vl_processor)

@@ -283,10 +283,10 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
 CLASS_FIELD_STATUS["DirectHFSFTDatasetConfig"] = {
     **_many("dataset", SUPPORTED, """
         seq_length source source_weights blend_seed validation_source test_source preprocessing do_validation
-        do_test pad_to_max_length pad_to_multiple_of dataloader_type
+        do_test pad_to_max_length pad_to_multiple_of dataloader_type hf_processor_path hf_processor_kwargs
         """),
     **_many("dataset", NOT_SUPPORTED, """
-        hf_processor_path hf_processor_kwargs skip_getting_attention_mask_from_dataset enable_in_batch_packing
+        skip_getting_attention_mask_from_dataset enable_in_batch_packing
         defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
         """),
 }
@@ -306,16 +306,17 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # Qwen2.5-VL (longspan.models.vlm, Qwen25VLModelProvider): its own fields, each shown to act by
 # tests/models/vlm/test_qwen25_vl.py (test_the_vlm_fields_change_the_model; the token ids other than
 # image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
-# The parallel plans (tensor / sequence / context / pipeline / expert parallel) do not cover its vision encoder
-# and nested language model yet.
+# Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
+# encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
+# Sequence / context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
     vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    tensor_model_parallel_size sequence_parallel context_parallel_size pipeline_model_parallel_size
-    virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
+    sequence_parallel context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
+    num_layers_in_last_pipeline_stage
     account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split expert_model_parallel_size
     expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
     """)

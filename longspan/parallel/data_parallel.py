@@ -196,7 +196,9 @@ def apply_fsdp2(model: nn.Module, mesh: Any, *, mp_policy: Any = None, reshard_a
     ``prefetch`` (``ddp.overlap_param_gather``): explicit all-gather prefetch, see :func:`set_explicit_prefetch`.
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    decoder = getattr(model, "decoder", None)
+    # a vision-language model's decoder is its language model's; its vision encoder stays in the root unit,
+    # gathered on every rank whether or not that rank's microbatch has images
+    decoder = getattr(model, "decoder", None) or getattr(getattr(model, "language_model", None), "decoder", None)
     layers = list(decoder.layers.values()) if decoder is not None else []
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)

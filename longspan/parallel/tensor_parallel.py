@@ -305,6 +305,24 @@ def _shard_attention_sinks(model: nn.Module, tp_mesh: Any) -> None:
                                                     requires_grad=offset.requires_grad)
 
 
+def _is_vision_language_model(model: nn.Module) -> bool:
+    """A vision-language model: a GPT language model under ``language_model`` beside its vision encoder."""
+    return getattr(model, "args", None) is None and getattr(getattr(model, "language_model", None), "args", None) is not None
+
+
+def _apply_vision_language_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> nn.Module:
+    """The language model is split as any GPT model; the vision encoder and its projection stay whole on every
+    rank (replicated: same images in, same embeddings out, the same gradients on every rank)."""
+    if sequence_parallel:
+        raise NotSupportedError(
+            f"model.sequence_parallel=True is not supported yet for {type(model).__name__}: the image embeddings "
+            "are put into the whole sequence's embeddings; set model.sequence_parallel=False"
+        )
+    apply_tensor_parallel(model.language_model, tp_mesh, sequence_parallel)
+    setattr(model, LOSS_PARALLEL_ATTR, getattr(model.language_model, LOSS_PARALLEL_ATTR, False))
+    return model
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model`` (on the meta device or materialized) over the 1-D ``tp_mesh`` in place; return it.
 
@@ -312,6 +330,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     full parameter's seed. Marks the model so ``parallel_loss_context(model)`` enables vocab-parallel loss.
     """
     tp = tp_mesh.size()
+    if _is_vision_language_model(model):
+        return _apply_vision_language_tensor_parallel(model, tp_mesh, sequence_parallel)
     check_tensor_parallel(model, tp)
     apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there
     if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)

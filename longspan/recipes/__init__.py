@@ -21,6 +21,7 @@ from longspan.recipes.tiny_deepseek import tiny_deepseek
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
 from longspan.recipes.tiny_t5 import tiny_t5
+from longspan.recipes.vlm_finetune import vlm_lora, vlm_sft
 from longspan.training.config import ConfigContainer
 
 # name as shown everywhere (hyphens) -> recipe function
@@ -42,6 +43,8 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "lora": lora,
     "dora": dora,
     "moe-lora": moe_lora,
+    "vlm-sft": vlm_sft,
+    "vlm-lora": vlm_lora,
 }
 
 
@@ -68,4 +71,4 @@ def get_recipe(name: str) -> ConfigContainer:
 
 
 __all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",
-           "llama32_3b", "sft", "lora", "dora", "moe_lora"]
+           "llama32_3b", "sft", "lora", "dora", "moe_lora", "vlm_sft", "vlm_lora"]

@@ -87,6 +87,19 @@ def _check_blend(d: DirectHFSFTDatasetConfig) -> None:
         )
 
 
+def _check_processor(d: DirectHFSFTDatasetConfig) -> None:
+    """hf_processor_kwargs only with hf_processor_path, which must be a non-empty path."""
+    path = d.hf_processor_path
+    if path is not None and (not isinstance(path, str) or not path.strip()):
+        raise ConfigError(f"dataset.hf_processor_path={path!r}: give the model directory holding the HF processor")
+    if d.hf_processor_kwargs is not None and path is None:
+        raise ConfigError(f"dataset.hf_processor_kwargs={d.hf_processor_kwargs!r} is set without "
+                          "dataset.hf_processor_path: set the processor's directory too, or drop the kwargs")
+    if d.hf_processor_kwargs is not None and not isinstance(d.hf_processor_kwargs, dict):
+        raise ConfigError(f"dataset.hf_processor_kwargs={d.hf_processor_kwargs!r} must be a mapping of "
+                          "AutoProcessor.from_pretrained arguments")
+
+
 def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
     """Direct HF SFT data: its sources, blend, preprocessing and lengths against the model."""
     d = cfg.dataset
@@ -117,6 +130,7 @@ def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
         )
     if d.pad_to_multiple_of < 1:
         raise ConfigError(f"dataset.pad_to_multiple_of={d.pad_to_multiple_of} must be an integer >= 1")
+    _check_processor(d)
     if not d.pad_to_max_length and int(getattr(m, "pipeline_model_parallel_size", 1) or 1) > 1:
         raise ConfigError(
             "dataset.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages exchange "

@@ -93,10 +93,12 @@ class DirectHFSFTDatasetConfig(DataloaderConfig):
     """How conversations are rendered and which tokens carry the loss."""
 
     hf_processor_path: Optional[str] = None
-    """A separate HF processor/tokenizer for the data; longspan uses the run's tokenizer (not supported yet)."""
+    """A model directory whose HF processor (image processor, tokenizer, chat template) formats the rows:
+    multimodal conversations (``{"type": "image", "image": PATH}`` content parts) for vision-language models;
+    None formats text conversations with the run's tokenizer."""
 
     hf_processor_kwargs: Optional[dict[str, Any]] = None
-    """Arguments for loading hf_processor_path (not supported yet)."""
+    """Extra ``AutoProcessor.from_pretrained`` arguments for hf_processor_path (e.g. image processor sizes)."""
 
     do_validation: bool = True
     """Build the validation split (when the run evaluates)."""

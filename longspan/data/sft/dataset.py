@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from longspan.core.errors import ConfigError, DataError
+from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options
 from longspan.data.sft.jsonl_index import JsonlIndex, cache_directory_for, file_fingerprint
+from longspan.data.sft.multimodal import build_multimodal_jsonl_split
 from longspan.data.sft.packing import (
     PackedSequenceSpecs,
     collate_packs,
@@ -278,6 +280,13 @@ def _missing_hint(split: str) -> str:
     return "" if split == "train" else f" (or set dataset.do_{split}=False)"
 
 
+def _is_chat_file(path: str, opts: SFTFormatOptions, workers: int, cache_dir: str) -> bool:
+    """Whether the records of ``path`` are chat records (``dataset_kwargs.chat``, else every record's keys)."""
+    if opts.chat is not None:
+        return opts.chat
+    return all(opts.messages_key in keys for keys, _ in JsonlIndex(path, workers=workers, cache_dir=cache_dir).key_sets)
+
+
 def _split_samples(split: str, num_items: int, needed: int, seed: int) -> EpochSampleMap:
     """Training: ``needed`` samples over seeded epochs; evaluation: file order, at least one pass."""
     if split == "train":
@@ -303,10 +312,13 @@ def _packed_split(root: str, split: str, path: str, needed: int, tokenizer: Any,
 
 
 def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,
-                       chat_template: Optional[str] = None) -> list[Optional[torch.utils.data.Dataset]]:
+                       chat_template: Optional[str] = None,
+                       processor: Optional[Any] = None) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, validation, test] datasets of a FinetuningDatasetConfig (None for a split not built).
 
-    ``sizes`` are the samples the run needs per split (Megatron's train/valid/test numbers).
+    ``sizes`` are the samples the run needs per split (Megatron's train/valid/test numbers). With the HF
+    ``processor`` of a vision-language model, chat records (with or without images) are processed by it
+    (``longspan.data.sft.multimodal``); prompt/completion records keep the text path.
     """
     root = getattr(dataset_cfg, "dataset_root", None)
     if root is None:
@@ -347,6 +359,13 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
         elif split == "test" and not os.path.isfile(path):
             print_rank_0(f"no {path}: the test split is skipped", logger)
             out.append(None)
+        elif processor is not None and os.path.isfile(path) and _is_chat_file(path, opts, workers, cache_dir):
+            if specs is not None:
+                raise NotSupportedError("dataset.packed_sequence_specs: packing is not supported for multimodal "
+                                        "(image) data yet; leave it unset")
+            out.append(build_multimodal_jsonl_split(
+                path, processor, opts, seq_length, partial(_split_samples, split, needed=needed[split], seed=seed),
+                pad_token_id(tokenizer), chat_template, workers, cache_dir))
         elif specs is None or split == "test":
             if not os.path.isfile(path):
                 raise DataError(f"data file {path} does not exist{_missing_hint(split)}")

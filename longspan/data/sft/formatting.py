@@ -314,6 +314,11 @@ class ChatFormatter:
 
     def __call__(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         messages = normalize_messages(record.get(self.opts.messages_key), self.opts.messages_key, where)
+        if any(isinstance(m["content"], list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                                      for p in m["content"]) for m in messages):
+            raise DataError(f"{where}: the conversation has images, but no image processor formats the data (a "
+                            "text-only model; a vision-language model's directory gives one as tokenizer or "
+                            "dataset.hf_processor_path)")
         tools = record.get("tools")  # tool schemas for the template, as transformers' apply_chat_template(tools=)
         mode = self.opts.loss_mode
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

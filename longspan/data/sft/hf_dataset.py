@@ -20,6 +20,7 @@ sample rounded up to ``pad_to_multiple_of``; no attention mask.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -31,6 +32,12 @@ from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.dataset import EpochSampleMap, SFTDataset, pad_token_id
 from longspan.data.sft.formatting import ChatFormatter, SFTFormatOptions, tokenizer_chat_template
 from longspan.data.sft.hf_source import MissingSplitError, describe_source, load_source_records
+from longspan.data.sft.multimodal import (
+    MultimodalChatFormatter,
+    MultimodalDocument,
+    MultimodalSFTDataset,
+    load_processor,
+)
 
 logger = get_logger(__name__)
 
@@ -99,6 +106,8 @@ def format_options(dataset_cfg: Any) -> SFTFormatOptions:
 class _Tokenizer:
     """Canonical records -> (ids, in_loss), untruncated (the caller cuts and counts)."""
 
+    multimodal = None
+
     def __init__(self, tokenizer: Any, opts: SFTFormatOptions, chat_template: Optional[str]) -> None:
         self.tokenizer = tokenizer
         self.chat = ChatFormatter(tokenizer, chat_template or tokenizer_chat_template(tokenizer), opts, 1 << 62)
@@ -112,10 +121,50 @@ class _Tokenizer:
         return np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=np.int8)
 
 
-def _tokenize_source(source: Any, split: str, tokenize: _Tokenizer, max_ids: int) -> tuple[list[Document], int]:
+class _ProcessorTokenizer:
+    """Canonical records -> ``MultimodalDocument`` through the HF processor of ``hf_processor_path`` (chat
+    records with or without images; plain text through its tokenizer, every token trained on, with EOS)."""
+
+    def __init__(self, processor: Any, opts: SFTFormatOptions, max_ids: int, chat_template: Optional[str]) -> None:
+        self.multimodal = MultimodalChatFormatter(processor, opts, max_ids, None, chat_template)
+        self.max_ids = max_ids
+
+    def __call__(self, record: dict[str, Any], where: str, base_dir: Optional[str]) -> MultimodalDocument:
+        if "messages" in record:
+            return self.multimodal(record, where, base_dir)
+        tok = self.multimodal.processor.tokenizer
+        ids = list(tok(record["text"], add_special_tokens=False)["input_ids"])
+        ids += [tok.eos_token_id] if tok.eos_token_id is not None else []
+        cut = len(ids) > self.max_ids
+        ids = ids[: self.max_ids]
+        return MultimodalDocument(np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=np.int8), [],
+                                  record["text"], where, cut)
+
+
+def _source_dir(source: Any) -> Optional[str]:
+    """Where relative image paths of a source are read from: its file's directory, or its directory."""
+    path = os.path.expanduser(str(source.path_or_dataset))
+    if os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))
+    files = (source.load_kwargs or {}).get("data_files")
+    if isinstance(files, str) and os.path.isfile(files):
+        return os.path.dirname(os.path.abspath(files))
+    return os.path.abspath(path) if os.path.isdir(path) else None
+
+
+def _tokenize_source(source: Any, split: str, tokenize: Any, max_ids: int) -> tuple[list[Any], int]:
     """The documents of one source split and how many were cut to ``max_ids``."""
     where = describe_source(source)
     docs, cut = [], 0
+    if tokenize.multimodal is not None:
+        base_dir = _source_dir(source)
+        for row, record in enumerate(load_source_records(source, split)):
+            doc = tokenize(record, f"{where} row {row}", base_dir)
+            if len(doc.ids) < 2:
+                raise DataError(f"{where} row {row}: the record gives {len(doc.ids)} token(s); a sample needs at least 2")
+            docs.append(doc)
+            cut += int(doc.cut)
+        return docs, cut
     for row, record in enumerate(load_source_records(source, split)):
         ids, in_loss = tokenize(record, f"{where} row {row}")
         if len(ids) > max_ids:
@@ -154,7 +203,7 @@ def _split_source(dataset_cfg: Any, split: str) -> Optional[Any]:
     return dataclasses.replace(sources[0], split=split) if len(sources) == 1 else None
 
 
-def _train_dataset(dataset_cfg: Any, tokenize: _Tokenizer, seq_length: int, opts: SFTFormatOptions, pad_id: int,
+def _train_dataset(dataset_cfg: Any, tokenize: Any, seq_length: int, opts: SFTFormatOptions, pad_id: int,
                    needed: int) -> TokenizedSFTDataset:
     sources = dataset_cfg.training_sources
     docs: list[Document] = []
@@ -172,10 +221,17 @@ def _train_dataset(dataset_cfg: Any, tokenize: _Tokenizer, seq_length: int, opts
     else:
         weights = list(dataset_cfg.source_weights or [1.0] * len(sources))
         samples = BlendSampleMap(sizes, offsets, weights, needed, seed)
+    return _dataset(docs, tokenize, seq_length, opts, pad_id, samples)
+
+
+def _dataset(docs: list[Any], tokenize: Any, seq_length: int, opts: SFTFormatOptions, pad_id: int,
+             samples: Any) -> torch.utils.data.Dataset:
+    if tokenize.multimodal is not None:
+        return MultimodalSFTDataset(docs, tokenize.multimodal, seq_length, opts, pad_id, samples)
     return TokenizedSFTDataset(docs, seq_length, opts, pad_id, samples)
 
 
-def _eval_dataset(dataset_cfg: Any, split: str, tokenize: _Tokenizer, seq_length: int, opts: SFTFormatOptions,
+def _eval_dataset(dataset_cfg: Any, split: str, tokenize: Any, seq_length: int, opts: SFTFormatOptions,
                   pad_id: int, needed: int) -> Optional[TokenizedSFTDataset]:
     source = _split_source(dataset_cfg, split)
     if source is None:
@@ -192,7 +248,7 @@ def _eval_dataset(dataset_cfg: Any, split: str, tokenize: _Tokenizer, seq_length
     print_rank_0(f"direct HF SFT data, {split}: {len(docs)} rows of {describe_source(source)}; {cut} longer than "
                  f"{seq_length + 1} tokens cut at the end", logger)
     samples = EpochSampleMap(len(docs), max(needed, len(docs)), int(dataset_cfg.blend_seed), shuffle=False)
-    return TokenizedSFTDataset(docs, seq_length, opts, pad_id, samples)
+    return _dataset(docs, tokenize, seq_length, opts, pad_id, samples)
 
 
 def build_direct_hf_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,
@@ -202,7 +258,10 @@ def build_direct_hf_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[
     ``sizes`` are the samples the run needs per split (Megatron's train/valid/test numbers).
     """
     opts = format_options(dataset_cfg)
-    tokenize = _Tokenizer(tokenizer, opts, chat_template)
+    tokenize: Any = _Tokenizer(tokenizer, opts, chat_template)
+    if dataset_cfg.hf_processor_path is not None:
+        processor = load_processor(str(dataset_cfg.hf_processor_path), dataset_cfg.hf_processor_kwargs)
+        tokenize = _ProcessorTokenizer(processor, opts, seq_length + 1, chat_template)
     pad_id = pad_token_id(tokenizer)
     train_needed, valid_needed, test_needed = sizes
 

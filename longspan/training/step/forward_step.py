@@ -13,9 +13,14 @@ from typing import Any, Iterator
 
 import torch
 
+from longspan.models.vlm.mrope import mrope_position_ids
+from longspan.models.vlm.qwen_vision import QwenVisionArgs
 from longspan.training.state import GlobalState
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens")
+# The HF processor's image inputs of multimodal batches (longspan.data.sft.multimodal), under HF's names: the
+# vision-language models take them as keyword arguments of these names.
+IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", *IMAGE_BATCH_KEYS)
 
 
 def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -51,14 +56,27 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
     # GPT datasets build a plain causal mask unless reset_attention_mask, and unpacked SFT batches are
     # right-padded: the model's causal fast path is the same maths without materializing [s, s] masks.
     attention_mask = batch.get("attention_mask") if _needs_explicit_mask(state) else None
+    images = {k: batch[k] for k in IMAGE_BATCH_KEYS if k in batch}
     output = model(
         batch["tokens"],
-        position_ids=batch.get("position_ids"),
+        position_ids=_position_ids(state, batch),
         attention_mask=attention_mask,
         labels=batch["labels"],
         **_mtp_inputs(state, batch),
+        **images,
     )
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def _position_ids(state: GlobalState, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The batch's positions; images numbered by their patch grids (Qwen2.5-VL's mRoPE, ``[3, b, s]``) are
+    numbered here, so every pipeline stage gets the same ids (later stages do not see the images)."""
+    if "image_grid_thw" not in batch:
+        return batch.get("position_ids")
+    model_cfg = state.cfg.model
+    merge = QwenVisionArgs.from_dict(model_cfg.vision_config).spatial_merge_size
+    positions, _ = mrope_position_ids(batch["tokens"], batch["image_grid_thw"], model_cfg.image_token_id, merge)
+    return positions
 
 
 def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -91,7 +91,8 @@ source: {path_or_dataset: /data/chat.jsonl}
      r"dataset.source\[0\].load_kwargs sets \['split'\]"),
     ({"seq_length": 32}, ConfigError, r"^dataset.seq_length=32 differs from model.seq_length=64"),
     ({"enable_in_batch_packing": True}, NotSupportedError, r"dataset.enable_in_batch_packing=True is not supported"),
-    ({"hf_processor_path": "Qwen/Qwen3-0.6B"}, NotSupportedError, r"dataset.hf_processor_path='Qwen/Qwen3-0.6B'"),
+    ({"hf_processor_kwargs": {"min_pixels": 784}}, ConfigError,
+     r"^dataset.hf_processor_kwargs=\{'min_pixels': 784\} is set without dataset.hf_processor_path"),
     ({"preprocessing": {"loss_mode": "answers"}}, ConfigError, r"loss_mode='answers' is not valid"),
 ])
 def test_rules_stop_in_one_line(tmp_path, change, error, pattern):

@@ -266,8 +266,7 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
         sequence_parallel context_parallel_size pipeline_model_parallel_size virtual_pipeline_model_parallel_size
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split
-        account_for_loss_in_pipeline_split qk_layernorm recompute_granularity recompute_method recompute_num_layers
-        recompute_modules rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
+        account_for_loss_in_pipeline_split qk_layernorm rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
         expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
         apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
         layernorm_zero_centered_gamma multi_latent_attention

@@ -376,6 +376,10 @@ class T5Args:
     embedding_init_method_std: float
     params_dtype: torch.dtype
     fp16_lm_cross_entropy: bool
+    # activation recompute (Megatron's semantics, per stack): None, 'full' or 'selective'
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
     num_layers: Optional[int] = None
 
@@ -414,6 +418,9 @@ class T5Args:
             embedding_init_method_std=config.embedding_init_method_std or std,
             params_dtype=config.params_dtype or torch.float32,
             fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
+            recompute_granularity=config.recompute_granularity,
+            recompute_method=config.recompute_method,
+            recompute_num_layers=config.recompute_num_layers,
         )
 
     def for_stack(self, num_layers: int) -> "T5Args":

@@ -22,11 +22,12 @@ bool, True = masked. With relative positions, ``softmax_scale=1.0`` gives T5's u
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from longspan.models.args import T5Args
 from longspan.models.init import materialize_model
@@ -65,10 +66,10 @@ class RelativePositionBias(nn.Module):
         self.relative_attention_bias = nn.Embedding(self.num_buckets, args.num_attention_heads, dtype=args.params_dtype)
         self.relative_attention_bias.init_std = args.init_method_std
 
-    def forward(self, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-        query = torch.arange(query_length, device=device)[:, None]
-        key = torch.arange(key_length, device=device)[None, :]
-        buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
+    def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """The bias of queries at ``query_positions [q]`` over keys at ``key_positions [k]``."""
+        relative = key_positions[None, :] - query_positions[:, None]
+        buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         # [q, k, heads]; under tensor parallel the table is split by heads and this holds the local heads.
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
@@ -89,6 +90,11 @@ class Attention(nn.Module):
         self.linear_proj = _linear(heads * self.head_dim, hidden, args.add_bias_linear, out_std, dtype)
         self.attention_dropout = args.attention_dropout
         self.softmax_scale = args.softmax_scale
+        # recompute_granularity='selective': the attention core is recomputed in the backward pass.
+        self.recompute_core_attention = False
+        # The attention core ``(q, k, v, bias, dropout_p, scale)``; context parallel swaps in one that gathers
+        # the keys and values of the whole sequence (longspan.parallel.t5).
+        self.core_attention: Callable[..., torch.Tensor] = biased_attention
 
     def forward(
         self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None
@@ -100,9 +106,17 @@ class Attention(nn.Module):
         k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
         v = self.linear_v(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
         dropout_p = self.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p,
-                                             scale=self.softmax_scale)
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, q, k, v, bias, dropout_p, self.softmax_scale, use_reentrant=False)
+        else:
+            out = self.core_attention(q, k, v, bias, dropout_p, self.softmax_scale)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, dropout_p: float,
+                     scale: float | None) -> torch.Tensor:
+    """SDPA of ``q [b, heads, q, d]`` over ``k``/``v`` ``[b, heads, k, d]`` with the additive ``bias``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
 
 
 class T5Layer(nn.Module):
@@ -140,13 +154,25 @@ class T5Layer(nn.Module):
 
 
 class T5Stack(nn.Module):
-    """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``."""
+    """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``.
+
+    Activation recompute (Megatron's semantics, per stack): ``'full'`` + ``'uniform'`` checkpoints consecutive
+    chunks of ``recompute_num_layers`` layers, ``'full'`` + ``'block'`` each of the first
+    ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross)."""
 
     def __init__(self, args: T5Args, num_layers: int, is_decoder: bool) -> None:
         super().__init__()
         stack_args = args.for_stack(num_layers)
         self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in range(num_layers)})
         self.final_layernorm = build_norm(args, args.hidden_size)
+        self.recompute_granularity = args.recompute_granularity
+        self.recompute_method = args.recompute_method
+        self.recompute_num_layers = args.recompute_num_layers
+        if self.recompute_granularity == "selective":
+            for layer in self.layers.values():
+                for attention in (layer.self_attention, layer.cross_attention):
+                    if attention is not None:
+                        attention.recompute_core_attention = True
 
     def forward(
         self,
@@ -155,9 +181,30 @@ class T5Stack(nn.Module):
         encoder_output: torch.Tensor | None = None,
         cross_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        for layer in self.layers.values():
-            hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias)
+        layers = list(self.layers.values())
+        extra = (self_bias, encoder_output, cross_bias)
+        if self.recompute_granularity == "full" and torch.is_grad_enabled():
+            n = self.recompute_num_layers
+            if self.recompute_method == "uniform":
+                for start in range(0, len(layers), n):
+                    hidden_states = checkpoint(_run_layers, layers[start: start + n], hidden_states, *extra,
+                                               use_reentrant=False)
+            else:  # 'block': the first n layers are recomputed, the rest keep their activations
+                for index, layer in enumerate(layers):
+                    if index < n:
+                        hidden_states = checkpoint(layer, hidden_states, *extra, use_reentrant=False)
+                    else:
+                        hidden_states = layer(hidden_states, *extra)
+        else:
+            hidden_states = _run_layers(layers, hidden_states, *extra)
         return self.final_layernorm(hidden_states)
+
+
+def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor,
+                encoder_output: torch.Tensor | None, cross_bias: torch.Tensor | None) -> torch.Tensor:
+    for layer in layers:
+        hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias)
+    return hidden_states
 
 
 def _as_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -189,6 +236,18 @@ def _attention_bias(position_bias: torch.Tensor | None, mask: torch.Tensor | Non
     if position_bias is None or mask_bias is None:
         return position_bias if mask_bias is None else mask_bias
     return position_bias + mask_bias
+
+
+class SequenceSlice(NamedTuple):
+    """The tokens one call holds of a longer sequence (context parallel): their global ``positions [s]`` and
+    the whole sequence's ``length``; keys and values arrive whole (the attention core gathers them)."""
+
+    positions: torch.Tensor
+    length: int
+
+
+def _whole(length: int, device: torch.device) -> SequenceSlice:
+    return SequenceSlice(torch.arange(length, device=device), length)
 
 
 class T5Model(nn.Module):
@@ -226,22 +285,28 @@ class T5Model(nn.Module):
         """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
         return self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Word (+ learned position) embeddings of ``input_ids`` ``[b, s]``, then dropout."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Word (+ learned position) embeddings of ``input_ids`` ``[b, s]`` at ``positions`` (default
+        ``0..s-1``), then dropout."""
         hidden = self.embedding.word_embeddings(input_ids)
         if self.embedding.position_embeddings is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             hidden = hidden + self.embedding.position_embeddings(positions)[None]
         return self.embedding_dropout(hidden)
 
-    def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The encoder output ``[b, s_enc, hidden]``."""
-        hidden = self.embed(encoder_input_ids)
-        s, dtype = encoder_input_ids.shape[1], hidden.dtype
+    def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: torch.Tensor | None = None,
+               encoder_slice: SequenceSlice | None = None) -> torch.Tensor:
+        """The encoder output ``[b, s_enc, hidden]`` (of the tokens ``encoder_slice`` holds, when given)."""
+        device = encoder_input_ids.device
+        tokens = encoder_slice or _whole(encoder_input_ids.shape[1], device)
+        hidden = self.embed(encoder_input_ids, tokens.positions)
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
-            position_bias = self.encoder_relative_pos_emb(s, s, hidden.device)
-        bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), s, s, dtype, hidden.device)
+            keys = torch.arange(tokens.length, device=device)
+            position_bias = self.encoder_relative_pos_emb(tokens.positions, keys)
+        bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), len(tokens.positions), tokens.length,
+                               hidden.dtype, device)
         return self.encoder(hidden, bias)
 
     def forward(
@@ -254,6 +319,8 @@ class T5Model(nn.Module):
         lm_labels: torch.Tensor | None = None,
         *,
         encoder_hidden_states: torch.Tensor | None = None,
+        encoder_slice: SequenceSlice | None = None,
+        decoder_slice: SequenceSlice | None = None,
     ) -> torch.Tensor:
         """Run encoder and decoder.
 
@@ -265,21 +332,26 @@ class T5Model(nn.Module):
             encoder_decoder_attn_mask: bool ``[b, 1, s_dec, s_enc]``; None = attend to every encoder position.
             lm_labels: ``[b, s_dec]`` targets; when given, the float32 per-token loss ``[b, s_dec]`` is returned.
             encoder_hidden_states: a precomputed encoder output (generation), skipping the encoder.
+            encoder_slice, decoder_slice: the part of each sequence the given ids (and mask rows, labels) hold
+                (context parallel); None = the whole sequence.
 
         Returns logits ``[b, s_dec, padded_vocab]``, or the per-token loss with ``lm_labels``.
         """
         if encoder_hidden_states is None:
-            encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
-        hidden = self.embed(decoder_input_ids)
-        s_dec, s_enc = decoder_input_ids.shape[1], encoder_hidden_states.shape[1]
-        dtype, device = hidden.dtype, hidden.device
-        self_mask = torch.ones(s_dec, s_dec, dtype=torch.bool, device=device).triu(diagonal=1)[None, None]
+            encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask, encoder_slice)
+        device = decoder_input_ids.device
+        tokens = decoder_slice or _whole(decoder_input_ids.shape[1], device)
+        s_enc = encoder_slice.length if encoder_slice is not None else encoder_hidden_states.shape[1]
+        hidden = self.embed(decoder_input_ids, tokens.positions)
+        s_dec, dtype = len(tokens.positions), hidden.dtype
+        keys = torch.arange(tokens.length, device=device)
+        self_mask = (keys[None, :] > tokens.positions[:, None])[None, None]  # causal, on global positions
         if decoder_attn_mask is not None:  # the decoder is always causal; a given mask is applied on top
             self_mask = self_mask | _as_mask(decoder_attn_mask)
         position_bias = None
         if self.decoder_relative_pos_emb is not None:
-            position_bias = self.decoder_relative_pos_emb(s_dec, s_dec, device)
-        self_bias = _attention_bias(position_bias, self_mask, s_dec, s_dec, dtype, device)
+            position_bias = self.decoder_relative_pos_emb(tokens.positions, keys)
+        self_bias = _attention_bias(position_bias, self_mask, s_dec, tokens.length, dtype, device)
         cross_bias = _attention_bias(None, _as_mask(encoder_decoder_attn_mask), s_dec, s_enc, dtype, device)
         hidden = self.decoder(hidden, self_bias, encoder_hidden_states, cross_bias)
         if self.args.scale_decoder_outputs:

@@ -13,7 +13,7 @@ from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Megatron Bridge's T5 provider fields, with its defaults. ``num_layers`` is the decoder's depth.
 
-    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, recompute, pipeline
+    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, pipeline
     or context parallel) raise a one-line NotSupportedError when the model is built."""
 
     encoder_num_layers: Optional[int] = None

@@ -46,7 +46,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
     "qk_layernorm": False,
-    "recompute_granularity": None,
     "fp8": None,
     "rotary_percent": 1.0,
     "seq_len_interpolation_factor": None,
@@ -412,6 +411,7 @@ def _check_recompute(config: Any) -> None:
 def check_t5_model(config: Any) -> None:
     """The T5 model's checks."""
     check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
+    _check_recompute(config)
     if config.position_embedding_type not in ("learned_absolute", "relative"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "

@@ -90,7 +90,6 @@ def test_init_is_per_parameter_and_reproducible():
         ("position_embedding_type", "rope", NotSupportedError, "position_embedding_type='rope'"),
         ("num_query_groups", 2, NotSupportedError, "num_query_groups=2"),
         ("num_moe_experts", 4, NotSupportedError, "num_moe_experts=4"),
-        ("recompute_granularity", "full", NotSupportedError, "recompute_granularity='full'"),
         ("encoder_pipeline_model_parallel_size", 1, NotSupportedError, "encoder_pipeline_model_parallel_size=1"),
         ("rotary_percent", 0.5, NotSupportedError, "rotary_percent=0.5"),
         ("max_position_embeddings", 8, ConfigError, "max_position_embeddings=8"),
@@ -122,7 +121,7 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
 
 
 @pytest.mark.parametrize("field, value", [("qk_layernorm", True), ("cross_entropy_loss_fusion", True),
-                                          ("recompute_granularity", "selective"), ("context_parallel_size", 2)])
+                                          ("context_parallel_size", 2)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
     from longspan.config.support import NOT_SUPPORTED, SUPPORTED, field_status

@@ -264,7 +264,7 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
-        sequence_parallel context_parallel_size pipeline_model_parallel_size virtual_pipeline_model_parallel_size
+        pipeline_model_parallel_size virtual_pipeline_model_parallel_size
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split
         account_for_loss_in_pipeline_split qk_layernorm rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
         expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved

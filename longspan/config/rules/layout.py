@@ -114,6 +114,11 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
+    decoder_length = getattr(m, "seq_length_dec", None)  # T5's decoder sequence is split the same way
+    if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:
+        raise ConfigError(
+            f"model.seq_length_dec={decoder_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
+        )
 
 
 #: Megatron's cp_comm_type values; longspan computes the same exact attention for each (all-gather of K/V)

@@ -51,7 +51,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     "seq_len_interpolation_factor": None,
     "encoder_pipeline_model_parallel_size": 0,
     "pipeline_model_parallel_size": 1,
-    "context_parallel_size": 1,
     "expert_model_parallel_size": 1,
 }
 

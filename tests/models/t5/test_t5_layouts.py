@@ -1,4 +1,4 @@
-"""tiny-t5 through pretrain() under DP2 (DDP), DP2 FSDP2 and TP2 matches one process.
+"""tiny-t5 through pretrain() under DP2 (DDP), DP2 FSDP2, TP2, TP2 + SP and CP2 matches one process.
 
 Each layout runs 8 iterations of the shrunk recipe (byte corpus, hidden 32, encoder 64 / decoder 32 tokens)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
@@ -22,13 +22,16 @@ ITERS = 8
 REL = 1e-5
 
 
-def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: int = 1):
+def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: int = 1, sp: bool = False,
+            cp: int = 1):
     cfg = small_t5_run(run_dir, "run", data_dir=data_dir, train_iters=ITERS, eval_interval=None, eval_iters=0)
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
     cfg.dist.use_torch_fsdp2 = dp_mode == "fsdp2"
     cfg.model.tensor_model_parallel_size = tp
     cfg.model.pipeline_model_parallel_size = pp
+    cfg.model.sequence_parallel = sp
+    cfg.model.context_parallel_size = cp
     return cfg
 
 
@@ -50,6 +53,9 @@ def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
                      "encoder_relative_pos_emb.relative_attention_bias.weight"):
             p = inner.get_parameter(name)
             shapes[name] = list(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+        # what proves sequence and context parallel act: sharded norms, the gathering attention core
+        shapes["sequence_parallel_norm"] = hasattr(inner.encoder.final_layernorm.weight, "to_local")
+        shapes["attention_core"] = type(inner.decoder.layers["0"].cross_attention.core_attention).__name__
         seen["shapes"] = shapes
         return wrapped
 
@@ -87,6 +93,8 @@ LAYOUTS = {  # name: (overrides, model class after parallelize_model, local [k r
     "dp2_ddp": (dict(), "DistributedDataParallel", (32, 4)),
     "dp2_fsdp2": (dict(dp_mode="fsdp2"), "FSDPT5Model", None),
     "tp2": (dict(tp=2), "T5Model", (16, 2)),
+    "tp2_sp": (dict(tp=2, sp=True), "T5Model", (16, 2)),
+    "cp2": (dict(cp=2), "DistributedDataParallel", (32, 4)),
 }
 
 
@@ -95,6 +103,11 @@ def test_layout_matches_one_process(name: str, reference: dict, data_dir: str, t
     overrides, wrapper, local = LAYOUTS[name]
     results = get_shared_pool(2).run(_run, str(tmp_path), data_dir, timeout=300, **overrides)
     assert [w for w, _ in results] == [wrapper, wrapper]
+    for _, shapes in results:
+        if name != "dp2_fsdp2":
+            assert shapes["sequence_parallel_norm"] == overrides.get("sp", False)
+        want_core = "T5ContextParallelAttention" if overrides.get("cp", 1) > 1 else "function"
+        assert shapes["attention_core"] == want_core
     if local is not None:  # TP2: each rank holds half the heads of the cross-attention and of the bias table
         for _, shapes in results:
             assert shapes["decoder.layers.0.cross_attention.linear_k.weight"][0] == local[0]
@@ -109,12 +122,9 @@ def test_layout_matches_one_process(name: str, reference: dict, data_dir: str, t
 
 def test_pipeline_parallel_is_not_supported_yet(tmp_path: Path, data_dir: str) -> None:
     from longspan.core.errors import NotSupportedError
-    from longspan.parallel.t5 import t5_tensor_parallel_plan
 
     provider = _config(str(tmp_path), data_dir).model
     provider.vocab_size = 533
     provider.finalize()
     with pytest.raises(NotSupportedError, match="pipeline_model_parallel_size"):
         provider.provide_meta(pre_process=True, post_process=False)
-    with pytest.raises(NotSupportedError, match="sequence_parallel=True is not supported yet for T5"):
-        t5_tensor_parallel_plan(provider.provide_meta(), sequence_parallel=True)

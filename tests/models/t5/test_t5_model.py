@@ -121,7 +121,7 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
 
 
 @pytest.mark.parametrize("field, value", [("qk_layernorm", True), ("cross_entropy_loss_fusion", True),
-                                          ("context_parallel_size", 2)])
+                                          ("pipeline_model_parallel_size", 2)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
     from longspan.config.support import NOT_SUPPORTED, SUPPORTED, field_status

@@ -247,7 +247,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "softmax_type glu_linear_offset ac
 # T5: longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings
-    seq_length_dec scale_decoder_outputs
+    seq_length_dec scale_decoder_outputs encoder_pipeline_model_parallel_size
     """))
 FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
 FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
@@ -264,9 +264,7 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
-        pipeline_model_parallel_size virtual_pipeline_model_parallel_size
-        num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split
-        account_for_loss_in_pipeline_split qk_layernorm rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
+        qk_layernorm rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
         expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
         apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
         layernorm_zero_centered_gamma multi_latent_attention

@@ -155,16 +155,19 @@ class T5Layer(nn.Module):
 
 class T5Stack(nn.Module):
     """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``.
+    A pipeline stage holds some of the layers (``layer_numbers``) and the norm only with the stack's last layer.
 
     Activation recompute (Megatron's semantics, per stack): ``'full'`` + ``'uniform'`` checkpoints consecutive
     chunks of ``recompute_num_layers`` layers, ``'full'`` + ``'block'`` each of the first
     ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross)."""
 
-    def __init__(self, args: T5Args, num_layers: int, is_decoder: bool) -> None:
+    def __init__(self, args: T5Args, num_layers: int, is_decoder: bool, layer_numbers: list[int] | None = None,
+                 final_norm: bool = True) -> None:
         super().__init__()
-        stack_args = args.for_stack(num_layers)
-        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in range(num_layers)})
-        self.final_layernorm = build_norm(args, args.hidden_size)
+        stack_args = args.for_stack(num_layers)  # init std scales with the whole stack's depth
+        numbers = range(num_layers) if layer_numbers is None else layer_numbers
+        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in numbers})
+        self.final_layernorm = build_norm(args, args.hidden_size) if final_norm else None
         self.recompute_granularity = args.recompute_granularity
         self.recompute_method = args.recompute_method
         self.recompute_num_layers = args.recompute_num_layers
@@ -197,7 +200,7 @@ class T5Stack(nn.Module):
                         hidden_states = layer(hidden_states, *extra)
         else:
             hidden_states = _run_layers(layers, hidden_states, *extra)
-        return self.final_layernorm(hidden_states)
+        return hidden_states if self.final_layernorm is None else self.final_layernorm(hidden_states)
 
 
 def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor,
@@ -251,16 +254,48 @@ def _whole(length: int, device: torch.device) -> SequenceSlice:
 
 
 class T5Model(nn.Module):
-    """Encoder-decoder transformer (Megatron Core's T5Model in plain PyTorch)."""
+    """Encoder-decoder transformer (Megatron Core's T5Model in plain PyTorch).
 
-    def __init__(self, config: Any) -> None:
+    Pipeline stages (``longspan.parallel.pipeline``) cut the encoder layers followed by the decoder layers
+    as one sequence of ``encoder_num_layers + num_layers`` layers (``layer_numbers`` index it). The first stage
+    (``pre_process``) embeds the encoder and the decoder tokens; stages exchange one tensor, the encoder's and
+    the decoder's hidden states concatenated along the sequence ``[b, s_enc + s_dec, hidden]``: a stage runs
+    its encoder layers on the first part (and the encoder's final norm with its last layer) and its decoder
+    layers on the second, cross-attending to the first, which every decoder stage therefore holds. The last
+    stage (``post_process``) has the decoder's final norm, the output layer and the loss. Every stage keeps
+    both relative position tables (tiny), whose gradients the pipeline sums over the stages.
+    """
+
+    def __init__(self, config: Any, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: list[int] | None = None) -> None:
         super().__init__()
         args = T5Args.from_config(config)
         self.config = config
         self.args = args
+        self.pre_process = pre_process
+        self.post_process = post_process
         self.vocab_size = args.vocab_size
         self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
-        self.embedding = nn.Module()
+        encoder_layers, decoder_layers = args.encoder_num_layers, args.decoder_num_layers
+        numbers = list(range(encoder_layers + decoder_layers)) if layer_numbers is None else list(layer_numbers)
+        self.embedding = nn.Module() if pre_process else None
+        if pre_process:
+            self._build_embedding(args)
+        self.encoder_relative_pos_emb = None
+        self.decoder_relative_pos_emb = None
+        if args.position_embedding_type == "relative":
+            self.encoder_relative_pos_emb = RelativePositionBias(args, bidirectional=True)
+            self.decoder_relative_pos_emb = RelativePositionBias(args, bidirectional=False)
+        encoder_numbers = [n for n in numbers if n < encoder_layers]
+        self.encoder = T5Stack(args, encoder_layers, False, encoder_numbers, encoder_layers - 1 in encoder_numbers)
+        decoder_numbers = [n - encoder_layers for n in numbers if n >= encoder_layers]
+        self.decoder = T5Stack(args, decoder_layers, True, decoder_numbers, post_process)
+        self.output_layer: nn.Linear | None = None
+        if post_process and not args.share_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=args.params_dtype)
+            self.output_layer.init_std = args.init_method_std
+
+    def _build_embedding(self, args: T5Args) -> None:
         self.embedding.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size, dtype=args.params_dtype)
         self.embedding.word_embeddings.init_std = args.embedding_init_method_std
         self.embedding.position_embeddings = None
@@ -269,17 +304,6 @@ class T5Model(nn.Module):
             table.init_std = args.embedding_init_method_std
             self.embedding.position_embeddings = table
         self.embedding_dropout = nn.Dropout(args.hidden_dropout)
-        self.encoder_relative_pos_emb = None
-        self.decoder_relative_pos_emb = None
-        if args.position_embedding_type == "relative":
-            self.encoder_relative_pos_emb = RelativePositionBias(args, bidirectional=True)
-            self.decoder_relative_pos_emb = RelativePositionBias(args, bidirectional=False)
-        self.encoder = T5Stack(args, args.encoder_num_layers, is_decoder=False)
-        self.decoder = T5Stack(args, args.decoder_num_layers, is_decoder=True)
-        self.output_layer: nn.Linear | None = None
-        if not args.share_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=args.params_dtype)
-            self.output_layer.init_std = args.init_method_std
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
@@ -298,13 +322,19 @@ class T5Model(nn.Module):
     def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: torch.Tensor | None = None,
                encoder_slice: SequenceSlice | None = None) -> torch.Tensor:
         """The encoder output ``[b, s_enc, hidden]`` (of the tokens ``encoder_slice`` holds, when given)."""
-        device = encoder_input_ids.device
-        tokens = encoder_slice or _whole(encoder_input_ids.shape[1], device)
-        hidden = self.embed(encoder_input_ids, tokens.positions)
+        tokens = encoder_slice or _whole(encoder_input_ids.shape[1], encoder_input_ids.device)
+        return self._run_encoder(self.embed(encoder_input_ids, tokens.positions), encoder_attn_mask, tokens)
+
+    def _run_encoder(self, hidden: torch.Tensor, encoder_attn_mask: torch.Tensor | None,
+                     tokens: SequenceSlice) -> torch.Tensor:
+        """This model's encoder layers (and final norm) on ``hidden``; the attention bias only where a layer
+        needs it (a pipeline stage may hold none)."""
+        if not len(self.encoder.layers):
+            return hidden if self.encoder.final_layernorm is None else self.encoder.final_layernorm(hidden)
+        device = hidden.device
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
-            keys = torch.arange(tokens.length, device=device)
-            position_bias = self.encoder_relative_pos_emb(tokens.positions, keys)
+            position_bias = self.encoder_relative_pos_emb(tokens.positions, torch.arange(tokens.length, device=device))
         bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), len(tokens.positions), tokens.length,
                                hidden.dtype, device)
         return self.encoder(hidden, bias)
@@ -321,6 +351,7 @@ class T5Model(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_slice: SequenceSlice | None = None,
         decoder_slice: SequenceSlice | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run encoder and decoder.
 
@@ -334,15 +365,37 @@ class T5Model(nn.Module):
             encoder_hidden_states: a precomputed encoder output (generation), skipping the encoder.
             encoder_slice, decoder_slice: the part of each sequence the given ids (and mask rows, labels) hold
                 (context parallel); None = the whole sequence.
+            hidden_states: on a pipeline stage without ``pre_process``, the previous stage's output (else taken
+                from the first positional argument, where ``torch.distributed.pipelining`` passes it).
 
-        Returns logits ``[b, s_dec, padded_vocab]``, or the per-token loss with ``lm_labels``.
+        Returns logits ``[b, s_dec, padded_vocab]``, or the per-token loss with ``lm_labels``; a stage without
+        ``post_process`` returns its ``[b, s_enc + s_dec, hidden]`` hidden states.
         """
-        if encoder_hidden_states is None:
-            encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask, encoder_slice)
         device = decoder_input_ids.device
         tokens = decoder_slice or _whole(decoder_input_ids.shape[1], device)
+        if self.pre_process:
+            if encoder_hidden_states is None:
+                encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask, encoder_slice)
+            hidden = self.embed(decoder_input_ids, tokens.positions)  # after the encoder: one process's draws
+        else:
+            received = encoder_input_ids if hidden_states is None else hidden_states
+            split = received.shape[1] - len(tokens.positions)
+            encoder_tokens = encoder_slice or _whole(split, device)
+            encoder_hidden_states = self._run_encoder(received[:, :split], encoder_attn_mask, encoder_tokens)
+            hidden = received[:, split:]
         s_enc = encoder_slice.length if encoder_slice is not None else encoder_hidden_states.shape[1]
-        hidden = self.embed(decoder_input_ids, tokens.positions)
+        hidden = self._run_decoder(hidden, encoder_hidden_states, decoder_attn_mask, encoder_decoder_attn_mask,
+                                   tokens, s_enc)
+        if not self.post_process:
+            return torch.cat([encoder_hidden_states, hidden], dim=1)
+        return self._output(hidden, lm_labels)
+
+    def _run_decoder(self, hidden: torch.Tensor, encoder_output: torch.Tensor, decoder_attn_mask: Any,
+                     encoder_decoder_attn_mask: Any, tokens: SequenceSlice, s_enc: int) -> torch.Tensor:
+        """This model's decoder layers (and final norm) on ``hidden``, cross-attending to ``encoder_output``."""
+        if not len(self.decoder.layers):
+            return hidden if self.decoder.final_layernorm is None else self.decoder.final_layernorm(hidden)
+        device = hidden.device
         s_dec, dtype = len(tokens.positions), hidden.dtype
         keys = torch.arange(tokens.length, device=device)
         self_mask = (keys[None, :] > tokens.positions[:, None])[None, None]  # causal, on global positions
@@ -353,7 +406,10 @@ class T5Model(nn.Module):
             position_bias = self.decoder_relative_pos_emb(tokens.positions, keys)
         self_bias = _attention_bias(position_bias, self_mask, s_dec, tokens.length, dtype, device)
         cross_bias = _attention_bias(None, _as_mask(encoder_decoder_attn_mask), s_dec, s_enc, dtype, device)
-        hidden = self.decoder(hidden, self_bias, encoder_hidden_states, cross_bias)
+        return self.decoder(hidden, self_bias, encoder_output, cross_bias)
+
+    def _output(self, hidden: torch.Tensor, lm_labels: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the decoder output, or with ``lm_labels`` the float32 per-token loss."""
         if self.args.scale_decoder_outputs:
             hidden = hidden * (self.args.hidden_size**-0.5)
         if self.output_layer is not None:
@@ -375,9 +431,13 @@ def build_t5_model(
     seed: int | None = None,
     materialize: bool = True,
     device: torch.device | str | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_numbers: list[int] | None = None,
 ) -> T5Model:
-    """Build a ``T5Model`` on the meta device and (by default) materialize and initialize it from ``seed``
-    (default ``torch.initial_seed()``); ``materialize=False`` leaves it on meta for the parallel plans."""
+    """Build a ``T5Model`` (or a pipeline stage of one: see ``T5Model``) on the meta device and (by default)
+    materialize and initialize it from ``seed`` (default ``torch.initial_seed()``); ``materialize=False``
+    leaves it on meta for the parallel plans."""
     with torch.device("meta"):
-        model = T5Model(provider)
+        model = T5Model(provider, pre_process, post_process, layer_numbers)
     return materialize_model(model, provider, seed, device) if materialize else model

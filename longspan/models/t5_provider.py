@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from longspan.core.errors import NotSupportedError
 from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 
 
@@ -13,8 +12,8 @@ from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Megatron Bridge's T5 provider fields, with its defaults. ``num_layers`` is the decoder's depth.
 
-    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, pipeline
-    or context parallel) raise a one-line NotSupportedError when the model is built."""
+    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, ...) raise a
+    one-line NotSupportedError when the model is built."""
 
     encoder_num_layers: Optional[int] = None
     """Encoder layers; None means num_layers (the decoder's depth)."""
@@ -65,7 +64,9 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Decoder sequence length (the T5 dataset's decoder length)."""
 
     encoder_pipeline_model_parallel_size: int = 0
-    """Pipeline stages reserved for the encoder (pipeline parallel T5 is not supported yet: leave 0)."""
+    """With pipeline parallel: 0 splits the encoder layers followed by the decoder layers over the stages
+    together (a stage may hold both); k > 0 gives the encoder layers to the first k of the
+    pipeline_model_parallel_size stages and the decoder layers to the others."""
 
     vocab_size: Optional[int] = None
     """Vocabulary size before padding; None means it comes from the tokenizer."""
@@ -75,11 +76,9 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
-        """``longspan.models.t5.build_t5_model`` (see ``ModelProviderMixin``); whole models only."""
+        """``longspan.models.t5.build_t5_model`` (see ``ModelProviderMixin``): the whole model, or a pipeline
+        stage holding ``layer_numbers`` of the encoder layers followed by the decoder layers."""
         from longspan.models.t5 import build_t5_model  # keeps the providers (configs) free of the model code
 
-        if not (pre_process and post_process) or layer_numbers is not None or vp_stage is not None:
-            raise NotSupportedError(
-                "model=T5ModelProvider with pipeline_model_parallel_size > 1 is not supported yet: set it to 1"
-            )
-        return build_t5_model(self, materialize=materialize)
+        return build_t5_model(self, materialize=materialize, pre_process=pre_process, post_process=post_process,
+                              layer_numbers=layer_numbers)

@@ -44,9 +44,9 @@ def is_t5_model(model: nn.Module) -> bool:
 def t5_tensor_parallel_plan(model: T5Model, sequence_parallel: bool = False) -> dict[str, Any]:
     """The ``parallelize_module`` plan for a T5 model: module name -> ParallelStyle (see the module docstring)."""
     sp = sequence_parallel
-    plan: dict[str, Any] = {
-        "embedding.word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    }
+    plan: dict[str, Any] = {}
+    if model.embedding is not None:  # the first pipeline stage (or the whole model)
+        plan["embedding.word_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if sp:  # the embeddings (after position embeddings and dropout, drawn as on one process) cut locally
         plan["embedding_dropout"] = PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
@@ -57,7 +57,7 @@ def t5_tensor_parallel_plan(model: T5Model, sequence_parallel: bool = False) -> 
     for stack_name in ("encoder", "decoder"):
         for key, layer in getattr(model, stack_name).layers.items():
             plan.update(_layer_plan(f"{stack_name}.layers.{key}", layer, sp))
-    if sp:
+    if sp:  # (sequence parallel T5 runs without pipeline stages: every part is here)
         # The encoder output leaves as this rank's sequence shard; each cross-attention gathers it.
         plan["encoder.final_layernorm"] = SequenceParallel(use_local_output=True)
         plan["decoder.final_layernorm"] = SequenceParallel()

@@ -49,8 +49,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     "fp8": None,
     "rotary_percent": 1.0,
     "seq_len_interpolation_factor": None,
-    "encoder_pipeline_model_parallel_size": 0,
-    "pipeline_model_parallel_size": 1,
     "expert_model_parallel_size": 1,
 }
 
@@ -411,6 +409,7 @@ def check_t5_model(config: Any) -> None:
     """The T5 model's checks."""
     check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
     _check_recompute(config)
+    _check_t5_pipeline(config)
     if config.position_embedding_type not in ("learned_absolute", "relative"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "
@@ -450,6 +449,30 @@ def check_t5_model(config: Any) -> None:
             f"model.relative_attention_num_buckets={config.relative_attention_num_buckets} and "
             f"model.relative_attention_max_distance={config.relative_attention_max_distance} must be > 1"
         )
+
+
+def _check_t5_pipeline(config: Any) -> None:
+    """What T5's pipeline stages (one exchanged tensor of both stacks' hidden states) do not combine with."""
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp == 1:
+        if getattr(config, "encoder_pipeline_model_parallel_size", 0):
+            raise ConfigError(
+                f"model.encoder_pipeline_model_parallel_size={config.encoder_pipeline_model_parallel_size} needs "
+                "model.pipeline_model_parallel_size > 1: leave it 0"
+            )
+        return
+    if config.share_embeddings_and_output_weights:
+        raise NotSupportedError(
+            f"model.share_embeddings_and_output_weights=True with pipeline_model_parallel_size={pp} is not "
+            "supported for T5ModelProvider: set share_embeddings_and_output_weights=False"
+        )
+    for name in ("sequence_parallel", "context_parallel_size"):
+        value = getattr(config, name, None)
+        if value not in (None, False, 1):
+            raise NotSupportedError(
+                f"model.{name}={value!r} with pipeline_model_parallel_size={pp} is not supported yet for "
+                "T5ModelProvider (stages exchange whole encoder and decoder sequences): use one or the other"
+            )
 
 
 MAMBA_POSITIVE_FIELDS = ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size",

@@ -2,7 +2,7 @@
 
 Each layout runs 8 iterations of the shrunk recipe (byte corpus, hidden 32, encoder 64 / decoder 32 tokens)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
-run's within 1e-5 relative. Pipeline parallel is a one-line "not supported yet" error.
+run's within 1e-5 relative; PP2 with the encoder split over both stages.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ REL = 1e-5
 
 
 def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: int = 1, sp: bool = False,
-            cp: int = 1):
+            cp: int = 1, first: int | None = None):
     cfg = small_t5_run(run_dir, "run", data_dir=data_dir, train_iters=ITERS, eval_interval=None, eval_iters=0)
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
@@ -32,6 +32,7 @@ def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: 
     cfg.model.pipeline_model_parallel_size = pp
     cfg.model.sequence_parallel = sp
     cfg.model.context_parallel_size = cp
+    cfg.model.num_layers_in_first_pipeline_stage = first
     return cfg
 
 
@@ -48,6 +49,10 @@ def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
         wrapped = original(model, cfg, parallel)
         seen["wrapper"] = type(wrapped).__name__
         inner = getattr(wrapped, "module", wrapped)
+        # the layers this rank holds (pipeline stages): encoder and decoder keys
+        seen["layers"] = (list(inner.encoder.layers), list(inner.decoder.layers))
+        if cfg.model.pipeline_model_parallel_size > 1:
+            return wrapped
         shapes = {}
         for name in ("decoder.layers.0.cross_attention.linear_k.weight",
                      "encoder_relative_pos_emb.relative_attention_bias.weight"):
@@ -64,7 +69,7 @@ def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
         pretrain(_config(run_dir, data_dir, **layout))
     finally:
         parallelize_mod.parallelize_model = original
-    return seen.get("wrapper", ""), seen.get("shapes", {})
+    return seen.get("wrapper", ""), seen.get("shapes", {}), seen["layers"]
 
 
 def _logged(run_dir: str) -> dict:
@@ -95,21 +100,27 @@ LAYOUTS = {  # name: (overrides, model class after parallelize_model, local [k r
     "tp2": (dict(tp=2), "T5Model", (16, 2)),
     "tp2_sp": (dict(tp=2, sp=True), "T5Model", (16, 2)),
     "cp2": (dict(cp=2), "DistributedDataParallel", (32, 4)),
+    # stage 0: encoder layer 0; stage 1: encoder layer 1 (and the encoder's final norm), the decoder, the loss
+    "pp2_first1": (dict(pp=2, first=1), "T5Model", None),
 }
+STAGE_LAYERS = {"pp2_first1": [(["0"], []), (["1"], ["0", "1"])]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name: str, reference: dict, data_dir: str, tmp_path: Path) -> None:
     overrides, wrapper, local = LAYOUTS[name]
     results = get_shared_pool(2).run(_run, str(tmp_path), data_dir, timeout=300, **overrides)
-    assert [w for w, _ in results] == [wrapper, wrapper]
-    for _, shapes in results:
+    assert [w for w, _, _ in results] == [wrapper, wrapper]
+    assert [layers for _, _, layers in results] == STAGE_LAYERS.get(name, [(["0", "1"], ["0", "1"])] * 2)
+    for _, shapes, _ in results:
+        if not shapes:  # pipeline stages
+            continue
         if name != "dp2_fsdp2":
             assert shapes["sequence_parallel_norm"] == overrides.get("sp", False)
         want_core = "T5ContextParallelAttention" if overrides.get("cp", 1) > 1 else "function"
         assert shapes["attention_core"] == want_core
     if local is not None:  # TP2: each rank holds half the heads of the cross-attention and of the bias table
-        for _, shapes in results:
+        for _, shapes, _ in results:
             assert shapes["decoder.layers.0.cross_attention.linear_k.weight"][0] == local[0]
             assert shapes["encoder_relative_pos_emb.relative_attention_bias.weight"][1] == local[1]
     got, want = _logged(str(tmp_path)), reference
@@ -118,13 +129,3 @@ def test_layout_matches_one_process(name: str, reference: dict, data_dir: str, t
         for i, (g, w) in enumerate(zip(got[key], want[key])):
             assert abs(g - w) <= REL * abs(w), f"{name} {key}[{i}]: {g} vs {w}"
     assert want["losses"][-1] < want["losses"][0]
-
-
-def test_pipeline_parallel_is_not_supported_yet(tmp_path: Path, data_dir: str) -> None:
-    from longspan.core.errors import NotSupportedError
-
-    provider = _config(str(tmp_path), data_dir).model
-    provider.vocab_size = 533
-    provider.finalize()
-    with pytest.raises(NotSupportedError, match="pipeline_model_parallel_size"):
-        provider.provide_meta(pre_process=True, post_process=False)

@@ -90,7 +90,7 @@ def test_init_is_per_parameter_and_reproducible():
         ("position_embedding_type", "rope", NotSupportedError, "position_embedding_type='rope'"),
         ("num_query_groups", 2, NotSupportedError, "num_query_groups=2"),
         ("num_moe_experts", 4, NotSupportedError, "num_moe_experts=4"),
-        ("encoder_pipeline_model_parallel_size", 1, NotSupportedError, "encoder_pipeline_model_parallel_size=1"),
+        ("encoder_pipeline_model_parallel_size", 1, ConfigError, "encoder_pipeline_model_parallel_size=1 needs"),
         ("rotary_percent", 0.5, NotSupportedError, "rotary_percent=0.5"),
         ("max_position_embeddings", 8, ConfigError, "max_position_embeddings=8"),
         ("relative_attention_num_buckets", 1, ConfigError, "relative_attention_num_buckets=1"),
@@ -103,9 +103,54 @@ def test_unsupported_values_are_one_line_errors(field, value, error, text):
     assert "\n" not in str(info.value)
 
 
-def test_pipeline_stages_are_not_supported_yet():
-    with pytest.raises(NotSupportedError, match="pipeline_model_parallel_size"):
-        build_meta_model(tiny_t5(), pre_process=True, post_process=False, layer_numbers=[0])
+@pytest.mark.parametrize("split", ["shared_stage", "encoder_stage"])
+def test_pipeline_stages_chained_equal_the_whole_model(split):
+    """Stages exchange [encoder | decoder] hidden states; chained, they compute the whole model's loss.
+    'shared_stage': encoder layers 0-1 on stage 0, encoder layer 2 and the decoder on stage 1 (the encoder's
+    final norm and its relative table there too); 'encoder_stage': encoder_pipeline_model_parallel_size=1."""
+    from longspan.config.rules.pipeline_split import layer_counts_for_config, stage_layer_numbers
+    from longspan.models.t5 import build_t5_model
+
+    fields = dict(share_embeddings_and_output_weights=False, position_embedding_type="relative",
+                  pipeline_model_parallel_size=2)
+    if split == "shared_stage":
+        fields["num_layers_in_first_pipeline_stage"] = 2
+    else:
+        fields["encoder_pipeline_model_parallel_size"] = 1
+    provider = tiny_t5(**fields)
+    numbers = stage_layer_numbers(layer_counts_for_config(provider))
+    assert numbers == ([[0, 1], [2, 3, 4]] if split == "shared_stage" else [[0, 1, 2], [3, 4]])
+    whole = build_t5_model(provider, seed=5)
+    first, last = (build_t5_model(provider, seed=5, pre_process=i == 0, post_process=i == 1, layer_numbers=n)
+                   for i, n in enumerate(numbers))
+    assert first.output_layer is None and last.embedding is None
+    assert (last.encoder.final_layernorm is not None) == (split == "shared_stage")
+    gen = torch.Generator().manual_seed(1)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    pad = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    pad[1, ..., 11:] = True
+    kw = dict(encoder_attn_mask=pad, encoder_decoder_attn_mask=pad, lm_labels=torch.randint(0, 90, (2, 8), generator=gen))
+    hidden = first(enc, dec, **kw)
+    assert hidden.shape == (2, 16 + 8, 32)
+    torch.testing.assert_close(last(hidden, dec, **kw), whole(enc, dec, **kw), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields, text", [
+    (dict(share_embeddings_and_output_weights=True), "share_embeddings_and_output_weights=True with pipeline"),
+    (dict(share_embeddings_and_output_weights=False, num_layers=2), r"encoder_num_layers=3 \+ model.num_layers=2"),
+    (dict(share_embeddings_and_output_weights=False, encoder_pipeline_model_parallel_size=2),
+     "encoder_pipeline_model_parallel_size=2 must be 0 or less than"),
+    (dict(share_embeddings_and_output_weights=False, encoder_pipeline_model_parallel_size=1,
+          num_layers_in_first_pipeline_stage=3), "cannot be combined with"),
+])
+def test_pipeline_settings_t5_cannot_take_are_one_line_errors(fields, text):
+    from longspan.config.rules.pipeline_split import layer_counts_for_config
+
+    with pytest.raises((ConfigError, NotSupportedError), match=text) as info:
+        provider = tiny_t5(**{"pipeline_model_parallel_size": 2, "num_layers": 3, **fields})
+        layer_counts_for_config(provider)
+        build_meta_model(provider, pre_process=False, layer_numbers=[0])
+    assert "\n" not in str(info.value)
 
 
 def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
@@ -121,7 +166,7 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
 
 
 @pytest.mark.parametrize("field, value", [("qk_layernorm", True), ("cross_entropy_loss_fusion", True),
-                                          ("pipeline_model_parallel_size", 2)])
+                                          ("multi_latent_attention", True)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
     from longspan.config.support import NOT_SUPPORTED, SUPPORTED, field_status

@@ -1,8 +1,8 @@
-"""tiny-t5 through pretrain() under DP2 (DDP), DP2 FSDP2, TP2, TP2 + SP and CP2 matches one process.
+"""tiny-t5 through pretrain() under DP2 (DDP), DP2 FSDP2, TP2, TP2 + SP, CP2 and PP2 x TP2 matches one process.
 
 Each layout runs 8 iterations of the shrunk recipe (byte corpus, hidden 32, encoder 64 / decoder 32 tokens)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
-run's within 1e-5 relative; PP2 with the encoder split over both stages.
+run's within 1e-5 relative; PP2 x TP2 (four ranks) with the encoder split over both stages.
 """
 
 from __future__ import annotations
@@ -100,17 +100,20 @@ LAYOUTS = {  # name: (overrides, model class after parallelize_model, local [k r
     "tp2": (dict(tp=2), "T5Model", (16, 2)),
     "tp2_sp": (dict(tp=2, sp=True), "T5Model", (16, 2)),
     "cp2": (dict(cp=2), "DistributedDataParallel", (32, 4)),
-    # stage 0: encoder layer 0; stage 1: encoder layer 1 (and the encoder's final norm), the decoder, the loss
-    "pp2_first1": (dict(pp=2, first=1), "T5Model", None),
+    # four ranks, a tp pair per stage. Stage 0: encoder layer 0; stage 1: encoder layer 1 (and the encoder's
+    # final norm), the decoder and the loss: the encoder's relative table is used (and summed) on both stages.
+    # (encoder_pipeline_model_parallel_size's split: test_t5_model.py::test_pipeline_stages_chained_equal...)
+    "pp2_tp2_first1": (dict(pp=2, tp=2, first=1), "T5Model", None),
 }
-STAGE_LAYERS = {"pp2_first1": [(["0"], []), (["1"], ["0", "1"])]}
+STAGE_LAYERS = {"pp2_tp2_first1": [(["0"], [])] * 2 + [(["1"], ["0", "1"])] * 2}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name: str, reference: dict, data_dir: str, tmp_path: Path) -> None:
     overrides, wrapper, local = LAYOUTS[name]
-    results = get_shared_pool(2).run(_run, str(tmp_path), data_dir, timeout=300, **overrides)
-    assert [w for w, _, _ in results] == [wrapper, wrapper]
+    world = 4 if name.startswith("pp2_tp2") else 2
+    results = get_shared_pool(world).run(_run, str(tmp_path), data_dir, timeout=300, **overrides)
+    assert [w for w, _, _ in results] == [wrapper] * world
     assert [layers for _, _, layers in results] == STAGE_LAYERS.get(name, [(["0", "1"], ["0", "1"])] * 2)
     for _, shapes, _ in results:
         if not shapes:  # pipeline stages

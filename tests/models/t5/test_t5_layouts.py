@@ -2,7 +2,7 @@
 
 Each layout runs 8 iterations of the shrunk recipe (byte corpus, hidden 32, encoder 64 / decoder 32 tokens)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
-run's within 1e-5 relative; PP2 x TP2 (four ranks) with the encoder split over both stages.
+run's within 1e-5 relative; PP2 x TP2 (four ranks) with two virtual stages per rank.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ REL = 1e-5
 
 
 def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: int = 1, sp: bool = False,
-            cp: int = 1, first: int | None = None):
+            cp: int = 1, vp: int | None = None):
     cfg = small_t5_run(run_dir, "run", data_dir=data_dir, train_iters=ITERS, eval_interval=None, eval_iters=0)
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 1
@@ -32,7 +32,7 @@ def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: 
     cfg.model.pipeline_model_parallel_size = pp
     cfg.model.sequence_parallel = sp
     cfg.model.context_parallel_size = cp
-    cfg.model.num_layers_in_first_pipeline_stage = first
+    cfg.model.virtual_pipeline_model_parallel_size = vp
     return cfg
 
 
@@ -49,8 +49,8 @@ def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
         wrapped = original(model, cfg, parallel)
         seen["wrapper"] = type(wrapped).__name__
         inner = getattr(wrapped, "module", wrapped)
-        # the layers this rank holds (pipeline stages): encoder and decoder keys
-        seen["layers"] = (list(inner.encoder.layers), list(inner.decoder.layers))
+        # the layers of each model chunk this rank holds (pipeline stages): encoder and decoder keys
+        seen.setdefault("layers", []).append((list(inner.encoder.layers), list(inner.decoder.layers)))
         if cfg.model.pipeline_model_parallel_size > 1:
             return wrapped
         shapes = {}
@@ -100,21 +100,24 @@ LAYOUTS = {  # name: (overrides, model class after parallelize_model, local [k r
     "tp2": (dict(tp=2), "T5Model", (16, 2)),
     "tp2_sp": (dict(tp=2, sp=True), "T5Model", (16, 2)),
     "cp2": (dict(cp=2), "DistributedDataParallel", (32, 4)),
-    # four ranks, a tp pair per stage. Stage 0: encoder layer 0; stage 1: encoder layer 1 (and the encoder's
-    # final norm), the decoder and the loss: the encoder's relative table is used (and summed) on both stages.
-    # (encoder_pipeline_model_parallel_size's split: test_t5_model.py::test_pipeline_stages_chained_equal...)
-    "pp2_tp2_first1": (dict(pp=2, tp=2, first=1), "T5Model", None),
+    # four ranks, a tp pair per pipeline rank, two virtual stages each: both stacks' relative tables are used
+    # on both ranks and held twice per rank (their gradients summed over all four copies). Stages holding both
+    # stacks' layers and encoder_pipeline_model_parallel_size's split: test_t5_model.py (chained stages).
+    "pp2_vp2_tp2": (dict(pp=2, tp=2, vp=2), "T5Model", None),
 }
-STAGE_LAYERS = {"pp2_tp2_first1": [(["0"], [])] * 2 + [(["1"], ["0", "1"])] * 2}
+STAGE_LAYERS = {  # per rank (tp pairs on each pipeline rank), per model chunk: (encoder, decoder) layers
+    # virtual stages 0-3 hold one layer each: encoder 0, encoder 1, decoder 0, decoder 1 (stage s on rank s % 2)
+    "pp2_vp2_tp2": [[(["0"], []), ([], ["0"])]] * 2 + [[(["1"], []), ([], ["1"])]] * 2,
+}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name: str, reference: dict, data_dir: str, tmp_path: Path) -> None:
     overrides, wrapper, local = LAYOUTS[name]
-    world = 4 if name.startswith("pp2_tp2") else 2
+    world = 4 if overrides.get("pp", 1) * overrides.get("tp", 1) == 4 else 2
     results = get_shared_pool(world).run(_run, str(tmp_path), data_dir, timeout=300, **overrides)
     assert [w for w, _, _ in results] == [wrapper] * world
-    assert [layers for _, _, layers in results] == STAGE_LAYERS.get(name, [(["0", "1"], ["0", "1"])] * 2)
+    assert [layers for _, _, layers in results] == STAGE_LAYERS.get(name, [[(["0", "1"], ["0", "1"])]] * 2)
     for _, shapes, _ in results:
         if not shapes:  # pipeline stages
             continue

@@ -376,6 +376,10 @@ class T5Args:
     embedding_init_method_std: float
     params_dtype: torch.dtype
     fp16_lm_cross_entropy: bool
+    qk_layernorm: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    attention_softmax_in_fp32: bool = True
+    layernorm_zero_centered_gamma: bool = False
     # activation recompute (Megatron's semantics, per stack): None, 'full' or 'selective'
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -418,6 +422,10 @@ class T5Args:
             embedding_init_method_std=config.embedding_init_method_std or std,
             params_dtype=config.params_dtype or torch.float32,
             fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
+            qk_layernorm=bool(config.qk_layernorm),
+            apply_residual_connection_post_layernorm=bool(config.apply_residual_connection_post_layernorm),
+            attention_softmax_in_fp32=bool(config.attention_softmax_in_fp32),
+            layernorm_zero_centered_gamma=bool(config.layernorm_zero_centered_gamma),
             recompute_granularity=config.recompute_granularity,
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,

@@ -88,13 +88,18 @@ class Attention(nn.Module):
         self.linear_k = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
         self.linear_v = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
         self.linear_proj = _linear(heads * self.head_dim, hidden, args.add_bias_linear, out_std, dtype)
+        # qk_layernorm: a norm over each head's channels of the queries and keys (Megatron's per-head QK norm)
+        self.q_layernorm = build_norm(args, self.head_dim) if args.qk_layernorm else None
+        self.k_layernorm = build_norm(args, self.head_dim) if args.qk_layernorm else None
         self.attention_dropout = args.attention_dropout
         self.softmax_scale = args.softmax_scale
         # recompute_granularity='selective': the attention core is recomputed in the backward pass.
         self.recompute_core_attention = False
         # The attention core ``(q, k, v, bias, dropout_p, scale)``; context parallel swaps in one that gathers
         # the keys and values of the whole sequence (longspan.parallel.t5).
-        self.core_attention: Callable[..., torch.Tensor] = biased_attention
+        self.core_attention: Callable[..., torch.Tensor] = (
+            biased_attention if args.attention_softmax_in_fp32 else low_precision_biased_attention
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None
@@ -102,8 +107,11 @@ class Attention(nn.Module):
         b, s, _ = hidden_states.shape
         source = hidden_states if key_value_states is None else key_value_states
         # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
-        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim)
+        k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.linear_v(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.recompute_core_attention and torch.is_grad_enabled():
@@ -119,11 +127,27 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
 
 
+def low_precision_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                                   dropout_p: float, scale: float | None) -> torch.Tensor:
+    """``biased_attention`` with the scores and probabilities kept in the inputs' dtype
+    (``attention_softmax_in_fp32=False``: Megatron's unfused softmax without the fp32 upcast); float32 inputs
+    take ``biased_attention`` (the same maths)."""
+    if q.dtype == torch.float32:
+        return biased_attention(q, k, v, bias, dropout_p, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale + bias.to(q.dtype)
+    probs = torch.softmax(scores, dim=-1)  # stays in the inputs' dtype
+    probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return torch.matmul(probs, v)
+
+
 class T5Layer(nn.Module):
     """Pre-norm layer: self-attention, (decoder only) cross-attention, MLP; each a dropped-out residual add."""
 
     def __init__(self, args: T5Args, is_decoder: bool) -> None:
         super().__init__()
+        # apply_residual_connection_post_layernorm: each residual branch starts from the norm's output
+        self.residual_after_norm = args.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(args, args.hidden_size)
         self.self_attention = Attention(args)
         self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
@@ -144,13 +168,16 @@ class T5Layer(nn.Module):
         encoder_output: torch.Tensor | None = None,
         cross_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(hidden_states), self_bias)
-        hidden_states = hidden_states + self.self_attn_dropout(attn)
+        normed = self.input_layernorm(hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        hidden_states = residual + self.self_attn_dropout(self.self_attention(normed, self_bias))
         if self.cross_attention is not None:
-            cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden_states), cross_bias, encoder_output)
-            hidden_states = hidden_states + self.cross_attn_dropout(cross)
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return hidden_states + self.mlp_dropout(mlp)
+            normed = self.pre_cross_attn_layernorm(hidden_states)
+            residual = normed if self.residual_after_norm else hidden_states
+            hidden_states = residual + self.cross_attn_dropout(self.cross_attention(normed, cross_bias, encoder_output))
+        normed = self.pre_mlp_layernorm(hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        return residual + self.mlp_dropout(self.mlp(normed))
 
 
 class T5Stack(nn.Module):

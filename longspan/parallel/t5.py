@@ -76,6 +76,10 @@ def _layer_plan(prefix: str, layer: nn.Module, sp: bool) -> dict[str, Any]:
     for attn in attentions:
         for name in ("linear_q", "linear_k", "linear_v"):
             plan[f"{prefix}.{attn}.{name}"] = ColwiseParallel()
+        if getattr(layer, attn).q_layernorm is not None:
+            # QK-norm on this rank's heads ([b, s, heads, d]): replicated weight, gradient summed over tp
+            for norm in ("q_layernorm", "k_layernorm"):
+                plan[f"{prefix}.{attn}.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan[f"{prefix}.{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
     plan[f"{prefix}.mlp.linear_fc1"] = ColwiseParallel()
     if layer.mlp.linear_fc1_gate is not None:
@@ -84,8 +88,8 @@ def _layer_plan(prefix: str, layer: nn.Module, sp: bool) -> dict[str, Any]:
     if not sp:
         return plan
     norms = ["input_layernorm", "pre_mlp_layernorm"] + (["pre_cross_attn_layernorm"] if len(attentions) > 1 else [])
-    for norm in norms:
-        plan[f"{prefix}.{norm}"] = SequenceParallel()
+    for norm in norms:  # local shards out (the residual may start from them), gathered by the modules below
+        plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
     # self_attention(hidden, bias); cross_attention(hidden, bias, encoder_output); mlp(hidden)
     plan[f"{prefix}.self_attention"] = PrepareModuleInput(
         input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True

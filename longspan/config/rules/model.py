@@ -38,14 +38,11 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     **MLA_FIXED_FIELDS,
     "mtp_num_layers": None,
-    **RESIDUAL_FIXED_FIELDS,
+    "fp32_residual_connection": False,
     "rotary_interleaved": False,
-    "attention_softmax_in_fp32": True,
-    "layernorm_zero_centered_gamma": False,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
-    "qk_layernorm": False,
     "fp8": None,
     "rotary_percent": 1.0,
     "seq_len_interpolation_factor": None,
@@ -410,6 +407,11 @@ def check_t5_model(config: Any) -> None:
     check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
     _check_recompute(config)
     _check_t5_pipeline(config)
+    if not config.attention_softmax_in_fp32 and getattr(config, "context_parallel_size", 1) > 1:
+        raise NotSupportedError(
+            "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
+            "parallel attention always accumulates in fp32): leave it True"
+        )
     if config.position_embedding_type not in ("learned_absolute", "relative"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "

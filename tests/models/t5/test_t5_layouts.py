@@ -30,6 +30,10 @@ def _config(run_dir: str, data_dir: str, dp_mode: str = "ddp", tp: int = 1, pp: 
     cfg.dist.use_torch_fsdp2 = dp_mode == "fsdp2"
     cfg.model.tensor_model_parallel_size = tp
     cfg.model.pipeline_model_parallel_size = pp
+    # per-head QK norms (replicated weights on head-sharded inputs under TP) and residuals taken after the
+    # norms (local sequence shards under SP) ride along in every layout
+    cfg.model.qk_layernorm = True
+    cfg.model.apply_residual_connection_post_layernorm = True
     cfg.model.sequence_parallel = sp
     cfg.model.context_parallel_size = cp
     cfg.model.virtual_pipeline_model_parallel_size = vp

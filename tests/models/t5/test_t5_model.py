@@ -196,3 +196,31 @@ def test_text_generation_refuses_t5_in_one_line():
 
     with pytest.raises(NotSupportedError, match="encoder-decoder models \\(T5Model\\)"):
         _single_model([tiny_t5().provide()])
+
+
+def _logits(provider, enc, dec):
+    from longspan.models.t5 import build_t5_model
+
+    return build_t5_model(provider, seed=2)(enc, dec)
+
+
+def test_model_feature_fields_change_the_t5_model():
+    """qk_layernorm adds per-head query/key norms (self- and cross-attention); the post-norm residual starts
+    each branch from the norm's output; zero-centred norms store gamma - 1 (zeros at init, the same maths);
+    attention_softmax_in_fp32=False keeps bf16 scores and probabilities in bf16."""
+    gen = torch.Generator().manual_seed(3)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    base = _logits(tiny_t5(), enc, dec)
+    qk = tiny_t5(qk_layernorm=True)
+    model = qk.provide()
+    assert model.decoder.layers["0"].cross_attention.q_layernorm.weight.shape == (6,)  # kv_channels
+    assert not torch.allclose(_logits(qk, enc, dec), base)
+    assert not torch.allclose(_logits(tiny_t5(apply_residual_connection_post_layernorm=True), enc, dec), base)
+    centred = tiny_t5(layernorm_zero_centered_gamma=True, normalization="RMSNorm")
+    assert torch.count_nonzero(centred.provide().encoder.final_layernorm.weight) == 0
+    torch.testing.assert_close(_logits(centred, enc, dec), _logits(tiny_t5(normalization="RMSNorm"), enc, dec))
+    bf16 = dict(params_dtype=torch.bfloat16, bf16=True)
+    high = _logits(tiny_t5(**bf16), enc, dec)
+    low = _logits(tiny_t5(attention_softmax_in_fp32=False, **bf16), enc, dec)
+    assert high.dtype == low.dtype == torch.bfloat16 and not torch.equal(high, low)
+    torch.testing.assert_close(low.float(), high.float(), rtol=0.1, atol=0.1)

@@ -50,15 +50,41 @@ T5_FIXED_FIELDS: dict[str, Any] = {
 }
 
 
+# Why each T5ModelProvider field that stays "not supported" does (keys "ClassName.field", the form of
+# longspan.config.support's per-class reasons); the model's one-line errors end with them.
+_T5_ROPE = "T5 here has relative or learned absolute positions; rotary ones (position_embedding_type='rope') are not built"
+_T5_MOE = "Megatron's T5 layer specs have no MoE layers"
+T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
+    "T5ModelProvider.rotary_percent": _T5_ROPE,
+    "T5ModelProvider.rotary_interleaved": _T5_ROPE,
+    "T5ModelProvider.seq_len_interpolation_factor": _T5_ROPE,
+    "T5ModelProvider.num_moe_experts": _T5_MOE,
+    "T5ModelProvider.expert_model_parallel_size": _T5_MOE,
+    "T5ModelProvider.expert_tensor_parallel_size": _T5_MOE,
+    "T5ModelProvider.multi_latent_attention": "multi-latent attention is DeepSeek's GPT attention; T5 uses multi-head",
+    "T5ModelProvider.mtp_num_layers": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
+    "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
+    "T5ModelProvider.window_size": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
+    "T5ModelProvider.window_attn_skip_freq": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
+    "T5ModelProvider.cross_entropy_loss_fusion": (
+        "the chunked fused output layer + loss is built for GPTModel; T5 computes logits, then the loss"),
+    "T5ModelProvider.fp32_residual_connection": "T5's layers keep the residual stream in the activations' dtype",
+}
 
-def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str) -> None:
+
+def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str,
+                       reasons: dict[str, str] | None = None) -> None:
     """Raise ``NotSupportedError`` for the first of ``fixed_fields`` (name -> the one value the model implements)
     that ``config`` sets to another value; a missing field counts as supported, and a falsy value as ``False``.
-    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model")."""
+    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model"); ``reasons``
+    (keyed "ClassName.field") add why, for ``config``'s class."""
     for field, supported in fixed_fields.items():
         value = getattr(config, field, supported)
         if value != supported and not (supported is False and not value):
-            raise NotSupportedError(f"model.{field}={value!r} is not supported {model}: leave it at {supported!r}")
+            reason = (reasons or {}).get(f"{type(config).__name__}.{field}")
+            why = f" ({reason})" if reason else ""
+            raise NotSupportedError(
+                f"model.{field}={value!r} is not supported {model}{why}: leave it at {supported!r}")
 
 
 def head_dim(config: Any) -> int:
@@ -404,7 +430,7 @@ def _check_recompute(config: Any) -> None:
 
 def check_t5_model(config: Any) -> None:
     """The T5 model's checks."""
-    check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
+    check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model", T5_NOT_SUPPORTED_REASONS)
     _check_recompute(config)
     _check_t5_pipeline(config)
     if not config.attention_softmax_in_fp32 and getattr(config, "context_parallel_size", 1) > 1:

@@ -165,7 +165,7 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
     torch.testing.assert_close(scaled, base * 32**-0.5, rtol=1e-6, atol=1e-6)  # linear, bias-free head
 
 
-@pytest.mark.parametrize("field, value", [("qk_layernorm", True), ("cross_entropy_loss_fusion", True),
+@pytest.mark.parametrize("field, value", [("rotary_interleaved", True), ("cross_entropy_loss_fusion", True),
                                           ("multi_latent_attention", True)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""

@@ -264,9 +264,8 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
-        rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
-        expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
-        fp32_residual_connection multi_latent_attention
+        num_moe_experts expert_model_parallel_size expert_tensor_parallel_size cross_entropy_loss_fusion
+        window_size window_attn_skip_freq fp32_residual_connection multi_latent_attention
         """),
     # The hybrid stack's own layers keep the residual in the activations' dtype, taken before the norm.
     "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "

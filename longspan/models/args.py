@@ -377,6 +377,10 @@ class T5Args:
     params_dtype: torch.dtype
     fp16_lm_cross_entropy: bool
     qk_layernorm: bool = False
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rotary_base: float = 10000.0
+    seq_len_interpolation_factor: Optional[float] = None
     apply_residual_connection_post_layernorm: bool = False
     attention_softmax_in_fp32: bool = True
     layernorm_zero_centered_gamma: bool = False
@@ -423,6 +427,10 @@ class T5Args:
             params_dtype=config.params_dtype or torch.float32,
             fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
             qk_layernorm=bool(config.qk_layernorm),
+            rotary_percent=float(config.rotary_percent),
+            rotary_interleaved=bool(config.rotary_interleaved),
+            rotary_base=float(getattr(config, "rotary_base", 10000.0)),
+            seq_len_interpolation_factor=config.seq_len_interpolation_factor,
             apply_residual_connection_post_layernorm=bool(config.apply_residual_connection_post_layernorm),
             attention_softmax_in_fp32=bool(config.attention_softmax_in_fp32),
             layernorm_zero_centered_gamma=bool(config.layernorm_zero_centered_gamma),

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from longspan.models.args import T5Args
 from longspan.models.init import materialize_model
+from longspan.models.rope import RotaryEmbedding, apply_rotary
 from longspan.models.transformer import MLP, _linear, build_norm
 
 # TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
@@ -91,6 +92,7 @@ class Attention(nn.Module):
         # qk_layernorm: a norm over each head's channels of the queries and keys (Megatron's per-head QK norm)
         self.q_layernorm = build_norm(args, self.head_dim) if args.qk_layernorm else None
         self.k_layernorm = build_norm(args, self.head_dim) if args.qk_layernorm else None
+        self.rotary_interleaved = args.rotary_interleaved
         self.attention_dropout = args.attention_dropout
         self.softmax_scale = args.softmax_scale
         # recompute_granularity='selective': the attention core is recomputed in the backward pass.
@@ -102,8 +104,10 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None
+        self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None,
+        *, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``rotary``: ``(cos, sin)`` of the tokens' positions (self-attention with rotary positions)."""
         b, s, _ = hidden_states.shape
         source = hidden_states if key_value_states is None else key_value_states
         # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
@@ -111,6 +115,10 @@ class Attention(nn.Module):
         k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            cos, sin = rotary
+            q = apply_rotary(q, cos, sin, interleaved=self.rotary_interleaved)
+            k = apply_rotary(k, cos, sin, interleaved=self.rotary_interleaved)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.linear_v(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
         dropout_p = self.attention_dropout if self.training else 0.0
@@ -167,10 +175,12 @@ class T5Layer(nn.Module):
         self_bias: torch.Tensor,
         encoder_output: torch.Tensor | None = None,
         cross_bias: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.residual_after_norm else hidden_states
-        hidden_states = residual + self.self_attn_dropout(self.self_attention(normed, self_bias))
+        # rotary positions rotate self-attention only (Megatron's T5: cross-attention keys are another sequence)
+        hidden_states = residual + self.self_attn_dropout(self.self_attention(normed, self_bias, rotary=rotary))
         if self.cross_attention is not None:
             normed = self.pre_cross_attn_layernorm(hidden_states)
             residual = normed if self.residual_after_norm else hidden_states
@@ -210,9 +220,10 @@ class T5Stack(nn.Module):
         self_bias: torch.Tensor,
         encoder_output: torch.Tensor | None = None,
         cross_bias: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         layers = list(self.layers.values())
-        extra = (self_bias, encoder_output, cross_bias)
+        extra = (self_bias, encoder_output, cross_bias, rotary)
         if self.recompute_granularity == "full" and torch.is_grad_enabled():
             n = self.recompute_num_layers
             if self.recompute_method == "uniform":
@@ -231,9 +242,10 @@ class T5Stack(nn.Module):
 
 
 def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor,
-                encoder_output: torch.Tensor | None, cross_bias: torch.Tensor | None) -> torch.Tensor:
+                encoder_output: torch.Tensor | None, cross_bias: torch.Tensor | None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     for layer in layers:
-        hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias)
+        hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias, rotary)
     return hidden_states
 
 
@@ -313,6 +325,12 @@ class T5Model(nn.Module):
         if args.position_embedding_type == "relative":
             self.encoder_relative_pos_emb = RelativePositionBias(args, bidirectional=True)
             self.decoder_relative_pos_emb = RelativePositionBias(args, bidirectional=False)
+        # rope: one rotary table (no parameters) for both stacks' self-attention, as Megatron's T5
+        self.rotary_pos_emb = None
+        if args.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                args.kv_channels, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                seq_len_interpolation_factor=args.seq_len_interpolation_factor, interleaved=args.rotary_interleaved)
         encoder_numbers = [n for n in numbers if n < encoder_layers]
         self.encoder = T5Stack(args, encoder_layers, False, encoder_numbers, encoder_layers - 1 in encoder_numbers)
         decoder_numbers = [n - encoder_layers for n in numbers if n >= encoder_layers]
@@ -364,7 +382,11 @@ class T5Model(nn.Module):
             position_bias = self.encoder_relative_pos_emb(tokens.positions, torch.arange(tokens.length, device=device))
         bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), len(tokens.positions), tokens.length,
                                hidden.dtype, device)
-        return self.encoder(hidden, bias)
+        return self.encoder(hidden, bias, rotary=self._rotary(tokens))
+
+    def _rotary(self, tokens: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, sin)`` of the tokens' global positions with rotary positions, else None."""
+        return None if self.rotary_pos_emb is None else self.rotary_pos_emb(tokens.positions[None])
 
     def forward(
         self,
@@ -433,7 +455,7 @@ class T5Model(nn.Module):
             position_bias = self.decoder_relative_pos_emb(tokens.positions, keys)
         self_bias = _attention_bias(position_bias, self_mask, s_dec, tokens.length, dtype, device)
         cross_bias = _attention_bias(None, _as_mask(encoder_decoder_attn_mask), s_dec, s_enc, dtype, device)
-        return self.decoder(hidden, self_bias, encoder_output, cross_bias)
+        return self.decoder(hidden, self_bias, encoder_output, cross_bias, rotary=self._rotary(tokens))
 
     def _output(self, hidden: torch.Tensor, lm_labels: torch.Tensor | None) -> torch.Tensor:
         """Logits of the decoder output, or with ``lm_labels`` the float32 per-token loss."""

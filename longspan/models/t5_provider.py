@@ -35,12 +35,12 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Pad the vocabulary up to a multiple of this."""
 
     position_embedding_type: Literal["learned_absolute", "rope", "relative"] = "learned_absolute"
-    """Position information of the encoder and decoder: a learned absolute table shared by both, or T5's
-    relative position buckets (a learned bias per bucket and head, one table per stack). 'rope' is not
-    supported yet."""
+    """Position information of the encoder and decoder: a learned absolute table shared by both, T5's
+    relative position buckets (a learned bias per bucket and head, one table per stack), or rotary
+    positions in every self-attention (base 10000; cross-attention is not rotated, as in Megatron's T5)."""
 
     apply_rope_fusion: bool = True
-    """Use the fused RoPE kernel (a performance hint: T5 here has no RoPE path)."""
+    """Use the fused RoPE kernel (a performance hint: longspan's rotation is plain PyTorch)."""
 
     max_position_embeddings: int = 512
     """Size of the learned position table (learned_absolute); must cover seq_length and seq_length_dec."""
@@ -52,10 +52,10 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Distance from which all offsets share the last (log-spaced) bucket."""
 
     rotary_percent: float = 1.0
-    """Fraction of each head's channels that rotary embeddings rotate (rope only: not supported yet)."""
+    """Fraction of each head's channels that rotary embeddings rotate (position_embedding_type='rope')."""
 
     seq_len_interpolation_factor: Optional[float] = None
-    """Linear position interpolation factor (rope only: not supported yet); None = off."""
+    """Linear position interpolation factor: rotary frequencies divided by it (rope only); None = off."""
 
     seq_length: int = 512
     """Encoder sequence length (must equal dataset.sequence_length)."""

@@ -39,25 +39,18 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **MLA_FIXED_FIELDS,
     "mtp_num_layers": None,
     "fp32_residual_connection": False,
-    "rotary_interleaved": False,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
     "fp8": None,
-    "rotary_percent": 1.0,
-    "seq_len_interpolation_factor": None,
     "expert_model_parallel_size": 1,
 }
 
 
 # Why each T5ModelProvider field that stays "not supported" does (keys "ClassName.field", the form of
 # longspan.config.support's per-class reasons); the model's one-line errors end with them.
-_T5_ROPE = "T5 here has relative or learned absolute positions; rotary ones (position_embedding_type='rope') are not built"
 _T5_MOE = "Megatron's T5 layer specs have no MoE layers"
 T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
-    "T5ModelProvider.rotary_percent": _T5_ROPE,
-    "T5ModelProvider.rotary_interleaved": _T5_ROPE,
-    "T5ModelProvider.seq_len_interpolation_factor": _T5_ROPE,
     "T5ModelProvider.num_moe_experts": _T5_MOE,
     "T5ModelProvider.expert_model_parallel_size": _T5_MOE,
     "T5ModelProvider.expert_tensor_parallel_size": _T5_MOE,
@@ -438,11 +431,13 @@ def check_t5_model(config: Any) -> None:
             "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
             "parallel attention always accumulates in fp32): leave it True"
         )
-    if config.position_embedding_type not in ("learned_absolute", "relative"):
+    if config.position_embedding_type not in ("learned_absolute", "relative", "rope"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "
-            "use 'learned_absolute' or 'relative'"
+            "use 'learned_absolute', 'relative' or 'rope'"
         )
+    if config.position_embedding_type == "rope":
+        _check_rotary(_WithRotaryBase(config))
     if config.normalization not in ("LayerNorm", "RMSNorm"):
         raise NotSupportedError(f"model.normalization={config.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
     if not callable(config.activation_func):
@@ -477,6 +472,18 @@ def check_t5_model(config: Any) -> None:
             f"model.relative_attention_num_buckets={config.relative_attention_num_buckets} and "
             f"model.relative_attention_max_distance={config.relative_attention_max_distance} must be > 1"
         )
+
+
+class _WithRotaryBase:
+    """A T5 provider seen by the rotary checks: Megatron's T5 has no rotary_base field (its base is 10000)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "rotary_base":
+            return getattr(self._config, name, 10000)
+        return getattr(self._config, name)
 
 
 def _check_t5_pipeline(config: Any) -> None:

@@ -22,7 +22,7 @@ def tiny_t5(**kw) -> T5ModelProvider:
     return provider
 
 
-@pytest.mark.parametrize("positions", ["learned_absolute", "relative"])
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
 def test_forward_shapes_loss_and_tied_head(positions):
     model = tiny_t5(position_embedding_type=positions).provide()
     assert isinstance(model, T5Model) and model.output_layer is None  # tied by default
@@ -41,7 +41,7 @@ def test_forward_shapes_loss_and_tied_head(positions):
     assert untied.output_layer is not None and untied.output_layer.weight.shape == (96, 32)
 
 
-@pytest.mark.parametrize("positions", ["learned_absolute", "relative"])
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
 def test_decoder_is_causal_and_masked_encoder_positions_are_ignored(positions):
     model = tiny_t5(position_embedding_type=positions).provide().eval()
     enc = torch.randint(0, 90, (2, 16))
@@ -87,11 +87,10 @@ def test_init_is_per_parameter_and_reproducible():
 @pytest.mark.parametrize(
     "field, value, error, text",
     [
-        ("position_embedding_type", "rope", NotSupportedError, "position_embedding_type='rope'"),
+        ("position_embedding_type", "yarn", NotSupportedError, "position_embedding_type='yarn'"),
         ("num_query_groups", 2, NotSupportedError, "num_query_groups=2"),
         ("num_moe_experts", 4, NotSupportedError, "num_moe_experts=4"),
         ("encoder_pipeline_model_parallel_size", 1, ConfigError, "encoder_pipeline_model_parallel_size=1 needs"),
-        ("rotary_percent", 0.5, NotSupportedError, "rotary_percent=0.5"),
         ("max_position_embeddings", 8, ConfigError, "max_position_embeddings=8"),
         ("relative_attention_num_buckets", 1, ConfigError, "relative_attention_num_buckets=1"),
     ],
@@ -165,7 +164,7 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
     torch.testing.assert_close(scaled, base * 32**-0.5, rtol=1e-6, atol=1e-6)  # linear, bias-free head
 
 
-@pytest.mark.parametrize("field, value", [("rotary_interleaved", True), ("cross_entropy_loss_fusion", True),
+@pytest.mark.parametrize("field, value", [("fp32_residual_connection", True), ("cross_entropy_loss_fusion", True),
                                           ("multi_latent_attention", True)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
@@ -224,3 +223,51 @@ def test_model_feature_fields_change_the_t5_model():
     low = _logits(tiny_t5(attention_softmax_in_fp32=False, **bf16), enc, dec)
     assert high.dtype == low.dtype == torch.bfloat16 and not torch.equal(high, low)
     torch.testing.assert_close(low.float(), high.float(), rtol=0.1, atol=0.1)
+
+
+def test_rotary_positions_and_their_fields_change_the_t5_model():
+    """position_embedding_type='rope' rotates queries and keys of every self-attention (not cross-attention);
+    rotary_percent, rotary_interleaved and seq_len_interpolation_factor each change the rotation."""
+    gen = torch.Generator().manual_seed(4)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    rope = tiny_t5(position_embedding_type="rope")
+    model = rope.provide()
+    assert model.rotary_pos_emb is not None and model.embedding.position_embeddings is None
+    base = _logits(rope, enc, dec)
+    for field, value in (("rotary_percent", 2 / 3), ("rotary_interleaved", True), ("seq_len_interpolation_factor", 4.0)):
+        changed = _logits(tiny_t5(position_embedding_type="rope", **{field: value}), enc, dec)
+        assert not torch.allclose(changed, base), field
+    with pytest.raises(ConfigError, match="rotary_percent=0.5 gives 3 rotary channels"):
+        build_meta_model(tiny_t5(position_embedding_type="rope", rotary_percent=0.5))
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
+def test_sequence_slices_give_the_whole_sequence_losses(positions):
+    """What context parallel relies on, in one process: the tokens given in another order with their global
+    positions (``SequenceSlice``), keys and values put back in sequence order by the attention core, give each
+    token the loss it has in the whole model (positions, causal mask and relative buckets follow the slice)."""
+    from longspan.models.t5 import SequenceSlice, biased_attention, build_t5_model
+
+    provider = tiny_t5(position_embedding_type=positions)
+    whole = build_t5_model(provider, seed=6)
+    sliced = build_t5_model(provider, seed=6)
+    gen = torch.Generator().manual_seed(2)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    labels = torch.randint(0, 90, (2, 8), generator=gen)
+    pad = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    pad[0, ..., 12:] = True
+    enc_order, dec_order = torch.randperm(16, generator=gen), torch.randperm(8, generator=gen)
+    restore = {16: enc_order.argsort(), 8: dec_order.argsort()}
+
+    def in_sequence_order(q, k, v, bias, dropout_p, scale):
+        back = restore[k.shape[2]]
+        return biased_attention(q, k[:, :, back], v[:, :, back], bias, dropout_p, scale)
+
+    for module in sliced.modules():
+        if hasattr(module, "core_attention"):
+            module.core_attention = in_sequence_order
+    want = whole(enc, dec, encoder_attn_mask=pad, encoder_decoder_attn_mask=pad, lm_labels=labels)
+    got = sliced(enc[:, enc_order], dec[:, dec_order], encoder_attn_mask=pad, encoder_decoder_attn_mask=pad,
+                 lm_labels=labels[:, dec_order], encoder_slice=SequenceSlice(enc_order, 16),
+                 decoder_slice=SequenceSlice(dec_order, 8))
+    torch.testing.assert_close(got[:, restore[8]], want, rtol=1e-5, atol=1e-6)

@@ -271,3 +271,25 @@ def test_sequence_slices_give_the_whole_sequence_losses(positions):
                  lm_labels=labels[:, dec_order], encoder_slice=SequenceSlice(enc_order, 16),
                  decoder_slice=SequenceSlice(dec_order, 8))
     torch.testing.assert_close(got[:, restore[8]], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields, counts", [
+    (dict(), [3, 3]),
+    (dict(num_layers_in_last_pipeline_stage=2), [4, 2]),
+    (dict(num_layers_in_first_pipeline_stage=1), [1, 5]),
+    (dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True), [3, 3]),
+    (dict(account_for_embedding_in_pipeline_split=True), None),  # 7 slots over 2 stages
+    (dict(virtual_pipeline_model_parallel_size=3), [1] * 6),
+    (dict(encoder_pipeline_model_parallel_size=1), [3, 3]),
+])
+def test_t5_pipeline_split_counts_encoder_and_decoder_layers_together(fields, counts):
+    """Megatron's split fields act on the encoder layers followed by the decoder layers (3 + 3 here)."""
+    from longspan.config.rules.pipeline_split import layer_counts_for_config
+
+    provider = tiny_t5(num_layers=3, pipeline_model_parallel_size=2, share_embeddings_and_output_weights=False,
+                       **fields)
+    if counts is None:
+        with pytest.raises(ConfigError, match=r"encoder_num_layers=3 \+ model.num_layers=3"):
+            layer_counts_for_config(provider)
+    else:
+        assert layer_counts_for_config(provider) == counts

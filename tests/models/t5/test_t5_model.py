@@ -137,6 +137,8 @@ def test_pipeline_stages_chained_equal_the_whole_model(split):
 @pytest.mark.parametrize("fields, text", [
     (dict(share_embeddings_and_output_weights=True), "share_embeddings_and_output_weights=True with pipeline"),
     (dict(share_embeddings_and_output_weights=False, num_layers=2), r"encoder_num_layers=3 \+ model.num_layers=2"),
+    (dict(share_embeddings_and_output_weights=False, context_parallel_size=2),
+     "context_parallel_size=2 with pipeline_model_parallel_size=2 is not supported yet"),
     (dict(share_embeddings_and_output_weights=False, encoder_pipeline_model_parallel_size=2),
      "encoder_pipeline_model_parallel_size=2 must be 0 or less than"),
     (dict(share_embeddings_and_output_weights=False, encoder_pipeline_model_parallel_size=1,

@@ -247,7 +247,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "softmax_type glu_linear_offset ac
 # T5: longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings
-    seq_length_dec scale_decoder_outputs
+    seq_length_dec scale_decoder_outputs encoder_pipeline_model_parallel_size
     """))
 FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
 FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
@@ -260,17 +260,21 @@ SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordP
 NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 
 
+# T5ModelProvider takes the shared table's parallel and model rows except those listed below, each proven for T5:
+# sequence_parallel, context_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
+# (tests/models/t5/test_t5_layouts.py: TP2 + SP, CP2, PP2 x VP2 x TP2 against one process);
+# num_layers_in_first/last_pipeline_stage, account_for_*_in_pipeline_split, encoder_pipeline_model_parallel_size
+# (test_t5_model.py::test_t5_pipeline_split_counts_encoder_and_decoder_layers_together and chained stages);
+# recompute_* (test_t5_recompute.py); qk_layernorm, apply_residual_connection_post_layernorm,
+# layernorm_zero_centered_gamma, attention_softmax_in_fp32 (test_t5_model.py::test_model_feature_fields_change_the_t5_model);
+# rotary_percent, rotary_interleaved, seq_len_interpolation_factor (::test_rotary_positions_and_their_fields_change_the_t5_model).
+# Why the rest stay not supported: longspan.config.rules.model.T5_NOT_SUPPORTED_REASONS.
 # Per config class: fields the shared table supports (for GPT) that this class does not implement. validate()
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
-        sequence_parallel context_parallel_size pipeline_model_parallel_size virtual_pipeline_model_parallel_size
-        num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split
-        account_for_loss_in_pipeline_split qk_layernorm recompute_granularity recompute_method recompute_num_layers
-        recompute_modules rotary_percent seq_len_interpolation_factor num_moe_experts expert_model_parallel_size
-        expert_tensor_parallel_size cross_entropy_loss_fusion window_size window_attn_skip_freq rotary_interleaved
-        apply_residual_connection_post_layernorm fp32_residual_connection attention_softmax_in_fp32
-        layernorm_zero_centered_gamma multi_latent_attention
+        num_moe_experts expert_model_parallel_size expert_tensor_parallel_size cross_entropy_loss_fusion
+        window_size window_attn_skip_freq fp32_residual_connection multi_latent_attention
         """),
     # The hybrid stack's own layers keep the residual in the activations' dtype, taken before the norm.
     "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "

@@ -376,6 +376,18 @@ class T5Args:
     embedding_init_method_std: float
     params_dtype: torch.dtype
     fp16_lm_cross_entropy: bool
+    qk_layernorm: bool = False
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rotary_base: float = 10000.0
+    seq_len_interpolation_factor: Optional[float] = None
+    apply_residual_connection_post_layernorm: bool = False
+    attention_softmax_in_fp32: bool = True
+    layernorm_zero_centered_gamma: bool = False
+    # activation recompute (Megatron's semantics, per stack): None, 'full' or 'selective'
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
     num_layers: Optional[int] = None
 
@@ -414,6 +426,17 @@ class T5Args:
             embedding_init_method_std=config.embedding_init_method_std or std,
             params_dtype=config.params_dtype or torch.float32,
             fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
+            qk_layernorm=bool(config.qk_layernorm),
+            rotary_percent=float(config.rotary_percent),
+            rotary_interleaved=bool(config.rotary_interleaved),
+            rotary_base=float(getattr(config, "rotary_base", 10000.0)),
+            seq_len_interpolation_factor=config.seq_len_interpolation_factor,
+            apply_residual_connection_post_layernorm=bool(config.apply_residual_connection_post_layernorm),
+            attention_softmax_in_fp32=bool(config.attention_softmax_in_fp32),
+            layernorm_zero_centered_gamma=bool(config.layernorm_zero_centered_gamma),
+            recompute_granularity=config.recompute_granularity,
+            recompute_method=config.recompute_method,
+            recompute_num_layers=config.recompute_num_layers,
         )
 
     def for_stack(self, num_layers: int) -> "T5Args":

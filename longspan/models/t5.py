@@ -22,14 +22,16 @@ bool, True = masked. With relative positions, ``softmax_scale=1.0`` gives T5's u
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from longspan.models.args import T5Args
 from longspan.models.init import materialize_model
+from longspan.models.rope import RotaryEmbedding, apply_rotary
 from longspan.models.transformer import MLP, _linear, build_norm
 
 # TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
@@ -65,10 +67,10 @@ class RelativePositionBias(nn.Module):
         self.relative_attention_bias = nn.Embedding(self.num_buckets, args.num_attention_heads, dtype=args.params_dtype)
         self.relative_attention_bias.init_std = args.init_method_std
 
-    def forward(self, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-        query = torch.arange(query_length, device=device)[:, None]
-        key = torch.arange(key_length, device=device)[None, :]
-        buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
+    def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """The bias of queries at ``query_positions [q]`` over keys at ``key_positions [k]``."""
+        relative = key_positions[None, :] - query_positions[:, None]
+        buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         # [q, k, heads]; under tensor parallel the table is split by heads and this holds the local heads.
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
@@ -87,22 +89,64 @@ class Attention(nn.Module):
         self.linear_k = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
         self.linear_v = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
         self.linear_proj = _linear(heads * self.head_dim, hidden, args.add_bias_linear, out_std, dtype)
+        # qk_layernorm: a norm over each head's channels of the queries and keys (Megatron's per-head QK norm)
+        self.q_layernorm = build_norm(args, self.head_dim) if args.qk_layernorm else None
+        self.k_layernorm = build_norm(args, self.head_dim) if args.qk_layernorm else None
+        self.rotary_interleaved = args.rotary_interleaved
         self.attention_dropout = args.attention_dropout
         self.softmax_scale = args.softmax_scale
+        # recompute_granularity='selective': the attention core is recomputed in the backward pass.
+        self.recompute_core_attention = False
+        # The attention core ``(q, k, v, bias, dropout_p, scale)``; context parallel swaps in one that gathers
+        # the keys and values of the whole sequence (longspan.parallel.t5).
+        self.core_attention: Callable[..., torch.Tensor] = (
+            biased_attention if args.attention_softmax_in_fp32 else low_precision_biased_attention
+        )
 
     def forward(
-        self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None
+        self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None,
+        *, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``rotary``: ``(cos, sin)`` of the tokens' positions (self-attention with rotary positions)."""
         b, s, _ = hidden_states.shape
         source = hidden_states if key_value_states is None else key_value_states
         # -1 heads: under tensor parallel the projections are column-sharded and hold only local heads.
-        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+        q = self.linear_q(hidden_states).view(b, s, -1, self.head_dim)
+        k = self.linear_k(source).view(b, source.shape[1], -1, self.head_dim)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            cos, sin = rotary
+            q = apply_rotary(q, cos, sin, interleaved=self.rotary_interleaved)
+            k = apply_rotary(k, cos, sin, interleaved=self.rotary_interleaved)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.linear_v(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
         dropout_p = self.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p,
-                                             scale=self.softmax_scale)
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, q, k, v, bias, dropout_p, self.softmax_scale, use_reentrant=False)
+        else:
+            out = self.core_attention(q, k, v, bias, dropout_p, self.softmax_scale)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, dropout_p: float,
+                     scale: float | None) -> torch.Tensor:
+    """SDPA of ``q [b, heads, q, d]`` over ``k``/``v`` ``[b, heads, k, d]`` with the additive ``bias``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
+
+
+def low_precision_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                                   dropout_p: float, scale: float | None) -> torch.Tensor:
+    """``biased_attention`` with the scores and probabilities kept in the inputs' dtype
+    (``attention_softmax_in_fp32=False``: Megatron's unfused softmax without the fp32 upcast); float32 inputs
+    take ``biased_attention`` (the same maths)."""
+    if q.dtype == torch.float32:
+        return biased_attention(q, k, v, bias, dropout_p, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale + bias.to(q.dtype)
+    probs = torch.softmax(scores, dim=-1)  # stays in the inputs' dtype
+    probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return torch.matmul(probs, v)
 
 
 class T5Layer(nn.Module):
@@ -110,6 +154,8 @@ class T5Layer(nn.Module):
 
     def __init__(self, args: T5Args, is_decoder: bool) -> None:
         super().__init__()
+        # apply_residual_connection_post_layernorm: each residual branch starts from the norm's output
+        self.residual_after_norm = args.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(args, args.hidden_size)
         self.self_attention = Attention(args)
         self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
@@ -129,24 +175,44 @@ class T5Layer(nn.Module):
         self_bias: torch.Tensor,
         encoder_output: torch.Tensor | None = None,
         cross_bias: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(hidden_states), self_bias)
-        hidden_states = hidden_states + self.self_attn_dropout(attn)
+        normed = self.input_layernorm(hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        # rotary positions rotate self-attention only (Megatron's T5: cross-attention keys are another sequence)
+        hidden_states = residual + self.self_attn_dropout(self.self_attention(normed, self_bias, rotary=rotary))
         if self.cross_attention is not None:
-            cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden_states), cross_bias, encoder_output)
-            hidden_states = hidden_states + self.cross_attn_dropout(cross)
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return hidden_states + self.mlp_dropout(mlp)
+            normed = self.pre_cross_attn_layernorm(hidden_states)
+            residual = normed if self.residual_after_norm else hidden_states
+            hidden_states = residual + self.cross_attn_dropout(self.cross_attention(normed, cross_bias, encoder_output))
+        normed = self.pre_mlp_layernorm(hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        return residual + self.mlp_dropout(self.mlp(normed))
 
 
 class T5Stack(nn.Module):
-    """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``."""
+    """The encoder or the decoder: ``layers`` (a ``ModuleDict`` keyed by layer index) and ``final_layernorm``.
+    A pipeline stage holds some of the layers (``layer_numbers``) and the norm only with the stack's last layer.
 
-    def __init__(self, args: T5Args, num_layers: int, is_decoder: bool) -> None:
+    Activation recompute (Megatron's semantics, per stack): ``'full'`` + ``'uniform'`` checkpoints consecutive
+    chunks of ``recompute_num_layers`` layers, ``'full'`` + ``'block'`` each of the first
+    ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross)."""
+
+    def __init__(self, args: T5Args, num_layers: int, is_decoder: bool, layer_numbers: list[int] | None = None,
+                 final_norm: bool = True) -> None:
         super().__init__()
-        stack_args = args.for_stack(num_layers)
-        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in range(num_layers)})
-        self.final_layernorm = build_norm(args, args.hidden_size)
+        stack_args = args.for_stack(num_layers)  # init std scales with the whole stack's depth
+        numbers = range(num_layers) if layer_numbers is None else layer_numbers
+        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in numbers})
+        self.final_layernorm = build_norm(args, args.hidden_size) if final_norm else None
+        self.recompute_granularity = args.recompute_granularity
+        self.recompute_method = args.recompute_method
+        self.recompute_num_layers = args.recompute_num_layers
+        if self.recompute_granularity == "selective":
+            for layer in self.layers.values():
+                for attention in (layer.self_attention, layer.cross_attention):
+                    if attention is not None:
+                        attention.recompute_core_attention = True
 
     def forward(
         self,
@@ -154,10 +220,33 @@ class T5Stack(nn.Module):
         self_bias: torch.Tensor,
         encoder_output: torch.Tensor | None = None,
         cross_bias: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        for layer in self.layers.values():
-            hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias)
-        return self.final_layernorm(hidden_states)
+        layers = list(self.layers.values())
+        extra = (self_bias, encoder_output, cross_bias, rotary)
+        if self.recompute_granularity == "full" and torch.is_grad_enabled():
+            n = self.recompute_num_layers
+            if self.recompute_method == "uniform":
+                for start in range(0, len(layers), n):
+                    hidden_states = checkpoint(_run_layers, layers[start: start + n], hidden_states, *extra,
+                                               use_reentrant=False)
+            else:  # 'block': the first n layers are recomputed, the rest keep their activations
+                for index, layer in enumerate(layers):
+                    if index < n:
+                        hidden_states = checkpoint(layer, hidden_states, *extra, use_reentrant=False)
+                    else:
+                        hidden_states = layer(hidden_states, *extra)
+        else:
+            hidden_states = _run_layers(layers, hidden_states, *extra)
+        return hidden_states if self.final_layernorm is None else self.final_layernorm(hidden_states)
+
+
+def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor,
+                encoder_output: torch.Tensor | None, cross_bias: torch.Tensor | None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    for layer in layers:
+        hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias, rotary)
+    return hidden_states
 
 
 def _as_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -191,17 +280,67 @@ def _attention_bias(position_bias: torch.Tensor | None, mask: torch.Tensor | Non
     return position_bias + mask_bias
 
 
-class T5Model(nn.Module):
-    """Encoder-decoder transformer (Megatron Core's T5Model in plain PyTorch)."""
+class SequenceSlice(NamedTuple):
+    """The tokens one call holds of a longer sequence (context parallel): their global ``positions [s]`` and
+    the whole sequence's ``length``; keys and values arrive whole (the attention core gathers them)."""
 
-    def __init__(self, config: Any) -> None:
+    positions: torch.Tensor
+    length: int
+
+
+def _whole(length: int, device: torch.device) -> SequenceSlice:
+    return SequenceSlice(torch.arange(length, device=device), length)
+
+
+class T5Model(nn.Module):
+    """Encoder-decoder transformer (Megatron Core's T5Model in plain PyTorch).
+
+    Pipeline stages (``longspan.parallel.pipeline``) cut the encoder layers followed by the decoder layers
+    as one sequence of ``encoder_num_layers + num_layers`` layers (``layer_numbers`` index it). The first stage
+    (``pre_process``) embeds the encoder and the decoder tokens; stages exchange one tensor, the encoder's and
+    the decoder's hidden states concatenated along the sequence ``[b, s_enc + s_dec, hidden]``: a stage runs
+    its encoder layers on the first part (and the encoder's final norm with its last layer) and its decoder
+    layers on the second, cross-attending to the first, which every decoder stage therefore holds. The last
+    stage (``post_process``) has the decoder's final norm, the output layer and the loss. Every stage keeps
+    both relative position tables (tiny), whose gradients the pipeline sums over the stages.
+    """
+
+    def __init__(self, config: Any, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: list[int] | None = None) -> None:
         super().__init__()
         args = T5Args.from_config(config)
         self.config = config
         self.args = args
+        self.pre_process = pre_process
+        self.post_process = post_process
         self.vocab_size = args.vocab_size
         self.share_embeddings_and_output_weights = args.share_embeddings_and_output_weights
-        self.embedding = nn.Module()
+        encoder_layers, decoder_layers = args.encoder_num_layers, args.decoder_num_layers
+        numbers = list(range(encoder_layers + decoder_layers)) if layer_numbers is None else list(layer_numbers)
+        self.embedding = nn.Module() if pre_process else None
+        if pre_process:
+            self._build_embedding(args)
+        self.encoder_relative_pos_emb = None
+        self.decoder_relative_pos_emb = None
+        if args.position_embedding_type == "relative":
+            self.encoder_relative_pos_emb = RelativePositionBias(args, bidirectional=True)
+            self.decoder_relative_pos_emb = RelativePositionBias(args, bidirectional=False)
+        # rope: one rotary table (no parameters) for both stacks' self-attention, as Megatron's T5
+        self.rotary_pos_emb = None
+        if args.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                args.kv_channels, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                seq_len_interpolation_factor=args.seq_len_interpolation_factor, interleaved=args.rotary_interleaved)
+        encoder_numbers = [n for n in numbers if n < encoder_layers]
+        self.encoder = T5Stack(args, encoder_layers, False, encoder_numbers, encoder_layers - 1 in encoder_numbers)
+        decoder_numbers = [n - encoder_layers for n in numbers if n >= encoder_layers]
+        self.decoder = T5Stack(args, decoder_layers, True, decoder_numbers, post_process)
+        self.output_layer: nn.Linear | None = None
+        if post_process and not args.share_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=args.params_dtype)
+            self.output_layer.init_std = args.init_method_std
+
+    def _build_embedding(self, args: T5Args) -> None:
         self.embedding.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size, dtype=args.params_dtype)
         self.embedding.word_embeddings.init_std = args.embedding_init_method_std
         self.embedding.position_embeddings = None
@@ -210,39 +349,44 @@ class T5Model(nn.Module):
             table.init_std = args.embedding_init_method_std
             self.embedding.position_embeddings = table
         self.embedding_dropout = nn.Dropout(args.hidden_dropout)
-        self.encoder_relative_pos_emb = None
-        self.decoder_relative_pos_emb = None
-        if args.position_embedding_type == "relative":
-            self.encoder_relative_pos_emb = RelativePositionBias(args, bidirectional=True)
-            self.decoder_relative_pos_emb = RelativePositionBias(args, bidirectional=False)
-        self.encoder = T5Stack(args, args.encoder_num_layers, is_decoder=False)
-        self.decoder = T5Stack(args, args.decoder_num_layers, is_decoder=True)
-        self.output_layer: nn.Linear | None = None
-        if not args.share_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=args.params_dtype)
-            self.output_layer.init_std = args.init_method_std
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight: ``output_layer.weight``, or the word embeddings when tied."""
         return self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Word (+ learned position) embeddings of ``input_ids`` ``[b, s]``, then dropout."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Word (+ learned position) embeddings of ``input_ids`` ``[b, s]`` at ``positions`` (default
+        ``0..s-1``), then dropout."""
         hidden = self.embedding.word_embeddings(input_ids)
         if self.embedding.position_embeddings is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             hidden = hidden + self.embedding.position_embeddings(positions)[None]
         return self.embedding_dropout(hidden)
 
-    def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The encoder output ``[b, s_enc, hidden]``."""
-        hidden = self.embed(encoder_input_ids)
-        s, dtype = encoder_input_ids.shape[1], hidden.dtype
+    def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: torch.Tensor | None = None,
+               encoder_slice: SequenceSlice | None = None) -> torch.Tensor:
+        """The encoder output ``[b, s_enc, hidden]`` (of the tokens ``encoder_slice`` holds, when given)."""
+        tokens = encoder_slice or _whole(encoder_input_ids.shape[1], encoder_input_ids.device)
+        return self._run_encoder(self.embed(encoder_input_ids, tokens.positions), encoder_attn_mask, tokens)
+
+    def _run_encoder(self, hidden: torch.Tensor, encoder_attn_mask: torch.Tensor | None,
+                     tokens: SequenceSlice) -> torch.Tensor:
+        """This model's encoder layers (and final norm) on ``hidden``; the attention bias only where a layer
+        needs it (a pipeline stage may hold none)."""
+        if not len(self.encoder.layers):
+            return hidden if self.encoder.final_layernorm is None else self.encoder.final_layernorm(hidden)
+        device = hidden.device
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
-            position_bias = self.encoder_relative_pos_emb(s, s, hidden.device)
-        bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), s, s, dtype, hidden.device)
-        return self.encoder(hidden, bias)
+            position_bias = self.encoder_relative_pos_emb(tokens.positions, torch.arange(tokens.length, device=device))
+        bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), len(tokens.positions), tokens.length,
+                               hidden.dtype, device)
+        return self.encoder(hidden, bias, rotary=self._rotary(tokens))
+
+    def _rotary(self, tokens: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, sin)`` of the tokens' global positions with rotary positions, else None."""
+        return None if self.rotary_pos_emb is None else self.rotary_pos_emb(tokens.positions[None])
 
     def forward(
         self,
@@ -254,6 +398,9 @@ class T5Model(nn.Module):
         lm_labels: torch.Tensor | None = None,
         *,
         encoder_hidden_states: torch.Tensor | None = None,
+        encoder_slice: SequenceSlice | None = None,
+        decoder_slice: SequenceSlice | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run encoder and decoder.
 
@@ -265,23 +412,53 @@ class T5Model(nn.Module):
             encoder_decoder_attn_mask: bool ``[b, 1, s_dec, s_enc]``; None = attend to every encoder position.
             lm_labels: ``[b, s_dec]`` targets; when given, the float32 per-token loss ``[b, s_dec]`` is returned.
             encoder_hidden_states: a precomputed encoder output (generation), skipping the encoder.
+            encoder_slice, decoder_slice: the part of each sequence the given ids (and mask rows, labels) hold
+                (context parallel); None = the whole sequence.
+            hidden_states: on a pipeline stage without ``pre_process``, the previous stage's output (else taken
+                from the first positional argument, where ``torch.distributed.pipelining`` passes it).
 
-        Returns logits ``[b, s_dec, padded_vocab]``, or the per-token loss with ``lm_labels``.
+        Returns logits ``[b, s_dec, padded_vocab]``, or the per-token loss with ``lm_labels``; a stage without
+        ``post_process`` returns its ``[b, s_enc + s_dec, hidden]`` hidden states.
         """
-        if encoder_hidden_states is None:
-            encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
-        hidden = self.embed(decoder_input_ids)
-        s_dec, s_enc = decoder_input_ids.shape[1], encoder_hidden_states.shape[1]
-        dtype, device = hidden.dtype, hidden.device
-        self_mask = torch.ones(s_dec, s_dec, dtype=torch.bool, device=device).triu(diagonal=1)[None, None]
+        device = decoder_input_ids.device
+        tokens = decoder_slice or _whole(decoder_input_ids.shape[1], device)
+        if self.pre_process:
+            if encoder_hidden_states is None:
+                encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask, encoder_slice)
+            hidden = self.embed(decoder_input_ids, tokens.positions)  # after the encoder: one process's draws
+        else:
+            received = encoder_input_ids if hidden_states is None else hidden_states
+            split = received.shape[1] - len(tokens.positions)
+            encoder_tokens = encoder_slice or _whole(split, device)
+            encoder_hidden_states = self._run_encoder(received[:, :split], encoder_attn_mask, encoder_tokens)
+            hidden = received[:, split:]
+        s_enc = encoder_slice.length if encoder_slice is not None else encoder_hidden_states.shape[1]
+        hidden = self._run_decoder(hidden, encoder_hidden_states, decoder_attn_mask, encoder_decoder_attn_mask,
+                                   tokens, s_enc)
+        if not self.post_process:
+            return torch.cat([encoder_hidden_states, hidden], dim=1)
+        return self._output(hidden, lm_labels)
+
+    def _run_decoder(self, hidden: torch.Tensor, encoder_output: torch.Tensor, decoder_attn_mask: Any,
+                     encoder_decoder_attn_mask: Any, tokens: SequenceSlice, s_enc: int) -> torch.Tensor:
+        """This model's decoder layers (and final norm) on ``hidden``, cross-attending to ``encoder_output``."""
+        if not len(self.decoder.layers):
+            return hidden if self.decoder.final_layernorm is None else self.decoder.final_layernorm(hidden)
+        device = hidden.device
+        s_dec, dtype = len(tokens.positions), hidden.dtype
+        keys = torch.arange(tokens.length, device=device)
+        self_mask = (keys[None, :] > tokens.positions[:, None])[None, None]  # causal, on global positions
         if decoder_attn_mask is not None:  # the decoder is always causal; a given mask is applied on top
             self_mask = self_mask | _as_mask(decoder_attn_mask)
         position_bias = None
         if self.decoder_relative_pos_emb is not None:
-            position_bias = self.decoder_relative_pos_emb(s_dec, s_dec, device)
-        self_bias = _attention_bias(position_bias, self_mask, s_dec, s_dec, dtype, device)
+            position_bias = self.decoder_relative_pos_emb(tokens.positions, keys)
+        self_bias = _attention_bias(position_bias, self_mask, s_dec, tokens.length, dtype, device)
         cross_bias = _attention_bias(None, _as_mask(encoder_decoder_attn_mask), s_dec, s_enc, dtype, device)
-        hidden = self.decoder(hidden, self_bias, encoder_hidden_states, cross_bias)
+        return self.decoder(hidden, self_bias, encoder_output, cross_bias, rotary=self._rotary(tokens))
+
+    def _output(self, hidden: torch.Tensor, lm_labels: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the decoder output, or with ``lm_labels`` the float32 per-token loss."""
         if self.args.scale_decoder_outputs:
             hidden = hidden * (self.args.hidden_size**-0.5)
         if self.output_layer is not None:
@@ -303,9 +480,13 @@ def build_t5_model(
     seed: int | None = None,
     materialize: bool = True,
     device: torch.device | str | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_numbers: list[int] | None = None,
 ) -> T5Model:
-    """Build a ``T5Model`` on the meta device and (by default) materialize and initialize it from ``seed``
-    (default ``torch.initial_seed()``); ``materialize=False`` leaves it on meta for the parallel plans."""
+    """Build a ``T5Model`` (or a pipeline stage of one: see ``T5Model``) on the meta device and (by default)
+    materialize and initialize it from ``seed`` (default ``torch.initial_seed()``); ``materialize=False``
+    leaves it on meta for the parallel plans."""
     with torch.device("meta"):
-        model = T5Model(provider)
+        model = T5Model(provider, pre_process, post_process, layer_numbers)
     return materialize_model(model, provider, seed, device) if materialize else model

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from longspan.core.errors import NotSupportedError
 from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 
 
@@ -13,8 +12,8 @@ from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Megatron Bridge's T5 provider fields, with its defaults. ``num_layers`` is the decoder's depth.
 
-    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, recompute, pipeline
-    or context parallel) raise a one-line NotSupportedError when the model is built."""
+    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, ...) raise a
+    one-line NotSupportedError when the model is built."""
 
     encoder_num_layers: Optional[int] = None
     """Encoder layers; None means num_layers (the decoder's depth)."""
@@ -36,12 +35,12 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Pad the vocabulary up to a multiple of this."""
 
     position_embedding_type: Literal["learned_absolute", "rope", "relative"] = "learned_absolute"
-    """Position information of the encoder and decoder: a learned absolute table shared by both, or T5's
-    relative position buckets (a learned bias per bucket and head, one table per stack). 'rope' is not
-    supported yet."""
+    """Position information of the encoder and decoder: a learned absolute table shared by both, T5's
+    relative position buckets (a learned bias per bucket and head, one table per stack), or rotary
+    positions in every self-attention (base 10000; cross-attention is not rotated, as in Megatron's T5)."""
 
     apply_rope_fusion: bool = True
-    """Use the fused RoPE kernel (a performance hint: T5 here has no RoPE path)."""
+    """Use the fused RoPE kernel (a performance hint: longspan's rotation is plain PyTorch)."""
 
     max_position_embeddings: int = 512
     """Size of the learned position table (learned_absolute); must cover seq_length and seq_length_dec."""
@@ -53,10 +52,10 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Distance from which all offsets share the last (log-spaced) bucket."""
 
     rotary_percent: float = 1.0
-    """Fraction of each head's channels that rotary embeddings rotate (rope only: not supported yet)."""
+    """Fraction of each head's channels that rotary embeddings rotate (position_embedding_type='rope')."""
 
     seq_len_interpolation_factor: Optional[float] = None
-    """Linear position interpolation factor (rope only: not supported yet); None = off."""
+    """Linear position interpolation factor: rotary frequencies divided by it (rope only); None = off."""
 
     seq_length: int = 512
     """Encoder sequence length (must equal dataset.sequence_length)."""
@@ -65,7 +64,9 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Decoder sequence length (the T5 dataset's decoder length)."""
 
     encoder_pipeline_model_parallel_size: int = 0
-    """Pipeline stages reserved for the encoder (pipeline parallel T5 is not supported yet: leave 0)."""
+    """With pipeline parallel: 0 splits the encoder layers followed by the decoder layers over the stages
+    together (a stage may hold both); k > 0 gives the encoder layers to the first k of the
+    pipeline_model_parallel_size stages and the decoder layers to the others."""
 
     vocab_size: Optional[int] = None
     """Vocabulary size before padding; None means it comes from the tokenizer."""
@@ -75,11 +76,9 @@ class T5ModelProvider(ModelProviderMixin, TransformerConfig):
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
-        """``longspan.models.t5.build_t5_model`` (see ``ModelProviderMixin``); whole models only."""
+        """``longspan.models.t5.build_t5_model`` (see ``ModelProviderMixin``): the whole model, or a pipeline
+        stage holding ``layer_numbers`` of the encoder layers followed by the decoder layers."""
         from longspan.models.t5 import build_t5_model  # keeps the providers (configs) free of the model code
 
-        if not (pre_process and post_process) or layer_numbers is not None or vp_stage is not None:
-            raise NotSupportedError(
-                "model=T5ModelProvider with pipeline_model_parallel_size > 1 is not supported yet: set it to 1"
-            )
-        return build_t5_model(self, materialize=materialize)
+        return build_t5_model(self, materialize=materialize, pre_process=pre_process, post_process=post_process,
+                              layer_numbers=layer_numbers)

@@ -32,6 +32,7 @@ from longspan.models.init import materialize_model
 from longspan.parallel.expert_parallel import apply_expert_parallel, hidden_parameters, ignore_in_ddp
 from longspan.parallel.float8 import apply_float8
 from longspan.parallel.loss_parallel import parallel_loss_context
+from longspan.parallel.t5 import apply_t5_context_parallel, is_t5_model
 from longspan.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["materialize_parallel_model", "parallelize_model", "parallel_loss_context"]
@@ -60,7 +61,10 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
         apply_tensor_parallel(model, parallel.submesh("tp"), bool(getattr(cfg.model, "sequence_parallel", False)))
     if parallel.cp_size > 1:
         # After tensor parallel (its root hook makes the loss a plain tensor first), before data parallel.
-        apply_context_parallel(model, parallel.cp_group)
+        if is_t5_model(model):
+            apply_t5_context_parallel(model, parallel.cp_group)
+        else:
+            apply_context_parallel(model, parallel.cp_group)
     # MoE experts: sharded over ep/etp with all-to-all dispatch; the data-parallel wrappers leave them alone
     # (expert_parallel reduces their gradients itself).
     expert_params = apply_expert_parallel(model, parallel, bool(getattr(cfg.model, "sequence_parallel", False)))

@@ -1,5 +1,10 @@
 """Pipeline parallel stages: cut the plain GPT model into per-rank chunks (``torch.distributed.pipelining``).
 
+T5 is cut the same way, its encoder layers followed by its decoder layers counting as one list of layers
+(``longspan.models.t5.T5Model`` says what its stages exchange; ``encoder_pipeline_model_parallel_size`` gives
+the encoder stages of their own, ``longspan.config.rules.pipeline_split.t5_layer_counts``). Every T5 stage
+holds the two small relative position tables; ``sync_stage_shared_grads`` sums their gradients over the stages.
+
 Layout (Megatron's): the layers are split over ``pp × vp`` *virtual stages*; virtual stage ``s`` lives on
 pipeline rank ``s % pp`` as its model chunk ``s // pp`` (torch's "loop" placement, which is Megatron's
 interleaving). Stage 0 holds the embedding; the last stage holds the final norm, the output layer and the
@@ -96,10 +101,11 @@ class _StageParallelView:
 
 def activation_spec(cfg: Any) -> tuple[tuple[int, int, int], torch.dtype]:
     """Shape and dtype of the hidden states between stages: ``[micro_batch, seq / cp (/ tp with sequence
-    parallel), hidden]`` in ``model.pipeline_dtype`` (default: params_dtype; float32 with
+    parallel), hidden]`` (T5: seq is seq_length + seq_length_dec, see ``longspan.models.t5.T5Model``) in ``model.pipeline_dtype`` (default: params_dtype; float32 with
     fp32_residual_connection)."""
     model = cfg.model
-    seq = int(model.seq_length) // int(getattr(model, "context_parallel_size", 1) or 1)
+    seq = int(model.seq_length) + int(getattr(model, "seq_length_dec", 0) or 0)  # T5: both stacks' states
+    seq //= int(getattr(model, "context_parallel_size", 1) or 1)
     if getattr(model, "sequence_parallel", False):
         seq //= int(model.tensor_model_parallel_size)
     dtype = getattr(model, "pipeline_dtype", None) or getattr(model, "params_dtype", None) or torch.float32
@@ -153,6 +159,9 @@ def _mark_chunk(model: nn.Module, info: PipelineChunkInfo, parallel: Any) -> Non
     for param in _mtp_embedding_copy(unwrap_chunk(model), info):
         param.shared = True
         param.shared_embedding = True
+    if info.stage_index != 0:  # T5's relative position tables: every stage's copy but the first's
+        for param in stage_shared_tables(unwrap_chunk(model)):
+            param.shared = True
     setattr(model, CHUNK_INFO_ATTR, info)
     # Megatron's per-model process groups: the parameter-norm report sums over ``pg_collection.pp``.
     model.pg_collection = SimpleNamespace(pp=parallel.pp_group, tp=parallel.tp_group, cp=parallel.cp_group,
@@ -255,6 +264,31 @@ def _embedding_group(parallel: Any) -> Any:
     return mine
 
 
+def stage_shared_tables(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters every pipeline stage of ``model`` holds a copy of (T5's relative position tables, in a
+    fixed order), or []."""
+    tables = [getattr(model, name, None) for name in ("encoder_relative_pos_emb", "decoder_relative_pos_emb")]
+    return [table.relative_attention_bias.weight for table in tables if table is not None]
+
+
+def sync_stage_shared_grads(model: list[nn.Module], parallel: Any) -> None:
+    """Sum the gradients of the parameters every stage holds a copy of (``stage_shared_tables``) over this
+    rank's chunks and the pipeline group, into every copy: the copies take the steps one tensor would."""
+    per_chunk = [stage_shared_tables(unwrap_chunk(chunk)) for chunk in model]
+    if parallel.pp_size == 1 or not per_chunk[0]:
+        return
+    for copies in zip(*per_chunk):
+        grads = []
+        for weight in copies:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            grads.append(weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad)
+        total = torch.stack(grads).sum(0)
+        dist.all_reduce(total, group=parallel.pp_group)
+        for grad in grads:
+            grad.copy_(total)
+
+
 def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
     """Sum the gradients of the tied word embeddings (first stage) and output copy (last stage).
 
@@ -263,6 +297,7 @@ def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
     """
     if parallel.pp_size == 1:
         return
+    sync_stage_shared_grads(model, parallel)
     tied = tied_embedding_weights(model)
     provider_ties = any(getattr(unwrap_chunk(c), "share_embeddings_and_output_weights", False) for c in model)
     if not provider_ties and not _has_mtp(model):
@@ -303,9 +338,11 @@ def state_dict_module(model: list[nn.Module]) -> nn.Module:
         return model[0]
     root = nn.Module()
     seen: set[int] = set()
+    # later chunks' copies of the stage-shared tables are the same values (synced gradients): one name each
+    later_copies = {id(p) for plain in plains[1:] for p in stage_shared_tables(plain)}
     for plain in plains:
         for name, param in plain.named_parameters():
-            if id(param) in seen:
+            if id(param) in seen or id(param) in later_copies:
                 continue
             seen.add(id(param))
             name = "embedding.word_embeddings.weight" if id(param) in copies else canonical_parameter_name(name)

@@ -58,7 +58,12 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
 from longspan.parallel.mamba import apply_mamba_tensor_parallel
-from longspan.parallel.t5 import is_t5_model, t5_tensor_parallel_plan
+from longspan.parallel.t5 import (
+    check_t5_sequence_parallel,
+    is_t5_model,
+    t5_residual_dropouts,
+    t5_tensor_parallel_plan,
+)
 
 _log = get_logger(__name__)
 
@@ -335,6 +340,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     check_tensor_parallel(model, tp)
     apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there
     if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)
+        if sequence_parallel:
+            check_t5_sequence_parallel(model, tp)
         plan = t5_tensor_parallel_plan(model, sequence_parallel)
     else:
         plan = tensor_parallel_plan(model, sequence_parallel)
@@ -352,9 +359,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         if name in requires_grad:
             p.requires_grad_(requires_grad[name])
     if sequence_parallel and model.args.hidden_dropout > 0:
-        for _, layer in _transformer_layers(model):
-            layer.self_attn_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
-            layer.mlp_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
+        if is_t5_model(model):
+            dropouts = t5_residual_dropouts(model)
+        else:
+            dropouts = [(layer, name) for _, layer in _transformer_layers(model)
+                        for name in ("self_attn_dropout", "mlp_dropout")]
+        for layer, name in dropouts:
+            setattr(layer, name, SequenceShardedDropout(model.args.hidden_dropout, tp_mesh))
     if model.args.attention_dropout > 0:
         warn_rank_0(
             f"attention_dropout={model.args.attention_dropout} under tensor parallel: its masks are drawn per rank "

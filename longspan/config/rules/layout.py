@@ -64,11 +64,13 @@ def _check_layer_split(m: object) -> None:
     vp = m.virtual_pipeline_model_parallel_size
     uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
     uneven = uneven or m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
+    if vp is not None and pp == 1:
+        raise ConfigError(
+            f"model.virtual_pipeline_model_parallel_size={vp} needs model.pipeline_model_parallel_size > 1"
+        )
+    if hasattr(m, "seq_length_dec"):  # T5: encoder + decoder layers, split by layer_counts_for_config below
+        return
     if vp is not None:
-        if pp == 1:
-            raise ConfigError(
-                f"model.virtual_pipeline_model_parallel_size={vp} needs model.pipeline_model_parallel_size > 1"
-            )
         if not uneven and layers % (pp * vp) != 0:
             raise ConfigError(
                 f"model.num_layers={layers} is not divisible by model.pipeline_model_parallel_size ({pp}) x "
@@ -113,6 +115,11 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
     if cp > 1 and m.seq_length % (2 * cp) != 0:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
+        )
+    decoder_length = getattr(m, "seq_length_dec", None)  # T5's decoder sequence is split the same way
+    if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:
+        raise ConfigError(
+            f"model.seq_length_dec={decoder_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
 
 

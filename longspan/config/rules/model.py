@@ -39,34 +39,46 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     **MLA_FIXED_FIELDS,
     "mtp_num_layers": None,
-    **RESIDUAL_FIXED_FIELDS,
-    "rotary_interleaved": False,
-    "attention_softmax_in_fp32": True,
-    "layernorm_zero_centered_gamma": False,
+    "fp32_residual_connection": False,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
-    "qk_layernorm": False,
-    "recompute_granularity": None,
     "fp8": None,
-    "rotary_percent": 1.0,
-    "seq_len_interpolation_factor": None,
-    "encoder_pipeline_model_parallel_size": 0,
-    "pipeline_model_parallel_size": 1,
-    "context_parallel_size": 1,
     "expert_model_parallel_size": 1,
 }
 
 
+# Why each T5ModelProvider field that stays "not supported" does (keys "ClassName.field", the form of
+# longspan.config.support's per-class reasons); the model's one-line errors end with them.
+_T5_MOE = "Megatron's T5 layer specs have no MoE layers"
+T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
+    "T5ModelProvider.num_moe_experts": _T5_MOE,
+    "T5ModelProvider.expert_model_parallel_size": _T5_MOE,
+    "T5ModelProvider.expert_tensor_parallel_size": _T5_MOE,
+    "T5ModelProvider.multi_latent_attention": "multi-latent attention is DeepSeek's GPT attention; T5 uses multi-head",
+    "T5ModelProvider.mtp_num_layers": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
+    "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
+    "T5ModelProvider.window_size": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
+    "T5ModelProvider.window_attn_skip_freq": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
+    "T5ModelProvider.cross_entropy_loss_fusion": (
+        "the chunked fused output layer + loss is built for GPTModel; T5 computes logits, then the loss"),
+    "T5ModelProvider.fp32_residual_connection": "T5's layers keep the residual stream in the activations' dtype",
+}
 
-def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str) -> None:
+
+def check_fixed_fields(config: Any, fixed_fields: dict[str, Any], model: str,
+                       reasons: dict[str, str] | None = None) -> None:
     """Raise ``NotSupportedError`` for the first of ``fixed_fields`` (name -> the one value the model implements)
     that ``config`` sets to another value; a missing field counts as supported, and a falsy value as ``False``.
-    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model")."""
+    ``model`` ends the error's "is not supported ..." phrase (e.g. "by longspan's GPT model"); ``reasons``
+    (keyed "ClassName.field") add why, for ``config``'s class."""
     for field, supported in fixed_fields.items():
         value = getattr(config, field, supported)
         if value != supported and not (supported is False and not value):
-            raise NotSupportedError(f"model.{field}={value!r} is not supported {model}: leave it at {supported!r}")
+            reason = (reasons or {}).get(f"{type(config).__name__}.{field}")
+            why = f" ({reason})" if reason else ""
+            raise NotSupportedError(
+                f"model.{field}={value!r} is not supported {model}{why}: leave it at {supported!r}")
 
 
 def head_dim(config: Any) -> int:
@@ -435,12 +447,21 @@ def _check_recompute(config: Any) -> None:
 
 def check_t5_model(config: Any) -> None:
     """The T5 model's checks."""
-    check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model")
-    if config.position_embedding_type not in ("learned_absolute", "relative"):
+    check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model", T5_NOT_SUPPORTED_REASONS)
+    _check_recompute(config)
+    _check_t5_pipeline(config)
+    if not config.attention_softmax_in_fp32 and getattr(config, "context_parallel_size", 1) > 1:
+        raise NotSupportedError(
+            "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
+            "parallel attention always accumulates in fp32): leave it True"
+        )
+    if config.position_embedding_type not in ("learned_absolute", "relative", "rope"):
         raise NotSupportedError(
             f"model.position_embedding_type={config.position_embedding_type!r} is not supported yet for T5: "
-            "use 'learned_absolute' or 'relative'"
+            "use 'learned_absolute', 'relative' or 'rope'"
         )
+    if config.position_embedding_type == "rope":
+        _check_rotary(_WithRotaryBase(config))
     if config.normalization not in ("LayerNorm", "RMSNorm"):
         raise NotSupportedError(f"model.normalization={config.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
     if not callable(config.activation_func):
@@ -475,6 +496,42 @@ def check_t5_model(config: Any) -> None:
             f"model.relative_attention_num_buckets={config.relative_attention_num_buckets} and "
             f"model.relative_attention_max_distance={config.relative_attention_max_distance} must be > 1"
         )
+
+
+class _WithRotaryBase:
+    """A T5 provider seen by the rotary checks: Megatron's T5 has no rotary_base field (its base is 10000)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "rotary_base":
+            return getattr(self._config, name, 10000)
+        return getattr(self._config, name)
+
+
+def _check_t5_pipeline(config: Any) -> None:
+    """What T5's pipeline stages (one exchanged tensor of both stacks' hidden states) do not combine with."""
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp == 1:
+        if getattr(config, "encoder_pipeline_model_parallel_size", 0):
+            raise ConfigError(
+                f"model.encoder_pipeline_model_parallel_size={config.encoder_pipeline_model_parallel_size} needs "
+                "model.pipeline_model_parallel_size > 1: leave it 0"
+            )
+        return
+    if config.share_embeddings_and_output_weights:
+        raise NotSupportedError(
+            f"model.share_embeddings_and_output_weights=True with pipeline_model_parallel_size={pp} is not "
+            "supported for T5ModelProvider: set share_embeddings_and_output_weights=False"
+        )
+    for name in ("sequence_parallel", "context_parallel_size"):
+        value = getattr(config, name, None)
+        if value not in (None, False, 1):
+            raise NotSupportedError(
+                f"model.{name}={value!r} with pipeline_model_parallel_size={pp} is not supported yet for "
+                "T5ModelProvider (stages exchange whole encoder and decoder sequences): use one or the other"
+            )
 
 
 MAMBA_POSITIVE_FIELDS = ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size",

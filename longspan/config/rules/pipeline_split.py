@@ -99,13 +99,60 @@ def stage_layer_numbers(counts: list[int]) -> list[list[int]]:
 
 
 def layer_counts_for_config(model_cfg: Any, pp: int | None = None) -> list[int]:
-    """``stage_layer_counts`` for a model config (its pipeline fields)."""
+    """``stage_layer_counts`` for a model config (its pipeline fields). A T5 model's layers are its encoder
+    layers followed by its decoder layers (see ``t5_layer_counts``)."""
+    pp = int(pp if pp is not None else model_cfg.pipeline_model_parallel_size)
+    num_layers = int(model_cfg.num_layers)
+    if hasattr(model_cfg, "encoder_num_layers") and hasattr(model_cfg, "seq_length_dec"):
+        encoder_layers = model_cfg.encoder_num_layers if model_cfg.encoder_num_layers is not None else num_layers
+        encoder_stages = int(getattr(model_cfg, "encoder_pipeline_model_parallel_size", 0) or 0)
+        if encoder_stages:
+            return t5_layer_counts(int(encoder_layers), num_layers, pp, encoder_stages, model_cfg)
+        try:
+            return _counts(model_cfg, num_layers + int(encoder_layers), pp)
+        except ConfigError as error:
+            raise ConfigError(f"{error} (T5: model.encoder_num_layers={encoder_layers} + model.num_layers="
+                              f"{num_layers} layers)") from None
+    return _counts(model_cfg, num_layers, pp)
+
+
+def _counts(model_cfg: Any, num_layers: int, pp: int) -> list[int]:
     return stage_layer_counts(
-        int(model_cfg.num_layers),
-        int(pp if pp is not None else model_cfg.pipeline_model_parallel_size),
+        num_layers,
+        pp,
         getattr(model_cfg, "virtual_pipeline_model_parallel_size", None),
         first=getattr(model_cfg, "num_layers_in_first_pipeline_stage", None),
         last=getattr(model_cfg, "num_layers_in_last_pipeline_stage", None),
         account_for_embedding=bool(getattr(model_cfg, "account_for_embedding_in_pipeline_split", False)),
         account_for_loss=bool(getattr(model_cfg, "account_for_loss_in_pipeline_split", False)),
     )
+
+
+#: the pipeline fields that shape an even split themselves (not combinable with separate encoder stages)
+_SPLIT_FIELDS = ("virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
+                 "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")
+
+
+def t5_layer_counts(encoder_layers: int, decoder_layers: int, pp: int, encoder_stages: int, model_cfg: Any) -> list[int]:
+    """T5 with ``encoder_pipeline_model_parallel_size = encoder_stages`` > 0: the encoder layers split evenly
+    over the first ``encoder_stages`` pipeline stages, the decoder layers over the others."""
+    if not 0 < encoder_stages < pp:
+        raise ConfigError(
+            f"model.encoder_pipeline_model_parallel_size={encoder_stages} must be 0 or less than "
+            f"model.pipeline_model_parallel_size={pp} (the decoder needs a stage of its own)"
+        )
+    for name in _SPLIT_FIELDS:
+        if getattr(model_cfg, name, None):
+            raise ConfigError(
+                f"model.{name}={getattr(model_cfg, name)!r} cannot be combined with "
+                f"model.encoder_pipeline_model_parallel_size={encoder_stages}: leave one of them unset"
+            )
+    decoder_stages = pp - encoder_stages
+    if encoder_layers % encoder_stages or decoder_layers % decoder_stages:
+        raise ConfigError(
+            f"model.encoder_num_layers={encoder_layers} must divide evenly over "
+            f"encoder_pipeline_model_parallel_size={encoder_stages} stages and model.num_layers={decoder_layers} "
+            f"over the other {decoder_stages}"
+        )
+    return [encoder_layers // encoder_stages] * encoder_stages + [decoder_layers // decoder_stages] * decoder_stages

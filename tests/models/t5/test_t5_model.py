@@ -22,7 +22,7 @@ def tiny_t5(**kw) -> T5ModelProvider:
     return provider
 
 
-@pytest.mark.parametrize("positions", ["learned_absolute", "relative"])
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
 def test_forward_shapes_loss_and_tied_head(positions):
     model = tiny_t5(position_embedding_type=positions).provide()
     assert isinstance(model, T5Model) and model.output_layer is None  # tied by default
@@ -41,7 +41,7 @@ def test_forward_shapes_loss_and_tied_head(positions):
     assert untied.output_layer is not None and untied.output_layer.weight.shape == (96, 32)
 
 
-@pytest.mark.parametrize("positions", ["learned_absolute", "relative"])
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
 def test_decoder_is_causal_and_masked_encoder_positions_are_ignored(positions):
     model = tiny_t5(position_embedding_type=positions).provide().eval()
     enc = torch.randint(0, 90, (2, 16))
@@ -87,12 +87,10 @@ def test_init_is_per_parameter_and_reproducible():
 @pytest.mark.parametrize(
     "field, value, error, text",
     [
-        ("position_embedding_type", "rope", NotSupportedError, "position_embedding_type='rope'"),
+        ("position_embedding_type", "yarn", NotSupportedError, "position_embedding_type='yarn'"),
         ("num_query_groups", 2, NotSupportedError, "num_query_groups=2"),
         ("num_moe_experts", 4, NotSupportedError, "num_moe_experts=4"),
-        ("recompute_granularity", "full", NotSupportedError, "recompute_granularity='full'"),
-        ("encoder_pipeline_model_parallel_size", 1, NotSupportedError, "encoder_pipeline_model_parallel_size=1"),
-        ("rotary_percent", 0.5, NotSupportedError, "rotary_percent=0.5"),
+        ("encoder_pipeline_model_parallel_size", 1, ConfigError, "encoder_pipeline_model_parallel_size=1 needs"),
         ("max_position_embeddings", 8, ConfigError, "max_position_embeddings=8"),
         ("relative_attention_num_buckets", 1, ConfigError, "relative_attention_num_buckets=1"),
     ],
@@ -104,9 +102,56 @@ def test_unsupported_values_are_one_line_errors(field, value, error, text):
     assert "\n" not in str(info.value)
 
 
-def test_pipeline_stages_are_not_supported_yet():
-    with pytest.raises(NotSupportedError, match="pipeline_model_parallel_size"):
-        build_meta_model(tiny_t5(), pre_process=True, post_process=False, layer_numbers=[0])
+@pytest.mark.parametrize("split", ["shared_stage", "encoder_stage"])
+def test_pipeline_stages_chained_equal_the_whole_model(split):
+    """Stages exchange [encoder | decoder] hidden states; chained, they compute the whole model's loss.
+    'shared_stage': encoder layers 0-1 on stage 0, encoder layer 2 and the decoder on stage 1 (the encoder's
+    final norm and its relative table there too); 'encoder_stage': encoder_pipeline_model_parallel_size=1."""
+    from longspan.config.rules.pipeline_split import layer_counts_for_config, stage_layer_numbers
+    from longspan.models.t5 import build_t5_model
+
+    fields = dict(share_embeddings_and_output_weights=False, position_embedding_type="relative",
+                  pipeline_model_parallel_size=2)
+    if split == "shared_stage":
+        fields["num_layers_in_first_pipeline_stage"] = 2
+    else:
+        fields["encoder_pipeline_model_parallel_size"] = 1
+    provider = tiny_t5(**fields)
+    numbers = stage_layer_numbers(layer_counts_for_config(provider))
+    assert numbers == ([[0, 1], [2, 3, 4]] if split == "shared_stage" else [[0, 1, 2], [3, 4]])
+    whole = build_t5_model(provider, seed=5)
+    first, last = (build_t5_model(provider, seed=5, pre_process=i == 0, post_process=i == 1, layer_numbers=n)
+                   for i, n in enumerate(numbers))
+    assert first.output_layer is None and last.embedding is None
+    assert (last.encoder.final_layernorm is not None) == (split == "shared_stage")
+    gen = torch.Generator().manual_seed(1)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    pad = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    pad[1, ..., 11:] = True
+    kw = dict(encoder_attn_mask=pad, encoder_decoder_attn_mask=pad, lm_labels=torch.randint(0, 90, (2, 8), generator=gen))
+    hidden = first(enc, dec, **kw)
+    assert hidden.shape == (2, 16 + 8, 32)
+    torch.testing.assert_close(last(hidden, dec, **kw), whole(enc, dec, **kw), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields, text", [
+    (dict(share_embeddings_and_output_weights=True), "share_embeddings_and_output_weights=True with pipeline"),
+    (dict(share_embeddings_and_output_weights=False, num_layers=2), r"encoder_num_layers=3 \+ model.num_layers=2"),
+    (dict(share_embeddings_and_output_weights=False, context_parallel_size=2),
+     "context_parallel_size=2 with pipeline_model_parallel_size=2 is not supported yet"),
+    (dict(share_embeddings_and_output_weights=False, encoder_pipeline_model_parallel_size=2),
+     "encoder_pipeline_model_parallel_size=2 must be 0 or less than"),
+    (dict(share_embeddings_and_output_weights=False, encoder_pipeline_model_parallel_size=1,
+          num_layers_in_first_pipeline_stage=3), "cannot be combined with"),
+])
+def test_pipeline_settings_t5_cannot_take_are_one_line_errors(fields, text):
+    from longspan.config.rules.pipeline_split import layer_counts_for_config
+
+    with pytest.raises((ConfigError, NotSupportedError), match=text) as info:
+        provider = tiny_t5(**{"pipeline_model_parallel_size": 2, "num_layers": 3, **fields})
+        layer_counts_for_config(provider)
+        build_meta_model(provider, pre_process=False, layer_numbers=[0])
+    assert "\n" not in str(info.value)
 
 
 def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
@@ -121,8 +166,8 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
     torch.testing.assert_close(scaled, base * 32**-0.5, rtol=1e-6, atol=1e-6)  # linear, bias-free head
 
 
-@pytest.mark.parametrize("field, value", [("qk_layernorm", True), ("cross_entropy_loss_fusion", True),
-                                          ("recompute_granularity", "selective"), ("context_parallel_size", 2)])
+@pytest.mark.parametrize("field, value", [("fp32_residual_connection", True), ("cross_entropy_loss_fusion", True),
+                                          ("multi_latent_attention", True)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
     from longspan.config.support import NOT_SUPPORTED, SUPPORTED, field_status
@@ -152,3 +197,101 @@ def test_text_generation_refuses_t5_in_one_line():
 
     with pytest.raises(NotSupportedError, match="encoder-decoder models \\(T5Model\\)"):
         _single_model([tiny_t5().provide()])
+
+
+def _logits(provider, enc, dec):
+    from longspan.models.t5 import build_t5_model
+
+    return build_t5_model(provider, seed=2)(enc, dec)
+
+
+def test_model_feature_fields_change_the_t5_model():
+    """qk_layernorm adds per-head query/key norms (self- and cross-attention); the post-norm residual starts
+    each branch from the norm's output; zero-centred norms store gamma - 1 (zeros at init, the same maths);
+    attention_softmax_in_fp32=False keeps bf16 scores and probabilities in bf16."""
+    gen = torch.Generator().manual_seed(3)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    base = _logits(tiny_t5(), enc, dec)
+    qk = tiny_t5(qk_layernorm=True)
+    model = qk.provide()
+    assert model.decoder.layers["0"].cross_attention.q_layernorm.weight.shape == (6,)  # kv_channels
+    assert not torch.allclose(_logits(qk, enc, dec), base)
+    assert not torch.allclose(_logits(tiny_t5(apply_residual_connection_post_layernorm=True), enc, dec), base)
+    centred = tiny_t5(layernorm_zero_centered_gamma=True, normalization="RMSNorm")
+    assert torch.count_nonzero(centred.provide().encoder.final_layernorm.weight) == 0
+    torch.testing.assert_close(_logits(centred, enc, dec), _logits(tiny_t5(normalization="RMSNorm"), enc, dec))
+    bf16 = dict(params_dtype=torch.bfloat16, bf16=True)
+    high = _logits(tiny_t5(**bf16), enc, dec)
+    low = _logits(tiny_t5(attention_softmax_in_fp32=False, **bf16), enc, dec)
+    assert high.dtype == low.dtype == torch.bfloat16 and not torch.equal(high, low)
+    torch.testing.assert_close(low.float(), high.float(), rtol=0.1, atol=0.1)
+
+
+def test_rotary_positions_and_their_fields_change_the_t5_model():
+    """position_embedding_type='rope' rotates queries and keys of every self-attention (not cross-attention);
+    rotary_percent, rotary_interleaved and seq_len_interpolation_factor each change the rotation."""
+    gen = torch.Generator().manual_seed(4)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    rope = tiny_t5(position_embedding_type="rope")
+    model = rope.provide()
+    assert model.rotary_pos_emb is not None and model.embedding.position_embeddings is None
+    base = _logits(rope, enc, dec)
+    for field, value in (("rotary_percent", 2 / 3), ("rotary_interleaved", True), ("seq_len_interpolation_factor", 4.0)):
+        changed = _logits(tiny_t5(position_embedding_type="rope", **{field: value}), enc, dec)
+        assert not torch.allclose(changed, base), field
+    with pytest.raises(ConfigError, match="rotary_percent=0.5 gives 3 rotary channels"):
+        build_meta_model(tiny_t5(position_embedding_type="rope", rotary_percent=0.5))
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
+def test_sequence_slices_give_the_whole_sequence_losses(positions):
+    """What context parallel relies on, in one process: the tokens given in another order with their global
+    positions (``SequenceSlice``), keys and values put back in sequence order by the attention core, give each
+    token the loss it has in the whole model (positions, causal mask and relative buckets follow the slice)."""
+    from longspan.models.t5 import SequenceSlice, biased_attention, build_t5_model
+
+    provider = tiny_t5(position_embedding_type=positions)
+    whole = build_t5_model(provider, seed=6)
+    sliced = build_t5_model(provider, seed=6)
+    gen = torch.Generator().manual_seed(2)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    labels = torch.randint(0, 90, (2, 8), generator=gen)
+    pad = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    pad[0, ..., 12:] = True
+    enc_order, dec_order = torch.randperm(16, generator=gen), torch.randperm(8, generator=gen)
+    restore = {16: enc_order.argsort(), 8: dec_order.argsort()}
+
+    def in_sequence_order(q, k, v, bias, dropout_p, scale):
+        back = restore[k.shape[2]]
+        return biased_attention(q, k[:, :, back], v[:, :, back], bias, dropout_p, scale)
+
+    for module in sliced.modules():
+        if hasattr(module, "core_attention"):
+            module.core_attention = in_sequence_order
+    want = whole(enc, dec, encoder_attn_mask=pad, encoder_decoder_attn_mask=pad, lm_labels=labels)
+    got = sliced(enc[:, enc_order], dec[:, dec_order], encoder_attn_mask=pad, encoder_decoder_attn_mask=pad,
+                 lm_labels=labels[:, dec_order], encoder_slice=SequenceSlice(enc_order, 16),
+                 decoder_slice=SequenceSlice(dec_order, 8))
+    torch.testing.assert_close(got[:, restore[8]], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields, counts", [
+    (dict(), [3, 3]),
+    (dict(num_layers_in_last_pipeline_stage=2), [4, 2]),
+    (dict(num_layers_in_first_pipeline_stage=1), [1, 5]),
+    (dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True), [3, 3]),
+    (dict(account_for_embedding_in_pipeline_split=True), None),  # 7 slots over 2 stages
+    (dict(virtual_pipeline_model_parallel_size=3), [1] * 6),
+    (dict(encoder_pipeline_model_parallel_size=1), [3, 3]),
+])
+def test_t5_pipeline_split_counts_encoder_and_decoder_layers_together(fields, counts):
+    """Megatron's split fields act on the encoder layers followed by the decoder layers (3 + 3 here)."""
+    from longspan.config.rules.pipeline_split import layer_counts_for_config
+
+    provider = tiny_t5(num_layers=3, pipeline_model_parallel_size=2, share_embeddings_and_output_weights=False,
+                       **fields)
+    if counts is None:
+        with pytest.raises(ConfigError, match=r"encoder_num_layers=3 \+ model.num_layers=3"):
+            layer_counts_for_config(provider)
+    else:
+        assert layer_counts_for_config(provider) == counts

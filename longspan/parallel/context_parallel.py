@@ -60,6 +60,7 @@ from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
 from longspan.models.moe import SequenceShards, moe_layers
 from longspan.models.sliding_window import WindowedMask, windowed_attention
+from longspan.parallel.mamba_context_parallel import apply_mamba_context_parallel
 
 _log = get_logger(__name__)
 
@@ -475,10 +476,12 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     # self-attention (linear_q) and multi-latent attention (mla) layers
     attentions = [m for m in root.modules()
                   if hasattr(m, "core_attention") and (hasattr(m, "linear_q") or hasattr(m, "mla"))]
-    if not attentions or not hasattr(root, "decoder"):
+    mixers = apply_mamba_context_parallel(root, group)  # Mamba layers: an all-to-all to heads and back
+    if not (attentions or mixers) or not hasattr(root, "decoder"):
         raise NotSupportedError(
             f"context_parallel_size={dist.get_world_size(group)}: the context-parallel plan needs longspan's "
-            f"GPTModel (self-attention layers with a swappable core_attention), not {type(root).__name__}"
+            f"GPTModel or MambaModel (self-attention layers with a swappable core_attention, Mamba mixers), "
+            f"not {type(root).__name__}"
         )
     core = ContextParallelAttention(group)
     for attention in attentions:

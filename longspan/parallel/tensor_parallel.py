@@ -145,14 +145,16 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
                 if getattr(layer, norm, None) is not None:
                     plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
             # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
-            plan[attn] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-                use_local_output=True,
-            )
-            plan[mlp] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            )
+            if hasattr(layer, "self_attention"):  # (hybrid Mamba stacks: a layer may lack either)
+                plan[attn] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=True,
+                )
+            if hasattr(layer, "mlp"):
+                plan[mlp] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
     plan.update(_mtp_plan(model, sp))
     if getattr(model.decoder, "final_layernorm", None) is not None and sp:
         plan["decoder.final_layernorm"] = SequenceParallel()
@@ -313,11 +315,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     """
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
-    apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there
+    mamba_plan = apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: see there
     if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)
         plan = t5_tensor_parallel_plan(model, sequence_parallel)
     else:
-        plan = tensor_parallel_plan(model, sequence_parallel)
+        plan = {**tensor_parallel_plan(model, sequence_parallel), **mamba_plan}
     for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
         adapt = getattr(model.get_submodule(name), "adapt_parallel_style", None)
         if adapt is not None:
@@ -333,8 +335,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             p.requires_grad_(requires_grad[name])
     if sequence_parallel and model.args.hidden_dropout > 0:
         for _, layer in _transformer_layers(model):
-            layer.self_attn_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
-            layer.mlp_dropout = SequenceShardedDropout(model.args.hidden_dropout, tp_mesh)
+            for name in ("self_attn_dropout", "mlp_dropout", "dropout"):  # "dropout": Mamba layers'
+                if hasattr(layer, name):
+                    setattr(layer, name, SequenceShardedDropout(model.args.hidden_dropout, tp_mesh))
     if model.args.attention_dropout > 0:
         warn_rank_0(
             f"attention_dropout={model.args.attention_dropout} under tensor parallel: its masks are drawn per rank "

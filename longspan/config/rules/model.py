@@ -474,11 +474,6 @@ def check_mamba_model(config: Any) -> None:
             f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
             "MambaProvider models: leave it None"
         )
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise NotSupportedError(
-            f"model.context_parallel_size={config.context_parallel_size} is not supported yet for MambaProvider "
-            "models (the scan would need its state passed between ranks): use tensor, pipeline or data parallel"
-        )
     if getattr(config, "moe_layer_freq", 1) != 1:
         raise NotSupportedError(
             f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "
@@ -493,6 +488,13 @@ def check_mamba_model(config: Any) -> None:
     groups = config.mamba_num_groups
     if heads < 1 or heads % groups != 0:
         raise ConfigError(f"model.mamba_num_groups={groups} must divide the Mamba heads ({heads})")
+    # tensor and context parallel split the mixer by heads (context parallel: the whole sequence of a share)
+    tp, cp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "context_parallel_size", 1)
+    if heads % (tp * cp) or groups % (tp * cp):
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} × model.context_parallel_size={cp} must divide the Mamba heads "
+            f"({heads}) and model.mamba_num_groups={groups}"
+        )
 
 
 def mamba_inner_size(config: Any) -> tuple[int, int]:

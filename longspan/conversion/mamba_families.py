@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from longspan.conversion import mapping
+import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import squared_relu
@@ -51,6 +51,9 @@ def nemotron_h_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
 
 
 def _mamba_mixer_hf(p: Any) -> dict[str, Any]:
+    if getattr(p, "layernorm_zero_centered_gamma", False):
+        raise NotSupportedError("model.layernorm_zero_centered_gamma=True has no Mamba-2 / Nemotron-H config.json "
+                                "form (their norms store gamma itself): export a model trained without it")
     heads = p.mamba_num_heads or p.mamba_expand * p.hidden_size // p.mamba_head_dim
     return dict(n_groups=p.mamba_num_groups, conv_kernel=p.mamba_conv_kernel, chunk_size=p.mamba_chunk_size,
                 use_conv_bias=True, use_bias=False, heads=heads)

@@ -41,7 +41,7 @@ from longspan.models.gpt import DecoderLanguageModel
 from longspan.models.init import materialize_model
 from longspan.models.moe import MoELayer, local_tensor
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
-from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm
+from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm, norm_residual
 
 MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
 LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP_LAYER, MOE)
@@ -312,6 +312,14 @@ def _mamba_states(cache: KVCache | None) -> dict[int, dict[str, torch.Tensor]] |
     return cache.mamba_states
 
 
+def _pre_norm(layer: nn.Module, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A layer's pre-norm; of a float32 residual stream (``fp32_residual_connection``) in float32, cast to the
+    parameters' dtype for the sub-layer (the residual itself stays float32, as in Megatron's MambaLayer)."""
+    if layer.fp32_residual:
+        return norm_residual(norm, hidden_states, layer.params_dtype)
+    return norm(hidden_states)
+
+
 class MambaLayer(nn.Module):
     """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer)."""
 
@@ -321,10 +329,12 @@ class MambaLayer(nn.Module):
         self.norm = build_norm(args, args.hidden_size)
         self.mixer = MambaMixer(args, layer_number)
         self.dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        return hidden_states + self.dropout(self.mixer(self.norm(hidden_states), kv_cache))
+        normed = _pre_norm(self, self.norm, hidden_states)
+        return hidden_states + self.dropout(self.mixer(normed, kv_cache))
 
 
 class AttentionLayer(nn.Module):
@@ -336,10 +346,12 @@ class AttentionLayer(nn.Module):
         self.input_layernorm = build_norm(args, args.hidden_size)
         self.self_attention = SelfAttention(args, layer_number)
         self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache=kv_cache)
+        normed = _pre_norm(self, self.input_layernorm, hidden_states)
+        attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache)
         return hidden_states + self.self_attn_dropout(attn)
 
 
@@ -352,10 +364,11 @@ class MLPLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(args, args.hidden_size)
         self.mlp: nn.Module = MoELayer(args, layer_number) if moe else MLP(args)
         self.mlp_dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        return hidden_states + self.mlp_dropout(self.mlp(self.pre_mlp_layernorm(hidden_states)))
+        return hidden_states + self.mlp_dropout(self.mlp(_pre_norm(self, self.pre_mlp_layernorm, hidden_states)))
 
 
 def build_layer(args: TransformerArgs, layer_number: int) -> nn.Module:
@@ -376,13 +389,16 @@ class MambaStack(nn.Module):
         numbers = range(args.num_layers) if layer_numbers is None else layer_numbers
         self.layers = nn.ModuleDict({str(i): build_layer(args, i) for i in numbers})
         self.final_norm = build_norm(args, args.hidden_size) if post_process else None
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any, attention_mask: torch.Tensor | None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
+        if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
+            hidden_states = hidden_states.float()
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
         if self.final_norm is not None:
-            hidden_states = self.final_norm(hidden_states)
+            hidden_states = _pre_norm(self, self.final_norm, hidden_states)
         return hidden_states
 
 

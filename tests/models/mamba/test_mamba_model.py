@@ -153,3 +153,29 @@ def test_tied_embeddings_use_the_word_embeddings() -> None:
     ids = torch.randint(0, 128, (1, 7))
     hidden = model.decoder(model.embedding(ids, None), None, None)
     torch.testing.assert_close(model(ids), hidden @ model.embedding.word_embeddings.weight.T)
+
+
+def test_zero_centered_gamma_stores_gamma_minus_one_in_the_block_norms() -> None:
+    """Megatron's MambaLayer / final / hybrid norms honour it (its mixer's gated norm does not): same maths."""
+    plain = build_mamba_model(hybrid_config(), seed=5)
+    centred = build_mamba_model(hybrid_config(layernorm_zero_centered_gamma=True), seed=5)
+    norms = [n for n, _ in centred.named_parameters() if n.endswith("norm.weight") and ".mixer." not in n]
+    assert len(norms) == 5  # M, *, -, M layers' norms and the final norm
+    params = dict(centred.named_parameters())
+    assert all(torch.equal(params[n], torch.zeros_like(params[n])) for n in norms)
+    assert torch.equal(params["decoder.layers.0.mixer.norm.weight"], torch.ones(64))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(centred(ids), plain(ids), rtol=1e-6, atol=1e-6)
+
+
+def test_fp32_residual_connection_keeps_the_residual_stream_in_float32() -> None:
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for fp32 in (False, True):
+        model = build_mamba_model(hybrid_config(params_dtype=torch.bfloat16, fp32_residual_connection=fp32), seed=5)
+        dtypes = []
+        for layer in model.decoder.layers.values():
+            layer.register_forward_hook(lambda _m, _a, out, d=dtypes: d.append(out.dtype))
+        seen[fp32] = (dtypes, model(ids, labels=ids).float())
+    assert seen[False][0] == [torch.bfloat16] * 4 and seen[True][0] == [torch.float32] * 4
+    assert not torch.equal(seen[False][1], seen[True][1])  # the sums are rounded differently

@@ -78,8 +78,10 @@ def _layout_case(hybrid: bool, layout: dict) -> dict:
     inner = getattr(model, "module", model)
     mixer = inner.decoder.layers["0"].mixer
     mixer_bytes = _parameter_bytes(mixer)
+    lengths = []  # the residual stream's local sequence length (sp and cp cut it)
+    inner.decoder.layers["0"].register_forward_hook(lambda _m, _a, out: lengths.append(out.shape[1]))
     return {"losses": _train(model, parallel_loss_context), "bytes": _parameter_bytes(inner),
-            "mixer_bytes": mixer_bytes, "exchange": repr(mixer.context_parallel)}
+            "mixer_bytes": mixer_bytes, "exchange": repr(mixer.context_parallel), "local_seq": lengths[0]}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,7 @@ def test_layout_trains_as_one_process(name: str, one_process: dict) -> None:
         for i, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
             assert abs(g - w) <= REL * abs(w), f"{name} rank {rank} loss[{i}]: {g} vs {w}"
     assert want["losses"][-1] < want["losses"][0]
+    assert [r["local_seq"] for r in results] == [SEQ if name == "tp2" else SEQ // 2] * 2
     if name.startswith("cp"):
         assert "all-to-all over 2 ranks" in results[0]["exchange"]
     if name == "tp2":

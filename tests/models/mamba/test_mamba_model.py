@@ -122,7 +122,7 @@ def test_bad_fields_are_config_errors(overrides, match) -> None:
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute_granularity"),
-    (dict(context_parallel_size=2), "context_parallel_size=2 is not supported yet"),
+    (dict(window_size=(4, 0)), r"window_size=\(4, 0\) is not supported yet for MambaProvider models \(the hybrid"),
     (dict(moe_layer_freq=2), "moe_layer_freq"),
 ])
 def test_unsupported_fields_raise_one_line(overrides, match) -> None:

@@ -33,6 +33,9 @@ on every layer and hooks the root ``GPTModel`` so that
   ``dp × cp`` brings back to the exact gradient. The loss maths therefore does not depend on the layout
   (no "multiply by cp" in the schedule, unlike Megatron, whose loss is per cp rank).
 
+Mamba-2 mixers scan the whole sequence: each gets an all-to-all exchange (``mamba_context_parallel``) that
+gives every rank the whole sequence of a share of the heads between ``in_proj`` and ``out_proj``.
+
 MoE layers are token-wise and need nothing but their losses' statistics: every router gets a
 ``longspan.models.moe.SequenceShards`` (the cp size and a sum over the cp group), with which the load-balancing
 loss counts the whole sequence's tokens per expert. Multi-token prediction shifts tokens across chunk

@@ -276,10 +276,9 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
         num_moe_experts expert_model_parallel_size expert_tensor_parallel_size cross_entropy_loss_fusion
         window_size window_attn_skip_freq fp32_residual_connection multi_latent_attention
         """),
-    # The hybrid stack's own layers keep the residual in the activations' dtype, taken before the norm.
+    # Why each is not built: longspan.config.rules.model.MAMBA_NOT_SUPPORTED_REASONS.
     "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "
-                                                   "apply_residual_connection_post_layernorm fp32_residual_connection "
-                                                   "layernorm_zero_centered_gamma"),
+                                                   "apply_residual_connection_post_layernorm"),
 }
 
 # Direct HF SFT data (longspan.data.sft.hf_dataset): the run's tokenizer formats the rows; in-batch packing and

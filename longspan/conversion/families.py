@@ -46,7 +46,14 @@ from longspan.conversion.gemma_families import (
 )
 from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
 from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
-from longspan.conversion.mamba_families import mamba2_hf, mamba2_provider, nemotron_h_hf, nemotron_h_provider
+from longspan.conversion.mamba_families import (
+    mamba2_hf,
+    mamba2_provider,
+    mamba2_weights,
+    nemotron_h_hf,
+    nemotron_h_provider,
+    nemotron_h_weights,
+)
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
@@ -119,9 +126,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_VLM, gemma3_vlm_provider,
            gemma3_vlm_hf, "Gemma3VLModelProvider", hf_prefix_aliases=GEMMA3_VLM_ALIASES),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
-    Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.MAMBA2, mamba2_provider, mamba2_hf, "MambaProvider"),
-    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.NEMOTRON_H, nemotron_h_provider,
-           nemotron_h_hf, "MambaProvider"),
+    Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.mamba2(1, 1, 1), mamba2_provider, mamba2_hf,
+           "MambaProvider", mamba2_weights),
+    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.nemotron_h(1, 1, 1), nemotron_h_provider,
+           nemotron_h_hf, "MambaProvider", nemotron_h_weights),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
            weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import squared_relu
@@ -33,7 +34,26 @@ def _mamba_mixer_fields(cfg: dict[str, Any], heads_key: str, head_dim_key: str, 
     )
 
 
+def _mixer_sizes(cfg: dict[str, Any], heads_key: str, head_dim_key: str, state_key: str) -> tuple[int, int, int]:
+    """(d_inner, groups · state, heads): the sizes of the fused in_proj / conv1d segments (1s when absent)."""
+    heads = int(cfg.get(heads_key) or 1)
+    return heads * int(cfg.get(head_dim_key) or 1), int(cfg.get("n_groups", 8)) * int(cfg.get(state_key) or 1), heads
+
+
+def mamba2_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    """Mamba-2's table for config.json ``cfg``: the fused in_proj / conv1d split by its mixer sizes."""
+    return mapping.mamba2(*_mixer_sizes(cfg, "num_heads", "head_dim", "state_size"))
+
+
+def nemotron_h_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    """Nemotron-H's table for config.json ``cfg`` (as ``mamba2_weights``)."""
+    return mapping.nemotron_h(*_mixer_sizes(cfg, "mamba_num_heads", "mamba_head_dim", "ssm_state_size"))
+
+
 def _mamba_mixer_hf(p: Any) -> dict[str, Any]:
+    if getattr(p, "layernorm_zero_centered_gamma", False):
+        raise NotSupportedError("model.layernorm_zero_centered_gamma=True has no Mamba-2 / Nemotron-H config.json "
+                                "form (their norms store gamma itself): export a model trained without it")
     heads = p.mamba_num_heads or p.mamba_expand * p.hidden_size // p.mamba_head_dim
     return dict(n_groups=p.mamba_num_groups, conv_kernel=p.mamba_conv_kernel, chunk_size=p.mamba_chunk_size,
                 use_conv_bias=True, use_bias=False, heads=heads)

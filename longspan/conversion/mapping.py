@@ -319,17 +319,31 @@ T5_UNGATED = tuple(
 
 # --------------------------------------------------------------------------------------------- Mamba-2
 
-# The mixer keeps Megatron's names, which are also HF's (in_proj rows [z | x | B | C | dt] in both).
-MAMBA_MIXER_PARAMS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight",
-                      "out_proj.weight")
+def mamba_mixer(ours: str, hf: str, d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
+    """One Mamba-2 mixer's tensors under prefixes ``ours`` / ``hf``: Megatron's names, which are also HF's,
+    except that longspan keeps each segment of the fused ``in_proj`` (rows ``[z | x | B | C | dt]``: d_inner,
+    d_inner, groups·state twice, heads) and ``conv1d`` (``[x | B | C]``) as its own parameter, so the
+    tables split them on import and fuse them on export."""
+    in_units = (d_inner, d_inner, bc_rows, bc_rows, heads)
+    conv_units = (d_inner, bc_rows, bc_rows)
+    table = [WeightMap(f"{ours}.in_proj.{k}.weight", f"{hf}.in_proj.weight", split=(j, 5), split_units=in_units)
+             for j, k in enumerate(("z", "x", "B", "C", "dt"))]
+    for j, k in enumerate(("x", "B", "C")):
+        for p in ("weight", "bias"):
+            table.append(WeightMap(f"{ours}.conv1d.{k}.{p}", f"{hf}.conv1d.{p}", split=(j, 3), split_units=conv_units))
+    table += [WeightMap(f"{ours}.{p}", f"{hf}.{p}") for p in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")]
+    return tuple(table)
 
-MAMBA2 = (
-    WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
-    WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
-    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
-    WeightMap("decoder.layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
-    *(WeightMap(f"decoder.layers.{{i}}.mixer.{p}", f"backbone.layers.{{i}}.mixer.{p}") for p in MAMBA_MIXER_PARAMS),
-)
+
+def mamba2(d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
+    """Mamba-2 (``Mamba2ForCausalLM``) for a mixer of these sizes (``bc_rows = groups · state``)."""
+    return (
+        WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
+        WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
+        WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+        WeightMap("decoder.layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
+        *mamba_mixer("decoder.layers.{i}.mixer", "backbone.layers.{i}.mixer", d_inner, bc_rows, heads),
+    )
 
 
 # Nemotron-H (hybrid): every block is ``norm`` + ``mixer`` (Mamba-2, attention or MLP), so one HF norm name per
@@ -338,22 +352,24 @@ def _nemotron_h(ours: str, hf: str) -> WeightMap:
     return WeightMap(f"decoder.layers.{{i}}.{ours}", f"backbone.layers.{{i}}.{hf}")
 
 
-# transformers writes Nemotron-H checkpoints with NVIDIA's original "backbone." prefix (its module is "model.").
-NEMOTRON_H = (
-    WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
-    WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
-    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
-    _nemotron_h("norm.weight", "norm.weight"),
-    _nemotron_h("input_layernorm.weight", "norm.weight"),
-    _nemotron_h("pre_mlp_layernorm.weight", "norm.weight"),
-    *(_nemotron_h(f"mixer.{p}", f"mixer.{p}") for p in MAMBA_MIXER_PARAMS),
-    _nemotron_h("self_attention.linear_q.weight", "mixer.q_proj.weight"),
-    _nemotron_h("self_attention.linear_k.weight", "mixer.k_proj.weight"),
-    _nemotron_h("self_attention.linear_v.weight", "mixer.v_proj.weight"),
-    _nemotron_h("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
-    _nemotron_h("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
-    _nemotron_h("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
-)
+def nemotron_h(d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
+    """Nemotron-H for Mamba mixers of these sizes. transformers writes its checkpoints with NVIDIA's original
+    "backbone." prefix (its module is "model.")."""
+    return (
+        WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
+        WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
+        WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+        _nemotron_h("norm.weight", "norm.weight"),
+        _nemotron_h("input_layernorm.weight", "norm.weight"),
+        _nemotron_h("pre_mlp_layernorm.weight", "norm.weight"),
+        *mamba_mixer("decoder.layers.{i}.mixer", "backbone.layers.{i}.mixer", d_inner, bc_rows, heads),
+        _nemotron_h("self_attention.linear_q.weight", "mixer.q_proj.weight"),
+        _nemotron_h("self_attention.linear_k.weight", "mixer.k_proj.weight"),
+        _nemotron_h("self_attention.linear_v.weight", "mixer.v_proj.weight"),
+        _nemotron_h("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
+        _nemotron_h("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
+        _nemotron_h("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
+    )
 
 
 # --------------------------------------------------------------------------------------------- DeepSeek-style MoE

@@ -5,8 +5,8 @@ address the same parameters::
 
     embedding.word_embeddings                          nn.Embedding [padded_vocab, hidden]
     decoder.layers.{i}.norm                            RMSNorm / LayerNorm          (Mamba layers 'M')
-    decoder.layers.{i}.mixer.in_proj                   nn.Linear [2·d_inner + 2·groups·state + heads, hidden]
-    decoder.layers.{i}.mixer.conv1d                    depthwise nn.Conv1d over d_inner + 2·groups·state
+    decoder.layers.{i}.mixer.in_proj.{z,x,B,C,dt}      nn.Linear [d_inner | d_inner | groups·state (B, C) | heads, hidden]
+    decoder.layers.{i}.mixer.conv1d.{x,B,C}            depthwise nn.Conv1d over d_inner | groups·state (B, C)
     decoder.layers.{i}.mixer.A_log / D / dt_bias       [heads] each
     decoder.layers.{i}.mixer.norm                      gated RMSNorm over d_inner (per group)
     decoder.layers.{i}.mixer.out_proj                  nn.Linear [hidden, d_inner]
@@ -15,7 +15,9 @@ address the same parameters::
     decoder.final_norm                                 (post_process only)
     output_layer                                       nn.Linear (absent when tied)
 
-``in_proj``'s output rows are ``[z | x | B | C | dt]``, Megatron's and Hugging Face's order. The forward
+Megatron and Hugging Face fuse ``in_proj`` (rows ``[z | x | B | C | dt]``) and ``conv1d`` (``[x | B | C]``);
+here each segment is its own parameter, so tensor parallel shards them by heads (the conversion tables fuse
+and split them). The forward
 contract is ``GPTModel``'s (``longspan.models.gpt``): per-token loss with labels, logits without, hidden states
 on a non-last pipeline stage; ``attention_mask`` / ``position_ids`` reach only the attention layers (Mamba
 layers are causal by construction). ``kv_cache`` (a ``KVCache``) also carries each Mamba layer's conv and SSM
@@ -37,9 +39,9 @@ from longspan.core.errors import ConfigError
 from longspan.models.args import MambaArgs, TransformerArgs
 from longspan.models.gpt import DecoderLanguageModel
 from longspan.models.init import materialize_model
-from longspan.models.moe import MoELayer
+from longspan.models.moe import MoELayer, local_tensor
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
-from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm
+from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm, norm_residual
 
 MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
 LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP_LAYER, MOE)
@@ -170,9 +172,30 @@ def _draw_dt_bias(shape: torch.Size, generator: torch.Generator) -> torch.Tensor
     return dt + torch.log(-torch.expm1(-dt))  # the inverse of softplus
 
 
+#: ``in_proj``'s row segments, in Megatron's and Hugging Face's fused order, and the conv's channel segments
+IN_PROJ_SEGMENTS = ("z", "x", "B", "C", "dt")
+CONV_SEGMENTS = ("x", "B", "C")
+
+
+def _depthwise_conv(channels: int, kernel: int, dtype: torch.dtype) -> nn.Conv1d:
+    conv = nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1, bias=True, dtype=dtype)
+    # PyTorch's default conv init (kaiming_uniform(a=√5)) in bound form, as Megatron keeps it.
+    conv.init_rule = ("uniform", 1.0 / math.sqrt(kernel))
+    return conv
+
+
 class MambaMixer(nn.Module):
     """The Mamba-2 mixer: ``in_proj`` -> causal depthwise conv over (x, B, C) -> SSD scan -> gated norm ->
-    ``out_proj``. ``forward(hidden [b, s, hidden]) -> [b, s, hidden]``."""
+    ``out_proj``. ``forward(hidden [b, s, hidden]) -> [b, s, hidden]``.
+
+    ``in_proj`` is one linear map per segment (``in_proj.z / .x / .B / .C / .dt``) and ``conv1d`` one depthwise
+    conv per segment (``conv1d.x / .B / .C``), so a tensor-parallel plan can shard each by heads as a plain
+    row split (checkpoint conversion fuses them into Megatron's / HF's ``in_proj`` and ``conv1d``). The
+    forward reads the parameters this process holds (``local_parameters``) and derives the head counts from
+    their shapes. ``context_parallel``, when a plan sets it (``longspan.parallel.mamba_context_parallel``),
+    exchanges the projected sequence shard for the whole sequence of a share of the heads before the conv and
+    back after the norm.
+    """
 
     def __init__(self, args: TransformerArgs, layer_number: int) -> None:
         super().__init__()
@@ -184,12 +207,11 @@ class MambaMixer(nn.Module):
         self.conv_dim = m.d_inner + 2 * m.groups * m.state_dim
         dtype = args.params_dtype
         std = args.init_method_std
-        in_features = 2 * m.d_inner + 2 * m.groups * m.state_dim + m.heads
-        self.in_proj = _linear(args.hidden_size, in_features, False, std, dtype)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, m.conv_kernel, groups=self.conv_dim,
-                                padding=m.conv_kernel - 1, bias=True, dtype=dtype)
-        # PyTorch's default conv init (kaiming_uniform(a=√5)) in bound form, as Megatron keeps it.
-        self.conv1d.init_rule = ("uniform", 1.0 / math.sqrt(m.conv_kernel))
+        rows = {"z": m.d_inner, "x": m.d_inner, "B": m.groups * m.state_dim, "C": m.groups * m.state_dim,
+                "dt": m.heads}
+        self.in_proj = nn.ModuleDict({k: _linear(args.hidden_size, rows[k], False, std, dtype)
+                                      for k in IN_PROJ_SEGMENTS})
+        self.conv1d = nn.ModuleDict({k: _depthwise_conv(rows[k], m.conv_kernel, dtype) for k in CONV_SEGMENTS})
         # Megatron keeps A_log, D and dt_bias in float32 whatever params_dtype is.
         self.A_log = nn.Parameter(torch.empty(m.heads))
         self.D = nn.Parameter(torch.empty(m.heads))
@@ -197,20 +219,25 @@ class MambaMixer(nn.Module):
         self.init_rule = {"A_log": ("draw", _draw_A_log), "D": ("ones", 0.0), "dt_bias": ("draw", _draw_dt_bias)}
         self.norm = GatedRMSNorm(m.d_inner, m.d_inner // m.groups, args.layernorm_epsilon, dtype)
         self.out_proj = _linear(m.d_inner, args.hidden_size, False, std / math.sqrt(2.0 * args.num_layers), dtype)
+        self.context_parallel: Any = None
 
     def local_parameters(self) -> SimpleNamespace:
-        """The parameters and sizes this process computes with: all of them. A tensor-parallel plan replaces
-        this method on the instance with one returning this rank's heads (``longspan.parallel.mamba``)."""
+        """The parameters this process computes with (a DTensor's local shard: a tensor-parallel rank's heads)
+        and the sizes they imply. ``in_proj`` / ``conv_weight`` / ``conv_bias`` are tuples in segment order."""
+        in_proj = tuple(local_tensor(self.in_proj[k].weight) for k in IN_PROJ_SEGMENTS)
+        A_log = local_tensor(self.A_log)
         return SimpleNamespace(
-            in_proj=self.in_proj.weight, conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias,
-            A_log=self.A_log, D=self.D, dt_bias=self.dt_bias, norm=self.norm.weight, out_proj=self.out_proj.weight,
-            d_inner=self.d_inner, heads=self.heads, groups=self.groups,
+            in_proj=in_proj,
+            conv_weight=tuple(local_tensor(self.conv1d[k].weight) for k in CONV_SEGMENTS),
+            conv_bias=tuple(local_tensor(self.conv1d[k].bias) for k in CONV_SEGMENTS),
+            A_log=A_log, D=local_tensor(self.D), dt_bias=local_tensor(self.dt_bias),
+            norm=local_tensor(self.norm.weight), out_proj=local_tensor(self.out_proj.weight),
+            d_inner=in_proj[1].shape[0], heads=A_log.shape[0], groups=in_proj[2].shape[0] // self.state_dim,
         )
 
     def _project(self, hidden_states: torch.Tensor, p: SimpleNamespace) -> tuple[torch.Tensor, ...]:
-        """in_proj, split into the gate ``z``, the conv inputs ``xBC`` and ``dt``."""
-        conv_dim = p.d_inner + 2 * p.groups * self.state_dim
-        return F.linear(hidden_states, p.in_proj).split([p.d_inner, conv_dim, p.heads], dim=-1)
+        """in_proj: the five segments ``z, x, B, C, dt``."""
+        return tuple(F.linear(hidden_states, w) for w in p.in_proj)
 
     def _ssm_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, p: SimpleNamespace) -> tuple[torch.Tensor, ...]:
         b, s, _ = xbc.shape
@@ -228,10 +255,16 @@ class MambaMixer(nn.Module):
         states = _mamba_states(cache)
         if states is not None and self.layer_number in states:
             return self._step_tokens(hidden_states, states[self.layer_number], p)
-        b, s, _ = hidden_states.shape
-        z, xbc_in, dt = self._project(hidden_states, p)
-        k = p.conv_weight.shape[-1]
-        conv = F.conv1d(xbc_in.transpose(1, 2), p.conv_weight, p.conv_bias, padding=k - 1, groups=xbc_in.shape[-1])
+        segments = self._project(hidden_states, p)
+        if self.context_parallel is not None:  # the whole sequence of this rank's share of the heads
+            segments = self.context_parallel.to_heads(segments)
+            p = self.context_parallel.heads_of(p)
+        z, x, B, C, dt = segments
+        xbc_in = torch.cat([x, B, C], dim=-1)
+        b, s, _ = xbc_in.shape
+        k = p.conv_weight[0].shape[-1]
+        conv = F.conv1d(xbc_in.transpose(1, 2), torch.cat(p.conv_weight), torch.cat(p.conv_bias), padding=k - 1,
+                        groups=xbc_in.shape[-1])
         xbc = F.silu(conv[..., :s].transpose(1, 2))
         x, B, C, dt = self._ssm_inputs(xbc, dt, p)
         A = -torch.exp(p.A_log.float())
@@ -241,22 +274,25 @@ class MambaMixer(nn.Module):
             tail = F.pad(xbc_in.transpose(1, 2), (max(0, k - 1 - s), 0))[..., -(k - 1):] if k > 1 else None
             states[self.layer_number] = {"conv": tail, "ssm": final_state}
         y = self.norm(y.reshape(b, s, p.d_inner).to(hidden_states.dtype), z, p.norm)
+        if self.context_parallel is not None:
+            y = self.context_parallel.to_sequence(y)
         return F.linear(y, p.out_proj)
 
     def _step_tokens(self, hidden_states: torch.Tensor, state: dict[str, torch.Tensor],
                      p: SimpleNamespace) -> torch.Tensor:
         """The recurrent form: one token at a time from the cached conv inputs and SSM state."""
         outputs = []
-        weight = p.conv_weight[:, 0]  # [conv_dim, k]
+        weight = torch.cat(p.conv_weight)[:, 0]  # [conv_dim, k]
+        bias = torch.cat(p.conv_bias)
         A = -torch.exp(p.A_log.float())
         heads_per_group = p.heads // p.groups
         for t in range(hidden_states.shape[1]):
-            z, xbc_in, dt = self._project(hidden_states[:, t : t + 1], p)
-            window = xbc_in.transpose(1, 2)
+            z, x, B, C, dt = self._project(hidden_states[:, t : t + 1], p)
+            window = torch.cat([x, B, C], dim=-1).transpose(1, 2)
             if state["conv"] is not None:
                 window = torch.cat([state["conv"], window], dim=-1)  # [b, conv_dim, k]
                 state["conv"] = window[..., 1:]
-            xbc = F.silu((window * weight).sum(-1) + p.conv_bias)[:, None]
+            xbc = F.silu((window * weight).sum(-1) + bias)[:, None]
             x, B, C, dt = self._ssm_inputs(xbc, dt, p)
             Bh = B[:, 0].float().repeat_interleave(heads_per_group, dim=-2)
             Ch = C[:, 0].float().repeat_interleave(heads_per_group, dim=-2)
@@ -276,6 +312,14 @@ def _mamba_states(cache: KVCache | None) -> dict[int, dict[str, torch.Tensor]] |
     return cache.mamba_states
 
 
+def _pre_norm(layer: nn.Module, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A layer's pre-norm; of a float32 residual stream (``fp32_residual_connection``) in float32, cast to the
+    parameters' dtype for the sub-layer (the residual itself stays float32, as in Megatron's MambaLayer)."""
+    if layer.fp32_residual:
+        return norm_residual(norm, hidden_states, layer.params_dtype)
+    return norm(hidden_states)
+
+
 class MambaLayer(nn.Module):
     """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer)."""
 
@@ -285,10 +329,12 @@ class MambaLayer(nn.Module):
         self.norm = build_norm(args, args.hidden_size)
         self.mixer = MambaMixer(args, layer_number)
         self.dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        return hidden_states + self.dropout(self.mixer(self.norm(hidden_states), kv_cache))
+        normed = _pre_norm(self, self.norm, hidden_states)
+        return hidden_states + self.dropout(self.mixer(normed, kv_cache))
 
 
 class AttentionLayer(nn.Module):
@@ -300,10 +346,12 @@ class AttentionLayer(nn.Module):
         self.input_layernorm = build_norm(args, args.hidden_size)
         self.self_attention = SelfAttention(args, layer_number)
         self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache=kv_cache)
+        normed = _pre_norm(self, self.input_layernorm, hidden_states)
+        attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache)
         return hidden_states + self.self_attn_dropout(attn)
 
 
@@ -316,10 +364,11 @@ class MLPLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(args, args.hidden_size)
         self.mlp: nn.Module = MoELayer(args, layer_number) if moe else MLP(args)
         self.mlp_dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        return hidden_states + self.mlp_dropout(self.mlp(self.pre_mlp_layernorm(hidden_states)))
+        return hidden_states + self.mlp_dropout(self.mlp(_pre_norm(self, self.pre_mlp_layernorm, hidden_states)))
 
 
 def build_layer(args: TransformerArgs, layer_number: int) -> nn.Module:
@@ -340,13 +389,16 @@ class MambaStack(nn.Module):
         numbers = range(args.num_layers) if layer_numbers is None else layer_numbers
         self.layers = nn.ModuleDict({str(i): build_layer(args, i) for i in numbers})
         self.final_norm = build_norm(args, args.hidden_size) if post_process else None
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any, attention_mask: torch.Tensor | None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
+        if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
+            hidden_states = hidden_states.float()
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
         if self.final_norm is not None:
-            hidden_states = self.final_norm(hidden_states)
+            hidden_states = _pre_norm(self, self.final_norm, hidden_states)
         return hidden_states
 
 

@@ -33,6 +33,9 @@ on every layer and hooks the root ``GPTModel`` so that
   ``dp × cp`` brings back to the exact gradient. The loss maths therefore does not depend on the layout
   (no "multiply by cp" in the schedule, unlike Megatron, whose loss is per cp rank).
 
+Mamba-2 mixers scan the whole sequence: each gets an all-to-all exchange (``mamba_context_parallel``) that
+gives every rank the whole sequence of a share of the heads between ``in_proj`` and ``out_proj``.
+
 MoE layers are token-wise and need nothing but their losses' statistics: every router gets a
 ``longspan.models.moe.SequenceShards`` (the cp size and a sum over the cp group), with which the load-balancing
 loss counts the whole sequence's tokens per expert. Multi-token prediction shifts tokens across chunk
@@ -60,6 +63,7 @@ from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
 from longspan.models.moe import SequenceShards, moe_layers
 from longspan.models.sliding_window import WindowedMask, windowed_attention
+from longspan.parallel.mamba_context_parallel import apply_mamba_context_parallel
 
 _log = get_logger(__name__)
 
@@ -475,10 +479,12 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     # self-attention (linear_q) and multi-latent attention (mla) layers
     attentions = [m for m in root.modules()
                   if hasattr(m, "core_attention") and (hasattr(m, "linear_q") or hasattr(m, "mla"))]
-    if not attentions or not hasattr(root, "decoder"):
+    mixers = apply_mamba_context_parallel(root, group)  # Mamba layers: an all-to-all to heads and back
+    if not (attentions or mixers) or not hasattr(root, "decoder"):
         raise NotSupportedError(
             f"context_parallel_size={dist.get_world_size(group)}: the context-parallel plan needs longspan's "
-            f"GPTModel (self-attention layers with a swappable core_attention), not {type(root).__name__}"
+            f"GPTModel or MambaModel (self-attention layers with a swappable core_attention, Mamba mixers), "
+            f"not {type(root).__name__}"
         )
     core = ContextParallelAttention(group)
     for attention in attentions:

@@ -1,120 +1,91 @@
-"""Tensor parallel plan for Mamba-2 mixers (``longspan.models.mamba.MambaMixer``): heads split across ranks.
+"""Tensor (and sequence) parallel plan for Mamba-2 mixers (``longspan.models.mamba.MambaMixer``): heads split.
 
-As in Megatron's MambaMixer, tensor-parallel rank ``r`` of ``T`` computes heads ``[r·H/T, (r+1)·H/T)`` and
-their groups: it uses its slice of each segment of ``in_proj`` (rows of z, x, B, C and dt each cut in ``T``),
-the matching conv1d channels (x, B, C), ``A_log`` / ``D`` / ``dt_bias`` entries, gated-norm channels and
-``out_proj`` columns, so the scan, conv and norm run on local heads only. The mixer's input is the replicated
-residual stream (its gradient is summed over the ranks on the way back) and the ``out_proj`` partial sums
-are all-reduced.
+As in Megatron's MambaMixer, tensor-parallel rank ``r`` of ``T`` holds and computes heads
+``[r·H/T, (r+1)·H/T)`` and their groups: every segment of ``in_proj`` (``z``, ``x``, ``B``, ``C``, ``dt``),
+every conv1d segment (``x``, ``B``, ``C``), ``A_log`` / ``D`` / ``dt_bias`` and the gated norm's weight are
+``Shard(0)`` DTensors (a plain row split of each, since the model keeps the segments apart), ``out_proj`` is
+``Shard(1)``. The mixer reads its local shards and derives its local head counts from their shapes, so the
+scan, conv and norm run on local heads only, and parameter and optimizer memory are split too.
 
-The fused ``in_proj`` interleaves five segments, so a contiguous DTensor row split cannot express this cut.
-The mixer's parameters therefore stay whole (replicated) plain tensors on every rank, checkpoints and init
-are the one-process ones, and each rank slices its heads in the forward: the slicing's backward scatters the
-local gradient into a full-size tensor and sums it over the ranks, so every rank ends with the full,
-identical gradient (as for the replicated norms of the tensor-parallel GPT). Compute and activations are
-split by heads, parameter and optimizer memory is not. Sequence parallel is not supported with Mamba layers.
+Communication, at the mixer's boundary (Megatron's column/row-parallel pair): without sequence parallel the
+input is the replicated residual stream (backward: its gradient, a partial sum over each rank's heads, is
+all-reduced) and the ``out_proj`` partial sums are all-reduced. With ``sequence_parallel`` the residual stream
+is sharded along the sequence: the layer's ``norm`` runs on its shard (``SequenceParallel``), the mixer
+all-gathers its input (backward: reduce-scatter) and reduce-scatters its output (backward: all-gather).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import SequenceParallel
 
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.parallel.collectives import copy_to_group, reduce_from_group
+from longspan.core.errors import ConfigError
 
-
-class _SliceReplicated(torch.autograd.Function):
-    """``full.index_select(dim, index)``; backward: the local gradient scattered into ``full``'s shape and
-    summed over ``group`` (each rank contributes its own rows)."""
-
-    @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, dim: int, index: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.shape = dim, group, full.shape
-        ctx.save_for_backward(index)
-        return full.index_select(dim, index)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (index,) = ctx.saved_tensors
-        full = grad.new_zeros(ctx.shape).index_copy_(ctx.dim, index, grad.contiguous())
-        dist.all_reduce(full, group=ctx.group)
-        return full, None, None, None
-
-
-def _segments(ranges: list[tuple[int, int]], rank: int, size: int) -> torch.Tensor:
-    """Indices of rank ``rank``'s ``1/size`` of each ``(start, length)`` segment, concatenated."""
-    parts = []
-    for start, length in ranges:
-        piece = length // size
-        parts.append(torch.arange(start + rank * piece, start + (rank + 1) * piece))
-    return torch.cat(parts)
+#: the mixer's parameters sharded along dim 0 (its heads' rows or channels); ``out_proj.weight`` along dim 1
+ROW_SHARDED = ("in_proj.z.weight", "in_proj.x.weight", "in_proj.B.weight", "in_proj.C.weight", "in_proj.dt.weight",
+               "conv1d.x.weight", "conv1d.B.weight", "conv1d.C.weight", "conv1d.x.bias", "conv1d.B.bias",
+               "conv1d.C.bias", "A_log", "D", "dt_bias", "norm.weight")
 
 
 def is_mamba_mixer(module: nn.Module) -> bool:
-    """A Mamba-2 mixer (it has the fused ``in_proj`` and the per-head ``A_log``)."""
+    """A Mamba-2 mixer (per-segment ``in_proj`` and the per-head ``A_log``)."""
     return hasattr(module, "local_parameters") and hasattr(module, "A_log")
 
 
-def check_mamba_tensor_parallel(mixer: nn.Module, tp: int) -> None:
-    """Raise (one line) when ``tp`` does not divide the mixer's heads and groups."""
-    if mixer.heads % tp or mixer.groups % tp:
+def check_mamba_heads_split(mixer: nn.Module, ways: int, field: str) -> None:
+    """Raise (one line) when ``ways`` (named by ``field``) does not divide the mixer's heads and groups."""
+    if mixer.heads % ways or mixer.groups % ways:
         raise ConfigError(
-            f"model.tensor_model_parallel_size={tp} must divide the Mamba heads ({mixer.heads}) and "
-            f"model.mamba_num_groups={mixer.groups}"
+            f"{field}={ways} must divide the Mamba heads ({mixer.heads}) and model.mamba_num_groups={mixer.groups}"
         )
 
 
-def apply_mamba_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> int:
-    """Split every Mamba mixer of ``model`` by heads over ``tp_mesh`` (in place); returns how many."""
-    mixers = [m for m in model.modules() if is_mamba_mixer(m)]
+def apply_mamba_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> dict[str, Any]:
+    """Shard every Mamba mixer of ``model`` by heads over ``tp_mesh`` (in place, meta or materialized).
+
+    Returns the ``parallelize_module`` plan entries the rest of the Mamba layers need (with sequence parallel:
+    each Mamba layer's ``norm`` and the stack's ``final_norm`` on sequence shards), for the caller's plan.
+    """
+    mixers = {name: m for name, m in model.named_modules() if is_mamba_mixer(m)}
     if not mixers:
-        return 0
+        return {}
     tp = tp_mesh.size()
-    if sequence_parallel:
-        raise NotSupportedError(
-            f"model.sequence_parallel=True with Mamba layers (tensor_model_parallel_size={tp}) is not supported "
-            "yet: set sequence_parallel=False"
-        )
-    for mixer in mixers:
-        check_mamba_tensor_parallel(mixer, tp)
-    group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
-    for mixer in mixers:
-        _shard_mixer(mixer, group, rank, tp)
-    return len(mixers)
+    for mixer in mixers.values():
+        check_mamba_heads_split(mixer, tp, "model.tensor_model_parallel_size")
+    for mixer in mixers.values():
+        _shard_mixer(mixer, tp_mesh, sequence_parallel)
+    if not sequence_parallel:
+        return {}
+    plan: dict[str, Any] = {name.rsplit(".", 1)[0] + ".norm": SequenceParallel(use_local_output=True)
+                            for name in mixers}
+    if getattr(getattr(model, "decoder", None), "final_norm", None) is not None:
+        plan["decoder.final_norm"] = SequenceParallel()
+    return plan
 
 
-def _shard_mixer(mixer: nn.Module, group: Any, rank: int, tp: int) -> None:
-    d, g, h = mixer.d_inner, mixer.groups * mixer.state_dim, mixer.heads
-    in_rows = _segments([(0, d), (d, d), (2 * d, g), (2 * d + g, g), (2 * d + 2 * g, h)], rank, tp)
-    conv_channels = _segments([(0, d), (d, g), (d + g, g)], rank, tp)
-    heads = _segments([(0, h)], rank, tp)
-    channels = _segments([(0, d)], rank, tp)
+def _shard_mixer(mixer: nn.Module, mesh: Any, sequence_parallel: bool) -> None:
+    for name, placement in [(n, Shard(0)) for n in ROW_SHARDED] + [("out_proj.weight", Shard(1))]:
+        owner_name, _, attr = name.rpartition(".")
+        owner = mixer.get_submodule(owner_name) if owner_name else mixer
+        param = getattr(owner, attr)
+        # src_data_rank=None: every rank holds the same full tensor (meta, or drawn from one seed): no scatter
+        sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
+        owner.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    residual = Shard(1) if sequence_parallel else Replicate()
 
-    def local_parameters() -> SimpleNamespace:
-        full = SimpleNamespace(**vars(type(mixer).local_parameters(mixer)))
+    def gather_input(_module: nn.Module, args: tuple) -> tuple:
+        # the whole (sequence of the) input on every rank; its gradient, each rank's heads' partial sum, is
+        # summed (sp: reduce-scattered) on the way back
+        whole = DTensor.from_local(args[0], mesh, [residual], run_check=False).redistribute(mesh, [Replicate()])
+        return (whole.to_local(grad_placements=[Partial()]), *args[1:])
 
-        def take(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-            return _SliceReplicated.apply(t, dim, index.to(t.device), group)
+    def reduce_output(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        # out_proj's partial sums over the local heads, summed (sp: reduce-scattered along the sequence)
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [residual]).to_local()
 
-        return SimpleNamespace(
-            in_proj=take(full.in_proj, 0, in_rows),
-            conv_weight=take(full.conv_weight, 0, conv_channels),
-            conv_bias=take(full.conv_bias, 0, conv_channels),
-            A_log=take(full.A_log, 0, heads),
-            D=take(full.D, 0, heads),
-            dt_bias=take(full.dt_bias, 0, heads),
-            norm=take(full.norm, 0, channels),
-            out_proj=take(full.out_proj, 1, channels),
-            d_inner=full.d_inner // tp,
-            heads=full.heads // tp,
-            groups=full.groups // tp,
-        )
-
-    mixer.local_parameters = local_parameters
-    mixer.register_forward_pre_hook(lambda _m, args: (copy_to_group(args[0], group), *args[1:]))
-    mixer.register_forward_hook(lambda _m, _args, out: reduce_from_group(out, group))
+    mixer.register_forward_pre_hook(gather_input)
+    mixer.register_forward_hook(reduce_output)

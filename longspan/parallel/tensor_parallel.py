@@ -150,14 +150,16 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
                 if getattr(layer, norm, None) is not None:
                     plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
             # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
-            plan[attn] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-                use_local_output=True,
-            )
-            plan[mlp] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            )
+            if hasattr(layer, "self_attention"):  # (hybrid Mamba stacks: a layer may lack either)
+                plan[attn] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=True,
+                )
+            if hasattr(layer, "mlp"):
+                plan[mlp] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
     plan.update(_mtp_plan(model, sp))
     if getattr(model.decoder, "final_layernorm", None) is not None and sp:
         plan["decoder.final_layernorm"] = SequenceParallel()
@@ -338,13 +340,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if _is_vision_language_model(model):
         return _apply_vision_language_tensor_parallel(model, tp_mesh, sequence_parallel)
     check_tensor_parallel(model, tp)
-    apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: heads split, see there
+    mamba_plan = apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: see there
     if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)
         if sequence_parallel:
             check_t5_sequence_parallel(model, tp)
         plan = t5_tensor_parallel_plan(model, sequence_parallel)
     else:
-        plan = tensor_parallel_plan(model, sequence_parallel)
+        plan = {**tensor_parallel_plan(model, sequence_parallel), **mamba_plan}
     for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
         adapt = getattr(model.get_submodule(name), "adapt_parallel_style", None)
         if adapt is not None:
@@ -363,7 +365,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             dropouts = t5_residual_dropouts(model)
         else:
             dropouts = [(layer, name) for _, layer in _transformer_layers(model)
-                        for name in ("self_attn_dropout", "mlp_dropout")]
+                        for name in ("self_attn_dropout", "mlp_dropout", "dropout")  # "dropout": Mamba layers'
+                        if hasattr(layer, name)]
         for layer, name in dropouts:
             setattr(layer, name, SequenceShardedDropout(model.args.hidden_dropout, tp_mesh))
     if model.args.attention_dropout > 0:

@@ -89,6 +89,8 @@ LAYOUTS = [
     ("qwen2", {}, True),  # data parallel 2 with FSDP2
     ("mixtral", {"expert_model_parallel_size": 2}, False),
     ("qwen3_moe", {"expert_model_parallel_size": 2}, True),  # experts over ep, dense weights FSDP2
+    # hybrid: each rank reads its heads' rows of the fused Mamba in_proj / conv1d; the export fuses them back
+    ("nemotron_h", {"tensor_model_parallel_size": 2}, False),
 ]
 
 

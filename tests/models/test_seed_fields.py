@@ -112,10 +112,11 @@ def test_hybrid_and_t5_models_refuse_residual_fields(field, value):
     from longspan.models.mamba_provider import MambaProvider
     from longspan.models.t5_provider import T5ModelProvider
 
-    cases = [(MambaProvider, check_mamba_model)]
-    if field == "fp32_residual_connection":  # T5 builds the post-norm residual (tests/models/t5/test_t5_model.py)
-        cases.append((T5ModelProvider, check_t5_model))
-    for provider, check in cases:
+    # T5 builds the post-norm residual (tests/models/t5/test_t5_model.py); Mamba / hybrid models keep a float32
+    # residual stream (tests/models/mamba/test_mamba_model.py).
+    provider, check = (T5ModelProvider, check_t5_model) if field == "fp32_residual_connection" \
+        else (MambaProvider, check_mamba_model)
+    for provider, check in [(provider, check)]:
         cfg = provider(num_layers=2, hidden_size=64, num_attention_heads=4, **{field: value})
         with pytest.raises(NotSupportedError, match=field) as info:
             check(cfg)

@@ -114,7 +114,7 @@ def test_layout_matches_one_process(name: str, recipe: str, references: dict, tm
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)])
 def test_checkpoint_moves_from_a_layout_to_one_process(layout: dict, references: dict, tmp_path: Path) -> None:
     """tiny-hybrid stops at iteration 4 under TP2 / PP2; one process resumes the checkpoint and logs the
-    reference's iterations 5-8 (the mixer's replicated tensors and the DTensor shards reshard)."""
+    reference's iterations 5-8 (the mixers' head-sharded DTensors reshard)."""
     ckpt = str(tmp_path / "ckpt")
     get_shared_pool(2).run(_run, str(tmp_path / "two"), "tiny-hybrid", save=ckpt, exit_interval=4, timeout=300,
                            **layout)

@@ -21,21 +21,24 @@ def test_layer_allocation_matches_megatron(layers: int, attention: float, mlp: f
 def test_pattern_builds_the_named_layers() -> None:
     model = build_mamba_model(hybrid_config(), seed=1)
     names = {n for n, _ in model.named_parameters()}
-    for expected in ["decoder.layers.0.mixer.in_proj.weight", "decoder.layers.0.mixer.conv1d.weight",
-                     "decoder.layers.0.mixer.conv1d.bias", "decoder.layers.0.mixer.A_log", "decoder.layers.0.mixer.D",
+    for expected in ["decoder.layers.0.mixer.in_proj.z.weight", "decoder.layers.0.mixer.in_proj.dt.weight",
+                     "decoder.layers.0.mixer.conv1d.x.weight", "decoder.layers.0.mixer.conv1d.C.bias",
+                     "decoder.layers.0.mixer.A_log", "decoder.layers.0.mixer.D",
                      "decoder.layers.0.mixer.dt_bias", "decoder.layers.0.mixer.norm.weight",
                      "decoder.layers.0.mixer.out_proj.weight", "decoder.layers.0.norm.weight",
                      "decoder.layers.1.self_attention.linear_q.weight", "decoder.layers.1.input_layernorm.weight",
                      "decoder.layers.2.mlp.linear_fc1.weight", "decoder.layers.2.pre_mlp_layernorm.weight",
-                     "decoder.layers.3.mixer.in_proj.weight", "decoder.final_norm.weight", "output_layer.weight"]:
+                     "decoder.layers.3.mixer.in_proj.x.weight", "decoder.final_norm.weight", "output_layer.weight"]:
         assert expected in names
     assert not any(n.startswith("decoder.layers.1.mlp") or n.startswith("decoder.layers.2.self_attention")
                    for n in names)
     cfg = mamba_config()
     d_inner, heads, groups, state = 64, 8, 2, 8
     mixer = model.decoder.layers["0"].mixer
-    assert mixer.in_proj.weight.shape == (2 * d_inner + 2 * groups * state + heads, cfg.hidden_size)
-    assert mixer.conv1d.weight.shape == (d_inner + 2 * groups * state, 1, 4)
+    rows = {"z": d_inner, "x": d_inner, "B": groups * state, "C": groups * state, "dt": heads}
+    assert {k: tuple(m.weight.shape) for k, m in mixer.in_proj.items()} == {
+        k: (n, cfg.hidden_size) for k, n in rows.items()}
+    assert {k: tuple(m.weight.shape) for k, m in mixer.conv1d.items()} == {k: (rows[k], 1, 4) for k in "xBC"}
 
 
 def test_init_follows_megatron_ranges_and_is_layout_independent() -> None:
@@ -47,7 +50,8 @@ def test_init_follows_megatron_ranges_and_is_layout_independent() -> None:
     assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all()
     assert torch.equal(mixer.D, torch.ones_like(mixer.D))
     bound = 1.0 / 2.0  # 1/sqrt(conv kernel 4)
-    assert mixer.conv1d.weight.abs().max() <= bound and mixer.conv1d.weight.std() > bound / 4
+    conv = torch.cat([mixer.conv1d[k].weight for k in "xBC"])
+    assert conv.abs().max() <= bound and conv.std() > bound / 4
     stage = build_mamba_model(hybrid_config(), pre_process=False, post_process=True, seed=3, layer_numbers=[2, 3])
     full_params = dict(full.named_parameters())
     for name, p in stage.named_parameters():
@@ -118,7 +122,7 @@ def test_bad_fields_are_config_errors(overrides, match) -> None:
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute_granularity"),
-    (dict(context_parallel_size=2), "context_parallel_size=2 is not supported yet"),
+    (dict(window_size=(4, 0)), r"window_size=\(4, 0\) is not supported yet for MambaProvider models \(the hybrid"),
     (dict(moe_layer_freq=2), "moe_layer_freq"),
 ])
 def test_unsupported_fields_raise_one_line(overrides, match) -> None:
@@ -149,3 +153,29 @@ def test_tied_embeddings_use_the_word_embeddings() -> None:
     ids = torch.randint(0, 128, (1, 7))
     hidden = model.decoder(model.embedding(ids, None), None, None)
     torch.testing.assert_close(model(ids), hidden @ model.embedding.word_embeddings.weight.T)
+
+
+def test_zero_centered_gamma_stores_gamma_minus_one_in_the_block_norms() -> None:
+    """Megatron's MambaLayer / final / hybrid norms honour it (its mixer's gated norm does not): same maths."""
+    plain = build_mamba_model(hybrid_config(), seed=5)
+    centred = build_mamba_model(hybrid_config(layernorm_zero_centered_gamma=True), seed=5)
+    norms = [n for n, _ in centred.named_parameters() if n.endswith("norm.weight") and ".mixer." not in n]
+    assert len(norms) == 5  # M, *, -, M layers' norms and the final norm
+    params = dict(centred.named_parameters())
+    assert all(torch.equal(params[n], torch.zeros_like(params[n])) for n in norms)
+    assert torch.equal(params["decoder.layers.0.mixer.norm.weight"], torch.ones(64))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(centred(ids), plain(ids), rtol=1e-6, atol=1e-6)
+
+
+def test_fp32_residual_connection_keeps_the_residual_stream_in_float32() -> None:
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for fp32 in (False, True):
+        model = build_mamba_model(hybrid_config(params_dtype=torch.bfloat16, fp32_residual_connection=fp32), seed=5)
+        dtypes = []
+        for layer in model.decoder.layers.values():
+            layer.register_forward_hook(lambda _m, _a, out, d=dtypes: d.append(out.dtype))
+        seen[fp32] = (dtypes, model(ids, labels=ids).float())
+    assert seen[False][0] == [torch.bfloat16] * 4 and seen[True][0] == [torch.float32] * 4
+    assert not torch.equal(seen[False][1], seen[True][1])  # the sums are rounded differently

@@ -304,6 +304,97 @@ for _cls in ("T5ModelProvider", "MambaProvider"):
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 
 
+# Why a not-supported field stays so: one line per field, shown in the generated document and in the
+# NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
+# (that class only; looked up first).
+NOT_SUPPORTED_REASONS: dict[str, str] = {}
+
+# Transformer Engine internals: longspan builds plain torch modules, so TE's own machinery has no counterpart.
+_TE = "Transformer Engine internal: longspan builds plain torch modules"
+NOT_SUPPORTED_REASONS.update({
+    "model.use_te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
+    "model.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
+    "rng.te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
+    "rng.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
+    "model.transformer_impl": f"{_TE}; only the default 'transformer_engine' name is accepted (it builds torch modules)",
+    "model.use_transformer_engine_full_layer_spec": f"{_TE} (a TE layer spec)",
+    "model.use_transformer_engine_op_fuser": f"{_TE} (TE's operation fuser)",
+    "model.tp_only_amax_red": f"{_TE} (TE's FP8 amax reduction group); torchao float8 reduces amax itself",
+    "model.disable_parameter_transpose_cache": f"{_TE} (TE's transposed-weight cache)",
+    "model.tp_comm_overlap_cfg": f"{_TE} (TE userbuffer settings)",
+    "model.tp_comm_bootstrap_backend": f"{_TE} (bootstraps TE userbuffers)",
+    "model.async_tensor_model_parallel_allreduce": "deprecated and ignored by Megatron Core itself",
+    "model.moe_extended_tp": "deprecated and ignored by Megatron Core itself: use expert_tensor_parallel_size",
+    "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
+    "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",
+    "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
+    "model.flash_decode": "inference decoding kernel; longspan's inference uses torch SDPA with its KV cache",
+    "model.apply_query_key_layer_scaling": "an fp16 trick of Megatron's unfused softmax; torch SDPA accumulates in fp32",
+    "model.clone_scatter_output_in_embedding": "sequence parallel here is a DTensor plan: there is no scatter buffer to clone",
+    "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
+    "model.moe_layer_recompute": "use recompute_modules=['moe'] (torch activation checkpointing of the MoE layer)",
+    "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
+    "model.num_microbatches_with_partial_activation_checkpoints": (
+        "torch's schedules recompute every microbatch alike: use recompute_num_layers"),
+    "model.distribute_saved_activations": "Megatron's TP-split checkpoint buffers; torch checkpointing keeps inputs whole",
+    "model.delay_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
+    "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
+    "model.wgrad_deferral_limit": "only meaningful with defer_embedding_wgrad_compute",
+    "model.variable_seq_lengths": "torch.distributed.pipelining stages need static shapes (longspan pads to seq_length)",
+    "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
+    "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
+    "model.cross_entropy_fusion_impl": "'te' is Transformer Engine's kernel; longspan's 'native' chunked loss is the one here",
+    "model.attention_backend": "longspan runs torch SDPA, which picks its own kernel",
+})
+for _name in ("tp_comm_overlap tp_comm_bulk_wgrad tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs "
+              "tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_atomic_ag tp_comm_split_rs tp_comm_atomic_rs "
+              "tp_comm_overlap_disable_qkv tp_comm_overlap_disable_fc1").split():
+    NOT_SUPPORTED_REASONS[f"model.{_name}"] = f"{_TE} (TE userbuffer overlap of tensor-parallel communication)"
+for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
+    NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
+for _name in ("cpu_offloading cpu_offloading_num_layers cpu_offloading_activations cpu_offloading_weights "
+              "cpu_offloading_double_buffering").split():
+    NOT_SUPPORTED_REASONS[f"model.{_name}"] = "activation offload to the host is not built; use activation recompute"
+NOT_SUPPORTED_REASONS.update({
+    "train.exit_signal_handler_for_dataloader": "longspan's data loaders run in the main process or exit with it",
+    "train.check_optimizer_step_success": "the step's success comes from the grad scaler's finite check",
+    "train.skip_sync_grad_norm_across_mp": "the gradient norm is always the global DTensor norm",
+    "dataset.num_dataset_builder_threads": "index building runs once on rank 0 and is cached",
+    "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
+    "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
+    "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
+    "logger.memory_keys": "memory logging writes the fixed set of torch.cuda.memory_stats keys",
+    "logger.log_l2_norm_grad_to_tensorboard": "per-parameter gradient norms are not logged",
+    "logger.log_runtime_to_tensorboard": "runtime metrics are not logged to TensorBoard",
+    "logger.runtime_time_unit": "only meaningful with log_runtime_to_tensorboard",
+    "tokenizer.special_tokens": "special tokens come from the tokenizer files",
+    "tokenizer.tiktoken_pattern": "the TikToken tokenizer is not built",
+    "tokenizer.tiktoken_num_special_tokens": "the TikToken tokenizer is not built",
+    "tokenizer.tiktoken_special_tokens": "the TikToken tokenizer is not built",
+    "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
+    "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
+    "tokenizer.metadata_path": "tokenizer metadata files of Megatron's new tokenizer API are not read",
+    "tokenizer.make_vocab_size_divisible_by": "the padding multiple is model.make_vocab_size_divisible_by",
+    "dist.align_grad_reduce": "FSDP2/DDP schedule their own gradient reductions",
+    "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
+    "dist.nccl_communicator_config_path": "per-group NCCL communicator options are not set",
+    "dist.use_sharp": "NCCL SHARP collectives are not set up",
+    "dist.high_priority_stream_groups": "per-group NCCL stream priorities are not set",
+    "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
+    "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
+    "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
+    "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
+    "mixed_precision.fp8_param_gather": "FP8 all-gather of FSDP2 parameters is not wired",
+})
+
+
+def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:
+    """The one-line reason ``section.name`` (of config class ``cls_name``) is not supported, if one is given."""
+    if cls_name and f"{cls_name}.{name}" in NOT_SUPPORTED_REASONS:
+        return NOT_SUPPORTED_REASONS[f"{cls_name}.{name}"]
+    return NOT_SUPPORTED_REASONS.get(f"{section}.{name}")
+
+
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""
     override = CLASS_FIELD_STATUS.get(cls_name or "", {}).get(f"{section}.{name}")
@@ -339,7 +430,8 @@ def _sections(cfg: Any) -> list[tuple[str, Any]]:
 
 
 def unsupported_settings(cfg: Any) -> list[str]:
-    """'section.field=value (supported: default)' for every not-supported field set to a non-default value."""
+    """'section.field=value (supported: default)' for every not-supported field set to a non-default value,
+    followed by ': reason' when NOT_SUPPORTED_REASONS gives one."""
     found: list[str] = []
     model_cls = type(cfg.model).__name__ if cfg.model is not None else None
     if model_cls is not None and model_cls not in SUPPORTED_MODELS:
@@ -356,7 +448,9 @@ def unsupported_settings(cfg: Any) -> list[str]:
                 continue
             value, default = getattr(obj, f.name), _default_of(type(obj), f)
             if _differs(value, default):
-                found.append(f"{section}.{f.name}={value!r} (supported: {default!r})")
+                reason = not_supported_reason(section, f.name, type(obj).__name__)
+                why = f": {reason}" if reason else ""
+                found.append(f"{section}.{f.name}={value!r} (supported: {default!r}){why}")
     return found
 
 

@@ -24,6 +24,7 @@ from longspan.config.support import (
     SUPPORTED_DATASETS,
     SUPPORTED_MODELS,
     field_status,
+    not_supported_reason,
 )
 from longspan.config.targets import section_types
 from longspan.config.types import is_derived_field, yaml_fields
@@ -90,7 +91,7 @@ def render() -> str:
         "",
         "- **supported**: longspan implements the field.",
         "- **not supported yet**: `validate()` stops with a one-line error when the field is set to anything",
-        "  but its default.",
+        "  but its default; the row says why (the same reason ends the error).",
         "- **device-dependent**: implemented where it applies; on a machine without an accelerator it has no",
         "  effect and start-up lists it once in a 'not applicable on this machine' line.",
         "- **performance hint (no effect)**: a Megatron/Transformer Engine kernel-fusion switch that changes no",
@@ -123,6 +124,9 @@ def render() -> str:
                 status = "runtime object (set by longspan, never in YAML)"
             else:
                 status = field_status(section, f.name, cls.__name__) if class_ok else f"{NOT_SUPPORTED} (the class)"
+                reason = not_supported_reason(section, f.name, cls.__name__) if status == NOT_SUPPORTED else None
+                if reason:
+                    status = f"{NOT_SUPPORTED}: {reason}"
             meaning = docs.get(f.name, "").replace("|", "\\|")
             lines.append(f"| `{f.name}` | `{_default(f)}` | {status} | {meaning} |")
         lines.append("")

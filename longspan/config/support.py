@@ -304,6 +304,12 @@ for _cls in ("T5ModelProvider", "MambaProvider"):
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 
 
+# Added special tokens, Megatron's TikTokenizer (longspan.data.tiktoken_tokenizer) and the tokenizer-side
+# vocabulary padding (longspan.data.tokenizers).
+FIELD_STATUS.update(_many("tokenizer", SUPPORTED, """
+    special_tokens tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens make_vocab_size_divisible_by
+    """))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
@@ -367,14 +373,9 @@ NOT_SUPPORTED_REASONS.update({
     "logger.log_l2_norm_grad_to_tensorboard": "per-parameter gradient norms are not logged",
     "logger.log_runtime_to_tensorboard": "runtime metrics are not logged to TensorBoard",
     "logger.runtime_time_unit": "only meaningful with log_runtime_to_tensorboard",
-    "tokenizer.special_tokens": "special tokens come from the tokenizer files",
-    "tokenizer.tiktoken_pattern": "the TikToken tokenizer is not built",
-    "tokenizer.tiktoken_num_special_tokens": "the TikToken tokenizer is not built",
-    "tokenizer.tiktoken_special_tokens": "the TikToken tokenizer is not built",
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.metadata_path": "tokenizer metadata files of Megatron's new tokenizer API are not read",
-    "tokenizer.make_vocab_size_divisible_by": "the padding multiple is model.make_vocab_size_divisible_by",
     "dist.align_grad_reduce": "FSDP2/DDP schedule their own gradient reductions",
     "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
     "dist.nccl_communicator_config_path": "per-group NCCL communicator options are not set",

@@ -345,13 +345,124 @@ class ExtraIdsTokenizer(Tokenizer):
         return {**super().special_tokens_dict, **{t: i for i, t in self.added_tokens.items()}}
 
 
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteLevelTokenizer")
+def _existing_token_id(tokenizer: Tokenizer, token: str) -> Optional[int]:
+    """The id ``token`` already has in ``tokenizer`` as one token, or None."""
+    fast, hf = getattr(tokenizer, "_fast", None), getattr(tokenizer, "_hf", None)
+    if fast is not None:
+        return fast.token_to_id(token)
+    if hf is not None:
+        tid = hf.convert_tokens_to_ids(token)
+        return None if tid is None or tid == hf.unk_token_id else int(tid)
+    specials = getattr(tokenizer, "special_tokens", None)
+    if isinstance(specials, list) and token in specials:
+        return specials.index(token)
+    return None
+
+
+class SpecialTokensTokenizer(Tokenizer):
+    """A tokenizer with ``tokenizer.special_tokens`` added as Hugging Face adds additional special tokens: one
+    already in the vocabulary keeps its id, the others get new ids after it in order; text is split at every
+    special token's string so each becomes its one id, and the pieces between are tokenized by the base."""
+
+    def __init__(self, base: Tokenizer, special_tokens: Sequence[str]) -> None:
+        if not all(isinstance(t, str) and t for t in special_tokens) or len(set(special_tokens)) != len(special_tokens):
+            raise ConfigError(f"tokenizer.special_tokens={list(special_tokens)!r} must be distinct non-empty strings")
+        self.base = base
+        self.eos, self.bos, self.pad, self.eod = base.eos, base.bos, base.pad, base.eod
+        self.token_ids: Dict[str, int] = {}
+        next_id = int(base.vocab_size)
+        for token in special_tokens:
+            existing = _existing_token_id(base, token)
+            self.token_ids[token], next_id = (existing, next_id) if existing is not None else (next_id, next_id + 1)
+        self.added_tokens = {i: t for t, i in self.token_ids.items()}
+        self.additional_special_tokens_ids = list(self.token_ids.values())
+        self.vocab_size = next_id
+        self._by_length = sorted(self.token_ids, key=len, reverse=True)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _split(self, text: str) -> List[tuple[str, Optional[int]]]:
+        pieces: List[tuple[str, Optional[int]]] = []
+        start = pos = 0
+        while pos < len(text):
+            token = next((t for t in self._by_length if text.startswith(t, pos)), None)
+            if token is None:
+                pos += 1
+                continue
+            pieces += [(text[start:pos], None)] if pos > start else []
+            pieces.append((token, self.token_ids[token]))
+            pos = start = pos + len(token)
+        return pieces + ([(text[start:], None)] if start < len(text) else [])
+
+    def tokenize(self, text: str) -> List[int]:
+        ids: List[int] = []
+        for piece, special_id in self._split(text):
+            ids += [special_id] if special_id is not None else self.base.tokenize(piece)
+        return ids
+
+    def tokenize_with_offsets(self, text: str) -> tuple[List[int], List[tuple[int, int]]]:
+        """Token ids and each token's (start, end) character span in ``text`` (needs the base's offsets)."""
+        ids: List[int] = []
+        spans: List[tuple[int, int]] = []
+        start = 0
+        for piece, special_id in self._split(text):
+            if special_id is not None:
+                ids.append(special_id)
+                spans.append((start, start + len(piece)))
+            else:
+                piece_ids, piece_spans = self.base.tokenize_with_offsets(piece)
+                ids += piece_ids
+                spans += [(a + start, b + start) for a, b in piece_spans]
+            start += len(piece)
+        return ids, spans
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (added tokens included)."""
+        if int(token_id) in self.added_tokens:
+            return self.added_tokens[int(token_id)]
+        text = getattr(self.base, "token_text", None)
+        return text(int(token_id)) if text is not None else self.base.detokenize([int(token_id)])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        out, run = [], []
+        for token_id in ids:
+            if int(token_id) in self.added_tokens:
+                out += [self.base.detokenize(run)] if run else []
+                out.append(self.added_tokens[int(token_id)])
+                run = []
+            else:
+                run.append(int(token_id))
+        return "".join(out + ([self.base.detokenize(run)] if run else []))
+
+    def save_files(self, directory: str) -> None:
+        self.base.save_files(directory)  # the added tokens come back from tokenizer.special_tokens
+
+    @property
+    def special_tokens_dict(self) -> Dict[str, int]:
+        return {**self.base.special_tokens_dict, **self.token_ids}
+
+
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteLevelTokenizer",
+                   "TikTokenizer")
+
+
+def model_vocab_size(tokenizer: Tokenizer, tokenizer_config: Any) -> int:
+    """The vocabulary size a model takes from ``tokenizer`` when model.vocab_size is null: the tokenizer's,
+    rounded up to a multiple of ``tokenizer.make_vocab_size_divisible_by`` (Megatron's padded vocabulary)."""
+    multiple = int(getattr(tokenizer_config, "make_vocab_size_divisible_by", 1) or 1)
+    return -(-int(tokenizer.vocab_size) // multiple) * multiple
 
 
 def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
-    """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``vocab_extra_ids`` sentinel tokens
-    appended when set (``ExtraIdsTokenizer``)."""
+    """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``special_tokens`` added
+    (``SpecialTokensTokenizer``) and ``vocab_extra_ids`` sentinel tokens appended (``ExtraIdsTokenizer``) when set."""
     tokenizer = _build_base_tokenizer(tokenizer_config)
+    special = getattr(tokenizer_config, "special_tokens", None)
+    if special:
+        tokenizer = SpecialTokensTokenizer(tokenizer, list(special))
     extra = getattr(tokenizer_config, "vocab_extra_ids", 0) or 0
     if not isinstance(extra, int) or extra < 0:
         raise ConfigError(f"tokenizer.vocab_extra_ids={extra!r} must be a non-negative integer")
@@ -382,6 +493,14 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
         return GPT2BPETokenizer(getattr(tokenizer_config, "vocab_file", None), getattr(tokenizer_config, "merge_file", None))
     if ttype == "NullTokenizer":
         return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
+    if ttype == "TikTokenizer":
+        # tiktoken_tokenizer imports this module (the Tokenizer base class): imported here, not at the top
+        from longspan.data.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer(model, getattr(tokenizer_config, "tiktoken_pattern", None),
+                            getattr(tokenizer_config, "vocab_size", None),
+                            getattr(tokenizer_config, "tiktoken_num_special_tokens", 1000),
+                            getattr(tokenizer_config, "tiktoken_special_tokens", None))
     if ttype in ("ByteLevelTokenizer", "ByteTokenizer"):
         return ByteLevelTokenizer(getattr(tokenizer_config, "vocab_size", None) or 512)
     if ttype is None:

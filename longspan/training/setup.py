@@ -22,7 +22,7 @@ import torch
 from longspan.config.support import inapplicable_fields
 from longspan.core.logging import configure_log_filters, get_logger, print_rank_0, setup_logging
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
-from longspan.data.tokenizers import build_tokenizer
+from longspan.data.tokenizers import build_tokenizer, model_vocab_size
 from longspan.models.builder import build_meta_model
 from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
@@ -177,7 +177,7 @@ def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
     tokenizer = build_tokenizer(cfg.tokenizer)
     state.tokenizer = tokenizer
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
+        cfg.model.vocab_size = model_vocab_size(tokenizer, cfg.tokenizer)
     cfg.validate(world_size=parallel.world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
     if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:

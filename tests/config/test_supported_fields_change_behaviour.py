@@ -1038,6 +1038,13 @@ COVERED_ELSEWHERE: dict[str, str] = {
        "wandb_project wandb_exp_name wandb_save_dir wandb_entity".split()},
 }
 
+COVERED_ELSEWHERE.update({
+    "tokenizer.special_tokens": "tests/data/test_tokenizer_fields.py::test_special_tokens_match_transformers_additional_special_tokens",
+    **{f"tokenizer.{name}": "tests/data/test_tokenizer_fields.py (TikTokenizer ids as megatron-core lays them out)"
+       for name in "tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens".split()},
+    "tokenizer.make_vocab_size_divisible_by": "tests/data/test_tokenizer_fields.py::test_tokenizer_vocab_padding_sets_the_model_vocabulary",
+})
+
 # Their effect is real but outside what a one-process short run's observation sees (TensorBoard tags, gc calls,
 # logging filters of third-party loggers, resume-only switches, multi-process layouts, rerun checks): each needs
 # a recorded-effect probe. (Before this list, run observations compared log lines holding the run directory,

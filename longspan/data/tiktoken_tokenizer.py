@@ -15,7 +15,7 @@ import shutil
 from typing import Dict, List, Optional, Sequence
 
 from longspan.core.errors import ConfigError, DataError
-from longspan.data.tokenizers import Tokenizer
+from longspan.data.tokenizer_base import Tokenizer
 
 PATTERNS = {
     "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",

@@ -17,36 +17,10 @@ from tokenizers import Tokenizer as FastTokenizer, decoders, models, pre_tokeniz
 
 from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
+from longspan.data.tiktoken_tokenizer import TikTokenizer
+from longspan.data.tokenizer_base import Tokenizer
 
 logger = get_logger(__name__)
-
-
-class Tokenizer:
-    """Common interface of longspan's tokenizers."""
-
-    vocab_size: int
-    eod: Optional[int] = None
-    eos: Optional[int] = None
-    bos: Optional[int] = None
-    pad: Optional[int] = None
-
-    def tokenize(self, text: str) -> List[int]:
-        """Token ids of ``text`` without added special tokens."""
-        raise NotImplementedError
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of token ids."""
-        raise NotImplementedError
-
-    def save_files(self, directory: str) -> None:
-        """Write the files this tokenizer is built from into ``directory``."""
-        raise NotImplementedError
-
-    @property
-    def special_tokens_dict(self) -> Dict[str, int]:
-        """Special token ids by role (used to detect a pad id that collides with another special token)."""
-        roles = {"eos_token": self.eos, "bos_token": self.bos, "pad_token": self.pad}
-        return {k: v for k, v in roles.items() if v is not None}
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -494,9 +468,6 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
     if ttype == "NullTokenizer":
         return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
     if ttype == "TikTokenizer":
-        # tiktoken_tokenizer imports this module (the Tokenizer base class): imported here, not at the top
-        from longspan.data.tiktoken_tokenizer import TikTokenizer
-
         return TikTokenizer(model, getattr(tokenizer_config, "tiktoken_pattern", None),
                             getattr(tokenizer_config, "vocab_size", None),
                             getattr(tokenizer_config, "tiktoken_num_special_tokens", 1000),

@@ -310,6 +310,15 @@ FIELD_STATUS.update(_many("tokenizer", SUPPORTED, """
     special_tokens tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens make_vocab_size_divisible_by
     """))
 
+# Logger reports (training/observability: log_line.py, reports.py, utils/norms.py, memory.py). The memory names
+# map applies to the CUDA allocator statistics, so it is device-dependent like log_memory_to_tensorboard.
+FIELD_STATUS.update(_many("logger", SUPPORTED, "log_l2_norm_grad_to_tensorboard log_runtime_to_tensorboard "
+                                               "runtime_time_unit"))
+FIELD_STATUS.update(_many("logger", DEVICE, "memory_keys"))
+# Megatron skips a model-parallel collective with these; longspan's optimizer always agrees on the step's success
+# (found-inf reduced over every rank) and its gradient norm is the global DTensor norm: they change no result.
+FIELD_STATUS.update(_many("train", HINT, "check_optimizer_step_success skip_sync_grad_norm_across_mp"))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
@@ -363,16 +372,10 @@ for _name in ("cpu_offloading cpu_offloading_num_layers cpu_offloading_activatio
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = "activation offload to the host is not built; use activation recompute"
 NOT_SUPPORTED_REASONS.update({
     "train.exit_signal_handler_for_dataloader": "longspan's data loaders run in the main process or exit with it",
-    "train.check_optimizer_step_success": "the step's success comes from the grad scaler's finite check",
-    "train.skip_sync_grad_norm_across_mp": "the gradient norm is always the global DTensor norm",
     "dataset.num_dataset_builder_threads": "index building runs once on rank 0 and is cached",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
-    "logger.memory_keys": "memory logging writes the fixed set of torch.cuda.memory_stats keys",
-    "logger.log_l2_norm_grad_to_tensorboard": "per-parameter gradient norms are not logged",
-    "logger.log_runtime_to_tensorboard": "runtime metrics are not logged to TensorBoard",
-    "logger.runtime_time_unit": "only meaningful with log_runtime_to_tensorboard",
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.metadata_path": "tokenizer metadata files of Megatron's new tokenizer API are not read",

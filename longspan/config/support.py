@@ -319,6 +319,12 @@ FIELD_STATUS.update(_many("logger", DEVICE, "memory_keys"))
 # (found-inf reduced over every rank) and its gradient norm is the global DTensor norm: they change no result.
 FIELD_STATUS.update(_many("train", HINT, "check_optimizer_step_success skip_sync_grad_norm_across_mp"))
 
+# Activation offload through torch's saved-tensor hooks (longspan.parallel.offload); TE's double buffering of the
+# reloads has no counterpart (each copy is asynchronous by itself).
+FIELD_STATUS.update(_many("model", SUPPORTED, "cpu_offloading cpu_offloading_num_layers cpu_offloading_activations "
+                                              "cpu_offloading_weights"))
+FIELD_STATUS.update(_many("model", HINT, "cpu_offloading_double_buffering"))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
@@ -367,9 +373,6 @@ for _name in ("tp_comm_overlap tp_comm_bulk_wgrad tp_comm_bulk_dgrad tp_comm_ove
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = f"{_TE} (TE userbuffer overlap of tensor-parallel communication)"
 for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
-for _name in ("cpu_offloading cpu_offloading_num_layers cpu_offloading_activations cpu_offloading_weights "
-              "cpu_offloading_double_buffering").split():
-    NOT_SUPPORTED_REASONS[f"model.{_name}"] = "activation offload to the host is not built; use activation recompute"
 NOT_SUPPORTED_REASONS.update({
     "train.exit_signal_handler_for_dataloader": "longspan's data loaders run in the main process or exit with it",
     "dataset.num_dataset_builder_threads": "index building runs once on rank 0 and is cached",

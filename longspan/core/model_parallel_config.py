@@ -205,22 +205,24 @@ class ModelParallelConfig:
 
     # ---- activation/weight offloading ------------------------------------------------------------------------
     cpu_offloading: bool = False
-    """Offload activations to the CPU asynchronously."""
+    """Keep what the first cpu_offloading_num_layers layers save for backward in host memory (torch saved-tensor
+    hooks, longspan.parallel.offload); not with activation recompute or train.torch_compile=True."""
 
     cpu_offloading_num_layers: int = 0
-    """Number of transformer layers whose activations are offloaded."""
+    """Transformer layers (the first ones of each model chunk) whose saved tensors are offloaded; below num_layers."""
 
     _cpu_offloading_context: Optional[ContextManager] = field(default=None, repr=False, metadata=RUNTIME_FIELD)
     """Internal offloading context; never set by users."""
 
     cpu_offloading_activations: bool = True
-    """With cpu_offloading: offload activations."""
+    """With cpu_offloading: offload the layer's saved inputs and intermediate results."""
 
     cpu_offloading_weights: bool = False
-    """With cpu_offloading: offload weights."""
+    """With cpu_offloading: offload the layer's parameters that autograd saves (as the forward used them)."""
 
     cpu_offloading_double_buffering: bool = False
-    """With cpu_offloading: double-buffer reloads across layers."""
+    """With cpu_offloading: Transformer Engine's double-buffered reloads; torch's copies are asynchronous per
+    tensor, so this changes nothing here."""
 
     barrier_with_L1_time: bool = True
     """Put a barrier before level-1 timer measurements (all ranks must call such timers)."""

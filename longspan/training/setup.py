@@ -27,6 +27,7 @@ from longspan.models.builder import build_meta_model
 from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.compile import compile_model
+from longspan.parallel.offload import apply_activation_offload
 from longspan.parallel.parallelize import materialize_parallel_model
 from longspan.parallel.pipeline import build_pipeline_chunks
 from longspan.peft.adapters import init_adapters
@@ -116,7 +117,10 @@ def setup(cfg: Any) -> SetupOutput:
     model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
         init_adapters(model, cfg.rng.seed)
-    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device, parallel.tp_size)
+    # Offloaded layers run eager (validate() rejects torch_compile=True with offload): None resolves to off.
+    compile_setting = False if cfg.model.cpu_offloading else cfg.train.torch_compile
+    state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size)
+    state.activation_offload = apply_activation_offload(model, cfg.model)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     if parallel.pp_size > 1:
         # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.

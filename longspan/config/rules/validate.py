@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from longspan.config.rules.data import check_dataset
 from longspan.config.rules.data_hf import check_direct_hf_sft
+from longspan.config.rules.device_features import check_device_features
 from longspan.config.rules.infra import check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
 from longspan.config.rules.model import check_model
@@ -205,6 +206,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("infrastructure and resilience", _on_config(check_infra)),
     ("autocast", _autocast),
     ("activation recompute", _recompute),
+    ("activation offload and device features", _on_config(check_device_features)),
     ("fields longspan does not support yet", _on_config(check_supported)),
     ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
     ("PEFT adapters", _peft),

@@ -1,0 +1,37 @@
+"""Rules of ``ConfigContainer.validate()`` for the model's memory and kernel features that map onto torch's own
+mechanisms: activation offload (``longspan.parallel.offload``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
+
+def check_activation_offload(cfg: "ConfigContainer") -> None:
+    """model.cpu_offloading: a layer count below num_layers (as Megatron), no activation recompute (the two
+    would fight over the same saved tensors; Megatron refuses it too), and no torch.compile of the layers."""
+    m = cfg.model
+    if not getattr(m, "cpu_offloading", False):
+        return
+    count, layers = m.cpu_offloading_num_layers, m.num_layers
+    if not isinstance(count, int) or not 0 <= count < layers:
+        raise ConfigError(f"model.cpu_offloading_num_layers={count!r} must be at least 0 and below "
+                          f"model.num_layers={layers}")
+    if not (m.cpu_offloading_activations or m.cpu_offloading_weights):
+        raise ConfigError("model.cpu_offloading=True offloads nothing with cpu_offloading_activations=False and "
+                          "cpu_offloading_weights=False: turn one on or turn cpu_offloading off")
+    if m.recompute_granularity is not None:
+        raise ConfigError(f"model.cpu_offloading=True with model.recompute_granularity={m.recompute_granularity!r}: "
+                          "offload and recompute both manage the saved activations; choose one")
+    if getattr(cfg.train, "torch_compile", None):
+        raise NotSupportedError("model.cpu_offloading=True with train.torch_compile=True is not supported yet by "
+                                "longspan: offloaded layers run eager; set train.torch_compile=false or null")
+
+
+def check_device_features(cfg: "ConfigContainer") -> None:
+    """Every rule of this module, in order."""
+    check_activation_offload(cfg)

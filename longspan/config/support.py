@@ -325,6 +325,15 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "cpu_offloading cpu_offloading_num
                                               "cpu_offloading_weights"))
 FIELD_STATUS.update(_many("model", HINT, "cpu_offloading_double_buffering"))
 
+# Asynchronous tensor parallel (longspan.parallel.async_tp): inductor's micro-pipelined all-gather/reduce-scatter
+# GEMMs through symmetric memory, on CUDA. Transformer Engine's userbuffer knobs tune its own kernels: no maths.
+FIELD_STATUS.update(_many("model", DEVICE, "tp_comm_overlap"))
+FIELD_STATUS.update(_many("model", HINT, """
+    tp_comm_bulk_wgrad tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs tp_comm_overlap_rs_dgrad
+    tp_comm_split_ag tp_comm_atomic_ag tp_comm_split_rs tp_comm_atomic_rs tp_comm_overlap_disable_qkv
+    tp_comm_overlap_disable_fc1 tp_comm_bootstrap_backend tp_comm_overlap_cfg
+    """))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
@@ -342,8 +351,6 @@ NOT_SUPPORTED_REASONS.update({
     "model.use_transformer_engine_op_fuser": f"{_TE} (TE's operation fuser)",
     "model.tp_only_amax_red": f"{_TE} (TE's FP8 amax reduction group); torchao float8 reduces amax itself",
     "model.disable_parameter_transpose_cache": f"{_TE} (TE's transposed-weight cache)",
-    "model.tp_comm_overlap_cfg": f"{_TE} (TE userbuffer settings)",
-    "model.tp_comm_bootstrap_backend": f"{_TE} (bootstraps TE userbuffers)",
     "model.async_tensor_model_parallel_allreduce": "deprecated and ignored by Megatron Core itself",
     "model.moe_extended_tp": "deprecated and ignored by Megatron Core itself: use expert_tensor_parallel_size",
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
@@ -367,10 +374,6 @@ NOT_SUPPORTED_REASONS.update({
     "model.cross_entropy_fusion_impl": "'te' is Transformer Engine's kernel; longspan's 'native' chunked loss is the one here",
     "model.attention_backend": "longspan runs torch SDPA, which picks its own kernel",
 })
-for _name in ("tp_comm_overlap tp_comm_bulk_wgrad tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs "
-              "tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_atomic_ag tp_comm_split_rs tp_comm_atomic_rs "
-              "tp_comm_overlap_disable_qkv tp_comm_overlap_disable_fc1").split():
-    NOT_SUPPORTED_REASONS[f"model.{_name}"] = f"{_TE} (TE userbuffer overlap of tensor-parallel communication)"
 for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
 NOT_SUPPORTED_REASONS.update({

@@ -68,7 +68,7 @@ def _offloading_forward(forward: Callable[..., Any], offload: SavedTensorOffload
     return forward_with_offload
 
 
-def transformer_layers(chunk: nn.Module) -> list[nn.Module]:
+def offloadable_layers(chunk: nn.Module) -> list[nn.Module]:
     """The chunk's transformer layers in order: every ``layers`` ModuleDict (T5: encoder's, then decoder's)."""
     layers: list[nn.Module] = []
     for name, module in chunk.named_modules():
@@ -87,7 +87,7 @@ def apply_activation_offload(chunks: list[nn.Module], model_config: Any) -> list
     weights = bool(model_config.cpu_offloading_weights)
     handlers = []
     for chunk in chunks:
-        for layer in transformer_layers(chunk)[:count]:
+        for layer in offloadable_layers(chunk)[:count]:
             offload = SavedTensorOffload(layer, activations, weights)
             layer.forward = _offloading_forward(layer.forward, offload)  # instance attribute: wraps compile too
             handlers.append(offload)

@@ -26,6 +26,7 @@ from longspan.data.tokenizers import build_tokenizer, model_vocab_size
 from longspan.models.builder import build_meta_model
 from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
+from longspan.parallel.async_tp import enable_async_tensor_parallel
 from longspan.parallel.compile import compile_model
 from longspan.parallel.offload import apply_activation_offload
 from longspan.parallel.parallelize import materialize_parallel_model
@@ -121,6 +122,8 @@ def setup(cfg: Any) -> SetupOutput:
     compile_setting = False if cfg.model.cpu_offloading else cfg.train.torch_compile
     state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size)
     state.activation_offload = apply_activation_offload(model, cfg.model)
+    tp_group = parallel.tp_group if parallel.tp_size > 1 else None
+    state.async_tensor_parallel = enable_async_tensor_parallel(cfg.model, tp_group, parallel.device, state.compiled)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     if parallel.pp_size > 1:
         # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.

@@ -1,5 +1,6 @@
 """Rules of ``ConfigContainer.validate()`` for the model's memory and kernel features that map onto torch's own
-mechanisms: activation offload (``longspan.parallel.offload``)."""
+mechanisms: activation offload (``longspan.parallel.offload``) and asynchronous tensor parallel
+(``longspan.parallel.async_tp``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
 
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def check_activation_offload(cfg: "ConfigContainer") -> None:
                                 "longspan: offloaded layers run eager; set train.torch_compile=false or null")
 
 
+def check_async_tensor_parallel(cfg: "ConfigContainer") -> None:
+    """model.tp_comm_overlap overlaps the sequence-parallel collectives inside compiled layers: it needs
+    sequence_parallel (as Megatron) and a train.torch_compile that is not False."""
+    m = cfg.model
+    if not getattr(m, "tp_comm_overlap", False):
+        return
+    if not m.sequence_parallel:
+        raise ConfigError("model.tp_comm_overlap=True needs model.sequence_parallel=True (the overlapped collectives "
+                          "are sequence parallel's all-gather and reduce-scatter)")
+    if getattr(cfg.train, "torch_compile", None) is False:
+        raise ConfigError("model.tp_comm_overlap=True runs inside the compiled layers: set train.torch_compile=true "
+                          "or null, or model.tp_comm_overlap=false")
+
+
 def check_device_features(cfg: "ConfigContainer") -> None:
     """Every rule of this module, in order."""
     check_activation_offload(cfg)
+    check_async_tensor_parallel(cfg)

@@ -334,6 +334,9 @@ FIELD_STATUS.update(_many("model", HINT, """
     tp_comm_overlap_disable_fc1 tp_comm_bootstrap_backend tp_comm_overlap_cfg
     """))
 
+# Megatron's attention implementations as SDPA kernel choices (longspan.models.attention_backend).
+FIELD_STATUS.update(_many("model", DEVICE, "attention_backend"))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
@@ -372,7 +375,6 @@ NOT_SUPPORTED_REASONS.update({
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
     "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
     "model.cross_entropy_fusion_impl": "'te' is Transformer Engine's kernel; longspan's 'native' chunked loss is the one here",
-    "model.attention_backend": "longspan runs torch SDPA, which picks its own kernel",
 })
 for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
@@ -487,6 +489,8 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
         return value != 0
     if (section, name) == ("logger", "log_energy"):
         return False  # needs energy counters, not an accelerator: setup() finds them and reports their absence
+    if (section, name) == ("model", "attention_backend"):
+        return value == "fused"  # the CUDA-only kernels; the other names map onto SDPA kernels everywhere
     if name.startswith("fp8"):
         return False  # not ignored: model.fp8 without FP8 hardware is a one-line error (training/precision.py)
     return bool(value)

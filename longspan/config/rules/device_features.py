@@ -1,6 +1,6 @@
 """Rules of ``ConfigContainer.validate()`` for the model's memory and kernel features that map onto torch's own
-mechanisms: activation offload (``longspan.parallel.offload``) and asynchronous tensor parallel
-(``longspan.parallel.async_tp``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
+mechanisms: activation offload (``longspan.parallel.offload``), asynchronous tensor parallel
+(``longspan.parallel.async_tp``) and the attention backend (``longspan.models.attention_backend``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
 
 from __future__ import annotations
 
@@ -47,7 +47,20 @@ def check_async_tensor_parallel(cfg: "ConfigContainer") -> None:
                           "or null, or model.tp_comm_overlap=false")
 
 
+# Megatron's AttnBackend names (longspan.models.attention_backend maps each onto SDPA kernels).
+ATTENTION_BACKEND_NAMES = ("auto", "flash", "fused", "unfused", "local")
+
+
+def check_attention_backend(cfg: "ConfigContainer") -> None:
+    """model.attention_backend is one of Megatron's AttnBackend names."""
+    backend = getattr(cfg.model, "attention_backend", "auto")
+    if backend not in ATTENTION_BACKEND_NAMES:
+        raise ConfigError(f"model.attention_backend={backend!r} is not valid: use one of "
+                          f"{', '.join(ATTENTION_BACKEND_NAMES)}")
+
+
 def check_device_features(cfg: "ConfigContainer") -> None:
     """Every rule of this module, in order."""
     check_activation_offload(cfg)
     check_async_tensor_parallel(cfg)
+    check_attention_backend(cfg)

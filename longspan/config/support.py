@@ -92,7 +92,7 @@ FIELD_STATUS: dict[str, str] = {
     # FP8 through torchao float8 (longspan.parallel.float8): CUDA with FP8 hardware only; set
     # elsewhere, the model build raises one line.
     **_many("model", DEVICE, "fp8 fp8_recipe fp8_param"),
-    **_many("mixed_precision", DEVICE, "fp8 fp8_recipe"),
+    **_many("mixed_precision", DEVICE, "fp8 fp8_recipe fp8_param_gather"),
     # The chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl keeps the
     # section default (not supported): only its default 'native' exists here.
     **_many("model", SUPPORTED, "cross_entropy_loss_fusion"),
@@ -396,7 +396,6 @@ NOT_SUPPORTED_REASONS.update({
     "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
     "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
     "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
-    "mixed_precision.fp8_param_gather": "FP8 all-gather of FSDP2 parameters is not wired",
 })
 
 

@@ -60,7 +60,6 @@ FIELD_STATUS: dict[str, str] = {
     **_many("rng", NOT_SUPPORTED, "te_rng_tracker inference_rng_tracker"),
     **_many("rerun_state_machine", SUPPORTED, "check_for_nan_in_loss"),
     **_many("train", DEVICE, "empty_unused_memory_level train_sync_interval"),
-    **_many("train", NOT_SUPPORTED, "exit_signal_handler_for_dataloader"),
     # The model: what the GPT model and the tensor/sequence/data parallel plans build.
     **_many("model", SUPPORTED, """
         tensor_model_parallel_size sequence_parallel perform_initialization fp16 bf16 params_dtype
@@ -363,7 +362,7 @@ NOT_SUPPORTED_REASONS.update({
     "model.apply_query_key_layer_scaling": "an fp16 trick of Megatron's unfused softmax; torch SDPA accumulates in fp32",
     "model.clone_scatter_output_in_embedding": "sequence parallel here is a DTensor plan: there is no scatter buffer to clone",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
-    "model.moe_layer_recompute": "use recompute_modules=['moe'] (torch activation checkpointing of the MoE layer)",
+    "model.moe_layer_recompute": "recomputing the MoE layer is not built: selective recompute covers core_attn only",
     "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
     "model.num_microbatches_with_partial_activation_checkpoints": (
         "torch's schedules recompute every microbatch alike: use recompute_num_layers"),
@@ -379,7 +378,6 @@ NOT_SUPPORTED_REASONS.update({
 for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
 NOT_SUPPORTED_REASONS.update({
-    "train.exit_signal_handler_for_dataloader": "longspan's data loaders run in the main process or exit with it",
     "dataset.num_dataset_builder_threads": "index building runs once on rank 0 and is cached",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",

@@ -1049,6 +1049,8 @@ COVERED_ELSEWHERE.update({
     **{f"model.{name}": "tests/parallel/test_activation_offload.py (the hooks move the chosen saved tensors of the "
                         "first layers; losses and gradients bit-identical)"
        for name in "cpu_offloading cpu_offloading_num_layers cpu_offloading_activations cpu_offloading_weights".split()},
+    "train.exit_signal_handler_for_dataloader": "tests/data/test_loader_exit_signal.py (the worker installs a "
+                                                "handler for the exit signal only when asked)",
 })
 
 # Their effect is real but outside what a one-process short run's observation sees (TensorBoard tags, gc calls,

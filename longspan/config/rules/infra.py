@@ -19,9 +19,17 @@ RUNTIME_TIME_UNITS = ("seconds", "minutes", "hours", "days")
 def check_infra(cfg: "ConfigContainer") -> None:
     """Logger, checkpoint, resilience and profiling rules, in that order."""
     check_logger(cfg)
+    check_exit_signal_for_dataloader(cfg)
     check_checkpoint(cfg)
     check_resilience_config(cfg)
     check_profiling(cfg)
+
+
+def check_exit_signal_for_dataloader(cfg: "ConfigContainer") -> None:
+    """The data workers catch the exit signal for the main process's handler: without it there is none."""
+    if getattr(cfg.train, "exit_signal_handler_for_dataloader", False) and not cfg.train.exit_signal_handler:
+        raise ConfigError("train.exit_signal_handler_for_dataloader=True needs train.exit_signal_handler=True (the "
+                          "workers keep running so that the main process can save)")
 
 
 def check_logger(cfg: "ConfigContainer") -> None:

@@ -121,7 +121,8 @@ class TrainingConfig:
     """Signal the handler waits for; None is resolved to SIGTERM by validate()."""
 
     exit_signal_handler_for_dataloader: bool = False
-    """Install the signal handler in dataloader workers too."""
+    """With exit_signal_handler and dataset.num_workers > 0: the data workers catch exit_signal too, so a
+    signal sent to the whole process group does not end them while the main process saves."""
 
     manual_gc: bool = False
     """Turn off Python's automatic garbage collector and collect at fixed points on every rank."""

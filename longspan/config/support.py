@@ -448,9 +448,6 @@ def unsupported_settings(cfg: Any) -> list[str]:
     dataset_cls = type(cfg.dataset).__name__ if cfg.dataset is not None else None
     if dataset_cls is not None and dataset_cls not in SUPPORTED_DATASETS:
         found.append(f"dataset={dataset_cls} (supported: {', '.join(SUPPORTED_DATASETS)})")
-    for name in ("comm_overlap",):
-        if getattr(cfg, name, None) is not None:
-            found.append(f"{name}={getattr(cfg, name)!r} (supported: None)")
     for section, obj in _sections(cfg):
         for f in yaml_fields(obj):
             if is_derived_field(f) or field_status(section, f.name, type(obj).__name__) != NOT_SUPPORTED:

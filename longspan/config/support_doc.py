@@ -104,8 +104,8 @@ def render() -> str:
         "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft) and DirectHFSFTDatasetConfig",
         "(JSONL/JSON/Parquet/CSV/save_to_disk data in the shapes of TRL, ShareGPT and Alpaca, read through `datasets`:",
         "longspan.data.sft.hf_dataset; its nested HFDatasetSourceConfig and ChatSFTPreprocessingConfig have tables",
-        "below). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
-        "`comm_overlap` is not supported yet.",
+        "below). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft); `comm_overlap` takes Megatron Bridge's",
+        "CommOverlapConfig fields and sets the model, ddp and optimizer fields they name (longspan.config.rules.comm_overlap).",
         "",
     ]
     for section, cls in _section_classes():

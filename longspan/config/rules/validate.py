@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from longspan.config.rules.comm_overlap import apply_comm_overlap
 from longspan.config.rules.data import check_dataset
 from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.device_features import check_device_features
@@ -77,6 +78,11 @@ Rule = Callable[["ConfigContainer", Derived], None]
 
 def _set_data_parallel_size(cfg: "ConfigContainer", derived: Derived) -> None:
     derived.data_parallel_size = check_parallel_layout(cfg, derived.world_size)
+
+
+def _comm_overlap(cfg: "ConfigContainer", derived: Derived) -> None:
+    apply_comm_overlap(cfg, derived.data_parallel_size)
+    check_optimizer_precision_and_overlap(cfg)  # again: comm_overlap may have set ddp.overlap_param_gather
 
 
 def _set_num_microbatches(cfg: "ConfigContainer", derived: Derived) -> None:
@@ -197,6 +203,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),
+    ("comm_overlap section onto model, ddp, optimizer", _comm_overlap),
     ("global batch -> number of microbatches", _set_num_microbatches),
     ("pipeline split and schedule", _pipeline),
     ("training length (iterations from samples)", _on_config(check_train_length)),

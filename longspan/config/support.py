@@ -5,9 +5,10 @@ Every field has a status:
 - ``not supported yet``: validate() raises NotSupportedError when it is set to anything but its default.
 - ``device-dependent``: implemented where it applies (an accelerator); elsewhere it is listed once at
   start-up as not applicable instead of failing.
-- ``performance hint``: a kernel-fusion switch of Megatron / Transformer Engine that changes no maths.
-  longspan runs torch's own kernels, so the switch has no effect; Megatron Bridge configs set these
-  routinely, so they are accepted and listed once at start-up as having no effect.
+- ``performance hint``: a performance switch of Megatron / Transformer Engine (kernel fusion, implementation
+  choice, communication scheduling) that changes no maths. longspan runs torch's own kernels and schedules, so
+  the switch has no effect; Megatron Bridge configs set these routinely, so they are accepted and listed once
+  at start-up as having no effect.
 
 A section has a default status; FIELD_STATUS lists the exceptions, so every field's status is explicit in
 the generated document.
@@ -336,31 +337,33 @@ FIELD_STATUS.update(_many("model", HINT, """
 # Megatron's attention implementations as SDPA kernel choices (longspan.models.attention_backend).
 FIELD_STATUS.update(_many("model", DEVICE, "attention_backend"))
 
+# Switches that change no result here: Transformer Engine's implementation choices (longspan builds plain torch
+# modules that compute the same maths), switches Megatron Core itself deprecated and ignores, an fp16 rescaling
+# that cancels inside Megatron's softmax (SDPA accumulates in fp32), the sequence-parallel scatter's clone (a
+# DTensor plan has no buffer to clone), an inference decoding kernel, the pipeline stages' reduction schedule
+# (FSDP2/DDP launch their own reductions) and the dataset builder's thread count (indices are built once and cached).
+FIELD_STATUS.update(_many("model", HINT, """
+    async_tensor_model_parallel_allreduce moe_extended_tp disable_parameter_transpose_cache
+    use_transformer_engine_op_fuser use_transformer_engine_full_layer_spec transformer_impl
+    clone_scatter_output_in_embedding apply_query_key_layer_scaling flash_decode
+    """))
+FIELD_STATUS.update(_many("dist", HINT, "align_grad_reduce"))
+FIELD_STATUS.update(_many("dataset", HINT, "num_dataset_builder_threads"))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
 NOT_SUPPORTED_REASONS: dict[str, str] = {}
 
-# Transformer Engine internals: longspan builds plain torch modules, so TE's own machinery has no counterpart.
-_TE = "Transformer Engine internal: longspan builds plain torch modules"
 NOT_SUPPORTED_REASONS.update({
     "model.use_te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
     "model.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
     "rng.te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
     "rng.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
-    "model.transformer_impl": f"{_TE}; only the default 'transformer_engine' name is accepted (it builds torch modules)",
-    "model.use_transformer_engine_full_layer_spec": f"{_TE} (a TE layer spec)",
-    "model.use_transformer_engine_op_fuser": f"{_TE} (TE's operation fuser)",
-    "model.tp_only_amax_red": f"{_TE} (TE's FP8 amax reduction group); torchao float8 reduces amax itself",
-    "model.disable_parameter_transpose_cache": f"{_TE} (TE's transposed-weight cache)",
-    "model.async_tensor_model_parallel_allreduce": "deprecated and ignored by Megatron Core itself",
-    "model.moe_extended_tp": "deprecated and ignored by Megatron Core itself: use expert_tensor_parallel_size",
+    "model.tp_only_amax_red": "Transformer Engine's FP8 amax reduction group; torchao's float8 reduces its amax itself",
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
     "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
-    "model.flash_decode": "inference decoding kernel; longspan's inference uses torch SDPA with its KV cache",
-    "model.apply_query_key_layer_scaling": "an fp16 trick of Megatron's unfused softmax; torch SDPA accumulates in fp32",
-    "model.clone_scatter_output_in_embedding": "sequence parallel here is a DTensor plan: there is no scatter buffer to clone",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
     "model.moe_layer_recompute": "recomputing the MoE layer is not built: selective recompute covers core_attn only",
     "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
@@ -378,14 +381,12 @@ NOT_SUPPORTED_REASONS.update({
 for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
     NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
 NOT_SUPPORTED_REASONS.update({
-    "dataset.num_dataset_builder_threads": "index building runs once on rank 0 and is cached",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.metadata_path": "tokenizer metadata files of Megatron's new tokenizer API are not read",
-    "dist.align_grad_reduce": "FSDP2/DDP schedule their own gradient reductions",
     "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
     "dist.nccl_communicator_config_path": "per-group NCCL communicator options are not set",
     "dist.use_sharp": "NCCL SHARP collectives are not set up",

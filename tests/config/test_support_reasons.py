@@ -71,3 +71,16 @@ def test_reason_ends_the_error_and_the_doc_row(monkeypatch: pytest.MonkeyPatch) 
     assert str(err.value) == ("rng.te_rng_tracker=True is not supported yet by longspan (supported: False): "
                               "a probe reason")
     assert "| not supported yet: a probe reason |" in render()
+
+
+def test_switches_that_change_nothing_here_validate_and_are_listed(tmp_path) -> None:
+    from longspan.config.support import inapplicable_fields
+    from tests.training.pretrain_helpers import small_config
+
+    cfg = small_config(tmp_path)
+    cfg.model.transformer_impl, cfg.model.apply_query_key_layer_scaling = "local", True
+    cfg.dist.align_grad_reduce, cfg.dataset.num_dataset_builder_threads = False, 4
+    cfg.validate(world_size=1)
+    listed = inapplicable_fields(cfg)
+    assert "model.transformer_impl='local'" in listed and "model.apply_query_key_layer_scaling=True" in listed
+    assert "dataset.num_dataset_builder_threads=4" in listed

@@ -308,6 +308,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # vocabulary padding (longspan.data.tokenizers).
 FIELD_STATUS.update(_many("tokenizer", SUPPORTED, """
     special_tokens tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens make_vocab_size_divisible_by
+    metadata_path
     """))
 
 # Logger reports (training/observability: log_line.py, reports.py, utils/norms.py, memory.py). The memory names
@@ -386,7 +387,6 @@ NOT_SUPPORTED_REASONS.update({
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
-    "tokenizer.metadata_path": "tokenizer metadata files of Megatron's new tokenizer API are not read",
     "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
     "dist.nccl_communicator_config_path": "per-group NCCL communicator options are not set",
     "dist.use_sharp": "NCCL SHARP collectives are not set up",

@@ -430,9 +430,55 @@ def model_vocab_size(tokenizer: Tokenizer, tokenizer_config: Any) -> int:
     return -(-int(tokenizer.vocab_size) // multiple) * multiple
 
 
+# megatron-core's tokenizer metadata ``library`` -> tokenizer_type
+METADATA_LIBRARIES = {"huggingface": "HuggingFaceTokenizer", "sentencepiece": "SentencePieceTokenizer",
+                      "tiktoken": "TikTokenizer", "null": "NullTokenizer", "byte-level": "ByteLevelTokenizer"}
+
+
+def _read_metadata(metadata_path: Any) -> Dict[str, Any]:
+    if isinstance(metadata_path, dict):
+        return metadata_path
+    try:
+        with open(str(metadata_path), encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer.metadata_path={metadata_path!r} cannot be read as JSON: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"tokenizer.metadata_path={metadata_path!r} must hold a JSON object")
+    return metadata
+
+
+def apply_tokenizer_metadata(tokenizer_config: Any) -> None:
+    """Fill ``tokenizer_type`` and ``chat_template`` where they are None from ``tokenizer.metadata_path``
+    (megatron-core's tokenizer metadata: a JSON file or a mapping with ``library``, ``chat_template``,
+    ``model_type``); a library that contradicts tokenizer_type, or a custom tokenizer class, is one line."""
+    metadata_path = getattr(tokenizer_config, "metadata_path", None)
+    if metadata_path is None:
+        return
+    metadata = _read_metadata(metadata_path)
+    if metadata.get("class_name") or metadata.get("class_path") or metadata.get("tokenizer_class"):
+        raise ConfigError(f"tokenizer.metadata_path names a custom tokenizer class "
+                          f"({metadata.get('class_path')}.{metadata.get('class_name')}): longspan builds its own "
+                          f"tokenizers only; remove class_name/class_path")
+    library = metadata.get("library")
+    if library not in METADATA_LIBRARIES:
+        raise ConfigError(f"tokenizer.metadata_path library={library!r} is not valid: use one of "
+                          f"{', '.join(METADATA_LIBRARIES)}")
+    ttype = getattr(tokenizer_config, "tokenizer_type", None)
+    if ttype is None:
+        tokenizer_config.tokenizer_type = METADATA_LIBRARIES[library]
+    elif ttype != METADATA_LIBRARIES[library] and not (library == "byte-level" and ttype == "ByteTokenizer"):
+        raise ConfigError(f"tokenizer.tokenizer_type={ttype!r} contradicts tokenizer.metadata_path's library "
+                          f"{library!r} ({METADATA_LIBRARIES[library]}): set one of them")
+    if getattr(tokenizer_config, "chat_template", None) is None and metadata.get("chat_template"):
+        tokenizer_config.chat_template = metadata["chat_template"]
+
+
 def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
     """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``special_tokens`` added
-    (``SpecialTokensTokenizer``) and ``vocab_extra_ids`` sentinel tokens appended (``ExtraIdsTokenizer``) when set."""
+    (``SpecialTokensTokenizer``) and ``vocab_extra_ids`` sentinel tokens appended (``ExtraIdsTokenizer``) when set;
+    ``metadata_path`` fills tokenizer_type and chat_template first (``apply_tokenizer_metadata``)."""
+    apply_tokenizer_metadata(tokenizer_config)
     tokenizer = _build_base_tokenizer(tokenizer_config)
     special = getattr(tokenizer_config, "special_tokens", None)
     if special:

@@ -1043,6 +1043,7 @@ COVERED_ELSEWHERE.update({
     **{f"tokenizer.{name}": "tests/data/test_tokenizer_fields.py (TikTokenizer ids as megatron-core lays them out)"
        for name in "tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens".split()},
     "tokenizer.make_vocab_size_divisible_by": "tests/data/test_tokenizer_fields.py::test_tokenizer_vocab_padding_sets_the_model_vocabulary",
+    "tokenizer.metadata_path": "tests/data/test_tokenizer_fields.py::test_metadata_fills_the_type_and_chat_template",
     "logger.log_l2_norm_grad_to_tensorboard": "tests/training/test_loggers.py::test_optional_report_tags (l2_norm/grad tags)",
     "logger.log_runtime_to_tensorboard": "tests/training/test_loggers.py::test_optional_report_tags (time/ tags)",
     "logger.runtime_time_unit": "tests/training/test_logger_fields.py::test_runtime_time_unit_scales_the_runtime_report",

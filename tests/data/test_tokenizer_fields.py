@@ -99,3 +99,22 @@ def test_tokenizer_vocab_padding_sets_the_model_vocabulary() -> None:
     tok = build_tokenizer(NS(tokenizer_type="NullTokenizer", vocab_size=100))
     assert model_vocab_size(tok, NS(make_vocab_size_divisible_by=1)) == 101
     assert model_vocab_size(tok, NS(make_vocab_size_divisible_by=64)) == 128
+
+
+def test_metadata_fills_the_type_and_chat_template(tmp_path: Path) -> None:
+    _train_bpe(tmp_path / "hf")
+    meta = tmp_path / "hf" / "tokenizer_metadata.json"
+    meta.write_text(json.dumps({"library": "huggingface", "model_type": "gpt", "chat_template": "{{ messages }}"}))
+    cfg = NS(tokenizer_type=None, tokenizer_model=str(tmp_path / "hf"), metadata_path=str(meta), chat_template=None)
+    tok = build_tokenizer(cfg)
+    assert (cfg.tokenizer_type, cfg.chat_template) == ("HuggingFaceTokenizer", "{{ messages }}")
+    assert tok.tokenize("the fox") == build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer",
+                                                          tokenizer_model=str(tmp_path / "hf"))).tokenize("the fox")
+    null = NS(tokenizer_type=None, vocab_size=10, metadata_path={"library": "null"}, chat_template="kept")
+    assert build_tokenizer(null).vocab_size == 11 and null.chat_template == "kept"
+    for metadata, fragment in (({"library": "null"}, "contradicts tokenizer.metadata_path's library 'null'"),
+                               ({"library": "hf"}, "library='hf' is not valid"),
+                               ({"library": "null", "class_name": "Mine"}, "names a custom tokenizer class"),
+                               (str(tmp_path / "missing.json"), "cannot be read as JSON")):
+        with pytest.raises(ConfigError, match=fragment):
+            build_tokenizer(NS(tokenizer_type="ByteLevelTokenizer", metadata_path=metadata))

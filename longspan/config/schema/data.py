@@ -235,7 +235,9 @@ class TokenizerConfig:
     """Chat template (Jinja) for chat SFT records; None uses the tokenizer's own (tokenizer_config.json)."""
 
     metadata_path: Optional[Union[str, dict[str, Any]]] = None
-    """Metadata of a Megatron Core tokenizer."""
+    """megatron-core tokenizer metadata (a JSON file or a mapping): its library ('huggingface', 'sentencepiece',
+    'tiktoken', 'null', 'byte-level') gives tokenizer_type and its chat_template the chat template, where those
+    are null."""
 
     make_vocab_size_divisible_by: int = 1
     """A model.vocab_size left null is the tokenizer's vocabulary rounded up to a multiple of this (1: exactly

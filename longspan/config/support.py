@@ -351,6 +351,9 @@ FIELD_STATUS.update(_many("model", HINT, """
 FIELD_STATUS.update(_many("dist", HINT, "align_grad_reduce"))
 FIELD_STATUS.update(_many("dataset", HINT, "num_dataset_builder_threads"))
 
+# Per-group NCCL options on CUDA (longspan.parallel.nccl_options; names and file checked by validate everywhere).
+FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_communicator_config_path"))
+
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
@@ -388,9 +391,7 @@ NOT_SUPPORTED_REASONS.update({
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
     "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
-    "dist.nccl_communicator_config_path": "per-group NCCL communicator options are not set",
-    "dist.use_sharp": "NCCL SHARP collectives are not set up",
-    "dist.high_priority_stream_groups": "per-group NCCL stream priorities are not set",
+    "dist.use_sharp": "NCCL CollNet/SHARP reads its environment when a communicator starts; longspan's are not set up for it",
     "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
     "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
     "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",

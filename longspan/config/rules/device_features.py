@@ -1,11 +1,13 @@
 """Rules of ``ConfigContainer.validate()`` for the model's memory and kernel features that map onto torch's own
 mechanisms: activation offload (``longspan.parallel.offload``), asynchronous tensor parallel
-(``longspan.parallel.async_tp``) and the attention backend (``longspan.models.attention_backend``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
+(``longspan.parallel.async_tp``), the attention backend (``longspan.models.attention_backend``) and the
+per-group NCCL options (``longspan.parallel.nccl_options``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from longspan.config.nccl_groups import nccl_group_settings
 from longspan.core.errors import ConfigError, NotSupportedError
 
 if TYPE_CHECKING:
@@ -64,3 +66,4 @@ def check_device_features(cfg: "ConfigContainer") -> None:
     check_activation_offload(cfg)
     check_async_tensor_parallel(cfg)
     check_attention_backend(cfg)
+    nccl_group_settings(cfg.dist)  # group names and the communicator file, checked on every machine

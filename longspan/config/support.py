@@ -357,9 +357,7 @@ FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_comm
 # Why a not-supported field stays so: one line per field, shown in the generated document and in the
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
-NOT_SUPPORTED_REASONS: dict[str, str] = {}
-
-NOT_SUPPORTED_REASONS.update({
+NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.use_te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
     "model.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
     "rng.te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
@@ -381,10 +379,9 @@ NOT_SUPPORTED_REASONS.update({
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
     "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
     "model.cross_entropy_fusion_impl": "'te' is Transformer Engine's kernel; longspan's 'native' chunked loss is the one here",
-})
-for _name in ("enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph").split():
-    NOT_SUPPORTED_REASONS[f"model.{_name}"] = "CUDA graphs of Megatron's layers are not built; torch.compile is the way here"
-NOT_SUPPORTED_REASONS.update({
+    "model.enable_cuda_graph": "CUDA-graph capture of the layers is not built; train.torch_compile compiles them instead",
+    "model.cuda_graph_warmup_steps": "only meaningful with enable_cuda_graph",
+    "model.external_cuda_graph": "Megatron leaves capturing the whole step to the training script; longspan's loop does not capture",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
@@ -396,7 +393,7 @@ NOT_SUPPORTED_REASONS.update({
     "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
     "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
     "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
-})
+}
 
 
 def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:

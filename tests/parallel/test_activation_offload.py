@@ -71,3 +71,22 @@ def test_offload_settings_are_checked(tmp_path: Path, change, error, fragment) -
         setattr(getattr(cfg, section), name, value)
     with pytest.raises(error, match=fragment):
         cfg.validate(world_size=1)
+
+
+def test_the_first_layers_of_t5_and_mamba_stacks_are_the_ones_offloaded() -> None:
+    from types import SimpleNamespace as NS
+
+    from longspan.models import MambaProvider, T5ModelProvider
+    from longspan.models.builder import build_meta_model
+
+    t5 = build_meta_model(T5ModelProvider(num_layers=2, encoder_num_layers=2, hidden_size=16, num_attention_heads=2,
+                                          vocab_size=64, seq_length=8))
+    mamba = build_meta_model(MambaProvider(hidden_size=16, num_layers=3, num_attention_heads=2, vocab_size=64,
+                                           seq_length=8, mamba_num_groups=1, mamba_head_dim=8, hybrid_override_pattern="M*M"))
+    settings = NS(cpu_offloading=True, cpu_offloading_num_layers=3, cpu_offloading_activations=True,
+                  cpu_offloading_weights=False)
+    t5_layers = [h.layer for h in apply_activation_offload([t5], settings)]
+    assert t5_layers == [*t5.encoder.layers.values(), t5.decoder.layers["0"]]  # encoder first, then decoder
+    settings.cpu_offloading_num_layers = 2
+    mamba_layers = [h.layer for h in apply_activation_offload([mamba], settings)]
+    assert mamba_layers == list(mamba.decoder.layers.values())[:2]

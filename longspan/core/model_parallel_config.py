@@ -115,7 +115,9 @@ class ModelParallelConfig:
     """Use TransformerEngine's RNG state tracker."""
 
     tp_comm_overlap: bool = False
-    """Overlap tensor-parallel all-gather/reduce-scatter with the linear layers' GEMMs (TransformerEngine)."""
+    """Overlap sequence parallel's all-gather/reduce-scatter with the linear layers' GEMMs: torch's asynchronous
+    TP (inductor micro-pipelining over symmetric memory, longspan.parallel.async_tp) on CUDA; needs
+    sequence_parallel and a train.torch_compile that is not False."""
 
     tp_comm_bulk_wgrad: bool = True
     """With tp_comm_overlap: overlap the all-gather with the activation-gradient GEMM."""

@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
-from tokenizers import Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
 
 from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
@@ -139,6 +139,25 @@ class HuggingFaceTokenizer(Tokenizer):
         if self._fast is not None:
             return self._fast.decode(list(ids), skip_special_tokens=False)
         return self._hf.decode(list(ids))
+
+    def save_with_special_tokens(self, directory: str, tokens: List[str]) -> None:
+        """Rewrite the saved files in ``directory`` with ``tokens`` added as additional special tokens (new ones
+        get the next ids in order, as ``SpecialTokensTokenizer`` gives them)."""
+        if self._fast is None:
+            self._hf.add_special_tokens({"additional_special_tokens": tokens})
+            self._hf.save_pretrained(directory)
+            return
+        fast = FastTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+        fast.save(os.path.join(directory, "tokenizer.json"))
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        conf = {}
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                conf = json.load(f)
+        conf["additional_special_tokens"] = tokens
+        with open(config_path, "w") as f:
+            json.dump(conf, f)
 
     def save_files(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -412,7 +431,11 @@ class SpecialTokensTokenizer(Tokenizer):
         return "".join(out + ([self.base.detokenize(run)] if run else []))
 
     def save_files(self, directory: str) -> None:
-        self.base.save_files(directory)  # the added tokens come back from tokenizer.special_tokens
+        """The base's files; a Hugging Face tokenizer's also hold the added tokens, so the directory works as an
+        HF tokenizer by itself (rebuilding with tokenizer.special_tokens finds them there: the same ids)."""
+        self.base.save_files(directory)
+        if isinstance(self.base, HuggingFaceTokenizer):
+            self.base.save_with_special_tokens(directory, list(self.token_ids))
 
     @property
     def special_tokens_dict(self) -> Dict[str, int]:

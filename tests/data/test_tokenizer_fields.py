@@ -33,6 +33,13 @@ def test_special_tokens_match_transformers_additional_special_tokens(tmp_path: P
     ids, spans = tok.tokenize_with_offsets(CHAT)
     assert ids == tok.tokenize(CHAT) and CHAT[spans[0][0]:spans[0][1]] == "<|im_start|>"
     assert "".join(CHAT[a:b] for a, b in spans) == CHAT
+    # saved files hold the added tokens: as an HF tokenizer by themselves, and rebuilt with special_tokens again
+    tok.save_files(str(tmp_path / "saved"))
+    saved = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "saved"))
+    assert saved.encode(CHAT, add_special_tokens=False) == tok.tokenize(CHAT) and len(saved) == tok.vocab_size
+    again = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "saved"),
+                               special_tokens=SPECIALS))
+    assert again.tokenize(CHAT) == tok.tokenize(CHAT) and again.vocab_size == tok.vocab_size
     plain = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
     assert plain.tokenize(CHAT) != tok.tokenize(CHAT)
     with pytest.raises(ConfigError, match=r"tokenizer.special_tokens=\['a', 'a'\] must be distinct"):

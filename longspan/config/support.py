@@ -58,7 +58,6 @@ def _many(section: str, status: str, names: str) -> dict[str, str]:
 
 
 FIELD_STATUS: dict[str, str] = {
-    **_many("rng", NOT_SUPPORTED, "te_rng_tracker inference_rng_tracker"),
     **_many("rerun_state_machine", SUPPORTED, "check_for_nan_in_loss"),
     **_many("train", DEVICE, "empty_unused_memory_level train_sync_interval"),
     # The model: what the GPT model and the tensor/sequence/data parallel plans build.
@@ -349,6 +348,10 @@ FIELD_STATUS.update(_many("model", HINT, """
     clone_scatter_output_in_embedding apply_query_key_layer_scaling flash_decode
     """))
 FIELD_STATUS.update(_many("dist", HINT, "align_grad_reduce"))
+# Megatron's RNG-tracker class choices (Transformer Engine's CUDA-graph-safe tracker, the inference tracker) seed
+# and fork the same streams; longspan draws from torch's generators (rng.seed) whichever is named.
+FIELD_STATUS.update(_many("rng", HINT, "te_rng_tracker inference_rng_tracker"))
+FIELD_STATUS.update(_many("model", HINT, "use_te_rng_tracker inference_rng_tracker"))
 FIELD_STATUS.update(_many("dataset", HINT, "num_dataset_builder_threads"))
 
 # Per-group NCCL options on CUDA (longspan.parallel.nccl_options; names and file checked by validate everywhere).
@@ -358,10 +361,6 @@ FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_comm
 # NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
 # (that class only; looked up first).
 NOT_SUPPORTED_REASONS: dict[str, str] = {
-    "model.use_te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
-    "model.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
-    "rng.te_rng_tracker": "Transformer Engine's RNG tracker: longspan uses torch's RNG (rng.seed per rank)",
-    "rng.inference_rng_tracker": "an RNG tracker of Megatron's inference engine: longspan uses torch's RNG",
     "model.tp_only_amax_red": "Transformer Engine's FP8 amax reduction group; torchao's float8 reduces its amax itself",
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
     "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",

@@ -59,17 +59,17 @@ def test_reason_ends_the_error_and_the_doc_row(monkeypatch: pytest.MonkeyPatch) 
     from longspan.config.support import check_supported
     from longspan.config.support_doc import render
 
-    monkeypatch.setitem(NOT_SUPPORTED_REASONS, "rng.te_rng_tracker", "a probe reason")
+    monkeypatch.setitem(NOT_SUPPORTED_REASONS, "straggler.straggler_ctrlr_port", "a probe reason")
     cfg = ConfigContainer.__new__(ConfigContainer)
     for f in dataclasses.fields(ConfigContainer):
         object.__setattr__(cfg, f.name, None)
-    from longspan.config.schema.infra import RNGConfig
+    from longspan.config.schema.infra import StragglerDetectionConfig
 
-    cfg.rng = RNGConfig(te_rng_tracker=True)
+    cfg.straggler = StragglerDetectionConfig(straggler_ctrlr_port=1234)
     with pytest.raises(NotSupportedError) as err:
         check_supported(cfg)
-    assert str(err.value) == ("rng.te_rng_tracker=True is not supported yet by longspan (supported: False): "
-                              "a probe reason")
+    assert str(err.value) == ("straggler.straggler_ctrlr_port=1234 is not supported yet by longspan (supported: "
+                              "65535): a probe reason")
     assert "| not supported yet: a probe reason |" in render()
 
 

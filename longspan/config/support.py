@@ -92,9 +92,10 @@ FIELD_STATUS: dict[str, str] = {
     # elsewhere, the model build raises one line.
     **_many("model", DEVICE, "fp8 fp8_recipe fp8_param"),
     **_many("mixed_precision", DEVICE, "fp8 fp8_recipe fp8_param_gather"),
-    # The chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl keeps the
-    # section default (not supported): only its default 'native' exists here.
+    # The chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl='te' names Transformer
+    # Engine's kernel for the same cross-entropy: a hint (the chunked loss computes it here).
     **_many("model", SUPPORTED, "cross_entropy_loss_fusion"),
+    **_many("model", HINT, "cross_entropy_fusion_impl"),
     **_many("model", HINT, """
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
         bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion
@@ -377,7 +378,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.variable_seq_lengths": "torch.distributed.pipelining stages need static shapes (longspan pads to seq_length)",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
     "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
-    "model.cross_entropy_fusion_impl": "'te' is Transformer Engine's kernel; longspan's 'native' chunked loss is the one here",
     "model.enable_cuda_graph": "CUDA-graph capture of the layers is not built; train.torch_compile compiles them instead",
     "model.cuda_graph_warmup_steps": "only meaningful with enable_cuda_graph",
     "model.external_cuda_graph": "Megatron leaves capturing the whole step to the training script; longspan's loop does not capture",

@@ -152,8 +152,8 @@ class ModelParallelConfig:
     [b, s, vocab] logits; same losses and gradients, one extra output matmul in backward."""
 
     cross_entropy_fusion_impl: Literal["native", "te"] = "native"
-    """Which fused cross-entropy: 'native' (longspan's chunked linear + cross-entropy); 'te'
-    (TransformerEngine) is not supported."""
+    """Which fused cross-entropy kernel: 'native' or 'te' (Transformer Engine's); both name the same
+    cross-entropy, which longspan's chunked linear + cross-entropy computes (a hint)."""
 
     tp_comm_overlap_disable_qkv: bool = False
     """With tp_comm_overlap: do not overlap the all-gather before the QKV GEMM."""

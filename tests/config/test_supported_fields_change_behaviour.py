@@ -631,14 +631,12 @@ def _pipeline_split_fields_move_layers_between_stages(tmp_path: Path) -> bool:
     return all(v != base for v in variants) and embedding != loss
 
 
-@probe("model.cross_entropy_fusion_impl", "model.recompute_modules")
+@probe("model.recompute_modules")
 def _fields_with_one_implementation_reject_other_values(tmp_path: Path) -> bool:
-    """One implementation exists (native cross-entropy; selective recompute of core attention, the default);
-    another value is rejected at build time, never ignored."""
+    """One implementation exists (selective recompute of core attention, the default); another value is
+    rejected at build time, never ignored."""
     from longspan.core.errors import NotSupportedError
 
-    with pytest.raises(NotSupportedError):
-        setup(_micro_cfg_with(tmp_path / "a", model__cross_entropy_fusion_impl="te"))
     with pytest.raises(NotSupportedError):
         setup(_micro_cfg_with(tmp_path / "b", model__recompute_granularity="selective", model__recompute_modules=["mlp"]))
     return True

@@ -289,6 +289,8 @@ CLASS_FIELD_STATUS["DirectHFSFTDatasetConfig"] = {
         hf_processor_path hf_processor_kwargs skip_getting_attention_mask_from_dataset enable_in_batch_packing
         defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
         """),
+    # Right padding under the causal mask never reaches a real token: a padding mask from the data changes nothing.
+    **_many("dataset", HINT, "skip_getting_attention_mask_from_dataset"),
 }
 CLASS_FIELD_STATUS["HFDatasetSourceConfig"] = {
     **_many("dataset", SUPPORTED, "path_or_dataset split subset load_kwargs schema_adapter adapter_kwargs"),
@@ -392,6 +394,10 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
     "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
     "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
+    "DirectHFSFTDatasetConfig.enable_in_batch_packing": (
+        "packing a microbatch in its collate is not built; FinetuningDatasetConfig packs offline (packed_sequence_specs)"),
+    "DirectHFSFTDatasetConfig.defer_in_batch_packing_to_step": "only meaningful with enable_in_batch_packing",
+    "DirectHFSFTDatasetConfig.in_batch_packing_pad_to_multiple_of": "only meaningful with enable_in_batch_packing",
 }
 
 

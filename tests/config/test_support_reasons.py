@@ -19,10 +19,11 @@ from longspan.core.errors import NotSupportedError
 from longspan.training.config import ConfigContainer
 
 # Rows whose reasons are written with their own work (the checkpoint, optimizer and DDP sections; the rows only
-# T5 or Mamba lacks; the VLM-oriented Direct HF SFT rows). A row here with a reason already is fine.
+# T5 or Mamba lacks; the Direct HF SFT processor rows). A row here with a reason already is fine.
 PENDING_SECTIONS = {"checkpoint", "optimizer", "ddp"}
-PENDING_CLASSES = {"T5ModelProvider", "MambaProvider", "DirectHFSFTDatasetConfig"}
-PENDING_FIELDS = {"T5ModelProvider.encoder_pipeline_model_parallel_size"}
+PENDING_CLASSES = {"T5ModelProvider", "MambaProvider"}
+PENDING_FIELDS = {"T5ModelProvider.encoder_pipeline_model_parallel_size", "DirectHFSFTDatasetConfig.hf_processor_path",
+                  "DirectHFSFTDatasetConfig.hf_processor_kwargs"}
 
 
 def _not_supported_rows() -> list[tuple[str, str, str]]:

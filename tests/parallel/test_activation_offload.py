@@ -50,12 +50,20 @@ def test_offloaded_layers_give_bit_identical_losses_and_gradients(tmp_path: Path
     assert handlers[0].offloaded == counts[(True, True)]
 
 
-def test_setup_applies_the_offload_plan(tmp_path: Path) -> None:
-    from longspan.training.setup import setup
+def test_pretrain_with_offload_trains_the_same_losses(tmp_path: Path) -> None:
+    from longspan.training.pretrain import pretrain
+    from tests.training.pretrain_helpers import losses_by_iteration
 
-    cfg = _tiny(tmp_path, cpu_offloading=True, cpu_offloading_num_layers=1)
-    out = setup(cfg)
-    assert [h.layer for h in out.state.activation_offload] == [out.model[0].decoder.layers["0"]]
+    runs = []
+    for name, offload in (("plain", False), ("offload", True)):
+        cfg = _tiny(tmp_path / name, cpu_offloading=offload, cpu_offloading_num_layers=1)
+        cfg.train.train_iters, cfg.train.eval_interval, cfg.checkpoint.save = 3, None, None
+        cfg.scheduler.lr_warmup_iters = 1
+        state = pretrain(cfg)
+        runs.append((losses_by_iteration(cfg), [h.offloaded for h in getattr(state, "activation_offload", [])]))
+    (plain, no_handlers), (offloaded, counts) = runs
+    assert no_handlers == [] and len(counts) == 1 and counts[0] > 0  # the first layer's hooks ran every step
+    assert offloaded == plain and len(plain) == 3  # bit for bit
 
 
 @pytest.mark.parametrize("change,error,fragment", [

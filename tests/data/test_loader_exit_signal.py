@@ -33,9 +33,13 @@ def test_workers_catch_the_exit_signal_only_when_asked() -> None:
                                                worker_exit_signal=sig)
         return next(iter(loader))
 
-    assert handled_in_worker(signal.SIGUSR1) == [True, True]
-    assert handled_in_worker(None) == [False, False]
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the main process is left alone
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # a known start: workers inherit it under fork
+    try:
+        assert handled_in_worker(signal.SIGUSR1) == [True, True]
+        assert handled_in_worker(None) == [False, False]
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the main process is left alone
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_it_needs_the_exit_signal_handler(tmp_path: Path) -> None:

@@ -121,7 +121,7 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     # `longspan --help` must not import torch
     from longspan.config.rules.data import check_vocab_fits
-    from longspan.data.tokenizers import build_tokenizer
+    from longspan.data.tokenizers import build_tokenizer, model_vocab_size
     from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
     from longspan.training.checkpointing.load import apply_checkpoint_args
 
@@ -131,9 +131,10 @@ def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
     if cfg.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(cfg)
     apply_hf_pretrained_config(cfg)
-    tokenizer_vocab_size = build_tokenizer(cfg.tokenizer).vocab_size
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokenizer_vocab_size = tokenizer.vocab_size
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer_vocab_size
+        cfg.model.vocab_size = model_vocab_size(tokenizer, cfg.tokenizer)
     cfg.validate(world_size=world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer_vocab_size)
     return world_size

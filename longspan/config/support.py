@@ -5,9 +5,10 @@ Every field has a status:
 - ``not supported yet``: validate() raises NotSupportedError when it is set to anything but its default.
 - ``device-dependent``: implemented where it applies (an accelerator); elsewhere it is listed once at
   start-up as not applicable instead of failing.
-- ``performance hint``: a kernel-fusion switch of Megatron / Transformer Engine that changes no maths.
-  longspan runs torch's own kernels, so the switch has no effect; Megatron Bridge configs set these
-  routinely, so they are accepted and listed once at start-up as having no effect.
+- ``performance hint``: a performance switch of Megatron / Transformer Engine (kernel fusion, implementation
+  choice, communication scheduling) that changes no maths. longspan runs torch's own kernels and schedules, so
+  the switch has no effect; Megatron Bridge configs set these routinely, so they are accepted and listed once
+  at start-up as having no effect.
 
 A section has a default status; FIELD_STATUS lists the exceptions, so every field's status is explicit in
 the generated document.
@@ -57,10 +58,8 @@ def _many(section: str, status: str, names: str) -> dict[str, str]:
 
 
 FIELD_STATUS: dict[str, str] = {
-    **_many("rng", NOT_SUPPORTED, "te_rng_tracker inference_rng_tracker"),
     **_many("rerun_state_machine", SUPPORTED, "check_for_nan_in_loss"),
     **_many("train", DEVICE, "empty_unused_memory_level train_sync_interval"),
-    **_many("train", NOT_SUPPORTED, "exit_signal_handler_for_dataloader"),
     # The model: what the GPT model and the tensor/sequence/data parallel plans build.
     **_many("model", SUPPORTED, """
         tensor_model_parallel_size sequence_parallel perform_initialization fp16 bf16 params_dtype
@@ -92,10 +91,11 @@ FIELD_STATUS: dict[str, str] = {
     # FP8 through torchao float8 (longspan.parallel.float8): CUDA with FP8 hardware only; set
     # elsewhere, the model build raises one line.
     **_many("model", DEVICE, "fp8 fp8_recipe fp8_param"),
-    **_many("mixed_precision", DEVICE, "fp8 fp8_recipe"),
-    # The chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl keeps the
-    # section default (not supported): only its default 'native' exists here.
+    **_many("mixed_precision", DEVICE, "fp8 fp8_recipe fp8_param_gather"),
+    # The chunked linear + cross-entropy (longspan.models.loss). cross_entropy_fusion_impl='te' names Transformer
+    # Engine's kernel for the same cross-entropy: a hint (the chunked loss computes it here).
     **_many("model", SUPPORTED, "cross_entropy_loss_fusion"),
+    **_many("model", HINT, "cross_entropy_fusion_impl"),
     **_many("model", HINT, """
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
         bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion
@@ -292,6 +292,8 @@ CLASS_FIELD_STATUS["DirectHFSFTDatasetConfig"] = {
         skip_getting_attention_mask_from_dataset enable_in_batch_packing
         defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
         """),
+    # Right padding under the causal mask never reaches a real token: a padding mask from the data changes nothing.
+    **_many("dataset", HINT, "skip_getting_attention_mask_from_dataset"),
 }
 CLASS_FIELD_STATUS["HFDatasetSourceConfig"] = {
     **_many("dataset", SUPPORTED, "path_or_dataset split subset load_kwargs schema_adapter adapter_kwargs"),
@@ -341,6 +343,108 @@ CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
 }
 
 
+# Added special tokens, Megatron's TikTokenizer (longspan.data.tiktoken_tokenizer) and the tokenizer-side
+# vocabulary padding (longspan.data.tokenizers).
+FIELD_STATUS.update(_many("tokenizer", SUPPORTED, """
+    special_tokens tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens make_vocab_size_divisible_by
+    metadata_path
+    """))
+
+# Logger reports (training/observability: log_line.py, reports.py, utils/norms.py, memory.py). The memory names
+# map applies to the CUDA allocator statistics, so it is device-dependent like log_memory_to_tensorboard.
+FIELD_STATUS.update(_many("logger", SUPPORTED, "log_l2_norm_grad_to_tensorboard log_runtime_to_tensorboard "
+                                               "runtime_time_unit"))
+FIELD_STATUS.update(_many("logger", DEVICE, "memory_keys"))
+# Megatron skips a model-parallel collective with these; longspan's optimizer always agrees on the step's success
+# (found-inf reduced over every rank) and its gradient norm is the global DTensor norm: they change no result.
+FIELD_STATUS.update(_many("train", HINT, "check_optimizer_step_success skip_sync_grad_norm_across_mp"))
+
+# Activation offload through torch's saved-tensor hooks (longspan.parallel.offload); TE's double buffering of the
+# reloads has no counterpart (each copy is asynchronous by itself).
+FIELD_STATUS.update(_many("model", SUPPORTED, "cpu_offloading cpu_offloading_num_layers cpu_offloading_activations "
+                                              "cpu_offloading_weights"))
+FIELD_STATUS.update(_many("model", HINT, "cpu_offloading_double_buffering"))
+
+# Asynchronous tensor parallel (longspan.parallel.async_tp): inductor's micro-pipelined all-gather/reduce-scatter
+# GEMMs through symmetric memory, on CUDA. Transformer Engine's userbuffer knobs tune its own kernels: no maths.
+FIELD_STATUS.update(_many("model", DEVICE, "tp_comm_overlap"))
+FIELD_STATUS.update(_many("model", HINT, """
+    tp_comm_bulk_wgrad tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs tp_comm_overlap_rs_dgrad
+    tp_comm_split_ag tp_comm_atomic_ag tp_comm_split_rs tp_comm_atomic_rs tp_comm_overlap_disable_qkv
+    tp_comm_overlap_disable_fc1 tp_comm_bootstrap_backend tp_comm_overlap_cfg
+    """))
+
+# Megatron's attention implementations as SDPA kernel choices (longspan.models.attention_backend).
+FIELD_STATUS.update(_many("model", DEVICE, "attention_backend"))
+
+# Switches that change no result here: Transformer Engine's implementation choices (longspan builds plain torch
+# modules that compute the same maths), switches Megatron Core itself deprecated and ignores, an fp16 rescaling
+# that cancels inside Megatron's softmax (SDPA accumulates in fp32), the sequence-parallel scatter's clone (a
+# DTensor plan has no buffer to clone), an inference decoding kernel, the pipeline stages' reduction schedule
+# (FSDP2/DDP launch their own reductions) and the dataset builder's thread count (indices are built once and cached).
+FIELD_STATUS.update(_many("model", HINT, """
+    async_tensor_model_parallel_allreduce moe_extended_tp disable_parameter_transpose_cache
+    use_transformer_engine_op_fuser use_transformer_engine_full_layer_spec transformer_impl
+    clone_scatter_output_in_embedding apply_query_key_layer_scaling flash_decode
+    """))
+FIELD_STATUS.update(_many("dist", HINT, "align_grad_reduce"))
+# Megatron's RNG-tracker class choices (Transformer Engine's CUDA-graph-safe tracker, the inference tracker) seed
+# and fork the same streams; longspan draws from torch's generators (rng.seed) whichever is named.
+FIELD_STATUS.update(_many("rng", HINT, "te_rng_tracker inference_rng_tracker"))
+FIELD_STATUS.update(_many("model", HINT, "use_te_rng_tracker inference_rng_tracker"))
+FIELD_STATUS.update(_many("dataset", HINT, "num_dataset_builder_threads"))
+
+# Per-group NCCL options on CUDA (longspan.parallel.nccl_options; names and file checked by validate everywhere).
+FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_communicator_config_path"))
+
+# Why a not-supported field stays so: one line per field, shown in the generated document and in the
+# NotSupportedError. Keys are "section.field" (shared by every class of the section) or "ClassName.field"
+# (that class only; looked up first).
+NOT_SUPPORTED_REASONS: dict[str, str] = {
+    "model.tp_only_amax_red": "Transformer Engine's FP8 amax reduction group; torchao's float8 reduces its amax itself",
+    "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
+    "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",
+    "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
+    "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
+    "model.moe_layer_recompute": "recomputing the MoE layer is not built: selective recompute covers core_attn only",
+    "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
+    "model.num_microbatches_with_partial_activation_checkpoints": (
+        "torch's schedules recompute every microbatch alike: use recompute_num_layers"),
+    "model.distribute_saved_activations": "Megatron's TP-split checkpoint buffers; torch checkpointing keeps inputs whole",
+    "model.delay_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
+    "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
+    "model.wgrad_deferral_limit": "only meaningful with defer_embedding_wgrad_compute",
+    "model.variable_seq_lengths": "torch.distributed.pipelining stages need static shapes (longspan pads to seq_length)",
+    "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
+    "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
+    "model.enable_cuda_graph": "CUDA-graph capture of the layers is not built; train.torch_compile compiles them instead",
+    "model.cuda_graph_warmup_steps": "only meaningful with enable_cuda_graph",
+    "model.external_cuda_graph": "Megatron leaves capturing the whole step to the training script; longspan's loop does not capture",
+    "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
+    "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
+    "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
+    "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
+    "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
+    "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
+    "dist.use_sharp": "NCCL CollNet/SHARP reads its environment when a communicator starts; longspan's are not set up for it",
+    "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
+    "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
+    "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
+    "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
+    "DirectHFSFTDatasetConfig.enable_in_batch_packing": (
+        "packing a microbatch in its collate is not built; FinetuningDatasetConfig packs offline (packed_sequence_specs)"),
+    "DirectHFSFTDatasetConfig.defer_in_batch_packing_to_step": "only meaningful with enable_in_batch_packing",
+    "DirectHFSFTDatasetConfig.in_batch_packing_pad_to_multiple_of": "only meaningful with enable_in_batch_packing",
+}
+
+
+def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:
+    """The one-line reason ``section.name`` (of config class ``cls_name``) is not supported, if one is given."""
+    if cls_name and f"{cls_name}.{name}" in NOT_SUPPORTED_REASONS:
+        return NOT_SUPPORTED_REASONS[f"{cls_name}.{name}"]
+    return NOT_SUPPORTED_REASONS.get(f"{section}.{name}")
+
+
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""
     override = CLASS_FIELD_STATUS.get(cls_name or "", {}).get(f"{section}.{name}")
@@ -376,7 +480,8 @@ def _sections(cfg: Any) -> list[tuple[str, Any]]:
 
 
 def unsupported_settings(cfg: Any) -> list[str]:
-    """'section.field=value (supported: default)' for every not-supported field set to a non-default value."""
+    """'section.field=value (supported: default)' for every not-supported field set to a non-default value,
+    followed by ': reason' when NOT_SUPPORTED_REASONS gives one."""
     found: list[str] = []
     model_cls = type(cfg.model).__name__ if cfg.model is not None else None
     if model_cls is not None and model_cls not in SUPPORTED_MODELS:
@@ -384,16 +489,15 @@ def unsupported_settings(cfg: Any) -> list[str]:
     dataset_cls = type(cfg.dataset).__name__ if cfg.dataset is not None else None
     if dataset_cls is not None and dataset_cls not in SUPPORTED_DATASETS:
         found.append(f"dataset={dataset_cls} (supported: {', '.join(SUPPORTED_DATASETS)})")
-    for name in ("comm_overlap",):
-        if getattr(cfg, name, None) is not None:
-            found.append(f"{name}={getattr(cfg, name)!r} (supported: None)")
     for section, obj in _sections(cfg):
         for f in yaml_fields(obj):
             if is_derived_field(f) or field_status(section, f.name, type(obj).__name__) != NOT_SUPPORTED:
                 continue
             value, default = getattr(obj, f.name), _default_of(type(obj), f)
             if _differs(value, default):
-                found.append(f"{section}.{f.name}={value!r} (supported: {default!r})")
+                reason = not_supported_reason(section, f.name, type(obj).__name__)
+                why = f": {reason}" if reason else ""
+                found.append(f"{section}.{f.name}={value!r} (supported: {default!r}){why}")
     return found
 
 
@@ -420,6 +524,8 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
         return value != 0
     if (section, name) == ("logger", "log_energy"):
         return False  # needs energy counters, not an accelerator: setup() finds them and reports their absence
+    if (section, name) == ("model", "attention_backend"):
+        return value == "fused"  # the CUDA-only kernels; the other names map onto SDPA kernels everywhere
     if name.startswith("fp8"):
         return False  # not ignored: model.fp8 without FP8 hardware is a one-line error (training/precision.py)
     return bool(value)

@@ -24,6 +24,7 @@ from longspan.config.support import (
     SUPPORTED_DATASETS,
     SUPPORTED_MODELS,
     field_status,
+    not_supported_reason,
 )
 from longspan.config.targets import section_types
 from longspan.config.types import is_derived_field, yaml_fields
@@ -90,11 +91,12 @@ def render() -> str:
         "",
         "- **supported**: longspan implements the field.",
         "- **not supported yet**: `validate()` stops with a one-line error when the field is set to anything",
-        "  but its default.",
+        "  but its default; the row says why (the same reason ends the error).",
         "- **device-dependent**: implemented where it applies; on a machine without an accelerator it has no",
         "  effect and start-up lists it once in a 'not applicable on this machine' line.",
-        "- **performance hint (no effect)**: a Megatron/Transformer Engine kernel-fusion switch that changes no",
-        "  maths; longspan uses torch's kernels, accepts the field and lists it once at start-up when it is on.",
+        "- **performance hint (no effect)**: a Megatron/Transformer Engine performance switch (kernel fusion,",
+        "  implementation choice, communication scheduling) that changes no maths; longspan uses torch's kernels,",
+        "  accepts the field and lists it once at start-up when it is on.",
         "",
         "Model classes that can be built: GPTModelProvider, T5ModelProvider (longspan.models.t5), MambaProvider",
         "(longspan.models.mamba) and Gemma3VLModelProvider (Gemma 3's vision-language model: longspan.models.vlm);",
@@ -104,8 +106,8 @@ def render() -> str:
         "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft) and DirectHFSFTDatasetConfig",
         "(JSONL/JSON/Parquet/CSV/save_to_disk data in the shapes of TRL, ShareGPT and Alpaca, read through `datasets`:",
         "longspan.data.sft.hf_dataset; its nested HFDatasetSourceConfig and ChatSFTPreprocessingConfig have tables",
-        "below). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft);",
-        "`comm_overlap` is not supported yet.",
+        "below). `peft` takes LoRA, DoRA or CanonicalLoRA (longspan.peft); `comm_overlap` takes Megatron Bridge's",
+        "CommOverlapConfig fields and sets the model, ddp and optimizer fields they name (longspan.config.rules.comm_overlap).",
         "",
     ]
     for section, cls in _section_classes():
@@ -124,6 +126,9 @@ def render() -> str:
                 status = "runtime object (set by longspan, never in YAML)"
             else:
                 status = field_status(section, f.name, cls.__name__) if class_ok else f"{NOT_SUPPORTED} (the class)"
+                reason = not_supported_reason(section, f.name, cls.__name__) if status == NOT_SUPPORTED else None
+                if reason:
+                    status = f"{NOT_SUPPORTED}: {reason}"
             meaning = docs.get(f.name, "").replace("|", "\\|")
             lines.append(f"| `{f.name}` | `{_default(f)}` | {status} | {meaning} |")
         lines.append("")

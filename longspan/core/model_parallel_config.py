@@ -115,7 +115,9 @@ class ModelParallelConfig:
     """Use TransformerEngine's RNG state tracker."""
 
     tp_comm_overlap: bool = False
-    """Overlap tensor-parallel all-gather/reduce-scatter with the linear layers' GEMMs (TransformerEngine)."""
+    """Overlap sequence parallel's all-gather/reduce-scatter with the linear layers' GEMMs: torch's asynchronous
+    TP (inductor micro-pipelining over symmetric memory, longspan.parallel.async_tp) on CUDA; needs
+    sequence_parallel and a train.torch_compile that is not False."""
 
     tp_comm_bulk_wgrad: bool = True
     """With tp_comm_overlap: overlap the all-gather with the activation-gradient GEMM."""
@@ -150,8 +152,8 @@ class ModelParallelConfig:
     [b, s, vocab] logits; same losses and gradients, one extra output matmul in backward."""
 
     cross_entropy_fusion_impl: Literal["native", "te"] = "native"
-    """Which fused cross-entropy: 'native' (longspan's chunked linear + cross-entropy); 'te'
-    (TransformerEngine) is not supported."""
+    """Which fused cross-entropy kernel: 'native' or 'te' (Transformer Engine's); both name the same
+    cross-entropy, which longspan's chunked linear + cross-entropy computes (a hint)."""
 
     tp_comm_overlap_disable_qkv: bool = False
     """With tp_comm_overlap: do not overlap the all-gather before the QKV GEMM."""
@@ -205,22 +207,24 @@ class ModelParallelConfig:
 
     # ---- activation/weight offloading ------------------------------------------------------------------------
     cpu_offloading: bool = False
-    """Offload activations to the CPU asynchronously."""
+    """Keep what the first cpu_offloading_num_layers layers save for backward in host memory (torch saved-tensor
+    hooks, longspan.parallel.offload); not with activation recompute or train.torch_compile=True."""
 
     cpu_offloading_num_layers: int = 0
-    """Number of transformer layers whose activations are offloaded."""
+    """Transformer layers (the first ones of each model chunk) whose saved tensors are offloaded; below num_layers."""
 
     _cpu_offloading_context: Optional[ContextManager] = field(default=None, repr=False, metadata=RUNTIME_FIELD)
     """Internal offloading context; never set by users."""
 
     cpu_offloading_activations: bool = True
-    """With cpu_offloading: offload activations."""
+    """With cpu_offloading: offload the layer's saved inputs and intermediate results."""
 
     cpu_offloading_weights: bool = False
-    """With cpu_offloading: offload weights."""
+    """With cpu_offloading: offload the layer's parameters that autograd saves (as the forward used them)."""
 
     cpu_offloading_double_buffering: bool = False
-    """With cpu_offloading: double-buffer reloads across layers."""
+    """With cpu_offloading: Transformer Engine's double-buffered reloads; torch's copies are asynchronous per
+    tensor, so this changes nothing here."""
 
     barrier_with_L1_time: bool = True
     """Put a barrier before level-1 timer measurements (all ranks must call such timers)."""

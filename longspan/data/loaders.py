@@ -7,7 +7,9 @@ run rebuilds them from those numbers and continues with exactly the samples it w
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import signal
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -217,6 +219,17 @@ def cyclic_iter(iterable: Iterable) -> Iterator:
             return
 
 
+def _record_exit_signal(signum: int, frame: Any) -> None:
+    """A worker's handler: the signal is the main process's to act on (it saves, then ends the workers)."""
+
+
+def keep_workers_through_exit_signal(exit_signal: int, worker_id: int) -> None:
+    """``worker_init_fn`` of ``train.exit_signal_handler_for_dataloader``: a signal sent to the whole process
+    group (a scheduler's SIGTERM) must not end the data workers while the main process still saves a checkpoint
+    with batches in flight, so each worker installs a handler that only records it (as Megatron's workers do)."""
+    signal.signal(exit_signal, _record_exit_signal)
+
+
 def build_pretraining_data_loader(
     dataset: Any,
     consumed_samples: int,
@@ -228,8 +241,11 @@ def build_pretraining_data_loader(
     dp_size: int = 1,
     pin_memory: bool = False,
     persistent_workers: bool = False,
+    worker_exit_signal: Optional[int] = None,
 ) -> Optional[Any]:
-    """A DataLoader over ``dataset`` with Megatron's sampler for ``dataloader_type`` ('external' passes through)."""
+    """A DataLoader over ``dataset`` with Megatron's sampler for ``dataloader_type`` ('external' passes through);
+    with ``worker_exit_signal`` its workers keep running when that signal arrives
+    (``keep_workers_through_exit_signal``)."""
     if dataset is None:
         return None
     if dataloader_type == "external":
@@ -248,6 +264,8 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=bool(pin_memory) and torch.cuda.is_available(),
         persistent_workers=bool(persistent_workers) and num_workers > 0,
+        worker_init_fn=(functools.partial(keep_workers_through_exit_signal, int(worker_exit_signal))
+                        if worker_exit_signal is not None and num_workers > 0 else None),
         collate_fn=getattr(dataset, "collate_fn", collate_samples),
         # Its own generator: creating an iterator draws a worker base seed, which must not come from torch's
         # global generator (a validation iterator first used after a resume would shift the dropout stream).
@@ -279,6 +297,8 @@ def build_train_valid_test_data_iterators(
         dp_size=dp_size,
         pin_memory=bool(getattr(d, "pin_memory", False)),
         persistent_workers=bool(getattr(d, "persistent_workers", False)),
+        worker_exit_signal=(getattr(t, "exit_signal", None) or signal.SIGTERM)
+        if getattr(t, "exit_signal_handler_for_dataloader", False) else None,
     )
     skip_train = bool(getattr(t, "skip_train", False))
     train_consumed = int(getattr(train_state, "consumed_train_samples", 0) or 0)

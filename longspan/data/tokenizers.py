@@ -13,40 +13,14 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
-from tokenizers import Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
 
 from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
+from longspan.data.tiktoken_tokenizer import TikTokenizer
+from longspan.data.tokenizer_base import Tokenizer
 
 logger = get_logger(__name__)
-
-
-class Tokenizer:
-    """Common interface of longspan's tokenizers."""
-
-    vocab_size: int
-    eod: Optional[int] = None
-    eos: Optional[int] = None
-    bos: Optional[int] = None
-    pad: Optional[int] = None
-
-    def tokenize(self, text: str) -> List[int]:
-        """Token ids of ``text`` without added special tokens."""
-        raise NotImplementedError
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of token ids."""
-        raise NotImplementedError
-
-    def save_files(self, directory: str) -> None:
-        """Write the files this tokenizer is built from into ``directory``."""
-        raise NotImplementedError
-
-    @property
-    def special_tokens_dict(self) -> Dict[str, int]:
-        """Special token ids by role (used to detect a pad id that collides with another special token)."""
-        roles = {"eos_token": self.eos, "bos_token": self.bos, "pad_token": self.pad}
-        return {k: v for k, v in roles.items() if v is not None}
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -165,6 +139,25 @@ class HuggingFaceTokenizer(Tokenizer):
         if self._fast is not None:
             return self._fast.decode(list(ids), skip_special_tokens=False)
         return self._hf.decode(list(ids))
+
+    def save_with_special_tokens(self, directory: str, tokens: List[str]) -> None:
+        """Rewrite the saved files in ``directory`` with ``tokens`` added as additional special tokens (new ones
+        get the next ids in order, as ``SpecialTokensTokenizer`` gives them)."""
+        if self._fast is None:
+            self._hf.add_special_tokens({"additional_special_tokens": tokens})
+            self._hf.save_pretrained(directory)
+            return
+        fast = FastTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+        fast.save(os.path.join(directory, "tokenizer.json"))
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        conf = {}
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                conf = json.load(f)
+        conf["additional_special_tokens"] = tokens
+        with open(config_path, "w") as f:
+            json.dump(conf, f)
 
     def save_files(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -345,13 +338,174 @@ class ExtraIdsTokenizer(Tokenizer):
         return {**super().special_tokens_dict, **{t: i for i, t in self.added_tokens.items()}}
 
 
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteLevelTokenizer")
+def _existing_token_id(tokenizer: Tokenizer, token: str) -> Optional[int]:
+    """The id ``token`` already has in ``tokenizer`` as one token, or None."""
+    fast, hf = getattr(tokenizer, "_fast", None), getattr(tokenizer, "_hf", None)
+    if fast is not None:
+        return fast.token_to_id(token)
+    if hf is not None:
+        tid = hf.convert_tokens_to_ids(token)
+        return None if tid is None or tid == hf.unk_token_id else int(tid)
+    specials = getattr(tokenizer, "special_tokens", None)
+    if isinstance(specials, list) and token in specials:
+        return specials.index(token)
+    return None
+
+
+class SpecialTokensTokenizer(Tokenizer):
+    """A tokenizer with ``tokenizer.special_tokens`` added as Hugging Face adds additional special tokens: one
+    already in the vocabulary keeps its id, the others get new ids after it in order; text is split at every
+    special token's string so each becomes its one id, and the pieces between are tokenized by the base."""
+
+    def __init__(self, base: Tokenizer, special_tokens: Sequence[str]) -> None:
+        if not all(isinstance(t, str) and t for t in special_tokens) or len(set(special_tokens)) != len(special_tokens):
+            raise ConfigError(f"tokenizer.special_tokens={list(special_tokens)!r} must be distinct non-empty strings")
+        self.base = base
+        self.eos, self.bos, self.pad, self.eod = base.eos, base.bos, base.pad, base.eod
+        self.token_ids: Dict[str, int] = {}
+        next_id = int(base.vocab_size)
+        for token in special_tokens:
+            existing = _existing_token_id(base, token)
+            self.token_ids[token], next_id = (existing, next_id) if existing is not None else (next_id, next_id + 1)
+        self.added_tokens = {i: t for t, i in self.token_ids.items()}
+        self.additional_special_tokens_ids = list(self.token_ids.values())
+        self.vocab_size = next_id
+        self._by_length = sorted(self.token_ids, key=len, reverse=True)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _split(self, text: str) -> List[tuple[str, Optional[int]]]:
+        pieces: List[tuple[str, Optional[int]]] = []
+        start = pos = 0
+        while pos < len(text):
+            token = next((t for t in self._by_length if text.startswith(t, pos)), None)
+            if token is None:
+                pos += 1
+                continue
+            pieces += [(text[start:pos], None)] if pos > start else []
+            pieces.append((token, self.token_ids[token]))
+            pos = start = pos + len(token)
+        return pieces + ([(text[start:], None)] if start < len(text) else [])
+
+    def tokenize(self, text: str) -> List[int]:
+        ids: List[int] = []
+        for piece, special_id in self._split(text):
+            ids += [special_id] if special_id is not None else self.base.tokenize(piece)
+        return ids
+
+    def tokenize_with_offsets(self, text: str) -> tuple[List[int], List[tuple[int, int]]]:
+        """Token ids and each token's (start, end) character span in ``text`` (needs the base's offsets)."""
+        ids: List[int] = []
+        spans: List[tuple[int, int]] = []
+        start = 0
+        for piece, special_id in self._split(text):
+            if special_id is not None:
+                ids.append(special_id)
+                spans.append((start, start + len(piece)))
+            else:
+                piece_ids, piece_spans = self.base.tokenize_with_offsets(piece)
+                ids += piece_ids
+                spans += [(a + start, b + start) for a, b in piece_spans]
+            start += len(piece)
+        return ids, spans
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (added tokens included)."""
+        if int(token_id) in self.added_tokens:
+            return self.added_tokens[int(token_id)]
+        text = getattr(self.base, "token_text", None)
+        return text(int(token_id)) if text is not None else self.base.detokenize([int(token_id)])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        out, run = [], []
+        for token_id in ids:
+            if int(token_id) in self.added_tokens:
+                out += [self.base.detokenize(run)] if run else []
+                out.append(self.added_tokens[int(token_id)])
+                run = []
+            else:
+                run.append(int(token_id))
+        return "".join(out + ([self.base.detokenize(run)] if run else []))
+
+    def save_files(self, directory: str) -> None:
+        """The base's files; a Hugging Face tokenizer's also hold the added tokens, so the directory works as an
+        HF tokenizer by itself (rebuilding with tokenizer.special_tokens finds them there: the same ids)."""
+        self.base.save_files(directory)
+        if isinstance(self.base, HuggingFaceTokenizer):
+            self.base.save_with_special_tokens(directory, list(self.token_ids))
+
+    @property
+    def special_tokens_dict(self) -> Dict[str, int]:
+        return {**self.base.special_tokens_dict, **self.token_ids}
+
+
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteLevelTokenizer",
+                   "TikTokenizer")
+
+
+def model_vocab_size(tokenizer: Tokenizer, tokenizer_config: Any) -> int:
+    """The vocabulary size a model takes from ``tokenizer`` when model.vocab_size is null: the tokenizer's,
+    rounded up to a multiple of ``tokenizer.make_vocab_size_divisible_by`` (Megatron's padded vocabulary)."""
+    multiple = int(getattr(tokenizer_config, "make_vocab_size_divisible_by", 1) or 1)
+    return -(-int(tokenizer.vocab_size) // multiple) * multiple
+
+
+# megatron-core's tokenizer metadata ``library`` -> tokenizer_type
+METADATA_LIBRARIES = {"huggingface": "HuggingFaceTokenizer", "sentencepiece": "SentencePieceTokenizer",
+                      "tiktoken": "TikTokenizer", "null": "NullTokenizer", "byte-level": "ByteLevelTokenizer"}
+
+
+def _read_metadata(metadata_path: Any) -> Dict[str, Any]:
+    if isinstance(metadata_path, dict):
+        return metadata_path
+    try:
+        with open(str(metadata_path), encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer.metadata_path={metadata_path!r} cannot be read as JSON: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"tokenizer.metadata_path={metadata_path!r} must hold a JSON object")
+    return metadata
+
+
+def apply_tokenizer_metadata(tokenizer_config: Any) -> None:
+    """Fill ``tokenizer_type`` and ``chat_template`` where they are None from ``tokenizer.metadata_path``
+    (megatron-core's tokenizer metadata: a JSON file or a mapping with ``library``, ``chat_template``,
+    ``model_type``); a library that contradicts tokenizer_type, or a custom tokenizer class, is one line."""
+    metadata_path = getattr(tokenizer_config, "metadata_path", None)
+    if metadata_path is None:
+        return
+    metadata = _read_metadata(metadata_path)
+    if metadata.get("class_name") or metadata.get("class_path") or metadata.get("tokenizer_class"):
+        raise ConfigError(f"tokenizer.metadata_path names a custom tokenizer class "
+                          f"({metadata.get('class_path')}.{metadata.get('class_name')}): longspan builds its own "
+                          f"tokenizers only; remove class_name/class_path")
+    library = metadata.get("library")
+    if library not in METADATA_LIBRARIES:
+        raise ConfigError(f"tokenizer.metadata_path library={library!r} is not valid: use one of "
+                          f"{', '.join(METADATA_LIBRARIES)}")
+    ttype = getattr(tokenizer_config, "tokenizer_type", None)
+    if ttype is None:
+        tokenizer_config.tokenizer_type = METADATA_LIBRARIES[library]
+    elif ttype != METADATA_LIBRARIES[library] and not (library == "byte-level" and ttype == "ByteTokenizer"):
+        raise ConfigError(f"tokenizer.tokenizer_type={ttype!r} contradicts tokenizer.metadata_path's library "
+                          f"{library!r} ({METADATA_LIBRARIES[library]}): set one of them")
+    if getattr(tokenizer_config, "chat_template", None) is None and metadata.get("chat_template"):
+        tokenizer_config.chat_template = metadata["chat_template"]
 
 
 def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
-    """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``vocab_extra_ids`` sentinel tokens
-    appended when set (``ExtraIdsTokenizer``)."""
+    """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``special_tokens`` added
+    (``SpecialTokensTokenizer``) and ``vocab_extra_ids`` sentinel tokens appended (``ExtraIdsTokenizer``) when set;
+    ``metadata_path`` fills tokenizer_type and chat_template first (``apply_tokenizer_metadata``)."""
+    apply_tokenizer_metadata(tokenizer_config)
     tokenizer = _build_base_tokenizer(tokenizer_config)
+    special = getattr(tokenizer_config, "special_tokens", None)
+    if special:
+        tokenizer = SpecialTokensTokenizer(tokenizer, list(special))
     extra = getattr(tokenizer_config, "vocab_extra_ids", 0) or 0
     if not isinstance(extra, int) or extra < 0:
         raise ConfigError(f"tokenizer.vocab_extra_ids={extra!r} must be a non-negative integer")
@@ -382,6 +536,11 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
         return GPT2BPETokenizer(getattr(tokenizer_config, "vocab_file", None), getattr(tokenizer_config, "merge_file", None))
     if ttype == "NullTokenizer":
         return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
+    if ttype == "TikTokenizer":
+        return TikTokenizer(model, getattr(tokenizer_config, "tiktoken_pattern", None),
+                            getattr(tokenizer_config, "vocab_size", None),
+                            getattr(tokenizer_config, "tiktoken_num_special_tokens", 1000),
+                            getattr(tokenizer_config, "tiktoken_special_tokens", None))
     if ttype in ("ByteLevelTokenizer", "ByteTokenizer"):
         return ByteLevelTokenizer(getattr(tokenizer_config, "vocab_size", None) or 512)
     if ttype is None:

@@ -45,7 +45,8 @@ class TransformerConfig(ModelParallelConfig):
     """Scale applied to attention scores; None means 1/sqrt(kv_channels)."""
 
     attention_backend: str = "auto"
-    """Attention implementation Megatron should pick ('auto', 'flash', 'fused', 'unfused', 'local')."""
+    """Which SDPA kernels attention may use: 'auto' (SDPA chooses), 'flash', 'fused' (efficient/cuDNN, CUDA
+    only), 'unfused' or 'local' (math); longspan.models.attention_backend."""
 
     # ---- dropout, norms, activations ---------------------------------------------------------------------
     hidden_dropout: float = 0.1

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 from longspan.core.errors import ConfigError, LaunchError, LongspanError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.parallel.mesh import Layout, ParallelMeshes, build_device_mesh, layout_from_config
+from longspan.parallel.nccl_options import nccl_group_options
 from datetime import timedelta
 from longspan.core.logging import get_rank
 
@@ -330,8 +331,6 @@ def _check_supported(dist_cfg: Any) -> None:
     unsupported = {
         "lazy_init": (False, "longspan has no external DDP manager hook; set lazy_init=False"),
         "use_sharp": (False, "SHARP is not wired to torch.distributed groups; set use_sharp=False"),
-        "nccl_communicator_config_path": (None, "per-communicator NCCL configs are not supported; unset it"),
-        "high_priority_stream_groups": (None, "high-priority NCCL streams are not supported; unset it"),
     }
     for name, (default, hint) in unsupported.items():
         value = getattr(dist_cfg, name, default)
@@ -381,9 +380,9 @@ def initialize_distributed(
     """Detect the launch, create the process group and the device mesh; return (and remember) the state.
 
     ``dist_cfg`` is a DistributedInitConfig (fields read: distributed_backend, distributed_timeout_minutes,
-    use_gloo_process_groups, external_gpu_device_mapping, local_rank, lazy_init, use_tp_pp_dp_mapping, plus the
-    unsupported use_sharp/nccl_communicator_config_path/high_priority_stream_groups, which raise
-    NotSupportedError when set). ``model_parallel_cfg`` is a ModelParallelConfig (or a provider inheriting it).
+    use_gloo_process_groups, external_gpu_device_mapping, local_rank, lazy_init, use_tp_pp_dp_mapping,
+    high_priority_stream_groups and nccl_communicator_config_path (NCCL group options on CUDA), plus the
+    unsupported use_sharp, which raises NotSupportedError when set). ``model_parallel_cfg`` is a ModelParallelConfig (or a provider inheriting it).
     ``device`` forces the device ("cpu", "cuda", "cuda:1"); default cuda when available, else cpu.
     ``dp_replicate`` splits data parallel into replicas × shards for hybrid sharding (the data-parallel code
     passes ``ddp.num_distributed_optimizer_instances`` or its hybrid-sharding degree).
@@ -439,10 +438,12 @@ def initialize_distributed(
             # cpu:gloo,cuda:nccl backend, whose gloo half may not support splitting
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
+    # per-group NCCL options: NCCL groups only (a CPU run lists the fields as not applicable at start-up)
+    group_options = nccl_group_options(dist_cfg) if backend == "nccl" and dev.type == "cuda" else {}
     meshes = build_device_mesh(
         launch.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
         ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=use_mapping,
-        device_type="cuda" if dev.type == "cuda" else "cpu",
+        device_type="cuda" if dev.type == "cuda" else "cpu", group_options=group_options,
     )
     _STATE = ParallelState(world_size=launch.world_size, rank=launch.rank, local_rank=local_rank, device=dev,
                            backend=backend, layout=layout, launch=launch, meshes=meshes)

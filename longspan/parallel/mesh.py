@@ -260,13 +260,16 @@ def build_device_mesh(
     etp: int | None = None,
     use_tp_pp_dp_mapping: bool = False,
     device_type: str = "cpu",
+    group_options: dict[str, Any] | None = None,
 ) -> ParallelMeshes:
     """Build the dense mesh, its flattened dims and the expert mesh (collective: every rank calls it).
 
     Needs an initialized default process group of ``world_size`` ranks. The dense mesh has the dimensions
     of ``Layout.dense_dims()``; the flattened ``dp``, ``dp_cp``, ``dp_shard_cp`` and ``mp`` are in
     ``ParallelMeshes.flat``; the expert mesh exists only when ep > 1 or etp != tp (otherwise the expert groups
-    equal the dense tp and dp×cp groups). Raises LaunchError/ConfigError when the sizes do not fit.
+    equal the dense tp and dp×cp groups). ``group_options`` (dim or flattened name -> process-group options, e.g.
+    NCCL's from longspan.parallel.nccl_options) go to the groups of those names. Raises LaunchError/ConfigError
+    when the sizes do not fit.
     """
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     from torch.distributed.device_mesh import DeviceMesh
@@ -274,10 +277,17 @@ def build_device_mesh(
     layout = derive_layout(world_size, tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, ep=ep, etp=etp,
                            use_tp_pp_dp_mapping=use_tp_pp_dp_mapping)
     names, sizes = layout.dense_dims()
-    mesh = DeviceMesh(device_type, rank_grid(names, sizes), mesh_dim_names=names)
-    flat = {flat_name: mesh[parts]._flatten(flat_name) for flat_name, parts in FLATTENED_DIMS.items()}
+    options = group_options or {}
+
+    def overrides(dims: tuple[str, ...]) -> Any:
+        return tuple((None, options.get(d)) for d in dims) if any(d in options for d in dims) else None
+
+    mesh = DeviceMesh(device_type, rank_grid(names, sizes), mesh_dim_names=names, backend_override=overrides(names))
+    flat = {flat_name: mesh[parts]._flatten(flat_name, backend_override=options.get(flat_name))
+            for flat_name, parts in FLATTENED_DIMS.items()}
     expert_mesh = None
     if layout.has_expert_mesh:
         enames, esizes = layout.expert_dims()
-        expert_mesh = DeviceMesh(device_type, rank_grid(enames, esizes), mesh_dim_names=enames)
+        expert_mesh = DeviceMesh(device_type, rank_grid(enames, esizes), mesh_dim_names=enames,
+                                 backend_override=overrides(enames))
     return ParallelMeshes(layout=layout, mesh=mesh, flat=flat, expert_mesh=expert_mesh)

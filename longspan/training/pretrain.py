@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional
 
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger
+from longspan.models.attention_backend import attention_backend_context
 from longspan.models.t5_provider import T5ModelProvider
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.step.forward_step import forward_step as default_forward_step
@@ -35,7 +36,9 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
     out = setup(config)
     state = out.state
     try:
-        return _train_and_test(out, forward_step_func)
+        # model.attention_backend holds for the whole run: forward, backward, recomputation and evaluation
+        with attention_backend_context(getattr(config.model, "attention_backend", "auto"), state.device):
+            return _train_and_test(out, forward_step_func)
     except BaseException:
         _abandon(state)  # an in-process restart runs again in this process: leave no handlers or open sinks
         raise

@@ -22,11 +22,13 @@ import torch
 from longspan.config.support import inapplicable_fields
 from longspan.core.logging import configure_log_filters, get_logger, print_rank_0, setup_logging
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
-from longspan.data.tokenizers import build_tokenizer
+from longspan.data.tokenizers import build_tokenizer, model_vocab_size
 from longspan.models.builder import build_meta_model
 from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
+from longspan.parallel.async_tp import enable_async_tensor_parallel
 from longspan.parallel.compile import compile_model
+from longspan.parallel.offload import apply_activation_offload
 from longspan.parallel.parallelize import materialize_parallel_model
 from longspan.parallel.pipeline import build_pipeline_chunks
 from longspan.peft.adapters import init_adapters
@@ -116,7 +118,12 @@ def setup(cfg: Any) -> SetupOutput:
     model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
         init_adapters(model, cfg.rng.seed)
-    state.compiled = compile_model(model, cfg.train.torch_compile, parallel.device, parallel.tp_size)
+    # Offloaded layers run eager (validate() rejects torch_compile=True with offload): None resolves to off.
+    compile_setting = False if cfg.model.cpu_offloading else cfg.train.torch_compile
+    state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size)
+    state.activation_offload = apply_activation_offload(model, cfg.model)
+    tp_group = parallel.tp_group if parallel.tp_size > 1 else None
+    state.async_tensor_parallel = enable_async_tensor_parallel(cfg.model, tp_group, parallel.device, state.compiled)
     optimizer = get_megatron_optimizer(cfg.optimizer, model)
     if parallel.pp_size > 1:
         # Pipeline stages hold different parameters: gradient norms and zero counts sum over the stages.
@@ -177,7 +184,7 @@ def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
     tokenizer = build_tokenizer(cfg.tokenizer)
     state.tokenizer = tokenizer
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
+        cfg.model.vocab_size = model_vocab_size(tokenizer, cfg.tokenizer)
     cfg.validate(world_size=parallel.world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
     if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:

@@ -631,14 +631,12 @@ def _pipeline_split_fields_move_layers_between_stages(tmp_path: Path) -> bool:
     return all(v != base for v in variants) and embedding != loss
 
 
-@probe("model.cross_entropy_fusion_impl", "model.recompute_modules")
+@probe("model.recompute_modules")
 def _fields_with_one_implementation_reject_other_values(tmp_path: Path) -> bool:
-    """One implementation exists (native cross-entropy; selective recompute of core attention, the default);
-    another value is rejected at build time, never ignored."""
+    """One implementation exists (selective recompute of core attention, the default); another value is
+    rejected at build time, never ignored."""
     from longspan.core.errors import NotSupportedError
 
-    with pytest.raises(NotSupportedError):
-        setup(_micro_cfg_with(tmp_path / "a", model__cross_entropy_fusion_impl="te"))
     with pytest.raises(NotSupportedError):
         setup(_micro_cfg_with(tmp_path / "b", model__recompute_granularity="selective", model__recompute_modules=["mlp"]))
     return True
@@ -1037,6 +1035,22 @@ COVERED_ELSEWHERE: dict[str, str] = {
     **{f"logger.{name}": "tests/training/test_logger_clients.py (the real W&B client, offline mode)" for name in
        "wandb_project wandb_exp_name wandb_save_dir wandb_entity".split()},
 }
+
+COVERED_ELSEWHERE.update({
+    "tokenizer.special_tokens": "tests/data/test_tokenizer_fields.py::test_special_tokens_match_transformers_additional_special_tokens",
+    **{f"tokenizer.{name}": "tests/data/test_tokenizer_fields.py (TikTokenizer ids as megatron-core lays them out)"
+       for name in "tiktoken_pattern tiktoken_num_special_tokens tiktoken_special_tokens".split()},
+    "tokenizer.make_vocab_size_divisible_by": "tests/data/test_tokenizer_fields.py::test_tokenizer_vocab_padding_sets_the_model_vocabulary",
+    "tokenizer.metadata_path": "tests/data/test_tokenizer_fields.py::test_metadata_fills_the_type_and_chat_template",
+    "logger.log_l2_norm_grad_to_tensorboard": "tests/training/test_loggers.py::test_optional_report_tags (l2_norm/grad tags)",
+    "logger.log_runtime_to_tensorboard": "tests/training/test_loggers.py::test_optional_report_tags (time/ tags)",
+    "logger.runtime_time_unit": "tests/training/test_logger_fields.py::test_runtime_time_unit_scales_the_runtime_report",
+    **{f"model.{name}": "tests/parallel/test_activation_offload.py (the hooks move the chosen saved tensors of the "
+                        "first layers; losses and gradients bit-identical)"
+       for name in "cpu_offloading cpu_offloading_num_layers cpu_offloading_activations cpu_offloading_weights".split()},
+    "train.exit_signal_handler_for_dataloader": "tests/data/test_loader_exit_signal.py (the worker installs a "
+                                                "handler for the exit signal only when asked)",
+})
 
 # Their effect is real but outside what a one-process short run's observation sees (TensorBoard tags, gc calls,
 # logging filters of third-party loggers, resume-only switches, multi-process layouts, rerun checks): each needs

@@ -80,13 +80,15 @@ def test_model_fused_loss_matches_plain(tied, monkeypatch):
         assert fused(tokens).shape == (2, 16, 256)
 
 
-def test_te_impl_rejected():
-    from longspan.core.errors import NotSupportedError
+def test_te_impl_names_the_same_cross_entropy():
+    """'te' names Transformer Engine's kernel for the same cross-entropy: the chunked loss computes it."""
     from longspan.models.gpt import build_gpt_model
     from tests.parallel.test_tp_plans import small_provider
 
-    with pytest.raises(NotSupportedError, match="cross_entropy_fusion_impl='te'"):
-        build_gpt_model(small_provider(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te"))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = [build_gpt_model(small_provider(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=impl),
+                              seed=1, device="cpu")(tokens, labels=tokens) for impl in ("native", "te")]
+    assert torch.equal(losses[0], losses[1])
 
 
 def _tp_fused_checks(sequence_parallel: bool) -> dict:

@@ -13,21 +13,39 @@ if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
 
 
+RUNTIME_TIME_UNITS = ("seconds", "minutes", "hours", "days")
+
+
 def check_infra(cfg: "ConfigContainer") -> None:
     """Logger, checkpoint, resilience and profiling rules, in that order."""
     check_logger(cfg)
+    check_exit_signal_for_dataloader(cfg)
     check_checkpoint(cfg)
     check_resilience_config(cfg)
     check_profiling(cfg)
 
 
+def check_exit_signal_for_dataloader(cfg: "ConfigContainer") -> None:
+    """The data workers catch the exit signal for the main process's handler: without it there is none."""
+    if getattr(cfg.train, "exit_signal_handler_for_dataloader", False) and not cfg.train.exit_signal_handler:
+        raise ConfigError("train.exit_signal_handler_for_dataloader=True needs train.exit_signal_handler=True (the "
+                          "workers keep running so that the main process can save)")
+
+
 def check_logger(cfg: "ConfigContainer") -> None:
-    """An MLflow or Comet run needs a name."""
+    """An MLflow or Comet run needs a name; the runtime unit and the memory names must be valid."""
     lg = cfg.logger
     for enabling, naming, client in (("mlflow_experiment", "mlflow_run_name", "MLflow"),
                                      ("comet_project", "comet_experiment_name", "Comet ML")):
         if getattr(lg, enabling, None) and not getattr(lg, naming, None):
             raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
+    unit = getattr(lg, "runtime_time_unit", "hours")
+    if unit not in RUNTIME_TIME_UNITS:
+        raise ConfigError(f"logger.runtime_time_unit={unit!r} is not valid: use one of {', '.join(RUNTIME_TIME_UNITS)}")
+    keys = getattr(lg, "memory_keys", None)
+    if keys is not None and not (isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                   for k, v in keys.items())):
+        raise ConfigError(f"logger.memory_keys={keys!r} must map torch.cuda.memory_stats() keys to logged names")
     check_eval_samples_layout(cfg)
 
 

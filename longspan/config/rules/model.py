@@ -165,12 +165,6 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
     _check_norms_and_caps(config)
     _check_recompute(config)
     layer_windows(config)
-    fusion_impl = getattr(config, "cross_entropy_fusion_impl", "native")
-    if getattr(config, "cross_entropy_loss_fusion", False) and fusion_impl != "native":
-        raise NotSupportedError(
-            f"model.cross_entropy_fusion_impl={fusion_impl!r} is not supported: use 'native' (longspan's chunked "
-            "linear + cross-entropy)"
-        )
     check_moe(config)
     check_gpt_oss_fields(config)
     check_mtp(config)

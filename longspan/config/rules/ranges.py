@@ -105,6 +105,8 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("ddp.num_distributed_optimizer_instances", INT, 1, None, True, True),
     ("dist.distributed_timeout_minutes", REAL, 1, None, True, True),
     ("tokenizer.vocab_size", INT, 1, None, True, True),
+    ("tokenizer.make_vocab_size_divisible_by", INT, 1, None, True, True),
+    ("tokenizer.tiktoken_num_special_tokens", INT, 7, None, True, True),  # megatron's 7 required special tokens
     ("rerun_state_machine.error_injection_rate", INT, 0, None, True, True),
 )
 

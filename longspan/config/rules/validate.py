@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from longspan.config.rules.comm_overlap import apply_comm_overlap
 from longspan.config.rules.data import check_dataset
 from longspan.config.rules.data_hf import check_direct_hf_sft
+from longspan.config.rules.device_features import check_device_features
 from longspan.config.rules.infra import check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
 from longspan.config.rules.model import check_model
@@ -77,6 +79,11 @@ Rule = Callable[["ConfigContainer", Derived], None]
 
 def _set_data_parallel_size(cfg: "ConfigContainer", derived: Derived) -> None:
     derived.data_parallel_size = check_parallel_layout(cfg, derived.world_size)
+
+
+def _comm_overlap(cfg: "ConfigContainer", derived: Derived) -> None:
+    apply_comm_overlap(cfg, derived.data_parallel_size)
+    check_optimizer_precision_and_overlap(cfg)  # again: comm_overlap may have set ddp.overlap_param_gather
 
 
 def _set_num_microbatches(cfg: "ConfigContainer", derived: Derived) -> None:
@@ -201,6 +208,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),
+    ("comm_overlap section onto model, ddp, optimizer", _comm_overlap),
     ("global batch -> number of microbatches", _set_num_microbatches),
     ("pipeline split and schedule", _pipeline),
     ("training length (iterations from samples)", _on_config(check_train_length)),
@@ -210,6 +218,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("infrastructure and resilience", _on_config(check_infra)),
     ("autocast", _autocast),
     ("activation recompute", _recompute),
+    ("activation offload and device features", _on_config(check_device_features)),
     ("fields longspan does not support yet", _on_config(check_supported)),
     ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
     ("a vision-language model's image fields and layout", _on_config(_check_image_model)),

@@ -98,7 +98,8 @@ class ConfigContainer:
     """In-process restart (optional): a failed rank is replaced without restarting the other ranks' processes."""
 
     comm_overlap: Optional[dict[str, Any]] = None
-    """Communication overlap settings: not supported yet."""
+    """Megatron Bridge's CommOverlapConfig fields: overlap settings derived from the layout, with these values
+    on top, copied onto model, ddp and optimizer by validate() (longspan.config.rules.comm_overlap)."""
 
     mixed_precision: Optional[Union[MixedPrecisionConfig, str]] = None
     """Precision recipe name ('bf16_mixed', 'fp16_mixed', 'fp32') or a MixedPrecisionConfig; validate() copies

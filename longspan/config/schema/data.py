@@ -193,10 +193,11 @@ class TokenizerConfig:
     """'HuggingFaceTokenizer', 'SentencePieceTokenizer', 'GPT2BPETokenizer', 'NullTokenizer', 'ByteTokenizer', ..."""
 
     tokenizer_model: Optional[str] = None
-    """Tokenizer model: a HF directory or tokenizer.json, a SentencePiece .model file, or 'builtin:NAME'."""
+    """Tokenizer model: a HF directory or tokenizer.json, a SentencePiece .model file, a TikToken vocabulary
+    (.json), or 'builtin:NAME'."""
 
     vocab_size: Optional[int] = None
-    """Vocabulary size (NullTokenizer)."""
+    """Vocabulary size (NullTokenizer; TikTokenizer's whole vocabulary, None: 131072)."""
 
     vocab_file: Optional[str] = None
     """Vocabulary file (GPT2BPETokenizer's vocab.json, BERT's vocab.txt)."""
@@ -208,16 +209,18 @@ class TokenizerConfig:
     """Extra sentinel tokens to add (T5)."""
 
     special_tokens: Optional[list[str]] = None
-    """Additional special tokens to add."""
+    """Additional special tokens (as Hugging Face's additional_special_tokens): one already in the vocabulary
+    keeps its id, the others get new ids after it; each one in the text becomes its single id."""
 
     tiktoken_pattern: Optional[str] = None
-    """Regex pattern version of a tiktoken tokenizer ('v1' or 'v2')."""
+    """TikTokenizer's pre-tokenization regex: 'v1' or 'v2' (megatron-core's patterns); required for it."""
 
     tiktoken_num_special_tokens: int = 1000
-    """Number of special tokens reserved by a tiktoken tokenizer."""
+    """TikTokenizer: ids reserved for special tokens before the BPE vocabulary (fillers <SPECIAL_i> pad the list)."""
 
     tiktoken_special_tokens: Optional[list[str]] = None
-    """Special tokens of a tiktoken tokenizer."""
+    """TikTokenizer's special tokens, ids 0.. in order; must include <unk> <s> </s> <mask> <pad> <cls> <sep>
+    (None: exactly those)."""
 
     tokenizer_prompt_format: Optional[str] = None
     """Prompt format for chat/SFT data."""
@@ -232,10 +235,13 @@ class TokenizerConfig:
     """Chat template (Jinja) for chat SFT records; None uses the tokenizer's own (tokenizer_config.json)."""
 
     metadata_path: Optional[Union[str, dict[str, Any]]] = None
-    """Metadata of a Megatron Core tokenizer."""
+    """megatron-core tokenizer metadata (a JSON file or a mapping): its library ('huggingface', 'sentencepiece',
+    'tiktoken', 'null', 'byte-level') gives tokenizer_type and its chat_template the chat template, where those
+    are null."""
 
     make_vocab_size_divisible_by: int = 1
-    """Kept at 1: the model provider pads the vocabulary (Megatron Bridge convention)."""
+    """A model.vocab_size left null is the tokenizer's vocabulary rounded up to a multiple of this (1: exactly
+    the tokenizer's); model.make_vocab_size_divisible_by pads the embedding table further."""
 
 
 @dataclass

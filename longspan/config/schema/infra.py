@@ -52,7 +52,8 @@ class DistributedInitConfig:
     """Shard parameters, gradients and optimizer state with PyTorch FSDP2 (fully_shard)."""
 
     nccl_communicator_config_path: Optional[str] = None
-    """YAML file with per-communicator NCCL settings (min/max CTAs, CGA cluster size)."""
+    """Megatron's YAML of per-group NCCL settings ({group: {cga_cluster_size, max_ctas, min_ctas}}; groups: tp,
+    cp, pp, dp, dp_cp, ...), given to those NCCL groups on CUDA."""
 
     use_tp_pp_dp_mapping: bool = False
     """Order ranks tp-pp-dp instead of Megatron's default tp-dp-pp (not with expert or context parallelism)."""
@@ -64,7 +65,7 @@ class DistributedInitConfig:
     """Use SHARP for data-parallel collectives."""
 
     high_priority_stream_groups: Optional[list[str]] = None
-    """Communicator groups whose kernels run on high-priority streams."""
+    """Groups (tp, cp, pp, dp, dp_cp, ep, ...) whose NCCL kernels run on high-priority CUDA streams."""
 
     external_gpu_device_mapping: bool = False
     """Device visibility is managed outside (e.g. CUDA_VISIBLE_DEVICES per process): always use device 0."""

@@ -246,7 +246,8 @@ class MixedPrecisionConfig:
     """FP8 scaling recipe."""
 
     fp8_param_gather: bool = False
-    """All-gather FP8 parameters."""
+    """With fp8: FSDP2 all-gathers the float8 weights (copied to model.fp8_param, as Megatron's
+    --fp8-param-gather; torchao, fp8_recipe='tensorwise')."""
 
     loss_scale: Optional[float] = None
     """Static fp16 loss scale; None = dynamic."""
@@ -313,15 +314,20 @@ def get_mixed_precision_config(name: str) -> Optional[MixedPrecisionConfig]:
 
 
 def apply_mixed_precision(mp: MixedPrecisionConfig, *targets: object) -> None:
-    """Copy every MixedPrecisionConfig field onto each target config that has a field of that name."""
+    """Copy every MixedPrecisionConfig field onto each target config that has a field of that name
+    (fp8_param_gather onto the model's fp8_param)."""
     for target in targets:
         names = {f.name for f in fields(target)}  # type: ignore[arg-type]
         for f in fields(mp):
             # fp8 settings only travel when fp8 is on, so fp32/bf16 recipes leave the fp8 knobs at their defaults.
             if f.name.startswith("fp8") and mp.fp8 is None:
                 continue
+            if f.name == "fp8_param_gather":  # Megatron's --fp8-param-gather is the model's fp8_param (below)
+                continue
             if f.name in names:
                 setattr(target, f.name, getattr(mp, f.name))
+        if mp.fp8 is not None and mp.fp8_param_gather and "fp8_param" in names:
+            setattr(target, "fp8_param", True)
         # autocast_enabled is called enable_autocast on the model.
         if "enable_autocast" in names:
             setattr(target, "enable_autocast", mp.autocast_enabled)

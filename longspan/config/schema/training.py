@@ -121,7 +121,8 @@ class TrainingConfig:
     """Signal the handler waits for; None is resolved to SIGTERM by validate()."""
 
     exit_signal_handler_for_dataloader: bool = False
-    """Install the signal handler in dataloader workers too."""
+    """With exit_signal_handler and dataset.num_workers > 0: the data workers catch exit_signal too, so a
+    signal sent to the whole process group does not end them while the main process saves."""
 
     manual_gc: bool = False
     """Turn off Python's automatic garbage collector and collect at fixed points on every rank."""
@@ -391,16 +392,17 @@ class LoggerConfig:
     writes: the average spans the last ``throughput_window_size - 1`` iterations (at least 2)."""
 
     memory_keys: Optional[dict[str, str]] = None
-    """Names of torch.cuda.memory_stats() entries to log (Megatron Bridge); not supported yet."""
+    """torch.cuda.memory_stats() key -> logged name for log_memory_to_tensorboard and the first memory report
+    (None: Megatron's ten allocator statistics); byte counts are logged in gigabytes."""
 
     log_l2_norm_grad_to_tensorboard: bool = False
-    """Per-parameter gradient L2 norms to TensorBoard (Megatron Bridge); not supported yet."""
+    """Write each parameter's gradient L2 norm (l2_norm/grad/NAME) and their global norm to the sinks."""
 
     log_runtime_to_tensorboard: bool = False
-    """Runtime metrics to TensorBoard (Megatron Bridge); not supported yet."""
+    """Write time/total, time/remaining_estimate, time/tokens, time/samples and time/batches to the sinks."""
 
     runtime_time_unit: str = "hours"
-    """Time unit of the runtime metrics (Megatron Bridge); not supported yet."""
+    """Unit of the runtime metrics: 'seconds', 'minutes', 'hours' or 'days'."""
 
     mlflow_experiment: Optional[str] = None
     """MLflow experiment name; set it (with mlflow_run_name) to log metrics to MLflow."""

@@ -296,6 +296,8 @@ def use_saved_tokenizer(tokenizer_cfg: Any, saved: Path) -> None:
     elif ttype == "GPT2BPETokenizer" and (saved / "vocab.json").is_file():
         tokenizer_cfg.vocab_file = str(saved / "vocab.json")
         tokenizer_cfg.merge_file = str(saved / "merges.txt")
+    elif ttype == "TikTokenizer" and (saved / "tiktoken_vocab.json").is_file():
+        tokenizer_cfg.tokenizer_model = str(saved / "tiktoken_vocab.json")
     # NullTokenizer and ByteLevelTokenizer are described by the config alone.
 
 

@@ -28,7 +28,7 @@ from longspan.config.schema.container import ConfigContainer
 from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
-from longspan.data.tokenizers import Tokenizer, build_tokenizer
+from longspan.data.tokenizers import Tokenizer, build_tokenizer, model_vocab_size
 from longspan.models.builder import build_meta_model
 from longspan.parallel.pipeline import state_dict_module
 from longspan.peft.adapters import is_adapter_key, is_finetuned_state_key, merge_adapters as merge_adapter_weights
@@ -204,7 +204,7 @@ def load_model_from_checkpoint(
     cfg = found.cfg
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
+        cfg.model.vocab_size = model_vocab_size(tokenizer, cfg.tokenizer)
     if hasattr(cfg.model, "finalize"):
         cfg.model.finalize()
     if parallel is None:

@@ -31,6 +31,18 @@ from longspan.config.types import is_derived_field, yaml_fields
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-support.md"
 
+# A class whose fields mostly repeat another's (a provider beside GPTModelProvider, a dataset beside
+# GPTDatasetConfig) lists only the rows that differ from that table: its own fields and those whose default,
+# status or meaning differ. Every field still has its row once.
+SHARED_TABLE: dict[str, str] = {
+    "T5ModelProvider": "GPTModelProvider",
+    "MambaProvider": "GPTModelProvider",
+    "Qwen25VLModelProvider": "GPTModelProvider",
+    "Gemma3VLModelProvider": "GPTModelProvider",
+    "MockGPTDatasetConfig": "GPTDatasetConfig",
+    "T5MaskedWordPieceDatasetConfig": "GPTDatasetConfig",
+}
+
 
 def _section_classes() -> list[tuple[str, type]]:
     out: list[tuple[str, type]] = []
@@ -81,6 +93,29 @@ def _default(f: dataclasses.Field) -> str:
     return repr(value)
 
 
+def _rows(section: str, cls: type) -> dict[str, str]:
+    """Field name -> its table row, for every field of ``cls``."""
+    docs = field_docs(cls)
+    class_ok = section not in ("model", "dataset") or cls.__name__ in (
+        SUPPORTED_MODELS + SUPPORTED_DATASETS + NESTED_DATASET_CLASSES)
+    rows: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        if is_derived_field(f):
+            status = "derived by validate()"
+        elif f not in yaml_fields(cls):
+            status = "runtime object (set by longspan, never in YAML)"
+        else:
+            status = field_status(section, f.name, cls.__name__) if class_ok else f"{NOT_SUPPORTED} (the class)"
+            reason = not_supported_reason(section, f.name, cls.__name__) if status == NOT_SUPPORTED else None
+            if reason:
+                status = f"{NOT_SUPPORTED}: {reason}"
+        meaning = docs.get(f.name, "").replace("|", "\\|")
+        rows[f.name] = f"| `{f.name}` | `{_default(f)}` | {status} | {meaning} |"
+    return rows
+
+
 def render() -> str:
     """The full Markdown text."""
     lines = [
@@ -99,8 +134,9 @@ def render() -> str:
         "  accepts the field and lists it once at start-up when it is on.",
         "",
         "Model classes that can be built: GPTModelProvider, T5ModelProvider (longspan.models.t5), MambaProvider",
-        "(longspan.models.mamba) and Gemma3VLModelProvider (Gemma 3's vision-language model: longspan.models.vlm);",
-        "the model-section statuses are shared by them, and a value one family does not implement stops the build",
+        "(longspan.models.mamba), Qwen25VLModelProvider and Gemma3VLModelProvider (vision-language models:",
+        "longspan.models.vlm); each provider after GPTModelProvider lists only the fields whose default, status or",
+        "meaning differ from GPTModelProvider's table, and a value one family does not implement stops the build",
         "with a one-line error. Datasets: GPTDatasetConfig, MockGPTDatasetConfig,",
         "T5MaskedWordPieceDatasetConfig (T5 span corruption: longspan.data.t5_dataset) and",
         "FinetuningDatasetConfig (SFT JSONL data, packed sequences: longspan.data.sft) and DirectHFSFTDatasetConfig",
@@ -110,28 +146,19 @@ def render() -> str:
         "CommOverlapConfig fields and sets the model, ddp and optimizer fields they name (longspan.config.rules.comm_overlap).",
         "",
     ]
+    rendered: dict[str, dict[str, str]] = {}
     for section, cls in _section_classes():
-        docs = field_docs(cls)
-        lines += [f"## `{section}`: {cls.__name__}", "",
-                  f"Fields not listed in the table of exceptions default to **{SECTION_DEFAULT[section]}**.", "",
-                  "| field | default | status | meaning |", "| --- | --- | --- | --- |"]
-        class_ok = section not in ("model", "dataset") or cls.__name__ in (
-            SUPPORTED_MODELS + SUPPORTED_DATASETS + NESTED_DATASET_CLASSES)
-        for f in dataclasses.fields(cls):
-            if f.name.startswith("_"):
-                continue
-            if is_derived_field(f):
-                status = "derived by validate()"
-            elif f not in yaml_fields(cls):
-                status = "runtime object (set by longspan, never in YAML)"
-            else:
-                status = field_status(section, f.name, cls.__name__) if class_ok else f"{NOT_SUPPORTED} (the class)"
-                reason = not_supported_reason(section, f.name, cls.__name__) if status == NOT_SUPPORTED else None
-                if reason:
-                    status = f"{NOT_SUPPORTED}: {reason}"
-            meaning = docs.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{_default(f)}` | {status} | {meaning} |")
-        lines.append("")
+        rows = _rows(section, cls)
+        rendered[cls.__name__] = rows
+        base = SHARED_TABLE.get(cls.__name__)
+        intro = f"Fields not listed in the table of exceptions default to **{SECTION_DEFAULT[section]}**."
+        if base in rendered:
+            shared = [name for name, row in rows.items() if rendered[base].get(name) == row]
+            rows = {name: row for name, row in rows.items() if name not in shared}
+            intro += (f" The {len(shared)} fields it shares with {base} (same default, status and meaning) are "
+                      f"listed there; this table has the rest.")
+        lines += [f"## `{section}`: {cls.__name__}", "", intro, "",
+                  "| field | default | status | meaning |", "| --- | --- | --- | --- |", *rows.values(), ""]
     return "\n".join(lines)
 
 

@@ -303,6 +303,10 @@ for _cls in ("T5ModelProvider", "MambaProvider"):
 # mtp_enabled states what mtp_num_layers switches (config rules: a contradiction is an error).
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 
+# Checkpoint, optimizer and ddp switches (longspan.training.checkpointing.replication: local checkpoints
+# replicated to clique peers).
+FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "replication replication_jump replication_factor"))
+
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""

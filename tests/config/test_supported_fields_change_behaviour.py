@@ -1036,6 +1036,9 @@ COVERED_ELSEWHERE: dict[str, str] = {
        "comet_workspace comet_api_key comet_tags".split()},
     **{f"logger.{name}": "tests/training/test_logger_clients.py (the real W&B client, offline mode)" for name in
        "wandb_project wandb_exp_name wandb_save_dir wandb_entity".split()},
+    "checkpoint.replication": "tests/resilience/test_local_replication.py::test_lost_local_checkpoint_comes_back_from_its_replica (a deleted rank's local checkpoint restored from its peer, losses bit-exact)",
+    "checkpoint.replication_jump": "tests/resilience/test_local_replication.py (the 2-rank run needs jump 1: the default, ranks per node, makes no clique there) and ::test_cliques_follow_jump_and_factor",
+    "checkpoint.replication_factor": "tests/resilience/test_local_replication.py::test_cliques_follow_jump_and_factor",
 }
 
 # Their effect is real but outside what a one-process short run's observation sees (TensorBoard tags, gc calls,

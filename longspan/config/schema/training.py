@@ -289,13 +289,17 @@ class CheckpointConfig:
     """How key mismatches between checkpoint and model are handled when loading."""
 
     replication: bool = False
-    """Replicate local checkpoints on other ranks."""
+    """Replicate local non-persistent checkpoints on peer ranks: each rank sends its file to the other ranks of
+    its clique, and a rank whose own file is lost gets it back from a peer on resume (non_persistent_ckpt_type
+    'local' only)."""
 
     replication_jump: Optional[int] = None
-    """Spacing between the ranks that hold a rank's replicas."""
+    """Spacing J between the ranks that hold a rank's replicas (ranks n, n+J, n+2J, ... form a clique); None =
+    the ranks per node (LOCAL_WORLD_SIZE), so the replicas are on other nodes."""
 
     replication_factor: int = 2
-    """Number of machines holding each replica."""
+    """Number of ranks (the rank itself included) holding a copy of each rank's local checkpoint; J times the
+    factor must divide the world size."""
 
     def __post_init__(self) -> None:
         """Nothing: checks run in ``ConfigContainer.validate()`` (lazy validation)."""

@@ -6,7 +6,8 @@
   train state including the data position, rerun-machine state) to
   ``{non_persistent_local_ckpt_dir}/rank{R}_of{W}/iter_XXXXXXX.pt``, written to a temporary name and renamed
   (atomic). Once every rank has its new file, older ones are removed, so a crash mid-save always leaves one
-  iteration that every rank holds.
+  iteration that every rank holds. With ``checkpoint.replication`` each file is also copied to clique peers
+(``replication.py``), so a rank whose node lost its files gets them back on resume.
 
 At start-up ``load_newest_checkpoint`` compares the persistent checkpoint (``checkpoint.load``), the newest
 complete global non-persistent one and the newest iteration every rank holds locally, and loads the newest.
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.checkpointing import replication
 from longspan.training.checkpointing.load import LoadedCheckpoint, find_checkpoint, load_checkpoint
 from longspan.training.checkpointing.save import get_checkpoint_dir, get_rng_state, read_tracker, save_checkpoint
 
@@ -179,12 +181,15 @@ def save_local(state: Any, model: list[torch.nn.Module], optimizer: Any, schedul
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    if ckpt_cfg.replication:
+        replication.replicate(ckpt_cfg, path)
     if dist.is_initialized():
-        dist.barrier()  # every rank holds `iteration` before anyone drops an older one
+        dist.barrier()  # every rank holds `iteration` (and its replicas) before anyone drops an older one
     for entry in directory.iterdir():
         match = _LOCAL_FILE.match(entry.name)
         if (match and int(match.group(1)) != iteration) or entry.name.startswith(".iter_"):
             entry.unlink(missing_ok=True)
+    replication.remove_older_replicas(directory, path.name)
     print_rank_0(f"  saved local non-persistent checkpoint of iteration {iteration:7d} to {directory.parent}", logger)
     return path
 
@@ -293,7 +298,13 @@ def load_newest_checkpoint(
         persistent_iter = -1
     else:
         persistent_iter = persistent[1] if persistent is not None else -1
-    if kind == "local":
+    if kind == "local" and ckpt_cfg.replication:
+        local_iter, inventories = replication.newest_recoverable_iteration(
+            ckpt_cfg, local_iterations(ckpt_cfg), local_rank_dir(ckpt_cfg))
+        if local_iter is not None and local_iter > persistent_iter:
+            replication.restore_missing(ckpt_cfg, local_iter, inventories, local_rank_dir(ckpt_cfg))
+            return load_local(state, model, optimizer, scheduler, local_iter)
+    elif kind == "local":
         local_iter = newest_common_local_iteration(ckpt_cfg)
         if local_iter is not None and local_iter > persistent_iter:
             return load_local(state, model, optimizer, scheduler, local_iter)

@@ -1039,6 +1039,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "checkpoint.replication": "tests/resilience/test_local_replication.py::test_lost_local_checkpoint_comes_back_from_its_replica (a deleted rank's local checkpoint restored from its peer, losses bit-exact)",
     "checkpoint.replication_jump": "tests/resilience/test_local_replication.py (the 2-rank run needs jump 1: the default, ranks per node, makes no clique there) and ::test_cliques_follow_jump_and_factor",
     "checkpoint.replication_factor": "tests/resilience/test_local_replication.py::test_cliques_follow_jump_and_factor",
+    "optimizer.optimizer_cpu_offload": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (state on host copies, host steps counted)",
+    "optimizer.optimizer_offload_fraction": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (the first half of the elements offloaded) and ::test_planner_moves_the_offloaded_state_to_the_host",
 }
 
 # Their effect is real but outside what a one-process short run's observation sees (TensorBoard tags, gc calls,

@@ -334,7 +334,7 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="optimizer.optimizer='lion'"):
         get_megatron_optimizer(opt_config(optimizer="lion"), [tiny()])
     with pytest.raises(NotSupportedError, match="optimizer_cpu_offload"):
-        get_megatron_optimizer(opt_config(optimizer_cpu_offload=True), [tiny()])
+        get_megatron_optimizer(opt_config(optimizer_cpu_offload=True, use_precision_aware_optimizer=True), [tiny()])
     with pytest.raises(ConfigError, match="optimizer.lr"):
         get_megatron_optimizer(opt_config(lr=None), [tiny()])
 

@@ -29,6 +29,7 @@ from longspan.config.rules.precision import (
     check_optimizer_precision_and_overlap,
     sync_distributed_optimizer,
 )
+from longspan.config.rules.optim_offload import check_optimizer_offload
 from longspan.config.rules.ranges import check_ranges
 from longspan.config.rules.schedule import check_batch, check_train_length, compute_scheduler_steps
 from longspan.config.support import check_supported
@@ -195,6 +196,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
+    ("optimizer CPU offload", _on_config(check_optimizer_offload)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),
     ("global batch -> number of microbatches", _set_num_microbatches),
     ("pipeline split and schedule", _pipeline),

@@ -105,22 +105,25 @@ class OptimizerConfig:
     """Overlap the parameter all-gather with the optimizer step (interleaved pipeline)."""
 
     optimizer_cpu_offload: bool = False
-    """Keep optimizer state on the CPU."""
+    """Keep part of the optimizer on the CPU (Megatron's HybridDeviceOptimizer): the offloaded parameters get
+    float32 host copies whose state and update live on the CPU; needs optimizer_offload_fraction > 0."""
 
     optimizer_offload_fraction: float = 0.0
-    """Fraction of optimizer state offloaded to the CPU."""
+    """Fraction of the parameters' elements (the first ones in param-group order) whose optimizer state and
+    update are on the CPU, in [0, 1]."""
 
     use_torch_optimizer_for_cpu_offload: bool = False
-    """Use a torch optimizer for the offloaded part."""
+    """Use a torch optimizer for the offloaded part. Performance hint in longspan: the offloaded part always
+    steps with torch's own optimizer (megatron-core 0.16 likewise ends up with torch's AdamW/SGD there)."""
 
     overlap_cpu_optimizer_d2h_h2d: bool = False
-    """Overlap CPU-offload copies with computation."""
+    """Copy the offloaded gradients to the host on a side CUDA stream (CUDA only)."""
 
     pin_cpu_grads: bool = True
-    """Pin host memory for offloaded gradients."""
+    """Pin the host buffers of offloaded gradients (CUDA only)."""
 
     pin_cpu_params: bool = True
-    """Pin host memory for offloaded parameters."""
+    """Pin the host copies of offloaded parameters (CUDA only)."""
 
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value (0 = no clipping)."""

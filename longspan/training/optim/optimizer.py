@@ -33,6 +33,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.optim.cpu_offload import CpuOffloadOptimizer
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
@@ -516,11 +517,13 @@ def get_megatron_optimizer(
     ``exp_avg_sq_dtype``) with main params in ``main_params_dtype`` and main grads in ``main_grads_dtype``.
     """
     name = getattr(config, "optimizer", "adam")
-    if getattr(config, "optimizer_cpu_offload", False):
-        raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported by longspan yet: set it to False")
     precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
     if precision_aware and name != "adam":
         raise ConfigError(f"optimizer.use_precision_aware_optimizer=True works with optimizer='adam' only, not {name!r}")
+    offload = bool(getattr(config, "optimizer_cpu_offload", False))
+    if offload and precision_aware:
+        raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported yet with "
+                                "optimizer.use_precision_aware_optimizer=True: set one of them to False")
 
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if not param_groups:
@@ -528,7 +531,19 @@ def get_megatron_optimizer(
     all_params = [p for g in param_groups for p in g["params"]]
     optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
     grad_scaler = _grad_scaler(config, all_params[0].device)
-    return MegatronOptimizer(optimizer, config, grad_scaler)
+    megatron_optimizer = MegatronOptimizer(optimizer, config, grad_scaler)
+    if offload:
+        # Built over the groups as MegatronOptimizer left them: fp32 main copies in place of low-precision params.
+        def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return _torch_optimizer(config, name, False, groups, _fast_kernels([p for g in groups for p in g["params"]]))
+
+        megatron_optimizer.optimizer = CpuOffloadOptimizer(
+            optimizer.param_groups, make, float(getattr(config, "optimizer_offload_fraction", 0.0)),
+            pin_params=bool(getattr(config, "pin_cpu_params", True)),
+            pin_grads=bool(getattr(config, "pin_cpu_grads", True)),
+            overlap_copies=bool(getattr(config, "overlap_cpu_optimizer_d2h_h2d", False)),
+        )
+    return megatron_optimizer
 
 
 def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:

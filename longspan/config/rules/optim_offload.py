@@ -1,0 +1,41 @@
+"""Rules of the optimizer CPU offload fields (``optimizer.optimizer_cpu_offload`` and its companions).
+
+Part of ``ConfigContainer.validate()`` (``validate.py``); every failure is one ``ConfigError`` line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from longspan.core.errors import ConfigError, NotSupportedError
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
+
+def check_optimizer_offload(cfg: "ConfigContainer") -> None:
+    """An offload that offloads something, without sharded parameters (the host copies are whole tensors)."""
+    opt = cfg.optimizer
+    fraction = opt.optimizer_offload_fraction
+    if not opt.optimizer_cpu_offload:
+        if fraction:
+            raise ConfigError(f"optimizer.optimizer_offload_fraction={fraction} needs optimizer.optimizer_cpu_offload=True")
+        return
+    if not fraction:
+        raise ConfigError("optimizer.optimizer_cpu_offload=True with optimizer.optimizer_offload_fraction=0.0 "
+                          "offloads nothing: set the fraction of the optimizer state to keep on the CPU, in (0, 1]")
+    if opt.use_precision_aware_optimizer:
+        raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported yet with "
+                                "optimizer.use_precision_aware_optimizer=True: set one of them to False")
+    m = cfg.model
+    sharded = [f"model.{name}={getattr(m, name)}" for name in ("tensor_model_parallel_size", "expert_model_parallel_size")
+               if (getattr(m, name, 1) or 1) > 1]
+    if getattr(cfg.dist, "use_torch_fsdp2", False):
+        sharded.append("dist.use_torch_fsdp2=True")
+    if opt.use_distributed_optimizer:
+        sharded.append("optimizer.use_distributed_optimizer=True")
+    if sharded:
+        raise NotSupportedError(
+            f"optimizer.optimizer_cpu_offload=True is not supported yet with sharded parameters ({', '.join(sharded)}): "
+            "use it with DDP, pipeline or context parallelism, or one process"
+        )

@@ -311,6 +311,9 @@ FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "replication replication_jump
 FIELD_STATUS.update(_many("optimizer", SUPPORTED, "optimizer_cpu_offload optimizer_offload_fraction"))
 FIELD_STATUS.update(_many("optimizer", DEVICE, "pin_cpu_grads pin_cpu_params overlap_cpu_optimizer_d2h_h2d"))
 FIELD_STATUS.update(_many("optimizer", HINT, "use_torch_optimizer_for_cpu_offload"))
+# DCP's writer threads (one file each), its save-plan cache, the tokenizer files beside the weights.
+FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "storage_writers_per_rank ckpt_assume_constant_structure "
+                                                   "save_tokenizer_assets"))
 
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:

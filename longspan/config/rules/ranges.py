@@ -101,6 +101,7 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("checkpoint.non_persistent_save_interval", INT, 1, None, True, True),
     ("checkpoint.ckpt_step", INT, 0, None, True, True),
     ("optimizer.optimizer_offload_fraction", REAL, 0, 1, True, True),
+    ("checkpoint.storage_writers_per_rank", INT, 1, None, True, True),
     ("checkpoint.replication_jump", INT, 1, None, True, True),
     ("checkpoint.replication_factor", INT, 1, None, True, True),
     ("rng.seed", INT, 0, None, True, True),

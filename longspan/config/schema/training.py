@@ -256,7 +256,8 @@ class CheckpointConfig:
     ``load`` / ``ckpt_step`` points at are never deleted."""
 
     storage_writers_per_rank: int = 1
-    """Storage writers per rank for torch_dist checkpoints (Megatron Bridge); not supported yet."""
+    """Storage writers per rank for torch_dist checkpoints: DCP's writer threads, each writing one file of
+    the rank's shards (files per checkpoint = saving ranks x this)."""
 
     strict_fsdp_dtensor_load: bool = False
     """Strict loading of fsdp_dtensor checkpoints (Megatron Bridge); not supported yet."""
@@ -269,7 +270,8 @@ class CheckpointConfig:
     """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge); not supported yet."""
 
     save_tokenizer_assets: bool = True
-    """Save the tokenizer files into each checkpoint (longspan always does; False is not supported)."""
+    """Save the tokenizer files into each checkpoint (``tokenizer/``); loading a checkpoint without them uses
+    the run's tokenizer config."""
 
     use_persistent_ckpt_worker: bool = True
     """Keep one background worker for asynchronous saves instead of one per save. Performance hint in
@@ -280,7 +282,8 @@ class CheckpointConfig:
     every rank reads what it needs through DCP; the loaded values are the same."""
 
     ckpt_assume_constant_structure: bool = False
-    """The state dict structure never changes during the run (allows caching the save plan)."""
+    """The state dict structure never changes during the run: DCP caches the save plan after the first save
+    and reuses it (no global planning on later saves)."""
 
     dist_ckpt_strictness: Literal[
         "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",

@@ -308,7 +308,8 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "replication replication_jump replication_factor"))
 # Optimizer CPU offload (longspan.training.optim.cpu_offload): pinned host buffers and copies on a side stream
 # need CUDA; the offloaded part always steps with torch's own optimizer.
-FIELD_STATUS.update(_many("optimizer", SUPPORTED, "optimizer_cpu_offload optimizer_offload_fraction"))
+FIELD_STATUS.update(_many("optimizer", SUPPORTED, "optimizer_cpu_offload optimizer_offload_fraction "
+                                                  "apply_wd_to_qk_layernorm"))
 FIELD_STATUS.update(_many("optimizer", DEVICE, "pin_cpu_grads pin_cpu_params overlap_cpu_optimizer_d2h_h2d"))
 FIELD_STATUS.update(_many("optimizer", HINT, "use_torch_optimizer_for_cpu_offload"))
 # DCP's writer threads (one file each), its save-plan cache, the tokenizer files beside the weights.

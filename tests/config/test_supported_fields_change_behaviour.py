@@ -58,6 +58,7 @@ MLA = {"model.multi_latent_attention": True, "model.num_query_groups": None, "mo
 MLA_YARN = {**MLA, "model.position_embedding_type": "yarn", "model.yarn_original_max_position_embeddings": 8,
             "model.rotary_scaling_factor": 4.0}
 VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "optimizer.apply_wd_to_qk_layernorm": (True, {"model.qk_layernorm": True}),
     "model.num_layers": (4, {}),
     "model.hidden_size": (64, {}),
     "model.num_attention_heads": (8, {}),

@@ -39,7 +39,8 @@ class OptimizerConfig:
     """Weight decay coefficient (biases and norm weights get none)."""
 
     apply_wd_to_qk_layernorm: bool = False
-    """Also decay the QK-norm weights."""
+    """Also decay the QK-norm parameters (names with ``q_layernorm.`` / ``k_layernorm.``), which otherwise
+    get no weight decay like every 1-D parameter (megatron-core's Qwen3-Next rule)."""
 
     fp16: bool = False
     """The model trains in fp16 (loss scaling, fp32 main weights)."""

@@ -440,7 +440,7 @@ def get_param_groups(
     """Megatron-style param groups keyed by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
 
     No weight decay (``wd_mult`` 0) on params where ``no_weight_decay_cond(name, param)`` holds, by default
-    biases and every 1-D parameter (norm weights). Params where ``scale_lr_cond`` holds get ``lr_mult``:
+    biases and every 1-D parameter (norm weights), except the QK-norm's with ``apply_wd_to_qk_layernorm``. Params where ``scale_lr_cond`` holds get ``lr_mult``:
     their group's ``max_lr`` / ``min_lr`` are ``lr * lr_mult`` / ``min_lr * lr_mult`` (megatron-core 0.16's
     scheduler reads only those). Params with ``is_embedding_or_output_parameter`` use
     ``decoupled_lr`` / ``decoupled_min_lr`` when set. Frozen params are skipped. Groups come in a fixed
@@ -453,6 +453,7 @@ def get_param_groups(
     decoupled_lr = getattr(config, "decoupled_lr", None)
     decoupled_min_lr = getattr(config, "decoupled_min_lr", None)
     weight_decay = getattr(config, "weight_decay", 0.0)
+    apply_wd_to_qk_layernorm = bool(getattr(config, "apply_wd_to_qk_layernorm", False))
 
     params_map: dict[tuple, list[nn.Parameter]] = {}
     seen: set[int] = set()
@@ -465,6 +466,8 @@ def get_param_groups(
                 no_wd = bool(no_weight_decay_cond(name, param))
             else:
                 no_wd = name.endswith(".bias") or len(param.shape) == 1
+                if apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+                    no_wd = False  # Qwen3-Next's rule (megatron-core): the QK-norm weights are decayed too
             scale_lr = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
             wd_mult = 0.0 if no_wd else 1.0
             group_lr_mult = float(lr_mult) if scale_lr else 1.0

@@ -184,7 +184,8 @@ class CheckpointConfig:
     """Restore the optimizer state when loading."""
 
     load_main_params_from_ckpt: bool = False
-    """Without the optimizer state: still restore the fp32 main parameters from the checkpoint's weights."""
+    """With load_optim=False and low-precision params: take the fp32 main params from the checkpoint's saved
+    main params (otherwise they are rebuilt from the loaded low-precision weights). Needs load_optim=False."""
 
     load_rng: bool = True
     """Restore the RNG states when loading."""

@@ -155,6 +155,9 @@ def load_checkpoint(
     main_module = optimizer_module(module, optimizer) if load_optim else module
     if load_optim:
         to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored, directory))
+    main_params_only = _main_params_without_optimizer(ckpt_cfg, optimizer, module, stored, directory, load_optim, finetune)
+    if main_params_only is not None:
+        to_load["main_params"] = main_params_only.state_dict()
     if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
         to_load["scheduler"] = opt_param_scheduler.state_dict()
     rng_key, has_rng = _add_rng_template(to_load, stored, load_rng)
@@ -169,6 +172,11 @@ def load_checkpoint(
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
             _restore_optimizer(to_load, optimizer, torch_optimizer, module, main_module)
+        elif main_params_only is not None:  # checkpoint.load_main_params_from_ckpt
+            main_params_only.load_state_dict(to_load["main_params"])
+            optimizer.copy_main_params_to_model_params()
+        elif getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
+            optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
     if "scheduler" in to_load:
         _restore_scheduler(opt_param_scheduler, to_load["scheduler"], iteration, directory, ckpt_cfg)
     if "rerun_state_machine" in to_load:
@@ -213,6 +221,23 @@ def _optimizer_sections(optimizer: Any, torch_optimizer: torch.optim.Optimizer |
     if any(k.startswith("optimizer_extra") for k in stored):
         sections["optimizer_extra"] = optimizer_extra_state(optimizer)
     return sections
+
+
+def _main_params_without_optimizer(ckpt_cfg: Any, optimizer: Any, module: torch.nn.Module, stored: set[str],
+                                   directory: Path, load_optim: bool, finetune: bool) -> torch.nn.Module | None:
+    """With ``load_main_params_from_ckpt`` (and no optimizer state loaded): the module of fp32 main params to
+    fill from the checkpoint's saved main params, or None when the run keeps none (full-precision params)."""
+    if load_optim or finetune or optimizer is None or not getattr(ckpt_cfg, "load_main_params_from_ckpt", False):
+        return None
+    main_module = optimizer_module(module, optimizer)
+    if main_module is module:
+        return None
+    if not any(k.startswith("main_params.") for k in stored):
+        raise CheckpointError(
+            f"checkpoint.load_main_params_from_ckpt=True but checkpoint {directory} holds no fp32 main params (saved "
+            "with full-precision params or save_optim=false); set checkpoint.load_main_params_from_ckpt=false"
+        )
+    return main_module
 
 
 def _restore_optimizer(to_load: dict[str, Any], optimizer: Any, torch_optimizer: torch.optim.Optimizer | None,

@@ -247,14 +247,15 @@ def load_local(state: Any, model: list[torch.nn.Module], optimizer: Any, schedul
     if ckpt_cfg.load_optim and torch_opt is not None and "optimizer" in saved:
         _load_optimizer(torch_opt, saved["optimizer"])
         if "main_params" in saved:
-            for chunk, main_sd in zip(model, saved["main_params"]):
-                main = optimizer.main_params_module(chunk)
-                current = main.state_dict()
-                main.load_state_dict({k: _from_local(v, current.get(k)) for k, v in main_sd.items()})
-            optimizer.copy_main_params_to_model_params()
+            _load_main_params(optimizer, model, saved["main_params"])
         scaler = getattr(optimizer, "grad_scaler", None)
         if scaler is not None and "grad_scaler" in saved:
             scaler.load_state_dict(saved["grad_scaler"])
+    elif getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
+        if ckpt_cfg.load_main_params_from_ckpt and "main_params" in saved:
+            _load_main_params(optimizer, model, saved["main_params"])
+        else:
+            optimizer.reload_model_params()  # no optimizer state loaded: the fp32 main copies follow the weights
     if scheduler is not None and "scheduler" in saved:
         scheduler.load_state_dict(saved["scheduler"])
     machine = getattr(state, "rerun_state_machine", None)
@@ -263,6 +264,15 @@ def load_local(state: Any, model: list[torch.nn.Module], optimizer: Any, schedul
     state.train_state.load_state_dict(saved["train_state"])
     print_rank_0(f"loaded local non-persistent checkpoint of iteration {iteration} from {path.parent.parent}", logger)
     return LoadedCheckpoint(path, iteration, saved.get("rng") if ckpt_cfg.load_rng else None)
+
+
+def _load_main_params(optimizer: Any, model: list[torch.nn.Module], saved: list[dict[str, Any]]) -> None:
+    """The saved fp32 main params into the optimizer's main copies, then rounded into the model."""
+    for chunk, main_sd in zip(model, saved):
+        main = optimizer.main_params_module(chunk)
+        current = main.state_dict()
+        main.load_state_dict({k: _from_local(v, current.get(k)) for k, v in main_sd.items()})
+    optimizer.copy_main_params_to_model_params()
 
 
 def _load_optimizer(torch_opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

@@ -314,7 +314,8 @@ FIELD_STATUS.update(_many("optimizer", DEVICE, "pin_cpu_grads pin_cpu_params ove
 FIELD_STATUS.update(_many("optimizer", HINT, "use_torch_optimizer_for_cpu_offload"))
 # DCP's writer threads (one file each), its save-plan cache, the tokenizer files beside the weights.
 FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "storage_writers_per_rank ckpt_assume_constant_structure "
-                                                   "save_tokenizer_assets load_main_params_from_ckpt"))
+                                                   "save_tokenizer_assets load_main_params_from_ckpt "
+                                                   "dist_ckpt_strictness"))
 
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:

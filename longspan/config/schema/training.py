@@ -290,7 +290,10 @@ class CheckpointConfig:
         "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
         "return_unexpected", "return_all", "ignore_all",
     ] = "assume_ok_unexpected"
-    """How key mismatches between checkpoint and model are handled when loading."""
+    """How tensors the checkpoint and the model do not share are handled when loading (megatron-core's
+    StrictHandling): 'assume_ok_unexpected' fails on a model tensor the checkpoint lacks; 'log_*' warn, 'raise_*'
+    stop with one line, 'return_*' return the keys, 'ignore_all' says nothing; all but 'assume_ok_unexpected' and
+    'raise_*' keep the missing tensors' current values ('*_all' also look at checkpoint tensors the model lacks)."""
 
     replication: bool = False
     """Replicate local non-persistent checkpoints on peer ranks: each rank sends its file to the other ranks of

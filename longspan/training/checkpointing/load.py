@@ -57,6 +57,7 @@ from longspan.training.checkpointing.save import (
     unwrap_optimizer,
 )
 from longspan.training.checkpointing.hf_weights import load_hf_pretrained
+from longspan.training.checkpointing.strictness import apply_strictness
 from longspan.training.checkpointing.model_fields import merge_pretrained_model_fields
 
 logger = get_logger(__name__)
@@ -73,6 +74,9 @@ class LoadedCheckpoint:
     rng_state: dict[str, Any] | None = None
     finetune: bool = False
     saved_iteration: int | None = None
+    # checkpoint.dist_ckpt_strictness: model tensors the checkpoint lacks, checkpoint tensors the model lacks
+    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
 
 
 def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
@@ -147,8 +151,17 @@ def load_checkpoint(
     if model_keys is not None:
         model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
         strict = False  # the other tensors come from another checkpoint
+    model_sd, unexpected, missing = apply_strictness(ckpt_cfg.dist_ckpt_strictness, model_sd, stored, directory)
     check_shapes(directory, model_sd, "model")
     load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
+    if unexpected:
+        strict = False  # tensors the checkpoint lacks keep their values
+        if load_optim:
+            raise CheckpointError(
+                f"checkpoint {directory} lacks the model tensors {', '.join(unexpected[:3])}, so it lacks their optimizer "
+                f"state too (checkpoint.dist_ckpt_strictness={ckpt_cfg.dist_ckpt_strictness!r}): set "
+                "checkpoint.load_optim=false to load the weights it has"
+            )
     load_rng = ckpt_cfg.load_rng and not finetune
     to_load: dict[str, Any] = {"model": model_sd}
     torch_optimizer = unwrap_optimizer(optimizer) if load_optim else None
@@ -157,7 +170,7 @@ def load_checkpoint(
         to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored, directory))
     main_params_only = _main_params_without_optimizer(ckpt_cfg, optimizer, module, stored, directory, load_optim, finetune)
     if main_params_only is not None:
-        to_load["main_params"] = main_params_only.state_dict()
+        to_load["main_params"] = {k: v for k, v in main_params_only.state_dict().items() if k not in set(unexpected)}
     if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
         to_load["scheduler"] = opt_param_scheduler.state_dict()
     rng_key, has_rng = _add_rng_template(to_load, stored, load_rng)
@@ -173,7 +186,7 @@ def load_checkpoint(
         if load_optim:
             _restore_optimizer(to_load, optimizer, torch_optimizer, module, main_module)
         elif main_params_only is not None:  # checkpoint.load_main_params_from_ckpt
-            main_params_only.load_state_dict(to_load["main_params"])
+            main_params_only.load_state_dict(to_load["main_params"], strict=not unexpected)
             optimizer.copy_main_params_to_model_params()
         elif getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
             optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
@@ -190,7 +203,7 @@ def load_checkpoint(
         _restore_train_state(state, directory)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None, finetune=finetune,
-                            saved_iteration=saved_iteration)
+                            saved_iteration=saved_iteration, unexpected_keys=unexpected, missing_keys=missing)
 
 
 def _add_rng_template(to_load: dict[str, Any], stored: set[str], load_rng: bool) -> tuple[str, bool]:

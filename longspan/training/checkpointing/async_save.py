@@ -92,7 +92,7 @@ def dcp_save_arguments(directory: Path, ckpt_cfg: Any) -> dict[str, Any]:
     # DCP caches plans per key, class-wide: one key per checkpoint root, so another run in this process (another
     # model) never meets this run's plans.
     planner._cached_plans_key = plan_cache_key(directory.parent)
-    return {"storage_writer": writer, "planner": planner}
+    return {"checkpoint_id": str(directory), "storage_writer": writer, "planner": planner}
 
 
 def plan_cache_key(root: Path) -> str:

@@ -312,6 +312,11 @@ FIELD_STATUS.update(_many("optimizer", SUPPORTED, "optimizer_cpu_offload optimiz
                                                   "apply_wd_to_qk_layernorm"))
 FIELD_STATUS.update(_many("optimizer", DEVICE, "pin_cpu_grads pin_cpu_params overlap_cpu_optimizer_d2h_h2d"))
 FIELD_STATUS.update(_many("optimizer", HINT, "use_torch_optimizer_for_cpu_offload"))
+# Megatron-FSDP's strategies mapped onto the distributed optimizer / FSDP2 (config/rules/data_parallel.py); replicas
+# of the sharded optimizer as HSDP. align_param_gather: torch.distributed.pipelining runs each stage's FSDP2
+# all-gather when that stage's forward starts; launching them together changes when, not what, is gathered.
+FIELD_STATUS.update(_many("ddp", SUPPORTED, "data_parallel_sharding_strategy num_distributed_optimizer_instances"))
+FIELD_STATUS.update(_many("ddp", HINT, "align_param_gather"))
 # DCP's writer threads (one file each), its save-plan cache, the tokenizer files beside the weights.
 FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "storage_writers_per_rank ckpt_assume_constant_structure "
                                                    "save_tokenizer_assets load_main_params_from_ckpt "

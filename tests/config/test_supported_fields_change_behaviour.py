@@ -1044,6 +1044,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "optimizer.optimizer_offload_fraction": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (the first half of the elements offloaded) and ::test_planner_moves_the_offloaded_state_to_the_host",
     **{f"checkpoint.{name}": "tests/training/test_checkpoint_write_fields.py::test_writer_threads_plan_cache_and_tokenizer_assets_then_resume" for name in
        "storage_writers_per_rank ckpt_assume_constant_structure save_tokenizer_assets".split()},
+    "ddp.data_parallel_sharding_strategy": "tests/config/test_data_parallel_rules.py::test_sharding_strategy_picks_the_mode_that_shards_the_same_state",
+    "ddp.num_distributed_optimizer_instances": "tests/config/test_data_parallel_rules.py::test_instances_make_a_replicated_mesh_at_start_up (2 replicas of 1 shard; HSDP parity: tests/parallel/test_layout_parity.py[dp2_hybrid])",
     "checkpoint.dist_ckpt_strictness": "tests/training/test_checkpoint_strictness.py (every mode on key sets; a QK-norm model loads a checkpoint without them under log_all, the default stops)",
     "checkpoint.load_main_params_from_ckpt": "tests/training/test_load_main_params.py::test_main_params_follow_the_weights_or_come_from_the_checkpoint (main params finer than the bf16 weights)",
 }

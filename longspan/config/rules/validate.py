@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from longspan.config.rules.data import check_dataset
+from longspan.config.rules.data_parallel import apply_sharding_strategy, check_distributed_optimizer_instances
 from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.infra import check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
@@ -77,6 +78,10 @@ Rule = Callable[["ConfigContainer", Derived], None]
 
 def _set_data_parallel_size(cfg: "ConfigContainer", derived: Derived) -> None:
     derived.data_parallel_size = check_parallel_layout(cfg, derived.world_size)
+
+
+def _distributed_optimizer_instances(cfg: "ConfigContainer", derived: Derived) -> None:
+    check_distributed_optimizer_instances(cfg, derived.data_parallel_size)
 
 
 def _set_num_microbatches(cfg: "ConfigContainer", derived: Derived) -> None:
@@ -194,10 +199,12 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("optimizer.finetune_lr -> optimizer.lr when finetuning", _on_config(_apply_finetune_lr)),
     ("mixed-precision recipe copied onto model, optimizer, ddp", _on_config(apply_precision)),
     ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
+    ("ddp.data_parallel_sharding_strategy -> data-parallel mode", _on_config(apply_sharding_strategy)),
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
     ("optimizer CPU offload", _on_config(check_optimizer_offload)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),
+    ("distributed optimizer instances (hybrid sharding)", _distributed_optimizer_instances),
     ("global batch -> number of microbatches", _set_num_microbatches),
     ("pipeline split and schedule", _pipeline),
     ("training length (iterations from samples)", _on_config(check_train_length)),

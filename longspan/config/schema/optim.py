@@ -151,13 +151,17 @@ class DistributedDataParallelConfig:
     """With the distributed optimizer: overlap the parameter all-gather with the forward pass."""
 
     align_param_gather: bool = False
-    """With pipeline parallelism: launch every stage's parameter all-gather together."""
+    """With pipeline parallelism: launch every stage's parameter all-gather together. Performance hint in
+    longspan: each pipeline stage's FSDP2 all-gather starts with that stage's forward; the gathered values are
+    the same."""
 
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (set from optimizer.use_distributed_optimizer)."""
 
     num_distributed_optimizer_instances: int = 1
-    """Replicas of the distributed optimizer (hybrid sharding); 1 shards across all data-parallel ranks."""
+    """Replicas of the distributed optimizer (hybrid sharding, HSDP): the data-parallel ranks form this many
+    replicas, each sharding the state over its own ranks, gradients all-reduced across replicas; 1 shards
+    across all data-parallel ranks. Needs the distributed optimizer or FSDP2."""
 
     check_for_nan_in_grad: bool = False
     """Stop the run (one line naming the iteration) when a rank's reduced gradients hold NaN or Inf, before the
@@ -188,7 +192,9 @@ class DistributedDataParallelConfig:
     data_parallel_sharding_strategy: Literal[
         "no_shard", "optim", "optim_grads", "optim_grads_params"
     ] = "no_shard"
-    """Megatron FSDP sharding strategy."""
+    """Megatron-FSDP's sharding strategy, on PyTorch FSDP2: 'no_shard' (DDP); 'optim' and 'optim_grads' switch
+    on the distributed optimizer (optimizer state and gradients sharded); 'optim_grads_params' switches on
+    dist.use_torch_fsdp2 (parameters sharded too)."""
 
     gradient_reduce_div_fusion: bool = True
     """Fuse the gradient division into the reduction (Megatron FSDP)."""

@@ -62,3 +62,16 @@ def _mesh_of_a_run(overrides: list[str]) -> tuple[int, int]:
 def test_instances_make_a_replicated_mesh_at_start_up(pool2) -> None:  # noqa: F811 - the pool fixture
     assert pool2.run(_mesh_of_a_run, ["ddp.num_distributed_optimizer_instances=2", "dist.use_torch_fsdp2=true"],
                      timeout=120) == [(2, 1), (2, 1)]
+
+
+@pytest.mark.parametrize("switch", ["optimizer.overlap_param_gather", "ddp.overlap_param_gather"])
+def test_overlap_param_gather_is_one_switch_on_optimizer_and_ddp(switch: str) -> None:
+    cfg = _tiny(f"{switch}=true", "optimizer.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true")
+    cfg.validate(world_size=2)
+    assert cfg.optimizer.overlap_param_gather and cfg.ddp.overlap_param_gather
+
+
+def test_fp8_param_gather_switches_on_the_float8_all_gather() -> None:
+    cfg = _tiny("ddp.fp8_param_gather=true", "optimizer.use_distributed_optimizer=true")
+    cfg.validate(world_size=2)
+    assert cfg.model.fp8_param

@@ -19,7 +19,11 @@ import torch
 import torch.distributed as dist
 
 from longspan.config.rules.data import check_dataset
-from longspan.config.rules.data_parallel import apply_sharding_strategy, check_distributed_optimizer_instances
+from longspan.config.rules.data_parallel import (
+    apply_sharding_strategy,
+    check_distributed_optimizer_instances,
+    sync_param_gather_switches,
+)
 from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.infra import check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
@@ -201,6 +205,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
     ("ddp.data_parallel_sharding_strategy -> data-parallel mode", _on_config(apply_sharding_strategy)),
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
+    ("parameter all-gather switches in sync (overlap, fp8)", _on_config(sync_param_gather_switches)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
     ("optimizer CPU offload", _on_config(check_optimizer_offload)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),

@@ -100,10 +100,12 @@ class OptimizerConfig:
     """Shard optimizer state across data-parallel ranks (ZeRO-1); copied to ddp.use_distributed_optimizer."""
 
     overlap_param_gather: bool = False
-    """With the distributed optimizer: overlap the parameter all-gather with the forward pass."""
+    """With the distributed optimizer: overlap the parameter all-gather with the forward pass. One switch with
+    ddp.overlap_param_gather (validate() sets both when either is set)."""
 
     overlap_param_gather_with_optimizer_step: bool = False
-    """Overlap the parameter all-gather with the optimizer step (interleaved pipeline)."""
+    """Overlap the parameter all-gather with the optimizer step (interleaved pipeline). Performance hint in
+    longspan: the all-gathers start with each stage's forward; the gathered values are the same."""
 
     optimizer_cpu_offload: bool = False
     """Keep part of the optimizer on the CPU (Megatron's HybridDeviceOptimizer): the offloaded parameters get
@@ -175,13 +177,14 @@ class DistributedDataParallelConfig:
     """Gradient bucket size in elements; None lets the wrapper pick."""
 
     pad_buckets_for_high_nccl_busbw: bool = False
-    """Pad buckets to sizes that give NCCL high bus bandwidth."""
+    """Pad buckets to sizes that give NCCL high bus bandwidth. Performance hint in longspan: torch DDP's buckets
+    reduce the same gradients unpadded."""
 
     average_in_collective: bool = False
     """Average gradients inside the collective instead of dividing before it."""
 
     fp8_param_gather: bool = False
-    """All-gather parameters in FP8."""
+    """All-gather parameters in FP8: switches on model.fp8_param (FSDP2's float8 all-gather; FP8 hardware)."""
 
     use_megatron_fsdp: bool = False
     """Use Megatron's own FSDP implementation."""
@@ -197,10 +200,12 @@ class DistributedDataParallelConfig:
     dist.use_torch_fsdp2 (parameters sharded too)."""
 
     gradient_reduce_div_fusion: bool = True
-    """Fuse the gradient division into the reduction (Megatron FSDP)."""
+    """Fuse the gradient division into the reduction (Megatron FSDP). Performance hint in longspan: FSDP2
+    averages in its reduce-scatter; the gradients are the same."""
 
     suggested_communication_unit_size: Optional[int] = None
-    """Megatron FSDP communication unit size."""
+    """Megatron FSDP communication unit size. Performance hint in longspan: FSDP2 communicates one
+    transformer layer (one fully_shard unit) at a time."""
 
     preserve_fp32_weights: bool = True
     """Keep fp32 master weights (Megatron FSDP)."""

@@ -264,11 +264,12 @@ class CheckpointConfig:
     """Strict loading of fsdp_dtensor checkpoints (Megatron Bridge); not supported yet."""
 
     dist_ckpt_optim_fully_reshardable: bool = False
-    """Fully reshardable distributed-optimizer checkpoints (Megatron Bridge). longspan's optimizer state is
-    name-keyed DCP, reshardable across TP/PP/DP layouts already; not supported as a switch."""
+    """Fully reshardable distributed-optimizer checkpoints (Megatron Bridge). No effect in longspan: the
+    optimizer state is name-keyed DCP, reshardable across TP/PP/DP layouts whatever this says."""
 
     distrib_optim_fully_reshardable_mem_efficient: bool = False
-    """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge); not supported yet."""
+    """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge). No effect in longspan:
+    each rank writes its own shards through DCP without gathering them."""
 
     save_tokenizer_assets: bool = True
     """Save the tokenizer files into each checkpoint (``tokenizer/``); loading a checkpoint without them uses

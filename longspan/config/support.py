@@ -352,7 +352,7 @@ FIELD_STATUS.update(_many("checkpoint", HINT, "dist_ckpt_optim_fully_reshardable
 # DCP's writer threads (one file each), its save-plan cache, the tokenizer files beside the weights.
 FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "storage_writers_per_rank ckpt_assume_constant_structure "
                                                    "save_tokenizer_assets load_main_params_from_ckpt "
-                                                   "dist_ckpt_strictness"))
+                                                   "dist_ckpt_strictness ckpt_convert_format ckpt_convert_save"))
 
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:

@@ -235,10 +235,12 @@ class CheckpointConfig:
     """On-disk format: 'torch_dist' is PyTorch Distributed Checkpoint."""
 
     ckpt_convert_format: Optional[Literal["torch", "torch_dist", "zarr"]] = None
-    """Convert the loaded checkpoint to this format."""
+    """A conversion run: load checkpoint.load, write it in this format to {ckpt_convert_save}/{format} at the
+    loaded iteration, and stop without training. longspan writes 'torch_dist' only ('torch' and 'zarr' are
+    Megatron's legacy formats)."""
 
     ckpt_convert_save: Optional[str] = None
-    """Where the converted checkpoint is saved."""
+    """Directory a conversion run (ckpt_convert_format) writes the converted checkpoint under."""
 
     fully_parallel_save: bool = True
     """Spread the writing of replicated state across data-parallel ranks. Performance hint in longspan:

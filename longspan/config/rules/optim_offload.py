@@ -18,8 +18,10 @@ def check_optimizer_offload(cfg: "ConfigContainer") -> None:
     opt = cfg.optimizer
     fraction = opt.optimizer_offload_fraction
     if not opt.optimizer_cpu_offload:
-        if fraction:
-            raise ConfigError(f"optimizer.optimizer_offload_fraction={fraction} needs optimizer.optimizer_cpu_offload=True")
+        for name, value in (("optimizer_offload_fraction", fraction),
+                            ("overlap_cpu_optimizer_d2h_h2d", opt.overlap_cpu_optimizer_d2h_h2d)):
+            if value:
+                raise ConfigError(f"optimizer.{name}={value} needs optimizer.optimizer_cpu_offload=True")
         return
     if not fraction:
         raise ConfigError("optimizer.optimizer_cpu_offload=True with optimizer.optimizer_offload_fraction=0.0 "

@@ -207,7 +207,8 @@ class CheckpointConfig:
 
     non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
     """Algorithm of local non-persistent checkpoints; in longspan every rank writes all of its own state
-    atomically either way (nothing replicated to de-duplicate), so both values write the same files."""
+    atomically either way (and, with replication, stores its clique peers' files whole), so both values write
+    the same files."""
 
     finetune: bool = False
     """Load only the model weights and start at iteration 0 (no optimizer or RNG state)."""

@@ -128,7 +128,7 @@ def test_bridge_fields_are_checked(overrides: list[str], fragment: str) -> None:
 
 
 @pytest.mark.parametrize("override", [
-    "logger.log_runtime_to_tensorboard=true", "checkpoint.save_tokenizer_assets=false",
+    "logger.log_runtime_to_tensorboard=true", "checkpoint.strict_fsdp_dtensor_load=true",
     "train.check_optimizer_step_success=false",
 ])
 def test_bridge_fields_longspan_does_not_implement_say_so(override: str) -> None:

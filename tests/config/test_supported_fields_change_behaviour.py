@@ -1047,9 +1047,9 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "ddp.data_parallel_sharding_strategy": "tests/config/test_data_parallel_rules.py::test_sharding_strategy_picks_the_mode_that_shards_the_same_state",
     "ddp.num_distributed_optimizer_instances": "tests/config/test_data_parallel_rules.py::test_instances_make_a_replicated_mesh_at_start_up (2 replicas of 1 shard; HSDP parity: tests/parallel/test_layout_parity.py[dp2_hybrid])",
     "optimizer.overlap_param_gather": "tests/config/test_data_parallel_rules.py::test_overlap_param_gather_is_one_switch_on_optimizer_and_ddp (it switches on ddp.overlap_param_gather: tests/perf/test_overlap_param_gather.py)",
-    **{f"checkpoint.{name}": "tests/training/test_checkpoint_conversion.py::test_conversion_writes_the_loaded_state_and_trains_nothing" for name in
+    **{f"checkpoint.{name}": "tests/training/test_checkpoint_loading_fields.py::test_conversion_writes_the_loaded_state_and_trains_nothing" for name in
        "ckpt_convert_format ckpt_convert_save".split()},
-    "checkpoint.dist_ckpt_strictness": "tests/training/test_checkpoint_strictness.py (every mode on key sets; a QK-norm model loads a checkpoint without them under log_all, the default stops)",
+    "checkpoint.dist_ckpt_strictness": "tests/training/test_checkpoint_loading_fields.py (every mode on key sets; a QK-norm model loads a checkpoint without them under log_all, the default stops)",
     "checkpoint.load_main_params_from_ckpt": "tests/training/test_load_main_params.py::test_main_params_follow_the_weights_or_come_from_the_checkpoint (main params finer than the bf16 weights)",
 }
 

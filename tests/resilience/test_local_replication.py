@@ -1,7 +1,8 @@
 """Replicated local non-persistent checkpoints (checkpoint.replication): a 2-rank run saves locally every 2
 iterations with each rank's file replicated to its peer, crashes in iteration 6, and then rank 1 loses its whole
 node-local directory (its own file and its replica of rank 0). The same command again restores rank 1's file from
-rank 0's replica, resumes from iteration 4 and matches an uninterrupted run bit for bit (dropout on)."""
+rank 0's replica, resumes from iteration 4, and iteration 5 comes out bit for bit as before the crash (dropout on:
+model, optimizer, RNG and data position all restored)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.slow
 ITERS = 6
 
 
-def _lose_one_rank_and_resume(root: str) -> tuple[dict, dict, list, list]:
+def _lose_one_rank_and_resume(root: str) -> tuple[dict, list, list]:
     import os
     import shutil
 
@@ -28,7 +29,6 @@ def _lose_one_rank_and_resume(root: str) -> tuple[dict, dict, list, list]:
         cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.1
         return cfg
 
-    pretrain(config("ref"))
     cfg = config("np")
     cfg.checkpoint.non_persistent_ckpt_type = "local"
     cfg.checkpoint.non_persistent_save_interval = 2
@@ -51,18 +51,16 @@ def _lose_one_rank_and_resume(root: str) -> tuple[dict, dict, list, list]:
         shutil.rmtree(rank_dir)  # the node of rank 1 lost its local storage
     pretrain(cfg)  # the same command again
     restored = local_iterations(cfg.checkpoint) if rank == 1 else None
-    return logged(f"{root}/ref"), logged(f"{root}/np"), held, restored
+    return logged(f"{root}/np"), held, restored
 
 
 def test_lost_local_checkpoint_comes_back_from_its_replica(pool2, tmp_path) -> None:
-    results = pool2.run(_lose_one_rank_and_resume, str(tmp_path), timeout=300)
-    (ref, got, held0, _), (_, _, held1, restored1) = results
-    assert held0 == ["iter_0000004.pt", "replica_of_rank1/iter_0000004.pt"]  # older saves cleaned up
+    (got, held0, _), (_, held1, restored1) = pool2.run(_lose_one_rank_and_resume, str(tmp_path), timeout=300)
+    assert held0 == ["iter_0000004.pt", "replica_of_rank1/iter_0000004.pt"]  # the saves of 2 cleaned up
     assert held1 == ["iter_0000004.pt", "replica_of_rank0/iter_0000004.pt"]
     assert restored1 == [6]  # iteration 4 came back from rank 0, and the finished run saved 6
-    assert got["iterations"] == list(range(1, 6)) + list(range(5, ITERS + 1))  # resumed from 4
-    final = dict(zip(got["iterations"], got["losses"]))
-    assert [final[i] for i in range(1, ITERS + 1)] == ref["losses"]  # bit-exact, dropout on
+    assert got["iterations"] == [1, 2, 3, 4, 5, 5, 6]  # resumed from 4: iteration 5 ran again
+    assert got["losses"][5] == got["losses"][4] and got["norms"][5] == got["norms"][4]  # bit-exact, dropout on
 
 
 def test_cliques_follow_jump_and_factor(monkeypatch) -> None:

@@ -228,7 +228,8 @@ CHECKPOINT_OPTIM_DDP_REASONS: dict[str, str] = {
     "ddp.use_custom_fsdp": "deprecated name of use_megatron_fsdp: longspan shards with PyTorch FSDP2",
     "ddp.preserve_fp32_weights": "longspan always keeps fp32 main weights for low-precision parameters; False "
                                  "(Megatron-FSDP updating the low-precision weights in place) is not built",
-    "ddp.keep_fp8_transpose_cache": "a TransformerEngine FP8 weight-transpose cache; torchao's float8 linears keep none",
+    "ddp.keep_fp8_transpose_cache": "a TransformerEngine FP8 weight-transpose cache; torchao's float8 linears keep "
+                                    "none",
     "ddp.nccl_ub": "registers Megatron-FSDP's buffers as NCCL user buffers (NVLS/SHARP); FSDP2 allocates its own "
                    "communication buffers and torch has no switch for registering them",
     "ddp.fsdp_double_buffer": "Megatron-FSDP's persistent double buffer for all-gathers (with nccl_ub); FSDP2 "

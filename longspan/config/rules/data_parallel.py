@@ -58,13 +58,15 @@ def sync_param_gather_switches(cfg: "ConfigContainer") -> None:
     if opt.overlap_param_gather != ddp.overlap_param_gather:
         source = "optimizer" if opt.overlap_param_gather else "ddp"
         opt.overlap_param_gather = ddp.overlap_param_gather = True
-        print_rank_0(f"{source}.overlap_param_gather=True: set on both optimizer and ddp (one switch in Megatron)", logger)
+        print_rank_0(f"{source}.overlap_param_gather=True: set on both optimizer and ddp (one switch in Megatron)",
+                     logger)
     if ddp.fp8_param_gather and not getattr(cfg.model, "fp8_param", False):
         if not hasattr(cfg.model, "fp8_param"):
-            raise ConfigError(f"ddp.fp8_param_gather=True needs a model with FP8 parameters; {type(cfg.model).__name__} "
-                              "has none: set ddp.fp8_param_gather=false")
+            raise ConfigError(f"ddp.fp8_param_gather=True needs a model with FP8 parameters; "
+                              f"{type(cfg.model).__name__} has none: set ddp.fp8_param_gather=false")
         cfg.model.fp8_param = True
-        print_rank_0("ddp.fp8_param_gather=True: model.fp8_param set to True (FSDP2 all-gathers float8 weights)", logger)
+        print_rank_0("ddp.fp8_param_gather=True: model.fp8_param set to True (FSDP2 all-gathers float8 weights)",
+                     logger)
 
 
 def check_distributed_optimizer_instances(cfg: "ConfigContainer", data_parallel_size: int) -> None:

@@ -72,8 +72,8 @@ def _check_conversion(c: Any) -> None:
     """A conversion run names its target format (torch_dist: the one longspan writes), directory and source."""
     if c.ckpt_convert_format is None:
         if c.ckpt_convert_save is not None:
-            raise ConfigError(f"checkpoint.ckpt_convert_save={c.ckpt_convert_save!r} needs checkpoint.ckpt_convert_format "
-                              "('torch_dist')")
+            raise ConfigError(f"checkpoint.ckpt_convert_save={c.ckpt_convert_save!r} needs "
+                              "checkpoint.ckpt_convert_format ('torch_dist')")
         return
     if c.ckpt_convert_format != "torch_dist":
         raise NotSupportedError(

@@ -146,7 +146,8 @@ def restore_missing(ckpt_cfg: Any, iteration: int, inventories: list[dict[str, A
     for rank, inv in enumerate(inventories):
         if iteration in inv["own"]:
             continue
-        holders = [p for p in clique_of(rank, world, jump, factor) if iteration in inventories[p]["replicas"].get(rank, ())]
+        holders = [p for p in clique_of(rank, world, jump, factor)
+                   if iteration in inventories[p]["replicas"].get(rank, ())]
         if holders and holders[0] == me:
             outgoing[rank] = (replica_dir(rank_dir, rank) / name).read_bytes()
     received = _exchange(outgoing)

@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["CpuOffloadOptimizer", "offloaded_parameters"]
+__all__ = ["CpuOffloadOptimizer", "offload_optimizer", "offloaded_parameters"]
 
 
 def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
@@ -55,8 +55,9 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
         overlap_copies: issue the copies on a side CUDA stream (CUDA only).
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 fraction: float, pin_params: bool = True, pin_grads: bool = True, overlap_copies: bool = False) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]],
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], fraction: float,
+                 pin_params: bool = True, pin_grads: bool = True, overlap_copies: bool = False) -> None:
         super().__init__(param_groups, defaults={})
         params = [p for group in self.param_groups for p in group["params"]]
         if DTensor is not None and any(isinstance(p, DTensor) for p in params):
@@ -195,3 +196,15 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
             own = part.state_dict()
             part.load_state_dict({"state": part_state, "param_groups": own["param_groups"]})
         self._share_state()
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, config: Any,
+                      make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> CpuOffloadOptimizer:
+    """``optimizer``'s param groups split as ``optimizer_offload_fraction`` says, each part built by
+    ``make_optimizer``; the pin and overlap switches from ``config`` (an OptimizerConfig)."""
+    return CpuOffloadOptimizer(
+        optimizer.param_groups, make_optimizer, float(getattr(config, "optimizer_offload_fraction", 0.0)),
+        pin_params=bool(getattr(config, "pin_cpu_params", True)),
+        pin_grads=bool(getattr(config, "pin_cpu_grads", True)),
+        overlap_copies=bool(getattr(config, "overlap_cpu_optimizer_d2h_h2d", False)),
+    )

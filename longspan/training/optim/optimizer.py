@@ -33,7 +33,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
-from longspan.training.optim.cpu_offload import CpuOffloadOptimizer
+from longspan.training.optim.cpu_offload import offload_optimizer
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
@@ -535,17 +535,9 @@ def get_megatron_optimizer(
     optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
     grad_scaler = _grad_scaler(config, all_params[0].device)
     megatron_optimizer = MegatronOptimizer(optimizer, config, grad_scaler)
-    if offload:
-        # Built over the groups as MegatronOptimizer left them: fp32 main copies in place of low-precision params.
-        def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            return _torch_optimizer(config, name, False, groups, _fast_kernels([p for g in groups for p in g["params"]]))
-
-        megatron_optimizer.optimizer = CpuOffloadOptimizer(
-            optimizer.param_groups, make, float(getattr(config, "optimizer_offload_fraction", 0.0)),
-            pin_params=bool(getattr(config, "pin_cpu_params", True)),
-            pin_grads=bool(getattr(config, "pin_cpu_grads", True)),
-            overlap_copies=bool(getattr(config, "overlap_cpu_optimizer_d2h_h2d", False)),
-        )
+    if offload:  # over the groups MegatronOptimizer left: fp32 main copies in place of low-precision params
+        megatron_optimizer.optimizer = offload_optimizer(optimizer, config, lambda groups: _torch_optimizer(
+            config, name, False, groups, _fast_kernels([p for g in groups for p in g["params"]])))
     return megatron_optimizer
 
 

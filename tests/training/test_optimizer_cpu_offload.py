@@ -1,7 +1,7 @@
 """Optimizer CPU offload (optimizer.optimizer_cpu_offload, optimizer_offload_fraction): the offloaded part's
 state lives on separate host copies and steps there, and the updates equal the plain optimizer's; its state
 dict is the plain optimizer's (checkpoints load either way); a training run's losses match, and a resume from a
-checkpoint written with offload is bit-exact."""
+checkpoint written with offload is bit-exact; under FSDP2 each rank offloads its shards and the losses match."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from longspan.training.optim.cpu_offload import CpuOffloadOptimizer, offloaded_parameters
 from longspan.training.optim.optimizer import get_megatron_optimizer
 from tests.training.pretrain_helpers import losses_by_iteration, tiniest_config
+from tests.parallel.conftest import pool2  # noqa: F401 - the 2-process pool
 from tests.training.test_optimizer import fill_grads, opt_config, tiny
 
 OFFLOAD = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, pin_cpu_params=True, pin_cpu_grads=True,
@@ -144,9 +145,10 @@ def test_planner_moves_the_offloaded_state_to_the_host(tmp_path) -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"optimizer_offload_fraction": 0.5}, "optimizer.optimizer_offload_fraction=0.5 needs optimizer.optimizer_cpu_offload=True"),
     ({"optimizer_cpu_offload": True}, "optimizer_offload_fraction=0.0 offloads nothing"),
-    ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5, "use_distributed_optimizer": True},
-     "not supported yet with sharded parameters (optimizer.use_distributed_optimizer=True)"),
-], ids=["fraction-alone", "nothing-offloaded", "sharded"])
+    ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5, "use_precision_aware_optimizer": True,
+      "use_distributed_optimizer": True},
+     "not supported yet with optimizer.use_precision_aware_optimizer=True"),
+], ids=["fraction-alone", "nothing-offloaded", "precision-aware"])
 def test_offload_settings_that_cannot_work_are_one_line_errors(tmp_path, fields, message) -> None:
     from longspan.core.errors import ConfigError
 
@@ -155,3 +157,51 @@ def test_offload_settings_that_cannot_work_are_one_line_errors(tmp_path, fields,
         setattr(cfg.optimizer, name, value)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg.validate(world_size=1)
+
+
+
+def _fsdp2_offload_case() -> dict:
+    """Two FSDP2 models of the same initial weights on this rank's mesh, one with half its optimizer offloaded:
+    per-iteration losses of each, and where the offloaded state lives."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from longspan.models.gpt import build_gpt_model, init_weights
+    from longspan.parallel.parallelize import parallelize_model
+    from tests.parallel.layout_training import build_layout_model, train_on_global_batches
+    from tests.parallel.test_layout_parity import GBS, MBS, global_batches, tiny_config
+
+    cfg = tiny_config(fsdp2=True, seq=16)
+    parallel, model, optimizer = build_layout_model(cfg)
+    cfg.optimizer.optimizer_cpu_offload, cfg.optimizer.optimizer_offload_fraction = True, 0.5
+    offload_model = parallelize_model(build_gpt_model(cfg.model, materialize=False), cfg, parallel)
+    init_weights(offload_model, seed=cfg.rng.seed, device=parallel.device)
+    offload_model.train()
+    offload = get_megatron_optimizer(cfg.optimizer, [offload_model])
+    batches = global_batches(2, seq=cfg.model.seq_length)
+    plain_losses, _ = train_on_global_batches(model, optimizer, parallel, batches, GBS, MBS)
+    offload_losses, _ = train_on_global_batches(offload_model, offload, parallel, batches, GBS, MBS)
+    inner = offload.optimizer
+    param, host = next(iter(inner.host_copy.items()))
+    saved = get_optimizer_state_dict(offload_model, inner)["state"]
+    before = inner.host_optimizer.state[host]["exp_avg"].clone()
+    inner.load_state_dict(copy.deepcopy(inner.state_dict()))  # sharded state back into the host part
+    reloaded = inner.host_optimizer.state[host]["exp_avg"]
+    return {
+        "reloaded": not isinstance(reloaded, DTensor) and reloaded.device.type == "cpu" and torch.equal(reloaded, before),
+        "plain": plain_losses, "offload": offload_losses, "host_steps": inner.host_steps,
+        "sharded": isinstance(param, DTensor) and host.shape == param.to_local().shape != param.shape,
+        "state_on_host": all(v.to_local().device.type == "cpu" and v.to_local().data_ptr() == host_state.data_ptr()
+                             for v, host_state in ((offload.state[param][k], inner.host_optimizer.state[host][k])
+                                                   for k in ("exp_avg", "exp_avg_sq"))),
+        "saved_sharded": all(isinstance(v["exp_avg"], DTensor) for v in saved.values()),
+    }
+
+
+def test_fsdp2_shards_offload_and_match_the_plain_optimizer(pool2) -> None:  # noqa: F811 - the pool fixture
+    for r in pool2.run(_fsdp2_offload_case, timeout=240):
+        assert r["host_steps"] == 2 and r["sharded"] and r["state_on_host"]
+        assert r["saved_sharded"] and r["reloaded"]
+        for got, want in zip(r["offload"], r["plain"]):
+            assert abs(got - want) <= 1e-5 * abs(want)

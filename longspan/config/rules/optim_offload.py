@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def check_optimizer_offload(cfg: "ConfigContainer") -> None:
-    """An offload that offloads something, without sharded parameters (the host copies are whole tensors)."""
+    """An offload that offloads something, not with the precision-aware optimizer."""
     opt = cfg.optimizer
     fraction = opt.optimizer_offload_fraction
     if not opt.optimizer_cpu_offload:
@@ -29,15 +29,3 @@ def check_optimizer_offload(cfg: "ConfigContainer") -> None:
     if opt.use_precision_aware_optimizer:
         raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported yet with "
                                 "optimizer.use_precision_aware_optimizer=True: set one of them to False")
-    m = cfg.model
-    sharded = [f"model.{name}={getattr(m, name)}"
-               for name in ("tensor_model_parallel_size", "expert_model_parallel_size") if (getattr(m, name, 1) or 1) > 1]
-    if getattr(cfg.dist, "use_torch_fsdp2", False):
-        sharded.append("dist.use_torch_fsdp2=True")
-    if opt.use_distributed_optimizer:
-        sharded.append("optimizer.use_distributed_optimizer=True")
-    if sharded:
-        raise NotSupportedError(
-            "optimizer.optimizer_cpu_offload=True is not supported yet with sharded parameters "
-            f"({', '.join(sharded)}): use it with DDP, pipeline or context parallelism, or one process"
-        )

@@ -112,8 +112,8 @@ class OptimizerConfig:
     float32 host copies whose state and update live on the CPU; needs optimizer_offload_fraction > 0."""
 
     optimizer_offload_fraction: float = 0.0
-    """Fraction of the parameters' elements (the first ones in param-group order) whose optimizer state and
-    update are on the CPU, in [0, 1]."""
+    """Fraction of the rank's parameter elements (the first parameters in param-group order; of a sharded
+    parameter, the rank's shard) whose optimizer state and update are on the CPU, in [0, 1]."""
 
     use_torch_optimizer_for_cpu_offload: bool = False
     """Use a torch optimizer for the offloaded part. Performance hint in longspan: the offloaded part always

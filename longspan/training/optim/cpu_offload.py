@@ -6,7 +6,9 @@ optimizer state lives next to that copy and their update runs there, on the CPU,
 Each step copies their gradients to the host (device to host), steps both parts, and copies the updated
 host parameters back (host to device). The rest steps where it lives, as without offload.
 
-On a CPU-only machine the host copies are still separate tensors and the offloaded part still steps on its
+A sharded parameter (FSDP2, the distributed optimizer, tensor parallel) offloads this rank's shard: the host
+copy is the local shard, and ``state`` shows the host state laid out as DTensors like the parameter, so
+checkpoints stay sharded. On a CPU-only machine the host copies are still separate tensors and the offloaded part still steps on its
 own, so the path runs and is tested everywhere. Pinned host buffers (``pin_cpu_params``, ``pin_cpu_grads``)
 and copies on a side stream (``overlap_cpu_optimizer_d2h_h2d``) apply only with CUDA.
 
@@ -32,14 +34,20 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
 __all__ = ["CpuOffloadOptimizer", "offload_optimizer", "offloaded_parameters"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, else ``t`` itself."""
+    return t._local_tensor if DTensor is not None and isinstance(t, DTensor) else t
+
+
 def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
-    """Megatron's choice: parameters in order while fewer than ``fraction`` of all elements are offloaded."""
-    threshold = fraction * sum(p.numel() for p in params)
+    """Megatron's choice: parameters in order while fewer than ``fraction`` of this rank's elements (its shards
+    of sharded parameters) are offloaded."""
+    threshold = fraction * sum(_local(p).numel() for p in params)
     chosen, count = [], 0
     for param in params:
         if count < threshold:
             chosen.append(param)
-            count += param.numel()
+            count += _local(param).numel()
     return chosen
 
 
@@ -60,20 +68,16 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
                  pin_params: bool = True, pin_grads: bool = True, overlap_copies: bool = False) -> None:
         super().__init__(param_groups, defaults={})
         params = [p for group in self.param_groups for p in group["params"]]
-        if DTensor is not None and any(isinstance(p, DTensor) for p in params):
-            raise NotSupportedError(
-                "optimizer.optimizer_cpu_offload=True is not supported yet with sharded parameters (tensor parallel "
-                "or FSDP2); use it with DDP or one process"
-            )
         cuda = torch.cuda.is_available()
         self._pin_grads = pin_grads and cuda
         self._stream = torch.cuda.Stream() if overlap_copies and cuda else None
         self.host_copy: dict[torch.Tensor, torch.Tensor] = {}
-        for param in offloaded_parameters(params, fraction):
-            host = torch.empty(param.shape, dtype=torch.float32, device="cpu", pin_memory=pin_params and cuda)
-            host.copy_(param.detach())
+        for param in offloaded_parameters(params, fraction):  # a sharded parameter: a copy of this rank's shard
+            local = _local(param)
+            host = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=pin_params and cuda)
+            host.copy_(local.detach())
             self.host_copy[param] = host
-        self._seen_version = {param: param._version for param in self.host_copy}
+        self._seen_version = {param: _local(param)._version for param in self.host_copy}
         self.host_steps = 0  # updates the host part has made
 
         def split(on_host: bool) -> list[dict[str, Any]]:
@@ -110,9 +114,10 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
     def _refresh_changed_params(self) -> None:
         """Host copies of parameters written outside the optimizer since its last update."""
         for param, host in self.host_copy.items():
-            if param._version != self._seen_version[param]:
-                host.copy_(param.detach())
-                self._seen_version[param] = param._version
+            local = _local(param)
+            if local._version != self._seen_version[param]:
+                host.copy_(local.detach())
+                self._seen_version[param] = local._version
 
     def _copy_grads_to_host(self) -> None:
         for param, host in self.host_copy.items():
@@ -121,13 +126,14 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
                 continue
             if host.grad is None:
                 host.grad = torch.empty(host.shape, dtype=torch.float32, device="cpu", pin_memory=self._pin_grads)
-            host.grad.copy_(param.grad, non_blocking=self._pin_grads)
+            host.grad.copy_(_local(param.grad), non_blocking=self._pin_grads)
 
     def _copy_params_to_device(self) -> None:
         with torch.no_grad():
             for param, host in self.host_copy.items():
-                param.copy_(host, non_blocking=self._pin_grads)
-                self._seen_version[param] = param._version
+                local = _local(param)
+                local.copy_(host, non_blocking=self._pin_grads)
+                self._seen_version[param] = local._version
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -162,13 +168,19 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state under the original parameters
     def _share_state(self) -> None:
-        """``self.state[p]`` is the very state dict of p's part (host state for offloaded parameters)."""
+        """``self.state[p]`` is the very state dict of p's part (host state for offloaded parameters); for a
+        sharded parameter the host state's shards are laid out as DTensors like the parameter (checkpoints
+        save them sharded, as without offload), sharing the host storage."""
         self._original = {host: param for param, host in self.host_copy.items()}
         for param in (p for g in self.param_groups for p in g["params"]):
             part, inner = ((self.host_optimizer, self.host_copy[param]) if param in self.host_copy
                            else (self.device_optimizer, param))
-            if inner in part.state:
-                self.state[param] = part.state[inner]
+            if inner not in part.state:
+                continue
+            entries = part.state[inner]
+            if inner is not param and DTensor is not None and isinstance(param, DTensor):
+                entries = {k: _as_shard_of(param, v) for k, v in entries.items()}
+            self.state[param] = entries
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain optimizer's state dict: the groups' hyperparameters here, each parameter's state into its
@@ -192,10 +204,20 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
                 param = index_of[index]
                 if (param in self.host_copy) == on_host:
                     inner = self.host_copy[param] if on_host else param
+                    if on_host:  # sharded state arrives as DTensors: the host part keeps this rank's shards
+                        entries = {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
                     part_state[position[id(inner)]] = entries
             own = part.state_dict()
             part.load_state_dict({"state": part_state, "param_groups": own["param_groups"]})
         self._share_state()
+
+
+def _as_shard_of(param: Any, value: Any) -> Any:
+    """A host state tensor shaped like ``param``'s local shard, as a DTensor laid out like ``param``."""
+    if not isinstance(value, torch.Tensor) or value.shape != _local(param).shape or not value.dim():
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, config: Any,

@@ -70,6 +70,7 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         cuda = torch.cuda.is_available()
         self._pin_grads = pin_grads and cuda
+        self._async_h2d = pin_params and cuda  # copies from pinned host memory may run asynchronously
         self._stream = torch.cuda.Stream() if overlap_copies and cuda else None
         self.host_copy: dict[torch.Tensor, torch.Tensor] = {}
         for param in offloaded_parameters(params, fraction):  # a sharded parameter: a copy of this rank's shard
@@ -86,7 +87,7 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
                 chosen = [self.host_copy[p] if on_host else p for p in group["params"]
                           if (p in self.host_copy) == on_host]
                 if chosen:
-                    groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": chosen})
+                    groups.append({**_hyperparameters(group), "params": chosen})
             return groups
 
         device_groups, host_groups = split(False), split(True)
@@ -102,7 +103,7 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
                 continue
             for part_group in part.param_groups:
                 owner = self._group_of(part_group["params"][0])
-                part_group.update({k: v for k, v in owner.items() if k != "params"})
+                part_group.update(_hyperparameters(owner))
 
     def _group_of(self, tensor: torch.Tensor) -> dict[str, Any]:
         original = self._original.get(tensor, tensor)
@@ -132,7 +133,7 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for param, host in self.host_copy.items():
                 local = _local(param)
-                local.copy_(host, non_blocking=self._pin_grads)
+                local.copy_(host, non_blocking=self._async_h2d)
                 self._seen_version[param] = local._version
 
     @torch.no_grad()
@@ -210,6 +211,12 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
             own = part.state_dict()
             part.load_state_dict({"state": part_state, "param_groups": own["param_groups"]})
         self._share_state()
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's settings for a part: not its params, and not the kernel choice (each part picks its own for
+    its device: fused on the host, whatever the device's tensors allow there)."""
+    return {k: v for k, v in group.items() if k not in ("params", "fused", "foreach")}
 
 
 def _as_shard_of(param: Any, value: Any) -> Any:

@@ -10,8 +10,6 @@ import pytest
 
 from tests.parallel.test_layout_parity import logged, pretrain_config
 
-pytestmark = pytest.mark.slow
-
 ITERS = 6
 
 
@@ -54,6 +52,7 @@ def _lose_one_rank_and_resume(root: str) -> tuple[dict, list, list]:
     return logged(f"{root}/np"), held, restored
 
 
+@pytest.mark.slow
 def test_lost_local_checkpoint_comes_back_from_its_replica(pool2, tmp_path) -> None:
     (got, held0, _), (_, held1, restored1) = pool2.run(_lose_one_rank_and_resume, str(tmp_path), timeout=300)
     assert held0 == ["iter_0000004.pt", "replica_of_rank1/iter_0000004.pt"]  # the saves of 2 cleaned up

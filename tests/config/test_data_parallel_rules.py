@@ -59,6 +59,7 @@ def _mesh_of_a_run(overrides: list[str]) -> tuple[int, int]:
     return parallel.dp_replicate_size, parallel.dp_shard_size
 
 
+@pytest.mark.slow
 def test_instances_make_a_replicated_mesh_at_start_up(pool2) -> None:  # noqa: F811 - the pool fixture
     assert pool2.run(_mesh_of_a_run, ["ddp.num_distributed_optimizer_instances=2", "dist.use_torch_fsdp2=true"],
                      timeout=120) == [(2, 1), (2, 1)]

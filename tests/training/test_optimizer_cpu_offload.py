@@ -199,6 +199,7 @@ def _fsdp2_offload_case() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_fsdp2_shards_offload_and_match_the_plain_optimizer(pool2) -> None:  # noqa: F811 - the pool fixture
     for r in pool2.run(_fsdp2_offload_case, timeout=240):
         assert r["host_steps"] == 2 and r["sharded"] and r["state_on_host"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from longspan.config.rules.model import MAMBA_NOT_SUPPORTED_REASONS, T5_NOT_SUPPORTED_REASONS
 from longspan.config.types import is_derived_field, yaml_fields
 from longspan.core.errors import NotSupportedError
 
@@ -216,6 +217,26 @@ FIELD_STATUS: dict[str, str] = {
     # In-process restart (resilience/inprocess.py): a stalled rank is found by hard_timeout (and heartbeats) and
     # replaced; nvidia-resiliency-ext's soft timeout (interrupting a live rank) and warm reserve ranks are not built.
     **_many("inprocess_restart", NOT_SUPPORTED, "soft_timeout active_world_size"),
+}
+
+# Why the checkpoint, optimizer and ddp fields that stay "not supported yet" do: one line each (the coordinator
+# folds these into NOT_SUPPORTED_REASONS).
+CHECKPOINT_OPTIM_DDP_REASONS: dict[str, str] = {
+    "checkpoint.strict_fsdp_dtensor_load": "applies to Megatron-FSDP's fsdp_dtensor checkpoints; longspan writes "
+                                           "torch_dist (DCP), whose mismatches checkpoint.dist_ckpt_strictness handles",
+    "ddp.use_megatron_fsdp": "Megatron's own FSDP implementation; longspan shards with PyTorch FSDP2 "
+                             "(dist.use_torch_fsdp2, ddp.data_parallel_sharding_strategy)",
+    "ddp.use_custom_fsdp": "deprecated name of use_megatron_fsdp: longspan shards with PyTorch FSDP2",
+    "ddp.preserve_fp32_weights": "longspan always keeps fp32 main weights for low-precision parameters; False "
+                                 "(Megatron-FSDP updating the low-precision weights in place) is not built",
+    "ddp.keep_fp8_transpose_cache": "a TransformerEngine FP8 weight-transpose cache; torchao's float8 linears keep "
+                                    "none",
+    "ddp.nccl_ub": "registers Megatron-FSDP's buffers as NCCL user buffers (NVLS/SHARP); FSDP2 allocates its own "
+                   "communication buffers and torch has no switch for registering them",
+    "ddp.fsdp_double_buffer": "Megatron-FSDP's persistent double buffer for all-gathers (with nccl_ub); FSDP2 "
+                              "allocates each unit's all-gather buffer itself",
+    "ddp.delay_wgrad_compute": "splits TransformerEngine's weight-gradient GEMMs out of the backward pass to overlap "
+                               "them with MoE all-to-all; torch's autograd computes them in the backward pass",
 }
 
 # Mamba and hybrid models: longspan.models.mamba (MambaProvider).
@@ -437,12 +458,78 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "DirectHFSFTDatasetConfig.in_batch_packing_pad_to_multiple_of": "only meaningful with enable_in_batch_packing",
 }
 
+# Vision-language models: the layouts their plans do not cover yet.
+_VLM_SPLIT = ("the vision-language pipeline split puts the vision tower on the first stage and the language model's "
+              "layers evenly; uneven and virtual splits are not built for it")
+_VLM_NO_MTP = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
+for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
+    NOT_SUPPORTED_REASONS.update({
+        f"{_vlm}.sequence_parallel": ("image embeddings are merged into the whole-sequence token embeddings; the "
+                                      "sequence-parallel split after that merge is not built for vision-language models"),
+        f"{_vlm}.context_parallel_size": ("an image's tokens (and their positions) must stay on one rank; the "
+                                          "context-parallel split is not built for vision-language models"),
+        f"{_vlm}.virtual_pipeline_model_parallel_size": _VLM_SPLIT,
+        f"{_vlm}.num_layers_in_first_pipeline_stage": _VLM_SPLIT,
+        f"{_vlm}.num_layers_in_last_pipeline_stage": _VLM_SPLIT,
+        f"{_vlm}.account_for_embedding_in_pipeline_split": _VLM_SPLIT,
+        f"{_vlm}.account_for_loss_in_pipeline_split": _VLM_SPLIT,
+        f"{_vlm}.mtp_num_layers": _VLM_NO_MTP,
+        f"{_vlm}.mtp_loss_scaling_factor": _VLM_NO_MTP,
+    })
+NOT_SUPPORTED_REASONS.update({
+    "Qwen25VLModelProvider.expert_model_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
+    "Qwen25VLModelProvider.expert_tensor_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
+    "Gemma3VLModelProvider.mtp_enabled": _VLM_NO_MTP,
+    "Gemma3VLModelProvider.tensor_model_parallel_size": (
+        "the tensor-parallel plan does not cover Gemma 3's SigLIP tower and image mask yet"),
+    "Gemma3VLModelProvider.pipeline_model_parallel_size": (
+        "the pipeline split does not place Gemma 3's SigLIP tower and image mask yet"),
+    "MambaProvider.mtp_loss_scaling_factor": "multi-token prediction depths are built for GPTModel only",
+})
+
+# The model families' own reasons live beside their checks (config.rules.model); the checkpoint, optimizer and
+# ddp ones above.
+NOT_SUPPORTED_REASONS.update(T5_NOT_SUPPORTED_REASONS)
+NOT_SUPPORTED_REASONS.update({f"MambaProvider.{name}": why for name, (_, why) in MAMBA_NOT_SUPPORTED_REASONS.items()})
+NOT_SUPPORTED_REASONS.update(CHECKPOINT_OPTIM_DDP_REASONS)
+
 
 def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:
     """The one-line reason ``section.name`` (of config class ``cls_name``) is not supported, if one is given."""
     if cls_name and f"{cls_name}.{name}" in NOT_SUPPORTED_REASONS:
         return NOT_SUPPORTED_REASONS[f"{cls_name}.{name}"]
     return NOT_SUPPORTED_REASONS.get(f"{section}.{name}")
+# Checkpoint, optimizer and ddp switches (longspan.training.checkpointing.replication: local checkpoints
+# replicated to clique peers).
+FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "replication replication_jump replication_factor"))
+# Optimizer CPU offload (longspan.training.optim.cpu_offload): pinned host buffers and copies on a side stream
+# need CUDA; the offloaded part always steps with torch's own optimizer.
+FIELD_STATUS.update(_many("optimizer", SUPPORTED, "optimizer_cpu_offload optimizer_offload_fraction "
+                                                  "apply_wd_to_qk_layernorm"))
+FIELD_STATUS.update(_many("optimizer", DEVICE, "pin_cpu_grads pin_cpu_params overlap_cpu_optimizer_d2h_h2d"))
+FIELD_STATUS.update(_many("optimizer", HINT, "use_torch_optimizer_for_cpu_offload"))
+# Megatron-FSDP's strategies mapped onto the distributed optimizer / FSDP2 (config/rules/data_parallel.py); replicas
+# of the sharded optimizer as HSDP. align_param_gather: torch.distributed.pipelining runs each stage's FSDP2
+# all-gather when that stage's forward starts; launching them together changes when, not what, is gathered.
+FIELD_STATUS.update(_many("ddp", SUPPORTED, "data_parallel_sharding_strategy num_distributed_optimizer_instances"))
+FIELD_STATUS.update(_many("ddp", HINT, "align_param_gather"))
+# One Megatron switch each: optimizer.overlap_param_gather mirrors ddp's, ddp.fp8_param_gather switches on
+# model.fp8_param (config/rules/data_parallel.py). Communication layout switches that change no maths: the
+# interleaved pipeline's all-gather during the optimizer step, NCCL bucket padding, Megatron-FSDP's fused division
+# and communication unit size.
+FIELD_STATUS.update(_many("optimizer", SUPPORTED, "overlap_param_gather"))
+FIELD_STATUS.update(_many("ddp", DEVICE, "fp8_param_gather"))
+FIELD_STATUS.update(_many("optimizer", HINT, "overlap_param_gather_with_optimizer_step"))
+FIELD_STATUS.update(_many("ddp", HINT, "pad_buckets_for_high_nccl_busbw gradient_reduce_div_fusion "
+                                       "suggested_communication_unit_size"))
+# DCP checkpoints are always fully reshardable (optimizer state keyed by parameter name, each rank writing its
+# own shards without gathering): the two switches asking for it change nothing here.
+FIELD_STATUS.update(_many("checkpoint", HINT, "dist_ckpt_optim_fully_reshardable "
+                                              "distrib_optim_fully_reshardable_mem_efficient"))
+# DCP's writer threads (one file each), its save-plan cache, the tokenizer files beside the weights.
+FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "storage_writers_per_rank ckpt_assume_constant_structure "
+                                                   "save_tokenizer_assets load_main_params_from_ckpt "
+                                                   "dist_ckpt_strictness ckpt_convert_format ckpt_convert_save"))
 
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:

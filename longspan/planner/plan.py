@@ -16,6 +16,9 @@ Megatron's theoretical memory report as a search over layouts. For each (tp, pp,
   apart, MoE routing's own tensors added (``longspan.planner.activations``); times the microbatches in
   flight on the stage (1F1B: ``min(pp - rank, microbatches)``). Full recompute keeps each recomputed
   layer's input plus one layer's (or one recompute group's) activations during backward.
+- **optimizer CPU offload** (``optimizer.optimizer_cpu_offload``): the offloaded fraction of the optimizer state
+  and of the step's temporaries leaves the device; ``host`` counts what it takes in host memory instead (the
+  state, a float32 copy of each offloaded parameter and of its gradient).
 - **buffers**: the optimizer step's temporaries (one float32 copy of the rank's optimizer-sharded
   parameters), one layer's activation gradients in backward, and the gathered FSDP2 layer.
 
@@ -90,6 +93,7 @@ class RankMemory:
     activations: float
     buffers: float
     peak: float
+    host: float = 0.0  # host memory of the offloaded optimizer part (not in peak: it is not on the device)
 
     @property
     def total(self) -> float:
@@ -318,6 +322,7 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
     if getattr(cfg.optimizer, "use_precision_aware_optimizer", False):  # main params and moments in their dtypes
         main_bytes = 0 if pb == 4 else dtype_bytes(cfg.optimizer.main_params_dtype)
         state_bytes = dtype_bytes(cfg.optimizer.exp_avg_dtype) + dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)
+    offloaded = float(cfg.optimizer.optimizer_offload_fraction) if cfg.optimizer.optimizer_cpu_offload else 0.0
     gbs, mbs = int(cfg.train.global_batch_size), int(cfg.train.micro_batch_size)
     microbatches = max(1, gbs // (mbs * layout.dp))
     stage_of = _stage_of_layers(cfg, layout.pp)
@@ -341,7 +346,8 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
             early_grads = counts["root"]  # the root's unsharded gradients live until the end of backward
         accumulated = (local if mode in ("none", "ddp") else local + shard) if microbatches > 1 else early_grads
         weights = held * pb + shard * main_bytes + counts["nf4"] * NF4_BYTES_PER_PARAM
-        opt = shard * state_bytes
+        opt = shard * state_bytes * (1.0 - offloaded)
+        host = shard * offloaded * (state_bytes + 4 + 4)  # state, float32 parameter and gradient copies
         layers = [n for n, s in stage_of.items() if s == rank]
         in_flight = min(layout.pp - rank, microbatches) if layout.pp > 1 else 1
         per_mb = stage_activations(cfg, parts, layers)
@@ -352,11 +358,11 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
             per_mb += parts["output"]
         activations = in_flight * per_mb
         backward = parts["layer"] + (_output_transient(cfg, layout) if last else 0.0)
-        step = shard * 4  # the optimizer step's float32 temporaries
+        step = shard * 4 * (1.0 - offloaded)  # the optimizer step's float32 temporaries on the device
         base = weights + opt + persistent + runtime
         peak = max(base + activations + backward + accumulated * pb, base + final_grads * pb + step)
         mem = RankMemory(weights, max(accumulated, final_grads) * pb, opt, activations,
-                         persistent + runtime + max(backward, step), peak)
+                         persistent + runtime + max(backward, step), peak, host)
         if best is None or mem.peak > best.peak:
             best = mem
     assert best is not None
@@ -444,4 +450,7 @@ def format_table(rows: list[PlanRow], memory_per_device: float) -> str:
             f"{M.total / GiB:>8.3f} {'yes' if r.fits(memory_per_device) else 'no':>4} {r.step_time_s:>9.4g} "
             f"{r.tokens_per_s_per_device:>10.4g}"
         )
+    host = max((r.memory.host for r in rows), default=0.0)
+    if host:
+        lines.append(f"optimizer CPU offload: up to {host / GiB:.3f} GiB of host memory per rank (not in the columns)")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from longspan.training.observability.progress_log import STARTING_JOB, append_to
 from longspan.training.observability.run_summary import nothing_to_train, print_nothing_to_train, print_run_summary
 from longspan.training.resilience.inprocess import in_supervised_worker
 from longspan.training.utils.train_utils import prepare_forward_step_func
+from longspan.training.checkpointing.convert import convert_loaded_checkpoint
 
 logger = get_logger(__name__)
 
@@ -36,6 +37,10 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
     out = setup(config)
     state = out.state
     try:
+        if config.checkpoint.ckpt_convert_format is not None:  # a conversion run: save what was loaded, stop
+            convert_loaded_checkpoint(state, out.model, out.optimizer, out.scheduler, out.checkpointing_context)
+            _release(state)
+            return state
         # model.attention_backend holds for the whole run: forward, backward, recomputation and evaluation
         with attention_backend_context(getattr(config.model, "attention_backend", "auto"), state.device):
             return _train_and_test(out, forward_step_func)

@@ -128,7 +128,7 @@ def test_bridge_fields_are_checked(overrides: list[str], fragment: str) -> None:
 
 
 @pytest.mark.parametrize("override", [
-    "model.test_mode=true", "checkpoint.save_tokenizer_assets=false",
+    "model.test_mode=true", "checkpoint.strict_fsdp_dtensor_load=true",
 ])
 def test_bridge_fields_longspan_does_not_implement_say_so(override: str) -> None:
     with pytest.raises(NotSupportedError, match=override.split("=")[0]):

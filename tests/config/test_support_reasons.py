@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 from longspan.config.support import (
-    CLASS_FIELD_STATUS,
     NOT_SUPPORTED,
     NOT_SUPPORTED_REASONS,
     field_status,
@@ -18,14 +17,6 @@ from longspan.config.types import is_derived_field, yaml_fields
 from longspan.core.errors import NotSupportedError
 from longspan.training.config import ConfigContainer
 
-# Rows whose reasons are written with their own work (the checkpoint, optimizer and DDP sections; the rows only
-# T5 or Mamba lacks; the Direct HF SFT processor rows). A row here with a reason already is fine.
-PENDING_SECTIONS = {"checkpoint", "optimizer", "ddp"}
-PENDING_CLASSES = {"T5ModelProvider", "MambaProvider"}
-PENDING_FIELDS = {"T5ModelProvider.encoder_pipeline_model_parallel_size", "DirectHFSFTDatasetConfig.hf_processor_path",
-                  "DirectHFSFTDatasetConfig.hf_processor_kwargs"}
-
-
 def _not_supported_rows() -> list[tuple[str, str, str]]:
     rows = []
     for section, cls in _section_classes():
@@ -35,15 +26,9 @@ def _not_supported_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
-def _pending(section: str, cls_name: str, name: str) -> bool:
-    class_only = f"{section}.{name}" in CLASS_FIELD_STATUS.get(cls_name, {})
-    return (section in PENDING_SECTIONS or (cls_name in PENDING_CLASSES and class_only)
-            or f"{cls_name}.{name}" in PENDING_FIELDS)
-
-
 def test_every_not_supported_row_has_a_one_line_reason() -> None:
     missing = [f"{cls}.{name} ({section})" for section, cls, name in _not_supported_rows()
-               if not not_supported_reason(section, name, cls) and not _pending(section, cls, name)]
+               if not not_supported_reason(section, name, cls)]
     assert missing == [], f"not-supported rows without a reason in NOT_SUPPORTED_REASONS: {missing}"
     for key, reason in NOT_SUPPORTED_REASONS.items():
         assert reason.strip() and "\n" not in reason and len(reason) <= 200, key

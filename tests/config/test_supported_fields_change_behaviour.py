@@ -58,6 +58,7 @@ MLA = {"model.multi_latent_attention": True, "model.num_query_groups": None, "mo
 MLA_YARN = {**MLA, "model.position_embedding_type": "yarn", "model.yarn_original_max_position_embeddings": 8,
             "model.rotary_scaling_factor": 4.0}
 VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "optimizer.apply_wd_to_qk_layernorm": (True, {"model.qk_layernorm": True}),
     "model.num_layers": (4, {}),
     "model.hidden_size": (64, {}),
     "model.num_attention_heads": (8, {}),
@@ -1034,6 +1035,20 @@ COVERED_ELSEWHERE: dict[str, str] = {
        "comet_workspace comet_api_key comet_tags".split()},
     **{f"logger.{name}": "tests/training/test_logger_clients.py (the real W&B client, offline mode)" for name in
        "wandb_project wandb_exp_name wandb_save_dir wandb_entity".split()},
+    "checkpoint.replication": "tests/resilience/test_local_replication.py::test_lost_local_checkpoint_comes_back_from_its_replica (a deleted rank's local checkpoint restored from its peer, losses bit-exact)",
+    "checkpoint.replication_jump": "tests/resilience/test_local_replication.py (the 2-rank run needs jump 1: the default, ranks per node, makes no clique there) and ::test_cliques_follow_jump_and_factor",
+    "checkpoint.replication_factor": "tests/resilience/test_local_replication.py::test_cliques_follow_jump_and_factor",
+    "optimizer.optimizer_cpu_offload": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (state on host copies, host steps counted)",
+    "optimizer.optimizer_offload_fraction": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (the first half of the elements offloaded) and ::test_planner_moves_the_offloaded_state_to_the_host",
+    **{f"checkpoint.{name}": "tests/training/test_checkpoint_write_fields.py::test_writer_threads_plan_cache_and_tokenizer_assets_then_resume" for name in
+       "storage_writers_per_rank ckpt_assume_constant_structure save_tokenizer_assets".split()},
+    "ddp.data_parallel_sharding_strategy": "tests/config/test_data_parallel_rules.py::test_sharding_strategy_picks_the_mode_that_shards_the_same_state",
+    "ddp.num_distributed_optimizer_instances": "tests/config/test_data_parallel_rules.py::test_instances_make_a_replicated_mesh_at_start_up (2 replicas of 1 shard; HSDP parity: tests/parallel/test_layout_parity.py[dp2_hybrid])",
+    "optimizer.overlap_param_gather": "tests/config/test_data_parallel_rules.py::test_overlap_param_gather_is_one_switch_on_optimizer_and_ddp (it switches on ddp.overlap_param_gather: tests/perf/test_overlap_param_gather.py)",
+    **{f"checkpoint.{name}": "tests/training/test_checkpoint_loading_fields.py::test_conversion_writes_the_loaded_state_and_trains_nothing" for name in
+       "ckpt_convert_format ckpt_convert_save".split()},
+    "checkpoint.dist_ckpt_strictness": "tests/training/test_checkpoint_loading_fields.py (every mode on key sets; a QK-norm model loads a checkpoint without them under log_all, the default stops)",
+    "checkpoint.load_main_params_from_ckpt": "tests/training/test_load_main_params.py::test_main_params_follow_the_weights_or_come_from_the_checkpoint (main params finer than the bf16 weights)",
 }
 
 COVERED_ELSEWHERE.update({

@@ -14,7 +14,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from longspan.training.optim.optimizer import MegatronOptimizer, get_megatron_optimizer
+from longspan.training.optim.optimizer import MegatronOptimizer, get_megatron_optimizer, get_param_groups
 from longspan.training.optim.scheduler import OptimizerParamScheduler
 
 
@@ -334,7 +334,7 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="optimizer.optimizer='lion'"):
         get_megatron_optimizer(opt_config(optimizer="lion"), [tiny()])
     with pytest.raises(NotSupportedError, match="optimizer_cpu_offload"):
-        get_megatron_optimizer(opt_config(optimizer_cpu_offload=True), [tiny()])
+        get_megatron_optimizer(opt_config(optimizer_cpu_offload=True, use_precision_aware_optimizer=True), [tiny()])
     with pytest.raises(ConfigError, match="optimizer.lr"):
         get_megatron_optimizer(opt_config(lr=None), [tiny()])
 
@@ -464,3 +464,21 @@ def test_bf16_param_without_grad_is_not_stepped_with_a_stale_grad():
     opt.step()
     assert torch.equal(main_bias, before)
     assert torch.equal(model.norm.bias, before.to(torch.bfloat16))
+
+
+def test_apply_wd_to_qk_layernorm_decays_the_qk_norms_only() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_layernorm, self.k_layernorm = nn.LayerNorm(4), nn.LayerNorm(4)
+            self.norm = nn.LayerNorm(4)
+            self.linear = nn.Linear(4, 4)
+
+    model = Attention()
+    def decayed(**kw) -> set[str]:
+        groups = get_param_groups([model], opt_config(**kw))
+        return set().union(*(names_in(g, model) for g in groups if g["wd_mult"] == 1.0))
+
+    assert decayed() == {"linear.weight"}
+    assert decayed(apply_wd_to_qk_layernorm=True) == {
+        "linear.weight", "q_layernorm.weight", "q_layernorm.bias", "k_layernorm.weight", "k_layernorm.bias"}

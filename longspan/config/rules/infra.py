@@ -4,7 +4,7 @@ resilience (fault tolerance, straggler detection, in-process restart) and profil
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from longspan.config.rules.resilience import check_resilience_config
 from longspan.core.errors import ConfigError, NotSupportedError
@@ -83,6 +83,28 @@ def check_checkpoint(cfg: "ConfigContainer") -> None:
         )
     if c.load_main_params_from_ckpt and c.load_optim:
         raise ConfigError("checkpoint.load_main_params_from_ckpt=True needs checkpoint.load_optim=False")
+    _check_conversion(c)
+
+
+def _check_conversion(c: Any) -> None:
+    """A conversion run names its target format (torch_dist: the one longspan writes), directory and source."""
+    if c.ckpt_convert_format is None:
+        if c.ckpt_convert_save is not None:
+            raise ConfigError(f"checkpoint.ckpt_convert_save={c.ckpt_convert_save!r} needs "
+                              "checkpoint.ckpt_convert_format ('torch_dist')")
+        return
+    if c.ckpt_convert_format != "torch_dist":
+        raise NotSupportedError(
+            f"checkpoint.ckpt_convert_format={c.ckpt_convert_format!r} is not supported yet by longspan (supported: "
+            "'torch_dist', the format it writes)"
+        )
+    if not c.ckpt_convert_save:
+        raise ConfigError("checkpoint.ckpt_convert_format='torch_dist' needs checkpoint.ckpt_convert_save (the "
+                          "directory the converted checkpoint is written to)")
+    if not c.load:
+        raise ConfigError("checkpoint.ckpt_convert_format='torch_dist' converts checkpoint.load: set it")
+    if not c.exit_on_missing_checkpoint:
+        c.exit_on_missing_checkpoint = True  # as Megatron: a conversion with nothing to load is an error
 
 
 def check_profiling(cfg: "ConfigContainer") -> None:

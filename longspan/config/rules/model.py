@@ -533,7 +533,7 @@ MAMBA_POSITIVE_FIELDS = ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups"
 
 
 # The TransformerConfig fields MambaProvider models do not implement (at other than these values), each with why.
-# (Kept here until the support table holds per-field reasons; docs/config-support.md lists the fields.)
+# (longspan.config.support shows the reasons in docs/config-support.md.)
 MAMBA_NOT_SUPPORTED_REASONS: dict[str, tuple[Any, str]] = {
     "apply_residual_connection_post_layernorm": (
         False, "Megatron's MambaLayer always takes the residual before its norm; the hybrid attention / MLP "

@@ -111,6 +111,11 @@ def _check_non_persistent(c: Any) -> None:
             "checkpoint.non_persistent_ckpt_type='global' needs checkpoint.non_persistent_global_ckpt_dir "
             "(or checkpoint.save, whose non_persistent/ subdirectory is then used)"
         )
+    if c.replication and kind != "local":
+        raise ConfigError(
+            f"checkpoint.replication=True replicates local checkpoints: it needs checkpoint.non_persistent_ckpt_type="
+            f"'local' (got {kind!r})"
+        )
     if c.non_persistent_local_ckpt_algo not in ("fully_parallel", "atomic"):
         raise ConfigError(
             f"checkpoint.non_persistent_local_ckpt_algo={c.non_persistent_local_ckpt_algo!r} is not valid: "

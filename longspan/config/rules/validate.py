@@ -20,6 +20,11 @@ import torch.distributed as dist
 
 from longspan.config.rules.comm_overlap import apply_comm_overlap
 from longspan.config.rules.data import check_dataset
+from longspan.config.rules.data_parallel import (
+    apply_sharding_strategy,
+    check_distributed_optimizer_instances,
+    sync_param_gather_switches,
+)
 from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.device_features import check_device_features
 from longspan.config.rules.infra import check_infra
@@ -32,6 +37,7 @@ from longspan.config.rules.precision import (
     check_optimizer_precision_and_overlap,
     sync_distributed_optimizer,
 )
+from longspan.config.rules.optim_offload import check_optimizer_offload
 from longspan.config.rules.ranges import check_ranges
 from longspan.config.rules.schedule import check_batch, check_train_length, compute_scheduler_steps
 from longspan.config.support import check_supported
@@ -84,6 +90,8 @@ def _set_data_parallel_size(cfg: "ConfigContainer", derived: Derived) -> None:
 def _comm_overlap(cfg: "ConfigContainer", derived: Derived) -> None:
     apply_comm_overlap(cfg, derived.data_parallel_size)
     check_optimizer_precision_and_overlap(cfg)  # again: comm_overlap may have set ddp.overlap_param_gather
+def _distributed_optimizer_instances(cfg: "ConfigContainer", derived: Derived) -> None:
+    check_distributed_optimizer_instances(cfg, derived.data_parallel_size)
 
 
 def _set_num_microbatches(cfg: "ConfigContainer", derived: Derived) -> None:
@@ -205,10 +213,14 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("optimizer.finetune_lr -> optimizer.lr when finetuning", _on_config(_apply_finetune_lr)),
     ("mixed-precision recipe copied onto model, optimizer, ddp", _on_config(apply_precision)),
     ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
+    ("ddp.data_parallel_sharding_strategy -> data-parallel mode", _on_config(apply_sharding_strategy)),
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
+    ("parameter all-gather switches in sync (overlap, fp8)", _on_config(sync_param_gather_switches)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
+    ("optimizer CPU offload", _on_config(check_optimizer_offload)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),
     ("comm_overlap section onto model, ddp, optimizer", _comm_overlap),
+    ("distributed optimizer instances (hybrid sharding)", _distributed_optimizer_instances),
     ("global batch -> number of microbatches", _set_num_microbatches),
     ("pipeline split and schedule", _pipeline),
     ("training length (iterations from samples)", _on_config(check_train_length)),

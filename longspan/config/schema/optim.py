@@ -39,7 +39,8 @@ class OptimizerConfig:
     """Weight decay coefficient (biases and norm weights get none)."""
 
     apply_wd_to_qk_layernorm: bool = False
-    """Also decay the QK-norm weights."""
+    """Also decay the QK-norm parameters (names with ``q_layernorm.`` / ``k_layernorm.``), which otherwise
+    get no weight decay like every 1-D parameter (megatron-core's Qwen3-Next rule)."""
 
     fp16: bool = False
     """The model trains in fp16 (loss scaling, fp32 main weights)."""
@@ -99,28 +100,33 @@ class OptimizerConfig:
     """Shard optimizer state across data-parallel ranks (ZeRO-1); copied to ddp.use_distributed_optimizer."""
 
     overlap_param_gather: bool = False
-    """With the distributed optimizer: overlap the parameter all-gather with the forward pass."""
+    """With the distributed optimizer: overlap the parameter all-gather with the forward pass. One switch with
+    ddp.overlap_param_gather (validate() sets both when either is set)."""
 
     overlap_param_gather_with_optimizer_step: bool = False
-    """Overlap the parameter all-gather with the optimizer step (interleaved pipeline)."""
+    """Overlap the parameter all-gather with the optimizer step (interleaved pipeline). Performance hint in
+    longspan: the all-gathers start with each stage's forward; the gathered values are the same."""
 
     optimizer_cpu_offload: bool = False
-    """Keep optimizer state on the CPU."""
+    """Keep part of the optimizer on the CPU (Megatron's HybridDeviceOptimizer): the offloaded parameters get
+    float32 host copies whose state and update live on the CPU; needs optimizer_offload_fraction > 0."""
 
     optimizer_offload_fraction: float = 0.0
-    """Fraction of optimizer state offloaded to the CPU."""
+    """Fraction of the rank's parameter elements (the first parameters in param-group order; of a sharded
+    parameter, the rank's shard) whose optimizer state and update are on the CPU, in [0, 1]."""
 
     use_torch_optimizer_for_cpu_offload: bool = False
-    """Use a torch optimizer for the offloaded part."""
+    """Use a torch optimizer for the offloaded part. Performance hint in longspan: the offloaded part always
+    steps with torch's own optimizer (megatron-core 0.16 likewise ends up with torch's AdamW/SGD there)."""
 
     overlap_cpu_optimizer_d2h_h2d: bool = False
-    """Overlap CPU-offload copies with computation."""
+    """Copy the offloaded gradients to the host on a side CUDA stream (CUDA only)."""
 
     pin_cpu_grads: bool = True
-    """Pin host memory for offloaded gradients."""
+    """Pin the host buffers of offloaded gradients (CUDA only)."""
 
     pin_cpu_params: bool = True
-    """Pin host memory for offloaded parameters."""
+    """Pin the host copies of offloaded parameters (CUDA only)."""
 
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value (0 = no clipping)."""
@@ -147,13 +153,17 @@ class DistributedDataParallelConfig:
     """With the distributed optimizer: overlap the parameter all-gather with the forward pass."""
 
     align_param_gather: bool = False
-    """With pipeline parallelism: launch every stage's parameter all-gather together."""
+    """With pipeline parallelism: launch every stage's parameter all-gather together. Performance hint in
+    longspan: each pipeline stage's FSDP2 all-gather starts with that stage's forward; the gathered values are
+    the same."""
 
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (set from optimizer.use_distributed_optimizer)."""
 
     num_distributed_optimizer_instances: int = 1
-    """Replicas of the distributed optimizer (hybrid sharding); 1 shards across all data-parallel ranks."""
+    """Replicas of the distributed optimizer (hybrid sharding, HSDP): the data-parallel ranks form this many
+    replicas, each sharding the state over its own ranks, gradients all-reduced across replicas; 1 shards
+    across all data-parallel ranks. Needs the distributed optimizer or FSDP2."""
 
     check_for_nan_in_grad: bool = False
     """Stop the run (one line naming the iteration) when a rank's reduced gradients hold NaN or Inf, before the
@@ -167,13 +177,14 @@ class DistributedDataParallelConfig:
     """Gradient bucket size in elements; None lets the wrapper pick."""
 
     pad_buckets_for_high_nccl_busbw: bool = False
-    """Pad buckets to sizes that give NCCL high bus bandwidth."""
+    """Pad buckets to sizes that give NCCL high bus bandwidth. Performance hint in longspan: torch DDP's buckets
+    reduce the same gradients unpadded."""
 
     average_in_collective: bool = False
     """Average gradients inside the collective instead of dividing before it."""
 
     fp8_param_gather: bool = False
-    """All-gather parameters in FP8."""
+    """All-gather parameters in FP8: switches on model.fp8_param (FSDP2's float8 all-gather; FP8 hardware)."""
 
     use_megatron_fsdp: bool = False
     """Use Megatron's own FSDP implementation."""
@@ -184,13 +195,17 @@ class DistributedDataParallelConfig:
     data_parallel_sharding_strategy: Literal[
         "no_shard", "optim", "optim_grads", "optim_grads_params"
     ] = "no_shard"
-    """Megatron FSDP sharding strategy."""
+    """Megatron-FSDP's sharding strategy, on PyTorch FSDP2: 'no_shard' (DDP); 'optim' and 'optim_grads' switch
+    on the distributed optimizer (optimizer state and gradients sharded); 'optim_grads_params' switches on
+    dist.use_torch_fsdp2 (parameters sharded too)."""
 
     gradient_reduce_div_fusion: bool = True
-    """Fuse the gradient division into the reduction (Megatron FSDP)."""
+    """Fuse the gradient division into the reduction (Megatron FSDP). Performance hint in longspan: FSDP2
+    averages in its reduce-scatter; the gradients are the same."""
 
     suggested_communication_unit_size: Optional[int] = None
-    """Megatron FSDP communication unit size."""
+    """Megatron FSDP communication unit size. Performance hint in longspan: FSDP2 communicates one
+    transformer layer (one fully_shard unit) at a time."""
 
     preserve_fp32_weights: bool = True
     """Keep fp32 master weights (Megatron FSDP)."""

@@ -185,7 +185,8 @@ class CheckpointConfig:
     """Restore the optimizer state when loading."""
 
     load_main_params_from_ckpt: bool = False
-    """Without the optimizer state: still restore the fp32 main parameters from the checkpoint's weights."""
+    """With load_optim=False and low-precision params: take the fp32 main params from the checkpoint's saved
+    main params (otherwise they are rebuilt from the loaded low-precision weights). Needs load_optim=False."""
 
     load_rng: bool = True
     """Restore the RNG states when loading."""
@@ -207,7 +208,8 @@ class CheckpointConfig:
 
     non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
     """Algorithm of local non-persistent checkpoints; in longspan every rank writes all of its own state
-    atomically either way (nothing replicated to de-duplicate), so both values write the same files."""
+    atomically either way (and, with replication, stores its clique peers' files whole), so both values write
+    the same files."""
 
     finetune: bool = False
     """Load only the model weights and start at iteration 0 (no optimizer or RNG state)."""
@@ -235,10 +237,12 @@ class CheckpointConfig:
     """On-disk format: 'torch_dist' is PyTorch Distributed Checkpoint."""
 
     ckpt_convert_format: Optional[Literal["torch", "torch_dist", "zarr"]] = None
-    """Convert the loaded checkpoint to this format."""
+    """A conversion run: load checkpoint.load, write it in this format to {ckpt_convert_save}/{format} at the
+    loaded iteration, and stop without training. longspan writes 'torch_dist' only ('torch' and 'zarr' are
+    Megatron's legacy formats)."""
 
     ckpt_convert_save: Optional[str] = None
-    """Where the converted checkpoint is saved."""
+    """Directory a conversion run (ckpt_convert_format) writes the converted checkpoint under."""
 
     fully_parallel_save: bool = True
     """Spread the writing of replicated state across data-parallel ranks. Performance hint in longspan:
@@ -257,20 +261,23 @@ class CheckpointConfig:
     ``load`` / ``ckpt_step`` points at are never deleted."""
 
     storage_writers_per_rank: int = 1
-    """Storage writers per rank for torch_dist checkpoints (Megatron Bridge); not supported yet."""
+    """Storage writers per rank for torch_dist checkpoints: DCP's writer threads, each writing one file of
+    the rank's shards (files per checkpoint = saving ranks x this)."""
 
     strict_fsdp_dtensor_load: bool = False
     """Strict loading of fsdp_dtensor checkpoints (Megatron Bridge); not supported yet."""
 
     dist_ckpt_optim_fully_reshardable: bool = False
-    """Fully reshardable distributed-optimizer checkpoints (Megatron Bridge). longspan's optimizer state is
-    name-keyed DCP, reshardable across TP/PP/DP layouts already; not supported as a switch."""
+    """Fully reshardable distributed-optimizer checkpoints (Megatron Bridge). No effect in longspan: the
+    optimizer state is name-keyed DCP, reshardable across TP/PP/DP layouts whatever this says."""
 
     distrib_optim_fully_reshardable_mem_efficient: bool = False
-    """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge); not supported yet."""
+    """Memory-efficient variant of dist_ckpt_optim_fully_reshardable (Megatron Bridge). No effect in longspan:
+    each rank writes its own shards through DCP without gathering them."""
 
     save_tokenizer_assets: bool = True
-    """Save the tokenizer files into each checkpoint (longspan always does; False is not supported)."""
+    """Save the tokenizer files into each checkpoint (``tokenizer/``); loading a checkpoint without them uses
+    the run's tokenizer config."""
 
     use_persistent_ckpt_worker: bool = True
     """Keep one background worker for asynchronous saves instead of one per save. Performance hint in
@@ -281,22 +288,30 @@ class CheckpointConfig:
     every rank reads what it needs through DCP; the loaded values are the same."""
 
     ckpt_assume_constant_structure: bool = False
-    """The state dict structure never changes during the run (allows caching the save plan)."""
+    """The state dict structure never changes during the run: DCP caches the save plan after the first save
+    and reuses it (no global planning on later saves)."""
 
     dist_ckpt_strictness: Literal[
         "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
         "return_unexpected", "return_all", "ignore_all",
     ] = "assume_ok_unexpected"
-    """How key mismatches between checkpoint and model are handled when loading."""
+    """How tensors the checkpoint and the model do not share are handled when loading (megatron-core's
+    StrictHandling): 'assume_ok_unexpected' fails on a model tensor the checkpoint lacks; 'log_*' warn, 'raise_*'
+    stop with one line, 'return_*' return the keys, 'ignore_all' says nothing; all but 'assume_ok_unexpected' and
+    'raise_*' keep the missing tensors' current values ('*_all' also look at checkpoint tensors the model lacks)."""
 
     replication: bool = False
-    """Replicate local checkpoints on other ranks."""
+    """Replicate local non-persistent checkpoints on peer ranks: each rank sends its file to the other ranks of
+    its clique, and a rank whose own file is lost gets it back from a peer on resume (non_persistent_ckpt_type
+    'local' only)."""
 
     replication_jump: Optional[int] = None
-    """Spacing between the ranks that hold a rank's replicas."""
+    """Spacing J between the ranks that hold a rank's replicas (ranks n, n+J, n+2J, ... form a clique); None =
+    the ranks per node (LOCAL_WORLD_SIZE), so the replicas are on other nodes."""
 
     replication_factor: int = 2
-    """Number of machines holding each replica."""
+    """Number of ranks (the rank itself included) holding a copy of each rank's local checkpoint; J times the
+    factor must divide the world size."""
 
     def __post_init__(self) -> None:
         """Nothing: checks run in ``ConfigContainer.validate()`` (lazy validation)."""

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from longspan.parallel.init import on_destroy_distributed
 
@@ -71,8 +71,8 @@ class PendingAsyncSave:
 class _DelayedWriter(FileSystemWriter):
     """The test hook: a file-system writer that waits after writing this rank's shards."""
 
-    def __init__(self, path: str, delay: float) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, delay: float, thread_count: int = 1) -> None:
+        super().__init__(path, thread_count=thread_count)
         self.delay = delay
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -81,14 +81,30 @@ class _DelayedWriter(FileSystemWriter):
         return written
 
 
+def dcp_save_arguments(directory: Path, ckpt_cfg: Any) -> dict[str, Any]:
+    """The writer and planner of a save: ``storage_writers_per_rank`` threads (and as many files) per rank, the
+    save plan cached across saves when ``ckpt_assume_constant_structure``."""
+    threads = int(getattr(ckpt_cfg, "storage_writers_per_rank", 1) or 1)
+    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+    writer = (_DelayedWriter(str(directory), delay, threads) if delay > 0
+              else FileSystemWriter(str(directory), thread_count=threads))
+    planner = DefaultSavePlanner(enable_plan_caching=bool(getattr(ckpt_cfg, "ckpt_assume_constant_structure", False)))
+    # DCP caches plans per key, class-wide: one key per checkpoint root, so another run in this process (another
+    # model) never meets this run's plans.
+    planner._cached_plans_key = plan_cache_key(directory.parent)
+    return {"checkpoint_id": str(directory), "storage_writer": writer, "planner": planner}
+
+
+def plan_cache_key(root: Path) -> str:
+    """The key DCP caches the save plans of checkpoints under ``root`` with."""
+    return f"longspan:{Path(root).resolve()}"
+
+
 def start_async_save(state_dict: dict[str, Any], directory: Path, iteration: int,
-                     finalize: Callable[[], None]) -> PendingAsyncSave:
+                     finalize: Callable[[], None], ckpt_cfg: Any = None) -> PendingAsyncSave:
     """Stage ``state_dict`` (a copy, so training may change the tensors right away) and write it to
     ``directory`` in the background; ``finalize_async_saves`` completes it with ``finalize``."""
-    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-    target: dict[str, Any] = (
-        {"storage_writer": _DelayedWriter(str(directory), delay)} if delay > 0 else {"checkpoint_id": str(directory)}
-    )
+    target = dcp_save_arguments(directory, ckpt_cfg)
     if not dist.is_initialized():  # DCP warns, from its background thread too, that one process saves alone: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     future = dcp.async_save(state_dict, process_group=checkpoint_process_group(), no_dist=not dist.is_initialized(),

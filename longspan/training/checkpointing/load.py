@@ -57,6 +57,7 @@ from longspan.training.checkpointing.save import (
     unwrap_optimizer,
 )
 from longspan.training.checkpointing.hf_weights import load_hf_pretrained
+from longspan.training.checkpointing.strictness import apply_strictness
 from longspan.training.checkpointing.model_fields import merge_pretrained_model_fields
 
 logger = get_logger(__name__)
@@ -73,6 +74,9 @@ class LoadedCheckpoint:
     rng_state: dict[str, Any] | None = None
     finetune: bool = False
     saved_iteration: int | None = None
+    # checkpoint.dist_ckpt_strictness: model tensors the checkpoint lacks, checkpoint tensors the model lacks
+    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
 
 
 def find_checkpoint(ckpt_cfg: Any) -> tuple[Path, int, bool] | None:
@@ -147,14 +151,20 @@ def load_checkpoint(
     if model_keys is not None:
         model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
         strict = False  # the other tensors come from another checkpoint
-    check_shapes(directory, model_sd, "model")
     load_optim = ckpt_cfg.load_optim and not finetune and optimizer is not None
+    model_sd, unexpected, missing = _model_tensors_to_load(ckpt_cfg, model_sd, stored, directory, load_optim)
+    strict = strict and not unexpected  # tensors the checkpoint lacks keep their values
+    check_shapes(directory, model_sd, "model")
     load_rng = ckpt_cfg.load_rng and not finetune
     to_load: dict[str, Any] = {"model": model_sd}
     torch_optimizer = unwrap_optimizer(optimizer) if load_optim else None
     main_module = optimizer_module(module, optimizer) if load_optim else module
     if load_optim:
         to_load.update(_optimizer_sections(optimizer, torch_optimizer, module, main_module, stored, directory))
+    main_params_only = _main_params_without_optimizer(ckpt_cfg, optimizer, module, stored, directory, load_optim,
+                                                      finetune)
+    if main_params_only is not None:
+        to_load["main_params"] = {k: v for k, v in main_params_only.state_dict().items() if k not in set(unexpected)}
     if not finetune and opt_param_scheduler is not None and any(k.startswith("scheduler") for k in stored):
         to_load["scheduler"] = opt_param_scheduler.state_dict()
     rng_key, has_rng = _add_rng_template(to_load, stored, load_rng)
@@ -169,6 +179,8 @@ def load_checkpoint(
         set_model_state_dict(module, to_load["model"], options=StateDictOptions(strict=strict))
         if load_optim:
             _restore_optimizer(to_load, optimizer, torch_optimizer, module, main_module)
+        else:
+            _restore_main_params_only(to_load, optimizer, main_params_only)
     if "scheduler" in to_load:
         _restore_scheduler(opt_param_scheduler, to_load["scheduler"], iteration, directory, ckpt_cfg)
     if "rerun_state_machine" in to_load:
@@ -182,7 +194,7 @@ def load_checkpoint(
         _restore_train_state(state, directory)
         print_rank_0(f"loaded checkpoint {directory} at iteration {iteration}", logger)
     return LoadedCheckpoint(directory, iteration, to_load["rng"][rng_key] if has_rng else None, finetune=finetune,
-                            saved_iteration=saved_iteration)
+                            saved_iteration=saved_iteration, unexpected_keys=unexpected, missing_keys=missing)
 
 
 def _add_rng_template(to_load: dict[str, Any], stored: set[str], load_rng: bool) -> tuple[str, bool]:
@@ -213,6 +225,47 @@ def _optimizer_sections(optimizer: Any, torch_optimizer: torch.optim.Optimizer |
     if any(k.startswith("optimizer_extra") for k in stored):
         sections["optimizer_extra"] = optimizer_extra_state(optimizer)
     return sections
+
+
+def _model_tensors_to_load(ckpt_cfg: Any, model_sd: dict[str, Any], stored: set[str], directory: Path,
+                           load_optim: bool) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The model tensors to read under ``checkpoint.dist_ckpt_strictness``, and its (unexpected, missing) keys;
+    a tensor the checkpoint lacks has no optimizer state there either."""
+    model_sd, unexpected, missing = apply_strictness(ckpt_cfg.dist_ckpt_strictness, model_sd, stored, directory)
+    if unexpected and load_optim:
+        raise CheckpointError(
+            f"checkpoint {directory} lacks the model tensors {', '.join(unexpected[:3])}, so it lacks their "
+            f"optimizer state too (checkpoint.dist_ckpt_strictness={ckpt_cfg.dist_ckpt_strictness!r}): set "
+            "checkpoint.load_optim=false to load the weights it has"
+        )
+    return model_sd, unexpected, missing
+
+
+def _main_params_without_optimizer(ckpt_cfg: Any, optimizer: Any, module: torch.nn.Module, stored: set[str],
+                                   directory: Path, load_optim: bool, finetune: bool) -> torch.nn.Module | None:
+    """With ``load_main_params_from_ckpt`` (and no optimizer state loaded): the module of fp32 main params to
+    fill from the checkpoint's saved main params, or None when the run keeps none (full-precision params)."""
+    if load_optim or finetune or optimizer is None or not getattr(ckpt_cfg, "load_main_params_from_ckpt", False):
+        return None
+    main_module = optimizer_module(module, optimizer)
+    if main_module is module:
+        return None
+    if not any(k.startswith("main_params.") for k in stored):
+        raise CheckpointError(
+            f"checkpoint.load_main_params_from_ckpt=True but checkpoint {directory} holds no fp32 main params (saved "
+            "with full-precision params or save_optim=false); set checkpoint.load_main_params_from_ckpt=false"
+        )
+    return main_module
+
+
+def _restore_main_params_only(to_load: dict[str, Any], optimizer: Any, main_module: torch.nn.Module | None) -> None:
+    """Without the optimizer state: the fp32 main params from the checkpoint (``load_main_params_from_ckpt``)
+    or, by default, rebuilt from the loaded low-precision weights."""
+    if main_module is not None:
+        main_module.load_state_dict(to_load["main_params"], strict=False)  # tensors the checkpoint lacks stay
+        optimizer.copy_main_params_to_model_params()
+    elif getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
+        optimizer.reload_model_params()
 
 
 def _restore_optimizer(to_load: dict[str, Any], optimizer: Any, torch_optimizer: torch.optim.Optimizer | None,

@@ -6,7 +6,8 @@
   train state including the data position, rerun-machine state) to
   ``{non_persistent_local_ckpt_dir}/rank{R}_of{W}/iter_XXXXXXX.pt``, written to a temporary name and renamed
   (atomic). Once every rank has its new file, older ones are removed, so a crash mid-save always leaves one
-  iteration that every rank holds.
+  iteration that every rank holds. With ``checkpoint.replication`` each file is also copied to clique peers
+(``replication.py``), so a rank whose node lost its files gets them back on resume.
 
 At start-up ``load_newest_checkpoint`` compares the persistent checkpoint (``checkpoint.load``), the newest
 complete global non-persistent one and the newest iteration every rank holds locally, and loads the newest.
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.checkpointing import replication
 from longspan.training.checkpointing.load import LoadedCheckpoint, find_checkpoint, load_checkpoint
 from longspan.training.checkpointing.save import get_checkpoint_dir, get_rng_state, read_tracker, save_checkpoint
 
@@ -179,12 +181,15 @@ def save_local(state: Any, model: list[torch.nn.Module], optimizer: Any, schedul
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    if ckpt_cfg.replication:
+        replication.replicate(ckpt_cfg, path)
     if dist.is_initialized():
-        dist.barrier()  # every rank holds `iteration` before anyone drops an older one
+        dist.barrier()  # every rank holds `iteration` (and its replicas) before anyone drops an older one
     for entry in directory.iterdir():
         match = _LOCAL_FILE.match(entry.name)
         if (match and int(match.group(1)) != iteration) or entry.name.startswith(".iter_"):
             entry.unlink(missing_ok=True)
+    replication.remove_older_replicas(directory, path.name)
     print_rank_0(f"  saved local non-persistent checkpoint of iteration {iteration:7d} to {directory.parent}", logger)
     return path
 
@@ -242,14 +247,15 @@ def load_local(state: Any, model: list[torch.nn.Module], optimizer: Any, schedul
     if ckpt_cfg.load_optim and torch_opt is not None and "optimizer" in saved:
         _load_optimizer(torch_opt, saved["optimizer"])
         if "main_params" in saved:
-            for chunk, main_sd in zip(model, saved["main_params"]):
-                main = optimizer.main_params_module(chunk)
-                current = main.state_dict()
-                main.load_state_dict({k: _from_local(v, current.get(k)) for k, v in main_sd.items()})
-            optimizer.copy_main_params_to_model_params()
+            _load_main_params(optimizer, model, saved["main_params"])
         scaler = getattr(optimizer, "grad_scaler", None)
         if scaler is not None and "grad_scaler" in saved:
             scaler.load_state_dict(saved["grad_scaler"])
+    elif getattr(optimizer, "float16_groups", None) and any(optimizer.float16_groups):
+        if ckpt_cfg.load_main_params_from_ckpt and "main_params" in saved:
+            _load_main_params(optimizer, model, saved["main_params"])
+        else:
+            optimizer.reload_model_params()  # no optimizer state loaded: the fp32 main copies follow the weights
     if scheduler is not None and "scheduler" in saved:
         scheduler.load_state_dict(saved["scheduler"])
     machine = getattr(state, "rerun_state_machine", None)
@@ -258,6 +264,15 @@ def load_local(state: Any, model: list[torch.nn.Module], optimizer: Any, schedul
     state.train_state.load_state_dict(saved["train_state"])
     print_rank_0(f"loaded local non-persistent checkpoint of iteration {iteration} from {path.parent.parent}", logger)
     return LoadedCheckpoint(path, iteration, saved.get("rng") if ckpt_cfg.load_rng else None)
+
+
+def _load_main_params(optimizer: Any, model: list[torch.nn.Module], saved: list[dict[str, Any]]) -> None:
+    """The saved fp32 main params into the optimizer's main copies, then rounded into the model."""
+    for chunk, main_sd in zip(model, saved):
+        main = optimizer.main_params_module(chunk)
+        current = main.state_dict()
+        main.load_state_dict({k: _from_local(v, current.get(k)) for k, v in main_sd.items()})
+    optimizer.copy_main_params_to_model_params()
 
 
 def _load_optimizer(torch_opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
@@ -293,7 +308,13 @@ def load_newest_checkpoint(
         persistent_iter = -1
     else:
         persistent_iter = persistent[1] if persistent is not None else -1
-    if kind == "local":
+    if kind == "local" and ckpt_cfg.replication:
+        local_iter, inventories = replication.newest_recoverable_iteration(
+            ckpt_cfg, local_iterations(ckpt_cfg), local_rank_dir(ckpt_cfg))
+        if local_iter is not None and local_iter > persistent_iter:
+            replication.restore_missing(ckpt_cfg, local_iter, inventories, local_rank_dir(ckpt_cfg))
+            return load_local(state, model, optimizer, scheduler, local_iter)
+    elif kind == "local":
         local_iter = newest_common_local_iteration(ckpt_cfg)
         if local_iter is not None and local_iter > persistent_iter:
             return load_local(state, model, optimizer, scheduler, local_iter)

@@ -38,7 +38,7 @@ from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.parallel.pipeline import state_dict_module
 from longspan.peft.adapters import is_finetuned_state_key
-from longspan.training.checkpointing.async_save import finalize_async_saves, start_async_save
+from longspan.training.checkpointing.async_save import dcp_save_arguments, finalize_async_saves, start_async_save
 from longspan.training.checkpointing.hf_weights import HF_SUBDIR, save_hf_checkpoint
 from longspan.training.checkpointing.io import TRAIN_STATE_FILENAME, single_process_quiet
 
@@ -307,10 +307,10 @@ def save_checkpoint(
 
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format", logger)
     if ckpt_cfg.async_save:  # on a group of its own (async_checkpoint): training goes on meanwhile
-        context["pending_async_save"] = start_async_save(state_dict, partial_dir, iteration, finalize)
+        context["pending_async_save"] = start_async_save(state_dict, partial_dir, iteration, finalize, ckpt_cfg)
     else:
         with single_process_quiet():
-            dcp.save(state_dict, checkpoint_id=str(partial_dir), no_dist=not dist.is_initialized())
+            dcp.save(state_dict, no_dist=not dist.is_initialized(), **dcp_save_arguments(partial_dir, ckpt_cfg))
         finalize()
 
 
@@ -378,7 +378,8 @@ def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, A
     }
     (directory / METADATA_FILENAME).write_text(json.dumps(metadata, indent=2) + "\n")
     tokenizer = getattr(state, "tokenizer", None)
-    if tokenizer is not None and hasattr(tokenizer, "save_files"):
+    save_assets = getattr(state.cfg.checkpoint, "save_tokenizer_assets", True)
+    if save_assets and tokenizer is not None and hasattr(tokenizer, "save_files"):
         tokenizer.save_files(str(directory / TOKENIZER_DIRNAME))
 
 

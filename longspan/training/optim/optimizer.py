@@ -33,6 +33,7 @@ from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.optim.cpu_offload import offload_optimizer
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
@@ -439,7 +440,7 @@ def get_param_groups(
     """Megatron-style param groups keyed by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
 
     No weight decay (``wd_mult`` 0) on params where ``no_weight_decay_cond(name, param)`` holds, by default
-    biases and every 1-D parameter (norm weights). Params where ``scale_lr_cond`` holds get ``lr_mult``:
+    biases and every 1-D parameter (norm weights), except the QK-norm's with ``apply_wd_to_qk_layernorm``. Params where ``scale_lr_cond`` holds get ``lr_mult``:
     their group's ``max_lr`` / ``min_lr`` are ``lr * lr_mult`` / ``min_lr * lr_mult`` (megatron-core 0.16's
     scheduler reads only those). Params with ``is_embedding_or_output_parameter`` use
     ``decoupled_lr`` / ``decoupled_min_lr`` when set. Frozen params are skipped. Groups come in a fixed
@@ -452,6 +453,7 @@ def get_param_groups(
     decoupled_lr = getattr(config, "decoupled_lr", None)
     decoupled_min_lr = getattr(config, "decoupled_min_lr", None)
     weight_decay = getattr(config, "weight_decay", 0.0)
+    apply_wd_to_qk_layernorm = bool(getattr(config, "apply_wd_to_qk_layernorm", False))
 
     params_map: dict[tuple, list[nn.Parameter]] = {}
     seen: set[int] = set()
@@ -464,6 +466,8 @@ def get_param_groups(
                 no_wd = bool(no_weight_decay_cond(name, param))
             else:
                 no_wd = name.endswith(".bias") or len(param.shape) == 1
+                if apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+                    no_wd = False  # Qwen3-Next's rule (megatron-core): the QK-norm weights are decayed too
             scale_lr = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
             wd_mult = 0.0 if no_wd else 1.0
             group_lr_mult = float(lr_mult) if scale_lr else 1.0
@@ -516,11 +520,13 @@ def get_megatron_optimizer(
     ``exp_avg_sq_dtype``) with main params in ``main_params_dtype`` and main grads in ``main_grads_dtype``.
     """
     name = getattr(config, "optimizer", "adam")
-    if getattr(config, "optimizer_cpu_offload", False):
-        raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported by longspan yet: set it to False")
     precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
     if precision_aware and name != "adam":
         raise ConfigError(f"optimizer.use_precision_aware_optimizer=True works with optimizer='adam' only, not {name!r}")
+    offload = bool(getattr(config, "optimizer_cpu_offload", False))
+    if offload and precision_aware:
+        raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported yet with "
+                                "optimizer.use_precision_aware_optimizer=True: set one of them to False")
 
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if not param_groups:
@@ -528,7 +534,11 @@ def get_megatron_optimizer(
     all_params = [p for g in param_groups for p in g["params"]]
     optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
     grad_scaler = _grad_scaler(config, all_params[0].device)
-    return MegatronOptimizer(optimizer, config, grad_scaler)
+    megatron_optimizer = MegatronOptimizer(optimizer, config, grad_scaler)
+    if offload:  # over the groups MegatronOptimizer left: fp32 main copies in place of low-precision params
+        megatron_optimizer.optimizer = offload_optimizer(optimizer, config, lambda groups: _torch_optimizer(
+            config, name, False, groups, _fast_kernels([p for g in groups for p in g["params"]])))
+    return megatron_optimizer
 
 
 def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:

@@ -133,7 +133,7 @@ class Gemma3VLModel(nn.Module):
             ids = input_ids.masked_fill(is_image, 0)
         embeds = self.language_model.embedding(ids, position_ids)
         if pixel_values is None:
-            return embeds
+            return self._touch_image_parts(embeds)
         features = self.image_features(pixel_values)
         found, wanted = int(is_image.sum()), features.shape[0] * features.shape[1]
         if found != wanted:
@@ -143,6 +143,18 @@ class Gemma3VLModel(nn.Module):
                 "with the model's processor"
             )
         return embeds.masked_scatter(is_image.unsqueeze(-1), features.to(embeds.dtype))
+
+    def _touch_image_parts(self, embeds: torch.Tensor) -> torch.Tensor:
+        """A training batch without images still runs the encoder and projector (on one blank image, its output
+        added times 0): every data-parallel rank then reduces the same gradients (zeros here), as HF's and
+        LLaVA's trainers do. Nothing changes when they train no parameter or in evaluation."""
+        parts = (self.vision_tower, self.multi_modal_projector)
+        if not self.training or not any(p.requires_grad for part in parts for p in part.parameters()):
+            return embeds
+        size = self.vision_args.image_size
+        weight = self.vision_tower.embeddings.patch_embedding.weight
+        blank = torch.zeros(1, self.vision_args.num_channels, size, size, dtype=weight.dtype, device=embeds.device)
+        return embeds + 0.0 * self.image_features(blank).sum().to(embeds.dtype)
 
     def forward(
         self,

@@ -20,9 +20,10 @@ from longspan.models.gpt_provider import GPTModelProvider
 class Gemma3VLModelProvider(GPTModelProvider):
     """A Gemma 3 vision-language model: SigLIP encoder, multimodal projector, Gemma 3 language model.
 
-    Tested on one process; the data-parallel wrappers apply as to any model (FSDP2 shards it as one unit: it
-    has no top-level ``decoder.layers``). Tensor, context and pipeline parallel raise a one-line
-    NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is built)."""
+    Layouts: data parallel and FSDP2 (the language model's layers sharded one by one, the vision encoder in
+    the root unit) and tensor parallel (the language model split, the encoder and projector replicated on every
+    rank). Context and pipeline parallel raise a one-line NotSupportedError (``longspan.config.rules.vision``,
+    in ``validate()`` and when the model is built)."""
 
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,

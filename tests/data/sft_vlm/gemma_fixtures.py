@@ -22,23 +22,23 @@ def gemma_chat_template(marked: bool = False) -> str:
     return "{{ bos_token }}{% for m in messages %}" + body + "{% endfor %}"
 
 
-def make_gemma_vl_dir(directory: Path, marked: bool = False, **config_kwargs: Any) -> Path:
+def make_gemma_vl_dir(directory: Path, **config_kwargs: Any) -> Path:
     """A random tiny Gemma 3 VL HF directory (weights, processor, ``gemma_chat_template``)."""
     from tests.conversion.gemma_vlm_models import make_gemma3_vlm
 
     directory.mkdir(parents=True, exist_ok=True)
     make_gemma3_vlm(directory, **config_kwargs)
-    (directory / "chat_template.jinja").write_text(gemma_chat_template(marked))
+    (directory / "chat_template.jinja").write_text(gemma_chat_template())
     return directory
 
 
 def gemma_colour_rows(root: str, n: int, seed: int = 0, text_only_every: int = 0) -> list[dict[str, Any]]:
-    """``colour_rows`` asked as 'describe the picture' (words the tiny tokenizer knows); with
+    """``colour_rows`` asked as "the picture" (words the tiny tokenizer knows); with
     ``text_only_every=k`` every k-th conversation has no image."""
     rows = colour_rows(root, n, seed=seed)
     for i, row in enumerate(rows):
         question = row["messages"][0]["content"]
-        question[1]["text"] = "describe the picture"
+        question[1]["text"] = "the picture"
         if text_only_every and i % text_only_every == text_only_every - 1:
             del question[0]
             question[0]["text"] = "the quick brown fox"

@@ -324,14 +324,15 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
 # mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_refuses_layouts for freeze_*). The
 # token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language model
-# and replicates the encoder (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2 and TP2 equal one process).
+# and replicates the encoder; pipeline parallel keeps the encoder on the first stage
+# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id
         image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
         """),
     **_many("model", NOT_SUPPORTED, """
-        sequence_parallel context_parallel_size pipeline_model_parallel_size
+        sequence_parallel context_parallel_size
         virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
         account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers
         mtp_loss_scaling_factor mtp_enabled

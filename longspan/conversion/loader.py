@@ -60,7 +60,10 @@ def iter_named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Mod
                     continue
                 seen.add(id(param))
                 full = f"{module_name}.{param_name}" if module_name else param_name
-                yield overrides.get(param_name) or canonical_parameter_name(full), module, param_name, param
+                override = overrides.get(param_name)
+                if override is not None:  # relative to the model that owns it (a VLM's ``language_model.``)
+                    override = canonical_parameter_name(module_name.rpartition("output_layer")[0] + override)
+                yield override or canonical_parameter_name(full), module, param_name, param
 
 
 def iter_named_buffers(chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -29,15 +29,16 @@ def gemma_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return hf, data
 
 
-def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, recipe: str = "vlm-sft"):
+def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1):
     from longspan.recipes.loading import load_config
 
-    return load_config(recipe, overrides=[
+    return load_config("vlm-sft", overrides=[
         f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
         "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
         f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}",
+        f"model.pipeline_model_parallel_size={pp}",
     ])
 
 
@@ -56,11 +57,12 @@ def gemma_one_process_run(gemma_run_inputs, tmp_path_factory):
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
 def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_process(
         gemma_run_inputs, gemma_one_process_run, tmp_path, pool2, layout):
     hf, data = gemma_run_inputs
-    cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2")
+    cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2",
+                           pp=2 if layout == "pp2" else 1)
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))

@@ -31,7 +31,7 @@ from longspan.inference.text_generation import (
     check_generation_args,
     next_token_logits_processor,
 )
-from longspan.inference.images import load_images
+from longspan.inference.images import expand_image_tokens, load_image_processor, load_images, process_images
 from longspan.models.transformer import KVCache
 
 #: processor outputs the model does not take: the token ids go positionally, the padding mask is HF's 2-D one
@@ -83,8 +83,6 @@ def image_prompt_inputs(net: nn.Module, tokenizer: Any, prompt: str, images: Seq
     Qwen2.5-VL (a patch merger: images of any size) runs its image processor and repeats each image mark once
     per merged patch (``longspan.inference.images``); other models (Gemma 3) run the whole HF processor of
     the first of ``processor_dirs`` that has one (``prompt_inputs``). No processor is a one-line error."""
-    from longspan.inference.images import expand_image_tokens, load_image_processor, process_images
-
     dirs = [Path(d) for d in processor_dirs]
     wanted = PROCESSOR_FILES[1:] if getattr(net, "merger", None) is not None else PROCESSOR_FILES
     found = [d for d in dirs if any((d / name).is_file() for name in wanted)]

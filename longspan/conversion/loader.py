@@ -33,7 +33,7 @@ from longspan.conversion.mapping import WeightMap, match
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger
-from longspan.models.init import canonical_parameter_name
+from longspan.models.init import canonical_parameter_name, parameter_stream_name
 
 _log = get_logger(__name__)
 
@@ -59,11 +59,7 @@ def iter_named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Mod
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
-                full = f"{module_name}.{param_name}" if module_name else param_name
-                override = overrides.get(param_name)
-                if override is not None:  # relative to the model that owns it (a VLM's ``language_model.``)
-                    override = canonical_parameter_name(module_name.rpartition("output_layer")[0] + override)
-                yield override or canonical_parameter_name(full), module, param_name, param
+                yield parameter_stream_name(module_name, param_name, overrides), module, param_name, param
 
 
 def iter_named_buffers(chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:

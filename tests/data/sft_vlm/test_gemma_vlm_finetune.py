@@ -1,7 +1,9 @@
 """Finetuning a tiny random Gemma 3 VL through the VLM recipes on drawn squares mixed with conversations without
-an image: FSDP2 over two ranks and tensor parallel over two ranks (encoder replicated) log the losses of one
-process (fp32, rel <= 1e-5, every one of 8 iterations) although some ranks' microbatches hold no image (they run
-the encoder on a blank image times 0, so every rank reduces the same gradients)."""
+an image: FSDP2, tensor parallel (encoder replicated) and pipeline parallel (encoder on the first stage) over two
+ranks log the losses of one process (fp32, rel <= 1e-5, every one of 8 iterations) although some ranks'
+microbatches hold no image (they run the encoder on a blank image times 0, so every rank reduces the same
+gradients). The data path on Gemma's processor masks exactly transformers' assistant tokens; a CLI LoRA
+finetune learns, and its merged export scores and answers (``longspan generate --image``) as longspan does."""
 
 from __future__ import annotations
 
@@ -191,3 +193,26 @@ def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> Non
     out = model.eval().generate(**inputs, do_sample=False, max_new_tokens=3)
     assert ours["output_ids"] and ours["output_ids"] == out[0, inputs["input_ids"].shape[1]:].tolist()[
         : len(ours["output_ids"])]
+
+
+def test_the_recipe_placeholder_becomes_the_checkpoints_family_keeping_the_run_and_user_fields(gemma_run_inputs):
+    """A VLM recipe's Qwen2.5-VL placeholder becomes the Gemma 3 VL of the HF directory: the architecture comes
+    from config.json, the run's layout and length and the fields set on purpose stay; a user's shape that the
+    weights contradict is a one-line error."""
+    from longspan.core.errors import ConfigError
+    from longspan.recipes.loading import load_config
+    from longspan.training.checkpointing.hf_weights import apply_hf_model_config
+
+    hf, _ = gemma_run_inputs
+    cfg = load_config("vlm-sft", overrides=["model.freeze_vision_model=true", "model.seq_length=24",
+                                            "model.tensor_model_parallel_size=2"])
+    apply_hf_model_config(cfg, hf)
+    model = cfg.model
+    assert type(model).__name__ == "Gemma3VLModelProvider" and model.mm_tokens_per_image == 4
+    assert (model.freeze_vision_model, model.seq_length, model.tensor_model_parallel_size) == (True, 24, 2)
+    assert model.vision_config["hidden_size"] == 16 and model.hidden_size == 32
+    cfg = load_config("vlm-sft", overrides=["model.hidden_size=64"])
+    with pytest.raises(ConfigError, match=r"^model.hidden_size=64 \(set by you.*contradicts config.json "
+                                          r"hidden_size=32") as info:
+        apply_hf_model_config(cfg, hf)
+    assert "\n" not in str(info.value)

@@ -1,7 +1,9 @@
-"""Images for a vision-language model's prompt: read the files, run the model directory's HF image processor,
-and give each image its tokens in the prompt.
+"""Images for a vision-language model's prompt: read the files (``load_images``, the one reader every image
+prompt uses), and, for Qwen2.5-VL, run the model directory's HF image processor and give each image its tokens
+in the prompt (``longspan.inference.image_generation.image_prompt_inputs`` picks this path or the HF processor's
+by model).
 
-The prompt's ``<|image_pad|>`` tokens (the model's ``image_token_id``) mark where the images go, one per image,
+Qwen2.5-VL: the prompt's ``<|image_pad|>`` tokens (the model's ``image_token_id``) mark where the images go, one per image,
 in order; a prompt without any gets each image in front, as ``<|vision_start|><|image_pad|><|vision_end|>``.
 Each mark then becomes one image token per merged patch of its image (what the HF processor does to the text).
 """

@@ -120,20 +120,12 @@ def _image_inputs(args: argparse.Namespace, model: list[Any], tokenizer: Any, im
     if not images:
         return args.prompt, {}
     # `longspan --help` must not import torch
-    from longspan.inference.images import PROCESSOR_FILE, expand_image_tokens, load_image_processor, process_images
+    from longspan.inference.image_generation import image_prompt_inputs
     from longspan.inference.text_generation import check_model_inputs
 
     net = model[0] if isinstance(model, list) else model
-    source = args.hf_model or args.checkpoint
-    check_model_inputs(net, {"pixel_values": None}, f"--image: {source}")
-    found = [d for d in processor_dirs if (d / PROCESSOR_FILE).is_file()]
-    if not found:
-        raise CheckpointError(f"--image: {source} has no {PROCESSOR_FILE} (the image processor) in "
-                              f"{', '.join(str(d) for d in processor_dirs)}")
-    device = next(net.parameters()).device
-    inputs = {k: v.to(device) for k, v in process_images(load_image_processor(found[0]), images).items()}
-    prompt_ids = expand_image_tokens(tokenizer.tokenize(args.prompt), inputs["image_grid_thw"], net.config)
-    return prompt_ids, inputs
+    check_model_inputs(net, {"pixel_values": None}, f"--image: {args.hf_model or args.checkpoint}")
+    return image_prompt_inputs(net, tokenizer, args.prompt, images, processor_dirs)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -349,14 +349,16 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
 # mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_refuses_layouts for freeze_*). The
-# token ids of the delimiters and bos/eos are recorded for the export. One process or data parallel only.
+# token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language model
+# and replicates the encoder; pipeline parallel keeps the encoder on the first stage
+# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id
         image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
         """),
     **_many("model", NOT_SUPPORTED, """
-        tensor_model_parallel_size sequence_parallel context_parallel_size pipeline_model_parallel_size
+        sequence_parallel context_parallel_size
         virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
         account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers
         mtp_loss_scaling_factor mtp_enabled
@@ -480,10 +482,6 @@ NOT_SUPPORTED_REASONS.update({
     "Qwen25VLModelProvider.expert_model_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
     "Qwen25VLModelProvider.expert_tensor_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
     "Gemma3VLModelProvider.mtp_enabled": _VLM_NO_MTP,
-    "Gemma3VLModelProvider.tensor_model_parallel_size": (
-        "the tensor-parallel plan does not cover Gemma 3's SigLIP tower and image mask yet"),
-    "Gemma3VLModelProvider.pipeline_model_parallel_size": (
-        "the pipeline split does not place Gemma 3's SigLIP tower and image mask yet"),
     "MambaProvider.mtp_loss_scaling_factor": "multi-token prediction depths are built for GPTModel only",
 })
 

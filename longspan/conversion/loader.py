@@ -33,7 +33,7 @@ from longspan.conversion.mapping import WeightMap, match
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger
-from longspan.models.init import canonical_parameter_name
+from longspan.models.init import canonical_parameter_name, parameter_stream_name
 
 _log = get_logger(__name__)
 
@@ -59,8 +59,7 @@ def iter_named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Mod
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
-                full = f"{module_name}.{param_name}" if module_name else param_name
-                yield overrides.get(param_name) or canonical_parameter_name(full), module, param_name, param
+                yield parameter_stream_name(module_name, param_name, overrides), module, param_name, param
 
 
 def iter_named_buffers(chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:

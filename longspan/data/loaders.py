@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from longspan.core.errors import ConfigError, DataError, NotSupportedError
+from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.builtin import prepare_builtin_corpus
@@ -23,7 +23,7 @@ from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPre
 from longspan.data.sft.dataset import build_sft_datasets
 from longspan.data.sft.hf_dataset import build_direct_hf_sft_datasets
 from longspan.data.sft.formatting import parse_format_options
-from longspan.data.sft.multimodal import MultimodalSFTDataset, processor_for_tokenizer
+from longspan.data.sft.multimodal import processor_for_tokenizer
 from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
 
@@ -94,10 +94,10 @@ def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[A
     """[train, valid, test] datasets of a ConfigContainer (None for a split that is not built)."""
     if is_direct_hf_sft_dataset(cfg.dataset):
         chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
-        return check_images_on_every_rank(cfg, build_direct_hf_sft_datasets(
-            cfg.dataset, tokenizer, get_train_valid_test_num_samples(cfg), int(cfg.dataset.seq_length), chat_template))
+        return build_direct_hf_sft_datasets(
+            cfg.dataset, tokenizer, get_train_valid_test_num_samples(cfg), int(cfg.dataset.seq_length), chat_template)
     if is_finetuning_dataset(cfg.dataset):
-        return check_images_on_every_rank(cfg, _build_finetuning_datasets(cfg, tokenizer))
+        return _build_finetuning_datasets(cfg, tokenizer)
     ds_cfg = resolve_dataset_config(cfg.dataset, tokenizer)
     model = getattr(cfg, "model", None)
     model_seq = getattr(model, "seq_length", None)
@@ -114,22 +114,6 @@ def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[A
         return BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, list(sizes), lambda: True, ds_cfg).build()
     cls = MockGPTDataset if _is_mock(ds_cfg) else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, ds_cfg).build()
-
-
-def check_images_on_every_rank(cfg: Any, datasets: List[Optional[Any]]) -> List[Optional[Any]]:
-    """With data parallel, a multimodal training sample without an image is refused (one line naming its row):
-    a rank whose microbatch has no image would skip the vision encoder, and its gradient reduction would then
-    differ from the other ranks' (FSDP2 / DDP reduce the parameters that received gradients)."""
-    dp = int(getattr(cfg, "data_parallel_size", None) or 1)
-    train = datasets[0] if datasets else None
-    if dp > 1 and isinstance(train, MultimodalSFTDataset):
-        textual = next((doc for doc in train.docs if not doc.images), None)
-        if textual is not None:
-            raise NotSupportedError(
-                f"{textual.where}: a conversation without an image is not supported yet with data parallel "
-                f"(data_parallel_size={dp}): give every training conversation an image, or train on one rank"
-            )
-    return datasets
 
 
 def is_t5_dataset(dataset_cfg: Any) -> bool:

@@ -31,32 +31,12 @@ from longspan.inference.text_generation import (
     check_generation_args,
     next_token_logits_processor,
 )
+from longspan.inference.images import expand_image_tokens, load_image_processor, load_images, process_images
 from longspan.models.transformer import KVCache
 
 #: processor outputs the model does not take: the token ids go positionally, the padding mask is HF's 2-D one
 #: (one prompt has no padding)
 _NOT_MODEL_INPUTS = ("input_ids", "attention_mask")
-
-
-def load_images(images: Sequence[Any]) -> list[Any]:
-    """PIL images from paths (or PIL images, kept); a missing or unreadable file is a one-line DataError."""
-    from PIL import Image, UnidentifiedImageError  # optional dependency: only image prompts need Pillow
-
-    out = []
-    for item in images:
-        if not isinstance(item, (str, os.PathLike)):
-            out.append(item)
-            continue
-        path = Path(item)
-        if not path.is_file():
-            raise DataError(f"image {path} does not exist: give the path of an image file")
-        try:
-            with Image.open(path) as opened:
-                out.append(opened.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as exc:
-            raise DataError(f"image {path} cannot be read as an image ({type(exc).__name__}): give a PNG, JPEG or "
-                            "another format Pillow reads") from None
-    return out
 
 
 def load_processor(hf_path: str | os.PathLike) -> Any:
@@ -91,6 +71,31 @@ def processor_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> dict
         first = str(exc).strip().splitlines()[0]
         raise DataError(f"the processor refused the prompt and its {len(images)} image(s): {first}") from None
     return dict(inputs)
+
+
+#: files of a model directory that hold its HF processor (transformers 5 writes processor_config.json alone)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def image_prompt_inputs(net: nn.Module, tokenizer: Any, prompt: str, images: Sequence[Any],
+                        processor_dirs: Sequence[str | os.PathLike]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """(prompt ids with the images' tokens, the model's image inputs) for a prompt about ``images``, by model:
+    Qwen2.5-VL (a patch merger: images of any size) runs its image processor and repeats each image mark once
+    per merged patch (``longspan.inference.images``); other models (Gemma 3) run the whole HF processor of
+    the first of ``processor_dirs`` that has one (``prompt_inputs``). No processor is a one-line error."""
+    dirs = [Path(d) for d in processor_dirs]
+    wanted = PROCESSOR_FILES[1:] if getattr(net, "merger", None) is not None else PROCESSOR_FILES
+    found = [d for d in dirs if any((d / name).is_file() for name in wanted)]
+    if not found:
+        raise CheckpointError(f"no {' or '.join(wanted)} (the image processor) in "
+                              f"{', '.join(str(d) for d in dirs)}: images need the model's processor")
+    device = next(net.parameters()).device
+    if getattr(net, "merger", None) is not None:
+        inputs = process_images(load_image_processor(found[0]), load_images(images))
+        prompt_ids = expand_image_tokens(tokenizer.tokenize(prompt), inputs["image_grid_thw"], net.config)
+    else:
+        prompt_ids, inputs = prompt_inputs(load_processor(found[0]), prompt, images)
+    return prompt_ids, {k: v.to(device) for k, v in inputs.items()}
 
 
 @torch.inference_mode()
@@ -170,5 +175,5 @@ def generate_from_hf_with_images(hf_path: str | os.PathLike, prompt: str, images
     return generate_with_images(model, processor, prompt, images, **kwargs)
 
 
-__all__ = ["generate_from_hf_with_images", "generate_with_images", "load_images", "load_processor",
-           "processor_inputs", "prompt_inputs"]
+__all__ = ["PROCESSOR_FILES", "generate_from_hf_with_images", "generate_with_images", "image_prompt_inputs",
+           "load_images", "load_processor", "processor_inputs", "prompt_inputs"]

@@ -1,7 +1,9 @@
-"""Images for a vision-language model's prompt: read the files, run the model directory's HF image processor,
-and give each image its tokens in the prompt.
+"""Images for a vision-language model's prompt: read the files (``load_images``, the one reader every image
+prompt uses), and, for Qwen2.5-VL, run the model directory's HF image processor and give each image its tokens
+in the prompt (``longspan.inference.image_generation.image_prompt_inputs`` picks this path or the HF processor's
+by model).
 
-The prompt's ``<|image_pad|>`` tokens (the model's ``image_token_id``) mark where the images go, one per image,
+Qwen2.5-VL: the prompt's ``<|image_pad|>`` tokens (the model's ``image_token_id``) mark where the images go, one per image,
 in order; a prompt without any gets each image in front, as ``<|vision_start|><|image_pad|><|vision_end|>``.
 Each mark then becomes one image token per merged patch of its image (what the HF processor does to the text).
 """
@@ -20,21 +22,26 @@ from longspan.models.vlm.mrope import image_token_count
 PROCESSOR_FILE = "preprocessor_config.json"
 
 
-def load_images(paths: Sequence[str | os.PathLike]) -> list[Any]:
-    """The images at ``paths`` as RGB ``PIL.Image``s; a missing or unreadable file is a one-line ``DataError``."""
+def load_images(images: Sequence[Any]) -> list[Any]:
+    """RGB ``PIL.Image``s of ``images`` (paths, or PIL images kept as they are); a missing or unreadable file is
+    a one-line ``DataError`` naming it."""
     from PIL import Image, UnidentifiedImageError  # optional dependency: only prompts with images need Pillow
 
-    images = []
-    for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise DataError(f"image {p}: no such file")
+    out = []
+    for item in images:
+        if not isinstance(item, (str, os.PathLike)):
+            out.append(item)
+            continue
+        path = Path(item)
+        if not path.is_file():
+            raise DataError(f"image {path} does not exist (no such file): give the path of an image file")
         try:
-            with Image.open(p) as image:
-                images.append(image.convert("RGB"))
+            with Image.open(path) as opened:
+                out.append(opened.convert("RGB"))
         except (UnidentifiedImageError, OSError) as exc:
-            raise DataError(f"image {p}: not a readable image ({exc})") from None
-    return images
+            raise DataError(f"image {path} cannot be read as an image ({type(exc).__name__}): not a readable "
+                            "image; give a PNG, JPEG or another format Pillow reads") from None
+    return out
 
 
 def load_image_processor(directory: str | os.PathLike) -> Any:

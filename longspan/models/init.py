@@ -45,6 +45,17 @@ def canonical_parameter_name(name: str) -> str:
     return ".".join(parts)
 
 
+def parameter_stream_name(module_name: str, param_name: str, overrides: dict[str, str]) -> str:
+    """The canonical name a parameter is drawn and loaded under: its own, or its module's
+    ``init_name_overrides`` entry, which names a parameter of the model that owns the module (the tied output
+    copy of a GPT model, ``language_model.`` inside a vision-language model)."""
+    override = overrides.get(param_name)
+    if override is not None:
+        owner = module_name.rpartition(".")[0]
+        return canonical_parameter_name(f"{owner}.{override}" if owner else override)
+    return canonical_parameter_name(f"{module_name}.{param_name}" if module_name else param_name)
+
+
 def parameter_seed(seed: int, canonical_name: str) -> int:
     """A stable 63-bit seed for ``canonical_name`` under run seed ``seed`` (SHA-256, not Python's ``hash``)."""
     digest = hashlib.sha256(f"{int(seed)}:{canonical_name}".encode()).digest()
@@ -127,7 +138,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
                 continue
             seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
-            canonical = overrides.get(param_name) or canonical_parameter_name(full_name)
+            canonical = parameter_stream_name(module_name, param_name, overrides)
             rule = _init_rule(module, param_name, full_name)
             full = draw_full_parameter(seed, canonical, param.shape, rule).to(param.dtype)
             if _is_dtensor(param):

@@ -151,7 +151,7 @@ def build_pipeline_chunks(
 
 def _mark_chunk(model: nn.Module, info: PipelineChunkInfo, parallel: Any) -> None:
     """Attach the chunk's place in the pipeline, its process groups and the tied-copy marks."""
-    tied_copy = _tied_output_copy(unwrap_chunk(model))
+    tied_copy = _tied_output_copy(_language_model(model)[0])
     if tied_copy is not None:
         # Megatron's mark: the gradient norm and the parameter norm count this copy once (on stage 0).
         tied_copy.weight.shared = True
@@ -178,6 +178,16 @@ def unwrap_chunk(chunk: nn.Module) -> nn.Module:
 def chunk_info(chunk: nn.Module) -> PipelineChunkInfo | None:
     """The ``PipelineChunkInfo`` of a chunk (on it or on the model inside its DDP wrapper), or None."""
     return getattr(chunk, CHUNK_INFO_ATTR, None) or getattr(unwrap_chunk(chunk), CHUNK_INFO_ATTR, None)
+
+
+def _language_model(chunk: nn.Module) -> tuple[nn.Module, str]:
+    """(the GPT model of a chunk, its name prefix): the chunk itself, or a vision-language model's
+    ``language_model`` (which holds the embedding and output layer the tie is about)."""
+    plain = unwrap_chunk(chunk)
+    inner = getattr(plain, "language_model", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "share_embeddings_and_output_weights"):
+        return inner, "language_model."
+    return plain, ""
 
 
 def _tied_output_copy(model: nn.Module) -> nn.Linear | None:
@@ -218,7 +228,7 @@ def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:
     """
     out = []
     for chunk in model:
-        plain = unwrap_chunk(chunk)
+        plain = _language_model(chunk)[0]
         info = chunk_info(chunk)
         if _has_mtp(model) and info is not None and info.num_stages > 1:
             # multi-token prediction: the last stage's embedding copy (untied models only: config rules)
@@ -299,7 +309,7 @@ def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
         return
     sync_stage_shared_grads(model, parallel)
     tied = tied_embedding_weights(model)
-    provider_ties = any(getattr(unwrap_chunk(c), "share_embeddings_and_output_weights", False) for c in model)
+    provider_ties = any(getattr(_language_model(c)[0], "share_embeddings_and_output_weights", False) for c in model)
     if not provider_ties and not _has_mtp(model):
         return
     group = _embedding_group(parallel)
@@ -332,8 +342,10 @@ def state_dict_module(model: list[nn.Module]) -> nn.Module:
     checkpoints move between layouts. A single chunk without such a copy is returned as it is.
     """
     plains = [unwrap_chunk(chunk) for chunk in model]
-    copies = {id(c.output_layer.weight) for c in plains
-              if getattr(c, "embedding", None) is None and _tied_output_copy(c) is not None}
+    copies = {}
+    for lm, prefix in map(_language_model, plains):
+        if getattr(lm, "embedding", None) is None and _tied_output_copy(lm) is not None:
+            copies[id(lm.output_layer.weight)] = prefix + "embedding.word_embeddings.weight"
     if len(model) == 1 and not copies:
         return model[0]
     root = nn.Module()
@@ -345,7 +357,7 @@ def state_dict_module(model: list[nn.Module]) -> nn.Module:
             if id(param) in seen or id(param) in later_copies:
                 continue
             seen.add(id(param))
-            name = "embedding.word_embeddings.weight" if id(param) in copies else canonical_parameter_name(name)
+            name = copies.get(id(param)) or canonical_parameter_name(name)
             *path, leaf = name.split(".")
             module = root
             for part in path:

@@ -314,7 +314,8 @@ def _shard_attention_sinks(model: nn.Module, tp_mesh: Any) -> None:
 
 def _is_vision_language_model(model: nn.Module) -> bool:
     """A vision-language model: a GPT language model under ``language_model`` beside its vision encoder."""
-    return getattr(model, "args", None) is None and getattr(getattr(model, "language_model", None), "args", None) is not None
+    language_model = getattr(model, "language_model", None)
+    return isinstance(language_model, nn.Module) and getattr(language_model, "args", None) is not None
 
 
 def _apply_vision_language_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> nn.Module:

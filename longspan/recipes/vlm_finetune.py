@@ -1,7 +1,8 @@
 """Vision-language finetuning recipes: ``vlm-sft`` (full finetune) and ``vlm-lora`` (LoRA on the language model).
 
-The model is the pretrained checkpoint's, a Qwen2.5-VL Hugging Face directory (architecture from its config.json;
-tokenizer, image processor and chat template from its files). The data is a ``FinetuningDatasetConfig``
+The model is the pretrained checkpoint's, a Qwen2.5-VL or Gemma 3 VL Hugging Face directory (family and
+architecture from its config.json, replacing the recipe's placeholder; tokenizer, image processor and chat
+template from its files). The data is a ``FinetuningDatasetConfig``
 directory of chat records whose messages mix ``{"type": "image", "image": PATH}`` and text parts (paths relative
 to the JSONL file), formatted by the directory's HF processor (``longspan.data.sft.multimodal``)::
 
@@ -10,8 +11,9 @@ to the JSONL file), formatted by the directory's HF processor (``longspan.data.s
 ``vlm-lora`` adapts the language model's linear layers (Megatron Bridge's LoRA targets); the vision encoder and
 the patch merger stay frozen with the rest of the base. ``vlm-sft`` trains every parameter (set
 ``model.freeze_vision_model`` / ``model.freeze_vision_projection`` / ``model.freeze_language_model`` to keep parts
-as they are). Layouts: FSDP2 and tensor parallel (the vision encoder and merger are replicated on every
-tensor-parallel rank; the language model is split).
+as they are). Layouts: FSDP2 and tensor parallel (the vision encoder and its projection are replicated on every
+tensor-parallel rank; the language model is split). Conversations without an image may be mixed in under any
+layout (a training microbatch without one runs the encoder on a blank image times 0).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ SEQ_LENGTH = 2048
 
 
 def _placeholder_model() -> Qwen25VLModelProvider:
-    """A tiny Qwen2.5-VL, replaced by the pretrained checkpoint's architecture at start-up (only the layout,
-    precision and sequence length set here are kept); it makes the recipe validate as it is."""
+    """A tiny Qwen2.5-VL, replaced by the pretrained checkpoint's family and architecture at start-up (only the
+    layout, precision, sequence length and the fields set on purpose are kept); it makes the recipe validate as
+    it is."""
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
               "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56, "fullatt_block_indexes": [0],
               "out_hidden_size": 32}

@@ -187,10 +187,10 @@ def test_provider_freezes_parts_and_refuses_layouts(vlm, tmp_path):
     trainable = {n.split(".")[0] for n, p in provider.provide().named_parameters() if p.requires_grad}
     assert trainable == {"vision_tower", "multi_modal_projector"}
 
-    provider.tensor_model_parallel_size = 2
-    with pytest.raises(NotSupportedError, match="tensor_model_parallel_size=2 is not supported yet"):
+    provider.context_parallel_size = 2
+    with pytest.raises(NotSupportedError, match="context_parallel_size=2 is not supported yet"):
         provider.provide()
-    provider.tensor_model_parallel_size = 1
+    provider.context_parallel_size = 1
     provider.mm_tokens_per_image = 2
     with pytest.raises(ConfigError, match="mm_tokens_per_image=2 is invalid"):
         provider.provide()

@@ -18,7 +18,7 @@ _VISION_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
                  "patch_size")
 
 #: layouts the vision-language model does not build yet (field -> the one value it takes)
-_IMAGE_MODEL_LAYOUT = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size")
+_IMAGE_MODEL_LAYOUT = ("context_parallel_size",)
 
 
 def is_image_model(config: Any) -> bool:
@@ -34,7 +34,7 @@ def check_image_model(config: Any) -> None:
         value = getattr(config, name, 1) or 1
         if value > 1:
             raise NotSupportedError(f"model.{name}={value} is not supported yet for {type(config).__name__}: "
-                                    "use 1 (one process or data parallel)")
+                                    "use 1")
     vision = config.vision_config or {}
     for key in _VISION_SIZES:
         value = vision.get(key)

@@ -56,8 +56,20 @@ def _image_only_processor_class(cls: type) -> type:
 
 
 def has_image_processor(path: str) -> bool:
-    """True when directory ``path`` holds an HF processor with an image processor."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "preprocessor_config.json"))
+    """True when directory ``path`` holds an HF processor with an image processor: a preprocessor_config.json,
+    or (transformers 5's single file) a processor_config.json with an ``image_processor`` entry."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        return True
+    combined = os.path.join(path, "processor_config.json")
+    if not os.path.isfile(combined):
+        return False
+    try:
+        with open(combined) as f:
+            return "image_processor" in json.load(f)
+    except (OSError, ValueError):
+        return False
 
 
 def load_processor(path: str, kwargs: Optional[dict[str, Any]] = None, field: str = "dataset.hf_processor_path") -> Any:
@@ -312,13 +324,17 @@ class MultimodalChatFormatter:
 
 def _image_token_ids(processor: Any) -> list[int]:
     """Ids of the tokens that stand for image content (Qwen's ``<|image_pad|>``, Gemma's soft tokens)."""
+    # ``image_token_ids`` are the ids the processor expands the images into; ``image_token_id`` is the text's
+    # placeholder, the same token for Qwen but Gemma's ``<start_of_image>`` (an ordinary token the model keeps)
     found = set()
-    for name in ("image_token_id", "image_token_ids"):
+    for name in ("image_token_ids", "image_token_id"):
         value = getattr(processor, name, None)
         if isinstance(value, int):
             found.add(value)
         elif isinstance(value, (list, tuple, set)):
             found.update(int(v) for v in value if isinstance(v, int))
+        if found:
+            break
     token = getattr(processor, "image_token", None)
     if not found and isinstance(token, str):
         tid = processor.tokenizer.convert_tokens_to_ids(token)

@@ -103,13 +103,15 @@ class Gemma3VLModel(nn.Module):
         self.vision_args = SiglipVisionArgs.from_dict(
             dict(config.vision_config, initializer_range=config.init_method_std))
         dtype = language_model.args.params_dtype
-        self.vision_tower = SiglipVisionTower(self.vision_args, dtype)
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        # a pipeline's later stages start from the hidden states: the encoder lives on the first stage
+        self.vision_tower = SiglipVisionTower(self.vision_args, dtype) if self.pre_process else None
         self.multi_modal_projector = Gemma3MultiModalProjector(
-            self.vision_args, config.hidden_size, config.mm_tokens_per_image, config.init_method_std, dtype)
+            self.vision_args, config.hidden_size, config.mm_tokens_per_image, config.init_method_std,
+            dtype) if self.pre_process else None
         self.language_model = language_model
         self.image_token_id = int(config.image_token_id)
         self.mm_tokens_per_image = int(config.mm_tokens_per_image)
-        self.pre_process = self.post_process = True
 
     @property
     def args(self) -> Any:
@@ -133,7 +135,7 @@ class Gemma3VLModel(nn.Module):
             ids = input_ids.masked_fill(is_image, 0)
         embeds = self.language_model.embedding(ids, position_ids)
         if pixel_values is None:
-            return embeds
+            return self._touch_image_parts(embeds)
         features = self.image_features(pixel_values)
         found, wanted = int(is_image.sum()), features.shape[0] * features.shape[1]
         if found != wanted:
@@ -143,6 +145,18 @@ class Gemma3VLModel(nn.Module):
                 "with the model's processor"
             )
         return embeds.masked_scatter(is_image.unsqueeze(-1), features.to(embeds.dtype))
+
+    def _touch_image_parts(self, embeds: torch.Tensor) -> torch.Tensor:
+        """A training batch without images still runs the encoder and projector (on one blank image, its output
+        added times 0): every data-parallel rank then reduces the same gradients (zeros here), as HF's and
+        LLaVA's trainers do. Nothing changes when they train no parameter or in evaluation."""
+        parts = (self.vision_tower, self.multi_modal_projector)
+        if not self.training or not any(p.requires_grad for part in parts for p in part.parameters()):
+            return embeds
+        size = self.vision_args.image_size
+        weight = self.vision_tower.embeddings.patch_embedding.weight
+        blank = torch.zeros(1, self.vision_args.num_channels, size, size, dtype=weight.dtype, device=embeds.device)
+        return embeds + 0.0 * self.image_features(blank).sum().to(embeds.dtype)
 
     def forward(
         self,
@@ -155,6 +169,7 @@ class Gemma3VLModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         loss_mask: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[b, s, padded_vocab]`` (with ``labels``: float32 per-token loss ``[b, s]``), as ``GPTModel``.
 
@@ -162,13 +177,14 @@ class Gemma3VLModel(nn.Module):
         or decoding after the prompt). ``token_type_ids`` (1 = image token) makes each image's tokens attend to
         each other both ways (shorter than ``input_ids``: the tokens after it are text); None attends causally, as
         transformers does without it. ``attention_mask``:
-        Megatron's bool mask (True = masked) the image blocks are unmasked in; None = causal. Other arguments
-        as ``GPTModel.forward``.
+        Megatron's bool mask (True = masked) the image blocks are unmasked in; None = causal. A later pipeline
+        stage (``pre_process=False``) takes the previous stage's ``hidden_states`` and the same
+        ``token_type_ids`` (its mask); it ignores ``pixel_values``. Other arguments as ``GPTModel.forward``.
         """
         past = kv_cache.seq_len if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        embeds = self._embed(input_ids, position_ids, pixel_values)
+        embeds = self._embed(input_ids, position_ids, pixel_values) if self.pre_process else None
         if token_type_ids is not None and bool((token_type_ids == 1).any()):
             if token_type_ids.shape[1] < input_ids.shape[1]:  # tokens generated after the prompt are text
                 token_type_ids = F.pad(token_type_ids, (0, input_ids.shape[1] - token_type_ids.shape[1]))
@@ -176,6 +192,9 @@ class Gemma3VLModel(nn.Module):
                 raise NotSupportedError("token_type_ids after cached tokens are not supported: pass the image "
                                         "tokens in the first forward of a KV cache (the prompt)")
             attention_mask = image_attention_mask(token_type_ids, attention_mask)
+        if not self.pre_process:
+            return self.language_model(input_ids, position_ids, attention_mask, labels, hidden_states=hidden_states,
+                                       kv_cache=kv_cache, loss_mask=loss_mask)
         return self.language_model(input_ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
                                    loss_mask=loss_mask, decoder_input=embeds)
 
@@ -186,16 +205,20 @@ def freeze_parts(model: Gemma3VLModel, config: Any) -> None:
              (config.freeze_vision_model, model.vision_tower),
              (config.freeze_vision_projection, model.multi_modal_projector))
     for frozen, module in parts:
-        if frozen:
+        if frozen and module is not None:
             for param in module.parameters():
                 param.requires_grad_(False)
 
 
 def build_gemma3_vl_model(provider: Any, vp_stage: int | None = None, *, seed: int | None = None,
-                          materialize: bool = True, device: torch.device | str | None = None) -> Gemma3VLModel:
-    """Build a ``Gemma3VLModel`` on the meta device and (by default) materialize and initialize it."""
+                          materialize: bool = True, device: torch.device | str | None = None,
+                          pre_process: bool = True, post_process: bool = True,
+                          layer_numbers: list[int] | None = None) -> Gemma3VLModel:
+    """Build a ``Gemma3VLModel`` (or one pipeline stage of it: ``pre_process`` / ``post_process`` /
+    ``layer_numbers`` as ``GPTModel``'s) on the meta device and (by default) materialize and initialize it."""
     with torch.device("meta"):
-        model = Gemma3VLModel(provider, GPTModel(provider, True, True, vp_stage))
+        model = Gemma3VLModel(provider, GPTModel(provider, pre_process, post_process, vp_stage,
+                                                 layer_numbers=layer_numbers))
     freeze_parts(model, provider)
     return materialize_model(model, provider, seed, device) if materialize else model
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from longspan.config.rules.vision import check_image_model
-from longspan.core.errors import NotSupportedError
 from longspan.models.gpt_provider import GPTModelProvider
 
 
@@ -20,9 +19,11 @@ from longspan.models.gpt_provider import GPTModelProvider
 class Gemma3VLModelProvider(GPTModelProvider):
     """A Gemma 3 vision-language model: SigLIP encoder, multimodal projector, Gemma 3 language model.
 
-    Tested on one process; the data-parallel wrappers apply as to any model (FSDP2 shards it as one unit: it
-    has no top-level ``decoder.layers``). Tensor, context and pipeline parallel raise a one-line
-    NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is built)."""
+    Layouts: data parallel and FSDP2 (the language model's layers sharded one by one, the vision encoder in
+    the root unit) and tensor parallel (the language model split, the encoder and projector replicated on every
+    rank) and pipeline parallel (the encoder and projector on the first stage). Context parallel raises a
+    one-line NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is
+    built)."""
 
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,
@@ -64,9 +65,8 @@ class Gemma3VLModelProvider(GPTModelProvider):
         from longspan.models.vlm.gemma_vlm import build_gemma3_vl_model  # keeps the provider free of model code
 
         check_image_model(self)
-        if not (pre_process and post_process) or layer_numbers is not None:
-            raise NotSupportedError("pipeline stages are not supported yet for Gemma3VLModelProvider")
-        return build_gemma3_vl_model(self, vp_stage, materialize=materialize)
+        return build_gemma3_vl_model(self, vp_stage, materialize=materialize, pre_process=pre_process,
+                                     post_process=post_process, layer_numbers=layer_numbers)
 
 
 __all__ = ["Gemma3VLModelProvider"]

@@ -65,6 +65,21 @@ class Qwen25VLModel(nn.Module):
         """The LM embeddings of a batch's images ``[image tokens, hidden]``, image after image."""
         return self.merger(self.vision(pixel_values, image_grid_thw))
 
+    def _touch_image_parts(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """A training batch without images still runs the encoder and merger (on one blank merged patch, its
+        output added times 0): every data-parallel rank then reduces the same gradients (zeros here), as HF's
+        and LLaVA's trainers do. Nothing changes when they train no parameter or in evaluation."""
+        parts = (self.vision, self.merger)
+        if not self.training or not any(p.requires_grad for part in parts for p in part.parameters()):
+            return embeddings
+        args = self.vision_args
+        merge = args.spatial_merge_size
+        width = args.in_channels * args.temporal_patch_size * args.patch_size ** 2
+        weight = self.vision.patch_embed.proj.weight
+        blank = torch.zeros(merge * merge, width, dtype=weight.dtype, device=embeddings.device)
+        grid = torch.tensor([[1, merge, merge]], device=embeddings.device)
+        return embeddings + 0.0 * self.image_embeddings(blank, grid).sum().to(embeddings.dtype)
+
     def mrope_positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
                         kv_cache: KVCache | None) -> torch.Tensor:
         """Position ids ``[3, b, s]``: from the tokens and images, or, for tokens after a cached prompt, the
@@ -122,6 +137,8 @@ class Qwen25VLModel(nn.Module):
                 raise DataError(f"the tokens hold {count} image tokens but the images ({image_grid_thw.tolist()} "
                                 f"patch grids) make {images.shape[0]}: one image token per merged patch")
             embeddings = embeddings.masked_scatter(is_image.unsqueeze(-1), images.to(embeddings.dtype))
+        else:
+            embeddings = self._touch_image_parts(embeddings)
         return self.language_model(input_ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
                                    loss_mask=loss_mask, decoder_input=embeddings)
 

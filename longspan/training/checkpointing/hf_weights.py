@@ -21,7 +21,12 @@ from longspan.conversion.bridge import AutoBridge, hf_pretrained_dir
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS
-from longspan.training.checkpointing.model_fields import ModelFieldMerge, merge_pretrained_model_fields
+from longspan.training.checkpointing.model_fields import (
+    ModelFieldMerge,
+    is_vision_language,
+    merge_pretrained_model_fields,
+    vision_language_family_of,
+)
 
 logger = get_logger(__name__)
 
@@ -55,6 +60,8 @@ def merge_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> ModelFieldMerg
         run_fields |= set(_RUN_FIELDS_ROPE)
     if hf_provider.position_embedding_type == "relative":
         run_fields |= set(_RUN_FIELDS_RELATIVE)
+    if type(cfg.model) is not type(hf_provider) and is_vision_language(cfg.model) and is_vision_language(hf_provider):
+        cfg.model = vision_language_family_of(cfg, hf_provider, run_fields)
     if type(cfg.model) is not type(hf_provider):
         raise ConfigError(
             f"checkpoint.pretrained_checkpoint={str(hf_dir)!r} holds a {type(hf_provider).__name__} model but the "

@@ -14,6 +14,7 @@ An HF ``config.json`` (``checkpoint.pretrained_checkpoint``) or a longspan ``run
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -64,6 +65,26 @@ class ModelFieldMerge:
             text += "; kept as set: " + ", ".join(f"{name}={value!r} ({source})"
                                                 for name, (value, source) in self.kept.items())
         return text
+
+
+def is_vision_language(provider: Any) -> bool:
+    """A vision-language provider (Qwen2.5-VL, Gemma 3 VL): it describes its vision encoder in ``vision_config``."""
+    return dataclasses.is_dataclass(provider) and hasattr(provider, "vision_config")
+
+
+def vision_language_family_of(cfg: Any, source_model: Any, run_fields: Iterable[str]) -> Any:
+    """The VLM recipes' model is a placeholder of one family; the pretrained checkpoint's family replaces it.
+    Returns a copy of ``source_model`` holding the run's fields (``run_fields``) and the values set on purpose
+    (not by the recipe) that the new family has; the merge then checks those against the checkpoint as usual."""
+    run_fields = set(run_fields)
+    explicit = explicit_fields(cfg, "model")
+    model = copy.copy(source_model)
+    for f in dataclasses.fields(cfg.model):
+        who = explicit.get(f.name)
+        chosen = f.name in run_fields or (who is not None and not is_recipe_source(who))
+        if chosen and hasattr(model, f.name):
+            setattr(model, f.name, getattr(cfg.model, f.name))
+    return model
 
 
 def merge_pretrained_model_fields(cfg: Any, source_model: Any, origin: str, where: str,

@@ -124,7 +124,7 @@ def test_bad_images_and_image_tokens_are_one_line_errors(qwen_vl, tmp_path, caps
         expand_image_tokens([1, mark, 2, mark], inputs["image_grid_thw"][:1], model.config)
     unreadable = tmp_path / "notes.png"
     unreadable.write_text("not a picture")
-    for path, reason in ((tmp_path / "missing.png", "no such file"), (unreadable, "not a readable image")):
+    for path, reason in ((tmp_path / "missing.png", "does not exist"), (unreadable, "cannot be read as an image")):
         capsys.readouterr()
         code = main(["generate", "--hf-model", str(directory), "--image", str(path), "--prompt", "a"])
         err = capsys.readouterr().err.strip()

@@ -427,7 +427,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
-    "model.moe_layer_recompute": "recomputing the MoE layer is not built: selective recompute covers core_attn only",
     "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
     "model.num_microbatches_with_partial_activation_checkpoints": (
         "torch's schedules recompute every microbatch alike: use recompute_num_layers"),
@@ -635,3 +634,6 @@ def inapplicable_fields(cfg: Any) -> list[str]:
             elif status == DEVICE and not accelerator and _needs_accelerator(section, f.name, value):
                 out.append(f"{section}.{f.name}={value!r}")
     return out
+# The MoE layer checkpointed and replayed in backward (longspan.models.moe.MoELayer); its metrics and token counts
+# are recorded by the first forward only.
+FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))

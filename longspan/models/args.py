@@ -62,6 +62,8 @@ class MoEArgs:
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     input_jitter_eps: Optional[float] = None
+    # moe_layer_recompute: each MoE layer's forward is checkpointed and replayed in backward
+    layer_recompute: bool = False
 
     @classmethod
     def from_config(cls, config: Any, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
@@ -98,7 +100,16 @@ class MoEArgs:
             expert_bias=bool(getattr(config, "moe_router_enable_expert_bias", False)),
             bias_update_rate=float(getattr(config, "moe_router_bias_update_rate", 1e-3)),
             input_jitter_eps=getattr(config, "moe_input_jitter_eps", None),
+            layer_recompute=bool(getattr(config, "moe_layer_recompute", False)),
         )
+
+
+def _recompute_granularity(config: Any) -> Optional[str]:
+    """megatron-core turns moe_layer_recompute into selective recompute of ['core_attn', 'moe']: the attention
+    core is recomputed too (a memory choice; the results are the same)."""
+    if getattr(config, "moe_layer_recompute", False) and config.recompute_granularity is None:
+        return "selective"
+    return config.recompute_granularity
 
 
 @dataclass
@@ -238,7 +249,7 @@ class TransformerArgs:
             params_dtype=config.params_dtype or torch.float32,
             fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
             cross_entropy_loss_fusion=bool(getattr(config, "cross_entropy_loss_fusion", False)),
-            recompute_granularity=config.recompute_granularity,
+            recompute_granularity=_recompute_granularity(config),
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
             window_size=_window_size(config),

@@ -428,8 +428,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
     "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
-    "model.num_microbatches_with_partial_activation_checkpoints": (
-        "torch's schedules recompute every microbatch alike: use recompute_num_layers"),
     "model.distribute_saved_activations": "Megatron's TP-split checkpoint buffers; torch checkpointing keeps inputs whole",
     "model.delay_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
     "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
@@ -637,3 +635,6 @@ def inapplicable_fields(cfg: Any) -> list[str]:
 # The MoE layer checkpointed and replayed in backward (longspan.models.moe.MoELayer); its metrics and token counts
 # are recorded by the first forward only.
 FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))
+# Per-microbatch recompute depth in the pipeline schedules (longspan.training.step.pipeline_schedules, megatron-core's
+# window rule; GPT and T5 blocks).
+FIELD_STATUS.update(_many("model", SUPPORTED, "num_microbatches_with_partial_activation_checkpoints"))

@@ -167,6 +167,9 @@ class TransformerArgs:
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
+    # pipelined runs with recompute_method='block': how many microbatches of each window of in-flight
+    # microbatches keep the partial recompute; the others recompute every layer (the schedule decides)
+    partial_checkpoint_microbatches: Optional[int] = None
     # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
     layer_types: Optional[list[str]] = None
     mamba: Optional[MambaArgs] = None
@@ -252,6 +255,7 @@ class TransformerArgs:
             recompute_granularity=_recompute_granularity(config),
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
+            partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
             window_size=_window_size(config),
             layer_windows=layer_windows(config),
             rope_scaling_method=rope_scaling_method(config),
@@ -399,6 +403,7 @@ class T5Args:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    partial_checkpoint_microbatches: Optional[int] = None  # as TransformerArgs'
     # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
     num_layers: Optional[int] = None
 
@@ -448,6 +453,7 @@ class T5Args:
             recompute_granularity=config.recompute_granularity,
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
+            partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
         )
 
     def for_stack(self, num_layers: int) -> "T5Args":

@@ -196,7 +196,9 @@ class T5Stack(nn.Module):
 
     Activation recompute (Megatron's semantics, per stack): ``'full'`` + ``'uniform'`` checkpoints consecutive
     chunks of ``recompute_num_layers`` layers, ``'full'`` + ``'block'`` each of the first
-    ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross)."""
+    ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross).
+    ``recompute_all_layers`` (set per microbatch by the pipeline schedule, see ``TransformerBlock``) makes
+    ``'block'`` checkpoint every layer."""
 
     def __init__(self, args: T5Args, num_layers: int, is_decoder: bool, layer_numbers: list[int] | None = None,
                  final_norm: bool = True) -> None:
@@ -208,6 +210,8 @@ class T5Stack(nn.Module):
         self.recompute_granularity = args.recompute_granularity
         self.recompute_method = args.recompute_method
         self.recompute_num_layers = args.recompute_num_layers
+        self.partial_checkpoint_microbatches = args.partial_checkpoint_microbatches
+        self.recompute_all_layers = False
         if self.recompute_granularity == "selective":
             for layer in self.layers.values():
                 for attention in (layer.self_attention, layer.cross_attention):
@@ -232,7 +236,7 @@ class T5Stack(nn.Module):
                                                use_reentrant=False)
             else:  # 'block': the first n layers are recomputed, the rest keep their activations
                 for index, layer in enumerate(layers):
-                    if index < n:
+                    if index < n or self.recompute_all_layers:
                         hidden_states = checkpoint(layer, hidden_states, *extra, use_reentrant=False)
                     else:
                         hidden_states = layer(hidden_states, *extra)

@@ -1166,5 +1166,6 @@ def test_supported_field_changes_behaviour(tmp_path: Path, section: str, name: s
 
 # Model fields made real beside the shared tables (appended so parallel edits of the tables above merge cleanly).
 COVERED_ELSEWHERE.update({
+    "model.num_microbatches_with_partial_activation_checkpoints": "tests/parallel/test_partial_recompute.py::test_first_microbatches_of_each_window_keep_the_partial_recompute (pp 2: rank 0 replays every layer for microbatches 1 and 3; grads equal one process)",
     "model.moe_layer_recompute": "tests/models/test_moe.py::test_moe_layer_recompute_replays_each_moe_layer_with_equal_grads_and_metrics_counted_once (the experts run again in backward; grads and metrics bit-equal)",
 })

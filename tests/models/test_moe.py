@@ -249,7 +249,7 @@ def test_moe_layer_recompute_replays_each_moe_layer_with_equal_grads_and_metrics
                                          moe_router_score_function="sigmoid"), seed=0).train()
         calls = []
         for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
-            layer.experts.register_forward_hook(lambda *_: calls.append(1))
+            layer.experts.register_forward_pre_hook(lambda *_: calls.append(1))
         losses = []
         for _ in range(2):
             loss = model(ids, labels=ids).mean()

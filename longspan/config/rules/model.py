@@ -432,6 +432,17 @@ def _check_recompute(config: Any) -> None:
                 f"model.recompute_num_layers={config.recompute_num_layers!r} must be a positive integer "
                 "with recompute_granularity='full'"
             )
+    partial = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
+    if partial is not None:
+        if isinstance(partial, bool) or not isinstance(partial, int) or partial < 0:
+            raise ConfigError(
+                f"model.num_microbatches_with_partial_activation_checkpoints={partial!r} must be an integer >= 0 "
+                "(or None)")
+        if (config.recompute_granularity, config.recompute_method) != ("full", "block"):
+            raise ConfigError(
+                f"model.num_microbatches_with_partial_activation_checkpoints={partial} needs "
+                "recompute_granularity='full' and recompute_method='block' (the partial recompute it keeps for "
+                f"those microbatches), not {config.recompute_granularity!r} / {config.recompute_method!r}")
     modules = getattr(config, "recompute_modules", None)
     if config.recompute_granularity == "selective" and modules not in (None, ["core_attn"]):
         raise NotSupportedError(

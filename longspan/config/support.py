@@ -424,7 +424,6 @@ FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_comm
 NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.tp_only_amax_red": "Transformer Engine's FP8 amax reduction group; torchao's float8 reduces its amax itself",
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
-    "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
     "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
@@ -638,3 +637,5 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))
 # Per-microbatch recompute depth in the pipeline schedules (longspan.training.step.pipeline_schedules, megatron-core's
 # window rule; GPT and T5 blocks).
 FIELD_STATUS.update(_many("model", SUPPORTED, "num_microbatches_with_partial_activation_checkpoints"))
+# megatron-core's config logger for the built model chunks (longspan.training.observability.config_logger).
+FIELD_STATUS.update(_many("model", SUPPORTED, "config_logger_dir"))

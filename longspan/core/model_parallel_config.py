@@ -102,7 +102,9 @@ class ModelParallelConfig:
     without enable_autocast is an error (it would change nothing)."""
 
     num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
-    """Number of microbatches that recompute only some layers; None leaves it to the forward step."""
+    """Pipelined runs with recompute_method='block': of each window of in-flight microbatches (the stage's warmup
+    forwards + 1), the first N keep the partial recompute (recompute_num_layers) and the others recompute every
+    layer of the stage; None leaves every microbatch partial. No effect without pipeline parallelism (Megatron's)."""
 
     # ---- fusions and TransformerEngine knobs ---------------------------------------------------------------
     gradient_accumulation_fusion: bool = False

@@ -302,7 +302,8 @@ class TransformerConfig(ModelParallelConfig):
     """Do not cache transposed weights (TransformerEngine)."""
 
     config_logger_dir: str = ""
-    """Directory Megatron writes per-module config logs to; empty = off."""
+    """Directory of megatron-core's config logger: at build time each rank writes its model chunks' resolved config
+    and module tree as ``{Model}.rank_{tp}_{dp}_{cp}_{pp}_{ep}.iter{chunk}.json``; empty = off."""
 
     flash_decode: bool = False
     """Use flash decoding for inference."""

@@ -50,6 +50,7 @@ from longspan.training.optim.optimizer import get_megatron_optimizer
 from longspan.training.optim.scheduler import get_optimizer_param_scheduler
 from longspan.training.resilience.signals import DistributedSignalHandler
 from longspan.training.state import GlobalState
+from longspan.training.observability.config_logger import log_model_configs
 from longspan.training.observability.energy import build_energy_monitor
 
 logger = get_logger(__name__)
@@ -118,6 +119,7 @@ def setup(cfg: Any) -> SetupOutput:
     model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
         init_adapters(model, cfg.rng.seed)
+    log_model_configs(cfg.model, model, parallel)
     # Offloaded layers run eager (validate() rejects torch_compile=True with offload): None resolves to off.
     compile_setting = False if cfg.model.cpu_offloading else cfg.train.torch_compile
     state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size)

@@ -426,14 +426,11 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
-    "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
     "model.distribute_saved_activations": "Megatron's TP-split checkpoint buffers; torch checkpointing keeps inputs whole",
     "model.delay_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
     "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
     "model.wgrad_deferral_limit": "only meaningful with defer_embedding_wgrad_compute",
-    "model.variable_seq_lengths": "torch.distributed.pipelining stages need static shapes (longspan pads to seq_length)",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
-    "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
     "model.enable_cuda_graph": "CUDA-graph capture of the layers is not built; train.torch_compile compiles them instead",
     "model.cuda_graph_warmup_steps": "only meaningful with enable_cuda_graph",
     "model.external_cuda_graph": "Megatron leaves capturing the whole step to the training script; longspan's loop does not capture",
@@ -607,6 +604,8 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
         return value != 0
     if (section, name) == ("logger", "log_energy"):
         return False  # needs energy counters, not an accelerator: setup() finds them and reports their absence
+    if (section, name) == ("model", "pipeline_model_parallel_comm_backend"):
+        return value == "nccl"  # 'ucc' runs on CPU too (when torch has it)
     if (section, name) == ("model", "attention_backend"):
         return value == "fused"  # the CUDA-only kernels; the other names map onto SDPA kernels everywhere
     if name.startswith("fp8"):
@@ -639,3 +638,9 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))
 FIELD_STATUS.update(_many("model", SUPPORTED, "num_microbatches_with_partial_activation_checkpoints"))
 # megatron-core's config logger for the built model chunks (longspan.training.observability.config_logger).
 FIELD_STATUS.update(_many("model", SUPPORTED, "config_logger_dir"))
+# Context parallel is one flat all-gather group whatever Megatron's communication scheme: the a2a+p2p sub-group sizes
+# are checked as megatron-core builds its groups (config/rules/layout.py) and change no maths. Pipeline stages always
+# exchange seq_length-shaped activations (SFT data pads to seq_length under pipeline parallel), which Megatron's
+# variable-length shape exchange also handles. The pipeline group's backend (parallel/init.py): 'nccl' needs CUDA.
+FIELD_STATUS.update(_many("model", HINT, "hierarchical_context_parallel_sizes variable_seq_lengths"))
+FIELD_STATUS.update(_many("model", DEVICE, "pipeline_model_parallel_comm_backend"))

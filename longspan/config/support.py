@@ -431,9 +431,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
     "model.wgrad_deferral_limit": "only meaningful with defer_embedding_wgrad_compute",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
-    "model.enable_cuda_graph": "CUDA-graph capture of the layers is not built; train.torch_compile compiles them instead",
-    "model.cuda_graph_warmup_steps": "only meaningful with enable_cuda_graph",
-    "model.external_cuda_graph": "Megatron leaves capturing the whole step to the training script; longspan's loop does not capture",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
@@ -604,6 +601,8 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
         return value != 0
     if (section, name) == ("logger", "log_energy"):
         return False  # needs energy counters, not an accelerator: setup() finds them and reports their absence
+    if (section, name) == ("model", "cuda_graph_warmup_steps"):
+        return False  # read only with enable_cuda_graph / external_cuda_graph, which are reported themselves
     if (section, name) == ("model", "pipeline_model_parallel_comm_backend"):
         return value == "nccl"  # 'ucc' runs on CPU too (when torch has it)
     if (section, name) == ("model", "attention_backend"):
@@ -644,3 +643,6 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "config_logger_dir"))
 # variable-length shape exchange also handles. The pipeline group's backend (parallel/init.py): 'nccl' needs CUDA.
 FIELD_STATUS.update(_many("model", HINT, "hierarchical_context_parallel_sizes variable_seq_lengths"))
 FIELD_STATUS.update(_many("model", DEVICE, "pipeline_model_parallel_comm_backend"))
+# CUDA graphs of the layers through torch.compile's CUDA-graph trees (longspan.parallel.compile; external_cuda_graph,
+# Transformer Engine's capture of the same layers, maps onto it too); elsewhere listed once at start-up.
+FIELD_STATUS.update(_many("model", DEVICE, "enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph"))

@@ -27,7 +27,7 @@ from longspan.models.builder import build_meta_model
 from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.async_tp import enable_async_tensor_parallel
-from longspan.parallel.compile import compile_model
+from longspan.parallel.compile import compile_model, cuda_graph_warmup
 from longspan.parallel.offload import apply_activation_offload
 from longspan.parallel.parallelize import materialize_parallel_model
 from longspan.parallel.pipeline import build_pipeline_chunks
@@ -122,7 +122,9 @@ def setup(cfg: Any) -> SetupOutput:
     log_model_configs(cfg.model, model, parallel)
     # Offloaded layers run eager (validate() rejects torch_compile=True with offload): None resolves to off.
     compile_setting = False if cfg.model.cpu_offloading else cfg.train.torch_compile
-    state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size)
+    graph_warmup = cuda_graph_warmup(cfg.model, parallel.device)
+    state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size, graph_warmup)
+    state.cuda_graphs = state.compiled and graph_warmup is not None
     state.activation_offload = apply_activation_offload(model, cfg.model)
     tp_group = parallel.tp_group if parallel.tp_size > 1 else None
     state.async_tensor_parallel = enable_async_tensor_parallel(cfg.model, tp_group, parallel.device, state.compiled)

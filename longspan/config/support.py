@@ -294,8 +294,8 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
-        num_moe_experts expert_model_parallel_size expert_tensor_parallel_size cross_entropy_loss_fusion
-        window_size window_attn_skip_freq fp32_residual_connection multi_latent_attention
+        num_moe_experts expert_model_parallel_size expert_tensor_parallel_size
+        window_size window_attn_skip_freq multi_latent_attention
         """),
     # Why each is not built: longspan.config.rules.model.MAMBA_NOT_SUPPORTED_REASONS.
     "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "
@@ -646,3 +646,6 @@ FIELD_STATUS.update(_many("model", DEVICE, "pipeline_model_parallel_comm_backend
 # CUDA graphs of the layers through torch.compile's CUDA-graph trees (longspan.parallel.compile; external_cuda_graph,
 # Transformer Engine's capture of the same layers, maps onto it too); elsewhere listed once at start-up.
 FIELD_STATUS.update(_many("model", DEVICE, "enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph"))
+# T5: the float32 residual stream (longspan.models.t5.T5Layer, as GPT's); Megatron's fused cross-entropy kernels
+# compute the same loss as T5's logits-then-loss, so the fusion switch is a hint there.
+CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy_loss_fusion"))

@@ -404,6 +404,8 @@ class T5Args:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     partial_checkpoint_microbatches: Optional[int] = None  # as TransformerArgs'
+    # the residual stream in float32, each norm's output cast to params_dtype (as TransformerArgs')
+    fp32_residual_connection: bool = False
     # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
     num_layers: Optional[int] = None
 
@@ -454,6 +456,7 @@ class T5Args:
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
             partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
+            fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
         )
 
     def for_stack(self, num_layers: int) -> "T5Args":

@@ -39,7 +39,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     **MLA_FIXED_FIELDS,
     "mtp_num_layers": None,
-    "fp32_residual_connection": False,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
@@ -60,9 +59,6 @@ T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
     "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
     "T5ModelProvider.window_size": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
     "T5ModelProvider.window_attn_skip_freq": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
-    "T5ModelProvider.cross_entropy_loss_fusion": (
-        "the chunked fused output layer + loss is built for GPTModel; T5 computes logits, then the loss"),
-    "T5ModelProvider.fp32_residual_connection": "T5's layers keep the residual stream in the activations' dtype",
 }
 
 

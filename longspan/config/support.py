@@ -426,10 +426,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
-    "model.distribute_saved_activations": "Megatron's TP-split checkpoint buffers; torch checkpointing keeps inputs whole",
-    "model.delay_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
-    "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
-    "model.wgrad_deferral_limit": "only meaningful with defer_embedding_wgrad_compute",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
@@ -649,3 +645,7 @@ FIELD_STATUS.update(_many("model", DEVICE, "enable_cuda_graph cuda_graph_warmup_
 # T5: the float32 residual stream (longspan.models.t5.T5Layer, as GPT's); Megatron's fused cross-entropy kernels
 # compute the same loss as T5's logits-then-loss, so the fusion switch is a hint there.
 CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy_loss_fusion"))
+# When Megatron computes weight gradients (after the MoE all-to-all, at the pipeline flush) and how it lays out
+# recompute's saved inputs change no result; megatron-core's consistency rules are kept (rules/scheduling_hints.py).
+FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgrad_compute "
+                                         "defer_embedding_wgrad_compute wgrad_deferral_limit"))

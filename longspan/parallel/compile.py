@@ -231,6 +231,10 @@ def _keep_moe_dispatch_eager(layer: nn.Module) -> None:
     dispatcher = getattr(mlp, "token_dispatcher", None)
     if getattr(mlp, "is_moe", False) and dispatcher is not None:
         dispatcher.dispatch_and_combine = torch.compiler.disable(dispatcher.dispatch_and_combine)
+    if getattr(mlp, "layer_recompute", False):
+        # moe_layer_recompute: the checkpointed MoE layer (with its eager dispatch inside) runs eager as a whole,
+        # so its replay in backward takes the same path as its forward
+        mlp.forward = torch.compiler.disable(mlp.forward)
 
 
 def _report_warmup(first_layer: nn.Module, count: int) -> None:

@@ -19,6 +19,8 @@ from longspan.parallel import compile as compile_mod
     (["model.external_cuda_graph=true", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1"],
      "cannot be captured"),
     (["model.cuda_graph_warmup_steps=5"], "read only with model.enable_cuda_graph=True"),
+    (["model.enable_cuda_graph=true", "model.recompute_granularity=full", "model.recompute_method=uniform",
+      "model.recompute_num_layers=1"], "per-layer graphs cannot"),
     (["model.enable_cuda_graph=true", "model.cuda_graph_warmup_steps=-1"], "integer >= 0"),
 ])
 def test_cuda_graph_rules(overrides, needle):

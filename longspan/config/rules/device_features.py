@@ -64,7 +64,8 @@ def check_attention_backend(cfg: "ConfigContainer") -> None:
 def check_cuda_graphs(cfg: "ConfigContainer") -> None:
     """model.enable_cuda_graph / external_cuda_graph capture the compiled layers (torch.compile's CUDA-graph trees,
     longspan.parallel.compile): one of the two (as megatron-core), a train.torch_compile that is not False, no
-    activation offload (offloaded layers run eager); cuda_graph_warmup_steps a count >= 0, set only with them."""
+    activation offload (offloaded layers run eager), no full recompute (megatron-core allows it only with whole-
+    iteration graphs); cuda_graph_warmup_steps a count >= 0, set only with them."""
     m = cfg.model
     enable, external = getattr(m, "enable_cuda_graph", False), getattr(m, "external_cuda_graph", False)
     warmup = getattr(m, "cuda_graph_warmup_steps", 3)
@@ -85,6 +86,10 @@ def check_cuda_graphs(cfg: "ConfigContainer") -> None:
     if getattr(m, "cpu_offloading", False):
         raise ConfigError(f"model.{name}=True with model.cpu_offloading=True: offloaded layers run eager and "
                           "cannot be captured; choose one")
+    if getattr(m, "recompute_granularity", None) == "full":
+        raise ConfigError(f"model.{name}=True with model.recompute_granularity='full': full recompute replays "
+                          "whole layers in the backward pass, which per-layer graphs cannot (megatron-core's rule); "
+                          "use 'selective' or None")
 
 
 def check_device_features(cfg: "ConfigContainer") -> None:

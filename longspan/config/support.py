@@ -289,6 +289,7 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # recompute_* (test_t5_recompute.py); qk_layernorm, apply_residual_connection_post_layernorm,
 # layernorm_zero_centered_gamma, attention_softmax_in_fp32 (test_t5_model.py::test_model_feature_fields_change_the_t5_model);
 # rotary_percent, rotary_interleaved, seq_len_interpolation_factor (::test_rotary_positions_and_their_fields_change_the_t5_model).
+# fp32_residual_connection (::test_fp32_residual_keeps_t5s_stream_in_float32_and_norm_outputs_in_the_parameters_dtype).
 # Why the rest stay not supported: longspan.config.rules.model.T5_NOT_SUPPORTED_REASONS.
 # Per config class: fields the shared table supports (for GPT) that this class does not implement. validate()
 # rejects them when set; the generated document lists them in the class's own table.

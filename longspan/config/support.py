@@ -289,13 +289,14 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # recompute_* (test_t5_recompute.py); qk_layernorm, apply_residual_connection_post_layernorm,
 # layernorm_zero_centered_gamma, attention_softmax_in_fp32 (test_t5_model.py::test_model_feature_fields_change_the_t5_model);
 # rotary_percent, rotary_interleaved, seq_len_interpolation_factor (::test_rotary_positions_and_their_fields_change_the_t5_model).
+# fp32_residual_connection (::test_fp32_residual_keeps_t5s_stream_in_float32_and_norm_outputs_in_the_parameters_dtype).
 # Why the rest stay not supported: longspan.config.rules.model.T5_NOT_SUPPORTED_REASONS.
 # Per config class: fields the shared table supports (for GPT) that this class does not implement. validate()
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
-        num_moe_experts expert_model_parallel_size expert_tensor_parallel_size cross_entropy_loss_fusion
-        window_size window_attn_skip_freq fp32_residual_connection multi_latent_attention
+        num_moe_experts expert_model_parallel_size expert_tensor_parallel_size
+        window_size window_attn_skip_freq multi_latent_attention
         """),
     # Why each is not built: longspan.config.rules.model.MAMBA_NOT_SUPPORTED_REASONS.
     "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "
@@ -426,23 +427,9 @@ FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_comm
 NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.tp_only_amax_red": "Transformer Engine's FP8 amax reduction group; torchao's float8 reduces its amax itself",
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
-    "model.config_logger_dir": "dumps Megatron module configs; longspan writes its resolved config to logger.save_config_filepath",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
-    "model.moe_layer_recompute": "recomputing the MoE layer is not built: selective recompute covers core_attn only",
-    "model.hierarchical_context_parallel_sizes": "context parallel is one flat all-gather group (cp_comm_type is a hint)",
-    "model.num_microbatches_with_partial_activation_checkpoints": (
-        "torch's schedules recompute every microbatch alike: use recompute_num_layers"),
-    "model.distribute_saved_activations": "Megatron's TP-split checkpoint buffers; torch checkpointing keeps inputs whole",
-    "model.delay_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
-    "model.defer_embedding_wgrad_compute": "splitting weight gradients needs custom autograd per layer; torch autograd computes both",
-    "model.wgrad_deferral_limit": "only meaningful with defer_embedding_wgrad_compute",
-    "model.variable_seq_lengths": "torch.distributed.pipelining stages need static shapes (longspan pads to seq_length)",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
-    "model.pipeline_model_parallel_comm_backend": "pipeline send/recv use the default process group's backend",
-    "model.enable_cuda_graph": "CUDA-graph capture of the layers is not built; train.torch_compile compiles them instead",
-    "model.cuda_graph_warmup_steps": "only meaningful with enable_cuda_graph",
-    "model.external_cuda_graph": "Megatron leaves capturing the whole step to the training script; longspan's loop does not capture",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
@@ -609,6 +596,10 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
         return value != 0
     if (section, name) == ("logger", "log_energy"):
         return False  # needs energy counters, not an accelerator: setup() finds them and reports their absence
+    if (section, name) == ("model", "cuda_graph_warmup_steps"):
+        return False  # read only with enable_cuda_graph / external_cuda_graph, which are reported themselves
+    if (section, name) == ("model", "pipeline_model_parallel_comm_backend"):
+        return value == "nccl"  # 'ucc' runs on CPU too (when torch has it)
     if (section, name) == ("model", "attention_backend"):
         return value == "fused"  # the CUDA-only kernels; the other names map onto SDPA kernels everywhere
     if name.startswith("fp8"):
@@ -633,3 +624,27 @@ def inapplicable_fields(cfg: Any) -> list[str]:
             elif status == DEVICE and not accelerator and _needs_accelerator(section, f.name, value):
                 out.append(f"{section}.{f.name}={value!r}")
     return out
+# The MoE layer checkpointed and replayed in backward (longspan.models.moe.MoELayer); its metrics and token counts
+# are recorded by the first forward only.
+FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))
+# Per-microbatch recompute depth in the pipeline schedules (longspan.training.step.pipeline_schedules, megatron-core's
+# window rule; GPT and T5 blocks).
+FIELD_STATUS.update(_many("model", SUPPORTED, "num_microbatches_with_partial_activation_checkpoints"))
+# megatron-core's config logger for the built model chunks (longspan.training.observability.config_logger).
+FIELD_STATUS.update(_many("model", SUPPORTED, "config_logger_dir"))
+# Context parallel is one flat all-gather group whatever Megatron's communication scheme: the a2a+p2p sub-group sizes
+# are checked as megatron-core builds its groups (config/rules/layout.py) and change no maths. Pipeline stages always
+# exchange seq_length-shaped activations (SFT data pads to seq_length under pipeline parallel), which Megatron's
+# variable-length shape exchange also handles. The pipeline group's backend (parallel/init.py): 'nccl' needs CUDA.
+FIELD_STATUS.update(_many("model", HINT, "hierarchical_context_parallel_sizes variable_seq_lengths"))
+FIELD_STATUS.update(_many("model", DEVICE, "pipeline_model_parallel_comm_backend"))
+# CUDA graphs of the layers through torch.compile's CUDA-graph trees (longspan.parallel.compile; external_cuda_graph,
+# Transformer Engine's capture of the same layers, maps onto it too); elsewhere listed once at start-up.
+FIELD_STATUS.update(_many("model", DEVICE, "enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph"))
+# T5: the float32 residual stream (longspan.models.t5.T5Layer, as GPT's); Megatron's fused cross-entropy kernels
+# compute the same loss as T5's logits-then-loss, so the fusion switch is a hint there.
+CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy_loss_fusion"))
+# When Megatron computes weight gradients (after the MoE all-to-all, at the pipeline flush) and how it lays out
+# recompute's saved inputs change no result; megatron-core's consistency rules are kept (rules/scheduling_hints.py).
+FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgrad_compute "
+                                         "defer_embedding_wgrad_compute wgrad_deferral_limit"))

@@ -27,7 +27,8 @@ class ModelParallelConfig:
     """Number of ranks that split each layer's weight matrices (tensor parallelism)."""
 
     pipeline_model_parallel_comm_backend: Optional[Literal["nccl", "ucc"]] = None
-    """Backend for pipeline send/recv (e.g. 'nccl', 'ucc'); None uses the default process-group backend."""
+    """Backend of the pipeline group's send/recv: 'nccl' (CUDA only; ignored on CPU), 'ucc' (a torch build with
+    UCC); None uses the default process-group backend."""
 
     pipeline_model_parallel_size: int = 1
     """Number of pipeline stages the layers are divided into."""
@@ -42,7 +43,9 @@ class ModelParallelConfig:
     """Number of ranks that split each sequence (context parallelism)."""
 
     hierarchical_context_parallel_sizes: Optional[list[int]] = None
-    """Group sizes of each level of hierarchical context parallelism (e.g. a2a then p2p)."""
+    """Group sizes of each level of hierarchical context parallelism (a2a then p2p), multiplying to
+    context_parallel_size; read only with cp_comm_type='a2a+p2p'. longspan's context parallel is one all-gather
+    group, so the sizes change only Megatron's communication schedule (no effect here)."""
 
     expert_model_parallel_size: int = 1
     """Number of ranks that split the MoE experts between them."""
@@ -102,7 +105,9 @@ class ModelParallelConfig:
     without enable_autocast is an error (it would change nothing)."""
 
     num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
-    """Number of microbatches that recompute only some layers; None leaves it to the forward step."""
+    """Pipelined runs with recompute_method='block': of each window of in-flight microbatches (the stage's warmup
+    forwards + 1), the first N keep the partial recompute (recompute_num_layers) and the others recompute every
+    layer of the stage; None leaves every microbatch partial. No effect without pipeline parallelism (Megatron's)."""
 
     # ---- fusions and TransformerEngine knobs ---------------------------------------------------------------
     gradient_accumulation_fusion: bool = False
@@ -175,7 +180,8 @@ class ModelParallelConfig:
     """dtype of activations sent between pipeline stages; None is resolved to params_dtype by validate()."""
 
     variable_seq_lengths: bool = False
-    """Sequence length may change between microbatches, so pipeline stages exchange tensor shapes first."""
+    """Sequence length may change between microbatches, so pipeline stages exchange tensor shapes first. longspan's
+    stages exchange seq_length-shaped activations (the data pads to seq_length under pipeline parallel): no effect."""
 
     overlap_p2p_comm: bool = False
     """Overlap pipeline send/recv with computation (requires batch_p2p_comm=False)."""

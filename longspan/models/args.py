@@ -62,6 +62,8 @@ class MoEArgs:
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     input_jitter_eps: Optional[float] = None
+    # moe_layer_recompute: each MoE layer's forward is checkpointed and replayed in backward
+    layer_recompute: bool = False
 
     @classmethod
     def from_config(cls, config: Any, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
@@ -98,7 +100,16 @@ class MoEArgs:
             expert_bias=bool(getattr(config, "moe_router_enable_expert_bias", False)),
             bias_update_rate=float(getattr(config, "moe_router_bias_update_rate", 1e-3)),
             input_jitter_eps=getattr(config, "moe_input_jitter_eps", None),
+            layer_recompute=bool(getattr(config, "moe_layer_recompute", False)),
         )
+
+
+def _recompute_granularity(config: Any) -> Optional[str]:
+    """megatron-core turns moe_layer_recompute into selective recompute of ['core_attn', 'moe']: the attention
+    core is recomputed too (a memory choice; the results are the same)."""
+    if getattr(config, "moe_layer_recompute", False) and config.recompute_granularity is None:
+        return "selective"
+    return config.recompute_granularity
 
 
 @dataclass
@@ -156,6 +167,9 @@ class TransformerArgs:
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
+    # pipelined runs with recompute_method='block': how many microbatches of each window of in-flight
+    # microbatches keep the partial recompute; the others recompute every layer (the schedule decides)
+    partial_checkpoint_microbatches: Optional[int] = None
     # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
     layer_types: Optional[list[str]] = None
     mamba: Optional[MambaArgs] = None
@@ -238,9 +252,10 @@ class TransformerArgs:
             params_dtype=config.params_dtype or torch.float32,
             fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
             cross_entropy_loss_fusion=bool(getattr(config, "cross_entropy_loss_fusion", False)),
-            recompute_granularity=config.recompute_granularity,
+            recompute_granularity=_recompute_granularity(config),
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
+            partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
             window_size=_window_size(config),
             layer_windows=layer_windows(config),
             rope_scaling_method=rope_scaling_method(config),
@@ -388,6 +403,9 @@ class T5Args:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    partial_checkpoint_microbatches: Optional[int] = None  # as TransformerArgs'
+    # the residual stream in float32, each norm's output cast to params_dtype (as TransformerArgs')
+    fp32_residual_connection: bool = False
     # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
     num_layers: Optional[int] = None
 
@@ -437,6 +455,8 @@ class T5Args:
             recompute_granularity=config.recompute_granularity,
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
+            partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
+            fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
         )
 
     def for_stack(self, num_layers: int) -> "T5Args":

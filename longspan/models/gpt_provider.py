@@ -287,13 +287,16 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---- cuda graphs and misc ----------------------------------------------------------------------------
     enable_cuda_graph: bool = False
-    """Capture CUDA graphs of the layers."""
+    """Capture CUDA graphs of the layers (CUDA only): each transformer layer compiles with torch.compile
+    mode='reduce-overhead', whose CUDA-graph trees capture its forward and backward; needs train.torch_compile
+    true or null."""
 
     cuda_graph_warmup_steps: int = 3
-    """Iterations before CUDA graph capture."""
+    """Training forwards each layer runs eager before its CUDA graph is captured (megatron-core's warmup runs)."""
 
     external_cuda_graph: bool = False
-    """CUDA graphs managed outside the model."""
+    """Megatron's Transformer Engine capture of the same layers (cuda_graph_impl='transformer_engine'); longspan
+    captures them as enable_cuda_graph does. Not together with enable_cuda_graph."""
 
     clone_scatter_output_in_embedding: bool = True
     """Clone the embedding output after the sequence-parallel scatter."""
@@ -302,7 +305,8 @@ class TransformerConfig(ModelParallelConfig):
     """Do not cache transposed weights (TransformerEngine)."""
 
     config_logger_dir: str = ""
-    """Directory Megatron writes per-module config logs to; empty = off."""
+    """Directory of megatron-core's config logger: at build time each rank writes its model chunks' resolved config
+    and module tree as ``{Model}.rank_{tp}_{dp}_{cp}_{pp}_{ep}.iter{chunk}.json``; empty = off."""
 
     flash_decode: bool = False
     """Use flash decoding for inference."""

@@ -74,6 +74,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from longspan.models.activations import gated_activation
 from longspan.models.args import MoEArgs
@@ -506,6 +507,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(config, moe)
         self.shared_experts = SharedExpertMLP(config, moe) if moe.shared_ffn_hidden_size else None
         self.token_dispatcher: Any = LocalTokenDispatcher()
+        self.layer_recompute = moe.layer_recompute
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -522,6 +524,13 @@ class MoELayer(nn.Module):
         self.metric_steps += 1
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.layer_recompute and self.training and torch.is_grad_enabled():
+            # The replay in backward runs while autograd does (in_backward_pass), so the router's token counts
+            # and this layer's metrics are recorded by the first forward only.
+            return checkpoint(self._forward, hidden_states, use_reentrant=False)
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         probs, routing_map = self.router(x)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from longspan.models.args import T5Args
 from longspan.models.init import materialize_model
 from longspan.models.rope import RotaryEmbedding, apply_rotary
-from longspan.models.transformer import MLP, _linear, build_norm
+from longspan.models.transformer import MLP, _linear, build_norm, norm_residual
 
 # TransformerConfig / T5ModelProvider fields this model implements only at these values (the GPT model's
 # extras, not built into T5 yet). Pure kernel choices are accepted.
@@ -168,6 +168,16 @@ class T5Layer(nn.Module):
         self.pre_mlp_layernorm = build_norm(args, args.hidden_size)
         self.mlp = MLP(args)
         self.mlp_dropout = nn.Dropout(args.hidden_dropout)
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm's output for the sub-layer, the residual its branch adds to): with
+        ``fp32_residual_connection`` the residual in float32 and the output in the parameters' dtype."""
+        if not self.fp32_residual:
+            normed = norm(x)
+            return normed, normed if self.residual_after_norm else x
+        normed = norm_residual(norm, x, self.params_dtype)
+        return normed, (normed.float() if self.residual_after_norm else x)
 
     def forward(
         self,
@@ -177,16 +187,13 @@ class T5Layer(nn.Module):
         cross_bias: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        normed = self.input_layernorm(hidden_states)
-        residual = normed if self.residual_after_norm else hidden_states
+        normed, residual = self._norm(self.input_layernorm, hidden_states)
         # rotary positions rotate self-attention only (Megatron's T5: cross-attention keys are another sequence)
         hidden_states = residual + self.self_attn_dropout(self.self_attention(normed, self_bias, rotary=rotary))
         if self.cross_attention is not None:
-            normed = self.pre_cross_attn_layernorm(hidden_states)
-            residual = normed if self.residual_after_norm else hidden_states
+            normed, residual = self._norm(self.pre_cross_attn_layernorm, hidden_states)
             hidden_states = residual + self.cross_attn_dropout(self.cross_attention(normed, cross_bias, encoder_output))
-        normed = self.pre_mlp_layernorm(hidden_states)
-        residual = normed if self.residual_after_norm else hidden_states
+        normed, residual = self._norm(self.pre_mlp_layernorm, hidden_states)
         return residual + self.mlp_dropout(self.mlp(normed))
 
 
@@ -196,7 +203,9 @@ class T5Stack(nn.Module):
 
     Activation recompute (Megatron's semantics, per stack): ``'full'`` + ``'uniform'`` checkpoints consecutive
     chunks of ``recompute_num_layers`` layers, ``'full'`` + ``'block'`` each of the first
-    ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross)."""
+    ``recompute_num_layers`` layers, ``'selective'`` only the attention cores (self and cross).
+    ``recompute_all_layers`` (set per microbatch by the pipeline schedule, see ``TransformerBlock``) makes
+    ``'block'`` checkpoint every layer."""
 
     def __init__(self, args: T5Args, num_layers: int, is_decoder: bool, layer_numbers: list[int] | None = None,
                  final_norm: bool = True) -> None:
@@ -208,6 +217,9 @@ class T5Stack(nn.Module):
         self.recompute_granularity = args.recompute_granularity
         self.recompute_method = args.recompute_method
         self.recompute_num_layers = args.recompute_num_layers
+        self.partial_checkpoint_microbatches = args.partial_checkpoint_microbatches
+        self.recompute_all_layers = False
+        self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
         if self.recompute_granularity == "selective":
             for layer in self.layers.values():
                 for attention in (layer.self_attention, layer.cross_attention):
@@ -223,6 +235,9 @@ class T5Stack(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         layers = list(self.layers.values())
+        if self.fp32_residual:  # Megatron casts the embeddings' output; the encoder output feeds cross-attention
+            hidden_states = hidden_states.float()
+            encoder_output = None if encoder_output is None else encoder_output.to(self.params_dtype)
         extra = (self_bias, encoder_output, cross_bias, rotary)
         if self.recompute_granularity == "full" and torch.is_grad_enabled():
             n = self.recompute_num_layers
@@ -232,13 +247,22 @@ class T5Stack(nn.Module):
                                                use_reentrant=False)
             else:  # 'block': the first n layers are recomputed, the rest keep their activations
                 for index, layer in enumerate(layers):
-                    if index < n:
+                    if index < n or self.recompute_all_layers:
                         hidden_states = checkpoint(layer, hidden_states, *extra, use_reentrant=False)
                     else:
                         hidden_states = layer(hidden_states, *extra)
         else:
             hidden_states = _run_layers(layers, hidden_states, *extra)
-        return hidden_states if self.final_layernorm is None else self.final_layernorm(hidden_states)
+        return self.final_norm(hidden_states)
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The stack's final norm where this stage holds it (in the parameters' dtype with a float32 residual
+        stream), else the residual stream itself."""
+        if self.final_layernorm is None:
+            return hidden_states
+        if self.fp32_residual:
+            return norm_residual(self.final_layernorm, hidden_states, self.params_dtype)
+        return self.final_layernorm(hidden_states)
 
 
 def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor,
@@ -375,7 +399,7 @@ class T5Model(nn.Module):
         """This model's encoder layers (and final norm) on ``hidden``; the attention bias only where a layer
         needs it (a pipeline stage may hold none)."""
         if not len(self.encoder.layers):
-            return hidden if self.encoder.final_layernorm is None else self.encoder.final_layernorm(hidden)
+            return self.encoder.final_norm(hidden)
         device = hidden.device
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
@@ -443,7 +467,7 @@ class T5Model(nn.Module):
                      encoder_decoder_attn_mask: Any, tokens: SequenceSlice, s_enc: int) -> torch.Tensor:
         """This model's decoder layers (and final norm) on ``hidden``, cross-attending to ``encoder_output``."""
         if not len(self.decoder.layers):
-            return hidden if self.decoder.final_layernorm is None else self.decoder.final_layernorm(hidden)
+            return self.decoder.final_norm(hidden)
         device = hidden.device
         s_dec, dtype = len(tokens.positions), hidden.dtype
         keys = torch.arange(tokens.length, device=device)

@@ -472,6 +472,9 @@ class TransformerBlock(nn.Module):
     Activation recomputation (Megatron semantics, per pipeline stage): ``'full'`` + ``'uniform'`` checkpoints
     consecutive chunks of ``recompute_num_layers`` layers; ``'full'`` + ``'block'`` checkpoints each of the first
     ``recompute_num_layers`` layers; ``'selective'`` recomputes only the attention core (SDPA).
+    ``recompute_all_layers`` (set per microbatch by the pipeline schedule from
+    ``partial_checkpoint_microbatches``, Megatron's ``num_microbatches_with_partial_activation_checkpoints``)
+    makes ``'block'`` checkpoint every layer of the stage for that microbatch.
     """
 
     def __init__(
@@ -484,6 +487,8 @@ class TransformerBlock(nn.Module):
         self.recompute_granularity = config.recompute_granularity
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
+        self.partial_checkpoint_microbatches = getattr(config, "partial_checkpoint_microbatches", None)
+        self.recompute_all_layers = False
         self.fp32_residual = bool(getattr(config, "fp32_residual_connection", False))
         self.params_dtype = config.params_dtype
         if self.recompute_granularity == "selective":
@@ -534,9 +539,9 @@ class TransformerBlock(nn.Module):
             for start in range(0, len(layers), n):
                 fn = run(layers[start : start + n], masks[start : start + n])
                 hidden_states = checkpoint(fn, hidden_states, rotary, use_reentrant=False)
-        else:  # 'block': the first n layers of this stage are recomputed, the rest keep activations
+        else:  # 'block': the first n layers of this stage (all for this microbatch: recompute_all_layers)
             for index, (layer, mask) in enumerate(zip(layers, masks)):
-                if index < n:
+                if index < n or self.recompute_all_layers:
                     hidden_states = checkpoint(layer, hidden_states, rotary, mask, use_reentrant=False)
                 else:
                     hidden_states = layer(hidden_states, rotary, mask)

@@ -74,6 +74,21 @@ def compile_unavailable_reason(device: torch.device) -> Optional[str]:
     return f"device type {device.type!r} is not handled by longspan's compile plan"
 
 
+def cuda_graph_warmup(model_config: Any, device: torch.device) -> Optional[int]:
+    """The warmup forwards before CUDA-graph capture when the model asks for CUDA graphs (model.enable_cuda_graph,
+    or external_cuda_graph: Transformer Engine's capture of the same layers) and runs on CUDA; None otherwise
+    (elsewhere start-up lists the fields as not applicable)."""
+    wanted = getattr(model_config, "enable_cuda_graph", False) or getattr(model_config, "external_cuda_graph", False)
+    if not wanted or device.type != "cuda":
+        return None
+    return int(getattr(model_config, "cuda_graph_warmup_steps", 3))
+
+
+def mark_cuda_graph_step() -> None:
+    """Tell Inductor's CUDA-graph trees a training iteration begins (outputs of the previous one may be reused)."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def compile_enabled(setting: Optional[bool], device: torch.device) -> bool:
     """``train.torch_compile`` resolved for ``device`` (None: on for CUDA, ``CPU_DEFAULT`` on a CPU)."""
     if setting is not None:
@@ -98,7 +113,7 @@ def transformer_layers(chunks: list[nn.Module]) -> list[nn.Module]:
 
 
 def compile_model(chunks: list[nn.Module], setting: Optional[bool], device: torch.device,
-                  tensor_parallel: int = 1) -> bool:
+                  tensor_parallel: int = 1, cuda_graph_warmup: Optional[int] = None) -> bool:
     """Compile each transformer layer's forward in place when ``setting`` resolves on; return whether it did.
 
     Call after every parallel plan (TP/SP, CP, EP, FSDP2/DDP, pipeline split). An MoE layer's token dispatch
@@ -107,7 +122,12 @@ def compile_model(chunks: list[nn.Module], setting: Optional[bool], device: torc
     tensor parallel (``tensor_parallel`` > 1) a layer with such a part compiles only its other sub-blocks
     (attention, dense MLP) whole, because a graph break inside a tensor-parallel layer gives wrong gradients or
     fails in backward (see ``_compile_layer``). Returns False (and says so) when no layer had anything left
-    to compile."""
+    to compile.
+
+    ``cuda_graph_warmup`` (model.enable_cuda_graph on CUDA; None: off): the layers compile with
+    ``mode="reduce-overhead"``, whose CUDA-graph trees capture each compiled layer's forward and backward, and
+    each layer's first ``cuda_graph_warmup`` training forwards run eager first (Megatron's warmup runs before
+    capture). See ``cuda_graph_warmup_forwards``."""
     if not compile_enabled(setting, device):
         return False
     reason = compile_unavailable_reason(device)
@@ -123,7 +143,12 @@ def compile_model(chunks: list[nn.Module], setting: Optional[bool], device: torc
     layers = transformer_layers(chunks)
     # One graph serves every layer (parameters are graph inputs), but guards may still specialise per layer.
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 4 * len(layers) + 8)
-    compiled = [layer for layer in layers if _compile_layer(layer, tensor_parallel)]
+    mode = "reduce-overhead" if cuda_graph_warmup is not None and device.type == "cuda" else None
+    compiled = [layer for layer in layers if _compile_layer(layer, tensor_parallel, mode)]
+    if mode is not None:
+        for layer in compiled:
+            layer.forward = cuda_graph_warmup_forwards(layer.forward, type(layer).forward.__get__(layer),
+                                                       cuda_graph_warmup)
     if not compiled:
         if layers:
             print_rank_0("longspan: torch.compile: nothing to compile (under tensor parallel these layers' "
@@ -147,7 +172,21 @@ def _eager_parts(layer: nn.Module) -> list[str]:
     return parts
 
 
-def _compile_layer(layer: nn.Module, tensor_parallel: int) -> bool:
+def cuda_graph_warmup_forwards(graphed: Any, eager: Any, warmup: int) -> Any:
+    """A layer forward that runs ``eager`` for its first ``warmup`` training forwards (grad enabled), then
+    ``graphed``: megatron-core's cuda_graph_warmup_steps, the runs before a layer's graph is captured."""
+    done = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if done[0] < warmup and torch.is_grad_enabled():
+            done[0] += 1
+            return eager(*args, **kwargs)
+        return graphed(*args, **kwargs)
+
+    return forward
+
+
+def _compile_layer(layer: nn.Module, tensor_parallel: int, mode: Optional[str] = None) -> bool:
     """Compile ``layer`` in place: its whole forward, or under tensor parallel with eager parts, each other
     sub-block's forward. Returns whether anything was compiled.
 
@@ -163,9 +202,9 @@ def _compile_layer(layer: nn.Module, tensor_parallel: int) -> bool:
         blocks = [getattr(layer, name, None) for name in ("self_attention", "mlp") if name not in eager]
         blocks = [block for block in blocks if block is not None]
         for block in blocks:
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, mode=mode)
         return bool(blocks)
-    layer.forward = torch.compile(layer.forward)
+    layer.forward = torch.compile(layer.forward, mode=mode)
     return True
 
 
@@ -192,6 +231,10 @@ def _keep_moe_dispatch_eager(layer: nn.Module) -> None:
     dispatcher = getattr(mlp, "token_dispatcher", None)
     if getattr(mlp, "is_moe", False) and dispatcher is not None:
         dispatcher.dispatch_and_combine = torch.compiler.disable(dispatcher.dispatch_and_combine)
+    if getattr(mlp, "layer_recompute", False):
+        # moe_layer_recompute: the checkpointed MoE layer (with its eager dispatch inside) runs eager as a whole,
+        # so its replay in backward takes the same path as its forward
+        mlp.forward = torch.compiler.disable(mlp.forward)
 
 
 def _report_warmup(first_layer: nn.Module, count: int) -> None:

@@ -369,6 +369,19 @@ def _resolve_device(dist_cfg: Any, device: Any, local_rank: int) -> Any:
     return dev
 
 
+def pipeline_group_backend(value: str | None, device: Any, ucc_available: bool) -> str | None:
+    """The backend of the pipeline group for ``model.pipeline_model_parallel_comm_backend`` (None: the default
+    process group's). 'nccl' needs CUDA devices: elsewhere the default backend serves (start-up lists the
+    field as not applicable); 'ucc' needs a torch build with UCC."""
+    if value is None or (value == "nccl" and device.type != "cuda"):
+        return None
+    if value == "ucc" and not ucc_available:
+        raise ConfigError(
+            "model.pipeline_model_parallel_comm_backend='ucc' needs a torch build with UCC "
+            "(torch.distributed.is_ucc_available() is False here): use None or 'nccl'")
+    return value
+
+
 def initialize_distributed(
     dist_cfg: Any,
     model_parallel_cfg: Any,
@@ -440,10 +453,13 @@ def initialize_distributed(
         dist.init_process_group(**kwargs)
     # per-group NCCL options: NCCL groups only (a CPU run lists the fields as not applicable at start-up)
     group_options = nccl_group_options(dist_cfg) if backend == "nccl" and dev.type == "cuda" else {}
+    pp_backend = pipeline_group_backend(getattr(model_parallel_cfg, "pipeline_model_parallel_comm_backend", None),
+                                        dev, dist.is_ucc_available())
     meshes = build_device_mesh(
         launch.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
         ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=use_mapping,
         device_type="cuda" if dev.type == "cuda" else "cpu", group_options=group_options,
+        group_backends={"pp": pp_backend},
     )
     _STATE = ParallelState(world_size=launch.world_size, rank=launch.rank, local_rank=local_rank, device=dev,
                            backend=backend, layout=layout, launch=launch, meshes=meshes)

@@ -250,6 +250,14 @@ class ParallelMeshes:
         raise KeyError(f"no mesh dimension {name!r}")
 
 
+def dim_backend_overrides(dims: tuple[str, ...], options: dict[str, Any],
+                          backends: dict[str, str | None]) -> tuple[tuple[str | None, Any], ...] | None:
+    """DeviceMesh's ``backend_override``: (backend, options) per dim, None for the default process group's;
+    None when no dim overrides anything."""
+    entries = tuple((backends.get(d), options.get(d)) for d in dims)
+    return entries if any(b is not None or o is not None for b, o in entries) else None
+
+
 def build_device_mesh(
     world_size: int,
     tp: int = 1,
@@ -261,6 +269,7 @@ def build_device_mesh(
     use_tp_pp_dp_mapping: bool = False,
     device_type: str = "cpu",
     group_options: dict[str, Any] | None = None,
+    group_backends: dict[str, str | None] | None = None,
 ) -> ParallelMeshes:
     """Build the dense mesh, its flattened dims and the expert mesh (collective: every rank calls it).
 
@@ -268,8 +277,9 @@ def build_device_mesh(
     of ``Layout.dense_dims()``; the flattened ``dp``, ``dp_cp``, ``dp_shard_cp`` and ``mp`` are in
     ``ParallelMeshes.flat``; the expert mesh exists only when ep > 1 or etp != tp (otherwise the expert groups
     equal the dense tp and dp×cp groups). ``group_options`` (dim or flattened name -> process-group options, e.g.
-    NCCL's from longspan.parallel.nccl_options) go to the groups of those names. Raises LaunchError/ConfigError
-    when the sizes do not fit.
+    NCCL's from longspan.parallel.nccl_options) go to the groups of those names, ``group_backends`` (dim ->
+    backend name, e.g. {"pp": "ucc"}) make those dims' groups with that backend instead of the default process
+    group's. Raises LaunchError/ConfigError when the sizes do not fit.
     """
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     from torch.distributed.device_mesh import DeviceMesh
@@ -278,9 +288,10 @@ def build_device_mesh(
                            use_tp_pp_dp_mapping=use_tp_pp_dp_mapping)
     names, sizes = layout.dense_dims()
     options = group_options or {}
+    backends = group_backends or {}
 
     def overrides(dims: tuple[str, ...]) -> Any:
-        return tuple((None, options.get(d)) for d in dims) if any(d in options for d in dims) else None
+        return dim_backend_overrides(dims, options, backends)
 
     mesh = DeviceMesh(device_type, rank_grid(names, sizes), mesh_dim_names=names, backend_override=overrides(names))
     flat = {flat_name: mesh[parts]._flatten(flat_name, backend_override=options.get(flat_name))

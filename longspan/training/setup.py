@@ -27,7 +27,7 @@ from longspan.models.builder import build_meta_model
 from longspan.models.gpt import apply_deterministic_mode, num_parameters
 from longspan.parallel import ParallelState, initialize_distributed
 from longspan.parallel.async_tp import enable_async_tensor_parallel
-from longspan.parallel.compile import compile_model
+from longspan.parallel.compile import compile_model, cuda_graph_warmup
 from longspan.parallel.offload import apply_activation_offload
 from longspan.parallel.parallelize import materialize_parallel_model
 from longspan.parallel.pipeline import build_pipeline_chunks
@@ -50,6 +50,7 @@ from longspan.training.optim.optimizer import get_megatron_optimizer
 from longspan.training.optim.scheduler import get_optimizer_param_scheduler
 from longspan.training.resilience.signals import DistributedSignalHandler
 from longspan.training.state import GlobalState
+from longspan.training.observability.config_logger import log_model_configs
 from longspan.training.observability.energy import build_energy_monitor
 
 logger = get_logger(__name__)
@@ -118,9 +119,12 @@ def setup(cfg: Any) -> SetupOutput:
     model = build_model(cfg, parallel, cfg.rng.seed, pre_wrap_hook=cfg.peft.apply if cfg.peft is not None else None)
     if cfg.peft is not None:  # adapters drawn from their own streams even when the base is not drawn
         init_adapters(model, cfg.rng.seed)
+    log_model_configs(cfg.model, model, parallel)
     # Offloaded layers run eager (validate() rejects torch_compile=True with offload): None resolves to off.
     compile_setting = False if cfg.model.cpu_offloading else cfg.train.torch_compile
-    state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size)
+    graph_warmup = cuda_graph_warmup(cfg.model, parallel.device)
+    state.compiled = compile_model(model, compile_setting, parallel.device, parallel.tp_size, graph_warmup)
+    state.cuda_graphs = state.compiled and graph_warmup is not None
     state.activation_offload = apply_activation_offload(model, cfg.model)
     tp_group = parallel.tp_group if parallel.tp_size > 1 else None
     state.async_tensor_parallel = enable_async_tensor_parallel(cfg.model, tp_group, parallel.device, state.compiled)

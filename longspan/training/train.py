@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from longspan.core.logging import get_logger, get_rank, print_rank_0
+from longspan.parallel.compile import mark_cuda_graph_step
 from longspan.parallel.replica_hash import check_param_hashes_across_dp_replicas, replicated_parameter_count
 from longspan.training.checkpointing.save import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
@@ -305,6 +306,8 @@ def train_step(
     rerun = ensure_rerun_state_machine(global_state)
     while rerun.should_run_forward_backward():  # more than once when the rerun state machine re-runs it
         optimizer.zero_grad()
+        if getattr(global_state, "cuda_graphs", False):
+            mark_cuda_graph_step()
         timers("forward-backward", log_level=1).start(barrier=cfg.model.barrier_with_L1_time)
         reports, num_tokens = run_forward_backward(
             global_state, forward_step_func, data_iterator, model, num_microbatches,

@@ -1162,3 +1162,23 @@ def test_supported_field_changes_behaviour(tmp_path: Path, section: str, name: s
     else:
         before, after = observe_run(base_cfg, tmp_path / "base"), observe_run(changed_cfg, tmp_path / "changed")
     assert before != after, f"{key}={value!r} (with {companions}) changed nothing observable"
+
+
+# Model fields made real beside the shared tables (appended so parallel edits of the tables above merge cleanly).
+COVERED_ELSEWHERE.update({
+    "model.num_microbatches_with_partial_activation_checkpoints": "tests/parallel/test_partial_recompute.py::test_first_microbatches_of_each_window_keep_the_partial_recompute (pp 2: rank 0 replays every layer for microbatches 1 and 3; grads equal one process)",
+    "model.moe_layer_recompute": "tests/models/test_moe.py::test_moe_layer_recompute_replays_each_moe_layer_with_equal_grads_and_metrics_counted_once (the experts run again in backward; grads and metrics bit-equal)",
+})
+
+
+@probe("model.config_logger_dir")
+def _config_logger_writes_each_chunks_config_and_modules(tmp_path: Path) -> bool:
+    """megatron-core's file name for this rank's model (tp_dp_cp_pp_ep ranks), holding the resolved provider
+    config and the module tree; nothing is written without the directory."""
+    directory = tmp_path / "configs"
+    setup(_micro_cfg_with(tmp_path / "a", model__config_logger_dir=str(directory)))
+    record = json.loads((directory / "GPTModel.rank_0_0_0_0_0.iter0.json").read_text())
+    setup(_micro_cfg_with(tmp_path / "b"))
+    return (record["config"]["num_layers"] == 2 and record["config"]["config_logger_dir"] == str(directory)
+            and sorted(record["modules"]["decoder"]["layers"]) == ["0", "1"]
+            and record["pre_process"] and record["post_process"] and [p.name for p in tmp_path.glob("*/configs")] == [])

@@ -208,7 +208,8 @@ def test_expert_init_follows_megatron_stds_and_seed():
         ({"moe_router_topk": 5}, ConfigError, "moe_router_topk"),
         ({"moe_layer_freq": [1, 0, 1]}, ConfigError, "moe_layer_freq"),
         ({"moe_router_num_groups": 2}, ConfigError, "moe_router_group_topk"),
-        ({"moe_layer_recompute": True}, NotSupportedError, "moe_layer_recompute"),
+        ({"moe_layer_recompute": True, "recompute_granularity": "full", "recompute_method": "uniform",
+          "recompute_num_layers": 1}, ConfigError, "moe_layer_recompute"),
         ({"moe_pad_expert_input_to_capacity": True}, ConfigError, "moe_expert_capacity_factor"),
     ],
 )
@@ -235,6 +236,36 @@ def test_metrics_count_tokens_and_reset():
     assert float(moe_layer_metrics(model)[0]["steps"]) == 3  # evaluation is not tracked
     reset_moe_metrics(model)
     assert float(moe_layer_metrics(model)[0]["steps"]) == 0
+
+
+def test_moe_layer_recompute_replays_each_moe_layer_with_equal_grads_and_metrics_counted_once():
+    """moe_layer_recompute: the MoE layer's forward runs again in backward (counted), losses and gradients are
+    bit-equal to the run without it, and the metrics / expert-bias token counts are recorded once per forward."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (False, True):
+        model = build_gpt_model(provider(moe_layer_recompute=recompute, moe_z_loss_coeff=1e-3,
+                                         moe_router_enable_expert_bias=True,
+                                         moe_router_score_function="sigmoid"), seed=0).train()
+        calls = []
+        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+            layer.experts.register_forward_pre_hook(lambda *_: calls.append(1))
+        losses = []
+        for _ in range(2):
+            loss = model(ids, labels=ids).mean()
+            loss.backward()
+            losses.append(loss.detach())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        routers = [m.router.local_tokens_per_expert for m in model.modules() if isinstance(m, MoELayer)]
+        results.append((torch.stack(losses), grads, moe_layer_metrics(model), routers, len(calls)))
+    (loss_a, grads_a, metrics_a, counts_a, calls_a), (loss_b, grads_b, metrics_b, counts_b, calls_b) = results
+    assert calls_a == 2 * 2 and calls_b == 2 * calls_a  # 2 MoE layers x 2 steps; recompute replays each once
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    for layer, values in metrics_a.items():
+        assert float(metrics_b[layer]["steps"]) == float(values["steps"]) == 2
+        assert all(torch.equal(values[k], metrics_b[layer][k]) for k in values)
+    assert all(torch.equal(a, b) for a, b in zip(counts_a, counts_b))
 
 
 def test_freeze_moe_router_on_tiny_moe():

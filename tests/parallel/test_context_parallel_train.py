@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.errors import ConfigError
 from tests.training.pretrain_helpers import losses_by_iteration, read_metrics, small_config
 
 ITERS = 8
@@ -71,13 +71,20 @@ def test_validate_accepts_cp2_and_checks_sequence_length(tmp_path):
         bad.validate(world_size=4)
 
 
-def test_validate_rejects_hierarchical_context_parallel(tmp_path):
+def test_validate_checks_hierarchical_context_parallel_like_megatron(tmp_path):
+    """The a2a+p2p sub-group sizes: product equal to the cp size, read only by cp_comm_type='a2a+p2p' (which
+    needs them); with valid sizes the run computes the same flat all-gather attention (a hint)."""
     cfg = cp_config(tmp_path, "h", cp=2)
     cfg.model.vocab_size = 255
-    cfg.model.hierarchical_context_parallel_sizes = [2, 1]
-    with pytest.raises(NotSupportedError) as err:
-        cfg.validate(world_size=2)
-    assert str(err.value).startswith("model.hierarchical_context_parallel_sizes=[2, 1] is not supported yet")
+    cfg.model.cp_comm_type, cfg.model.hierarchical_context_parallel_sizes = "a2a+p2p", [2, 1]
+    cfg.validate(world_size=2)
+    for comm, sizes, needle in [("a2a+p2p", [2, 2], "multiply to 4"), ("p2p", [2, 1], "read only by"),
+                                ("a2a+p2p", None, "needs model.hierarchical_context_parallel_sizes"),
+                                ("a2a+p2p", [2, 0], "positive integers")]:
+        cfg.model.cp_comm_type, cfg.model.hierarchical_context_parallel_sizes = comm, sizes
+        with pytest.raises(ConfigError, match=needle) as err:
+            cfg.validate(world_size=2)
+        assert "\n" not in str(err.value)
 
 
 def test_validate_checks_cp_comm_type(tmp_path):
@@ -85,17 +92,17 @@ def test_validate_checks_cp_comm_type(tmp_path):
     cfg.model.vocab_size = 255
     cfg.model.cp_comm_type = ["p2p", "all_gather"]
     cfg.validate(world_size=2)  # every Megatron value computes the same exact attention here
-    cfg.model.cp_comm_type = "a2a+p2p"
-    with pytest.raises(ConfigError, match=r"model.cp_comm_type='a2a\+p2p' is not valid"):
+    cfg.model.cp_comm_type = "ring"
+    with pytest.raises(ConfigError, match=r"model.cp_comm_type='ring' is not valid"):
         cfg.validate(world_size=2)
 
 
 def test_support_table_marks_context_parallel():
-    from longspan.config.support import HINT, NOT_SUPPORTED, SUPPORTED, field_status
+    from longspan.config.support import HINT, SUPPORTED, field_status
 
     assert field_status("model", "context_parallel_size") == SUPPORTED
     assert field_status("model", "cp_comm_type") == HINT
-    assert field_status("model", "hierarchical_context_parallel_sizes") == NOT_SUPPORTED
+    assert field_status("model", "hierarchical_context_parallel_sizes") == HINT
 
 
 FOUR_RANK_LAYOUTS = {

@@ -259,8 +259,8 @@ def test_validate_accepts_pipeline_layouts():
         (2, ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=5"], ConfigError,
          "num_layers_in_first_pipeline_stage=5"),
         (1, ["model.overlap_p2p_comm=true"], ConfigError, "batch_p2p_comm=False"),
-        (2, ["model.pipeline_model_parallel_size=2", "model.variable_seq_lengths=true"], "NotSupportedError",
-         "variable_seq_lengths"),
+        (2, ["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_comm_backend=mpi"], ConfigError,
+         "pipeline_model_parallel_comm_backend='mpi' is not valid"),
     ],
 )
 def test_validate_rejects_bad_pipeline_settings(world, overrides, error, needle):

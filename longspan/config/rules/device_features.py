@@ -1,7 +1,7 @@
 """Rules of ``ConfigContainer.validate()`` for the model's memory and kernel features that map onto torch's own
 mechanisms: activation offload (``longspan.parallel.offload``), asynchronous tensor parallel
-(``longspan.parallel.async_tp``), the attention backend (``longspan.models.attention_backend``) and the
-per-group NCCL options (``longspan.parallel.nccl_options``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
+(``longspan.parallel.async_tp``), the attention backend (``longspan.models.attention_backend``), CUDA graphs
+(``longspan.parallel.compile``) and the per-group NCCL options (``longspan.parallel.nccl_options``). They hold on every machine, so a config checked on a CPU is valid on a GPU."""
 
 from __future__ import annotations
 
@@ -61,9 +61,41 @@ def check_attention_backend(cfg: "ConfigContainer") -> None:
                           f"{', '.join(ATTENTION_BACKEND_NAMES)}")
 
 
+def check_cuda_graphs(cfg: "ConfigContainer") -> None:
+    """model.enable_cuda_graph / external_cuda_graph capture the compiled layers (torch.compile's CUDA-graph trees,
+    longspan.parallel.compile): one of the two (as megatron-core), a train.torch_compile that is not False, no
+    activation offload (offloaded layers run eager), no full recompute (megatron-core allows it only with whole-
+    iteration graphs); cuda_graph_warmup_steps a count >= 0, set only with them."""
+    m = cfg.model
+    enable, external = getattr(m, "enable_cuda_graph", False), getattr(m, "external_cuda_graph", False)
+    warmup = getattr(m, "cuda_graph_warmup_steps", 3)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"model.cuda_graph_warmup_steps={warmup!r} must be an integer >= 0")
+    if not enable and not external:
+        if warmup != 3:
+            raise ConfigError(f"model.cuda_graph_warmup_steps={warmup} is read only with model.enable_cuda_graph=True "
+                              "(or external_cuda_graph): set one or leave it at 3")
+        return
+    if enable and external:
+        raise ConfigError("model.enable_cuda_graph=True and model.external_cuda_graph=True cannot be set together "
+                          "(megatron-core): keep one")
+    name = "enable_cuda_graph" if enable else "external_cuda_graph"
+    if getattr(cfg.train, "torch_compile", None) is False:
+        raise ConfigError(f"model.{name}=True captures the compiled layers (torch.compile mode='reduce-overhead'): "
+                          "set train.torch_compile=true or null")
+    if getattr(m, "cpu_offloading", False):
+        raise ConfigError(f"model.{name}=True with model.cpu_offloading=True: offloaded layers run eager and "
+                          "cannot be captured; choose one")
+    if getattr(m, "recompute_granularity", None) == "full":
+        raise ConfigError(f"model.{name}=True with model.recompute_granularity='full': full recompute replays "
+                          "whole layers in the backward pass, which per-layer graphs cannot (megatron-core's rule); "
+                          "use 'selective' or None")
+
+
 def check_device_features(cfg: "ConfigContainer") -> None:
     """Every rule of this module, in order."""
     check_activation_offload(cfg)
     check_async_tensor_parallel(cfg)
+    check_cuda_graphs(cfg)
     check_attention_backend(cfg)
     nccl_group_settings(cfg.dist)  # group names and the communicator file, checked on every machine

@@ -123,31 +123,63 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
         )
 
 
-#: Megatron's cp_comm_type values; longspan computes the same exact attention for each (all-gather of K/V)
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+#: Megatron's cp_comm_type values; longspan computes the same exact attention for each (all-gather of K/V over one
+#: flat group), so they and the a2a+p2p sub-group sizes change only Megatron's communication schedule
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def check_context_parallel_options(m: object) -> None:
-    """Flat context parallel only; ``cp_comm_type`` one of CP_COMM_TYPES (or one per layer)."""
-    hierarchical = getattr(m, "hierarchical_context_parallel_sizes", None)
-    if hierarchical is not None:
-        raise NotSupportedError(
-            f"model.hierarchical_context_parallel_sizes={hierarchical!r} is not supported yet by longspan "
-            "(supported: None): context parallel uses one flat group of model.context_parallel_size ranks"
-        )
+    """``cp_comm_type`` one of CP_COMM_TYPES (or one per layer); ``hierarchical_context_parallel_sizes`` as
+    megatron-core builds its groups: positive sizes whose product is context_parallel_size, and (since only the
+    a2a+p2p attention reads them) set exactly when a layer uses 'a2a+p2p'."""
     comm = getattr(m, "cp_comm_type", None)
-    for value in comm if isinstance(comm, (list, tuple)) else [comm]:
+    values = list(comm) if isinstance(comm, (list, tuple)) else [comm]
+    for value in values:
         if value is not None and value not in CP_COMM_TYPES:
             raise ConfigError(
                 f"model.cp_comm_type={comm!r} is not valid: use None or one of {', '.join(CP_COMM_TYPES)} "
-                "(per layer as a list); 'a2a+p2p' needs hierarchical context parallel, which is not supported"
+                "(per layer as a list)"
             )
+    cp = getattr(m, "context_parallel_size", 1)
+    hierarchical = getattr(m, "hierarchical_context_parallel_sizes", None)
+    uses_a2a_p2p = "a2a+p2p" in values
+    if hierarchical is None:
+        if uses_a2a_p2p and cp > 1:
+            raise ConfigError(
+                f"model.cp_comm_type={comm!r} needs model.hierarchical_context_parallel_sizes (the a2a and p2p "
+                f"group sizes, whose product is model.context_parallel_size={cp})"
+            )
+        return
+    sizes = list(hierarchical) if isinstance(hierarchical, (list, tuple)) else None
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ConfigError(
+            f"model.hierarchical_context_parallel_sizes={hierarchical!r} must be a list of positive integers")
+    product = 1
+    for n in sizes:
+        product *= n
+    if product != cp:
+        raise ConfigError(
+            f"model.hierarchical_context_parallel_sizes={sizes!r} multiply to {product}, but "
+            f"model.context_parallel_size={cp}: their product must equal it")
+    if not uses_a2a_p2p:
+        raise ConfigError(
+            f"model.hierarchical_context_parallel_sizes={sizes!r} is read only by cp_comm_type='a2a+p2p' "
+            f"(model.cp_comm_type={comm!r}): set that or unset the sizes")
+
+
+#: megatron-core's pipeline group backends (None: the default process group's)
+PIPELINE_COMM_BACKENDS = (None, "nccl", "ucc")
 
 
 def check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
     """Pipeline rules: the layer split, enough microbatches for the schedule, the p2p knobs."""
     m = cfg.model
     pp = m.pipeline_model_parallel_size
+    backend = getattr(m, "pipeline_model_parallel_comm_backend", None)
+    if backend not in PIPELINE_COMM_BACKENDS:
+        raise ConfigError(
+            f"model.pipeline_model_parallel_comm_backend={backend!r} is not valid: use None (the default process "
+            "group's backend), 'nccl' or 'ucc'")
     if m.overlap_p2p_comm and m.batch_p2p_comm:
         raise ConfigError("model.overlap_p2p_comm=True needs model.batch_p2p_comm=False (Megatron's rule): set one")
     if m.overlap_p2p_comm_warmup_flush and (not m.overlap_p2p_comm or m.batch_p2p_comm):

@@ -39,7 +39,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     **MLA_FIXED_FIELDS,
     "mtp_num_layers": None,
-    "fp32_residual_connection": False,
     "window_size": None,
     "window_attn_skip_freq": None,
     "num_moe_experts": None,
@@ -60,9 +59,6 @@ T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
     "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
     "T5ModelProvider.window_size": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
     "T5ModelProvider.window_attn_skip_freq": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
-    "T5ModelProvider.cross_entropy_loss_fusion": (
-        "the chunked fused output layer + loss is built for GPTModel; T5 computes logits, then the loss"),
-    "T5ModelProvider.fp32_residual_connection": "T5's layers keep the residual stream in the activations' dtype",
 }
 
 
@@ -432,6 +428,17 @@ def _check_recompute(config: Any) -> None:
                 f"model.recompute_num_layers={config.recompute_num_layers!r} must be a positive integer "
                 "with recompute_granularity='full'"
             )
+    partial = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
+    if partial is not None:
+        if isinstance(partial, bool) or not isinstance(partial, int) or partial < 0:
+            raise ConfigError(
+                f"model.num_microbatches_with_partial_activation_checkpoints={partial!r} must be an integer >= 0 "
+                "(or None)")
+        if (config.recompute_granularity, config.recompute_method) != ("full", "block"):
+            raise ConfigError(
+                f"model.num_microbatches_with_partial_activation_checkpoints={partial} needs "
+                "recompute_granularity='full' and recompute_method='block' (the partial recompute it keeps for "
+                f"those microbatches), not {config.recompute_granularity!r} / {config.recompute_method!r}")
     modules = getattr(config, "recompute_modules", None)
     if config.recompute_granularity == "selective" and modules not in (None, ["core_attn"]):
         raise NotSupportedError(

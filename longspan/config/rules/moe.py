@@ -9,7 +9,6 @@ from typing import Any
 from longspan.core.errors import ConfigError, NotSupportedError
 
 SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
-MOE_UNSUPPORTED_FIELDS = ("moe_layer_recompute",)
 ROUTER_DTYPES = (None, "fp32", "fp64")
 
 
@@ -138,7 +137,8 @@ def check_moe(config: Any) -> None:
             "model.moe_token_dropping=True needs model.moe_expert_capacity_factor (the capacity beyond which "
             "tokens are dropped; None means dropless)"
         )
-    for field in MOE_UNSUPPORTED_FIELDS:
-        value = getattr(config, field, None)
-        if value:
-            raise NotSupportedError(f"model.{field}={value!r} is not supported by longspan's MoE layer: unset it")
+    if getattr(config, "moe_layer_recompute", False) and getattr(config, "recompute_granularity", None) == "full":
+        raise ConfigError(
+            "model.moe_layer_recompute=True with model.recompute_granularity='full': full recompute already "
+            "replays every layer; use moe_layer_recompute with None or 'selective'"
+        )

@@ -40,6 +40,7 @@ from longspan.config.rules.precision import (
 from longspan.config.rules.optim_offload import check_optimizer_offload
 from longspan.config.rules.ranges import check_ranges
 from longspan.config.rules.schedule import check_batch, check_train_length, compute_scheduler_steps
+from longspan.config.rules.scheduling_hints import check_scheduling_hints
 from longspan.config.support import check_supported
 from longspan.config.targets import section_types
 from longspan.config.types import check_container_types
@@ -231,6 +232,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("autocast", _autocast),
     ("activation recompute", _recompute),
     ("activation offload and device features", _on_config(check_device_features)),
+    ("Megatron's rules of compute-scheduling hints", _on_config(check_scheduling_hints)),
     ("fields longspan does not support yet", _on_config(check_supported)),
     ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
     ("a vision-language model's image fields and layout", _on_config(_check_image_model)),

@@ -65,6 +65,20 @@ class _StepContext:
         self.total_tokens = torch.zeros((), dtype=torch.int64)
         self.finite = True
         self.iterators: dict[int, Iterator] = {}
+        # (N, window): num_microbatches_with_partial_activation_checkpoints and this rank's window of in-flight
+        # microbatches; None when the setting is off or nothing is recomputed
+        self.partial_checkpoints: tuple[int, int] | None = None
+        self.forward_calls = 0
+
+    def next_forward_recomputes_all_layers(self) -> bool:
+        """megatron-core's rule for the rank's k-th forward (counted over its chunks in schedule order): every
+        layer is recomputed when ``k % window >= N``, with window = the rank's warmup forwards + 1."""
+        k = self.forward_calls
+        self.forward_calls += 1
+        if self.partial_checkpoints is None:
+            return False
+        n, window = self.partial_checkpoints
+        return k % window >= n
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -113,6 +127,8 @@ class _ForwardStepStage(PipelineStage):
         )
         self.info = info
         self.context: _StepContext | None = None
+        # the decoders whose 'block' recompute covers every layer for some microbatches (TransformerBlock)
+        self.recompute_blocks = [m for m in unwrap_chunk(chunk).modules() if hasattr(m, "recompute_all_layers")]
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         # torch's stage keeps DDP from reducing per microbatch; the reduction happens in the last backward.
@@ -125,8 +141,15 @@ class _ForwardStepStage(PipelineStage):
         ctx = self.context
         info = self.info
         model = self.submod if info.is_first else _StageInputModel(self.submod, args[0])
-        with ctx.autocast():
-            output_tensor, loss_func = ctx.forward_step_func(ctx.iterators[info.vp_index], model)
+        all_layers = ctx.next_forward_recomputes_all_layers()
+        for block in self.recompute_blocks:
+            block.recompute_all_layers = all_layers
+        try:
+            with ctx.autocast():
+                output_tensor, loss_func = ctx.forward_step_func(ctx.iterators[info.vp_index], model)
+        finally:
+            for block in self.recompute_blocks:
+                block.recompute_all_layers = False
         if not info.is_last:
             if tuple(output_tensor.shape) != tuple(info.activation_shape):
                 raise ConfigError(
@@ -188,8 +211,10 @@ class _PipelineRuntime:
             raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         self.forward_only = forward_only
         self.num_microbatches = num_microbatches
+        self.partial_checkpoints = None if forward_only else _partial_checkpoint_window(self.stages, num_microbatches)
 
     def run(self, ctx: _StepContext) -> None:
+        ctx.partial_checkpoints = self.partial_checkpoints
         for stage in self.stages:
             stage.context = ctx
         n = self.num_microbatches
@@ -204,6 +229,24 @@ class _PipelineRuntime:
         finally:
             for stage in self.stages:
                 stage.context = None
+
+
+def _partial_checkpoint_window(stages: list[_ForwardStepStage], num_microbatches: int) -> tuple[int, int] | None:
+    """(N, window) of num_microbatches_with_partial_activation_checkpoints on this rank: the window is
+    megatron-core's warmup forwards + 1 (get_pp_rank_microbatches; interleaved groups of pp microbatches per
+    virtual stage, as torch's interleaved schedule runs them)."""
+    counts = {block.partial_checkpoint_microbatches for stage in stages for block in stage.recompute_blocks}
+    counts.discard(None)
+    if not counts:
+        return None
+    info = stages[0].info
+    chunks = len(stages)
+    if chunks == 1:
+        warmup = info.pp_size - info.pp_rank - 1
+    else:
+        warmup = (info.pp_size - info.pp_rank - 1) * 2 + (chunks - 1) * info.pp_size
+    warmup = min(warmup, num_microbatches * chunks)
+    return min(counts), warmup + 1
 
 
 def _runtime(model: list[nn.Module], num_microbatches: int, forward_only: bool, schedule: str,

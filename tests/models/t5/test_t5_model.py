@@ -166,8 +166,7 @@ def test_softmax_scale_and_decoder_output_scaling_change_the_logits():
     torch.testing.assert_close(scaled, base * 32**-0.5, rtol=1e-6, atol=1e-6)  # linear, bias-free head
 
 
-@pytest.mark.parametrize("field, value", [("fp32_residual_connection", True), ("cross_entropy_loss_fusion", True),
-                                          ("multi_latent_attention", True)])
+@pytest.mark.parametrize("field, value", [("multi_latent_attention", True)])
 def test_validate_rejects_gpt_only_fields_for_t5(field, value):
     """The model table's GPT features that T5 lacks are 'not supported yet' for T5ModelProvider only."""
     from longspan.config.support import NOT_SUPPORTED, SUPPORTED, field_status
@@ -295,3 +294,38 @@ def test_t5_pipeline_split_counts_encoder_and_decoder_layers_together(fields, co
             layer_counts_for_config(provider)
     else:
         assert layer_counts_for_config(provider) == counts
+
+
+def test_fp32_residual_keeps_t5s_stream_in_float32_and_norm_outputs_in_the_parameters_dtype():
+    """As GPT's: every layer takes and returns a float32 residual stream, its sub-layers get the norms' outputs in
+    bf16, the logits stay bf16; a float32 model is unchanged. Chained pipeline stages (the encoder output sent in
+    float32 to the decoder's cross-attention) equal the whole model."""
+    from longspan.config.rules.pipeline_split import layer_counts_for_config, stage_layer_numbers
+    from longspan.models.t5 import build_t5_model
+
+    gen = torch.Generator().manual_seed(1)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    fields = dict(params_dtype=torch.bfloat16, share_embeddings_and_output_weights=False, pipeline_model_parallel_size=2,
+                  num_layers_in_first_pipeline_stage=2)
+    provider = tiny_t5(fp32_residual_connection=True, **fields)
+    model = build_t5_model(provider, seed=5).eval()
+    seen = []
+    for stack in (model.encoder, model.decoder):
+        for layer in stack.layers.values():
+            layer.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+            layer.self_attention.register_forward_pre_hook(lambda m, i: seen.append(i[0].dtype))
+    with torch.no_grad():
+        logits = model(enc, dec)
+        plain = build_t5_model(tiny_t5(**fields), seed=5).eval()(enc, dec)
+    assert seen == [torch.bfloat16, (torch.float32, torch.float32)] * 5 and logits.dtype == torch.bfloat16
+    assert not torch.equal(plain, logits)
+    numbers = stage_layer_numbers(layer_counts_for_config(provider))
+    first, last = (build_t5_model(provider, seed=5, pre_process=i == 0, post_process=i == 1, layer_numbers=n).eval()
+                   for i, n in enumerate(numbers))
+    with torch.no_grad():
+        hidden = first(enc, dec)
+        assert hidden.dtype == torch.float32
+        assert torch.equal(last(hidden, dec), logits)
+    a, b = (build_t5_model(tiny_t5(fp32_residual_connection=f), seed=5).eval() for f in (False, True))
+    with torch.no_grad():
+        assert torch.equal(a(enc, dec), b(enc, dec))

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
 
 from tests.models.gpt_test_config import llama_config, make_config
+from tests.parallel.harness import get_shared_pool, init_gloo
 
 from longspan.models.gpt import build_gpt_model
 from longspan.models.init import canonical_parameter_name, init_weights
@@ -137,70 +135,54 @@ def test_perform_initialization_false_materializes_without_drawing():
 # ---- DTensor layouts on a 2-rank gloo mesh ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sharded_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _sharded_task() -> dict:
+    """On each of 2 ranks (the shared worker pool): TP- and FSDP2-sharded meta models initialized in place."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        cfg = llama_config(num_layers=2, attention_dropout=0.0, hidden_dropout=0.0)
-        # Tensor parallel: plain column/row-wise plans over the model's module names.
-        tp = build_gpt_model(cfg, materialize=False)
-        plan = {
-            "embedding.word_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output_layer": ColwiseParallel(output_layouts=Replicate()),
-        }
-        for i in tp.decoder.layers.keys():
-            for name in ("linear_q", "linear_k", "linear_v"):
-                plan[f"decoder.layers.{i}.self_attention.{name}"] = ColwiseParallel()
-            plan[f"decoder.layers.{i}.self_attention.linear_proj"] = RowwiseParallel()
-            plan[f"decoder.layers.{i}.mlp.linear_fc1"] = ColwiseParallel()
-            plan[f"decoder.layers.{i}.mlp.linear_fc1_gate"] = ColwiseParallel()
-            plan[f"decoder.layers.{i}.mlp.linear_fc2"] = RowwiseParallel()
-        parallelize_module(tp, mesh, plan)
-        init_weights(tp, seed=77)
-        q = tp.decoder.layers["0"].self_attention.linear_q.weight
-        assert isinstance(q, DTensor) and q.placements == (Shard(0),)
-        tokens = torch.arange(24).view(2, 12) % cfg.vocab_size
-        with torch.no_grad():
-            tp_logits = tp.eval()(tokens)
-        tp_full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in tp.named_parameters()}
-        local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in tp.parameters())
+    init_gloo()  # the pool tears the process group down after the task
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cfg = llama_config(num_layers=2, attention_dropout=0.0, hidden_dropout=0.0)
+    # Tensor parallel: plain column/row-wise plans over the model's module names.
+    tp = build_gpt_model(cfg, materialize=False)
+    plan = {
+        "embedding.word_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output_layer": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in tp.decoder.layers.keys():
+        for name in ("linear_q", "linear_k", "linear_v"):
+            plan[f"decoder.layers.{i}.self_attention.{name}"] = ColwiseParallel()
+        plan[f"decoder.layers.{i}.self_attention.linear_proj"] = RowwiseParallel()
+        plan[f"decoder.layers.{i}.mlp.linear_fc1"] = ColwiseParallel()
+        plan[f"decoder.layers.{i}.mlp.linear_fc1_gate"] = ColwiseParallel()
+        plan[f"decoder.layers.{i}.mlp.linear_fc2"] = RowwiseParallel()
+    parallelize_module(tp, mesh, plan)
+    init_weights(tp, seed=77)
+    q = tp.decoder.layers["0"].self_attention.linear_q.weight
+    assert isinstance(q, DTensor) and q.placements == (Shard(0),)
+    tokens = torch.arange(24).view(2, 12) % cfg.vocab_size
+    with torch.no_grad():
+        tp_logits = tp.eval()(tokens)
+    tp_full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in tp.named_parameters()}
+    local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in tp.parameters())
 
-        # FSDP2: per-layer and root fully_shard on the meta model, then init.
-        fsdp = build_gpt_model(cfg, materialize=False)
-        for layer in fsdp.decoder.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(fsdp, mesh=mesh)
-        init_weights(fsdp, seed=77)
-        fsdp_full = {n: p.full_tensor().detach() for n, p in fsdp.named_parameters()}
-        if rank == 0:
-            torch.save({"tp": tp_full, "tp_logits": tp_logits, "fsdp": fsdp_full, "local_numel": local_numel},
-                       os.path.join(out_dir, "result.pt"))
-    finally:
-        dist.destroy_process_group()
+    # FSDP2: per-layer and root fully_shard on the meta model, then init.
+    fsdp = build_gpt_model(cfg, materialize=False)
+    for layer in fsdp.decoder.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    init_weights(fsdp, seed=77)
+    fsdp_full = {n: p.full_tensor().detach() for n, p in fsdp.named_parameters()}
+    return {"tp": tp_full, "tp_logits": tp_logits, "fsdp": fsdp_full, "local_numel": local_numel}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_sharded_dtensor_init_matches_unsharded(tmp_path, monkeypatch):
-    import torch.multiprocessing as mp
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    mp.spawn(_sharded_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    result = torch.load(tmp_path / "result.pt")
+def test_sharded_dtensor_init_matches_unsharded():
+    result = get_shared_pool(2).run(_sharded_task, timeout=120)[0]
     cfg = llama_config(num_layers=2, attention_dropout=0.0, hidden_dropout=0.0)
     reference_model = build_gpt_model(cfg, seed=77).eval()
     reference = _state(reference_model)

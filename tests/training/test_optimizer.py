@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from longspan.training.optim.optimizer import MegatronOptimizer, get_megatron_optimizer, get_param_groups
 from longspan.training.optim.scheduler import OptimizerParamScheduler
+from tests.parallel.harness import get_shared_pool, init_gloo
 
 
 def opt_config(**kw) -> SimpleNamespace:
@@ -340,64 +338,48 @@ def test_config_errors():
 
 
 # ---------------------------------------------------------------------------- DTensor grad norm (2 processes)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import datetime
-
+def _dtensor_task() -> dict:
+    """On each of 2 ranks (the shared worker pool; it tears the process group down after the task)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        g = torch.Generator().manual_seed(0)
-        full_w, full_b = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
-        full_gw, full_gb = torch.randn(6, 4, generator=g) * 3, torch.randn(6, generator=g)
-        full_gw[0] = 0.0  # 4 zeros, all in rank 0's shard
-        plain_g = torch.randn(5, generator=g)
+    init_gloo()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(0)
+    full_w, full_b = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+    full_gw, full_gb = torch.randn(6, 4, generator=g) * 3, torch.randn(6, generator=g)
+    full_gw[0] = 0.0  # 4 zeros, all in rank 0's shard
+    plain_g = torch.randn(5, generator=g)
 
-        module = nn.Module()
-        module.weight = nn.Parameter(distribute_tensor(full_w, mesh, [Shard(0)]))
-        module.bias = nn.Parameter(distribute_tensor(full_b, mesh, [Replicate()]))
-        module.extra = nn.Parameter(torch.zeros(5))
-        opt = get_megatron_optimizer(opt_config(clip_grad=1.0, log_num_zeros_in_grad=True), [module])
-        module.weight.grad = distribute_tensor(full_gw, mesh, [Shard(0)])
-        module.bias.grad = distribute_tensor(full_gb, mesh, [Replicate()])
-        module.extra.grad = plain_g.clone()
-        ok, norm, zeros = opt.step()
-        clipped_w = module.weight.grad.full_tensor()
+    module = nn.Module()
+    module.weight = nn.Parameter(distribute_tensor(full_w, mesh, [Shard(0)]))
+    module.bias = nn.Parameter(distribute_tensor(full_b, mesh, [Replicate()]))
+    module.extra = nn.Parameter(torch.zeros(5))
+    opt = get_megatron_optimizer(opt_config(clip_grad=1.0, log_num_zeros_in_grad=True), [module])
+    module.weight.grad = distribute_tensor(full_gw, mesh, [Shard(0)])
+    module.bias.grad = distribute_tensor(full_gb, mesh, [Replicate()])
+    module.extra.grad = plain_g.clone()
+    ok, norm, zeros = opt.step()
+    clipped_w = module.weight.grad.full_tensor()
 
-        # fp16 with an inf only in rank 1's shard: every rank must skip.
-        opt16 = get_megatron_optimizer(opt_config(fp16=True, initial_loss_scale=4.0, hysteresis=1), [module])
-        gw = full_gw.clone()
-        gw[5, 0] = float("inf")  # row 5 lives on rank 1
-        module.weight.grad = distribute_tensor(gw, mesh, [Shard(0)])
-        module.bias.grad = distribute_tensor(full_gb, mesh, [Replicate()])
-        module.extra.grad = plain_g.clone()
-        skipped = opt16.step()
-        torch.save(
-            {"ok": ok, "norm": norm, "zeros": zeros, "clipped_w": clipped_w, "skipped": skipped,
-             "scale_after": opt16.get_loss_scale().item()},
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
-    finally:
-        dist.destroy_process_group()
+    # fp16 with an inf only in rank 1's shard: every rank must skip.
+    opt16 = get_megatron_optimizer(opt_config(fp16=True, initial_loss_scale=4.0, hysteresis=1), [module])
+    gw = full_gw.clone()
+    gw[5, 0] = float("inf")  # row 5 lives on rank 1
+    module.weight.grad = distribute_tensor(gw, mesh, [Shard(0)])
+    module.bias.grad = distribute_tensor(full_gb, mesh, [Replicate()])
+    module.extra.grad = plain_g.clone()
+    skipped = opt16.step()
+    return {"ok": ok, "norm": norm, "zeros": zeros, "clipped_w": clipped_w, "skipped": skipped,
+            "scale_after": opt16.get_loss_scale().item()}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_dtensor_grad_norm_equals_unsharded_norm(tmp_path, monkeypatch):
+def test_dtensor_grad_norm_equals_unsharded_norm():
     """Sharded (Shard(0)) + replicated DTensor grads + a plain grad on a 2-rank gloo mesh."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    mp.spawn(_dtensor_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = get_shared_pool(2).run(_dtensor_task, timeout=120)
     g = torch.Generator().manual_seed(0)
     torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
     full_gw, full_gb = torch.randn(6, 4, generator=g) * 3, torch.randn(6, generator=g)
@@ -407,8 +389,7 @@ def test_dtensor_grad_norm_equals_unsharded_norm(tmp_path, monkeypatch):
     for s, t in zip(stand_ins, (full_gw, full_gb, plain_g)):
         s.grad = t.clone()
     expected = float(torch.nn.utils.clip_grad_norm_(stand_ins, 1.0))
-    for rank in range(2):
-        r = torch.load(tmp_path / f"rank{rank}.pt")
+    for r in results:
         assert r["ok"] is True
         assert r["norm"] == pytest.approx(expected, rel=1e-6)
         assert r["zeros"] == 4

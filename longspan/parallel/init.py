@@ -427,30 +427,10 @@ def initialize_distributed(
                                layout=layout, launch=launch)
         return _STATE
 
-
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
 
-    timeout = timedelta(minutes=float(getattr(dist_cfg, "distributed_timeout_minutes", 10)))
-    pg_backend = backend
-    if backend == "nccl" and getattr(dist_cfg, "use_gloo_process_groups", True):
-        pg_backend = "cpu:gloo,cuda:nccl"
-    if dist.is_initialized():
-        if dist.get_world_size() != launch.world_size:
-            raise LaunchError(f"a process group of {dist.get_world_size()} ranks already exists but the launcher "
-                              f"says WORLD_SIZE={launch.world_size}")
-    else:
-        kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout, "rank": launch.rank,
-                                  "world_size": launch.world_size}
-        if launch.kind == "slurm":
-            kwargs["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
-        else:
-            kwargs["init_method"] = "env://"
-        if dev.type == "cuda" and pg_backend == "nccl":
-            # eager NCCL init lets DeviceMesh create its groups with ncclCommSplit; not with the mixed
-            # cpu:gloo,cuda:nccl backend, whose gloo half may not support splitting
-            kwargs["device_id"] = dev
-        dist.init_process_group(**kwargs)
+    _init_process_group(dist_cfg, launch, backend, dev)
     # per-group NCCL options: NCCL groups only (a CPU run lists the fields as not applicable at start-up)
     group_options = nccl_group_options(dist_cfg) if backend == "nccl" and dev.type == "cuda" else {}
     pp_backend = pipeline_group_backend(getattr(model_parallel_cfg, "pipeline_model_parallel_comm_backend", None),
@@ -464,6 +444,33 @@ def initialize_distributed(
     _STATE = ParallelState(world_size=launch.world_size, rank=launch.rank, local_rank=local_rank, device=dev,
                            backend=backend, layout=layout, launch=launch, meshes=meshes)
     return _STATE
+
+
+def _init_process_group(dist_cfg: Any, launch: Any, backend: str, dev: Any) -> None:
+    """The default process group for this launch (or a check of the one that already exists)."""
+    # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
+    import torch.distributed as dist
+
+    timeout = timedelta(minutes=float(getattr(dist_cfg, "distributed_timeout_minutes", 10)))
+    pg_backend = backend
+    if backend == "nccl" and getattr(dist_cfg, "use_gloo_process_groups", True):
+        pg_backend = "cpu:gloo,cuda:nccl"
+    if dist.is_initialized():
+        if dist.get_world_size() != launch.world_size:
+            raise LaunchError(f"a process group of {dist.get_world_size()} ranks already exists but the launcher "
+                              f"says WORLD_SIZE={launch.world_size}")
+        return
+    kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout, "rank": launch.rank,
+                              "world_size": launch.world_size}
+    if launch.kind == "slurm":
+        kwargs["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
+    else:
+        kwargs["init_method"] = "env://"
+    if dev.type == "cuda" and pg_backend == "nccl":
+        # eager NCCL init lets DeviceMesh create its groups with ncclCommSplit; not with the mixed
+        # cpu:gloo,cuda:nccl backend, whose gloo half may not support splitting
+        kwargs["device_id"] = dev
+    dist.init_process_group(**kwargs)
 
 
 # --------------------------------------------------------------------------------------------- user errors

@@ -44,7 +44,7 @@ CASES = [
     (["validate", "--recipe", "tiny", "model.seq_length=128"], "differs from model.seq_length=128"),
     (["validate", "--recipe", "tiny", "--world-size", "4", "model.context_parallel_size=2",
       "model.hierarchical_context_parallel_sizes=[2, 1]"],
-     "model.hierarchical_context_parallel_sizes=[2, 1] is not supported yet by longspan (supported: None)"),
+     "model.hierarchical_context_parallel_sizes=[2, 1] is read only by cp_comm_type='a2a+p2p' (model.cp_comm_type=None)"),
     (["validate", "--recipe", "tiny", "checkpoint.async_save=true", "checkpoint.ckpt_format=zarr"],
      "checkpoint.ckpt_format='zarr' is not supported yet by longspan (supported: 'torch_dist'"),
     (["validate", "--recipe", "tiny", "model.sequence_parallel=true"], "needs model.tensor_model_parallel_size > 1"),

@@ -283,7 +283,33 @@ class ByteLevelTokenizer(Tokenizer):
             json.dump({"vocab_size": self.vocab_size}, f)
 
 
-class ExtraIdsTokenizer(Tokenizer):
+class _AddedTokensText:
+    """Text of a wrapper's ids: its added tokens (``self.added_tokens``, id -> text) by itself, the rest by
+    ``self.base``."""
+
+    added_tokens: Dict[int, str]
+    base: Any
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (added tokens included)."""
+        if int(token_id) in self.added_tokens:
+            return self.added_tokens[int(token_id)]
+        text = getattr(self.base, "token_text", None)
+        return text(int(token_id)) if text is not None else self.base.detokenize([int(token_id)])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        out, run = [], []
+        for token_id in ids:
+            if int(token_id) in self.added_tokens:
+                out += [self.base.detokenize(run)] if run else []
+                out.append(self.added_tokens[int(token_id)])
+                run = []
+            else:
+                run.append(int(token_id))
+        return "".join(out + ([self.base.detokenize(run)] if run else []))
+
+
+class ExtraIdsTokenizer(_AddedTokensText, Tokenizer):
     """A tokenizer with ``vocab_extra_ids`` sentinel tokens ``<extra_id_0>``, ``<extra_id_1>``, ... appended after
     its vocabulary (T5 span corruption; ``additional_special_tokens_ids`` lists them in order), and ``<bos>`` /
     ``<eos>`` appended first when the base tokenizer has none (as Megatron's T5 WordPiece tokenizer adds them).
@@ -312,24 +338,6 @@ class ExtraIdsTokenizer(Tokenizer):
     def tokenize(self, text: str) -> List[int]:
         return self.base.tokenize(text)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (added tokens included)."""
-        if int(token_id) in self.added_tokens:
-            return self.added_tokens[int(token_id)]
-        text = getattr(self.base, "token_text", None)
-        return text(int(token_id)) if text is not None else self.base.detokenize([int(token_id)])
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        out, run = [], []
-        for token_id in ids:
-            if int(token_id) in self.added_tokens:
-                out += [self.base.detokenize(run)] if run else []
-                out.append(self.added_tokens[int(token_id)])
-                run = []
-            else:
-                run.append(int(token_id))
-        return "".join(out + ([self.base.detokenize(run)] if run else []))
-
     def save_files(self, directory: str) -> None:
         self.base.save_files(directory)  # the extra ids come back from tokenizer.vocab_extra_ids
 
@@ -352,7 +360,7 @@ def _existing_token_id(tokenizer: Tokenizer, token: str) -> Optional[int]:
     return None
 
 
-class SpecialTokensTokenizer(Tokenizer):
+class SpecialTokensTokenizer(_AddedTokensText, Tokenizer):
     """A tokenizer with ``tokenizer.special_tokens`` added as Hugging Face adds additional special tokens: one
     already in the vocabulary keeps its id, the others get new ids after it in order; text is split at every
     special token's string so each becomes its one id, and the pieces between are tokenized by the base."""
@@ -411,24 +419,6 @@ class SpecialTokensTokenizer(Tokenizer):
                 spans += [(a + start, b + start) for a, b in piece_spans]
             start += len(piece)
         return ids, spans
-
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (added tokens included)."""
-        if int(token_id) in self.added_tokens:
-            return self.added_tokens[int(token_id)]
-        text = getattr(self.base, "token_text", None)
-        return text(int(token_id)) if text is not None else self.base.detokenize([int(token_id)])
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        out, run = [], []
-        for token_id in ids:
-            if int(token_id) in self.added_tokens:
-                out += [self.base.detokenize(run)] if run else []
-                out.append(self.added_tokens[int(token_id)])
-                run = []
-            else:
-                run.append(int(token_id))
-        return "".join(out + ([self.base.detokenize(run)] if run else []))
 
     def save_files(self, directory: str) -> None:
         """The base's files; a Hugging Face tokenizer's also hold the added tokens, so the directory works as an

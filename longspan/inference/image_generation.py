@@ -3,8 +3,7 @@
 ``generate_with_images(model, processor, prompt, images)`` runs the HF processor (the image processor turns the
 images into ``pixel_values``; the tokenizer expands each image marker of the prompt into the image's tokens and,
 for Gemma 3, marks them in ``token_type_ids``), feeds every processor output but the token ids to the first
-forward (the prompt), then decodes token by token from the KV cache exactly as ``generate`` does (greedy or
-sampled; the same stopping rules). ``generate_from_hf_with_images`` does it for an HF model directory (the
+forward (the prompt), then decodes through ``generate`` itself (its KV cache, sampling and stopping rules). ``generate_from_hf_with_images`` does it for an HF model directory (the
 weights through ``AutoBridge``, the processor from the same directory). ``prompt_inputs`` gives the prompt's ids
 and the model's image inputs alone, for a caller with its own decoding loop (``longspan generate --image``).
 
@@ -21,18 +20,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from longspan.core.errors import CheckpointError, ConfigError, DataError
-from longspan.inference.text_generation import (
-    GenerationResult,
-    _choose,
-    _eos_ids,
-    _real_vocab_size,
-    _single_model,
-    check_generation_args,
-    next_token_logits_processor,
-)
+from longspan.core.errors import CheckpointError, DataError
+from longspan.inference.text_generation import GenerationResult, _single_model, check_generation_args, generate
 from longspan.inference.images import expand_image_tokens, load_image_processor, load_images, process_images
-from longspan.models.transformer import KVCache
 
 #: processor outputs the model does not take: the token ids go positionally, the padding mask is HF's 2-D one
 #: (one prompt has no padding)
@@ -115,51 +105,24 @@ def generate_with_images(
 ) -> GenerationResult:
     """Continue ``prompt`` (text with one image marker per image, e.g. Gemma 3's ``<start_of_image>``) about
     ``images`` (paths or PIL images) with up to ``max_new_tokens`` tokens; arguments as ``generate``."""
-    check_generation_args(max_new_tokens, temperature, top_k, top_p)
+    check_generation_args(max_new_tokens, temperature, top_k, top_p)  # before the images are read
     net = _single_model(model)
     prompt_ids, extra = prompt_inputs(processor, prompt, images)
     device = next(net.parameters()).device
-    if not prompt_ids:
-        raise ConfigError("the prompt is empty: give at least one token of text")
     extra = {k: v.to(device) for k, v in extra.items()}
-    tokenizer = processor.tokenizer
-    stop = set(int(i) for i in eos_ids) if eos_ids is not None else _eos_ids(_TokenizerIds(tokenizer), None)
-    vocab_size = _real_vocab_size(net, None)
-    generator = None
-    if seed is not None and temperature > 0.0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(int(seed))
-    was_training = net.training
-    net.eval()
-    try:
-        cache = KVCache(len(prompt_ids) + max_new_tokens)
-        step_input = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        output_ids: list[int] = []
-        kept: list[torch.Tensor] = []
-        finish = "length"
-        for _ in range(max_new_tokens):
-            last = net(step_input, kv_cache=cache, **extra)[0, -1]
-            extra = {}  # the images are in the cache after the prompt's forward
-            if return_logits:
-                kept.append(last.float().cpu())
-            token = _choose(next_token_logits_processor(last, vocab_size, temperature, top_k, top_p), temperature,
-                            generator)
-            output_ids.append(token)
-            if token in stop:
-                finish = "eos"
-                break
-            step_input = torch.tensor([[token]], dtype=torch.long, device=device)
-    finally:
-        net.train(was_training)
-    text_ids = output_ids[:-1] if finish == "eos" else output_ids
-    return GenerationResult(prompt_ids, output_ids, tokenizer.decode(text_ids), finish, kept)
+    return generate(net, _HFTokenizerView(processor.tokenizer), prompt_ids, max_new_tokens, temperature, top_k,
+                    top_p, seed, eos_ids=eos_ids, return_logits=return_logits, model_inputs=extra)
 
 
-class _TokenizerIds:
-    """An HF tokenizer seen as a longspan one for ``_eos_ids`` (its ``eos``)."""
+class _HFTokenizerView:
+    """An HF tokenizer seen as a longspan one by ``generate``: its EOS and its decoding."""
 
     def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
         self.eos = getattr(tokenizer, "eos_token_id", None)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 def generate_from_hf_with_images(hf_path: str | os.PathLike, prompt: str, images: Sequence[Any],

@@ -402,11 +402,6 @@ FIELD_STATUS.update(_many("dataset", HINT, "num_dataset_builder_threads"))
 # Per-group NCCL options on CUDA (longspan.parallel.nccl_options; names and file checked by validate everywhere).
 FIELD_STATUS.update(_many("dist", DEVICE, "high_priority_stream_groups nccl_communicator_config_path"))
 
-def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:
-    """The one-line reason ``section.name`` (of config class ``cls_name``) is not supported, if one is given."""
-    if cls_name and f"{cls_name}.{name}" in NOT_SUPPORTED_REASONS:
-        return NOT_SUPPORTED_REASONS[f"{cls_name}.{name}"]
-    return NOT_SUPPORTED_REASONS.get(f"{section}.{name}")
 # Checkpoint, optimizer and ddp switches (longspan.training.checkpointing.replication: local checkpoints
 # replicated to clique peers).
 FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "replication replication_jump replication_factor"))
@@ -438,6 +433,37 @@ FIELD_STATUS.update(_many("checkpoint", HINT, "dist_ckpt_optim_fully_reshardable
 FIELD_STATUS.update(_many("checkpoint", SUPPORTED, "storage_writers_per_rank ckpt_assume_constant_structure "
                                                    "save_tokenizer_assets load_main_params_from_ckpt "
                                                    "dist_ckpt_strictness ckpt_convert_format ckpt_convert_save"))
+# The MoE layer checkpointed and replayed in backward (longspan.models.moe.MoELayer); its metrics and token counts
+# are recorded by the first forward only.
+FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))
+# Per-microbatch recompute depth in the pipeline schedules (longspan.training.step.pipeline_schedules, megatron-core's
+# window rule; GPT and T5 blocks).
+FIELD_STATUS.update(_many("model", SUPPORTED, "num_microbatches_with_partial_activation_checkpoints"))
+# megatron-core's config logger for the built model chunks (longspan.training.observability.config_logger).
+FIELD_STATUS.update(_many("model", SUPPORTED, "config_logger_dir"))
+# Context parallel is one flat all-gather group whatever Megatron's communication scheme: the a2a+p2p sub-group sizes
+# are checked as megatron-core builds its groups (config/rules/layout.py) and change no maths. Pipeline stages always
+# exchange seq_length-shaped activations (SFT data pads to seq_length under pipeline parallel), which Megatron's
+# variable-length shape exchange also handles. The pipeline group's backend (parallel/init.py): 'nccl' needs CUDA.
+FIELD_STATUS.update(_many("model", HINT, "hierarchical_context_parallel_sizes variable_seq_lengths"))
+FIELD_STATUS.update(_many("model", DEVICE, "pipeline_model_parallel_comm_backend"))
+# CUDA graphs of the layers through torch.compile's CUDA-graph trees (longspan.parallel.compile; external_cuda_graph,
+# Transformer Engine's capture of the same layers, maps onto it too); elsewhere listed once at start-up.
+FIELD_STATUS.update(_many("model", DEVICE, "enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph"))
+# T5: the float32 residual stream (longspan.models.t5.T5Layer, as GPT's); Megatron's fused cross-entropy kernels
+# compute the same loss as T5's logits-then-loss, so the fusion switch is a hint there.
+CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy_loss_fusion"))
+# When Megatron computes weight gradients (after the MoE all-to-all, at the pipeline flush) and how it lays out
+# recompute's saved inputs change no result; megatron-core's consistency rules are kept (rules/scheduling_hints.py).
+FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgrad_compute "
+                                         "defer_embedding_wgrad_compute wgrad_deferral_limit"))
+
+
+def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:
+    """The one-line reason ``section.name`` (of config class ``cls_name``) is not supported, if one is given."""
+    if cls_name and f"{cls_name}.{name}" in NOT_SUPPORTED_REASONS:
+        return NOT_SUPPORTED_REASONS[f"{cls_name}.{name}"]
+    return NOT_SUPPORTED_REASONS.get(f"{section}.{name}")
 
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
@@ -547,27 +573,3 @@ def inapplicable_fields(cfg: Any) -> list[str]:
             elif status == DEVICE and not accelerator and _needs_accelerator(section, f.name, value):
                 out.append(f"{section}.{f.name}={value!r}")
     return out
-# The MoE layer checkpointed and replayed in backward (longspan.models.moe.MoELayer); its metrics and token counts
-# are recorded by the first forward only.
-FIELD_STATUS.update(_many("model", SUPPORTED, "moe_layer_recompute"))
-# Per-microbatch recompute depth in the pipeline schedules (longspan.training.step.pipeline_schedules, megatron-core's
-# window rule; GPT and T5 blocks).
-FIELD_STATUS.update(_many("model", SUPPORTED, "num_microbatches_with_partial_activation_checkpoints"))
-# megatron-core's config logger for the built model chunks (longspan.training.observability.config_logger).
-FIELD_STATUS.update(_many("model", SUPPORTED, "config_logger_dir"))
-# Context parallel is one flat all-gather group whatever Megatron's communication scheme: the a2a+p2p sub-group sizes
-# are checked as megatron-core builds its groups (config/rules/layout.py) and change no maths. Pipeline stages always
-# exchange seq_length-shaped activations (SFT data pads to seq_length under pipeline parallel), which Megatron's
-# variable-length shape exchange also handles. The pipeline group's backend (parallel/init.py): 'nccl' needs CUDA.
-FIELD_STATUS.update(_many("model", HINT, "hierarchical_context_parallel_sizes variable_seq_lengths"))
-FIELD_STATUS.update(_many("model", DEVICE, "pipeline_model_parallel_comm_backend"))
-# CUDA graphs of the layers through torch.compile's CUDA-graph trees (longspan.parallel.compile; external_cuda_graph,
-# Transformer Engine's capture of the same layers, maps onto it too); elsewhere listed once at start-up.
-FIELD_STATUS.update(_many("model", DEVICE, "enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph"))
-# T5: the float32 residual stream (longspan.models.t5.T5Layer, as GPT's); Megatron's fused cross-entropy kernels
-# compute the same loss as T5's logits-then-loss, so the fusion switch is a hint there.
-CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy_loss_fusion"))
-# When Megatron computes weight gradients (after the MoE all-to-all, at the pipeline flush) and how it lays out
-# recompute's saved inputs change no result; megatron-core's consistency rules are kept (rules/scheduling_hints.py).
-FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgrad_compute "
-                                         "defer_embedding_wgrad_compute wgrad_deferral_limit"))

@@ -6,7 +6,10 @@ A sample is built from whole sequences ("sentences") of one document, up to a ta
 ``build_mapping`` picks them. Spans of tokens are then masked (n-grams of whole words; lengths from a geometric
 distribution, SpanBERT-style, or a 1/n distribution); each masked span becomes one sentinel token
 (``tokenizer.additional_special_tokens_ids``, the ``vocab_extra_ids`` of the tokenizer config) in the encoder
-input, and the decoder predicts ``sentinel, span tokens`` for each span, then ``eos``::
+input, and the decoder predicts ``sentinel, span tokens`` for each span, then ``eos``. With
+``masking_do_permutation`` (1/n n-gram sizes only), further n-grams outside the masked spans, up to the same
+token budget, have their tokens shuffled among themselves in the encoder input (megatron-core's BERT-style
+permutation)::
 
     tokens          a b c d e f g h
     encoder input   a <X0> d e <X1> h                         (+ padding to sequence_length)
@@ -14,7 +17,9 @@ input, and the decoder predicts ``sentinel, span tokens`` for each span, then ``
     labels              <X0> b c <X1> f g eos                 (-1 after, loss_mask 1 on the real tokens)
 
 Random numbers: the sample index uses C++'s ``std::mt19937`` / ``std::mt19937_64`` streams exactly as
-megatron-core's helper does; each sample draws from ``numpy.random.RandomState(random_seed + idx)``.
+megatron-core's helper does; each sample draws from ``numpy.random.RandomState(random_seed + idx)``, and the
+sizes of the n-grams to permute from a second per-sample generator (``permutation_size_rng``; megatron-core uses
+numpy's global generator there).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from longspan.core.errors import ConfigError, DataError, NotSupportedError
+from longspan.config.rules.data import check_masking_choices
+from longspan.core.errors import ConfigError, DataError
 from longspan.data.indexed_dataset import IndexedDataset
 from longspan.data.utils import Split
 
+# Seeds the second per-sample generator, which draws the sizes of the n-grams to permute.
+PERMUTATION_STREAM = 1
 LONG_SENTENCE_LEN = 512  # megatron-core: documents with a sequence longer than this (and > 1 sequence) are skipped
 T5_SAMPLE_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
 
@@ -159,26 +167,45 @@ def _is_continuation(tokenizer: Any, token: int) -> bool:
     return bool(text is not None and text(int(token)).startswith("##"))
 
 
-def mask_spans(tokens: List[int], target_length: int, rng: np.random.RandomState, config: Any,
-               tokenizer: Any) -> List[Tuple[List[int], List[int]]]:
-    """The masked spans ``[(positions, original tokens)]`` in position order (megatron-core's choice of
-    n-grams, draw for draw)."""
+def _fit_ngram(options: List[List[List[int]]], n: int, budget: float) -> Optional[List[int]]:
+    """The positions of the longest n-gram of at most ``n`` words from ``options`` (``options[k - 1]`` holds
+    k words, fewer at the end) whose token count fits ``budget``; None when even one word does not fit."""
+    while True:
+        positions = sum(options[n - 1], [])
+        n -= 1
+        if budget >= len(positions):
+            return positions
+        if n == 0:
+            return None
+
+
+def _ngram_size_distribution(config: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """The n-gram sizes 1..max_ngram and their 1/n probabilities (reversed to favour long n-grams)."""
+    sizes = np.arange(config.masking_max_ngram, dtype=np.int64) + 1
+    probs = 1.0 / sizes
+    probs = probs / probs.sum(keepdims=True)
+    return sizes, (probs[::-1] if config.masking_use_longer_ngrams else probs)
+
+
+def mask_spans(tokens: List[int], target_length: int, rng: np.random.RandomState, config: Any, tokenizer: Any,
+               permutation_size_rng: Optional[np.random.RandomState] = None
+               ) -> Tuple[List[int], List[Tuple[List[int], List[int]]]]:
+    """The sample's tokens (n-grams permuted when ``masking_do_permutation``) and its masked spans
+    ``[(positions, original tokens)]`` in position order: megatron-core's choice, draw for draw.
+
+    ``permutation_size_rng`` draws the sizes of the n-grams to permute (megatron-core draws them from numpy's
+    global generator); the permutation itself is drawn from ``rng``, after the masking."""
     candidates = _ngram_candidates(tokens, tokenizer, bool(config.masking_do_full_word))
     n_maskings = min(config.masking_probability * target_length,
                      max(1, int(round(len(tokens) * config.masking_probability))))
-    ngram_sizes = np.arange(config.masking_max_ngram, dtype=np.int64) + 1
-    probs = 1.0 / ngram_sizes
-    probs = probs / probs.sum(keepdims=True)
-    if config.masking_use_longer_ngrams:
-        probs = probs[::-1]
+    ngram_sizes, probs = _ngram_size_distribution(config)
     # For each start word, the n-grams of 1..max_ngram words starting there.
     ngrams = [[candidates[i: i + n] for n in ngram_sizes] for i in range(len(candidates))]
     rng.shuffle(ngrams)
     masked: set = set()
-    num_masked = 0
     spans: List[Tuple[List[int], List[int]]] = []
     for options in ngrams:
-        if num_masked >= n_maskings:
+        if len(masked) >= n_maskings:
             break
         if not options:
             continue
@@ -187,22 +214,50 @@ def mask_spans(tokens: List[int], target_length: int, rng: np.random.RandomState
         else:
             p = probs[: len(options)] / probs[: len(options)].sum(keepdims=True)
             n = rng.choice(ngram_sizes[: len(options)], p=p)
-        # Shrink the n-gram until it fits the masking budget (options[n - 1] holds n words, maybe fewer at the end).
-        while True:
-            positions = sum(options[n - 1], [])
-            n -= 1
-            if n_maskings >= num_masked + len(positions):
-                break
-            if n == 0:
-                positions = None
-                break
+        positions = _fit_ngram(options, n, n_maskings - len(masked))
         if positions is None or any(p in masked for p in positions):
             continue
         masked.update(positions)
-        num_masked += len(positions)
         spans.append((positions, [tokens[p] for p in positions]))
-    rng.shuffle(ngrams)  # megatron-core draws this second shuffle too (for permutation); keep the stream equal
-    return sorted(spans, key=lambda span: span[0][0])
+    rng.shuffle(ngrams)  # drawn with or without permutation: the permutation walks this second order
+    if config.masking_do_permutation:
+        size_rng = permutation_size_rng if permutation_size_rng is not None else np.random
+        tokens = _permute_ngrams(tokens, ngrams, masked, n_maskings, probs, rng, size_rng)
+    return tokens, sorted(spans, key=lambda span: span[0][0])
+
+
+def _permute_ngrams(tokens: List[int], ngrams: List[List[List[List[int]]]], masked: set, budget: float,
+                    probs: np.ndarray, rng: np.random.RandomState, size_rng: np.random.RandomState) -> List[int]:
+    """Pick unmasked n-grams (1/n sizes, up to ``budget`` tokens in all) in the order of ``ngrams`` and
+    shuffle the tokens at the picked positions among themselves (BERT-style permutation)."""
+    ngram_sizes = np.arange(len(probs), dtype=np.int64) + 1
+    picked: set = set()
+    for options in ngrams:
+        if len(picked) >= budget:
+            break
+        if not options:
+            continue
+        p = probs[: len(options)] / probs[: len(options)].sum(keepdims=True)
+        n = size_rng.choice(ngram_sizes[: len(options)], p=p)
+        positions = _fit_ngram(options, n, budget - len(picked))
+        if positions is None or any(p in masked or p in picked for p in positions):
+            continue
+        picked.update(positions)
+    targets = sorted(picked)
+    sources = list(targets)
+    rng.shuffle(sources)
+    permuted = list(tokens)
+    for target, source in zip(targets, sources):
+        permuted[target] = tokens[source]
+    return permuted
+
+
+def permutation_size_rng(random_seed: int, idx: int) -> np.random.RandomState:
+    """The generator of sample ``idx``'s permutation n-gram sizes: seeded by ``[(random_seed + idx) % 2**32,
+    PERMUTATION_STREAM]``. megatron-core draws these from numpy's global generator instead, so its samples depend
+    on the order they are read in (and on DataLoader workers); seeding numpy's global generator with the same
+    seed right before megatron-core's ``__getitem__(idx)`` gives the same sample."""
+    return np.random.RandomState(seed=[(random_seed + idx) % 2**32, PERMUTATION_STREAM])
 
 
 # ------------------------------------------------------------------------------------------ dataset
@@ -269,7 +324,8 @@ class T5MaskedWordPieceDataset(torch.utils.data.Dataset):
         tokens = [int(t) for i in range(first, end) for t in self.dataset[i]]
         truncated = len(tokens) > target_length
         tokens = tokens[:target_length]
-        spans = mask_spans(tokens, target_length, rng, self.config, self.tokenizer)
+        tokens, spans = mask_spans(tokens, target_length, rng, self.config, self.tokenizer,
+                                   permutation_size_rng(int(self.config.random_seed), idx))
         return self._build_sample(tokens, spans, truncated)
 
     def _build_sample(self, tokens: List[int], spans: List[Tuple[List[int], List[int]]],
@@ -324,8 +380,7 @@ def _check_masking_config(config: Any) -> None:
         raise ConfigError(f"dataset.short_sequence_probability={q} must be in [0, 1]")
     if config.masking_max_ngram < 1:
         raise ConfigError(f"dataset.masking_max_ngram={config.masking_max_ngram} must be >= 1")
-    if config.masking_do_permutation:
-        raise NotSupportedError("dataset.masking_do_permutation=True is not supported yet: T5 masks without permuting")
+    check_masking_choices(config)
     if config.sequence_length_decoder is None or config.sequence_length_decoder < 2:
         raise ConfigError(f"dataset.sequence_length_decoder={config.sequence_length_decoder} must be >= 2")
 

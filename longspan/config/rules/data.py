@@ -97,3 +97,18 @@ def check_vocab_fits(model_vocab_size: Optional[int], tokenizer_vocab_size: int)
             f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size} "
             f"ids): set model.vocab_size >= {tokenizer_vocab_size} or null (taken from the tokenizer)"
         )
+
+
+def check_masking_choices(d: object) -> None:
+    """Masked-LM (T5) data: the n-gram permutation draws 1/n sizes, so it cannot run with the geometric ones
+    (megatron-core asserts the same)."""
+    if getattr(d, "masking_do_permutation", False) and getattr(d, "masking_use_geometric_distribution", False):
+        raise ConfigError(
+            "dataset.masking_do_permutation=True with dataset.masking_use_geometric_distribution=True: the "
+            "permutation draws 1/n n-gram sizes; set masking_use_geometric_distribution=False or drop the permutation"
+        )
+
+
+def check_dataset_masking(cfg: "ConfigContainer") -> None:
+    """The dataset's masking choices (T5 data; other datasets have no masking fields)."""
+    check_masking_choices(cfg.dataset)

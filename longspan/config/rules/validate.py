@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from longspan.config.rules.comm_overlap import apply_comm_overlap
-from longspan.config.rules.data import check_dataset
+from longspan.config.rules.data import check_dataset, check_dataset_masking
 from longspan.config.rules.data_parallel import (
     apply_sharding_strategy,
     check_distributed_optimizer_instances,
@@ -227,6 +227,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("training length (iterations from samples)", _on_config(check_train_length)),
     ("scheduler step counts", _on_config(compute_scheduler_steps)),
     ("dataset", _on_config(check_dataset)),
+    ("masked-LM (T5) data: masking choices", _on_config(check_dataset_masking)),
     ("direct HF SFT data: sources, blend, preprocessing", _on_config(check_direct_hf_sft)),
     ("infrastructure and resilience", _on_config(check_infra)),
     ("autocast", _autocast),

@@ -12,9 +12,9 @@ from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset as McoreT
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig as McoreT5Config
 from megatron.core.datasets.utils import Split as McoreSplit
 
-from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.errors import ConfigError
 from longspan.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from longspan.data.t5_dataset import MT19937_64, T5MaskedWordPieceDataset, build_sample_mapping
+from longspan.data.t5_dataset import MT19937_64, PERMUTATION_STREAM, T5MaskedWordPieceDataset, build_sample_mapping
 from longspan.data.utils import Split
 
 VOCAB = 120
@@ -81,8 +81,10 @@ def _mcore_dataset(prefix, tokenizer, indices, num_samples, tmp_path, monkeypatc
                   short_sequence_probability=0.3, masking_do_full_word=False, random_seed=7),
         _settings(masking_use_geometric_distribution=False, short_sequence_probability=0.0, masking_probability=0.3,
                   sequence_length=64, sequence_length_decoder=64),
+        _settings(masking_use_geometric_distribution=False, masking_do_permutation=True, masking_max_ngram=3,
+                  masking_do_full_word=False, random_seed=11),
     ],
-    ids=["t5-defaults", "1-over-n-longer-ngrams", "no-short-sequences"],
+    ids=["t5-defaults", "1-over-n-longer-ngrams", "no-short-sequences", "permuted-ngrams"],
 )
 def test_samples_equal_megatron_core(tmp_path, monkeypatch, settings):
     prefix = str(tmp_path / "corpus")
@@ -95,14 +97,25 @@ def test_samples_equal_megatron_core(tmp_path, monkeypatch, settings):
     ours = T5MaskedWordPieceDataset(IndexedDataset(prefix), prefix, indices, num_samples, Split.train, config)
     np.testing.assert_array_equal(ours.sample_index, np.asarray(oracle.sample_index))
     assert len(ours) == len(oracle) >= num_samples
-    truncated = 0
+    truncated = permuted = 0
     for idx in range(len(ours)):
+        # megatron-core draws the permutation's n-gram sizes from numpy's global generator; longspan from a
+        # per-sample generator with this seed
+        np.random.seed([(settings["random_seed"] + idx) % 2**32, PERMUTATION_STREAM])
         want, got = oracle[idx], ours[idx]
         assert set(got) == set(want)
         for key in want:
             assert np.array_equal(got[key].numpy(), np.asarray(want[key])), (idx, key)
         truncated += int(got["truncated"])
+        if settings["masking_do_permutation"]:
+            unpermuted = T5MaskedWordPieceDataset.__new__(T5MaskedWordPieceDataset)
+            unpermuted.__dict__.update(ours.__dict__, config=SimpleNamespace(**{**vars(config),
+                                                                                "masking_do_permutation": False}))
+            same_spans = torch.equal(unpermuted[idx]["labels"], got["labels"])
+            permuted += int(same_spans and not torch.equal(unpermuted[idx]["text_enc"], got["text_enc"]))
     assert 0 < truncated < len(ours)
+    if settings["masking_do_permutation"]:  # it reorders encoder tokens (in most samples), never the masked spans
+        assert permuted > len(ours) * 0.9
 
 
 def test_sample_layout_sentinels_and_masks(tmp_path):
@@ -144,10 +157,10 @@ def test_config_errors_are_one_line(tmp_path):
     low = IndexedDataset(prefix)
     idx = np.arange(10, dtype=np.int32)
     tok = WordPieceTokenizer()
-    with pytest.raises(NotSupportedError, match="masking_do_permutation"):
+    with pytest.raises(ConfigError, match="^dataset.masking_do_permutation=True with dataset.masking_use_geometric"):
         T5MaskedWordPieceDataset(low, prefix, idx, 5, Split.train,
                                  SimpleNamespace(tokenizer=tok, **_settings(masking_do_permutation=True,
-                                                                            masking_use_geometric_distribution=False)))
+                                                                            masking_use_geometric_distribution=True)))
     no_sentinels = WordPieceTokenizer()
     no_sentinels.additional_special_tokens_ids = []
     with pytest.raises(ConfigError, match="vocab_extra_ids"):

@@ -252,7 +252,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
     seq_length_dec scale_decoder_outputs encoder_pipeline_model_parallel_size
     """))
 FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
-FIELD_STATUS.update(_many("dataset", NOT_SUPPORTED, "masking_do_permutation"))
+# dataset.masking_do_permutation: tests/models/t5/test_t5_dataset.py::test_samples_equal_megatron_core[permuted-ngrams].
 
 # The model classes and dataset classes longspan can build.
 SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Gemma3VLModelProvider",)

@@ -34,7 +34,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
-    "dataset.masking_do_permutation": "BERT-style n-gram permutation is not built (T5 span corruption does not use it)",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",

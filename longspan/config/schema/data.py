@@ -136,7 +136,8 @@ class T5MaskedWordPieceDatasetConfig(GPTDatasetConfig):
     """Mask whole words (a WordPiece '##' piece joins the word before it)."""
 
     masking_do_permutation: bool = False
-    """Also permute some n-grams (BERT-style); not supported yet."""
+    """Also shuffle the tokens of some unmasked n-grams (1/n sizes, up to the masking budget) among themselves in
+    the encoder input (megatron-core's BERT-style permutation); needs masking_use_geometric_distribution=False."""
 
     masking_use_longer_ngrams: bool = False
     """Favour longer n-grams (reverse the 1/n distribution); ignored with the geometric distribution."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longspan.core.errors import DataError
+from longspan.core.errors import ConfigError, DataError
 from longspan.data.loaders import build_train_valid_test_data_iterators
 from longspan.data.tokenizers import build_tokenizer
 from longspan.models.t5 import T5Model
@@ -49,6 +49,17 @@ def test_t5_batches_from_the_loaders(tmp_path: Path) -> None:
     sentinels = torch.tensor(tokenizer.additional_special_tokens_ids)
     assert torch.isin(batch["text_enc"], sentinels).any(dim=1).all()
     assert valid is not None and test is not None
+
+
+def test_permutation_with_geometric_span_lengths_is_a_one_line_config_error(tmp_path: Path) -> None:
+    cfg = small_t5_run(tmp_path)
+    cfg.dataset.masking_do_permutation = True
+    with pytest.raises(ConfigError, match=r"^dataset.masking_do_permutation=True with dataset.masking_use_geometric_"
+                                          r"distribution=True: [^\n]*$"):
+        cfg.validate()
+    cfg = small_t5_run(tmp_path)
+    cfg.dataset.masking_do_permutation, cfg.dataset.masking_use_geometric_distribution = True, False
+    cfg.validate()
 
 
 def test_t5_data_needs_a_t5_model_and_matching_lengths(tmp_path: Path) -> None:

@@ -284,17 +284,16 @@ CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
                                                    "apply_residual_connection_post_layernorm"),
 }
 
-# Direct HF SFT data (longspan.data.sft.hf_dataset): the run's tokenizer formats the rows; in-batch packing and
-# Bridge's named Hub presets are not implemented.
+# Direct HF SFT data (longspan.data.sft.hf_dataset): the run's tokenizer formats the rows; Bridge's named Hub
+# presets are not implemented. In-batch packing (enable_in_batch_packing, defer_in_batch_packing_to_step,
+# in_batch_packing_pad_to_multiple_of): tests/data/sft_hf/test_hf_sft_in_batch_packing.py.
 CLASS_FIELD_STATUS["DirectHFSFTDatasetConfig"] = {
     **_many("dataset", SUPPORTED, """
         seq_length source source_weights blend_seed validation_source test_source preprocessing do_validation
         do_test pad_to_max_length pad_to_multiple_of dataloader_type hf_processor_path hf_processor_kwargs
+        enable_in_batch_packing defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
         """),
-    **_many("dataset", NOT_SUPPORTED, """
-        skip_getting_attention_mask_from_dataset enable_in_batch_packing
-        defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of
-        """),
+    **_many("dataset", NOT_SUPPORTED, "skip_getting_attention_mask_from_dataset"),
     # Right padding under the causal mask never reaches a real token: a padding mask from the data changes nothing.
     **_many("dataset", HINT, "skip_getting_attention_mask_from_dataset"),
 }

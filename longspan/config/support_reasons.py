@@ -43,10 +43,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
     "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
     "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
-    "DirectHFSFTDatasetConfig.enable_in_batch_packing": (
-        "packing a microbatch in its collate is not built; FinetuningDatasetConfig packs offline (packed_sequence_specs)"),
-    "DirectHFSFTDatasetConfig.defer_in_batch_packing_to_step": "only meaningful with enable_in_batch_packing",
-    "DirectHFSFTDatasetConfig.in_batch_packing_pad_to_multiple_of": "only meaningful with enable_in_batch_packing",
 }
 
 # Vision-language models: the layouts their plans do not cover yet.

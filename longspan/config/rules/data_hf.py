@@ -100,6 +100,39 @@ def _check_processor(d: DirectHFSFTDatasetConfig) -> None:
                           "AutoProcessor.from_pretrained arguments")
 
 
+def _check_in_batch_packing(cfg: "ConfigContainer") -> None:
+    """In-batch packing: its companion fields only with it; with it, microbatches of several samples, no fixed
+    width, and the layouts its variable-width packs are built for (no pipeline or context parallel)."""
+    d, m = cfg.dataset, cfg.model
+    multiple = d.in_batch_packing_pad_to_multiple_of
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ConfigError(f"dataset.in_batch_packing_pad_to_multiple_of={multiple!r} must be an integer >= 1")
+    if not d.enable_in_batch_packing:
+        for name, value, default in (("defer_in_batch_packing_to_step", d.defer_in_batch_packing_to_step, False),
+                                     ("in_batch_packing_pad_to_multiple_of", multiple, 1)):
+            if value != default:
+                raise ConfigError(f"dataset.{name}={value!r} is set without dataset.enable_in_batch_packing=True: "
+                                  "enable the packing or leave it at its default")
+        return
+    mbs = int(getattr(cfg.train, "micro_batch_size", 1) or 1)
+    if mbs < 2:
+        raise ConfigError(f"dataset.enable_in_batch_packing=True with train.micro_batch_size={mbs}: packing joins the "
+                          "samples of a microbatch, set micro_batch_size >= 2")
+    if d.pad_to_max_length:
+        raise ConfigError("dataset.pad_to_max_length=True with dataset.enable_in_batch_packing=True: a packed "
+                          "microbatch is as wide as its padded samples; set pad_to_max_length=False")
+    for name, why in (("pipeline_model_parallel_size", "pipeline stages exchange activations of a fixed shape"),
+                      ("context_parallel_size", "context parallel over variable-width packs is not built")):
+        size = int(getattr(m, name, 1) or 1)
+        if size > 1:
+            raise NotSupportedError(f"dataset.enable_in_batch_packing=True with model.{name}={size}: {why}; "
+                                    "turn one of them off")
+    tp = int(getattr(m, "tensor_model_parallel_size", 1) or 1)
+    if bool(getattr(m, "sequence_parallel", False)) and tp > 1 and multiple % tp:
+        raise ConfigError(f"dataset.in_batch_packing_pad_to_multiple_of={multiple} must be a multiple of "
+                          f"tensor_model_parallel_size={tp} with sequence_parallel (the pack is split over its ranks)")
+
+
 def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
     """Direct HF SFT data: its sources, blend, preprocessing and lengths against the model."""
     d = cfg.dataset
@@ -131,6 +164,10 @@ def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
     if d.pad_to_multiple_of < 1:
         raise ConfigError(f"dataset.pad_to_multiple_of={d.pad_to_multiple_of} must be an integer >= 1")
     _check_processor(d)
+    _check_in_batch_packing(cfg)
+    if d.enable_in_batch_packing and d.hf_processor_path is not None:
+        raise NotSupportedError("dataset.enable_in_batch_packing=True with dataset.hf_processor_path: image batches "
+                                "are not packed; set enable_in_batch_packing=False")
     if not d.pad_to_max_length and int(getattr(m, "pipeline_model_parallel_size", 1) or 1) > 1:
         raise ConfigError(
             "dataset.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages exchange "

@@ -113,10 +113,15 @@ class DirectHFSFTDatasetConfig(DataloaderConfig):
     """'cyclic' reshuffles each epoch (Megatron Bridge's default here), 'single' reads in order."""
 
     enable_in_batch_packing: bool = False
-    """Pack the samples of a microbatch into one sequence (not supported yet)."""
+    """Pack the samples of a microbatch into one ``[1, T]`` sequence (each padded to
+    in_batch_packing_pad_to_multiple_of, positions restarting per sample, a block-diagonal causal mask and
+    cu_seqlens), so no padding to the longest sample is computed; the loss sum and token count equal the unpacked
+    microbatch's. Needs micro_batch_size >= 2 and pad_to_max_length=False; text data only (not with
+    hf_processor_path); not with pipeline or context parallel (variable-width packs are not built there)."""
 
     defer_in_batch_packing_to_step: bool = False
-    """Pack in the training step instead of the collate function (not supported yet)."""
+    """With enable_in_batch_packing: the collate function pads the microbatch (and records each sample's length)
+    and the training step packs it, on the device, into the same batch the collate would have built."""
 
     pad_to_max_length: bool = False
     """Pad every microbatch to seq_length; False pads to the longest sample rounded up to pad_to_multiple_of
@@ -126,7 +131,9 @@ class DirectHFSFTDatasetConfig(DataloaderConfig):
     """With pad_to_max_length=False: microbatch lengths are multiples of this (capped at seq_length)."""
 
     in_batch_packing_pad_to_multiple_of: int = 1
-    """Padding of each sample inside an in-batch pack (not supported yet)."""
+    """With enable_in_batch_packing: each sample is padded to a multiple of this inside the pack (pad id, no
+    loss, positions counting on); with sequence_parallel it must be a multiple of tensor_model_parallel_size
+    (Bridge derives it from the layout; longspan checks the given value instead of replacing it)."""
 
     @property
     def training_sources(self) -> list[HFDatasetSourceConfig]:

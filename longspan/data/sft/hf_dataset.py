@@ -14,7 +14,8 @@ Sample order: sample ``i`` is a pure function of ``i`` (Megatron's samplers resu
 source then walks its own seeded epochs. Validation and test read their rows in order.
 
 Batches are those of ``SFTDataset``: right padding to ``seq_length`` (``pad_to_max_length``) or to the longest
-sample rounded up to ``pad_to_multiple_of``; no attention mask.
+sample rounded up to ``pad_to_multiple_of``; no attention mask. With ``enable_in_batch_packing`` (text data) the
+samples of a microbatch are packed into one sequence instead (``longspan.data.sft.in_batch_packing``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longspan.core.errors import DataError, LongspanError
+from longspan.core.errors import DataError, LongspanError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.dataset import EpochSampleMap, SFTDataset, pad_token_id
 from longspan.data.sft.formatting import ChatFormatter, SFTFormatOptions, tokenizer_chat_template
 from longspan.data.sft.hf_source import MissingSplitError, describe_source, load_source_records
+from longspan.data.sft.in_batch_packing import InBatchPacking, pack_rows
 from longspan.data.sft.multimodal import (
     MultimodalChatFormatter,
     MultimodalDocument,
@@ -83,14 +85,34 @@ class BlendSampleMap:
 
 
 class TokenizedSFTDataset(SFTDataset):
-    """Pre-tokenized records with ``SFTDataset``'s samples and batches."""
+    """Pre-tokenized records with ``SFTDataset``'s samples and batches (packed per microbatch with ``packing``)."""
 
     def __init__(self, docs: list[Document], seq_length: int, opts: SFTFormatOptions, pad_id: int,
-                 samples: Any) -> None:
+                 samples: Any, packing: Optional[InBatchPacking] = None) -> None:
         self.docs, self.seq_length, self.opts, self.pad_id, self.samples = docs, seq_length, opts, pad_id, samples
+        self.packing = packing
 
     def document(self, item: int) -> Document:
         return self.docs[item]
+
+    def collate_fn(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``SFTDataset``'s padded microbatch, or its samples packed into one sequence (``packing``); deferred
+        packing pads and adds each sample's ``sequence_lengths`` for the training step to pack."""
+        if self.packing is None:
+            return super().collate_fn(samples)
+        if self.packing.deferred:
+            batch = super().collate_fn(samples)
+            batch["sequence_lengths"] = torch.tensor([s["tokens"].numel() for s in samples], dtype=torch.long)
+            return batch
+        return pack_rows(samples, self.pad_id, self.packing.pad_to_multiple_of)
+
+
+def in_batch_packing(dataset_cfg: Any) -> Optional[InBatchPacking]:
+    """The in-batch packing of a DirectHFSFTDatasetConfig, or None when it is off."""
+    if not getattr(dataset_cfg, "enable_in_batch_packing", False):
+        return None
+    return InBatchPacking(int(dataset_cfg.in_batch_packing_pad_to_multiple_of),
+                          bool(dataset_cfg.defer_in_batch_packing_to_step))
 
 
 def format_options(dataset_cfg: Any) -> SFTFormatOptions:
@@ -221,14 +243,17 @@ def _train_dataset(dataset_cfg: Any, tokenize: Any, seq_length: int, opts: SFTFo
     else:
         weights = list(dataset_cfg.source_weights or [1.0] * len(sources))
         samples = BlendSampleMap(sizes, offsets, weights, needed, seed)
-    return _dataset(docs, tokenize, seq_length, opts, pad_id, samples)
+    return _dataset(docs, tokenize, seq_length, opts, pad_id, samples, in_batch_packing(dataset_cfg))
 
 
 def _dataset(docs: list[Any], tokenize: Any, seq_length: int, opts: SFTFormatOptions, pad_id: int,
-             samples: Any) -> torch.utils.data.Dataset:
+             samples: Any, packing: Optional[InBatchPacking]) -> torch.utils.data.Dataset:
     if tokenize.multimodal is not None:
+        if packing is not None:
+            raise NotSupportedError("dataset.enable_in_batch_packing=True with dataset.hf_processor_path: image "
+                                    "batches are not packed; set enable_in_batch_packing=False")
         return MultimodalSFTDataset(docs, tokenize.multimodal, seq_length, opts, pad_id, samples)
-    return TokenizedSFTDataset(docs, seq_length, opts, pad_id, samples)
+    return TokenizedSFTDataset(docs, seq_length, opts, pad_id, samples, packing)
 
 
 def _eval_dataset(dataset_cfg: Any, split: str, tokenize: Any, seq_length: int, opts: SFTFormatOptions,
@@ -248,7 +273,7 @@ def _eval_dataset(dataset_cfg: Any, split: str, tokenize: Any, seq_length: int, 
     print_rank_0(f"direct HF SFT data, {split}: {len(docs)} rows of {describe_source(source)}; {cut} longer than "
                  f"{seq_length + 1} tokens cut at the end", logger)
     samples = EpochSampleMap(len(docs), max(needed, len(docs)), int(dataset_cfg.blend_seed), shuffle=False)
-    return _dataset(docs, tokenize, seq_length, opts, pad_id, samples)
+    return _dataset(docs, tokenize, seq_length, opts, pad_id, samples, in_batch_packing(dataset_cfg))
 
 
 def build_direct_hf_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,

@@ -213,6 +213,22 @@ def pack_jsonl(
 
 # ----------------------------------------------------------------------------------------- reading
 
+def document_layout(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed-attention inputs of a sequence whose position ``i`` belongs to document ``doc[i]`` (documents
+    contiguous): ``position_ids`` restarting at 0 in each document, the ``[P, P]`` bool mask (True = masked,
+    Megatron's convention) causal inside each document and blocking everything across documents, and
+    ``cu_seqlens`` (each document's first position, then ``P``)."""
+    size = doc.shape[0]
+    positions = torch.arange(size, device=doc.device)
+    starts = torch.ones(size, dtype=torch.bool, device=doc.device)
+    starts[1:] = doc[1:] != doc[:-1]
+    start_index = torch.where(starts, positions, torch.zeros_like(positions)).cummax(0).values
+    causal_block = torch.ones(size, size, dtype=torch.bool, device=doc.device).tril()
+    attention_mask = ~(causal_block & (doc[:, None] == doc[None, :]))
+    cu = torch.cat([torch.nonzero(starts).view(-1), positions.new_tensor([size])]).to(torch.int32)
+    return positions - start_index, attention_mask, cu
+
+
 def pack_to_sample(pack: np.ndarray, cu_length: Optional[int] = None) -> dict[str, torch.Tensor]:
     """One ``[3, P]`` pack -> tokens, labels, loss_mask, position_ids, attention_mask ``[1, P, P]``, cu_seqlens."""
     tokens = torch.from_numpy(pack[0].astype(np.int64))
@@ -220,14 +236,7 @@ def pack_to_sample(pack: np.ndarray, cu_length: Optional[int] = None) -> dict[st
     doc = torch.from_numpy(pack[2].astype(np.int64))
     loss_mask = (labels >= 0).to(torch.float32)
     labels = labels.clamp(min=0)
-    size = tokens.shape[0]
-    starts = torch.ones(size, dtype=torch.bool)
-    starts[1:] = doc[1:] != doc[:-1]
-    start_index = torch.where(starts, torch.arange(size), torch.zeros(size, dtype=torch.long)).cummax(0).values
-    position_ids = torch.arange(size) - start_index
-    causal_block = torch.ones(size, size, dtype=torch.bool).tril()
-    attention_mask = ~(causal_block & (doc[:, None] == doc[None, :]))
-    cu = torch.cat([torch.nonzero(starts).view(-1), torch.tensor([size])]).to(torch.int32)
+    position_ids, attention_mask, cu = document_layout(doc)
     if cu_length is not None and cu.numel() < cu_length:
         cu = torch.cat([cu, cu[-1:].expand(cu_length - cu.numel())])
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,

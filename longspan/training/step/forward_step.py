@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
+from longspan.data.sft.dataset import pad_token_id
+from longspan.data.sft.in_batch_packing import pack_padded_batch
 from longspan.models.vlm.mrope import mrope_position_ids
 from longspan.models.vlm.qwen_vision import QwenVisionArgs
 from longspan.training.state import GlobalState
@@ -20,7 +22,8 @@ from longspan.training.state import GlobalState
 # The HF processor's image inputs of multimodal batches (longspan.data.sft.multimodal), under HF's names: the
 # vision-language models take them as keyword arguments of these names.
 IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", *IMAGE_BATCH_KEYS)
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "sequence_lengths",
+              *IMAGE_BATCH_KEYS)
 
 
 def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -51,7 +54,7 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
     timers = state.timers
     timers("batch-generator", log_level=2).start()
     device = state.device if getattr(state, "device", None) is not None else torch.device("cpu")
-    batch = get_batch(data_iterator, device)
+    batch = _pack_in_step(state, get_batch(data_iterator, device))
     timers("batch-generator").stop()
     # GPT datasets build a plain causal mask unless reset_attention_mask, and unpacked SFT batches are
     # right-padded: the model's causal fast path is the same maths without materializing [s, s] masks.
@@ -90,10 +93,22 @@ def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str,
     return inputs
 
 
+def _pack_in_step(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Deferred in-batch packing (``dataset.defer_in_batch_packing_to_step``): the padded microbatch, with its
+    samples' ``sequence_lengths``, becomes one packed sequence here, as the collate would have packed it."""
+    if "sequence_lengths" not in batch:
+        return batch
+    dataset_cfg = state.cfg.dataset
+    tokenizer = getattr(state, "tokenizer", None)
+    pad_id = pad_token_id(tokenizer) if tokenizer is not None else 0
+    return pack_padded_batch(batch, pad_id, int(dataset_cfg.in_batch_packing_pad_to_multiple_of))
+
+
 def _needs_explicit_mask(state: GlobalState) -> bool:
-    """Document masks: GPT data with reset_attention_mask, or packed SFT data (block-diagonal per pack)."""
+    """Document masks: GPT data with reset_attention_mask, or packed SFT data (block-diagonal per pack, offline
+    or in-batch)."""
     dataset_cfg = getattr(state.cfg, "dataset", None)
-    if getattr(dataset_cfg, "reset_attention_mask", False):
+    if getattr(dataset_cfg, "reset_attention_mask", False) or getattr(dataset_cfg, "enable_in_batch_packing", False):
         return True
     specs = getattr(dataset_cfg, "packed_sequence_specs", None)
     size = specs.get("packed_sequence_size") if isinstance(specs, dict) else getattr(specs, "packed_sequence_size", None)

@@ -90,7 +90,16 @@ source: {path_or_dataset: /data/chat.jsonl}
     ({"source": [{"path_or_dataset": "a", "load_kwargs": {"split": "x"}}, {"path_or_dataset": "b"}]}, ConfigError,
      r"dataset.source\[0\].load_kwargs sets \['split'\]"),
     ({"seq_length": 32}, ConfigError, r"^dataset.seq_length=32 differs from model.seq_length=64"),
-    ({"enable_in_batch_packing": True}, NotSupportedError, r"dataset.enable_in_batch_packing=True is not supported"),
+    ({"defer_in_batch_packing_to_step": True}, ConfigError,
+     r"^dataset.defer_in_batch_packing_to_step=True is set without dataset.enable_in_batch_packing=True"),
+    ({"in_batch_packing_pad_to_multiple_of": 8}, ConfigError,
+     r"^dataset.in_batch_packing_pad_to_multiple_of=8 is set without dataset.enable_in_batch_packing=True"),
+    ({"enable_in_batch_packing": True, "in_batch_packing_pad_to_multiple_of": 0}, ConfigError,
+     r"^dataset.in_batch_packing_pad_to_multiple_of=0 must be an integer >= 1"),
+    ({"enable_in_batch_packing": True, "pad_to_max_length": True}, ConfigError,
+     r"^dataset.pad_to_max_length=True with dataset.enable_in_batch_packing=True: a packed microbatch"),
+    ({"enable_in_batch_packing": True, "hf_processor_path": "/models/vl"}, NotSupportedError,
+     r"^dataset.enable_in_batch_packing=True with dataset.hf_processor_path: image batches are not packed"),
     ({"hf_processor_kwargs": {"min_pixels": 784}}, ConfigError,
      r"^dataset.hf_processor_kwargs=\{'min_pixels': 784\} is set without dataset.hf_processor_path"),
     ({"preprocessing": {"loss_mode": "answers"}}, ConfigError, r"loss_mode='answers' is not valid"),
@@ -101,6 +110,25 @@ def test_rules_stop_in_one_line(tmp_path, change, error, pattern):
     with pytest.raises(error, match=pattern) as info:
         _container(tmp_path, yaml.safe_dump(data)).validate(world_size=1)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("setting,error,pattern", [
+    ("train.micro_batch_size=1", ConfigError, r"^dataset.enable_in_batch_packing=True with train.micro_batch_size=1: "),
+    ("model.pipeline_model_parallel_size=2", NotSupportedError,
+     r"^dataset.enable_in_batch_packing=True with model.pipeline_model_parallel_size=2: pipeline stages exchange"),
+    ("model.context_parallel_size=2", NotSupportedError,
+     r"^dataset.enable_in_batch_packing=True with model.context_parallel_size=2: "),
+])
+def test_in_batch_packing_layout_rules(tmp_path, setting, error, pattern):
+    cfg = _container(tmp_path)
+    apply_overrides(cfg, ["dataset.enable_in_batch_packing=true", setting])
+    with pytest.raises(error, match=pattern) as info:
+        cfg.validate(world_size=2)
+    assert "\n" not in str(info.value)
+    cfg = _container(tmp_path)
+    apply_overrides(cfg, ["dataset.enable_in_batch_packing=true", "dataset.defer_in_batch_packing_to_step=true",
+                          "dataset.in_batch_packing_pad_to_multiple_of=4"])
+    cfg.validate(world_size=1)
 
 
 def test_support_doc_is_current():

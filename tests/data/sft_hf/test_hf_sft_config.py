@@ -118,10 +118,12 @@ def test_rules_stop_in_one_line(tmp_path, change, error, pattern):
      r"^dataset.enable_in_batch_packing=True with model.pipeline_model_parallel_size=2: pipeline stages exchange"),
     ("model.context_parallel_size=2", NotSupportedError,
      r"^dataset.enable_in_batch_packing=True with model.context_parallel_size=2: "),
+    ("model.tensor_model_parallel_size=2 model.sequence_parallel=true dataset.in_batch_packing_pad_to_multiple_of=3",
+     ConfigError, r"^dataset.in_batch_packing_pad_to_multiple_of=3 must be a multiple of tensor_model_parallel_size=2"),
 ])
 def test_in_batch_packing_layout_rules(tmp_path, setting, error, pattern):
     cfg = _container(tmp_path)
-    apply_overrides(cfg, ["dataset.enable_in_batch_packing=true", setting])
+    apply_overrides(cfg, ["dataset.enable_in_batch_packing=true", *setting.split()])
     with pytest.raises(error, match=pattern) as info:
         cfg.validate(world_size=2)
     assert "\n" not in str(info.value)

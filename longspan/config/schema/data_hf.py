@@ -128,7 +128,8 @@ class DirectHFSFTDatasetConfig(DataloaderConfig):
     (pipeline parallel needs True)."""
 
     pad_to_multiple_of: int = 128
-    """With pad_to_max_length=False: microbatch lengths are multiples of this (capped at seq_length)."""
+    """With pad_to_max_length=False: microbatch lengths are multiples of this (capped at seq_length). In-batch
+    packed microbatches are not padded by it (their samples use in_batch_packing_pad_to_multiple_of)."""
 
     in_batch_packing_pad_to_multiple_of: int = 1
     """With enable_in_batch_packing: each sample is padded to a multiple of this inside the pack (pad id, no

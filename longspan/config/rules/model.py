@@ -481,12 +481,7 @@ MAMBA_POSITIVE_FIELDS = ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups"
 # The TransformerConfig fields MambaProvider models do not implement (at other than these values), each with why.
 # (longspan.config.support shows the reasons in docs/config-support.md.)
 MAMBA_NOT_SUPPORTED_REASONS: dict[str, tuple[Any, str]] = {
-    "apply_residual_connection_post_layernorm": (
-        False, "Megatron's MambaLayer always takes the residual before its norm; the hybrid attention / MLP "
-               "layers' post-norm residual is not built"),
     "multi_latent_attention": (False, "the hybrid stack's attention layers are plain self-attention"),
-    "window_size": (None, "the hybrid stack's attention layers build no sliding-window masks"),
-    "window_attn_skip_freq": (None, "the hybrid stack's attention layers build no sliding-window masks"),
     "mtp_num_layers": (None, "multi-token prediction depths are built for GPTModel only"),
 }
 

@@ -1182,3 +1182,23 @@ def _config_logger_writes_each_chunks_config_and_modules(tmp_path: Path) -> bool
     return (record["config"]["num_layers"] == 2 and record["config"]["config_logger_dir"] == str(directory)
             and sorted(record["modules"]["decoder"]["layers"]) == ["0", "1"]
             and record["pre_process"] and record["post_process"] and [p.name for p in tmp_path.glob("*/configs")] == [])
+
+
+# Per-class rows made real for the Mamba / hybrid and T5 models (the micro GPT run above builds neither): each
+# cited to the test that fails if the field is ignored, and checked to be "supported" for its class.
+CLASS_FIELDS_PROVEN_ELSEWHERE: dict[str, str] = {
+    "MambaProvider.window_size": "tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack",
+    "MambaProvider.window_attn_skip_freq": "tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack",
+    "MambaProvider.apply_residual_connection_post_layernorm": "tests/models/mamba/test_mamba_model.py::test_residual_post_layernorm_changes_the_hybrid_attention_and_mlp_layers_only",
+    "T5ModelProvider.window_size": "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does",
+    "T5ModelProvider.window_attn_skip_freq": "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does",
+}
+
+
+@pytest.mark.parametrize("key", sorted(CLASS_FIELDS_PROVEN_ELSEWHERE))
+def test_class_field_is_supported_and_its_proof_exists(key: str) -> None:
+    cls_name, name = key.split(".")
+    assert field_status("model", name, cls_name) == SUPPORTED
+    path, test = CLASS_FIELDS_PROVEN_ELSEWHERE[key].split("::")
+    source = (Path(__file__).resolve().parents[2] / path).read_text()
+    assert f"def {test}(" in source, CLASS_FIELDS_PROVEN_ELSEWHERE[key]

@@ -69,7 +69,8 @@ def test_chunk_size_does_not_change_the_model() -> None:
         torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [mamba_config, hybrid_config])
+@pytest.mark.parametrize("make", [mamba_config, hybrid_config, pytest.param(
+    lambda: hybrid_config(window_size=[2, 0]), id="windowed_hybrid")])  # its attention's cache keeps the window
 def test_recurrent_generation_equals_the_full_forward(make) -> None:
     model = build_mamba_model(make(), seed=7).eval()
     ids = torch.randint(0, 128, (2, 15), generator=torch.Generator().manual_seed(1))

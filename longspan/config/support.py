@@ -271,17 +271,21 @@ NESTED_DATASET_CLASSES = ("HFDatasetSourceConfig", "ChatSFTPreprocessingConfig")
 # layernorm_zero_centered_gamma, attention_softmax_in_fp32 (test_t5_model.py::test_model_feature_fields_change_the_t5_model);
 # rotary_percent, rotary_interleaved, seq_len_interpolation_factor (::test_rotary_positions_and_their_fields_change_the_t5_model).
 # fp32_residual_connection (::test_fp32_residual_keeps_t5s_stream_in_float32_and_norm_outputs_in_the_parameters_dtype).
+# window_size, window_attn_skip_freq (::test_sliding_window_reaches_every_t5_attention_as_megatron_does).
 # Why the rest stay not supported: longspan.config.rules.model.T5_NOT_SUPPORTED_REASONS.
 # Per config class: fields the shared table supports (for GPT) that this class does not implement. validate()
 # rejects them when set; the generated document lists them in the class's own table.
 CLASS_FIELD_STATUS: dict[str, dict[str, str]] = {
     "T5ModelProvider": _many("model", NOT_SUPPORTED, """
         num_moe_experts expert_model_parallel_size expert_tensor_parallel_size
-        window_size window_attn_skip_freq multi_latent_attention
+        multi_latent_attention
         """),
-    # Why each is not built: longspan.config.rules.model.MAMBA_NOT_SUPPORTED_REASONS.
-    "MambaProvider": _many("model", NOT_SUPPORTED, "window_size window_attn_skip_freq multi_latent_attention "
-                                                   "apply_residual_connection_post_layernorm"),
+    # Why each is not built: longspan.config.rules.model.MAMBA_NOT_SUPPORTED_REASONS. The hybrid stack's
+    # window_size / window_attn_skip_freq (tests/models/mamba/test_mamba_model.py::
+    # test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack, and the CP2
+    # case of test_mamba_tensor_parallel.py) and apply_residual_connection_post_layernorm
+    # (::test_residual_post_layernorm_changes_the_hybrid_attention_and_mlp_layers_only) are built.
+    "MambaProvider": _many("model", NOT_SUPPORTED, "multi_latent_attention"),
 }
 
 # Direct HF SFT data (longspan.data.sft.hf_dataset): the run's tokenizer formats the rows; Bridge's named Hub

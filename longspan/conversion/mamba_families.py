@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import longspan.conversion.mapping as mapping
+from longspan.config.rules.sliding_window import layer_windows
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import squared_relu
@@ -163,6 +164,11 @@ def nemotron_h_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 def nemotron_h_hf(p: Any) -> dict[str, Any]:
     pattern = "".join(allocate_layers(p.num_layers, p.hybrid_attention_ratio, p.hybrid_mlp_ratio,
                                       p.hybrid_override_pattern))
+    if any(kind == "*" and window is not None for kind, window in zip(pattern, layer_windows(p))):
+        raise NotSupportedError("Nemotron-H attention has no sliding window: export a model without window_size")
+    if p.apply_residual_connection_post_layernorm and ("*" in pattern or "-" in pattern):
+        raise NotSupportedError("Nemotron-H layers add to their input: export a model without "
+                                "apply_residual_connection_post_layernorm")
     if "E" in pattern or p.normalization != "RMSNorm" or p.add_bias_linear or p.gated_linear_unit:
         raise NotSupportedError("Nemotron-H needs RMSNorm, no MoE layers, no linear biases and a plain MLP")
     if "-" in pattern and p.activation_func is not squared_relu:

@@ -7,6 +7,7 @@ from typing import Any
 import torch.nn.functional as F
 
 import longspan.conversion.mapping as mapping
+from longspan.config.rules.sliding_window import two_sided_window
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
 from longspan.core.errors import NotSupportedError
 from longspan.models.activations import gelu_tanh
@@ -62,6 +63,8 @@ def t5_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def t5_hf(p: Any) -> dict[str, Any]:
+    if two_sided_window(p) is not None:
+        raise NotSupportedError("HF T5 attends fully: export a model without window_size")
     act = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_new", F.silu: "silu"}.get(p.activation_func)
     if p.gated_linear_unit and act in ("gelu_new", "gelu"):
         act = "gelu" if act == "gelu_new" else None  # HF's gated-gelu is the tanh form; exact GeGLU has no name

@@ -12,7 +12,7 @@ import torch
 
 from longspan.config.rules.model import GPT_FIXED_FIELDS, T5_FIXED_FIELDS, check_gpt_model, check_t5_model, head_dim
 from longspan.config.rules.moe import check_moe, moe_layer_flags, routing_groups, single_value
-from longspan.config.rules.sliding_window import layer_windows
+from longspan.config.rules.sliding_window import layer_windows, stack_window_flags, two_sided_window
 from longspan.core.errors import ConfigError
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.mla import MLAArgs, mla_softmax_scale
@@ -408,6 +408,11 @@ class T5Args:
     fp32_residual_connection: bool = False
     # one stack's depth (output projections scale their init std by it); set per stack with ``for_stack``
     num_layers: Optional[int] = None
+    # sliding-window attention (longspan.config.rules.sliding_window.two_sided_window): Megatron's window_size
+    # (left, right), -1 = that side unbounded, None = none; and which layers of each stack use it
+    window_size: Optional[tuple[int, int]] = None
+    encoder_layer_windowed: list[bool] = field(default_factory=list)
+    decoder_layer_windowed: list[bool] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: Any) -> "T5Args":
@@ -415,9 +420,10 @@ class T5Args:
         check_t5_model(config)
         heads = config.num_attention_heads
         std = config.init_method_std
+        encoder_layers = config.encoder_num_layers if config.encoder_num_layers is not None else config.num_layers
+        encoder_windowed, decoder_windowed = stack_window_flags(config, [encoder_layers, config.num_layers])
         return cls(
-            encoder_num_layers=config.encoder_num_layers if config.encoder_num_layers is not None
-            else config.num_layers,
+            encoder_num_layers=encoder_layers,
             decoder_num_layers=config.num_layers,
             hidden_size=config.hidden_size,
             ffn_hidden_size=config.ffn_hidden_size or 4 * config.hidden_size,
@@ -457,6 +463,9 @@ class T5Args:
             recompute_num_layers=config.recompute_num_layers,
             partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
             fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
+            window_size=two_sided_window(config),
+            encoder_layer_windowed=encoder_windowed,
+            decoder_layer_windowed=decoder_windowed,
         )
 
     def for_stack(self, num_layers: int) -> "T5Args":

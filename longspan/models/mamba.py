@@ -22,6 +22,12 @@ contract is ``GPTModel``'s (``longspan.models.gpt``): per-token loss with labels
 on a non-last pipeline stage; ``attention_mask`` / ``position_ids`` reach only the attention layers (Mamba
 layers are causal by construction). ``kv_cache`` (a ``KVCache``) also carries each Mamba layer's conv and SSM
 state, so generation runs the recurrent form one token at a time.
+
+Sliding windows (``window_size`` / ``window_attn_skip_freq``) reach the attention layers ('*') only, each counted
+by its index in the whole stack, Mamba and MLP layers included: Megatron's MambaStack numbers every layer 1 ..
+num_layers and ``is_layer_window_attention`` reads that number. So with ``window_attn_skip_freq=N`` the
+attention layer at index i attends fully when ``(i + 1) % N == 0``, and a list holds one 0/1 entry per layer of
+the stack (the entries of Mamba and MLP layers are read by no layer).
 """
 
 from __future__ import annotations
@@ -41,7 +47,16 @@ from longspan.models.gpt import DecoderLanguageModel
 from longspan.models.init import materialize_model
 from longspan.models.moe import MoELayer, local_tensor
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
-from longspan.models.transformer import MLP, KVCache, SelfAttention, _linear, build_norm, norm_residual
+from longspan.models.transformer import (
+    MLP,
+    KVCache,
+    SelfAttention,
+    _linear,
+    build_norm,
+    layer_masks,
+    norm_residual,
+    sublayer_residual,
+)
 
 MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
 LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP_LAYER, MOE)
@@ -321,7 +336,8 @@ def _pre_norm(layer: nn.Module, norm: nn.Module, hidden_states: torch.Tensor) ->
 
 
 class MambaLayer(nn.Module):
-    """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer)."""
+    """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer: the residual is always its input, whatever
+    ``apply_residual_connection_post_layernorm`` says)."""
 
     def __init__(self, args: TransformerArgs, layer_number: int) -> None:
         super().__init__()
@@ -338,7 +354,10 @@ class MambaLayer(nn.Module):
 
 
 class AttentionLayer(nn.Module):
-    """A hybrid stack's attention layer: ``x + drop(attn(norm(x)))`` (no MLP, as in Megatron's hybrid)."""
+    """A hybrid stack's attention layer: ``x + drop(attn(norm(x)))`` (no MLP, as in Megatron's hybrid), or
+    ``norm(x) + drop(attn(norm(x)))`` with ``apply_residual_connection_post_layernorm`` (Megatron builds it as a
+    TransformerLayer, which honours the flag). Its ``self_attention.window`` is the layer's sliding window
+    (``layer_windows`` by its index in the whole hybrid stack, as Megatron numbers it)."""
 
     def __init__(self, args: TransformerArgs, layer_number: int) -> None:
         super().__init__()
@@ -347,16 +366,19 @@ class AttentionLayer(nn.Module):
         self.self_attention = SelfAttention(args, layer_number)
         self.self_attn_dropout = nn.Dropout(args.hidden_dropout)
         self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
+        self.residual_post_norm = args.apply_residual_connection_post_layernorm
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         normed = _pre_norm(self, self.input_layernorm, hidden_states)
         attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache)
-        return hidden_states + self.self_attn_dropout(attn)
+        residual = sublayer_residual(hidden_states, normed, self.residual_post_norm, self.fp32_residual)
+        return residual + self.self_attn_dropout(attn)
 
 
 class MLPLayer(nn.Module):
-    """A hybrid stack's MLP ('-') or MoE ('E') layer: ``x + drop(mlp(norm(x)))``."""
+    """A hybrid stack's MLP ('-') or MoE ('E') layer: ``x + drop(mlp(norm(x)))`` (``norm(x) + ...`` with
+    ``apply_residual_connection_post_layernorm``, as the attention layer)."""
 
     def __init__(self, args: TransformerArgs, layer_number: int, moe: bool) -> None:
         super().__init__()
@@ -365,10 +387,13 @@ class MLPLayer(nn.Module):
         self.mlp: nn.Module = MoELayer(args, layer_number) if moe else MLP(args)
         self.mlp_dropout = nn.Dropout(args.hidden_dropout)
         self.fp32_residual, self.params_dtype = args.fp32_residual_connection, args.params_dtype
+        self.residual_post_norm = args.apply_residual_connection_post_layernorm
 
     def forward(self, hidden_states: torch.Tensor, rotary: Any = None, attention_mask: Any = None, *,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        return hidden_states + self.mlp_dropout(self.mlp(_pre_norm(self, self.pre_mlp_layernorm, hidden_states)))
+        normed = _pre_norm(self, self.pre_mlp_layernorm, hidden_states)
+        residual = sublayer_residual(hidden_states, normed, self.residual_post_norm, self.fp32_residual)
+        return residual + self.mlp_dropout(self.mlp(normed))
 
 
 def build_layer(args: TransformerArgs, layer_number: int) -> nn.Module:
@@ -395,8 +420,10 @@ class MambaStack(nn.Module):
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
             hidden_states = hidden_states.float()
-        for layer in self.layers.values():
-            hidden_states = layer(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+        layers = list(self.layers.values())
+        # sliding-window attention layers share one per-forward mask per window (Mamba / MLP layers ignore theirs)
+        for layer, mask in zip(layers, layer_masks(layers, attention_mask)):
+            hidden_states = layer(hidden_states, rotary, mask, kv_cache=kv_cache)
         if self.final_norm is not None:
             hidden_states = _pre_norm(self, self.final_norm, hidden_states)
         return hidden_states

@@ -15,7 +15,9 @@ class MambaProvider(ModelProviderMixin, TransformerConfig):
     hard-codes: ``mamba_chunk_size``, ``mamba_conv_kernel``, ``mamba_expand``).
 
     Layers come from ``hybrid_override_pattern`` (or the hybrid ratios): ``M`` Mamba-2 mixer, ``*`` attention,
-    ``-`` MLP, ``E`` MoE. Attention / MLP layers read the usual TransformerConfig fields."""
+    ``-`` MLP, ``E`` MoE. Attention / MLP layers read the usual TransformerConfig fields; ``window_attn_skip_freq``
+    counts every layer of the stack (Megatron's numbering), and ``apply_residual_connection_post_layernorm``
+    changes the attention / MLP layers only (Mamba layers always add to their input)."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the output cross-entropy in fp16 instead of fp32."""

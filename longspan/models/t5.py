@@ -17,6 +17,19 @@ Plain PyTorch, Megatron Core's T5 names, parallelism applied from outside (``lon
 Attention takes an additive float bias ``[b or 1, heads, q, k]`` (relative position bias plus large negative
 values where masked), computed once per forward and shared by every layer, as T5 does. Masks follow Megatron:
 bool, True = masked. With relative positions, ``softmax_scale=1.0`` gives T5's unscaled attention.
+
+Sliding windows (``window_size=[left, right]``, ``window_attn_skip_freq``) follow Megatron's T5, whose every
+attention (Transformer Engine's or the local DotProductAttention) takes the config's window on the layers
+``is_layer_window_attention`` picks, each stack numbering its own layers from 1 (``stack_window_flags``):
+
+- encoder self-attention (bidirectional): query i sees keys i - left ... i + right;
+- decoder self-attention (causal): keys i - left ... i (Transformer Engine sets right to 0 under a causal mask);
+- cross-attention: the same two-sided band, aligned bottom-right as Transformer Engine and the local softmax
+  align it: decoder query i sees encoder keys around i + s_enc - s_dec (s_enc - s_dec + i - left ...
+  s_enc - s_dec + i + right), on the whole (padded) lengths.
+
+-1 leaves that side unbounded. The band is merged with the caller's masks before they become a bias (a key is
+seen only if both allow it), so a windowed layer uses its own bias (``LayerBiases``), built once per forward.
 """
 
 from __future__ import annotations
@@ -150,10 +163,12 @@ def low_precision_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 class T5Layer(nn.Module):
-    """Pre-norm layer: self-attention, (decoder only) cross-attention, MLP; each a dropped-out residual add."""
+    """Pre-norm layer: self-attention, (decoder only) cross-attention, MLP; each a dropped-out residual add.
+    ``windowed``: its attentions take the sliding window's bias (``LayerBiases.windowed``)."""
 
-    def __init__(self, args: T5Args, is_decoder: bool) -> None:
+    def __init__(self, args: T5Args, is_decoder: bool, windowed: bool = False) -> None:
         super().__init__()
+        self.windowed = windowed
         # apply_residual_connection_post_layernorm: each residual branch starts from the norm's output
         self.residual_after_norm = args.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(args, args.hidden_size)
@@ -182,11 +197,12 @@ class T5Layer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        self_bias: torch.Tensor,
+        self_bias: torch.Tensor | LayerBiases,
         encoder_output: torch.Tensor | None = None,
-        cross_bias: torch.Tensor | None = None,
+        cross_bias: torch.Tensor | LayerBiases | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        self_bias, cross_bias = layer_bias(self_bias, self.windowed), layer_bias(cross_bias, self.windowed)
         normed, residual = self._norm(self.input_layernorm, hidden_states)
         # rotary positions rotate self-attention only (Megatron's T5: cross-attention keys are another sequence)
         hidden_states = residual + self.self_attn_dropout(self.self_attention(normed, self_bias, rotary=rotary))
@@ -212,7 +228,8 @@ class T5Stack(nn.Module):
         super().__init__()
         stack_args = args.for_stack(num_layers)  # init std scales with the whole stack's depth
         numbers = range(num_layers) if layer_numbers is None else layer_numbers
-        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder) for i in numbers})
+        windowed = (args.decoder_layer_windowed if is_decoder else args.encoder_layer_windowed) or [False] * num_layers
+        self.layers = nn.ModuleDict({str(i): T5Layer(stack_args, is_decoder, windowed[i]) for i in numbers})
         self.final_layernorm = build_norm(args, args.hidden_size) if final_norm else None
         self.recompute_granularity = args.recompute_granularity
         self.recompute_method = args.recompute_method
@@ -229,9 +246,9 @@ class T5Stack(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        self_bias: torch.Tensor,
+        self_bias: torch.Tensor | LayerBiases,
         encoder_output: torch.Tensor | None = None,
-        cross_bias: torch.Tensor | None = None,
+        cross_bias: torch.Tensor | LayerBiases | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         layers = list(self.layers.values())
@@ -265,8 +282,8 @@ class T5Stack(nn.Module):
         return self.final_layernorm(hidden_states)
 
 
-def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor,
-                encoder_output: torch.Tensor | None, cross_bias: torch.Tensor | None,
+def _run_layers(layers: list[nn.Module], hidden_states: torch.Tensor, self_bias: torch.Tensor | LayerBiases,
+                encoder_output: torch.Tensor | None, cross_bias: torch.Tensor | LayerBiases | None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     for layer in layers:
         hidden_states = layer(hidden_states, self_bias, encoder_output, cross_bias, rotary)
@@ -302,6 +319,50 @@ def _attention_bias(position_bias: torch.Tensor | None, mask: torch.Tensor | Non
     if position_bias is None or mask_bias is None:
         return position_bias if mask_bias is None else mask_bias
     return position_bias + mask_bias
+
+
+class LayerBiases(NamedTuple):
+    """A stack's attention bias when some of its layers attend within a sliding window: ``full`` for the others,
+    ``windowed`` (the window's band merged into the masks) for those."""
+
+    full: torch.Tensor
+    windowed: torch.Tensor
+
+
+def layer_bias(bias: torch.Tensor | LayerBiases | None, windowed: bool) -> torch.Tensor | None:
+    """The bias one layer attends with: its half of ``LayerBiases``, else ``bias`` itself."""
+    if isinstance(bias, LayerBiases):
+        return bias.windowed if windowed else bias.full
+    return bias
+
+
+def window_band(query_positions: torch.Tensor, query_length: int, key_length: int, left: int,
+                right: int) -> torch.Tensor:
+    """Bool ``[1, 1, q, k]``, True = masked: the query at position p (of ``query_length``) sees key j when
+    ``p + offset - left <= j <= p + offset + right``, ``offset = key_length - query_length`` (bottom-right
+    aligned, as Megatron's attentions align a window); -1 leaves that side unbounded."""
+    keys = torch.arange(key_length, device=query_positions.device)
+    distance = keys[None, :] - (query_positions[:, None] + key_length - query_length)
+    masked = torch.zeros(distance.shape, dtype=torch.bool, device=distance.device)
+    if left >= 0:
+        masked |= distance < -left
+    if right >= 0:
+        masked |= distance > right
+    return masked[None, None]
+
+
+def _stack_bias(layers: nn.ModuleDict, position_bias: torch.Tensor | None, mask: torch.Tensor | None,
+                band: torch.Tensor | None, query_length: int, key_length: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | LayerBiases:
+    """The bias of a stack's attention: one tensor when all its layers (this stage holds) attend alike, else
+    ``LayerBiases``; a windowed layer's merges ``band`` into ``mask``."""
+    kinds = {layer.windowed for layer in layers.values()} if band is not None else {False}
+    full = _attention_bias(position_bias, mask, query_length, key_length, dtype, device) if False in kinds else None
+    if True not in kinds:
+        return full
+    windowed_mask = band if mask is None else mask | band
+    windowed = _attention_bias(position_bias, windowed_mask, query_length, key_length, dtype, device)
+    return windowed if full is None else LayerBiases(full, windowed)
 
 
 class SequenceSlice(NamedTuple):
@@ -404,9 +465,18 @@ class T5Model(nn.Module):
         position_bias = None
         if self.encoder_relative_pos_emb is not None:
             position_bias = self.encoder_relative_pos_emb(tokens.positions, torch.arange(tokens.length, device=device))
-        bias = _attention_bias(position_bias, _as_mask(encoder_attn_mask), len(tokens.positions), tokens.length,
-                               hidden.dtype, device)
+        band = self._window_band(tokens.positions, tokens.length, tokens.length, causal=False)
+        bias = _stack_bias(self.encoder.layers, position_bias, _as_mask(encoder_attn_mask), band,
+                           len(tokens.positions), tokens.length, hidden.dtype, device)
         return self.encoder(hidden, bias, rotary=self._rotary(tokens))
+
+    def _window_band(self, query_positions: torch.Tensor, query_length: int, key_length: int,
+                     causal: bool) -> torch.Tensor | None:
+        """The sliding window's band (``window_band``), None without a window; ``causal``: no later keys."""
+        window = self.args.window_size
+        if window is None:
+            return None
+        return window_band(query_positions, query_length, key_length, window[0], 0 if causal else window[1])
 
     def _rotary(self, tokens: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(cos, sin)`` of the tokens' global positions with rotary positions, else None."""
@@ -477,8 +547,12 @@ class T5Model(nn.Module):
         position_bias = None
         if self.decoder_relative_pos_emb is not None:
             position_bias = self.decoder_relative_pos_emb(tokens.positions, keys)
-        self_bias = _attention_bias(position_bias, self_mask, s_dec, tokens.length, dtype, device)
-        cross_bias = _attention_bias(None, _as_mask(encoder_decoder_attn_mask), s_dec, s_enc, dtype, device)
+        self_band = self._window_band(tokens.positions, tokens.length, tokens.length, causal=True)
+        self_bias = _stack_bias(self.decoder.layers, position_bias, self_mask, self_band, s_dec, tokens.length,
+                                dtype, device)
+        cross_band = self._window_band(tokens.positions, tokens.length, s_enc, causal=False)
+        cross_bias = _stack_bias(self.decoder.layers, None, _as_mask(encoder_decoder_attn_mask), cross_band, s_dec,
+                                 s_enc, dtype, device)
         return self.decoder(hidden, self_bias, encoder_output, cross_bias, rotary=self._rotary(tokens))
 
     def _output(self, hidden: torch.Tensor, lm_labels: torch.Tensor | None) -> torch.Tensor:

@@ -12,8 +12,11 @@ from longspan.models.gpt_provider import ModelProviderMixin, TransformerConfig
 class T5ModelProvider(ModelProviderMixin, TransformerConfig):
     """Megatron Bridge's T5 provider fields, with its defaults. ``num_layers`` is the decoder's depth.
 
-    Values the T5 model does not implement (rope positions, grouped-query attention, MoE, ...) raise a
-    one-line NotSupportedError when the model is built."""
+    Values the T5 model does not implement (grouped-query attention, MoE, ...) raise a one-line
+    NotSupportedError when the model is built. ``window_size=[left, right]`` is two-sided here: the encoder
+    attends to ``left`` earlier and ``right`` later tokens, the causal decoder to ``left`` earlier ones, and
+    cross-attention to the band bottom-right aligned on the encoder (Megatron's T5; ``longspan.models.t5``);
+    ``window_attn_skip_freq`` counts each stack's layers on its own."""
 
     encoder_num_layers: Optional[int] = None
     """Encoder layers; None means num_layers (the decoder's depth)."""

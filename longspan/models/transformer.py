@@ -367,6 +367,13 @@ def norm_residual(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch
     return out.to(dtype)
 
 
+def sublayer_residual(x: torch.Tensor, normed: torch.Tensor, post_norm: bool, fp32: bool) -> torch.Tensor:
+    """What a sub-layer's output is added to: its input ``x``, or with ``apply_residual_connection_post_layernorm``
+    (``post_norm``) its norm's output ``normed``; in float32 with ``fp32_residual_connection`` (``fp32``)."""
+    residual = normed if post_norm else x
+    return residual.float() if fp32 else residual
+
+
 @dataclass
 class LocalGlobalRotary:
     """The rotary tables of a model whose sliding-window (local) layers have their own RoPE base (Gemma 3):
@@ -427,8 +434,7 @@ class TransformerLayer(nn.Module):
         return norm_residual(norm, x, self.params_dtype) if self.fp32_residual else norm(x)
 
     def _residual(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        residual = normed if self.residual_post_norm else x
-        return residual.float() if self.fp32_residual else residual
+        return sublayer_residual(x, normed, self.residual_post_norm, self.fp32_residual)
 
     def forward(
         self,

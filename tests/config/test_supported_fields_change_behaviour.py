@@ -1192,3 +1192,21 @@ COVERED_ELSEWHERE.update({
     **{f"dataset.{name}": "tests/data/sft_hf/test_hf_sft_in_batch_packing.py (packed microbatches give the unpacked loss and gradients; deferred packing builds the collate's batch; the multiple sets the layout; a packed run trains as the unpacked one)"
        for name in "enable_in_batch_packing defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of".split()},
 })
+# Per-class rows made real for the Mamba / hybrid and T5 models (the micro GPT run above builds neither): each
+# cited to the test that fails if the field is ignored, and checked to be "supported" for its class.
+CLASS_FIELDS_PROVEN_ELSEWHERE: dict[str, str] = {
+    "MambaProvider.window_size": "tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack",
+    "MambaProvider.window_attn_skip_freq": "tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack",
+    "MambaProvider.apply_residual_connection_post_layernorm": "tests/models/mamba/test_mamba_model.py::test_residual_post_layernorm_changes_the_hybrid_attention_and_mlp_layers_only",
+    "T5ModelProvider.window_size": "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does",
+    "T5ModelProvider.window_attn_skip_freq": "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does",
+}
+
+
+@pytest.mark.parametrize("key", sorted(CLASS_FIELDS_PROVEN_ELSEWHERE))
+def test_class_field_is_supported_and_its_proof_exists(key: str) -> None:
+    cls_name, name = key.split(".")
+    assert field_status("model", name, cls_name) == SUPPORTED
+    path, test = CLASS_FIELDS_PROVEN_ELSEWHERE[key].split("::")
+    source = (Path(__file__).resolve().parents[2] / path).read_text()
+    assert f"def {test}(" in source, CLASS_FIELDS_PROVEN_ELSEWHERE[key]

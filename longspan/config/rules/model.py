@@ -13,7 +13,7 @@ from typing import Any
 
 from longspan.config.rules.mla import check_mla
 from longspan.config.rules.moe import check_moe
-from longspan.config.rules.sliding_window import layer_windows
+from longspan.config.rules.sliding_window import layer_windows, stack_window_flags
 from longspan.core.errors import ConfigError, NotSupportedError
 
 # TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
@@ -40,8 +40,6 @@ T5_FIXED_FIELDS: dict[str, Any] = {
     **TRANSFORMER_FIXED_FIELDS,
     **MLA_FIXED_FIELDS,
     "mtp_num_layers": None,
-    "window_size": None,
-    "window_attn_skip_freq": None,
     "num_moe_experts": None,
     "fp8": None,
     "expert_model_parallel_size": 1,
@@ -58,8 +56,6 @@ T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
     "T5ModelProvider.multi_latent_attention": "multi-latent attention is DeepSeek's GPT attention; T5 uses multi-head",
     "T5ModelProvider.mtp_num_layers": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
     "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
-    "T5ModelProvider.window_size": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
-    "T5ModelProvider.window_attn_skip_freq": "sliding-window attention is built for the GPT model's layers; T5's attend fully",
 }
 
 
@@ -413,6 +409,7 @@ def check_t5_model(config: Any) -> None:
             f"model.num_layers={decoder_layers}, model.encoder_num_layers={config.encoder_num_layers} and "
             f"model.hidden_size={config.hidden_size} must be positive"
         )
+    stack_window_flags(config, [encoder_layers, decoder_layers])
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
     if heads <= 0 or groups != heads:
@@ -481,12 +478,7 @@ MAMBA_POSITIVE_FIELDS = ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups"
 # The TransformerConfig fields MambaProvider models do not implement (at other than these values), each with why.
 # (longspan.config.support shows the reasons in docs/config-support.md.)
 MAMBA_NOT_SUPPORTED_REASONS: dict[str, tuple[Any, str]] = {
-    "apply_residual_connection_post_layernorm": (
-        False, "Megatron's MambaLayer always takes the residual before its norm; the hybrid attention / MLP "
-               "layers' post-norm residual is not built"),
     "multi_latent_attention": (False, "the hybrid stack's attention layers are plain self-attention"),
-    "window_size": (None, "the hybrid stack's attention layers build no sliding-window masks"),
-    "window_attn_skip_freq": (None, "the hybrid stack's attention layers build no sliding-window masks"),
     "mtp_num_layers": (None, "multi-token prediction depths are built for GPTModel only"),
 }
 

@@ -1,5 +1,6 @@
 """Config rules and derivations of sliding-window attention: ``window_size`` and ``window_attn_skip_freq`` into
-the per-layer windows the model reads (``layer_windows``), and HF's ``layer_types`` both ways."""
+the per-layer windows the model reads (``layer_windows``; an encoder-decoder's ``two_sided_window`` and
+``stack_window_flags``), and HF's ``layer_types`` both ways."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from longspan.core.errors import ConfigError, NotSupportedError
 # longspan's per-layer ``layer_windows`` use HF's count: w = left + 1, None = full causal attention.
 
 
-def _window_left(config: Any) -> int | None:
-    """The checked ``window_size`` left extent, or None when the model has no window."""
+def _window_pair(config: Any) -> tuple[int, int] | None:
+    """``window_size`` as two integers (checked to be two integers), or None when the model has no window."""
     window = getattr(config, "window_size", None)
     skip = getattr(config, "window_attn_skip_freq", None)
     if window is None:
@@ -29,6 +30,14 @@ def _window_left(config: Any) -> int | None:
     if (not isinstance(window, (list, tuple)) or len(window) != 2
             or any(isinstance(x, bool) or not isinstance(x, int) for x in window)):
         raise ConfigError(f"model.window_size={window!r} must be two integers [left, right] (or None)")
+    return int(window[0]), int(window[1])
+
+
+def _window_left(config: Any) -> int | None:
+    """The checked ``window_size`` left extent, or None when the model has no window."""
+    window = _window_pair(config)
+    if window is None:
+        return None
     left, right = window
     if right != 0:
         raise NotSupportedError(
@@ -73,6 +82,35 @@ def layer_windows(config: Any) -> list[int | None]:
     if left is None:
         return [None] * config.num_layers
     return [left + 1 if sliding else None for sliding in flags]
+
+
+def two_sided_window(config: Any) -> tuple[int, int] | None:
+    """An encoder-decoder's checked ``window_size`` (T5): ``(left, right)``, each >= 0 or -1 (that side
+    unbounded), or None when there is no window (unset, or ``[-1, -1]``: Transformer Engine's "no window").
+    Unlike a causal language model's, ``right`` counts here: the bidirectional encoder attends to ``right``
+    later tokens (``longspan.models.t5``)."""
+    window = _window_pair(config)
+    if window is None:
+        return None
+    left, right = window
+    if left < -1 or right < -1:
+        raise ConfigError(
+            f"model.window_size={list(window)!r}: each extent must be >= 0 (tokens seen on that side) or -1 "
+            "(unbounded)"
+        )
+    return None if window == (-1, -1) else window
+
+
+def stack_window_flags(config: Any, stack_layers: list[int]) -> list[list[bool]]:
+    """Which layers of each stack of an encoder-decoder (``stack_layers``: each stack's depth) are sliding-window
+    layers. Megatron's T5 numbers each stack's layers from 1 on its own, so ``window_attn_skip_freq=N`` makes
+    the N-th, 2N-th, ... layer of each stack full attention, and a 0/1 list is read by each stack from its
+    start: it needs one entry per layer of the deeper stack."""
+    deepest = max(stack_layers)
+    if two_sided_window(config) is None:
+        return [[False] * n for n in stack_layers]
+    flags = window_layer_flags(getattr(config, "window_attn_skip_freq", None), deepest)
+    return [flags[:n] for n in stack_layers]
 
 
 def window_pattern_from_layer_types(layer_types: list[str]) -> list[int]:

@@ -93,6 +93,15 @@ def test_hybrid_does_not_export_as_mamba2():
 
 
 @pytest.mark.parametrize("overrides,match", [
+    (dict(window_size=[3, 0]), "no sliding window"),
+    (dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm"),
+])
+def test_hybrid_fields_nemotron_h_cannot_hold_refuse_to_export(overrides, match):
+    with pytest.raises(NotSupportedError, match=match):
+        families.hf_config_dict(families.BY_ARCHITECTURE["NemotronHForCausalLM"], hybrid_config(**overrides))
+
+
+@pytest.mark.parametrize("overrides,match", [
     (dict(use_conv_bias=False), "use_conv_bias=False"),
     (dict(time_step_limit=(0.01, 1.0)), "time_step_limit"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers as megatron_allocate_layers
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.mamba import GatedRMSNorm, MambaModel, allocate_layers, build_mamba_model
@@ -68,7 +69,8 @@ def test_chunk_size_does_not_change_the_model() -> None:
         torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [mamba_config, hybrid_config])
+@pytest.mark.parametrize("make", [mamba_config, hybrid_config, pytest.param(
+    lambda: hybrid_config(window_size=[2, 0]), id="windowed_hybrid")])  # its attention's cache keeps the window
 def test_recurrent_generation_equals_the_full_forward(make) -> None:
     model = build_mamba_model(make(), seed=7).eval()
     ids = torch.randint(0, 128, (2, 15), generator=torch.Generator().manual_seed(1))
@@ -122,7 +124,7 @@ def test_bad_fields_are_config_errors(overrides, match) -> None:
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute_granularity"),
-    (dict(window_size=(4, 0)), r"window_size=\(4, 0\) is not supported yet for MambaProvider models \(the hybrid"),
+    (dict(mtp_num_layers=1), r"mtp_num_layers=1 is not supported yet for MambaProvider models \(multi-token"),
     (dict(moe_layer_freq=2), "moe_layer_freq"),
 ])
 def test_unsupported_fields_raise_one_line(overrides, match) -> None:
@@ -179,3 +181,47 @@ def test_fp32_residual_connection_keeps_the_residual_stream_in_float32() -> None
         seen[fp32] = (dtypes, model(ids, labels=ids).float())
     assert seen[False][0] == [torch.bfloat16] * 4 and seen[True][0] == [torch.float32] * 4
     assert not torch.equal(seen[False][1], seen[True][1])  # the sums are rounded differently
+
+
+def _band_mask(length: int, left: int) -> torch.Tensor:
+    """Hand-built sliding-window mask (True = masked): query i sees keys j with i - left <= j <= i."""
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    return ((j > i) | (j < i - left))[None, None]
+
+
+def test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack() -> None:
+    """Megatron numbers every layer of a MambaStack (Mamba ones too) and windows an attention layer by that
+    number: in ``*M*M`` with skip frequency 2 both attention layers (numbers 1 and 3) are windowed, where
+    counting attention layers alone would make the second one full attention."""
+    window, skip, pattern = [2, 0], 2, "*M*M"
+    model = build_mamba_model(hybrid_config(hybrid_override_pattern=pattern, window_size=window,
+                                            window_attn_skip_freq=skip), seed=4)
+    plain = build_mamba_model(hybrid_config(hybrid_override_pattern=pattern), seed=4)
+    windows = [getattr(getattr(layer, "self_attention", None), "window", None) for layer in model.decoder.layers.values()]
+    want = [window[0] + 1 if kind == "*" and is_layer_window_attention(window, skip, i + 1) else None
+            for i, kind in enumerate(pattern)]
+    assert windows == want == [3, None, 3, None]
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    logits = model(ids)
+    assert not torch.allclose(logits, plain(ids), atol=1e-4)  # the window changes what the layers see
+    # the same weights without the window, every attention layer given the hand-built band: the same logits
+    torch.testing.assert_close(logits, plain(ids, attention_mask=_band_mask(11, window[0])), rtol=1e-5, atol=1e-6)
+
+
+def test_residual_post_layernorm_changes_the_hybrid_attention_and_mlp_layers_only() -> None:
+    """Megatron's semantics: its MambaLayer always adds to its input; the hybrid attention / MLP layers
+    (TransformerLayers) add to their norm's output with apply_residual_connection_post_layernorm."""
+    model = build_mamba_model(hybrid_config(apply_residual_connection_post_layernorm=True), seed=6)
+    plain = build_mamba_model(hybrid_config(), seed=6)
+    h = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+    layers = model.decoder.layers
+    torch.testing.assert_close(layers["0"](h), plain.decoder.layers["0"](h), rtol=0, atol=0)  # Mamba: unchanged
+    torch.testing.assert_close(layers["3"](h), h + layers["3"].mixer(layers["3"].norm(h)), rtol=0, atol=0)
+    attention = layers["1"]
+    normed = attention.input_layernorm(h)
+    torch.testing.assert_close(attention(h), normed + attention.self_attention(normed, None, None), rtol=0, atol=0)
+    mlp = layers["2"]
+    normed = mlp.pre_mlp_layernorm(h)
+    torch.testing.assert_close(mlp(h), normed + mlp.mlp(normed), rtol=0, atol=0)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(model(ids), plain(ids), atol=1e-4)

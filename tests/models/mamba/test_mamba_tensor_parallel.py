@@ -85,18 +85,23 @@ def _layout_case(hybrid: bool, layout: dict) -> dict:
             "mixer_bytes": mixer_bytes, "exchange": repr(mixer.context_parallel), "local_seq": lengths[0]}
 
 
+PARALLEL_FIELDS = ("tensor_model_parallel_size", "sequence_parallel", "context_parallel_size")
+
+
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    """The one-process runs, by (hybrid, hidden_dropout), computed once each."""
+    """The one-process runs, by (hybrid, the layout's model fields), computed once each."""
     out: dict = {}
 
-    def run(hybrid: bool, dropout: float) -> dict:
-        if (hybrid, dropout) not in out:
-            model = build_mamba_model(_provider(hybrid, hidden_dropout=dropout), seed=SEED)
-            out[hybrid, dropout] = {"bytes": _parameter_bytes(model),
-                                    "mixer_bytes": _parameter_bytes(model.decoder.layers["0"].mixer),
-                                    "losses": _train(model)}
-        return out[hybrid, dropout]
+    def run(hybrid: bool, layout: dict) -> dict:
+        fields = {k: v for k, v in layout.items() if k not in PARALLEL_FIELDS}
+        key = (hybrid, repr(sorted(fields.items())))
+        if key not in out:
+            model = build_mamba_model(_provider(hybrid, **fields), seed=SEED)
+            out[key] = {"bytes": _parameter_bytes(model),
+                        "mixer_bytes": _parameter_bytes(model.decoder.layers["0"].mixer),
+                        "losses": _train(model)}
+        return out[key]
 
     return run
 
@@ -106,13 +111,15 @@ LAYOUTS = {  # name: (hybrid stack, model fields); each proves a different path
     # M, attention and MLP layers on sequence shards; their residual dropouts draw one process's masks
     "tp2_sp": (True, dict(tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.2)),
     "cp2": (True, dict(context_parallel_size=2)),  # all-to-all to heads, attention's K/V all-gather beside it
+    # the attention layer's sliding window on the global positions of each rank's sequence chunks
+    "cp2_window": (True, dict(context_parallel_size=2, window_size=[3, 0])),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_as_one_process(name: str, one_process) -> None:
     hybrid, layout = LAYOUTS[name]
-    want = one_process(hybrid, layout.get("hidden_dropout", 0.0))
+    want = one_process(hybrid, layout)
     results = get_shared_pool(2).run(_layout_case, hybrid, layout, timeout=180)
     for rank, got in enumerate(results):
         for i, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
@@ -121,6 +128,8 @@ def test_layout_trains_as_one_process(name: str, one_process) -> None:
     assert [r["local_seq"] for r in results] == [SEQ if name == "tp2" else SEQ // 2] * 2
     if name.startswith("cp"):
         assert "all-to-all over 2 ranks" in results[0]["exchange"]
+    if "window_size" in layout:  # the window reaches the attention layer: one process trains otherwise without it
+        assert want["losses"] != one_process(hybrid, {})["losses"]
     if name == "tp2":
         model_ratio = [r["bytes"] / want["bytes"] for r in results]
         mixer_ratio = [r["mixer_bytes"] / want["mixer_bytes"] for r in results]

@@ -123,5 +123,8 @@ def test_unsupported_t5_variants_are_one_line_errors(tmp_path):
     cfg = dict(AutoBridge.from_hf_pretrained(path).hf_config, feed_forward_proj="gated-tanh")
     with pytest.raises(NotSupportedError, match="feed_forward_proj='gated-tanh'"):
         AutoBridge.from_hf_config(cfg).to_megatron_provider()
+    windowed = T5ModelProvider(num_layers=2, hidden_size=32, num_attention_heads=4, window_size=[4, 4])
+    with pytest.raises(NotSupportedError, match="HF T5 attends fully"):
+        AutoBridge.from_longspan_provider(windowed).family.to_hf(windowed)
     with pytest.raises(NotSupportedError, match="UMT5ForConditionalGeneration"):
         AutoBridge.from_hf_config({"architectures": ["UMT5ForConditionalGeneration"], "model_type": "umt5"})

@@ -198,10 +198,10 @@ def test_text_generation_refuses_t5_in_one_line():
         _single_model([tiny_t5().provide()])
 
 
-def _logits(provider, enc, dec):
+def _logits(provider, enc, dec, **masks):
     from longspan.models.t5 import build_t5_model
 
-    return build_t5_model(provider, seed=2)(enc, dec)
+    return build_t5_model(provider, seed=2)(enc, dec, **masks)
 
 
 def test_model_feature_fields_change_the_t5_model():
@@ -242,14 +242,16 @@ def test_rotary_positions_and_their_fields_change_the_t5_model():
         build_meta_model(tiny_t5(position_embedding_type="rope", rotary_percent=0.5))
 
 
-@pytest.mark.parametrize("positions", ["learned_absolute", "relative", "rope"])
-def test_sequence_slices_give_the_whole_sequence_losses(positions):
+@pytest.mark.parametrize("positions,window", [("learned_absolute", None), ("relative", None), ("rope", None),
+                                              ("relative", [3, 2])])
+def test_sequence_slices_give_the_whole_sequence_losses(positions, window):
     """What context parallel relies on, in one process: the tokens given in another order with their global
     positions (``SequenceSlice``), keys and values put back in sequence order by the attention core, give each
-    token the loss it has in the whole model (positions, causal mask and relative buckets follow the slice)."""
+    token the loss it has in the whole model (positions, causal mask, relative buckets and sliding windows
+    follow the slice)."""
     from longspan.models.t5 import SequenceSlice, biased_attention, build_t5_model
 
-    provider = tiny_t5(position_embedding_type=positions)
+    provider = tiny_t5(position_embedding_type=positions, window_size=window, window_attn_skip_freq=window and 2)
     whole = build_t5_model(provider, seed=6)
     sliced = build_t5_model(provider, seed=6)
     gen = torch.Generator().manual_seed(2)
@@ -329,3 +331,52 @@ def test_fp32_residual_keeps_t5s_stream_in_float32_and_norm_outputs_in_the_param
     a, b = (build_t5_model(tiny_t5(fp32_residual_connection=f), seed=5).eval() for f in (False, True))
     with torch.no_grad():
         assert torch.equal(a(enc, dec), b(enc, dec))
+
+
+def _band(queries: int, keys: int, left: int, right: int) -> torch.Tensor:
+    """Hand-built window mask (True = masked), bottom-right aligned: query i sees keys
+    i + keys - queries - left ... i + keys - queries + right."""
+    i = torch.arange(queries)[:, None] + keys - queries
+    j = torch.arange(keys)[None, :]
+    return ((j < i - left) | (j > i + right))[None, None]
+
+
+def test_sliding_window_reaches_every_t5_attention_as_megatron_does():
+    """Megatron's T5 gives the window to each stack's layers by their number in that stack
+    (``is_layer_window_attention``); the encoder sees ``left`` earlier and ``right`` later tokens, the causal
+    decoder ``left`` earlier ones, cross-attention the band bottom-right aligned on the encoder. Windowed, the
+    model equals the unwindowed one given those hand-built masks (merged with the padding mask)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    left, right = 2, 1
+    windowed = tiny_t5(position_embedding_type="relative", window_size=[left, right])
+    plain = tiny_t5(position_embedding_type="relative")
+    gen = torch.Generator().manual_seed(5)
+    enc, dec = torch.randint(0, 90, (2, 16), generator=gen), torch.randint(0, 90, (2, 8), generator=gen)
+    pad = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    pad[1, ..., 11:] = True
+    got = _logits(windowed, enc, dec, encoder_attn_mask=pad, encoder_decoder_attn_mask=pad)
+    want = _logits(plain, enc, dec, encoder_attn_mask=pad | _band(16, 16, left, right),
+                   decoder_attn_mask=_band(8, 8, left, 0), encoder_decoder_attn_mask=pad | _band(8, 16, left, right))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, _logits(plain, enc, dec, encoder_attn_mask=pad, encoder_decoder_attn_mask=pad),
+                              atol=1e-4)
+    # window_attn_skip_freq counts each stack's own layers (3 encoder, 2 decoder), as Megatron's T5 blocks do
+    for skip in (2, [1, 0, 1]):
+        model = tiny_t5(window_size=[left, right], window_attn_skip_freq=skip).provide()
+        for stack in (model.encoder, model.decoder):
+            flags = [layer.windowed for layer in stack.layers.values()]
+            assert flags == [is_layer_window_attention((left, right), skip, n + 1) for n in range(len(flags))]
+    # the layers that skip the window attend fully: the model differs from the all-windowed one
+    skipping = tiny_t5(position_embedding_type="relative", window_size=[left, right], window_attn_skip_freq=2)
+    assert not torch.allclose(_logits(skipping, enc, dec), _logits(windowed, enc, dec), atol=1e-4)
+
+
+@pytest.mark.parametrize("fields, text", [
+    (dict(window_size=[-2, 0]), r"window_size=\[-2, 0\]: each extent must be >= 0"),
+    (dict(window_size=[4, 0], window_attn_skip_freq=[1, 0]), r"one 0/1 entry per layer \(3 layers"),
+    (dict(window_attn_skip_freq=2), "window_attn_skip_freq=2 needs model.window_size"),
+])
+def test_bad_t5_window_settings_are_one_line_config_errors(fields, text):
+    with pytest.raises(ConfigError, match=text):
+        build_meta_model(tiny_t5(**fields))

@@ -1182,3 +1182,25 @@ def _config_logger_writes_each_chunks_config_and_modules(tmp_path: Path) -> bool
     return (record["config"]["num_layers"] == 2 and record["config"]["config_logger_dir"] == str(directory)
             and sorted(record["modules"]["decoder"]["layers"]) == ["0", "1"]
             and record["pre_process"] and record["post_process"] and [p.name for p in tmp_path.glob("*/configs")] == [])
+
+
+# Shared-table fields a model class took up after its own layouts were proven, cited per class ("Class.section.
+# field": "test file::test name (what it shows)"); the probes above run on the GPT micro model only.
+_VLM_SPLIT_TESTS = ("tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_"
+                    "encoder_with_the_embedding (each field moves the language model's layers; the encoder stays on "
+                    "stage 0); the layouts' losses equal one process in tests/data/sft_vlm (pp2-uneven, pp2-vp2)")
+CLASS_COVERED_ELSEWHERE: dict[str, str] = {
+    f"{cls}.model.{name}": _VLM_SPLIT_TESTS
+    for cls in ("Qwen25VLModelProvider", "Gemma3VLModelProvider")
+    for name in ("virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage "
+                 "num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split "
+                 "account_for_loss_in_pipeline_split").split()
+}
+
+
+def test_class_fields_cited_elsewhere_are_supported_by_their_class_and_name_a_test_that_exists() -> None:
+    for key, proof in CLASS_COVERED_ELSEWHERE.items():
+        cls, section, name = key.split(".")
+        assert field_status(section, name, cls) == SUPPORTED, key
+        path, _, test = proof.partition("::")
+        assert f"def {test.split()[0]}(" in (Path(__file__).parents[2] / path).read_text(), proof

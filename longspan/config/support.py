@@ -319,16 +319,18 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
 # Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
 # encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
-# Sequence / context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
+# The pipeline split fields (virtual_pipeline_model_parallel_size, num_layers_in_first/last_pipeline_stage,
+# account_for_embedding/loss_in_pipeline_split) split the language model's layers as GPT's do, the encoder on
+# virtual stage 0 with the embedding (test_vlm_finetune.py's pp2-uneven and pp2-vp2 cases equal one process;
+# tests/parallel/test_vlm_pipeline_split.py counts the layers and parameters of each stage).
+# Sequence / context / expert parallel are not covered yet.
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
     vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    sequence_parallel context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
-    num_layers_in_last_pipeline_stage
-    account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split expert_model_parallel_size
+    sequence_parallel context_parallel_size expert_model_parallel_size
     expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
     """)
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
@@ -336,16 +338,15 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
 # mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_refuses_layouts for freeze_*). The
 # token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language model
 # and replicates the encoder; pipeline parallel keeps the encoder on the first stage
-# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
+# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process), also with virtual
+# stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_vlm_pipeline_split.py).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id
         image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
         """),
     **_many("model", NOT_SUPPORTED, """
-        sequence_parallel context_parallel_size
-        virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
-        account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers
+        sequence_parallel context_parallel_size mtp_num_layers
         mtp_loss_scaling_factor mtp_enabled
         """),
 }

@@ -46,8 +46,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
 }
 
 # Vision-language models: the layouts their plans do not cover yet.
-_VLM_SPLIT = ("the vision-language pipeline split puts the vision tower on the first stage and the language model's "
-              "layers evenly; uneven and virtual splits are not built for it")
 _VLM_NO_MTP = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
 for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
     NOT_SUPPORTED_REASONS.update({
@@ -55,11 +53,6 @@ for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
                                       "sequence-parallel split after that merge is not built for vision-language models"),
         f"{_vlm}.context_parallel_size": ("an image's tokens (and their positions) must stay on one rank; the "
                                           "context-parallel split is not built for vision-language models"),
-        f"{_vlm}.virtual_pipeline_model_parallel_size": _VLM_SPLIT,
-        f"{_vlm}.num_layers_in_first_pipeline_stage": _VLM_SPLIT,
-        f"{_vlm}.num_layers_in_last_pipeline_stage": _VLM_SPLIT,
-        f"{_vlm}.account_for_embedding_in_pipeline_split": _VLM_SPLIT,
-        f"{_vlm}.account_for_loss_in_pipeline_split": _VLM_SPLIT,
         f"{_vlm}.mtp_num_layers": _VLM_NO_MTP,
         f"{_vlm}.mtp_loss_scaling_factor": _VLM_NO_MTP,
     })

@@ -17,6 +17,11 @@ share the rest evenly; ``account_for_embedding_in_pipeline_split`` / ``account_f
 count the embedding / loss as one layer of the first / last stage. With virtual stages each rank's count is
 split evenly over its chunks.
 
+Vision-language models (Qwen2.5-VL, Gemma 3 VL) are cut the same way: their language model's layers are the
+layers split, and the vision encoder with its projection into the language model lives on stage 0 (rank 0's
+first chunk), beside the embedding it feeds, as Megatron Bridge builds it on the ``pre_process`` stage;
+``account_for_embedding_in_pipeline_split`` counts the embedding, not the encoder, as the layer it replaces.
+
 Tensor and data parallel plans apply per chunk after the cut (``longspan.parallel.parallelize``), so PP
 composes with TP, SP, DDP and FSDP2. A tied output layer (``share_embeddings_and_output_weights``) on a last
 stage without the embedding is a copy; ``sync_tied_embedding_grads`` sums the two gradients so both copies

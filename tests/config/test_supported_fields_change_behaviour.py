@@ -1192,21 +1192,33 @@ COVERED_ELSEWHERE.update({
     **{f"dataset.{name}": "tests/data/sft_hf/test_hf_sft_in_batch_packing.py (packed microbatches give the unpacked loss and gradients; deferred packing builds the collate's batch; the multiple sets the layout; a packed run trains as the unpacked one)"
        for name in "enable_in_batch_packing defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of".split()},
 })
-# Per-class rows made real for the Mamba / hybrid and T5 models (the micro GPT run above builds neither): each
-# cited to the test that fails if the field is ignored, and checked to be "supported" for its class.
-CLASS_FIELDS_PROVEN_ELSEWHERE: dict[str, str] = {
-    "MambaProvider.window_size": "tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack",
-    "MambaProvider.window_attn_skip_freq": "tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_their_index_in_the_whole_stack",
-    "MambaProvider.apply_residual_connection_post_layernorm": "tests/models/mamba/test_mamba_model.py::test_residual_post_layernorm_changes_the_hybrid_attention_and_mlp_layers_only",
-    "T5ModelProvider.window_size": "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does",
-    "T5ModelProvider.window_attn_skip_freq": "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does",
+# Shared-table fields a model class took up after its own model or layouts were proven, cited per class
+# ("Class.section.field": "test file::test name (what it shows)"); the probes above run on the GPT micro model only.
+_VLM_SPLIT_TESTS = ("tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_"
+                    "encoder_with_the_embedding (each field moves the language model's layers; the encoder stays on "
+                    "stage 0); the layouts' losses equal one process in tests/data/sft_vlm (pp2-uneven, pp2-vp2)")
+_MAMBA_WINDOW = ("tests/models/mamba/test_mamba_model.py::test_sliding_window_reaches_the_hybrid_attention_layers_by_"
+                 "their_index_in_the_whole_stack")
+_T5_WINDOW = "tests/models/t5/test_t5_model.py::test_sliding_window_reaches_every_t5_attention_as_megatron_does"
+CLASS_COVERED_ELSEWHERE: dict[str, str] = {
+    **{f"{cls}.model.{name}": _VLM_SPLIT_TESTS
+       for cls in ("Qwen25VLModelProvider", "Gemma3VLModelProvider")
+       for name in ("virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage "
+                    "num_layers_in_last_pipeline_stage account_for_embedding_in_pipeline_split "
+                    "account_for_loss_in_pipeline_split").split()},
+    "MambaProvider.model.window_size": _MAMBA_WINDOW,
+    "MambaProvider.model.window_attn_skip_freq": _MAMBA_WINDOW,
+    "MambaProvider.model.apply_residual_connection_post_layernorm": (
+        "tests/models/mamba/test_mamba_model.py::test_residual_post_layernorm_changes_the_hybrid_attention_and_mlp_layers_only"),
+    "T5ModelProvider.model.window_size": _T5_WINDOW,
+    "T5ModelProvider.model.window_attn_skip_freq": _T5_WINDOW,
 }
 
 
-@pytest.mark.parametrize("key", sorted(CLASS_FIELDS_PROVEN_ELSEWHERE))
-def test_class_field_is_supported_and_its_proof_exists(key: str) -> None:
-    cls_name, name = key.split(".")
-    assert field_status("model", name, cls_name) == SUPPORTED
-    path, test = CLASS_FIELDS_PROVEN_ELSEWHERE[key].split("::")
-    source = (Path(__file__).resolve().parents[2] / path).read_text()
-    assert f"def {test}(" in source, CLASS_FIELDS_PROVEN_ELSEWHERE[key]
+@pytest.mark.parametrize("key", sorted(CLASS_COVERED_ELSEWHERE))
+def test_class_field_cited_elsewhere_is_supported_by_its_class_and_names_a_test_that_exists(key: str) -> None:
+    cls, section, name = key.split(".")
+    assert field_status(section, name, cls) == SUPPORTED, key
+    path, _, test = CLASS_COVERED_ELSEWHERE[key].partition("::")
+    test_name = test.split()[0].split("[")[0]
+    assert f"def {test_name}(" in (Path(__file__).parents[2] / path).read_text(), CLASS_COVERED_ELSEWHERE[key]

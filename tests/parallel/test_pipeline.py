@@ -280,3 +280,66 @@ def test_pp2_composes_with_data_parallel(pool4, fsdp2):
     results = pool4.run(_pipeline_case, 2, None, 1, 4, "1f1b", False, False, fsdp2, timeout=180)
     _check(results)
     assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
+
+
+def _tiny_vlm(kind: str, num_layers: int, **split):
+    """A tiny Qwen2.5-VL or Gemma 3 VL provider under PP2 with the given pipeline split fields."""
+    from longspan.models import Qwen25VLModelProvider
+    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
+
+    common = dict(num_layers=num_layers, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=80, seq_length=16, pipeline_model_parallel_size=2, **split)
+    if kind == "qwen":
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0])
+        return Qwen25VLModelProvider(mrope_section=[2, 1, 1], vision_config=vision, **common)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return Gemma3VLModelProvider(vision_config=vision, mm_tokens_per_image=1, image_token_id=79, **common)
+
+
+# (language model layers, split fields, layers of each virtual stage): Megatron's GPT arithmetic
+VLM_SPLITS = [
+    (4, {}, [2, 2]),
+    (4, {"num_layers_in_first_pipeline_stage": 1}, [1, 3]),
+    (4, {"num_layers_in_last_pipeline_stage": 1}, [3, 1]),
+    (5, {"account_for_embedding_in_pipeline_split": True}, [2, 3]),  # the embedding (not the encoder) is a layer
+    (5, {"account_for_loss_in_pipeline_split": True}, [3, 2]),
+    (4, {"virtual_pipeline_model_parallel_size": 2}, [1, 1, 1, 1]),
+    (2, {"virtual_pipeline_model_parallel_size": 2, "account_for_embedding_in_pipeline_split": True,
+         "account_for_loss_in_pipeline_split": True}, [0, 1, 1, 0]),
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen", "gemma"])
+def test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_with_the_embedding(kind, tmp_path):
+    """The split fields move the language model's layers as GPT's do; the vision encoder and its projection into
+    the language model live on virtual stage 0 (with the embedding) and nowhere else; together the stages hold the
+    one-process model's parameters, under its names (each rank's ``state_dict_module``: what checkpoints move
+    between layouts by; Gemma's tied output copy named as the embedding); and validate() accepts each split."""
+    from longspan.models.builder import build_meta_model
+    from longspan.parallel.pipeline import layer_counts_for_config, state_dict_module
+    from tests.training.pretrain_helpers import small_config
+
+    encoder = ("vision.", "merger.") if kind == "qwen" else ("vision_tower.", "multi_modal_projector.")
+    for num_layers, split, want in VLM_SPLITS:
+        provider = _tiny_vlm(kind, num_layers, **split)
+        counts = layer_counts_for_config(provider)
+        assert counts == want, (split, counts)
+        stages = []
+        for stage, numbers in enumerate(stage_layer_numbers(counts)):
+            model = build_meta_model(provider, pre_process=stage == 0, post_process=stage == len(counts) - 1,
+                                     vp_stage=stage // 2 if len(counts) > 2 else None, layer_numbers=numbers)
+            names = [n for n, _ in model.named_parameters()]
+            assert any(n.startswith(encoder) for n in names) == (stage == 0), (split, stage)
+            layers = {int(n.split(".")[3]) for n in names if n.startswith("language_model.decoder.layers.")}
+            assert layers == set(numbers), (split, stage, layers)
+            stages.append(model)
+        whole = [n for n, _ in build_meta_model(provider).named_parameters()]
+        # each pipeline rank's checkpoint names (its chunks: stages rank, rank + 2, ...); a tied output copy on
+        # the last rank is saved under the embedding's name too
+        held = [n for rank in (0, 1) for n, _ in state_dict_module(stages[rank::2]).named_parameters()]
+        assert set(held) == set(whole) and len(held) == len(whole) + int(provider.share_embeddings_and_output_weights)
+        cfg = small_config(tmp_path)
+        cfg.model, cfg.dataset.sequence_length = provider, provider.seq_length
+        cfg.validate(world_size=2)

@@ -1,6 +1,6 @@
 """Finetuning a tiny random Gemma 3 VL through the VLM recipes on drawn squares mixed with conversations without
-an image: FSDP2, tensor parallel (encoder replicated) and pipeline parallel (encoder on the first stage) over two
-ranks log the losses of one process (fp32, rel <= 1e-5, every one of 8 iterations) although some ranks'
+an image: FSDP2, tensor parallel (encoder replicated) and pipeline parallel (encoder on the first stage, also
+interleaved over virtual stages) over two ranks log the losses of one process (fp32, rel <= 1e-5, every one of 8 iterations) although some ranks'
 microbatches hold no image (they run the encoder on a blank image times 0, so every rank reduces the same
 gradients). The data path on Gemma's processor masks exactly transformers' assistant tokens; a CLI LoRA
 finetune learns, and its merged export scores and answers (``longspan generate --image``) as longspan does."""
@@ -31,7 +31,19 @@ def gemma_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return hf, data
 
 
-def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1):
+# The pipeline splits of the PP layouts: the language model's two layers over the (virtual) stages, the encoder and
+# projector with the embedding on stage 0. Megatron's VLM balancing: the embedding and the loss each count as a
+# layer, 2 + 2 over 2 x 2 virtual stages = [0, 1, 1, 0] (rank 0's first chunk holds only the encoder, projector
+# and embedding; rank 1's last only the final norm, output layer and loss).
+PIPELINE_SPLITS = {
+    "pp2": [],
+    "pp2-vp2": ["model.virtual_pipeline_model_parallel_size=2", "model.account_for_embedding_in_pipeline_split=true",
+                "model.account_for_loss_in_pipeline_split=true"],
+}
+
+
+def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
+                     split: tuple[str, ...] = ()):
     from longspan.recipes.loading import load_config
 
     return load_config("vlm-sft", overrides=[
@@ -40,7 +52,7 @@ def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = 
         f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}",
-        f"model.pipeline_model_parallel_size={pp}",
+        f"model.pipeline_model_parallel_size={pp}", *split,
     ])
 
 
@@ -59,12 +71,12 @@ def gemma_one_process_run(gemma_run_inputs, tmp_path_factory):
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", *PIPELINE_SPLITS])
 def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_process(
         gemma_run_inputs, gemma_one_process_run, tmp_path, pool2, layout):
     hf, data = gemma_run_inputs
     cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2",
-                           pp=2 if layout == "pp2" else 1)
+                           pp=2 if layout in PIPELINE_SPLITS else 1, split=tuple(PIPELINE_SPLITS.get(layout, ())))
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))

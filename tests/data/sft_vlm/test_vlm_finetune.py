@@ -1,6 +1,7 @@
-"""Finetuning a tiny random Qwen2.5-VL on drawn squares ('what colour' -> the colour) through the trainer:
-FSDP2 over two ranks and tensor parallel over two ranks log the losses of one process (fp32, rel <= 1e-5, every
-one of 8 iterations; the vision encoder replicated under TP, on the first stage under PP), and a LoRA finetune
+"""Finetuning a tiny random Qwen2.5-VL (four decoder layers) on drawn squares ('what colour' -> the colour)
+through the trainer: FSDP2, tensor parallel and pipeline parallel over two ranks log the losses of one process
+(fp32, rel <= 1e-5, every one of 8 iterations; the vision encoder replicated under TP, on the stage holding the
+embedding under PP: even, uneven and interleaved with virtual stages), and a LoRA finetune
 from the command line lowers the validation loss and exports a merged HF model that transformers loads, that
 scores the validation set as longspan did and answers an image question as ``longspan generate`` does."""
 
@@ -21,13 +22,14 @@ REL = 1e-5  # fp32 CPU layout parity
 
 @pytest.fixture(scope="module")
 def vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny random Qwen2.5-VL HF directory and a data directory of colour questions (all with an image)."""
+    """A tiny random Qwen2.5-VL HF directory and a data directory of colour questions (all with an image). Four
+    decoder layers: the uneven and virtual pipeline splits below put different layer counts on the stages."""
     from tests.models.vlm.qwen_vl_fixtures import make_qwen_vl
 
     root = tmp_path_factory.mktemp("vlm-run")
     hf, data = root / "hf", root / "data"
     hf.mkdir()
-    make_qwen_vl(hf)
+    make_qwen_vl(hf, text_layers=4)
     rows = colour_rows(str(data), 24, seed=1)
     for row in rows:  # words of the fixture tokenizer's vocabulary
         row["messages"][0]["content"][1]["text"] = "what colour"
@@ -37,16 +39,27 @@ def vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return hf, data
 
 
-def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1):
+# The pipeline splits of the PP layouts: the language model's four layers over the (virtual) stages, the vision
+# encoder and merger always with the embedding on stage 0 (rank 0's first chunk).
+PIPELINE_SPLITS = {
+    "pp2": [],  # layers [2, 2]
+    "pp2-uneven": ["model.num_layers_in_first_pipeline_stage=1"],  # [1, 3]: the encoder's stage is lightened
+    "pp2-vp2": ["model.virtual_pipeline_model_parallel_size=2"],  # [1, 1, 1, 1], interleaved 1F1B
+}
+
+
+def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
+                split: tuple[str, ...] = (), save: bool = False):
     from longspan.recipes.loading import load_config
 
     cfg = load_config("vlm-sft", overrides=[
-        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
+        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}",
+        f"checkpoint.save={out / 'ckpt' if save else 'null'}", f"checkpoint.save_interval={ITERS}",
         "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
         f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}",
-        f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}",
+        f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}", *split,
     ])
     return cfg
 
@@ -63,22 +76,43 @@ def one_process_run(vl_run_inputs, tmp_path_factory):
     from longspan.training.finetune import finetune
 
     hf, data = vl_run_inputs
-    cfg = _sft_config(hf, data, tmp_path_factory.mktemp("one"))
+    cfg = _sft_config(hf, data, tmp_path_factory.mktemp("one"), save=True)
     finetune(cfg)
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", *PIPELINE_SPLITS])
 def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_process_run, tmp_path, pool2, layout):
     hf, data = vl_run_inputs
     cfg = _sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2",
-                      pp=2 if layout == "pp2" else 1)
+                      pp=2 if layout in PIPELINE_SPLITS else 1, split=tuple(PIPELINE_SPLITS.get(layout, ())),
+                      save=layout == "pp2-uneven")
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:
         assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]}"
     assert want[ITERS] < want[1]
+    if cfg.checkpoint.save:
+        _loads_in_one_process_as_the_one_process_run(cfg.checkpoint.save, one_process_run.checkpoint.save)
+
+
+def _loads_in_one_process_as_the_one_process_run(saved: str, reference: str) -> None:
+    """The uneven pipeline run's checkpoint (encoder and one layer on rank 0, three layers on rank 1) loads into
+    one process, every parameter under its name, with the weights the one-process run trained (to Adam's
+    amplification of rounding, far below the weights' differences between parameters or training steps)."""
+    import torch
+
+    from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
+
+    got = dict(load_model_from_checkpoint(saved, device="cpu").model[0].named_parameters())
+    want = dict(load_model_from_checkpoint(reference, device="cpu").model[0].named_parameters())
+    assert sorted(got) == sorted(want) and any(name.startswith("vision.") for name in got)
+    for name, param in want.items():
+        # Adam's steps (lr 1e-3) turn the layouts' last-bit gradient differences into weight differences of a few
+        # 1e-6 where a gradient is near zero; a weight under another name is off by ~0.1, eight untrained steps
+        # by ~1e-3
+        torch.testing.assert_close(got[name], param, rtol=0, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _hf_validation_loss(model_dir: Path, data: Path) -> float:

@@ -39,13 +39,13 @@ def image_processor() -> transformers.Qwen2VLImageProcessor:
     return transformers.Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16})
 
 
-def hf_config(tie: bool = False) -> transformers.Qwen2_5_VLConfig:
+def hf_config(tie: bool = False, text_layers: int = 2) -> transformers.Qwen2_5_VLConfig:
     tok = make_tokenizer()
     special = {name: tok.convert_tokens_to_ids(t) for name, t in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=text_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
                 eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=14,
@@ -54,11 +54,12 @@ def hf_config(tie: bool = False) -> transformers.Qwen2_5_VLConfig:
                                          eos_token_id=tok.eos_token_id, **special)
 
 
-def make_qwen_vl(directory: Path, seed: int = 0, tie: bool = False,
-                 dtype: torch.dtype = torch.float32) -> transformers.Qwen2_5_VLForConditionalGeneration:
-    """Save a random Qwen2.5-VL (non-trivial norms and biases) with its tokenizer and image processor."""
+def make_qwen_vl(directory: Path, seed: int = 0, tie: bool = False, dtype: torch.dtype = torch.float32,
+                 text_layers: int = 2) -> transformers.Qwen2_5_VLForConditionalGeneration:
+    """Save a random Qwen2.5-VL (non-trivial norms and biases, ``text_layers`` decoder layers) with its tokenizer
+    and image processor."""
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_config(tie))
+    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_config(tie, text_layers))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name:

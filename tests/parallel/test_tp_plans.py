@@ -110,7 +110,7 @@ def test_loss_context_is_null_without_vocab_parallel_output():
 
 # ------------------------------------------------------------------------------------------ on 2 gloo ranks
 
-def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
+def _tp_checks(sequence_parallel: bool, hidden_dropout: float, scatter_embedding: bool = True) -> dict:
     """Split the small model over tp=2 and compare it with the whole model built in the same process."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -123,7 +123,7 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
 
     init_gloo(timeout_s=60)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    provider = small_provider(hidden_dropout=hidden_dropout)
+    provider = small_provider(hidden_dropout=hidden_dropout, scatter_embedding_sequence_parallel=scatter_embedding)
     whole = build_gpt_model(provider, seed=5, device="cpu")
     split = apply_tensor_parallel(build_gpt_model(provider, materialize=False), mesh, sequence_parallel)
     init_weights(split, seed=5, device="cpu")
@@ -164,6 +164,16 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
         captured.setdefault("logits", output)  # returns None: the output is left alone
 
     split.output_layer.register_forward_hook(capture)
+    # where the sequence is cut: the embedding's output and the first layer's input, as each rank holds them
+    def record_shape(key):
+        def hook(module, args, output=None):
+            tensor = args[0] if output is None else output
+            if key not in captured:
+                captured[key] = tuple(tensor.shape)
+        return hook
+
+    split.embedding.register_forward_hook(record_shape("embedding_output_shape"))
+    split.decoder.layers["0"].register_forward_pre_hook(record_shape("first_layer_input_shape"))
     torch.manual_seed(99)
     ref = whole(tokens, labels=labels)
     ref.mean().backward()
@@ -172,6 +182,8 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
         loss = split(tokens, labels=labels)
         loss.mean().backward()
     logits = captured["logits"]
+    out["embedding_output_shape"] = captured["embedding_output_shape"]
+    out["first_layer_input_shape"] = captured["first_layer_input_shape"]
     out["logits_local_shape"] = tuple(logits.to_local().shape)
     out["logits_placements"] = tuple(logits.placements)
     out["loss_is_plain_tensor"] = not isinstance(loss, DTensor)
@@ -207,11 +219,17 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_split_model_matches_whole_model(sequence_parallel):
+@pytest.mark.parametrize(("sequence_parallel", "scatter_embedding"), [(False, True), (True, True), (True, False)],
+                         ids=["tp2", "tp2_sp", "tp2_sp_scatter_after_embedding_off"])
+def test_split_model_matches_whole_model(sequence_parallel, scatter_embedding):
     # hidden dropout on: the masks must not depend on the layout either
-    results = get_shared_pool(2).run(_tp_checks, sequence_parallel, 0.1, timeout=180)
+    results = get_shared_pool(2).run(_tp_checks, sequence_parallel, 0.1, scatter_embedding, timeout=180)
+    # scatter_embedding_sequence_parallel: the embedding's output is this rank's half of the sequence, or
+    # (False) the whole sequence, cut before the first layer
+    embedding_seq = 8 if sequence_parallel and scatter_embedding else 16
     for r in results:
+        assert r["embedding_output_shape"] == (2, embedding_seq, 32), r
+        assert r["first_layer_input_shape"] == (2, 8 if sequence_parallel else 16, 32), r
         assert r["loss_is_plain_tensor"]
         assert r["loss_max_diff"] < 1e-5, r
         assert r["grad_max_diff"] < 1e-5, r

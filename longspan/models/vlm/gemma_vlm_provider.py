@@ -25,6 +25,11 @@ class Gemma3VLModelProvider(GPTModelProvider):
     one-line NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is
     built)."""
 
+    scatter_embedding_sequence_parallel: bool = False
+    """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as
+    the image embeddings are put into the whole sequence's embeddings first (the decoder's input is split
+    before the first layer); True with sequence parallel is a one-line error."""
+
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,
     ``num_hidden_layers``, ``num_attention_heads``, ``num_channels``, ``image_size``, ``patch_size``,

@@ -316,14 +316,16 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
 # Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
 # encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
-# Sequence / context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
+# Sequence parallel cuts the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
+# test_gemma_vlm_finetune.py: TP2 + SP equal one process).
+# Context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
     vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    sequence_parallel context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
+    context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
     num_layers_in_last_pipeline_stage
     account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split expert_model_parallel_size
     expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
@@ -340,7 +342,7 @@ CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
         image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
         """),
     **_many("model", NOT_SUPPORTED, """
-        sequence_parallel context_parallel_size
+        context_parallel_size
         virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
         account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers
         mtp_loss_scaling_factor mtp_enabled
@@ -457,6 +459,10 @@ CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy
 # recompute's saved inputs change no result; megatron-core's consistency rules are kept (rules/scheduling_hints.py).
 FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgrad_compute "
                                          "defer_embedding_wgrad_compute wgrad_deferral_limit"))
+# Where sequence parallel cuts the embedded sequence: after the embedding, or (False) before the first layer
+# (longspan.parallel.tensor_parallel._sequence_scatter_plan; tests/parallel/test_tp_plans.py::
+# test_split_model_matches_whole_model[tp2_sp_scatter_after_embedding_off] shows the cut and one process's losses).
+FIELD_STATUS.update(_many("model", SUPPORTED, "scatter_embedding_sequence_parallel"))
 
 
 def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:

@@ -37,7 +37,7 @@ def vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return hf, data
 
 
-def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1):
+def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1, sp: bool = False):
     from longspan.recipes.loading import load_config
 
     cfg = load_config("vlm-sft", overrides=[
@@ -46,7 +46,7 @@ def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False
         f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}",
-        f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}",
+        f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}", f"model.sequence_parallel={sp}",
     ])
     return cfg
 
@@ -68,11 +68,13 @@ def one_process_run(vl_run_inputs, tmp_path_factory):
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "pp2"])
 def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_process_run, tmp_path, pool2, layout):
+    """tp2_sp: the image embeddings are put into the whole sequence, which is then cut along the sequence before
+    the first layer (mRoPE positions whole-sequence)."""
     hf, data = vl_run_inputs
-    cfg = _sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2",
-                      pp=2 if layout == "pp2" else 1)
+    cfg = _sft_config(hf, data, tmp_path / layout, tp=2 if layout.startswith("tp2") else 1, fsdp=layout == "fsdp2",
+                      pp=2 if layout == "pp2" else 1, sp=layout == "tp2_sp")
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))

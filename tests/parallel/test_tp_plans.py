@@ -78,6 +78,40 @@ def test_sequence_parallel_plan_shards_norms_and_reduce_scatters():
     assert plan["output_layer"].input_layouts == (Shard(1),)
 
 
+def test_vision_language_models_cut_the_sequence_after_the_image_merge():
+    """Under sequence parallel a vision-language model's language model keeps its embedding output whole (the
+    images go into it) and cuts the decoder's input (the finetunes: tests/data/sft_vlm, tp2_sp). Cutting right
+    after the lookup is a one-line error for them, as is the late cut with multi-token prediction."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from longspan.config.rules.layout import check_sequence_scatter
+    from longspan.core.errors import NotSupportedError
+    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
+    from longspan.models.vlm.qwen25_vl import Qwen25VLModel
+    from longspan.models.vlm.qwen25_vl_provider import Qwen25VLModelProvider
+    from longspan.parallel.tensor_parallel import tensor_parallel_plan
+
+    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    qwen = Qwen25VLModelProvider(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                                 num_query_groups=2, vocab_size=256, seq_length=16, mrope_section=[2, 1, 1],
+                                 vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                                    out_hidden_size=32, fullatt_block_indexes=[0]), **layout)
+    with torch.device("meta"):
+        plan = tensor_parallel_plan(Qwen25VLModel(qwen).language_model, sequence_parallel=True)
+    assert "embedding" not in plan
+    assert plan["decoder"].input_layouts == (Replicate(), None, None)
+    assert plan["decoder"].desired_input_layouts == (Shard(1), None, None)
+    for provider in (qwen, Gemma3VLModelProvider(**layout)):
+        check_sequence_scatter(provider)  # both default to False, as in Megatron Bridge
+        provider.scatter_embedding_sequence_parallel = True
+        with pytest.raises(ConfigError, match=rf"^model.scatter_embedding_sequence_parallel=True with "
+                                              rf"model.sequence_parallel=True: {type(provider).__name__} puts"):
+            check_sequence_scatter(provider)
+    with pytest.raises(NotSupportedError, match="mtp_num_layers=1 is not supported yet"):
+        check_sequence_scatter(small_provider(mtp_num_layers=1, scatter_embedding_sequence_parallel=False, **layout))
+
+
 def test_plan_covers_only_the_modules_a_stage_holds():
     from longspan.models.gpt import build_gpt_model
     from longspan.parallel.tensor_parallel import tensor_parallel_plan

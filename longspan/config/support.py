@@ -316,16 +316,16 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
 # Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
 # encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
-# Sequence parallel cuts the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
-# test_gemma_vlm_finetune.py: TP2 + SP equal one process).
-# Context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
+# Sequence and context parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py:
+# TP2 + SP and CP2 equal one process; test_gemma_vlm_finetune.py: TP2 + SP).
+# Expert parallel, uneven pipeline splits and virtual stages are not covered yet.
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
     vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
+    virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
     num_layers_in_last_pipeline_stage
     account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split expert_model_parallel_size
     expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor

@@ -55,8 +55,6 @@ _VLM_SPLIT = ("the vision-language pipeline split puts the vision tower on the f
 _VLM_NO_MTP = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
 for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
     NOT_SUPPORTED_REASONS.update({
-        f"{_vlm}.context_parallel_size": ("an image's tokens (and their positions) must stay on one rank; the "
-                                          "context-parallel split is not built for vision-language models"),
         f"{_vlm}.virtual_pipeline_model_parallel_size": _VLM_SPLIT,
         f"{_vlm}.num_layers_in_first_pipeline_stage": _VLM_SPLIT,
         f"{_vlm}.num_layers_in_last_pipeline_stage": _VLM_SPLIT,
@@ -69,6 +67,9 @@ NOT_SUPPORTED_REASONS.update({
     "Qwen25VLModelProvider.expert_model_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
     "Qwen25VLModelProvider.expert_tensor_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
     "Gemma3VLModelProvider.mtp_enabled": _VLM_NO_MTP,
+    "Gemma3VLModelProvider.context_parallel_size": (
+        "an image's tokens also attend to the later tokens of their image, which context parallel's "
+        "sliding-window attention (keys up to each chunk's end) does not reach"),
     "MambaProvider.mtp_loss_scaling_factor": "multi-token prediction depths are built for GPTModel only",
 })
 

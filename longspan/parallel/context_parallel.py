@@ -25,7 +25,11 @@ on every layer and hooks the root ``GPTModel`` so that
 
 - the model is called with **full-length** ``input_ids`` / ``position_ids`` / ``labels`` / ``attention_mask``
   (what the default forward step passes) and keeps this rank's two chunks of each (``position_ids`` default
-  to the global positions, so RoPE and learned position embeddings follow the split);
+  to the global positions, so RoPE and learned position embeddings follow the split; mRoPE's ``[3, b, S]``
+  ids are cut along their last dim), and of ``decoder_input`` when given;
+- a vision-language model (Megatron's way: the sequence is split after the image merge) gets the plan on its
+  ``language_model``: the images go into the whole sequence's embeddings and its positions are numbered on the
+  whole sequence before the language model keeps its chunks;
 - its per-token loss ``[b, s_local]`` is all-gathered back to ``[b, S]`` in sequence order, with a
   reduce-scatter backward. Every cp rank then computes the same loss from the full ``loss_mask`` (no change
   to the forward step or ``loss_func``), the reports and token counts are those of the whole sequence, and
@@ -433,16 +437,19 @@ def _slice_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         first = kwargs["input_ids"]
         seq_len = first.shape[1]
         kwargs["input_ids"] = split_for_context_parallel(first, cp, rank, seq_dim=1)
+        if kwargs.get("decoder_input") is not None:  # a vision-language model's embeddings, images put in
+            kwargs["decoder_input"] = split_for_context_parallel(kwargs["decoder_input"], cp, rank, seq_dim=1)
     else:
         # Hidden states from the previous pipeline stage are local already (and, under sequence parallel,
         # split further over tp): the full length comes from the full-length inputs, else the configured one.
         first = kwargs.get("hidden_states")
         first = first if first is not None else kwargs["input_ids"]
         full = kwargs.get("position_ids") if kwargs.get("position_ids") is not None else kwargs.get("labels")
-        seq_len = full.shape[1] if full is not None else int(module.args.seq_length)
+        seq_len = full.shape[-1] if full is not None else int(module.args.seq_length)
     idx = load_balanced_indices(seq_len, cp, rank, device=first.device)
-    position_ids = kwargs.get("position_ids")
-    kwargs["position_ids"] = idx.unsqueeze(0) if position_ids is None else position_ids.index_select(1, idx)
+    position_ids = kwargs.get("position_ids")  # [b, S], or mRoPE's [3, b, S]: the sequence is the last dim
+    kwargs["position_ids"] = (idx.unsqueeze(0) if position_ids is None
+                              else position_ids.index_select(position_ids.dim() - 1, idx))
     if kwargs.get("labels") is not None:
         kwargs["labels"] = kwargs["labels"].index_select(1, idx)
     if kwargs.get("attention_mask") is not None:
@@ -471,6 +478,10 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     if group is None or dist.get_world_size(group) == 1:
         return model
     root = _unwrap(model)
+    if not hasattr(root, "decoder") and hasattr(getattr(root, "language_model", None), "decoder"):
+        # a vision-language model: its language model takes the whole sequence's embeddings (images put in,
+        # positions numbered on the whole sequence) as decoder_input and is split like any GPT model
+        root = root.language_model
     applied = getattr(root, CONTEXT_PARALLEL_ATTR, None)
     if applied is group:  # idempotent: a second call over the same group changes nothing
         return model

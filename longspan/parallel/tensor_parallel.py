@@ -27,9 +27,9 @@ over the 1-D ``tp`` mesh:
 
 With ``sequence_parallel`` the residual stream between the column/row pairs is sharded along the sequence
 (dim 1): the whole embedded sequence is split along the sequence (the embedding's output, or, with
-``scatter_embedding_sequence_parallel=False``, the decoder's input before the first layer), norms run as ``SequenceParallel`` on their
-shard, attention/MLP inputs are all-gathered (``PrepareModuleInput``), and ``linear_proj`` / ``linear_fc2``
-reduce-scatter back to sequence shards. The final norm feeds the output layer, which all-gathers its input.
+``scatter_embedding_sequence_parallel=False``, the decoder's input before the first layer), norms run as
+``SequenceParallel`` on their shard, attention/MLP inputs are all-gathered (``PrepareModuleInput``), and
+``linear_proj`` / ``linear_fc2`` reduce-scatter back to sequence shards. The final norm feeds the output layer, which all-gathers its input.
 
 Randomness: hidden dropout on the replicated residual stream (tp without sp) draws the same mask on every tp
 rank, the one a single process draws. Under sequence parallel the residual dropouts are replaced by
@@ -347,6 +347,7 @@ def _apply_vision_language_tensor_parallel(model: nn.Module, tp_mesh: Any, seque
 
 
 def _check_sequence_scatter(language_model: nn.Module, model_name: str, puts_images_in_sequence: bool) -> None:
+    """Under sequence parallel: the one-line error when the language model's cut does not fit the model."""
     args = language_model.args
     error = sequence_scatter_error(model_name, args.scatter_embedding_sequence_parallel, args.mtp_num_layers,
                                    puts_images_in_sequence)

@@ -29,7 +29,8 @@ With ``sequence_parallel`` the residual stream between the column/row pairs is s
 (dim 1): the whole embedded sequence is split along the sequence (the embedding's output, or, with
 ``scatter_embedding_sequence_parallel=False``, the decoder's input before the first layer), norms run as
 ``SequenceParallel`` on their shard, attention/MLP inputs are all-gathered (``PrepareModuleInput``), and
-``linear_proj`` / ``linear_fc2`` reduce-scatter back to sequence shards. The final norm feeds the output layer, which all-gathers its input.
+``linear_proj`` / ``linear_fc2`` reduce-scatter back to sequence shards. The final norm feeds the output layer,
+which all-gathers its input.
 
 Randomness: hidden dropout on the replicated residual stream (tp without sp) draws the same mask on every tp
 rank, the one a single process draws. Under sequence parallel the residual dropouts are replaced by

@@ -22,8 +22,8 @@ class Gemma3VLModelProvider(GPTModelProvider):
     Layouts: data parallel and FSDP2 (the language model's layers sharded one by one, the vision encoder in
     the root unit) and tensor parallel (the language model split, the encoder and projector replicated on every
     rank; sequence parallel splits the sequence after the image merge) and pipeline parallel (the encoder and
-    projector on the first stage). Context parallel raises a one-line NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is
-    built)."""
+    projector on the first stage). Context parallel raises a one-line NotSupportedError
+    (``longspan.config.rules.vision``, in ``validate()`` and when the model is built)."""
 
     scatter_embedding_sequence_parallel: bool = False
     """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as

@@ -316,8 +316,8 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
 # Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
 # encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
-# Sequence and context parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py:
-# TP2 + SP and CP2 equal one process; test_gemma_vlm_finetune.py: TP2 + SP).
+# Sequence and context parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py
+# and test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process).
 # Expert parallel, uneven pipeline splits and virtual stages are not covered yet.
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
@@ -332,17 +332,17 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
     """)
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
-# mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_refuses_layouts for freeze_*). The
-# token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language model
-# and replicates the encoder; pipeline parallel keeps the encoder on the first stage
-# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
+# mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_checks_its_image_fields for freeze_*).
+# The token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language
+# model and replicates the encoder; pipeline parallel keeps the encoder on the first stage; sequence and context
+# parallel split the sequence after the image merge (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2,
+# TP2 + SP, PP2 and CP2 equal one process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id
         image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
         """),
     **_many("model", NOT_SUPPORTED, """
-        context_parallel_size
         virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
         account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers
         mtp_loss_scaling_factor mtp_enabled

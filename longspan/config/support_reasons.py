@@ -67,9 +67,6 @@ NOT_SUPPORTED_REASONS.update({
     "Qwen25VLModelProvider.expert_model_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
     "Qwen25VLModelProvider.expert_tensor_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
     "Gemma3VLModelProvider.mtp_enabled": _VLM_NO_MTP,
-    "Gemma3VLModelProvider.context_parallel_size": (
-        "an image's tokens also attend to the later tokens of their image, which context parallel's "
-        "sliding-window attention (keys up to each chunk's end) does not reach"),
     "MambaProvider.mtp_loss_scaling_factor": "multi-token prediction depths are built for GPTModel only",
 })
 

@@ -66,7 +66,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
 from longspan.models.moe import SequenceShards, moe_layers
-from longspan.models.sliding_window import WindowedMask, windowed_attention
+from longspan.models.sliding_window import TwoSidedMask, WindowedMask, windowed_attention
 from longspan.parallel.mamba_context_parallel import apply_mamba_context_parallel
 
 _log = get_logger(__name__)
@@ -305,7 +305,9 @@ def _windowed_local_attention(
     """A sliding-window layer's ``local_attention``: each of this rank's query chunks (global chunk j) attends to
     the key chunks from the first one its window reaches up to chunk j, with the window applied on the global
     positions (keys end at the chunk's last query, as ``windowed_attention`` expects). Key chunks wholly before
-    the window are neither sliced nor computed (``WINDOW_BLOCKS`` counts them)."""
+    the window are neither sliced nor computed (``WINDOW_BLOCKS`` counts them). A two-sided mask
+    (``causal=False``: Gemma 3's image tokens see the later tokens of their image) lets a query reach keys after
+    its chunk, so its keys run to the end of the sequence, the caller's mask deciding the later ones."""
     seq_len, local_len = k_full.shape[2], q.shape[2]
     chunk = local_len // 2
     base = mask.base
@@ -313,14 +315,22 @@ def _windowed_local_attention(
         base = split_for_context_parallel(base, cp_size, cp_rank, seq_dim=-2)
     outs = []
     for row, j in ((0, cp_rank), (chunk, 2 * cp_size - 1 - cp_rank)):
-        end = (j + 1) * chunk
+        end = (j + 1) * chunk if mask.causal else seq_len
         first_block = max(0, j * chunk - mask.window + 1) // chunk
         WINDOW_BLOCKS["skipped"] += first_block
-        WINDOW_BLOCKS["computed"] += j + 1 - first_block
+        WINDOW_BLOCKS["computed"] += end // chunk - first_block
         keys = slice(first_block * chunk, end)
+        part_q = q[:, :, row:row + chunk]
         part_base = None if base is None else base[..., row:row + chunk, keys]
-        outs.append(windowed_attention(q[:, :, row:row + chunk], k_full[:, :, keys], v_full[:, :, keys], mask,
-                                       dropout_p, scale, base=part_base))
+        if mask.causal:
+            outs.append(windowed_attention(part_q, k_full[:, :, keys], v_full[:, :, keys], mask, dropout_p, scale,
+                                           base=part_base))
+            continue
+        # query i of the chunk sits at key index j·c − keys.start + i; the window masks only keys too far back
+        band = mask.band(chunk, end - keys.start, j * chunk - keys.start, q.device)
+        keep = ~(band[None, None] | part_base)
+        outs.append(F.scaled_dot_product_attention(part_q, k_full[:, :, keys], v_full[:, :, keys], attn_mask=keep,
+                                                   dropout_p=dropout_p, scale=scale))
     return torch.cat(outs, dim=2)
 
 
@@ -452,8 +462,11 @@ def _slice_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
                               else position_ids.index_select(position_ids.dim() - 1, idx))
     if kwargs.get("labels") is not None:
         kwargs["labels"] = kwargs["labels"].index_select(1, idx)
-    if kwargs.get("attention_mask") is not None:
-        kwargs["attention_mask"] = kwargs["attention_mask"].index_select(-2, idx)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, TwoSidedMask):  # Gemma 3's image blocks: this rank's query rows, every key column
+        kwargs["attention_mask"] = TwoSidedMask(mask.mask.index_select(-2, idx))
+    elif mask is not None:
+        kwargs["attention_mask"] = mask.index_select(-2, idx)
     return (), kwargs
 
 

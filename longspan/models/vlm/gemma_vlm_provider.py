@@ -21,9 +21,10 @@ class Gemma3VLModelProvider(GPTModelProvider):
 
     Layouts: data parallel and FSDP2 (the language model's layers sharded one by one, the vision encoder in
     the root unit) and tensor parallel (the language model split, the encoder and projector replicated on every
-    rank; sequence parallel splits the sequence after the image merge) and pipeline parallel (the encoder and
-    projector on the first stage). Context parallel raises a one-line NotSupportedError
-    (``longspan.config.rules.vision``, in ``validate()`` and when the model is built)."""
+    rank) and pipeline parallel (the encoder and projector on the first stage); sequence and context parallel
+    split the sequence after the image merge (the image blocks' two-way mask keeps whole-sequence key columns).
+    The image fields are checked by ``longspan.config.rules.vision``, in ``validate()`` and when the model is
+    built."""
 
     scatter_embedding_sequence_parallel: bool = False
     """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as

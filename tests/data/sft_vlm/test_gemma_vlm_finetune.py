@@ -32,7 +32,7 @@ def gemma_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
-                     sp: bool = False):
+                     sp: bool = False, cp: int = 1):
     from longspan.recipes.loading import load_config
 
     return load_config("vlm-sft", overrides=[
@@ -42,6 +42,7 @@ def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = 
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}",
         f"model.pipeline_model_parallel_size={pp}", f"model.sequence_parallel={sp}",
+        f"model.context_parallel_size={cp}",
     ])
 
 
@@ -60,14 +61,16 @@ def gemma_one_process_run(gemma_run_inputs, tmp_path_factory):
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "pp2", "cp2"])
 def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_process(
         gemma_run_inputs, gemma_one_process_run, tmp_path, pool2, layout):
-    """tp2_sp: the image embeddings are put into the whole sequence, which is then cut along the sequence before
-    the first layer (the image blocks' two-way mask over whole-sequence positions)."""
+    """tp2_sp and cp2: the image embeddings are put into the whole sequence, which the language model then cuts
+    along the sequence (sp: before the first layer; cp: its load-balanced chunks, each image's tokens still
+    seeing the later tokens of their image across chunks, in the sliding-window layer too)."""
     hf, data = gemma_run_inputs
     cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout.startswith("tp2") else 1,
-                           fsdp=layout == "fsdp2", pp=2 if layout == "pp2" else 1, sp=layout == "tp2_sp")
+                           fsdp=layout == "fsdp2", pp=2 if layout == "pp2" else 1, sp=layout == "tp2_sp",
+                           cp=2 if layout == "cp2" else 1)
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))

@@ -322,31 +322,33 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # The pipeline split fields (virtual_pipeline_model_parallel_size, num_layers_in_first/last_pipeline_stage,
 # account_for_embedding/loss_in_pipeline_split) split the language model's layers as GPT's do, the encoder on
 # virtual stage 0 with the embedding (test_vlm_finetune.py's pp2-uneven and pp2-vp2 cases equal one process;
-# tests/parallel/test_vlm_pipeline_split.py counts the layers and parameters of each stage).
-# Sequence / context / expert parallel are not covered yet.
+# tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_with_the_embedding counts the layers and parameters of each stage). Sequence and context
+# parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
+# test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process).
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
     vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    sequence_parallel context_parallel_size expert_model_parallel_size
+    expert_model_parallel_size
     expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
     """)
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
-# mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_refuses_layouts for freeze_*). The
-# token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language model
-# and replicates the encoder; pipeline parallel keeps the encoder on the first stage
-# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process), also with virtual
-# stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_vlm_pipeline_split.py).
+# mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_checks_its_image_fields for freeze_*).
+# The token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language
+# model and replicates the encoder; pipeline parallel keeps the encoder on the first stage, also with virtual
+# stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_with_the_embedding); sequence
+# and context parallel split the sequence after the image merge (tests/data/sft_vlm/test_gemma_vlm_finetune.py:
+# FSDP2, TP2, TP2 + SP, PP2, PP2 x VP2 and CP2 equal one process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id
         image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
         """),
     **_many("model", NOT_SUPPORTED, """
-        sequence_parallel context_parallel_size mtp_num_layers
+        mtp_num_layers
         mtp_loss_scaling_factor mtp_enabled
         """),
 }
@@ -461,6 +463,10 @@ CLASS_FIELD_STATUS["T5ModelProvider"].update(_many("model", HINT, "cross_entropy
 # recompute's saved inputs change no result; megatron-core's consistency rules are kept (rules/scheduling_hints.py).
 FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgrad_compute "
                                          "defer_embedding_wgrad_compute wgrad_deferral_limit"))
+# Where sequence parallel cuts the embedded sequence: after the embedding, or (False) before the first layer
+# (longspan.parallel.tensor_parallel._sequence_scatter_plan; tests/parallel/test_tp_plans.py::
+# test_split_model_matches_whole_model[tp2_sp_scatter_after_embedding_off] shows the cut and one process's losses).
+FIELD_STATUS.update(_many("model", SUPPORTED, "scatter_embedding_sequence_parallel"))
 
 
 def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:

@@ -31,7 +31,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "model.tp_only_amax_red": "Transformer Engine's FP8 amax reduction group; torchao's float8 reduces its amax itself",
     "model.test_mode": "Megatron's own test switch; longspan's tests do not use it",
     "model.restore_modelopt_state": "NVIDIA ModelOpt state: longspan has no ModelOpt integration",
-    "model.scatter_embedding_sequence_parallel": "sequence parallel here is a DTensor plan that always shards the embedding output",
     "model.use_ring_exchange_p2p": "needs a custom PyTorch build with ring_exchange; torch pipelining uses batched isend/irecv",
     "dataset.object_storage_cache_path": "data paths are local files; object-storage reading is not built",
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
@@ -49,10 +48,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
 _VLM_NO_MTP = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
 for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
     NOT_SUPPORTED_REASONS.update({
-        f"{_vlm}.sequence_parallel": ("image embeddings are merged into the whole-sequence token embeddings; the "
-                                      "sequence-parallel split after that merge is not built for vision-language models"),
-        f"{_vlm}.context_parallel_size": ("an image's tokens (and their positions) must stay on one rank; the "
-                                          "context-parallel split is not built for vision-language models"),
         f"{_vlm}.mtp_num_layers": _VLM_NO_MTP,
         f"{_vlm}.mtp_loss_scaling_factor": _VLM_NO_MTP,
     })

@@ -208,6 +208,10 @@ class TransformerArgs:
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
     calculate_per_token_loss: bool = False
+    # with sequence parallel: whether the embedding's output is split along the sequence right after the lookup
+    # (False: it stays whole and the decoder's input is split before the first layer, so a vision-language
+    # model can put its image embeddings into the whole sequence first)
+    scatter_embedding_sequence_parallel: bool = True
 
     @classmethod
     def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
@@ -271,6 +275,7 @@ class TransformerArgs:
             mtp_num_layers=getattr(config, "mtp_num_layers", None) or None,
             mtp_loss_scaling_factor=float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0),
             calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+            scatter_embedding_sequence_parallel=bool(getattr(config, "scatter_embedding_sequence_parallel", True)),
             **_gemma_fields(config),
         )
 

@@ -535,7 +535,9 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     make_vocab_size_divisible_by (and checks the tokenizer fits)."""
 
     scatter_embedding_sequence_parallel: bool = True
-    """With sequence parallel: scatter the embedding output along the sequence."""
+    """With sequence parallel: scatter the embedding output along the sequence right after the lookup. False
+    keeps the embedding output whole and splits the decoder's input before the first layer (what a
+    vision-language model needs to put its image embeddings in first); not with multi-token prediction."""
 
     tp_only_amax_red: bool = False
     """FP8: reduce amax only over the tensor-parallel group."""

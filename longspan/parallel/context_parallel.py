@@ -25,7 +25,11 @@ on every layer and hooks the root ``GPTModel`` so that
 
 - the model is called with **full-length** ``input_ids`` / ``position_ids`` / ``labels`` / ``attention_mask``
   (what the default forward step passes) and keeps this rank's two chunks of each (``position_ids`` default
-  to the global positions, so RoPE and learned position embeddings follow the split);
+  to the global positions, so RoPE and learned position embeddings follow the split; mRoPE's ``[3, b, S]``
+  ids are cut along their last dim), and of ``decoder_input`` when given;
+- a vision-language model (Megatron's way: the sequence is split after the image merge) gets the plan on its
+  ``language_model``: the images go into the whole sequence's embeddings and its positions are numbered on the
+  whole sequence before the language model keeps its chunks;
 - its per-token loss ``[b, s_local]`` is all-gathered back to ``[b, S]`` in sequence order, with a
   reduce-scatter backward. Every cp rank then computes the same loss from the full ``loss_mask`` (no change
   to the forward step or ``loss_func``), the reports and token counts are those of the whole sequence, and
@@ -62,7 +66,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
 from longspan.models.moe import SequenceShards, moe_layers
-from longspan.models.sliding_window import WindowedMask, windowed_attention
+from longspan.models.sliding_window import TwoSidedMask, WindowedMask, windowed_attention
 from longspan.parallel.mamba_context_parallel import apply_mamba_context_parallel
 
 _log = get_logger(__name__)
@@ -301,7 +305,9 @@ def _windowed_local_attention(
     """A sliding-window layer's ``local_attention``: each of this rank's query chunks (global chunk j) attends to
     the key chunks from the first one its window reaches up to chunk j, with the window applied on the global
     positions (keys end at the chunk's last query, as ``windowed_attention`` expects). Key chunks wholly before
-    the window are neither sliced nor computed (``WINDOW_BLOCKS`` counts them)."""
+    the window are neither sliced nor computed (``WINDOW_BLOCKS`` counts them). A two-sided mask
+    (``causal=False``: Gemma 3's image tokens see the later tokens of their image) lets a query reach keys after
+    its chunk, so its keys run to the end of the sequence, the caller's mask deciding the later ones."""
     seq_len, local_len = k_full.shape[2], q.shape[2]
     chunk = local_len // 2
     base = mask.base
@@ -309,14 +315,22 @@ def _windowed_local_attention(
         base = split_for_context_parallel(base, cp_size, cp_rank, seq_dim=-2)
     outs = []
     for row, j in ((0, cp_rank), (chunk, 2 * cp_size - 1 - cp_rank)):
-        end = (j + 1) * chunk
+        end = (j + 1) * chunk if mask.causal else seq_len
         first_block = max(0, j * chunk - mask.window + 1) // chunk
         WINDOW_BLOCKS["skipped"] += first_block
-        WINDOW_BLOCKS["computed"] += j + 1 - first_block
+        WINDOW_BLOCKS["computed"] += end // chunk - first_block
         keys = slice(first_block * chunk, end)
+        part_q = q[:, :, row:row + chunk]
         part_base = None if base is None else base[..., row:row + chunk, keys]
-        outs.append(windowed_attention(q[:, :, row:row + chunk], k_full[:, :, keys], v_full[:, :, keys], mask,
-                                       dropout_p, scale, base=part_base))
+        if mask.causal:
+            outs.append(windowed_attention(part_q, k_full[:, :, keys], v_full[:, :, keys], mask, dropout_p, scale,
+                                           base=part_base))
+            continue
+        # query i of the chunk sits at key index j·c − keys.start + i; the window masks only keys too far back
+        band = mask.band(chunk, end - keys.start, j * chunk - keys.start, q.device)
+        keep = ~(band[None, None] | part_base)
+        outs.append(F.scaled_dot_product_attention(part_q, k_full[:, :, keys], v_full[:, :, keys], attn_mask=keep,
+                                                   dropout_p=dropout_p, scale=scale))
     return torch.cat(outs, dim=2)
 
 
@@ -433,20 +447,26 @@ def _slice_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         first = kwargs["input_ids"]
         seq_len = first.shape[1]
         kwargs["input_ids"] = split_for_context_parallel(first, cp, rank, seq_dim=1)
+        if kwargs.get("decoder_input") is not None:  # a vision-language model's embeddings, images put in
+            kwargs["decoder_input"] = split_for_context_parallel(kwargs["decoder_input"], cp, rank, seq_dim=1)
     else:
         # Hidden states from the previous pipeline stage are local already (and, under sequence parallel,
         # split further over tp): the full length comes from the full-length inputs, else the configured one.
         first = kwargs.get("hidden_states")
         first = first if first is not None else kwargs["input_ids"]
         full = kwargs.get("position_ids") if kwargs.get("position_ids") is not None else kwargs.get("labels")
-        seq_len = full.shape[1] if full is not None else int(module.args.seq_length)
+        seq_len = full.shape[-1] if full is not None else int(module.args.seq_length)
     idx = load_balanced_indices(seq_len, cp, rank, device=first.device)
-    position_ids = kwargs.get("position_ids")
-    kwargs["position_ids"] = idx.unsqueeze(0) if position_ids is None else position_ids.index_select(1, idx)
+    position_ids = kwargs.get("position_ids")  # [b, S], or mRoPE's [3, b, S]: the sequence is the last dim
+    kwargs["position_ids"] = (idx.unsqueeze(0) if position_ids is None
+                              else position_ids.index_select(position_ids.dim() - 1, idx))
     if kwargs.get("labels") is not None:
         kwargs["labels"] = kwargs["labels"].index_select(1, idx)
-    if kwargs.get("attention_mask") is not None:
-        kwargs["attention_mask"] = kwargs["attention_mask"].index_select(-2, idx)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, TwoSidedMask):  # Gemma 3's image blocks: this rank's query rows, every key column
+        kwargs["attention_mask"] = TwoSidedMask(mask.mask.index_select(-2, idx))
+    elif mask is not None:
+        kwargs["attention_mask"] = mask.index_select(-2, idx)
     return (), kwargs
 
 
@@ -471,6 +491,10 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     if group is None or dist.get_world_size(group) == 1:
         return model
     root = _unwrap(model)
+    if not hasattr(root, "decoder") and hasattr(getattr(root, "language_model", None), "decoder"):
+        # a vision-language model: its language model takes the whole sequence's embeddings (images put in,
+        # positions numbered on the whole sequence) as decoder_input and is split like any GPT model
+        root = root.language_model
     applied = getattr(root, CONTEXT_PARALLEL_ATTR, None)
     if applied is group:  # idempotent: a second call over the same group changes nothing
         return model

@@ -26,9 +26,11 @@ over the 1-D ``tp`` mesh:
   weight, which needs no communication.
 
 With ``sequence_parallel`` the residual stream between the column/row pairs is sharded along the sequence
-(dim 1): the embedding's output is split along the sequence, norms run as ``SequenceParallel`` on their
-shard, attention/MLP inputs are all-gathered (``PrepareModuleInput``), and ``linear_proj`` / ``linear_fc2``
-reduce-scatter back to sequence shards. The final norm feeds the output layer, which all-gathers its input.
+(dim 1): the whole embedded sequence is split along the sequence (the embedding's output, or, with
+``scatter_embedding_sequence_parallel=False``, the decoder's input before the first layer), norms run as
+``SequenceParallel`` on their shard, attention/MLP inputs are all-gathered (``PrepareModuleInput``), and
+``linear_proj`` / ``linear_fc2`` reduce-scatter back to sequence shards. The final norm feeds the output layer,
+which all-gathers its input.
 
 Randomness: hidden dropout on the replicated residual stream (tp without sp) draws the same mask on every tp
 rank, the one a single process draws. Under sequence parallel the residual dropouts are replaced by
@@ -54,6 +56,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from longspan.config.rules.layout import sequence_scatter_error
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
@@ -114,14 +117,11 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     sp = sequence_parallel
     plan: dict[str, Any] = {}
     if getattr(model, "embedding", None) is not None:
-        # The lookup's partial sums are all-reduced to a replicated output; under sp the embedding module's
-        # output (after position embeddings and dropout, drawn as on one process) is then cut along the
-        # sequence locally, with no communication.
+        # The lookup's partial sums are all-reduced to a replicated output; under sp the whole sequence is then
+        # cut along the sequence locally, with no communication (see _sequence_scatter_plan for where).
         plan["embedding.word_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if sp:
-            plan["embedding"] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
-            )
+            plan.update(_sequence_scatter_plan(model))
     for prefix, layer in _transformer_layers(model):
         attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
         if getattr(layer, "self_attention", None) is not None and hasattr(layer.self_attention, "mla"):
@@ -176,6 +176,21 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             use_local_output=False,
         )
     return plan
+
+
+def _sequence_scatter_plan(model: nn.Module) -> dict[str, Any]:
+    """Where sequence parallel cuts the whole embedded sequence into this rank's shard (Megatron's
+    ``scatter_embedding_sequence_parallel``): True cuts the embedding module's output (after position embeddings
+    and dropout, drawn as on one process); False keeps the embedding's output whole and cuts the decoder's input
+    before the first layer, so that a caller passing ``decoder_input`` (a vision-language model's token
+    embeddings with its image embeddings put in) merges on the whole sequence. A last pipeline stage's own copy
+    of the embedding (multi-token prediction only) always cuts its output: its decoder input arrives cut."""
+    if model.args.scatter_embedding_sequence_parallel or not model.pre_process:
+        return {"embedding": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                                 use_local_output=True)}
+    # decoder(hidden_states, rotary, attention_mask): only the hidden states are cut
+    return {"decoder": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                          desired_input_layouts=(Shard(1), None, None), use_local_output=True)}
 
 
 def _mla_plan(attn: str, module: nn.Module, sp: bool) -> dict[str, Any]:
@@ -320,15 +335,25 @@ def _is_vision_language_model(model: nn.Module) -> bool:
 
 def _apply_vision_language_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> nn.Module:
     """The language model is split as any GPT model; the vision encoder and its projection stay whole on every
-    rank (replicated: same images in, same embeddings out, the same gradients on every rank)."""
+    rank (replicated: same images in, same embeddings out, the same gradients on every rank). Under sequence
+    parallel the image embeddings are put into the whole sequence's token embeddings, and the language model
+    cuts that decoder input along the sequence before its first layer (``scatter_embedding_sequence_parallel``
+    False); positions (mRoPE) and masks (Gemma's image blocks) stay whole-sequence, as attention sees the
+    gathered sequence."""
     if sequence_parallel:
-        raise NotSupportedError(
-            f"model.sequence_parallel=True is not supported yet for {type(model).__name__}: the image embeddings "
-            "are put into the whole sequence's embeddings; set model.sequence_parallel=False"
-        )
+        _check_sequence_scatter(model.language_model, type(model.config).__name__, puts_images_in_sequence=True)
     apply_tensor_parallel(model.language_model, tp_mesh, sequence_parallel)
     setattr(model, LOSS_PARALLEL_ATTR, getattr(model.language_model, LOSS_PARALLEL_ATTR, False))
     return model
+
+
+def _check_sequence_scatter(language_model: nn.Module, model_name: str, puts_images_in_sequence: bool) -> None:
+    """Under sequence parallel: the one-line error when the language model's cut does not fit the model."""
+    args = language_model.args
+    error = sequence_scatter_error(model_name, args.scatter_embedding_sequence_parallel, args.mtp_num_layers,
+                                   puts_images_in_sequence)
+    if error is not None:
+        raise error
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
@@ -341,6 +366,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if _is_vision_language_model(model):
         return _apply_vision_language_tensor_parallel(model, tp_mesh, sequence_parallel)
     check_tensor_parallel(model, tp)
+    if sequence_parallel and not is_t5_model(model):
+        _check_sequence_scatter(model, type(model.config).__name__, puts_images_in_sequence=False)
     mamba_plan = apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: see there
     if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)
         if sequence_parallel:

@@ -609,6 +609,22 @@ def _sequence_parallel_changes_the_tensor_parallel_plan(tmp_path: Path) -> bool:
     return repr(tensor_parallel_plan(model, False)) != repr(tensor_parallel_plan(model, True))
 
 
+@probe("model.scatter_embedding_sequence_parallel")
+def _scatter_embedding_moves_the_sequence_cut_to_the_decoder(tmp_path: Path) -> bool:
+    """With sequence parallel, False cuts the decoder's input instead of the embedding's output (losses and the
+    cut itself: tests/parallel/test_tp_plans.py::test_split_model_matches_whole_model)."""
+    from longspan.models.gpt import build_gpt_model
+    from longspan.parallel.tensor_parallel import tensor_parallel_plan
+
+    def cut_at(scatter: bool) -> set[str]:
+        cfg = _validated(2, model__tensor_model_parallel_size=2, model__sequence_parallel=True,
+                         model__scatter_embedding_sequence_parallel=scatter)
+        plan = tensor_parallel_plan(build_gpt_model(cfg.model, materialize=False), True)
+        return {name for name in ("embedding", "decoder") if name in plan}
+
+    return cut_at(True) == {"embedding"} and cut_at(False) == {"decoder"}
+
+
 @probe("model.virtual_pipeline_model_parallel_size", "model.num_layers_in_first_pipeline_stage",
        "model.num_layers_in_last_pipeline_stage", "model.account_for_embedding_in_pipeline_split",
        "model.account_for_loss_in_pipeline_split")

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from longspan import AutoBridge
 from longspan.conversion import families
-from longspan.core.errors import ConfigError, DataError, NotSupportedError
+from longspan.core.errors import ConfigError, DataError
 from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images, prompt_inputs
 from tests.conversion.gemma_vlm_models import draw_image, make_gemma3_vlm
 from tests.training.pretrain_helpers import small_config
@@ -175,7 +175,7 @@ def test_checkpoint_import_and_export_are_bit_identical(vlm, tmp_path):
         assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
 
 
-def test_provider_freezes_parts_and_refuses_layouts(vlm, tmp_path):
+def test_provider_freezes_parts_and_checks_its_image_fields(vlm, tmp_path):
     bridge = vlm[4]
     provider = bridge.to_megatron_provider()
     provider.freeze_vision_model = provider.freeze_vision_projection = True
@@ -187,10 +187,6 @@ def test_provider_freezes_parts_and_refuses_layouts(vlm, tmp_path):
     trainable = {n.split(".")[0] for n, p in provider.provide().named_parameters() if p.requires_grad}
     assert trainable == {"vision_tower", "multi_modal_projector"}
 
-    provider.context_parallel_size = 2
-    with pytest.raises(NotSupportedError, match="context_parallel_size=2 is not supported yet"):
-        provider.provide()
-    provider.context_parallel_size = 1
     provider.mm_tokens_per_image = 2
     with pytest.raises(ConfigError, match="mm_tokens_per_image=2 is invalid"):
         provider.provide()

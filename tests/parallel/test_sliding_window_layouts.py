@@ -115,3 +115,24 @@ def test_cp_windowed_attention_equals_one_process_and_skips_blocks(seq, window, 
     assert cpmod.WINDOW_BLOCKS["computed"] + expected_skipped == sum(j + 1 for j in range(2 * cp))
     if window < chunk:
         assert expected_skipped > 0
+
+
+def test_cp_windowed_attention_with_two_sided_image_blocks_across_chunks_equals_one_process():
+    """Gemma 3's image tokens also see the later tokens of their image (a two-sided mask, ``causal=False``):
+    under context parallel a sliding-window layer's query chunk then reaches keys in later chunks. Images that
+    straddle chunk boundaries (chunks of 8: blocks 5-10 and 20-27) give every rank one process's rows."""
+    from longspan.models.attention import core_attention
+    from longspan.models.vlm.gemma_vlm import image_attention_mask
+
+    seq, window, cp = 32, 6, 2
+    q, k, v, _ = _cp_case(seq, window, cp, with_base=False)
+    token_type_ids = torch.zeros(2, seq, dtype=torch.long)
+    token_type_ids[:, 5:11] = 1
+    token_type_ids[0, 20:28] = 1
+    base = image_attention_mask(token_type_ids).mask
+    want = core_attention(q, k, v, sw.WindowedMask(window, base, causal=False), 0.0, None)
+    for rank in range(cp):
+        idx = cpmod.load_balanced_indices(seq, cp, rank)
+        mask = sw.WindowedMask(window, base.index_select(-2, idx), causal=False)
+        got = cpmod.local_attention(q.index_select(2, idx), k, v, cp, rank, mask)
+        torch.testing.assert_close(got, want.index_select(2, idx), atol=1e-12, rtol=0)

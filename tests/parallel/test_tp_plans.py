@@ -78,6 +78,40 @@ def test_sequence_parallel_plan_shards_norms_and_reduce_scatters():
     assert plan["output_layer"].input_layouts == (Shard(1),)
 
 
+def test_vision_language_models_cut_the_sequence_after_the_image_merge():
+    """Under sequence parallel a vision-language model's language model keeps its embedding output whole (the
+    images go into it) and cuts the decoder's input (the finetunes: tests/data/sft_vlm, tp2_sp). Cutting right
+    after the lookup is a one-line error for them, as is the late cut with multi-token prediction."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from longspan.config.rules.layout import check_sequence_scatter
+    from longspan.core.errors import NotSupportedError
+    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
+    from longspan.models.vlm.qwen25_vl import Qwen25VLModel
+    from longspan.models.vlm.qwen25_vl_provider import Qwen25VLModelProvider
+    from longspan.parallel.tensor_parallel import tensor_parallel_plan
+
+    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    qwen = Qwen25VLModelProvider(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                                 num_query_groups=2, vocab_size=256, seq_length=16, mrope_section=[2, 1, 1],
+                                 vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                                    out_hidden_size=32, fullatt_block_indexes=[0]), **layout)
+    with torch.device("meta"):
+        plan = tensor_parallel_plan(Qwen25VLModel(qwen).language_model, sequence_parallel=True)
+    assert "embedding" not in plan
+    assert plan["decoder"].input_layouts == (Replicate(), None, None)
+    assert plan["decoder"].desired_input_layouts == (Shard(1), None, None)
+    for provider in (qwen, Gemma3VLModelProvider(**layout)):
+        check_sequence_scatter(provider)  # both default to False, as in Megatron Bridge
+        provider.scatter_embedding_sequence_parallel = True
+        with pytest.raises(ConfigError, match=rf"^model.scatter_embedding_sequence_parallel=True with "
+                                              rf"model.sequence_parallel=True: {type(provider).__name__} puts"):
+            check_sequence_scatter(provider)
+    with pytest.raises(NotSupportedError, match="mtp_num_layers=1 is not supported yet"):
+        check_sequence_scatter(small_provider(mtp_num_layers=1, scatter_embedding_sequence_parallel=False, **layout))
+
+
 def test_plan_covers_only_the_modules_a_stage_holds():
     from longspan.models.gpt import build_gpt_model
     from longspan.parallel.tensor_parallel import tensor_parallel_plan
@@ -110,7 +144,7 @@ def test_loss_context_is_null_without_vocab_parallel_output():
 
 # ------------------------------------------------------------------------------------------ on 2 gloo ranks
 
-def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
+def _tp_checks(sequence_parallel: bool, hidden_dropout: float, scatter_embedding: bool = True) -> dict:
     """Split the small model over tp=2 and compare it with the whole model built in the same process."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -123,7 +157,7 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
 
     init_gloo(timeout_s=60)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    provider = small_provider(hidden_dropout=hidden_dropout)
+    provider = small_provider(hidden_dropout=hidden_dropout, scatter_embedding_sequence_parallel=scatter_embedding)
     whole = build_gpt_model(provider, seed=5, device="cpu")
     split = apply_tensor_parallel(build_gpt_model(provider, materialize=False), mesh, sequence_parallel)
     init_weights(split, seed=5, device="cpu")
@@ -164,6 +198,16 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
         captured.setdefault("logits", output)  # returns None: the output is left alone
 
     split.output_layer.register_forward_hook(capture)
+    # where the sequence is cut: the embedding's output and the first layer's input, as each rank holds them
+    def record_shape(key):
+        def hook(module, args, output=None):
+            tensor = args[0] if output is None else output
+            if key not in captured:
+                captured[key] = tuple(tensor.shape)
+        return hook
+
+    split.embedding.register_forward_hook(record_shape("embedding_output_shape"))
+    split.decoder.layers["0"].register_forward_pre_hook(record_shape("first_layer_input_shape"))
     torch.manual_seed(99)
     ref = whole(tokens, labels=labels)
     ref.mean().backward()
@@ -172,6 +216,8 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
         loss = split(tokens, labels=labels)
         loss.mean().backward()
     logits = captured["logits"]
+    out["embedding_output_shape"] = captured["embedding_output_shape"]
+    out["first_layer_input_shape"] = captured["first_layer_input_shape"]
     out["logits_local_shape"] = tuple(logits.to_local().shape)
     out["logits_placements"] = tuple(logits.placements)
     out["loss_is_plain_tensor"] = not isinstance(loss, DTensor)
@@ -207,11 +253,17 @@ def _tp_checks(sequence_parallel: bool, hidden_dropout: float) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_split_model_matches_whole_model(sequence_parallel):
+@pytest.mark.parametrize(("sequence_parallel", "scatter_embedding"), [(False, True), (True, True), (True, False)],
+                         ids=["tp2", "tp2_sp", "tp2_sp_scatter_after_embedding_off"])
+def test_split_model_matches_whole_model(sequence_parallel, scatter_embedding):
     # hidden dropout on: the masks must not depend on the layout either
-    results = get_shared_pool(2).run(_tp_checks, sequence_parallel, 0.1, timeout=180)
+    results = get_shared_pool(2).run(_tp_checks, sequence_parallel, 0.1, scatter_embedding, timeout=180)
+    # scatter_embedding_sequence_parallel: the embedding's output is this rank's half of the sequence, or
+    # (False) the whole sequence, cut before the first layer
+    embedding_seq = 8 if sequence_parallel and scatter_embedding else 16
     for r in results:
+        assert r["embedding_output_shape"] == (2, embedding_seq, 32), r
+        assert r["first_layer_input_shape"] == (2, 8 if sequence_parallel else 16, 32), r
         assert r["loss_is_plain_tensor"]
         assert r["loss_max_diff"] < 1e-5, r
         assert r["grad_max_diff"] < 1e-5, r

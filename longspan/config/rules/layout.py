@@ -22,6 +22,7 @@ def check_parallel_layout(cfg: "ConfigContainer", ws: int) -> int:
     _check_layer_split(m)
     _check_shapes_against_parallel_sizes(m)
     check_context_parallel_options(m)
+    check_sequence_scatter(m)
     return dp
 
 
@@ -55,6 +56,37 @@ def _check_sizes_against_world(m: object, ws: int) -> int:
     if m.sequence_parallel and tp == 1:
         raise ConfigError("model.sequence_parallel=True needs model.tensor_model_parallel_size > 1 (it is 1)")
     return dp
+
+
+def check_sequence_scatter(m: object) -> None:
+    """Where sequence parallel cuts the embedded sequence (``scatter_embedding_sequence_parallel``) against what
+    the model does with the whole sequence first (see :func:`sequence_scatter_error`)."""
+    if not getattr(m, "sequence_parallel", False) or (getattr(m, "tensor_model_parallel_size", 1) or 1) == 1:
+        return
+    error = sequence_scatter_error(type(m).__name__, getattr(m, "scatter_embedding_sequence_parallel", True),
+                                   getattr(m, "mtp_num_layers", None),
+                                   hasattr(m, "vision_config") and hasattr(m, "image_token_id"))
+    if error is not None:
+        raise error
+
+
+def sequence_scatter_error(model_name: str, scatter: bool, mtp_num_layers: int | None,
+                           puts_images_in_sequence: bool) -> Exception | None:
+    """The one-line error of a sequence-parallel model whose ``scatter_embedding_sequence_parallel`` does not
+    fit it, or None: a vision-language model puts its image embeddings into the whole sequence (the cut must
+    come after: False); multi-token prediction embeds on sequence shards (True). The parallel plan asks too."""
+    if scatter and puts_images_in_sequence:
+        return ConfigError(
+            f"model.scatter_embedding_sequence_parallel=True with model.sequence_parallel=True: {model_name} puts "
+            "its image embeddings into the whole sequence before the sequence-parallel split; set it False"
+        )
+    if not scatter and mtp_num_layers:
+        return NotSupportedError(
+            f"model.scatter_embedding_sequence_parallel=False with model.sequence_parallel=True and "
+            f"model.mtp_num_layers={mtp_num_layers} is not supported yet: the multi-token prediction depths embed "
+            "on sequence shards; set it True"
+        )
+    return None
 
 
 def _check_layer_split(m: object) -> None:

@@ -236,6 +236,6 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("Megatron's rules of compute-scheduling hints", _on_config(check_scheduling_hints)),
     ("fields longspan does not support yet", _on_config(check_supported)),
     ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
-    ("a vision-language model's image fields and layout", _on_config(_check_image_model)),
+    ("a vision-language model's image fields", _on_config(_check_image_model)),
     ("PEFT adapters", _peft),
 ]

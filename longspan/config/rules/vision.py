@@ -1,6 +1,6 @@
 """Config rules of a vision-language model's image fields (Gemma 3's: ``Gemma3VLModelProvider``): the SigLIP
-encoder's ``vision_config``, ``mm_tokens_per_image`` and the layouts the model builds in. A provider is
-recognised by its ``mm_tokens_per_image`` field (this package sits below ``models``). ``validate()`` runs
+encoder's ``vision_config`` and ``mm_tokens_per_image``. A provider is recognised by its ``mm_tokens_per_image``
+field (this package sits below ``models``). ``validate()`` runs
 :func:`check_image_model`; the model runs it too when the provider is used on its own."""
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ SUPPORTED_VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 _VISION_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
                  "patch_size")
 
-#: layouts the vision-language model does not build yet (field -> the one value it takes)
-_IMAGE_MODEL_LAYOUT = ("context_parallel_size",)
-
 
 def is_image_model(config: Any) -> bool:
     """A Gemma 3 vision-language provider: it has ``mm_tokens_per_image``."""
@@ -30,11 +27,6 @@ def check_image_model(config: Any) -> None:
     """The image fields of ``config`` (nothing for other providers): one-line errors naming the field."""
     if not is_image_model(config):
         return
-    for name in _IMAGE_MODEL_LAYOUT:
-        value = getattr(config, name, 1) or 1
-        if value > 1:
-            raise NotSupportedError(f"model.{name}={value} is not supported yet for {type(config).__name__}: "
-                                    "use 1")
     vision = config.vision_config or {}
     for key in _VISION_SIZES:
         value = vision.get(key)

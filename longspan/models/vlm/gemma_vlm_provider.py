@@ -21,9 +21,15 @@ class Gemma3VLModelProvider(GPTModelProvider):
 
     Layouts: data parallel and FSDP2 (the language model's layers sharded one by one, the vision encoder in
     the root unit) and tensor parallel (the language model split, the encoder and projector replicated on every
-    rank) and pipeline parallel (the encoder and projector on the first stage). Context parallel raises a
-    one-line NotSupportedError (``longspan.config.rules.vision``, in ``validate()`` and when the model is
-    built)."""
+    rank) and pipeline parallel (the encoder and projector on the first stage); sequence and context parallel
+    split the sequence after the image merge (the image blocks' two-way mask keeps whole-sequence key columns).
+    The image fields are checked by ``longspan.config.rules.vision``, in ``validate()`` and when the model is
+    built."""
+
+    scatter_embedding_sequence_parallel: bool = False
+    """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as
+    the image embeddings are put into the whole sequence's embeddings first (the decoder's input is split
+    before the first layer); True with sequence parallel is a one-line error."""
 
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The SigLIP vision encoder: HF ``SiglipVisionConfig`` fields (``hidden_size``, ``intermediate_size``,

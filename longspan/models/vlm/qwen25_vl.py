@@ -8,7 +8,8 @@ Plain PyTorch, three submodules for parallel plans to address::
 
 The forward embeds the tokens, replaces the embeddings of the image tokens (``image_token_id``, one per merged
 patch, in order) with the merger's outputs, numbers the positions with mRoPE (from the tokens and the images'
-patch grids, as transformers' ``get_rope_index``, unless given) and runs the language model.
+patch grids, as transformers' ``get_rope_index``, unless given) and runs the language model. Sequence and context
+parallel split the sequence inside the language model, after this merge and numbering (``longspan.parallel``).
 """
 
 from __future__ import annotations

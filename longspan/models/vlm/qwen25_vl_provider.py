@@ -52,7 +52,8 @@ class Qwen25VLModelProvider(GPTModelProvider):
 
     scatter_embedding_sequence_parallel: bool = False
     """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False,
-    as the image embeddings are put into the whole sequence's embeddings first."""
+    as the image embeddings are put into the whole sequence's embeddings first (the decoder's input is split
+    before the first layer); True with sequence parallel is a one-line error."""
 
     mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
     """The rotary frequency pairs per mRoPE axis (temporal, height, width); they sum to kv_channels / 2."""

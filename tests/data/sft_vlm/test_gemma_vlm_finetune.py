@@ -43,7 +43,7 @@ PIPELINE_SPLITS = {
 
 
 def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
-                     split: tuple[str, ...] = ()):
+                     split: tuple[str, ...] = (), sp: bool = False, cp: int = 1):
     from longspan.recipes.loading import load_config
 
     return load_config("vlm-sft", overrides=[
@@ -52,7 +52,8 @@ def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = 
         f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}",
-        f"model.pipeline_model_parallel_size={pp}", *split,
+        f"model.pipeline_model_parallel_size={pp}", *split, f"model.sequence_parallel={sp}",
+        f"model.context_parallel_size={cp}",
     ])
 
 
@@ -71,12 +72,17 @@ def gemma_one_process_run(gemma_run_inputs, tmp_path_factory):
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", *PIPELINE_SPLITS])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "cp2", *PIPELINE_SPLITS])
 def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_process(
         gemma_run_inputs, gemma_one_process_run, tmp_path, pool2, layout):
+    """tp2_sp and cp2: the image embeddings are put into the whole sequence, which the language model then cuts
+    along the sequence (sp: before the first layer; cp: its load-balanced chunks, each image's tokens still
+    seeing the later tokens of their image across chunks, in the sliding-window layer too)."""
     hf, data = gemma_run_inputs
-    cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2",
-                           pp=2 if layout in PIPELINE_SPLITS else 1, split=tuple(PIPELINE_SPLITS.get(layout, ())))
+    cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout.startswith("tp2") else 1,
+                           fsdp=layout == "fsdp2", pp=2 if layout in PIPELINE_SPLITS else 1,
+                           split=tuple(PIPELINE_SPLITS.get(layout, ())), sp=layout == "tp2_sp",
+                           cp=2 if layout == "cp2" else 1)
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))

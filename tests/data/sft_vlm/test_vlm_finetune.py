@@ -49,7 +49,7 @@ PIPELINE_SPLITS = {
 
 
 def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
-                split: tuple[str, ...] = (), save: bool = False):
+                split: tuple[str, ...] = (), save: bool = False, sp: bool = False, cp: int = 1):
     from longspan.recipes.loading import load_config
 
     cfg = load_config("vlm-sft", overrides=[
@@ -60,6 +60,7 @@ def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False
         "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}",
         f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}", *split,
+        f"model.sequence_parallel={sp}", f"model.context_parallel_size={cp}",
     ])
     return cfg
 
@@ -81,12 +82,14 @@ def one_process_run(vl_run_inputs, tmp_path_factory):
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", *PIPELINE_SPLITS])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "cp2", *PIPELINE_SPLITS])
 def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_process_run, tmp_path, pool2, layout):
+    """tp2_sp and cp2: the image embeddings are put into the whole sequence and its mRoPE positions numbered, then
+    the language model cuts it along the sequence (sp: before the first layer; cp: its load-balanced chunks)."""
     hf, data = vl_run_inputs
-    cfg = _sft_config(hf, data, tmp_path / layout, tp=2 if layout == "tp2" else 1, fsdp=layout == "fsdp2",
+    cfg = _sft_config(hf, data, tmp_path / layout, tp=2 if layout.startswith("tp2") else 1, fsdp=layout == "fsdp2",
                       pp=2 if layout in PIPELINE_SPLITS else 1, split=tuple(PIPELINE_SPLITS.get(layout, ())),
-                      save=layout == "pp2-uneven")
+                      save=layout == "pp2-uneven", sp=layout == "tp2_sp", cp=2 if layout == "cp2" else 1)
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))

@@ -322,8 +322,8 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # The pipeline split fields (virtual_pipeline_model_parallel_size, num_layers_in_first/last_pipeline_stage,
 # account_for_embedding/loss_in_pipeline_split) split the language model's layers as GPT's do, the encoder on
 # virtual stage 0 with the embedding (test_vlm_finetune.py's pp2-uneven and pp2-vp2 cases equal one process;
-# tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_with_the_embedding counts the layers and parameters of each stage). Sequence and context
-# parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
+# tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_
+# with_the_embedding counts the layers and parameters of each stage). Sequence and context parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
 # test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process).
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
@@ -339,7 +339,7 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
 # mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_checks_its_image_fields for freeze_*).
 # The token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language
 # model and replicates the encoder; pipeline parallel keeps the encoder on the first stage, also with virtual
-# stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_with_the_embedding); sequence
+# stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_pipeline.py); sequence
 # and context parallel split the sequence after the image merge (tests/data/sft_vlm/test_gemma_vlm_finetune.py:
 # FSDP2, TP2, TP2 + SP, PP2, PP2 x VP2 and CP2 equal one process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {

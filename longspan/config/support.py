@@ -323,7 +323,8 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # account_for_embedding/loss_in_pipeline_split) split the language model's layers as GPT's do, the encoder on
 # virtual stage 0 with the embedding (test_vlm_finetune.py's pp2-uneven and pp2-vp2 cases equal one process;
 # tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_
-# with_the_embedding counts the layers and parameters of each stage). Sequence and context parallel cut the sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
+# with_the_embedding counts the layers and parameters of each stage). Sequence and context parallel cut the
+# sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
 # test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process).
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """

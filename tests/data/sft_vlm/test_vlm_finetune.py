@@ -52,12 +52,14 @@ def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False
                 split: tuple[str, ...] = (), save: bool = False, sp: bool = False, cp: int = 1):
     from longspan.recipes.loading import load_config
 
+    # lr 3e-4: at 1e-3 Adam grows the layouts' last-bit gradient differences into loss differences near 1e-5 by
+    # iteration 6 of the four-layer model (tp2_sp measured 1.05e-5); at 3e-4 every layout stays within 1.1e-6.
     cfg = load_config("vlm-sft", overrides=[
         f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}",
         f"checkpoint.save={out / 'ckpt' if save else 'null'}", f"checkpoint.save_interval={ITERS}",
         "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
         f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
-        "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
+        "optimizer.lr=3e-4", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
         "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}",
         f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}", *split,
         f"model.sequence_parallel={sp}", f"model.context_parallel_size={cp}",
@@ -93,8 +95,9 @@ def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_p
     pool2.run(_finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    rel = {it: abs(got[it] - want[it]) / abs(want[it]) for it in want}
     for it in want:
-        assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]}"
+        assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]} ({rel})"
     assert want[ITERS] < want[1]
     if cfg.checkpoint.save:
         _loads_in_one_process_as_the_one_process_run(cfg.checkpoint.save, one_process_run.checkpoint.save)

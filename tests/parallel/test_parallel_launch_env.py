@@ -175,13 +175,6 @@ def test_nccl_default_on_cpu_falls_back_to_gloo_silently(caplog):
     ]
 
 
-@pytest.mark.parametrize("field,value", [("lazy_init", True), ("use_sharp", True)])
-def test_unsupported_fields_raise(field, value):
-    cfg = DistCfg(**{field: value})
-    with pytest.raises(NotSupportedError, match=f"dist.{field}"):
-        initialize_distributed(cfg, MPCfg(), env={})
-
-
 def test_bad_backend_and_timeout():
     with pytest.raises(ConfigError, match="distributed_backend='mpi'"):
         initialize_distributed(DistCfg(distributed_backend="mpi"), MPCfg(), env={})

@@ -1182,3 +1182,12 @@ def _config_logger_writes_each_chunks_config_and_modules(tmp_path: Path) -> bool
     return (record["config"]["num_layers"] == 2 and record["config"]["config_logger_dir"] == str(directory)
             and sorted(record["modules"]["decoder"]["layers"]) == ["0", "1"]
             and record["pre_process"] and record["post_process"] and [p.name for p in tmp_path.glob("*/configs")] == [])
+
+
+# Infrastructure fields made real beside the shared tables (appended for clean merges).
+COVERED_ELSEWHERE.update({
+    "ddp.use_megatron_fsdp": "tests/parallel/test_layout_parity.py::test_model_level_layout_matches_one_process[dp2_megatron_fsdp] (FSDP2-sharded DTensor parameters, losses equal one process) and tests/config/test_data_parallel_rules.py::test_megatron_fsdp_runs_fsdp2_with_bridges_contract",
+    "ddp.use_custom_fsdp": "tests/config/test_data_parallel_rules.py::test_megatron_fsdp_runs_fsdp2_with_bridges_contract (the deprecated name picks the same FSDP2 modes)",
+    "dist.lazy_init": "tests/parallel/test_lazy_init.py (initialize_megatron returns the finisher; no process group before it runs, on one and two ranks)",
+    "straggler.straggler_ctrlr_port": "tests/resilience/test_straggler_control.py (a request to rank 0's port toggles the detector on every rank at the next logging step)",
+})

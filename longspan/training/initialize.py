@@ -44,7 +44,7 @@ def set_random_seed(seed: int, parallel: ParallelState, data_parallel_random_ini
 
 
 def initialize_megatron(
-    cfg: Any, skip_mpu_initialization: bool = False
+    cfg: Any, *, skip_mpu_initialization: bool = False
 ) -> Union[ParallelState, Callable[[], ParallelState], None]:
     """Set up logging and this rank's launch, device and layout, then the process groups and the seeds.
 

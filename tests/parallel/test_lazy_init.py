@@ -52,11 +52,15 @@ def test_validate_initializes_on_the_cpu_and_pretrain_says_what_to_do() -> None:
     assert "\n" not in str(err.value) and not parallel_init.is_initialized()
 
 
-def _lazy_on_two_ranks() -> dict:
+def _lazy_on_two_ranks(external: bool) -> dict:
     import torch.distributed as dist
+
+    from tests.parallel.harness import init_gloo
 
     finish = initialize_megatron(_lazy_cfg())
     before = dist.is_initialized() or parallel_init.is_initialized()
+    if external:  # the external manager creates the default group; the finisher adopts it
+        init_gloo(timeout_s=60)
     parallel = finish()
     total = torch.tensor([float(parallel.rank + 1)])
     dist.all_reduce(total, group=parallel.dp_group)
@@ -64,6 +68,7 @@ def _lazy_on_two_ranks() -> dict:
             "same": finish() is parallel}
 
 
-def test_process_groups_wait_for_the_finisher_on_two_ranks(pool2) -> None:
-    for rank in pool2.run(_lazy_on_two_ranks, timeout=120):
+@pytest.mark.parametrize("external", [False, True], ids=["finisher_creates", "manager_creates"])
+def test_process_groups_wait_for_the_finisher_on_two_ranks(pool2, external: bool) -> None:
+    for rank in pool2.run(_lazy_on_two_ranks, external, timeout=120):
         assert rank == {"before": False, "world": 2, "dp": 2, "sum": 3.0, "same": True}

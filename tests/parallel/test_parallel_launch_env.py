@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
+from longspan.core.errors import ConfigError, LaunchError
 from longspan.parallel.init import (
     LaunchEnv,
     destroy_distributed,

@@ -91,3 +91,18 @@ def test_port_outside_tcp_range_is_one_line(tmp_path, port: int) -> None:
     cfg.straggler = StragglerDetectionConfig(straggler_ctrlr_port=port)
     with pytest.raises(ConfigError, match=f"straggler.straggler_ctrlr_port={port} is not a TCP port"):
         cfg.validate(world_size=1)
+
+
+def test_a_busy_port_warns_once_and_detection_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+
+    from longspan.training.resilience.straggler_control import start_controller
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with caplog.at_level("WARNING"):
+            assert start_controller(port, lambda: True) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"straggler.straggler_ctrlr_port={port}: the straggler detector cannot be" in warnings[0]

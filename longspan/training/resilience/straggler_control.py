@@ -33,6 +33,7 @@ class StragglerController:
     def __init__(self, port: int, is_enabled: Callable[[], bool], host: str = DEFAULT_HOST) -> None:
         self._requested = threading.Event()
         self._is_enabled = is_enabled
+        self._closed = False
         controller = self
 
         class _Handler(BaseHTTPRequestHandler):
@@ -69,16 +70,30 @@ class StragglerController:
         return False
 
     def close(self) -> None:
-        """Stop listening and free the port."""
+        """Stop listening and free the port (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+        if self in _current:
+            _current.remove(self)
+
+
+#: the listener of this process's current run: a run that failed before closing its own (an in-process restart
+#: sets up again in the same process) must not keep the port from the next one
+_current: list[StragglerController] = []
 
 
 def start_controller(port: int, is_enabled: Callable[[], bool], host: str = DEFAULT_HOST) -> Optional[StragglerController]:
     """The listener on ``port``, or None with one warning when the port cannot be bound (as Megatron goes on)."""
+    while _current:
+        _current.pop().close()
     try:
-        return StragglerController(port, is_enabled, host)
+        controller = StragglerController(port, is_enabled, host)
+        _current.append(controller)
+        return controller
     except OSError as exc:
         logger.warning(f"straggler.straggler_ctrlr_port={port}: the straggler detector cannot be controlled "
                        f"({exc}); detection goes on as it started")

@@ -212,8 +212,6 @@ FIELD_STATUS: dict[str, str] = {
     # Every rank writes all of its own local state (nothing is replicated across ranks to de-duplicate), so
     # 'fully_parallel' and 'atomic' write the same files.
     **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
-    # Megatron's detector can be switched on and off at run time through a port; longspan's cannot.
-    **_many("straggler", NOT_SUPPORTED, "straggler_ctrlr_port"),
     # In-process restart (resilience/inprocess.py): a stalled rank is found by hard_timeout (and heartbeats) and
     # replaced; nvidia-resiliency-ext's soft timeout (interrupting a live rank) and warm reserve ranks are not built.
     **_many("inprocess_restart", NOT_SUPPORTED, "soft_timeout active_world_size"),
@@ -468,6 +466,14 @@ FIELD_STATUS.update(_many("model", HINT, "distribute_saved_activations delay_wgr
 # (longspan.parallel.tensor_parallel._sequence_scatter_plan; tests/parallel/test_tp_plans.py::
 # test_split_model_matches_whole_model[tp2_sp_scatter_after_embedding_off] shows the cut and one process's losses).
 FIELD_STATUS.update(_many("model", SUPPORTED, "scatter_embedding_sequence_parallel"))
+# Megatron-FSDP runs as PyTorch FSDP2 (config/rules/data_parallel.py apply_megatron_fsdp; parity:
+# tests/parallel/test_layout_parity.py[dp2_megatron_fsdp]). lazy_init: training/initialize.py returns the finisher
+# (tests/parallel/test_lazy_init.py). use_sharp: NCCL CollNet on the data-parallel communicator, CUDA only
+# (parallel/nccl_options.py). straggler_ctrlr_port: rank 0's HTTP toggle (training/resilience/straggler_control.py,
+# tests/resilience/test_straggler_control.py).
+FIELD_STATUS.update(_many("ddp", SUPPORTED, "use_megatron_fsdp use_custom_fsdp"))
+FIELD_STATUS.update(_many("dist", SUPPORTED, "lazy_init"))
+FIELD_STATUS.update(_many("dist", DEVICE, "use_sharp"))
 
 
 def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:

@@ -12,9 +12,6 @@ from longspan.config.rules.model import MAMBA_NOT_SUPPORTED_REASONS, T5_NOT_SUPP
 CHECKPOINT_OPTIM_DDP_REASONS: dict[str, str] = {
     "checkpoint.strict_fsdp_dtensor_load": "applies to Megatron-FSDP's fsdp_dtensor checkpoints; longspan writes "
                                            "torch_dist (DCP), whose mismatches checkpoint.dist_ckpt_strictness handles",
-    "ddp.use_megatron_fsdp": "Megatron's own FSDP implementation; longspan shards with PyTorch FSDP2 "
-                             "(dist.use_torch_fsdp2, ddp.data_parallel_sharding_strategy)",
-    "ddp.use_custom_fsdp": "deprecated name of use_megatron_fsdp: longspan shards with PyTorch FSDP2",
     "ddp.preserve_fp32_weights": "longspan always keeps fp32 main weights for low-precision parameters; False "
                                  "(Megatron-FSDP updating the low-precision weights in place) is not built",
     "ddp.keep_fp8_transpose_cache": "a TransformerEngine FP8 weight-transpose cache; torchao's float8 linears keep "
@@ -36,10 +33,7 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "HFDatasetSourceConfig.dataset_name": "Bridge's named Hub presets need the Hub; give path_or_dataset and schema_adapter",
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
-    "dist.lazy_init": "Megatron's deferred init for external launchers; longspan initializes at start-up",
-    "dist.use_sharp": "NCCL CollNet/SHARP reads its environment when a communicator starts; longspan's are not set up for it",
     "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
-    "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
     "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
     "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
 }

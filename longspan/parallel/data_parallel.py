@@ -8,12 +8,14 @@ Which one a run gets (``data_parallel_mode``):
   the backend has it), both through a DDP communication hook. DDP always overlaps the reduction with the
   backward pass (``ddp.overlap_grad_reduce`` changes when, not what, is reduced). Gradients are averaged over
   the data-parallel ranks, as in Megatron.
-- ``"fsdp2"`` (``dist.use_torch_fsdp2``): ``fully_shard`` on every transformer layer, then on the root; the
+- ``"fsdp2"`` (``dist.use_torch_fsdp2``; ``ddp.use_megatron_fsdp`` with the 'optim_grads_params' strategy, FSDP2
+  running in Megatron-FSDP's place): ``fully_shard`` on every transformer layer, then on the root; the
   mixed precision policy computes in bf16/fp16 when the model does (``model.bf16`` / ``model.fp16``) and
   reduces in fp32 with ``ddp.grad_reduce_in_fp32``; layers reshard after forward (ZeRO-3).
   ``ddp.overlap_param_gather`` turns on explicit prefetch: each layer starts the next one's all-gather
   (``set_explicit_prefetch``).
-- ``"distributed_optimizer"`` (``optimizer.use_distributed_optimizer``): Megatron's ZeRO-1/2 semantics —
+- ``"distributed_optimizer"`` (``optimizer.use_distributed_optimizer``; ``ddp.use_megatron_fsdp`` with another
+  strategy): Megatron's ZeRO-1/2 semantics —
   optimizer state and gradients sharded across data-parallel ranks as DTensors (so DCP can save and
   reshard them) — realized as FSDP2 with ``reshard_after_forward=False``: parameters stay gathered from
   forward to backward (no second all-gather, as with replicated parameters), gradients are reduce-scattered,
@@ -65,6 +67,10 @@ def data_parallel_mode(cfg: Any, tp_size: int = 1) -> str:
     """``"ddp"``, ``"fsdp2"`` or ``"distributed_optimizer"`` for ``cfg`` (see the module docstring)."""
     if getattr(cfg.dist, "use_torch_fsdp2", False):
         return FSDP2_MODE
+    if getattr(cfg.ddp, "use_megatron_fsdp", False) or getattr(cfg.ddp, "use_custom_fsdp", False):
+        # FSDP2 in Megatron-FSDP's place: the strategy says whether parameters are sharded between uses too
+        strategy = getattr(cfg.ddp, "data_parallel_sharding_strategy", "no_shard")
+        return FSDP2_MODE if strategy == "optim_grads_params" else DISTRIBUTED_OPTIMIZER_MODE
     if getattr(cfg.optimizer, "use_distributed_optimizer", False) or getattr(cfg.ddp, "use_distributed_optimizer",
                                                                              False):
         return DISTRIBUTED_OPTIMIZER_MODE
@@ -74,11 +80,6 @@ def data_parallel_mode(cfg: Any, tp_size: int = 1) -> str:
 def check_data_parallel_config(cfg: Any) -> None:
     """Reject DDP settings this build cannot honour (one line each)."""
     ddp = cfg.ddp
-    if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
-        raise NotSupportedError(
-            "ddp.use_megatron_fsdp=True is not supported: longspan shards with PyTorch FSDP2 "
-            "(set dist.use_torch_fsdp2=true instead)"
-        )
     bucket = getattr(ddp, "bucket_size", None)
     if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
         raise NotSupportedError(f"ddp.bucket_size={bucket!r} must be a positive number of elements or None")

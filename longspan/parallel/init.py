@@ -26,10 +26,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from longspan.core.errors import ConfigError, LaunchError, LongspanError, NotSupportedError
+from longspan.core.errors import ConfigError, LaunchError, LongspanError
 from longspan.core.logging import get_logger
 from longspan.parallel.mesh import Layout, ParallelMeshes, build_device_mesh, layout_from_config
-from longspan.parallel.nccl_options import nccl_group_options
+from longspan.parallel.nccl_options import (
+    clear_collnet_environment,
+    nccl_group_options,
+    sharp_applies,
+    start_sharp_communicator,
+)
 from datetime import timedelta
 from longspan.core.logging import get_rank
 
@@ -328,14 +333,6 @@ def destroy_distributed() -> None:
 
 def _check_supported(dist_cfg: Any) -> None:
     """Reject DistributedInitConfig values this version cannot honour (one line each)."""
-    unsupported = {
-        "lazy_init": (False, "longspan has no external DDP manager hook; set lazy_init=False"),
-        "use_sharp": (False, "SHARP is not wired to torch.distributed groups; set use_sharp=False"),
-    }
-    for name, (default, hint) in unsupported.items():
-        value = getattr(dist_cfg, name, default)
-        if value not in (default, [], ()):
-            raise NotSupportedError(f"dist.{name}={value!r} is not supported: {hint}")
     backend = getattr(dist_cfg, "distributed_backend", "nccl")
     if backend not in ("nccl", "gloo"):
         raise ConfigError(f"dist.distributed_backend={backend!r} is not valid; use 'nccl' or 'gloo'")
@@ -393,9 +390,9 @@ def initialize_distributed(
     """Detect the launch, create the process group and the device mesh; return (and remember) the state.
 
     ``dist_cfg`` is a DistributedInitConfig (fields read: distributed_backend, distributed_timeout_minutes,
-    use_gloo_process_groups, external_gpu_device_mapping, local_rank, lazy_init, use_tp_pp_dp_mapping,
-    high_priority_stream_groups and nccl_communicator_config_path (NCCL group options on CUDA), plus the
-    unsupported use_sharp, which raises NotSupportedError when set). ``model_parallel_cfg`` is a ModelParallelConfig (or a provider inheriting it).
+    use_gloo_process_groups, external_gpu_device_mapping, local_rank, use_tp_pp_dp_mapping, use_sharp,
+    high_priority_stream_groups and nccl_communicator_config_path (NCCL group options on CUDA)).
+    ``model_parallel_cfg`` is a ModelParallelConfig (or a provider inheriting it).
     ``device`` forces the device ("cpu", "cuda", "cuda:1"); default cuda when available, else cpu.
     ``dp_replicate`` splits data parallel into replicas × shards for hybrid sharding (the data-parallel code
     passes ``ddp.num_distributed_optimizer_instances`` or its hybrid-sharding degree).
@@ -404,8 +401,29 @@ def initialize_distributed(
     nccl and ``use_gloo_process_groups`` (default True) the process group is ``cpu:gloo,cuda:nccl``, so every
     group (mesh groups included) also handles CPU tensors over gloo. CUDA device: the local rank, or device 0
     with ``external_gpu_device_mapping``. World size 1: no process group, no mesh.
+
+    Always initializes at once: ``dist.lazy_init`` (Megatron's deferred initialization for an external DDP
+    manager) is the contract of ``prepare_distributed``, whose finisher ``initialize_megatron`` returns.
     """
-    global _STATE
+    return prepare_distributed(dist_cfg, model_parallel_cfg, device=device, dp_replicate=dp_replicate, env=env)()
+
+
+def prepare_distributed(
+    dist_cfg: Any,
+    model_parallel_cfg: Any,
+    *,
+    device: Any = None,
+    dp_replicate: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> Callable[[], ParallelState]:
+    """Everything of ``initialize_distributed`` but the process groups; returns the finisher that creates them.
+
+    Checked and resolved now: the config, the launch, the parallel layout (a world size the layout does not
+    fit fails here), this rank's device (``torch.cuda.set_device``). The finisher creates the default process
+    group (or adopts one an external manager created) and the device meshes, remembers the state
+    (``get_parallel_state``) and returns it; a second call returns the same state while it is current.
+    Nothing is global before the finisher runs: ``is_initialized()`` stays False (Megatron's ``lazy_mpu_init``).
+    """
     _check_supported(dist_cfg)
     launch = detect_launch(env)
     use_mapping = bool(getattr(dist_cfg, "use_tp_pp_dp_mapping", False))
@@ -421,7 +439,21 @@ def initialize_distributed(
         # nccl is the default: on a CPU machine it adapts silently (the banner says "device cpu").
         _log.debug("dist.distributed_backend='nccl' needs CUDA devices; this run is on CPU, using gloo")
         backend = "gloo"
+    made: list[ParallelState] = []
 
+    def finish() -> ParallelState:
+        if made and _STATE is made[0]:
+            return made[0]
+        made[:] = [_create_groups(dist_cfg, model_parallel_cfg, launch, layout, local_rank, dev, backend)]
+        return made[0]
+
+    return finish
+
+
+def _create_groups(dist_cfg: Any, model_parallel_cfg: Any, launch: LaunchEnv, layout: Layout, local_rank: int,
+                   dev: Any, backend: str) -> ParallelState:
+    """The default process group and the device meshes of a prepared launch; sets the module's state."""
+    global _STATE
     if launch.world_size == 1:
         _STATE = ParallelState(world_size=1, rank=0, local_rank=local_rank, device=dev, backend=None,
                                layout=layout, launch=launch)
@@ -430,23 +462,32 @@ def initialize_distributed(
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
 
-    _init_process_group(dist_cfg, launch, backend, dev)
+    sharp = sharp_applies(dist_cfg, backend, dev)
+    if sharp:
+        # NCCL gives SHARP (CollNet) to the first communicator created with it enabled: none before dp's
+        clear_collnet_environment()
+    _init_process_group(dist_cfg, launch, backend, dev, eager_nccl=not sharp)
     # per-group NCCL options: NCCL groups only (a CPU run lists the fields as not applicable at start-up)
     group_options = nccl_group_options(dist_cfg) if backend == "nccl" and dev.type == "cuda" else {}
     pp_backend = pipeline_group_backend(getattr(model_parallel_cfg, "pipeline_model_parallel_comm_backend", None),
                                         dev, dist.is_ucc_available())
     meshes = build_device_mesh(
         launch.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
-        ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=use_mapping,
+        ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=bool(getattr(dist_cfg, "use_tp_pp_dp_mapping", False)),
         device_type="cuda" if dev.type == "cuda" else "cpu", group_options=group_options,
         group_backends={"pp": pp_backend},
     )
+    if sharp:
+        start_sharp_communicator(meshes["dp_cp"].get_group(), dev)
+        if launch.rank == 0:
+            _log.info("dist.use_sharp: the data-parallel (dp x cp) communicator uses SHARP (NCCL CollNet); the "
+                      "others do not (NCCL_COLLNET_ENABLE stays unset)")
     _STATE = ParallelState(world_size=launch.world_size, rank=launch.rank, local_rank=local_rank, device=dev,
                            backend=backend, layout=layout, launch=launch, meshes=meshes)
     return _STATE
 
 
-def _init_process_group(dist_cfg: Any, launch: Any, backend: str, dev: Any) -> None:
+def _init_process_group(dist_cfg: Any, launch: Any, backend: str, dev: Any, eager_nccl: bool = True) -> None:
     """The default process group for this launch (or a check of the one that already exists)."""
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
@@ -466,9 +507,10 @@ def _init_process_group(dist_cfg: Any, launch: Any, backend: str, dev: Any) -> N
         kwargs["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
     else:
         kwargs["init_method"] = "env://"
-    if dev.type == "cuda" and pg_backend == "nccl":
+    if dev.type == "cuda" and pg_backend == "nccl" and eager_nccl:
         # eager NCCL init lets DeviceMesh create its groups with ncclCommSplit; not with the mixed
-        # cpu:gloo,cuda:nccl backend, whose gloo half may not support splitting
+        # cpu:gloo,cuda:nccl backend, whose gloo half may not support splitting, nor with SHARP, whose
+        # data-parallel communicator must be created first (start_sharp_communicator)
         kwargs["device_id"] = dev
     dist.init_process_group(**kwargs)
 

@@ -16,6 +16,7 @@ from longspan.training.state import GlobalState
 from longspan.training.train import train
 from longspan.training.observability.progress_log import STARTING_JOB, append_to_progress_log
 from longspan.training.observability.run_summary import nothing_to_train, print_nothing_to_train, print_run_summary
+from longspan.training.resilience.hooks import stop_straggler_detection
 from longspan.training.resilience.inprocess import in_supervised_worker
 from longspan.training.utils.train_utils import prepare_forward_step_func
 from longspan.training.checkpointing.convert import convert_loaded_checkpoint
@@ -68,7 +69,8 @@ def _abandon(state: GlobalState) -> None:
 
 
 def _release(state: GlobalState) -> None:
-    """Give back the exit-signal handler and close the logger sinks."""
+    """Give back the exit-signal handler and the straggler detector's port, close the logger sinks."""
+    stop_straggler_detection(state)
     if state.signal_handler is not None:
         state.signal_handler.release()
         state.signal_handler = None
@@ -104,5 +106,6 @@ def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
             write_to_tensorboard=True, sample_generations=False,
         )
     print_run_summary(state)
+    stop_straggler_detection(state)
     state.close_loggers()
     return state

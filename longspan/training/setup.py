@@ -10,17 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import numpy as np
 import torch
 
 from longspan.config.support import inapplicable_fields
-from longspan.core.logging import configure_log_filters, get_logger, print_rank_0, setup_logging
+from longspan.core.errors import ConfigError
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.tokenizers import build_tokenizer, model_vocab_size
 from longspan.models.builder import build_meta_model
@@ -42,7 +41,7 @@ from longspan.training.resilience.hooks import (
     start_fault_tolerance,
     start_straggler_detection,
 )
-from longspan.training.resilience.heartbeat import beat_before_distributed_init
+from longspan.training.initialize import set_random_seed, start_logging
 from longspan.training.checkpointing.non_persistent import load_newest_checkpoint
 from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
 from longspan.training.step.microbatches import NumMicroBatchesCalculator
@@ -66,19 +65,6 @@ class SetupOutput:
     valid_data_iterator: Optional[Iterator]
     test_data_iterator: Optional[Iterator]
     checkpointing_context: dict[str, Any]
-
-
-def set_random_seed(seed: int, parallel: ParallelState, data_parallel_random_init: bool = False) -> int:
-    """Seed python, numpy and torch like Megatron: seed + 100·pp_rank (+ 10·dp_rank when requested)."""
-    seed = seed + 100 * parallel.pp_rank
-    if data_parallel_random_init:
-        seed = seed + 10 * parallel.dp_rank
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-    return seed
 
 
 def _autocast_dtype(cfg: Any) -> Optional[torch.dtype]:
@@ -166,10 +152,11 @@ def setup(cfg: Any) -> SetupOutput:
 
 def _initialize(cfg: Any, start_time: float) -> GlobalState:
     """Logging, then the process group: a ``GlobalState`` holding the config and the parallel state."""
-    setup_logging(cfg.logger.logging_level)
-    lg = cfg.logger
-    configure_log_filters(lg.logging_level, lg.filter_warnings, lg.modules_to_filter, lg.set_level_for_all_loggers)
-    beat_before_distributed_init(cfg.ft)  # ft: this rank got as far as its set-up (the monitor's blame order)
+    if cfg.dist.lazy_init:
+        raise ConfigError("dist.lazy_init=True defers the process groups to an external manager through "
+                          "longspan.training.initialize.initialize_megatron(cfg), which returns the function that "
+                          "creates them; pretrain()/finetune() create them at start-up: set dist.lazy_init=false")
+    start_logging(cfg)
     parallel = initialize_distributed(cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
     state = GlobalState()
     state.cfg = cfg

@@ -76,3 +76,35 @@ def test_fp8_param_gather_switches_on_the_float8_all_gather() -> None:
     cfg = _tiny("ddp.fp8_param_gather=true", "optimizer.use_distributed_optimizer=true")
     cfg.validate(world_size=2)
     assert cfg.model.fp8_param
+
+
+@pytest.mark.parametrize("switch", ["ddp.use_megatron_fsdp", "ddp.use_custom_fsdp"])
+@pytest.mark.parametrize("strategy, mode", [
+    ("no_shard", "distributed_optimizer"), ("optim_grads", "distributed_optimizer"), ("optim_grads_params", "fsdp2"),
+])
+def test_megatron_fsdp_runs_fsdp2_with_bridges_contract(switch: str, strategy: str, mode: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """FSDP2 in Megatron-FSDP's place: always the distributed optimizer, parameters sharded with
+    'optim_grads_params'; dist.use_torch_fsdp2 stays as the user left it, so validate() twice is harmless."""
+    cfg = _tiny(f"{switch}=true", f"ddp.data_parallel_sharding_strategy={strategy}")
+    with caplog.at_level("INFO"):
+        cfg.validate(world_size=2)
+    assert data_parallel_mode(cfg) == mode
+    assert cfg.optimizer.use_distributed_optimizer and cfg.ddp.use_distributed_optimizer
+    assert not cfg.dist.use_torch_fsdp2
+    notices = [r.getMessage() for r in caplog.records if "Megatron-FSDP's place" in r.getMessage()]
+    assert len(notices) == 1 and notices[0].startswith(f"{switch}=True: PyTorch FSDP2 runs in Megatron-FSDP's place")
+    cfg.validate(world_size=2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dist.use_torch_fsdp2=true"], "ddp.use_megatron_fsdp=True and dist.use_torch_fsdp2=True are mutually exclusive"),
+    (["dist.use_tp_pp_dp_mapping=true"], "ddp.use_megatron_fsdp=True does not support dist.use_tp_pp_dp_mapping=True"),
+    (["ddp.data_parallel_sharding_strategy=optim_grads_params", "train.check_weight_hash_across_dp_replicas_interval=5"],
+     "'optim_grads_params' does not support train.check_weight_hash_across_dp_replicas_interval=5"),
+])
+def test_megatron_fsdp_conflicts_are_one_line(overrides: list[str], message: str) -> None:
+    cfg = _tiny("ddp.use_megatron_fsdp=true", *overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        cfg.validate(world_size=2)
+    assert "\n" not in str(err.value)

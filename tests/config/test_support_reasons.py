@@ -45,17 +45,17 @@ def test_reason_ends_the_error_and_the_doc_row(monkeypatch: pytest.MonkeyPatch) 
     from longspan.config.support import check_supported
     from longspan.config.support_doc import render
 
-    monkeypatch.setitem(NOT_SUPPORTED_REASONS, "straggler.straggler_ctrlr_port", "a probe reason")
+    monkeypatch.setitem(NOT_SUPPORTED_REASONS, "dist.enable_megatron_core_experimental", "a probe reason")
     cfg = ConfigContainer.__new__(ConfigContainer)
     for f in dataclasses.fields(ConfigContainer):
         object.__setattr__(cfg, f.name, None)
-    from longspan.config.schema.infra import StragglerDetectionConfig
+    from longspan.config.schema.infra import DistributedInitConfig
 
-    cfg.straggler = StragglerDetectionConfig(straggler_ctrlr_port=1234)
+    cfg.dist = DistributedInitConfig(enable_megatron_core_experimental=True)
     with pytest.raises(NotSupportedError) as err:
         check_supported(cfg)
-    assert str(err.value) == ("straggler.straggler_ctrlr_port=1234 is not supported yet by longspan (supported: "
-                              "65535): a probe reason")
+    assert str(err.value) == ("dist.enable_megatron_core_experimental=True is not supported yet by longspan "
+                              "(supported: False): a probe reason")
     assert "| not supported yet: a probe reason |" in render()
 
 

@@ -185,7 +185,7 @@ def test_decrease_batch_size_if_needed() -> None:
     ("model.test_mode=true", 1),
     ("model.use_ring_exchange_p2p=true", 1),
     ("model.restore_modelopt_state=true", 1), ("checkpoint.non_persistent_ckpt_type=in_memory", 1),
-    ("checkpoint.strict_fsdp_dtensor_load=true", 1), ("ddp.use_megatron_fsdp=true", 1), ("ddp.nccl_ub=true", 1),
+    ("checkpoint.strict_fsdp_dtensor_load=true", 1), ("ddp.nccl_ub=true", 1),
 ])
 def test_not_supported_fields_raise(override: str, world: int) -> None:
     cfg = _tiny(override)

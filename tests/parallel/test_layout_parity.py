@@ -36,8 +36,9 @@ NORM_REL_TOL = 5e-5
 
 
 def tiny_config(tp: int = 1, sp: bool = False, fsdp2: bool = False, dist_opt: bool = False,
-                seq: int = SEQ, **model_overrides):
-    """The ``tiny`` recipe shrunk for speed, with mock data and a fixed learning rate."""
+                seq: int = SEQ, megatron_fsdp: bool = False, **model_overrides):
+    """The ``tiny`` recipe shrunk for speed, with mock data and a fixed learning rate; ``megatron_fsdp`` asks
+    for Megatron-FSDP with the 'optim_grads_params' strategy (FSDP2 runs in its place)."""
     from longspan.recipes.tiny import tiny
     from longspan.training.config import TokenizerConfig
 
@@ -57,6 +58,9 @@ def tiny_config(tp: int = 1, sp: bool = False, fsdp2: bool = False, dist_opt: bo
     cfg.ddp.use_distributed_optimizer = dist_opt
     cfg.train.micro_batch_size = MBS
     cfg.train.global_batch_size = GBS
+    if megatron_fsdp:
+        cfg.ddp.use_megatron_fsdp = True
+        cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
     return cfg
 
 
@@ -76,10 +80,14 @@ def train_layout(cfg, iters: int = ITERS, dp_replicate: int = 1) -> dict:
     """Train ``iters`` iterations of ``cfg`` on this process's layout; per-iteration global losses etc."""
     from tests.parallel.layout_training import build_layout_model, train_on_global_batches
 
+    from torch.distributed.tensor import DTensor
+
     parallel, model, optimizer = build_layout_model(cfg, dp_replicate)
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
     batches = global_batches(iters, seq=cfg.model.seq_length)
     losses, norms = train_on_global_batches(model, optimizer, parallel, batches, GBS, MBS)
-    return {"losses": losses, "norms": norms, "rank": parallel.rank, "wrapper": type(model).__name__}
+    return {"losses": losses, "norms": norms, "rank": parallel.rank, "wrapper": type(model).__name__,
+            "sharded": sharded}
 
 
 def _max_rel(got: list[float], want: list[float]) -> float:
@@ -114,6 +122,8 @@ def reference_losses() -> dict:
 @pytest.mark.parametrize("name,overrides,dp_replicate,wrapper", [
     ("dp2_ddp_uneven_masks", dict(), 1, "DistributedDataParallel"),
     ("dp2_hybrid", dict(fsdp2=True), 2, "FSDPGPTModel"),
+    # ddp.use_megatron_fsdp: FSDP2 (ZeRO-3, every parameter a sharded DTensor) in Megatron-FSDP's place
+    ("dp2_megatron_fsdp", dict(megatron_fsdp=True), 1, "FSDPGPTModel"),
     # context parallel (its plan lives in context_parallel.py): parallelize_model applies it, DDP over dp × cp
     ("cp2_ddp", dict(context_parallel_size=2), 1, "DistributedDataParallel"),
 ])
@@ -122,6 +132,7 @@ def test_model_level_layout_matches_one_process(name, overrides, dp_replicate, w
                                      timeout=240)
     for r in results:
         _check(f"{name} rank {r['rank']}", r, reference_losses, wrapper)
+        assert r["sharded"] == (wrapper == "FSDPGPTModel")
 
 
 # ------------------------------------------------------------------------------------- full pretrain path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -78,3 +79,66 @@ def test_options_reach_the_named_groups(monkeypatch: pytest.MonkeyPatch) -> None
     assert flattened["dp"] is options["dp"] and flattened["dp_cp"] is None
     assert nccl_options.nccl_group_options(NS(high_priority_stream_groups=None,
                                               nccl_communicator_config_path=None)) == {}
+
+
+# ------------------------------------------------------------------------------------- dist.use_sharp
+
+
+class _SharpMeshes:
+    def __getitem__(self, name):
+        return NS(get_group=lambda: f"group:{name}")
+
+
+def _create_groups_with_sharp(monkeypatch: pytest.MonkeyPatch, use_sharp: bool) -> dict:
+    """initialize_distributed's group creation on a pretend CUDA rank of 2, torch's side recorded."""
+    from longspan.parallel import init
+    from longspan.parallel.mesh import layout_from_config
+
+    seen: dict = {"env_at_pg": "unset", "barriers": []}
+    monkeypatch.setenv(nccl_options.COLLNET_ENV, "1")  # a user export: SHARP must not reach the first groups
+
+    def fake_init_pg(dist_cfg, launch, backend, dev, eager_nccl=True):
+        seen["eager_nccl"], seen["env_at_pg"] = eager_nccl, os.environ.get(nccl_options.COLLNET_ENV)
+
+    def fake_barrier(group, device):
+        seen["barriers"].append((group, os.environ.get(nccl_options.COLLNET_ENV)))
+
+    monkeypatch.setattr(init, "_init_process_group", fake_init_pg)
+    monkeypatch.setattr(init, "build_device_mesh", lambda *a, **k: _SharpMeshes())
+    monkeypatch.setattr(nccl_options, "_device_barrier", fake_barrier)
+    dist_cfg = NS(use_sharp=use_sharp, high_priority_stream_groups=None, nccl_communicator_config_path=None)
+    mp = NS(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1)
+    launch = init.LaunchEnv("torchrun", 0, 2, 0, "127.0.0.1", 29500)
+    try:
+        init._create_groups(dist_cfg, mp, launch, layout_from_config(2, mp), 0, NS(type="cuda", index=0), "nccl")
+    finally:
+        init._STATE = None
+    seen["env_after"] = os.environ.get(nccl_options.COLLNET_ENV)
+    return seen
+
+
+def test_sharp_enables_collnet_for_the_data_parallel_communicator_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _create_groups_with_sharp(monkeypatch, use_sharp=True)
+    # cleared before the default group, lazy NCCL communicators, set only while dp x cp's is created
+    assert seen["env_at_pg"] is None and seen["eager_nccl"] is False
+    assert seen["barriers"] == [("group:dp_cp", "1")] and seen["env_after"] is None
+
+
+def test_without_sharp_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _create_groups_with_sharp(monkeypatch, use_sharp=False)
+    assert seen["env_at_pg"] == "1" and seen["eager_nccl"] is True  # the user's environment is theirs
+    assert seen["barriers"] == [] and seen["env_after"] == "1"
+
+
+def test_sharp_applies_to_nccl_on_cuda_and_is_listed_elsewhere(tmp_path: Path) -> None:
+    on = NS(use_sharp=True)
+    assert nccl_options.sharp_applies(on, "nccl", NS(type="cuda"))
+    assert not nccl_options.sharp_applies(on, "gloo", NS(type="cpu"))
+    assert not nccl_options.sharp_applies(NS(use_sharp=False), "nccl", NS(type="cuda"))
+    cfg = small_config(tmp_path)
+    cfg.dist.use_sharp = True
+    cfg.validate(world_size=1)
+    assert ("dist.use_sharp=True" in inapplicable_fields(cfg)) == (not torch.cuda.is_available())
+    cfg.dist.distributed_backend = "gloo"
+    with pytest.raises(ConfigError, match=r"dist.use_sharp=True is an NCCL feature \(CollNet\) but dist.distributed_backend='gloo'"):
+        cfg.validate(world_size=1)

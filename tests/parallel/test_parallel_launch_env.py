@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
+from longspan.core.errors import ConfigError, LaunchError
 from longspan.parallel.init import (
     LaunchEnv,
     destroy_distributed,
@@ -173,13 +173,6 @@ def test_nccl_default_on_cpu_falls_back_to_gloo_silently(caplog):
     assert records and all(r.levelno < logging.WARNING for r in records.values()), [
         (r.levelname, r.getMessage()) for r in records.values()
     ]
-
-
-@pytest.mark.parametrize("field,value", [("lazy_init", True), ("use_sharp", True)])
-def test_unsupported_fields_raise(field, value):
-    cfg = DistCfg(**{field: value})
-    with pytest.raises(NotSupportedError, match=f"dist.{field}"):
-        initialize_distributed(cfg, MPCfg(), env={})
 
 
 def test_bad_backend_and_timeout():

@@ -10,6 +10,12 @@ Megatron-FSDP's strategies are ZeRO stages; longspan runs them on PyTorch FSDP2 
   state and gradients sharded, parameters whole between forward and backward. ZeRO-1 keeps whole gradients
   where longspan reduce-scatters them: the same update, less memory;
 - ``optim_grads_params``: FSDP2 (``dist.use_torch_fsdp2``), parameters sharded too (ZeRO-3).
+
+``ddp.use_megatron_fsdp`` (and its deprecated name ``ddp.use_custom_fsdp``) asks for Megatron-FSDP itself: PyTorch
+FSDP2 runs in its place (``longspan.parallel.data_parallel.data_parallel_mode``), with Megatron Bridge's contract:
+the distributed optimizer is always on, the strategy picks what is sharded, and dist.use_torch_fsdp2,
+dist.use_tp_pp_dp_mapping and (with 'optim_grads_params') train.check_weight_hash_across_dp_replicas_interval are
+rejected with it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,40 @@ logger = get_logger(__name__)
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
+def megatron_fsdp_field(ddp: Any) -> str | None:
+    """``"ddp.use_megatron_fsdp"`` or ``"ddp.use_custom_fsdp"`` (its deprecated name) when either is set, else None."""
+    for name in ("use_megatron_fsdp", "use_custom_fsdp"):
+        if getattr(ddp, name, False):
+            return f"ddp.{name}"
+    return None
+
+
+def apply_megatron_fsdp(cfg: "ConfigContainer") -> None:
+    """Megatron-FSDP requested: FSDP2 runs in its place (one notice); Bridge's conflicts are one-line errors."""
+    field = megatron_fsdp_field(cfg.ddp)
+    if field is None:
+        return
+    strategy = cfg.ddp.data_parallel_sharding_strategy
+    if cfg.dist.use_torch_fsdp2:
+        raise ConfigError(f"{field}=True and dist.use_torch_fsdp2=True are mutually exclusive (Megatron-FSDP or "
+                          "PyTorch FSDP2): set one of them")
+    if cfg.dist.use_tp_pp_dp_mapping:
+        raise ConfigError(f"{field}=True does not support dist.use_tp_pp_dp_mapping=True: set one of them")
+    interval = getattr(cfg.train, "check_weight_hash_across_dp_replicas_interval", None)
+    if strategy == "optim_grads_params" and interval is not None:
+        raise ConfigError(f"{field}=True with ddp.data_parallel_sharding_strategy='optim_grads_params' does not support "
+                          f"train.check_weight_hash_across_dp_replicas_interval={interval}: set it to null")
+    if not (cfg.optimizer.use_distributed_optimizer and cfg.ddp.use_distributed_optimizer):
+        cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
+        print_rank_0(f"{field}=True always uses the distributed optimizer: optimizer.use_distributed_optimizer set "
+                     "to True", logger)
+    sharded = "parameters, gradients and optimizer state" if strategy == "optim_grads_params" else \
+        "gradients and optimizer state"
+    deprecated = " (use_custom_fsdp is the deprecated name of use_megatron_fsdp)" if field.endswith("custom_fsdp") else ""
+    print_rank_0(f"{field}=True: PyTorch FSDP2 runs in Megatron-FSDP's place, sharding {sharded} "
+                 f"(ddp.data_parallel_sharding_strategy={strategy!r}){deprecated}", logger)
+
+
 def apply_sharding_strategy(cfg: "ConfigContainer") -> None:
     """A sharding strategy other than 'no_shard' switches on the longspan mode that shards the same state."""
     strategy = cfg.ddp.data_parallel_sharding_strategy
@@ -35,6 +75,8 @@ def apply_sharding_strategy(cfg: "ConfigContainer") -> None:
     if strategy == "no_shard":
         return
     field = f"ddp.data_parallel_sharding_strategy={strategy!r}"
+    if megatron_fsdp_field(cfg.ddp) is not None:
+        return  # Megatron-FSDP reads the strategy itself (data_parallel_mode); apply_megatron_fsdp checked it
     if strategy == "optim_grads_params":
         if not cfg.dist.use_torch_fsdp2:
             cfg.dist.use_torch_fsdp2 = True

@@ -1,5 +1,5 @@
 """Rules of ``ConfigContainer.validate()`` for the run's infrastructure sections: logger, checkpoint,
-resilience (fault tolerance, straggler detection, in-process restart) and profiling.
+resilience (fault tolerance, straggler detection, in-process restart), profiling and distributed initialization.
 """
 
 from __future__ import annotations
@@ -8,12 +8,28 @@ from typing import TYPE_CHECKING, Any
 
 from longspan.config.rules.resilience import check_resilience_config
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.logging import get_logger, print_rank_0
 
 if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
 
 
 RUNTIME_TIME_UNITS = ("seconds", "minutes", "hours", "days")
+
+logger = get_logger(__name__)
+
+
+def check_distributed_init(cfg: "ConfigContainer") -> None:
+    """Megatron's companions of two DistributedInitConfig switches: ``lazy_init`` initializes the weights on the
+    CPU (``model.use_cpu_initialization``), ``use_sharp`` is an NCCL feature."""
+    d = cfg.dist
+    if d.lazy_init and hasattr(cfg.model, "use_cpu_initialization") and not cfg.model.use_cpu_initialization:
+        cfg.model.use_cpu_initialization = True
+        print_rank_0("dist.lazy_init=True: model.use_cpu_initialization set to True (Megatron initializes the "
+                     "weights on the CPU before an external manager creates the process groups)", logger)
+    if d.use_sharp and d.distributed_backend != "nccl":
+        raise ConfigError(f"dist.use_sharp=True is an NCCL feature (CollNet) but dist.distributed_backend="
+                          f"{d.distributed_backend!r}: use 'nccl' or set use_sharp=false")
 
 
 def check_infra(cfg: "ConfigContainer") -> None:

@@ -15,6 +15,15 @@ def check_resilience_config(cfg: Any) -> None:
         _check_ft(cfg.ft)
     if getattr(cfg, "inprocess_restart", None) is not None:
         _check_inprocess(cfg.inprocess_restart, cfg.ft)
+    if getattr(cfg, "straggler", None) is not None:
+        _check_straggler_port(cfg.straggler.straggler_ctrlr_port)
+
+
+def _check_straggler_port(port: Any) -> None:
+    """A TCP port, or 0 for one the OS chooses (rank 0's toggle listener, straggler_control)."""
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"straggler.straggler_ctrlr_port={port!r} is not a TCP port: use 1-65535, or 0 for a free "
+                          "port the OS chooses")
 
 
 _INPROCESS_SECONDS = ("monitor_thread_interval", "monitor_process_interval", "progress_watchdog_interval",

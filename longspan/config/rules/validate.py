@@ -21,13 +21,14 @@ import torch.distributed as dist
 from longspan.config.rules.comm_overlap import apply_comm_overlap
 from longspan.config.rules.data import check_dataset, check_dataset_masking
 from longspan.config.rules.data_parallel import (
+    apply_megatron_fsdp,
     apply_sharding_strategy,
     check_distributed_optimizer_instances,
     sync_param_gather_switches,
 )
 from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.device_features import check_device_features
-from longspan.config.rules.infra import check_infra
+from longspan.config.rules.infra import check_distributed_init, check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
 from longspan.config.rules.model import check_model
 from longspan.config.rules.vision import check_image_model
@@ -214,6 +215,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("optimizer.finetune_lr -> optimizer.lr when finetuning", _on_config(_apply_finetune_lr)),
     ("mixed-precision recipe copied onto model, optimizer, ddp", _on_config(apply_precision)),
     ("defaults: dtypes, min_lr, exit signal, dataset flags", _on_config(_resolve_defaults)),
+    ("ddp.use_megatron_fsdp: FSDP2 in Megatron-FSDP's place, its conflicts", _on_config(apply_megatron_fsdp)),
     ("ddp.data_parallel_sharding_strategy -> data-parallel mode", _on_config(apply_sharding_strategy)),
     ("distributed optimizer flags in sync", _on_config(sync_distributed_optimizer)),
     ("parameter all-gather switches in sync (overlap, fp8)", _on_config(sync_param_gather_switches)),
@@ -230,6 +232,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("masked-LM (T5) data: masking choices", _on_config(check_dataset_masking)),
     ("direct HF SFT data: sources, blend, preprocessing", _on_config(check_direct_hf_sft)),
     ("infrastructure and resilience", _on_config(check_infra)),
+    ("dist: lazy_init's CPU initialization, use_sharp's backend", _on_config(check_distributed_init)),
     ("autocast", _autocast),
     ("activation recompute", _recompute),
     ("activation offload and device features", _on_config(check_device_features)),

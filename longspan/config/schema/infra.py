@@ -46,7 +46,10 @@ class DistributedInitConfig:
     """Rank on this node, from the launcher (LOCAL_RANK or SLURM_LOCALID; 0 for a single process)."""
 
     lazy_init: bool = False
-    """Return a function that completes distributed initialization later (for an external DDP manager)."""
+    """Return a function that completes distributed initialization later (for an external DDP manager):
+    longspan.training.initialize.initialize_megatron sets up logging, launch, device and layout and returns the
+    function that creates the process groups and seeds the generators; turns on model.use_cpu_initialization.
+    pretrain()/finetune() create the groups themselves and reject it."""
 
     use_torch_fsdp2: bool = False
     """Shard parameters, gradients and optimizer state with PyTorch FSDP2 (fully_shard)."""
@@ -62,7 +65,8 @@ class DistributedInitConfig:
     """Also create gloo process groups (used for CPU-side collectives)."""
 
     use_sharp: bool = False
-    """Use SHARP for data-parallel collectives."""
+    """Use SHARP for data-parallel collectives: NCCL CollNet on the data-parallel (dp x cp) communicator only
+    (CUDA with the nccl backend)."""
 
     high_priority_stream_groups: Optional[list[str]] = None
     """Groups (tp, cp, pp, dp, dp_cp, ep, ...) whose NCCL kernels run on high-priority CUDA streams."""
@@ -241,13 +245,14 @@ class StragglerDetectionConfig:
     """Start with the detector enabled."""
 
     straggler_ctrlr_port: int = 65535
-    """Port that toggles the detector at runtime."""
+    """Port that toggles the detector at runtime: rank 0 listens on localhost, and any HTTP request toggles
+    detection on every rank at the next logging step; 0 lets the OS choose a free port (logged)."""
 
     straggler_minmax_count: int = 1
     """How many slowest/fastest ranks to report."""
 
     disable_straggler_on_startup: bool = False
-    """Start with the detector disabled (without the control port it then stays off)."""
+    """Start with the detector disabled (a request to straggler_ctrlr_port switches it on)."""
 
 
 @dataclass

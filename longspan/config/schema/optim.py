@@ -187,10 +187,13 @@ class DistributedDataParallelConfig:
     """All-gather parameters in FP8: switches on model.fp8_param (FSDP2's float8 all-gather; FP8 hardware)."""
 
     use_megatron_fsdp: bool = False
-    """Use Megatron's own FSDP implementation."""
+    """Use Megatron's own FSDP implementation. longspan runs PyTorch FSDP2 in its place (said once at start-up),
+    with Megatron Bridge's contract: always the distributed optimizer; 'optim_grads_params' shards the parameters
+    too (dist.use_torch_fsdp2's mode), the other strategies shard gradients and optimizer state. Not with
+    dist.use_torch_fsdp2 or dist.use_tp_pp_dp_mapping."""
 
     use_custom_fsdp: bool = False
-    """Deprecated name of use_megatron_fsdp."""
+    """Deprecated name of use_megatron_fsdp (the same effect)."""
 
     data_parallel_sharding_strategy: Literal[
         "no_shard", "optim", "optim_grads", "optim_grads_params"

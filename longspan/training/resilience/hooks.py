@@ -9,6 +9,7 @@ from longspan.training.resilience.events import report_event
 from longspan.training.resilience.rerun import RerunStateMachine
 from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV, RankHeartbeat
 from longspan.training.resilience.straggler import StragglerDetector, straggler_settings
+from longspan.training.resilience.straggler_control import agree_on_toggle, start_controller
 
 logger = get_logger(__name__)
 
@@ -90,11 +91,24 @@ def checkpoint_phase_finished(state: Any) -> None:
 
 
 def start_straggler_detection(state: Any) -> None:
-    """Setup: the straggler detector when ``straggler.log_straggler`` or ``nvrx_straggler.enabled`` is on."""
+    """Setup: the straggler detector when ``straggler.log_straggler`` or ``nvrx_straggler.enabled`` is on, and
+    rank 0's listener on ``straggler.straggler_ctrlr_port``."""
     settings = straggler_settings(state.cfg)
-    state.straggler_detector = None if settings is None else StragglerDetector(
+    detector = None if settings is None else StragglerDetector(
         settings, check_every=state.cfg.logger.log_interval or 1, device=state.device)
+    state.straggler_detector = detector
+    state.straggler_controller = None
+    if detector is not None and settings.control_port is not None and state.parallel.rank == 0:
+        state.straggler_controller = start_controller(settings.control_port, lambda: detector.enabled)
     state.resilience_stop = False
+
+
+def stop_straggler_detection(state: Any) -> None:
+    """End of the run: close rank 0's listener (the port is free again)."""
+    controller = getattr(state, "straggler_controller", None)
+    if controller is not None:
+        controller.close()
+        state.straggler_controller = None
 
 
 def before_iteration(state: Any) -> None:
@@ -110,6 +124,7 @@ def _straggler_report(state: Any) -> None:
         return
     detector.iteration_done()
     report = detector.maybe_report(state.train_state.step)
+    _apply_straggler_toggle(state, detector)
     if report is None:
         return
     if state.parallel.rank == 0:
@@ -123,6 +138,18 @@ def _straggler_report(state: Any) -> None:
                      stragglers=report.stragglers, mean_step_s=report.mean_step_s, relative=report.relative,
                      individual=report.individual)
         state.resilience_stop = state.resilience_stop or stop
+
+
+def _apply_straggler_toggle(state: Any, detector: StragglerDetector) -> None:
+    """At each logging step (Megatron's report interval) every rank takes rank 0's pending toggle request."""
+    settings = detector.settings
+    if settings.control_port is None or state.train_state.step % (settings.report_every_iterations or 1):
+        return
+    controller = getattr(state, "straggler_controller", None)
+    if agree_on_toggle(controller is not None and controller.take_toggle_request(), detector.device):
+        detector.set_enabled(not detector.enabled)
+        if state.parallel.rank == 0:
+            logger.info(f"Toggling StragglerDetector State {'ON' if detector.enabled else 'OFF'}")
 
 
 def resilience_stop_requested(state: Any) -> bool:

@@ -14,7 +14,9 @@ ranks (every report; with 0, only when stragglers are found); a straggler is a r
 
 Mapping: ``nvrx_straggler.enabled`` reports every ``report_time_interval`` seconds with its thresholds;
 ``straggler.log_straggler`` reports every ``logger.log_interval`` iterations, prints ``straggler_minmax_count``
-ranks each way and has no thresholds (report only). Time-based reports are decided on rank 0 and broadcast, so
+ranks each way and has no thresholds (report only); it starts off with ``disable_straggler_on_startup`` and is
+switched on and off at run time through rank 0's ``straggler_ctrlr_port`` (``straggler_control``; a switched-off
+detector times nothing and reports nothing). Time-based reports are decided on rank 0 and broadcast, so
 every rank joins the same collective; the clock is read every ``logger.log_interval`` iterations.
 """
 
@@ -40,6 +42,8 @@ class StragglerSettings:
     relative_threshold: Optional[float] = None
     individual_threshold: Optional[float] = None
     stop_if_detected: bool = False
+    enabled_at_start: bool = True
+    control_port: Optional[int] = None  #: rank 0 listens here for run-time toggles (None: no listener)
 
 
 def straggler_settings(cfg: Any) -> Optional[StragglerSettings]:
@@ -53,9 +57,11 @@ def straggler_settings(cfg: Any) -> Optional[StragglerSettings]:
             individual_threshold=float(nvrx.gpu_individual_perf_threshold), stop_if_detected=bool(nvrx.stop_if_detected),
         )
     megatron = getattr(cfg, "straggler", None)
-    if megatron is not None and megatron.log_straggler and not megatron.disable_straggler_on_startup:
+    if megatron is not None and megatron.log_straggler:
         return StragglerSettings(report_every_iterations=int(cfg.logger.log_interval or 1),
-                                 num_to_print=int(megatron.straggler_minmax_count))
+                                 num_to_print=int(megatron.straggler_minmax_count),
+                                 enabled_at_start=not megatron.disable_straggler_on_startup,
+                                 control_port=getattr(megatron, "straggler_ctrlr_port", None))
     return None
 
 
@@ -88,9 +94,17 @@ class StragglerDetector:
         self.best_mean_s: Optional[float] = None  # this rank's best earlier mean (individual reference)
         self.last_report = time.monotonic()
         self._started: Optional[float] = None
+        self.enabled = settings.enabled_at_start  #: switched on every rank together (straggler_control)
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Switch timing and reports on or off; a new period starts either way."""
+        self.enabled = enabled
+        self.total_s, self.count, self._started = 0.0, 0, None
+        self.last_report = time.monotonic()
 
     def iteration_started(self) -> None:
-        self._started = time.perf_counter()
+        if self.enabled:
+            self._started = time.perf_counter()
 
     def iteration_done(self) -> None:
         if self._started is not None:
@@ -111,8 +125,9 @@ class StragglerDetector:
         return bool(due.item())
 
     def maybe_report(self, iteration: int) -> Optional[StragglerReport]:
-        """Collective on every rank at the same iterations: a report when one is due, else None."""
-        if not self._due(iteration):
+        """Collective on every rank at the same iterations: a report when one is due, else None (always None
+        while switched off)."""
+        if not self.enabled or not self._due(iteration):
             return None
         self.last_report = time.monotonic()
         mean = self.total_s / self.count if self.count else 0.0

@@ -324,8 +324,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
     sequence_parallel context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
     num_layers_in_last_pipeline_stage
-    account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split expert_model_parallel_size
-    expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
+    account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers mtp_loss_scaling_factor
     """)
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,

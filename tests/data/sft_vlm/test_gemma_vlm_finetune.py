@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import write_jsonl
+from tests.data.sft_vlm.conftest import moe_from_scratch, write_jsonl
 from tests.data.sft_vlm.gemma_fixtures import gemma_chat_template, gemma_colour_rows, make_gemma_vl_dir
 from tests.training.pretrain_helpers import losses_by_iteration
 
@@ -70,6 +70,36 @@ def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_pro
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:
         assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]}"
+    assert want[ITERS] < want[1]
+
+
+def _pretrain_case(cfg) -> int:
+    from longspan.training.pretrain import pretrain
+
+    pretrain(cfg)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def gemma_moe_one_process_run(gemma_run_inputs, tmp_path_factory):
+    hf, data = gemma_run_inputs
+    cfg = moe_from_scratch(gemma_sft_config(hf, data, tmp_path_factory.mktemp("gemma-moe-one")), hf)
+    _pretrain_case(cfg)
+    return cfg
+
+
+def test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(
+        gemma_run_inputs, gemma_moe_one_process_run, tmp_path, pool2):
+    """A Gemma 3 VL whose language model (sliding-window and global layers) routes to 4 experts trains on image
+    questions mixed with text-only ones; with the experts split over two ranks (EP2) its losses equal one
+    process's, including the microbatches that run the encoder on a blank image."""
+    hf, data = gemma_run_inputs
+    cfg = moe_from_scratch(gemma_sft_config(hf, data, tmp_path / "ep2"), hf, expert_parallel=2)
+    pool2.run(_pretrain_case, cfg, timeout=300)
+    got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_moe_one_process_run)
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it in want:
+        assert math.isclose(got[it], want[it], rel_tol=REL), f"EP2 iteration {it}: {got[it]} vs {want[it]}"
     assert want[ITERS] < want[1]
 
 

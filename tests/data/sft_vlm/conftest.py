@@ -124,3 +124,25 @@ def moe_from_scratch(cfg: Any, hf_dir: Any, expert_parallel: int = 1) -> Any:
     cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
     cfg.tokenizer.tokenizer_model = str(hf_dir)
     return cfg
+
+
+def pretrain_counting_sharded_experts(cfg: Any) -> int:
+    """``pretrain(cfg)``; returns how many expert parameters expert parallel sharded on this rank (0 when it left
+    the experts whole), so a parity test knows the layout it compared really split the experts."""
+    import longspan.parallel.parallelize as parallelize
+    from longspan.training.pretrain import pretrain
+
+    sharded: list[Any] = []
+    original = parallelize.apply_expert_parallel
+
+    def counting(*args: Any, **kwargs: Any) -> list[Any]:
+        params = original(*args, **kwargs)
+        sharded.extend(params)
+        return params
+
+    parallelize.apply_expert_parallel = counting
+    try:
+        pretrain(cfg)
+    finally:
+        parallelize.apply_expert_parallel = original
+    return len(sharded)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import moe_from_scratch, write_jsonl
+from tests.data.sft_vlm.conftest import moe_from_scratch, pretrain_counting_sharded_experts, write_jsonl
 from tests.data.sft_vlm.gemma_fixtures import gemma_chat_template, gemma_colour_rows, make_gemma_vl_dir
 from tests.training.pretrain_helpers import losses_by_iteration
 
@@ -73,18 +73,11 @@ def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_pro
     assert want[ITERS] < want[1]
 
 
-def _pretrain_case(cfg) -> int:
-    from longspan.training.pretrain import pretrain
-
-    pretrain(cfg)
-    return 0
-
-
 @pytest.fixture(scope="module")
 def gemma_moe_one_process_run(gemma_run_inputs, tmp_path_factory):
     hf, data = gemma_run_inputs
     cfg = moe_from_scratch(gemma_sft_config(hf, data, tmp_path_factory.mktemp("gemma-moe-one")), hf)
-    _pretrain_case(cfg)
+    assert pretrain_counting_sharded_experts(cfg) == 0
     return cfg
 
 
@@ -95,7 +88,8 @@ def test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(
     process's, including the microbatches that run the encoder on a blank image."""
     hf, data = gemma_run_inputs
     cfg = moe_from_scratch(gemma_sft_config(hf, data, tmp_path / "ep2"), hf, expert_parallel=2)
-    pool2.run(_pretrain_case, cfg, timeout=300)
+    # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
+    assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
     got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_moe_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import colour_rows, moe_from_scratch, write_jsonl
+from tests.data.sft_vlm.conftest import colour_rows, moe_from_scratch, pretrain_counting_sharded_experts, write_jsonl
 from tests.training.pretrain_helpers import losses_by_iteration
 
 ITERS = 8
@@ -81,18 +81,11 @@ def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_p
     assert want[ITERS] < want[1]
 
 
-def _pretrain_case(cfg) -> int:
-    from longspan.training.pretrain import pretrain
-
-    pretrain(cfg)
-    return 0
-
-
 @pytest.fixture(scope="module")
 def moe_one_process_run(vl_run_inputs, tmp_path_factory):
     hf, data = vl_run_inputs
     cfg = moe_from_scratch(_sft_config(hf, data, tmp_path_factory.mktemp("moe-one")), hf)
-    _pretrain_case(cfg)
+    assert pretrain_counting_sharded_experts(cfg) == 0
     return cfg
 
 
@@ -102,7 +95,8 @@ def test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(vl_run_inp
     over two ranks (EP2: all-to-all dispatch, the encoder replicated) its losses equal one process's."""
     hf, data = vl_run_inputs
     cfg = moe_from_scratch(_sft_config(hf, data, tmp_path / "ep2"), hf, expert_parallel=2)
-    pool2.run(_pretrain_case, cfg, timeout=300)
+    # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
+    assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
     got, want = losses_by_iteration(cfg), losses_by_iteration(moe_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:

@@ -104,6 +104,25 @@ def test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(vl_run_inp
     assert want[ITERS] < want[1]
 
 
+def test_expert_parallel_on_a_dense_vlm_is_a_one_line_config_error():
+    """Both vision-language providers read GPT's expert-parallel rows: EP2 without experts is GPT's ConfigError."""
+    from longspan.core.errors import ConfigError
+    from longspan.models.vlm import Gemma3VLModelProvider
+    from longspan.recipes.loading import load_config
+
+    cfg = load_config("vlm-sft", overrides=["model.expert_model_parallel_size=2"])
+    gemma = Gemma3VLModelProvider(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
+        seq_length=cfg.model.seq_length, mm_tokens_per_image=4, expert_model_parallel_size=2,
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_channels": 3, "image_size": 28, "patch_size": 14})
+    for model in (cfg.model, gemma):
+        cfg.model = model
+        with pytest.raises(ConfigError, match="model.expert_model_parallel_size=2 needs model.num_moe_experts") as info:
+            cfg.validate(world_size=2)
+        assert "\n" not in str(info.value)
+
+
 def _hf_validation_loss(model_dir: Path, data: Path) -> float:
     """Σ loss / Σ loss tokens of transformers' Qwen2.5-VL over validation.jsonl (longspan's samples and masks)."""
     import torch

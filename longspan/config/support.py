@@ -315,7 +315,10 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
 # Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
 # encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
-# Sequence / context / expert parallel, uneven pipeline splits and virtual stages are not covered yet.
+# Expert parallel on a language model with experts: tests/data/sft_vlm/test_vlm_finetune.py::
+# test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process (EP2 equals one process; without experts
+# EP>1 is GPT's ConfigError). Sequence / context parallel, uneven pipeline splits and virtual stages are not
+# covered yet; multi-latent attention has no mRoPE table (config.rules.model.check_mrope_model).
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
@@ -325,13 +328,15 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
     sequence_parallel context_parallel_size virtual_pipeline_model_parallel_size num_layers_in_first_pipeline_stage
     num_layers_in_last_pipeline_stage
     account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split mtp_num_layers mtp_loss_scaling_factor
+    multi_latent_attention
     """)
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
 # mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_refuses_layouts for freeze_*). The
 # token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language model
 # and replicates the encoder; pipeline parallel keeps the encoder on the first stage
-# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
+# (tests/data/sft_vlm/test_gemma_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process; with 4 experts in the
+# language model EP2 equals one process: test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id

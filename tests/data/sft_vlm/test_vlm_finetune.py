@@ -1,6 +1,7 @@
 """Finetuning a tiny random Qwen2.5-VL on drawn squares ('what colour' -> the colour) through the trainer:
 FSDP2 over two ranks and tensor parallel over two ranks log the losses of one process (fp32, rel <= 1e-5, every
-one of 8 iterations; the vision encoder replicated under TP, on the first stage under PP), and a LoRA finetune
+one of 8 iterations; the vision encoder replicated under TP, on the first stage under PP; a language model with
+experts under EP2, resumed halfway from its checkpoint), and a LoRA finetune
 from the command line lowers the validation loss and exports a merged HF model that transformers loads, that
 scores the validation set as longspan did and answers an image question as ``longspan generate`` does."""
 
@@ -92,13 +93,21 @@ def moe_one_process_run(vl_run_inputs, tmp_path_factory):
 def test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(vl_run_inputs, moe_one_process_run, tmp_path,
                                                                       pool2):
     """A Qwen2.5-VL whose language model routes to 4 experts trains on image questions; with the experts split
-    over two ranks (EP2: all-to-all dispatch, the encoder replicated) its losses equal one process's."""
+    over two ranks (EP2: all-to-all dispatch, the encoder replicated), stopped at iteration 4 and resumed from
+    its checkpoint (expert shards saved and loaded), its losses equal one process's."""
     hf, data = vl_run_inputs
-    cfg = moe_from_scratch(_sft_config(hf, data, tmp_path / "ep2"), hf, expert_parallel=2)
-    # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
-    assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
-    got, want = losses_by_iteration(cfg), losses_by_iteration(moe_one_process_run)
-    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    checkpoints = str(tmp_path / "checkpoints")
+    runs = []
+    for name, stop in (("ep2", ITERS // 2), ("ep2-resumed", None)):
+        cfg = moe_from_scratch(_sft_config(hf, data, tmp_path / name), hf, expert_parallel=2)
+        cfg.checkpoint.save = cfg.checkpoint.load = checkpoints
+        cfg.checkpoint.save_interval, cfg.train.exit_interval = ITERS // 2, stop
+        # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
+        assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
+        runs.append(losses_by_iteration(cfg))
+    half = ITERS // 2
+    assert sorted(runs[0]) == list(range(1, half + 1)) and sorted(runs[1]) == list(range(half + 1, ITERS + 1))
+    got, want = {**runs[0], **runs[1]}, losses_by_iteration(moe_one_process_run)
     for it in want:
         assert math.isclose(got[it], want[it], rel_tol=REL), f"EP2 iteration {it}: {got[it]} vs {want[it]}"
     assert want[ITERS] < want[1]

@@ -2,8 +2,9 @@
 an image: FSDP2, tensor parallel (encoder replicated) and pipeline parallel (encoder on the first stage) over two
 ranks log the losses of one process (fp32, rel <= 1e-5, every one of 8 iterations) although some ranks'
 microbatches hold no image (they run the encoder on a blank image times 0, so every rank reduces the same
-gradients); a language model with experts under EP2 does too. The data path on Gemma's processor masks exactly transformers' assistant tokens; a CLI LoRA
-finetune learns, and its merged export scores and answers (``longspan generate --image``) as longspan does."""
+gradients); a language model with experts under EP2 does too. The data path on Gemma's processor masks
+exactly transformers' assistant tokens; a CLI LoRA finetune learns, and its merged export scores and answers
+(``longspan generate --image``) as longspan does."""
 
 from __future__ import annotations
 

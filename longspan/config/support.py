@@ -323,15 +323,17 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
 # tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_
 # with_the_embedding counts the layers and parameters of each stage). Sequence and context parallel cut the
 # sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
-# test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process).
+# test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process). Expert parallel on a language model with
+# experts: tests/data/sft_vlm/test_vlm_finetune.py::test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process
+# (EP2 equals one process; without experts EP>1 is GPT's ConfigError). Multi-latent attention has no mRoPE table
+# (config.rules.model.check_mrope_model).
 SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
     vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
     """))
 CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    expert_model_parallel_size
-    expert_tensor_parallel_size mtp_num_layers mtp_loss_scaling_factor
+    mtp_num_layers mtp_loss_scaling_factor multi_latent_attention
     """)
 # Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
 # tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
@@ -340,7 +342,8 @@ CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
 # model and replicates the encoder; pipeline parallel keeps the encoder on the first stage, also with virtual
 # stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_pipeline.py); sequence
 # and context parallel split the sequence after the image merge (tests/data/sft_vlm/test_gemma_vlm_finetune.py:
-# FSDP2, TP2, TP2 + SP, PP2, PP2 x VP2 and CP2 equal one process).
+# FSDP2, TP2, TP2 + SP, PP2, PP2 x VP2 and CP2 equal one process; with 4 experts in the language model EP2 equals
+# one process: test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process).
 CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
     **_many("model", SUPPORTED, """
         vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id

@@ -46,8 +46,8 @@ for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
         f"{_vlm}.mtp_loss_scaling_factor": _VLM_NO_MTP,
     })
 NOT_SUPPORTED_REASONS.update({
-    "Qwen25VLModelProvider.expert_model_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
-    "Qwen25VLModelProvider.expert_tensor_parallel_size": "Qwen2.5-VL's language model is dense: it has no experts",
+    "Qwen25VLModelProvider.multi_latent_attention": ("Qwen2.5-VL's mRoPE table rotates all kv_channels; multi-latent "
+                                                     "attention's separate rotary part has no mRoPE numbering"),
     "Gemma3VLModelProvider.mtp_enabled": _VLM_NO_MTP,
     "MambaProvider.mtp_loss_scaling_factor": "multi-token prediction depths are built for GPTModel only",
 })

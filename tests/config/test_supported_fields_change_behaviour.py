@@ -587,6 +587,10 @@ def _model_parallel_sizes_shrink_data_parallel(tmp_path: Path) -> bool:
     )
 
 
+# Qwen25VLModelProvider and Gemma3VLModelProvider read these rows as GPT's: EP2 on a vision-language model with
+# experts equals one process (tests/data/sft_vlm/test_vlm_finetune.py::
+# test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process, test_gemma_vlm_finetune.py::
+# test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process).
 @probe("model.expert_model_parallel_size", "model.expert_tensor_parallel_size")
 def _expert_layout_changes_the_expert_groups(tmp_path: Path) -> bool:
     from longspan.parallel.mesh import layout_from_config

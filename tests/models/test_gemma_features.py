@@ -146,5 +146,13 @@ def test_local_and_global_rotary_bases():
     assert not torch.allclose(other_local, one_base) and not torch.allclose(scaled_global, one_base)
     with pytest.raises(NotSupportedError, match="rope_scaling=True with model.rotary_base"):
         build_gpt_model(_provider(rotary_base=[10000, 10000], rope_scaling=True, **windows))
+    # the other scalings act on the single table only: refused beside a pair, not left unapplied
+    for scaling in (dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+                         yarn_original_max_position_embeddings=8),
+                    dict(rope_dynamic_factor=2.0, rope_original_max_position_embeddings=8),
+                    dict(rope_longrope_short_factor=[1.0] * 4, rope_longrope_long_factor=[2.0] * 4,
+                         rope_original_max_position_embeddings=8)):
+        with pytest.raises(NotSupportedError, match=rf"model.{next(iter(scaling))}=.* with model.rotary_base="):
+            build_gpt_model(_provider(rotary_base=[10000, 10000], rope_scaling_factor=1.0, **windows, **scaling))
     with pytest.raises(ConfigError, match=r"model.rotary_base=\[1, 2, 3\] is out of range: use a positive number or a"):
         build_gpt_model(_provider(rotary_base=[1, 2, 3]))

@@ -104,10 +104,17 @@ def check_mrope_model(config: Any) -> None:
             or not all(isinstance(n, int) and n >= 0 for n in sections) or sum(sections) != half):
         raise ConfigError(f"model.mrope_section={sections!r} must be 3 counts of rotary frequency pairs "
                           f"(temporal, height, width) summing to kv_channels / 2 = {half}")
-    for name, plain in (("rotary_percent", 1.0), ("seq_len_interpolation_factor", None), ("rope_scaling", False)):
+    # The mRoPE table is one plain table over kv_channels: no other scaling, local base or latent attention.
+    plain_fields = (("rotary_percent", 1.0), ("seq_len_interpolation_factor", None), ("rope_scaling", False),
+                    ("rope_dynamic_factor", None), ("rope_longrope_short_factor", None),
+                    ("multi_latent_attention", False))
+    for name, plain in plain_fields:
         if getattr(config, name, plain) != plain:
             raise NotSupportedError(f"model.{name}={getattr(config, name)!r} is not supported with mRoPE: "
                                     f"leave it at {plain!r}")
+    if isinstance(config.rotary_base, (list, tuple)):
+        raise NotSupportedError(f"model.rotary_base={list(config.rotary_base)!r} (a [local, global] pair) is not "
+                                "supported with mRoPE: give one number")
     text = copy.copy(config)
     text.position_embedding_type = "rope"
     check_gpt_model(text)
@@ -321,6 +328,21 @@ def _check_rotary_base(config: Any) -> None:
             f"model.rope_scaling=True with model.rotary_base={list(base)!r} is not supported: with a "
             "[local, global] pair the global layers' scaling is rope_scaling_factor (linear); set rope_scaling=False"
         )
+    if pair:
+        _check_no_other_rope_scaling(config, f"model.rotary_base={list(base)!r}",
+                                     "with a [local, global] pair the global layers' scaling is rope_scaling_factor "
+                                     "(linear)")
+
+
+def _check_no_other_rope_scaling(config: Any, setting: str, why: str) -> None:
+    """YaRN, dynamic NTK and LongRoPE are built on the single rotary table only: refuse them beside ``setting``."""
+    scalings = (("position_embedding_type", "yarn", "'rope'"), ("rope_dynamic_factor", None, "None"),
+                ("rope_longrope_short_factor", None, "None"))
+    for name, off, leave in scalings:
+        value = getattr(config, name, None)
+        if (value == off) if off is not None else (value is not None):
+            raise NotSupportedError(f"model.{name}={value!r} with {setting} is not supported: {why}; "
+                                    f"leave {name} at {leave}")
 
 
 def _check_norms_and_caps(config: Any) -> None:

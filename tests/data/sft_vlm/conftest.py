@@ -104,3 +104,45 @@ def write_jsonl(path: str, rows: list[Any]) -> str:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
+
+
+def moe_from_scratch(cfg: Any, hf_dir: Any, expert_parallel: int = 1) -> Any:
+    """``cfg`` (a VLM recipe config on ``hf_dir``) made to train from random weights a model of the directory's
+    architecture whose language model has 4 routed experts (top 2, load-balancing loss on) in every layer:
+    HF has no MoE Qwen2.5-VL or Gemma 3 VL to start from. The tokenizer and image processor stay the
+    directory's."""
+    import dataclasses
+
+    from longspan.conversion import AutoBridge
+
+    provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
+    cfg.model = dataclasses.replace(
+        provider, seq_length=cfg.model.seq_length, tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+        num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+        expert_model_parallel_size=expert_parallel)
+    cfg.checkpoint.pretrained_checkpoint = None
+    cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
+    cfg.tokenizer.tokenizer_model = str(hf_dir)
+    return cfg
+
+
+def pretrain_counting_sharded_experts(cfg: Any) -> int:
+    """``pretrain(cfg)``; returns how many expert parameters expert parallel sharded on this rank (0 when it left
+    the experts whole), so a parity test knows the layout it compared really split the experts."""
+    import longspan.parallel.parallelize as parallelize
+    from longspan.training.pretrain import pretrain
+
+    sharded: list[Any] = []
+    original = parallelize.apply_expert_parallel
+
+    def counting(*args: Any, **kwargs: Any) -> list[Any]:
+        params = original(*args, **kwargs)
+        sharded.extend(params)
+        return params
+
+    parallelize.apply_expert_parallel = counting
+    try:
+        pretrain(cfg)
+    finally:
+        parallelize.apply_expert_parallel = original
+    return len(sharded)

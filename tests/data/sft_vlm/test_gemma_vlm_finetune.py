@@ -2,8 +2,9 @@
 an image: FSDP2, tensor parallel (encoder replicated) and pipeline parallel (encoder on the first stage, also
 interleaved over virtual stages) over two ranks log the losses of one process (fp32, rel <= 1e-5, every one of 8 iterations) although some ranks'
 microbatches hold no image (they run the encoder on a blank image times 0, so every rank reduces the same
-gradients). The data path on Gemma's processor masks exactly transformers' assistant tokens; a CLI LoRA
-finetune learns, and its merged export scores and answers (``longspan generate --image``) as longspan does."""
+gradients); a language model with experts under EP2 does too. The data path on Gemma's processor masks
+exactly transformers' assistant tokens; a CLI LoRA finetune learns, and its merged export scores and answers
+(``longspan generate --image``) as longspan does."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import write_jsonl
+from tests.data.sft_vlm.conftest import moe_from_scratch, pretrain_counting_sharded_experts, write_jsonl
 from tests.data.sft_vlm.gemma_fixtures import gemma_chat_template, gemma_colour_rows, make_gemma_vl_dir
 from tests.training.pretrain_helpers import losses_by_iteration
 
@@ -88,6 +89,30 @@ def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_pro
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:
         assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]}"
+    assert want[ITERS] < want[1]
+
+
+@pytest.fixture(scope="module")
+def gemma_moe_one_process_run(gemma_run_inputs, tmp_path_factory):
+    hf, data = gemma_run_inputs
+    cfg = moe_from_scratch(gemma_sft_config(hf, data, tmp_path_factory.mktemp("gemma-moe-one")), hf)
+    assert pretrain_counting_sharded_experts(cfg) == 0
+    return cfg
+
+
+def test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(
+        gemma_run_inputs, gemma_moe_one_process_run, tmp_path, pool2):
+    """A Gemma 3 VL whose language model (sliding-window and global layers) routes to 4 experts trains on image
+    questions mixed with text-only ones; with the experts split over two ranks (EP2) its losses equal one
+    process's, including the microbatches that run the encoder on a blank image."""
+    hf, data = gemma_run_inputs
+    cfg = moe_from_scratch(gemma_sft_config(hf, data, tmp_path / "ep2"), hf, expert_parallel=2)
+    # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
+    assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
+    got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_moe_one_process_run)
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it in want:
+        assert math.isclose(got[it], want[it], rel_tol=REL), f"EP2 iteration {it}: {got[it]} vs {want[it]}"
     assert want[ITERS] < want[1]
 
 

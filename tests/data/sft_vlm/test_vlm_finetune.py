@@ -1,7 +1,8 @@
 """Finetuning a tiny random Qwen2.5-VL (four decoder layers) on drawn squares ('what colour' -> the colour)
-through the trainer: FSDP2, tensor parallel and pipeline parallel over two ranks log the losses of one process
-(fp32, rel <= 1e-5, every one of 8 iterations; the vision encoder replicated under TP, on the stage holding the
-embedding under PP: even, uneven and interleaved with virtual stages), and a LoRA finetune
+through the trainer: FSDP2, tensor (and sequence) parallel, context parallel and pipeline parallel over two ranks
+log the losses of one process (fp32, rel <= 1e-5, every one of 8 iterations; the vision encoder replicated under
+TP, on the stage holding the embedding under PP: even, uneven and interleaved with virtual stages; a language
+model with experts under EP2, resumed halfway from its checkpoint), and a LoRA finetune
 from the command line lowers the validation loss and exports a merged HF model that transformers loads, that
 scores the validation set as longspan did and answers an image question as ``longspan generate`` does."""
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import colour_rows, write_jsonl
+from tests.data.sft_vlm.conftest import colour_rows, moe_from_scratch, pretrain_counting_sharded_experts, write_jsonl
 from tests.training.pretrain_helpers import losses_by_iteration
 
 ITERS = 8
@@ -119,6 +120,56 @@ def _loads_in_one_process_as_the_one_process_run(saved: str, reference: str) -> 
         # 1e-6 where a gradient is near zero; a weight under another name is off by ~0.1, eight untrained steps
         # by ~1e-3
         torch.testing.assert_close(got[name], param, rtol=0, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def moe_one_process_run(vl_run_inputs, tmp_path_factory):
+    hf, data = vl_run_inputs
+    cfg = moe_from_scratch(_sft_config(hf, data, tmp_path_factory.mktemp("moe-one")), hf)
+    assert pretrain_counting_sharded_experts(cfg) == 0
+    return cfg
+
+
+def test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(vl_run_inputs, moe_one_process_run, tmp_path,
+                                                                      pool2):
+    """A Qwen2.5-VL whose language model routes to 4 experts trains on image questions; with the experts split
+    over two ranks (EP2: all-to-all dispatch, the encoder replicated), stopped at iteration 4 and resumed from
+    its checkpoint (expert shards saved and loaded), its losses equal one process's."""
+    hf, data = vl_run_inputs
+    checkpoints = str(tmp_path / "checkpoints")
+    runs = []
+    for name, stop in (("ep2", ITERS // 2), ("ep2-resumed", None)):
+        cfg = moe_from_scratch(_sft_config(hf, data, tmp_path / name), hf, expert_parallel=2)
+        cfg.checkpoint.save = cfg.checkpoint.load = checkpoints
+        cfg.checkpoint.save_interval, cfg.train.exit_interval = ITERS // 2, stop
+        # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
+        assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
+        runs.append(losses_by_iteration(cfg))
+    half = ITERS // 2
+    assert sorted(runs[0]) == list(range(1, half + 1)) and sorted(runs[1]) == list(range(half + 1, ITERS + 1))
+    got, want = {**runs[0], **runs[1]}, losses_by_iteration(moe_one_process_run)
+    for it in want:
+        assert math.isclose(got[it], want[it], rel_tol=REL), f"EP2 iteration {it}: {got[it]} vs {want[it]}"
+    assert want[ITERS] < want[1]
+
+
+def test_expert_parallel_on_a_dense_vlm_is_a_one_line_config_error():
+    """Both vision-language providers read GPT's expert-parallel rows: EP2 without experts is GPT's ConfigError."""
+    from longspan.core.errors import ConfigError
+    from longspan.models.vlm import Gemma3VLModelProvider
+    from longspan.recipes.loading import load_config
+
+    cfg = load_config("vlm-sft", overrides=["model.expert_model_parallel_size=2"])
+    gemma = Gemma3VLModelProvider(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
+        seq_length=cfg.model.seq_length, mm_tokens_per_image=4, expert_model_parallel_size=2,
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_channels": 3, "image_size": 28, "patch_size": 14})
+    for model in (cfg.model, gemma):
+        cfg.model = model
+        with pytest.raises(ConfigError, match="model.expert_model_parallel_size=2 needs model.num_moe_experts") as info:
+            cfg.validate(world_size=2)
+        assert "\n" not in str(info.value)
 
 
 def _hf_validation_loss(model_dir: Path, data: Path) -> float:

@@ -238,6 +238,26 @@ def test_the_vlm_fields_change_the_model(qwen_vl):
     assert grads["vision"] is None and grads["merger"].abs().sum() > 0 and grads["language_model"].abs().sum() > 0
 
 
+def test_settings_the_mrope_table_cannot_apply_are_one_line_errors(qwen_vl):
+    """The language model's GPT rows that mRoPE's single table over kv_channels cannot honour are refused when
+    the model is built (and by validate()), never left unapplied; a sliding window is built."""
+    directory = qwen_vl[0]
+    refused = {"multi_latent_attention": dict(multi_latent_attention=True, add_qkv_bias=False, q_lora_rank=8,
+                                              kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=4),
+               "rotary_base": dict(rotary_base=[10000.0, 1000000.0]),
+               "rope_dynamic_factor": dict(rope_dynamic_factor=2.0, rope_original_max_position_embeddings=8)}
+    for name, fields in refused.items():
+        provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+        for key, value in fields.items():
+            setattr(provider, key, value)
+        with pytest.raises(NotSupportedError, match=rf"model.{name}=.* is not supported with mRoPE") as info:
+            provider.provide_meta()
+        assert "\n" not in str(info.value)
+    provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+    provider.window_size = (4, 0)
+    assert provider.provide_meta().language_model.args.window_size == (4, 0)
+
+
 def test_tied_bf16_model_round_trips_and_matches_transformers(tmp_path):
     """The 3B's shape (output layer tied to the embeddings) in bf16: the vision encoder keeps the dtype, the
     export is bit-identical, the logits stay close to transformers' in bf16."""

@@ -8,7 +8,8 @@
 - The supervisor's rules with stand-in workers (tiny Python scripts, no torch): restarts, their budgets, concurrent
   faults, hung ranks, completion, exit codes, granularity — one test per config field.
 - The worker side against a real TCPStore: the re-rendezvous barrier, the monitor thread's timestamps and its
-  interruption of the main thread, the teardown.
+  interruption of the main thread, the teardown; soft_timeout: a real training run (in this process, under
+  run_worker) stalled in a pure-Python loop is interrupted and restarts in place with the uninterrupted losses.
 - Config: YAML round trip (also under Megatron Bridge's class name) and the rules.
 """
 
@@ -588,6 +589,122 @@ def test_worker_error_without_a_new_generation_is_raised(store: Any, tmp_path: P
     assert time.time() - t0 < 15  # waited only a short grace for a peer's fault to show
 
 
+SOFT_TIMEOUT = 2.0
+SOFT_ITERS = 6
+
+
+def _soft_timeout_config(tmp_path: Path, name: str) -> Any:
+    cfg = resilience_config(tmp_path, name, SOFT_ITERS)
+    cfg.checkpoint.save_interval = 2
+    cfg.inprocess_restart = _ipr(soft_timeout=SOFT_TIMEOUT, hard_timeout=120.0, monitor_thread_interval=0.05,
+                                 progress_watchdog_interval=0.1, last_call_wait=0.0, termination_grace_time=0.0)
+    return cfg
+
+
+@pytest.mark.timeout(300)
+def test_soft_timeout_interrupts_a_stalled_rank_in_place(store: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """A rank stuck in a pure-Python loop after iteration 3 makes no progress: its monitor thread interrupts it at
+    soft_timeout and moves the job to the next generation; the same process resumes from the iteration-2 checkpoint
+    and ends with the uninterrupted run's losses (dropout on)."""
+    from longspan.training import train as train_loop
+    from longspan.training.pretrain import pretrain
+
+    reference_cfg = _soft_timeout_config(tmp_path, "ref")
+    reference_cfg.inprocess_restart = None
+    pretrain(reference_cfg)
+    reference = _train_losses(reference_cfg)
+    assert sorted(reference) == list(range(1, SOFT_ITERS + 1))
+
+    stall: dict[str, float] = {}
+    after_iteration = train_loop.after_iteration
+
+    def stall_once_after_iteration_3(state: Any) -> None:
+        after_iteration(state)
+        if state.train_state.step == 3 and "start" not in stall:
+            stall["start"] = time.monotonic()
+            try:
+                while time.monotonic() - stall["start"] < 60:  # no progress, never returns to the loop
+                    sum(range(100))
+            finally:
+                stall["end"] = time.monotonic()
+
+    monkeypatch.setattr(train_loop, "after_iteration", stall_once_after_iteration_3)
+    monkeypatch.setenv(inprocess.STORE_ENV, f"127.0.0.1:{store.port}")
+    configs = []
+
+    def make_config() -> Any:
+        configs.append(_soft_timeout_config(tmp_path, "ipr"))
+        return configs[-1]
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", inprocess.STORE_ENV: f"127.0.0.1:{store.port}",
+           inprocess.GENERATION_ENV: "0"}
+    pid = os.getpid()
+    assert inprocess.run_worker(lambda cfg: int(getattr(pretrain(cfg), "exit_code", None) or 0), make_config, env) == 0
+    assert os.getpid() == pid and len(configs) >= 2  # restarted in this process
+    stalled_for = stall["end"] - stall["start"]
+    assert 0.9 * SOFT_TIMEOUT <= stalled_for < SOFT_TIMEOUT + 30, stall  # interrupted at soft_timeout, not left
+    generation, _, seconds = store.get(inprocess.soft_timeout_key(0)).decode().partition(":")
+    assert int(store.get(inprocess.GENERATION_KEY)) >= 1 and float(seconds) >= SOFT_TIMEOUT
+    losses = _train_losses(configs[-1])
+    assert sorted(losses) == list(range(1, SOFT_ITERS + 1)) and losses == reference
+
+
+def test_progress_stamp_is_the_training_loops_while_it_runs() -> None:
+    """hard_timeout reads the same progress the soft timeout does: frozen at the loop's last progress while the
+    loop runs (a rank the interruption cannot reach stops progressing), the monitor's own time outside it."""
+    monitor = WorkerMonitor("127.0.0.1:1", 0, _ipr())
+    monitor.start = lambda: None  # no thread: only the bookkeeping the main thread does
+    inprocess.report_progress()  # not supervised: nothing to report to
+    inprocess._active_monitor = monitor
+    try:
+        monitor.running(0)
+        assert monitor.progress_stamp(123.0) == 123.0  # setup: not watched
+        inprocess.start_progress_watch()
+        started = monitor.progress_stamp(1e12)
+        assert started < 1e12
+        time.sleep(0.01)
+        inprocess.report_progress()
+        assert started < monitor.progress_stamp(1e12) < 1e12
+        inprocess.end_progress_watch()
+        assert monitor.progress_stamp(1e12) == 1e12
+        inprocess.start_progress_watch()
+        monitor.stopped()  # the attempt ended (interrupted or not)
+        assert monitor.progress_stamp(1e12) == 1e12
+    finally:
+        inprocess._active_monitor = None
+
+
+class _Exited:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("max_iterations,expected", [(None, None), (0, 1)])
+def test_supervisor_reports_a_soft_timeout_restart(store: Any, max_iterations: Any, expected: Any) -> None:
+    """A worker's soft timeout moved the job to generation 1: the supervisor reports the fault and an in-place
+    restart (no process replaced) and counts it against max_iterations."""
+    events: list[tuple[str, str, dict]] = []
+    sup = InProcessSupervisor([], 2, _ipr(soft_timeout=5.0, max_iterations=max_iterations),
+                              lambda *event: events.append(event))
+    sup.store, sup.procs = store, {0: _Exited(100), 1: _Exited(101)}
+    assert sup._adopt_worker_restart() is None and events == []  # nothing happened
+    store.set(inprocess.soft_timeout_key(1), "0:5.25")  # what rank 1's monitor thread writes, then the bump
+    store.set(inprocess.GENERATION_KEY, "1")
+    assert sup._adopt_worker_restart() == expected
+    fault = events[0]
+    assert fault[0] == "fault" and fault[2]["rank"] == 1 and fault[2]["detection"] == "soft_timeout"
+    assert "no progress for 5.2 s (inprocess_restart.soft_timeout=5); interrupted in place" in fault[1]
+    assert not store.check([inprocess.soft_timeout_key(1)])
+    if expected is None:
+        assert [e[0] for e in events] == ["fault", "restart"] and sup.generation == 1 and sup.restarts == 1
+        assert events[1][2]["replaced_ranks"] == [] and events[1][2]["kept_ranks"] == [0, 1]
+    else:
+        assert [e[0] for e in events] == ["fault"] and store.check([inprocess.FINISHING_KEY])
+
+
 def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: Any, monkeypatch: Any) -> None:
     from longspan.parallel import init as parallel_init
 
@@ -663,7 +780,8 @@ def test_yaml_round_trip_and_bridge_class_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field,value,error,match", [
-    ("soft_timeout", 30.0, NotSupportedError, "inprocess_restart.soft_timeout=30.0 is not supported yet"),
+    ("soft_timeout", 90.0, ConfigError, "inprocess_restart.soft_timeout=90.0 is not valid: use fewer seconds than "
+                                         "inprocess_restart.hard_timeout=90.0"),
     ("active_world_size", 1, NotSupportedError, "inprocess_restart.active_world_size=1 is not supported yet"),
     ("hard_timeout", 0, ConfigError, "inprocess_restart.hard_timeout=0 is not valid"),
     ("last_call_wait", -1, ConfigError, "inprocess_restart.last_call_wait=-1 is not valid"),

@@ -14,6 +14,14 @@ The Python process — and its pid — stays the same; only the failed rank is a
 supervisor directly in the current generation). A monitor thread writes this rank's heartbeat and progress
 timestamps to the store (the supervisor terminates a frozen rank) and interrupts the main thread when the job's
 generation moves on while it still runs an older one.
+
+Progress (nvidia-resiliency-ext's ``ping``): while the training loop runs, the loop reports each finished iteration,
+evaluation step and checkpoint save (``report_progress``). A rank without progress for ``soft_timeout`` seconds is
+interrupted by its own monitor thread (an exception raised asynchronously in its main thread), which also moves
+the job to the next generation: every rank restarts in place. Outside the training loop (start-up, setup, the
+test evaluation) the monitor thread's own liveness counts as progress. The progress timestamp the supervisor
+reads is the same one, so a rank the exception cannot reach (stuck in a call that never returns to Python) is
+terminated at ``hard_timeout``.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ def progress_key(rank: int) -> str:
     return f"progress/{rank}"
 
 
+def soft_timeout_key(rank: int) -> str:
+    """Set by a worker's monitor thread that interrupted its rank for lack of progress: ``{generation}:{seconds}``."""
+    return f"soft_timeout/{rank}"
+
+
 def exiting_key(rank: int) -> str:
     """Set by a worker that has finished (its exit code): no more timestamps come, and it is not hung."""
     return f"exiting/{rank}"
@@ -86,8 +99,31 @@ def _raise_in_thread(thread_id: int, exc: type) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
 
 
+#: the running worker's monitor, which ``report_progress`` and the progress watch talk to (None: not supervised)
+_active_monitor: Optional["WorkerMonitor"] = None
+
+
+def start_progress_watch() -> None:
+    """The training loop starts: from now on only its reported progress counts (``soft_timeout``, ``hard_timeout``)."""
+    if _active_monitor is not None:
+        _active_monitor.watch_progress(True)
+
+
+def end_progress_watch() -> None:
+    """The training loop ended: the monitor thread's own liveness counts as progress again."""
+    if _active_monitor is not None:
+        _active_monitor.watch_progress(False)
+
+
+def report_progress() -> None:
+    """The training loop finished an iteration, an evaluation step or a checkpoint save (nvrx's ``ping``)."""
+    if _active_monitor is not None:
+        _active_monitor.progress()
+
+
 class WorkerMonitor:
-    """This rank's monitor thread: heartbeat and progress timestamps in the store, and the generation watch.
+    """This rank's monitor thread: heartbeat and progress timestamps in the store, the generation watch and the
+    soft timeout.
 
     The main thread marks the span in which it may be interrupted (``running(generation)`` ... ``stopped()``); the
     thread raises RestartAbort there only, under a lock, so an interruption never lands in the teardown."""
@@ -98,19 +134,39 @@ class WorkerMonitor:
         self.ipr = ipr
         self._lock = threading.Lock()
         self._running_generation: Optional[int] = None
+        # (monotonic, wall-clock) time of the training loop's last progress; None while the loop does not run
+        self._last_progress: Optional[tuple[float, float]] = None
         self._main_thread_id = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="longspan-inprocess-monitor", daemon=True)
 
     def start(self) -> None:
+        global _active_monitor
+        _active_monitor = self
         self._thread.start()
 
     def stop(self) -> None:
+        global _active_monitor
+        if _active_monitor is self:
+            _active_monitor = None
         self._stop.set()
+
+    def watch_progress(self, on: bool) -> None:
+        self._last_progress = (time.monotonic(), time.time()) if on else None
+
+    def progress(self) -> None:
+        if self._last_progress is not None:
+            self._last_progress = (time.monotonic(), time.time())
+
+    def progress_stamp(self, now: float) -> float:
+        """The progress timestamp for the store: the training loop's last progress while it runs, else ``now``."""
+        last = self._last_progress
+        return now if last is None else last[1]
 
     def running(self, generation: int) -> None:
         with self._lock:
             self._running_generation = generation
+            self._last_progress = None
 
     def stopped(self) -> None:
         """Leave the interruptible span: no interruption is scheduled after this.
@@ -121,6 +177,7 @@ class WorkerMonitor:
         delivered and caught where ``_attempt`` expects it."""
         with self._lock:
             self._running_generation = None
+            self._last_progress = None
 
     def _loop(self) -> None:
         store = connect_store(self.address, self.ipr.barrier_timeout)
@@ -133,10 +190,11 @@ class WorkerMonitor:
                     store.set(heartbeat_key(self.rank), repr(now))
                     next_beat = now + ipr.heartbeat_interval
                 if now >= next_progress:
-                    store.set(progress_key(self.rank), repr(now))
+                    store.set(progress_key(self.rank), repr(self.progress_stamp(now)))
                     next_progress = now + ipr.progress_watchdog_interval
                 if now >= next_check:
                     self._check_generation(_read_int(store, GENERATION_KEY))
+                    self._check_soft_timeout(store)
                     next_check = now + ipr.monitor_thread_interval
             except Exception:  # noqa: BLE001 - the supervisor is gone: the process is about to be ended
                 return
@@ -149,6 +207,26 @@ class WorkerMonitor:
                                f"{generation} while this rank ran generation {self._running_generation}")
                 _raise_in_thread(self._main_thread_id, RestartAbort)
                 self._running_generation = None  # once
+
+    def _check_soft_timeout(self, store: Any) -> None:
+        """No progress for soft_timeout seconds: record it, move the job to the next generation (every rank restarts
+        in place; one bump however many ranks time out together) and interrupt the main thread. The progress stamp
+        stays at the last progress until the interruption lands, so hard_timeout still ends a rank it cannot reach."""
+        last = self._last_progress
+        if last is None or time.monotonic() - last[0] < self.ipr.soft_timeout:
+            return
+        with self._lock:
+            generation = self._running_generation
+            if generation is None or self._last_progress is not last:
+                return
+            stalled = time.monotonic() - last[0]
+            logger.warning(f"in-process restart: rank {self.rank} made no progress for {stalled:.1f} s "
+                           f"(inprocess_restart.soft_timeout={self.ipr.soft_timeout:g}): interrupting it; every rank "
+                           f"restarts in place in generation {generation + 1}")
+            store.set(soft_timeout_key(self.rank), f"{generation}:{stalled:.3f}")
+            store.compare_set(GENERATION_KEY, str(generation), str(generation + 1))
+            _raise_in_thread(self._main_thread_id, RestartAbort)
+            self._running_generation = None  # once
 
 
 def rendezvous(store: Any, generation: int, rank: int, world_size: int, timeout: float) -> int:

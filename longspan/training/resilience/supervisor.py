@@ -11,6 +11,9 @@ address and their generation) and watches them every ``monitor_process_interval`
   supervisor moves the job to the next generation and starts one new process per failed rank
   (``granularity='rank'``) or for every rank of the node (``'node'``); the surviving workers restart in place
   (resilience/inprocess.py). ``max_iterations`` bounds the restarts, ``max_rank_faults`` one rank's faults.
+- a worker without training progress for ``soft_timeout`` seconds is interrupted by its own monitor thread, which
+  moves the job to the next generation itself; the supervisor reports that fault and restart (every rank restarts
+  in place, no process is replaced) and counts it against the same budgets.
 - a worker that exits on its own (0, or an error, the rerun machine's 16/17 included) ends the job: nobody restarts
   any more, the others have ``completion_timeout`` seconds to exit, and the job's exit code is the first nonzero
   worker code (2, 16 and 17 kept; others 1), else 0.
@@ -43,6 +46,7 @@ from longspan.training.resilience.inprocess import (
     exiting_key,
     heartbeat_key,
     progress_key,
+    soft_timeout_key,
 )
 from longspan.parallel.launcher import last_log_line
 
@@ -247,17 +251,42 @@ class InProcessSupervisor:
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
         self._signal = signum
 
+    def _store_generation(self) -> int:
+        return int(self.store.get(GENERATION_KEY))
+
+    def _soft_timeout_faults(self) -> list[Fault]:
+        """The ranks whose monitor thread interrupted them for lack of progress (each record read once)."""
+        faults = []
+        for rank, proc in sorted(self.procs.items()):
+            key = soft_timeout_key(rank)
+            if self.store.check([key]):
+                _, _, stalled = self.store.get(key).decode().partition(":")
+                self.store.delete_key(key)
+                faults.append(Fault(rank, proc.pid, "soft_timeout", f"no progress for {float(stalled):.1f} s "
+                                    f"(inprocess_restart.soft_timeout={self.ipr.soft_timeout:g}); interrupted in place"))
+        return faults
+
+    def _adopt_worker_restart(self) -> Optional[int]:
+        """A worker's soft timeout moved the job to a newer generation: report it as this supervisor's restart."""
+        newest = self._store_generation()
+        if newest <= self.generation:
+            return None
+        return self._restart(self._soft_timeout_faults(), in_place_generation=newest)
+
     def _watch(self) -> int:
         while True:
             if self._signal is not None:
                 return self._forward_signal(self._signal)
+            failed = self._adopt_worker_restart()
+            if failed is not None:
+                return failed
             faults, exited = self._poll()
             if exited or len(self._exiting()) == self.world_size:
                 return self._finish()
             if faults:
                 time.sleep(self.ipr.last_call_wait)  # concurrent faults of other ranks join this restart
                 more, exited = self._poll(exclude={f.rank for f in faults})
-                faults += more
+                faults += more + self._soft_timeout_faults()  # a soft timeout at the same time joins this restart
                 if exited:
                     return self._finish()
                 failed = self._restart(faults)
@@ -285,9 +314,9 @@ class InProcessSupervisor:
             faults.append(Fault(rank, self.procs[rank].pid, "rank_hung", why + "; terminated"))
         return faults, exited
 
-    def _restart(self, faults: list[Fault]) -> Optional[int]:
-        """Move to the next generation with new processes for the failed ranks; an exit code when the budget is
-        spent."""
+    def _restart(self, faults: list[Fault], in_place_generation: Optional[int] = None) -> Optional[int]:
+        """Move to the next generation with new processes for the failed ranks (none when a worker's soft timeout
+        already moved the job to ``in_place_generation``); an exit code when the budget is spent."""
         for fault in faults:
             self.rank_faults[fault.rank] += 1
         remaining_after = restarts_remaining(self.restarts + 1, self.ipr)
@@ -306,11 +335,15 @@ class InProcessSupervisor:
             monitor_log(self.ipr.monitor_process_logdir, f"gave up: {over}")
             self._terminate(list(self.procs))
             return 1
-        replace = ranks_to_restart([f.rank for f in faults], self.world_size, self.ipr.granularity)
-        self._terminate(replace)  # 'node': the node's other ranks go too
-        self.generation += 1
+        if in_place_generation is None:
+            replace = ranks_to_restart([f.rank for f in faults], self.world_size, self.ipr.granularity)
+            self._terminate(replace)  # 'node': the node's other ranks go too
+            # never behind a generation a worker's soft timeout set meanwhile
+            self.generation = max(self.generation, self._store_generation()) + 1
+            self.store.set(GENERATION_KEY, str(self.generation))
+        else:
+            replace, self.generation = [], in_place_generation
         self.restarts += 1
-        self.store.set(GENERATION_KEY, str(self.generation))
         for rank in replace:
             self._spawn(rank)
         kept = sorted(set(range(self.world_size)) - set(replace))

@@ -1192,3 +1192,6 @@ COVERED_ELSEWHERE.update({
     **{f"dataset.{name}": "tests/data/sft_hf/test_hf_sft_in_batch_packing.py (packed microbatches give the unpacked loss and gradients; deferred packing builds the collate's batch; the multiple sets the layout; a packed run trains as the unpacked one)"
        for name in "enable_in_batch_packing defer_in_batch_packing_to_step in_batch_packing_pad_to_multiple_of".split()},
 })
+COVERED_ELSEWHERE.update({
+    "inprocess_restart.soft_timeout": "tests/resilience/test_inprocess_restart.py::test_soft_timeout_interrupts_a_stalled_rank_in_place (a rank stalled in a pure-Python loop is interrupted after soft_timeout and restarts in the same process with the uninterrupted losses; ignoring the field leaves it stalled and the test fails)",
+})

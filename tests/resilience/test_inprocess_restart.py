@@ -674,6 +674,33 @@ def test_progress_stamp_is_the_training_loops_while_it_runs() -> None:
         inprocess._active_monitor = None
 
 
+def test_a_restarting_rank_lets_go_of_its_failed_attempts_frames() -> None:
+    """The interrupted attempt's frames hold its model and process groups; released before the teardown, the groups
+    are freed and their sockets close, so a peer blocked in a collective with this rank fails at once (by hand: a
+    2-rank run restarted 1.3 s after a peer's soft timeout, instead of waiting for hard_timeout)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def attempt() -> None:
+        held = Held()  # noqa: F841 - what a frame of the failed attempt keeps alive
+        try:
+            raise RuntimeError("collective failed")
+        except RuntimeError:
+            raise RestartAbort()
+
+    try:
+        attempt()
+    except RestartAbort as caught:
+        exc = caught
+    ref = weakref.ref(exc.__context__.__traceback__.tb_frame.f_locals["held"])
+    inprocess._release_frames(exc)
+    gc.collect()
+    assert ref() is None and exc.__traceback__ is None
+
+
 class _Exited:
     def __init__(self, pid: int) -> None:
         self.pid = pid

@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
@@ -341,6 +342,23 @@ def _attempt(monitor: WorkerMonitor, generation: int, train: Callable[[Any], int
         return None, exc
 
 
+def _release_frames(exc: BaseException) -> None:
+    """Let go of what the failed attempt's frames hold (its model, its process groups) so the teardown frees the
+    groups: that closes their sockets, and a peer blocked in a collective with this rank fails at once instead of
+    waiting for its own timeout."""
+    seen: set[int] = set()
+    pending: list[Optional[BaseException]] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            current.__traceback__ = None
+        pending += [current.__context__, current.__cause__]
+
+
 def _exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -392,6 +410,7 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                                f"restarting in generation {newer}")
                 generation = newer
+                _release_frames(exc)
             finally:
                 reset_process_state(ipr.empty_cuda_cache)
             cfg = make_config()

@@ -262,8 +262,9 @@ class InProcessSupervisor:
             if self.store.check([key]):
                 _, _, stalled = self.store.get(key).decode().partition(":")
                 self.store.delete_key(key)
-                faults.append(Fault(rank, proc.pid, "soft_timeout", f"no progress for {float(stalled):.1f} s "
-                                    f"(inprocess_restart.soft_timeout={self.ipr.soft_timeout:g}); interrupted in place"))
+                why = (f"no progress for {float(stalled):.1f} s (inprocess_restart.soft_timeout="
+                       f"{self.ipr.soft_timeout:g}); interrupted in place")
+                faults.append(Fault(rank, proc.pid, "soft_timeout", why))
         return faults
 
     def _adopt_worker_restart(self) -> Optional[int]:

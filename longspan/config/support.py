@@ -214,10 +214,9 @@ FIELD_STATUS: dict[str, str] = {
     **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
     # Megatron's detector can be switched on and off at run time through a port; longspan's cannot.
     **_many("straggler", NOT_SUPPORTED, "straggler_ctrlr_port"),
-    # In-process restart (resilience/inprocess.py): soft_timeout is real
-    # (tests/resilience/test_inprocess_restart.py::test_soft_timeout_interrupts_a_stalled_rank_in_place);
-    # nvidia-resiliency-ext's warm reserve ranks are not built.
-    **_many("inprocess_restart", NOT_SUPPORTED, "active_world_size"),
+    # In-process restart (resilience/inprocess.py): soft_timeout and active_world_size are real
+    # (tests/resilience/test_inprocess_restart.py::test_soft_timeout_interrupts_a_stalled_rank_in_place and
+    # ::test_a_warm_reserve_takes_a_killed_ranks_place).
 }
 
 

@@ -41,8 +41,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "dist.use_sharp": "NCCL CollNet/SHARP reads its environment when a communicator starts; longspan's are not set up for it",
     "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
     "straggler.straggler_ctrlr_port": "the straggler detector cannot be switched at run time through a port",
-    "inprocess_restart.active_world_size": (
-        "warm reserve ranks are not built: every process runs the workload and a failed rank gets a new process"),
 }
 
 # Vision-language models: the layouts their plans do not cover yet.

@@ -74,17 +74,18 @@ class _KilledRun:
         self.cfg, self.out, self.seen, self.killed_at = cfg, out, seen, killed_at
 
 
-def _kill_rank_1_mid_run(tmp_path: Path, cfg: Any) -> _KilledRun:
-    """Run ``cfg`` on 2 ranks under the in-process supervisor and SIGKILL rank 1 after its third iteration."""
+def _kill_rank_1_mid_run(tmp_path: Path, cfg: Any, processes: int = 2, **fields: Any) -> _KilledRun:
+    """Run ``cfg`` on ``processes`` worker processes under the in-process supervisor and SIGKILL rank 1 after its
+    third iteration."""
     cfg.inprocess_restart = InProcessRestartConfig(
         enabled=True, granularity="rank", monitor_process_interval=0.1, monitor_thread_interval=0.2,
-        last_call_wait=0.2, monitor_process_logdir=str(tmp_path / "monitor"))
+        last_call_wait=0.2, monitor_process_logdir=str(tmp_path / "monitor"), **fields)
     yaml = write_yaml(cfg, tmp_path / "ipr.yaml")
     log_path = tmp_path / "ipr.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(LONGSPAN + ["pretrain", "--config", str(yaml), "--nproc-per-node", "2"], env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    seen: dict[int, set[int]] = {0: set(), 1: set()}
+        proc = subprocess.Popen(LONGSPAN + ["pretrain", "--config", str(yaml), "--nproc-per-node", str(processes)],
+                                env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: dict[int, set[int]] = {rank: set() for rank in range(processes)}
     killed_at = None
     try:
         deadline = time.time() + 300
@@ -166,6 +167,31 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(pool2: Any, tmp_
     rejoin = [line for line in monitor.splitlines() if "rejoined generation 1" in line]
     assert rejoin and "job finished with exit code 0 after 1 in-process restart(s)" in monitor
     print(f"\nin-process restart: rank 1 killed after iteration {killed_at}; {rejoin[0].split(': ', 1)[1]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_warm_reserve_takes_a_killed_ranks_place(pool2: Any, tmp_path: Path) -> None:
+    """Three processes, active_world_size=2: the third waits as a warm reserve. Rank 1 is SIGKILLed after iteration
+    3; the reserve's process (started before the fault) runs rank 1 from generation 1 and the run ends with an
+    uninterrupted 2-rank run's losses bit for bit (dropout on); rank 0 keeps its process."""
+    reference_cfg = resilience_config(tmp_path, "ref", ITERS)
+    reference_cfg.checkpoint.save_interval = 2
+    reference = _reference_losses(pool2, reference_cfg, tmp_path / "ref.yaml")
+    cfg = resilience_config(tmp_path, "ipr", ITERS)
+    cfg.checkpoint.save_interval = 2
+    killed = _kill_rank_1_mid_run(tmp_path, cfg, processes=3, active_world_size=2)
+    assert _train_losses(cfg) == reference
+    (rank0_pid,) = killed.seen[0]
+    (reserve_pid,) = killed.seen[2]  # the environment a process starts with: the reserve started as process 2
+    events = [r for r in metrics_records(cfg) if r.get("phase") == "resilience"]
+    assert [e["event"] for e in events] == ["fault", "restart"]
+    fault, restart = events
+    assert fault["rank"] == 1 and fault["pid"] in killed.seen[1]
+    assert restart["reserve_ranks"] == [1] and restart["kept_ranks"] == [0] and restart["replaced_ranks"] == []
+    assert f"taken by warm reserve process(es) (pids [{reserve_pid}])" in restart["message"]
+    assert f"reserve process 2 (pid {reserve_pid}) takes rank 1 in generation 1" in killed.out
+    assert f"rank 0 (pid {rank0_pid}) rejoined in generation 1" in killed.out
 
 
 # ------------------------------------------------------------------------------- supervisor, stand-in workers
@@ -282,6 +308,21 @@ def test_dead_rank_gets_a_new_process_in_the_next_generation(tmp_path: Path) -> 
     assert progress.count("Resilience event\tfault") == 1 and progress.count("Resilience event\trestart") == 1
     log = (r.logdir / supervisor.MONITOR_LOG).read_text()  # monitor_process_logdir
     assert "resilience: fault: rank 1" in log and "job finished with exit code 0 after 1 in-process restart(s)" in log
+
+
+def test_a_live_reserve_takes_a_dead_ranks_place(tmp_path: Path) -> None:
+    """active_world_size=2 of 3 processes: process 2 starts as a warm reserve; when rank 1 dies, the reserve gets
+    rank 1 in generation 1 (the store's assignment) and the dead process is replaced by a new reserve."""
+    r = _supervise(tmp_path, {"0:1": "kill"}, world_size=3, restarts=1, active_world_size=2)
+    assert r.code == 0 and r.kinds() == ["fault", "restart"]
+    fault, restart = r.events
+    assert fault["rank"] == 1 and fault["process"] == 1 and "rank 1 (pid" in fault["message"]
+    assert restart["reserve_ranks"] == [1] and restart["replaced_ranks"] == [] and restart["kept_ranks"] == [0]
+    assert "new warm reserve process(es) [1]" in restart["message"]
+    assert sorted((g, rk) for g, rk, *_ in r.starts) == [("0", "0"), ("0", "1"), ("0", "2"), ("1", "1")]
+    assert r.sup.rank_of == {0: 0, 1: -1, 2: 1}
+    assert [int(r.sup.store.get(inprocess.assignment_key(1, s))) for s in range(3)] == [0, -1, 1]
+    assert [int(r.sup.store.get(inprocess.assignment_key(0, s))) for s in range(3)] == [0, 1, -1]
 
 
 def test_no_monitor_log_without_a_directory(tmp_path: Path) -> None:
@@ -809,7 +850,7 @@ def test_yaml_round_trip_and_bridge_class_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize("field,value,error,match", [
     ("soft_timeout", 90.0, ConfigError, "inprocess_restart.soft_timeout=90.0 is not valid: use fewer seconds than "
                                          "inprocess_restart.hard_timeout=90.0"),
-    ("active_world_size", 1, NotSupportedError, "inprocess_restart.active_world_size=1 is not supported yet"),
+    ("active_world_size", 0, ConfigError, "inprocess_restart.active_world_size=0 is not valid"),
     ("hard_timeout", 0, ConfigError, "inprocess_restart.hard_timeout=0 is not valid"),
     ("last_call_wait", -1, ConfigError, "inprocess_restart.last_call_wait=-1 is not valid"),
     ("max_iterations", -1, ConfigError, "inprocess_restart.max_iterations=-1 is not valid"),
@@ -849,3 +890,6 @@ def test_cli_rejects_launcher_restarts_and_several_nodes(tmp_path: Path) -> None
     yaml = str(write_yaml(cfg, tmp_path / "c.yaml"))
     assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2", "--max-restarts", "2"]) == 2
     assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2", "--nnodes", "2"]) == 2
+    cfg.inprocess_restart.active_world_size = 3  # more workload ranks than processes
+    yaml = str(write_yaml(cfg, tmp_path / "reserve.yaml"))
+    assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2"]) == 2

@@ -221,7 +221,9 @@ class InProcessRestartConfig:
     kept); 'node': every process of the failed rank's node (on a one-node job: all workers get new processes)."""
 
     active_world_size: Optional[int] = None
-    """Ranks that run the workload, the rest a warm reserve: not supported yet (None: every rank runs it)."""
+    """Ranks that run the workload; the other processes of ``--nproc-per-node`` start as warm reserves that wait
+    and take a failed rank's place at the next restart, so the workload keeps its world size (the failed process
+    becomes a new reserve). None: every process runs the workload."""
 
     empty_cuda_cache: bool = True
     """Empty the CUDA cache while tearing down before a restart (nothing to do without CUDA)."""

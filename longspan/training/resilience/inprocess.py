@@ -46,6 +46,8 @@ logger = get_logger(__name__)
 STORE_ENV = "LONGSPAN_INPROCESS_STORE"
 #: the generation a worker process starts in (a replacement joins the current one)
 GENERATION_ENV = "LONGSPAN_INPROCESS_GENERATION"
+#: the worker process's place among the supervisor's processes (its rank, unless it is or was a warm reserve)
+SLOT_ENV = "LONGSPAN_INPROCESS_SLOT"
 
 GENERATION_KEY = "generation"
 FINISHING_KEY = "finishing"  # set by the supervisor once the job ends (a rank exited): nobody restarts any more
@@ -53,6 +55,11 @@ FINISHING_KEY = "finishing"  # set by the supervisor once the job ends (a rank e
 
 def arrived_key(generation: int) -> str:
     return f"gen{generation}/arrived"
+
+
+def assignment_key(generation: int, slot: int) -> str:
+    """The workload rank worker process ``slot`` runs in ``generation``; -1: a warm reserve (active_world_size)."""
+    return f"gen{generation}/rank_of/{slot}"
 
 
 def heartbeat_key(rank: int) -> str:
@@ -257,6 +264,24 @@ def rendezvous(store: Any, generation: int, rank: int, world_size: int, timeout:
         time.sleep(0.01)
 
 
+def wait_for_rank(store: Any, generation: int, slot: int) -> Optional[tuple[int, int]]:
+    """(generation, rank) for worker process ``slot``: its rank in the newest generation, or — a warm reserve — the
+    first generation that gives it a failed rank's place; None when the job ends first."""
+    waiting = False
+    while True:
+        generation = max(generation, _read_int(store, GENERATION_KEY, generation))
+        rank = _read_int(store, assignment_key(generation, slot), slot)
+        if rank >= 0:
+            if waiting:
+                logger.warning(f"in-process restart: reserve process {slot} (pid {os.getpid()}) takes rank {rank} in "
+                               f"generation {generation}")
+            return generation, rank
+        if store.check([FINISHING_KEY]):
+            return None
+        waiting = True
+        time.sleep(0.02)
+
+
 def wait_for_next_generation(store: Any, generation: int, timeout: float) -> Optional[int]:
     """The job's generation once it is newer than ``generation``; None when the job is ending or after ``timeout``."""
     deadline = time.time() + timeout
@@ -374,12 +399,12 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
     env = os.environ if env is None else env
     cfg = make_config()
     ipr = cfg.inprocess_restart
-    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    slot, world_size = int(env.get(SLOT_ENV, env["RANK"])), int(env["WORLD_SIZE"])
     address = env[STORE_ENV]
     generation = int(env.get(GENERATION_ENV, "0"))
     started_in = generation
     store = connect_store(address, ipr.barrier_timeout)
-    monitor = WorkerMonitor(address, rank, ipr)
+    monitor = WorkerMonitor(address, slot, ipr)  # its stamps are this process's, whichever rank it runs
     monitor.start()
     timeout_minutes = float(cfg.dist.distributed_timeout_minutes)
     # a peer's death surfaces within one supervisor check plus its wait for concurrent faults and its kill
@@ -387,6 +412,13 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
     exit_code = 1
     try:
         while True:
+            taken = wait_for_rank(store, generation, slot)
+            if taken is None:  # a warm reserve the job never needed
+                exit_code = 0
+                return exit_code
+            generation, rank = taken
+            if env is os.environ:  # logging and set-up read the rank from the environment, as under torchrun
+                os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
             began = time.time()
             generation = rendezvous(store, generation, rank, world_size, ipr.barrier_timeout)
             if generation != started_in:
@@ -416,7 +448,7 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
             cfg = make_config()
     finally:
         try:  # the interpreter's own shutdown may take a while: not a hang
-            store.set(exiting_key(rank), str(exit_code))
+            store.set(exiting_key(slot), str(exit_code))
         except Exception:  # noqa: BLE001 - the supervisor is gone
             pass
         monitor.stop()

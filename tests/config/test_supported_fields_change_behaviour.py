@@ -1194,4 +1194,5 @@ COVERED_ELSEWHERE.update({
 })
 COVERED_ELSEWHERE.update({
     "inprocess_restart.soft_timeout": "tests/resilience/test_inprocess_restart.py::test_soft_timeout_interrupts_a_stalled_rank_in_place (a rank stalled in a pure-Python loop is interrupted after soft_timeout and restarts in the same process with the uninterrupted losses; ignoring the field leaves it stalled and the test fails)",
+    "inprocess_restart.active_world_size": "tests/resilience/test_inprocess_restart.py::test_a_warm_reserve_takes_a_killed_ranks_place (3 processes, 2 active: the reserve runs the killed rank 1 with the uninterrupted 2-rank losses) and ::test_a_live_reserve_takes_a_dead_ranks_place",
 })

@@ -138,7 +138,8 @@ class WorkerMonitor:
 
     def __init__(self, address: str, rank: int, ipr: Any) -> None:
         self.address = address
-        self.rank = rank
+        self.slot = rank  # the process's keys in the store
+        self.rank = rank  # the workload rank it runs (a promoted reserve's changes), for the log
         self.ipr = ipr
         self._lock = threading.Lock()
         self._running_generation: Optional[int] = None
@@ -195,10 +196,10 @@ class WorkerMonitor:
             now = time.time()
             try:
                 if now >= next_beat:
-                    store.set(heartbeat_key(self.rank), repr(now))
+                    store.set(heartbeat_key(self.slot), repr(now))
                     next_beat = now + ipr.heartbeat_interval
                 if now >= next_progress:
-                    store.set(progress_key(self.rank), repr(self.progress_stamp(now)))
+                    store.set(progress_key(self.slot), repr(self.progress_stamp(now)))
                     next_progress = now + ipr.progress_watchdog_interval
                 if now >= next_check:
                     self._check_generation(_read_int(store, GENERATION_KEY))
@@ -231,7 +232,7 @@ class WorkerMonitor:
             logger.warning(f"in-process restart: rank {self.rank} made no progress for {stalled:.1f} s "
                            f"(inprocess_restart.soft_timeout={self.ipr.soft_timeout:g}): interrupting it; every rank "
                            f"restarts in place in generation {generation + 1}")
-            store.set(soft_timeout_key(self.rank), f"{generation}:{stalled:.3f}")
+            store.set(soft_timeout_key(self.slot), f"{generation}:{stalled:.3f}")
             store.compare_set(GENERATION_KEY, str(generation), str(generation + 1))
             _raise_in_thread(self._main_thread_id, RestartAbort)
             self._running_generation = None  # once
@@ -417,6 +418,7 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
                 exit_code = 0
                 return exit_code
             generation, rank = taken
+            monitor.rank = rank
             if env is os.environ:  # logging and set-up read the rank from the environment, as under torchrun
                 os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
             began = time.time()

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-from typing import Any
+from typing import Any, Optional
 
 from longspan.cli.common import SOURCES_SENTENCE, add_config_arguments
-from longspan.core.errors import LaunchError, NotSupportedError
+from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
 
 
 DESCRIPTIONS = {
@@ -110,14 +110,15 @@ def _train(args: argparse.Namespace, cfg: Any) -> int:
     return int(getattr(state, "exit_code", None) or 0)
 
 
-def _validate_for_launch(args: argparse.Namespace, cfg: Any) -> int:
-    """Check the configuration for the whole world size before any worker starts; return the world size."""
+def _validate_for_launch(args: argparse.Namespace, cfg: Any, workload_world_size: Optional[int] = None) -> int:
+    """Check the configuration for the whole world size (``workload_world_size`` when some processes are warm
+    reserves) before any worker starts; return the world size."""
     # `longspan --help` loads only the parsers
     from longspan.parallel.mesh import check_layout
 
     args.nproc_per_node = args.nproc_per_node or 1
     nnodes = int(str(args.nnodes).split(":")[-1])
-    world_size = nnodes * args.nproc_per_node
+    world_size = workload_world_size or nnodes * args.nproc_per_node
     check_layout(world_size, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)
     # `longspan --help` must not import torch
     from longspan.config.rules.data import check_vocab_fits
@@ -148,14 +149,19 @@ def _launch_inprocess(args: argparse.Namespace, cfg: Any) -> int:
     if args.max_restarts:
         raise LaunchError(f"--max-restarts={args.max_restarts} restarts the whole worker group; with "
                           "inprocess_restart.enabled=True use inprocess_restart.max_iterations instead")
-    world_size = _validate_for_launch(args, cfg)
+    processes = args.nproc_per_node or 1
+    active = cfg.inprocess_restart.active_world_size
+    if active is not None and not 1 <= active <= processes:
+        raise ConfigError(f"inprocess_restart.active_world_size={active} is not valid: use 1 to {processes} (the "
+                          f"--nproc-per-node processes; those beyond it are warm reserves)")
+    world_size = _validate_for_launch(args, cfg, workload_world_size=active)
     # `longspan --help` must not import torch
     from longspan.training.observability.loggers import metrics_jsonl_path
     from longspan.training.resilience.supervisor import InProcessSupervisor, supervisor_reporter
 
     ipr = cfg.inprocess_restart
     report = supervisor_reporter(cfg.checkpoint.save, metrics_jsonl_path(cfg), world_size, ipr.monitor_process_logdir)
-    return InProcessSupervisor(_strip_launch_args(args.argv), world_size, ipr, report).run()
+    return InProcessSupervisor(_strip_launch_args(args.argv), processes, ipr, report).run()
 
 
 def _launch(args: argparse.Namespace, cfg: Any) -> int:

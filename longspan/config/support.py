@@ -212,9 +212,9 @@ FIELD_STATUS: dict[str, str] = {
     # Every rank writes all of its own local state (nothing is replicated across ranks to de-duplicate), so
     # 'fully_parallel' and 'atomic' write the same files.
     **_many("checkpoint", HINT, "non_persistent_local_ckpt_algo"),
-    # In-process restart (resilience/inprocess.py): a stalled rank is found by hard_timeout (and heartbeats) and
-    # replaced; nvidia-resiliency-ext's soft timeout (interrupting a live rank) and warm reserve ranks are not built.
-    **_many("inprocess_restart", NOT_SUPPORTED, "soft_timeout active_world_size"),
+    # In-process restart (resilience/inprocess.py): soft_timeout and active_world_size are real
+    # (tests/resilience/test_inprocess_restart.py::test_soft_timeout_interrupts_a_stalled_rank_in_place and
+    # ::test_a_warm_reserve_takes_a_killed_ranks_place).
 }
 
 

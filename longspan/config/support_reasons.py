@@ -34,8 +34,6 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "tokenizer.tokenizer_prompt_format": "multimodal prompt formats belong to Megatron's VLM tokenizers, not built here",
     "tokenizer.image_tag_type": "multimodal image tags belong to Megatron's VLM tokenizers, not built here",
     "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
-    "inprocess_restart.soft_timeout": "interrupting a live rank is not built; a stalled rank is found by hard_timeout",
-    "inprocess_restart.active_world_size": "warm reserve ranks are not built: every rank runs the workload",
 }
 
 # Vision-language models: the layouts their plans do not cover yet.

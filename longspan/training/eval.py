@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from longspan.core.logging import get_logger, print_rank_last
+from longspan.training.resilience.inprocess import report_progress
 from longspan.training.step.schedules import reduce_loss_reports, run_forward_backward
 from longspan.training.state import GlobalState
 from longspan.training.observability.eval_samples import log_eval_samples
@@ -43,6 +44,7 @@ def evaluate(
                 state, forward_step_func, data_iterator, model, num_microbatches, forward_only=True
             )
             reports.extend(step_reports)
+            report_progress()  # in-process restart's soft_timeout: an evaluation step is progress
             state.train_state.consumed_valid_samples += eval_batch_size
             limit = cfg.train.exit_duration_in_mins
             if limit and (time.time() - state.start_time) / 60.0 > limit:

@@ -37,6 +37,8 @@ from longspan.training.resilience.hooks import (
     checkpoint_phase_started,
     ensure_rerun_state_machine,
     resilience_stop_requested,
+    training_loop_finished,
+    training_loop_started,
 )
 from longspan.training.observability.profiling import (
     handle_profiling_step,
@@ -96,6 +98,7 @@ def _begin_training(
     if cfg.train.manual_gc:
         gc.disable()
         gc.collect()
+    training_loop_started(global_state)  # resilience: in-process restart's progress watch
     return forward_step_func, loop, train_data_iterator
 
 
@@ -517,6 +520,7 @@ def checkpoint_and_decide_exit(
 
 def _finish_train(global_state: GlobalState) -> None:
     """Flush the metric sinks (the test evaluation still writes to them) and release the signal handler."""
+    training_loop_finished(global_state)
     global_state.flush_loggers()
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()

@@ -1242,10 +1242,14 @@ def test_class_field_cited_elsewhere_is_supported_by_its_class_and_names_a_test_
     path, _, test = CLASS_COVERED_ELSEWHERE[key].partition("::")
     test_name = test.split()[0].split("[")[0]
     assert f"def {test_name}(" in (Path(__file__).parents[2] / path).read_text(), CLASS_COVERED_ELSEWHERE[key]
+
+
 # Infrastructure fields made real beside the shared tables (appended for clean merges).
 COVERED_ELSEWHERE.update({
     "ddp.use_megatron_fsdp": "tests/parallel/test_layout_parity.py::test_model_level_layout_matches_one_process[dp2_megatron_fsdp] (FSDP2-sharded DTensor parameters, losses equal one process) and tests/config/test_data_parallel_rules.py::test_megatron_fsdp_runs_fsdp2_with_bridges_contract",
     "ddp.use_custom_fsdp": "tests/config/test_data_parallel_rules.py::test_megatron_fsdp_runs_fsdp2_with_bridges_contract (the deprecated name picks the same FSDP2 modes)",
     "dist.lazy_init": "tests/parallel/test_lazy_init.py (initialize_megatron returns the finisher; no process group before it runs, on one and two ranks)",
     "straggler.straggler_ctrlr_port": "tests/resilience/test_straggler_control.py (a request to rank 0's port toggles the detector on every rank at the next logging step)",
+    "inprocess_restart.soft_timeout": "tests/resilience/test_inprocess_restart.py::test_soft_timeout_interrupts_a_stalled_rank_in_place (a rank stalled in a pure-Python loop is interrupted after soft_timeout and restarts in the same process with the uninterrupted losses; ignoring the field leaves it stalled and the test fails)",
+    "inprocess_restart.active_world_size": "tests/resilience/test_inprocess_restart.py::test_a_warm_reserve_takes_a_killed_ranks_place (3 processes, 2 active: the reserve runs the killed rank 1 with the uninterrupted 2-rank losses) and ::test_a_live_reserve_takes_a_dead_ranks_place",
 })

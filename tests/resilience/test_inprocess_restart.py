@@ -8,7 +8,8 @@
 - The supervisor's rules with stand-in workers (tiny Python scripts, no torch): restarts, their budgets, concurrent
   faults, hung ranks, completion, exit codes, granularity — one test per config field.
 - The worker side against a real TCPStore: the re-rendezvous barrier, the monitor thread's timestamps and its
-  interruption of the main thread, the teardown.
+  interruption of the main thread, the teardown; soft_timeout: a real training run (in this process, under
+  run_worker) stalled in a pure-Python loop is interrupted and restarts in place with the uninterrupted losses.
 - Config: YAML round trip (also under Megatron Bridge's class name) and the rules.
 """
 
@@ -73,17 +74,18 @@ class _KilledRun:
         self.cfg, self.out, self.seen, self.killed_at = cfg, out, seen, killed_at
 
 
-def _kill_rank_1_mid_run(tmp_path: Path, cfg: Any) -> _KilledRun:
-    """Run ``cfg`` on 2 ranks under the in-process supervisor and SIGKILL rank 1 after its third iteration."""
+def _kill_rank_1_mid_run(tmp_path: Path, cfg: Any, processes: int = 2, **fields: Any) -> _KilledRun:
+    """Run ``cfg`` on ``processes`` worker processes under the in-process supervisor and SIGKILL rank 1 after its
+    third iteration."""
     cfg.inprocess_restart = InProcessRestartConfig(
         enabled=True, granularity="rank", monitor_process_interval=0.1, monitor_thread_interval=0.2,
-        last_call_wait=0.2, monitor_process_logdir=str(tmp_path / "monitor"))
+        last_call_wait=0.2, monitor_process_logdir=str(tmp_path / "monitor"), **fields)
     yaml = write_yaml(cfg, tmp_path / "ipr.yaml")
     log_path = tmp_path / "ipr.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(LONGSPAN + ["pretrain", "--config", str(yaml), "--nproc-per-node", "2"], env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    seen: dict[int, set[int]] = {0: set(), 1: set()}
+        proc = subprocess.Popen(LONGSPAN + ["pretrain", "--config", str(yaml), "--nproc-per-node", str(processes)],
+                                env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: dict[int, set[int]] = {rank: set() for rank in range(processes)}
     killed_at = None
     try:
         deadline = time.time() + 300
@@ -165,6 +167,31 @@ def test_killed_rank_is_replaced_and_survivor_keeps_its_process(pool2: Any, tmp_
     rejoin = [line for line in monitor.splitlines() if "rejoined generation 1" in line]
     assert rejoin and "job finished with exit code 0 after 1 in-process restart(s)" in monitor
     print(f"\nin-process restart: rank 1 killed after iteration {killed_at}; {rejoin[0].split(': ', 1)[1]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_warm_reserve_takes_a_killed_ranks_place(pool2: Any, tmp_path: Path) -> None:
+    """Three processes, active_world_size=2: the third waits as a warm reserve. Rank 1 is SIGKILLed after iteration
+    3; the reserve's process (started before the fault) runs rank 1 from generation 1 and the run ends with an
+    uninterrupted 2-rank run's losses bit for bit (dropout on); rank 0 keeps its process."""
+    reference_cfg = resilience_config(tmp_path, "ref", ITERS)
+    reference_cfg.checkpoint.save_interval = 2
+    reference = _reference_losses(pool2, reference_cfg, tmp_path / "ref.yaml")
+    cfg = resilience_config(tmp_path, "ipr", ITERS)
+    cfg.checkpoint.save_interval = 2
+    killed = _kill_rank_1_mid_run(tmp_path, cfg, processes=3, active_world_size=2)
+    assert _train_losses(cfg) == reference
+    (rank0_pid,) = killed.seen[0]
+    (reserve_pid,) = killed.seen[2]  # the environment a process starts with: the reserve started as process 2
+    events = [r for r in metrics_records(cfg) if r.get("phase") == "resilience"]
+    assert [e["event"] for e in events] == ["fault", "restart"]
+    fault, restart = events
+    assert fault["rank"] == 1 and fault["pid"] in killed.seen[1]
+    assert restart["reserve_ranks"] == [1] and restart["kept_ranks"] == [0] and restart["replaced_ranks"] == []
+    assert f"taken by warm reserve process(es) (pids [{reserve_pid}])" in restart["message"]
+    assert len(killed.seen[1]) == 2  # the killed process, then the new reserve that replaced it
+    assert f"rank 0 (pid {rank0_pid}) rejoined in generation 1" in killed.out
 
 
 # ------------------------------------------------------------------------------- supervisor, stand-in workers
@@ -281,6 +308,21 @@ def test_dead_rank_gets_a_new_process_in_the_next_generation(tmp_path: Path) -> 
     assert progress.count("Resilience event\tfault") == 1 and progress.count("Resilience event\trestart") == 1
     log = (r.logdir / supervisor.MONITOR_LOG).read_text()  # monitor_process_logdir
     assert "resilience: fault: rank 1" in log and "job finished with exit code 0 after 1 in-process restart(s)" in log
+
+
+def test_a_live_reserve_takes_a_dead_ranks_place(tmp_path: Path) -> None:
+    """active_world_size=2 of 3 processes: process 2 starts as a warm reserve; when rank 1 dies, the reserve gets
+    rank 1 in generation 1 (the store's assignment) and the dead process is replaced by a new reserve."""
+    r = _supervise(tmp_path, {"0:1": "kill"}, world_size=3, restarts=1, active_world_size=2)
+    assert r.code == 0 and r.kinds() == ["fault", "restart"]
+    fault, restart = r.events
+    assert fault["rank"] == 1 and fault["process"] == 1 and "rank 1 (pid" in fault["message"]
+    assert restart["reserve_ranks"] == [1] and restart["replaced_ranks"] == [] and restart["kept_ranks"] == [0]
+    assert "new warm reserve process(es) [1]" in restart["message"]
+    assert sorted((g, rk) for g, rk, *_ in r.starts) == [("0", "0"), ("0", "1"), ("0", "2"), ("1", "1")]
+    assert r.sup.rank_of == {0: 0, 1: -1, 2: 1}
+    assert [int(r.sup.store.get(inprocess.assignment_key(1, s))) for s in range(3)] == [0, -1, 1]
+    assert [int(r.sup.store.get(inprocess.assignment_key(0, s))) for s in range(3)] == [0, 1, -1]
 
 
 def test_no_monitor_log_without_a_directory(tmp_path: Path) -> None:
@@ -588,6 +630,149 @@ def test_worker_error_without_a_new_generation_is_raised(store: Any, tmp_path: P
     assert time.time() - t0 < 15  # waited only a short grace for a peer's fault to show
 
 
+SOFT_TIMEOUT = 3.0  # well above a tiny iteration or checkpoint save on a loaded machine: no spurious restart
+SOFT_ITERS = 6
+
+
+def _soft_timeout_config(tmp_path: Path, name: str) -> Any:
+    cfg = resilience_config(tmp_path, name, SOFT_ITERS)
+    cfg.checkpoint.save_interval = 2
+    cfg.inprocess_restart = _ipr(soft_timeout=SOFT_TIMEOUT, hard_timeout=120.0, monitor_thread_interval=0.05,
+                                 progress_watchdog_interval=0.1, last_call_wait=0.0, termination_grace_time=0.0)
+    return cfg
+
+
+@pytest.mark.timeout(300)
+def test_soft_timeout_interrupts_a_stalled_rank_in_place(store: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """A rank stuck in a pure-Python loop after iteration 3 makes no progress: its monitor thread interrupts it at
+    soft_timeout and moves the job to the next generation; the same process resumes from the iteration-2 checkpoint
+    and ends with the uninterrupted run's losses (dropout on)."""
+    from longspan.training import train as train_loop
+    from longspan.training.pretrain import pretrain
+
+    reference_cfg = _soft_timeout_config(tmp_path, "ref")
+    reference_cfg.inprocess_restart = None
+    pretrain(reference_cfg)
+    reference = _train_losses(reference_cfg)
+    assert sorted(reference) == list(range(1, SOFT_ITERS + 1))
+
+    stall: dict[str, float] = {}
+    after_iteration = train_loop.after_iteration
+
+    def stall_once_after_iteration_3(state: Any) -> None:
+        after_iteration(state)
+        if state.train_state.step == 3 and "start" not in stall:
+            stall["start"] = time.monotonic()
+            try:
+                while time.monotonic() - stall["start"] < 60:  # no progress, never returns to the loop
+                    sum(range(100))
+            finally:
+                stall["end"] = time.monotonic()
+
+    monkeypatch.setattr(train_loop, "after_iteration", stall_once_after_iteration_3)
+    monkeypatch.setenv(inprocess.STORE_ENV, f"127.0.0.1:{store.port}")
+    configs = []
+
+    def make_config() -> Any:
+        configs.append(_soft_timeout_config(tmp_path, "ipr"))
+        return configs[-1]
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", inprocess.STORE_ENV: f"127.0.0.1:{store.port}",
+           inprocess.GENERATION_ENV: "0"}
+    pid = os.getpid()
+    assert inprocess.run_worker(lambda cfg: int(getattr(pretrain(cfg), "exit_code", None) or 0), make_config, env) == 0
+    assert os.getpid() == pid and len(configs) >= 2  # restarted in this process
+    stalled_for = stall["end"] - stall["start"]
+    assert 0.9 * SOFT_TIMEOUT <= stalled_for < SOFT_TIMEOUT + 30, stall  # interrupted at soft_timeout, not left
+    generation, _, seconds = store.get(inprocess.soft_timeout_key(0)).decode().partition(":")
+    assert int(store.get(inprocess.GENERATION_KEY)) >= 1 and float(seconds) >= SOFT_TIMEOUT
+    losses = _train_losses(configs[-1])
+    assert sorted(losses) == list(range(1, SOFT_ITERS + 1)) and losses == reference
+
+
+def test_progress_stamp_is_the_training_loops_while_it_runs() -> None:
+    """hard_timeout reads the same progress the soft timeout does: frozen at the loop's last progress while the
+    loop runs (a rank the interruption cannot reach stops progressing), the monitor's own time outside it."""
+    monitor = WorkerMonitor("127.0.0.1:1", 0, _ipr())
+    monitor.start = lambda: None  # no thread: only the bookkeeping the main thread does
+    inprocess.report_progress()  # not supervised: nothing to report to
+    inprocess._active_monitor = monitor
+    try:
+        monitor.running(0)
+        assert monitor.progress_stamp(123.0) == 123.0  # setup: not watched
+        inprocess.start_progress_watch()
+        started = monitor.progress_stamp(1e12)
+        assert started < 1e12
+        time.sleep(0.01)
+        inprocess.report_progress()
+        assert started < monitor.progress_stamp(1e12) < 1e12
+        inprocess.end_progress_watch()
+        assert monitor.progress_stamp(1e12) == 1e12
+        inprocess.start_progress_watch()
+        monitor.stopped()  # the attempt ended (interrupted or not)
+        assert monitor.progress_stamp(1e12) == 1e12
+    finally:
+        inprocess._active_monitor = None
+
+
+def test_a_restarting_rank_lets_go_of_its_failed_attempts_frames() -> None:
+    """The interrupted attempt's frames hold its model and process groups; released before the teardown, the groups
+    are freed and their sockets close, so a peer blocked in a collective with this rank fails at once (by hand: a
+    2-rank run restarted 1.3 s after a peer's soft timeout, instead of waiting for hard_timeout)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def attempt() -> None:
+        held = Held()  # noqa: F841 - what a frame of the failed attempt keeps alive
+        try:
+            raise RuntimeError("collective failed")
+        except RuntimeError:
+            raise RestartAbort()
+
+    try:
+        attempt()
+    except RestartAbort as caught:
+        exc = caught
+    ref = weakref.ref(exc.__context__.__traceback__.tb_frame.f_locals["held"])
+    inprocess._release_frames(exc)
+    gc.collect()
+    assert ref() is None and exc.__traceback__ is None
+
+
+class _Exited:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("max_iterations,expected", [(None, None), (0, 1)])
+def test_supervisor_reports_a_soft_timeout_restart(store: Any, max_iterations: Any, expected: Any) -> None:
+    """A worker's soft timeout moved the job to generation 1: the supervisor reports the fault and an in-place
+    restart (no process replaced) and counts it against max_iterations."""
+    events: list[tuple[str, str, dict]] = []
+    sup = InProcessSupervisor([], 2, _ipr(soft_timeout=5.0, max_iterations=max_iterations),
+                              lambda *event: events.append(event))
+    sup.store, sup.procs = store, {0: _Exited(100), 1: _Exited(101)}
+    assert sup._adopt_worker_restart() is None and events == []  # nothing happened
+    store.set(inprocess.soft_timeout_key(1), "0:5.25")  # what rank 1's monitor thread writes, then the bump
+    store.set(inprocess.GENERATION_KEY, "1")
+    assert sup._adopt_worker_restart() == expected
+    fault = events[0]
+    assert fault[0] == "fault" and fault[2]["rank"] == 1 and fault[2]["detection"] == "soft_timeout"
+    assert "no progress for 5.2 s (inprocess_restart.soft_timeout=5); interrupted in place" in fault[1]
+    assert not store.check([inprocess.soft_timeout_key(1)])
+    if expected is None:
+        assert [e[0] for e in events] == ["fault", "restart"] and sup.generation == 1 and sup.restarts == 1
+        assert events[1][2]["replaced_ranks"] == [] and events[1][2]["kept_ranks"] == [0, 1]
+    else:
+        assert [e[0] for e in events] == ["fault"] and store.check([inprocess.FINISHING_KEY])
+
+
 def test_teardown_forgets_the_process_group_and_empties_the_cuda_cache(store: Any, monkeypatch: Any) -> None:
     from longspan.parallel import init as parallel_init
 
@@ -663,8 +848,9 @@ def test_yaml_round_trip_and_bridge_class_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field,value,error,match", [
-    ("soft_timeout", 30.0, NotSupportedError, "inprocess_restart.soft_timeout=30.0 is not supported yet"),
-    ("active_world_size", 1, NotSupportedError, "inprocess_restart.active_world_size=1 is not supported yet"),
+    ("soft_timeout", 90.0, ConfigError, "inprocess_restart.soft_timeout=90.0 is not valid: use fewer seconds than "
+                                         "inprocess_restart.hard_timeout=90.0"),
+    ("active_world_size", 0, ConfigError, "inprocess_restart.active_world_size=0 is not valid"),
     ("hard_timeout", 0, ConfigError, "inprocess_restart.hard_timeout=0 is not valid"),
     ("last_call_wait", -1, ConfigError, "inprocess_restart.last_call_wait=-1 is not valid"),
     ("max_iterations", -1, ConfigError, "inprocess_restart.max_iterations=-1 is not valid"),
@@ -704,3 +890,6 @@ def test_cli_rejects_launcher_restarts_and_several_nodes(tmp_path: Path) -> None
     yaml = str(write_yaml(cfg, tmp_path / "c.yaml"))
     assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2", "--max-restarts", "2"]) == 2
     assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2", "--nnodes", "2"]) == 2
+    cfg.inprocess_restart.active_world_size = 3  # more workload ranks than processes
+    yaml = str(write_yaml(cfg, tmp_path / "reserve.yaml"))
+    assert main(["pretrain", "--config", yaml, "--nproc-per-node", "2"]) == 2

@@ -45,6 +45,14 @@ def _check_inprocess(ipr: Any, ft: Any) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ConfigError(
                 f"inprocess_restart.{name}={value!r} is not valid: use None (no limit) or an integer >= 0")
+    active = ipr.active_world_size
+    if active is not None and (isinstance(active, bool) or not isinstance(active, int) or active < 1):
+        raise ConfigError(f"inprocess_restart.active_world_size={active!r} is not valid: use None (every process "
+                          "runs the workload) or a number of ranks >= 1")
+    if not ipr.soft_timeout < ipr.hard_timeout:
+        raise ConfigError(
+            f"inprocess_restart.soft_timeout={ipr.soft_timeout!r} is not valid: use fewer seconds than "
+            f"inprocess_restart.hard_timeout={ipr.hard_timeout!r} (a stalled rank is interrupted before it is ended)")
     if ipr.granularity not in ("node", "rank"):
         raise ConfigError(f"inprocess_restart.granularity={ipr.granularity!r} is not valid: use 'node' or 'rank'")
     if ipr.enabled and ft is not None and ft.enable_ft_package:

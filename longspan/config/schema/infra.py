@@ -193,11 +193,16 @@ class InProcessRestartConfig:
     """Seconds between a worker's heartbeats (written by its monitor thread)."""
 
     soft_timeout: float = 60.0
-    """Soft progress timeout (seconds): not supported yet (a stalled rank is handled by hard_timeout)."""
+    """Seconds without training progress (a finished iteration, evaluation step or checkpoint save, counted from the
+    start of the training loop) after which the rank's monitor thread interrupts it (an exception raised in its
+    main thread) and moves the job to the next generation: every rank restarts in place, no process is replaced.
+    Must be less than hard_timeout."""
 
     hard_timeout: float = 90.0
     """Seconds without a progress timestamp after which the supervisor terminates a rank (SIGTERM, then SIGKILL after
-    termination_grace_time) and replaces it: a frozen (e.g. SIGSTOPped) process."""
+    termination_grace_time) and replaces it: a frozen (e.g. SIGSTOPped) process, or one stuck in a call that the
+    soft_timeout's exception cannot interrupt. Progress is the training loop's while it runs, the process's
+    liveness before and after it."""
 
     heartbeat_timeout: float = 60.0
     """Seconds without a heartbeat after which the supervisor terminates a rank and replaces it."""
@@ -220,7 +225,9 @@ class InProcessRestartConfig:
     kept); 'node': every process of the failed rank's node (on a one-node job: all workers get new processes)."""
 
     active_world_size: Optional[int] = None
-    """Ranks that run the workload, the rest a warm reserve: not supported yet (None: every rank runs it)."""
+    """Ranks that run the workload; the other processes of ``--nproc-per-node`` start as warm reserves that wait
+    and take a failed rank's place at the next restart, so the workload keeps its world size (the failed process
+    becomes a new reserve). None: every process runs the workload."""
 
     empty_cuda_cache: bool = True
     """Empty the CUDA cache while tearing down before a restart (nothing to do without CUDA)."""

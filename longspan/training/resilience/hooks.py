@@ -8,6 +8,7 @@ from longspan.core.logging import get_logger
 from longspan.training.resilience.events import report_event
 from longspan.training.resilience.rerun import RerunStateMachine
 from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV, RankHeartbeat
+from longspan.training.resilience.inprocess import end_progress_watch, report_progress, start_progress_watch
 from longspan.training.resilience.straggler import StragglerDetector, straggler_settings
 from longspan.training.resilience.straggler_control import agree_on_toggle, start_controller
 
@@ -67,8 +68,20 @@ def _heartbeat(state: Any) -> Any:
     return getattr(state, "heartbeat", None)
 
 
+def training_loop_started(state: Any) -> None:  # noqa: ARG001 - the loop's hook signature
+    """The training loop starts: in-process restart's soft_timeout counts from here (and from each progress)."""
+    start_progress_watch()
+
+
+def training_loop_finished(state: Any) -> None:  # noqa: ARG001 - the loop's hook signature
+    """The training loop ended (the test evaluation and the shutdown are not watched for progress)."""
+    end_progress_watch()
+
+
 def after_iteration(state: Any) -> None:
-    """After every training iteration: the heartbeat and the straggler detector (collective when it reports)."""
+    """After every training iteration: the heartbeat, in-process restart's progress, the straggler detector
+    (collective when it reports)."""
+    report_progress()
     beat = _heartbeat(state)
     if beat is not None:
         beat.iteration_done(state.train_state.step)
@@ -76,12 +89,14 @@ def after_iteration(state: Any) -> None:
 
 
 def checkpoint_phase_started(state: Any) -> None:
+    report_progress()
     beat = _heartbeat(state)
     if beat is not None:
         beat.checkpoint_started()
 
 
 def checkpoint_phase_finished(state: Any) -> None:
+    report_progress()
     beat = _heartbeat(state)
     if beat is not None:
         beat.checkpoint_finished()

@@ -14,6 +14,14 @@ The Python process — and its pid — stays the same; only the failed rank is a
 supervisor directly in the current generation). A monitor thread writes this rank's heartbeat and progress
 timestamps to the store (the supervisor terminates a frozen rank) and interrupts the main thread when the job's
 generation moves on while it still runs an older one.
+
+Progress (nvidia-resiliency-ext's ``ping``): while the training loop runs, the loop reports each finished iteration,
+evaluation step and checkpoint save (``report_progress``). A rank without progress for ``soft_timeout`` seconds is
+interrupted by its own monitor thread (an exception raised asynchronously in its main thread), which also moves
+the job to the next generation: every rank restarts in place. Outside the training loop (start-up, setup, the
+test evaluation) the monitor thread's own liveness counts as progress. The progress timestamp the supervisor
+reads is the same one, so a rank the exception cannot reach (stuck in a call that never returns to Python) is
+terminated at ``hard_timeout``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
@@ -37,6 +46,8 @@ logger = get_logger(__name__)
 STORE_ENV = "LONGSPAN_INPROCESS_STORE"
 #: the generation a worker process starts in (a replacement joins the current one)
 GENERATION_ENV = "LONGSPAN_INPROCESS_GENERATION"
+#: the worker process's place among the supervisor's processes (its rank, unless it is or was a warm reserve)
+SLOT_ENV = "LONGSPAN_INPROCESS_SLOT"
 
 GENERATION_KEY = "generation"
 FINISHING_KEY = "finishing"  # set by the supervisor once the job ends (a rank exited): nobody restarts any more
@@ -46,12 +57,22 @@ def arrived_key(generation: int) -> str:
     return f"gen{generation}/arrived"
 
 
+def assignment_key(generation: int, slot: int) -> str:
+    """The workload rank worker process ``slot`` runs in ``generation``; -1: a warm reserve (active_world_size)."""
+    return f"gen{generation}/rank_of/{slot}"
+
+
 def heartbeat_key(rank: int) -> str:
     return f"heartbeat/{rank}"
 
 
 def progress_key(rank: int) -> str:
     return f"progress/{rank}"
+
+
+def soft_timeout_key(rank: int) -> str:
+    """Set by a worker's monitor thread that interrupted its rank for lack of progress: ``{generation}:{seconds}``."""
+    return f"soft_timeout/{rank}"
 
 
 def exiting_key(rank: int) -> str:
@@ -86,31 +107,75 @@ def _raise_in_thread(thread_id: int, exc: type) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
 
 
+#: the running worker's monitor, which ``report_progress`` and the progress watch talk to (None: not supervised)
+_active_monitor: Optional["WorkerMonitor"] = None
+
+
+def start_progress_watch() -> None:
+    """The training loop starts: from now on only its reported progress counts (``soft_timeout``, ``hard_timeout``)."""
+    if _active_monitor is not None:
+        _active_monitor.watch_progress(True)
+
+
+def end_progress_watch() -> None:
+    """The training loop ended: the monitor thread's own liveness counts as progress again."""
+    if _active_monitor is not None:
+        _active_monitor.watch_progress(False)
+
+
+def report_progress() -> None:
+    """The training loop finished an iteration, an evaluation step or a checkpoint save (nvrx's ``ping``)."""
+    if _active_monitor is not None:
+        _active_monitor.progress()
+
+
 class WorkerMonitor:
-    """This rank's monitor thread: heartbeat and progress timestamps in the store, and the generation watch.
+    """This rank's monitor thread: heartbeat and progress timestamps in the store, the generation watch and the
+    soft timeout.
 
     The main thread marks the span in which it may be interrupted (``running(generation)`` ... ``stopped()``); the
     thread raises RestartAbort there only, under a lock, so an interruption never lands in the teardown."""
 
     def __init__(self, address: str, rank: int, ipr: Any) -> None:
         self.address = address
-        self.rank = rank
+        self.slot = rank  # the process's keys in the store
+        self.rank = rank  # the workload rank it runs (a promoted reserve's changes), for the log
         self.ipr = ipr
         self._lock = threading.Lock()
         self._running_generation: Optional[int] = None
+        # (monotonic, wall-clock) time of the training loop's last progress; None while the loop does not run
+        self._last_progress: Optional[tuple[float, float]] = None
         self._main_thread_id = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="longspan-inprocess-monitor", daemon=True)
 
     def start(self) -> None:
+        global _active_monitor
+        _active_monitor = self
         self._thread.start()
 
     def stop(self) -> None:
+        global _active_monitor
+        if _active_monitor is self:
+            _active_monitor = None
         self._stop.set()
+
+    def watch_progress(self, on: bool) -> None:
+        self._last_progress = (time.monotonic(), time.time()) if on else None
+
+    def progress(self) -> None:
+        if self._last_progress is not None:
+            self._last_progress = (time.monotonic(), time.time())
+
+    def progress_stamp(self, now: float) -> float:
+        """The progress timestamp for the store: the training loop's last progress while it runs, else ``now``."""
+        last = self._last_progress
+        return now if last is None else last[1]
 
     def running(self, generation: int) -> None:
         with self._lock:
             self._running_generation = generation
+            self._last_progress = None
 
     def stopped(self) -> None:
         """Leave the interruptible span: no interruption is scheduled after this.
@@ -121,6 +186,7 @@ class WorkerMonitor:
         delivered and caught where ``_attempt`` expects it."""
         with self._lock:
             self._running_generation = None
+            self._last_progress = None
 
     def _loop(self) -> None:
         store = connect_store(self.address, self.ipr.barrier_timeout)
@@ -130,13 +196,14 @@ class WorkerMonitor:
             now = time.time()
             try:
                 if now >= next_beat:
-                    store.set(heartbeat_key(self.rank), repr(now))
+                    store.set(heartbeat_key(self.slot), repr(now))
                     next_beat = now + ipr.heartbeat_interval
                 if now >= next_progress:
-                    store.set(progress_key(self.rank), repr(now))
+                    store.set(progress_key(self.slot), repr(self.progress_stamp(now)))
                     next_progress = now + ipr.progress_watchdog_interval
                 if now >= next_check:
                     self._check_generation(_read_int(store, GENERATION_KEY))
+                    self._check_soft_timeout(store)
                     next_check = now + ipr.monitor_thread_interval
             except Exception:  # noqa: BLE001 - the supervisor is gone: the process is about to be ended
                 return
@@ -149,6 +216,26 @@ class WorkerMonitor:
                                f"{generation} while this rank ran generation {self._running_generation}")
                 _raise_in_thread(self._main_thread_id, RestartAbort)
                 self._running_generation = None  # once
+
+    def _check_soft_timeout(self, store: Any) -> None:
+        """No progress for soft_timeout seconds: record it, move the job to the next generation (every rank restarts
+        in place; one bump however many ranks time out together) and interrupt the main thread. The progress stamp
+        stays at the last progress until the interruption lands, so hard_timeout still ends a rank it cannot reach."""
+        last = self._last_progress
+        if last is None or time.monotonic() - last[0] < self.ipr.soft_timeout:
+            return
+        with self._lock:
+            generation = self._running_generation
+            if generation is None or self._last_progress is not last:
+                return
+            stalled = time.monotonic() - last[0]
+            logger.warning(f"in-process restart: rank {self.rank} made no progress for {stalled:.1f} s "
+                           f"(inprocess_restart.soft_timeout={self.ipr.soft_timeout:g}): interrupting it; every rank "
+                           f"restarts in place in generation {generation + 1}")
+            store.set(soft_timeout_key(self.slot), f"{generation}:{stalled:.3f}")
+            store.compare_set(GENERATION_KEY, str(generation), str(generation + 1))
+            _raise_in_thread(self._main_thread_id, RestartAbort)
+            self._running_generation = None  # once
 
 
 def rendezvous(store: Any, generation: int, rank: int, world_size: int, timeout: float) -> int:
@@ -176,6 +263,24 @@ def rendezvous(store: Any, generation: int, rank: int, world_size: int, timeout:
                 f"{generation}: {count}/{world_size} ranks arrived (inprocess_restart.barrier_timeout)"
             )
         time.sleep(0.01)
+
+
+def wait_for_rank(store: Any, generation: int, slot: int) -> Optional[tuple[int, int]]:
+    """(generation, rank) for worker process ``slot``: its rank in the newest generation, or — a warm reserve — the
+    first generation that gives it a failed rank's place; None when the job ends first."""
+    waiting = False
+    while True:
+        generation = max(generation, _read_int(store, GENERATION_KEY, generation))
+        rank = _read_int(store, assignment_key(generation, slot), slot)
+        if rank >= 0:
+            if waiting:
+                logger.warning(f"in-process restart: reserve process {slot} (pid {os.getpid()}) takes rank {rank} in "
+                               f"generation {generation}")
+            return generation, rank
+        if store.check([FINISHING_KEY]):
+            return None
+        waiting = True
+        time.sleep(0.02)
 
 
 def wait_for_next_generation(store: Any, generation: int, timeout: float) -> Optional[int]:
@@ -263,6 +368,23 @@ def _attempt(monitor: WorkerMonitor, generation: int, train: Callable[[Any], int
         return None, exc
 
 
+def _release_frames(exc: BaseException) -> None:
+    """Let go of what the failed attempt's frames hold (its model, its process groups) so the teardown frees the
+    groups: that closes their sockets, and a peer blocked in a collective with this rank fails at once instead of
+    waiting for its own timeout."""
+    seen: set[int] = set()
+    pending: list[Optional[BaseException]] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            current.__traceback__ = None
+        pending += [current.__context__, current.__cause__]
+
+
 def _exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -278,12 +400,12 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
     env = os.environ if env is None else env
     cfg = make_config()
     ipr = cfg.inprocess_restart
-    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    slot, world_size = int(env.get(SLOT_ENV, env["RANK"])), int(env["WORLD_SIZE"])
     address = env[STORE_ENV]
     generation = int(env.get(GENERATION_ENV, "0"))
     started_in = generation
     store = connect_store(address, ipr.barrier_timeout)
-    monitor = WorkerMonitor(address, rank, ipr)
+    monitor = WorkerMonitor(address, slot, ipr)  # its stamps are this process's, whichever rank it runs
     monitor.start()
     timeout_minutes = float(cfg.dist.distributed_timeout_minutes)
     # a peer's death surfaces within one supervisor check plus its wait for concurrent faults and its kill
@@ -291,6 +413,14 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
     exit_code = 1
     try:
         while True:
+            taken = wait_for_rank(store, generation, slot)
+            if taken is None:  # a warm reserve the job never needed
+                exit_code = 0
+                return exit_code
+            generation, rank = taken
+            monitor.rank = rank
+            if env is os.environ:  # logging and set-up read the rank from the environment, as under torchrun
+                os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
             began = time.time()
             generation = rendezvous(store, generation, rank, world_size, ipr.barrier_timeout)
             if generation != started_in:
@@ -314,12 +444,13 @@ def run_worker(train: Callable[[Any], int], make_config: Callable[[], Any],
                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                                f"restarting in generation {newer}")
                 generation = newer
+                _release_frames(exc)
             finally:
                 reset_process_state(ipr.empty_cuda_cache)
             cfg = make_config()
     finally:
         try:  # the interpreter's own shutdown may take a while: not a hang
-            store.set(exiting_key(rank), str(exit_code))
+            store.set(exiting_key(slot), str(exit_code))
         except Exception:  # noqa: BLE001 - the supervisor is gone
             pass
         monitor.stop()

@@ -11,6 +11,12 @@ address and their generation) and watches them every ``monitor_process_interval`
   supervisor moves the job to the next generation and starts one new process per failed rank
   (``granularity='rank'``) or for every rank of the node (``'node'``); the surviving workers restart in place
   (resilience/inprocess.py). ``max_iterations`` bounds the restarts, ``max_rank_faults`` one rank's faults.
+- ``active_world_size`` < N: processes beyond it start as warm reserves (imported, connected, waiting); a failed
+  active rank's place goes to a live reserve at the next generation (the workload keeps its world size) and the
+  failed process is replaced by a new reserve; without a live reserve the failed rank gets a new process.
+- a worker without training progress for ``soft_timeout`` seconds is interrupted by its own monitor thread, which
+  moves the job to the next generation itself; the supervisor reports that fault and restart (every rank restarts
+  in place, no process is replaced) and counts it against the same budgets.
 - a worker that exits on its own (0, or an error, the rerun machine's 16/17 included) ends the job: nobody restarts
   any more, the others have ``completion_timeout`` seconds to exit, and the job's exit code is the first nonzero
   worker code (2, 16 and 17 kept; others 1), else 0.
@@ -38,11 +44,14 @@ from longspan.training.resilience.inprocess import (
     FINISHING_KEY,
     GENERATION_ENV,
     GENERATION_KEY,
+    SLOT_ENV,
     STORE_ENV,
     arrived_key,
+    assignment_key,
     exiting_key,
     heartbeat_key,
     progress_key,
+    soft_timeout_key,
 )
 from longspan.parallel.launcher import last_log_line
 
@@ -156,7 +165,10 @@ class InProcessSupervisor:
     def __init__(self, argv: list[str], world_size: int, ipr: Any, report: Reporter,
                  extra_env: Optional[dict[str, str]] = None, command: Optional[list[str]] = None) -> None:
         self.argv = argv
-        self.world_size = world_size
+        self.world_size = world_size  # processes; the workload runs on the first ``active`` ranks
+        self.active = getattr(ipr, "active_world_size", None) or world_size
+        # process slot -> the workload rank it runs (-1: a warm reserve)
+        self.rank_of = {slot: (slot if slot < self.active else -1) for slot in range(world_size)}
         self.ipr = ipr
         self.report = report
         self.extra_env = extra_env or {}
@@ -175,10 +187,11 @@ class InProcessSupervisor:
 
     # ---- processes -------------------------------------------------------------------------------------
     def _spawn(self, rank: int) -> None:
+        """Start the worker process of slot ``rank`` (a reserve learns its rank from the store when it gets one)."""
         env = {**os.environ, **self.extra_env,
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-               "LOCAL_WORLD_SIZE": str(self.world_size), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.active),
+               "LOCAL_WORLD_SIZE": str(self.active), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port), SLOT_ENV: str(rank),
                STORE_ENV: f"127.0.0.1:{self.store.port}", GENERATION_ENV: str(self.generation)}
         for key in (heartbeat_key(rank), progress_key(rank), exiting_key(rank)):
             self.store.delete_key(key)
@@ -225,6 +238,7 @@ class InProcessSupervisor:
 
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.ipr.barrier_timeout))
+        self._publish_ranks(0)
         self.store.set(GENERATION_KEY, "0")
         saved = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -247,17 +261,64 @@ class InProcessSupervisor:
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
         self._signal = signum
 
+    def _publish_ranks(self, generation: int) -> None:
+        """Each process slot's workload rank in ``generation`` (written before the generation is)."""
+        for slot, rank in self.rank_of.items():
+            self.store.set(assignment_key(generation, slot), str(rank))
+
+    def _name(self, slot: int) -> str:
+        rank = self.rank_of[slot]
+        return f"rank {rank}" if rank >= 0 else f"reserve process {slot}"
+
+    def _promote_reserves(self, failed: list[int]) -> dict[int, int]:
+        """Give each failed active slot's rank to a live warm reserve; {rank: the reserve's slot}."""
+        promoted = {}
+        for slot in failed:
+            reserves = [s for s, r in sorted(self.rank_of.items())
+                        if r < 0 and s not in failed and self.procs[s].poll() is None]
+            if self.rank_of[slot] < 0 or not reserves:
+                continue
+            promoted[self.rank_of[slot]] = reserves[0]
+            self.rank_of[reserves[0]], self.rank_of[slot] = self.rank_of[slot], -1
+        return promoted
+
+    def _store_generation(self) -> int:
+        return int(self.store.get(GENERATION_KEY))
+
+    def _soft_timeout_faults(self) -> list[Fault]:
+        """The ranks whose monitor thread interrupted them for lack of progress (each record read once)."""
+        faults = []
+        for rank, proc in sorted(self.procs.items()):
+            key = soft_timeout_key(rank)
+            if self.store.check([key]):
+                _, _, stalled = self.store.get(key).decode().partition(":")
+                self.store.delete_key(key)
+                why = (f"no progress for {float(stalled):.1f} s (inprocess_restart.soft_timeout="
+                       f"{self.ipr.soft_timeout:g}); interrupted in place")
+                faults.append(Fault(rank, proc.pid, "soft_timeout", why))
+        return faults
+
+    def _adopt_worker_restart(self) -> Optional[int]:
+        """A worker's soft timeout moved the job to a newer generation: report it as this supervisor's restart."""
+        newest = self._store_generation()
+        if newest <= self.generation:
+            return None
+        return self._restart(self._soft_timeout_faults(), in_place_generation=newest)
+
     def _watch(self) -> int:
         while True:
             if self._signal is not None:
                 return self._forward_signal(self._signal)
+            failed = self._adopt_worker_restart()
+            if failed is not None:
+                return failed
             faults, exited = self._poll()
             if exited or len(self._exiting()) == self.world_size:
                 return self._finish()
             if faults:
                 time.sleep(self.ipr.last_call_wait)  # concurrent faults of other ranks join this restart
                 more, exited = self._poll(exclude={f.rank for f in faults})
-                faults += more
+                faults += more + self._soft_timeout_faults()  # a soft timeout at the same time joins this restart
                 if exited:
                     return self._finish()
                 failed = self._restart(faults)
@@ -285,19 +346,20 @@ class InProcessSupervisor:
             faults.append(Fault(rank, self.procs[rank].pid, "rank_hung", why + "; terminated"))
         return faults, exited
 
-    def _restart(self, faults: list[Fault]) -> Optional[int]:
-        """Move to the next generation with new processes for the failed ranks; an exit code when the budget is
-        spent."""
+    def _restart(self, faults: list[Fault], in_place_generation: Optional[int] = None) -> Optional[int]:
+        """Move to the next generation with new processes for the failed ranks (none when a worker's soft timeout
+        already moved the job to ``in_place_generation``); an exit code when the budget is spent."""
         for fault in faults:
             self.rank_faults[fault.rank] += 1
         remaining_after = restarts_remaining(self.restarts + 1, self.ipr)
         over = budget_exceeded(self.restarts, self.rank_faults, self.ipr)
         for fault in faults:
-            self.report("fault", f"rank {fault.rank} (pid {fault.pid}) failed: {fault.detail}; detected by the "
+            self.report("fault", f"{self._name(fault.rank)} (pid {fault.pid}) failed: {fault.detail}; detected by the "
                         f"in-process supervisor ({fault.detection}); "
                         + ("no restart left" if over else f"in-process restarts remaining: "
                            f"{'unlimited' if remaining_after is None else remaining_after}"),
-                        {"rank": fault.rank, "pid": fault.pid, "detection": fault.detection,
+                        {"rank": self.rank_of[fault.rank] if self.rank_of[fault.rank] >= 0 else None,
+                         "process": fault.rank, "pid": fault.pid, "detection": fault.detection,
                          "generation": self.generation,
                          "restarts_remaining": None if over else remaining_after})
         if over is not None:
@@ -306,29 +368,63 @@ class InProcessSupervisor:
             monitor_log(self.ipr.monitor_process_logdir, f"gave up: {over}")
             self._terminate(list(self.procs))
             return 1
-        replace = ranks_to_restart([f.rank for f in faults], self.world_size, self.ipr.granularity)
-        self._terminate(replace)  # 'node': the node's other ranks go too
-        self.generation += 1
+        if in_place_generation is None and all(self.rank_of[f.rank] < 0 for f in faults):
+            return self._replace_reserves(sorted({f.rank for f in faults}))
+        promoted: dict[int, int] = {}
+        if in_place_generation is None:
+            failed = sorted({f.rank for f in faults})
+            replace = ranks_to_restart(failed, self.world_size, self.ipr.granularity)
+            self._terminate(replace)  # 'node': the node's other ranks go too
+            if self.ipr.granularity == "rank":
+                promoted = self._promote_reserves(failed)
+            else:  # every process is new: the first ``active`` slots run the workload again
+                self.rank_of = {slot: (slot if slot < self.active else -1) for slot in self.rank_of}
+            # never behind a generation a worker's soft timeout set meanwhile
+            self.generation = max(self.generation, self._store_generation()) + 1
+            self._publish_ranks(self.generation)
+            self.store.set(GENERATION_KEY, str(self.generation))
+        else:
+            replace, self.generation = [], in_place_generation
         self.restarts += 1
-        self.store.set(GENERATION_KEY, str(self.generation))
-        for rank in replace:
-            self._spawn(rank)
-        kept = sorted(set(range(self.world_size)) - set(replace))
-        self.report("restart", f"generation {self.generation}: new processes for rank(s) {replace} (pids "
-                    f"{[self.procs[r].pid for r in replace]}); rank(s) {kept} restart in place (pids unchanged: "
-                    f"{[self.procs[r].pid for r in kept]}); resuming from the newest checkpoint",
-                    {"generation": self.generation, "replaced_ranks": replace, "kept_ranks": kept,
-                     "restarts_remaining": remaining_after})
-        self.pending_rejoin = (self.generation, time.time())
+        for slot in replace:
+            self._spawn(slot)
+        self._report_restart(replace, promoted, remaining_after)
         return None
+
+    def _replace_reserves(self, slots: list[int]) -> Optional[int]:
+        """Failed warm reserves get new processes; the workload does not restart."""
+        self._terminate(slots)
+        for slot in slots:
+            self._spawn(slot)
+        monitor_log(self.ipr.monitor_process_logdir, f"new warm reserve process(es) {slots} (pids "
+                    f"{[self.procs[s].pid for s in slots]}); the workload goes on")
+        return None
+
+    def _report_restart(self, replace: list[int], promoted: dict[int, int], remaining_after: Optional[int]) -> None:
+        new = sorted(self.rank_of[s] for s in replace if self.rank_of[s] >= 0)
+        slot_of = {r: s for s, r in self.rank_of.items() if r >= 0}
+        kept = sorted(r for r, s in slot_of.items() if s not in replace and r not in promoted)
+        message = (f"generation {self.generation}: new processes for rank(s) {new} (pids "
+                   f"{[self.procs[slot_of[r]].pid for r in new]}); ")
+        if promoted:
+            message += (f"rank(s) {sorted(promoted)} taken by warm reserve process(es) (pids "
+                        f"{[self.procs[promoted[r]].pid for r in sorted(promoted)]}); ")
+        reserves = [s for s in replace if self.rank_of[s] < 0]
+        if reserves:
+            message += f"new warm reserve process(es) {reserves}; "
+        self.report("restart", message + f"rank(s) {kept} restart in place (pids unchanged: "
+                    f"{[self.procs[slot_of[r]].pid for r in kept]}); resuming from the newest checkpoint",
+                    {"generation": self.generation, "replaced_ranks": new, "kept_ranks": kept,
+                     "reserve_ranks": sorted(promoted), "restarts_remaining": remaining_after})
+        self.pending_rejoin = (self.generation, time.time())
 
     def _check_rejoined(self) -> None:
         """Log once every rank of the new generation has passed its barrier (the restart latency)."""
         if self.pending_rejoin is None:
             return
         generation, since = self.pending_rejoin
-        if int(self.store.add(arrived_key(generation), 0)) >= self.world_size:
-            line = (f"in-process restart: all {self.world_size} ranks rejoined generation {generation} "
+        if int(self.store.add(arrived_key(generation), 0)) >= self.active:
+            line = (f"in-process restart: all {self.active} ranks rejoined generation {generation} "
                     f"{time.time() - since:.2f} s after the restart began")
             logger.warning(line)
             monitor_log(self.ipr.monitor_process_logdir, line)

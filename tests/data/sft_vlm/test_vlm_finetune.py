@@ -142,8 +142,9 @@ def test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process(vl_run_inp
         cfg = moe_from_scratch(_sft_config(hf, data, tmp_path / name), hf, expert_parallel=2)
         cfg.checkpoint.save = cfg.checkpoint.load = checkpoints
         cfg.checkpoint.save_interval, cfg.train.exit_interval = ITERS // 2, stop
-        # 2 MoE layers x (fc1, gate, fc2) expert weights split by expert on each rank
-        assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [6, 6]
+        # every MoE layer's (fc1, gate, fc2) expert weights split by expert on each rank
+        want_sharded = 3 * cfg.model.num_layers
+        assert pool2.run(pretrain_counting_sharded_experts, cfg, timeout=300) == [want_sharded] * 2
         runs.append(losses_by_iteration(cfg))
     half = ITERS // 2
     assert sorted(runs[0]) == list(range(1, half + 1)) and sorted(runs[1]) == list(range(half + 1, ITERS + 1))

@@ -14,6 +14,13 @@ from longspan.recipes.loading import load_config
 from longspan.training.initialize import initialize_megatron
 
 
+@pytest.fixture(autouse=True)
+def _no_groups_before() -> None:
+    """These tests look at what exists before the finisher runs: start each from no process groups, whatever an
+    earlier test in this worker process left behind."""
+    parallel_init.destroy_distributed()
+
+
 def _lazy_cfg():
     return load_config("tiny", [], ["dist.lazy_init=true", "dist.distributed_backend=gloo",
                                     "dist.distributed_timeout_minutes=1", "rng.seed=1234"])

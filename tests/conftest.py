@@ -6,7 +6,9 @@ OMP_NUM_THREADS.
 
 The suite runs on pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadfile``; ``-n 0`` runs it in
 this process): each test is single-threaded, so one worker per core uses the cores a serial run leaves idle.
-``--dist loadfile`` keeps a file's tests, and the module fixtures they share, on one worker.
+``--dist loadfile`` keeps a file's tests, and the module fixtures they share, on one worker; files holding
+``slow`` tests are handed out first (``--no-loadscope-reorder`` keeps this order, where xdist would otherwise put
+the files with the most tests first), so the run does not end on one worker finishing a long file alone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with end-to-end or multi-process (``slow``) tests first, each file's tests in their own order."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group is kept
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

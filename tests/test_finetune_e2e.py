@@ -22,7 +22,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 LONGSPAN = [sys.executable, "-m", "longspan"]
 LETTERS = "abcdefgh"
 

@@ -25,7 +25,7 @@ def make_processor(directory, tokens_per_image: int = TOKENS_PER_IMAGE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["<unk>", "<eos>", "<pad>", "<bos>", *SPECIAL.values()]
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 4, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])
+                                  initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet())[:60])
     text = ["describe the picture: a red square and a blue dot", "the quick brown fox jumps over the lazy dog"] * 20
     tok.train_from_iterator(text, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",

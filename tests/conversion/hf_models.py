@@ -107,8 +107,10 @@ def make_tokenizer(directory) -> None:
     """A tiny BPE tokenizer (vocab <= VOCAB) saved as a PreTrainedTokenizerFast."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # sorted: alphabet() comes from a hash set whose order changes from process to process, and a different
+    # first 60 made a different tokenizer (and different test data) in every process
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<unk>", "<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])
+                                  initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet())[:60])
     text = ["def hello(world): return world + 1", "the quick brown fox jumps over the lazy dog"] * 20
     tok.train_from_iterator(text, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",

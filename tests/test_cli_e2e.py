@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from longspan.cli import main
 from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
 from tests.training.pretrain_helpers import losses_by_iteration, small_config
+from tests.parallel.harness import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER
 LONGSPAN = [sys.executable, "-m", "longspan"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _small_yaml(tmp_path: Path, name: str, **train) -> tuple[Path, object]:
@@ -71,7 +67,7 @@ def test_bad_layout_fails_before_any_worker_starts(tmp_path: Path, overrides, np
 
 def test_two_nodes_on_loopback_train_together(tmp_path: Path, single_process_losses) -> None:
     config, cfg = _small_yaml(tmp_path, "nodes", train_iters=6)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         subprocess.Popen(
             LONGSPAN + ["pretrain", "--config", str(config), "--nproc-per-node", "1", "--nnodes", "2",

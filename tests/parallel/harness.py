@@ -59,6 +59,7 @@ import contextlib
 import os
 import pickle
 import queue as queue_mod
+import random
 import signal
 import socket
 import sys
@@ -88,9 +89,32 @@ class HarnessTimeout(TimeoutError):
     """A task (or the pool start-up) did not finish in time; the pool has been killed."""
 
 
+def _below_ephemeral_ports() -> range:
+    """Ports under the kernel's ephemeral range (Linux: ``ip_local_port_range``, 32768-60999 by default)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    return range(max(1024, low - 12000), low)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS says is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that is free right now, for a rank 0 (or rendezvous agent) to listen on soon.
+
+    Chosen below the ephemeral range, at random: a port the kernel picked for ``bind(0)`` lies in the range it
+    also hands out to outgoing connections, and with gloo meshes in other tests connecting all the time, one
+    of them took such a port before rank 0 listened on it (EADDRINUSE). ``SystemRandom`` because tests seed
+    ``random``, which would make every xdist worker try the same ports in the same order."""
+    ports = _below_ephemeral_ports()
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.choice(ports)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

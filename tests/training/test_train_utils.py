@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import socket
 import time
 from datetime import datetime
 from types import SimpleNamespace as NS
@@ -28,6 +27,7 @@ from longspan.training.observability.progress_log import (
     format_saved_checkpoint_message,
     parse_progress_log,
 )
+from tests.parallel.harness import free_port
 
 SEED_003_NAMES = {
     "LinearForLastLayer": ["self", "input_size", "output_size", "sequence_parallel"],
@@ -305,10 +305,6 @@ def test_report_l2_norm_grad():
     assert report["l2_norm/grad/global"] == pytest.approx(math.sqrt(sum(v * v for v in expected.values())))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -359,7 +355,7 @@ def test_two_rank_dtensor_norms_reductions_and_timers(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # fork: the children reuse the imported modules (spawn would re-import torch twice on a busy machine)
-    mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_dist_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["norm"] == pytest.approx(r["expected"], rel=1e-6)

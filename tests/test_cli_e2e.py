@@ -29,8 +29,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER
 LONGSPAN = [sys.executable, "-m", "longspan"]
 
 
-
-
 def _small_yaml(tmp_path: Path, name: str, **train) -> tuple[Path, object]:
     cfg = small_config(tmp_path, name, **train)
     path = tmp_path / f"{name}.yaml"

@@ -93,7 +93,8 @@ def _below_ephemeral_ports() -> range:
     """Ports under the kernel's ephemeral range (Linux: ``ip_local_port_range``, 32768-60999 by default)."""
     low = 32768
     with contextlib.suppress(OSError, ValueError):
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
     return range(max(1024, low - 12000), low)
 
 
@@ -106,7 +107,7 @@ def free_port() -> int:
     ``random``, which would make every xdist worker try the same ports in the same order."""
     ports = _below_ephemeral_ports()
     pick = random.SystemRandom()
-    for _ in range(100):
+    for _ in range(100 if ports else 0):
         port = pick.choice(ports)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -114,7 +115,7 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's choice
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded or empty range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -305,8 +305,6 @@ def test_report_l2_norm_grad():
     assert report["l2_norm/grad/global"] == pytest.approx(math.sqrt(sum(v * v for v in expected.values())))
 
 
-
-
 def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import datetime as _dt
 

@@ -10,6 +10,17 @@ right (tests/code asserts it; a function-level import needs a comment saying why
 
 __version__ = "0.1.0"
 
+from longspan.core import plugins as _plugins
+
+
+def _load_registrants() -> None:
+    # The composition root: the packages that register config classes, HF architectures, recipes and plan
+    # pieces into the registries below them; imported on the first registry lookup, not by `import longspan`.
+    import longspan.families  # noqa: F401  (registers every family package)
+
+
+_plugins.set_loader(_load_registrants)
+
 
 def __getattr__(name: str):  # lazy: `import longspan` stays light
     if name == "AutoBridge":

@@ -95,3 +95,18 @@ def _mark_non_defaults(cfg: Any, section: str, obj: Any, source: str) -> None:
             differs = True
         if differs:
             mark_explicit(cfg, f"{section}.{f.name}", source)
+
+
+_FAMILY_ATTR = "_model_family"
+
+
+def mark_model_family(cfg: Any, family: str) -> None:
+    """Record the HF family (``conversion.families.Family.name``) the container's model is built as: a family
+    recipe's or an imported model's. Like the explicit fields, an attribute (not written to YAML; checkpoints
+    keep it beside run_config.yaml)."""
+    cfg.__dict__[_FAMILY_ATTR] = family
+
+
+def model_family(cfg: Any) -> str | None:
+    """The family ``mark_model_family`` recorded, or None."""
+    return cfg.__dict__.get(_FAMILY_ATTR)

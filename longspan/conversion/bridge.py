@@ -198,7 +198,7 @@ class AutoBridge:
             except CheckpointError:
                 return False
         cfg = config if isinstance(config, dict) else config.to_dict()
-        return any(a in families.BY_ARCHITECTURE for a in cfg.get("architectures") or [])
+        return any(a in families.by_architecture() for a in cfg.get("architectures") or [])
 
     # ------------------------------------------------------------------------------------------- import
 
@@ -310,7 +310,7 @@ class AutoBridge:
                              "decoded, in the model's dtype (MXFP4 export is not supported yet)", _log)
         else:
             config = self.family.export_config(self.hf_config)
-            family = families.BY_ARCHITECTURE[self.family.export_architecture]
+            family = families.by_architecture()[self.family.export_architecture]
         check_export(family.mtp_layers, mtp_depths, family.architecture)
         if family.mtp_layers:
             config = with_depths(config, mtp_depths)

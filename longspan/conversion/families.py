@@ -21,8 +21,6 @@ from longspan.conversion.deepseek_families import deepseek_v3_hf, deepseek_v3_pr
 from longspan.conversion.dense_families import (
     gpt2_hf,
     gpt2_provider,
-    llama_hf,
-    llama_provider,
     mistral_hf,
     ministral_hf,
     ministral_provider,
@@ -59,6 +57,7 @@ from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
+from longspan.core.plugins import load_plugins
 
 
 @dataclass(frozen=True)
@@ -106,11 +105,10 @@ GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("lang
                       ("multi_modal_projector.", "model.multi_modal_projector."))
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", "LlamaForCausalLM", "llama", mapping.LLAMA, llama_provider, llama_hf),
-    Family("mistral", "MistralForCausalLM", "mistral", mapping.LLAMA, mistral_provider, mistral_hf),
-    Family("ministral", "MinistralForCausalLM", "ministral", mapping.LLAMA, ministral_provider, ministral_hf),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", mapping.LLAMA, qwen2_provider, qwen2_hf),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", mapping.LLAMA, qwen3_provider, qwen3_hf),
+    Family("mistral", "MistralForCausalLM", "mistral", mapping.DECODER, mistral_provider, mistral_hf),
+    Family("ministral", "MinistralForCausalLM", "ministral", mapping.DECODER, ministral_provider, ministral_hf),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", mapping.DECODER, qwen2_provider, qwen2_hf),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", mapping.DECODER, qwen3_provider, qwen3_hf),
     Family("phi3", "Phi3ForCausalLM", "phi3", mapping.phi3(1, 1), phi3_provider, phi3_hf,
            weights_for=phi3_weights),
     Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, gpt2_provider, gpt2_hf),
@@ -137,22 +135,52 @@ FAMILIES: tuple[Family, ...] = (
            qwen25_vl_hf, "Qwen25VLModelProvider", hf_prefix_aliases=QWEN25_VL_ALIASES),
 )
 
-BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
+_REGISTERED: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add one HF architecture (called by its family package in ``longspan.families``); names are unique."""
+    for known in (*FAMILIES, *_REGISTERED.values()):
+        if family.architecture == known.architecture or family.name == known.name:
+            raise ValueError(f"HF family {family.name} ({family.architecture}) is registered twice")
+    _REGISTERED[family.architecture] = family
+    return family
+
+
+def all_families() -> tuple[Family, ...]:
+    """Every registered HF architecture, in registration order."""
+    load_plugins()
+    return (*FAMILIES, *_REGISTERED.values())
+
+
+def by_architecture() -> dict[str, Family]:
+    """HF ``architectures`` name -> its family."""
+    return {f.architecture: f for f in all_families()}
+
+
+def family_named(name: str) -> Family:
+    """The family registered as ``name`` (``Family.name``, e.g. ``qwen3``)."""
+    for family in all_families():
+        if family.name == name:
+            return family
+    raise NotSupportedError(f"unknown model family {name!r}: longspan knows "
+                            f"{', '.join(f.name for f in all_families())}")
 
 
 def supported_architectures() -> list[str]:
     """The HF ``architectures`` names longspan converts."""
-    return [f.architecture for f in FAMILIES]
+    return [f.architecture for f in all_families()]
 
 
 def family_for_config(cfg: dict[str, Any]) -> Family:
     """The family of a config.json dict, from its ``architectures`` entry (or ``model_type``)."""
     archs = cfg.get("architectures") or []
+    known = by_architecture()
     for arch in archs:
-        if arch in BY_ARCHITECTURE:
-            return BY_ARCHITECTURE[arch]
+        if arch in known:
+            return known[arch]
     if not archs:
-        for family in FAMILIES:
+        for family in all_families():
             if family.model_type == cfg.get("model_type"):
                 return family
     named = ", ".join(archs) if archs else f"model_type={cfg.get('model_type')!r}"
@@ -164,37 +192,37 @@ def family_for_config(cfg: dict[str, Any]) -> Family:
 def family_for_provider(provider: Any) -> Family:
     """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
     if type(provider).__name__ == "Gemma3VLModelProvider":
-        return BY_ARCHITECTURE["Gemma3ForConditionalGeneration"]
+        return by_architecture()["Gemma3ForConditionalGeneration"]
     if type(provider).__name__ == "T5ModelProvider":
-        return BY_ARCHITECTURE["T5ForConditionalGeneration"]
+        return by_architecture()["T5ForConditionalGeneration"]
     if type(provider).__name__ == "Qwen25VLModelProvider":
-        return BY_ARCHITECTURE["Qwen2_5_VLForConditionalGeneration"]
+        return by_architecture()["Qwen2_5_VLForConditionalGeneration"]
     if type(provider).__name__ == "MambaProvider":
         pattern = provider.hybrid_override_pattern
         pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)
-        return BY_ARCHITECTURE["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
+        return by_architecture()["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
     if getattr(provider, "multi_latent_attention", False):
-        return BY_ARCHITECTURE["DeepseekV3ForCausalLM"]
+        return by_architecture()["DeepseekV3ForCausalLM"]
     if provider.position_embedding_type == "learned_absolute":
-        return BY_ARCHITECTURE["GPT2LMHeadModel"]
+        return by_architecture()["GPT2LMHeadModel"]
     if not getattr(provider, "layernorm_before_sublayers", True):
-        return BY_ARCHITECTURE["Olmo2ForCausalLM"]
+        return by_architecture()["Olmo2ForCausalLM"]
     if getattr(provider, "layernorm_after_sublayers", False):
-        return BY_ARCHITECTURE["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
+        return by_architecture()["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
     if provider.num_moe_experts and getattr(provider, "softmax_type", "vanilla") == "learnable":
-        return BY_ARCHITECTURE["GptOssForCausalLM"]
+        return by_architecture()["GptOssForCausalLM"]
     if provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
-        return BY_ARCHITECTURE["Glm4MoeForCausalLM"]  # DeepSeek-V3 routing with Llama-style attention
+        return by_architecture()["Glm4MoeForCausalLM"]  # DeepSeek-V3 routing with Llama-style attention
     if provider.num_moe_experts:
-        return BY_ARCHITECTURE["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
+        return by_architecture()["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
     if provider.qk_layernorm:
-        return BY_ARCHITECTURE["Qwen3ForCausalLM"]
+        return by_architecture()["Qwen3ForCausalLM"]
     if provider.add_qkv_bias and not provider.add_bias_linear:
-        return BY_ARCHITECTURE["Qwen2ForCausalLM"]
+        return by_architecture()["Qwen2ForCausalLM"]
     window = getattr(provider, "window_size", None)
     if window is not None and window[0] != -1:  # Llama has no sliding window
-        return BY_ARCHITECTURE["MistralForCausalLM"]
-    return BY_ARCHITECTURE["LlamaForCausalLM"]
+        return by_architecture()["MistralForCausalLM"]
+    return by_architecture()["LlamaForCausalLM"]
 
 
 def hf_config_dict(family: Family, provider: Any) -> dict[str, Any]:

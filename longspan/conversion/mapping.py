@@ -94,13 +94,13 @@ def _layer(ours: str, hf: str, **kw) -> WeightMap:
 
 # --------------------------------------------------------------------------------------------- Llama-like
 
-LLAMA_EMBEDDINGS = (
+DECODER_EMBEDDINGS = (
     WeightMap("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab=True),
     WeightMap("decoder.final_layernorm.weight", "model.norm.weight"),
     WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
 )
 
-LLAMA_ATTENTION = (
+DECODER_ATTENTION = (
     _layer("input_layernorm.weight", "input_layernorm.weight"),
     _layer("self_attention.linear_q.weight", "self_attn.q_proj.weight"),
     _layer("self_attention.linear_k.weight", "self_attn.k_proj.weight"),
@@ -116,7 +116,7 @@ LLAMA_ATTENTION = (
 )
 
 # Dense SwiGLU MLP: longspan's linear_fc1_gate / linear_fc1 are HF's gate_proj / up_proj.
-LLAMA_MLP = (
+DECODER_MLP = (
     _layer("mlp.linear_fc1_gate.weight", "mlp.gate_proj.weight"),
     _layer("mlp.linear_fc1.weight", "mlp.up_proj.weight"),
     _layer("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
@@ -125,16 +125,16 @@ LLAMA_MLP = (
     _layer("mlp.linear_fc2.bias", "mlp.down_proj.bias"),
 )
 
-LLAMA = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + LLAMA_MLP
+DECODER = DECODER_EMBEDDINGS + DECODER_ATTENTION + DECODER_MLP
 
-MIXTRAL = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + (
+MIXTRAL = DECODER_EMBEDDINGS + DECODER_ATTENTION + (
     _layer("mlp.router.weight", "block_sparse_moe.gate.weight"),
     _layer("mlp.experts.linear_fc1_gate.weight", "block_sparse_moe.experts.{e}.w1.weight", per_expert=True),
     _layer("mlp.experts.linear_fc1.weight", "block_sparse_moe.experts.{e}.w3.weight", per_expert=True),
     _layer("mlp.experts.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight", per_expert=True),
 )
 
-QWEN3_MOE = LLAMA + (  # dense layers (mlp_only_layers / decoder_sparse_step) keep Llama's MLP names
+QWEN3_MOE = DECODER + (  # dense layers (mlp_only_layers / decoder_sparse_step) keep Llama's MLP names
     _layer("mlp.router.weight", "mlp.gate.weight"),
     _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.{e}.gate_proj.weight", per_expert=True),
     _layer("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
@@ -158,14 +158,14 @@ DEEPSEEK_V3_ATTENTION = (
     _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
 )
 
-DEEPSEEK_V3 = LLAMA_EMBEDDINGS + DEEPSEEK_V3_ATTENTION + LLAMA_MLP
+DEEPSEEK_V3 = DECODER_EMBEDDINGS + DEEPSEEK_V3_ATTENTION + DECODER_MLP
 
 
 def phi3(heads: int, groups: int) -> tuple[WeightMap, ...]:
     """Phi-3 / Phi-4: Llama's layout with fused ``qkv_proj`` ([q | k | v], grouped-query sizes) and
     ``gate_up_proj`` ([gate | up]), split into longspan's separate projections on import, fused on export."""
     qkv = (heads, groups, groups)
-    return LLAMA_EMBEDDINGS + (
+    return DECODER_EMBEDDINGS + (
         _layer("input_layernorm.weight", "input_layernorm.weight"),
         _layer("self_attention.linear_q.weight", "self_attn.qkv_proj.weight", split=(0, 3), split_units=qkv),
         _layer("self_attention.linear_k.weight", "self_attn.qkv_proj.weight", split=(1, 3), split_units=qkv),
@@ -184,15 +184,15 @@ _POST_NORMS = (
     _layer("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
     _layer("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
 )
-_QKVO = tuple(e for e in LLAMA_ATTENTION if ".self_attention." in e.ours)
+_QKVO = tuple(e for e in DECODER_ATTENTION if ".self_attention." in e.ours)
 
-GEMMA = LLAMA_EMBEDDINGS + _QKVO + _POST_NORMS + LLAMA_MLP[:3] + (
+GEMMA = DECODER_EMBEDDINGS + _QKVO + _POST_NORMS + DECODER_MLP[:3] + (
     _layer("input_layernorm.weight", "input_layernorm.weight"),
     _layer("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
 )
 
 # OLMo-2: no pre-norms; q_norm / k_norm span the whole projections.
-OLMO2 = LLAMA_EMBEDDINGS + _QKVO + _POST_NORMS + LLAMA_MLP[:3]
+OLMO2 = DECODER_EMBEDDINGS + _QKVO + _POST_NORMS + DECODER_MLP[:3]
 
 
 def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[WeightMap, ...]:
@@ -389,7 +389,7 @@ DEEPSEEK_MOE_MLP = (
 )
 
 # GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama's attention (q/k/v biases, optional per-head QK-norm) and MLP names.
-GLM4_MOE = LLAMA + DEEPSEEK_MOE_MLP
+GLM4_MOE = DECODER + DEEPSEEK_MOE_MLP
 
 
 # --------------------------------------------------------------------------------------------- multi-token prediction
@@ -444,7 +444,7 @@ def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | Non
 
 # --------------------------------------------------------------------------------------------- GPT-OSS
 
-GPT_OSS = LLAMA_EMBEDDINGS + LLAMA_ATTENTION + (
+GPT_OSS = DECODER_EMBEDDINGS + DECODER_ATTENTION + (
     _layer("self_attention.softmax_offset", "self_attn.sinks"),
     _layer("mlp.router.weight", "mlp.router.weight"),
     _layer("mlp.router.bias", "mlp.router.bias"),

@@ -88,7 +88,7 @@ _VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bi
                  "mlp.up_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
 _MERGER = ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
 
-QWEN25_VL = _nested(mapping.LLAMA) + (
+QWEN25_VL = _nested(mapping.DECODER) + (
     mapping.WeightMap("vision.patch_embed.proj.weight", "visual.patch_embed.proj.weight"),
     *(mapping.WeightMap(f"vision.blocks.{{i}}.{name}", f"visual.blocks.{{i}}.{name}") for name in _VISION_BLOCK),
     *(mapping.WeightMap(f"merger.{name}", f"visual.merger.{name}") for name in _MERGER),

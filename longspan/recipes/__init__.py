@@ -10,12 +10,13 @@ from __future__ import annotations
 import difflib
 from typing import Callable
 
-from longspan.config.explicit import mark_recipe_fields
+from longspan.config.explicit import mark_model_family, mark_recipe_fields
 from longspan.core.errors import ConfigError
+from longspan.core.plugins import load_plugins
 from longspan.recipes.finetune import dora, lora, sft
-from longspan.recipes.llama import llama3_8b, llama3_70b, qwen3_8b, qwen3_600m
 from longspan.recipes.moe_finetune import moe_lora
-from longspan.recipes.small_models import gemma3, llama32, llama32_3b
+from longspan.recipes.real_sizes import qwen3_8b, qwen3_600m
+from longspan.recipes.small_models import gemma3
 from longspan.recipes.tiny import tiny
 from longspan.recipes.tiny_deepseek import tiny_deepseek
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
@@ -32,13 +33,9 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny-mamba": tiny_mamba,
     "tiny-hybrid": tiny_hybrid,
     "tiny-t5": tiny_t5,
-    "llama3-8b": llama3_8b,
-    "llama3-70b": llama3_70b,
     "qwen3-8b": qwen3_8b,
     "qwen3-600m": qwen3_600m,
     "gemma3": gemma3,
-    "llama32": llama32,
-    "llama32-3b": llama32_3b,
     "sft": sft,
     "lora": lora,
     "dora": dora,
@@ -48,8 +45,23 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
 }
 
 
+RECIPE_FAMILY: dict[str, str] = {}
+"""Recipe name -> the ``conversion.families.Family.name`` its model is built as (the family packages' recipes)."""
+
+
+def register_recipe(name: str, recipe: Callable[[], ConfigContainer], family: str | None = None) -> None:
+    """Add a recipe (called by a family package); ``family`` names the HF family its model is built as."""
+    key = canonical_recipe_name(name)
+    if key in RECIPES:
+        raise ValueError(f"recipe {key!r} is registered twice")
+    RECIPES[key] = recipe
+    if family is not None:
+        RECIPE_FAMILY[key] = family
+
+
 def list_recipes() -> list[str]:
     """The recipe names as shown everywhere (hyphenated); ``get_recipe`` also accepts them with underscores."""
+    load_plugins()
     return list(RECIPES)
 
 
@@ -61,14 +73,17 @@ def canonical_recipe_name(name: str) -> str:
 def get_recipe(name: str) -> ConfigContainer:
     """A fresh ConfigContainer of the named recipe; unknown names raise ConfigError listing the known ones."""
     key = canonical_recipe_name(name)
+    load_plugins()
     if key not in RECIPES:
         close = difflib.get_close_matches(key, RECIPES, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"unknown recipe {name!r}: {hint}choose one of {', '.join(list_recipes())}")
     cfg = RECIPES[key]()
     mark_recipe_fields(cfg, key)  # the recipe's own settings count as set on purpose
+    if key in RECIPE_FAMILY:
+        mark_model_family(cfg, RECIPE_FAMILY[key])
     return cfg
 
 
-__all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "llama3_8b", "llama3_70b", "qwen3_8b", "qwen3_600m", "gemma3", "llama32",
-           "llama32_3b", "sft", "lora", "dora", "moe_lora", "vlm_sft", "vlm_lora"]
+__all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "qwen3_8b", "qwen3_600m", "gemma3", 
+           "sft", "lora", "dora", "moe_lora", "vlm_sft", "vlm_lora"]

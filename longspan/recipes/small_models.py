@@ -13,21 +13,11 @@ from __future__ import annotations
 
 import math
 
-import torch.nn.functional as F
-
 from longspan.models.activations import gelu_tanh
 from longspan.models.gpt_provider import GPTModelProvider
-from longspan.peft import LoRA
-from longspan.recipes.finetune import SEQ_LENGTH, finetune_recipe
+from longspan.recipes.finetune import SEQ_LENGTH
+from longspan.recipes.real_sizes import lora_finetune
 from longspan.training.config import ConfigContainer
-
-
-def _lora_on(model: GPTModelProvider, name: str) -> ConfigContainer:
-    cfg = finetune_recipe(name, lr=1e-4)
-    cfg.model = model
-    cfg.peft = LoRA()
-    cfg.mixed_precision = "bf16_mixed"
-    return cfg
 
 
 def gemma3_1b_model() -> GPTModelProvider:
@@ -44,41 +34,6 @@ def gemma3_1b_model() -> GPTModelProvider:
     )
 
 
-def _llama32_model(**shape: object) -> GPTModelProvider:
-    """Llama 3.2: SwiGLU, RMSNorm, RoPE base 500000 with Llama-3 scaling (factor 32), vocabulary 128256, tied."""
-    fields = dict(
-        vocab_size=128_256, make_vocab_size_divisible_by=128, seq_length=SEQ_LENGTH, normalization="RMSNorm",
-        layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        position_embedding_type="rope", rotary_base=500_000, rope_scaling=True, rope_scaling_factor=32.0,
-        low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192, share_embeddings_and_output_weights=True,
-        attention_dropout=0.0, hidden_dropout=0.0, bf16=True,
-    )
-    fields.update(shape)
-    return GPTModelProvider(**fields)  # type: ignore[arg-type]
-
-
-def llama32_1b_model() -> GPTModelProvider:
-    """Llama 3.2 1B: 16 layers, hidden 2048, 32 heads / 8 KV groups of width 64, FFN 8192."""
-    return _llama32_model(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
-                          num_query_groups=8, kv_channels=64)
-
-
-def llama32_3b_model() -> GPTModelProvider:
-    """Llama 3.2 3B: 28 layers, hidden 3072, 24 heads / 8 KV groups of width 128, FFN 8192."""
-    return _llama32_model(num_layers=28, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=24,
-                          num_query_groups=8, kv_channels=128)
-
-
 def gemma3() -> ConfigContainer:
     """LoRA finetune of Gemma 3 1B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full)."""
-    return _lora_on(gemma3_1b_model(), "gemma3")
-
-
-def llama32() -> ConfigContainer:
-    """LoRA finetune of Llama 3.2 1B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full)."""
-    return _lora_on(llama32_1b_model(), "llama32")
-
-
-def llama32_3b() -> ConfigContainer:
-    """LoRA finetune of Llama 3.2 3B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full)."""
-    return _lora_on(llama32_3b_model(), "llama32_3b")
+    return lora_finetune(gemma3_1b_model(), "gemma3")

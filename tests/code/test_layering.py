@@ -2,8 +2,12 @@
 
 Layers, lowest first; a module may import its own layer and the layers below it, never one above:
 
-    core → config → models, data → parallel, peft, conversion → inference, planner → training → recipes → cli
-    → longspan (the package's ``__init__`` and ``__main__``)
+    core → config → models, data → parallel, peft, conversion → inference, planner → training → recipes
+    → families → cli → longspan (the package's ``__init__`` and ``__main__``)
+
+A family package (``longspan/families/<name>/``) spans layers: each of its modules has the layer of its role,
+read from the file name (``FAMILY_ROLES``: ``hf.py`` is conversion, ``parallel.py`` parallel, ``recipes.py``
+recipes, anything else models), and its ``__init__`` (which registers the pieces) is the families layer.
 
 inference (text generation over the models' KV cache) and planner (memory/time estimates of a layout) use models
 and the parallel plans' arithmetic, and nothing below training uses them, so they sit just above
@@ -35,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("inference", "planner"),
     ("training",),
     ("recipes",),
+    ("families",),
     ("cli",),
     ("longspan",),
 ]
@@ -42,11 +47,18 @@ LAYER_OF: dict[str, int] = {package: i for i, packages in enumerate(LAYERS) for 
 ORDER = " → ".join(", ".join(packages) for packages in LAYERS)
 
 
+# A family module's layer by its file name; other names are model code (providers, layers).
+FAMILY_ROLES = {"hf": "conversion", "parallel": "parallel", "recipes": "recipes"}
+
+
 def package_of(module: str) -> str:
-    """'longspan.config.rules.layout' -> 'config'; the package root and ``__main__`` -> 'longspan'."""
+    """'longspan.config.rules.layout' -> 'config'; the package root and ``__main__`` -> 'longspan'; a family
+    module -> the layer of its role ('longspan.families.qwen.hf' -> 'conversion')."""
     parts = module.split(".")
     if len(parts) == 1 or parts[1] == "__main__":
         return "longspan"
+    if parts[1] == "families" and len(parts) >= 4:
+        return FAMILY_ROLES.get(parts[3], "models")
     return parts[1]
 
 

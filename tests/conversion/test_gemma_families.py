@@ -64,7 +64,7 @@ def test_logits_equal_transformers_and_export_is_bit_identical(family, tmp_path)
     exported_cfg = read_config(out)
     expected_arch = source_cfg["architectures"][0]
     assert exported_cfg["architectures"] == [expected_arch]
-    regenerated = families.hf_config_dict(families.BY_ARCHITECTURE[expected_arch], bridge.to_megatron_provider())
+    regenerated = families.hf_config_dict(families.by_architecture()[expected_arch], bridge.to_megatron_provider())
     if family == "gemma3_vlm":
         source_cfg, regenerated = source_cfg["text_config"], regenerated["text_config"]
     for key, value in regenerated.items():

@@ -52,7 +52,7 @@ def test_logits_equal_transformers_and_export_is_bit_identical(tmp_path):
 
     assert_export_round_trips(bridge, model, src, out, tokens)
     source_cfg = read_config(src)
-    regenerated = families.hf_config_dict(families.BY_ARCHITECTURE["Glm4MoeForCausalLM"], provider)
+    regenerated = families.hf_config_dict(families.by_architecture()["Glm4MoeForCausalLM"], provider)
     for key, value in regenerated.items():
         if key in source_cfg and key not in ("dtype", "num_nextn_predict_layers"):
             assert source_cfg[key] == value or source_cfg[key] == pytest.approx(value), key
@@ -135,5 +135,5 @@ def test_export_of_a_model_glm_cannot_express_fails_in_one_line(tmp_path, change
     for key, value in changes.items():
         setattr(provider, key, value)
     with pytest.raises(NotSupportedError) as info:
-        families.hf_config_dict(families.BY_ARCHITECTURE["Glm4MoeForCausalLM"], provider)
+        families.hf_config_dict(families.by_architecture()["Glm4MoeForCausalLM"], provider)
     assert field in str(info.value) and "\n" not in str(info.value)

@@ -76,12 +76,12 @@ def test_export_refuses_a_window_its_family_cannot_hold():
     provider = AutoBridge.from_hf_config(dict(hf_cfg.to_dict(), architectures=["MistralForCausalLM"])
                                          ).to_megatron_provider(load_weights=False)
     assert families.family_for_provider(provider).architecture == "MistralForCausalLM"
-    assert families.hf_config_dict(families.BY_ARCHITECTURE["MistralForCausalLM"], provider)["sliding_window"] == 8
+    assert families.hf_config_dict(families.by_architecture()["MistralForCausalLM"], provider)["sliding_window"] == 8
     with pytest.raises(NotSupportedError, match="Llama has no sliding-window attention"):
-        families.hf_config_dict(families.BY_ARCHITECTURE["LlamaForCausalLM"], provider)
+        families.hf_config_dict(families.by_architecture()["LlamaForCausalLM"], provider)
     provider.window_attn_skip_freq = 2
     with pytest.raises(NotSupportedError, match="Mistral applies its sliding window to every layer"):
-        families.hf_config_dict(families.BY_ARCHITECTURE["MistralForCausalLM"], provider)
+        families.hf_config_dict(families.by_architecture()["MistralForCausalLM"], provider)
 
 
 def test_greedy_generate_equals_transformers_with_a_prompt_longer_than_the_window(mistral_dir):

@@ -89,7 +89,7 @@ def test_longspan_mamba_exports_as_mamba2_and_loads_in_transformers(tmp_path):
 
 def test_hybrid_does_not_export_as_mamba2():
     with pytest.raises(NotSupportedError, match="Mamba layers only"):
-        families.hf_config_dict(families.BY_ARCHITECTURE["Mamba2ForCausalLM"], hybrid_config())
+        families.hf_config_dict(families.by_architecture()["Mamba2ForCausalLM"], hybrid_config())
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -98,7 +98,7 @@ def test_hybrid_does_not_export_as_mamba2():
 ])
 def test_hybrid_fields_nemotron_h_cannot_hold_refuse_to_export(overrides, match):
     with pytest.raises(NotSupportedError, match=match):
-        families.hf_config_dict(families.BY_ARCHITECTURE["NemotronHForCausalLM"], hybrid_config(**overrides))
+        families.hf_config_dict(families.by_architecture()["NemotronHForCausalLM"], hybrid_config(**overrides))
 
 
 @pytest.mark.parametrize("overrides,match", [

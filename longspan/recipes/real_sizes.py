@@ -1,10 +1,13 @@
-"""Llama-3 and Qwen3 shaped recipes with their real sizes (bf16; mock data unless a data path is given)."""
+"""What the real-size pretraining recipes of the family packages share: a standard decoder provider and the
+pretraining container around it (bf16; mock data unless a data path is given)."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
 from longspan.models.gpt_provider import GPTModelProvider
+from longspan.peft import LoRA
+from longspan.recipes.finetune import finetune_recipe
 from longspan.training.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -18,7 +21,8 @@ from longspan.training.config import (
 )
 
 
-def _llama_style(**shape: object) -> GPTModelProvider:
+def standard_decoder(**shape: object) -> GPTModelProvider:
+    """A GPT provider with the standard decoder's choices (RMSNorm, SwiGLU, RoPE, no biases) and ``shape``."""
     defaults = dict(
         normalization="RMSNorm", activation_func=F.silu, gated_linear_unit=True, add_bias_linear=False,
         position_embedding_type="rope", share_embeddings_and_output_weights=False, hidden_dropout=0.0,
@@ -28,8 +32,9 @@ def _llama_style(**shape: object) -> GPTModelProvider:
     return GPTModelProvider(**defaults)  # type: ignore[arg-type]
 
 
-def _pretrain(model: GPTModelProvider, name: str, tokenizer_model: str, *, gbs: int, lr: float, min_lr: float,
-              warmup_iters: int = 2000, train_iters: int = 1_168_251) -> ConfigContainer:
+def pretrain_recipe(model: GPTModelProvider, name: str, tokenizer_model: str, *, gbs: int, lr: float,
+                    min_lr: float, warmup_iters: int = 2000, train_iters: int = 1_168_251) -> ConfigContainer:
+    """A pretraining run of ``model`` under runs/``name`` with the given batch and learning-rate schedule."""
     run_dir = f"runs/{name}"
     return ConfigContainer(
         model=model,
@@ -51,34 +56,28 @@ def _pretrain(model: GPTModelProvider, name: str, tokenizer_model: str, *, gbs: 
     )
 
 
-def llama3_8b() -> ConfigContainer:
-    """Llama-3 8B: 32 layers, hidden 4096, 32 heads / 8 KV groups, FFN 14336, 8k context, rope base 500000."""
-    model = _llama_style(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                         num_query_groups=8, kv_channels=128, seq_length=8192, vocab_size=128256,
-                         rotary_base=500000)
-    return _pretrain(model, "llama3_8b", "meta-llama/Meta-Llama-3-8B", gbs=512, lr=3e-4, min_lr=3e-5)
-
-
-def llama3_70b() -> ConfigContainer:
-    """Llama-3 70B: 80 layers, hidden 8192, 64 heads / 8 KV groups, FFN 28672; tensor parallel 8 with SP."""
-    model = _llama_style(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                         num_query_groups=8, kv_channels=128, seq_length=8192, vocab_size=128256,
-                         rotary_base=500000, tensor_model_parallel_size=8, sequence_parallel=True)
-    return _pretrain(model, "llama3_70b", "meta-llama/Meta-Llama-3-70B", gbs=512, lr=1.5e-4, min_lr=1.5e-5)
+def lora_finetune(model: GPTModelProvider, name: str) -> ConfigContainer:
+    """The ``lora`` recipe on ``model`` (bf16): architecture, weights and tokenizer come from
+    ``checkpoint.pretrained_checkpoint``; the shape lets ``longspan plan`` size the run without one."""
+    cfg = finetune_recipe(name, lr=1e-4)
+    cfg.model = model
+    cfg.peft = LoRA()
+    cfg.mixed_precision = "bf16_mixed"
+    return cfg
 
 
 def qwen3_8b() -> ConfigContainer:
     """Qwen3 8B: 36 layers, hidden 4096, 32 heads / 8 KV groups of width 128, FFN 12288, QK-norm, rope 1e6."""
-    model = _llama_style(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+    model = standard_decoder(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
                          num_query_groups=8, kv_channels=128, qk_layernorm=True, seq_length=4096,
                          vocab_size=151936, rotary_base=1000000, layernorm_epsilon=1e-6)
-    return _pretrain(model, "qwen3_8b", "Qwen/Qwen3-8B", gbs=512, lr=3e-4, min_lr=3e-5, warmup_iters=500)
+    return pretrain_recipe(model, "qwen3_8b", "Qwen/Qwen3-8B", gbs=512, lr=3e-4, min_lr=3e-5, warmup_iters=500)
 
 
 def qwen3_600m() -> ConfigContainer:
     """Qwen3 0.6B: 28 layers, hidden 1024, 16 heads / 8 KV groups of width 128, FFN 3072, tied embeddings."""
-    model = _llama_style(num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
+    model = standard_decoder(num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
                          num_query_groups=8, kv_channels=128, qk_layernorm=True, seq_length=4096,
                          vocab_size=151936, rotary_base=1000000, layernorm_epsilon=1e-6,
                          share_embeddings_and_output_weights=True)
-    return _pretrain(model, "qwen3_600m", "Qwen/Qwen3-0.6B", gbs=256, lr=3e-4, min_lr=3e-5, warmup_iters=500)
+    return pretrain_recipe(model, "qwen3_600m", "Qwen/Qwen3-0.6B", gbs=256, lr=3e-4, min_lr=3e-5, warmup_iters=500)

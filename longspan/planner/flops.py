@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     # Named for type checkers only: the FLOPs formula of a plain run stays free of the model code.
     from longspan.config.schema.container import ConfigContainer
     from longspan.models.gpt_provider import TransformerConfig
-    from longspan.peft.config import PEFT
+    from longspan.peft.config import LowRankAdapterConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,7 @@ def num_floating_point_operations(cfg: ConfigContainer, batch_size: int = 1) -> 
     return 4.0 * terms.weights * tokens + core + 6.0 * adapters * tokens
 
 
-def adapter_multiply_adds_per_token(model_cfg: TransformerConfig, peft: PEFT) -> float:
+def adapter_multiply_adds_per_token(model_cfg: TransformerConfig, peft: LowRankAdapterConfig) -> float:
     """Forward multiply-adds of one token through the adapters ``peft`` puts on ``model_cfg``'s model: per
     adapter group ``dim * (in + sum of the members' out)`` (one A shared by a fused group, a B per member);
     routed experts' adapters ``moe_router_topk`` times (each token runs through that many experts' adapters).
@@ -165,7 +165,8 @@ def adapter_multiply_adds_per_token(model_cfg: TransformerConfig, peft: PEFT) ->
 _ADAPTER_CACHE: dict[tuple[str, str], float] = {}
 
 
-def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: TransformerConfig, peft: PEFT) -> float:
+def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: TransformerConfig,
+                           peft: LowRankAdapterConfig) -> float:
     cached = _ADAPTER_CACHE.get((model_key, peft_key))
     if cached is not None:
         return cached

@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import types
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -32,8 +32,11 @@ from torch.distributed.tensor import distribute_tensor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
-from longspan.peft.config import LowRankAdapterConfig
 from longspan.peft.modules import DoRALinear, GroupedLoRAAdapter, LoRAAdapter, LoRALinear, adapted_grouped_mlp_forward
+
+if TYPE_CHECKING:
+    # for type checkers only: longspan.peft.config imports this module (in PEFT.apply)
+    from longspan.peft.config import LowRankAdapterConfig
 
 logger = get_logger(__name__)
 

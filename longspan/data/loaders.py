@@ -18,8 +18,8 @@ from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, T5MaskedWordPieceDatasetConfig
 from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig
 from longspan.core.errors import ConfigError, DataError
-from longspan.core.model_parallel_config import ModelParallelConfig
 from longspan.core.logging import get_logger, warn_rank_0
+from longspan.core.model_parallel_config import ModelParallelConfig
 from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.builtin import prepare_builtin_corpus
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from types import SimpleNamespace
 from typing import Any
 
 from longspan.core.errors import LaunchError
@@ -93,14 +92,16 @@ def _positive_float(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longspan.data.preprocess import PreprocessOptions, preprocess  # `longspan --help` must not import torch
+    # `longspan --help` must not import torch
+    from longspan.config.schema.data import TokenizerConfig
+    from longspan.data.preprocess import PreprocessOptions, preprocess
 
     setup_logging()
     if args.pack_sft is not None:
         return _pack_sft(args)
     if args.input is None or args.output_prefix is None:
         raise LaunchError("longspan preprocess needs --input and --output-prefix (or --pack-sft DIR)")
-    tokenizer_config = SimpleNamespace(
+    tokenizer_config = TokenizerConfig(
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file,
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _pack_sft(args: argparse.Namespace) -> int:
     # `longspan --help` must not import torch
+    from longspan.config.schema.data import TokenizerConfig
     from longspan.data.sft import PackedSequenceSpecs, pack_sft_dataset
     from longspan.data.tokenizers import build_tokenizer
 
@@ -146,7 +148,7 @@ def _pack_sft(args: argparse.Namespace) -> int:
             raise LaunchError(f"--chat-template {args.chat_template} does not exist")
         with open(args.chat_template) as f:
             chat_template = f.read()
-    tokenizer = build_tokenizer(SimpleNamespace(
+    tokenizer = build_tokenizer(TokenizerConfig(
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
         merge_file=args.merge_file, vocab_size=args.vocab_size, hf_tokenizer_kwargs=None))
     specs = PackedSequenceSpecs(packed_sequence_size=args.packed_sequence_size,

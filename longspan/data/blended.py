@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from longspan.config.schema.data import GPTDatasetConfig
 from longspan.core.errors import DataError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.data.indices import build_blending_indices, build_exhaustive_blending_indices
@@ -48,7 +49,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         config: the dataset config (``path_to_cache`` is read).
     """
 
-    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: Optional[int], config: Any) -> None:
+    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: Optional[int],
+                 config: GPTDatasetConfig) -> None:
         if len(datasets) != len(weights) or not datasets:
             raise DataError(f"a blend needs one weight per dataset; got {len(datasets)} datasets, {len(weights)} weights")
         if len(datasets) >= 32767:
@@ -82,7 +84,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         return {"dataset_id": dataset_id, **self.datasets[dataset_id][sample_id]}
 
     def _build_indices(self):
-        cache_dir = getattr(self.config, "path_to_cache", None)
+        cache_dir = self.config.path_to_cache
         paths = None
         if cache_dir:
             base = os.path.join(str(cache_dir), f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}")
@@ -100,7 +102,7 @@ class BlendedDataset(torch.utils.data.Dataset):
                 raise DataError(
                     f"the {self.split.name} blend takes {n} samples from dataset {i} "
                     f"({getattr(ds, 'dataset_path', None)}) which has {len(ds)}; raise "
-                    f"dataset.mid_level_dataset_surplus (now {getattr(self.config, 'mid_level_dataset_surplus', 0.005)})"
+                    f"dataset.mid_level_dataset_surplus (now {self.config.mid_level_dataset_surplus})"
                 )
         if paths:
             try:
@@ -124,10 +126,6 @@ def sizes_per_dataset(weights: Sequence[float], sizes: Sequence[Optional[int]], 
     ]
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    return getattr(config, name, default)
-
-
 class BlendedMegatronDatasetBuilder:
     """Builds the train/valid/test datasets of a config (megatron-core's builder API).
 
@@ -135,17 +133,18 @@ class BlendedMegatronDatasetBuilder:
         cls: the dataset class (``GPTDataset`` or ``MockGPTDataset``).
         sizes: the minimum number of samples per split (None: one epoch of that split).
         is_built_on_rank: returns whether this rank needs the datasets (others get None).
-        config: a GPTDatasetConfig-like object with ``blend`` / ``blend_per_split`` / ``split`` resolved (a
-            ``data_path`` string is resolved by ``longspan.data.loaders``).
+        config: the dataset config with ``blend`` / ``blend_per_split`` / ``split`` resolved (a ``data_path``
+            string is resolved by ``longspan.data.loaders``).
     """
 
-    def __init__(self, cls: Type, sizes: Sequence[Optional[int]], is_built_on_rank: Callable[[], bool], config: Any) -> None:
+    def __init__(self, cls: Type, sizes: Sequence[Optional[int]], is_built_on_rank: Callable[[], bool],
+                 config: GPTDatasetConfig) -> None:
         self.cls = cls
         self.sizes = list(sizes) + [None] * (3 - len(sizes))
         self.is_built_on_rank = is_built_on_rank
         self.config = config
-        blend = _get(config, "blend")
-        per_split = _get(config, "blend_per_split")
+        blend = config.blend
+        per_split = config.blend_per_split
         if per_split is not None and not any(per_split):
             per_split = None
         if blend is not None and per_split is not None:
@@ -162,7 +161,7 @@ class BlendedMegatronDatasetBuilder:
         if self.mock:
             split = "1,1,1"  # megatron-core's arbitrary even split for mock data
         else:
-            split = _get(config, "split")
+            split = config.split
             if self.blend is not None and split is None:
                 raise DataError("dataset.split is required with a blend (for example '969,30,1')")
         self.split_matrix = split_matrix(parse_split(split)) if split is not None else None
@@ -234,7 +233,7 @@ class BlendedMegatronDatasetBuilder:
         if weights is not None:
             weights = normalize(weights)
             target = sizes_per_dataset(weights, sizes)
-            surplus = float(_get(self.config, "mid_level_dataset_surplus", 0.005))
+            surplus = float(self.config.mid_level_dataset_surplus)
             buffer = sizes_per_dataset(weights, sizes, surplus)
         else:
             buffer = [[None, None, None] for _ in prefixes]

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from longspan.config.schema.data import GPTDatasetConfig
 from longspan.core.errors import DataError
 from longspan.core.logging import get_logger
 from longspan.data.indexed_dataset import IndexedDataset
@@ -112,7 +113,7 @@ class GPTDataset(torch.utils.data.Dataset):
         indexed_indices: the sequence indices of this split.
         num_samples: the minimum number of samples to build; None builds one epoch.
         index_split: which split this is (the validation split may keep a padded last sample).
-        config: a GPTDatasetConfig-like object (read by attribute).
+        config: the dataset config (its ``tokenizer`` set).
     """
 
     def __init__(
@@ -122,7 +123,7 @@ class GPTDataset(torch.utils.data.Dataset):
         indexed_indices: np.ndarray,
         num_samples: Optional[int],
         index_split: Split,
-        config: Any,
+        config: GPTDatasetConfig,
     ) -> None:
         self.dataset = indexed_dataset
         self.dataset_path = dataset_path
@@ -131,8 +132,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.index_split = index_split
         self.config = config
         self.sequence_length = int(config.sequence_length)
-        self.add_extra_token = bool(getattr(config, "add_extra_token_to_sequence", True))
-        self.tokenizer = getattr(config, "tokenizer", None)
+        self.add_extra_token = bool(config.add_extra_token_to_sequence)
+        self.tokenizer = config.tokenizer
         self.eod = getattr(self.tokenizer, "eod", None)
         self._pad_token_id = resolve_pad_id(self.tokenizer)
 
@@ -143,11 +144,9 @@ class GPTDataset(torch.utils.data.Dataset):
         ident["index_split"] = index_split.name
         ident["random_seed"] = int(config.random_seed)
         ident["sequence_length"] = self.sequence_length
-        ident["split"] = getattr(config, "split", None)
+        ident["split"] = config.split
         ident["add_extra_token_to_sequence"] = self.add_extra_token
-        ident["drop_last_partial_validation_sequence"] = bool(
-            getattr(config, "drop_last_partial_validation_sequence", True)
-        )
+        ident["drop_last_partial_validation_sequence"] = bool(config.drop_last_partial_validation_sequence)
         ident["indices"] = [int(indexed_indices[0]), int(indexed_indices[-1]) + 1] if len(indexed_indices) else []
         ident["tokenizer"] = tokenizer_identity(self.tokenizer)
         if dataset_path is not None and os.path.exists(dataset_path + ".idx"):
@@ -156,13 +155,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_description = json.dumps(ident, indent=4)
         self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
 
-        self._cacheable_masks = not any(
-            [
-                getattr(config, "reset_position_ids", False),
-                getattr(config, "reset_attention_mask", False),
-                getattr(config, "eod_mask_loss", False),
-            ]
-        )
+        self._cacheable_masks = not any([config.reset_position_ids, config.reset_attention_mask, config.eod_mask_loss])
         self._cached_masks: Optional[tuple] = None
         self.document_index, self.sample_index, self.shuffle_index = self._build_indices()
 
@@ -173,13 +166,13 @@ class GPTDataset(torch.utils.data.Dataset):
         return int(low_level_dataset.sequence_lengths.shape[0])
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: Any) -> IndexedDataset:
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
         """Open the ``.bin``/``.idx`` pair at ``dataset_path``."""
-        return IndexedDataset(dataset_path, multimodal=False, mmap=bool(getattr(config, "mmap_bin_files", True)))
+        return IndexedDataset(dataset_path, multimodal=False, mmap=bool(config.mmap_bin_files))
 
     # -- index construction -----------------------------------------------------------------------------
     def _cache_dir(self) -> Optional[str]:
-        path = getattr(self.config, "path_to_cache", None)
+        path = self.config.path_to_cache
         if path:
             return str(path)
         if self.dataset_path is None:
@@ -250,7 +243,7 @@ class GPTDataset(torch.utils.data.Dataset):
         document_index = build_document_index(self.indices, num_epochs, rng, separate_final_epoch)
         drop_last = True
         if self.index_split == Split.valid:
-            drop_last = bool(getattr(self.config, "drop_last_partial_validation_sequence", True))
+            drop_last = bool(self.config.drop_last_partial_validation_sequence)
         sample_index = build_sample_index(
             sizes, document_index, seq, num_epochs, tokens_per_epoch, drop_last, self.add_extra_token
         )
@@ -293,7 +286,7 @@ class GPTDataset(torch.utils.data.Dataset):
             labels = torch.roll(text, shifts=-1, dims=0)
             labels[-1] = self._pad_token_id
         cfg = self.config
-        create_mask = bool(getattr(cfg, "create_attention_mask", True))
+        create_mask = bool(cfg.create_attention_mask)
         if self._cacheable_masks and self._cached_masks is not None:
             attention_mask, loss_mask, position_ids = self._cached_masks
             loss_mask = loss_mask.clone()
@@ -301,9 +294,9 @@ class GPTDataset(torch.utils.data.Dataset):
             attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
                 tokens,
                 self.eod,
-                bool(getattr(cfg, "reset_position_ids", False)),
-                bool(getattr(cfg, "reset_attention_mask", False)),
-                bool(getattr(cfg, "eod_mask_loss", False)),
+                bool(cfg.reset_position_ids),
+                bool(cfg.reset_attention_mask),
+                bool(cfg.eod_mask_loss),
                 create_mask,
             )
             if self._cacheable_masks:
@@ -358,8 +351,10 @@ class MockGPTDataset(GPTDataset):
         return len(low_level_dataset)
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: Optional[str], config: Any) -> MockGPTLowLevelDataset:  # type: ignore[override]
-        tokenizer = getattr(config, "tokenizer", None)
+    def build_low_level_dataset(  # type: ignore[override]
+        dataset_path: Optional[str], config: GPTDatasetConfig
+    ) -> MockGPTLowLevelDataset:
+        tokenizer = config.tokenizer
         if tokenizer is None or getattr(tokenizer, "eod", None) is None:
             raise DataError("mock data needs a tokenizer with an EOD token (tokenizer.tokenizer_type=NullTokenizer works)")
         return MockGPTLowLevelDataset(tokenizer)

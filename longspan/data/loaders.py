@@ -14,8 +14,12 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, T5MaskedWordPieceDatasetConfig
+from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig
 from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger, warn_rank_0
+from longspan.core.model_parallel_config import ModelParallelConfig
 from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.builtin import prepare_builtin_corpus
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
@@ -26,6 +30,7 @@ from longspan.data.sft.formatting import parse_format_options
 from longspan.data.sft.multimodal import processor_for_tokenizer
 from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
+from longspan.models.t5_provider import T5ModelProvider
 
 logger = get_logger(__name__)
 
@@ -47,7 +52,7 @@ def resolve_data_path(data_path: str, tokenizer: Any) -> Blend:
     return resolved, weights
 
 
-def get_train_valid_test_num_samples(cfg: Any) -> Tuple[int, int, int]:
+def get_train_valid_test_num_samples(cfg: ConfigContainer) -> Tuple[int, int, int]:
     """Samples per split, as Megatron computes them.
 
     train = train_samples or train_iters * global_batch_size; valid = (train_iters // eval_interval + 1) *
@@ -55,52 +60,55 @@ def get_train_valid_test_num_samples(cfg: Any) -> Tuple[int, int, int]:
     """
     t = cfg.train
     gbs = int(t.global_batch_size)
-    train_iters = getattr(t, "train_iters", None)
-    train_samples = getattr(t, "train_samples", None)
+    train_iters = t.train_iters
+    train_samples = t.train_samples
     if train_samples:
         train = int(train_samples)
         if not train_iters:
             train_iters = train // gbs
     else:
         train = int(train_iters or 0) * gbs
-    eval_iters = int(getattr(t, "eval_iters", 0) or 0)
-    eval_interval = getattr(t, "eval_interval", None)
+    eval_iters = int(t.eval_iters or 0)
+    eval_interval = t.eval_interval
     evals = (int(train_iters or 0) // int(eval_interval) + 1) if eval_interval else 1
     return train, evals * eval_iters * gbs, eval_iters * gbs
 
 
-def resolve_dataset_config(dataset_cfg: Any, tokenizer: Any) -> Any:
+def resolve_dataset_config(dataset_cfg: GPTDatasetConfig, tokenizer: Any) -> GPTDatasetConfig:
     """A copy of the dataset config with ``tokenizer`` set and ``data_path`` turned into ``blend``."""
     cfg = copy.copy(dataset_cfg)
     cfg.tokenizer = tokenizer
-    data_path = getattr(dataset_cfg, "data_path", None)
-    if data_path is not None:
-        if getattr(dataset_cfg, "blend", None) is not None:
+    if dataset_cfg.data_path is not None:
+        if dataset_cfg.blend is not None:
             raise DataError("dataset.data_path and dataset.blend are both set: use one of them")
-        cfg.blend = resolve_data_path(data_path, tokenizer)
-    if getattr(cfg, "mock", False):
+        cfg.blend = resolve_data_path(dataset_cfg.data_path, tokenizer)
+    if cfg.mock:
         cfg.blend, cfg.blend_per_split = None, None
-    if cfg.blend is not None and getattr(cfg, "split", None) is None:
+    if cfg.blend is not None and cfg.split is None:
         cfg.split = DEFAULT_SPLIT
     return cfg
 
 
-def _is_mock(cfg: Any) -> bool:
-    per_split = getattr(cfg, "blend_per_split", None)
-    return getattr(cfg, "blend", None) is None and (per_split is None or not any(per_split))
+def _is_mock(cfg: GPTDatasetConfig) -> bool:
+    per_split = cfg.blend_per_split
+    return cfg.blend is None and (per_split is None or not any(per_split))
 
 
-def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
+def _chat_template(cfg: ConfigContainer) -> Optional[str]:
+    """The tokenizer config's chat template (None without a tokenizer section)."""
+    return cfg.tokenizer.chat_template if cfg.tokenizer is not None else None
+
+
+def build_train_valid_test_datasets(cfg: ConfigContainer, tokenizer: Any) -> List[Optional[Any]]:
     """[train, valid, test] datasets of a ConfigContainer (None for a split that is not built)."""
     if is_direct_hf_sft_dataset(cfg.dataset):
-        chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
-        return build_direct_hf_sft_datasets(
-            cfg.dataset, tokenizer, get_train_valid_test_num_samples(cfg), int(cfg.dataset.seq_length), chat_template)
+        return build_direct_hf_sft_datasets(cfg.dataset, tokenizer, get_train_valid_test_num_samples(cfg),
+                                            int(cfg.dataset.seq_length), _chat_template(cfg))
     if is_finetuning_dataset(cfg.dataset):
         return _build_finetuning_datasets(cfg, tokenizer)
     ds_cfg = resolve_dataset_config(cfg.dataset, tokenizer)
-    model = getattr(cfg, "model", None)
-    model_seq = getattr(model, "seq_length", None)
+    model = cfg.model
+    model_seq = model.seq_length if model is not None else None
     if model_seq is not None and ds_cfg.sequence_length > model_seq:
         raise DataError(
             f"dataset.sequence_length={ds_cfg.sequence_length} is longer than model.seq_length={model_seq}: "
@@ -118,18 +126,20 @@ def build_train_valid_test_datasets(cfg: Any, tokenizer: Any) -> List[Optional[A
 
 def is_t5_dataset(dataset_cfg: Any) -> bool:
     """True for a T5MaskedWordPieceDatasetConfig (span corruption, longspan.data.t5_dataset)."""
-    return hasattr(dataset_cfg, "sequence_length_decoder")
+    return isinstance(dataset_cfg, T5MaskedWordPieceDatasetConfig)
 
 
-def _check_t5_dataset(ds_cfg: Any, model: Any) -> None:
+def _check_t5_dataset(ds_cfg: T5MaskedWordPieceDatasetConfig, model: Optional[ModelParallelConfig]) -> None:
     """T5 data needs files, a T5 model of matching decoder length, and none of the GPT-only switches."""
     if _is_mock(ds_cfg):
         raise DataError("T5MaskedWordPieceDatasetConfig needs data (dataset.data_path or dataset.blend); "
                         "mock data is not supported")
-    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        if getattr(ds_cfg, name, None):
-            raise DataError(f"dataset.{name}={getattr(ds_cfg, name)!r} does not apply to T5 data: leave it unset")
-    dec = getattr(model, "seq_length_dec", None)
+    gpt_only = {"reset_position_ids": ds_cfg.reset_position_ids, "reset_attention_mask": ds_cfg.reset_attention_mask,
+                "eod_mask_loss": ds_cfg.eod_mask_loss}
+    for name, value in gpt_only.items():
+        if value:
+            raise DataError(f"dataset.{name}={value!r} does not apply to T5 data: leave it unset")
+    dec = model.seq_length_dec if isinstance(model, T5ModelProvider) else None
     if model is not None and dec is None:
         raise DataError(f"T5MaskedWordPieceDatasetConfig needs a T5 model (T5ModelProvider), not {type(model).__name__}")
     if dec is not None and dec != ds_cfg.sequence_length_decoder:
@@ -139,40 +149,40 @@ def _check_t5_dataset(ds_cfg: Any, model: Any) -> None:
 
 def is_direct_hf_sft_dataset(dataset_cfg: Any) -> bool:
     """True for a DirectHFSFTDatasetConfig (files read through ``datasets``, longspan.data.sft.hf_dataset)."""
-    return hasattr(dataset_cfg, "source") and hasattr(dataset_cfg, "preprocessing")
+    return isinstance(dataset_cfg, DirectHFSFTDatasetConfig)
 
 
 def is_finetuning_dataset(dataset_cfg: Any) -> bool:
     """True for a FinetuningDatasetConfig (SFT JSONL data under ``dataset_root``)."""
-    return hasattr(dataset_cfg, "dataset_root")
+    return isinstance(dataset_cfg, FinetuningDatasetConfig)
 
 
-def _build_finetuning_datasets(cfg: Any, tokenizer: Any) -> List[Optional[Any]]:
+def _build_finetuning_datasets(cfg: ConfigContainer, tokenizer: Any) -> List[Optional[Any]]:
     d = cfg.dataset
-    model_seq = getattr(getattr(cfg, "model", None), "seq_length", None)
+    model_seq = cfg.model.seq_length if cfg.model is not None else None
     seq_length = d.seq_length if d.seq_length is not None else model_seq
     if seq_length is None:
         raise DataError("dataset.seq_length and model.seq_length are both unset: set the sequence length")
-    _check_sft_layout(d, getattr(cfg, "model", None))
-    chat_template = getattr(getattr(cfg, "tokenizer", None), "chat_template", None)
-    return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length), chat_template,
-                              processor_for_tokenizer(tokenizer))
+    _check_sft_layout(d, cfg.model)
+    return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length),
+                              _chat_template(cfg), processor_for_tokenizer(tokenizer))
 
 
-def _check_sft_layout(dataset_cfg: Any, model: Any) -> None:
+def _check_sft_layout(dataset_cfg: FinetuningDatasetConfig, model: Optional[ModelParallelConfig]) -> None:
     """Microbatches padded to their longest sample must still fit the layout's fixed shapes."""
-    opts = parse_format_options(getattr(dataset_cfg, "dataset_kwargs", None))
+    opts = parse_format_options(dataset_cfg.dataset_kwargs)
     if opts.pad_to_max_length:
         return
-    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(model, "context_parallel_size", 1) or 1)
+    layout = model if model is not None else ModelParallelConfig()  # no model section: a single device
+    pp = int(layout.pipeline_model_parallel_size or 1)
+    cp = int(layout.context_parallel_size or 1)
     if pp > 1:
         raise ConfigError(
             "dataset.dataset_kwargs.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages "
             "exchange activations of a fixed length; leave pad_to_max_length at True"
         )
-    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
-    sp = bool(getattr(model, "sequence_parallel", False)) and tp > 1
+    tp = int(layout.tensor_model_parallel_size or 1)
+    sp = bool(layout.sequence_parallel) and tp > 1
     # context parallel cuts sequences into 2 x cp chunks; sequence parallel splits them over tp
     multiple = math.lcm(2 * cp if cp > 1 else 1, tp if sp else 1)
     if opts.pad_seq_length_to_mult % multiple:
@@ -258,7 +268,7 @@ def build_pretraining_data_loader(
 
 
 def build_train_valid_test_data_iterators(
-    cfg: Any, train_state: Any, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1,
+    cfg: ConfigContainer, train_state: Any, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1,
     datasets_out: Optional[List[Any]] = None,
 ) -> Tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
     """(train, valid, test) iterators of micro-batches for this data-parallel rank.
@@ -268,25 +278,24 @@ def build_train_valid_test_data_iterators(
     as in Megatron, cycles; so does test. ``datasets_out``, when given, receives the three datasets.
     """
     t, d = cfg.train, cfg.dataset
-    dl_type = getattr(d, "dataloader_type", None) or "single"
+    dl_type = d.dataloader_type or "single"
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer)
     if datasets_out is not None:
         datasets_out[:] = [train_ds, valid_ds, test_ds]
     mbs = int(t.micro_batch_size)
     kwargs = dict(
         micro_batch_size=mbs,
-        num_workers=int(getattr(d, "num_workers", 0) or 0),
-        data_sharding=bool(getattr(d, "data_sharding", True)),
+        num_workers=int(d.num_workers or 0),
+        data_sharding=bool(d.data_sharding),
         dp_rank=dp_rank,
         dp_size=dp_size,
-        pin_memory=bool(getattr(d, "pin_memory", False)),
-        persistent_workers=bool(getattr(d, "persistent_workers", False)),
-        worker_exit_signal=(getattr(t, "exit_signal", None) or signal.SIGTERM)
-        if getattr(t, "exit_signal_handler_for_dataloader", False) else None,
+        pin_memory=bool(d.pin_memory),
+        persistent_workers=bool(d.persistent_workers),
+        worker_exit_signal=(t.exit_signal or signal.SIGTERM) if t.exit_signal_handler_for_dataloader else None,
     )
-    skip_train = bool(getattr(t, "skip_train", False))
-    train_consumed = int(getattr(train_state, "consumed_train_samples", 0) or 0)
-    valid_consumed = 0 if skip_train else int(getattr(train_state, "consumed_valid_samples", 0) or 0)
+    skip_train = bool(t.skip_train)
+    train_consumed = int(train_state.consumed_train_samples or 0)
+    valid_consumed = 0 if skip_train else int(train_state.consumed_valid_samples or 0)
 
     train_it = None
     if train_ds is not None and len(train_ds) > 0 and not skip_train:

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from longspan.config.schema.data import TokenizerConfig
 from longspan.core.errors import DataError, LongspanError
 from longspan.core.logging import get_logger
 from longspan.core.progress import Progress
@@ -178,7 +179,7 @@ def _split(splitter: Any, text: str, keep_newlines: bool) -> List[str]:
     return [text[start : spans[i + 1][0] if i + 1 < len(spans) else len(text)] for i, (start, _) in enumerate(spans)]
 
 
-def _init_worker(tokenizer_config: Any, options: PreprocessOptions, input_path: str = "") -> None:
+def _init_worker(tokenizer_config: TokenizerConfig, options: PreprocessOptions, input_path: str = "") -> None:
     _WORKER["tokenizer"] = build_tokenizer(tokenizer_config)
     _WORKER["input_path"] = input_path
     _WORKER["options"] = options
@@ -255,7 +256,7 @@ def _progress_detail(docs: int, tokens: int, elapsed: float, workers: int) -> st
 def preprocess(
     input_path: str,
     output_prefix: str,
-    tokenizer_config: Any,
+    tokenizer_config: TokenizerConfig,
     options: Optional[PreprocessOptions] = None,
     workers: int = 1,
     partitions: int = 1,
@@ -315,7 +316,7 @@ def _check_inputs(input_path: str, output_prefix: str, tokenizer: Any, options: 
 
 
 @contextlib.contextmanager
-def _encoded_chunks(input_path: str, tokenizer_config: Any, options: PreprocessOptions, workers: int,
+def _encoded_chunks(input_path: str, tokenizer_config: TokenizerConfig, options: PreprocessOptions, workers: int,
                     position: List[int]) -> Iterator[Iterator[List[Dict[str, Tuple[List[int], List[int]]]]]]:
     """The encoded chunks of documents in input order (``workers`` processes when > 1); ``position[0]`` follows
     the input position of the last chunk read."""

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from longspan.config.rules.data import check_masking_choices
+from longspan.config.schema.data import T5MaskedWordPieceDatasetConfig
 from longspan.core.errors import ConfigError, DataError
 from longspan.data.indexed_dataset import IndexedDataset
 from longspan.data.utils import Split
@@ -179,7 +180,7 @@ def _fit_ngram(options: List[List[List[int]]], n: int, budget: float) -> Optiona
             return None
 
 
-def _ngram_size_distribution(config: Any) -> Tuple[np.ndarray, np.ndarray]:
+def _ngram_size_distribution(config: T5MaskedWordPieceDatasetConfig) -> Tuple[np.ndarray, np.ndarray]:
     """The n-gram sizes 1..max_ngram and their 1/n probabilities (reversed to favour long n-grams)."""
     sizes = np.arange(config.masking_max_ngram, dtype=np.int64) + 1
     probs = 1.0 / sizes
@@ -187,7 +188,8 @@ def _ngram_size_distribution(config: Any) -> Tuple[np.ndarray, np.ndarray]:
     return sizes, (probs[::-1] if config.masking_use_longer_ngrams else probs)
 
 
-def mask_spans(tokens: List[int], target_length: int, rng: np.random.RandomState, config: Any, tokenizer: Any,
+def mask_spans(tokens: List[int], target_length: int, rng: np.random.RandomState,
+               config: T5MaskedWordPieceDatasetConfig, tokenizer: Any,
                permutation_size_rng: Optional[np.random.RandomState] = None
                ) -> Tuple[List[int], List[Tuple[List[int], List[int]]]]:
     """The sample's tokens (n-grams permuted when ``masking_do_permutation``) and its masked spans
@@ -273,7 +275,7 @@ class T5MaskedWordPieceDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, indexed_dataset: Any, dataset_path: Optional[str], indexed_indices: np.ndarray,
-                 num_samples: Optional[int], index_split: Split, config: Any) -> None:
+                 num_samples: Optional[int], index_split: Split, config: T5MaskedWordPieceDatasetConfig) -> None:
         self.dataset = indexed_dataset
         self.dataset_path = dataset_path
         self.indices = indexed_indices
@@ -309,11 +311,11 @@ class T5MaskedWordPieceDataset(torch.utils.data.Dataset):
         return int(low_level_dataset.document_indices.shape[0] - 1)
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: Any) -> IndexedDataset:
+    def build_low_level_dataset(dataset_path: str, config: T5MaskedWordPieceDatasetConfig) -> IndexedDataset:
         """Open the ``.bin``/``.idx`` pair at ``dataset_path``."""
         if dataset_path is None:
             raise DataError("the T5 dataset needs data (dataset.data_path or dataset.blend); mock data is not supported")
-        return IndexedDataset(dataset_path, multimodal=False, mmap=bool(getattr(config, "mmap_bin_files", True)))
+        return IndexedDataset(dataset_path, multimodal=False, mmap=bool(config.mmap_bin_files))
 
     def __len__(self) -> int:
         return int(self.sample_index.shape[0])
@@ -371,7 +373,7 @@ class T5MaskedWordPieceDataset(torch.utils.data.Dataset):
         return out
 
 
-def _check_masking_config(config: Any) -> None:
+def _check_masking_config(config: T5MaskedWordPieceDatasetConfig) -> None:
     p = config.masking_probability
     if not 0.0 < p < 1.0:
         raise ConfigError(f"dataset.masking_probability={p} must be in (0, 1)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
 
@@ -19,6 +19,10 @@ from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger
 from longspan.data.tiktoken_tokenizer import TikTokenizer
 from longspan.data.tokenizer_base import Tokenizer
+
+if TYPE_CHECKING:
+    # for type checkers only: the config package loads torch, which building a tokenizer does not need
+    from longspan.config.schema.data import TokenizerConfig
 
 logger = get_logger(__name__)
 
@@ -436,10 +440,10 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETok
                    "TikTokenizer")
 
 
-def model_vocab_size(tokenizer: Tokenizer, tokenizer_config: Any) -> int:
+def model_vocab_size(tokenizer: Tokenizer, tokenizer_config: TokenizerConfig) -> int:
     """The vocabulary size a model takes from ``tokenizer`` when model.vocab_size is null: the tokenizer's,
     rounded up to a multiple of ``tokenizer.make_vocab_size_divisible_by`` (Megatron's padded vocabulary)."""
-    multiple = int(getattr(tokenizer_config, "make_vocab_size_divisible_by", 1) or 1)
+    multiple = int(tokenizer_config.make_vocab_size_divisible_by or 1)
     return -(-int(tokenizer.vocab_size) // multiple) * multiple
 
 
@@ -461,11 +465,11 @@ def _read_metadata(metadata_path: Any) -> Dict[str, Any]:
     return metadata
 
 
-def apply_tokenizer_metadata(tokenizer_config: Any) -> None:
+def apply_tokenizer_metadata(tokenizer_config: TokenizerConfig) -> None:
     """Fill ``tokenizer_type`` and ``chat_template`` where they are None from ``tokenizer.metadata_path``
     (megatron-core's tokenizer metadata: a JSON file or a mapping with ``library``, ``chat_template``,
     ``model_type``); a library that contradicts tokenizer_type, or a custom tokenizer class, is one line."""
-    metadata_path = getattr(tokenizer_config, "metadata_path", None)
+    metadata_path = tokenizer_config.metadata_path
     if metadata_path is None:
         return
     metadata = _read_metadata(metadata_path)
@@ -477,39 +481,39 @@ def apply_tokenizer_metadata(tokenizer_config: Any) -> None:
     if library not in METADATA_LIBRARIES:
         raise ConfigError(f"tokenizer.metadata_path library={library!r} is not valid: use one of "
                           f"{', '.join(METADATA_LIBRARIES)}")
-    ttype = getattr(tokenizer_config, "tokenizer_type", None)
+    ttype = tokenizer_config.tokenizer_type
     if ttype is None:
         tokenizer_config.tokenizer_type = METADATA_LIBRARIES[library]
     elif ttype != METADATA_LIBRARIES[library] and not (library == "byte-level" and ttype == "ByteTokenizer"):
         raise ConfigError(f"tokenizer.tokenizer_type={ttype!r} contradicts tokenizer.metadata_path's library "
                           f"{library!r} ({METADATA_LIBRARIES[library]}): set one of them")
-    if getattr(tokenizer_config, "chat_template", None) is None and metadata.get("chat_template"):
+    if tokenizer_config.chat_template is None and metadata.get("chat_template"):
         tokenizer_config.chat_template = metadata["chat_template"]
 
 
-def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
-    """The tokenizer a ``TokenizerConfig`` names (read by attribute), with ``special_tokens`` added
+def build_tokenizer(tokenizer_config: TokenizerConfig) -> Tokenizer:
+    """The tokenizer a ``TokenizerConfig`` names, with ``special_tokens`` added
     (``SpecialTokensTokenizer``) and ``vocab_extra_ids`` sentinel tokens appended (``ExtraIdsTokenizer``) when set;
     ``metadata_path`` fills tokenizer_type and chat_template first (``apply_tokenizer_metadata``)."""
     apply_tokenizer_metadata(tokenizer_config)
     tokenizer = _build_base_tokenizer(tokenizer_config)
-    special = getattr(tokenizer_config, "special_tokens", None)
+    special = tokenizer_config.special_tokens
     if special:
         tokenizer = SpecialTokensTokenizer(tokenizer, list(special))
-    extra = getattr(tokenizer_config, "vocab_extra_ids", 0) or 0
+    extra = tokenizer_config.vocab_extra_ids or 0
     if not isinstance(extra, int) or extra < 0:
         raise ConfigError(f"tokenizer.vocab_extra_ids={extra!r} must be a non-negative integer")
     return ExtraIdsTokenizer(tokenizer, extra) if extra else tokenizer
 
 
-def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
+def _build_base_tokenizer(tokenizer_config: TokenizerConfig) -> Tokenizer:
     """The tokenizer a ``TokenizerConfig`` names, without extra ids.
 
     ``tokenizer_model='builtin:stdlib'`` with HuggingFaceTokenizer is the BPE tokenizer (vocab 4096) trained
     on the corpus that ships with longspan, prepared and cached on first use.
     """
-    ttype = getattr(tokenizer_config, "tokenizer_type", None)
-    model = getattr(tokenizer_config, "tokenizer_model", None)
+    ttype = tokenizer_config.tokenizer_type
+    model = tokenizer_config.tokenizer_model
     if ttype == "HuggingFaceTokenizer":
         if model is None:
             raise ConfigError("tokenizer.tokenizer_model is required for HuggingFaceTokenizer (a directory, tokenizer.json, or builtin:stdlib)")
@@ -519,20 +523,18 @@ def _build_base_tokenizer(tokenizer_config: Any) -> Tokenizer:
             from longspan.data.builtin import builtin_tokenizer_dir
 
             model = builtin_tokenizer_dir(model)
-        return HuggingFaceTokenizer(model, **(getattr(tokenizer_config, "hf_tokenizer_kwargs", None) or {}))
+        return HuggingFaceTokenizer(model, **(tokenizer_config.hf_tokenizer_kwargs or {}))
     if ttype == "SentencePieceTokenizer":
         return SentencePieceTokenizer(model)
     if ttype == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(getattr(tokenizer_config, "vocab_file", None), getattr(tokenizer_config, "merge_file", None))
+        return GPT2BPETokenizer(tokenizer_config.vocab_file, tokenizer_config.merge_file)
     if ttype == "NullTokenizer":
-        return NullTokenizer(getattr(tokenizer_config, "vocab_size", None))
+        return NullTokenizer(tokenizer_config.vocab_size)
     if ttype == "TikTokenizer":
-        return TikTokenizer(model, getattr(tokenizer_config, "tiktoken_pattern", None),
-                            getattr(tokenizer_config, "vocab_size", None),
-                            getattr(tokenizer_config, "tiktoken_num_special_tokens", 1000),
-                            getattr(tokenizer_config, "tiktoken_special_tokens", None))
+        return TikTokenizer(model, tokenizer_config.tiktoken_pattern, tokenizer_config.vocab_size,
+                            tokenizer_config.tiktoken_num_special_tokens, tokenizer_config.tiktoken_special_tokens)
     if ttype in ("ByteLevelTokenizer", "ByteTokenizer"):
-        return ByteLevelTokenizer(getattr(tokenizer_config, "vocab_size", None) or 512)
+        return ByteLevelTokenizer(tokenizer_config.vocab_size or 512)
     if ttype is None:
         raise ConfigError(
             f"tokenizer.tokenizer_type is not set: set it ({', '.join(TOKENIZER_TYPES)}) or give "

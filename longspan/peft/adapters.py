@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import types
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +33,10 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
 from longspan.peft.modules import DoRALinear, GroupedLoRAAdapter, LoRAAdapter, LoRALinear, adapted_grouped_mlp_forward
+
+if TYPE_CHECKING:
+    # for type checkers only: longspan.peft.config imports this module (in PEFT.apply)
+    from longspan.peft.config import LowRankAdapterConfig
 
 logger = get_logger(__name__)
 
@@ -83,7 +87,7 @@ def _matches(pattern: str, full_name: str) -> bool:
     return pattern == full_name or pattern == full_name.rpartition(".")[2]
 
 
-def _selected(peft: Any, full_name: str) -> bool:
+def _selected(peft: LowRankAdapterConfig, full_name: str) -> bool:
     if any(_matches(p, full_name) for p in peft.exclude_modules):
         return False
     if not peft.target_modules:  # exclude-only mode: every candidate but the excluded
@@ -98,7 +102,7 @@ def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
             yield name, module
 
 
-def plan_adapters(model: nn.Module, peft: Any) -> "OrderedDict[str, list[str]]":
+def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[str, list[str]]":
     """The adapter groups for ``model``: group name (Megatron or canonical) -> longspan module names sharing
     one A (one name for an unshared adapter). Raises when a target matches nothing."""
     groups: OrderedDict[str, list[str]] = OrderedDict()
@@ -124,7 +128,7 @@ def plan_adapters(model: nn.Module, peft: Any) -> "OrderedDict[str, list[str]]":
     return groups
 
 
-def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
+def apply_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> nn.Module:
     """Wrap the targeted linear layers of ``model`` with adapters and freeze every other parameter.
 
     Call on the meta-device model before parallel plans and ``init_weights``; adapter weights are then drawn
@@ -153,7 +157,7 @@ def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
             parent = model.get_submodule(parent_name) if parent_name else model
             layer = wrapper(base, adapter)
             # read by the FSDP2 wrapping (keeps these weights out of it) and by quantize_base_weights
-            layer.base_quantization = getattr(peft, "base_quantization", None)
+            layer.base_quantization = peft.base_quantization
             setattr(parent, leaf, layer)
     freeze_base(model)
     total = sum(p.numel() for p in model.parameters())
@@ -165,7 +169,7 @@ def apply_adapters(model: nn.Module, peft: Any) -> nn.Module:
     return model
 
 
-def _adapt_experts(model: nn.Module, name: str, base: nn.Module, peft: Any, owner: Any) -> Any:
+def _adapt_experts(model: nn.Module, name: str, base: nn.Module, peft: LowRankAdapterConfig, owner: Any) -> Any:
     """Give the ``GroupedLinear`` ``name`` a per-expert adapter and make its GroupedMLP add it; returns the
     group's A owner."""
     num_experts, out_features, in_features = base.weight.shape

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.peft.config import LowRankAdapterConfig
 from longspan.peft.modules import LoRALinear
 from longspan.peft.nf4 import DEFAULT_BLOCK_SIZE, dequantize_nf4, nf4_linear, quantize_nf4
 
@@ -115,10 +116,11 @@ def quantize_layer(layer: LoRALinear, name: str = "layer", block_size: int = DEF
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
 
-def quantize_base_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, peft: Any) -> int:
+def quantize_base_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module,
+                          peft: Optional[LowRankAdapterConfig]) -> int:
     """Quantize the base weight of every adapted linear layer marked by ``apply_adapters`` (after the base
     weights are loaded); returns how many layers were quantized (0 without ``peft.base_quantization``)."""
-    if peft is None or getattr(peft, "base_quantization", None) is None:
+    if peft is None or peft.base_quantization is None:
         return 0
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
     count, params = 0, 0

@@ -114,7 +114,7 @@ def local_provider(cfg: Any, layout: Layout, num_layers: int, moe: bool) -> Any:
     ffn = int(m.ffn_hidden_size or 4 * m.hidden_size)
     if moe:  # activations of routed tokens: top-k experts' FFN per token, and the shared experts'
         ffn = int(m.moe_ffn_hidden_size or ffn) * int(m.moe_router_topk or 1)
-        ffn += int(getattr(m, "moe_shared_expert_intermediate_size", None) or 0)
+        ffn += int(m.moe_shared_expert_intermediate_size or 0)
     m.num_moe_experts = None
     m.moe_layer_freq = 1
     m.ffn_hidden_size = max(1, ffn // tp)
@@ -155,7 +155,7 @@ def activation_parts(cfg: Any, layout: Layout) -> dict[str, float]:
         if moe == last:  # the first and last stage's extra parts, measured on a model of the last layer's kind
             pre1 = saved_bytes(one, mbs, seq, True, False)
             embedding = max(0.0, pre1 - stand_in)
-            depths = int(getattr(cfg.model, "mtp_num_layers", None) or 0)
+            depths = int(cfg.model.mtp_num_layers or 0)
             output = max(0.0, full1 - pre1) + (depths * routing if moe else 0.0)
     hidden_bytes = dtype_bytes(cfg.model.params_dtype)
     return {

@@ -28,11 +28,17 @@ weights) stays at 3x forward, and each adapter adds its own forward, input- and 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from longspan.core.vocab import calculate_padded_vocab_size
+
+if TYPE_CHECKING:
+    # Named for type checkers only: the FLOPs formula of a plain run stays free of the model code.
+    from longspan.config.schema.container import ConfigContainer
+    from longspan.models.gpt_provider import TransformerConfig
+    from longspan.peft.config import LowRankAdapterConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +50,11 @@ class MatmulTerms:
     core: float
 
 
-def moe_layer_flags(model: Any, num_layers: int) -> list[bool]:
+def moe_layer_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
     """Which layers are MoE layers: ``moe_layer_freq`` is an int (every n-th layer) or a 0/1 list."""
-    if not getattr(model, "num_moe_experts", None):
+    if not model.num_moe_experts:
         return [False] * num_layers
-    freq = getattr(model, "moe_layer_freq", 1)
+    freq = model.moe_layer_freq
     if isinstance(freq, int):
         return [i % max(freq, 1) == 0 for i in range(num_layers)]
     flags = [bool(x) for x in freq]
@@ -57,60 +63,60 @@ def moe_layer_flags(model: Any, num_layers: int) -> list[bool]:
     return flags
 
 
-def _vocab_size(model: Any) -> int:
-    padded = getattr(model, "padded_vocab_size", None)
+def _vocab_size(model: TransformerConfig) -> int:
+    padded = model.padded_vocab_size
     if padded:
         return int(padded)
-    return calculate_padded_vocab_size(int(model.vocab_size), int(getattr(model, "make_vocab_size_divisible_by", 128)))
+    return calculate_padded_vocab_size(int(model.vocab_size), int(model.make_vocab_size_divisible_by))
 
 
-def _seq_length(cfg: Any) -> int:
-    seq = getattr(cfg.model, "seq_length", None)
-    if not seq:
-        seq = getattr(getattr(cfg, "dataset", None), "seq_length", None)
+def _seq_length(cfg: ConfigContainer) -> int:
+    seq = cfg.model.seq_length
+    if not seq and cfg.dataset is not None:
+        seq = cfg.dataset.seq_length
     if not seq:
         raise ValueError("num_floating_point_operations needs model.seq_length or dataset.seq_length")
     return int(seq)
 
 
-def _attention_terms(model: Any) -> MatmulTerms:
+def _attention_terms(model: TransformerConfig) -> MatmulTerms:
     """One layer's attention: projection multiply-adds per token and the core's width per position."""
     h = int(model.hidden_size)
     heads = int(model.num_attention_heads)
-    if getattr(model, "multi_latent_attention", False):
+    if model.multi_latent_attention:
         return _mla_attention_terms(model, h, heads)
-    groups = int(getattr(model, "num_query_groups", None) or heads)
-    kv_channels = int(getattr(model, "kv_channels", None) or h // heads)
+    groups = int(model.num_query_groups or heads)
+    kv_channels = int(model.kv_channels or h // heads)
     q, k = kv_channels * heads, kv_channels * groups
     return MatmulTerms(weights=h * (q + 2 * k) + q * h, core=2 * q)
 
 
-def _mla_attention_terms(model: Any, h: int, heads: int) -> MatmulTerms:
+def _mla_attention_terms(model: TransformerConfig, h: int, heads: int) -> MatmulTerms:
     """Multi-latent attention (see the module docstring): the query path, the key/value down projection (latent
     and shared rotary key) and up projection, the output projection; the latent norms when the model has them."""
     q_head = int(model.qk_head_dim) + int(model.qk_pos_emb_head_dim)
     v_head = int(model.v_head_dim)
     kv_rank = int(model.kv_lora_rank)
     q_rank = model.q_lora_rank
-    norms = 1 if getattr(model, "qk_layernorm", False) else 0
+    norms = 1 if model.qk_layernorm else 0
     query = h * heads * q_head if q_rank is None else int(q_rank) * (h + heads * q_head + norms)
     key_value = h * int(model.qk_pos_emb_head_dim) + kv_rank * (h + heads * (int(model.qk_head_dim) + v_head) + norms)
     return MatmulTerms(weights=query + key_value + heads * v_head * h, core=heads * (q_head + v_head))
 
 
-def _mlp_multiply_adds(model: Any, is_moe: bool) -> int:
+def _mlp_multiply_adds(model: TransformerConfig, is_moe: bool) -> int:
     h = int(model.hidden_size)
-    gated = 3 if getattr(model, "gated_linear_unit", False) else 2
-    dense_ffn = int(getattr(model, "ffn_hidden_size", None) or 4 * h)
+    gated = 3 if model.gated_linear_unit else 2
+    dense_ffn = int(model.ffn_hidden_size or 4 * h)
     if not is_moe:
         return gated * h * dense_ffn
-    topk = int(getattr(model, "moe_router_topk", 2) or 2)
-    moe_ffn = int(getattr(model, "moe_ffn_hidden_size", None) or dense_ffn)
-    shared_ffn = int(getattr(model, "moe_shared_expert_intermediate_size", None) or 0)
+    topk = int(model.moe_router_topk or 2)
+    moe_ffn = int(model.moe_ffn_hidden_size or dense_ffn)
+    shared_ffn = int(model.moe_shared_expert_intermediate_size or 0)
     return gated * h * (moe_ffn * topk + shared_ffn)
 
 
-def matmul_terms(model: Any) -> MatmulTerms:
+def matmul_terms(model: TransformerConfig) -> MatmulTerms:
     """Forward multiply-adds per token of the whole model (decoder layers, MTP depths, output layer).
 
     Reads ``model``: num_layers, hidden_size, num_attention_heads, num_query_groups (default: heads),
@@ -122,7 +128,7 @@ def matmul_terms(model: Any) -> MatmulTerms:
     """
     h = int(model.hidden_size)
     moe_flags = moe_layer_flags(model, int(model.num_layers))
-    depths = int(getattr(model, "mtp_num_layers", None) or 0)
+    depths = int(model.mtp_num_layers or 0)
     layer_kinds = moe_flags + [moe_flags[-1]] * depths  # an MTP depth's layer is built like the last layer
     attention = _attention_terms(model)
     weights = sum(attention.weights + _mlp_multiply_adds(model, is_moe) for is_moe in layer_kinds)
@@ -131,7 +137,7 @@ def matmul_terms(model: Any) -> MatmulTerms:
     return MatmulTerms(weights=float(weights), core=float(attention.core * len(layer_kinds)))
 
 
-def num_floating_point_operations(cfg: Any, batch_size: int = 1) -> float:
+def num_floating_point_operations(cfg: ConfigContainer, batch_size: int = 1) -> float:
     """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences of
     ``cfg.model.seq_length`` (else ``cfg.dataset.seq_length``) tokens; see the module docstring, ``matmul_terms``
     for the model fields read, and ``adapter_multiply_adds_per_token`` for ``cfg.peft``."""
@@ -139,14 +145,14 @@ def num_floating_point_operations(cfg: Any, batch_size: int = 1) -> float:
     s = _seq_length(cfg)
     tokens = int(batch_size) * s
     core = 3.0 * terms.core * tokens * s  # 2 FLOPs x 3 (forward + backward) x 1/2 (causal)
-    peft = getattr(cfg, "peft", None)
+    peft = cfg.peft
     if peft is None:
         return 6.0 * terms.weights * tokens + core
     adapters = adapter_multiply_adds_per_token(cfg.model, peft)
     return 4.0 * terms.weights * tokens + core + 6.0 * adapters * tokens
 
 
-def adapter_multiply_adds_per_token(model_cfg: Any, peft: Any) -> float:
+def adapter_multiply_adds_per_token(model_cfg: TransformerConfig, peft: LowRankAdapterConfig) -> float:
     """Forward multiply-adds of one token through the adapters ``peft`` puts on ``model_cfg``'s model: per
     adapter group ``dim * (in + sum of the members' out)`` (one A shared by a fused group, a B per member);
     routed experts' adapters ``moe_router_topk`` times (each token runs through that many experts' adapters).
@@ -159,7 +165,8 @@ def adapter_multiply_adds_per_token(model_cfg: Any, peft: Any) -> float:
 _ADAPTER_CACHE: dict[tuple[str, str], float] = {}
 
 
-def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: Any, peft: Any) -> float:
+def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: TransformerConfig,
+                           peft: LowRankAdapterConfig) -> float:
     cached = _ADAPTER_CACHE.get((model_key, peft_key))
     if cached is not None:
         return cached
@@ -168,7 +175,7 @@ def _adapter_multiply_adds(model_key: str, peft_key: str, model_cfg: Any, peft: 
     from longspan.peft.adapters import plan_adapters
 
     model = model_cfg.provide_meta()
-    topk = int(getattr(model_cfg, "moe_router_topk", 1) or 1)
+    topk = int(model_cfg.moe_router_topk or 1)
     total = 0.0
     for names in plan_adapters(model, peft).values():
         layers = [model.get_submodule(name) for name in names]

@@ -144,7 +144,7 @@ def _layout_config(cfg: Any, layout: Layout) -> Any:
     m = out.model
     m.tensor_model_parallel_size, m.pipeline_model_parallel_size = layout.tp, layout.pp
     m.context_parallel_size, m.expert_model_parallel_size = layout.cp, layout.ep
-    if getattr(m, "num_moe_experts", None):
+    if m.num_moe_experts:
         m.expert_tensor_parallel_size = layout.etp
     if layout.tp == 1:
         m.sequence_parallel = False
@@ -157,7 +157,7 @@ def _layout_config(cfg: Any, layout: Layout) -> Any:
 def candidate_layouts(cfg: Any, world_size: int) -> tuple[list[tuple[Any, Layout]], list[str]]:
     """Every (config at that layout, layout) that validates for ``world_size``, and why the others do not."""
     m = cfg.model
-    experts = int(getattr(m, "num_moe_experts", None) or 0)
+    experts = int(m.num_moe_experts or 0)
     seq = int(m.seq_length)
     rows, rejected = [], []
     for tp in _divisors(world_size):
@@ -217,7 +217,7 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
     pp = layout.pp
     stage_of = _stage_of_layers(cfg, pp)
     tied = bool(cfg.model.share_embeddings_and_output_weights)
-    mtp = bool(getattr(cfg.model, "mtp_num_layers", None))
+    mtp = bool(cfg.model.mtp_num_layers)
     ranks = [{"dense": 0.0, "expert": 0.0, "largest_layer": 0.0, "root": 0.0, "nf4": 0.0} for _ in range(pp)]
     layer_sizes: list[dict[int, float]] = [dict() for _ in range(pp)]
     split = tensor_parallel_split_names(meta_model) if layout.tp > 1 else set()
@@ -257,8 +257,8 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
 def nf4_weight_names(cfg: Any, meta_model: Any) -> set[str]:
     """The base weights QLoRA stores in NF4 (``peft.base_quantization='nf4'``): those of the adapted linear
     layers (``longspan.peft.qlora``)."""
-    peft = getattr(cfg, "peft", None)
-    if peft is None or getattr(peft, "base_quantization", None) != "nf4":
+    peft = cfg.peft
+    if peft is None or peft.base_quantization != "nf4":
         return set()
     modules = dict(meta_model.named_modules())
     return {f"{name}.weight" for names in plan_adapters(meta_model, peft).values() for name in names
@@ -269,7 +269,7 @@ def model_parameter_counts(cfg: Any, meta_model: Any) -> dict[str, float]:
     """{'total': the model's parameters (tied ones once), 'active': those one token runs through, routed
     experts counted ``moe_router_topk`` of ``num_moe_experts``}, by the per-rank accounting at one rank."""
     one = rank_parameter_counts(cfg, derive_layout(1), meta_model)[0]
-    experts = int(getattr(cfg.model, "num_moe_experts", None) or 0)
+    experts = int(cfg.model.num_moe_experts or 0)
     share = int(cfg.model.moe_router_topk or 1) / experts if experts else 1.0
     dense = one["dense"] + one["nf4"]
     return {"total": dense + one["expert"], "active": dense + one["expert"] * share}
@@ -293,10 +293,10 @@ def _output_transient(cfg: Any, layout: Layout) -> float:
     gradient (the chunked loss)."""
     vocab = padded_vocab_size(cfg.model) // layout.tp
     tokens = int(cfg.train.micro_batch_size) * int(cfg.model.seq_length) // layout.cp
-    if getattr(cfg.model, "cross_entropy_loss_fusion", False):
+    if cfg.model.cross_entropy_loss_fusion:
         return 2.0 * min(tokens, default_chunk_tokens(vocab)) * vocab * 4
     if layout.tp == 1 and dtype_bytes(cfg.model.params_dtype) == 4 and not (
-        getattr(cfg.model, "fp16_lm_cross_entropy", False) or getattr(cfg.model, "enable_autocast", False)
+        cfg.model.fp16_lm_cross_entropy or cfg.model.enable_autocast
     ):
         # fused_linear_cross_entropy: the logits' gradient is formed in the forward (and saved, counted with
         # the activations); the logits buffer it was computed from stays in the model's LogitsWorkspace
@@ -317,9 +317,9 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
     m = cfg.model
     pb = dtype_bytes(m.params_dtype)
     main_bytes = 0 if pb == 4 else 4
-    optimizer = str(getattr(cfg.optimizer, "optimizer", "adam")).lower()
-    state_bytes = 8 if optimizer == "adam" else (4 if float(getattr(cfg.optimizer, "sgd_momentum", 0) or 0) else 0)
-    if getattr(cfg.optimizer, "use_precision_aware_optimizer", False):  # main params and moments in their dtypes
+    optimizer = str(cfg.optimizer.optimizer).lower()
+    state_bytes = 8 if optimizer == "adam" else (4 if float(cfg.optimizer.sgd_momentum or 0) else 0)
+    if cfg.optimizer.use_precision_aware_optimizer:  # main params and moments in their dtypes
         main_bytes = 0 if pb == 4 else dtype_bytes(cfg.optimizer.main_params_dtype)
         state_bytes = dtype_bytes(cfg.optimizer.exp_avg_dtype) + dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)
     offloaded = float(cfg.optimizer.optimizer_offload_fraction) if cfg.optimizer.optimizer_cpu_offload else 0.0
@@ -392,7 +392,7 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
         flops *= 4.0 / 3.0
     compute = flops / layout.world_size / (peak * efficiency)
     microbatches = max(1, gbs // (mbs * layout.dp))
-    vp = int(getattr(m, "virtual_pipeline_model_parallel_size", None) or 1)
+    vp = int(m.virtual_pipeline_model_parallel_size or 1)
     compute *= 1.0 + (layout.pp - 1) / (microbatches * vp)
     seq = int(m.seq_length) // layout.cp
     act_bytes = dtype_bytes(m.params_dtype)

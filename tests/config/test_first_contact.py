@@ -34,14 +34,13 @@ def test_finetune_without_pretrained_checkpoint_names_the_field(
 
 
 def test_unset_tokenizer_type_names_where_it_comes_from() -> None:
-    from types import SimpleNamespace
-
+    from longspan.config.schema.data import TokenizerConfig
     from longspan.core.errors import ConfigError
     from longspan.data.tokenizers import build_tokenizer
 
     with pytest.raises(ConfigError, match=r"tokenizer.tokenizer_type is not set: set it \(HuggingFaceTokenizer.*\) or "
                                           r"give checkpoint.pretrained_checkpoint=DIR"):
-        build_tokenizer(SimpleNamespace(tokenizer_type=None, tokenizer_model=None))
+        build_tokenizer(TokenizerConfig(tokenizer_type=None, tokenizer_model=None))
 
 
 def _small_yaml(tmp_path: Path, **logger: object) -> tuple[Path, Path]:

@@ -1,40 +1,37 @@
-"""Shared fixtures of the data tests: small .bin/.idx corpora, a config stand-in, megatron-core oracles."""
+"""Shared fixtures of the data tests: small .bin/.idx corpora, configs with the tests' defaults, megatron-core
+oracles."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any, List, Optional
 
 import numpy as np
 import pytest
 
+from longspan.training.config import (
+    ConfigContainer,
+    GPTDatasetConfig,
+    GPTModelProvider,
+    TokenizerConfig,
+    TrainingConfig,
+)
 
-@dataclasses.dataclass
-class DatasetCfg:
-    """A local stand-in for longspan.training.config.GPTDatasetConfig (field names as megatron-core's)."""
 
-    random_seed: int = 1234
-    sequence_length: int = 64
-    blend: Optional[Any] = None
-    blend_per_split: Optional[Any] = None
-    split: Optional[str] = "90,8,2"
-    path_to_cache: Optional[str] = None
-    mmap_bin_files: bool = True
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    create_attention_mask: bool = True
-    add_extra_token_to_sequence: bool = True
-    drop_last_partial_validation_sequence: bool = True
-    mid_level_dataset_surplus: float = 0.005
-    tokenizer: Any = None
-    data_path: Optional[str] = None
-    dataloader_type: Optional[str] = "single"
-    num_workers: int = 0
-    data_sharding: bool = True
-    pin_memory: bool = False
-    persistent_workers: bool = False
+def gpt_dataset_config(**fields: Any) -> GPTDatasetConfig:
+    """A GPTDatasetConfig with the tests' defaults: 64-token samples, split 90,8,2, no resets, in-process loading."""
+    defaults: dict[str, Any] = dict(
+        random_seed=1234, sequence_length=64, split="90,8,2", reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, dataloader_type="single", num_workers=0, pin_memory=False,
+    )
+    return GPTDatasetConfig(**{**defaults, **fields})
+
+
+def run_config(dataset: Any, seq_length: int = 64, **train: Any) -> ConfigContainer:
+    """A ConfigContainer with the sections the data loaders read: ``train`` (TrainingConfig fields), ``dataset``,
+    a GPT model of ``seq_length`` and a tokenizer section without a chat template."""
+    return ConfigContainer(train=TrainingConfig(**train), dataset=dataset, model=GPTModelProvider(seq_length=seq_length),
+                           tokenizer=TokenizerConfig())
 
 
 class OracleTokenizer:

@@ -107,12 +107,11 @@ def test_bad_sft_line_5_of_10000_stops_before_iteration_1(
 def test_read_only_sft_directory_caches_elsewhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sft_tokenizer: str, packed: bool, where: str
 ) -> None:
-    from types import SimpleNamespace
-
     from longspan.data.loaders import build_train_valid_test_datasets
     from longspan.data.sft import jsonl_index
     from longspan.data.tokenizers import HuggingFaceTokenizer
     from longspan.training.config import FinetuningDatasetConfig
+    from tests.data.conftest import run_config
     from tests.data.sft.conftest import qa_records, write_jsonl
 
     data = tmp_path / "data"
@@ -132,10 +131,8 @@ def test_read_only_sft_directory_caches_elsewhere(
             packed_sequence_specs={"packed_sequence_size": 64} if packed else None)
         if where == "path_to_cache":
             dataset.path_to_cache = str(cache)  # Megatron's field name, read when a config carries it
-        view = SimpleNamespace(
-            dataset=dataset, model=SimpleNamespace(seq_length=64), tokenizer=SimpleNamespace(chat_template=None),
-            train=SimpleNamespace(micro_batch_size=2, global_batch_size=4, train_iters=3, train_samples=None,
-                                  eval_iters=1, eval_interval=3, skip_train=False))
+        view = run_config(dataset, 64, micro_batch_size=2, global_batch_size=4, train_iters=3, eval_iters=1,
+                          eval_interval=3)
         tok = HuggingFaceTokenizer(sft_tokenizer)
         first = build_train_valid_test_datasets(view, tok)
         assert first[0][0]["tokens"].numel() > 0

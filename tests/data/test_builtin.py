@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 
+from longspan.config.schema.data import TokenizerConfig
 from longspan.core.errors import DataError
 from longspan.data.indexed_dataset import IndexedDataset
 from longspan.data.loaders import resolve_data_path
@@ -25,7 +24,7 @@ def _stdlib_sources():
 
 def _prepare(cache, monkeypatch):
     monkeypatch.setenv("LONGSPAN_CACHE", str(cache))
-    tok = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="builtin:stdlib"))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="builtin:stdlib"))
     prefixes, weights = resolve_data_path("builtin:stdlib", tok)
     return tok, prefixes[0], weights
 
@@ -56,7 +55,7 @@ def test_builtin_stdlib_is_deterministic_and_cached(tmp_path, monkeypatch):
 
 def test_builtin_with_byte_tokenizer_and_unknown_name(tmp_path, monkeypatch):
     monkeypatch.setenv("LONGSPAN_CACHE", str(tmp_path))
-    byte_tok = build_tokenizer(NS(tokenizer_type="ByteLevelTokenizer", vocab_size=None))
+    byte_tok = build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=None))
     prefix = resolve_data_path("builtin:stdlib", byte_tok)[0][0]
     ds = IndexedDataset(prefix)
     assert bytes(ds[0][:-1].tolist()).decode("utf-8").startswith(("def ", "class ", "\"\"\"", "#", "import", "from"))

@@ -12,13 +12,13 @@ from tests.parallel.harness import get_shared_pool, init_gloo
 
 def _build_task(tmp: str) -> torch.Tensor:
     """On each of 2 ranks (the shared worker pool; it tears the process group down after the task)."""
-    from tests.data.conftest import DatasetCfg, LongspanTok
+    from tests.data.conftest import LongspanTok, gpt_dataset_config
 
     from longspan.data.blended import BlendedMegatronDatasetBuilder
     from longspan.data.gpt_dataset import GPTDataset
 
     init_gloo()
-    cfg = DatasetCfg(blend=[[f"{tmp}/a", f"{tmp}/b"], [0.4, 0.6]], path_to_cache=f"{tmp}/cache", tokenizer=LongspanTok())
+    cfg = gpt_dataset_config(blend=[[f"{tmp}/a", f"{tmp}/b"], [0.4, 0.6]], path_to_cache=f"{tmp}/cache", tokenizer=LongspanTok())
     train = BlendedMegatronDatasetBuilder(GPTDataset, [200, 40, 10], lambda: True, cfg).build()[0]
     return torch.stack([train[i]["tokens"] for i in range(len(train))])
 

@@ -13,7 +13,7 @@ from longspan.data.blended import BlendedMegatronDatasetBuilder
 from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.indices import build_blending_indices, build_exhaustive_blending_indices, build_sample_index
 
-from tests.data.conftest import DatasetCfg, LongspanTok, OracleTokenizer, random_docs, write_corpus
+from tests.data.conftest import LongspanTok, OracleTokenizer, gpt_dataset_config, random_docs, write_corpus
 from tests.oracles import oracle
 
 pytestmark = pytest.mark.megatron
@@ -37,7 +37,7 @@ def _megatron(cls, sizes, **kw):
 
 def _ours(cls, sizes, **kw):
     kw.setdefault("tokenizer", LongspanTok())
-    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, DatasetCfg(**kw)).build()
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, gpt_dataset_config(**kw)).build()
 
 
 def _assert_same(ref_splits, got_splits, which=None):

@@ -11,7 +11,7 @@ from longspan.core.errors import DataError
 from longspan.data.loaders import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 
-from tests.data.conftest import DatasetCfg, LongspanTok
+from tests.data.conftest import LongspanTok, gpt_dataset_config, run_config
 
 
 def test_single_sampler_order_against_formula():
@@ -71,8 +71,8 @@ def _cfg(prefix, dl_type="single", **train):
     t = dict(train_iters=30, train_samples=None, global_batch_size=8, micro_batch_size=2, eval_interval=10,
              eval_iters=2, skip_train=False)
     t.update(train)
-    ds = DatasetCfg(data_path=prefix, split="90,8,2", dataloader_type=dl_type, num_workers=0)
-    return NS(train=NS(**t), dataset=ds, model=NS(seq_length=64))
+    ds = gpt_dataset_config(data_path=prefix, split="90,8,2", dataloader_type=dl_type, num_workers=0)
+    return run_config(ds, 64, **t)
 
 
 def test_num_samples_formulas():

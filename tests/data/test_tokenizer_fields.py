@@ -6,10 +6,10 @@ import base64
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace as NS
 
 import pytest
 
+from longspan.config.schema.data import TokenizerConfig
 from longspan.core.errors import ConfigError, DataError
 from longspan.data.tokenizers import build_tokenizer, model_vocab_size
 from tests.data.test_tokenizers import _train_bpe
@@ -22,7 +22,7 @@ def test_special_tokens_match_transformers_additional_special_tokens(tmp_path: P
     from transformers import PreTrainedTokenizerFast
 
     _train_bpe(tmp_path / "hf")
-    tok = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"),
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"),
                              special_tokens=SPECIALS))
     ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
     ref.add_special_tokens({"additional_special_tokens": SPECIALS})
@@ -37,13 +37,13 @@ def test_special_tokens_match_transformers_additional_special_tokens(tmp_path: P
     tok.save_files(str(tmp_path / "saved"))
     saved = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "saved"))
     assert saved.encode(CHAT, add_special_tokens=False) == tok.tokenize(CHAT) and len(saved) == tok.vocab_size
-    again = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "saved"),
+    again = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "saved"),
                                special_tokens=SPECIALS))
     assert again.tokenize(CHAT) == tok.tokenize(CHAT) and again.vocab_size == tok.vocab_size
-    plain = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
+    plain = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
     assert plain.tokenize(CHAT) != tok.tokenize(CHAT)
     with pytest.raises(ConfigError, match=r"tokenizer.special_tokens=\['a', 'a'\] must be distinct"):
-        build_tokenizer(NS(tokenizer_type="NullTokenizer", vocab_size=10, special_tokens=["a", "a"]))
+        build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=10, special_tokens=["a", "a"]))
 
 
 def _tiktoken_vocab(path: Path, merges: list[bytes]) -> Path:
@@ -60,10 +60,10 @@ TEXT = "the quick fox <s>then</s> ünï"
 MEGATRON_CORE_IDS = [267, 42, 271, 115, 109, 117, 42, 273, 130, 42, 1, 267, 120, 2, 42, 205, 198, 120, 205, 185]
 
 
-def _tiktoken_cfg(path: Path, **kw) -> NS:
+def _tiktoken_cfg(path: Path, **kw) -> TokenizerConfig:
     base = dict(tokenizer_type="TikTokenizer", tokenizer_model=str(path), tiktoken_pattern="v2",
                 vocab_size=256 + len(MERGES) + 10, tiktoken_num_special_tokens=10, tiktoken_special_tokens=None)
-    return NS(**{**base, **kw})
+    return TokenizerConfig(**{**base, **kw})
 
 
 def test_tiktokenizer_lays_out_ids_as_megatron_core(tmp_path: Path) -> None:
@@ -103,25 +103,25 @@ def test_tiktokenizer_special_tokens_and_errors(tmp_path: Path, monkeypatch: pyt
 
 
 def test_tokenizer_vocab_padding_sets_the_model_vocabulary() -> None:
-    tok = build_tokenizer(NS(tokenizer_type="NullTokenizer", vocab_size=100))
-    assert model_vocab_size(tok, NS(make_vocab_size_divisible_by=1)) == 101
-    assert model_vocab_size(tok, NS(make_vocab_size_divisible_by=64)) == 128
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100))
+    assert model_vocab_size(tok, TokenizerConfig(make_vocab_size_divisible_by=1)) == 101
+    assert model_vocab_size(tok, TokenizerConfig(make_vocab_size_divisible_by=64)) == 128
 
 
 def test_metadata_fills_the_type_and_chat_template(tmp_path: Path) -> None:
     _train_bpe(tmp_path / "hf")
     meta = tmp_path / "hf" / "tokenizer_metadata.json"
     meta.write_text(json.dumps({"library": "huggingface", "model_type": "gpt", "chat_template": "{{ messages }}"}))
-    cfg = NS(tokenizer_type=None, tokenizer_model=str(tmp_path / "hf"), metadata_path=str(meta), chat_template=None)
+    cfg = TokenizerConfig(tokenizer_type=None, tokenizer_model=str(tmp_path / "hf"), metadata_path=str(meta), chat_template=None)
     tok = build_tokenizer(cfg)
     assert (cfg.tokenizer_type, cfg.chat_template) == ("HuggingFaceTokenizer", "{{ messages }}")
-    assert tok.tokenize("the fox") == build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer",
+    assert tok.tokenize("the fox") == build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer",
                                                           tokenizer_model=str(tmp_path / "hf"))).tokenize("the fox")
-    null = NS(tokenizer_type=None, vocab_size=10, metadata_path={"library": "null"}, chat_template="kept")
+    null = TokenizerConfig(tokenizer_type=None, vocab_size=10, metadata_path={"library": "null"}, chat_template="kept")
     assert build_tokenizer(null).vocab_size == 11 and null.chat_template == "kept"
     for metadata, fragment in (({"library": "null"}, "contradicts tokenizer.metadata_path's library 'null'"),
                                ({"library": "hf"}, "library='hf' is not valid"),
                                ({"library": "null", "class_name": "Mine"}, "names a custom tokenizer class"),
                                (str(tmp_path / "missing.json"), "cannot be read as JSON")):
         with pytest.raises(ConfigError, match=fragment):
-            build_tokenizer(NS(tokenizer_type="ByteLevelTokenizer", metadata_path=metadata))
+            build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer", metadata_path=metadata))

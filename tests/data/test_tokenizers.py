@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace as NS
 
 import pytest
 
+from longspan.config.schema.data import TokenizerConfig
 from longspan.core.errors import ConfigError
 from longspan.data.tokenizers import build_tokenizer
 
@@ -35,7 +35,7 @@ def test_huggingface_tokenizer_matches_transformers(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     _train_bpe(tmp_path / "hf")
-    tok = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
     ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
     for text in TEXTS:
         assert tok.tokenize(text) == ref.encode(text, add_special_tokens=False)
@@ -45,7 +45,7 @@ def test_huggingface_tokenizer_matches_transformers(tmp_path):
     assert tok.pad == ref.convert_tokens_to_ids("<pad>") and tok.bos is None
     # save_files -> a tokenizer with the same behaviour
     tok.save_files(str(tmp_path / "saved"))
-    again = build_tokenizer(NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "saved")))
+    again = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "saved")))
     assert [again.tokenize(t) for t in TEXTS] == [tok.tokenize(t) for t in TEXTS]
     assert (again.eod, again.pad, again.vocab_size) == (tok.eod, tok.pad, tok.vocab_size)
 
@@ -55,14 +55,14 @@ def test_gpt2_bpe_matches_transformers(tmp_path):
 
     trained = _train_bpe(tmp_path / "hf")
     trained.model.save(str(tmp_path))  # vocab.json + merges.txt
-    cfg = NS(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt"))
+    cfg = TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt"))
     tok = build_tokenizer(cfg)
     ref = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
     for text in TEXTS:
         assert tok.tokenize(text) == ref.encode(text)
     assert tok.eod == ref.convert_tokens_to_ids("<|endoftext|>") and tok.pad is None
     tok.save_files(str(tmp_path / "saved"))
-    again = build_tokenizer(NS(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "saved" / "vocab.json"),
+    again = build_tokenizer(TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "saved" / "vocab.json"),
                                merge_file=str(tmp_path / "saved" / "merges.txt")))
     assert again.tokenize(TEXTS[0]) == tok.tokenize(TEXTS[0])
 
@@ -74,23 +74,23 @@ def test_sentencepiece(tmp_path):
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=120,
                                    minloglevel=2, pad_id=3)
     ref = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
-    tok = build_tokenizer(NS(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp.model")))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp.model")))
     assert tok.tokenize(TEXTS[1]) == ref.encode(TEXTS[1])
     assert (tok.vocab_size, tok.bos, tok.eos, tok.eod, tok.pad) == (120, ref.bos_id(), ref.eos_id(), ref.eos_id(), 3)
     tok.save_files(str(tmp_path / "saved"))
-    again = build_tokenizer(NS(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "saved" / "tokenizer.model")))
+    again = build_tokenizer(TokenizerConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "saved" / "tokenizer.model")))
     assert again.tokenize(TEXTS[1]) == tok.tokenize(TEXTS[1])
 
 
 def test_null_tokenizer():
-    tok = build_tokenizer(NS(tokenizer_type="NullTokenizer", vocab_size=100))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100))
     # Megatron's NullTokenizer: ids as text, EOD appended after the vocabulary.
     assert tok.tokenize("5 7 99") == [5, 7, 99] and tok.detokenize([5, 7]) == "5 7"
     assert (tok.vocab_size, tok.eod, tok.pad) == (101, 100, None)
 
 
 def test_byte_level_tokenizer(tmp_path):
-    tok = build_tokenizer(NS(tokenizer_type="ByteLevelTokenizer", vocab_size=None))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=None))
     text = TEXTS[2]
     assert tok.tokenize(text) == list(text.encode("utf-8"))
     assert tok.detokenize(tok.tokenize(text)) == text
@@ -100,9 +100,9 @@ def test_byte_level_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("cfg", [
-    NS(tokenizer_type="NoSuchTokenizer", tokenizer_model=None),
-    NS(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/nonexistent/tok"),
-    NS(tokenizer_type="NullTokenizer", vocab_size=None),
+    TokenizerConfig(tokenizer_type="NoSuchTokenizer", tokenizer_model=None),
+    TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/nonexistent/tok"),
+    TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=None),
 ])
 def test_bad_tokenizer_configs(cfg):
     with pytest.raises(ConfigError) as e:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from longspan.config.schema.data import FinetuningDatasetConfig
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options
@@ -311,8 +312,8 @@ def _packed_split(root: str, split: str, path: str, needed: int, tokenizer: Any,
     return ds
 
 
-def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,
-                       chat_template: Optional[str] = None,
+def build_sft_datasets(dataset_cfg: FinetuningDatasetConfig, tokenizer: Any, sizes: tuple[int, int, int],
+                       seq_length: int, chat_template: Optional[str] = None,
                        processor: Optional[Any] = None) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, validation, test] datasets of a FinetuningDatasetConfig (None for a split not built).
 
@@ -320,21 +321,23 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
     ``processor`` of a vision-language model, chat records (with or without images) are processed by it
     (``longspan.data.sft.multimodal``); prompt/completion records keep the text path.
     """
-    root = getattr(dataset_cfg, "dataset_root", None)
+    root = dataset_cfg.dataset_root
     if root is None:
         raise ConfigError("dataset.dataset_root is not set: give the directory with training.jsonl and validation.jsonl")
     root = str(root)
     if not os.path.isdir(root):
         raise DataError(f"dataset.dataset_root={root} is not a directory")
-    opts = parse_format_options(getattr(dataset_cfg, "dataset_kwargs", None))
-    specs = resolve_packed_specs(getattr(dataset_cfg, "packed_sequence_specs", None))
-    seed = int(getattr(dataset_cfg, "seed", 1234))
-    workers = int(getattr(dataset_cfg, "memmap_workers", 1) or 1)
-    cache_dir = cache_directory_for(root, getattr(dataset_cfg, "path_to_cache", None))
+    opts = parse_format_options(dataset_cfg.dataset_kwargs)
+    specs = resolve_packed_specs(dataset_cfg.packed_sequence_specs)
+    seed = int(dataset_cfg.seed)
+    workers = int(dataset_cfg.memmap_workers or 1)
+    # Not a FinetuningDatasetConfig field: Megatron's name for the cache directory, honoured when a caller sets it
+    path_to_cache = getattr(dataset_cfg, "path_to_cache", None)  # getattr: an attribute set on the object, not a field
+    cache_dir = cache_directory_for(root, path_to_cache)
     if cache_dir != os.path.abspath(root):
         print_rank_0(f"{root} is not writable: its line indexes and packs are cached in {cache_dir}", logger)
     train_needed, valid_needed, test_needed = sizes
-    max_train = getattr(dataset_cfg, "max_train_samples", None)
+    max_train = dataset_cfg.max_train_samples
     if max_train is not None:
         if max_train < train_needed:
             raise ConfigError(
@@ -347,8 +350,7 @@ def build_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, 
             f"dataset.packed_sequence_specs.packed_sequence_size={specs.packed_sequence_size} differs from "
             f"model.seq_length={seq_length}: a pack is one training sequence, set them equal"
         )
-    wanted = {"train": True, "validation": bool(getattr(dataset_cfg, "do_validation", True)),
-              "test": bool(getattr(dataset_cfg, "do_test", True))}
+    wanted = {"train": True, "validation": bool(dataset_cfg.do_validation), "test": bool(dataset_cfg.do_test)}
     needed = {"train": train_needed, "validation": valid_needed, "test": test_needed}
     out: list[Optional[torch.utils.data.Dataset]] = []
     metas: list[dict[str, Any]] = []

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig, HFDatasetSourceConfig
 from longspan.core.errors import DataError, LongspanError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.dataset import EpochSampleMap, SFTDataset, pad_token_id
@@ -107,15 +108,15 @@ class TokenizedSFTDataset(SFTDataset):
         return pack_rows(samples, self.pad_id, self.packing.pad_to_multiple_of)
 
 
-def in_batch_packing(dataset_cfg: Any) -> Optional[InBatchPacking]:
+def in_batch_packing(dataset_cfg: DirectHFSFTDatasetConfig) -> Optional[InBatchPacking]:
     """The in-batch packing of a DirectHFSFTDatasetConfig, or None when it is off."""
-    if not getattr(dataset_cfg, "enable_in_batch_packing", False):
+    if not dataset_cfg.enable_in_batch_packing:
         return None
     return InBatchPacking(int(dataset_cfg.in_batch_packing_pad_to_multiple_of),
                           bool(dataset_cfg.defer_in_batch_packing_to_step))
 
 
-def format_options(dataset_cfg: Any) -> SFTFormatOptions:
+def format_options(dataset_cfg: DirectHFSFTDatasetConfig) -> SFTFormatOptions:
     """The formatting options of a DirectHFSFTDatasetConfig (chat records, its padding and loss mode)."""
     loss_mode = dataset_cfg.preprocessing.loss_mode
     return SFTFormatOptions(
@@ -215,7 +216,7 @@ def _rank_zero_first(build: Callable[[], Any]) -> Any:
     return result if dist.get_rank() == 0 else build()
 
 
-def _split_source(dataset_cfg: Any, split: str) -> Optional[Any]:
+def _split_source(dataset_cfg: DirectHFSFTDatasetConfig, split: str) -> Optional[HFDatasetSourceConfig]:
     """An explicit validation/test source reads its own split ('train' when unset, as any source); without
     one, the single training source's split named ``split``."""
     explicit = dataset_cfg.validation_source if split == "validation" else dataset_cfg.test_source
@@ -225,8 +226,8 @@ def _split_source(dataset_cfg: Any, split: str) -> Optional[Any]:
     return dataclasses.replace(sources[0], split=split) if len(sources) == 1 else None
 
 
-def _train_dataset(dataset_cfg: Any, tokenize: Any, seq_length: int, opts: SFTFormatOptions, pad_id: int,
-                   needed: int) -> TokenizedSFTDataset:
+def _train_dataset(dataset_cfg: DirectHFSFTDatasetConfig, tokenize: Any, seq_length: int, opts: SFTFormatOptions,
+                   pad_id: int, needed: int) -> TokenizedSFTDataset:
     sources = dataset_cfg.training_sources
     docs: list[Document] = []
     sizes, offsets = [], []
@@ -256,8 +257,8 @@ def _dataset(docs: list[Any], tokenize: Any, seq_length: int, opts: SFTFormatOpt
     return TokenizedSFTDataset(docs, seq_length, opts, pad_id, samples, packing)
 
 
-def _eval_dataset(dataset_cfg: Any, split: str, tokenize: Any, seq_length: int, opts: SFTFormatOptions,
-                  pad_id: int, needed: int) -> Optional[TokenizedSFTDataset]:
+def _eval_dataset(dataset_cfg: DirectHFSFTDatasetConfig, split: str, tokenize: Any, seq_length: int,
+                  opts: SFTFormatOptions, pad_id: int, needed: int) -> Optional[TokenizedSFTDataset]:
     source = _split_source(dataset_cfg, split)
     if source is None:
         print_rank_0(f"direct HF SFT data: no {split} source for a blend: the {split} split is skipped", logger)
@@ -276,8 +277,10 @@ def _eval_dataset(dataset_cfg: Any, split: str, tokenize: Any, seq_length: int, 
     return _dataset(docs, tokenize, seq_length, opts, pad_id, samples, in_batch_packing(dataset_cfg))
 
 
-def build_direct_hf_sft_datasets(dataset_cfg: Any, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,
-                                 chat_template: Optional[str] = None) -> list[Optional[torch.utils.data.Dataset]]:
+def build_direct_hf_sft_datasets(
+    dataset_cfg: DirectHFSFTDatasetConfig, tokenizer: Any, sizes: tuple[int, int, int], seq_length: int,
+    chat_template: Optional[str] = None,
+) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, validation, test] datasets of a DirectHFSFTDatasetConfig (None for a split not built).
 
     ``sizes`` are the samples the run needs per split (Megatron's train/valid/test numbers).

@@ -14,6 +14,7 @@ from longspan.core.errors import ConfigError, DataError
 from longspan.data.sft.dataset import EpochSampleMap, SFTDataset
 from longspan.data.sft.formatting import parse_format_options
 from longspan.data.sft.jsonl_index import JsonlIndex
+from tests.data.conftest import run_config
 from tests.data.sft.conftest import qa_records, write_jsonl
 
 
@@ -83,10 +84,8 @@ def _cfg(root, train_iters=6, gbs=4, mbs=2, seq=48, **dataset):
 
     dataset.setdefault("num_workers", 0)
     d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, **dataset)
-    return SimpleNamespace(
-        dataset=d, model=SimpleNamespace(seq_length=seq), tokenizer=SimpleNamespace(chat_template=None),
-        train=SimpleNamespace(micro_batch_size=mbs, global_batch_size=gbs, train_iters=train_iters,
-                              train_samples=None, eval_iters=1, eval_interval=3, skip_train=False))
+    return run_config(d, seq, micro_batch_size=mbs, global_batch_size=gbs, train_iters=train_iters, eval_iters=1,
+                      eval_interval=3)
 
 
 @pytest.fixture

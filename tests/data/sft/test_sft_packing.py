@@ -21,6 +21,7 @@ from longspan.data.sft.packing import (
     pack_to_sample,
     resolve_packed_specs,
 )
+from tests.data.conftest import run_config
 from tests.data.sft.conftest import qa_records, write_jsonl
 
 PACK = 64
@@ -216,10 +217,7 @@ def _cfg(root, specs, seq=PACK, **dataset):
 
     d = FinetuningDatasetConfig(dataset_root=str(root), seq_length=seq, num_workers=0,
                                 packed_sequence_specs=specs, **dataset)
-    return SimpleNamespace(
-        dataset=d, model=SimpleNamespace(seq_length=seq), tokenizer=SimpleNamespace(chat_template=None),
-        train=SimpleNamespace(micro_batch_size=2, global_batch_size=4, train_iters=5, train_samples=None,
-                              eval_iters=1, eval_interval=5, skip_train=False))
+    return run_config(d, seq, micro_batch_size=2, global_batch_size=4, train_iters=5, eval_iters=1, eval_interval=5)
 
 
 def test_packed_files_are_built_once_beside_the_data_and_resume(tmp_path, tokenizer):

@@ -41,14 +41,10 @@ def _config(root: Path, tok: str, name: str, iters: int = 4, packed: bool = Fals
 
 def _expected_loss_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
     """Σloss_mask of each global batch, from the dataset's samples (the oracle for the logged count)."""
-    from types import SimpleNamespace
-
     from longspan.data.loaders import build_train_valid_test_datasets
     from longspan.data.tokenizers import HuggingFaceTokenizer
 
-    view = SimpleNamespace(dataset=cfg.dataset, model=SimpleNamespace(seq_length=SEQ),
-                           tokenizer=SimpleNamespace(chat_template=None), train=cfg.train)
-    train = build_train_valid_test_datasets(view, HuggingFaceTokenizer(tokenizer_dir))[0]
+    train = build_train_valid_test_datasets(cfg, HuggingFaceTokenizer(tokenizer_dir))[0]
     gbs = cfg.train.global_batch_size
     return [int(sum(float(train[i]["loss_mask"].sum()) for i in range(k * gbs, (k + 1) * gbs))) for k in range(iters)]
 

@@ -4,12 +4,12 @@ through collation, the direct HF path with hf_processor_path / hf_processor_kwar
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from longspan.config.schema.data import FinetuningDatasetConfig
 from longspan.core.errors import DataError
 from longspan.data.sft.dataset import build_sft_datasets
 from longspan.data.sft.multimodal import MultimodalSFTDataset, load_processor
@@ -18,11 +18,10 @@ from tests.data.sft_vlm.conftest import colour_rows, draw_square, make_qwen_vl_p
 SEQ = 96
 
 
-def _finetuning_cfg(root: str, **kwargs):
+def _finetuning_cfg(root: str, **kwargs) -> FinetuningDatasetConfig:
     fields = dict(dataset_root=root, dataset_kwargs={"pad_to_max_length": False, "pad_seq_length_to_mult": 8},
-                  packed_sequence_specs=None, seed=3, memmap_workers=1, path_to_cache=None, max_train_samples=None,
-                  do_validation=False, do_test=False)
-    return SimpleNamespace(**{**fields, **kwargs})
+                  seed=3, do_validation=False, do_test=False)
+    return FinetuningDatasetConfig(**{**fields, **kwargs})
 
 
 @pytest.fixture(scope="module")

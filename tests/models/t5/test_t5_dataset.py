@@ -173,16 +173,17 @@ def test_config_errors_are_one_line(tmp_path):
 def test_vocab_extra_ids_append_sentinels_after_the_vocabulary():
     import pickle
 
+    from longspan.config.schema.data import TokenizerConfig
     from longspan.data.tokenizers import ExtraIdsTokenizer, build_tokenizer
 
-    tok = build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer", vocab_size=512, vocab_extra_ids=3))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=512, vocab_extra_ids=3))
     assert isinstance(tok, ExtraIdsTokenizer)
     assert (tok.eos, tok.pad, tok.bos) == (0, 1, 512)  # the base keeps eos/pad; bos is added (it had none)
     assert tok.additional_special_tokens_ids == [513, 514, 515] and tok.vocab_size == 516
     ids = tok.tokenize("ab") + [514] + tok.tokenize("c")
     assert tok.detokenize(ids) == "ab<extra_id_1>c" and tok.token_text(513) == "<extra_id_0>"
     assert pickle.loads(pickle.dumps(tok)).additional_special_tokens_ids == [513, 514, 515]  # DataLoader workers
-    plain = build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer", vocab_size=512, vocab_extra_ids=0))
+    plain = build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=512, vocab_extra_ids=0))
     assert not isinstance(plain, ExtraIdsTokenizer)
     with pytest.raises(ConfigError, match="vocab_extra_ids=-1"):
-        build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer", vocab_size=512, vocab_extra_ids=-1))
+        build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=512, vocab_extra_ids=-1))

@@ -11,7 +11,8 @@ from longspan.training.state import GlobalState
 from longspan.training.observability.log_sinks import logger_sinks
 
 
-def track_moe_metrics(model: list, config: ConfigContainer, global_state: GlobalState, iteration: int) -> dict[str, float]:
+def track_moe_metrics(model: list, config: ConfigContainer, global_state: GlobalState,
+                      iteration: int) -> dict[str, float]:
     """Megatron's ``track_moe_metrics``: the MoE layers' metrics of the iteration just finished, then reset.
 
     Returns (empty for a dense model) ``load_balancing_loss`` and ``z_loss`` (when enabled; without their

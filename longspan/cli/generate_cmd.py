@@ -104,8 +104,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int] | None, list[Pa
         from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
 
         loaded = load_model_from_checkpoint(args.checkpoint, device=device)
-        sources = [loaded.directory, getattr(loaded.cfg.tokenizer, "tokenizer_model", None),
-                   getattr(loaded.cfg.checkpoint, "pretrained_checkpoint", None)]
+        cfg = loaded.cfg
+        sources = [loaded.directory, cfg.tokenizer.tokenizer_model if cfg.tokenizer is not None else None,
+                   cfg.checkpoint.pretrained_checkpoint if cfg.checkpoint is not None else None]
         return loaded.model, loaded.tokenizer, None, [Path(s) for s in sources if s]
     model, tokenizer, eos_ids = _load_hf_model(args.hf_model)
     if device is None:

@@ -116,7 +116,7 @@ def _max_positions(model: nn.Module) -> int | None:
 
 def _real_vocab_size(model: nn.Module, tokenizer: Any) -> int | None:
     """The model's vocabulary before padding (its provider's ``vocab_size``), else the tokenizer's."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)  # getattr: any nn.Module, HF's too
     return int(size) if size is not None else getattr(tokenizer, "vocab_size", None)
 
 

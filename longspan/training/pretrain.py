@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from longspan.config.schema.container import ConfigContainer
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.attention_backend import attention_backend_context
@@ -24,7 +25,7 @@ from longspan.training.checkpointing.convert import convert_loaded_checkpoint
 logger = get_logger(__name__)
 
 
-def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> GlobalState:
+def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = None) -> GlobalState:
     """Validate ``config``, set up, train, evaluate on the test split, and return the final GlobalState.
 
     ``forward_step_func`` defaults to the GPT forward step (the T5 one for a T5ModelProvider). Megatron Bridge
@@ -32,7 +33,7 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
     tests.
     """
     if forward_step_func is None:
-        t5 = isinstance(getattr(config, "model", None), T5ModelProvider)
+        t5 = isinstance(config.model, T5ModelProvider)
         forward_step_func = t5_forward_step if t5 else default_forward_step
     _check_inprocess_restart(config)
     out = setup(config)
@@ -43,15 +44,15 @@ def pretrain(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
             _release(state)
             return state
         # model.attention_backend holds for the whole run: forward, backward, recomputation and evaluation
-        with attention_backend_context(getattr(config.model, "attention_backend", "auto"), state.device):
+        with attention_backend_context(config.model.attention_backend, state.device):
             return _train_and_test(out, forward_step_func)
     except BaseException:
         _abandon(state)  # an in-process restart runs again in this process: leave no handlers or open sinks
         raise
 
 
-def _check_inprocess_restart(config: Any) -> None:
-    ipr = getattr(config, "inprocess_restart", None)
+def _check_inprocess_restart(config: ConfigContainer) -> None:
+    ipr = config.inprocess_restart
     if ipr is not None and ipr.enabled:
         if not in_supervised_worker():
             raise NotSupportedError(

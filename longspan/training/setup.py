@@ -178,7 +178,7 @@ def _resolve_and_validate_config(cfg: Any, state: GlobalState) -> None:
         cfg.model.vocab_size = model_vocab_size(tokenizer, cfg.tokenizer)
     cfg.validate(world_size=parallel.world_size)
     check_vocab_fits(cfg.model.vocab_size, tokenizer.vocab_size)
-    if getattr(cfg.logger, "save_config_filepath", None) and parallel.rank == 0:
+    if cfg.logger.save_config_filepath and parallel.rank == 0:
         cfg.to_yaml(cfg.logger.save_config_filepath)
     if cfg.logger.log_energy:  # the platform's energy counters, when this machine exposes any
         state.energy_monitor = build_energy_monitor(parallel.device)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from longspan.config.schema.container import ConfigContainer
 from longspan.core.logging import get_rank, get_world_size
 from longspan.training.observability import loggers as _loggers
 from longspan.training.observability.timers import Timers
@@ -99,8 +100,8 @@ class GlobalState:
         start_time: ``time.time()`` when the state was created (the trainer may reset it).
     """
 
-    def __init__(self, cfg: Optional[Any] = None) -> None:
-        self._cfg: Optional[Any] = cfg
+    def __init__(self, cfg: Optional[ConfigContainer] = None) -> None:
+        self._cfg: Optional[ConfigContainer] = cfg
         self._train_state: Optional[TrainState] = None
         self._timers: Optional[Timers] = None
         # Sinks: "unset" until first access so a None result (disabled) is cached too.
@@ -120,12 +121,12 @@ class GlobalState:
 
     # ------------------------------------------------------------------ config and train state
     @property
-    def cfg(self) -> Optional[Any]:
+    def cfg(self) -> Optional[ConfigContainer]:
         """The run's ``ConfigContainer``."""
         return self._cfg
 
     @cfg.setter
-    def cfg(self, value: Optional[Any]) -> None:
+    def cfg(self, value: Optional[ConfigContainer]) -> None:
         self._cfg = value
 
     @property
@@ -144,10 +145,11 @@ class GlobalState:
     def timers(self) -> Timers:
         """``Timers`` for ``logger.timing_log_level`` / ``logger.timing_log_option`` (created on first use)."""
         if self._timers is None:
-            logger_cfg = getattr(self._cfg, "logger", None)
-            self._timers = Timers(
-                getattr(logger_cfg, "timing_log_level", 0), getattr(logger_cfg, "timing_log_option", "minmax")
-            )
+            logger_cfg = self._cfg.logger if self._cfg is not None else None
+            if logger_cfg is None:  # timers before the config is set (or without a logger section): the defaults
+                self._timers = Timers(0, "minmax")
+            else:
+                self._timers = Timers(logger_cfg.timing_log_level, logger_cfg.timing_log_option)
         return self._timers
 
     # ------------------------------------------------------------------ metric sinks (last rank only)
@@ -197,7 +199,7 @@ class GlobalState:
     def check_logger_dependencies(self) -> None:
         """Fail fast (ConfigError) when a configured optional logger's client library is missing."""
         if self._cfg is not None:
-            _loggers.check_logger_dependencies(getattr(self._cfg, "logger", None))
+            _loggers.check_logger_dependencies(self._cfg.logger)
 
     # ------------------------------------------------------------------ lifecycle
     def flush_loggers(self) -> None:

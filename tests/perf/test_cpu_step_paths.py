@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from longspan.config.schema.optim import OptimizerConfig
 from longspan.models.gpt import build_gpt_model
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy
 from longspan.models.rope import apply_rotary
@@ -176,8 +176,8 @@ def test_rmsnorm_function_equals_the_composite_form(dtype):
         torch.testing.assert_close(actual, expected, **tol)
 
 
-def _opt_config(name: str) -> SimpleNamespace:
-    return SimpleNamespace(
+def _opt_config(name: str) -> OptimizerConfig:
+    return OptimizerConfig(
         optimizer=name, lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         sgd_momentum=0.9, clip_grad=1.0, bf16=False, fp16=False, params_dtype=torch.float32, loss_scale=None,
         use_distributed_optimizer=False, log_num_zeros_in_grad=False, decoupled_weight_decay=True,

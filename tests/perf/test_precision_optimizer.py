@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from longspan.config.schema.optim import OptimizerConfig
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.step.forward_step import forward_step
 from longspan.training.optim.optimizer import get_megatron_optimizer
@@ -110,16 +111,10 @@ def test_state_dict_round_trip_keeps_dtypes_and_resumes_bit_for_bit(param_dtype,
 
 
 # ------------------------------------------------------------------------------ through get_megatron_optimizer
-class _Config:
-    """The OptimizerConfig fields get_megatron_optimizer reads."""
-
-    def __init__(self, **fields):
-        self.optimizer, self.lr, self.min_lr, self.weight_decay, self.clip_grad = "adam", 1e-2, 0.0, 0.1, 0.0
-        self.adam_beta1, self.adam_beta2, self.adam_eps = 0.9, 0.95, 1e-8
-        self.bf16 = self.fp16 = False
-        self.use_precision_aware_optimizer = False
-        self.main_params_dtype = self.main_grads_dtype = self.exp_avg_dtype = self.exp_avg_sq_dtype = FP32
-        self.__dict__.update(fields)
+def _opt_config(**fields) -> OptimizerConfig:
+    """The OptimizerConfig these tests start from, with ``fields`` on top."""
+    return OptimizerConfig(**{"lr": 1e-2, "min_lr": 0.0, "weight_decay": 0.1, "clip_grad": 0.0, "adam_beta1": 0.9,
+                              "adam_beta2": 0.95, "adam_eps": 1e-8, **fields})
 
 
 def _model(dtype=FP32) -> nn.Module:
@@ -141,8 +136,8 @@ def _step_model(model: nn.Module, optimizer, steps: int = 4) -> list[float]:
 
 def test_precision_aware_with_fp32_dtypes_matches_the_plain_optimizer() -> None:
     plain, aware = _model(), _model()
-    norms_plain = _step_model(plain, get_megatron_optimizer(_Config(), [plain]))
-    aware_opt = get_megatron_optimizer(_Config(use_precision_aware_optimizer=True), [aware])
+    norms_plain = _step_model(plain, get_megatron_optimizer(_opt_config(), [plain]))
+    aware_opt = get_megatron_optimizer(_opt_config(use_precision_aware_optimizer=True), [aware])
     assert isinstance(aware_opt.optimizer, PrecisionAwareAdamW)
     norms_aware = _step_model(aware, aware_opt)
     assert norms_aware == pytest.approx(norms_plain, rel=1e-6)
@@ -154,7 +149,7 @@ def test_precision_aware_with_fp32_dtypes_matches_the_plain_optimizer() -> None:
 
 def test_main_params_and_main_grads_live_in_their_dtypes() -> None:
     model = _model(BF16)
-    config = _Config(bf16=True, use_precision_aware_optimizer=True, main_params_dtype=FP16,
+    config = _opt_config(bf16=True, use_precision_aware_optimizer=True, main_params_dtype=FP16,
                      main_grads_dtype=BF16, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
     opt = get_megatron_optimizer(config, [model])
     pairs = [pair for f16, main in zip(opt.float16_groups, opt.fp32_from_float16_groups) for pair in zip(f16, main)]
@@ -182,7 +177,7 @@ def test_main_params_and_main_grads_live_in_their_dtypes() -> None:
 
 def test_fp32_main_grads_are_cast_once() -> None:
     model = _model(BF16)
-    opt = get_megatron_optimizer(_Config(bf16=True, use_precision_aware_optimizer=True), [model])
+    opt = get_megatron_optimizer(_opt_config(bf16=True, use_precision_aware_optimizer=True), [model])
     model(torch.randn(6, 8).to(BF16)).float().pow(2).mean().backward()
     opt.prepare_grads()
     main_params = [p for group in opt.fp32_from_float16_groups for p in group]

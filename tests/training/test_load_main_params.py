@@ -44,15 +44,14 @@ def test_main_params_follow_the_weights_or_come_from_the_checkpoint(tmp_path) ->
 
 
 def test_load_main_params_needs_saved_main_params(tmp_path) -> None:
-    from types import SimpleNamespace
-
+    from longspan.config.schema.training import CheckpointConfig
     from longspan.training.checkpointing.load import _main_params_without_optimizer
     from longspan.training.optim.optimizer import get_megatron_optimizer
     from tests.training.test_optimizer import opt_config, tiny
 
     model = tiny().to(torch.bfloat16)
     optimizer = get_megatron_optimizer(opt_config(bf16=True), [model])
-    cfg = SimpleNamespace(load_main_params_from_ckpt=True)
+    cfg = CheckpointConfig(load_main_params_from_ckpt=True)
     with pytest.raises(CheckpointError, match="load_main_params_from_ckpt=True but checkpoint /c holds no fp32 main"):
         _main_params_without_optimizer(cfg, optimizer, model, {"model.linear.weight"}, "/c", False, False)
     found = _main_params_without_optimizer(cfg, optimizer, model, {"main_params.linear.weight"}, "/c", False, False)

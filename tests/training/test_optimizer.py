@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from longspan.config.schema.optim import OptimizerConfig
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from longspan.training.optim.optimizer import MegatronOptimizer, get_megatron_optimizer, get_param_groups
@@ -16,8 +16,8 @@ from longspan.training.optim.scheduler import OptimizerParamScheduler
 from tests.parallel.harness import get_shared_pool, init_gloo
 
 
-def opt_config(**kw) -> SimpleNamespace:
-    """An OptimizerConfig stand-in with megatron-core's field names and defaults."""
+def opt_config(**kw) -> OptimizerConfig:
+    """An OptimizerConfig with the values these tests start from."""
     fields = dict(
         optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         sgd_momentum=0.9, clip_grad=0.0, bf16=False, fp16=False, params_dtype=torch.float32, loss_scale=None,
@@ -26,7 +26,7 @@ def opt_config(**kw) -> SimpleNamespace:
         decoupled_lr=None, decoupled_min_lr=None,
     )
     fields.update(kw)
-    return SimpleNamespace(**fields)
+    return OptimizerConfig(**fields)
 
 
 class Tiny(nn.Module):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from longspan.config.schema.optim import OptimizerConfig
+from longspan.config.schema.training import SchedulerConfig, TrainingConfig
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.training.optim.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
 
@@ -253,24 +254,21 @@ def test_both_flags_and_bad_values_raise_config_error():
 
 
 # ---------------------------------------------------------------------------- building from configs
-def _sched_cfg(**kw):
-    fields = dict(
-        lr_decay_style="cosine", lr_wsd_decay_style="exponential", lr_decay_iters=None, lr_wsd_decay_iters=None,
-        lr_warmup_fraction=None, lr_warmup_iters=0, lr_warmup_init=0.0, override_opt_param_scheduler=False,
-        use_checkpoint_opt_param_scheduler=False, start_weight_decay=None, end_weight_decay=None,
-        weight_decay_incr_style="constant", lr_warmup_steps=None, lr_decay_steps=None, wd_incr_steps=None,
-        wsd_decay_steps=None,
-    )
-    fields.update(kw)
-    return SimpleNamespace(**fields)
+def _sched_cfg(**kw) -> SchedulerConfig:
+    derived = {name: kw.pop(name) for name in ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps",
+                                               "wsd_decay_steps") if name in kw}
+    cfg = SchedulerConfig(**{"lr_decay_style": "cosine", **kw})
+    for name, value in derived.items():  # derived fields: set by validate(), not constructor arguments
+        setattr(cfg, name, value)
+    return cfg
 
 
 def test_get_optimizer_param_scheduler_uses_derived_steps():
     sched_cfg = _sched_cfg(
         lr_warmup_steps=16, lr_decay_steps=400, wd_incr_steps=480, wsd_decay_steps=None, lr_warmup_init=1e-6
     )
-    opt_cfg = SimpleNamespace(lr=3e-4, min_lr=3e-5, weight_decay=0.05)
-    train_cfg = SimpleNamespace(train_iters=60, global_batch_size=8, train_samples=None)
+    opt_cfg = OptimizerConfig(lr=3e-4, min_lr=3e-5, weight_decay=0.05)
+    train_cfg = TrainingConfig(train_iters=60, global_batch_size=8)
     opt = make_optimizer()
     s = get_optimizer_param_scheduler(opt, sched_cfg, train_cfg, opt_cfg)
     assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps) == (16, 400, 480)
@@ -289,8 +287,8 @@ def test_get_optimizer_param_scheduler_uses_derived_steps():
 
 
 def test_get_optimizer_param_scheduler_derives_missing_steps_from_iterations():
-    train_cfg = SimpleNamespace(train_iters=50, global_batch_size=4, train_samples=None)
-    opt_cfg = SimpleNamespace(lr=1e-3, min_lr=0.0, weight_decay=0.1)
+    train_cfg = TrainingConfig(train_iters=50, global_batch_size=4)
+    opt_cfg = OptimizerConfig(lr=1e-3, min_lr=0.0, weight_decay=0.1)
     s = get_optimizer_param_scheduler(
         make_optimizer(),
         _sched_cfg(lr_decay_style="WSD", lr_wsd_decay_iters=10, lr_warmup_fraction=0.1, lr_decay_iters=40,
@@ -309,8 +307,7 @@ def test_get_optimizer_param_scheduler_derives_missing_steps_from_iterations():
     assert (s2.lr_warmup_steps, s2.lr_decay_steps) == (12, 200)
     with pytest.raises(ConfigError, match="train_iters"):
         get_optimizer_param_scheduler(
-            make_optimizer(), _sched_cfg(), SimpleNamespace(train_iters=None, train_samples=None,
-                                                            global_batch_size=4), opt_cfg
+            make_optimizer(), _sched_cfg(), TrainingConfig(global_batch_size=4), opt_cfg
         )
 
 

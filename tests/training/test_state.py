@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from types import SimpleNamespace as NS
 
 import pytest
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.training import CheckpointConfig, LoggerConfig, TrainingConfig
 from longspan.core.errors import ConfigError
 from longspan.training.observability.loggers import MetricsJSONLWriter
 from longspan.training.state import GlobalState, TrainState
@@ -31,7 +32,9 @@ def _cfg(tmp_path, tb=True, save=True, **logger):
         wandb_entity=None,
     )
     base.update(logger)
-    return NS(logger=NS(**base), checkpoint=NS(save=str(tmp_path / "ckpt") if save else None), train=NS())
+    return ConfigContainer(logger=LoggerConfig(**base),
+                           checkpoint=CheckpointConfig(save=str(tmp_path / "ckpt") if save else None),
+                           train=TrainingConfig())
 
 
 def _filled() -> TrainState:

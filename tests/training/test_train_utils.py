@@ -17,7 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.optim import OptimizerConfig
+from longspan.config.schema.training import CheckpointConfig, LoggerConfig, TrainingConfig
 from longspan.core.errors import ConfigError
+from longspan.models.gpt_provider import GPTModelProvider
 from longspan.training.observability import profiling
 from longspan.training.state import GlobalState, TrainState
 from longspan.training.observability import log_line
@@ -84,12 +88,13 @@ def make_cfg(tmp_path, **logger):
         wandb_project=None,
     )
     base.update(logger)
-    return NS(
-        logger=NS(**base),
-        train=NS(train_iters=10, global_batch_size=8, micro_batch_size=2),
-        model=NS(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                 ffn_hidden_size=128, gated_linear_unit=True, padded_vocab_size=256, seq_length=32),
-        checkpoint=NS(save=None), optimizer=NS(decoupled_lr=None), profiling=None,
+    return ConfigContainer(
+        logger=LoggerConfig(**base),
+        train=TrainingConfig(train_iters=10, global_batch_size=8, micro_batch_size=2),
+        model=GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, ffn_hidden_size=128, gated_linear_unit=True, vocab_size=256,
+                               seq_length=32),
+        checkpoint=CheckpointConfig(save=None), optimizer=OptimizerConfig(decoupled_lr=None),
     )
 
 

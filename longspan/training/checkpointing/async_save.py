@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
+from longspan.config.schema.training import CheckpointConfig
 from longspan.parallel.init import on_destroy_distributed
 
 WRITE_DELAY_ENV = "LONGSPAN_TEST_ASYNC_WRITE_DELAY_S"
@@ -81,14 +82,14 @@ class _DelayedWriter(FileSystemWriter):
         return written
 
 
-def dcp_save_arguments(directory: Path, ckpt_cfg: Any) -> dict[str, Any]:
+def dcp_save_arguments(directory: Path, ckpt_cfg: CheckpointConfig) -> dict[str, Any]:
     """The writer and planner of a save: ``storage_writers_per_rank`` threads (and as many files) per rank, the
     save plan cached across saves when ``ckpt_assume_constant_structure``."""
-    threads = int(getattr(ckpt_cfg, "storage_writers_per_rank", 1) or 1)
+    threads = int(ckpt_cfg.storage_writers_per_rank or 1)
     delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
     writer = (_DelayedWriter(str(directory), delay, threads) if delay > 0
               else FileSystemWriter(str(directory), thread_count=threads))
-    planner = DefaultSavePlanner(enable_plan_caching=bool(getattr(ckpt_cfg, "ckpt_assume_constant_structure", False)))
+    planner = DefaultSavePlanner(enable_plan_caching=bool(ckpt_cfg.ckpt_assume_constant_structure))
     # DCP caches plans per key, class-wide: one key per checkpoint root, so another run in this process (another
     # model) never meets this run's plans.
     planner._cached_plans_key = plan_cache_key(directory.parent)
@@ -101,7 +102,7 @@ def plan_cache_key(root: Path) -> str:
 
 
 def start_async_save(state_dict: dict[str, Any], directory: Path, iteration: int,
-                     finalize: Callable[[], None], ckpt_cfg: Any = None) -> PendingAsyncSave:
+                     finalize: Callable[[], None], ckpt_cfg: CheckpointConfig) -> PendingAsyncSave:
     """Stage ``state_dict`` (a copy, so training may change the tensors right away) and write it to
     ``directory`` in the background; ``finalize_async_saves`` completes it with ``finalize``."""
     target = dcp_save_arguments(directory, ckpt_cfg)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from longspan.config.explicit import explicit_fields, is_recipe_source
+from longspan.config.schema.training import CheckpointConfig
 from longspan.conversion import is_hf_model_dir
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
@@ -241,11 +242,12 @@ def _model_tensors_to_load(ckpt_cfg: Any, model_sd: dict[str, Any], stored: set[
     return model_sd, unexpected, missing
 
 
-def _main_params_without_optimizer(ckpt_cfg: Any, optimizer: Any, module: torch.nn.Module, stored: set[str],
-                                   directory: Path, load_optim: bool, finetune: bool) -> torch.nn.Module | None:
+def _main_params_without_optimizer(ckpt_cfg: CheckpointConfig, optimizer: Any, module: torch.nn.Module,
+                                   stored: set[str], directory: Path, load_optim: bool,
+                                   finetune: bool) -> torch.nn.Module | None:
     """With ``load_main_params_from_ckpt`` (and no optimizer state loaded): the module of fp32 main params to
     fill from the checkpoint's saved main params, or None when the run keeps none (full-precision params)."""
-    if load_optim or finetune or optimizer is None or not getattr(ckpt_cfg, "load_main_params_from_ckpt", False):
+    if load_optim or finetune or optimizer is None or not ckpt_cfg.load_main_params_from_ckpt:
         return None
     main_module = optimizer_module(module, optimizer)
     if main_module is module:

@@ -68,7 +68,7 @@ class SavedCheckpoint:
     """The ``iter_XXXXXXX`` directory holding the weights."""
     iteration: int
     """The training iteration the checkpoint was saved at."""
-    cfg: Any
+    cfg: ConfigContainer
     """The ConfigContainer of ``run_config.yaml``, overrides applied, tokenizer pointed at the saved files."""
 
 
@@ -76,7 +76,7 @@ class SavedCheckpoint:
 class LoadedModel:
     """A model rebuilt from a checkpoint, ready for inference."""
 
-    cfg: Any
+    cfg: ConfigContainer
     """The ConfigContainer the model was built from (saved run_config.yaml plus overrides)."""
     model: list[nn.Module]
     """The model chunks (one unless pipeline parallel), weights loaded, in eval mode."""

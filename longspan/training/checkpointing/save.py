@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.training import CheckpointConfig
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.parallel.pipeline import state_dict_module
@@ -274,7 +276,7 @@ def save_checkpoint(
         partial_dir.mkdir(parents=True)
     _barrier()
 
-    if getattr(ckpt_cfg, "also_save_hf_checkpoint", False):  # collective; renamed into place with the rest
+    if ckpt_cfg.also_save_hf_checkpoint:  # collective; renamed into place with the rest
         save_hf_checkpoint(state, model, partial_dir / HF_SUBDIR)
     state_dict = _build_state_dict(
         model,
@@ -301,7 +303,7 @@ def save_checkpoint(
             _atomic_write_text(root / TRACKER_FILENAME, str(iteration))
             if save_dir is None:  # most_recent_k is about checkpoint.save; non-persistent ones have their own cleanup
                 protected = protected_load_iterations(ckpt_cfg, root)
-                remove_old_checkpoints(root, getattr(ckpt_cfg, "most_recent_k", -1), protected)
+                remove_old_checkpoints(root, ckpt_cfg.most_recent_k, protected)
         _barrier()
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}", logger)
 
@@ -324,15 +326,15 @@ def complete_checkpoint_iterations(root: Path) -> list[int]:
     return sorted(iterations)
 
 
-def protected_load_iterations(ckpt_cfg: Any, root: Path) -> set[int]:
+def protected_load_iterations(ckpt_cfg: CheckpointConfig, root: Path) -> set[int]:
     """Iterations under ``root`` that ``checkpoint.load`` points at (its ``ckpt_step``, or an ``iter_`` directory
     named directly): never removed by ``most_recent_k``, so a run can always be started again from them."""
-    load = getattr(ckpt_cfg, "load", None)
+    load = ckpt_cfg.load
     if not load:
         return set()
     load_path = Path(load).resolve()
     if load_path == root.resolve():
-        step = getattr(ckpt_cfg, "ckpt_step", None)
+        step = ckpt_cfg.ckpt_step
         return {int(step)} if step is not None else set()
     if load_path.parent == root.resolve() and load_path.name[len("iter_"):].isdigit():
         return {int(load_path.name[len("iter_"):])}
@@ -378,15 +380,14 @@ def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, A
     }
     (directory / METADATA_FILENAME).write_text(json.dumps(metadata, indent=2) + "\n")
     tokenizer = getattr(state, "tokenizer", None)
-    save_assets = getattr(state.cfg.checkpoint, "save_tokenizer_assets", True)
+    save_assets = state.cfg.checkpoint.save_tokenizer_assets
     if save_assets and tokenizer is not None and hasattr(tokenizer, "save_files"):
         tokenizer.save_files(str(directory / TOKENIZER_DIRNAME))
 
 
-def _peft_model_keys(cfg: Any) -> Callable[[str], bool] | None:
+def _peft_model_keys(cfg: ConfigContainer) -> Callable[[str], bool] | None:
     """With PEFT, the model tensors a checkpoint holds: the adapters and the buffers the finetune updates
     (``longspan.peft.adapters.is_finetuned_state_key``)."""
-    if getattr(cfg, "peft", None) is None:
+    if cfg.peft is None:
         return None
-
     return is_finetuned_state_key

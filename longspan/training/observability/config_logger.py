@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from longspan.config.serialize import to_dict
+from longspan.models.gpt_provider import TransformerConfig
 from longspan.parallel.pipeline import chunk_info, unwrap_chunk
 
 
@@ -32,10 +33,10 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def log_model_configs(model_config: Any, chunks: list[nn.Module], parallel: Any) -> list[str]:
+def log_model_configs(model_config: TransformerConfig, chunks: list[nn.Module], parallel: Any) -> list[str]:
     """Write one JSON file per model chunk under ``model_config.config_logger_dir`` (nothing when it is empty);
     returns the paths written."""
-    directory = getattr(model_config, "config_logger_dir", "")
+    directory = model_config.config_logger_dir
     if not directory:
         return []
     os.makedirs(directory, exist_ok=True)

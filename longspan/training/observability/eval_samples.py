@@ -29,6 +29,7 @@ import torch
 
 from longspan.core.logging import get_logger, is_last_rank, print_rank_last
 from longspan.inference import generate
+from longspan.training.state import GlobalState
 
 logger = get_logger(__name__)
 
@@ -107,12 +108,12 @@ def generate_eval_samples(model: Sequence[torch.nn.Module], tokenizer: Any, data
     return samples
 
 
-def log_eval_samples(state: Any, model: Sequence[torch.nn.Module], iteration: int) -> list[EvalSample]:
+def log_eval_samples(state: GlobalState, model: Sequence[torch.nn.Module], iteration: int) -> list[EvalSample]:
     """The evaluation hook: generate (on the logging rank, or on every rank of a sharded model) and write to
     every sink from the logging (last) rank; returns the samples (empty where nothing was generated)."""
     cfg = state.cfg
-    count = getattr(cfg.logger, "log_eval_samples", 0)
-    dataset = getattr(state, "valid_dataset", None)
+    count = cfg.logger.log_eval_samples
+    dataset = state.valid_dataset
     if not count:
         return []
     if dataset is None or len(dataset) == 0:  # the same on every rank: the datasets are global
@@ -121,7 +122,7 @@ def log_eval_samples(state: Any, model: Sequence[torch.nn.Module], iteration: in
     collective = is_sharded(model)
     if not (collective or is_last_rank()):
         return []
-    learned = getattr(cfg.model, "position_embedding_type", None) == "learned_absolute"
+    learned = cfg.model.position_embedding_type == "learned_absolute"
     samples = generate_eval_samples(
         model, state.tokenizer, dataset, count, cfg.logger.eval_samples_max_new_tokens,
         cfg.logger.eval_samples_prompt_tokens, cfg.model.seq_length if learned else None, collective)

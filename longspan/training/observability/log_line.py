@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from longspan.config.schema.container import ConfigContainer
 from longspan.core.logging import get_logger, get_rank, get_world_size, print_rank_last
 from longspan.training.observability.loggers import log_scalars
 from longspan.training.state import GlobalState
@@ -80,29 +81,28 @@ TIMERS_LEVEL_2 = [
 ]
 
 
-def current_global_batch_size(config: Any, global_state: GlobalState) -> int:
+def current_global_batch_size(config: ConfigContainer, global_state: GlobalState) -> int:
     """The global batch size of this iteration: from the ramp-up calculator when set, else the config."""
-    calculator = getattr(global_state, "num_microbatches_calculator", None)
+    calculator = global_state.num_microbatches_calculator
     if calculator is not None and hasattr(calculator, "get_current_global_batch_size"):
         return int(calculator.get_current_global_batch_size())
-    gbs = option(config.train, "global_batch_size")
+    gbs = config.train.global_batch_size
     if gbs:
         return int(gbs)
-    dp = getattr(config, "data_parallel_size", None) or 1
+    dp = config.data_parallel_size or 1
     return int(config.train.micro_batch_size) * int(dp)
 
 
-def _seq_length(config: Any, seq_length: Optional[int]) -> Optional[int]:
+def _seq_length(config: ConfigContainer, seq_length: Optional[int]) -> Optional[int]:
     if seq_length:
         return int(seq_length)
-    for section in ("model", "dataset"):
-        value = option(getattr(config, section, None), "seq_length")
-        if value:
-            return int(value)
+    for section in (config.model, config.dataset):
+        if section is not None and section.seq_length:
+            return int(section.seq_length)
     return None
 
 
-def _flops_per_iteration(config: Any, batch_size: int) -> Optional[float]:
+def _flops_per_iteration(config: ConfigContainer, batch_size: int) -> Optional[float]:
     """Model FLOPs of one iteration, or None when the model config lacks the fields the formula needs."""
     try:
         return num_floating_point_operations(config, batch_size)
@@ -121,7 +121,7 @@ def training_log(
     grad_norm: Optional[float],
     params_norm: Optional[float],
     num_zeros_in_grad: Optional[int],
-    config: Any,
+    config: ConfigContainer,
     global_state: GlobalState,
     history_wct: list,
     model: list,
@@ -145,7 +145,7 @@ def log_iteration(
     metrics: IterationMetrics,
     total_loss_dict: dict[str, Any],
     report_memory_flag: bool,
-    config: Any,
+    config: ConfigContainer,
     global_state: GlobalState,
     history_wct: list,
     model: list,
@@ -184,7 +184,7 @@ class _LogContext:
     """What the parts of ``training_log`` share for one iteration (resolved once)."""
 
     @classmethod
-    def create(cls, metrics: IterationMetrics, config: Any, global_state: GlobalState, history_wct: list,
+    def create(cls, metrics: IterationMetrics, config: ConfigContainer, global_state: GlobalState, history_wct: list,
                pg_collection: Optional[Any], total_loss_dict: dict[str, Any]) -> "_LogContext":
         ctx = cls()
         ctx.metrics, ctx.config, ctx.global_state, ctx.history_wct = metrics, config, global_state, history_wct
@@ -199,8 +199,8 @@ class _LogContext:
         ctx.learning_rate = reduce_max_stat_across_model_parallel_group(
             metrics.learning_rate, option(pg_collection, "mp"))
         ctx.seq_len = _seq_length(config, metrics.seq_length)
-        ctx.log_interval = max(1, int(option(ctx.logger_cfg, "log_interval", 100)))
-        ctx.at_tb_step = ctx.iteration % max(1, int(option(ctx.logger_cfg, "tensorboard_log_interval", 1))) == 0
+        ctx.log_interval = max(1, int(ctx.logger_cfg.log_interval))
+        ctx.at_tb_step = ctx.iteration % max(1, int(ctx.logger_cfg.tensorboard_log_interval)) == 0
         ctx.sinks = logger_sinks(global_state)
         ctx.any_sink = any(v is not None for v in ctx.sinks.values())
         ctx.flops = _flops_per_iteration(config, ctx.batch_size)
@@ -209,11 +209,11 @@ class _LogContext:
             # First call of this run: the running total already includes this iteration (and, after a resume,
             # everything done before), so the baseline is the total before this iteration.
             global_state._flops_at_last_log = max(0.0, ctx.flops_so_far - (ctx.flops or 0.0))
-        log_throughput = bool(option(ctx.logger_cfg, "log_throughput", False))
+        log_throughput = bool(ctx.logger_cfg.log_throughput)
         ctx.peak = peak_flops_per_device(getattr(global_state, "device", None)) if log_throughput else None
         # logger.log_energy: the interval's energy (collective), in the line, the sinks and metrics.jsonl
         at_log = ctx.iteration % ctx.log_interval == 0
-        ctx.energy = interval_energy(getattr(global_state, "energy_monitor", None), ctx.total_iterations,
+        ctx.energy = interval_energy(global_state.energy_monitor, ctx.total_iterations,
                                      get_world_size()) if at_log else None
         return ctx
 
@@ -221,21 +221,21 @@ class _LogContext:
 def _collective_reports(ctx: _LogContext, model: list) -> dict[str, dict[str, Any]]:
     """The parts every rank must join: timers to TensorBoard, memory snapshot/statistics, gradient norms."""
     logger_cfg, iteration = ctx.logger_cfg, ctx.iteration
-    if option(logger_cfg, "log_timers_to_tensorboard", False) and ctx.at_tb_step:
+    if logger_cfg.log_timers_to_tensorboard and ctx.at_tb_step:
         # No reset: the text log at the next log interval resets, so both report the same interval.
         timer_metrics = ctx.global_state.timers.write(
             ctx.timers_to_log, None, iteration, normalizer=ctx.total_iterations, reset=False)
         log_scalars(timer_metrics, iteration, **ctx.sinks)
-    profiling = getattr(ctx.config, "profiling", None)
-    if profiling is not None and getattr(profiling, "record_memory_history", False):
-        if iteration == getattr(profiling, "profile_step_end", -1):
+    profiling = ctx.config.profiling
+    if profiling is not None and profiling.record_memory_history:
+        if iteration == profiling.profile_step_end:
             dump_memory_snapshot(profiling)
     memory: dict[str, Any] = {}
-    if option(logger_cfg, "log_memory_to_tensorboard", False) and ctx.at_tb_step:
+    if logger_cfg.log_memory_to_tensorboard and ctx.at_tb_step:
         memory = reduce_max_memory_across_pp_group(
-            report_memory(option(logger_cfg, "memory_keys")), option(ctx.pg_collection, "pp"))
+            report_memory(logger_cfg.memory_keys), option(ctx.pg_collection, "pp"))
     grad_norms: dict[str, float] = {}
-    if option(logger_cfg, "log_l2_norm_grad_to_tensorboard", False) and ctx.at_tb_step:
+    if logger_cfg.log_l2_norm_grad_to_tensorboard and ctx.at_tb_step:
         grad_norms = report_l2_norm_grad(model)  # DTensor gradients reduce over their mesh
     return {"memory": memory, "grad_norms": grad_norms}
 
@@ -246,16 +246,16 @@ def _write_scalars(ctx: _LogContext, values: dict[str, Any], reports: dict[str, 
     scalars: dict[str, Any] = {}
     if ctx.learning_rate is not None:
         scalars["learning-rate"] = ctx.learning_rate
-    if option(option(ctx.config, "optimizer"), "decoupled_lr") is not None and m.decoupled_learning_rate is not None:
+    if ctx.config.optimizer.decoupled_lr is not None and m.decoupled_learning_rate is not None:
         scalars["decoupled-learning-rate"] = m.decoupled_learning_rate
     if train_state.skipped_train_samples > 0:
         scalars["skipped-train-samples"] = train_state.skipped_train_samples
     scalars["batch-size"] = ctx.batch_size
     for key, value in values.items():
         scalars[key] = to_float(value)
-    if option(logger_cfg, "log_loss_scale_to_tensorboard", True):
+    if logger_cfg.log_loss_scale_to_tensorboard:
         scalars["loss-scale"] = m.loss_scale
-    if option(logger_cfg, "log_world_size_to_tensorboard", False):
+    if logger_cfg.log_world_size_to_tensorboard:
         scalars["world-size"] = get_world_size()
     for tag, value in (("grad-norm", m.grad_norm), ("num-zeros", m.num_zeros_in_grad),
                        ("params-norm", m.params_norm), ("max-attention-logit", m.max_attention_logit)):
@@ -265,12 +265,12 @@ def _write_scalars(ctx: _LogContext, values: dict[str, Any], reports: dict[str, 
     write_vs_samples(ctx.sinks["tb_writer"], scalars, train_state.consumed_train_samples)
 
     extra: dict[str, Any] = dict(reports["memory"])
-    if option(logger_cfg, "log_throughput_to_tensorboard", False) and ctx.seq_len:
+    if logger_cfg.log_throughput_to_tensorboard and ctx.seq_len:
         extra.update(report_throughput(ctx.config.train, ctx.iteration, ctx.seq_len, ctx.history_wct,
-                                       int(option(logger_cfg, "throughput_window_size", 100))))
-    if option(logger_cfg, "log_runtime_to_tensorboard", False) and ctx.seq_len:
+                                       int(logger_cfg.throughput_window_size)))
+    if logger_cfg.log_runtime_to_tensorboard and ctx.seq_len:
         extra.update(report_runtime(train_state, ctx.global_state.start_time, ctx.seq_len,
-                                    ctx.config.train.train_iters, option(logger_cfg, "runtime_time_unit", "hours")))
+                                    ctx.config.train.train_iters, logger_cfg.runtime_time_unit))
     extra.update(reports["grad_norms"])
     log_scalars(extra, ctx.iteration, **ctx.sinks)
 
@@ -339,10 +339,10 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
         elapsed_time = history_wct[-1] - history_wct[-1 - ctx.total_iterations]
     elapsed_per_iter = elapsed_time / max(1, ctx.total_iterations)
     per_gpu_tflops = _interval_throughput(ctx, elapsed_time)
-    show_throughput = bool(option(logger_cfg, "log_throughput", False))
+    show_throughput = bool(logger_cfg.log_throughput)
 
     interval_scalars: dict[str, Any] = {}
-    if option(logger_cfg, "log_timers_to_tensorboard", False):
+    if logger_cfg.log_timers_to_tensorboard:
         interval_scalars["iteration-time"] = elapsed_per_iter
     if per_gpu_tflops is not None and show_throughput:
         interval_scalars["throughput"] = per_gpu_tflops
@@ -386,7 +386,7 @@ def _log_interval(ctx: _LogContext, total_loss_dict: dict[str, Any], report_memo
 
 
 def _report_memory_once(ctx: _LogContext, loaded_iteration: int) -> bool:
-    report = report_memory(option(ctx.logger_cfg, "memory_keys"))
+    report = report_memory(ctx.logger_cfg.memory_keys)
     dp_group = option(ctx.pg_collection, "dp")
     dp_rank = dist.get_rank(group=dp_group) if dp_group is not None and dist.is_initialized() else get_rank()
     if report and dp_rank == 0:

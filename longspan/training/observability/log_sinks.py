@@ -1,4 +1,4 @@
-"""Small helpers the training and validation logs share: optional config values and the scalar sinks."""
+"""Small helpers the training and validation logs share: process-group lookups and the scalar sinks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from longspan.training.state import GlobalState
 
 
 def option(section: Any, name: str, default: Any = None) -> Any:
-    """``section.name`` (``default`` when the section is None or lacks the field)."""
+    """``section.name`` (``default`` when the section is None or lacks it): for a caller's process-group
+    collection (megatron-core's ``ProcessGroupCollection`` holds only the groups it was given), not for configs."""
     return default if section is None else getattr(section, name, default)
 
 

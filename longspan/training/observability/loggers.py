@@ -7,9 +7,9 @@ it. ``check_logger_dependencies`` performs that check without creating anything,
 fast at start-up instead of at the first log line.
 
 Logger config fields read here (``cfg.logger``): ``tensorboard_dir``, ``tensorboard_queue_size``,
-``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``, ``wandb_entity`` (Bridge's spec), and, when the config
-has them, ``mlflow_experiment``, ``mlflow_run_name``, ``mlflow_tracking_uri``, ``mlflow_tags``,
-``comet_project``, ``comet_experiment_name``, ``comet_workspace``, ``comet_api_key``, ``comet_tags``.
+``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``, ``wandb_entity`` (Bridge's spec), and
+``mlflow_experiment``, ``mlflow_run_name``, ``mlflow_tracking_uri``, ``mlflow_tags``, ``comet_project``,
+``comet_experiment_name``, ``comet_workspace``, ``comet_api_key``, ``comet_tags``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.training import LoggerConfig
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger
 
@@ -39,26 +41,23 @@ _OPTIONAL_INTEGRATIONS = (
 )
 
 
-def _field(section: Any, name: str, default: Any = None) -> Any:
-    """``section.name`` or ``default`` when the section or field is absent (fields newer than Bridge's spec)."""
-    return default if section is None else getattr(section, name, default)
-
-
-def check_logger_dependencies(logger_cfg: Any) -> None:
+def check_logger_dependencies(logger_cfg: Optional[LoggerConfig]) -> None:
     """Raise ``ConfigError`` when an optional integration is configured but its client is not installed, or
     when MLflow would refuse the tracking store (checked at start-up, before anything is trained or written)."""
+    if logger_cfg is None:
+        return
     for field_name, module, extra in _OPTIONAL_INTEGRATIONS:
-        if _field(logger_cfg, field_name) and importlib.util.find_spec(module) is None:
+        if getattr(logger_cfg, field_name) and importlib.util.find_spec(module) is None:
             raise ConfigError(
                 f"logger.{field_name} is set but {module} is not installed: pip install longspan[{extra}]"
             )
-    if _field(logger_cfg, "mlflow_experiment"):
+    if logger_cfg.mlflow_experiment:
         _check_mlflow_store(logger_cfg)
 
 
-def _check_mlflow_store(logger_cfg: Any) -> None:
+def _check_mlflow_store(logger_cfg: LoggerConfig) -> None:
     mlflow = _import_optional(logger_cfg, "mlflow_experiment")
-    uri = _field(logger_cfg, "mlflow_tracking_uri")
+    uri = logger_cfg.mlflow_tracking_uri
     utils = getattr(getattr(getattr(mlflow, "tracking", None), "_tracking_service", None), "utils", None)
     get_store = getattr(utils, "_get_store", None)  # private, but the one way to ask without starting a run
     if get_store is None:
@@ -81,7 +80,7 @@ def _raise_if_file_store_refused(mlflow: Any, uri: Optional[str], exc: Exception
     ) from None
 
 
-def _import_optional(logger_cfg: Any, field_name: str) -> Any:
+def _import_optional(logger_cfg: LoggerConfig, field_name: str) -> Any:
     for name, module, extra in _OPTIONAL_INTEGRATIONS:
         if name == field_name:
             try:
@@ -163,28 +162,32 @@ class MetricsJSONLWriter:
             self._file = None
 
 
-def metrics_jsonl_path(cfg: Any) -> Optional[str]:
+def metrics_jsonl_path(cfg: ConfigContainer) -> Optional[str]:
     """Where ``metrics.jsonl`` goes: beside the TensorBoard logs, else in ``checkpoint.save``, else nowhere."""
-    tb_dir = _field(_field(cfg, "logger"), "tensorboard_dir")
+    tb_dir = cfg.logger.tensorboard_dir if cfg.logger is not None else None
     if tb_dir:
         return os.path.join(tb_dir, METRICS_FILENAME)
-    save_dir = _field(_field(cfg, "checkpoint"), "save")
+    save_dir = _checkpoint_save(cfg)
     if save_dir:
         return os.path.join(save_dir, METRICS_FILENAME)
     return None
 
 
 # ---------------------------------------------------------------------------------------------- builders
-def build_tensorboard_writer(logger_cfg: Any) -> Optional[Any]:
+def _checkpoint_save(cfg: ConfigContainer) -> Optional[str]:
+    return cfg.checkpoint.save if cfg.checkpoint is not None else None
+
+
+def build_tensorboard_writer(logger_cfg: Optional[LoggerConfig]) -> Optional[Any]:
     """A ``SummaryWriter`` on ``logger.tensorboard_dir`` with ``tensorboard_queue_size``; None if unset."""
-    tb_dir = _field(logger_cfg, "tensorboard_dir")
+    tb_dir = logger_cfg.tensorboard_dir if logger_cfg is not None else None
     if not tb_dir:
         return None
     # start-up time: tensorboard loads only when a run writes to it
     from torch.utils.tensorboard import SummaryWriter
 
     logger.info(f"> setting tensorboard in {tb_dir}")
-    return SummaryWriter(log_dir=tb_dir, max_queue=int(_field(logger_cfg, "tensorboard_queue_size", 1000)))
+    return SummaryWriter(log_dir=tb_dir, max_queue=int(logger_cfg.tensorboard_queue_size))
 
 
 def _json_default(obj: Any) -> Any:
@@ -201,39 +204,39 @@ def _config_as_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(raw, default=_json_default))
 
 
-def build_wandb_logger(cfg: Any) -> Optional[Any]:
+def build_wandb_logger(cfg: ConfigContainer) -> Optional[Any]:
     """Initialize a W&B run from ``logger.wandb_*`` and return the ``wandb`` module; None if unset."""
-    logger_cfg = _field(cfg, "logger")
-    project = _field(logger_cfg, "wandb_project")
+    logger_cfg = cfg.logger
+    project = logger_cfg.wandb_project if logger_cfg is not None else None
     if not project:
         return None
     wandb = _import_optional(logger_cfg, "wandb_project")
-    exp_name = _field(logger_cfg, "wandb_exp_name")
+    exp_name = logger_cfg.wandb_exp_name
     if exp_name == "":
         raise ConfigError("logger.wandb_exp_name is empty; set a run name when logger.wandb_project is set")
-    save_dir = _field(logger_cfg, "wandb_save_dir")
+    save_dir = logger_cfg.wandb_save_dir
     if not save_dir:
-        base = _field(_field(cfg, "checkpoint"), "save") or os.getcwd()
+        base = _checkpoint_save(cfg) or os.getcwd()
         save_dir = os.path.join(base, "wandb")
     os.makedirs(save_dir, exist_ok=True)
     wandb.init(
         dir=save_dir,
         name=exp_name,
         project=project,
-        entity=_field(logger_cfg, "wandb_entity"),
+        entity=logger_cfg.wandb_entity,
         config=_config_as_dict(cfg),
     )
     return wandb
 
 
-def build_mlflow_logger(cfg: Any) -> Optional[Any]:
+def build_mlflow_logger(cfg: ConfigContainer) -> Optional[Any]:
     """Start an MLflow run from ``logger.mlflow_*`` and return the ``mlflow`` module; None if unset."""
-    logger_cfg = _field(cfg, "logger")
-    experiment = _field(logger_cfg, "mlflow_experiment")
+    logger_cfg = cfg.logger
+    experiment = logger_cfg.mlflow_experiment if logger_cfg is not None else None
     if not experiment:
         return None
     mlflow = _import_optional(logger_cfg, "mlflow_experiment")
-    uri = _field(logger_cfg, "mlflow_tracking_uri")
+    uri = logger_cfg.mlflow_tracking_uri
     if uri:
         mlflow.set_tracking_uri(uri)
     try:
@@ -241,26 +244,26 @@ def build_mlflow_logger(cfg: Any) -> Optional[Any]:
     except mlflow.exceptions.MlflowException as exc:
         _raise_if_file_store_refused(mlflow, uri, exc)
         raise
-    mlflow.start_run(run_name=_field(logger_cfg, "mlflow_run_name"), tags=_field(logger_cfg, "mlflow_tags"))
+    mlflow.start_run(run_name=logger_cfg.mlflow_run_name, tags=logger_cfg.mlflow_tags)
     return mlflow
 
 
-def build_comet_logger(cfg: Any) -> Optional[Any]:
+def build_comet_logger(cfg: ConfigContainer) -> Optional[Any]:
     """Create a Comet experiment from ``logger.comet_*`` and return it; None if unset."""
-    logger_cfg = _field(cfg, "logger")
-    project = _field(logger_cfg, "comet_project")
+    logger_cfg = cfg.logger
+    project = logger_cfg.comet_project if logger_cfg is not None else None
     if not project:
         return None
     comet_ml = _import_optional(logger_cfg, "comet_project")
     experiment = comet_ml.start(
-        api_key=_field(logger_cfg, "comet_api_key"),
-        workspace=_field(logger_cfg, "comet_workspace"),
+        api_key=logger_cfg.comet_api_key,
+        workspace=logger_cfg.comet_workspace,
         project=project,
     )
-    name = _field(logger_cfg, "comet_experiment_name")
+    name = logger_cfg.comet_experiment_name
     if name:
         experiment.set_name(name)
-    tags = _field(logger_cfg, "comet_tags")
+    tags = logger_cfg.comet_tags
     if tags:
         experiment.add_tags(list(tags))
     return experiment

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from longspan.config.schema.infra import ProfilingConfig
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.training.utils.comm import collective_device, dist_ready, group_size
 
@@ -87,7 +88,7 @@ def reduce_max_memory_across_pp_group(
     return reduced
 
 
-def start_memory_history_recording(profiling: Optional[Any]) -> None:
+def start_memory_history_recording(profiling: Optional[ProfilingConfig]) -> None:
     """Record CUDA allocator history so memory snapshots show a timeline and call sites.
 
     Call before building the model so every allocation is captured. Active only when
@@ -95,16 +96,16 @@ def start_memory_history_recording(profiling: Optional[Any]) -> None:
     out-of-memory error also dumps ``{memory_snapshot_path stem}_oom_rank-{rank}{ext}``. Without CUDA this
     logs one line and returns.
     """
-    if profiling is None or not getattr(profiling, "record_memory_history", False):
+    if profiling is None or not profiling.record_memory_history:
         return
     rank = get_rank()
-    if rank not in list(getattr(profiling, "profile_ranks", None) or [0]):
+    if rank not in list(profiling.profile_ranks or [0]):
         return
     if not torch.cuda.is_available():
         logger.info(f"profiling.record_memory_history is set but CUDA is not available: rank {rank} records nothing")
         return
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=100_000)
-    snapshot_path = getattr(profiling, "memory_snapshot_path", "snapshot.pickle")
+    snapshot_path = profiling.memory_snapshot_path
 
     def _dump_on_oom(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
         base, ext = os.path.splitext(snapshot_path)
@@ -117,15 +118,15 @@ def start_memory_history_recording(profiling: Optional[Any]) -> None:
     print_rank_0(f"Memory history recording enabled (rank {rank}); snapshots go to '{snapshot_path}'.")
 
 
-def dump_memory_snapshot(profiling: Any, rank: Optional[int] = None) -> Optional[str]:
+def dump_memory_snapshot(profiling: ProfilingConfig, rank: Optional[int] = None) -> Optional[str]:
     """Write the CUDA memory snapshot to ``{memory_snapshot_path stem}_{rank}{ext}``; returns the path.
 
     Returns None (and writes nothing) without CUDA or when the rank is not profiled.
     """
     rank = get_rank() if rank is None else rank
-    if not torch.cuda.is_available() or rank not in list(getattr(profiling, "profile_ranks", None) or [0]):
+    if not torch.cuda.is_available() or rank not in list(profiling.profile_ranks or [0]):
         return None
-    base, ext = os.path.splitext(getattr(profiling, "memory_snapshot_path", "snapshot.pickle"))
+    base, ext = os.path.splitext(profiling.memory_snapshot_path)
     filename = f"{base}_{rank}{ext}"
     with open(filename, "wb") as f:
         pickle.dump(torch.cuda.memory._snapshot(), f)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from longspan.config.schema.container import ConfigContainer
 from longspan.training.observability.loggers import log_scalars
 from longspan.training.state import GlobalState
-from longspan.training.observability.log_sinks import logger_sinks, option
+from longspan.training.observability.log_sinks import logger_sinks
 
 
-def track_moe_metrics(model: list, config: Any, global_state: GlobalState, iteration: int) -> dict[str, float]:
+def track_moe_metrics(model: list, config: ConfigContainer, global_state: GlobalState,
+                      iteration: int) -> dict[str, float]:
     """Megatron's ``track_moe_metrics``: the MoE layers' metrics of the iteration just finished, then reset.
 
     Returns (empty for a dense model) ``load_balancing_loss`` and ``z_loss`` (when enabled; without their
@@ -23,8 +23,8 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     ``tensorboard_log_interval``.
     Collective over the pipeline and data × context-parallel groups: call on every rank.
     """
-    model_cfg = getattr(config, "model", None)
-    if not getattr(model_cfg, "num_moe_experts", None):
+    model_cfg = config.model
+    if not model_cfg.num_moe_experts:
         return {}
     # model code on first use: train_utils and the loggers import no model module (tests/training/test_state.py)
     from longspan.models.moe import moe_layer_metrics, reset_moe_metrics
@@ -33,7 +33,7 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     per_layer = moe_layer_metrics(chunks)
     reset_moe_metrics(chunks)
     # MTP depths' MoE layers are numbered after the decoder's (megatron-core counts them too)
-    num_layers = int(model_cfg.num_layers) + int(getattr(model_cfg, "mtp_num_layers", None) or 0)
+    num_layers = int(model_cfg.num_layers) + int(model_cfg.mtp_num_layers or 0)
     experts = int(model_cfg.num_moe_experts)
     names = ["load_balancing_loss", "z_loss"]
     # [num_layers, 2 losses + steps + experts]: zeros for layers on other pipeline stages, summed across them.
@@ -69,8 +69,8 @@ def track_moe_metrics(model: list, config: Any, global_state: GlobalState, itera
     layer_values["load_imbalance"] = tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-12)
     for name, vals in layer_values.items():
         out[name] = float(vals.mean())
-    tb_interval = max(1, int(option(getattr(config, "logger", None), "tensorboard_log_interval", 1) or 1))
-    if getattr(model_cfg, "moe_per_layer_logging", False) and iteration % tb_interval == 0:
+    tb_interval = max(1, int(config.logger.tensorboard_log_interval or 1))
+    if model_cfg.moe_per_layer_logging and iteration % tb_interval == 0:
         layer_ids = torch.nonzero(moe_rows).flatten().tolist()
         scalars = {f"moe/{name}_layer_{i}": float(v) for name, vals in layer_values.items()
                    for i, v in zip(layer_ids, vals.tolist())}

@@ -7,15 +7,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longspan.config.schema.container import ConfigContainer
 from longspan.training.state import GlobalState
 
 
-def track_mtp_metrics(model: list, config: Any, global_state: GlobalState) -> dict[str, float]:
+def track_mtp_metrics(model: list, config: ConfigContainer, global_state: GlobalState) -> dict[str, float]:
     """The iteration's ``mtp_{k} loss`` per depth ``k`` (empty without MTP): each microbatch's
     ``sum(mask * ce) / sum(mask)`` averaged over the microbatches and the data-parallel ranks, as megatron-core
     logs them; the accumulators are then cleared. Collective over the pipeline and data-parallel groups (only
     the last stage holds the depths): call on every rank."""
-    depths = getattr(getattr(config, "model", None), "mtp_num_layers", None)
+    depths = config.model.mtp_num_layers
     if not depths:
         return {}
     # model code on first use: train_utils and the loggers import no model module (tests/training/test_state.py)

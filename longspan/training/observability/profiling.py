@@ -12,13 +12,16 @@ Only ranks listed in ``profile_ranks`` profile. Everything CUDA-specific is a lo
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.profiler
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.infra import ProfilingConfig
 from longspan.core.logging import get_logger, get_rank
 from longspan.training.observability.memory import dump_memory_snapshot, start_memory_history_recording
+from longspan.training.state import GlobalState
 
 logger = get_logger(__name__)
 
@@ -39,19 +42,19 @@ __all__ = [
 ]
 
 
-def should_profile_rank(config: Optional[Any], rank: int) -> bool:
+def should_profile_rank(config: Optional[ProfilingConfig], rank: int) -> bool:
     """True when profiling is configured and ``rank`` is in ``config.profile_ranks``."""
     if config is None:
         return False
-    return rank in list(getattr(config, "profile_ranks", None) or [])
+    return rank in list(config.profile_ranks or [])
 
 
-def profiler_trace_dir(cfg: Any) -> str:
+def profiler_trace_dir(cfg: ConfigContainer) -> str:
     """Where torch.profiler traces go: ``logger.tensorboard_dir``, else ``{checkpoint.save}/profile``, else ./profile."""
-    tb_dir = getattr(getattr(cfg, "logger", None), "tensorboard_dir", None)
+    tb_dir = cfg.logger.tensorboard_dir if cfg.logger is not None else None
     if tb_dir:
         return tb_dir
-    save = getattr(getattr(cfg, "checkpoint", None), "save", None)
+    save = cfg.checkpoint.save if cfg.checkpoint is not None else None
     return os.path.join(save, "profile") if save else os.path.join(os.getcwd(), "profile")
 
 
@@ -62,7 +65,7 @@ def _activities() -> list[torch.profiler.ProfilerActivity]:
     return activities
 
 
-def build_pytorch_profiler(config: Any, state: Any) -> Optional[torch.profiler.profile]:
+def build_pytorch_profiler(config: ProfilingConfig, state: GlobalState) -> Optional[torch.profiler.profile]:
     """An unstarted torch.profiler for this rank, or None when this rank is not in ``profile_ranks``.
 
     It has no schedule: everything between ``start()`` (the loop calls it at ``profile_step_start``) and
@@ -71,7 +74,7 @@ def build_pytorch_profiler(config: Any, state: Any) -> Optional[torch.profiler.p
     """
     if not should_profile_rank(config, get_rank()):
         return None
-    trace_dir = profiler_trace_dir(getattr(state, "cfg", None))
+    trace_dir = profiler_trace_dir(state.cfg)
     logger.info(
         f"torch.profiler on rank {get_rank()}: iterations {config.profile_step_start}-{config.profile_step_end}, "
         f"traces in {trace_dir}"
@@ -79,12 +82,12 @@ def build_pytorch_profiler(config: Any, state: Any) -> Optional[torch.profiler.p
     return torch.profiler.profile(
         activities=_activities(),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
-        record_shapes=bool(getattr(config, "record_shapes", False)),
+        record_shapes=bool(config.record_shapes),
         with_stack=True,
     )
 
 
-def initialize_pytorch_profiler(config: Any, tensorboard_dir: str) -> torch.profiler.profile:
+def initialize_pytorch_profiler(config: ProfilingConfig, tensorboard_dir: str) -> torch.profiler.profile:
     """An unstarted torch.profiler with a schedule: wait until ``profile_step_start - 1``, warm up one
     step, record ``profile_step_end - profile_step_start`` steps; call ``step()`` every iteration."""
     return torch.profiler.profile(
@@ -96,18 +99,18 @@ def initialize_pytorch_profiler(config: Any, tensorboard_dir: str) -> torch.prof
             repeat=1,
         ),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(tensorboard_dir),
-        record_shapes=bool(getattr(config, "record_shapes", False)),
+        record_shapes=bool(config.record_shapes),
         with_stack=True,
     )
 
 
-def start_nsys_profiler(config: Any) -> Optional[TNvtxContext]:
+def start_nsys_profiler(config: ProfilingConfig) -> Optional[TNvtxContext]:
     """Start CUDA profiling for an external nsys run and enter an NVTX context (None without CUDA)."""
     if not torch.cuda.is_available():
         logger.info("profiling.use_nsys_profiler is set but CUDA is not available: nsys profiling skipped")
         return None
     torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-    context = torch.autograd.profiler.emit_nvtx(record_shapes=bool(getattr(config, "record_shapes", False)))
+    context = torch.autograd.profiler.emit_nvtx(record_shapes=bool(config.record_shapes))
     context.__enter__()
     return context
 
@@ -122,7 +125,7 @@ def stop_nsys_profiler(nvtx_context: Optional[TNvtxContext]) -> None:
 
 
 def handle_profiling_step(
-    config: Optional[Any], iteration: int, rank: int, pytorch_prof: Optional[torch.profiler.profile]
+    config: Optional[ProfilingConfig], iteration: int, rank: int, pytorch_prof: Optional[torch.profiler.profile]
 ) -> Optional[TNvtxContext]:
     """Per-step profiling: step the torch profiler; start nsys at ``profile_step_start``.
 
@@ -130,15 +133,15 @@ def handle_profiling_step(
     """
     if not should_profile_rank(config, rank):
         return None
-    if getattr(config, "use_pytorch_profiler", False) and pytorch_prof is not None:
+    if config.use_pytorch_profiler and pytorch_prof is not None:
         pytorch_prof.step()
-    if getattr(config, "use_nsys_profiler", False) and iteration == config.profile_step_start:
+    if config.use_nsys_profiler and iteration == config.profile_step_start:
         return start_nsys_profiler(config)
     return None
 
 
 def handle_profiling_stop(
-    config: Optional[Any],
+    config: Optional[ProfilingConfig],
     iteration: int,
     rank: int,
     pytorch_prof: Optional[torch.profiler.profile],
@@ -147,7 +150,7 @@ def handle_profiling_stop(
     """At ``profile_step_end``: stop the torch profiler and nsys profiling (on profiled ranks)."""
     if not should_profile_rank(config, rank) or iteration != config.profile_step_end:
         return
-    if getattr(config, "use_pytorch_profiler", False) and pytorch_prof is not None:
+    if config.use_pytorch_profiler and pytorch_prof is not None:
         pytorch_prof.stop()
-    if getattr(config, "use_nsys_profiler", False):
+    if config.use_nsys_profiler:
         stop_nsys_profiler(nsys_nvtx_context)

@@ -9,7 +9,7 @@ from longspan.core.logging import print_rank_last
 from longspan.training.observability.loggers import log_scalars
 from longspan.training.state import GlobalState
 from longspan.training.observability.log_metrics import loss_value, to_float
-from longspan.training.observability.log_sinks import logger_sinks, option, write_vs_samples
+from longspan.training.observability.log_sinks import logger_sinks, write_vs_samples
 
 
 def log_validation_results(
@@ -33,8 +33,7 @@ def log_validation_results(
         The line (also printed between two dashed lines on the last rank). Perplexity is ``exp(min(20, loss))``.
     """
     cfg = global_state.cfg
-    logger_cfg = getattr(cfg, "logger", None)
-    log_ppl = bool(option(logger_cfg, "log_validation_ppl_to_tensorboard", False))
+    log_ppl = bool(cfg.logger.log_validation_ppl_to_tensorboard)
     consumed = global_state.train_state.consumed_train_samples
     sinks = logger_sinks(global_state)
     if not write_to_tensorboard:

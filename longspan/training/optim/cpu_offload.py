@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from longspan.config.schema.optim import OptimizerConfig
 from longspan.core.errors import NotSupportedError
 
 try:
@@ -227,13 +228,13 @@ def _as_shard_of(param: Any, value: Any) -> Any:
                               stride=param.stride())
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, config: Any,
+def offload_optimizer(optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                       make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> CpuOffloadOptimizer:
     """``optimizer``'s param groups split as ``optimizer_offload_fraction`` says, each part built by
-    ``make_optimizer``; the pin and overlap switches from ``config`` (an OptimizerConfig)."""
+    ``make_optimizer``; the pin and overlap switches from ``config``."""
     return CpuOffloadOptimizer(
-        optimizer.param_groups, make_optimizer, float(getattr(config, "optimizer_offload_fraction", 0.0)),
-        pin_params=bool(getattr(config, "pin_cpu_params", True)),
-        pin_grads=bool(getattr(config, "pin_cpu_grads", True)),
-        overlap_copies=bool(getattr(config, "overlap_cpu_optimizer_d2h_h2d", False)),
+        optimizer.param_groups, make_optimizer, float(config.optimizer_offload_fraction),
+        pin_params=bool(config.pin_cpu_params),
+        pin_grads=bool(config.pin_cpu_grads),
+        overlap_copies=bool(config.overlap_cpu_optimizer_d2h_h2d),
     )

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longspan.config.schema.optim import OptimizerConfig
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.training.optim.cpu_offload import offload_optimizer
@@ -77,7 +78,7 @@ class MegatronOptimizer:
     Args:
         optimizer: the torch optimizer over the param groups (low-precision params are replaced in its
             groups by fp32 main copies here).
-        config: an ``OptimizerConfig``; read by attribute name (``clip_grad``, ``log_num_zeros_in_grad``).
+        config: the run's ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``, precision-aware dtypes).
         grad_scaler: loss scaler, or None (bf16 without ``loss_scale``, fp32).
 
     Attributes:
@@ -89,7 +90,7 @@ class MegatronOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        config: Any,
+        config: OptimizerConfig,
         grad_scaler: MegatronGradScaler | None = None,
     ) -> None:
         self.optimizer = optimizer
@@ -102,9 +103,9 @@ class MegatronOptimizer:
         # Precision-aware optimizer (megatron-core's use_precision_aware_optimizer): main params in
         # main_params_dtype, main gradients in main_grads_dtype, held as ``decoupled_grad`` since a tensor's
         # ``grad`` must have its dtype. Otherwise fp32 main params with fp32 ``grad``.
-        self.precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
-        main_dtype = getattr(config, "main_params_dtype", torch.float32) if self.precision_aware else torch.float32
-        self.main_grads_dtype = (getattr(config, "main_grads_dtype", torch.float32) if self.precision_aware
+        self.precision_aware = bool(config.use_precision_aware_optimizer)
+        main_dtype = config.main_params_dtype if self.precision_aware else torch.float32
+        self.main_grads_dtype = (config.main_grads_dtype if self.precision_aware
                                  else torch.float32)
 
         # (model_param, main_param) pairs per group, as megatron-core's float16/fp32_from_float16 groups.
@@ -330,12 +331,12 @@ class MegatronOptimizer:
         """
         if self.prepare_grads():
             return False, None, None
-        clip_grad = float(getattr(self.config, "clip_grad", 0.0) or 0.0)
+        clip_grad = float(self.config.clip_grad or 0.0)
         grad_norm = self.clip_grad_norm(clip_grad) if clip_grad > 0.0 else self.get_grad_norm()
         if self.check_for_nan_in_grad and not math.isfinite(grad_norm):
             # Megatron's check_for_nan_in_loss_and_grad: stop before a NaN/Inf gradient reaches the weights.
             raise NonFiniteGradError(grad_norm)
-        num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros
 
@@ -432,7 +433,7 @@ def is_embedding_or_output_parameter(name: str, param: nn.Parameter) -> bool:
 
 def get_param_groups(
     model_chunks: list[nn.Module],
-    config: Any,
+    config: OptimizerConfig,
     no_weight_decay_cond: Callable[[str, nn.Parameter], bool] | None = None,
     scale_lr_cond: Callable[[str, nn.Parameter], bool] | None = None,
     lr_mult: float = 1.0,
@@ -446,14 +447,14 @@ def get_param_groups(
     ``decoupled_lr`` / ``decoupled_min_lr`` when set. Frozen params are skipped. Groups come in a fixed
     order so every run and layout builds the same group list.
     """
-    lr = getattr(config, "lr", None)
+    lr = config.lr
     if lr is None:
         raise ConfigError("optimizer.lr=None is invalid: set the peak learning rate, e.g. optimizer.lr=3e-4")
-    min_lr = getattr(config, "min_lr", None) or 0.0
-    decoupled_lr = getattr(config, "decoupled_lr", None)
-    decoupled_min_lr = getattr(config, "decoupled_min_lr", None)
-    weight_decay = getattr(config, "weight_decay", 0.0)
-    apply_wd_to_qk_layernorm = bool(getattr(config, "apply_wd_to_qk_layernorm", False))
+    min_lr = config.min_lr or 0.0
+    decoupled_lr = config.decoupled_lr
+    decoupled_min_lr = config.decoupled_min_lr
+    weight_decay = config.weight_decay
+    apply_wd_to_qk_layernorm = bool(config.apply_wd_to_qk_layernorm)
 
     params_map: dict[tuple, list[nn.Parameter]] = {}
     seen: set[int] = set()
@@ -504,7 +505,7 @@ def get_param_groups(
 
 
 def get_megatron_optimizer(
-    config: Any,
+    config: OptimizerConfig,
     model_chunks: list[nn.Module],
     no_weight_decay_cond: Callable[[str, nn.Parameter], bool] | None = None,
     scale_lr_cond: Callable[[str, nn.Parameter], bool] | None = None,
@@ -519,11 +520,11 @@ def get_megatron_optimizer(
     ``use_precision_aware_optimizer`` gives :class:`PrecisionAwareAdamW` (moments in ``exp_avg_dtype`` /
     ``exp_avg_sq_dtype``) with main params in ``main_params_dtype`` and main grads in ``main_grads_dtype``.
     """
-    name = getattr(config, "optimizer", "adam")
-    precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
+    name = config.optimizer
+    precision_aware = bool(config.use_precision_aware_optimizer)
     if precision_aware and name != "adam":
         raise ConfigError(f"optimizer.use_precision_aware_optimizer=True works with optimizer='adam' only, not {name!r}")
-    offload = bool(getattr(config, "optimizer_cpu_offload", False))
+    offload = bool(config.optimizer_cpu_offload)
     if offload and precision_aware:
         raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported yet with "
                                 "optimizer.use_precision_aware_optimizer=True: set one of them to False")
@@ -555,45 +556,45 @@ def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:
     return {"foreach": len(dtensors) == len(all_params) and one_mesh}
 
 
-def _torch_optimizer(config: Any, name: str, precision_aware: bool, param_groups: list[dict[str, Any]],
+def _torch_optimizer(config: OptimizerConfig, name: str, precision_aware: bool, param_groups: list[dict[str, Any]],
                      fast: dict[str, bool]) -> torch.optim.Optimizer:
     """The torch optimizer ``optimizer.optimizer`` names (AdamW, Adam, SGD, or the precision-aware AdamW)."""
     lr = config.lr
-    weight_decay = getattr(config, "weight_decay", 0.0)
-    betas = (getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999))
-    eps = getattr(config, "adam_eps", 1e-8)
+    weight_decay = config.weight_decay
+    betas = (config.adam_beta1, config.adam_beta2)
+    eps = config.adam_eps
     if precision_aware:
         # Moments stored in exp_avg_dtype / exp_avg_sq_dtype, update computed in fp32 (precision_aware_adam).
         return PrecisionAwareAdamW(
             param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-            decoupled_weight_decay=getattr(config, "decoupled_weight_decay", True),
-            exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
-            exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32),
+            decoupled_weight_decay=config.decoupled_weight_decay,
+            exp_avg_dtype=config.exp_avg_dtype,
+            exp_avg_sq_dtype=config.exp_avg_sq_dtype,
         )
     if name == "adam":
-        cls = torch.optim.AdamW if getattr(config, "decoupled_weight_decay", True) else torch.optim.Adam
+        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         return cls(param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **fast)
     if name == "sgd":
-        momentum = getattr(config, "sgd_momentum", 0.9)
+        momentum = config.sgd_momentum
         return torch.optim.SGD(param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum, **fast)
     raise ConfigError(f"optimizer.optimizer={name!r} is invalid: valid optimizers are 'adam' and 'sgd'")
 
 
-def _grad_scaler(config: Any, device: torch.device) -> MegatronGradScaler | None:
+def _grad_scaler(config: OptimizerConfig, device: torch.device) -> MegatronGradScaler | None:
     """Megatron-core's loss scaler: constant with ``loss_scale`` (fp16 or bf16), dynamic for fp16 without it."""
-    if not (getattr(config, "fp16", False) or getattr(config, "bf16", False)):
+    if not (config.fp16 or config.bf16):
         return None
-    loss_scale = getattr(config, "loss_scale", None)
+    loss_scale = config.loss_scale
     if loss_scale:
         return ConstantGradScaler(loss_scale, device=device)
-    if getattr(config, "fp16", False):
+    if config.fp16:
         return DynamicGradScaler(
-            initial_scale=getattr(config, "initial_loss_scale", 2**32),
-            min_scale=getattr(config, "min_loss_scale", 1.0),
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
             growth_factor=2.0,
             backoff_factor=0.5,
-            growth_interval=getattr(config, "loss_scale_window", 1000),
-            hysteresis=getattr(config, "hysteresis", 2),
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
             device=device,
         )
     return None

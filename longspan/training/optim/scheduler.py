@@ -21,6 +21,8 @@ from longspan.config.rules.schedule import (
     WD_INCR_STYLES,
     WSD_DECAY_STYLES,
 )
+from longspan.config.schema.optim import OptimizerConfig
+from longspan.config.schema.training import SchedulerConfig, TrainingConfig
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 
@@ -259,7 +261,7 @@ def _first_key(state_dict: dict[str, Any], *keys: str) -> Any:
 
 
 def get_optimizer_param_scheduler(
-    optimizer: Any, scheduler_cfg: Any, train_cfg: Any, optimizer_cfg: Any
+    optimizer: Any, scheduler_cfg: SchedulerConfig, train_cfg: TrainingConfig, optimizer_cfg: OptimizerConfig
 ) -> OptimizerParamScheduler:
     """Build the scheduler from longspan's ``SchedulerConfig``, ``TrainingConfig`` and ``OptimizerConfig``.
 
@@ -270,54 +272,56 @@ def get_optimizer_param_scheduler(
     ``optimizer.weight_decay``, as Megatron Bridge does.
     """
     steps = _derive_steps(scheduler_cfg, train_cfg)
-    weight_decay = getattr(optimizer_cfg, "weight_decay", 0.0)
-    start_wd = getattr(scheduler_cfg, "start_weight_decay", None)
-    end_wd = getattr(scheduler_cfg, "end_weight_decay", None)
+    weight_decay = optimizer_cfg.weight_decay
+    start_wd = scheduler_cfg.start_weight_decay
+    end_wd = scheduler_cfg.end_weight_decay
     start_wd = weight_decay if start_wd is None else start_wd
     end_wd = weight_decay if end_wd is None else end_wd
-    max_lr = getattr(optimizer_cfg, "lr", None)
+    max_lr = optimizer_cfg.lr
     if max_lr is None:
         raise ConfigError("optimizer.lr=None is invalid: set the peak learning rate, e.g. optimizer.lr=3e-4")
-    min_lr = getattr(optimizer_cfg, "min_lr", None)
+    min_lr = optimizer_cfg.min_lr
     min_lr = 0.0 if min_lr is None else min_lr
 
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=getattr(scheduler_cfg, "lr_warmup_init", 0.0),
+        init_lr=scheduler_cfg.lr_warmup_init,
         max_lr=max_lr,
         min_lr=min_lr,
         lr_warmup_steps=steps["lr_warmup_steps"],
         lr_decay_steps=steps["lr_decay_steps"],
-        lr_decay_style=getattr(scheduler_cfg, "lr_decay_style", "linear"),
+        lr_decay_style=scheduler_cfg.lr_decay_style,
         start_wd=start_wd,
         end_wd=end_wd,
         wd_incr_steps=steps["wd_incr_steps"],
-        wd_incr_style=getattr(scheduler_cfg, "weight_decay_incr_style", "constant"),
-        use_checkpoint_opt_param_scheduler=getattr(scheduler_cfg, "use_checkpoint_opt_param_scheduler", False),
-        override_opt_param_scheduler=getattr(scheduler_cfg, "override_opt_param_scheduler", False),
+        wd_incr_style=scheduler_cfg.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=scheduler_cfg.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=scheduler_cfg.override_opt_param_scheduler,
         wsd_decay_steps=steps["wsd_decay_steps"],
-        lr_wsd_decay_style=getattr(scheduler_cfg, "lr_wsd_decay_style", None),
+        lr_wsd_decay_style=scheduler_cfg.lr_wsd_decay_style,
     )
 
 
-def _derive_steps(scheduler_cfg: Any, train_cfg: Any) -> dict[str, Any]:
+def _derive_steps(scheduler_cfg: SchedulerConfig, train_cfg: TrainingConfig) -> dict[str, Any]:
     """Step counts in samples: the config's derived values, else Megatron's iteration/sample formulas."""
     steps = {
-        name: getattr(scheduler_cfg, name, None)
-        for name in ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
+        "lr_warmup_steps": scheduler_cfg.lr_warmup_steps,
+        "lr_decay_steps": scheduler_cfg.lr_decay_steps,
+        "wd_incr_steps": scheduler_cfg.wd_incr_steps,
+        "wsd_decay_steps": scheduler_cfg.wsd_decay_steps,
     }
     if steps["lr_decay_steps"] is not None and steps["wd_incr_steps"] is not None:
         if steps["lr_warmup_steps"] is None:
             steps["lr_warmup_steps"] = 0
         return steps
 
-    gbs = getattr(train_cfg, "global_batch_size", None)
-    train_iters = getattr(train_cfg, "train_iters", None)
-    train_samples = getattr(train_cfg, "train_samples", None)
-    decay_iters = getattr(scheduler_cfg, "lr_decay_iters", None)
-    warmup_fraction = getattr(scheduler_cfg, "lr_warmup_fraction", None)
-    warmup_iters = getattr(scheduler_cfg, "lr_warmup_iters", 0) or 0
-    wsd_iters = getattr(scheduler_cfg, "lr_wsd_decay_iters", None)
+    gbs = train_cfg.global_batch_size
+    train_iters = train_cfg.train_iters
+    train_samples = train_cfg.train_samples
+    decay_iters = scheduler_cfg.lr_decay_iters
+    warmup_fraction = scheduler_cfg.lr_warmup_fraction
+    warmup_iters = scheduler_cfg.lr_warmup_iters or 0
+    wsd_iters = scheduler_cfg.lr_wsd_decay_iters
 
     if train_iters:
         if gbs is None:

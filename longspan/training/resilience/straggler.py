@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from longspan.config.schema.container import ConfigContainer
+
 
 @dataclass
 class StragglerSettings:
@@ -46,9 +48,9 @@ class StragglerSettings:
     control_port: Optional[int] = None  #: rank 0 listens here for run-time toggles (None: no listener)
 
 
-def straggler_settings(cfg: Any) -> Optional[StragglerSettings]:
+def straggler_settings(cfg: ConfigContainer) -> Optional[StragglerSettings]:
     """The detector's settings, or None when neither section turns it on (nvrx_straggler wins when both do)."""
-    nvrx = getattr(cfg, "nvrx_straggler", None)
+    nvrx = cfg.nvrx_straggler
     if nvrx is not None and nvrx.enabled:
         return StragglerSettings(
             report_every_seconds=float(nvrx.report_time_interval), num_to_print=int(nvrx.num_gpu_perf_scores_to_print),
@@ -56,12 +58,12 @@ def straggler_settings(cfg: Any) -> Optional[StragglerSettings]:
             relative_threshold=float(nvrx.gpu_relative_perf_threshold),
             individual_threshold=float(nvrx.gpu_individual_perf_threshold), stop_if_detected=bool(nvrx.stop_if_detected),
         )
-    megatron = getattr(cfg, "straggler", None)
+    megatron = cfg.straggler
     if megatron is not None and megatron.log_straggler:
         return StragglerSettings(report_every_iterations=int(cfg.logger.log_interval or 1),
                                  num_to_print=int(megatron.straggler_minmax_count),
                                  enabled_at_start=not megatron.disable_straggler_on_startup,
-                                 control_port=getattr(megatron, "straggler_ctrlr_port", None))
+                                 control_port=megatron.straggler_ctrlr_port)
     return None
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+from longspan.config.schema.infra import InProcessRestartConfig
 from longspan.core.logging import get_logger
 from longspan.training.resilience.inprocess import (
     FINISHING_KEY,
@@ -84,7 +85,7 @@ def describe_exit(returncode: int) -> str:
 
 
 def stale_ranks(now: float, stamps: dict[int, tuple[Optional[float], Optional[float]]], started: dict[int, float],
-                ipr: Any) -> list[tuple[int, str]]:
+                ipr: InProcessRestartConfig) -> list[tuple[int, str]]:
     """(rank, why) for each rank whose heartbeat is older than ``heartbeat_timeout`` or progress older than
     ``hard_timeout``. A rank that has written neither yet (a process still starting: imports, connecting to the
     store) is given ``barrier_timeout`` seconds from its start, as long as its peers wait for it at the barrier."""
@@ -113,7 +114,7 @@ def ranks_to_restart(faulty: list[int], world_size: int, granularity: str) -> li
     return sorted(set(faulty)) if granularity == "rank" else list(range(world_size))
 
 
-def budget_exceeded(restarts_done: int, rank_faults: Counter, ipr: Any) -> Optional[str]:
+def budget_exceeded(restarts_done: int, rank_faults: Counter, ipr: InProcessRestartConfig) -> Optional[str]:
     """Why the job may not restart again (None: it may)."""
     if ipr.max_iterations is not None and restarts_done >= ipr.max_iterations:
         return f"{restarts_done} restarts done, inprocess_restart.max_iterations={ipr.max_iterations}"
@@ -124,7 +125,7 @@ def budget_exceeded(restarts_done: int, rank_faults: Counter, ipr: Any) -> Optio
     return None
 
 
-def restarts_remaining(restarts_done: int, ipr: Any) -> Optional[int]:
+def restarts_remaining(restarts_done: int, ipr: InProcessRestartConfig) -> Optional[int]:
     return None if ipr.max_iterations is None else max(0, ipr.max_iterations - restarts_done)
 
 
@@ -162,11 +163,11 @@ def monitor_log(log_dir: Optional[str], line: str) -> None:
 class InProcessSupervisor:
     """Starts ``python -m longspan <argv>`` as ranks 0..N-1 of one node and keeps the job alive (module docstring)."""
 
-    def __init__(self, argv: list[str], world_size: int, ipr: Any, report: Reporter,
+    def __init__(self, argv: list[str], world_size: int, ipr: InProcessRestartConfig, report: Reporter,
                  extra_env: Optional[dict[str, str]] = None, command: Optional[list[str]] = None) -> None:
         self.argv = argv
         self.world_size = world_size  # processes; the workload runs on the first ``active`` ranks
-        self.active = getattr(ipr, "active_world_size", None) or world_size
+        self.active = ipr.active_world_size or world_size
         # process slot -> the workload rank it runs (-1: a warm reserve)
         self.rank_of = {slot: (slot if slot < self.active else -1) for slot in range(world_size)}
         self.ipr = ipr

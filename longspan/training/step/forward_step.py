@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
+from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, PackedSequenceSpecs
+from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig
 from longspan.data.sft.dataset import pad_token_id
 from longspan.data.sft.in_batch_packing import pack_padded_batch
 from longspan.models.vlm.mrope import mrope_position_ids
@@ -85,7 +87,7 @@ def _position_ids(state: GlobalState, batch: dict[str, torch.Tensor]) -> torch.T
 def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Multi-token prediction shifts the loss mask (and, for packed documents, stops at their boundaries): the
     model gets them only when it has MTP depths, so other models' forward signatures stay as they are."""
-    if not getattr(getattr(state.cfg, "model", None), "mtp_num_layers", None):
+    if not state.cfg.model.mtp_num_layers:
         return {}
     inputs = {"loss_mask": batch["loss_mask"]}
     if batch.get("cu_seqlens") is not None:
@@ -99,7 +101,7 @@ def _pack_in_step(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[st
     if "sequence_lengths" not in batch:
         return batch
     dataset_cfg = state.cfg.dataset
-    tokenizer = getattr(state, "tokenizer", None)
+    tokenizer = state.tokenizer
     pad_id = pad_token_id(tokenizer) if tokenizer is not None else 0
     return pack_padded_batch(batch, pad_id, int(dataset_cfg.in_batch_packing_pad_to_multiple_of))
 
@@ -107,9 +109,16 @@ def _pack_in_step(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[st
 def _needs_explicit_mask(state: GlobalState) -> bool:
     """Document masks: GPT data with reset_attention_mask, or packed SFT data (block-diagonal per pack, offline
     or in-batch)."""
-    dataset_cfg = getattr(state.cfg, "dataset", None)
-    if getattr(dataset_cfg, "reset_attention_mask", False) or getattr(dataset_cfg, "enable_in_batch_packing", False):
-        return True
-    specs = getattr(dataset_cfg, "packed_sequence_specs", None)
-    size = specs.get("packed_sequence_size") if isinstance(specs, dict) else getattr(specs, "packed_sequence_size", None)
+    dataset_cfg = state.cfg.dataset
+    if isinstance(dataset_cfg, GPTDatasetConfig):
+        return bool(dataset_cfg.reset_attention_mask)
+    if isinstance(dataset_cfg, DirectHFSFTDatasetConfig):
+        return bool(dataset_cfg.enable_in_batch_packing)
+    if not isinstance(dataset_cfg, FinetuningDatasetConfig):
+        return False
+    specs = dataset_cfg.packed_sequence_specs
+    if isinstance(specs, dict):
+        size = specs.get("packed_sequence_size")
+    else:
+        size = specs.packed_sequence_size if isinstance(specs, PackedSequenceSpecs) else None
     return bool(size is not None and size > 0)

@@ -94,7 +94,6 @@ def reduced_grad_checks(global_state: Any) -> ReducedGradChecks:
     checks = getattr(global_state, "reduced_grad_checks", None)
     if checks is None:
         ddp = global_state.cfg.ddp
-        checks = ReducedGradChecks(bool(getattr(ddp, "check_for_nan_in_grad", False)),
-                                   bool(getattr(ddp, "check_for_large_grads", False)))
+        checks = ReducedGradChecks(bool(ddp.check_for_nan_in_grad), bool(ddp.check_for_large_grads))
         global_state.reduced_grad_checks = checks
     return checks

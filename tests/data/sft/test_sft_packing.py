@@ -132,11 +132,14 @@ def per_document_loss_sums(model, docs, members_per_microbatch):
 
 
 def packed_forward_step_state(pack_size=PACK):
-    """What the trainer's forward step reads from the GlobalState (timers, device, the dataset config)."""
+    """What the trainer's forward step reads from the GlobalState (timers, device, the model and dataset configs)."""
+    from longspan.config.schema.container import ConfigContainer
+    from longspan.config.schema.data import FinetuningDatasetConfig
     from longspan.training.observability.timers import Timers
 
-    dataset = SimpleNamespace(packed_sequence_specs={"packed_sequence_size": pack_size})
-    return SimpleNamespace(timers=Timers(0, "minmax"), device=torch.device("cpu"), cfg=SimpleNamespace(dataset=dataset))
+    dataset = FinetuningDatasetConfig(packed_sequence_specs={"packed_sequence_size": pack_size})
+    cfg = ConfigContainer(model=tiny_provider(seq=pack_size), dataset=dataset)
+    return SimpleNamespace(timers=Timers(0, "minmax"), device=torch.device("cpu"), cfg=cfg)
 
 
 def packed_microbatches(docs, mbs, seed=0, pad_to_mult=1):

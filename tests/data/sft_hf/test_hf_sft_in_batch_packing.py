@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig, HFDatasetSourceConfig
 from longspan.data.sft.formatting import SFTFormatOptions
 from longspan.data.sft.hf_dataset import TokenizedSFTDataset
 from longspan.data.sft.in_batch_packing import InBatchPacking, pack_padded_batch, pack_rows
@@ -43,10 +45,12 @@ def _dataset(docs, packing=None) -> TokenizedSFTDataset:
 
 def _state(packing: InBatchPacking | None) -> SimpleNamespace:
     """What the trainer's forward step reads from the GlobalState."""
-    dataset = SimpleNamespace(enable_in_batch_packing=packing is not None,
-                              defer_in_batch_packing_to_step=bool(packing and packing.deferred),
-                              in_batch_packing_pad_to_multiple_of=packing.pad_to_multiple_of if packing else 1)
-    return SimpleNamespace(timers=Timers(0, "minmax"), device=torch.device("cpu"), cfg=SimpleNamespace(dataset=dataset),
+    dataset = DirectHFSFTDatasetConfig(seq_length=SEQ, source=HFDatasetSourceConfig(path_or_dataset="unused.jsonl"),
+                                       enable_in_batch_packing=packing is not None,
+                                       defer_in_batch_packing_to_step=bool(packing and packing.deferred),
+                                       in_batch_packing_pad_to_multiple_of=packing.pad_to_multiple_of if packing else 1)
+    cfg = ConfigContainer(model=tiny_provider(seq=4 * SEQ, num_layers=2), dataset=dataset)
+    return SimpleNamespace(timers=Timers(0, "minmax"), device=torch.device("cpu"), cfg=cfg,
                            tokenizer=SimpleNamespace(pad=PAD))
 
 

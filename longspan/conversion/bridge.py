@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
@@ -61,6 +60,9 @@ from longspan.conversion.safetensors_io import (
     StreamingSafetensorsWriter,
     finalize_shards,
 )
+from longspan.config.schema.container import ConfigContainer
+from longspan.config.schema.infra import DistributedInitConfig
+from longspan.config.schema.training import TrainingConfig
 from longspan.core.errors import CheckpointError, NotSupportedError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.data.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
@@ -94,10 +96,9 @@ def is_hf_model_dir(path: str | os.PathLike | None) -> bool:
     )
 
 
-def hf_pretrained_dir(cfg: Any) -> Path | None:
+def hf_pretrained_dir(cfg: ConfigContainer) -> Path | None:
     """``checkpoint.pretrained_checkpoint`` of a run configuration when it is an HF model directory, else None."""
-    ckpt = getattr(cfg, "checkpoint", None)
-    path = getattr(ckpt, "pretrained_checkpoint", None) if ckpt is not None else None
+    path = cfg.checkpoint.pretrained_checkpoint if cfg.checkpoint is not None else None
     return Path(path) if path and is_hf_model_dir(path) else None
 
 
@@ -464,12 +465,12 @@ def _write_tokenizer(saved: SavedModel, hf_path: str | os.PathLike) -> None:
         saved.tokenizer.save_files(str(hf_path))
 
 
-def container_for(provider: Any) -> Any:
-    """The parts of a run's configuration that building a model reads (``model``, ``ddp``, ``dist``,
+def container_for(provider: Any) -> ConfigContainer:
+    """A run configuration for building ``provider``'s model (what that reads: ``model``, ``ddp``, ``dist``,
     ``optimizer``, ``train.micro_batch_size``), with defaults: the layout is the provider's parallel fields."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return SimpleNamespace(model=provider, ddp=SimpleNamespace(), optimizer=None,
-                           dist=SimpleNamespace(distributed_backend=backend), train=SimpleNamespace(micro_batch_size=1))
+    return ConfigContainer(model=provider, dist=DistributedInitConfig(distributed_backend=backend),
+                           train=TrainingConfig(micro_batch_size=1))
 
 
 def build_empty_model(cfg: Any, parallel: Any) -> list[nn.Module]:

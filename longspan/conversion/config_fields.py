@@ -16,7 +16,7 @@ leaves it to transformers' default, so a changed ``seq_length`` cannot change it
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,12 @@ from longspan.config.rules.sliding_window import (
 )
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import gelu_tanh
+from longspan.models.gpt_provider import GPTModelProvider
 from longspan.models.rope import ROPE_SCALING_TYPES
+
+if TYPE_CHECKING:
+    from longspan.models.mamba_provider import MambaProvider
+    from longspan.models.t5_provider import T5ModelProvider
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -139,15 +144,16 @@ def _longrope_fields(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, A
                 rope_original_max_position_embeddings=original, rope_attention_factor=float(attention))
 
 
-def rope_scaling_kind(p: Any) -> str:
+def rope_scaling_kind(p: Union[GPTModelProvider, MambaProvider, T5ModelProvider]) -> str:
     """The HF rope_type provider ``p`` exports as (one-line error for combinations HF cannot express)."""
+    gpt = isinstance(p, GPTModelProvider)  # the other providers have none of these scalings
     kinds = [kind for kind, on in (
-        ("llama3", bool(getattr(p, "rope_scaling", False))),
+        ("llama3", gpt and bool(p.rope_scaling)),
         ("yarn", p.position_embedding_type == "yarn"),
-        ("dynamic", getattr(p, "rope_dynamic_factor", None) is not None),
-        ("longrope", getattr(p, "rope_longrope_short_factor", None) is not None),
+        ("dynamic", gpt and p.rope_dynamic_factor is not None),
+        ("longrope", gpt and p.rope_longrope_short_factor is not None),
     ) if on]
-    if getattr(p, "seq_len_interpolation_factor", None) is not None:
+    if p.seq_len_interpolation_factor is not None:
         if kinds:
             raise NotSupportedError(
                 f"seq_len_interpolation_factor with {kinds[0]} RoPE scaling has no HF equivalent: use one of them"

@@ -166,7 +166,7 @@ def _rope_hf(p: Any) -> dict[str, Any]:
 def deepseek_v3_hf(p: Any) -> dict[str, Any]:
     """config.json of a multi-latent attention provider as a ``DeepseekV3ForCausalLM`` (dense or MoE)."""
     act = hf_activation(p)
-    if not getattr(p, "multi_latent_attention", False):
+    if not p.multi_latent_attention:
         raise NotSupportedError("DeepSeek-V3 export needs multi_latent_attention=True")
     if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or not p.qk_layernorm:
         raise NotSupportedError(

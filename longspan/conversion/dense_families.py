@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, TypeVar
 
 from longspan.conversion.config_fields import (
     HF_ACTIVATIONS,
@@ -17,6 +18,8 @@ from longspan.conversion.config_fields import (
     window_hf,
 )
 from longspan.core.errors import NotSupportedError
+
+P = TypeVar("P")
 
 
 def llama_provider(cfg: dict[str, Any], eps_default: float = 1e-6) -> dict[str, Any]:
@@ -106,10 +109,10 @@ def window_size_from_hf(sliding_window: Any, key: str = "sliding_window") -> lis
 
 def hf_sliding_window(p: Any, family: str) -> int | None:
     """A provider's window as HF's ``sliding_window`` of a family whose every layer uses it (Mistral)."""
-    window = getattr(p, "window_size", None)
+    window = p.window_size
     if window is None or window[0] == -1:
         return None
-    if getattr(p, "window_attn_skip_freq", None) not in (None, [1] * p.num_layers):
+    if p.window_attn_skip_freq not in (None, [1] * p.num_layers):
         raise NotSupportedError(
             f"window_attn_skip_freq={p.window_attn_skip_freq!r}: {family} applies its sliding window to every "
             "layer; a model with full-attention layers between has no such HF equivalent"
@@ -123,7 +126,7 @@ def mistral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def mistral_hf(p: Any) -> dict[str, Any]:
-    out = llama_hf(_ProviderView(p, window_size=None, window_attn_skip_freq=None))
+    out = llama_hf(provider_view(p, window_size=None, window_attn_skip_freq=None))
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Mistral has no linear biases: export this model as Llama")
@@ -151,7 +154,7 @@ def qwen2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 def qwen2_hf(p: Any) -> dict[str, Any]:
     if not p.add_qkv_bias or p.add_bias_linear:
         raise NotSupportedError("Qwen2 needs add_qkv_bias=True and add_bias_linear=False")
-    out = llama_hf(_ProviderView(p, add_qkv_bias=False, **NO_WINDOW))
+    out = llama_hf(provider_view(p, add_qkv_bias=False, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         out.pop(key)
     window, layer_types = window_hf(p)
@@ -171,7 +174,7 @@ def ministral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def ministral_hf(p: Any) -> dict[str, Any]:
-    out = llama_hf(_ProviderView(p, **NO_WINDOW))
+    out = llama_hf(provider_view(p, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Ministral has no linear biases: export this model as Llama")
@@ -226,7 +229,7 @@ def phi3_hf(p: Any) -> dict[str, Any]:
         raise NotSupportedError(f"Phi-3 takes default or longrope RoPE, not {kind}: export this model as Llama")
     if p.add_qkv_bias:
         raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama or Qwen2")
-    out = llama_hf(_ProviderView(p, **NO_WINDOW))
+    out = llama_hf(provider_view(p, **NO_WINDOW))
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
             raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama")
@@ -290,18 +293,16 @@ def gpt2_hf(p: Any) -> dict[str, Any]:
 
 
 def _no_window(p: Any, family: str) -> None:
-    window = getattr(p, "window_size", None)
+    window = p.window_size
     if window is not None and window[0] != -1:
         raise NotSupportedError(
             f"window_size={list(window)!r}: {family} has no sliding-window attention (export as Mistral)"
         )
 
 
-class _ProviderView:
-    """A provider with a few fields replaced (read-only)."""
-
-    def __init__(self, provider: Any, **changes: Any) -> None:
-        self._provider, self._changes = provider, changes
-
-    def __getattr__(self, name: str) -> Any:
-        return self._changes[name] if name in self._changes else getattr(self._provider, name)
+def provider_view(provider: P, **changes: Any) -> P:
+    """A shallow copy of ``provider`` with a few fields replaced (the provider itself is not modified)."""
+    view = copy.copy(provider)
+    for name, value in changes.items():
+        setattr(view, name, value)
+    return view

@@ -201,15 +201,16 @@ def family_for_provider(provider: Any) -> Family:
         pattern = provider.hybrid_override_pattern
         pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)
         return by_architecture()["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
-    if getattr(provider, "multi_latent_attention", False):
+    # a GPTModelProvider from here on
+    if provider.multi_latent_attention:
         return by_architecture()["DeepseekV3ForCausalLM"]
     if provider.position_embedding_type == "learned_absolute":
         return by_architecture()["GPT2LMHeadModel"]
-    if not getattr(provider, "layernorm_before_sublayers", True):
+    if not provider.layernorm_before_sublayers:
         return by_architecture()["Olmo2ForCausalLM"]
-    if getattr(provider, "layernorm_after_sublayers", False):
+    if provider.layernorm_after_sublayers:
         return by_architecture()["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
-    if provider.num_moe_experts and getattr(provider, "softmax_type", "vanilla") == "learnable":
+    if provider.num_moe_experts and provider.softmax_type == "learnable":
         return by_architecture()["GptOssForCausalLM"]
     if provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
         return by_architecture()["Glm4MoeForCausalLM"]  # DeepSeek-V3 routing with Llama-style attention
@@ -219,7 +220,7 @@ def family_for_provider(provider: Any) -> Family:
         return by_architecture()["Qwen3ForCausalLM"]
     if provider.add_qkv_bias and not provider.add_bias_linear:
         return by_architecture()["Qwen2ForCausalLM"]
-    window = getattr(provider, "window_size", None)
+    window = provider.window_size
     if window is not None and window[0] != -1:  # Llama has no sliding window
         return by_architecture()["MistralForCausalLM"]
     return by_architecture()["LlamaForCausalLM"]

@@ -29,6 +29,7 @@ from longspan.config.rules.sliding_window import (
     window_pattern_from_layer_types,
 )
 from longspan.core.errors import NotSupportedError
+from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
 
 GEMMA3_ROPE_TYPES = ("default", "linear")
 
@@ -281,7 +282,7 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any) -> Any:
 
 def gemma3_vlm_hf(p: Any) -> dict[str, Any]:
     """A Gemma3ForConditionalGeneration config.json body for a Gemma3VLModelProvider."""
-    if not getattr(p, "vision_config", None):
+    if not isinstance(p, Gemma3VLModelProvider) or not p.vision_config:
         raise NotSupportedError("this model has no vision encoder: export it as Gemma3ForCausalLM")
     text = dict(gemma3_hf(p), model_type="gemma3_text")
     vision = dict(p.vision_config, model_type="siglip_vision_model", vision_use_head=False)

@@ -106,7 +106,7 @@ def _check_deepseek_moe(p: Any) -> None:
     problems = []
     if not p.num_moe_experts or p.moe_router_score_function != "sigmoid" or not p.moe_router_enable_expert_bias:
         problems.append("an MoE with sigmoid routing and moe_router_enable_expert_bias=True")
-    if p.add_bias_linear or getattr(p, "moe_shared_expert_gate", False):
+    if p.add_bias_linear or p.moe_shared_expert_gate:
         problems.append("no linear biases but q/k/v's (add_bias_linear=False) and no shared-expert gate")
     if problems:
         raise NotSupportedError(

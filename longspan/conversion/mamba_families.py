@@ -52,7 +52,7 @@ def nemotron_h_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
 
 
 def _mamba_mixer_hf(p: Any) -> dict[str, Any]:
-    if getattr(p, "layernorm_zero_centered_gamma", False):
+    if p.layernorm_zero_centered_gamma:
         raise NotSupportedError("model.layernorm_zero_centered_gamma=True has no Mamba-2 / Nemotron-H config.json "
                                 "form (their norms store gamma itself): export a model trained without it")
     heads = p.mamba_num_heads or p.mamba_expand * p.hidden_size // p.mamba_head_dim

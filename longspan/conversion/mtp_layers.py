@@ -20,6 +20,7 @@ from longspan.conversion.mapping import WeightMap, with_mtp
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.models.args import TransformerArgs
 
 _log = get_logger(__name__)
 
@@ -72,7 +73,9 @@ def model_depths(chunks: list[nn.Module]) -> int:
     for chunk in chunks:
         while isinstance(getattr(chunk, "module", None), nn.Module):  # a DDP wrapper
             chunk = chunk.module
-        depths = max(depths, int(getattr(getattr(chunk, "args", None), "mtp_num_layers", None) or 0))
+        args = getattr(chunk, "args", None)  # a module attribute: T5's are T5Args, a vision-language model has none
+        if isinstance(args, TransformerArgs):
+            depths = max(depths, int(args.mtp_num_layers or 0))
     return depths
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
@@ -14,26 +14,22 @@ from longspan.config.rules.model import GPT_FIXED_FIELDS, T5_FIXED_FIELDS, check
 from longspan.config.rules.moe import check_moe, moe_layer_flags, routing_groups, single_value
 from longspan.config.rules.sliding_window import layer_windows, stack_window_flags, two_sided_window
 from longspan.core.errors import ConfigError
-from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.mla import MLAArgs, mla_softmax_scale
-from longspan.models.rope import (
-    LLAMA3_HIGH_FREQ_FACTOR,
-    LLAMA3_LOW_FREQ_FACTOR,
-    LLAMA3_ORIGINAL_MAX_POSITIONS,
-    RopeScaling,
-)
+from longspan.models.rope import RopeScaling
+
+if TYPE_CHECKING:  # the providers import the model code that imports these arguments
+    from longspan.models.gpt_provider import GPTModelProvider, TransformerConfig
+    from longspan.models.mamba_provider import MambaProvider
+    from longspan.models.t5_provider import T5ModelProvider
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def padded_vocab_size(config: Any) -> int:
-    """The provider's ``padded_vocab_size``, or vocab_size rounded up to make_vocab_size_divisible_by."""
-    if getattr(config, "vocab_size", None) is None:
+def padded_vocab_size(config: Union[GPTModelProvider, MambaProvider, T5ModelProvider]) -> int:
+    """The provider's ``padded_vocab_size``: vocab_size rounded up to make_vocab_size_divisible_by."""
+    if config.vocab_size is None:
         raise ConfigError("model.vocab_size is None: set it, or let the tokenizer fill it in at start-up")
-    padded = getattr(config, "padded_vocab_size", None)
-    if padded is None:
-        padded = calculate_padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by)
-    return int(padded)
+    return int(config.padded_vocab_size)
 
 
 @dataclass
@@ -66,48 +62,46 @@ class MoEArgs:
     layer_recompute: bool = False
 
     @classmethod
-    def from_config(cls, config: Any, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
+    def from_config(cls, config: TransformerConfig, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
         """The MoE settings of ``config`` (checked); None for a dense model."""
         check_moe(config)
-        experts = getattr(config, "num_moe_experts", None)
+        experts = config.num_moe_experts
         if not experts:
             return None
-        balancing = single_value(getattr(config, "moe_router_load_balancing_type", "aux_loss"),
-                                 "moe_router_load_balancing_type")
-        aux_coeff = float(single_value(getattr(config, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff") or 0.0)
-        capacity = getattr(config, "moe_expert_capacity_factor", None)
+        balancing = single_value(config.moe_router_load_balancing_type, "moe_router_load_balancing_type")
+        aux_coeff = float(single_value(config.moe_aux_loss_coeff, "moe_aux_loss_coeff") or 0.0)
         num_groups, group_topk = routing_groups(config)
         return cls(
             num_experts=experts,
-            topk=getattr(config, "moe_router_topk", 2),
-            ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) or ffn_hidden_size,
-            shared_ffn_hidden_size=getattr(config, "moe_shared_expert_intermediate_size", None) or None,
-            shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
-            layer_flags=moe_layer_flags(getattr(config, "moe_layer_freq", 1), num_layers),
+            topk=config.moe_router_topk,
+            ffn_hidden_size=config.moe_ffn_hidden_size or ffn_hidden_size,
+            shared_ffn_hidden_size=config.moe_shared_expert_intermediate_size or None,
+            shared_expert_gate=bool(config.moe_shared_expert_gate),
+            layer_flags=moe_layer_flags(config.moe_layer_freq, num_layers),
             aux_loss_coeff=0.0 if balancing == "none" else aux_coeff,
-            z_loss_coeff=getattr(config, "moe_z_loss_coeff", None),
-            pre_softmax=bool(getattr(config, "moe_router_pre_softmax", False)),
-            score_function=getattr(config, "moe_router_score_function", "softmax"),
+            z_loss_coeff=config.moe_z_loss_coeff,
+            pre_softmax=bool(config.moe_router_pre_softmax),
+            score_function=config.moe_router_score_function,
             num_groups=num_groups,
             group_topk=group_topk,
-            topk_scaling_factor=getattr(config, "moe_router_topk_scaling_factor", None),
-            router_dtype=_ROUTER_DTYPES[getattr(config, "moe_router_dtype", None)],
-            capacity_factor=capacity,
-            drop_policy=getattr(config, "moe_token_drop_policy", "probs"),
-            pad_to_capacity=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
-            per_layer_logging=bool(getattr(config, "moe_per_layer_logging", False)),
-            calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
-            expert_bias=bool(getattr(config, "moe_router_enable_expert_bias", False)),
-            bias_update_rate=float(getattr(config, "moe_router_bias_update_rate", 1e-3)),
-            input_jitter_eps=getattr(config, "moe_input_jitter_eps", None),
-            layer_recompute=bool(getattr(config, "moe_layer_recompute", False)),
+            topk_scaling_factor=config.moe_router_topk_scaling_factor,
+            router_dtype=_ROUTER_DTYPES[config.moe_router_dtype],
+            capacity_factor=config.moe_expert_capacity_factor,
+            drop_policy=config.moe_token_drop_policy,
+            pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
+            per_layer_logging=bool(config.moe_per_layer_logging),
+            calculate_per_token_loss=bool(config.calculate_per_token_loss),
+            expert_bias=bool(config.moe_router_enable_expert_bias),
+            bias_update_rate=float(config.moe_router_bias_update_rate),
+            input_jitter_eps=config.moe_input_jitter_eps,
+            layer_recompute=bool(config.moe_layer_recompute),
         )
 
 
-def _recompute_granularity(config: Any) -> Optional[str]:
+def _recompute_granularity(config: TransformerConfig) -> Optional[str]:
     """megatron-core turns moe_layer_recompute into selective recompute of ['core_attn', 'moe']: the attention
     core is recomputed too (a memory choice; the results are the same)."""
-    if getattr(config, "moe_layer_recompute", False) and config.recompute_granularity is None:
+    if config.moe_layer_recompute and config.recompute_granularity is None:
         return "selective"
     return config.recompute_granularity
 
@@ -214,10 +208,15 @@ class TransformerArgs:
     scatter_embedding_sequence_parallel: bool = True
 
     @classmethod
-    def from_config(cls, config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS) -> "TransformerArgs":
-        """Check ``config`` (a GPTModelProvider, or any object with its TransformerConfig fields) and derive the
-        arguments; the provider itself is not modified."""
+    def from_config(cls, config: Union[GPTModelProvider, MambaProvider],
+                    fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS,
+                    gpt: Optional[GPTModelProvider] = None) -> "TransformerArgs":
+        """Check ``config`` (a GPTModelProvider, or a hybrid MambaProvider) and derive the arguments; the
+        provider itself is not modified. ``gpt`` is where the GPT-only fields (RoPE scalings, MLA sizes, Gemma
+        norms, attention sinks, ...) are read: ``config`` itself by default; a MambaProvider, which has none of
+        them, passes ``GPTModelProvider()`` so its attention and MLP layers are derived as GPT's are."""
         check_gpt_model(config, fixed_fields)
+        gpt = config if gpt is None else gpt
         ffn_hidden_size = config.ffn_hidden_size or 4 * config.hidden_size
         init_std = config.init_method_std
         return cls(
@@ -228,7 +227,7 @@ class TransformerArgs:
             num_attention_heads=config.num_attention_heads,
             num_query_groups=config.num_query_groups or config.num_attention_heads,
             kv_channels=head_dim(config),
-            softmax_scale=getattr(config, "softmax_scale", None),
+            softmax_scale=config.softmax_scale,
             seq_length=config.seq_length,
             vocab_size=padded_vocab_size(config),
             normalization=config.normalization,
@@ -241,63 +240,63 @@ class TransformerArgs:
             position_embedding_type="rope" if config.position_embedding_type == "yarn"
             else config.position_embedding_type,
             rotary_percent=float(config.rotary_percent),
-            seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
-            rope_scaling=bool(config.rope_scaling),
-            rope_scaling_factor=float(config.rope_scaling_factor),
-            low_freq_factor=float(getattr(config, "low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
-            high_freq_factor=float(getattr(config, "high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
-            old_context_len=int(getattr(config, "old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)),
+            seq_len_interpolation_factor=config.seq_len_interpolation_factor,
+            rope_scaling=bool(gpt.rope_scaling),
+            rope_scaling_factor=float(gpt.rope_scaling_factor),
+            low_freq_factor=float(gpt.low_freq_factor),
+            high_freq_factor=float(gpt.high_freq_factor),
+            old_context_len=int(gpt.old_context_len),
             share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
             attention_dropout=float(config.attention_dropout),
             hidden_dropout=float(config.hidden_dropout),
             init_method_std=init_std,
-            embedding_init_method_std=getattr(config, "embedding_init_method_std", None) or init_std,
+            embedding_init_method_std=config.embedding_init_method_std or init_std,
             qk_layernorm=bool(config.qk_layernorm),
             params_dtype=config.params_dtype or torch.float32,
-            fp16_lm_cross_entropy=bool(getattr(config, "fp16_lm_cross_entropy", False)),
-            cross_entropy_loss_fusion=bool(getattr(config, "cross_entropy_loss_fusion", False)),
+            fp16_lm_cross_entropy=bool(config.fp16_lm_cross_entropy),
+            cross_entropy_loss_fusion=bool(config.cross_entropy_loss_fusion),
             recompute_granularity=_recompute_granularity(config),
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
-            partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
+            partial_checkpoint_microbatches=config.num_microbatches_with_partial_activation_checkpoints,
             window_size=_window_size(config),
             layer_windows=layer_windows(config),
-            rope_scaling_method=rope_scaling_method(config),
-            rotary_interleaved=bool(getattr(config, "rotary_interleaved", False)),
-            apply_residual_connection_post_layernorm=bool(
-                getattr(config, "apply_residual_connection_post_layernorm", False)),
-            fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
-            attention_softmax_in_fp32=bool(getattr(config, "attention_softmax_in_fp32", True)),
-            softmax_type=getattr(config, "softmax_type", "vanilla"),
-            glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0)),
-            activation_func_clamp_value=_optional_float(getattr(config, "activation_func_clamp_value", None)),
-            mla=mla_args(config),
-            mtp_num_layers=getattr(config, "mtp_num_layers", None) or None,
-            mtp_loss_scaling_factor=float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0),
-            calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
-            scatter_embedding_sequence_parallel=bool(getattr(config, "scatter_embedding_sequence_parallel", True)),
-            **_gemma_fields(config),
+            rope_scaling_method=rope_scaling_method(config, gpt),
+            rotary_interleaved=bool(config.rotary_interleaved),
+            apply_residual_connection_post_layernorm=bool(config.apply_residual_connection_post_layernorm),
+            fp32_residual_connection=bool(config.fp32_residual_connection),
+            attention_softmax_in_fp32=bool(config.attention_softmax_in_fp32),
+            softmax_type=gpt.softmax_type,
+            glu_linear_offset=float(gpt.glu_linear_offset),
+            activation_func_clamp_value=_optional_float(gpt.activation_func_clamp_value),
+            mla=mla_args(config, gpt),
+            mtp_num_layers=config.mtp_num_layers or None,
+            mtp_loss_scaling_factor=float(config.mtp_loss_scaling_factor or 0.0),
+            calculate_per_token_loss=bool(config.calculate_per_token_loss),
+            scatter_embedding_sequence_parallel=bool(gpt.scatter_embedding_sequence_parallel),
+            **_gemma_fields(config, gpt),
         )
 
 
-def _gemma_fields(config: Any) -> dict[str, Any]:
-    """The Gemma / OLMo-2 fields of ``config`` (absent on providers without them: their defaults)."""
+def _gemma_fields(config: Union[GPTModelProvider, MambaProvider], gpt: GPTModelProvider) -> dict[str, Any]:
+    """The Gemma / OLMo-2 fields: the rotary base(s) of ``config``, the norms and caps of ``gpt``."""
     base = config.rotary_base
     local = None
     global_factor = 1.0
     if isinstance(base, (list, tuple)):  # [local, global] (Bridge's Gemma 3); checked by the model rules
         local, base = float(base[0]), float(base[1])
-        global_factor = float(config.rope_scaling_factor)
-    caps = {name: getattr(config, name, None) for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+        global_factor = float(gpt.rope_scaling_factor)
+    caps = {"attn_logit_softcapping": gpt.attn_logit_softcapping,
+            "final_logit_softcapping": gpt.final_logit_softcapping}
     return dict(
         rotary_base=float(base),
         rotary_base_local=local,
         global_rope_linear_factor=global_factor,
-        layernorm_zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
-        layernorm_before_sublayers=bool(getattr(config, "layernorm_before_sublayers", True)),
-        layernorm_after_sublayers=bool(getattr(config, "layernorm_after_sublayers", False)),
-        qk_layernorm_across_heads=bool(getattr(config, "qk_layernorm_across_heads", False)),
-        apply_embedding_scaling=bool(getattr(config, "apply_embedding_scaling", False)),
+        layernorm_zero_centered_gamma=bool(config.layernorm_zero_centered_gamma),
+        layernorm_before_sublayers=bool(gpt.layernorm_before_sublayers),
+        layernorm_after_sublayers=bool(gpt.layernorm_after_sublayers),
+        qk_layernorm_across_heads=bool(gpt.qk_layernorm_across_heads),
+        apply_embedding_scaling=bool(gpt.apply_embedding_scaling),
         **{name: float(cap) if cap else None for name, cap in caps.items()},
     )
 
@@ -306,62 +305,65 @@ def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def mla_args(config: Any) -> Optional[MLAArgs]:
-    """The multi-latent attention settings of ``config`` (checked by the model rules); None without MLA."""
-    if not getattr(config, "multi_latent_attention", False):
+def mla_args(config: TransformerConfig, gpt: GPTModelProvider) -> Optional[MLAArgs]:
+    """The multi-latent attention settings (``gpt``'s MLA sizes; checked by the model rules) when ``config``
+    has multi_latent_attention; None without MLA."""
+    if not config.multi_latent_attention:
         return None
     return MLAArgs(
-        q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
-        qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
-        softmax_scale=mla_softmax_scale(config.qk_head_dim, config.qk_pos_emb_head_dim,
-                                        float(config.rotary_scaling_factor), float(config.mscale_all_dim)),
+        q_lora_rank=gpt.q_lora_rank, kv_lora_rank=gpt.kv_lora_rank, qk_head_dim=gpt.qk_head_dim,
+        qk_pos_emb_head_dim=gpt.qk_pos_emb_head_dim, v_head_dim=gpt.v_head_dim,
+        softmax_scale=mla_softmax_scale(gpt.qk_head_dim, gpt.qk_pos_emb_head_dim,
+                                        float(gpt.rotary_scaling_factor), float(gpt.mscale_all_dim)),
     )
 
 
-def _window_size(config: Any) -> Optional[tuple[int, int]]:
-    window = getattr(config, "window_size", None)
+def _window_size(config: TransformerConfig) -> Optional[tuple[int, int]]:
+    window = config.window_size
     return None if window is None else (int(window[0]), int(window[1]))
 
 
-def rope_scaling_method(config: Any) -> Optional[RopeScaling]:
+def rope_scaling_method(config: Union[GPTModelProvider, MambaProvider],
+                        gpt: Optional[GPTModelProvider] = None) -> Optional[RopeScaling]:
     """The provider's RoPE frequency scaling (checked by the model rules): YaRN (position_embedding_type 'yarn'),
-    dynamic NTK, LongRoPE or Llama-3.1; None for none (or only the linear seq_len_interpolation_factor)."""
-    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731 (providers without the field)
-    if get("position_embedding_type") == "yarn" and get("multi_latent_attention", False):
+    dynamic NTK, LongRoPE or Llama-3.1; None for none (or only the linear seq_len_interpolation_factor).
+    ``gpt`` is where the GPT-only scaling fields are read (``TransformerArgs.from_config``); default ``config``."""
+    gpt = config if gpt is None else gpt
+    yarn = config.position_embedding_type == "yarn"
+    if yarn and config.multi_latent_attention:
         # multi-latent attention's own YaRN constants (megatron-core's MLATransformerConfig)
         return RopeScaling(
-            "yarn", factor=float(config.rotary_scaling_factor),
-            original_max_positions=int(get("yarn_original_max_position_embeddings")),
-            beta_fast=float(get("yarn_beta_fast") or 32.0), beta_slow=float(get("yarn_beta_slow") or 1.0),
-            mscale=float(config.mscale), mscale_all_dim=float(config.mscale_all_dim),
-            truncate=bool(get("yarn_correction_range_round_to_int", True)),
-            attention_factor=get("rope_attention_factor"),
+            "yarn", factor=float(gpt.rotary_scaling_factor),
+            original_max_positions=int(gpt.yarn_original_max_position_embeddings),
+            beta_fast=float(gpt.yarn_beta_fast or 32.0), beta_slow=float(gpt.yarn_beta_slow or 1.0),
+            mscale=float(gpt.mscale), mscale_all_dim=float(gpt.mscale_all_dim),
+            truncate=bool(gpt.yarn_correction_range_round_to_int),
+            attention_factor=gpt.rope_attention_factor,
         )
-    if get("position_embedding_type") == "yarn":
+    if yarn:
         return RopeScaling(
-            "yarn", factor=float(get("yarn_rotary_scaling_factor")),
-            original_max_positions=int(get("yarn_original_max_position_embeddings")),
-            beta_fast=float(get("yarn_beta_fast") or 32.0), beta_slow=float(get("yarn_beta_slow") or 1.0),
-            mscale=float(1.0 if get("yarn_mscale") is None else get("yarn_mscale")),
-            mscale_all_dim=float(get("yarn_mscale_all_dim") or 0.0),
-            truncate=bool(get("yarn_correction_range_round_to_int", True)),
-            attention_factor=get("rope_attention_factor"),
+            "yarn", factor=float(gpt.yarn_rotary_scaling_factor),
+            original_max_positions=int(gpt.yarn_original_max_position_embeddings),
+            beta_fast=float(gpt.yarn_beta_fast or 32.0), beta_slow=float(gpt.yarn_beta_slow or 1.0),
+            mscale=float(1.0 if gpt.yarn_mscale is None else gpt.yarn_mscale),
+            mscale_all_dim=float(gpt.yarn_mscale_all_dim or 0.0),
+            truncate=bool(gpt.yarn_correction_range_round_to_int),
+            attention_factor=gpt.rope_attention_factor,
         )
-    if get("rope_dynamic_factor") is not None:
-        return RopeScaling("dynamic", factor=float(get("rope_dynamic_factor")),
-                           original_max_positions=int(get("rope_original_max_position_embeddings")))
-    if get("rope_longrope_short_factor") is not None:
+    if gpt.rope_dynamic_factor is not None:
+        return RopeScaling("dynamic", factor=float(gpt.rope_dynamic_factor),
+                           original_max_positions=int(gpt.rope_original_max_position_embeddings))
+    if gpt.rope_longrope_short_factor is not None:
         return RopeScaling(
-            "longrope", original_max_positions=int(get("rope_original_max_position_embeddings")),
-            short_factor=tuple(float(x) for x in get("rope_longrope_short_factor")),
-            long_factor=tuple(float(x) for x in get("rope_longrope_long_factor")),
-            attention_factor=float(get("rope_attention_factor")),
+            "longrope", original_max_positions=int(gpt.rope_original_max_position_embeddings),
+            short_factor=tuple(float(x) for x in gpt.rope_longrope_short_factor),
+            long_factor=tuple(float(x) for x in gpt.rope_longrope_long_factor),
+            attention_factor=float(gpt.rope_attention_factor),
         )
-    if get("rope_scaling", False):
-        return RopeScaling("llama3", factor=float(config.rope_scaling_factor),
-                           low_freq_factor=float(get("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
-                           high_freq_factor=float(get("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
-                           original_max_positions=int(get("old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)))
+    if gpt.rope_scaling:
+        return RopeScaling("llama3", factor=float(gpt.rope_scaling_factor),
+                           low_freq_factor=float(gpt.low_freq_factor), high_freq_factor=float(gpt.high_freq_factor),
+                           original_max_positions=int(gpt.old_context_len))
     return None
 
 
@@ -399,6 +401,7 @@ class T5Args:
     qk_layernorm: bool = False
     rotary_percent: float = 1.0
     rotary_interleaved: bool = False
+    # T5ModelProvider has no rotary_base field: RoPE uses Megatron's default base
     rotary_base: float = 10000.0
     seq_len_interpolation_factor: Optional[float] = None
     apply_residual_connection_post_layernorm: bool = False
@@ -420,7 +423,7 @@ class T5Args:
     decoder_layer_windowed: list[bool] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, config: Any) -> "T5Args":
+    def from_config(cls, config: T5ModelProvider) -> "T5Args":
         """Check ``config`` (a T5ModelProvider) and derive the arguments."""
         check_t5_model(config)
         heads = config.num_attention_heads
@@ -458,7 +461,6 @@ class T5Args:
             qk_layernorm=bool(config.qk_layernorm),
             rotary_percent=float(config.rotary_percent),
             rotary_interleaved=bool(config.rotary_interleaved),
-            rotary_base=float(getattr(config, "rotary_base", 10000.0)),
             seq_len_interpolation_factor=config.seq_len_interpolation_factor,
             apply_residual_connection_post_layernorm=bool(config.apply_residual_connection_post_layernorm),
             attention_softmax_in_fp32=bool(config.attention_softmax_in_fp32),
@@ -466,8 +468,8 @@ class T5Args:
             recompute_granularity=config.recompute_granularity,
             recompute_method=config.recompute_method,
             recompute_num_layers=config.recompute_num_layers,
-            partial_checkpoint_microbatches=getattr(config, "num_microbatches_with_partial_activation_checkpoints", None),
-            fp32_residual_connection=bool(getattr(config, "fp32_residual_connection", False)),
+            partial_checkpoint_microbatches=config.num_microbatches_with_partial_activation_checkpoints,
+            fp32_residual_connection=bool(config.fp32_residual_connection),
             window_size=two_sided_window(config),
             encoder_layer_windowed=encoder_windowed,
             decoder_layer_windowed=decoder_windowed,

@@ -30,13 +30,14 @@ without ``post_process`` returns hidden states.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.core.model_parallel_config import ModelParallelConfig
 from longspan.models.args import TransformerArgs, padded_vocab_size  # noqa: F401 (padded_vocab_size: imported from here)
 from longspan.models.init import init_weights, materialize_model  # noqa: F401 (init_weights: imported from here)
 from longspan.models.loss import LogitsWorkspace, fused_linear_cross_entropy, linear_cross_entropy
@@ -44,10 +45,14 @@ from longspan.models.mtp import MultiTokenPredictionBlock
 from longspan.models.rope import LinearScaledRotaryEmbedding, RotaryEmbedding
 from longspan.models.transformer import KVCache, LocalGlobalRotary, TransformerBlock
 
+if TYPE_CHECKING:  # the provider imports this module to build its model
+    from longspan.models.gpt_provider import GPTModelProvider
+    from longspan.models.mamba_provider import MambaProvider
+
 _log = get_logger(__name__)
 
 
-def resolve_model_args(config: Any) -> TransformerArgs:
+def resolve_model_args(config: GPTModelProvider) -> TransformerArgs:
     """Check ``config`` (the model rules of ``longspan.config.rules.model``) and return the typed arguments the
     modules read, with Megatron's derived defaults filled in. The provider itself is not modified."""
     return TransformerArgs.from_config(config)
@@ -102,8 +107,8 @@ class DecoderLanguageModel(nn.Module):
     # set; None keeps the plain output layer + cross-entropy.
     linear_cross_entropy = None
 
-    def __init__(self, config: Any, args: TransformerArgs, pre_process: bool, post_process: bool,
-                 vp_stage: int | None) -> None:
+    def __init__(self, config: GPTModelProvider | MambaProvider, args: TransformerArgs, pre_process: bool,
+                 post_process: bool, vp_stage: int | None) -> None:
         super().__init__()
         self.config = config
         self.args = args
@@ -308,7 +313,7 @@ class GPTModel(DecoderLanguageModel):
     forward are ``DecoderLanguageModel``'s, the layers a ``TransformerBlock``.
 
     Args:
-        config: a ``GPTModelProvider`` (or any object with its TransformerConfig fields).
+        config: a ``GPTModelProvider``.
         pre_process: build the embedding (first pipeline stage).
         post_process: build the final norm, output layer and loss (last pipeline stage).
         vp_stage: virtual pipeline stage index, recorded for the pipeline layer.
@@ -318,7 +323,7 @@ class GPTModel(DecoderLanguageModel):
 
     def __init__(
         self,
-        config: Any,
+        config: GPTModelProvider,
         pre_process: bool = True,
         post_process: bool = True,
         vp_stage: int | None = None,
@@ -341,7 +346,7 @@ class GPTModel(DecoderLanguageModel):
 
 
 def build_gpt_model(
-    provider: Any,
+    provider: GPTModelProvider,
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
@@ -386,12 +391,12 @@ def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return total
 
 
-def apply_deterministic_mode(provider: Any) -> None:
+def apply_deterministic_mode(provider: ModelParallelConfig) -> None:
     """With ``provider.deterministic_mode``, turn on torch's deterministic algorithms (for the trainer to call).
 
     On CUDA, cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG``; it is set to ``:4096:8`` unless already set.
     """
-    if not getattr(provider, "deterministic_mode", False):
+    if not provider.deterministic_mode:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)

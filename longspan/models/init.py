@@ -23,12 +23,12 @@ Other models (MoE, Mamba) follow the same conventions to use ``init_weights``.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import torch
 from torch import nn
 
 from longspan.core.logging import get_logger
+from longspan.core.model_parallel_config import ModelParallelConfig
 
 _log = get_logger(__name__)
 
@@ -158,15 +158,15 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
     return model
 
 
-def materialize_model(model: nn.Module, provider: Any, seed: int | None = None,
+def materialize_model(model: nn.Module, provider: ModelParallelConfig, seed: int | None = None,
                       device: torch.device | str | None = None) -> nn.Module:
     """Materialize a model built on the meta device from ``provider`` (what every ``build_*_model`` does last):
     draw its parameters with ``init_weights`` from ``seed`` (default ``torch.initial_seed()``), or, with
     ``perform_initialization=False``, only allocate them (contents undefined; load a checkpoint into them), as in
     Megatron. ``device`` defaults to the CPU under ``use_cpu_initialization``, else the current default device."""
-    if device is None and getattr(provider, "use_cpu_initialization", False):
+    if device is None and provider.use_cpu_initialization:
         device = "cpu"
-    if getattr(provider, "perform_initialization", True):
+    if provider.perform_initialization:
         init_weights(model, torch.initial_seed() if seed is None else seed, device=device)
     else:
         model.to_empty(device=device if device is not None else torch.get_default_device())

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ from longspan.config.rules.model import check_mamba_model, mamba_inner_size
 from longspan.core.errors import ConfigError
 from longspan.models.args import MambaArgs, TransformerArgs
 from longspan.models.gpt import DecoderLanguageModel
+from longspan.models.gpt_provider import GPTModelProvider
 from longspan.models.init import materialize_model
 from longspan.models.moe import MoELayer, local_tensor
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
@@ -57,6 +58,9 @@ from longspan.models.transformer import (
     norm_residual,
     sublayer_residual,
 )
+
+if TYPE_CHECKING:  # the provider imports this module to build its model
+    from longspan.models.mamba_provider import MambaProvider
 
 MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
 LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP_LAYER, MOE)
@@ -112,30 +116,13 @@ def allocate_layers(num_layers: int, attention_ratio: float, mlp_ratio: float, p
     return types
 
 
-class _GPTFieldDefaults:
-    """``config`` seen with GPTModelProvider's defaults for the GPT-only fields a MambaProvider lacks
-    (Llama-3 RoPE scaling), so the attention layers' arguments are derived as GPT's are."""
-
-    _DEFAULTS = {"rope_scaling": False, "rope_scaling_factor": 8.0}
-
-    def __init__(self, config: Any) -> None:
-        self._config = config
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return getattr(self._config, name)
-        except AttributeError:
-            if name in self._DEFAULTS:
-                return self._DEFAULTS[name]
-            raise
-
-
-def resolve_mamba_args(config: Any) -> TransformerArgs:
+def resolve_mamba_args(config: MambaProvider) -> TransformerArgs:
     """Check ``config`` (a ``MambaProvider``: the model rules of ``longspan.config.rules.model``) and return the
     typed arguments: the attention / MLP layers' as GPT derives them, the layer pattern, and the mixer's sizes
     (Megatron's derivation of d_inner and heads)."""
     check_mamba_model(config)
-    args = TransformerArgs.from_config(_GPTFieldDefaults(config))
+    # the attention / MLP layers take GPTModelProvider's defaults for the GPT-only fields a MambaProvider lacks
+    args = TransformerArgs.from_config(config, gpt=GPTModelProvider())
     args.layer_types = allocate_layers(
         config.num_layers, config.hybrid_attention_ratio, config.hybrid_mlp_ratio, config.hybrid_override_pattern
     )
@@ -434,14 +421,14 @@ class MambaModel(DecoderLanguageModel):
     arguments and the forward contract, which are the same (``DecoderLanguageModel``'s, around a
     ``MambaStack``). The loss is always the plain output layer + cross-entropy: no ``linear_cross_entropy``."""
 
-    def __init__(self, config: Any, pre_process: bool = True, post_process: bool = True,
+    def __init__(self, config: MambaProvider, pre_process: bool = True, post_process: bool = True,
                  vp_stage: int | None = None, layer_numbers: list[int] | None = None) -> None:
         super().__init__(config, resolve_mamba_args(config), pre_process, post_process, vp_stage)
         self.decoder = MambaStack(self.args, layer_numbers, post_process)
         self.output_layer = self.build_output_layer()
 
 
-def build_mamba_model(provider: Any, pre_process: bool = True, post_process: bool = True,
+def build_mamba_model(provider: MambaProvider, pre_process: bool = True, post_process: bool = True,
                       vp_stage: int | None = None, *, seed: int | None = None, materialize: bool = True,
                       layer_numbers: list[int] | None = None) -> MambaModel:
     """Build a ``MambaModel`` on the meta device and (by default) materialize and initialize it from ``seed``

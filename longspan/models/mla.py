@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.models.rope import apply_rotary
+
+if TYPE_CHECKING:  # the arguments module imports this one
+    from longspan.models.args import TransformerArgs
 
 
 @dataclass
@@ -102,7 +105,7 @@ class MLASelfAttention(nn.Module):
 
     window: int | None = None
 
-    def __init__(self, config: Any, layer_number: int, core_attention: Callable[..., torch.Tensor],
+    def __init__(self, config: TransformerArgs, layer_number: int, core_attention: Callable[..., torch.Tensor],
                  build_norm: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
         mla: MLAArgs = config.mla

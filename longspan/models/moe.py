@@ -77,7 +77,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.models.activations import gated_activation
-from longspan.models.args import MoEArgs
+from longspan.models.args import MoEArgs, TransformerArgs
 
 # --------------------------------------------------------------------------------------------- aux losses
 
@@ -370,7 +370,7 @@ class GroupedMLP(nn.Module):
     tensor parallel, a slice of each expert's ffn width); the computation uses the local shards.
     """
 
-    def __init__(self, config: Any, moe: MoEArgs) -> None:
+    def __init__(self, config: TransformerArgs, moe: MoEArgs) -> None:
         super().__init__()
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)
@@ -380,8 +380,8 @@ class GroupedMLP(nn.Module):
         self.linear_fc1_gate = GroupedLinear(e, h, ffn, bias, std, dtype) if config.gated_linear_unit else None
         self.linear_fc2 = GroupedLinear(e, ffn, h, bias, out_std, dtype)
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
-        self.glu_linear_offset = float(getattr(config, "glu_linear_offset", 0.0))
-        self.activation_func_clamp_value = getattr(config, "activation_func_clamp_value", None)
+        self.glu_linear_offset = float(config.glu_linear_offset)
+        self.activation_func_clamp_value = config.activation_func_clamp_value
         # How a parameter becomes the tensor the computation uses: its local shard. Expert parallel installs
         # a version that also routes the gradient through its expert-data-parallel reduction.
         self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = local_tensor
@@ -422,7 +422,7 @@ class SharedExpertMLP(nn.Module):
     """Experts every token goes through (a dense MLP of width ``moe_shared_expert_intermediate_size``),
     optionally scaled by ``sigmoid(x @ gate_weight^T)`` per token (``moe_shared_expert_gate``)."""
 
-    def __init__(self, config: Any, moe: MoEArgs) -> None:
+    def __init__(self, config: TransformerArgs, moe: MoEArgs) -> None:
         super().__init__()
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)
@@ -497,7 +497,7 @@ class MoELayer(nn.Module):
 
     is_moe = True
 
-    def __init__(self, config: Any, layer_number: int) -> None:
+    def __init__(self, config: TransformerArgs, layer_number: int) -> None:
         super().__init__()
         moe = config.moe
         self.layer_number = layer_number

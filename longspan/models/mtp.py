@@ -66,6 +66,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import nn
 
+from longspan.models.args import TransformerArgs
 from longspan.models.moe import in_backward_pass, local_tensor
 from longspan.models.transformer import TransformerLayer, build_norm, layer_masks
 
@@ -130,7 +131,7 @@ class MTPLossAutoScaler(torch.autograd.Function):
 class MultiTokenPredictionLayer(nn.Module):
     """One MTP depth: ``enorm``, ``hnorm``, ``eh_proj``, ``transformer_layer``, ``final_layernorm``."""
 
-    def __init__(self, config: Any, depth: int) -> None:
+    def __init__(self, config: TransformerArgs, depth: int) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.enorm = build_norm(config, hidden)
@@ -162,11 +163,11 @@ class MultiTokenPredictionBlock(nn.Module):
     scaled MTP loss attached (``MTPLossAutoScaler``); while training it also accumulates each depth's
     ``sum(mask * ce) / sum(mask)`` for the log (``take_losses``)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: TransformerArgs) -> None:
         super().__init__()
         self.num_layers = int(config.mtp_num_layers)
         self.loss_scaling_factor = float(config.mtp_loss_scaling_factor or 0.0)
-        self.calculate_per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
+        self.calculate_per_token_loss = bool(config.calculate_per_token_loss)
         self.layers = nn.ModuleList(MultiTokenPredictionLayer(config, k + 1) for k in range(self.num_layers))
         # Installed by the context-parallel plan: the sequence is split over ranks (see the module docstring).
         self.sequence_chunks: Optional[SequenceChunks] = None

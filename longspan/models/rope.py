@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the arguments module imports this one
+    from longspan.models.args import TransformerArgs
 
 # Llama-3 frequency scaling constants (Megatron Core's and Meta's defaults; only the factor is configurable).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -189,16 +192,16 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq_cache: dict[tuple[torch.device, str], torch.Tensor] = {}
 
     @classmethod
-    def from_args(cls, args: Any) -> "RotaryEmbedding":
+    def from_args(cls, args: TransformerArgs) -> "RotaryEmbedding":
         """The rotary embedding of ``TransformerArgs`` ``args`` (multi-latent attention: over its rotary part)."""
-        mla = getattr(args, "mla", None)
+        mla = args.mla
         return cls(args.kv_channels if mla is None else mla.qk_pos_emb_head_dim, rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
                    rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
                    low_freq_factor=args.low_freq_factor, high_freq_factor=args.high_freq_factor,
                    original_max_positions=args.old_context_len,
                    seq_len_interpolation_factor=args.seq_len_interpolation_factor,
-                   scaling=getattr(args, "rope_scaling_method", None),
-                   interleaved=bool(getattr(args, "rotary_interleaved", False)))
+                   scaling=args.rope_scaling_method,
+                   interleaved=bool(args.rotary_interleaved))
 
     @property
     def sequence_dependent(self) -> bool:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError
+from longspan.models.args import T5Args, TransformerArgs
 from longspan.models.activations import gated_activation
 from longspan.models.attention import core_attention, low_precision_softmax_attention, softcapped_core_attention
 from longspan.models.attention_sinks import sink_core_attention
@@ -190,10 +191,10 @@ class ZeroCenteredLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-def build_norm(config: Any, dim: int) -> nn.Module:
+def build_norm(config: TransformerArgs | T5Args, dim: int) -> nn.Module:
     """The norm named by ``config.normalization`` ('LayerNorm' or 'RMSNorm') over ``dim`` channels, zero-centred
     when ``config.layernorm_zero_centered_gamma``."""
-    centred = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+    centred = bool(config.layernorm_zero_centered_gamma)
     if config.normalization == "LayerNorm":
         if centred:
             return ZeroCenteredLayerNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
@@ -220,7 +221,7 @@ class SelfAttention(nn.Module):
     # causal attention. Set per layer from ``layer_windows``.
     window: int | None = None
 
-    def __init__(self, config: Any, layer_number: int) -> None:
+    def __init__(self, config: TransformerArgs, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
         heads = config.num_attention_heads
@@ -236,7 +237,7 @@ class SelfAttention(nn.Module):
         self.linear_v = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
         self.linear_proj = _linear(heads * self.head_dim, hidden, config.add_bias_linear, out_std, dtype)
         # Per head (Qwen3, Gemma 3), or across heads over the whole projection (OLMo-2)
-        self.qk_norm_across_heads = bool(getattr(config, "qk_layernorm_across_heads", False))
+        self.qk_norm_across_heads = bool(config.qk_layernorm_across_heads)
         if config.qk_layernorm:
             q_dim, k_dim = (heads * self.head_dim, groups * self.head_dim) if self.qk_norm_across_heads else \
                 (self.head_dim, self.head_dim)
@@ -246,23 +247,23 @@ class SelfAttention(nn.Module):
             self.q_layernorm = None
             self.k_layernorm = None
         self.attention_dropout = config.attention_dropout
-        self.softmax_scale = getattr(config, "softmax_scale", None)
-        self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
-        windows = getattr(config, "layer_windows", None)
+        self.softmax_scale = config.softmax_scale
+        self.rotary_interleaved = bool(config.rotary_interleaved)
+        windows = config.layer_windows
         self.window: int | None = windows[layer_number] if windows else None
         # Set by the decoder for recompute_granularity='selective': recompute the attention core only.
         self.recompute_core_attention = False
         # The attention core (same signature as ``core_attention``); parallel plans may swap it, e.g. context
         # parallel's all-gather attention (longspan.parallel.context_parallel).
         self.core_attention: Callable[..., torch.Tensor] = (
-            core_attention if getattr(config, "attention_softmax_in_fp32", True) else low_precision_softmax_attention
+            core_attention if config.attention_softmax_in_fp32 else low_precision_softmax_attention
         )
-        softcap = getattr(config, "attn_logit_softcapping", None)
+        softcap = config.attn_logit_softcapping
         if softcap:
             self.core_attention = functools.partial(softcapped_core_attention, softcap=float(softcap))
         # Attention sinks (softmax_type): one extra softmax logit per head, learned ('learnable', GPT-OSS's
         # sinks) or fixed at zero ('off-by-one').
-        softmax_type = getattr(config, "softmax_type", "vanilla")
+        softmax_type = config.softmax_type
         self.softmax_offset: nn.Parameter | None = None
         if softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.empty(heads, dtype=dtype))
@@ -332,7 +333,7 @@ class MLP(nn.Module):
     apart (``linear_fc1_gate`` = first half, ``linear_fc1`` = second half) so tensor parallel is a plain split.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: TransformerArgs | T5Args) -> None:
         super().__init__()
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)
@@ -343,8 +344,12 @@ class MLP(nn.Module):
         self.linear_fc1_gate = _linear(config.hidden_size, ffn, bias, std, dtype) if config.gated_linear_unit else None
         self.linear_fc2 = _linear(ffn, config.hidden_size, bias, out_std, dtype)
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
-        self.glu_linear_offset = float(getattr(config, "glu_linear_offset", 0.0))
-        self.activation_func_clamp_value = getattr(config, "activation_func_clamp_value", None)
+        # GPT-OSS's gated MLP offset and clamp (T5 has neither)
+        self.glu_linear_offset = 0.0
+        self.activation_func_clamp_value: float | None = None
+        if isinstance(config, TransformerArgs):
+            self.glu_linear_offset = float(config.glu_linear_offset)
+            self.activation_func_clamp_value = config.activation_func_clamp_value
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         up = self.linear_fc1(hidden_states)
@@ -383,7 +388,7 @@ class LocalGlobalRotary:
     local_tables: RotaryTables
 
 
-def _optional_norm(config: Any, wanted: bool) -> nn.Module | None:
+def _optional_norm(config: TransformerArgs, wanted: bool) -> nn.Module | None:
     return build_norm(config, config.hidden_size) if wanted else None
 
 
@@ -402,13 +407,13 @@ class TransformerLayer(nn.Module):
     experts), else the dense ``MLP``.
     """
 
-    def __init__(self, config: Any, layer_number: int) -> None:
+    def __init__(self, config: TransformerArgs, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
-        before = getattr(config, "layernorm_before_sublayers", True)
-        after = getattr(config, "layernorm_after_sublayers", False)
+        before = config.layernorm_before_sublayers
+        after = config.layernorm_after_sublayers
         self.input_layernorm = _optional_norm(config, before)
-        if getattr(config, "mla", None) is not None:
+        if config.mla is not None:
             core = core_attention if config.attention_softmax_in_fp32 else low_precision_softmax_attention
             self.self_attention: nn.Module = MLASelfAttention(config, layer_number, core, build_norm)
         else:
@@ -416,15 +421,15 @@ class TransformerLayer(nn.Module):
         self.post_self_attn_layernorm = _optional_norm(config, after)
         self.self_attn_dropout = nn.Dropout(config.hidden_dropout)
         self.pre_mlp_layernorm = _optional_norm(config, before)
-        moe = getattr(config, "moe", None)
+        moe = config.moe
         if moe is not None and moe.layer_flags[layer_number]:
             self.mlp: nn.Module = MoELayer(config, layer_number)
         else:
             self.mlp = MLP(config)
         self.post_mlp_layernorm = _optional_norm(config, after)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
-        self.residual_post_norm = bool(getattr(config, "apply_residual_connection_post_layernorm", False))
-        self.fp32_residual = bool(getattr(config, "fp32_residual_connection", False))
+        self.residual_post_norm = bool(config.apply_residual_connection_post_layernorm)
+        self.fp32_residual = bool(config.fp32_residual_connection)
         self.params_dtype = config.params_dtype
         self.uses_local_rope = uses_local_rope(config, layer_number)
 
@@ -458,12 +463,12 @@ class TransformerLayer(nn.Module):
         return self._residual(hidden_states, normed) + self.mlp_dropout(mlp)
 
 
-def uses_local_rope(config: Any, layer_number: int) -> bool:
+def uses_local_rope(config: TransformerArgs, layer_number: int) -> bool:
     """Whether layer ``layer_number`` rotates with the local base: the model has one (a ``[local, global]``
     rotary_base) and the layer attends within a sliding window."""
-    if getattr(config, "rotary_base_local", None) is None:
+    if config.rotary_base_local is None:
         return False
-    windows = getattr(config, "layer_windows", None)
+    windows = config.layer_windows
     return bool(windows) and windows[layer_number] is not None
 
 
@@ -484,7 +489,7 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(
-        self, config: Any, layer_numbers: list[int] | None = None, post_process: bool = True
+        self, config: TransformerArgs, layer_numbers: list[int] | None = None, post_process: bool = True
     ) -> None:
         super().__init__()
         numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
@@ -493,9 +498,9 @@ class TransformerBlock(nn.Module):
         self.recompute_granularity = config.recompute_granularity
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
-        self.partial_checkpoint_microbatches = getattr(config, "partial_checkpoint_microbatches", None)
+        self.partial_checkpoint_microbatches = config.partial_checkpoint_microbatches
         self.recompute_all_layers = False
-        self.fp32_residual = bool(getattr(config, "fp32_residual_connection", False))
+        self.fp32_residual = bool(config.fp32_residual_connection)
         self.params_dtype = config.params_dtype
         if self.recompute_granularity == "selective":
             for layer in self.layers.values():

@@ -11,20 +11,23 @@ plain collectives and start-up says so. The maths is unchanged: the fused ops co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from longspan.core.logging import get_logger, warn_rank_0
 
+if TYPE_CHECKING:
+    from longspan.core.model_parallel_config import ModelParallelConfig
+
 _log = get_logger(__name__)
 
 
-def enable_async_tensor_parallel(model_config: Any, tp_group: Any, device: torch.device, compiled: bool) -> bool:
+def enable_async_tensor_parallel(model_config: ModelParallelConfig, tp_group: Any, device: torch.device, compiled: bool) -> bool:
     """Turn on inductor's micro-pipelined TP for ``tp_group`` when ``model_config.tp_comm_overlap`` asks and this
     run can use it (CUDA, a tensor-parallel group, compiled layers); returns whether it did. Call after
     ``compile_model`` and before the first forward (inductor compiles lazily, at the first call)."""
-    if not getattr(model_config, "tp_comm_overlap", False) or tp_group is None or device.type != "cuda":
+    if not model_config.tp_comm_overlap or tp_group is None or device.type != "cuda":
         return False  # CPU runs: listed once at start-up as not applicable (longspan.config.support)
     if not compiled:
         warn_rank_0("model.tp_comm_overlap: the layers are not compiled here (see the train.torch_compile line), "

@@ -43,6 +43,7 @@ from torch import nn
 
 from longspan.core.logging import get_logger, print_rank_0, warn_rank_0
 from longspan.models.attention import core_attention
+from longspan.models.gpt_provider import TransformerConfig
 
 _log = get_logger(__name__)
 
@@ -74,14 +75,14 @@ def compile_unavailable_reason(device: torch.device) -> Optional[str]:
     return f"device type {device.type!r} is not handled by longspan's compile plan"
 
 
-def cuda_graph_warmup(model_config: Any, device: torch.device) -> Optional[int]:
+def cuda_graph_warmup(model_config: TransformerConfig, device: torch.device) -> Optional[int]:
     """The warmup forwards before CUDA-graph capture when the model asks for CUDA graphs (model.enable_cuda_graph,
     or external_cuda_graph: Transformer Engine's capture of the same layers) and runs on CUDA; None otherwise
     (elsewhere start-up lists the fields as not applicable)."""
-    wanted = getattr(model_config, "enable_cuda_graph", False) or getattr(model_config, "external_cuda_graph", False)
+    wanted = model_config.enable_cuda_graph or model_config.external_cuda_graph
     if not wanted or device.type != "cuda":
         return None
-    return int(getattr(model_config, "cuda_graph_warmup_steps", 3))
+    return int(model_config.cuda_graph_warmup_steps)
 
 
 def mark_cuda_graph_step() -> None:

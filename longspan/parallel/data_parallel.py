@@ -45,7 +45,7 @@ shards the meta model and ``init_weights`` materializes each shard.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,13 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from longspan.config.schema.optim import DistributedDataParallelConfig
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+    from longspan.core.model_parallel_config import ModelParallelConfig
 
 _log = get_logger(__name__)
 
@@ -63,24 +68,23 @@ FSDP2_MODE = "fsdp2"
 DISTRIBUTED_OPTIMIZER_MODE = "distributed_optimizer"
 
 
-def data_parallel_mode(cfg: Any, tp_size: int = 1) -> str:
+def data_parallel_mode(cfg: ConfigContainer, tp_size: int = 1) -> str:
     """``"ddp"``, ``"fsdp2"`` or ``"distributed_optimizer"`` for ``cfg`` (see the module docstring)."""
-    if getattr(cfg.dist, "use_torch_fsdp2", False):
+    if cfg.dist.use_torch_fsdp2:
         return FSDP2_MODE
-    if getattr(cfg.ddp, "use_megatron_fsdp", False) or getattr(cfg.ddp, "use_custom_fsdp", False):
+    if cfg.ddp.use_megatron_fsdp or cfg.ddp.use_custom_fsdp:
         # FSDP2 in Megatron-FSDP's place: the strategy says whether parameters are sharded between uses too
-        strategy = getattr(cfg.ddp, "data_parallel_sharding_strategy", "no_shard")
+        strategy = cfg.ddp.data_parallel_sharding_strategy
         return FSDP2_MODE if strategy == "optim_grads_params" else DISTRIBUTED_OPTIMIZER_MODE
-    if getattr(cfg.optimizer, "use_distributed_optimizer", False) or getattr(cfg.ddp, "use_distributed_optimizer",
-                                                                             False):
+    optimizer_shards = cfg.optimizer is not None and cfg.optimizer.use_distributed_optimizer
+    if optimizer_shards or cfg.ddp.use_distributed_optimizer:
         return DISTRIBUTED_OPTIMIZER_MODE
     return DDP_MODE
 
 
-def check_data_parallel_config(cfg: Any) -> None:
+def check_data_parallel_config(cfg: ConfigContainer) -> None:
     """Reject DDP settings this build cannot honour (one line each)."""
-    ddp = cfg.ddp
-    bucket = getattr(ddp, "bucket_size", None)
+    bucket = cfg.ddp.bucket_size
     if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
         raise NotSupportedError(f"ddp.bucket_size={bucket!r} must be a positive number of elements or None")
 
@@ -127,7 +131,8 @@ def _broadcast_at_first_forward(wrapped: nn.Module, group: Any) -> None:
     handle = wrapped.register_forward_pre_hook(hook)
 
 
-def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any = None,
+def apply_ddp(model: nn.Module, group: Any, device: torch.device,
+              ddp_cfg: DistributedDataParallelConfig | None = None,
               param_dtype: torch.dtype | None = None) -> nn.Module:
     """Materialize ``model`` on ``device`` (if on meta) and wrap it in DDP over ``group``.
 
@@ -135,9 +140,11 @@ def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any =
         model: a plain model (no DTensor parameters).
         group: the data-parallel process group.
         device: this rank's device.
-        ddp_cfg: a DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, average_in_collective).
+        ddp_cfg: a DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, average_in_collective);
+            None: its defaults.
         param_dtype: the dtype the parameters will have in training (bucket sizes and the fp32 hook use it).
     """
+    ddp_cfg = DistributedDataParallelConfig() if ddp_cfg is None else ddp_cfg
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     param_dtype = param_dtype or next(model.parameters()).dtype
@@ -148,14 +155,14 @@ def apply_ddp(model: nn.Module, group: Any, device: torch.device, ddp_cfg: Any =
     }
     if device.type == "cuda":
         kwargs["device_ids"] = [device]
-    bucket_size = getattr(ddp_cfg, "bucket_size", None)
+    bucket_size = ddp_cfg.bucket_size
     if bucket_size is not None:
         element = torch.tensor([], dtype=param_dtype).element_size()
         kwargs["bucket_cap_mb"] = bucket_size * element / 2**20
     wrapped = DistributedDataParallel(model, **kwargs)
     _broadcast_at_first_forward(wrapped, group)
-    fp32 = bool(getattr(ddp_cfg, "grad_reduce_in_fp32", False)) and param_dtype != torch.float32
-    avg = bool(getattr(ddp_cfg, "average_in_collective", False))
+    fp32 = bool(ddp_cfg.grad_reduce_in_fp32) and param_dtype != torch.float32
+    avg = bool(ddp_cfg.average_in_collective)
     avg_op = avg and "nccl" in str(dist.get_backend(group))  # gloo has no ReduceOp.AVG: SUM then divide
     if fp32 or avg_op:
         wrapped.register_comm_hook({"group": group, "fp32": fp32, "avg_op": avg_op}, _reduce_hook)
@@ -178,14 +185,14 @@ def _fsdp_no_sync(module: nn.Module) -> Any:
     return no_sync
 
 
-def mixed_precision_policy(model_cfg: Any, ddp_cfg: Any) -> Any:
+def mixed_precision_policy(model_cfg: ModelParallelConfig, ddp_cfg: DistributedDataParallelConfig) -> Any:
     """FSDP2's MixedPrecisionPolicy: compute in bf16/fp16 when the model does; fp32 reduction on request."""
     param_dtype = None
-    if getattr(model_cfg, "bf16", False):
+    if model_cfg.bf16:
         param_dtype = torch.bfloat16
-    elif getattr(model_cfg, "fp16", False):
+    elif model_cfg.fp16:
         param_dtype = torch.float16
-    reduce_dtype = torch.float32 if param_dtype is not None and getattr(ddp_cfg, "grad_reduce_in_fp32", False) else None
+    reduce_dtype = torch.float32 if param_dtype is not None and ddp_cfg.grad_reduce_in_fp32 else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 

@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+
+if TYPE_CHECKING:
+    from longspan.models.gpt_provider import TransformerConfig
 
 _log = get_logger(__name__)
 
@@ -84,13 +87,13 @@ UNAVAILABLE_RECIPES = {
 FORMAT_NAMES = {"hybrid": "e4m3 forward, e5m2 gradients", "e4m3": "e4m3 everywhere"}
 
 
-def check_fp8_settings(provider: Any, data_parallel_mode: str | None = None) -> str | None:
+def check_fp8_settings(provider: TransformerConfig, data_parallel_mode: str | None = None) -> str | None:
     """The fp8 recipe name when ``provider.fp8`` is on (None when off); a one-line error for a value or a
     combination no torchao recipe implements. Needs no GPU and no torchao."""
-    fp8 = getattr(provider, "fp8", None)
+    fp8 = provider.fp8
     if not fp8:
         return None
-    recipe = getattr(provider, "fp8_recipe", "tensorwise")
+    recipe = provider.fp8_recipe
     if recipe in UNAVAILABLE_RECIPES:
         raise NotSupportedError(f"model.fp8_recipe={recipe!r} is not available: {UNAVAILABLE_RECIPES[recipe]}")
     if recipe not in FP8_RECIPES:
@@ -103,7 +106,7 @@ def check_fp8_settings(provider: Any, data_parallel_mode: str | None = None) -> 
         valid = " or ".join(f"{f!r} ({FORMAT_NAMES[f]})" for f in spec.formats)
         raise NotSupportedError(f"model.fp8={fp8!r} with fp8_recipe={recipe!r}: {spec.torchao} computes "
                                 f"{valid}; set model.fp8 to that")
-    if getattr(provider, "fp8_param", False):
+    if provider.fp8_param:
         if not spec.fp8_param:
             raise NotSupportedError(f"model.fp8_param=True all-gathers float8 weights with fp8_recipe='tensorwise' "
                                     f"only (torchao), not {recipe!r}: set model.fp8_param=False")
@@ -115,7 +118,7 @@ def check_fp8_settings(provider: Any, data_parallel_mode: str | None = None) -> 
     return recipe
 
 
-def check_fp8(provider: Any, device: torch.device, data_parallel_mode: str | None = None) -> bool:
+def check_fp8(provider: TransformerConfig, device: torch.device, data_parallel_mode: str | None = None) -> bool:
     """Whether fp8 is on for ``provider``; a one-line NotSupportedError when it cannot run on ``device``."""
     recipe = check_fp8_settings(provider, data_parallel_mode)
     if recipe is None:
@@ -139,11 +142,11 @@ def check_fp8(provider: Any, device: torch.device, data_parallel_mode: str | Non
     return True
 
 
-def apply_float8(model: nn.Module, provider: Any, device: torch.device, data_parallel_mode: str) -> bool:
+def apply_float8(model: nn.Module, provider: TransformerConfig, device: torch.device, data_parallel_mode: str) -> bool:
     """Convert the transformer layers' linears to FP8 training when ``provider.fp8`` is set (after checks)."""
     if not check_fp8(provider, device, data_parallel_mode):
         return False
-    fp8_param = bool(getattr(provider, "fp8_param", False))
+    fp8_param = bool(provider.fp8_param)
     convert_to_fp8(model, provider.fp8_recipe, provider.fp8, fp8_param=fp8_param)
     print_rank_0(f"longspan: fp8 training ({FP8_RECIPES[provider.fp8_recipe].torchao}, fp8={provider.fp8!r}"
                  f"{', float8 all-gather' if fp8_param else ''})", _log)

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from longspan.core.errors import ConfigError, LaunchError, LongspanError
 from longspan.core.logging import get_logger
@@ -37,6 +37,10 @@ from longspan.parallel.nccl_options import (
 )
 from datetime import timedelta
 from longspan.core.logging import get_rank
+
+if TYPE_CHECKING:
+    from longspan.config.schema.infra import DistributedInitConfig
+    from longspan.core.model_parallel_config import ModelParallelConfig
 
 _log = get_logger(__name__)
 
@@ -331,17 +335,17 @@ def destroy_distributed() -> None:
 
 # --------------------------------------------------------------------------------------------- initialization
 
-def _check_supported(dist_cfg: Any) -> None:
+def _check_supported(dist_cfg: DistributedInitConfig) -> None:
     """Reject DistributedInitConfig values this version cannot honour (one line each)."""
-    backend = getattr(dist_cfg, "distributed_backend", "nccl")
+    backend = dist_cfg.distributed_backend
     if backend not in ("nccl", "gloo"):
         raise ConfigError(f"dist.distributed_backend={backend!r} is not valid; use 'nccl' or 'gloo'")
-    timeout = getattr(dist_cfg, "distributed_timeout_minutes", 10)
+    timeout = dist_cfg.distributed_timeout_minutes
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"dist.distributed_timeout_minutes={timeout!r} must be a positive number of minutes")
 
 
-def _resolve_device(dist_cfg: Any, device: Any, local_rank: int) -> Any:
+def _resolve_device(dist_cfg: DistributedInitConfig, device: Any, local_rank: int) -> Any:
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch
 
@@ -354,7 +358,7 @@ def _resolve_device(dist_cfg: Any, device: Any, local_rank: int) -> Any:
     if dev.type == "cuda":
         index = dev.index
         if index is None:
-            index = 0 if getattr(dist_cfg, "external_gpu_device_mapping", False) else local_rank
+            index = 0 if dist_cfg.external_gpu_device_mapping else local_rank
         count = torch.cuda.device_count()
         if not 0 <= index < count:
             raise LaunchError(
@@ -380,8 +384,8 @@ def pipeline_group_backend(value: str | None, device: Any, ucc_available: bool) 
 
 
 def initialize_distributed(
-    dist_cfg: Any,
-    model_parallel_cfg: Any,
+    dist_cfg: DistributedInitConfig,
+    model_parallel_cfg: ModelParallelConfig,
     *,
     device: Any = None,
     dp_replicate: int = 1,
@@ -409,8 +413,8 @@ def initialize_distributed(
 
 
 def prepare_distributed(
-    dist_cfg: Any,
-    model_parallel_cfg: Any,
+    dist_cfg: DistributedInitConfig,
+    model_parallel_cfg: ModelParallelConfig,
     *,
     device: Any = None,
     dp_replicate: int = 1,
@@ -426,15 +430,15 @@ def prepare_distributed(
     """
     _check_supported(dist_cfg)
     launch = detect_launch(env)
-    use_mapping = bool(getattr(dist_cfg, "use_tp_pp_dp_mapping", False))
+    use_mapping = bool(dist_cfg.use_tp_pp_dp_mapping)
     layout = layout_from_config(launch.world_size, model_parallel_cfg, dp_replicate=dp_replicate,
                                 use_tp_pp_dp_mapping=use_mapping)
     local_rank = launch.local_rank
     if launch.kind == "single":
-        local_rank = int(getattr(dist_cfg, "local_rank", local_rank) or 0)
+        local_rank = int(dist_cfg.local_rank or 0)
     dev = _resolve_device(dist_cfg, device, local_rank)
 
-    backend = getattr(dist_cfg, "distributed_backend", "nccl")
+    backend = dist_cfg.distributed_backend
     if backend == "nccl" and dev.type != "cuda":
         # nccl is the default: on a CPU machine it adapts silently (the banner says "device cpu").
         _log.debug("dist.distributed_backend='nccl' needs CUDA devices; this run is on CPU, using gloo")
@@ -450,8 +454,8 @@ def prepare_distributed(
     return finish
 
 
-def _create_groups(dist_cfg: Any, model_parallel_cfg: Any, launch: LaunchEnv, layout: Layout, local_rank: int,
-                   dev: Any, backend: str) -> ParallelState:
+def _create_groups(dist_cfg: DistributedInitConfig, model_parallel_cfg: ModelParallelConfig, launch: LaunchEnv,
+                   layout: Layout, local_rank: int, dev: Any, backend: str) -> ParallelState:
     """The default process group and the device meshes of a prepared launch; sets the module's state."""
     global _STATE
     if launch.world_size == 1:
@@ -469,11 +473,11 @@ def _create_groups(dist_cfg: Any, model_parallel_cfg: Any, launch: LaunchEnv, la
     _init_process_group(dist_cfg, launch, backend, dev, eager_nccl=not sharp)
     # per-group NCCL options: NCCL groups only (a CPU run lists the fields as not applicable at start-up)
     group_options = nccl_group_options(dist_cfg) if backend == "nccl" and dev.type == "cuda" else {}
-    pp_backend = pipeline_group_backend(getattr(model_parallel_cfg, "pipeline_model_parallel_comm_backend", None),
+    pp_backend = pipeline_group_backend(model_parallel_cfg.pipeline_model_parallel_comm_backend,
                                         dev, dist.is_ucc_available())
     meshes = build_device_mesh(
         launch.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
-        ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=bool(getattr(dist_cfg, "use_tp_pp_dp_mapping", False)),
+        ep=layout.ep, etp=layout.etp, use_tp_pp_dp_mapping=bool(dist_cfg.use_tp_pp_dp_mapping),
         device_type="cuda" if dev.type == "cuda" else "cpu", group_options=group_options,
         group_backends={"pp": pp_backend},
     )
@@ -487,14 +491,15 @@ def _create_groups(dist_cfg: Any, model_parallel_cfg: Any, launch: LaunchEnv, la
     return _STATE
 
 
-def _init_process_group(dist_cfg: Any, launch: Any, backend: str, dev: Any, eager_nccl: bool = True) -> None:
+def _init_process_group(dist_cfg: DistributedInitConfig, launch: Any, backend: str, dev: Any,
+                        eager_nccl: bool = True) -> None:
     """The default process group for this launch (or a check of the one that already exists)."""
     # torch on first use: the launcher and the supervisor import this module without torch (start-up time)
     import torch.distributed as dist
 
-    timeout = timedelta(minutes=float(getattr(dist_cfg, "distributed_timeout_minutes", 10)))
+    timeout = timedelta(minutes=float(dist_cfg.distributed_timeout_minutes))
     pg_backend = backend
-    if backend == "nccl" and getattr(dist_cfg, "use_gloo_process_groups", True):
+    if backend == "nccl" and dist_cfg.use_gloo_process_groups:
         pg_backend = "cpu:gloo,cuda:nccl"
     if dist.is_initialized():
         if dist.get_world_size() != launch.world_size:

@@ -14,12 +14,15 @@ environment is the way in, as in Megatron.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from longspan.config.nccl_groups import nccl_group_settings
 
+if TYPE_CHECKING:
+    from longspan.config.schema.infra import DistributedInitConfig
 
-def nccl_group_options(dist_cfg: Any) -> dict[str, Any]:
+
+def nccl_group_options(dist_cfg: DistributedInitConfig) -> dict[str, Any]:
     """Group name -> ``ProcessGroupNCCL.Options`` for every group the config names (empty when none)."""
     settings = nccl_group_settings(dist_cfg)
     if not settings:
@@ -42,10 +45,10 @@ def nccl_group_options(dist_cfg: Any) -> dict[str, Any]:
 COLLNET_ENV = "NCCL_COLLNET_ENABLE"
 
 
-def sharp_applies(dist_cfg: Any, backend: str, device: Any) -> bool:
+def sharp_applies(dist_cfg: DistributedInitConfig, backend: str, device: Any) -> bool:
     """Whether ``dist.use_sharp`` acts on this run: NCCL groups on CUDA (elsewhere start-up lists it as not
     applicable; validate() rejects it with another backend)."""
-    return bool(getattr(dist_cfg, "use_sharp", False)) and backend == "nccl" and device.type == "cuda"
+    return bool(dist_cfg.use_sharp) and backend == "nccl" and device.type == "cuda"
 
 
 def clear_collnet_environment() -> None:

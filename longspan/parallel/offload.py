@@ -13,12 +13,15 @@ tensor subclasses stay where they are. The maths is unchanged: backward reads bi
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from longspan.core.logging import print_rank_0
+
+if TYPE_CHECKING:
+    from longspan.core.model_parallel_config import ModelParallelConfig
 
 
 class SavedTensorOffload:
@@ -77,10 +80,10 @@ def offloadable_layers(chunk: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_activation_offload(chunks: list[nn.Module], model_config: Any) -> list[SavedTensorOffload]:
+def apply_activation_offload(chunks: list[nn.Module], model_config: ModelParallelConfig) -> list[SavedTensorOffload]:
     """Offload what the first ``model_config.cpu_offloading_num_layers`` layers of each chunk save for backward
     (nothing when ``cpu_offloading`` is off); returns one ``SavedTensorOffload`` per offloaded layer."""
-    if not getattr(model_config, "cpu_offloading", False):
+    if not model_config.cpu_offloading:
         return []
     count = int(model_config.cpu_offloading_num_layers)
     activations = bool(model_config.cpu_offloading_activations)

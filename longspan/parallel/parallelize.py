@@ -10,7 +10,7 @@ whole-model path (``longspan.training.setup.build_model``) and each pipeline chu
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -35,12 +35,15 @@ from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.t5 import apply_t5_context_parallel, is_t5_model
 from longspan.parallel.tensor_parallel import apply_tensor_parallel
 
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
+
 __all__ = ["materialize_parallel_model", "parallelize_model", "parallel_loss_context"]
 
 _log = get_logger(__name__)
 
 
-def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.nn.Module:
+def parallelize_model(model: torch.nn.Module, cfg: ConfigContainer, parallel: Any) -> torch.nn.Module:
     """Apply the parallel plans for ``cfg``'s layout to ``model`` (still on the meta device).
 
     Tensor (and sequence) parallel over the ``tp`` mesh dimension when ``model.tensor_model_parallel_size``
@@ -58,7 +61,7 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     check_data_parallel_config(cfg)
     tp = parallel.tp_size
     if tp > 1:
-        apply_tensor_parallel(model, parallel.submesh("tp"), bool(getattr(cfg.model, "sequence_parallel", False)))
+        apply_tensor_parallel(model, parallel.submesh("tp"), bool(cfg.model.sequence_parallel))
     if parallel.cp_size > 1:
         # After tensor parallel (its root hook makes the loss a plain tensor first), before data parallel.
         if is_t5_model(model):
@@ -67,7 +70,7 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
             apply_context_parallel(model, parallel.cp_group)
     # MoE experts: sharded over ep/etp with all-to-all dispatch; the data-parallel wrappers leave them alone
     # (expert_parallel reduces their gradients itself).
-    expert_params = apply_expert_parallel(model, parallel, bool(getattr(cfg.model, "sequence_parallel", False)))
+    expert_params = apply_expert_parallel(model, parallel, bool(cfg.model.sequence_parallel))
     dp = parallel.dp_size * parallel.cp_size
     if dp == 1:
         return model
@@ -79,7 +82,7 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
         )
         mode = DISTRIBUTED_OPTIMIZER_MODE
     if mode == DDP_MODE:
-        dtype = getattr(cfg.model, "params_dtype", None) or torch.float32
+        dtype = cfg.model.params_dtype or torch.float32
         ignore_in_ddp(model, expert_params)
         return apply_ddp(model, parallel.group("dp_cp" if parallel.cp_size > 1 else "dp"), parallel.device,
                          cfg.ddp, param_dtype=dtype)
@@ -90,12 +93,12 @@ def parallelize_model(model: torch.nn.Module, cfg: Any, parallel: Any) -> torch.
     with hidden_parameters(model, expert_params + quantized_base):
         return apply_fsdp2(model, data_parallel_mesh(parallel), mp_policy=policy,
                            reshard_after_forward=(mode == FSDP2_MODE),
-                           prefetch=bool(getattr(cfg.ddp, "overlap_param_gather", False)))
+                           prefetch=bool(cfg.ddp.overlap_param_gather))
 
 
 def materialize_parallel_model(
     model: torch.nn.Module,
-    cfg: Any,
+    cfg: ConfigContainer,
     parallel: Any,
     seed: int,
     pre_wrap_hook: Callable[[torch.nn.Module], Any] | None = None,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,14 @@ from longspan.config.rules.pipeline_split import (  # the split arithmetic; stag
     stage_layer_numbers,
 )
 from longspan.core.logging import get_logger
+from longspan.models.args import TransformerArgs
 from longspan.models.builder import build_meta_model
 from longspan.models.init import canonical_parameter_name
+from longspan.models.t5_provider import T5ModelProvider
 from longspan.parallel.parallelize import materialize_parallel_model
+
+if TYPE_CHECKING:
+    from longspan.config.schema.container import ConfigContainer
 
 _log = get_logger(__name__)
 
@@ -104,17 +109,19 @@ class _StageParallelView:
         return getattr(self._parallel, name)
 
 
-def activation_spec(cfg: Any) -> tuple[tuple[int, int, int], torch.dtype]:
+def activation_spec(cfg: ConfigContainer) -> tuple[tuple[int, int, int], torch.dtype]:
     """Shape and dtype of the hidden states between stages: ``[micro_batch, seq / cp (/ tp with sequence
     parallel), hidden]`` (T5: seq is seq_length + seq_length_dec, see ``longspan.models.t5.T5Model``) in ``model.pipeline_dtype`` (default: params_dtype; float32 with
     fp32_residual_connection)."""
     model = cfg.model
-    seq = int(model.seq_length) + int(getattr(model, "seq_length_dec", 0) or 0)  # T5: both stacks' states
-    seq //= int(getattr(model, "context_parallel_size", 1) or 1)
-    if getattr(model, "sequence_parallel", False):
+    seq = int(model.seq_length)
+    if isinstance(model, T5ModelProvider):  # both stacks' states
+        seq += int(model.seq_length_dec or 0)
+    seq //= int(model.context_parallel_size or 1)
+    if model.sequence_parallel:
         seq //= int(model.tensor_model_parallel_size)
-    dtype = getattr(model, "pipeline_dtype", None) or getattr(model, "params_dtype", None) or torch.float32
-    if getattr(model, "fp32_residual_connection", False):
+    dtype = model.pipeline_dtype or model.params_dtype or torch.float32
+    if model.fp32_residual_connection:
         dtype = torch.float32  # the residual stream is float32 between layers, so between stages too (Megatron)
     return (int(cfg.train.micro_batch_size), seq, int(model.hidden_size)), dtype
 
@@ -221,8 +228,13 @@ def _embedding_params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _has_mtp(model: list[nn.Module]) -> bool:
-    return any(getattr(unwrap_chunk(c), "mtp", None) is not None for c in model) or any(
-        getattr(getattr(unwrap_chunk(c), "args", None), "mtp_num_layers", None) for c in model)
+    return any(getattr(unwrap_chunk(c), "mtp", None) is not None or _mtp_depths(unwrap_chunk(c)) for c in model)
+
+
+def _mtp_depths(chunk: nn.Module) -> int | None:
+    """A GPT chunk's multi-token-prediction depths (its ``TransformerArgs``); None for other models."""
+    args = getattr(chunk, "args", None)  # a module attribute: T5's are T5Args, a vision-language model has none
+    return args.mtp_num_layers if isinstance(args, TransformerArgs) else None
 
 
 def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:

@@ -91,6 +91,8 @@ class _SharpMeshes:
 
 def _create_groups_with_sharp(monkeypatch: pytest.MonkeyPatch, use_sharp: bool) -> dict:
     """initialize_distributed's group creation on a pretend CUDA rank of 2, torch's side recorded."""
+    from longspan.config.schema.infra import DistributedInitConfig
+    from longspan.core.model_parallel_config import ModelParallelConfig
     from longspan.parallel import init
     from longspan.parallel.mesh import layout_from_config
 
@@ -106,8 +108,8 @@ def _create_groups_with_sharp(monkeypatch: pytest.MonkeyPatch, use_sharp: bool) 
     monkeypatch.setattr(init, "_init_process_group", fake_init_pg)
     monkeypatch.setattr(init, "build_device_mesh", lambda *a, **k: _SharpMeshes())
     monkeypatch.setattr(nccl_options, "_device_barrier", fake_barrier)
-    dist_cfg = NS(use_sharp=use_sharp, high_priority_stream_groups=None, nccl_communicator_config_path=None)
-    mp = NS(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1)
+    dist_cfg = DistributedInitConfig(use_sharp=use_sharp)
+    mp = ModelParallelConfig()
     launch = init.LaunchEnv("torchrun", 0, 2, 0, "127.0.0.1", 29500)
     try:
         init._create_groups(dist_cfg, mp, launch, layout_from_config(2, mp), 0, NS(type="cuda", index=0), "nccl")

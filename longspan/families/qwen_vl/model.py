@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: the vision encoder and patch merger (``qwen_vision``) feeding longspan's GPT language model.
+"""Qwen2.5-VL: the vision encoder and patch merger (``vision``) feeding longspan's GPT language model.
 
 Plain PyTorch, three submodules for parallel plans to address::
 

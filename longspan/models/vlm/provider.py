@@ -1,7 +1,7 @@
 """``VisionLanguageProvider``: the base of the vision-language providers (a vision encoder feeding the GPT
-language model). Shared code asks the provider what it needs (``hf_architecture``, ``image_position_ids``;
-``is_vision_language`` tells these providers apart) instead of naming a family; the families' providers live in their packages
-(``longspan.families``)."""
+language model). Shared code asks the provider what it needs (``hf_architecture``, ``image_position_ids``) and
+tells these providers apart with ``is_vision_language``, never by family; the families' providers live in their
+packages (``longspan.families``)."""
 
 from __future__ import annotations
 

@@ -80,8 +80,8 @@ def gemma3_vlm_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The text tower of Gemma3ForConditionalGeneration as the hub's files and transformers' save_pretrained name it
 # (transformers' modules are model.language_model.*: HFCheckpointReader's prefix aliases find files named so).
-GEMMA3_TEXT_TOWER = mapping.with_prefix(mapping.with_prefix(mapping.GEMMA, "model.", "language_model.model."), "lm_head.",
-                                "language_model.lm_head.")
+GEMMA3_TEXT_TOWER = mapping.with_prefix(
+    mapping.with_prefix(mapping.GEMMA, "model.", "language_model.model."), "lm_head.", "language_model.lm_head.")
 
 
 def _same(name: str) -> mapping.WeightMap:

@@ -16,6 +16,8 @@ from longspan.core import plugins as _plugins
 def _load_registrants() -> None:
     # The composition root: the packages that register config classes, HF architectures, recipes and plan
     # pieces into the registries below them; imported on the first registry lookup, not by `import longspan`.
+    import longspan.models  # noqa: F401  (the model kinds' providers and activation functions)
+    import longspan.peft  # noqa: F401  (the PEFT configs)
     import longspan.families  # noqa: F401  (registers every family package)
 
 

@@ -20,7 +20,6 @@ import torch
 import yaml
 
 from longspan.config.targets import (
-    SECTION_TYPES,
     callable_name,
     config_class,
     dtype_name,
@@ -28,6 +27,7 @@ from longspan.config.targets import (
     longspan_target,
     resolve_class,
     resolve_value_target,
+    section_type_names,
 )
 from longspan.config.types import coerce_value, field_types, float_only, is_derived_field, yaml_fields
 from longspan.core.errors import ConfigError
@@ -271,7 +271,7 @@ def merge_into(obj: Any, data: dict[str, Any], path: str, ctx: LoadContext) -> N
 
 
 def _default_section_class(name: str) -> Optional[type]:
-    names = SECTION_TYPES.get(name)
+    names = section_type_names(name)
     return config_class(names[0]) if names else None
 
 

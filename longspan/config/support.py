@@ -24,6 +24,7 @@ import torch
 from longspan.config.support_reasons import NOT_SUPPORTED_REASONS
 from longspan.config.types import is_derived_field, yaml_fields
 from longspan.core.errors import NotSupportedError
+from longspan.core.plugins import load_plugins
 
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported yet"
@@ -253,7 +254,8 @@ FIELD_STATUS.update(_many("tokenizer", SUPPORTED, "vocab_extra_ids"))
 # dataset.masking_do_permutation: tests/models/t5/test_t5_dataset.py::test_samples_equal_megatron_core[permuted-ngrams].
 
 # The model classes and dataset classes longspan can build.
-SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Gemma3VLModelProvider",)
+# (Model families' providers register theirs: register_model_support; supported_models() lists them all.)
+SUPPORTED_MODELS = ("GPTModelProvider", "T5ModelProvider", "MambaProvider")
 SUPPORTED_DATASETS = ("GPTDatasetConfig", "MockGPTDatasetConfig", "T5MaskedWordPieceDatasetConfig",
                       "FinetuningDatasetConfig", "DirectHFSFTDatasetConfig")
 # Classes nested inside a dataset section (their fields have their own tables in the generated document).
@@ -311,50 +313,6 @@ for _cls in ("T5ModelProvider", "MambaProvider"):
     CLASS_FIELD_STATUS[_cls].update(_many("model", NOT_SUPPORTED, "mtp_num_layers mtp_loss_scaling_factor"))
 # mtp_enabled states what mtp_num_layers switches (config rules: a contradiction is an error).
 FIELD_STATUS.update(_many("model", SUPPORTED, "mtp_enabled"))
-
-# Qwen2.5-VL (longspan.models.vlm, Qwen25VLModelProvider): its own fields, each shown to act by
-# tests/models/vlm/test_qwen25_vl.py (test_the_vlm_fields_change_the_model; the token ids other than
-# image_token_id are written to the exported config.json: test_a_provider_made_export_reads_back_in_transformers).
-# Tensor parallel splits the language model and replicates the vision encoder; pipeline parallel keeps the
-# encoder on the first stage (tests/data/sft_vlm/test_vlm_finetune.py: FSDP2, TP2 and PP2 equal one process).
-# The pipeline split fields (virtual_pipeline_model_parallel_size, num_layers_in_first/last_pipeline_stage,
-# account_for_embedding/loss_in_pipeline_split) split the language model's layers as GPT's do, the encoder on
-# virtual stage 0 with the embedding (test_vlm_finetune.py's pp2-uneven and pp2-vp2 cases equal one process;
-# tests/parallel/test_pipeline.py::test_vision_language_stages_split_the_language_layers_and_keep_the_encoder_
-# with_the_embedding counts the layers and parameters of each stage). Sequence and context parallel cut the
-# sequence after the image merge (tests/data/sft_vlm/test_vlm_finetune.py and
-# test_gemma_vlm_finetune.py: TP2 + SP and CP2 equal one process). Expert parallel on a language model with
-# experts: tests/data/sft_vlm/test_vlm_finetune.py::test_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process
-# (EP2 equals one process; without experts EP>1 is GPT's ConfigError). Multi-latent attention has no mRoPE table
-# (config.rules.model.check_mrope_model).
-SUPPORTED_MODELS += ("Qwen25VLModelProvider",)
-FIELD_STATUS.update(_many("model", SUPPORTED, """
-    mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id vision_end_token_id
-    vision_token_id video_token_id freeze_language_model freeze_vision_model freeze_vision_projection
-    """))
-CLASS_FIELD_STATUS["Qwen25VLModelProvider"] = _many("model", NOT_SUPPORTED, """
-    mtp_num_layers mtp_loss_scaling_factor multi_latent_attention
-    """)
-# Gemma 3's vision-language model (longspan.models.vlm.gemma_vlm): its own fields, proven by
-# tests/conversion/test_gemma_vlm.py (logits with images against transformers for vision_config,
-# mm_tokens_per_image and image_token_id; test_provider_freezes_parts_and_checks_its_image_fields for freeze_*).
-# The token ids of the delimiters and bos/eos are recorded for the export. Tensor parallel splits the language
-# model and replicates the encoder; pipeline parallel keeps the encoder on the first stage, also with virtual
-# stages and the pipeline split fields (its pp2-vp2 case; tests/parallel/test_pipeline.py); sequence
-# and context parallel split the sequence after the image merge (tests/data/sft_vlm/test_gemma_vlm_finetune.py:
-# FSDP2, TP2, TP2 + SP, PP2, PP2 x VP2 and CP2 equal one process; with 4 experts in the language model EP2 equals
-# one process: test_gemma_moe_vlm_under_expert_parallel_logs_the_losses_of_one_process).
-CLASS_FIELD_STATUS["Gemma3VLModelProvider"] = {
-    **_many("model", SUPPORTED, """
-        vision_config mm_tokens_per_image bos_token_id eos_token_id vision_start_token_id vision_end_token_id
-        image_token_id freeze_language_model freeze_vision_model freeze_vision_projection
-        """),
-    **_many("model", NOT_SUPPORTED, """
-        mtp_num_layers
-        mtp_loss_scaling_factor mtp_enabled
-        """),
-}
-
 
 # Added special tokens, Megatron's TikTokenizer (longspan.data.tiktoken_tokenizer) and the tokenizer-side
 # vocabulary padding (longspan.data.tokenizers).
@@ -479,8 +437,30 @@ FIELD_STATUS.update(_many("dist", SUPPORTED, "lazy_init"))
 FIELD_STATUS.update(_many("dist", DEVICE, "use_sharp"))
 
 
+# Model provider classes registered by their packages (the model families above this package), in order, with
+# the class whose table of the generated document theirs repeats.
+REGISTERED_MODELS: dict[str, str] = {}
+
+
+def register_model_support(name: str, supported: str, not_supported: str, reasons: dict[str, str],
+                           shared_table: str = "GPTModelProvider") -> None:
+    """Make model provider class ``name`` buildable, with the statuses of its own fields over the shared table's
+    (``supported`` / ``not_supported``: space-separated field names), the one-line reason of each field it does
+    not support (``field -> reason``) and the class whose table its own repeats in docs/config-support.md."""
+    CLASS_FIELD_STATUS[name] = {**_many("model", SUPPORTED, supported), **_many("model", NOT_SUPPORTED, not_supported)}
+    NOT_SUPPORTED_REASONS.update({f"{name}.{field}": why for field, why in reasons.items()})
+    REGISTERED_MODELS[name] = shared_table
+
+
+def supported_models() -> tuple[str, ...]:
+    """The model provider classes longspan can build (the model kinds' and the registered ones)."""
+    load_plugins()
+    return SUPPORTED_MODELS + tuple(REGISTERED_MODELS)
+
+
 def not_supported_reason(section: str, name: str, cls_name: str | None = None) -> str | None:
     """The one-line reason ``section.name`` (of config class ``cls_name``) is not supported, if one is given."""
+    load_plugins()
     if cls_name and f"{cls_name}.{name}" in NOT_SUPPORTED_REASONS:
         return NOT_SUPPORTED_REASONS[f"{cls_name}.{name}"]
     return NOT_SUPPORTED_REASONS.get(f"{section}.{name}")
@@ -488,6 +468,7 @@ def not_supported_reason(section: str, name: str, cls_name: str | None = None) -
 
 def field_status(section: str, name: str, cls_name: str | None = None) -> str:
     """The status of ``section.name`` (of config class ``cls_name`` when given)."""
+    load_plugins()
     override = CLASS_FIELD_STATUS.get(cls_name or "", {}).get(f"{section}.{name}")
     if override is not None:
         return override
@@ -525,8 +506,8 @@ def unsupported_settings(cfg: Any) -> list[str]:
     followed by ': reason' when NOT_SUPPORTED_REASONS gives one."""
     found: list[str] = []
     model_cls = type(cfg.model).__name__ if cfg.model is not None else None
-    if model_cls is not None and model_cls not in SUPPORTED_MODELS:
-        found.append(f"model={model_cls} (supported: {', '.join(SUPPORTED_MODELS)})")
+    if model_cls is not None and model_cls not in supported_models():
+        found.append(f"model={model_cls} (supported: {', '.join(supported_models())})")
     dataset_cls = type(cfg.dataset).__name__ if cfg.dataset is not None else None
     if dataset_cls is not None and dataset_cls not in SUPPORTED_DATASETS:
         found.append(f"dataset={dataset_cls} (supported: {', '.join(SUPPORTED_DATASETS)})")

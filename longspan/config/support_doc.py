@@ -22,12 +22,14 @@ from longspan.config.support import (
     NOT_SUPPORTED,
     SECTION_DEFAULT,
     SUPPORTED_DATASETS,
-    SUPPORTED_MODELS,
+    REGISTERED_MODELS,
     field_status,
     not_supported_reason,
+    supported_models,
 )
 from longspan.config.targets import section_types
 from longspan.config.types import is_derived_field, yaml_fields
+from longspan.core.plugins import load_plugins
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-support.md"
 
@@ -37,8 +39,6 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-support.md"
 SHARED_TABLE: dict[str, str] = {
     "T5ModelProvider": "GPTModelProvider",
     "MambaProvider": "GPTModelProvider",
-    "Qwen25VLModelProvider": "GPTModelProvider",
-    "Gemma3VLModelProvider": "GPTModelProvider",
     "MockGPTDatasetConfig": "GPTDatasetConfig",
     "T5MaskedWordPieceDatasetConfig": "GPTDatasetConfig",
 }
@@ -97,7 +97,7 @@ def _rows(section: str, cls: type) -> dict[str, str]:
     """Field name -> its table row, for every field of ``cls``."""
     docs = field_docs(cls)
     class_ok = section not in ("model", "dataset") or cls.__name__ in (
-        SUPPORTED_MODELS + SUPPORTED_DATASETS + NESTED_DATASET_CLASSES)
+        supported_models() + SUPPORTED_DATASETS + NESTED_DATASET_CLASSES)
     rows: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         if f.name.startswith("_"):
@@ -118,6 +118,7 @@ def _rows(section: str, cls: type) -> dict[str, str]:
 
 def render() -> str:
     """The full Markdown text."""
+    load_plugins()  # the registered model classes are named in the introduction
     lines = [
         "# Configuration support",
         "",
@@ -134,7 +135,7 @@ def render() -> str:
         "  accepts the field and lists it once at start-up when it is on.",
         "",
         "Model classes that can be built: GPTModelProvider, T5ModelProvider (longspan.models.t5), MambaProvider",
-        "(longspan.models.mamba), Qwen25VLModelProvider and Gemma3VLModelProvider (vision-language models:",
+        f"(longspan.models.mamba), {' and '.join(REGISTERED_MODELS)} (vision-language models:",
         "longspan.models.vlm); each provider after GPTModelProvider lists only the fields whose default, status or",
         "meaning differ from GPTModelProvider's table, and a value one family does not implement stops the build",
         "with a one-line error. Datasets: GPTDatasetConfig, MockGPTDatasetConfig,",
@@ -150,7 +151,7 @@ def render() -> str:
     for section, cls in _section_classes():
         rows = _rows(section, cls)
         rendered[cls.__name__] = rows
-        base = SHARED_TABLE.get(cls.__name__)
+        base = SHARED_TABLE.get(cls.__name__) or REGISTERED_MODELS.get(cls.__name__)
         intro = f"Fields not listed in the table of exceptions default to **{SECTION_DEFAULT[section]}**."
         if base in rendered:
             shared = [name for name, row in rows.items() if rendered[base].get(name) == row]

@@ -2,6 +2,7 @@
 the end of the NotSupportedError (longspan.config.support reads it).
 
 Keys are "section.field" (every class of the section) or "ClassName.field" (that class only; looked up first).
+The model families' providers add theirs when they register (``longspan.config.support.register_model_support``).
 """
 
 from __future__ import annotations
@@ -36,17 +37,7 @@ NOT_SUPPORTED_REASONS: dict[str, str] = {
     "dist.enable_megatron_core_experimental": "switches Megatron Core experimental code, which longspan does not run",
 }
 
-# Vision-language models: the layouts their plans do not cover yet.
-_VLM_NO_MTP = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
-for _vlm in ("Qwen25VLModelProvider", "Gemma3VLModelProvider"):
-    NOT_SUPPORTED_REASONS.update({
-        f"{_vlm}.mtp_num_layers": _VLM_NO_MTP,
-        f"{_vlm}.mtp_loss_scaling_factor": _VLM_NO_MTP,
-    })
 NOT_SUPPORTED_REASONS.update({
-    "Qwen25VLModelProvider.multi_latent_attention": ("Qwen2.5-VL's mRoPE table rotates all kv_channels; multi-latent "
-                                                     "attention's separate rotary part has no mRoPE numbering"),
-    "Gemma3VLModelProvider.mtp_enabled": _VLM_NO_MTP,
     "MambaProvider.mtp_loss_scaling_factor": "multi-token prediction depths are built for GPTModel only",
 })
 

@@ -4,9 +4,10 @@ Nothing named in a file is ever imported or called. A ``_target_`` is looked up 
 config classes are constructed with the file's values, known dtypes and activation functions are returned as
 objects, and everything else is an error. Megatron Bridge and Megatron Core names map onto longspan's.
 
-The tables name longspan's classes and functions by dotted path, resolved with importlib when a file is loaded
-or a container is validated (as Hydra resolves ``_target_``): the model providers and PEFT configs live in
-packages above ``config``, which this package never imports.
+The config classes of this package are named by dotted path, resolved with importlib on first use. The model
+providers, the PEFT configs and the activation functions live in packages above ``config``, which this package
+never imports: they register themselves here (``register_config_class``, ``register_callable``), and every
+lookup first loads the registering packages (``longspan.core.plugins.load_plugins``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError
+from longspan.core.plugins import load_plugins
 
 DTYPES: dict[str, torch.dtype] = {
     "torch.float32": torch.float32,
@@ -35,7 +37,7 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
-# Allowlisted functions: the object, or the dotted path of a longspan function (resolved on first use).
+# Allowlisted functions: the name a config file writes -> the object (longspan's own register themselves).
 CALLABLES: dict[str, Any] = {
     "torch.nn.functional.gelu": F.gelu,
     "torch.nn.functional.silu": F.silu,
@@ -44,38 +46,43 @@ CALLABLES: dict[str, Any] = {
     "torch.tanh": torch.tanh,
     "torch.sigmoid": torch.sigmoid,
     "torch.nn.functional.sigmoid": torch.sigmoid,
-    "longspan.models.activations.gelu_tanh": "longspan.models.activations.gelu_tanh",
-    "longspan.models.activations.squared_relu": "longspan.models.activations.squared_relu",
-    "longspan.models.activations.quick_gelu": "longspan.models.activations.quick_gelu",
 }
 CALLABLE_ALIASES: dict[str, str] = {
     "gelu": "torch.nn.functional.gelu", "silu": "torch.nn.functional.silu", "swish": "torch.nn.functional.silu",
     "relu": "torch.nn.functional.relu", "tanh": "torch.tanh", "sigmoid": "torch.sigmoid",
     "F.gelu": "torch.nn.functional.gelu", "F.silu": "torch.nn.functional.silu", "F.relu": "torch.nn.functional.relu",
-    "gelu_tanh": "longspan.models.activations.gelu_tanh", "openai_gelu": "longspan.models.activations.gelu_tanh",
-    "squared_relu": "longspan.models.activations.squared_relu",
-    "megatron.core.activations.squared_relu": "longspan.models.activations.squared_relu",
-    "quick_gelu": "longspan.models.activations.quick_gelu",
-    "megatron.core.fusions.fused_bias_geglu.quick_gelu": "longspan.models.activations.quick_gelu",
 }
 
-# Canonical (longspan) names of the config classes, used in the YAML that longspan writes.
-_LONGSPAN_CLASSES = {
-    "longspan.training.config": [
-        "ConfigContainer", "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig",
-        "GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
-        "T5MaskedWordPieceDatasetConfig",
-        "TrainingConfig", "CheckpointConfig", "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig",
-        "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "InProcessRestartConfig", "OptimizerConfig",
-        "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
-        "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
-    ],
-    "longspan.models": ["GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider",
-                        "Gemma3VLModelProvider"],
-    "longspan.peft": ["LoRA", "DoRA", "CanonicalLoRA"],
-}
 
-# Megatron Bridge / Megatron Core names -> longspan class name.
+def register_callable(fn: Callable[..., Any], aliases: tuple[str, ...] = ()) -> str:
+    """Allowlist ``fn`` under its module path (the name a config file writes) and ``aliases``; returns the name."""
+    name = f"{fn.__module__}.{fn.__name__}"
+    CALLABLES[name] = fn
+    for alias in aliases:
+        CALLABLE_ALIASES[alias] = name
+    return name
+
+
+def callables() -> dict[str, Any]:
+    """Every allowlisted function: name -> object."""
+    load_plugins()
+    return CALLABLES
+
+
+# The module of the ``_target_`` longspan writes for the config classes of this package (Bridge's path).
+TRAINING_CONFIG_MODULE = "longspan.training.config"
+# The config classes of this package (they are in Bridge's ``training.config``).
+_CONFIG_NAMES = [
+    "ConfigContainer", "RNGConfig", "DistributedInitConfig", "RerunStateMachineConfig", "DataloaderConfig",
+    "GPTDatasetConfig", "MockGPTDatasetConfig", "FinetuningDatasetConfig", "SchedulerConfig",
+    "T5MaskedWordPieceDatasetConfig",
+    "TrainingConfig", "CheckpointConfig", "LoggerConfig", "ProfilingConfig", "FaultToleranceConfig",
+    "StragglerDetectionConfig", "NVRxStragglerDetectionConfig", "InProcessRestartConfig", "OptimizerConfig",
+    "DistributedDataParallelConfig", "TokenizerConfig", "MixedPrecisionConfig", "PackedSequenceSpecs",
+    "DirectHFSFTDatasetConfig", "HFDatasetSourceConfig", "ChatSFTPreprocessingConfig",
+]
+
+# Megatron Bridge / Megatron Core names -> longspan class name (the registered classes add theirs).
 _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.core.optimizer.OptimizerConfig": "OptimizerConfig",
     "megatron.core.optimizer.optimizer_config.OptimizerConfig": "OptimizerConfig",
@@ -101,45 +108,19 @@ _FOREIGN_CLASSES: dict[str, str] = {
     "megatron.bridge.data.sft_processing.ChatSFTPreprocessingConfig": "ChatSFTPreprocessingConfig",
     "megatron.bridge.data.builders.direct_hf_sft.ChatSFTPreprocessingConfig": "ChatSFTPreprocessingConfig",
     "megatron.core.datasets.t5_dataset.T5MaskedWordPieceDatasetConfig": "T5MaskedWordPieceDatasetConfig",
-    "megatron.bridge.models.gpt_provider.GPTModelProvider": "GPTModelProvider",
-    "megatron.bridge.models.GPTModelProvider": "GPTModelProvider",
-    "megatron.bridge.models.T5ModelProvider": "T5ModelProvider",
-    "megatron.bridge.models.t5_provider.T5ModelProvider": "T5ModelProvider",
-    "megatron.bridge.models.mamba.mamba_provider.MambaProvider": "MambaProvider",
-    "megatron.bridge.models.MambaProvider": "MambaProvider",
-    "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider": "Qwen25VLModelProvider",
-    "megatron.bridge.models.qwen_vl.Qwen25VLModelProvider": "Qwen25VLModelProvider",
-    "megatron.bridge.models.Qwen25VLModelProvider": "Qwen25VLModelProvider",
-    "megatron.bridge.models.gemma_vl.gemma3_vl_provider.Gemma3VLModelProvider": "Gemma3VLModelProvider",
-    "megatron.bridge.models.gemma_vl.Gemma3VLModelProvider": "Gemma3VLModelProvider",
-    "megatron.bridge.models.Gemma3VLModelProvider": "Gemma3VLModelProvider",
-    "megatron.bridge.peft.lora.LoRA": "LoRA",
-    "megatron.bridge.peft.lora.lora.LoRA": "LoRA",
-    "megatron.bridge.peft.dora.DoRA": "DoRA",
-    "megatron.bridge.peft.lora.dora.DoRA": "DoRA",
-    "megatron.bridge.peft.canonical_lora.CanonicalLoRA": "CanonicalLoRA",
-    "megatron.bridge.peft.lora.canonical_lora.CanonicalLoRA": "CanonicalLoRA",
 }
-for _name in _LONGSPAN_CLASSES["longspan.training.config"]:
+for _name in _CONFIG_NAMES:
     _FOREIGN_CLASSES.setdefault(f"megatron.bridge.training.config.{_name}", _name)
     _FOREIGN_CLASSES.setdefault(f"megatron.training.config.{_name}", _name)
 
-# Model providers of particular Bridge model families (Llama3ModelProvider8B, Qwen3ModelProvider, ...) are GPT
-# models whose run_config lists every field, so they load as GPTModelProvider.
+# Model providers of particular Bridge model families (Llama3ModelProvider8B, Qwen3ModelProvider, ...) load as the
+# registered class whose name pattern matches (``register_config_class(bridge_provider_pattern=...)``), else as
+# the model section's first class (GPT: their run_config lists every field).
 _BRIDGE_PROVIDER = re.compile(r"^megatron\.bridge\.models\.[A-Za-z0-9_.]*\.([A-Za-z0-9_]*Provider[A-Za-z0-9_]*)$")
-
-
-def longspan_target(cls: type) -> str:
-    """The ``_target_`` longspan writes for one of its config classes."""
-    for module, names in _LONGSPAN_CLASSES.items():
-        if cls.__name__ in names:
-            return f"{module}.{cls.__name__}"
-    raise ConfigError(f"{cls.__name__} is not a longspan config class")
-
 
 _SCHEMA = "longspan.config.schema"
 
-# Where every config class a file may name is defined (dotted paths, imported on first use).
+# Where every config class of this package is defined (dotted paths, imported on first use).
 CONFIG_CLASSES: dict[str, str] = {
     "ConfigContainer": f"{_SCHEMA}.container.ConfigContainer",
     **{name: f"{_SCHEMA}.data.{name}" for name in (
@@ -154,23 +135,16 @@ CONFIG_CLASSES: dict[str, str] = {
         "OptimizerConfig", "DistributedDataParallelConfig", "MixedPrecisionConfig")},
     **{name: f"{_SCHEMA}.training.{name}" for name in (
         "SchedulerConfig", "TrainingConfig", "CheckpointConfig", "LoggerConfig")},
-    "GPTModelProvider": "longspan.models.gpt_provider.GPTModelProvider",
-    "T5ModelProvider": "longspan.models.t5_provider.T5ModelProvider",
-    "MambaProvider": "longspan.models.mamba_provider.MambaProvider",
-    "Qwen25VLModelProvider": "longspan.models.vlm.qwen25_vl_provider.Qwen25VLModelProvider",
-    "Gemma3VLModelProvider": "longspan.models.vlm.gemma_vlm_provider.Gemma3VLModelProvider",
-    "LoRA": "longspan.peft.config.LoRA",
-    "DoRA": "longspan.peft.config.DoRA",
-    "CanonicalLoRA": "longspan.peft.config.CanonicalLoRA",
 }
 
-# Container section -> the classes it may hold (names of CONFIG_CLASSES; the first is built for a mapping
-# without ``_target_``). validate() checks the sections against it.
+# Container section -> the classes it may hold (the first is built for a mapping without ``_target_``); the
+# ``model`` and ``peft`` sections are filled by the registered classes, in registration order. validate()
+# checks the sections against it.
 SECTION_TYPES: dict[str, tuple[str, ...]] = {
     "rng": ("RNGConfig",),
     "rerun_state_machine": ("RerunStateMachineConfig",),
     "train": ("TrainingConfig",),
-    "model": ("GPTModelProvider", "T5ModelProvider", "MambaProvider", "Qwen25VLModelProvider", "Gemma3VLModelProvider"),
+    "model": (),
     "optimizer": ("OptimizerConfig",),
     "ddp": ("DistributedDataParallelConfig",),
     "scheduler": ("SchedulerConfig",),
@@ -183,9 +157,70 @@ SECTION_TYPES: dict[str, tuple[str, ...]] = {
     "straggler": ("StragglerDetectionConfig",),
     "nvrx_straggler": ("NVRxStragglerDetectionConfig",),
     "profiling": ("ProfilingConfig",),
-    "peft": ("LoRA", "DoRA", "CanonicalLoRA"),
+    "peft": (),
     "inprocess_restart": ("InProcessRestartConfig",),
 }
+
+# The registered classes (defined above this package): name -> class, and the module of their ``_target_``.
+_REGISTERED: dict[str, type] = {}
+_TARGET_MODULE: dict[str, str] = {name: TRAINING_CONFIG_MODULE for name in _CONFIG_NAMES}
+_BRIDGE_PROVIDER_PATTERNS: list[tuple[re.Pattern[str], str]] = []
+
+
+def register_config_class(cls: type, section: str, canonical_module: str, foreign_names: tuple[str, ...] = (),
+                          bridge_provider_pattern: Optional[str] = None) -> None:
+    """Allowlist config class ``cls`` (a model provider, a PEFT config) for container section ``section``.
+
+    ``canonical_module``: the module of the ``_target_`` longspan writes for it (``<module>.<class name>``);
+    ``foreign_names``: Megatron Bridge's dotted names of the same class; ``bridge_provider_pattern``: a regular
+    expression searched in the class name of other Bridge providers that load as ``cls`` (checked in
+    registration order)."""
+    name = cls.__name__
+    if name in _REGISTERED or name in CONFIG_CLASSES:
+        raise ValueError(f"config class {name!r} is registered twice")
+    _REGISTERED[name] = cls
+    _TARGET_MODULE[name] = canonical_module
+    SECTION_TYPES[section] = SECTION_TYPES[section] + (name,)
+    for foreign in foreign_names:
+        _FOREIGN_CLASSES[foreign] = name
+    if bridge_provider_pattern is not None:
+        _BRIDGE_PROVIDER_PATTERNS.append((re.compile(bridge_provider_pattern), name))
+
+
+def registered_class(name: str, canonical_module: str) -> Optional[type]:
+    """The registered config class ``name`` whose ``_target_`` module is ``canonical_module``, or None (for the
+    packages whose public names these classes are: ``longspan.models.X``)."""
+    load_plugins()
+    if _TARGET_MODULE.get(name) == canonical_module and name in _REGISTERED:
+        return _REGISTERED[name]
+    return None
+
+
+def config_class_names() -> list[str]:
+    """Every config class a file may name: this package's and the registered ones."""
+    load_plugins()
+    return [*CONFIG_CLASSES, *_REGISTERED]
+
+
+def foreign_class_names() -> dict[str, str]:
+    """Megatron Bridge / Megatron Core dotted name -> longspan class name."""
+    load_plugins()
+    return dict(_FOREIGN_CLASSES)
+
+
+def section_type_names(section: str) -> tuple[str, ...]:
+    """The class names container section ``section`` accepts (empty for no section of that name)."""
+    load_plugins()
+    return SECTION_TYPES.get(section, ())
+
+
+def longspan_target(cls: type) -> str:
+    """The ``_target_`` longspan writes for one of its config classes."""
+    load_plugins()
+    module = _TARGET_MODULE.get(cls.__name__)
+    if module is None:
+        raise ConfigError(f"{cls.__name__} is not a longspan config class")
+    return f"{module}.{cls.__name__}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,12 +231,16 @@ def resolve_dotted(path: str) -> Any:
 
 
 def config_class(name: str) -> type:
-    """The longspan config class called ``name`` (a key of CONFIG_CLASSES)."""
-    return resolve_dotted(CONFIG_CLASSES[name])
+    """The longspan config class called ``name`` (a name of ``config_class_names()``)."""
+    if name in CONFIG_CLASSES:
+        return resolve_dotted(CONFIG_CLASSES[name])
+    load_plugins()
+    return _REGISTERED[name]
 
 
 def section_types() -> dict[str, tuple[type, ...]]:
     """Section name -> the classes it accepts."""
+    load_plugins()
     return {section: tuple(config_class(n) for n in names) for section, names in SECTION_TYPES.items()}
 
 
@@ -212,23 +251,18 @@ def is_foreign_target(target: str) -> bool:
 
 def resolve_class(target: str, where: str) -> Optional[type]:
     """The longspan config class for ``target``, or None when ``target`` is not a class of the allowlist."""
-    for module, names in _LONGSPAN_CLASSES.items():
-        if target.startswith(module + ".") and target[len(module) + 1:] in names:
-            return config_class(target[len(module) + 1:])
+    load_plugins()
+    module, _, name = target.rpartition(".")
+    if module and _TARGET_MODULE.get(name) == module:
+        return config_class(name)
     if target in _FOREIGN_CLASSES:
         return config_class(_FOREIGN_CLASSES[target])
     match = _BRIDGE_PROVIDER.match(target)
     if match:
-        name = match.group(1)
-        if "T5" in name:
-            return config_class("T5ModelProvider")
-        if "Mamba" in name or "NemotronH" in name:
-            return config_class("MambaProvider")
-        if name.startswith("Qwen25VL"):
-            return config_class("Qwen25VLModelProvider")
-        if "Gemma3VL" in name:
-            return config_class("Gemma3VLModelProvider")
-        return config_class("GPTModelProvider")
+        for pattern, registered in _BRIDGE_PROVIDER_PATTERNS:
+            if pattern.search(match.group(1)):
+                return config_class(registered)
+        return config_class(SECTION_TYPES["model"][0])
     return None
 
 
@@ -236,6 +270,7 @@ def resolve_value_target(target: str, where: str) -> Any:
     """A dtype or callable named by ``_target_`` (with ``_call_: false``); anything else is rejected."""
     if target in DTYPES:
         return DTYPES[target]
+    load_plugins()
     if target in CALLABLES:
         return _callable(target)
     allowed = ", ".join(sorted(set(DTYPES) | set(CALLABLES)))
@@ -244,8 +279,7 @@ def resolve_value_target(target: str, where: str) -> Any:
 
 def _callable(name: str) -> Callable[..., Any]:
     """The allowlisted function ``name`` (a key of CALLABLES)."""
-    value = CALLABLES[name]
-    return resolve_dotted(value) if isinstance(value, str) else value
+    return CALLABLES[name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -258,6 +292,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def callable_name(fn: Callable[..., Any], where: str) -> str:
     """The allowlisted name of an activation function."""
+    load_plugins()
     for name in CALLABLES:
         if _callable(name) is fn:
             return name
@@ -287,6 +322,7 @@ def parse_callable(value: Any, where: str) -> Callable[..., Any]:
         return value
     if isinstance(value, dict) and "_target_" in value:
         value = value["_target_"]
+    load_plugins()
     if isinstance(value, str):
         name = CALLABLE_ALIASES.get(value, value)
         if name in CALLABLES:

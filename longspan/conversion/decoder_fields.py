@@ -6,7 +6,8 @@ most families build on: the field table ``DECODER_FIELDS`` and the checks a tabl
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, TypeVar
 
 from longspan.conversion.config_fields import (
     HF_ACTIVATIONS,
@@ -18,6 +19,8 @@ from longspan.conversion.config_fields import (
 )
 from longspan.conversion.hf_fields import HFField, export_fields, import_fields, with_default
 from longspan.core.errors import NotSupportedError
+
+P = TypeVar("P")
 
 
 def _kv_channels(p: Any) -> int:
@@ -137,16 +140,15 @@ def no_window(p: Any, family: str) -> None:
         )
 
 
-class ProviderView:
-    """A provider with a few fields replaced (read-only): how a family hands the shared translation the part
-    of the model it writes (a family that writes its window itself shows the translation none)."""
-
-    def __init__(self, provider: Any, **changes: Any) -> None:
-        self._provider, self._changes = provider, changes
-
-    def __getattr__(self, name: str) -> Any:
-        return self._changes[name] if name in self._changes else getattr(self._provider, name)
+def provider_view(provider: P, **changes: Any) -> P:
+    """A shallow copy of ``provider`` with a few fields replaced (the provider itself is not modified): how a
+    family hands the shared translation the part of the model it writes (a family that writes its window itself
+    shows the translation none). A copy, not a proxy, so the translation's type checks still see a provider."""
+    view = copy.copy(provider)
+    for name, value in changes.items():
+        setattr(view, name, value)
+    return view
 
 
 NO_WINDOW = {"window_size": None, "window_attn_skip_freq": None}
-"""``ProviderView`` changes that hide the sliding window."""
+"""``provider_view`` changes that hide the sliding window."""

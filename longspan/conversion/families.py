@@ -1,10 +1,10 @@
 """The supported Hugging Face architectures: one ``Family`` per architecture (names, weight table, config translation).
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text and vision-language, OLMo-2),
+GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text, OLMo-2),
 ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
-``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H),
-``qwen_vl_families`` (Qwen2.5-VL); the helpers they share (dtypes, RoPE, sliding windows, activations) are in
+``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
+families' own packages (``longspan.families``) register theirs; the helpers they share (dtypes, RoPE, sliding windows, activations) are in
 ``config_fields``.
 """
 
@@ -37,8 +37,6 @@ from longspan.conversion.gemma_families import (
     gemma2_provider,
     gemma3_hf,
     gemma3_provider,
-    gemma3_vlm_hf,
-    gemma3_vlm_provider,
     olmo2_hf,
     olmo2_provider,
 )
@@ -54,10 +52,10 @@ from longspan.conversion.mamba_families import (
 )
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.mtp_layers import mtp_weights_for
-from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
 from longspan.core.plugins import load_plugins
+from longspan.models.vlm.provider import is_vision_language
 
 
 @dataclass(frozen=True)
@@ -98,12 +96,6 @@ def phi3_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
     return mapping.phi3(heads, cfg.get("num_key_value_heads") or heads)
 
 
-#: other spellings of Gemma3ForConditionalGeneration's tensor names: transformers' module paths and the hub's
-#: files (whose vision encoder sits under vision_tower.vision_model.)
-GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                      ("vision_tower.", "vision_tower.vision_model."), ("vision_tower.", "model.vision_tower."),
-                      ("multi_modal_projector.", "model.multi_modal_projector."))
-
 FAMILIES: tuple[Family, ...] = (
     Family("mistral", "MistralForCausalLM", "mistral", mapping.DECODER, mistral_provider, mistral_hf),
     Family("ministral", "MinistralForCausalLM", "ministral", mapping.DECODER, ministral_provider, ministral_hf),
@@ -121,8 +113,6 @@ FAMILIES: tuple[Family, ...] = (
            t5_weights),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
-    Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_VLM, gemma3_vlm_provider,
-           gemma3_vlm_hf, "Gemma3VLModelProvider", hf_prefix_aliases=GEMMA3_VLM_ALIASES),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
     Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.mamba2(1, 1, 1), mamba2_provider, mamba2_hf,
            "MambaProvider", mamba2_weights),
@@ -131,8 +121,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
            weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
-    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN25_VL, qwen25_vl_provider,
-           qwen25_vl_hf, "Qwen25VLModelProvider", hf_prefix_aliases=QWEN25_VL_ALIASES),
 )
 
 _REGISTERED: dict[str, Family] = {}
@@ -191,12 +179,10 @@ def family_for_config(cfg: dict[str, Any]) -> Family:
 
 def family_for_provider(provider: Any) -> Family:
     """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
-    if type(provider).__name__ == "Gemma3VLModelProvider":
-        return by_architecture()["Gemma3ForConditionalGeneration"]
+    if is_vision_language(provider):
+        return by_architecture()[provider.hf_architecture]
     if type(provider).__name__ == "T5ModelProvider":
         return by_architecture()["T5ForConditionalGeneration"]
-    if type(provider).__name__ == "Qwen25VLModelProvider":
-        return by_architecture()["Qwen2_5_VLForConditionalGeneration"]
     if type(provider).__name__ == "MambaProvider":
         pattern = provider.hybrid_override_pattern
         pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)

@@ -1,5 +1,5 @@
-"""Config translations of Gemma 2, Gemma 3 (text, and the vision-language Gemma3ForConditionalGeneration) and
-OLMo-2: the decoders whose norms sit after attention and the MLP.
+"""Config translations of Gemma 2, Gemma 3 (text) and OLMo-2: the decoders whose norms sit after attention and
+the MLP.
 
 - Gemma 2/3: zero-centred RMSNorm ``x * (1 + w)`` before and after attention and the MLP, embeddings scaled by
   sqrt(hidden), GeGLU with tanh GeLU, ``query_pre_attn_scalar`` as the softmax scale, tied embeddings.
@@ -29,7 +29,6 @@ from longspan.config.rules.sliding_window import (
     window_pattern_from_layer_types,
 )
 from longspan.core.errors import NotSupportedError
-from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
 
 GEMMA3_ROPE_TYPES = ("default", "linear")
 
@@ -241,68 +240,6 @@ def gemma3_hf(p: Any) -> dict[str, Any]:
     out["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
                               "full_attention": full}
     return out
-
-
-#: vision_config keys the SigLIP encoder reads (the others, e.g. transformers' bookkeeping, are not kept)
-SIGLIP_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-                 "image_size", "patch_size", "layer_norm_eps", "hidden_act", "attention_dropout", "vision_use_head")
-
-
-def gemma3_vlm_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma3VLModelProvider fields of a Gemma3ForConditionalGeneration config.json: the language model from
-    its ``text_config``, the SigLIP encoder from ``vision_config``, the image tokens."""
-    out = gemma3_provider(gemma3_vlm_text_config(cfg))
-    vision = dict(cfg.get("vision_config") or {})
-    if not vision:
-        raise NotSupportedError("config.json of Gemma3ForConditionalGeneration has no vision_config to convert")
-    if vision.get("vision_use_head"):
-        raise NotSupportedError("config.json vision_config.vision_use_head=true is not supported: Gemma 3 uses "
-                                "every patch vector (false)")
-    out.update(
-        vision_config={k: vision[k] for k in SIGLIP_FIELDS if k in vision},
-        mm_tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)),
-        image_token_id=int(_first(cfg, "image_token_index", "image_token_id", default=262144)),
-        vision_start_token_id=int(_first(cfg, "boi_token_index", "boi_token_id", default=255999)),
-        vision_end_token_id=int(_first(cfg, "eoi_token_index", "eoi_token_id", default=256000)),
-    )
-    text = cfg.get("text_config") or {}
-    for key in ("bos_token_id", "eos_token_id"):
-        value = cfg.get(key, text.get(key))
-        if value is not None:
-            out[key] = value
-    return out
-
-
-def _first(cfg: dict[str, Any], *keys: str, default: Any) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
-def gemma3_vlm_hf(p: Any) -> dict[str, Any]:
-    """A Gemma3ForConditionalGeneration config.json body for a Gemma3VLModelProvider."""
-    if not isinstance(p, Gemma3VLModelProvider) or not p.vision_config:
-        raise NotSupportedError("this model has no vision encoder: export it as Gemma3ForCausalLM")
-    text = dict(gemma3_hf(p), model_type="gemma3_text")
-    vision = dict(p.vision_config, model_type="siglip_vision_model", vision_use_head=False)
-    return dict(text_config=text, vision_config=vision, mm_tokens_per_image=p.mm_tokens_per_image,
-                image_token_index=p.image_token_id, boi_token_index=p.vision_start_token_id,
-                eoi_token_index=p.vision_end_token_id, tie_word_embeddings=text["tie_word_embeddings"],
-                initializer_range=text["initializer_range"])
-
-
-def gemma3_vlm_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Gemma3ForCausalLM config.json for the text tower of a Gemma3ForConditionalGeneration one."""
-    text = dict(cfg.get("text_config") or {})
-    if not text:
-        raise NotSupportedError("config.json of Gemma3ForConditionalGeneration has no text_config to convert")
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    text.pop("torch_dtype", None)
-    if dtype is not None:
-        text["dtype"] = dtype
-    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
-    return dict(text, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text")
 
 
 # ------------------------------------------------------------------------------------------------ OLMo-2

@@ -205,38 +205,6 @@ def with_ours_prefix(table: tuple[WeightMap, ...], prefix: str) -> tuple[WeightM
     return tuple(dataclasses.replace(e, ours=prefix + e.ours) for e in table)
 
 
-# The text tower of Gemma3ForConditionalGeneration as the hub's files and transformers' save_pretrained name it
-# (transformers' modules are model.language_model.*: HFCheckpointReader's prefix aliases find files named so).
-GEMMA3_TEXT_TOWER = with_prefix(with_prefix(GEMMA, "model.", "language_model.model."), "lm_head.",
-                                "language_model.lm_head.")
-
-
-def _same(name: str) -> WeightMap:
-    """A tensor longspan names as HF does (the SigLIP encoder and Gemma 3's projector keep HF's module names)."""
-    return WeightMap(name, name)
-
-
-_SIGLIP_LAYER = tuple(
-    _same(f"vision_tower.encoder.layers.{{i}}.{module}.{kind}")
-    for module in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                   "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
-    for kind in ("weight", "bias")
-)
-
-# SigLIP's vision encoder under vision_tower.* (transformers 5's save_pretrained names; the hub's files add
-# vision_model., which the family's prefix aliases read).
-SIGLIP_VISION_TOWER = _SIGLIP_LAYER + tuple(_same(f"vision_tower.{n}") for n in (
-    "embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias", "embeddings.position_embedding.weight",
-    "post_layernorm.weight", "post_layernorm.bias"))
-
-# Gemma3ForConditionalGeneration: the language model (longspan's GPTModel under language_model.), the SigLIP
-# encoder and the multimodal projector (its projection stored [vision_hidden, text_hidden], as ours).
-GEMMA3_VLM = with_ours_prefix(GEMMA3_TEXT_TOWER, "language_model.") + SIGLIP_VISION_TOWER + (
-    _same("multi_modal_projector.mm_input_projection_weight"),
-    _same("multi_modal_projector.mm_soft_emb_norm.weight"),
-)
-
-
 # --------------------------------------------------------------------------------------------- GPT-2
 
 def _gpt2(ours: str, hf: str, **kw) -> WeightMap:

@@ -94,7 +94,7 @@ def check_model_inputs(net: nn.Module, model_inputs: dict[str, Any], context: st
         kind = "images" if "pixel_values" in missing else ", ".join(missing)
         raise NotSupportedError(
             f"{context}: {type(net).__name__} is a text-only model, it takes no {kind}; give a vision-language "
-            "model (Qwen2.5-VL) or drop the images"
+            "model or drop the images"
         )
 
 

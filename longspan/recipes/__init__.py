@@ -22,7 +22,6 @@ from longspan.recipes.tiny_deepseek import tiny_deepseek
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
 from longspan.recipes.tiny_t5 import tiny_t5
-from longspan.recipes.vlm_finetune import vlm_lora, vlm_sft
 from longspan.training.config import ConfigContainer
 
 # name as shown everywhere (hyphens) -> recipe function
@@ -40,8 +39,6 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "lora": lora,
     "dora": dora,
     "moe-lora": moe_lora,
-    "vlm-sft": vlm_sft,
-    "vlm-lora": vlm_lora,
 }
 
 
@@ -86,4 +83,4 @@ def get_recipe(name: str) -> ConfigContainer:
 
 
 __all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "qwen3_8b", "qwen3_600m", "gemma3", 
-           "sft", "lora", "dora", "moe_lora", "vlm_sft", "vlm_lora"]
+           "sft", "lora", "dora", "moe_lora"]

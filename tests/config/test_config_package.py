@@ -1,5 +1,6 @@
-"""The config package stands on core alone: its ``_target_`` tables name classes by dotted path, every name
-resolves to the class it says, and Megatron Bridge's public module keeps exporting every class."""
+"""The config package stands on core alone: its ``_target_`` tables name its own classes by dotted path and the
+classes above it register themselves, every name resolves to the class it says, and Megatron Bridge's public
+module keeps exporting every class."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_importing_config_loads_nothing_above_core() -> None:
     assert out.strip() == "['config', 'core']"
 
 
-@pytest.mark.parametrize("name", sorted(targets.CONFIG_CLASSES))
+@pytest.mark.parametrize("name", sorted(targets.config_class_names()))
 def test_every_allowlisted_class_resolves_to_itself(name: str) -> None:
     cls = targets.config_class(name)
     assert cls.__name__ == name and dataclasses.is_dataclass(cls)
@@ -45,13 +46,25 @@ def test_every_allowlisted_class_resolves_to_itself(name: str) -> None:
 
 
 def test_the_tables_name_only_known_classes() -> None:
-    known = set(targets.CONFIG_CLASSES)
-    assert {n for names in targets.SECTION_TYPES.values() for n in names} <= known
-    assert set(targets._FOREIGN_CLASSES.values()) <= known
-    assert {n for names in targets._LONGSPAN_CLASSES.values() for n in names} == known
-    for name in targets.CALLABLES:
+    known = set(targets.config_class_names())
+    assert {n for section in targets.section_types() for n in targets.section_type_names(section)} <= known
+    assert set(targets.foreign_class_names().values()) <= known
+    assert targets.section_type_names("model")[0] == "GPTModelProvider"  # a model mapping without _target_
+    for name in targets.callables():
         assert callable(targets.parse_callable(name, "test"))
-        assert targets.callable_name(targets.parse_callable(name, "test"), "test") in targets.CALLABLES
+        assert targets.callable_name(targets.parse_callable(name, "test"), "test") in targets.callables()
+
+
+@pytest.mark.parametrize("name,target", [
+    ("GPTModelProvider", "longspan.models.GPTModelProvider"),
+    ("Qwen25VLModelProvider", "longspan.models.Qwen25VLModelProvider"),
+    ("Gemma3VLModelProvider", "longspan.models.Gemma3VLModelProvider"),
+    ("LoRA", "longspan.peft.LoRA"),
+    ("CanonicalLoRA", "longspan.peft.CanonicalLoRA"),
+    ("TrainingConfig", "longspan.training.config.TrainingConfig"),
+])
+def test_the_target_longspan_writes_stays_the_same(name: str, target: str) -> None:
+    assert targets.longspan_target(targets.config_class(name)) == target
 
 
 @pytest.mark.parametrize("target,name", [
@@ -73,7 +86,7 @@ def test_bridge_module_path_exports_every_class(name: str) -> None:
 
     assert name in bridge_path.__all__
     cls = getattr(bridge_path, name)
-    if name in targets.CONFIG_CLASSES:
+    if name in targets.config_class_names():
         assert cls is targets.config_class(name)
 
 

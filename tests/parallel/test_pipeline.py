@@ -285,7 +285,7 @@ def test_pp2_composes_with_data_parallel(pool4, fsdp2):
 def _tiny_vlm(kind: str, num_layers: int, **split):
     """A tiny Qwen2.5-VL or Gemma 3 VL provider under PP2 with the given pipeline split fields."""
     from longspan.models import Qwen25VLModelProvider
-    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
+    from longspan.families.gemma_vl.provider import Gemma3VLModelProvider
 
     common = dict(num_layers=num_layers, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
                   num_query_groups=2, vocab_size=80, seq_length=16, pipeline_model_parallel_size=2, **split)

@@ -122,7 +122,7 @@ def test_cp_windowed_attention_with_two_sided_image_blocks_across_chunks_equals_
     under context parallel a sliding-window layer's query chunk then reaches keys in later chunks. Images that
     straddle chunk boundaries (chunks of 8: blocks 5-10 and 20-27) give every rank one process's rows."""
     from longspan.models.attention import core_attention
-    from longspan.models.vlm.gemma_vlm import image_attention_mask
+    from longspan.families.gemma_vl.model import image_attention_mask
 
     seq, window, cp = 32, 6, 2
     q, k, v, _ = _cp_case(seq, window, cp, with_base=False)

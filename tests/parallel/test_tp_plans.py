@@ -87,9 +87,9 @@ def test_vision_language_models_cut_the_sequence_after_the_image_merge():
 
     from longspan.config.rules.layout import check_sequence_scatter
     from longspan.core.errors import NotSupportedError
-    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
-    from longspan.models.vlm.qwen25_vl import Qwen25VLModel
-    from longspan.models.vlm.qwen25_vl_provider import Qwen25VLModelProvider
+    from longspan.families.gemma_vl.provider import Gemma3VLModelProvider
+    from longspan.families.qwen_vl.model import Qwen25VLModel
+    from longspan.families.qwen_vl.provider import Qwen25VLModelProvider
     from longspan.parallel.tensor_parallel import tensor_parallel_plan
 
     layout = dict(tensor_model_parallel_size=2, sequence_parallel=True)

@@ -93,12 +93,12 @@ def check_model(cfg: Any) -> None:
 
 
 def check_mrope_model(config: Any) -> None:
-    """A multimodal-RoPE model (Qwen2.5-VL): its mRoPE fields, then its language model's GPT checks (as plain
+    """A multimodal-RoPE model (a vision-language model's): its mRoPE fields, then its language model's GPT checks (as plain
     RoPE, which mRoPE extends)."""
     sections = getattr(config, "mrope_section", None)
     if sections is None:
-        raise NotSupportedError("model.position_embedding_type='mrope' needs a vision-language provider "
-                                "(Qwen25VLModelProvider): use 'rope' for a text-only model")
+        raise NotSupportedError("model.position_embedding_type='mrope' needs a vision-language provider with "
+                                "mrope_section: use 'rope' for a text-only model")
     half = head_dim(config) // 2
     if (not isinstance(sections, (list, tuple)) or len(sections) != 3
             or not all(isinstance(n, int) and n >= 0 for n in sections) or sum(sections) != half):

@@ -1,5 +1,5 @@
-"""Config rules of a vision-language model's image fields (Gemma 3's: ``Gemma3VLModelProvider``): the SigLIP
-encoder's ``vision_config`` and ``mm_tokens_per_image``. A provider is recognised by its ``mm_tokens_per_image``
+"""Config rules of the image fields of a vision-language model with a SigLIP encoder and pooled image tokens:
+the encoder's ``vision_config`` and ``mm_tokens_per_image``. A provider is recognised by its ``mm_tokens_per_image``
 field (this package sits below ``models``). ``validate()`` runs
 :func:`check_image_model`; the model runs it too when the provider is used on its own."""
 
@@ -19,7 +19,7 @@ _VISION_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 
 
 def is_image_model(config: Any) -> bool:
-    """A Gemma 3 vision-language provider: it has ``mm_tokens_per_image``."""
+    """A provider with a SigLIP encoder and pooled image tokens: it has ``mm_tokens_per_image``."""
     return hasattr(config, "mm_tokens_per_image")
 
 
@@ -33,7 +33,7 @@ def check_image_model(config: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"model.vision_config.{key}={value!r} is invalid: give a positive integer")
     if vision.get("vision_use_head"):
-        raise NotSupportedError("model.vision_config.vision_use_head=True is not supported: Gemma 3 uses every "
+        raise NotSupportedError("model.vision_config.vision_use_head=True is not supported: the model uses every "
                                 "patch vector (set it to false)")
     act = vision.get("hidden_act", "gelu_pytorch_tanh")
     if act not in SUPPORTED_VISION_ACTIVATIONS:

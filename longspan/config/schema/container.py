@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from longspan.config.rules.validate import validate_container
 from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, TokenizerConfig
@@ -23,15 +23,18 @@ from longspan.config.schema.optim import DistributedDataParallelConfig, MixedPre
 from longspan.config.schema.training import CheckpointConfig, LoggerConfig, SchedulerConfig, TrainingConfig
 from longspan.config.serialize import container_from_dict, dump_yaml, load_yaml_file, to_dict
 from longspan.core.errors import ConfigError
+from longspan.core.model_parallel_config import ModelParallelConfig
 
-if TYPE_CHECKING:
-    # Packages above config: named here for type checkers only; the YAML loader and validate() find the classes
-    # through the dotted paths of longspan.config.targets.SECTION_TYPES.
-    from longspan.models.gpt_provider import GPTModelProvider
-    from longspan.models.mamba_provider import MambaProvider
-    from longspan.models.t5_provider import T5ModelProvider
-    from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
-    from longspan.peft.config import PEFT
+
+class PEFTConfig(Protocol):
+    """What the container asks of its ``peft`` section (``longspan.peft``'s LoRA, DoRA, CanonicalLoRA: classes
+    above this package, registered with ``longspan.config.targets``)."""
+
+    def apply(self, model: Any) -> Any:
+        """Add the adapters to one model chunk and freeze the rest; returns the chunk."""
+
+    def validate(self) -> None:
+        """Check the adapter's fields (one-line errors)."""
 
 
 @dataclass(kw_only=True)
@@ -51,7 +54,7 @@ class ConfigContainer:
     train: Optional[TrainingConfig] = None
     """Training loop (required)."""
 
-    model: Optional[Union[GPTModelProvider, T5ModelProvider, MambaProvider, Gemma3VLModelProvider]] = None
+    model: Optional[ModelParallelConfig] = None
     """Model architecture and parallel layout (required)."""
 
     optimizer: Optional[OptimizerConfig] = None
@@ -90,7 +93,7 @@ class ConfigContainer:
     profiling: Optional[ProfilingConfig] = None
     """Profiling (optional)."""
 
-    peft: Optional[PEFT] = None
+    peft: Optional[PEFTConfig] = None
     """Parameter-efficient finetuning: LoRA, DoRA or CanonicalLoRA (longspan.peft). The base model is frozen and
     loaded from checkpoint.pretrained_checkpoint; only the adapters train and are checkpointed."""
 

@@ -1,20 +1,27 @@
-"""Vision-language models: vision encoders as plain modules feeding longspan's GPT language model.
+"""Vision-language models: the shared pieces of vision encoders feeding longspan's GPT language model.
 
-Qwen2.5-VL (``Qwen25VLModelProvider`` -> ``qwen25_vl.Qwen25VLModel``): ``qwen_vision`` (ViT with window
-attention and 2-D RoPE, patch merger), ``mrope`` (multimodal RoPE and its position ids). Shared pieces other
-vision-language models can use: ``GPTModel.forward(decoder_input=...)`` (embeddings computed by the caller,
-e.g. with image embeddings put in) and ``qwen25_vl.freeze`` (the freeze options' pattern).
+``provider.VisionLanguageProvider`` (the providers' base), ``mrope`` (multimodal RoPE and its position ids) and
+``GPTModel.forward(decoder_input=...)`` (embeddings computed by the caller, e.g. with image embeddings put in);
+``models.sliding_window.TwoSidedMask`` lets the tokens of one image attend to each other both ways. The
+families' encoders and providers live in their packages (``longspan.families``) and are found here by name
+(``longspan.models.vlm.<Family>ModelProvider``).
 
-Gemma 3 (``Gemma3VLModelProvider`` -> ``gemma_vlm.Gemma3VLModel``): ``siglip`` (the SigLIP encoder) and the
-multimodal projector (average pooling to ``mm_tokens_per_image``); the tokens of one image attend to each other
-both ways (``models.sliding_window.TwoSidedMask``).
-
-Importing this package loads the providers only; the model code loads when a model is built.
+Importing this package loads the providers' base only; the model code loads when a model is built.
 """
 
 from __future__ import annotations
 
-from longspan.models.vlm.gemma_vlm_provider import Gemma3VLModelProvider
-from longspan.models.vlm.qwen25_vl_provider import Qwen25VLModelProvider
+from typing import Any
 
-__all__ = ["Gemma3VLModelProvider", "Qwen25VLModelProvider"]
+from longspan.config.targets import registered_class
+from longspan.models.vlm.provider import VisionLanguageProvider, is_vision_language
+
+__all__ = ["VisionLanguageProvider", "is_vision_language"]
+
+
+def __getattr__(name: str) -> Any:
+    # A family's vision-language provider, registered by its package (dunder probes never load the families).
+    cls = None if name.startswith("__") else registered_class(name, "longspan.models")
+    if cls is not None and issubclass(cls, VisionLanguageProvider):
+        return cls
+    raise AttributeError(f"module 'longspan.models.vlm' has no attribute {name!r}")

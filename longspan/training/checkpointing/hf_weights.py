@@ -21,9 +21,9 @@ from longspan.conversion.bridge import AutoBridge, hf_pretrained_dir
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS
+from longspan.models.vlm.provider import is_vision_language
 from longspan.training.checkpointing.model_fields import (
     ModelFieldMerge,
-    is_vision_language,
     merge_pretrained_model_fields,
     vision_language_family_of,
 )

@@ -67,11 +67,6 @@ class ModelFieldMerge:
         return text
 
 
-def is_vision_language(provider: Any) -> bool:
-    """A vision-language provider (Qwen2.5-VL, Gemma 3 VL): it describes its vision encoder in ``vision_config``."""
-    return dataclasses.is_dataclass(provider) and hasattr(provider, "vision_config")
-
-
 def vision_language_family_of(cfg: Any, source_model: Any, run_fields: Iterable[str]) -> Any:
     """The VLM recipes' model is a placeholder of one family; the pretrained checkpoint's family replaces it.
     Returns a copy of ``source_model`` holding the run's fields (``run_fields``) and the values set on purpose

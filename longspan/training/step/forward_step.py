@@ -17,8 +17,6 @@ from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfi
 from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig
 from longspan.data.sft.dataset import pad_token_id
 from longspan.data.sft.in_batch_packing import pack_padded_batch
-from longspan.models.vlm.mrope import mrope_position_ids
-from longspan.models.vlm.qwen_vision import QwenVisionArgs
 from longspan.training.state import GlobalState
 
 # The HF processor's image inputs of multimodal batches (longspan.data.sft.multimodal), under HF's names: the
@@ -74,14 +72,11 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
 
 
 def _position_ids(state: GlobalState, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The batch's positions; images numbered by their patch grids (Qwen2.5-VL's mRoPE, ``[3, b, s]``) are
-    numbered here, so every pipeline stage gets the same ids (later stages do not see the images)."""
+    """The batch's positions; a batch with images' patch grids is numbered here by the vision-language provider
+    (mRoPE's ``[3, b, s]``), so every pipeline stage gets the same ids (later stages do not see the images)."""
     if "image_grid_thw" not in batch:
         return batch.get("position_ids")
-    model_cfg = state.cfg.model
-    merge = QwenVisionArgs.from_dict(model_cfg.vision_config).spatial_merge_size
-    positions, _ = mrope_position_ids(batch["tokens"], batch["image_grid_thw"], model_cfg.image_token_id, merge)
-    return positions
+    return state.cfg.model.image_position_ids(batch["tokens"], batch["image_grid_thw"])
 
 
 def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -183,7 +183,7 @@ def test_a_provider_made_export_reads_back_in_transformers(qwen_vl, tmp_path):
 
 def test_the_hubs_flat_config_spelling_translates_alike(qwen_vl):
     """The hub's config.json keeps the text fields at the top and spells mRoPE as rope_scaling type 'mrope'."""
-    from longspan.conversion.qwen_vl_families import qwen25_vl_provider
+    from longspan.families.qwen_vl.hf import qwen25_vl_provider
 
     directory, _, _, _ = qwen_vl
     nested = json.loads((directory / "config.json").read_text())

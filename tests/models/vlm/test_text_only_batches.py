@@ -11,7 +11,7 @@ import torch
 
 def _provider(family: str, tmp_path):
     if family == "qwen":
-        from longspan.recipes.vlm_finetune import _placeholder_model
+        from longspan.families.qwen_vl.recipes import _placeholder_model
 
         return _placeholder_model()
     from longspan import AutoBridge

@@ -18,7 +18,7 @@ layout (a training microbatch without one runs the encoder on a blank image time
 
 from __future__ import annotations
 
-from longspan.models.vlm import Qwen25VLModelProvider
+from longspan.families.qwen_vl.provider import Qwen25VLModelProvider
 from longspan.peft import LoRA
 from longspan.recipes.finetune import finetune_recipe
 from longspan.training.config import ConfigContainer

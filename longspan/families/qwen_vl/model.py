@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: the vision encoder and patch merger (``qwen_vision``) feeding longspan's GPT language model.
+"""Qwen2.5-VL: the vision encoder and patch merger (``vision``) feeding longspan's GPT language model.
 
 Plain PyTorch, three submodules for parallel plans to address::
 
@@ -25,7 +25,7 @@ from longspan.core.errors import ConfigError, DataError
 from longspan.models.gpt import GPTModel
 from longspan.models.transformer import KVCache
 from longspan.models.vlm.mrope import MultimodalRotaryEmbedding, mrope_position_ids
-from longspan.models.vlm.qwen_vision import PatchMerger, QwenVisionArgs, QwenVisionTransformer
+from longspan.families.qwen_vl.vision import PatchMerger, QwenVisionArgs, QwenVisionTransformer
 
 
 def language_config(config: Any) -> Any:

@@ -1,5 +1,5 @@
 """``Gemma3VLModelProvider``: Gemma 3's vision-language model (Megatron Bridge's name and fields); ``provide()``
-builds ``longspan.models.vlm.gemma_vlm.Gemma3VLModel``.
+builds ``longspan.families.gemma_vl.model.Gemma3VLModel``.
 
 The GPT fields describe the language model (Gemma 3's text tower); ``vision_config`` the SigLIP encoder (HF's
 ``SiglipVisionConfig`` fields, as in config.json); ``mm_tokens_per_image`` how many soft tokens each image
@@ -9,14 +9,14 @@ becomes after average pooling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from longspan.config.rules.vision import check_image_model
-from longspan.models.gpt_provider import GPTModelProvider
+from longspan.models.vlm.provider import VisionLanguageProvider
 
 
 @dataclass
-class Gemma3VLModelProvider(GPTModelProvider):
+class Gemma3VLModelProvider(VisionLanguageProvider):
     """A Gemma 3 vision-language model: SigLIP encoder, multimodal projector, Gemma 3 language model.
 
     Layouts: data parallel and FSDP2 (the language model's layers sharded one by one, the vision encoder in
@@ -65,10 +65,12 @@ class Gemma3VLModelProvider(GPTModelProvider):
     freeze_vision_projection: bool = False
     """Train no multimodal-projector parameter (``multi_modal_projector.*``)."""
 
+    hf_architecture: ClassVar[str] = "Gemma3ForConditionalGeneration"
+
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
-        """``longspan.models.vlm.gemma_vlm.build_gemma3_vl_model`` (see ``ModelProviderMixin``)."""
-        from longspan.models.vlm.gemma_vlm import build_gemma3_vl_model  # keeps the provider free of model code
+        """``longspan.families.gemma_vl.model.build_gemma3_vl_model`` (see ``ModelProviderMixin``)."""
+        from longspan.families.gemma_vl.model import build_gemma3_vl_model  # keeps the provider free of model code
 
         check_image_model(self)
         return build_gemma3_vl_model(self, vp_stage, materialize=materialize, pre_process=pre_process,

@@ -1,15 +1,15 @@
 """``Qwen25VLModelProvider``: Qwen2.5-VL's configuration (Megatron Bridge's names); ``provide()`` builds
-``longspan.models.vlm.qwen25_vl.Qwen25VLModel``."""
+``longspan.families.qwen_vl.model.Qwen25VLModel``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
-from longspan.models.gpt_provider import GPTModelProvider
+from longspan.models.vlm.provider import VisionLanguageProvider
 
 
 def default_vision_config() -> dict[str, Any]:
@@ -22,7 +22,7 @@ def default_vision_config() -> dict[str, Any]:
 
 
 @dataclass
-class Qwen25VLModelProvider(GPTModelProvider):
+class Qwen25VLModelProvider(VisionLanguageProvider):
     """Qwen2.5-VL: a Qwen2 language model fed by a ViT (window attention, 2-D RoPE) through a patch merger,
     with multimodal RoPE. The language model's fields are the GPT provider's, with Qwen2's defaults here."""
 
@@ -95,11 +95,23 @@ class Qwen25VLModelProvider(GPTModelProvider):
     freeze_vision_projection: bool = False
     """Train no parameter of the patch merger (the projection into the language model)."""
 
+    hf_architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
+
+    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
+        """mRoPE's ``[3, b, s]`` position ids: each image's tokens numbered by their merged patch's row and
+        column (``longspan.models.vlm.mrope``)."""
+        from longspan.families.qwen_vl.vision import QwenVisionArgs  # keeps the provider free of model code
+        from longspan.models.vlm.mrope import mrope_position_ids
+
+        merge = QwenVisionArgs.from_dict(self.vision_config).spatial_merge_size
+        positions, _ = mrope_position_ids(tokens, image_grid_thw, self.image_token_id, merge)
+        return positions
+
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``Qwen25VLModel`` (see ``ModelProviderMixin``), with the freeze options applied."""
         from longspan.models.init import materialize_model  # keeps the providers (configs) free of the model code
-        from longspan.models.vlm.qwen25_vl import Qwen25VLModel, freeze
+        from longspan.families.qwen_vl.model import Qwen25VLModel, freeze
 
         with torch.device("meta"):
             model = Qwen25VLModel(self, pre_process, post_process, vp_stage, layer_numbers=layer_numbers)

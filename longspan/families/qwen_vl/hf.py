@@ -15,9 +15,11 @@ from typing import Any
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import required
-from longspan.conversion.dense_families import provider_view, qwen2_hf, qwen2_provider
+from longspan.conversion.decoder_fields import provider_view
+from longspan.conversion.dense_families import qwen2_hf, qwen2_provider
+from longspan.conversion.families import Family
 from longspan.core.errors import NotSupportedError
-from longspan.models.vlm.qwen_vision import QwenVisionArgs
+from longspan.families.qwen_vl.vision import QwenVisionArgs
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "vision_start_token_id", "vision_end_token_id",
                    "vision_token_id", "image_token_id", "video_token_id")
@@ -97,3 +99,7 @@ QWEN25_VL = _nested(mapping.DECODER) + (
 #: the module paths of transformers >= 4.52 (``model.language_model.*``, ``model.visual.*``), which some
 #: writers use as tensor names, as the reader's prefix aliases
 QWEN25_VL_ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+QWEN25_VL_FAMILY = Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN25_VL,
+                          qwen25_vl_provider, qwen25_vl_hf, "Qwen25VLModelProvider",
+                          hf_prefix_aliases=QWEN25_VL_ALIASES)

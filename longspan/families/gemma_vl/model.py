@@ -1,6 +1,6 @@
 """Gemma 3's vision-language model (HF ``Gemma3ForConditionalGeneration``) in plain PyTorch.
 
-Each image goes through the SigLIP encoder (``longspan.models.vlm.siglip``); the multimodal projector
+Each image goes through the SigLIP encoder (``longspan.families.gemma_vl.siglip``); the multimodal projector
 average-pools its patch grid to ``mm_tokens_per_image`` vectors, norms them (Gemma's zero-centred RMSNorm) and
 projects them to the language model's width. The language model is longspan's ``GPTModel`` (Gemma 3's text
 tower): its scaled word embeddings of the prompt are computed, the embeddings at the image-token positions are
@@ -33,7 +33,7 @@ from longspan.models.gpt import GPTModel
 from longspan.models.init import materialize_model
 from longspan.models.sliding_window import TwoSidedMask
 from longspan.models.transformer import KVCache
-from longspan.models.vlm.siglip import SiglipVisionArgs, SiglipVisionTower
+from longspan.families.gemma_vl.siglip import SiglipVisionArgs, SiglipVisionTower
 
 
 class GemmaRMSNorm(nn.Module):

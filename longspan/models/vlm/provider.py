@@ -1,0 +1,39 @@
+"""``VisionLanguageProvider``: the base of the vision-language providers (a vision encoder feeding the GPT
+language model). Shared code asks the provider what it needs (``hf_architecture``, ``image_position_ids``) and
+tells these providers apart with ``is_vision_language``, never by family; the families' providers live in their
+packages (``longspan.families``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from longspan.models.gpt_provider import GPTModelProvider
+
+
+#: why the vision-language providers do not support the multi-token-prediction fields (their support rows)
+NO_MTP_REASON = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
+
+
+@dataclass
+class VisionLanguageProvider(GPTModelProvider):
+    """A vision-language model's provider: the GPT fields describe its language model; a subclass adds the vision
+    encoder's fields (``vision_config``, the image token ids, the ``freeze_*`` options) and builds the model."""
+
+    hf_architecture: ClassVar[str] = ""
+    """The HF architecture a model of this provider exports as when the checkpoint does not say."""
+
+    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
+        """Position ids of a batch whose images are described by ``image_grid_thw`` (the HF processor's patch
+        grids), computed outside the model so every pipeline stage gets the same ids; None: the batch's own."""
+        return None
+
+
+def is_vision_language(provider: Any) -> bool:
+    """A vision-language provider (a ``VisionLanguageProvider``)."""
+    return isinstance(provider, VisionLanguageProvider)
+
+
+__all__ = ["NO_MTP_REASON", "VisionLanguageProvider", "is_vision_language"]

@@ -122,28 +122,17 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
     groups = m.num_query_groups or heads
     if heads % groups != 0:
         raise ConfigError(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
-    if heads % tp != 0 or groups % tp != 0:
-        raise ConfigError(
-            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads ({heads}) and "
-            f"model.num_query_groups ({groups})"
-        )
+    check_tp_divides_heads(tp, heads, groups)
     if m.kv_channels is None and hidden % heads != 0:
         raise ConfigError(
             f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}: "
             "set model.kv_channels"
         )
-    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp != 0:
-        raise ConfigError(
-            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by model.tensor_model_parallel_size={tp}"
-        )
+    padded = None
     if m.vocab_size is not None:
         padded = calculate_padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
-        if padded % tp != 0:
-            raise ConfigError(
-                f"padded vocabulary {padded} (model.vocab_size={m.vocab_size} rounded up to "
-                f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}) is not divisible by "
-                f"model.tensor_model_parallel_size={tp}: use a make_vocab_size_divisible_by that tp divides"
-            )
+    check_tp_divides_widths(tp, m.ffn_hidden_size, padded, vocab_size=m.vocab_size,
+                            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
     if cp > 1 and m.seq_length % (2 * cp) != 0:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
@@ -152,6 +141,37 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
     if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:
         raise ConfigError(
             f"model.seq_length_dec={decoder_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
+        )
+
+
+def check_tp_divides_heads(tp: int, heads: int, groups: int) -> None:
+    """Tensor parallel splits attention by heads: ``tp`` must divide the query heads and the key/value groups
+    (``groups``: ``num_query_groups``, or ``heads`` when that is None). The config's validation, the launcher's
+    layout check and the tensor-parallel plans all ask this one rule."""
+    if heads % tp != 0 or groups % tp != 0:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and "
+            f"model.num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
+        )
+
+
+def check_tp_divides_widths(tp: int, ffn_hidden_size: int | None, padded_vocab_size: int | None, *,
+                            vocab_size: int | None = None, make_vocab_size_divisible_by: int | None = None) -> None:
+    """Tensor parallel splits the MLP by ``ffn_hidden_size`` and the embedding and output layer by the padded
+    vocabulary (None: not checked). ``vocab_size`` / ``make_vocab_size_divisible_by``, when given, say in the
+    error where the padded size comes from."""
+    if ffn_hidden_size is not None and ffn_hidden_size % tp != 0:
+        raise ConfigError(
+            f"model.ffn_hidden_size={ffn_hidden_size} is not divisible by model.tensor_model_parallel_size={tp}"
+        )
+    if padded_vocab_size is not None and padded_vocab_size % tp != 0:
+        origin = ""
+        if vocab_size is not None:
+            origin = (f" (model.vocab_size={vocab_size} rounded up to "
+                      f"model.make_vocab_size_divisible_by={make_vocab_size_divisible_by})")
+        raise ConfigError(
+            f"padded vocabulary {padded_vocab_size}{origin} is not divisible by "
+            f"model.tensor_model_parallel_size={tp}: use a make_vocab_size_divisible_by that tp divides"
         )
 
 

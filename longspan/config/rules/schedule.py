@@ -180,9 +180,9 @@ def check_warmup_shorter_than_decay(warmup: float, decay: float) -> None:
     ``train.skip_train`` runs have one). Checked by validate() and by the LR scheduler on its arguments."""
     if decay > 0 and not warmup < decay:
         raise ConfigError(
-            f"scheduler.lr_warmup_steps: warmup ({warmup:g} samples) is not shorter than the decay ({decay} "
-            "samples) of scheduler.lr_decay_steps: shorten scheduler.lr_warmup_iters/lr_warmup_samples/"
-            "lr_warmup_fraction or lengthen scheduler.lr_decay_iters/train.train_iters"
+            f"scheduler warmup ({warmup:g} samples) is not shorter than the decay ({decay} samples): "
+            "scheduler.lr_warmup_steps must be < lr_decay_steps; shorten scheduler.lr_warmup_iters/"
+            "lr_warmup_samples/lr_warmup_fraction or lengthen scheduler.lr_decay_iters/train.train_iters"
         )
 
 

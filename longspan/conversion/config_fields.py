@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longspan.config.rules.sliding_window import (
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.activations import gelu_tanh
+from longspan.models.layer_pattern import (
     layer_types_from_windows,
     layer_windows,
     window_pattern_from_layer_types,
 )
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.activations import gelu_tanh
 from longspan.models.rope import ROPE_SCALING_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -11,10 +11,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from longspan.config.rules.model import GPT_FIXED_FIELDS, T5_FIXED_FIELDS, check_gpt_model, check_t5_model, head_dim
-from longspan.config.rules.moe import check_moe, moe_layer_flags, routing_groups, single_value
-from longspan.config.rules.sliding_window import layer_windows, stack_window_flags, two_sided_window
+from longspan.config.rules.moe import check_moe, routing_groups, single_value
+from longspan.config.rules.sliding_window import two_sided_window
 from longspan.core.errors import ConfigError
 from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.models.layer_pattern import layer_windows, moe_layer_flags, stack_window_flags
 from longspan.models.mla import MLAArgs, mla_softmax_scale
 from longspan.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -187,7 +188,7 @@ class TransformerArgs:
     """With a ``[local, global]`` rotary_base: the global layers' frequencies are divided by this."""
     # sliding-window attention: Megatron's window_size (left, right), and each layer's window by global layer
     # index: the positions a token attends to, itself included (HF's sliding_window = left + 1), None = full
-    # causal attention (see longspan.config.rules.sliding_window.layer_windows)
+    # causal attention (see longspan.models.layer_pattern.layer_windows)
     window_size: Optional[tuple[int, int]] = None
     layer_windows: list[Optional[int]] = field(default_factory=list)
     # RoPE scalings (yarn, dynamic NTK, LongRoPE, llama3; linear is seq_len_interpolation_factor), interleaved

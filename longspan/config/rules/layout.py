@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.config.rules.pipeline_split import layer_counts_for_config
 from longspan.config.rules.ranges import positive_int
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.pipeline_split import layer_counts_for_config
+from longspan.core.vocab import calculate_padded_vocab_size
 
 if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer

@@ -13,7 +13,7 @@ from typing import Any
 
 from longspan.config.rules.mla import check_mla
 from longspan.config.rules.moe import check_moe
-from longspan.config.rules.sliding_window import layer_windows, stack_window_flags
+from longspan.config.rules.sliding_window import check_causal_window, check_stack_windows
 from longspan.core.errors import ConfigError, NotSupportedError
 
 # TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
@@ -164,7 +164,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
         )
     _check_norms_and_caps(config)
     _check_recompute(config)
-    layer_windows(config)
+    check_causal_window(config)
     check_moe(config)
     check_gpt_oss_fields(config)
     check_mtp(config)
@@ -431,7 +431,7 @@ def check_t5_model(config: Any) -> None:
             f"model.num_layers={decoder_layers}, model.encoder_num_layers={config.encoder_num_layers} and "
             f"model.hidden_size={config.hidden_size} must be positive"
         )
-    stack_window_flags(config, [encoder_layers, decoder_layers])
+    check_stack_windows(config, [encoder_layers, decoder_layers])
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
     if heads <= 0 or groups != heads:

@@ -1,6 +1,6 @@
 """Config rules of a mixture-of-experts model's fields (``num_moe_experts`` and the ``moe_*`` router, expert
 and token-dropping settings), as longspan's MoE layer (``longspan.models.moe``) implements them, and the
-derivations the model's typed arguments share with them (``moe_layer_flags``, ``routing_groups``)."""
+routing groups the model's typed arguments share with them (``routing_groups``)."""
 
 from __future__ import annotations
 
@@ -23,20 +23,19 @@ def single_value(value: Any, field: str) -> Any:
     return value
 
 
-def moe_layer_flags(freq: Any, num_layers: int) -> list[bool]:
-    """Which layers are MoE layers: an int ``n`` makes every n-th layer (0, n, 2n, ...) MoE, a list is a 0/1
-    pattern per layer (Megatron's ``moe_layer_freq``)."""
+def check_moe_layer_freq(freq: Any, num_layers: int) -> None:
+    """``moe_layer_freq`` (Megatron's): a positive int n (every n-th layer is MoE) or a 0/1 entry per layer.
+    Which layers that makes MoE is ``longspan.models.layer_pattern.moe_layer_flags``."""
     if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
         raise ConfigError(f"model.moe_layer_freq={freq!r} must be a positive int or a 0/1 list per layer")
     if isinstance(freq, int):
         if freq < 1:
             raise ConfigError(f"model.moe_layer_freq={freq} must be >= 1 (or a 0/1 list per layer)")
-        return [i % freq == 0 for i in range(num_layers)]
+        return
     if len(freq) != num_layers or any(x not in (0, 1, True, False) for x in freq):
         raise ConfigError(
             f"model.moe_layer_freq={list(freq)!r} must hold one 0/1 entry per layer ({num_layers} layers)"
         )
-    return [bool(x) for x in freq]
 
 
 def routing_groups(config: Any) -> tuple[Any, Any]:

@@ -46,7 +46,7 @@ def _check_sizes_against_world(m: object, ws: int) -> int:
             f"model.expert_model_parallel_size ({ep}) x model.pipeline_model_parallel_size ({pp})"
         )
     if ep > 1:
-        experts = getattr(m, "num_moe_experts", None)
+        experts = m.num_moe_experts
         if not experts:
             raise ConfigError(f"model.expert_model_parallel_size={ep} needs model.num_moe_experts to be set")
         if experts % ep != 0:
@@ -61,10 +61,11 @@ def _check_sizes_against_world(m: object, ws: int) -> int:
 def check_sequence_scatter(m: object) -> None:
     """Where sequence parallel cuts the embedded sequence (``scatter_embedding_sequence_parallel``) against what
     the model does with the whole sequence first (see :func:`sequence_scatter_error`)."""
-    if not getattr(m, "sequence_parallel", False) or (getattr(m, "tensor_model_parallel_size", 1) or 1) == 1:
+    if not m.sequence_parallel or (m.tensor_model_parallel_size or 1) == 1:
         return
-    error = sequence_scatter_error(type(m).__name__, getattr(m, "scatter_embedding_sequence_parallel", True),
-                                   getattr(m, "mtp_num_layers", None),
+    # getattr: GPTModelProvider's field (its default True); T5 and Mamba providers do not declare it
+    scatter = getattr(m, "scatter_embedding_sequence_parallel", True)
+    error = sequence_scatter_error(type(m).__name__, scatter, m.mtp_num_layers,
                                    hasattr(m, "vision_config") and hasattr(m, "image_token_id"))
     if error is not None:
         raise error
@@ -137,7 +138,7 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
-    decoder_length = getattr(m, "seq_length_dec", None)  # T5's decoder sequence is split the same way
+    decoder_length = getattr(m, "seq_length_dec", None)  # getattr: T5's field; its decoder sequence splits alike
     if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:
         raise ConfigError(
             f"model.seq_length_dec={decoder_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
@@ -184,7 +185,7 @@ def check_context_parallel_options(m: object) -> None:
     """``cp_comm_type`` one of CP_COMM_TYPES (or one per layer); ``hierarchical_context_parallel_sizes`` as
     megatron-core builds its groups: positive sizes whose product is context_parallel_size, and (since only the
     a2a+p2p attention reads them) set exactly when a layer uses 'a2a+p2p'."""
-    comm = getattr(m, "cp_comm_type", None)
+    comm = m.cp_comm_type
     values = list(comm) if isinstance(comm, (list, tuple)) else [comm]
     for value in values:
         if value is not None and value not in CP_COMM_TYPES:
@@ -192,8 +193,8 @@ def check_context_parallel_options(m: object) -> None:
                 f"model.cp_comm_type={comm!r} is not valid: use None or one of {', '.join(CP_COMM_TYPES)} "
                 "(per layer as a list)"
             )
-    cp = getattr(m, "context_parallel_size", 1)
-    hierarchical = getattr(m, "hierarchical_context_parallel_sizes", None)
+    cp = m.context_parallel_size
+    hierarchical = m.hierarchical_context_parallel_sizes
     uses_a2a_p2p = "a2a+p2p" in values
     if hierarchical is None:
         if uses_a2a_p2p and cp > 1:
@@ -227,7 +228,7 @@ def check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
     """Pipeline rules: the layer split, enough microbatches for the schedule, the p2p knobs."""
     m = cfg.model
     pp = m.pipeline_model_parallel_size
-    backend = getattr(m, "pipeline_model_parallel_comm_backend", None)
+    backend = m.pipeline_model_parallel_comm_backend
     if backend not in PIPELINE_COMM_BACKENDS:
         raise ConfigError(
             f"model.pipeline_model_parallel_comm_backend={backend!r} is not valid: use None (the default process "

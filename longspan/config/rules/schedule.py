@@ -105,7 +105,7 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
         raise ConfigError("optimizer.lr is required (the peak learning rate)")
     if opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr={opt.min_lr} must be between 0 and optimizer.lr={opt.lr}")
-    decoupled_lr, decoupled_min_lr = getattr(opt, "decoupled_lr", None), getattr(opt, "decoupled_min_lr", None)
+    decoupled_lr, decoupled_min_lr = opt.decoupled_lr, opt.decoupled_min_lr
     if decoupled_min_lr is not None and decoupled_lr is None:
         raise ConfigError(f"optimizer.decoupled_min_lr={decoupled_min_lr} needs optimizer.decoupled_lr (the peak "
                           "learning rate of the embedding and output layer): set it, or leave decoupled_min_lr None")

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 import torch.nn.functional as F
 
-from longspan.config.rules.sliding_window import (
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.activations import gelu_tanh
+from longspan.models.gpt_provider import GPTModelProvider
+from longspan.models.layer_pattern import (
     layer_types_from_windows,
     layer_windows,
     window_pattern_from_layer_types,
 )
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.activations import gelu_tanh
-from longspan.models.gpt_provider import GPTModelProvider
 from longspan.models.rope import ROPE_SCALING_TYPES
 
 if TYPE_CHECKING:

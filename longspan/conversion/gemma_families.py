@@ -23,12 +23,12 @@ from longspan.conversion.config_fields import (
     rope_hf,
     vocab_divisor,
 )
-from longspan.config.rules.sliding_window import (
+from longspan.core.errors import NotSupportedError
+from longspan.models.layer_pattern import (
     layer_types_from_windows,
     layer_windows,
     window_pattern_from_layer_types,
 )
-from longspan.core.errors import NotSupportedError
 
 GEMMA3_ROPE_TYPES = ("default", "linear")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import longspan.conversion.mapping as mapping
-from longspan.config.rules.sliding_window import layer_windows
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.activations import squared_relu
+from longspan.models.layer_pattern import layer_windows
 from longspan.models.mamba import allocate_layers
 
 

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 
 from longspan.config.rules.model import GPT_FIXED_FIELDS, T5_FIXED_FIELDS, check_gpt_model, check_t5_model, head_dim
-from longspan.config.rules.moe import check_moe, moe_layer_flags, routing_groups, single_value
-from longspan.config.rules.sliding_window import layer_windows, stack_window_flags, two_sided_window
+from longspan.config.rules.moe import check_moe, routing_groups, single_value
+from longspan.config.rules.sliding_window import two_sided_window
 from longspan.core.errors import ConfigError
+from longspan.models.layer_pattern import layer_windows, moe_layer_flags, stack_window_flags
 from longspan.models.mla import MLAArgs, mla_softmax_scale
 from longspan.models.rope import RopeScaling
 
@@ -181,7 +182,7 @@ class TransformerArgs:
     """With a ``[local, global]`` rotary_base: the global layers' frequencies are divided by this."""
     # sliding-window attention: Megatron's window_size (left, right), and each layer's window by global layer
     # index: the positions a token attends to, itself included (HF's sliding_window = left + 1), None = full
-    # causal attention (see longspan.config.rules.sliding_window.layer_windows)
+    # causal attention (see longspan.models.layer_pattern.layer_windows)
     window_size: Optional[tuple[int, int]] = None
     layer_windows: list[Optional[int]] = field(default_factory=list)
     # RoPE scalings (yarn, dynamic NTK, LongRoPE, llama3; linear is seq_len_interpolation_factor), interleaved

@@ -2,7 +2,7 @@
 (themselves included), and an attention that skips the work outside the window on long sequences.
 
 Semantics (exactly HF's ``sliding_window`` and Megatron's ``window_size=(window - 1, 0)``, see
-``longspan.config.rules.sliding_window``): a query at position i attends to the key at position j when
+``longspan.models.layer_pattern``): a query at position i attends to the key at position j when
 ``0 <= i - j < window``.
 
 Keys are **bottom-right aligned** with the queries: the last key is at the last query's position and keys are

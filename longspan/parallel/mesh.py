@@ -180,15 +180,13 @@ def check_layout(
     """
     layout = layout_from_config(world_size, model_cfg, dp_replicate=dp_replicate,
                                 use_tp_pp_dp_mapping=use_tp_pp_dp_mapping)
-    heads = getattr(model_cfg, "num_attention_heads", None)
+    heads = getattr(model_cfg, "num_attention_heads", None)  # getattr: any ModelParallelConfig-like object
     if heads is not None:
-        groups = getattr(model_cfg, "num_query_groups", None) or heads
-        if heads % layout.tp or groups % layout.tp:
-            raise ConfigError(
-                f"tensor_model_parallel_size must divide num_attention_heads and num_query_groups: "
-                f"tensor_model_parallel_size={layout.tp}, num_attention_heads={heads}, "
-                f"num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
-            )
+        # start-up time: longspan.config imports torch, which the launcher reads this module without
+        from longspan.config.rules.layout import check_tp_divides_heads
+
+        groups = getattr(model_cfg, "num_query_groups", None) or heads  # getattr: as above
+        check_tp_divides_heads(layout.tp, heads, groups)
     vp = getattr(model_cfg, "virtual_pipeline_model_parallel_size", None)
     if vp is not None and vp > 1 and layout.pp == 1:
         raise ConfigError(

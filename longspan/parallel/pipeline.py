@@ -2,7 +2,7 @@
 
 T5 is cut the same way, its encoder layers followed by its decoder layers counting as one list of layers
 (``longspan.models.t5.T5Model`` says what its stages exchange; ``encoder_pipeline_model_parallel_size`` gives
-the encoder stages of their own, ``longspan.config.rules.pipeline_split.t5_layer_counts``). Every T5 stage
+the encoder stages of their own, ``longspan.core.pipeline_split.t5_layer_counts``). Every T5 stage
 holds the two small relative position tables; ``sync_stage_shared_grads`` sums their gradients over the stages.
 
 Layout (Megatron's): the layers are split over ``pp × vp`` *virtual stages*; virtual stage ``s`` lives on
@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longspan.config.rules.pipeline_split import (  # the split arithmetic; stage_layer_counts re-exported
+from longspan.core.logging import get_logger
+from longspan.core.pipeline_split import (  # the split arithmetic; stage_layer_counts re-exported
     layer_counts_for_config,
     stage_layer_counts,  # noqa: F401
     stage_layer_numbers,
 )
-from longspan.core.logging import get_logger
 from longspan.models.args import TransformerArgs
 from longspan.models.builder import build_meta_model
 from longspan.models.init import canonical_parameter_name

@@ -56,8 +56,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from longspan.config.rules.layout import sequence_scatter_error
-from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.config.rules.layout import (
+    check_tp_divides_heads,
+    check_tp_divides_widths,
+    sequence_scatter_error,
+)
+from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
 from longspan.parallel.mamba import apply_mamba_tensor_parallel
@@ -85,21 +89,9 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     layers = list(model.decoder.layers.values())
     has_attention = any(hasattr(layer, "self_attention") for layer in layers)  # hybrid Mamba stacks may have none
     has_mlp = any(hasattr(layer, "mlp") for layer in layers)
-    heads, groups = args.num_attention_heads, args.num_query_groups
-    if has_attention and (heads % tp or groups % tp):
-        raise ConfigError(
-            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and "
-            f"model.num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
-        )
-    if has_mlp and args.ffn_hidden_size % tp:
-        raise ConfigError(
-            f"model.tensor_model_parallel_size={tp} must divide model.ffn_hidden_size={args.ffn_hidden_size}"
-        )
-    if args.vocab_size % tp:
-        raise ConfigError(
-            f"padded vocabulary size {args.vocab_size} is not divisible by model.tensor_model_parallel_size={tp}; "
-            "set model.make_vocab_size_divisible_by to a multiple of it"
-        )
+    if has_attention:
+        check_tp_divides_heads(tp, args.num_attention_heads, args.num_query_groups)
+    check_tp_divides_widths(tp, args.ffn_hidden_size if has_mlp else None, args.vocab_size)  # vocab_size: padded
     if args.share_embeddings_and_output_weights and is_t5_model(model):
         raise NotSupportedError(
             f"model.share_embeddings_and_output_weights=True with tensor_model_parallel_size={tp} is not "

@@ -9,15 +9,15 @@ import torch
 
 from tests.models.gpt_test_config import llama_config
 
-from longspan.config.rules.sliding_window import (
-    layer_types_from_windows,
-    layer_windows,
-    window_pattern_from_layer_types,
-)
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models import sliding_window as sw
 from longspan.models.args import TransformerArgs
 from longspan.models.gpt import build_gpt_model
+from longspan.models.layer_pattern import (
+    layer_types_from_windows,
+    layer_windows,
+    window_pattern_from_layer_types,
+)
 from longspan.models.transformer import KVCache
 
 

@@ -178,8 +178,8 @@ def test_check_layout_heads_and_query_groups():
     check_layout(4, ok)
     check_layout(4, SimpleNamespace(tensor_model_parallel_size=2, num_attention_heads=8, num_query_groups=None))
     bad_heads = SimpleNamespace(tensor_model_parallel_size=4, num_attention_heads=6, num_query_groups=None)
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size must divide num_attention_heads and "
-                                          "num_query_groups"):
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=4 must divide model.num_attention_heads=6 "
+                                          "and model.num_query_groups"):
         check_layout(4, bad_heads)
     bad_groups = SimpleNamespace(tensor_model_parallel_size=4, num_attention_heads=8, num_query_groups=2)
     with pytest.raises(ConfigError, match="num_query_groups=2"):

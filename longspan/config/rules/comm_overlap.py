@@ -57,7 +57,7 @@ def derived_comm_overlap(cfg: "ConfigContainer", data_parallel_size: int) -> dic
                     f"(here {m.tensor_model_parallel_size}) and sequence_parallel (here {m.sequence_parallel})", _log)
         user["tp_comm_overlap"] = False
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
-    sharded = bool(cfg.optimizer.use_distributed_optimizer or getattr(cfg.dist, "use_torch_fsdp2", False))
+    sharded = bool(cfg.optimizer.use_distributed_optimizer or cfg.dist.use_torch_fsdp2)
     derived: dict[str, Any] = {
         "tp_comm_overlap": False,
         "overlap_p2p_comm": pp > 1 and vp > 1,

@@ -56,7 +56,7 @@ def check_dataset(cfg: "ConfigContainer") -> None:
     """GPT data: one data source, valid blends and split, its sequence length the model's; SFT data: the length."""
     d, m = cfg.dataset, cfg.model
     if isinstance(d, GPTDatasetConfig):
-        if getattr(d, "seq_length", None) is not None:  # current Megatron Bridge's name for sequence_length
+        if d.seq_length is not None:  # current Megatron Bridge's name for sequence_length
             d.sequence_length = d.seq_length
         if d.sequence_length != m.seq_length:
             raise ConfigError(

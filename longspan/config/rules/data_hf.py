@@ -114,7 +114,7 @@ def _check_in_batch_packing(cfg: "ConfigContainer") -> None:
                 raise ConfigError(f"dataset.{name}={value!r} is set without dataset.enable_in_batch_packing=True: "
                                   "enable the packing or leave it at its default")
         return
-    mbs = int(getattr(cfg.train, "micro_batch_size", 1) or 1)
+    mbs = int(cfg.train.micro_batch_size or 1)
     if mbs < 2:
         raise ConfigError(f"dataset.enable_in_batch_packing=True with train.micro_batch_size={mbs}: packing joins the "
                           "samples of a microbatch, set micro_batch_size >= 2")
@@ -127,8 +127,8 @@ def _check_in_batch_packing(cfg: "ConfigContainer") -> None:
         if size > 1:
             raise NotSupportedError(f"dataset.enable_in_batch_packing=True with model.{name}={size}: {why}; "
                                     "turn one of them off")
-    tp = int(getattr(m, "tensor_model_parallel_size", 1) or 1)
-    if bool(getattr(m, "sequence_parallel", False)) and tp > 1 and multiple % tp:
+    tp = int(m.tensor_model_parallel_size or 1)
+    if bool(m.sequence_parallel) and tp > 1 and multiple % tp:
         raise ConfigError(f"dataset.in_batch_packing_pad_to_multiple_of={multiple} must be a multiple of "
                           f"tensor_model_parallel_size={tp} with sequence_parallel (the pack is split over its ranks)")
 
@@ -141,7 +141,7 @@ def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
     m = cfg.model
     if d.seq_length <= 0:
         raise ConfigError(f"dataset.seq_length={d.seq_length} must be positive")
-    if getattr(m, "seq_length", None) is not None and d.seq_length != m.seq_length:
+    if m.seq_length is not None and d.seq_length != m.seq_length:
         raise ConfigError(
             f"dataset.seq_length={d.seq_length} differs from model.seq_length={m.seq_length}: set both the same"
         )
@@ -168,15 +168,15 @@ def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
     if d.enable_in_batch_packing and d.hf_processor_path is not None:
         raise NotSupportedError("dataset.enable_in_batch_packing=True with dataset.hf_processor_path: image batches "
                                 "are not packed; set enable_in_batch_packing=False")
-    if not d.pad_to_max_length and int(getattr(m, "pipeline_model_parallel_size", 1) or 1) > 1:
+    if not d.pad_to_max_length and int(m.pipeline_model_parallel_size or 1) > 1:
         raise ConfigError(
             "dataset.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages exchange "
             "activations of a fixed length; set dataset.pad_to_max_length=True"
         )
     if not d.pad_to_max_length:
-        cp = int(getattr(m, "context_parallel_size", 1) or 1)
-        tp = int(getattr(m, "tensor_model_parallel_size", 1) or 1)
-        sp = bool(getattr(m, "sequence_parallel", False)) and tp > 1
+        cp = int(m.context_parallel_size or 1)
+        tp = int(m.tensor_model_parallel_size or 1)
+        sp = bool(m.sequence_parallel) and tp > 1
         # context parallel cuts sequences into 2 x cp chunks; sequence parallel splits them over tp
         multiple = math.lcm(2 * cp if cp > 1 else 1, tp if sp else 1)
         if d.pad_to_multiple_of % multiple or d.seq_length % multiple:

@@ -52,7 +52,7 @@ def apply_megatron_fsdp(cfg: "ConfigContainer") -> None:
                           "PyTorch FSDP2): set one of them")
     if cfg.dist.use_tp_pp_dp_mapping:
         raise ConfigError(f"{field}=True does not support dist.use_tp_pp_dp_mapping=True: set one of them")
-    interval = getattr(cfg.train, "check_weight_hash_across_dp_replicas_interval", None)
+    interval = cfg.train.check_weight_hash_across_dp_replicas_interval
     if strategy == "optim_grads_params" and interval is not None:
         raise ConfigError(f"{field}=True with ddp.data_parallel_sharding_strategy='optim_grads_params' does not support "
                           f"train.check_weight_hash_across_dp_replicas_interval={interval}: set it to null")
@@ -102,7 +102,7 @@ def sync_param_gather_switches(cfg: "ConfigContainer") -> None:
         opt.overlap_param_gather = ddp.overlap_param_gather = True
         print_rank_0(f"{source}.overlap_param_gather=True: set on both optimizer and ddp (one switch in Megatron)",
                      logger)
-    if ddp.fp8_param_gather and not getattr(cfg.model, "fp8_param", False):
+    if ddp.fp8_param_gather and not cfg.model.fp8_param:
         if not hasattr(cfg.model, "fp8_param"):
             raise ConfigError(f"ddp.fp8_param_gather=True needs a model with FP8 parameters; "
                               f"{type(cfg.model).__name__} has none: set ddp.fp8_param_gather=false")
@@ -123,7 +123,7 @@ def check_distributed_optimizer_instances(cfg: "ConfigContainer", data_parallel_
                           "or dist.use_torch_fsdp2=true")
     if data_parallel_size % instances:
         raise ConfigError(f"{field} does not divide the data-parallel size {data_parallel_size}")
-    cp: Any = getattr(cfg.model, "context_parallel_size", 1) or 1
+    cp: Any = cfg.model.context_parallel_size or 1
     if cp > 1:
         raise ConfigError(f"{field} (hybrid sharding) with model.context_parallel_size={cp} is not supported yet: "
                           "use one of them")

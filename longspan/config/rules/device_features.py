@@ -18,7 +18,7 @@ def check_activation_offload(cfg: "ConfigContainer") -> None:
     """model.cpu_offloading: a layer count below num_layers (as Megatron), no activation recompute (the two
     would fight over the same saved tensors; Megatron refuses it too), and no torch.compile of the layers."""
     m = cfg.model
-    if not getattr(m, "cpu_offloading", False):
+    if not m.cpu_offloading:
         return
     count, layers = m.cpu_offloading_num_layers, m.num_layers
     if not isinstance(count, int) or not 0 <= count < layers:
@@ -30,7 +30,7 @@ def check_activation_offload(cfg: "ConfigContainer") -> None:
     if m.recompute_granularity is not None:
         raise ConfigError(f"model.cpu_offloading=True with model.recompute_granularity={m.recompute_granularity!r}: "
                           "offload and recompute both manage the saved activations; choose one")
-    if getattr(cfg.train, "torch_compile", None):
+    if cfg.train.torch_compile:
         raise NotSupportedError("model.cpu_offloading=True with train.torch_compile=True is not supported yet by "
                                 "longspan: offloaded layers run eager; set train.torch_compile=false or null")
 
@@ -39,12 +39,12 @@ def check_async_tensor_parallel(cfg: "ConfigContainer") -> None:
     """model.tp_comm_overlap overlaps the sequence-parallel collectives inside compiled layers: it needs
     sequence_parallel (as Megatron) and a train.torch_compile that is not False."""
     m = cfg.model
-    if not getattr(m, "tp_comm_overlap", False):
+    if not m.tp_comm_overlap:
         return
     if not m.sequence_parallel:
         raise ConfigError("model.tp_comm_overlap=True needs model.sequence_parallel=True (the overlapped collectives "
                           "are sequence parallel's all-gather and reduce-scatter)")
-    if getattr(cfg.train, "torch_compile", None) is False:
+    if cfg.train.torch_compile is False:
         raise ConfigError("model.tp_comm_overlap=True runs inside the compiled layers: set train.torch_compile=true "
                           "or null, or model.tp_comm_overlap=false")
 
@@ -55,7 +55,7 @@ ATTENTION_BACKEND_NAMES = ("auto", "flash", "fused", "unfused", "local")
 
 def check_attention_backend(cfg: "ConfigContainer") -> None:
     """model.attention_backend is one of Megatron's AttnBackend names."""
-    backend = getattr(cfg.model, "attention_backend", "auto")
+    backend = cfg.model.attention_backend
     if backend not in ATTENTION_BACKEND_NAMES:
         raise ConfigError(f"model.attention_backend={backend!r} is not valid: use one of "
                           f"{', '.join(ATTENTION_BACKEND_NAMES)}")
@@ -67,8 +67,8 @@ def check_cuda_graphs(cfg: "ConfigContainer") -> None:
     activation offload (offloaded layers run eager), no full recompute (megatron-core allows it only with whole-
     iteration graphs); cuda_graph_warmup_steps a count >= 0, set only with them."""
     m = cfg.model
-    enable, external = getattr(m, "enable_cuda_graph", False), getattr(m, "external_cuda_graph", False)
-    warmup = getattr(m, "cuda_graph_warmup_steps", 3)
+    enable, external = m.enable_cuda_graph, m.external_cuda_graph
+    warmup = m.cuda_graph_warmup_steps
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ConfigError(f"model.cuda_graph_warmup_steps={warmup!r} must be an integer >= 0")
     if not enable and not external:
@@ -80,13 +80,13 @@ def check_cuda_graphs(cfg: "ConfigContainer") -> None:
         raise ConfigError("model.enable_cuda_graph=True and model.external_cuda_graph=True cannot be set together "
                           "(megatron-core): keep one")
     name = "enable_cuda_graph" if enable else "external_cuda_graph"
-    if getattr(cfg.train, "torch_compile", None) is False:
+    if cfg.train.torch_compile is False:
         raise ConfigError(f"model.{name}=True captures the compiled layers (torch.compile mode='reduce-overhead'): "
                           "set train.torch_compile=true or null")
-    if getattr(m, "cpu_offloading", False):
+    if m.cpu_offloading:
         raise ConfigError(f"model.{name}=True with model.cpu_offloading=True: offloaded layers run eager and "
                           "cannot be captured; choose one")
-    if getattr(m, "recompute_granularity", None) == "full":
+    if m.recompute_granularity == "full":
         raise ConfigError(f"model.{name}=True with model.recompute_granularity='full': full recompute replays "
                           "whole layers in the backward pass, which per-layer graphs cannot (megatron-core's rule); "
                           "use 'selective' or None")

@@ -43,7 +43,7 @@ def check_infra(cfg: "ConfigContainer") -> None:
 
 def check_exit_signal_for_dataloader(cfg: "ConfigContainer") -> None:
     """The data workers catch the exit signal for the main process's handler: without it there is none."""
-    if getattr(cfg.train, "exit_signal_handler_for_dataloader", False) and not cfg.train.exit_signal_handler:
+    if cfg.train.exit_signal_handler_for_dataloader and not cfg.train.exit_signal_handler:
         raise ConfigError("train.exit_signal_handler_for_dataloader=True needs train.exit_signal_handler=True (the "
                           "workers keep running so that the main process can save)")
 
@@ -55,10 +55,10 @@ def check_logger(cfg: "ConfigContainer") -> None:
                                      ("comet_project", "comet_experiment_name", "Comet ML")):
         if getattr(lg, enabling, None) and not getattr(lg, naming, None):
             raise ConfigError(f"logger.{enabling}={getattr(lg, enabling)!r} needs logger.{naming}: name the {client} run")
-    unit = getattr(lg, "runtime_time_unit", "hours")
+    unit = lg.runtime_time_unit
     if unit not in RUNTIME_TIME_UNITS:
         raise ConfigError(f"logger.runtime_time_unit={unit!r} is not valid: use one of {', '.join(RUNTIME_TIME_UNITS)}")
-    keys = getattr(lg, "memory_keys", None)
+    keys = lg.memory_keys
     if keys is not None and not (isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                    for k, v in keys.items())):
         raise ConfigError(f"logger.memory_keys={keys!r} must map torch.cuda.memory_stats() keys to logged names")
@@ -69,14 +69,14 @@ def check_eval_samples_layout(cfg: "ConfigContainer") -> None:
     """``logger.log_eval_samples`` runs the whole sequence through the model on every rank (tensor parallel,
     FSDP2 and DDP data parallelism): pipeline, context and expert parallelism, sequence parallelism and
     encoder-decoder models are not supported yet."""
-    count = getattr(cfg.logger, "log_eval_samples", 0)
+    count = cfg.logger.log_eval_samples
     if not count:
         return
     m = cfg.model
     sharded = [f"model.{name}={getattr(m, name)}" for name in (
         "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
         if (getattr(m, name, 1) or 1) > 1]
-    if getattr(m, "sequence_parallel", False):
+    if m.sequence_parallel:
         sharded.append("model.sequence_parallel=True")
     if sharded:
         raise NotSupportedError(

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.config.rules.pipeline_split import layer_counts_for_config
 from longspan.config.rules.ranges import positive_int
+from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.pipeline_split import layer_counts_for_config
+from longspan.core.vocab import calculate_padded_vocab_size
 
 if TYPE_CHECKING:
     from longspan.config.schema.container import ConfigContainer
@@ -46,7 +46,7 @@ def _check_sizes_against_world(m: object, ws: int) -> int:
             f"model.expert_model_parallel_size ({ep}) x model.pipeline_model_parallel_size ({pp})"
         )
     if ep > 1:
-        experts = getattr(m, "num_moe_experts", None)
+        experts = m.num_moe_experts
         if not experts:
             raise ConfigError(f"model.expert_model_parallel_size={ep} needs model.num_moe_experts to be set")
         if experts % ep != 0:
@@ -61,10 +61,11 @@ def _check_sizes_against_world(m: object, ws: int) -> int:
 def check_sequence_scatter(m: object) -> None:
     """Where sequence parallel cuts the embedded sequence (``scatter_embedding_sequence_parallel``) against what
     the model does with the whole sequence first (see :func:`sequence_scatter_error`)."""
-    if not getattr(m, "sequence_parallel", False) or (getattr(m, "tensor_model_parallel_size", 1) or 1) == 1:
+    if not m.sequence_parallel or (m.tensor_model_parallel_size or 1) == 1:
         return
-    error = sequence_scatter_error(type(m).__name__, getattr(m, "scatter_embedding_sequence_parallel", True),
-                                   getattr(m, "mtp_num_layers", None),
+    # getattr: GPTModelProvider's field (its default True); T5 and Mamba providers do not declare it
+    scatter = getattr(m, "scatter_embedding_sequence_parallel", True)
+    error = sequence_scatter_error(type(m).__name__, scatter, m.mtp_num_layers,
                                    hasattr(m, "vision_config") and hasattr(m, "image_token_id"))
     if error is not None:
         raise error
@@ -122,36 +123,56 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
     groups = m.num_query_groups or heads
     if heads % groups != 0:
         raise ConfigError(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}")
-    if heads % tp != 0 or groups % tp != 0:
-        raise ConfigError(
-            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads ({heads}) and "
-            f"model.num_query_groups ({groups})"
-        )
+    check_tp_divides_heads(tp, heads, groups)
     if m.kv_channels is None and hidden % heads != 0:
         raise ConfigError(
             f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}: "
             "set model.kv_channels"
         )
-    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp != 0:
-        raise ConfigError(
-            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by model.tensor_model_parallel_size={tp}"
-        )
+    padded = None
     if m.vocab_size is not None:
         padded = calculate_padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
-        if padded % tp != 0:
-            raise ConfigError(
-                f"padded vocabulary {padded} (model.vocab_size={m.vocab_size} rounded up to "
-                f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}) is not divisible by "
-                f"model.tensor_model_parallel_size={tp}: use a make_vocab_size_divisible_by that tp divides"
-            )
+    check_tp_divides_widths(tp, m.ffn_hidden_size, padded, vocab_size=m.vocab_size,
+                            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
     if cp > 1 and m.seq_length % (2 * cp) != 0:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
-    decoder_length = getattr(m, "seq_length_dec", None)  # T5's decoder sequence is split the same way
+    decoder_length = getattr(m, "seq_length_dec", None)  # getattr: T5's field; its decoder sequence splits alike
     if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:
         raise ConfigError(
             f"model.seq_length_dec={decoder_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
+        )
+
+
+def check_tp_divides_heads(tp: int, heads: int, groups: int) -> None:
+    """Tensor parallel splits attention by heads: ``tp`` must divide the query heads and the key/value groups
+    (``groups``: ``num_query_groups``, or ``heads`` when that is None). The config's validation, the launcher's
+    layout check and the tensor-parallel plans all ask this one rule."""
+    if heads % tp != 0 or groups % tp != 0:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and "
+            f"model.num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
+        )
+
+
+def check_tp_divides_widths(tp: int, ffn_hidden_size: int | None, padded_vocab_size: int | None, *,
+                            vocab_size: int | None = None, make_vocab_size_divisible_by: int | None = None) -> None:
+    """Tensor parallel splits the MLP by ``ffn_hidden_size`` and the embedding and output layer by the padded
+    vocabulary (None: not checked). ``vocab_size`` / ``make_vocab_size_divisible_by``, when given, say in the
+    error where the padded size comes from."""
+    if ffn_hidden_size is not None and ffn_hidden_size % tp != 0:
+        raise ConfigError(
+            f"model.ffn_hidden_size={ffn_hidden_size} is not divisible by model.tensor_model_parallel_size={tp}"
+        )
+    if padded_vocab_size is not None and padded_vocab_size % tp != 0:
+        origin = ""
+        if vocab_size is not None:
+            origin = (f" (model.vocab_size={vocab_size} rounded up to "
+                      f"model.make_vocab_size_divisible_by={make_vocab_size_divisible_by})")
+        raise ConfigError(
+            f"padded vocabulary {padded_vocab_size}{origin} is not divisible by "
+            f"model.tensor_model_parallel_size={tp}: use a make_vocab_size_divisible_by that tp divides"
         )
 
 
@@ -164,7 +185,7 @@ def check_context_parallel_options(m: object) -> None:
     """``cp_comm_type`` one of CP_COMM_TYPES (or one per layer); ``hierarchical_context_parallel_sizes`` as
     megatron-core builds its groups: positive sizes whose product is context_parallel_size, and (since only the
     a2a+p2p attention reads them) set exactly when a layer uses 'a2a+p2p'."""
-    comm = getattr(m, "cp_comm_type", None)
+    comm = m.cp_comm_type
     values = list(comm) if isinstance(comm, (list, tuple)) else [comm]
     for value in values:
         if value is not None and value not in CP_COMM_TYPES:
@@ -172,8 +193,8 @@ def check_context_parallel_options(m: object) -> None:
                 f"model.cp_comm_type={comm!r} is not valid: use None or one of {', '.join(CP_COMM_TYPES)} "
                 "(per layer as a list)"
             )
-    cp = getattr(m, "context_parallel_size", 1)
-    hierarchical = getattr(m, "hierarchical_context_parallel_sizes", None)
+    cp = m.context_parallel_size
+    hierarchical = m.hierarchical_context_parallel_sizes
     uses_a2a_p2p = "a2a+p2p" in values
     if hierarchical is None:
         if uses_a2a_p2p and cp > 1:
@@ -207,7 +228,7 @@ def check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
     """Pipeline rules: the layer split, enough microbatches for the schedule, the p2p knobs."""
     m = cfg.model
     pp = m.pipeline_model_parallel_size
-    backend = getattr(m, "pipeline_model_parallel_comm_backend", None)
+    backend = m.pipeline_model_parallel_comm_backend
     if backend not in PIPELINE_COMM_BACKENDS:
         raise ConfigError(
             f"model.pipeline_model_parallel_comm_backend={backend!r} is not valid: use None (the default process "

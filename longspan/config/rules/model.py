@@ -13,7 +13,7 @@ from typing import Any
 
 from longspan.config.rules.mla import check_mla
 from longspan.config.rules.moe import check_moe
-from longspan.config.rules.sliding_window import layer_windows, stack_window_flags
+from longspan.config.rules.sliding_window import check_causal_window, check_stack_windows
 from longspan.core.errors import ConfigError, NotSupportedError
 
 # TransformerConfig fields that no longspan model implements at other values yet (GPT, Mamba's attention
@@ -79,6 +79,14 @@ def head_dim(config: Any) -> int:
     return config.kv_channels or config.hidden_size // config.num_attention_heads
 
 
+def provider_field(config: Any, name: str, default: Any) -> Any:
+    """``config.<name>`` for a field that only some provider classes declare (GPTModelProvider's and the
+    vision-language providers' ``softmax_type``, ``rope_scaling``, ``mrope_section``, ...; MambaProvider runs
+    the GPT checks for its attention layers without them), else ``default``: the value the model builds for a
+    provider without the field. Fields every provider has (TransformerConfig's) are read directly."""
+    return getattr(config, name, default)  # getattr: declared by some provider classes only (see above)
+
+
 def check_model(cfg: Any) -> None:
     """The rule ``validate()`` runs: the model section's checks for the kind of provider it holds."""
     config = cfg.model
@@ -86,7 +94,7 @@ def check_model(cfg: Any) -> None:
         check_t5_model(config)
     elif is_mamba_provider(config):
         check_mamba_model(config)
-    elif getattr(config, "position_embedding_type", None) == "mrope":
+    elif config.position_embedding_type == "mrope":
         check_mrope_model(config)
     else:
         check_gpt_model(config)
@@ -95,7 +103,7 @@ def check_model(cfg: Any) -> None:
 def check_mrope_model(config: Any) -> None:
     """A multimodal-RoPE model (a vision-language model's): its mRoPE fields, then its language model's GPT checks (as plain
     RoPE, which mRoPE extends)."""
-    sections = getattr(config, "mrope_section", None)
+    sections = provider_field(config, "mrope_section", None)
     if sections is None:
         raise NotSupportedError("model.position_embedding_type='mrope' needs a vision-language provider with "
                                 "mrope_section: use 'rope' for a text-only model")
@@ -149,7 +157,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
         raise ConfigError(
             f"model.num_layers={config.num_layers} and model.hidden_size={config.hidden_size} must be positive"
         )
-    if getattr(config, "multi_latent_attention", False):
+    if config.multi_latent_attention:
         check_mla(config)
     else:
         _check_heads(config)
@@ -157,14 +165,14 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
             _check_rotary(config)
     if config.position_embedding_type in ("rope", "yarn"):
         check_rope_scaling(config)
-    if not getattr(config, "attention_softmax_in_fp32", True) and getattr(config, "context_parallel_size", 1) > 1:
+    if not config.attention_softmax_in_fp32 and config.context_parallel_size > 1:
         raise NotSupportedError(
             "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
             "parallel attention always accumulates in fp32): leave it True"
         )
     _check_norms_and_caps(config)
     _check_recompute(config)
-    layer_windows(config)
+    check_causal_window(config)
     check_moe(config)
     check_gpt_oss_fields(config)
     check_mtp(config)
@@ -173,18 +181,18 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
 def check_gpt_oss_fields(config: Any) -> None:
     """Attention sinks (``softmax_type``) and the gated MLP's ``glu_linear_offset`` /
     ``activation_func_clamp_value``: valid values and the combinations longspan implements."""
-    softmax_type = getattr(config, "softmax_type", "vanilla")
+    softmax_type = provider_field(config, "softmax_type", "vanilla")
     if softmax_type not in ("vanilla", "off-by-one", "learnable"):
         raise ConfigError(f"model.softmax_type={softmax_type!r}: use 'vanilla', 'off-by-one' or 'learnable'")
     if softmax_type != "vanilla":
-        if getattr(config, "context_parallel_size", 1) > 1:
+        if config.context_parallel_size > 1:
             raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
                                     "context_parallel_size > 1: use 'vanilla' or context_parallel_size=1")
-        if getattr(config, "attn_logit_softcapping", None):
+        if provider_field(config, "attn_logit_softcapping", None):
             raise NotSupportedError(f"model.softmax_type={softmax_type!r} is not supported with "
                                     "attn_logit_softcapping: use one of them")
-    offset = getattr(config, "glu_linear_offset", 0.0)
-    clamp = getattr(config, "activation_func_clamp_value", None)
+    offset = provider_field(config, "glu_linear_offset", 0.0)
+    clamp = provider_field(config, "activation_func_clamp_value", None)
     if (offset or clamp is not None) and not config.gated_linear_unit:
         raise ConfigError(f"model.glu_linear_offset={offset!r} / model.activation_func_clamp_value={clamp!r} need "
                           "gated_linear_unit=True (they act on a gated MLP's gate and up projections)")
@@ -195,17 +203,17 @@ def check_gpt_oss_fields(config: Any) -> None:
 def check_mtp(config: Any) -> None:
     """Multi-token prediction: a positive depth count, a non-negative loss weight, and a layout that can place
     the depths (with pipeline stages, untied embeddings, the last stage holding a copy of the embedding)."""
-    depths = getattr(config, "mtp_num_layers", None)
-    _check_mtp_enabled(getattr(config, "mtp_enabled", False), depths)
+    depths = config.mtp_num_layers
+    _check_mtp_enabled(provider_field(config, "mtp_enabled", False), depths)
     if depths is None:
         return
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
         raise ConfigError(f"model.mtp_num_layers={depths!r} must be a positive integer, or None to turn MTP off")
-    factor = getattr(config, "mtp_loss_scaling_factor", 0.1)
+    factor = config.mtp_loss_scaling_factor
     if factor is None or not isinstance(factor, (int, float)) or factor < 0:
         raise ConfigError(f"model.mtp_loss_scaling_factor={factor!r} must be a number >= 0 when mtp_num_layers is set")
-    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
-    if pp > 1 and getattr(config, "share_embeddings_and_output_weights", False):
+    pp = config.pipeline_model_parallel_size or 1
+    if pp > 1 and config.share_embeddings_and_output_weights:
         raise NotSupportedError(
             f"model.mtp_num_layers={depths} with model.pipeline_model_parallel_size={pp} is not supported yet "
             "with model.share_embeddings_and_output_weights=True: untie them, or use one pipeline stage"
@@ -282,7 +290,7 @@ def check_rope_scaling(config: Any) -> None:
                 f"model.rope_original_max_position_embeddings={original!r}: model.{asked[0]} needs the "
                 "pretraining context length (a positive int)"
             )
-        if getattr(config, "context_parallel_size", 1) > 1:
+        if config.context_parallel_size > 1:
             raise NotSupportedError(
                 f"model.{asked[0]} with context_parallel_size={config.context_parallel_size} is not supported: its "
                 "frequencies depend on the whole sequence's length, which no rank sees"
@@ -303,7 +311,7 @@ def _check_longrope(config: Any) -> None:
                 f"model.{name} has {None if factors is None else len(factors)} entries: LongRoPE needs one per "
                 f"rotary frequency ({pairs})"
             )
-    if getattr(config, "rope_attention_factor", None) is None:
+    if provider_field(config, "rope_attention_factor", None) is None:
         raise ConfigError(
             "model.rope_attention_factor=None: LongRoPE needs its cos/sin scale (transformers' default: "
             "sqrt(1 + ln(factor) / ln(rope_original_max_position_embeddings)))"
@@ -323,7 +331,7 @@ def _check_rotary_base(config: Any) -> None:
             f"model.rotary_base={base!r} is out of range: use a positive number or a [local, global] pair of "
             "positive numbers"
         )
-    if pair and getattr(config, "rope_scaling", False):
+    if pair and provider_field(config, "rope_scaling", False):
         raise NotSupportedError(
             f"model.rope_scaling=True with model.rotary_base={list(base)!r} is not supported: with a "
             "[local, global] pair the global layers' scaling is rope_scaling_factor (linear); set rope_scaling=False"
@@ -347,17 +355,17 @@ def _check_no_other_rope_scaling(config: Any, setting: str, why: str) -> None:
 
 def _check_norms_and_caps(config: Any) -> None:
     """QK-norm across heads, the soft-capping values."""
-    if getattr(config, "qk_layernorm_across_heads", False):
+    if provider_field(config, "qk_layernorm_across_heads", False):
         if not config.qk_layernorm:
             raise ConfigError("model.qk_layernorm_across_heads=True needs model.qk_layernorm=True")
-        tp = getattr(config, "tensor_model_parallel_size", 1)
+        tp = config.tensor_model_parallel_size
         if tp > 1:
             raise NotSupportedError(
                 f"model.qk_layernorm_across_heads=True with tensor_model_parallel_size={tp} is not supported (the "
                 "norm spans every head): use tensor_model_parallel_size=1 (data, pipeline or context parallel)"
             )
-    cp = getattr(config, "context_parallel_size", 1)
-    if getattr(config, "attn_logit_softcapping", None) and cp > 1:
+    cp = config.context_parallel_size
+    if provider_field(config, "attn_logit_softcapping", None) and cp > 1:
         raise NotSupportedError(
             f"model.attn_logit_softcapping with context_parallel_size={cp} is not supported (context parallel "
             "attention has no soft-cap): use context_parallel_size=1"
@@ -385,7 +393,7 @@ def _check_recompute(config: Any) -> None:
                 f"model.recompute_num_layers={config.recompute_num_layers!r} must be a positive integer "
                 "with recompute_granularity='full'"
             )
-    partial = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
+    partial = config.num_microbatches_with_partial_activation_checkpoints
     if partial is not None:
         if isinstance(partial, bool) or not isinstance(partial, int) or partial < 0:
             raise ConfigError(
@@ -396,7 +404,7 @@ def _check_recompute(config: Any) -> None:
                 f"model.num_microbatches_with_partial_activation_checkpoints={partial} needs "
                 "recompute_granularity='full' and recompute_method='block' (the partial recompute it keeps for "
                 f"those microbatches), not {config.recompute_granularity!r} / {config.recompute_method!r}")
-    modules = getattr(config, "recompute_modules", None)
+    modules = config.recompute_modules
     if config.recompute_granularity == "selective" and modules not in (None, ["core_attn"]):
         raise NotSupportedError(
             f"model.recompute_modules={modules!r} is not supported: selective recompute covers ['core_attn'] only"
@@ -408,7 +416,7 @@ def check_t5_model(config: Any) -> None:
     check_fixed_fields(config, T5_FIXED_FIELDS, "yet by longspan's T5 model", T5_NOT_SUPPORTED_REASONS)
     _check_recompute(config)
     _check_t5_pipeline(config)
-    if not config.attention_softmax_in_fp32 and getattr(config, "context_parallel_size", 1) > 1:
+    if not config.attention_softmax_in_fp32 and config.context_parallel_size > 1:
         raise NotSupportedError(
             "model.attention_softmax_in_fp32=False is not supported with context_parallel_size > 1 (context "
             "parallel attention always accumulates in fp32): leave it True"
@@ -431,7 +439,7 @@ def check_t5_model(config: Any) -> None:
             f"model.num_layers={decoder_layers}, model.encoder_num_layers={config.encoder_num_layers} and "
             f"model.hidden_size={config.hidden_size} must be positive"
         )
-    stack_window_flags(config, [encoder_layers, decoder_layers])
+    check_stack_windows(config, [encoder_layers, decoder_layers])
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
     if heads <= 0 or groups != heads:
@@ -471,9 +479,9 @@ class _WithRotaryBase:
 
 def _check_t5_pipeline(config: Any) -> None:
     """What T5's pipeline stages (one exchanged tensor of both stacks' hidden states) do not combine with."""
-    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    pp = config.pipeline_model_parallel_size or 1
     if pp == 1:
-        if getattr(config, "encoder_pipeline_model_parallel_size", 0):
+        if config.encoder_pipeline_model_parallel_size:
             raise ConfigError(
                 f"model.encoder_pipeline_model_parallel_size={config.encoder_pipeline_model_parallel_size} needs "
                 "model.pipeline_model_parallel_size > 1: leave it 0"
@@ -521,7 +529,7 @@ def check_mamba_model(config: Any) -> None:
             f"model.recompute_granularity={config.recompute_granularity!r} is not supported yet for "
             "MambaProvider models: leave it None"
         )
-    if getattr(config, "moe_layer_freq", 1) != 1:
+    if config.moe_layer_freq != 1:
         raise NotSupportedError(
             f"model.moe_layer_freq={config.moe_layer_freq!r} is not supported for MambaProvider models: "
             "mark MoE layers with 'E' in model.hybrid_override_pattern"
@@ -536,7 +544,7 @@ def check_mamba_model(config: Any) -> None:
     if heads < 1 or heads % groups != 0:
         raise ConfigError(f"model.mamba_num_groups={groups} must divide the Mamba heads ({heads})")
     # tensor and context parallel split the mixer by heads (context parallel: the whole sequence of a share)
-    tp, cp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "context_parallel_size", 1)
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     if heads % (tp * cp) or groups % (tp * cp):
         raise ConfigError(
             f"model.tensor_model_parallel_size={tp} × model.context_parallel_size={cp} must divide the Mamba heads "

@@ -65,7 +65,7 @@ def sync_distributed_optimizer(cfg: "ConfigContainer") -> None:
 
 def check_optimizer_precision_and_overlap(cfg: "ConfigContainer") -> None:
     """Megatron's rules for the precision-aware optimizer fields and ddp.overlap_param_gather."""
-    fsdp2 = bool(getattr(cfg.dist, "use_torch_fsdp2", False))
+    fsdp2 = bool(cfg.dist.use_torch_fsdp2)
     check_precision_aware_optimizer(cfg.optimizer, cfg.ddp, fsdp2)
     check_overlap_param_gather(cfg.ddp, cfg.optimizer.use_distributed_optimizer, fsdp2)
 

@@ -145,8 +145,8 @@ def check_ranges(cfg: "ConfigContainer") -> None:
             ok = value <= high if high_in else value < high
         if not ok:
             raise ConfigError(f"{path}={value!r} is out of range: use {_describe_range(kind, low, high, low_in, high_in)}")
-    _check_iterations_to_skip(getattr(cfg.train, "iterations_to_skip", None) if cfg.train is not None else None)
-    most_recent_k = getattr(cfg.checkpoint, "most_recent_k", None) if cfg.checkpoint is not None else None
+    _check_iterations_to_skip(cfg.train.iterations_to_skip if cfg.train is not None else None)
+    most_recent_k = cfg.checkpoint.most_recent_k if cfg.checkpoint is not None else None
     if most_recent_k is not None and (isinstance(most_recent_k, bool) or not isinstance(most_recent_k, int)
                                       or (most_recent_k < 1 and most_recent_k != -1)):
         raise ConfigError(f"checkpoint.most_recent_k={most_recent_k!r} is out of range: use -1 (keep every "

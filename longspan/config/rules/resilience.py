@@ -13,9 +13,9 @@ def check_resilience_config(cfg: Any) -> None:
     _check_rerun(cfg.rerun_state_machine, cfg.checkpoint)
     if cfg.ft is not None:
         _check_ft(cfg.ft)
-    if getattr(cfg, "inprocess_restart", None) is not None:
+    if cfg.inprocess_restart is not None:
         _check_inprocess(cfg.inprocess_restart, cfg.ft)
-    if getattr(cfg, "straggler", None) is not None:
+    if cfg.straggler is not None:
         _check_straggler_port(cfg.straggler.straggler_ctrlr_port)
 
 

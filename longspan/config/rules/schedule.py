@@ -105,7 +105,7 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
         raise ConfigError("optimizer.lr is required (the peak learning rate)")
     if opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr={opt.min_lr} must be between 0 and optimizer.lr={opt.lr}")
-    decoupled_lr, decoupled_min_lr = getattr(opt, "decoupled_lr", None), getattr(opt, "decoupled_min_lr", None)
+    decoupled_lr, decoupled_min_lr = opt.decoupled_lr, opt.decoupled_min_lr
     if decoupled_min_lr is not None and decoupled_lr is None:
         raise ConfigError(f"optimizer.decoupled_min_lr={decoupled_min_lr} needs optimizer.decoupled_lr (the peak "
                           "learning rate of the embedding and output layer): set it, or leave decoupled_min_lr None")
@@ -126,28 +126,21 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
                 "sample-based training (train.train_samples) uses scheduler.lr_decay_samples / lr_warmup_samples / "
                 "lr_wsd_decay_samples, not the *_iters fields"
             )
-        if s.lr_warmup_fraction is not None and s.lr_warmup_samples != 0:
-            raise ConfigError("set only one of scheduler.lr_warmup_fraction and scheduler.lr_warmup_samples")
-        decay = s.lr_decay_samples if s.lr_decay_samples is not None else t.train_samples
-        s.lr_decay_steps = decay
+        s.lr_decay_steps = s.lr_decay_samples if s.lr_decay_samples is not None else t.train_samples
         s.wd_incr_steps = t.train_samples
         s.wsd_decay_steps = s.lr_wsd_decay_samples
-        warmup = s.lr_warmup_fraction * decay if s.lr_warmup_fraction is not None else s.lr_warmup_samples
+        warmup = _warmup_samples(s.lr_warmup_fraction, s.lr_decay_steps, "lr_warmup_samples", s.lr_warmup_samples, 1)
     else:
         if s.lr_decay_samples is not None or s.lr_warmup_samples != 0 or s.lr_wsd_decay_samples is not None:
             raise ConfigError(
                 "iteration-based training (train.train_iters) uses scheduler.lr_decay_iters / lr_warmup_iters / "
                 "lr_wsd_decay_iters, not the *_samples fields"
             )
-        if s.lr_warmup_fraction is not None and s.lr_warmup_iters != 0:
-            raise ConfigError("set only one of scheduler.lr_warmup_fraction and scheduler.lr_warmup_iters")
         decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
         s.lr_decay_steps = decay_iters * gbs
         s.wd_incr_steps = t.train_iters * gbs
         s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters is not None else None
-        warmup = (
-            s.lr_warmup_fraction * s.lr_decay_steps if s.lr_warmup_fraction is not None else s.lr_warmup_iters * gbs
-        )
+        warmup = _warmup_samples(s.lr_warmup_fraction, s.lr_decay_steps, "lr_warmup_iters", s.lr_warmup_iters, gbs)
     if s.lr_warmup_fraction is not None and not 0.0 <= s.lr_warmup_fraction <= 1.0:
         raise ConfigError(f"scheduler.lr_warmup_fraction={s.lr_warmup_fraction} must be between 0 and 1")
     if s.lr_decay_steps <= 0 and not t.skip_train:
@@ -155,13 +148,7 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
             f"the learning rate decays over {s.lr_decay_steps} samples: increase train.train_iters/train_samples "
             "or scheduler.lr_decay_iters/lr_decay_samples"
         )
-    if warmup >= s.lr_decay_steps > 0:
-        # Megatron Core asserts warmup < decay: a longer warmup would never reach the peak learning rate.
-        raise ConfigError(
-            f"scheduler warmup ({warmup:g} samples) is not shorter than the decay ({s.lr_decay_steps} samples): "
-            "shorten scheduler.lr_warmup_iters/lr_warmup_samples/lr_warmup_fraction or lengthen "
-            "scheduler.lr_decay_iters/train.train_iters"
-        )
+    check_warmup_shorter_than_decay(warmup, s.lr_decay_steps)
     s.lr_warmup_steps = warmup
     if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
         raise ConfigError(
@@ -175,6 +162,27 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
         raise ConfigError(
             f"scheduler.start_weight_decay={s.start_weight_decay} must be >= 0 and <= "
             f"scheduler.end_weight_decay={s.end_weight_decay}"
+        )
+
+
+def _warmup_samples(fraction: Optional[float], decay_samples: int, count_field: str, count: int,
+                    samples_per_count: int) -> float:
+    """The warmup in samples, from ``scheduler.lr_warmup_fraction`` of the decay or from the warmup count of the
+    training's unit (``count_field``: lr_warmup_iters, ``samples_per_count`` samples each, or lr_warmup_samples)."""
+    if fraction is not None and count != 0:
+        raise ConfigError(f"set only one of scheduler.lr_warmup_fraction and scheduler.{count_field}")
+    return fraction * decay_samples if fraction is not None else count * samples_per_count
+
+
+def check_warmup_shorter_than_decay(warmup: float, decay: float) -> None:
+    """Warmup ends before the decay does (both in samples), as Megatron Core asserts: a longer warmup would never
+    reach the peak learning rate. A decay of 0 or less is its callers' to reject (validate() lets
+    ``train.skip_train`` runs have one). Checked by validate() and by the LR scheduler on its arguments."""
+    if decay > 0 and not warmup < decay:
+        raise ConfigError(
+            f"scheduler warmup ({warmup:g} samples) is not shorter than the decay ({decay} samples): "
+            "scheduler.lr_warmup_steps must be < lr_decay_steps; shorten scheduler.lr_warmup_iters/"
+            "lr_warmup_samples/lr_warmup_fraction or lengthen scheduler.lr_decay_iters/train.train_iters"
         )
 
 
@@ -200,11 +208,7 @@ def check_lr_lengths(s: Any) -> None:
             f"scheduler.lr_decay_steps={s.lr_decay_steps} is invalid: it must be > 0 "
             "(set train.train_iters or scheduler.lr_decay_iters)"
         )
-    if not s.lr_warmup_steps < s.lr_decay_steps:
-        raise ConfigError(
-            f"scheduler.lr_warmup_steps={s.lr_warmup_steps} is invalid: it must be < lr_decay_steps "
-            f"({s.lr_decay_steps}); lower lr_warmup_iters/lr_warmup_fraction"
-        )
+    check_warmup_shorter_than_decay(s.lr_warmup_steps, s.lr_decay_steps)
 
 
 def check_lr_decay_style(s: Any) -> None:

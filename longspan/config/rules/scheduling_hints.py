@@ -24,20 +24,20 @@ if TYPE_CHECKING:
 def check_scheduling_hints(cfg: "ConfigContainer") -> None:
     """Every rule of this module, in order."""
     m = cfg.model
-    if getattr(m, "distribute_saved_activations", False) and m.sequence_parallel:
+    if m.distribute_saved_activations and m.sequence_parallel:
         raise ConfigError("model.distribute_saved_activations=True must be False with model.sequence_parallel=True "
                           "(megatron-core's rule: sequence parallel already splits the saved activations)")
     _check_embedding_wgrad_deferral(m)
-    if getattr(m, "delay_wgrad_compute", False) and not getattr(m, "overlap_moe_expert_parallel_comm", False):
+    if m.delay_wgrad_compute and not m.overlap_moe_expert_parallel_comm:
         raise ConfigError("model.delay_wgrad_compute=True needs model.overlap_moe_expert_parallel_comm=True (the "
                           "all-to-all the delayed weight gradients overlap; megatron-core's rule)")
 
 
 def _check_embedding_wgrad_deferral(m: object) -> None:
-    limit = getattr(m, "wgrad_deferral_limit", 0)
+    limit = m.wgrad_deferral_limit
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ConfigError(f"model.wgrad_deferral_limit={limit!r} must be an integer >= 0 (0 defers every microbatch)")
-    if not getattr(m, "defer_embedding_wgrad_compute", False):
+    if not m.defer_embedding_wgrad_compute:
         if limit:
             raise ConfigError(f"model.wgrad_deferral_limit={limit} is read only with "
                               "model.defer_embedding_wgrad_compute=True: set that or leave the limit at 0")
@@ -45,6 +45,6 @@ def _check_embedding_wgrad_deferral(m: object) -> None:
     if m.pipeline_model_parallel_size == 1:
         raise ConfigError("model.defer_embedding_wgrad_compute=True needs model.pipeline_model_parallel_size > 1 "
                           "(the weight gradients wait for the pipeline flush; megatron-core's rule)")
-    if not getattr(m, "gradient_accumulation_fusion", False):
+    if not m.gradient_accumulation_fusion:
         raise ConfigError("model.defer_embedding_wgrad_compute=True needs model.gradient_accumulation_fusion=True "
                           "(megatron-core's rule)")

@@ -176,13 +176,13 @@ def _resolve_defaults(cfg: "ConfigContainer") -> None:
 def is_finetuning(cfg: "ConfigContainer") -> bool:
     """The run starts from pretrained weights (checkpoint.pretrained_checkpoint / finetune) or trains adapters."""
     ckpt = cfg.checkpoint
-    return bool(getattr(ckpt, "pretrained_checkpoint", None) or getattr(ckpt, "finetune", False) or cfg.peft is not None)
+    return bool(ckpt.pretrained_checkpoint or ckpt.finetune or cfg.peft is not None)
 
 
 def _apply_finetune_lr(cfg: "ConfigContainer") -> None:
     """Bridge's ``finetune_lr``: the finetuning run's peak LR (optimizer.lr); meaningless when pretraining."""
     opt = cfg.optimizer
-    value = getattr(opt, "finetune_lr", None)
+    value = opt.finetune_lr
     if value is None or opt.lr == value:
         return
     if not is_finetuning(cfg):

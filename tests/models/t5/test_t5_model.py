@@ -107,7 +107,7 @@ def test_pipeline_stages_chained_equal_the_whole_model(split):
     """Stages exchange [encoder | decoder] hidden states; chained, they compute the whole model's loss.
     'shared_stage': encoder layers 0-1 on stage 0, encoder layer 2 and the decoder on stage 1 (the encoder's
     final norm and its relative table there too); 'encoder_stage': encoder_pipeline_model_parallel_size=1."""
-    from longspan.config.rules.pipeline_split import layer_counts_for_config, stage_layer_numbers
+    from longspan.core.pipeline_split import layer_counts_for_config, stage_layer_numbers
     from longspan.models.t5 import build_t5_model
 
     fields = dict(share_embeddings_and_output_weights=False, position_embedding_type="relative",
@@ -145,7 +145,7 @@ def test_pipeline_stages_chained_equal_the_whole_model(split):
           num_layers_in_first_pipeline_stage=3), "cannot be combined with"),
 ])
 def test_pipeline_settings_t5_cannot_take_are_one_line_errors(fields, text):
-    from longspan.config.rules.pipeline_split import layer_counts_for_config
+    from longspan.core.pipeline_split import layer_counts_for_config
 
     with pytest.raises((ConfigError, NotSupportedError), match=text) as info:
         provider = tiny_t5(**{"pipeline_model_parallel_size": 2, "num_layers": 3, **fields})
@@ -287,7 +287,7 @@ def test_sequence_slices_give_the_whole_sequence_losses(positions, window):
 ])
 def test_t5_pipeline_split_counts_encoder_and_decoder_layers_together(fields, counts):
     """Megatron's split fields act on the encoder layers followed by the decoder layers (3 + 3 here)."""
-    from longspan.config.rules.pipeline_split import layer_counts_for_config
+    from longspan.core.pipeline_split import layer_counts_for_config
 
     provider = tiny_t5(num_layers=3, pipeline_model_parallel_size=2, share_embeddings_and_output_weights=False,
                        **fields)
@@ -302,7 +302,7 @@ def test_fp32_residual_keeps_t5s_stream_in_float32_and_norm_outputs_in_the_param
     """As GPT's: every layer takes and returns a float32 residual stream, its sub-layers get the norms' outputs in
     bf16, the logits stay bf16; a float32 model is unchanged. Chained pipeline stages (the encoder output sent in
     float32 to the decoder's cross-attention) equal the whole model."""
-    from longspan.config.rules.pipeline_split import layer_counts_for_config, stage_layer_numbers
+    from longspan.core.pipeline_split import layer_counts_for_config, stage_layer_numbers
     from longspan.models.t5 import build_t5_model
 
     gen = torch.Generator().manual_seed(1)

@@ -4,8 +4,10 @@ Layout (Megatron's): the layers are split over ``pp × vp`` virtual stages; virt
 rank ``s % pp`` as its model chunk ``s // pp``. ``num_layers_in_first_pipeline_stage`` /
 ``num_layers_in_last_pipeline_stage`` fix the first / last pipeline rank's layer counts and the other ranks share
 the rest evenly; ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split`` count the
-embedding / loss as one layer of the first / last stage. validate() checks a config's split with it;
-``longspan.parallel.pipeline`` cuts the model with it.
+embedding / loss as one layer of the first / last stage. It is arithmetic over the model's shape and its
+pipeline fields, kept in core so that both sides read the one split: ``ConfigContainer.validate()``
+(``longspan.config.rules.layout``) rejects a split with it and ``longspan.parallel.pipeline`` cuts the model
+with it. ``model_cfg`` below is any model provider (a TransformerConfig: these fields are all its own).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def layer_counts_for_config(model_cfg: Any, pp: int | None = None) -> list[int]:
     num_layers = int(model_cfg.num_layers)
     if hasattr(model_cfg, "encoder_num_layers") and hasattr(model_cfg, "seq_length_dec"):
         encoder_layers = model_cfg.encoder_num_layers if model_cfg.encoder_num_layers is not None else num_layers
-        encoder_stages = int(getattr(model_cfg, "encoder_pipeline_model_parallel_size", 0) or 0)
+        encoder_stages = int(model_cfg.encoder_pipeline_model_parallel_size or 0)
         if encoder_stages:
             return t5_layer_counts(int(encoder_layers), num_layers, pp, encoder_stages, model_cfg)
         try:
@@ -120,11 +122,11 @@ def _counts(model_cfg: Any, num_layers: int, pp: int) -> list[int]:
     return stage_layer_counts(
         num_layers,
         pp,
-        getattr(model_cfg, "virtual_pipeline_model_parallel_size", None),
-        first=getattr(model_cfg, "num_layers_in_first_pipeline_stage", None),
-        last=getattr(model_cfg, "num_layers_in_last_pipeline_stage", None),
-        account_for_embedding=bool(getattr(model_cfg, "account_for_embedding_in_pipeline_split", False)),
-        account_for_loss=bool(getattr(model_cfg, "account_for_loss_in_pipeline_split", False)),
+        model_cfg.virtual_pipeline_model_parallel_size,
+        first=model_cfg.num_layers_in_first_pipeline_stage,
+        last=model_cfg.num_layers_in_last_pipeline_stage,
+        account_for_embedding=bool(model_cfg.account_for_embedding_in_pipeline_split),
+        account_for_loss=bool(model_cfg.account_for_loss_in_pipeline_split),
     )
 
 
@@ -143,7 +145,7 @@ def t5_layer_counts(encoder_layers: int, decoder_layers: int, pp: int, encoder_s
             f"model.pipeline_model_parallel_size={pp} (the decoder needs a stage of its own)"
         )
     for name in _SPLIT_FIELDS:
-        if getattr(model_cfg, name, None):
+        if getattr(model_cfg, name):
             raise ConfigError(
                 f"model.{name}={getattr(model_cfg, name)!r} cannot be combined with "
                 f"model.encoder_pipeline_model_parallel_size={encoder_stages}: leave one of them unset"

@@ -3,7 +3,7 @@
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text and vision-language, OLMo-2),
 ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
-``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H),
+``deepseek_families`` (DeepSeek-V3),
 ``qwen_vl_families`` (Qwen2.5-VL); the helpers they share (dtypes, RoPE, sliding windows, activations) are in
 ``config_fields``.
 """
@@ -44,18 +44,9 @@ from longspan.conversion.gemma_families import (
 )
 from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
 from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
-from longspan.conversion.mamba_families import (
-    mamba2_hf,
-    mamba2_provider,
-    mamba2_weights,
-    nemotron_h_hf,
-    nemotron_h_provider,
-    nemotron_h_weights,
-)
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
-from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
 from longspan.core.plugins import load_plugins
 
@@ -116,18 +107,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
            deepseek_v3_hf, weights_for=mtp_weights_for(mapping.DEEPSEEK_V3_MOE), mtp_layers=True),
-    Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
-    Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
-           t5_weights),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
     Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_VLM, gemma3_vlm_provider,
            gemma3_vlm_hf, "Gemma3VLModelProvider", hf_prefix_aliases=GEMMA3_VLM_ALIASES),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
-    Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.mamba2(1, 1, 1), mamba2_provider, mamba2_hf,
-           "MambaProvider", mamba2_weights),
-    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.nemotron_h(1, 1, 1), nemotron_h_provider,
-           nemotron_h_hf, "MambaProvider", nemotron_h_weights),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
            weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),

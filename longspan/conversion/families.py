@@ -48,7 +48,10 @@ from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3
 from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
 from longspan.core.errors import NotSupportedError
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.core.plugins import load_plugins
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,40 +176,27 @@ def family_for_config(cfg: dict[str, Any]) -> Family:
     )
 
 
+_provider_fallback: Callable[[Any], Family] | None = None
+
+
+def set_provider_fallback(infer: Callable[[Any], Family]) -> None:
+    """Install the inference ``family_for_provider`` falls back on (``longspan.families.fallback`` installs it:
+    choosing between the families is theirs to do)."""
+    global _provider_fallback
+    _provider_fallback = infer
+
+
 def family_for_provider(provider: Any) -> Family:
-    """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
-    if type(provider).__name__ == "Gemma3VLModelProvider":
-        return by_architecture()["Gemma3ForConditionalGeneration"]
-    if type(provider).__name__ == "T5ModelProvider":
-        return by_architecture()["T5ForConditionalGeneration"]
-    if type(provider).__name__ == "Qwen25VLModelProvider":
-        return by_architecture()["Qwen2_5_VLForConditionalGeneration"]
-    if type(provider).__name__ == "MambaProvider":
-        pattern = provider.hybrid_override_pattern
-        pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)
-        return by_architecture()["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
-    if getattr(provider, "multi_latent_attention", False):
-        return by_architecture()["DeepseekV3ForCausalLM"]
-    if provider.position_embedding_type == "learned_absolute":
-        return by_architecture()["GPT2LMHeadModel"]
-    if not getattr(provider, "layernorm_before_sublayers", True):
-        return by_architecture()["Olmo2ForCausalLM"]
-    if getattr(provider, "layernorm_after_sublayers", False):
-        return by_architecture()["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
-    if provider.num_moe_experts and getattr(provider, "softmax_type", "vanilla") == "learnable":
-        return by_architecture()["GptOssForCausalLM"]
-    if provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
-        return by_architecture()["Glm4MoeForCausalLM"]  # DeepSeek-V3 routing with Llama-style attention
-    if provider.num_moe_experts:
-        return by_architecture()["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
-    if provider.qk_layernorm:
-        return by_architecture()["Qwen3ForCausalLM"]
-    if provider.add_qkv_bias and not provider.add_bias_linear:
-        return by_architecture()["Qwen2ForCausalLM"]
-    window = getattr(provider, "window_size", None)
-    if window is not None and window[0] != -1:  # Llama has no sliding window
-        return by_architecture()["MistralForCausalLM"]
-    return by_architecture()["LlamaForCausalLM"]
+    """The HF architecture a longspan model exports as when nothing recorded its family (a checkpoint without
+    ``model_family.json``, a provider built by hand): inferred from the provider's class and fields."""
+    load_plugins()
+    if _provider_fallback is None:
+        raise NotSupportedError(f"cannot tell which HF architecture a {type(provider).__name__} exports as: "
+                                "name one (architecture=...)")
+    family = _provider_fallback(provider)
+    print_rank_0(f"no recorded model family: exporting as {family.architecture} (inferred from the model's "
+                 "fields; pass an architecture to choose another)", _log)
+    return family
 
 
 def hf_config_dict(family: Family, provider: Any) -> dict[str, Any]:

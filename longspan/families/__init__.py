@@ -20,3 +20,6 @@ from longspan.families import (  # noqa: F401
     mamba,
     nemotron,
 )
+
+# The export's guess for checkpoints that do not record their family; it names the families, so it sits here.
+from longspan.families import fallback  # noqa: F401,E402

@@ -19,6 +19,7 @@ from longspan.families import (  # noqa: F401
     t5,
     mamba,
     nemotron,
+    olmoe,
 )
 
 # The export's guess for checkpoints that do not record their family; it names the families, so it sits here.

@@ -36,12 +36,14 @@ from torch import nn
 
 import longspan.conversion.families as families
 import longspan.models as models
+from longspan.config.explicit import mark_model_family, model_family
 from longspan.conversion.checkpoints import (
     HF_CONFIG_IN_CHECKPOINT,
     CheckpointFormat,
     ProgressLog,
     SavedModel,
     import_config,
+    read_model_family,
 )
 from longspan.conversion.config_fields import DTYPE_NAMES
 from longspan.conversion.families import Family
@@ -168,9 +170,11 @@ class AutoBridge:
         """The bridge that exports a run's model (``cfg`` a ConfigContainer).
 
         Without ``architecture``: the HF config the checkpoint directory ``saved_in`` was imported from, else the
-        HF directory the run started from (``checkpoint.pretrained_checkpoint``), else the architecture matching
-        ``cfg.model``. ``architecture`` picks the HF architecture (the imported config is still used when it is
-        that architecture).
+        family the model was built as (the checkpoint's ``model_family.json``, or ``cfg``'s recorded family: a
+        family recipe's, an HF import's), with the HF directory the run started from
+        (``checkpoint.pretrained_checkpoint``) as its config.json when it is that family, else the architecture
+        inferred from ``cfg.model`` (``families.family_for_provider``). ``architecture`` picks the HF
+        architecture (the imported config is still used when it is that architecture).
         """
         source = Path(saved_in) / HF_CONFIG_IN_CHECKPOINT if saved_in is not None else None
         if source is not None and source.is_file():
@@ -180,9 +184,15 @@ class AutoBridge:
                 raise CheckpointError(f"{source} is not valid JSON ({exc})") from None
             if architecture is None or architecture in (imported.get("architectures") or []):
                 return cls.from_hf_config(imported)
+        recorded = (read_model_family(saved_in) if saved_in is not None else None) or model_family(cfg)
         hf_dir = hf_pretrained_dir(cfg)
         if hf_dir is not None and architecture is None:
-            return cls.from_hf_pretrained(hf_dir)
+            bridge = cls.from_hf_pretrained(hf_dir)
+            if recorded is None or recorded == bridge.family.name:
+                return bridge
+        if architecture is None and recorded is not None:
+            family = families.family_named(recorded)
+            architecture = family.export_architecture or family.architecture
         return cls.from_longspan_provider(cfg.model, architecture)
 
     @staticmethod
@@ -395,6 +405,7 @@ class AutoBridge:
         checkpoint_format = cls._checkpoint_format("import_ckpt")
         bridge = cls.from_hf_pretrained(hf_path)
         cfg = import_config(bridge._provider(), hf_path, megatron_path, overrides)
+        mark_model_family(cfg, bridge.family.name)  # the checkpoint records it (model_family.json)
         parallel = parallel_init.initialize_distributed(
             cfg.dist, cfg.model, dp_replicate=cfg.ddp.num_distributed_optimizer_instances)
         model = build_empty_model(cfg, parallel)

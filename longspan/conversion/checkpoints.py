@@ -10,6 +10,7 @@ in, so this package never imports training and there is one copy of the format.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -20,10 +21,15 @@ from longspan.config.overrides import apply_overrides
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.data import TokenizerConfig
 from longspan.config.schema.training import CheckpointConfig, TrainingConfig
+from longspan.conversion.families import family_named
+from longspan.core.errors import CheckpointError
 from longspan.core.progress import Progress
 
 #: the HF config.json a converted checkpoint was imported from (inside its iter_ directory; the export reads it)
 HF_CONFIG_IN_CHECKPOINT = "hf_config.json"
+#: the model family a checkpoint was built as (inside its iter_ directory): {"family": Family.name,
+#: "architecture": its HF architecture}; the export reads it after hf_config.json
+MODEL_FAMILY_IN_CHECKPOINT = "model_family.json"
 #: files that make an HF directory's tokenizer loadable by ``HuggingFaceTokenizer``
 _HF_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 
@@ -82,6 +88,26 @@ def import_config(provider: Any, hf_path: str | os.PathLike, output: str | os.Pa
     return cfg
 
 
+def write_model_family(directory: str | os.PathLike, family: str) -> None:
+    """Record in checkpoint directory ``directory`` that its model is built as HF family ``family``."""
+    record = {"family": family, "architecture": family_named(family).architecture}
+    (Path(directory) / MODEL_FAMILY_IN_CHECKPOINT).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_model_family(directory: str | os.PathLike) -> str | None:
+    """The family checkpoint directory ``directory`` records (None when it has no record: older checkpoints)."""
+    path = Path(directory) / MODEL_FAMILY_IN_CHECKPOINT
+    if not path.is_file():
+        return None
+    try:
+        family = json.loads(path.read_text()).get("family")
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path} is not a model family record ({exc})") from None
+    if not isinstance(family, str) or not family:
+        raise CheckpointError(f"{path} names no model family: expected {{\"family\": <name>, ...}}")
+    return family
+
+
 class ProgressLog(Progress):
     """Tensors loaded or written by an HF import/export (called with each tensor's name): a bar on a terminal,
     a line every 10% elsewhere (``longspan.core.progress``)."""
@@ -93,4 +119,5 @@ class ProgressLog(Progress):
         self.advance()
 
 
-__all__ = ["CheckpointFormat", "HF_CONFIG_IN_CHECKPOINT", "ProgressLog", "SavedModel", "import_config"]
+__all__ = ["CheckpointFormat", "HF_CONFIG_IN_CHECKPOINT", "MODEL_FAMILY_IN_CHECKPOINT", "ProgressLog", "SavedModel",
+           "import_config", "read_model_family", "write_model_family"]

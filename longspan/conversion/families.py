@@ -3,8 +3,8 @@
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text, OLMo-2),
 ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
-``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H); the
-families' own packages (``longspan.families``) register theirs; the helpers they share (dtypes, RoPE, sliding windows, activations) are in
+``deepseek_families`` (DeepSeek-V3); the families' own packages (``longspan.families``) register
+theirs; the helpers they share (dtypes, RoPE, sliding windows, activations) are in
 ``config_fields``.
 """
 
@@ -42,20 +42,13 @@ from longspan.conversion.gemma_families import (
 )
 from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
 from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
-from longspan.conversion.mamba_families import (
-    mamba2_hf,
-    mamba2_provider,
-    mamba2_weights,
-    nemotron_h_hf,
-    nemotron_h_provider,
-    nemotron_h_weights,
-)
 from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.mtp_layers import mtp_weights_for
-from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
+from longspan.core.logging import get_logger, print_rank_0
 from longspan.core.plugins import load_plugins
-from longspan.models.vlm.provider import is_vision_language
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,16 +101,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
            deepseek_v3_hf, weights_for=mtp_weights_for(mapping.DEEPSEEK_V3_MOE), mtp_layers=True),
-    Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
-    Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
-           t5_weights),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
-    Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.mamba2(1, 1, 1), mamba2_provider, mamba2_hf,
-           "MambaProvider", mamba2_weights),
-    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.nemotron_h(1, 1, 1), nemotron_h_provider,
-           nemotron_h_hf, "MambaProvider", nemotron_h_weights),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
            weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
@@ -177,39 +163,27 @@ def family_for_config(cfg: dict[str, Any]) -> Family:
     )
 
 
+_provider_fallback: Callable[[Any], Family] | None = None
+
+
+def set_provider_fallback(infer: Callable[[Any], Family]) -> None:
+    """Install the inference ``family_for_provider`` falls back on (``longspan.families.fallback`` installs it:
+    choosing between the families is theirs to do)."""
+    global _provider_fallback
+    _provider_fallback = infer
+
+
 def family_for_provider(provider: Any) -> Family:
-    """The HF architecture a longspan model exports as (for checkpoints that were not imported from HF)."""
-    if is_vision_language(provider):
-        return by_architecture()[provider.hf_architecture]
-    if type(provider).__name__ == "T5ModelProvider":
-        return by_architecture()["T5ForConditionalGeneration"]
-    if type(provider).__name__ == "MambaProvider":
-        pattern = provider.hybrid_override_pattern
-        pure = (set(pattern) == {"M"}) if pattern else not (provider.hybrid_attention_ratio or provider.hybrid_mlp_ratio)
-        return by_architecture()["Mamba2ForCausalLM" if pure else "NemotronHForCausalLM"]
-    # a GPTModelProvider from here on
-    if provider.multi_latent_attention:
-        return by_architecture()["DeepseekV3ForCausalLM"]
-    if provider.position_embedding_type == "learned_absolute":
-        return by_architecture()["GPT2LMHeadModel"]
-    if not provider.layernorm_before_sublayers:
-        return by_architecture()["Olmo2ForCausalLM"]
-    if provider.layernorm_after_sublayers:
-        return by_architecture()["Gemma3ForCausalLM" if provider.qk_layernorm else "Gemma2ForCausalLM"]
-    if provider.num_moe_experts and provider.softmax_type == "learnable":
-        return by_architecture()["GptOssForCausalLM"]
-    if provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
-        return by_architecture()["Glm4MoeForCausalLM"]  # DeepSeek-V3 routing with Llama-style attention
-    if provider.num_moe_experts:
-        return by_architecture()["Qwen3MoeForCausalLM" if provider.qk_layernorm else "MixtralForCausalLM"]
-    if provider.qk_layernorm:
-        return by_architecture()["Qwen3ForCausalLM"]
-    if provider.add_qkv_bias and not provider.add_bias_linear:
-        return by_architecture()["Qwen2ForCausalLM"]
-    window = provider.window_size
-    if window is not None and window[0] != -1:  # Llama has no sliding window
-        return by_architecture()["MistralForCausalLM"]
-    return by_architecture()["LlamaForCausalLM"]
+    """The HF architecture a longspan model exports as when nothing recorded its family (a checkpoint without
+    ``model_family.json``, a provider built by hand): inferred from the provider's class and fields."""
+    load_plugins()
+    if _provider_fallback is None:
+        raise NotSupportedError(f"cannot tell which HF architecture a {type(provider).__name__} exports as: "
+                                "name one (architecture=...)")
+    family = _provider_fallback(provider)
+    print_rank_0(f"no recorded model family: exporting as {family.architecture} (inferred from the model's "
+                 "fields; pass an architecture to choose another)", _log)
+    return family
 
 
 def hf_config_dict(family: Family, provider: Any) -> dict[str, Any]:

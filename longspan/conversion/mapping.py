@@ -237,55 +237,7 @@ GPT2 = (
 )
 
 
-# --------------------------------------------------------------------------------------------- T5 (encoder-decoder)
-
-def _t5(stack: str, ours: str, hf: str) -> WeightMap:
-    return WeightMap(f"{stack}.layers.{{i}}.{ours}", f"{stack}.block.{{i}}.layer.{hf}")
-
-
-def _t5_mlp(stack: str, sub: int) -> tuple[WeightMap, ...]:
-    # v1.0: wi (relu); v1.1 / mT5 gated-gelu: wi_0 (gate) and wi_1 (up); longspan's linear_fc1_gate / linear_fc1.
-    return (
-        _t5(stack, "pre_mlp_layernorm.weight", f"{sub}.layer_norm.weight"),
-        _t5(stack, "mlp.linear_fc1_gate.weight", f"{sub}.DenseReluDense.wi_0.weight"),
-        _t5(stack, "mlp.linear_fc1.weight", f"{sub}.DenseReluDense.wi_1.weight"),
-        _t5(stack, "mlp.linear_fc2.weight", f"{sub}.DenseReluDense.wo.weight"),
-    )
-
-
-def _t5_attention(stack: str, ours: str, sub: int, hf: str, norm: str) -> tuple[WeightMap, ...]:
-    return (
-        _t5(stack, f"{norm}.weight", f"{sub}.layer_norm.weight"),
-        *(_t5(stack, f"{ours}.linear_{a}.weight", f"{sub}.{hf}.{b}.weight") for a, b in
-          (("q", "q"), ("k", "k"), ("v", "v"), ("proj", "o"))),
-    )
-
-
-T5 = (
-    WeightMap("embedding.word_embeddings.weight", "shared.weight", vocab=True),
-    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
-    # T5 computes the relative bias in the first layer of each stack and shares it with the others.
-    WeightMap("encoder_relative_pos_emb.relative_attention_bias.weight",
-              "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-    WeightMap("decoder_relative_pos_emb.relative_attention_bias.weight",
-              "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-    WeightMap("encoder.final_layernorm.weight", "encoder.final_layer_norm.weight"),
-    WeightMap("decoder.final_layernorm.weight", "decoder.final_layer_norm.weight"),
-    *_t5_attention("encoder", "self_attention", 0, "SelfAttention", "input_layernorm"),
-    *_t5_mlp("encoder", 1),
-    *_t5_attention("decoder", "self_attention", 0, "SelfAttention", "input_layernorm"),
-    *_t5_attention("decoder", "cross_attention", 1, "EncDecAttention", "pre_cross_attn_layernorm"),
-    *_t5_mlp("decoder", 2),
-)
-
-# Ungated (v1.0, relu) T5: the MLP's single input projection is wi.
-T5_UNGATED = tuple(
-    WeightMap(e.ours, e.hf.replace("DenseReluDense.wi_1.", "DenseReluDense.wi.")) for e in T5
-    if "DenseReluDense.wi_0." not in e.hf
-)
-
-
-# --------------------------------------------------------------------------------------------- Mamba-2
+# --------------------------------------------------------------------------------------------- Mamba-2 mixer
 
 def mamba_mixer(ours: str, hf: str, d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
     """One Mamba-2 mixer's tensors under prefixes ``ours`` / ``hf``: Megatron's names, which are also HF's,
@@ -301,43 +253,6 @@ def mamba_mixer(ours: str, hf: str, d_inner: int, bc_rows: int, heads: int) -> t
             table.append(WeightMap(f"{ours}.conv1d.{k}.{p}", f"{hf}.conv1d.{p}", split=(j, 3), split_units=conv_units))
     table += [WeightMap(f"{ours}.{p}", f"{hf}.{p}") for p in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")]
     return tuple(table)
-
-
-def mamba2(d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
-    """Mamba-2 (``Mamba2ForCausalLM``) for a mixer of these sizes (``bc_rows = groups · state``)."""
-    return (
-        WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
-        WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
-        WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
-        WeightMap("decoder.layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
-        *mamba_mixer("decoder.layers.{i}.mixer", "backbone.layers.{i}.mixer", d_inner, bc_rows, heads),
-    )
-
-
-# Nemotron-H (hybrid): every block is ``norm`` + ``mixer`` (Mamba-2, attention or MLP), so one HF norm name per
-# layer stands for longspan's Mamba ``norm``, attention ``input_layernorm`` or MLP ``pre_mlp_layernorm``.
-def _nemotron_h(ours: str, hf: str) -> WeightMap:
-    return WeightMap(f"decoder.layers.{{i}}.{ours}", f"backbone.layers.{{i}}.{hf}")
-
-
-def nemotron_h(d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
-    """Nemotron-H for Mamba mixers of these sizes. transformers writes its checkpoints with NVIDIA's original
-    "backbone." prefix (its module is "model.")."""
-    return (
-        WeightMap("embedding.word_embeddings.weight", "backbone.embeddings.weight", vocab=True),
-        WeightMap("decoder.final_norm.weight", "backbone.norm_f.weight"),
-        WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
-        _nemotron_h("norm.weight", "norm.weight"),
-        _nemotron_h("input_layernorm.weight", "norm.weight"),
-        _nemotron_h("pre_mlp_layernorm.weight", "norm.weight"),
-        *mamba_mixer("decoder.layers.{i}.mixer", "backbone.layers.{i}.mixer", d_inner, bc_rows, heads),
-        _nemotron_h("self_attention.linear_q.weight", "mixer.q_proj.weight"),
-        _nemotron_h("self_attention.linear_k.weight", "mixer.k_proj.weight"),
-        _nemotron_h("self_attention.linear_v.weight", "mixer.v_proj.weight"),
-        _nemotron_h("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
-        _nemotron_h("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
-        _nemotron_h("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
-    )
 
 
 # --------------------------------------------------------------------------------------------- DeepSeek-style MoE

@@ -18,4 +18,11 @@ from longspan.families import (  # noqa: F401
     llama,
     qwen_vl,
     gemma_vl,
+    t5,
+    mamba,
+    nemotron,
+    olmoe,
 )
+
+# The export's guess for checkpoints that do not record their family; it names the families, so it sits here.
+from longspan.families import fallback  # noqa: F401,E402

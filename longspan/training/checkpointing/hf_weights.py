@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 import torch
 
+from longspan.config.explicit import mark_model_family
 from longspan.conversion.bridge import AutoBridge, hf_pretrained_dir
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.core.model_parallel_config import PARALLEL_CONFIG_FIELDS
+from longspan.data.tokenizers import HuggingFaceTokenizer
 from longspan.models.vlm.provider import is_vision_language
 from longspan.training.checkpointing.model_fields import (
     ModelFieldMerge,
@@ -54,7 +56,8 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> list[str]:
 
 def merge_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> ModelFieldMerge:
     """``apply_hf_model_config``, returning which fields came from config.json and which were kept."""
-    hf_provider = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_provider(load_weights=False)
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    hf_provider = bridge.to_megatron_provider(load_weights=False)
     run_fields = set(PARALLEL_CONFIG_FIELDS) | set(_RUN_FIELDS_MTP)
     if hf_provider.position_embedding_type in ("rope", "yarn"):
         run_fields |= set(_RUN_FIELDS_ROPE)
@@ -67,7 +70,9 @@ def merge_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> ModelFieldMerg
             f"checkpoint.pretrained_checkpoint={str(hf_dir)!r} holds a {type(hf_provider).__name__} model but the "
             f"recipe's model is a {type(cfg.model).__name__}: use a recipe of the same family (e.g. tiny-t5 for T5)"
         )
-    return merge_pretrained_model_fields(cfg, hf_provider, "config.json", str(hf_dir), run_fields)
+    merge = merge_pretrained_model_fields(cfg, hf_provider, "config.json", str(hf_dir), run_fields)
+    mark_model_family(cfg, bridge.family.name)  # the model is now built as the HF directory's family
+    return merge
 
 
 def apply_hf_pretrained_config(cfg: Any) -> bool:
@@ -103,5 +108,5 @@ def save_hf_checkpoint(state: Any, model: list[torch.nn.Module], directory: str 
     bridge = AutoBridge.for_run(state.cfg)
     bridge.save_hf_pretrained(model, directory)
     tokenizer = getattr(state, "tokenizer", None)
-    if get_rank() == 0 and bridge.hf_path is None and type(tokenizer).__name__ == "HuggingFaceTokenizer":
+    if get_rank() == 0 and bridge.hf_path is None and isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer.save_files(str(directory))

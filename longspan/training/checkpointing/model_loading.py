@@ -23,9 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from longspan.config.explicit import mark_model_family
 from longspan.config.overrides import apply_overrides
 from longspan.config.schema.container import ConfigContainer
 from longspan.conversion import is_hf_model_dir
+from longspan.conversion.checkpoints import read_model_family
 from longspan.core.errors import CheckpointError, ConfigError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.tokenizers import Tokenizer, build_tokenizer, model_vocab_size
@@ -115,10 +117,15 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> tuple[Path, int]:
 def load_checkpoint_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SavedCheckpoint:
     """Find the checkpoint at ``path`` and read its run_config.yaml, with dotlist ``overrides`` applied.
 
-    Unless an override names a ``tokenizer.`` field, the tokenizer is the one saved with the checkpoint.
+    Unless an override names a ``tokenizer.`` field, the tokenizer is the one saved with the checkpoint. The
+    model family the checkpoint records (``model_family.json``) is marked on the config
+    (``config.explicit.model_family``).
     """
     directory, iteration = resolve_checkpoint_dir(path)
     cfg = ConfigContainer.from_yaml(str(directory / RUN_CONFIG_FILENAME))
+    family = read_model_family(directory)
+    if family is not None:  # the family the checkpoint records: a re-save keeps it, the export reads it
+        mark_model_family(cfg, family)
     saved_tokenizer = directory / TOKENIZER_DIRNAME
     if saved_tokenizer.is_dir() and not any(o.strip().startswith("tokenizer.") for o in overrides):
         use_saved_tokenizer(cfg.tokenizer, saved_tokenizer)

@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
+from longspan.config.explicit import model_family
+from longspan.conversion.checkpoints import write_model_family
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.training import CheckpointConfig
 from longspan.core.errors import CheckpointError
@@ -371,6 +373,9 @@ def rerun_state(state: Any) -> dict[str, Any]:
 def _write_side_files(state: Any, directory: Path, train_state_dict: dict[str, Any]) -> None:
     torch.save(train_state_dict, directory / TRAIN_STATE_FILENAME)
     state.cfg.to_yaml(str(directory / RUN_CONFIG_FILENAME))
+    family = model_family(state.cfg)
+    if family is not None:  # which HF family the model is built as: the export reads it (model_family.json)
+        write_model_family(directory, family)
     metadata = {
         "format": "torch_dist",
         "longspan_checkpoint_version": CHECKPOINT_VERSION,

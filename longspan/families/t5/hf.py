@@ -1,4 +1,5 @@
-"""Encoder-decoder families' config translations and weight-table choice: T5 and mT5."""
+"""T5 and mT5 (``T5ForConditionalGeneration``, ``MT5ForConditionalGeneration``): the encoder-decoder model kind,
+as config.json and weights."""
 
 from __future__ import annotations
 
@@ -6,11 +7,58 @@ from typing import Any
 
 import torch.nn.functional as F
 
-import longspan.conversion.mapping as mapping
 from longspan.config.rules.sliding_window import two_sided_window
 from longspan.conversion.config_fields import dtype_fields, required, vocab_divisor
+from longspan.conversion.families import Family
+from longspan.conversion.mapping import WeightMap
 from longspan.core.errors import NotSupportedError
 from longspan.models.activations import gelu_tanh
+
+
+def _t5(stack: str, ours: str, hf: str) -> WeightMap:
+    return WeightMap(f"{stack}.layers.{{i}}.{ours}", f"{stack}.block.{{i}}.layer.{hf}")
+
+
+def _t5_mlp(stack: str, sub: int) -> tuple[WeightMap, ...]:
+    # v1.0: wi (relu); v1.1 / mT5 gated-gelu: wi_0 (gate) and wi_1 (up); longspan's linear_fc1_gate / linear_fc1.
+    return (
+        _t5(stack, "pre_mlp_layernorm.weight", f"{sub}.layer_norm.weight"),
+        _t5(stack, "mlp.linear_fc1_gate.weight", f"{sub}.DenseReluDense.wi_0.weight"),
+        _t5(stack, "mlp.linear_fc1.weight", f"{sub}.DenseReluDense.wi_1.weight"),
+        _t5(stack, "mlp.linear_fc2.weight", f"{sub}.DenseReluDense.wo.weight"),
+    )
+
+
+def _t5_attention(stack: str, ours: str, sub: int, hf: str, norm: str) -> tuple[WeightMap, ...]:
+    return (
+        _t5(stack, f"{norm}.weight", f"{sub}.layer_norm.weight"),
+        *(_t5(stack, f"{ours}.linear_{a}.weight", f"{sub}.{hf}.{b}.weight") for a, b in
+          (("q", "q"), ("k", "k"), ("v", "v"), ("proj", "o"))),
+    )
+
+
+T5 = (
+    WeightMap("embedding.word_embeddings.weight", "shared.weight", vocab=True),
+    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
+    # T5 computes the relative bias in the first layer of each stack and shares it with the others.
+    WeightMap("encoder_relative_pos_emb.relative_attention_bias.weight",
+              "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+    WeightMap("decoder_relative_pos_emb.relative_attention_bias.weight",
+              "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+    WeightMap("encoder.final_layernorm.weight", "encoder.final_layer_norm.weight"),
+    WeightMap("decoder.final_layernorm.weight", "decoder.final_layer_norm.weight"),
+    *_t5_attention("encoder", "self_attention", 0, "SelfAttention", "input_layernorm"),
+    *_t5_mlp("encoder", 1),
+    *_t5_attention("decoder", "self_attention", 0, "SelfAttention", "input_layernorm"),
+    *_t5_attention("decoder", "cross_attention", 1, "EncDecAttention", "pre_cross_attn_layernorm"),
+    *_t5_mlp("decoder", 2),
+)
+
+# Ungated (v1.0, relu) T5: the MLP's single input projection is wi.
+T5_UNGATED = tuple(
+    WeightMap(e.ours, e.hf.replace("DenseReluDense.wi_1.", "DenseReluDense.wi.")) for e in T5
+    if "DenseReluDense.wi_0." not in e.hf
+)
 
 
 _T5_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "silu": F.silu}
@@ -30,6 +78,7 @@ def _t5_feed_forward(cfg: dict[str, Any]) -> tuple[bool, str]:
 
 
 def t5_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """T5ModelProvider keyword arguments of a T5 config.json."""
     gated, act = _t5_feed_forward(cfg)
     vocab = required(cfg, "vocab_size")
     layers = required(cfg, "num_layers")
@@ -63,6 +112,7 @@ def t5_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def t5_hf(p: Any) -> dict[str, Any]:
+    """A T5 config.json body for provider ``p``."""
     if two_sided_window(p) is not None:
         raise NotSupportedError("HF T5 attends fully: export a model without window_size")
     act = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_new", F.silu: "silu"}.get(p.activation_func)
@@ -88,10 +138,12 @@ def t5_hf(p: Any) -> dict[str, Any]:
 
 
 def mt5_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """T5ModelProvider keyword arguments of an mT5 config.json."""
     return dict(t5_provider(cfg), scale_decoder_outputs=False)  # mT5 never scales its decoder output
 
 
 def mt5_hf(p: Any) -> dict[str, Any]:
+    """An mT5 config.json body for provider ``p`` (no decoder output scaling)."""
     if p.scale_decoder_outputs:
         raise NotSupportedError("mT5 has no decoder output scaling: export a model with scale_decoder_outputs as T5")
     out = t5_hf(p)
@@ -99,5 +151,11 @@ def mt5_hf(p: Any) -> dict[str, Any]:
     return out
 
 
-def t5_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
-    return mapping.T5 if _t5_feed_forward(cfg)[0] else mapping.T5_UNGATED
+def t5_weights(cfg: dict[str, Any]) -> tuple[WeightMap, ...]:
+    """T5's table for config.json ``cfg``: gated (v1.1, mT5) or plain (v1.0) MLP."""
+    return T5 if _t5_feed_forward(cfg)[0] else T5_UNGATED
+
+
+T5_FAMILY = Family("t5", "T5ForConditionalGeneration", "t5", T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights)
+MT5_FAMILY = Family("mt5", "MT5ForConditionalGeneration", "mt5", T5, mt5_provider, mt5_hf, "T5ModelProvider",
+                    t5_weights)

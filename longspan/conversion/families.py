@@ -18,20 +18,6 @@ import torch
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import DTYPE_NAMES
 from longspan.conversion.deepseek_families import deepseek_v3_hf, deepseek_v3_provider
-from longspan.conversion.dense_families import (
-    gpt2_hf,
-    gpt2_provider,
-    mistral_hf,
-    ministral_hf,
-    ministral_provider,
-    mistral_provider,
-    phi3_hf,
-    phi3_provider,
-    qwen2_hf,
-    qwen2_provider,
-    qwen3_hf,
-    qwen3_provider,
-)
 from longspan.conversion.gemma_families import (
     gemma2_hf,
     gemma2_provider,
@@ -52,7 +38,6 @@ from longspan.conversion.mamba_families import (
     nemotron_h_provider,
     nemotron_h_weights,
 )
-from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
 from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
@@ -92,12 +77,6 @@ class Family:
         return self if self.weights_for is None else replace(self, weights=self.weights_for(cfg))
 
 
-def phi3_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
-    """Phi-3's table for config.json ``cfg``: the fused qkv_proj's block sizes follow its head counts."""
-    heads = cfg.get("num_attention_heads") or 1
-    return mapping.phi3(heads, cfg.get("num_key_value_heads") or heads)
-
-
 #: other spellings of Gemma3ForConditionalGeneration's tensor names: transformers' module paths and the hub's
 #: files (whose vision encoder sits under vision_tower.vision_model.)
 GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
@@ -105,15 +84,6 @@ GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("lang
                       ("multi_modal_projector.", "model.multi_modal_projector."))
 
 FAMILIES: tuple[Family, ...] = (
-    Family("mistral", "MistralForCausalLM", "mistral", mapping.DECODER, mistral_provider, mistral_hf),
-    Family("ministral", "MinistralForCausalLM", "ministral", mapping.DECODER, ministral_provider, ministral_hf),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", mapping.DECODER, qwen2_provider, qwen2_hf),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", mapping.DECODER, qwen3_provider, qwen3_hf),
-    Family("phi3", "Phi3ForCausalLM", "phi3", mapping.phi3(1, 1), phi3_provider, phi3_hf,
-           weights_for=phi3_weights),
-    Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, gpt2_provider, gpt2_hf),
-    Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, mixtral_provider, mixtral_hf),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
            deepseek_v3_hf, weights_for=mtp_weights_for(mapping.DEEPSEEK_V3_MOE), mtp_layers=True),
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),

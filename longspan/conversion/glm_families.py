@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from longspan.conversion.config_fields import required
-from longspan.conversion.dense_families import llama_hf, llama_provider
+from longspan.conversion.decoder_fields import decoder_hf, decoder_provider
 from longspan.conversion.mtp_layers import HF_MTP_KEY, declared_depths
 from longspan.core.errors import NotSupportedError
 
@@ -95,7 +95,7 @@ def deepseek_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 def glm4_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_cfg = dict(cfg, rope_parameters=dict(rope, partial_rotary_factor=_partial_rotary_factor(cfg)))
-    out = llama_provider(dict(rope_cfg, attention_bias=False), eps_default=1e-5)
+    out = decoder_provider(dict(rope_cfg, attention_bias=False), eps_default=1e-5, family="GLM-4.5")
     out.update(add_qkv_bias=bool(cfg.get("attention_bias", False)), qk_layernorm=bool(cfg.get("use_qk_norm", False)))
     out.update(deepseek_moe_fields(cfg, out["num_layers"]))
     out.update(mtp_num_layers=declared_depths(cfg) or None, mtp_loss_scaling_factor=GLM_MTP_LOSS_SCALING_FACTOR)
@@ -159,7 +159,7 @@ def deepseek_moe_hf_fields(p: Any) -> dict[str, Any]:
 
 
 def glm4_moe_hf(p: Any) -> dict[str, Any]:
-    out = llama_hf(_WithoutQkvBias(p))
+    out = decoder_hf(_WithoutQkvBias(p), family="GLM-4.5")
     out.pop("mlp_bias")
     out.pop("partial_rotary_factor", None)
     out.update(

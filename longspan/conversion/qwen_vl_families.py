@@ -15,7 +15,7 @@ from typing import Any
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import required
-from longspan.conversion.dense_families import _ProviderView, qwen2_hf, qwen2_provider
+from longspan.conversion.decoder_fields import ProviderView
 from longspan.core.errors import NotSupportedError
 from longspan.models.vlm.qwen_vision import QwenVisionArgs
 
@@ -52,6 +52,9 @@ def qwen25_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             plain[key] = cfg[key]
+    # the qwen family package registers itself through conversion.families, which imports this module
+    from longspan.families.qwen.hf import qwen2_provider
+
     out = qwen2_provider(plain)
     out.update(position_embedding_type="mrope", mrope_section=sections)
     vision = required(cfg, "vision_config")
@@ -68,7 +71,10 @@ def qwen25_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def qwen25_vl_hf(p: Any) -> dict[str, Any]:
     """``Qwen25VLModelProvider`` -> config.json dict (transformers 5's nested spelling)."""
-    text = qwen2_hf(_ProviderView(p, position_embedding_type="rope"))
+    # the qwen family package registers itself through conversion.families, which imports this module
+    from longspan.families.qwen.hf import qwen2_hf
+
+    text = qwen2_hf(ProviderView(p, position_embedding_type="rope"))
     params = {"rope_type": "default", "rope_theta": float(p.rotary_base), "mrope_section": list(p.mrope_section)}
     text.update(rope_parameters=params, rope_scaling=None, rope_theta=params["rope_theta"],
                 model_type="qwen2_5_vl_text")

@@ -16,4 +16,9 @@ from __future__ import annotations
 # The registry: one name per family package, imported in this order (each registers itself).
 from longspan.families import (  # noqa: F401
     llama,
+    mistral,
+    mixtral,
+    qwen,
+    phi,
+    gpt2,
 )

@@ -28,7 +28,6 @@ from longspan.conversion.gemma_families import (
     olmo2_hf,
     olmo2_provider,
 )
-from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
 from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
 from longspan.conversion.mamba_families import (
     mamba2_hf,
@@ -98,7 +97,6 @@ FAMILIES: tuple[Family, ...] = (
            "MambaProvider", mamba2_weights),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.nemotron_h(1, 1, 1), nemotron_h_provider,
            nemotron_h_hf, "MambaProvider", nemotron_h_weights),
-    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
            weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
     Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN25_VL, qwen25_vl_provider,

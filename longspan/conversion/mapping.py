@@ -381,23 +381,6 @@ def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | Non
     return None
 
 
-# --------------------------------------------------------------------------------------------- GPT-OSS
-
-GPT_OSS = DECODER_EMBEDDINGS + DECODER_ATTENTION + (
-    layer_map("self_attention.softmax_offset", "self_attn.sinks"),
-    layer_map("mlp.router.weight", "mlp.router.weight"),
-    layer_map("mlp.router.bias", "mlp.router.bias"),
-    layer_map("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
-           interleave=(0, 2), mxfp4=True),
-    layer_map("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
-           interleave=(1, 2), mxfp4=True),
-    layer_map("mlp.experts.linear_fc1_gate.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(0, 2)),
-    layer_map("mlp.experts.linear_fc1.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(1, 2)),
-    layer_map("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True, transpose=True, mxfp4=True),
-    layer_map("mlp.experts.linear_fc2.bias", "mlp.experts.down_proj_bias", stacked=True),
-)
-
-
 # DeepSeek-V3 with mixture-of-experts layers: MLA on every layer, Llama's dense MLP names on the first
 # first_k_dense_replace layers, the DeepSeek-style MoE (router + routing bias, routed and shared experts) after.
 DEEPSEEK_V3_MOE = DEEPSEEK_V3 + DEEPSEEK_MOE_MLP

@@ -21,4 +21,5 @@ from longspan.families import (  # noqa: F401
     qwen,
     phi,
     gpt2,
+    gpt_oss,
 )

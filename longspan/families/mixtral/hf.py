@@ -40,7 +40,8 @@ def mixtral_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def mixtral_hf(p: Any) -> dict[str, Any]:
     """A Mixtral config.json body for provider ``p``."""
-    if p.moe_router_pre_softmax or p.moe_layer_freq not in (1, [1] * p.num_layers) or p.moe_shared_expert_intermediate_size:
+    if (p.moe_router_pre_softmax or p.moe_layer_freq not in (1, [1] * p.num_layers)
+            or p.moe_shared_expert_intermediate_size):
         raise NotSupportedError("Mixtral needs every layer MoE, moe_router_pre_softmax=False and no shared experts")
     out = mistral_hf(p)
     out.update(num_local_experts=p.num_moe_experts, num_experts_per_tok=p.moe_router_topk,

@@ -17,7 +17,6 @@ import torch
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import DTYPE_NAMES
-from longspan.conversion.deepseek_families import deepseek_v3_hf, deepseek_v3_provider
 from longspan.conversion.gemma_families import (
     gemma2_hf,
     gemma2_provider,
@@ -28,7 +27,6 @@ from longspan.conversion.gemma_families import (
     olmo2_hf,
     olmo2_provider,
 )
-from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
 from longspan.conversion.mamba_families import (
     mamba2_hf,
     mamba2_provider,
@@ -37,7 +35,6 @@ from longspan.conversion.mamba_families import (
     nemotron_h_provider,
     nemotron_h_weights,
 )
-from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.conversion.qwen_vl_families import QWEN25_VL, QWEN25_VL_ALIASES, qwen25_vl_hf, qwen25_vl_provider
 from longspan.conversion.t5_families import mt5_hf, mt5_provider, t5_hf, t5_provider, t5_weights
 from longspan.core.errors import NotSupportedError
@@ -83,8 +80,6 @@ GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("lang
                       ("multi_modal_projector.", "model.multi_modal_projector."))
 
 FAMILIES: tuple[Family, ...] = (
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
-           deepseek_v3_hf, weights_for=mtp_weights_for(mapping.DEEPSEEK_V3_MOE), mtp_layers=True),
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
            t5_weights),
@@ -97,8 +92,6 @@ FAMILIES: tuple[Family, ...] = (
            "MambaProvider", mamba2_weights),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.nemotron_h(1, 1, 1), nemotron_h_provider,
            nemotron_h_hf, "MambaProvider", nemotron_h_weights),
-    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
-           weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
     Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN25_VL, qwen25_vl_provider,
            qwen25_vl_hf, "Qwen25VLModelProvider", hf_prefix_aliases=QWEN25_VL_ALIASES),
 )

@@ -128,25 +128,6 @@ DECODER_MLP = (
 
 DECODER = DECODER_EMBEDDINGS + DECODER_ATTENTION + DECODER_MLP
 
-# DeepSeek-V3 (dense layers): multi-latent attention (longspan.models.mla). Without query compression HF has
-# q_proj, with it q_a_proj / q_a_layernorm / q_b_proj; kv_a_proj_with_mqa is [latent | shared rotary key] as
-# longspan's linear_kv_down_proj; kv_b_proj is per head [key without RoPE | value] as linear_kv_up_proj.
-DEEPSEEK_V3_ATTENTION = (
-    layer_map("input_layernorm.weight", "input_layernorm.weight"),
-    layer_map("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
-    layer_map("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
-    layer_map("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-    layer_map("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
-    layer_map("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-    layer_map("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-    layer_map("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-    layer_map("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    layer_map("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-)
-
-DEEPSEEK_V3 = DECODER_EMBEDDINGS + DEEPSEEK_V3_ATTENTION + DECODER_MLP
-
-
 # --------------------------------------------------------------------------------------------- Gemma 2/3, OLMo-2
 
 # Norms after attention and the MLP: HF's post_attention_layernorm here is longspan's post_self_attn_layernorm
@@ -311,26 +292,6 @@ def nemotron_h(d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
     )
 
 
-# --------------------------------------------------------------------------------------------- DeepSeek-style MoE
-
-# DeepSeek-V3 / GLM-4.5 MoE layers: a sigmoid router with the aux-loss-free routing bias (a float32 buffer on
-# both sides), routed experts one HF module each, shared experts as one dense MLP. Dense first layers keep
-# Llama's MLP names.
-DEEPSEEK_MOE_MLP = (
-    layer_map("mlp.router.weight", "mlp.gate.weight"),
-    layer_map("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", buffer=True),
-    layer_map("mlp.experts.linear_fc1_gate.weight", "mlp.experts.{e}.gate_proj.weight", per_expert=True),
-    layer_map("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
-    layer_map("mlp.experts.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", per_expert=True),
-    layer_map("mlp.shared_experts.linear_fc1_gate.weight", "mlp.shared_experts.gate_proj.weight"),
-    layer_map("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.up_proj.weight"),
-    layer_map("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
-)
-
-# GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama's attention (q/k/v biases, optional per-head QK-norm) and MLP names.
-GLM4_MOE = DECODER + DEEPSEEK_MOE_MLP
-
-
 # --------------------------------------------------------------------------------------------- multi-token prediction
 
 # DeepSeek-V3 and GLM-4.5 store multi-token-prediction depth k (0-based) after the decoder, as decoder layer
@@ -379,8 +340,3 @@ def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | Non
             layer = found.groupdict().get("i")
             return entry, (int(layer) if layer is not None else None)
     return None
-
-
-# DeepSeek-V3 with mixture-of-experts layers: MLA on every layer, Llama's dense MLP names on the first
-# first_k_dense_replace layers, the DeepSeek-style MoE (router + routing bias, routed and shared experts) after.
-DEEPSEEK_V3_MOE = DEEPSEEK_V3 + DEEPSEEK_MOE_MLP

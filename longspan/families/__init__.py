@@ -22,4 +22,6 @@ from longspan.families import (  # noqa: F401
     phi,
     gpt2,
     gpt_oss,
+    glm,
+    deepseek,
 )

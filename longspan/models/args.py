@@ -17,9 +17,9 @@ from longspan.core.errors import ConfigError
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models.mla import MLAArgs, mla_softmax_scale
 from longspan.models.rope import (
-    LLAMA3_HIGH_FREQ_FACTOR,
-    LLAMA3_LOW_FREQ_FACTOR,
-    LLAMA3_ORIGINAL_MAX_POSITIONS,
+    BAND_HIGH_FREQ_FACTOR,
+    BAND_LOW_FREQ_FACTOR,
+    BAND_ORIGINAL_MAX_POSITIONS,
     RopeScaling,
 )
 
@@ -244,9 +244,9 @@ class TransformerArgs:
             seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
             rope_scaling=bool(config.rope_scaling),
             rope_scaling_factor=float(config.rope_scaling_factor),
-            low_freq_factor=float(getattr(config, "low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
-            high_freq_factor=float(getattr(config, "high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
-            old_context_len=int(getattr(config, "old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)),
+            low_freq_factor=float(getattr(config, "low_freq_factor", BAND_LOW_FREQ_FACTOR)),
+            high_freq_factor=float(getattr(config, "high_freq_factor", BAND_HIGH_FREQ_FACTOR)),
+            old_context_len=int(getattr(config, "old_context_len", BAND_ORIGINAL_MAX_POSITIONS)),
             share_embeddings_and_output_weights=bool(config.share_embeddings_and_output_weights),
             attention_dropout=float(config.attention_dropout),
             hidden_dropout=float(config.hidden_dropout),
@@ -359,9 +359,9 @@ def rope_scaling_method(config: Any) -> Optional[RopeScaling]:
         )
     if get("rope_scaling", False):
         return RopeScaling("llama3", factor=float(config.rope_scaling_factor),
-                           low_freq_factor=float(get("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR)),
-                           high_freq_factor=float(get("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR)),
-                           original_max_positions=int(get("old_context_len", LLAMA3_ORIGINAL_MAX_POSITIONS)))
+                           low_freq_factor=float(get("low_freq_factor", BAND_LOW_FREQ_FACTOR)),
+                           high_freq_factor=float(get("high_freq_factor", BAND_HIGH_FREQ_FACTOR)),
+                           original_max_positions=int(get("old_context_len", BAND_ORIGINAL_MAX_POSITIONS)))
     return None
 
 

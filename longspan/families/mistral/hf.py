@@ -50,7 +50,7 @@ def mistral_hf(p: Any) -> dict[str, Any]:
     out = decoder_hf(ProviderView(p, **NO_WINDOW), family="Mistral")
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
-            raise NotSupportedError("Mistral has no linear biases: export this model as Llama")
+            raise NotSupportedError("Mistral has no linear biases: export it as an architecture that has them")
     return dict(out, sliding_window=hf_sliding_window(p, "Mistral"))
 
 
@@ -67,7 +67,7 @@ def ministral_hf(p: Any) -> dict[str, Any]:
     out = decoder_hf(ProviderView(p, **NO_WINDOW), family="Ministral")
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
-            raise NotSupportedError("Ministral has no linear biases: export this model as Llama")
+            raise NotSupportedError("Ministral has no linear biases: export it as an architecture that has them")
     window, layer_types = window_hf(p)
     return dict(out, sliding_window=window, layer_types=layer_types)
 

@@ -68,13 +68,14 @@ def phi3_hf(p: Any) -> dict[str, Any]:
     """A Phi-3 config.json body for provider ``p``."""
     kind = rope_scaling_kind(p)
     if kind not in ("default", "longrope"):
-        raise NotSupportedError(f"Phi-3 takes default or longrope RoPE, not {kind}: export this model as Llama")
+        raise NotSupportedError(f"Phi-3 takes default or longrope RoPE, not {kind}: export it as an architecture "
+                                "with that scaling")
     if p.add_qkv_bias:
-        raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama or Qwen2")
+        raise NotSupportedError("Phi-3 has no linear biases: export it as an architecture with q/k/v biases")
     out = decoder_hf(ProviderView(p, **NO_WINDOW), family="Phi-3")
     for key in ("attention_bias", "mlp_bias"):
         if out.pop(key):
-            raise NotSupportedError("Phi-3 has no linear biases: export this model as Llama")
+            raise NotSupportedError("Phi-3 has no linear biases: export it as an architecture that has them")
     window, layer_types = window_hf(p)
     if window is not None and "full_attention" in layer_types:
         raise NotSupportedError("Phi-3 windows every layer or none: this model mixes windowed and full layers")

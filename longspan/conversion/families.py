@@ -1,8 +1,7 @@
 """The supported Hugging Face architectures: one ``Family`` per architecture (names, weight table, config translation).
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text and vision-language, OLMo-2),
-``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
+GPT-2), ``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
 ``deepseek_families`` (DeepSeek-V3), ``t5_families`` (T5, mT5), ``mamba_families`` (Mamba-2, Nemotron-H),
 ``qwen_vl_families`` (Qwen2.5-VL); the helpers they share (dtypes, RoPE, sliding windows, activations) are in
 ``config_fields``.
@@ -17,16 +16,6 @@ import torch
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import DTYPE_NAMES
-from longspan.conversion.gemma_families import (
-    gemma2_hf,
-    gemma2_provider,
-    gemma3_hf,
-    gemma3_provider,
-    gemma3_vlm_hf,
-    gemma3_vlm_provider,
-    olmo2_hf,
-    olmo2_provider,
-)
 from longspan.conversion.mamba_families import (
     mamba2_hf,
     mamba2_provider,
@@ -73,21 +62,10 @@ class Family:
         return self if self.weights_for is None else replace(self, weights=self.weights_for(cfg))
 
 
-#: other spellings of Gemma3ForConditionalGeneration's tensor names: transformers' module paths and the hub's
-#: files (whose vision encoder sits under vision_tower.vision_model.)
-GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                      ("vision_tower.", "vision_tower.vision_model."), ("vision_tower.", "model.vision_tower."),
-                      ("multi_modal_projector.", "model.multi_modal_projector."))
-
 FAMILIES: tuple[Family, ...] = (
     Family("t5", "T5ForConditionalGeneration", "t5", mapping.T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights),
     Family("mt5", "MT5ForConditionalGeneration", "mt5", mapping.T5, mt5_provider, mt5_hf, "T5ModelProvider",
            t5_weights),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
-    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
-    Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", mapping.GEMMA3_VLM, gemma3_vlm_provider,
-           gemma3_vlm_hf, "Gemma3VLModelProvider", hf_prefix_aliases=GEMMA3_VLM_ALIASES),
-    Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
     Family("mamba2", "Mamba2ForCausalLM", "mamba2", mapping.mamba2(1, 1, 1), mamba2_provider, mamba2_hf,
            "MambaProvider", mamba2_weights),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", mapping.nemotron_h(1, 1, 1), nemotron_h_provider,

@@ -128,23 +128,17 @@ DECODER_MLP = (
 
 DECODER = DECODER_EMBEDDINGS + DECODER_ATTENTION + DECODER_MLP
 
-# --------------------------------------------------------------------------------------------- Gemma 2/3, OLMo-2
+# --------------------------------------------------------------------------------------------- post-norms
+
+# Attention's projections and QK-norms without its pre-norm, for decoders that place their norms themselves.
+DECODER_QKVO = tuple(e for e in DECODER_ATTENTION if ".self_attention." in e.ours)
 
 # Norms after attention and the MLP: HF's post_attention_layernorm here is longspan's post_self_attn_layernorm
-# (in Llama it is the pre-MLP norm).
-_POST_NORMS = (
+# (in the standard decoder it is the pre-MLP norm).
+POST_SUBLAYER_NORMS = (
     layer_map("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
     layer_map("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
 )
-_QKVO = tuple(e for e in DECODER_ATTENTION if ".self_attention." in e.ours)
-
-GEMMA = DECODER_EMBEDDINGS + _QKVO + _POST_NORMS + DECODER_MLP[:3] + (
-    layer_map("input_layernorm.weight", "input_layernorm.weight"),
-    layer_map("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
-)
-
-# OLMo-2: no pre-norms; q_norm / k_norm span the whole projections.
-OLMO2 = DECODER_EMBEDDINGS + _QKVO + _POST_NORMS + DECODER_MLP[:3]
 
 
 def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[WeightMap, ...]:
@@ -155,38 +149,6 @@ def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[Weigh
 def with_ours_prefix(table: tuple[WeightMap, ...], prefix: str) -> tuple[WeightMap, ...]:
     """``table`` with every longspan name under ``prefix`` (a model that is a submodule of a bigger one)."""
     return tuple(dataclasses.replace(e, ours=prefix + e.ours) for e in table)
-
-
-# The text tower of Gemma3ForConditionalGeneration as the hub's files and transformers' save_pretrained name it
-# (transformers' modules are model.language_model.*: HFCheckpointReader's prefix aliases find files named so).
-GEMMA3_TEXT_TOWER = with_prefix(with_prefix(GEMMA, "model.", "language_model.model."), "lm_head.",
-                                "language_model.lm_head.")
-
-
-def _same(name: str) -> WeightMap:
-    """A tensor longspan names as HF does (the SigLIP encoder and Gemma 3's projector keep HF's module names)."""
-    return WeightMap(name, name)
-
-
-_SIGLIP_LAYER = tuple(
-    _same(f"vision_tower.encoder.layers.{{i}}.{module}.{kind}")
-    for module in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                   "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
-    for kind in ("weight", "bias")
-)
-
-# SigLIP's vision encoder under vision_tower.* (transformers 5's save_pretrained names; the hub's files add
-# vision_model., which the family's prefix aliases read).
-SIGLIP_VISION_TOWER = _SIGLIP_LAYER + tuple(_same(f"vision_tower.{n}") for n in (
-    "embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias", "embeddings.position_embedding.weight",
-    "post_layernorm.weight", "post_layernorm.bias"))
-
-# Gemma3ForConditionalGeneration: the language model (longspan's GPTModel under language_model.), the SigLIP
-# encoder and the multimodal projector (its projection stored [vision_hidden, text_hidden], as ours).
-GEMMA3_VLM = with_ours_prefix(GEMMA3_TEXT_TOWER, "language_model.") + SIGLIP_VISION_TOWER + (
-    _same("multi_modal_projector.mm_input_projection_weight"),
-    _same("multi_modal_projector.mm_soft_emb_norm.weight"),
-)
 
 
 # --------------------------------------------------------------------------------------------- T5 (encoder-decoder)

@@ -20,8 +20,11 @@ from longspan.families import (  # noqa: F401
     mixtral,
     qwen,
     phi,
+    gemma,
+    olmo,
     gpt2,
     gpt_oss,
     glm,
     deepseek,
+    gemma_vl,
 )

@@ -173,7 +173,7 @@ class TransformerArgs:
     # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
     layer_types: Optional[list[str]] = None
     mamba: Optional[MambaArgs] = None
-    # Gemma 2/3 and OLMo-2: norm form and placement, soft-capping, embedding scale, the local layers' RoPE base
+    # decoder variants: norm form and placement, soft-capping, embedding scale, the local layers' RoPE base
     layernorm_zero_centered_gamma: bool = False
     layernorm_before_sublayers: bool = True
     layernorm_after_sublayers: bool = False
@@ -276,12 +276,14 @@ class TransformerArgs:
             mtp_loss_scaling_factor=float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0),
             calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
             scatter_embedding_sequence_parallel=bool(getattr(config, "scatter_embedding_sequence_parallel", True)),
-            **_gemma_fields(config),
+            **_decoder_variant_fields(config),
         )
 
 
-def _gemma_fields(config: Any) -> dict[str, Any]:
-    """The Gemma / OLMo-2 fields of ``config`` (absent on providers without them: their defaults)."""
+def _decoder_variant_fields(config: Any) -> dict[str, Any]:
+    """The decoder variants of ``config`` beyond the standard decoder: zero-centred norms, norms before and/or
+    after the sublayers, QK-norm across heads, embedding scaling, logit soft-capping and a RoPE base per layer
+    kind (fields absent on providers without them: their defaults)."""
     base = config.rotary_base
     local = None
     global_factor = 1.0

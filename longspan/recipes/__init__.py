@@ -15,7 +15,6 @@ from longspan.core.errors import ConfigError
 from longspan.core.plugins import load_plugins
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.moe_finetune import moe_lora
-from longspan.recipes.small_models import gemma3
 from longspan.recipes.tiny import tiny
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
@@ -30,7 +29,6 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny-mamba": tiny_mamba,
     "tiny-hybrid": tiny_hybrid,
     "tiny-t5": tiny_t5,
-    "gemma3": gemma3,
     "sft": sft,
     "lora": lora,
     "dora": dora,
@@ -80,5 +78,5 @@ def get_recipe(name: str) -> ConfigContainer:
     return cfg
 
 
-__all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5", "gemma3", 
+__all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_mamba", "tiny_hybrid", "tiny_t5",
            "sft", "lora", "dora", "moe_lora", "vlm_sft", "vlm_lora"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 # Examples only: the list lives in longspan.recipes (importing it loads torch), and an unknown name lists them all.
-RECIPE_HELP = ("recipe to start from, e.g. tiny, tiny-moe, llama3-8b or lora (underscores work too; "
+RECIPE_HELP = ("recipe to start from, e.g. tiny, tiny-moe or lora (underscores work too; "
                "a wrong name lists every recipe)")
 OVERRIDES_HELP = "overrides of single fields, e.g. train.train_iters=100 (anywhere on the line; later wins)"
 SOURCES_SENTENCE = ("The configuration is built from a recipe, then the YAML files in order, then the "

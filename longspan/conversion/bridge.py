@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 import longspan.conversion.families as families
-import longspan.models as models
 from longspan.config.explicit import mark_model_family, model_family
 from longspan.conversion.checkpoints import (
     HF_CONFIG_IN_CHECKPOINT,
@@ -235,7 +234,7 @@ class AutoBridge:
     def _provider(self) -> Any:
         """The provider of the HF config's architecture, finalized (a plain dataclass: it serializes). With
         weights, ``mtp_num_layers`` counts the multi-token-prediction layers the files hold."""
-        provider = getattr(models, self.family.provider_class)(**self.family.to_provider(self.hf_config))
+        provider = self.family.provider_class(**self.family.to_provider(self.hf_config))
         if self.family.mtp_layers and self.hf_path is not None and declared_depths(self.hf_config):
             reader = HFCheckpointReader(self.hf_path, self.family.hf_prefix_aliases)
             try:

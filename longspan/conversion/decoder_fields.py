@@ -17,7 +17,7 @@ from longspan.conversion.config_fields import (
     rope_hf,
     vocab_divisor,
 )
-from longspan.conversion.hf_fields import HFField, export_fields, import_fields, with_default
+from longspan.conversion.hf_fields import HFField, export_fields, import_fields, override, with_default
 from longspan.core.errors import NotSupportedError
 
 P = TypeVar("P")
@@ -94,6 +94,44 @@ _ORDER = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
 
 def _ordered(out: dict[str, Any]) -> dict[str, Any]:
     return {**{k: out[k] for k in _ORDER if k in out}, **{k: v for k, v in out.items() if k not in _ORDER}}
+
+
+def activation_func(cfg: dict[str, Any], key: str = "hidden_act", default: str = "silu") -> Any:
+    """The activation function config.json's ``key`` names (``default`` when absent or null)."""
+    act = cfg.get(key) or default
+    if act not in HF_ACTIVATIONS:
+        raise NotSupportedError(f"config.json {key}={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}")
+    return HF_ACTIVATIONS[act]
+
+
+_SHAPE_FIELDS = override(DECODER_FIELDS, drop=("tie_word_embeddings",))
+
+
+def decoder_shape(cfg: dict[str, Any], eps_default: float) -> dict[str, Any]:
+    """The sizes, vocabulary, dtype and fixed choices (RMSNorm, gated MLP, no linear biases) of a decoder's
+    config.json, for families that choose their activation, tied embeddings, RoPE and norm placement
+    themselves."""
+    if cfg.get("attention_bias"):
+        raise NotSupportedError(
+            f"config.json attention_bias=true is not supported for {cfg.get('model_type')}: longspan implements "
+            "these models without linear biases (attention_bias=false)"
+        )
+    out = import_fields(with_default(_SHAPE_FIELDS, "rms_norm_eps", eps_default), cfg)
+    out.update(make_vocab_size_divisible_by=vocab_divisor(out["vocab_size"]), normalization="RMSNorm",
+               gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0)
+    out = _ordered(out)
+    out.update(dtype_fields(cfg))
+    return out
+
+
+def decoder_shape_hf(p: Any) -> dict[str, Any]:
+    """config.json's sizes, norm epsilon, dropout, init and tied embeddings of a decoder without linear biases
+    (``decoder_shape``'s export)."""
+    fields = export_fields(DECODER_FIELDS, p)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps")
+    return dict({k: fields[k] for k in keys}, attention_bias=False, attention_dropout=fields["attention_dropout"],
+                initializer_range=fields["initializer_range"], tie_word_embeddings=fields["tie_word_embeddings"])
 
 
 def decoder_hf(p: Any, family: str = "Llama") -> dict[str, Any]:

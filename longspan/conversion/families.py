@@ -1,10 +1,8 @@
 """The supported Hugging Face architectures: one ``Family`` per architecture (names, weight table, config translation).
 
 The translations live per family group: ``dense_families`` (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-GPT-2), ``gemma_families`` (Gemma 2, Gemma 3 text, OLMo-2),
-``moe_families`` (Mixtral, Qwen3-MoE), ``gpt_oss_families`` (GPT-OSS), ``glm_families`` (GLM-4.5),
-``deepseek_families`` (DeepSeek-V3); the families' own packages (``longspan.families``) register
-theirs; the helpers they share (dtypes, RoPE, sliding windows, activations) are in
+GPT-2); the families' own packages (``longspan.families``) register theirs; the helpers they share (dtypes,
+RoPE, sliding windows, activations) are in
 ``config_fields``.
 """
 
@@ -17,36 +15,10 @@ import torch
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import DTYPE_NAMES
-from longspan.conversion.deepseek_families import deepseek_v3_hf, deepseek_v3_provider
-from longspan.conversion.dense_families import (
-    gpt2_hf,
-    gpt2_provider,
-    mistral_hf,
-    ministral_hf,
-    ministral_provider,
-    mistral_provider,
-    phi3_hf,
-    phi3_provider,
-    qwen2_hf,
-    qwen2_provider,
-    qwen3_hf,
-    qwen3_provider,
-)
-from longspan.conversion.gemma_families import (
-    gemma2_hf,
-    gemma2_provider,
-    gemma3_hf,
-    gemma3_provider,
-    olmo2_hf,
-    olmo2_provider,
-)
-from longspan.conversion.gpt_oss_families import gpt_oss_hf, gpt_oss_provider
-from longspan.conversion.glm_families import glm4_moe_hf, glm4_moe_provider
-from longspan.conversion.moe_families import mixtral_hf, mixtral_provider, qwen3_moe_hf, qwen3_moe_provider
-from longspan.conversion.mtp_layers import mtp_weights_for
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.core.plugins import load_plugins
+from longspan.models.gpt_provider import GPTModelProvider
 
 _log = get_logger(__name__)
 
@@ -63,8 +35,8 @@ class Family:
     """config.json dict -> GPTModelProvider keyword arguments."""
     to_hf: Callable[[Any], dict[str, Any]]
     """GPTModelProvider -> config.json dict (without architectures/model_type/dtype)."""
-    provider_class: str = "GPTModelProvider"
-    """The ``longspan.models`` provider class ``to_provider``'s fields are for."""
+    provider_class: type = GPTModelProvider
+    """The provider class ``to_provider``'s fields are for."""
     weights_for: Callable[[dict[str, Any]], tuple[mapping.WeightMap, ...]] | None = None
     """When set, the weight table depends on config.json (T5's gated or plain MLP): it replaces ``weights``."""
     hf_prefix_aliases: tuple[tuple[str, str], ...] = ()
@@ -83,30 +55,7 @@ class Family:
         return self if self.weights_for is None else replace(self, weights=self.weights_for(cfg))
 
 
-def phi3_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
-    """Phi-3's table for config.json ``cfg``: the fused qkv_proj's block sizes follow its head counts."""
-    heads = cfg.get("num_attention_heads") or 1
-    return mapping.phi3(heads, cfg.get("num_key_value_heads") or heads)
-
-
 FAMILIES: tuple[Family, ...] = (
-    Family("mistral", "MistralForCausalLM", "mistral", mapping.DECODER, mistral_provider, mistral_hf),
-    Family("ministral", "MinistralForCausalLM", "ministral", mapping.DECODER, ministral_provider, ministral_hf),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", mapping.DECODER, qwen2_provider, qwen2_hf),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", mapping.DECODER, qwen3_provider, qwen3_hf),
-    Family("phi3", "Phi3ForCausalLM", "phi3", mapping.phi3(1, 1), phi3_provider, phi3_hf,
-           weights_for=phi3_weights),
-    Family("gpt2", "GPT2LMHeadModel", "gpt2", mapping.GPT2, gpt2_provider, gpt2_hf),
-    Family("mixtral", "MixtralForCausalLM", "mixtral", mapping.MIXTRAL, mixtral_provider, mixtral_hf),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", mapping.QWEN3_MOE, qwen3_moe_provider, qwen3_moe_hf),
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", mapping.DEEPSEEK_V3_MOE, deepseek_v3_provider,
-           deepseek_v3_hf, weights_for=mtp_weights_for(mapping.DEEPSEEK_V3_MOE), mtp_layers=True),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2", mapping.GEMMA, gemma2_provider, gemma2_hf),
-    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", mapping.GEMMA, gemma3_provider, gemma3_hf),
-    Family("olmo2", "Olmo2ForCausalLM", "olmo2", mapping.OLMO2, olmo2_provider, olmo2_hf),
-    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", mapping.GPT_OSS, gpt_oss_provider, gpt_oss_hf),
-    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", mapping.GLM4_MOE, glm4_moe_provider, glm4_moe_hf,
-           weights_for=mtp_weights_for(mapping.GLM4_MOE), mtp_layers=True),
 )
 
 _REGISTERED: dict[str, Family] = {}

@@ -30,6 +30,7 @@ from torch import nn
 
 from longspan.conversion.families import Family
 from longspan.conversion.mapping import WeightMap, match
+from longspan.conversion.mxfp4 import dequantize_mxfp4
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger
@@ -174,8 +175,6 @@ def _read_stacked_part(reader: HFCheckpointReader, entry: WeightMap, layer: int 
         full = reader.read(hf_name, experts)
         full = full.transpose(1, 2) if entry.transpose else full
     else:
-        from longspan.conversion.gpt_oss_families import dequantize_mxfp4  # the one family with MXFP4 tensors
-
         blocks_name, scales_name = f"{hf_name}_blocks", f"{hf_name}_scales"
         if blocks_name not in reader or scales_name not in reader:
             raise CheckpointError(f"HF tensor {hf_name} is missing (neither it nor {blocks_name} / {scales_name})")

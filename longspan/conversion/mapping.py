@@ -88,7 +88,8 @@ class WeightMap:
         return self.hf.format(i=layer, e=expert)
 
 
-def _layer(ours: str, hf: str, **kw) -> WeightMap:
+def layer_map(ours: str, hf: str, **kw) -> WeightMap:
+    """One decoder-layer entry: ``decoder.layers.{i}.<ours>`` <-> ``model.layers.{i}.<hf>``."""
     return WeightMap(f"decoder.layers.{{i}}.{ours}", f"model.layers.{{i}}.{hf}", **kw)
 
 
@@ -101,98 +102,43 @@ DECODER_EMBEDDINGS = (
 )
 
 DECODER_ATTENTION = (
-    _layer("input_layernorm.weight", "input_layernorm.weight"),
-    _layer("self_attention.linear_q.weight", "self_attn.q_proj.weight"),
-    _layer("self_attention.linear_k.weight", "self_attn.k_proj.weight"),
-    _layer("self_attention.linear_v.weight", "self_attn.v_proj.weight"),
-    _layer("self_attention.linear_q.bias", "self_attn.q_proj.bias"),
-    _layer("self_attention.linear_k.bias", "self_attn.k_proj.bias"),
-    _layer("self_attention.linear_v.bias", "self_attn.v_proj.bias"),
-    _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    _layer("self_attention.linear_proj.bias", "self_attn.o_proj.bias"),
-    _layer("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-    _layer("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-    _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+    layer_map("input_layernorm.weight", "input_layernorm.weight"),
+    layer_map("self_attention.linear_q.weight", "self_attn.q_proj.weight"),
+    layer_map("self_attention.linear_k.weight", "self_attn.k_proj.weight"),
+    layer_map("self_attention.linear_v.weight", "self_attn.v_proj.weight"),
+    layer_map("self_attention.linear_q.bias", "self_attn.q_proj.bias"),
+    layer_map("self_attention.linear_k.bias", "self_attn.k_proj.bias"),
+    layer_map("self_attention.linear_v.bias", "self_attn.v_proj.bias"),
+    layer_map("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    layer_map("self_attention.linear_proj.bias", "self_attn.o_proj.bias"),
+    layer_map("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    layer_map("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+    layer_map("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
 )
 
 # Dense SwiGLU MLP: longspan's linear_fc1_gate / linear_fc1 are HF's gate_proj / up_proj.
 DECODER_MLP = (
-    _layer("mlp.linear_fc1_gate.weight", "mlp.gate_proj.weight"),
-    _layer("mlp.linear_fc1.weight", "mlp.up_proj.weight"),
-    _layer("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
-    _layer("mlp.linear_fc1_gate.bias", "mlp.gate_proj.bias"),
-    _layer("mlp.linear_fc1.bias", "mlp.up_proj.bias"),
-    _layer("mlp.linear_fc2.bias", "mlp.down_proj.bias"),
+    layer_map("mlp.linear_fc1_gate.weight", "mlp.gate_proj.weight"),
+    layer_map("mlp.linear_fc1.weight", "mlp.up_proj.weight"),
+    layer_map("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+    layer_map("mlp.linear_fc1_gate.bias", "mlp.gate_proj.bias"),
+    layer_map("mlp.linear_fc1.bias", "mlp.up_proj.bias"),
+    layer_map("mlp.linear_fc2.bias", "mlp.down_proj.bias"),
 )
 
 DECODER = DECODER_EMBEDDINGS + DECODER_ATTENTION + DECODER_MLP
 
-MIXTRAL = DECODER_EMBEDDINGS + DECODER_ATTENTION + (
-    _layer("mlp.router.weight", "block_sparse_moe.gate.weight"),
-    _layer("mlp.experts.linear_fc1_gate.weight", "block_sparse_moe.experts.{e}.w1.weight", per_expert=True),
-    _layer("mlp.experts.linear_fc1.weight", "block_sparse_moe.experts.{e}.w3.weight", per_expert=True),
-    _layer("mlp.experts.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight", per_expert=True),
-)
+# --------------------------------------------------------------------------------------------- post-norms
 
-QWEN3_MOE = DECODER + (  # dense layers (mlp_only_layers / decoder_sparse_step) keep Llama's MLP names
-    _layer("mlp.router.weight", "mlp.gate.weight"),
-    _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.{e}.gate_proj.weight", per_expert=True),
-    _layer("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
-    _layer("mlp.experts.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", per_expert=True),
-)
-
-
-# DeepSeek-V3 (dense layers): multi-latent attention (longspan.models.mla). Without query compression HF has
-# q_proj, with it q_a_proj / q_a_layernorm / q_b_proj; kv_a_proj_with_mqa is [latent | shared rotary key] as
-# longspan's linear_kv_down_proj; kv_b_proj is per head [key without RoPE | value] as linear_kv_up_proj.
-DEEPSEEK_V3_ATTENTION = (
-    _layer("input_layernorm.weight", "input_layernorm.weight"),
-    _layer("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
-    _layer("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
-    _layer("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-    _layer("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
-    _layer("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-    _layer("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-    _layer("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-    _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-)
-
-DEEPSEEK_V3 = DECODER_EMBEDDINGS + DEEPSEEK_V3_ATTENTION + DECODER_MLP
-
-
-def phi3(heads: int, groups: int) -> tuple[WeightMap, ...]:
-    """Phi-3 / Phi-4: Llama's layout with fused ``qkv_proj`` ([q | k | v], grouped-query sizes) and
-    ``gate_up_proj`` ([gate | up]), split into longspan's separate projections on import, fused on export."""
-    qkv = (heads, groups, groups)
-    return DECODER_EMBEDDINGS + (
-        _layer("input_layernorm.weight", "input_layernorm.weight"),
-        _layer("self_attention.linear_q.weight", "self_attn.qkv_proj.weight", split=(0, 3), split_units=qkv),
-        _layer("self_attention.linear_k.weight", "self_attn.qkv_proj.weight", split=(1, 3), split_units=qkv),
-        _layer("self_attention.linear_v.weight", "self_attn.qkv_proj.weight", split=(2, 3), split_units=qkv),
-        _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-        _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-        _layer("mlp.linear_fc1_gate.weight", "mlp.gate_up_proj.weight", split=(0, 2)),
-        _layer("mlp.linear_fc1.weight", "mlp.gate_up_proj.weight", split=(1, 2)),
-        _layer("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
-    )
-# --------------------------------------------------------------------------------------------- Gemma 2/3, OLMo-2
+# Attention's projections and QK-norms without its pre-norm, for decoders that place their norms themselves.
+DECODER_QKVO = tuple(e for e in DECODER_ATTENTION if ".self_attention." in e.ours)
 
 # Norms after attention and the MLP: HF's post_attention_layernorm here is longspan's post_self_attn_layernorm
-# (in Llama it is the pre-MLP norm).
-_POST_NORMS = (
-    _layer("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
-    _layer("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
+# (in the standard decoder it is the pre-MLP norm).
+POST_SUBLAYER_NORMS = (
+    layer_map("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
+    layer_map("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
 )
-_QKVO = tuple(e for e in DECODER_ATTENTION if ".self_attention." in e.ours)
-
-GEMMA = DECODER_EMBEDDINGS + _QKVO + _POST_NORMS + DECODER_MLP[:3] + (
-    _layer("input_layernorm.weight", "input_layernorm.weight"),
-    _layer("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
-)
-
-# OLMo-2: no pre-norms; q_norm / k_norm span the whole projections.
-OLMO2 = DECODER_EMBEDDINGS + _QKVO + _POST_NORMS + DECODER_MLP[:3]
 
 
 def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[WeightMap, ...]:
@@ -203,38 +149,6 @@ def with_prefix(table: tuple[WeightMap, ...], old: str, new: str) -> tuple[Weigh
 def with_ours_prefix(table: tuple[WeightMap, ...], prefix: str) -> tuple[WeightMap, ...]:
     """``table`` with every longspan name under ``prefix`` (a model that is a submodule of a bigger one)."""
     return tuple(dataclasses.replace(e, ours=prefix + e.ours) for e in table)
-
-
-# --------------------------------------------------------------------------------------------- GPT-2
-
-def _gpt2(ours: str, hf: str, **kw) -> WeightMap:
-    return WeightMap(f"decoder.layers.{{i}}.{ours}", f"transformer.h.{{i}}.{hf}", **kw)
-
-
-GPT2 = (
-    WeightMap("embedding.word_embeddings.weight", "transformer.wte.weight", vocab=True),
-    WeightMap("embedding.position_embeddings.weight", "transformer.wpe.weight"),
-    WeightMap("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
-    WeightMap("decoder.final_layernorm.bias", "transformer.ln_f.bias"),
-    WeightMap("output_layer.weight", "lm_head.weight", vocab=True),
-    _gpt2("input_layernorm.weight", "ln_1.weight"),
-    _gpt2("input_layernorm.bias", "ln_1.bias"),
-    _gpt2("pre_mlp_layernorm.weight", "ln_2.weight"),
-    _gpt2("pre_mlp_layernorm.bias", "ln_2.bias"),
-    # c_attn is a Conv1D [hidden, 3*hidden] holding [q | k | v] along its output dim.
-    _gpt2("self_attention.linear_q.weight", "attn.c_attn.weight", transpose=True, split=(0, 3)),
-    _gpt2("self_attention.linear_k.weight", "attn.c_attn.weight", transpose=True, split=(1, 3)),
-    _gpt2("self_attention.linear_v.weight", "attn.c_attn.weight", transpose=True, split=(2, 3)),
-    _gpt2("self_attention.linear_q.bias", "attn.c_attn.bias", split=(0, 3)),
-    _gpt2("self_attention.linear_k.bias", "attn.c_attn.bias", split=(1, 3)),
-    _gpt2("self_attention.linear_v.bias", "attn.c_attn.bias", split=(2, 3)),
-    _gpt2("self_attention.linear_proj.weight", "attn.c_proj.weight", transpose=True),
-    _gpt2("self_attention.linear_proj.bias", "attn.c_proj.bias"),
-    _gpt2("mlp.linear_fc1.weight", "mlp.c_fc.weight", transpose=True),
-    _gpt2("mlp.linear_fc1.bias", "mlp.c_fc.bias"),
-    _gpt2("mlp.linear_fc2.weight", "mlp.c_proj.weight", transpose=True),
-    _gpt2("mlp.linear_fc2.bias", "mlp.c_proj.bias"),
-)
 
 
 # --------------------------------------------------------------------------------------------- Mamba-2 mixer
@@ -255,24 +169,6 @@ def mamba_mixer(ours: str, hf: str, d_inner: int, bc_rows: int, heads: int) -> t
     return tuple(table)
 
 
-# --------------------------------------------------------------------------------------------- DeepSeek-style MoE
-
-# DeepSeek-V3 / GLM-4.5 MoE layers: a sigmoid router with the aux-loss-free routing bias (a float32 buffer on
-# both sides), routed experts one HF module each, shared experts as one dense MLP. Dense first layers keep
-# Llama's MLP names.
-DEEPSEEK_MOE_MLP = (
-    _layer("mlp.router.weight", "mlp.gate.weight"),
-    _layer("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", buffer=True),
-    _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.{e}.gate_proj.weight", per_expert=True),
-    _layer("mlp.experts.linear_fc1.weight", "mlp.experts.{e}.up_proj.weight", per_expert=True),
-    _layer("mlp.experts.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", per_expert=True),
-    _layer("mlp.shared_experts.linear_fc1_gate.weight", "mlp.shared_experts.gate_proj.weight"),
-    _layer("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.up_proj.weight"),
-    _layer("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
-)
-
-# GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama's attention (q/k/v biases, optional per-head QK-norm) and MLP names.
-GLM4_MOE = DECODER + DEEPSEEK_MOE_MLP
 
 
 # --------------------------------------------------------------------------------------------- multi-token prediction
@@ -323,25 +219,3 @@ def match(table: tuple[WeightMap, ...], name: str) -> tuple[WeightMap, int | Non
             layer = found.groupdict().get("i")
             return entry, (int(layer) if layer is not None else None)
     return None
-
-
-# --------------------------------------------------------------------------------------------- GPT-OSS
-
-GPT_OSS = DECODER_EMBEDDINGS + DECODER_ATTENTION + (
-    _layer("self_attention.softmax_offset", "self_attn.sinks"),
-    _layer("mlp.router.weight", "mlp.router.weight"),
-    _layer("mlp.router.bias", "mlp.router.bias"),
-    _layer("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
-           interleave=(0, 2), mxfp4=True),
-    _layer("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
-           interleave=(1, 2), mxfp4=True),
-    _layer("mlp.experts.linear_fc1_gate.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(0, 2)),
-    _layer("mlp.experts.linear_fc1.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(1, 2)),
-    _layer("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True, transpose=True, mxfp4=True),
-    _layer("mlp.experts.linear_fc2.bias", "mlp.experts.down_proj_bias", stacked=True),
-)
-
-
-# DeepSeek-V3 with mixture-of-experts layers: MLA on every layer, Llama's dense MLP names on the first
-# first_k_dense_replace layers, the DeepSeek-style MoE (router + routing bias, routed and shared experts) after.
-DEEPSEEK_V3_MOE = DEEPSEEK_V3 + DEEPSEEK_MOE_MLP

@@ -101,7 +101,7 @@ def check_export(family_mtp: bool, depths: int, architecture: str) -> None:
     if depths and not family_mtp:
         raise NotSupportedError(
             f"{architecture} has no multi-token-prediction layers: a model with mtp_num_layers={depths} exports "
-            "as DeepseekV3ForCausalLM or Glm4MoeForCausalLM only"
+            "only as an architecture that stores them (a family with mtp_layers)"
         )
 
 

@@ -27,4 +27,8 @@ def load_plugins() -> None:
     if _loaded or _loader is None:
         return
     _loaded = True
-    _loader()
+    try:
+        _loader()
+    except BaseException:
+        _loaded = False  # a failed import leaves the registries partial: the next lookup tries again
+        raise

@@ -16,6 +16,16 @@ from __future__ import annotations
 # The registry: one name per family package, imported in this order (each registers itself).
 from longspan.families import (  # noqa: F401
     llama,
+    mistral,
+    mixtral,
+    qwen,
+    phi,
+    gemma,
+    olmo,
+    gpt2,
+    gpt_oss,
+    glm,
+    deepseek,
     qwen_vl,
     gemma_vl,
     t5,

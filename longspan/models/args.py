@@ -168,7 +168,7 @@ class TransformerArgs:
     # hybrid (Mamba) models only: the layer type of each layer and the mixer's sizes
     layer_types: Optional[list[str]] = None
     mamba: Optional[MambaArgs] = None
-    # Gemma 2/3 and OLMo-2: norm form and placement, soft-capping, embedding scale, the local layers' RoPE base
+    # decoder variants: norm form and placement, soft-capping, embedding scale, the local layers' RoPE base
     layernorm_zero_centered_gamma: bool = False
     layernorm_before_sublayers: bool = True
     layernorm_after_sublayers: bool = False
@@ -275,12 +275,14 @@ class TransformerArgs:
             mtp_loss_scaling_factor=float(config.mtp_loss_scaling_factor or 0.0),
             calculate_per_token_loss=bool(config.calculate_per_token_loss),
             scatter_embedding_sequence_parallel=bool(gpt.scatter_embedding_sequence_parallel),
-            **_gemma_fields(config, gpt),
+            **_decoder_variant_fields(config, gpt),
         )
 
 
-def _gemma_fields(config: Union[GPTModelProvider, MambaProvider], gpt: GPTModelProvider) -> dict[str, Any]:
-    """The Gemma / OLMo-2 fields: the rotary base(s) of ``config``, the norms and caps of ``gpt``."""
+def _decoder_variant_fields(config: Union[GPTModelProvider, MambaProvider], gpt: GPTModelProvider) -> dict[str, Any]:
+    """The decoder variants beyond the standard decoder: the rotary base(s) of ``config`` (one per layer kind), and
+    of ``gpt`` the zero-centred norms, norms before and/or after the sublayers, QK-norm across heads, embedding
+    scaling and logit soft-capping."""
     base = config.rotary_base
     local = None
     global_factor = 1.0

@@ -38,10 +38,11 @@ from torch import nn
 if TYPE_CHECKING:  # the arguments module imports this one
     from longspan.models.args import TransformerArgs
 
-# Llama-3 frequency scaling constants (Megatron Core's and Meta's defaults; only the factor is configurable).
-LLAMA3_LOW_FREQ_FACTOR = 1.0
-LLAMA3_HIGH_FREQ_FACTOR = 4.0
-LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
+# Defaults of the frequency-band scaling (HF rope_type 'llama3': Megatron Core's and Meta's; only the factor is
+# configurable).
+BAND_LOW_FREQ_FACTOR = 1.0
+BAND_HIGH_FREQ_FACTOR = 4.0
+BAND_ORIGINAL_MAX_POSITIONS = 8192
 
 #: The HF rope_type names longspan implements (besides "default").
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
@@ -58,10 +59,10 @@ class RopeScaling:
     kind: str
     factor: float = 1.0
     """llama3 / yarn / dynamic: the scaling factor."""
-    original_max_positions: int = LLAMA3_ORIGINAL_MAX_POSITIONS
+    original_max_positions: int = BAND_ORIGINAL_MAX_POSITIONS
     """The pretraining context length: llama3's and yarn's correction ranges, dynamic's and longrope's switch."""
-    low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR
-    high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR
+    low_freq_factor: float = BAND_LOW_FREQ_FACTOR
+    high_freq_factor: float = BAND_HIGH_FREQ_FACTOR
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
@@ -95,9 +96,9 @@ def default_inv_freq(rot_dim: int, base: float) -> torch.Tensor:
 def llama3_scale_inv_freq(
     inv_freq: torch.Tensor,
     factor: float = 8.0,
-    low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
-    high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
-    original_max_positions: int = LLAMA3_ORIGINAL_MAX_POSITIONS,
+    low_freq_factor: float = BAND_LOW_FREQ_FACTOR,
+    high_freq_factor: float = BAND_HIGH_FREQ_FACTOR,
+    original_max_positions: int = BAND_ORIGINAL_MAX_POSITIONS,
 ) -> torch.Tensor:
     """Llama-3.1 RoPE scaling: long wavelengths are divided by ``factor``, short ones kept, medium blended."""
     low_freq_wavelen = original_max_positions / low_freq_factor
@@ -169,9 +170,9 @@ class RotaryEmbedding(nn.Module):
         rotary_base: float = 10000.0,
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
-        low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
-        high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
-        original_max_positions: int = LLAMA3_ORIGINAL_MAX_POSITIONS,
+        low_freq_factor: float = BAND_LOW_FREQ_FACTOR,
+        high_freq_factor: float = BAND_HIGH_FREQ_FACTOR,
+        original_max_positions: int = BAND_ORIGINAL_MAX_POSITIONS,
         seq_len_interpolation_factor: float | None = None,
         *,
         scaling: RopeScaling | None = None,

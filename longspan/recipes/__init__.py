@@ -15,10 +15,7 @@ from longspan.core.errors import ConfigError
 from longspan.core.plugins import load_plugins
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.moe_finetune import moe_lora
-from longspan.recipes.real_sizes import qwen3_8b, qwen3_600m
-from longspan.recipes.small_models import gemma3
 from longspan.recipes.tiny import tiny
-from longspan.recipes.tiny_deepseek import tiny_deepseek
 from longspan.recipes.tiny_mamba import tiny_hybrid, tiny_mamba
 from longspan.recipes.tiny_moe import tiny_moe
 from longspan.recipes.tiny_t5 import tiny_t5
@@ -28,13 +25,9 @@ from longspan.training.config import ConfigContainer
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "tiny": tiny,
     "tiny-moe": tiny_moe,
-    "tiny-deepseek": tiny_deepseek,
     "tiny-mamba": tiny_mamba,
     "tiny-hybrid": tiny_hybrid,
     "tiny-t5": tiny_t5,
-    "qwen3-8b": qwen3_8b,
-    "qwen3-600m": qwen3_600m,
-    "gemma3": gemma3,
     "sft": sft,
     "lora": lora,
     "dora": dora,
@@ -82,5 +75,5 @@ def get_recipe(name: str) -> ConfigContainer:
     return cfg
 
 
-__all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "tiny", "tiny_moe", "tiny_deepseek", "tiny_mamba", "tiny_hybrid", "tiny_t5", "qwen3_8b", "qwen3_600m", "gemma3", 
-           "sft", "lora", "dora", "moe_lora"]
+__all__ = ["RECIPES", "canonical_recipe_name", "get_recipe", "list_recipes", "register_recipe", "tiny", "tiny_moe",
+           "tiny_mamba", "tiny_hybrid", "tiny_t5", "sft", "lora", "dora", "moe_lora"]

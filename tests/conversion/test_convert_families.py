@@ -37,7 +37,7 @@ def test_import_then_export_is_bit_exact_without_a_recipe(tmp_path, family):
 
     saved = ConfigContainer.from_yaml(str(ckpt / "iter_0000000" / "run_config.yaml"))
     family_of_src = families.family_for_config(read_config(src))
-    assert type(saved.model).__name__ == family_of_src.provider_class
+    assert type(saved.model) is family_of_src.provider_class
     assert saved.model.vocab_size == VOCAB and saved.tokenizer.vocab_extra_ids == 0
     expected_tokenizer = "NullTokenizer" if family == "mamba2" else "HuggingFaceTokenizer"
     assert saved.tokenizer.tokenizer_type == expected_tokenizer

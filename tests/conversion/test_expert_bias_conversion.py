@@ -14,6 +14,7 @@ from longspan.conversion import mapping
 from longspan.conversion.loader import export_hf_weights, load_hf_weights
 from longspan.conversion.safetensors_io import HFCheckpointReader
 from longspan.core.errors import CheckpointError
+from longspan.families.glm.hf import WEIGHTS as GLM_WEIGHTS
 from tests.conversion.glm_models import make_glm_model
 from tests.conversion.parity import tensors
 
@@ -25,9 +26,9 @@ def _router(chunk, layer: int):
 
 
 def test_table_flags_the_bias_as_a_buffer():
-    entry, layer = mapping.match(mapping.GLM4_MOE, "decoder.layers.7.mlp.router.expert_bias")
+    entry, layer = mapping.match(GLM_WEIGHTS, "decoder.layers.7.mlp.router.expert_bias")
     assert entry.buffer and layer == 7 and entry.hf_name(layer) == BIAS.format(7)
-    assert not any(e.buffer for e in mapping.GLM4_MOE if e is not entry)
+    assert not any(e.buffer for e in GLM_WEIGHTS if e is not entry)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,7 +79,7 @@ def test_a_table_without_the_bias_entry_fails_in_one_line(tmp_path):
     make_glm_model(src, tokenizer=False)
     bridge = AutoBridge.from_hf_pretrained(src)
     model = bridge.to_megatron_model()
-    without = replace(bridge.family, weights=tuple(e for e in mapping.GLM4_MOE if not e.buffer))
+    without = replace(bridge.family, weights=tuple(e for e in GLM_WEIGHTS if not e.buffer))
     with pytest.raises(CheckpointError, match=r"buffer decoder\.layers\.1\.mlp\.router\.expert_bias has no") as info:
         list(export_hf_weights(model, without, hf_vocab=None, tied=False))
     assert "\n" not in str(info.value)

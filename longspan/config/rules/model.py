@@ -174,11 +174,11 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
     _check_recompute(config)
     check_causal_window(config)
     check_moe(config)
-    check_gpt_oss_fields(config)
+    check_sink_and_glu_fields(config)
     check_mtp(config)
 
 
-def check_gpt_oss_fields(config: Any) -> None:
+def check_sink_and_glu_fields(config: Any) -> None:
     """Attention sinks (``softmax_type``) and the gated MLP's ``glu_linear_offset`` /
     ``activation_func_clamp_value``: valid values and the combinations longspan implements."""
     softmax_type = provider_field(config, "softmax_type", "vanilla")

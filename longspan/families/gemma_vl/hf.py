@@ -13,8 +13,8 @@ from typing import Any
 
 import longspan.conversion.mapping as mapping
 from longspan.conversion.families import Family
-from longspan.conversion.gemma_families import gemma3_hf, gemma3_provider
 from longspan.core.errors import NotSupportedError
+from longspan.families.gemma.hf import GEMMA, gemma3_hf, gemma3_provider
 from longspan.families.gemma_vl.provider import Gemma3VLModelProvider
 
 #: vision_config keys the SigLIP encoder reads (the others, e.g. transformers' bookkeeping, are not kept)
@@ -81,8 +81,8 @@ def gemma3_vlm_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The text tower of Gemma3ForConditionalGeneration as the hub's files and transformers' save_pretrained name it
 # (transformers' modules are model.language_model.*: HFCheckpointReader's prefix aliases find files named so).
-GEMMA3_TEXT_TOWER = mapping.with_prefix(
-    mapping.with_prefix(mapping.GEMMA, "model.", "language_model.model."), "lm_head.", "language_model.lm_head.")
+GEMMA3_TEXT_TOWER = mapping.with_prefix(mapping.with_prefix(GEMMA, "model.", "language_model.model."), "lm_head.",
+                                       "language_model.lm_head.")
 
 
 def _same(name: str) -> mapping.WeightMap:
@@ -117,4 +117,4 @@ GEMMA3_VLM_ALIASES = (("language_model.model.", "model.language_model."), ("lang
                       ("multi_modal_projector.", "model.multi_modal_projector."))
 
 GEMMA3_VLM_FAMILY = Family("gemma3_vlm", "Gemma3ForConditionalGeneration", "gemma3", GEMMA3_VLM, gemma3_vlm_provider,
-                           gemma3_vlm_hf, "Gemma3VLModelProvider", hf_prefix_aliases=GEMMA3_VLM_ALIASES)
+                           gemma3_vlm_hf, Gemma3VLModelProvider, hf_prefix_aliases=GEMMA3_VLM_ALIASES)

@@ -9,6 +9,7 @@ from longspan.conversion.families import Family
 from longspan.conversion.mamba_fields import mamba_mixer_fields, mamba_mixer_hf, mamba_stack_fields, mixer_sizes
 from longspan.conversion.mapping import WeightMap, mamba_mixer
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.models.mamba_provider import MambaProvider
 
 
 def mamba2(d_inner: int, bc_rows: int, heads: int) -> tuple[WeightMap, ...]:
@@ -69,4 +70,4 @@ def mamba2_hf(p: Any) -> dict[str, Any]:
 
 
 MAMBA2 = Family("mamba2", "Mamba2ForCausalLM", "mamba2", mamba2(1, 1, 1), mamba2_provider, mamba2_hf,
-                "MambaProvider", mamba2_weights)
+                MambaProvider, mamba2_weights)

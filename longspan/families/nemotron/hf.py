@@ -13,6 +13,7 @@ from longspan.core.errors import NotSupportedError
 from longspan.models.activations import squared_relu
 from longspan.models.layer_pattern import layer_windows
 from longspan.models.mamba import allocate_layers
+from longspan.models.mamba_provider import MambaProvider
 
 
 # Every block is ``norm`` + ``mixer`` (Mamba-2, attention or MLP), so one HF norm name per layer stands for
@@ -138,4 +139,4 @@ def nemotron_h_hf(p: Any) -> dict[str, Any]:
 
 
 NEMOTRON_H = Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", nemotron_h(1, 1, 1), nemotron_h_provider,
-                    nemotron_h_hf, "MambaProvider", nemotron_h_weights)
+                    nemotron_h_hf, MambaProvider, nemotron_h_weights)

@@ -16,9 +16,10 @@ from typing import Any
 import longspan.conversion.mapping as mapping
 from longspan.conversion.config_fields import required
 from longspan.conversion.decoder_fields import provider_view
-from longspan.conversion.dense_families import qwen2_hf, qwen2_provider
 from longspan.conversion.families import Family
 from longspan.core.errors import NotSupportedError
+from longspan.families.qwen.hf import qwen2_hf, qwen2_provider
+from longspan.families.qwen_vl.provider import Qwen25VLModelProvider
 from longspan.families.qwen_vl.vision import QwenVisionArgs
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "vision_start_token_id", "vision_end_token_id",
@@ -54,6 +55,7 @@ def qwen25_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             plain[key] = cfg[key]
+
     out = qwen2_provider(plain)
     out.update(position_embedding_type="mrope", mrope_section=sections)
     vision = required(cfg, "vision_config")
@@ -101,5 +103,5 @@ QWEN25_VL = _nested(mapping.DECODER) + (
 QWEN25_VL_ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 
 QWEN25_VL_FAMILY = Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", QWEN25_VL,
-                          qwen25_vl_provider, qwen25_vl_hf, "Qwen25VLModelProvider",
+                          qwen25_vl_provider, qwen25_vl_hf, Qwen25VLModelProvider,
                           hf_prefix_aliases=QWEN25_VL_ALIASES)

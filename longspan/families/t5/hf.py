@@ -13,6 +13,7 @@ from longspan.conversion.families import Family
 from longspan.conversion.mapping import WeightMap
 from longspan.core.errors import NotSupportedError
 from longspan.models.activations import gelu_tanh
+from longspan.models.t5_provider import T5ModelProvider
 
 
 def _t5(stack: str, ours: str, hf: str) -> WeightMap:
@@ -156,6 +157,6 @@ def t5_weights(cfg: dict[str, Any]) -> tuple[WeightMap, ...]:
     return T5 if _t5_feed_forward(cfg)[0] else T5_UNGATED
 
 
-T5_FAMILY = Family("t5", "T5ForConditionalGeneration", "t5", T5, t5_provider, t5_hf, "T5ModelProvider", t5_weights)
-MT5_FAMILY = Family("mt5", "MT5ForConditionalGeneration", "mt5", T5, mt5_provider, mt5_hf, "T5ModelProvider",
+T5_FAMILY = Family("t5", "T5ForConditionalGeneration", "t5", T5, t5_provider, t5_hf, T5ModelProvider, t5_weights)
+MT5_FAMILY = Family("mt5", "MT5ForConditionalGeneration", "mt5", T5, mt5_provider, mt5_hf, T5ModelProvider,
                     t5_weights)

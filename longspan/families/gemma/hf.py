@@ -1,27 +1,25 @@
-"""Config translations of Gemma 2, Gemma 3 (text) and OLMo-2: the decoders whose norms sit after attention and
-the MLP.
+"""Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3's text model (``Gemma3ForCausalLM``) as config.json and weights.
 
-- Gemma 2/3: zero-centred RMSNorm ``x * (1 + w)`` before and after attention and the MLP, embeddings scaled by
-  sqrt(hidden), GeGLU with tanh GeLU, ``query_pre_attn_scalar`` as the softmax scale, tied embeddings.
-  Gemma 2 soft-caps attention scores and the final logits; Gemma 3 has per-head QK-norm and a RoPE base per
-  layer kind (sliding-window layers 10k, global layers 1M with their own linear scaling).
-- OLMo-2: plain RMSNorm only after attention and the MLP (``x + norm(attn(x))``) and a QK-norm over each
-  token's whole query / key projection.
+Zero-centred RMSNorm ``x * (1 + w)`` before and after attention and the MLP, embeddings scaled by sqrt(hidden),
+GeGLU with tanh GeLU, ``query_pre_attn_scalar`` as the softmax scale, tied embeddings, sliding-window layers
+between global ones. Gemma 2 soft-caps attention scores and the final logits; Gemma 3 has per-head QK-norm and
+a RoPE base per layer kind (sliding-window layers 10k, global layers 1M with their own linear scaling).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from longspan.conversion.config_fields import (
-    HF_ACTIVATIONS,
-    _whole,
-    dtype_fields,
-    hf_activation,
-    required,
-    rope_fields,
-    rope_hf,
-    vocab_divisor,
+from longspan.conversion.config_fields import _whole, hf_activation, required, rope_fields, rope_hf
+from longspan.conversion.decoder_fields import activation_func, decoder_shape, decoder_shape_hf
+from longspan.conversion.families import Family
+from longspan.conversion.hf_fields import HFField, export_fields, import_fields
+from longspan.conversion.mapping import (
+    DECODER_EMBEDDINGS,
+    DECODER_MLP,
+    DECODER_QKVO,
+    POST_SUBLAYER_NORMS,
+    layer_map,
 )
 from longspan.core.errors import NotSupportedError
 from longspan.models.layer_pattern import (
@@ -30,61 +28,19 @@ from longspan.models.layer_pattern import (
     window_pattern_from_layer_types,
 )
 
+# Norms before and after attention and the MLP (HF's post_attention_layernorm is the norm after attention).
+GEMMA = DECODER_EMBEDDINGS + DECODER_QKVO + POST_SUBLAYER_NORMS + DECODER_MLP[:3] + (
+    layer_map("input_layernorm.weight", "input_layernorm.weight"),
+    layer_map("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
+)
+
 GEMMA3_ROPE_TYPES = ("default", "linear")
 
-
-def _decoder_shape(cfg: dict[str, Any], eps_default: float) -> dict[str, Any]:
-    """The fields every family here shares (sizes, vocabulary, RMSNorm, gated MLP, no biases)."""
-    if cfg.get("attention_bias"):
-        raise NotSupportedError(
-            f"config.json attention_bias=true is not supported for {cfg.get('model_type')}: longspan implements "
-            "these models without linear biases (attention_bias=false)"
-        )
-    heads = required(cfg, "num_attention_heads")
-    hidden = required(cfg, "hidden_size")
-    vocab = required(cfg, "vocab_size")
-    out: dict[str, Any] = dict(
-        num_layers=required(cfg, "num_hidden_layers"),
-        hidden_size=hidden,
-        ffn_hidden_size=required(cfg, "intermediate_size"),
-        num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
-        kv_channels=cfg.get("head_dim") or hidden // heads,
-        seq_length=cfg.get("max_position_embeddings", 4096),
-        vocab_size=vocab,
-        make_vocab_size_divisible_by=vocab_divisor(vocab),
-        normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.get("rms_norm_eps", eps_default)),
-        gated_linear_unit=True,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
-        hidden_dropout=0.0,
-        init_method_std=float(cfg.get("initializer_range", 0.02)),
-    )
-    out.update(dtype_fields(cfg))
-    return out
-
-
-def _activation(cfg: dict[str, Any], key: str, default: str) -> Any:
-    act = cfg.get(key) or default
-    if act not in HF_ACTIVATIONS:
-        raise NotSupportedError(f"config.json {key}={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}")
-    return HF_ACTIVATIONS[act]
-
-
-def _shape_hf(p: Any) -> dict[str, Any]:
-    return dict(
-        vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.ffn_hidden_size,
-        num_hidden_layers=p.num_layers, num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_query_groups or p.num_attention_heads,
-        head_dim=p.kv_channels or p.hidden_size // p.num_attention_heads, max_position_embeddings=p.seq_length,
-        rms_norm_eps=p.layernorm_epsilon, attention_bias=False, attention_dropout=float(p.attention_dropout),
-        initializer_range=float(p.init_method_std), tie_word_embeddings=bool(p.share_embeddings_and_output_weights),
-    )
-
-
-# ------------------------------------------------------------------------------------------------ Gemma
+# Gemma 2's soft-caps of the attention scores and the final logits (null = none).
+_SOFTCAPS = (
+    HFField("attn_logit_softcapping", "attn_logit_softcapping", default=None),
+    HFField("final_logit_softcapping", "final_logit_softcapping", default=None),
+)
 
 
 def _gemma_common(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -92,14 +48,14 @@ def _gemma_common(cfg: dict[str, Any]) -> dict[str, Any]:
         raise NotSupportedError(
             "config.json use_bidirectional_attention=true is not supported: longspan's Gemma is causal (false)"
         )
-    out = _decoder_shape(cfg, eps_default=1e-6)
+    out = decoder_shape(cfg, eps_default=1e-6)
     scalar = cfg.get("query_pre_attn_scalar")
     out.update(
         layernorm_zero_centered_gamma=True,
         layernorm_after_sublayers=True,
         apply_embedding_scaling=True,
         # HF's hidden_activation (older files also carry hidden_act, which Gemma ignores)
-        activation_func=_activation(cfg, "hidden_activation", "gelu_pytorch_tanh"),
+        activation_func=activation_func(cfg, "hidden_activation", "gelu_pytorch_tanh"),
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
         softmax_scale=None if scalar is None else float(scalar) ** -0.5,
     )
@@ -156,7 +112,7 @@ def _check_gemma_provider(p: Any, name: str) -> None:
 
 def _gemma_hf(p: Any, name: str) -> dict[str, Any]:
     _check_gemma_provider(p, name)
-    out = _shape_hf(p)
+    out = decoder_shape_hf(p)
     out.update(hidden_activation={"gelu_new": "gelu_pytorch_tanh"}.get(hf_activation(p), hf_activation(p)),
                query_pre_attn_scalar=_query_pre_attn_scalar(p))
     out.update(_sliding_window_hf(p))
@@ -164,22 +120,22 @@ def _gemma_hf(p: Any, name: str) -> dict[str, Any]:
 
 
 def gemma2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Provider keyword arguments of a Gemma 2 config.json."""
     out = _gemma_common(cfg)
     out.update(rope_fields(cfg))
-    out.update(attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-               final_logit_softcapping=cfg.get("final_logit_softcapping"))
+    out.update(import_fields(_SOFTCAPS, cfg))
     return out
 
 
 def gemma2_hf(p: Any) -> dict[str, Any]:
+    """A Gemma 2 config.json body for provider ``p``."""
     if p.qk_layernorm or isinstance(p.rotary_base, (list, tuple)):
         raise NotSupportedError("Gemma 2 has no QK-norm and one RoPE base: export this model as Gemma 3")
     out = _gemma_hf(p, "Gemma 2")
     out.update(rope_hf(p))
     for key in ("rope_theta", "rope_scaling"):  # Gemma 2's config takes rope_parameters only
         out.pop(key)
-    return dict(out, attn_logit_softcapping=p.attn_logit_softcapping,
-                final_logit_softcapping=p.final_logit_softcapping)
+    return dict(out, **export_fields(_SOFTCAPS, p))
 
 
 def _gemma3_rope_parameters(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -213,6 +169,7 @@ def _gemma3_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def gemma3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Provider keyword arguments of a Gemma 3 text config.json."""
     if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
         raise NotSupportedError(
             "config.json attn_logit_softcapping / final_logit_softcapping are not supported for Gemma 3 (they are "
@@ -225,6 +182,7 @@ def gemma3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def gemma3_hf(p: Any) -> dict[str, Any]:
+    """A Gemma 3 text config.json body for provider ``p``."""
     if not p.qk_layernorm or p.qk_layernorm_across_heads or p.attn_logit_softcapping or p.final_logit_softcapping:
         raise NotSupportedError("Gemma 3 needs per-head qk_layernorm and no soft-capping")
     out = _gemma_hf(p, "Gemma 3")
@@ -242,34 +200,5 @@ def gemma3_hf(p: Any) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ OLMo-2
-
-
-def olmo2_provider(cfg: dict[str, Any]) -> dict[str, Any]:
-    out = _decoder_shape(cfg, eps_default=1e-5)
-    out.update(
-        activation_func=_activation(cfg, "hidden_act", "silu"),
-        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
-        layernorm_before_sublayers=False,
-        layernorm_after_sublayers=True,
-        qk_layernorm=True,
-        qk_layernorm_across_heads=True,
-    )
-    out.update(rope_fields(cfg))
-    return out
-
-
-def olmo2_hf(p: Any) -> dict[str, Any]:
-    ok = (p.normalization == "RMSNorm" and not p.layernorm_before_sublayers and p.layernorm_after_sublayers
-          and p.qk_layernorm and p.qk_layernorm_across_heads and not p.layernorm_zero_centered_gamma
-          and not p.apply_embedding_scaling and p.gated_linear_unit and not p.add_bias_linear
-          and not p.add_qkv_bias and p.position_embedding_type == "rope" and hf_activation(p) is not None)
-    if not ok:
-        raise NotSupportedError(
-            "this model has no OLMo-2 equivalent (needs RMSNorm only after attention and the MLP, QK-norm across "
-            "heads, RoPE, a gated MLP and no biases)"
-        )
-    out = _shape_hf(p)
-    out.update(hidden_act=hf_activation(p))
-    out.update(rope_hf(p))
-    return out
+GEMMA2 = Family("gemma2", "Gemma2ForCausalLM", "gemma2", GEMMA, gemma2_provider, gemma2_hf)
+GEMMA3 = Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", GEMMA, gemma3_provider, gemma3_hf)

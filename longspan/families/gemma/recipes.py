@@ -1,10 +1,9 @@
-"""Finetuning recipes for the small dense models people finetune today, with their real shapes (bf16):
-``gemma3`` (Gemma 3 1B), ``llama32`` (Llama 3.2 1B) and ``llama32_3b`` (Llama 3.2 3B), tied embeddings all.
+"""Gemma recipes: ``gemma3``, the LoRA finetune of Gemma 3 1B with its real shape (bf16, tied embeddings).
 
-Each is the ``lora`` recipe (``longspan.recipes.finetune``) on that model: the architecture, weights and
-tokenizer come from ``checkpoint.pretrained_checkpoint`` (a Hugging Face directory of that model), the shape
-here lets ``longspan plan`` size the run without one. ``peft=null`` makes it a full finetune (``sft``'s
-learning rate is 5e-6)::
+It is the ``lora`` recipe (``longspan.recipes.finetune``) on that model: the architecture, weights and tokenizer
+come from ``checkpoint.pretrained_checkpoint`` (a Hugging Face directory of that model), the shape here lets
+``longspan plan`` size the run without one. ``peft=null`` makes it a full finetune (``sft``'s learning rate is
+5e-6)::
 
     longspan finetune --recipe gemma3 checkpoint.pretrained_checkpoint=gemma-3-1b-pt dataset.dataset_root=DATA
 """

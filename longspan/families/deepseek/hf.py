@@ -2,12 +2,12 @@
 attention (``longspan.models.mla``) with DeepSeek's interleaved rotary channels, RoPE or YaRN, and DeepSeek's
 mixture of experts.
 
-What maps where (``mapping.DEEPSEEK_V3_MOE``):
+What maps where (``WEIGHTS``):
 
-- every layer ``model.layers.{i}.self_attn.*``: multi-latent attention (``mapping.DEEPSEEK_V3_ATTENTION``);
+- every layer ``model.layers.{i}.self_attn.*``: multi-latent attention (``ATTENTION``);
 - the first ``first_k_dense_replace`` layers ``mlp.{gate,up,down}_proj``: the dense MLP of ``intermediate_size``;
-- the later layers the DeepSeek-style MoE shared with GLM-4.5 (``mapping.DEEPSEEK_MOE_MLP``, config keys through
-  ``glm_families.deepseek_moe_fields``): the router ``mlp.gate.weight`` with its aux-loss-free routing bias
+- the later layers the DeepSeek-style MoE shared with GLM-4.5 (``conversion.expert_bias_moe``: its config keys and
+  names): the router ``mlp.gate.weight`` with its aux-loss-free routing bias
   ``mlp.gate.e_score_correction_bias`` (longspan's float32 ``router.expert_bias`` buffer), the routed experts
   ``mlp.experts.{e}.*`` stacked into one slab per projection, and ``mlp.shared_experts.*`` as one MLP of
   ``n_shared_experts * moe_intermediate_size``;
@@ -35,11 +35,31 @@ from longspan.conversion.config_fields import (
     rope_fields,
     vocab_divisor,
 )
-from longspan.conversion.glm_families import deepseek_moe_fields, deepseek_moe_hf_fields
-from longspan.conversion.mtp_layers import HF_MTP_KEY, declared_depths
+from longspan.conversion.expert_bias_moe import EXPERT_BIAS_MOE_MLP, expert_bias_moe_fields, expert_bias_moe_hf_fields
+from longspan.conversion.families import Family
+from longspan.conversion.mapping import DECODER_EMBEDDINGS, DECODER_MLP, layer_map
+from longspan.conversion.mtp_layers import HF_MTP_KEY, declared_depths, mtp_weights_for
 from longspan.core.errors import NotSupportedError
 from longspan.models.mla import yarn_mscale
 
+# DeepSeek-V3 (dense layers): multi-latent attention (longspan.models.mla). Without query compression HF has
+# q_proj, with it q_a_proj / q_a_layernorm / q_b_proj; kv_a_proj_with_mqa is [latent | shared rotary key] as
+# longspan's linear_kv_down_proj; kv_b_proj is per head [key without RoPE | value] as linear_kv_up_proj.
+ATTENTION = (
+    layer_map("input_layernorm.weight", "input_layernorm.weight"),
+    layer_map("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
+    layer_map("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+    layer_map("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+    layer_map("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+    layer_map("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    layer_map("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    layer_map("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+    layer_map("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    layer_map("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+)
+
+# MLA on every layer, the standard dense MLP on the first first_k_dense_replace layers, the shared MoE after.
+WEIGHTS = DECODER_EMBEDDINGS + ATTENTION + DECODER_MLP + EXPERT_BIAS_MOE_MLP
 
 # transformers builds DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
 # rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
@@ -135,7 +155,7 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     out.update(dtype_fields(cfg))
     moe_cfg = _with_moe_defaults(cfg)
     if moe_cfg["n_routed_experts"] and int(moe_cfg["first_k_dense_replace"]) < out["num_layers"]:
-        out.update(deepseek_moe_fields(moe_cfg, out["num_layers"]))
+        out.update(expert_bias_moe_fields(moe_cfg, out["num_layers"]))
     return out
 
 
@@ -205,5 +225,9 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
     out[HF_MTP_KEY] = int(p.mtp_num_layers or 0)
     out.update(_rope_hf(p))
     if p.num_moe_experts:
-        out.update(deepseek_moe_hf_fields(p))
+        out.update(expert_bias_moe_hf_fields(p))
     return out
+
+
+DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", WEIGHTS, deepseek_v3_provider,
+                     deepseek_v3_hf, weights_for=mtp_weights_for(WEIGHTS), mtp_layers=True)

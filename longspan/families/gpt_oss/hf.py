@@ -1,4 +1,4 @@
-"""GPT-OSS (``GptOssForCausalLM``): config translation, weight table and the MXFP4 expert-weight decoding.
+"""GPT-OSS (``GptOssForCausalLM``): config translation and weight table.
 
 GPT-OSS is a Llama-shaped MoE with: learned attention sinks (``softmax_type='learnable'``, HF ``sinks``),
 biases on q/k/v/o, the experts and the router (``add_bias_linear``), experts with a clamped SwiGLU
@@ -12,15 +12,13 @@ last dim (gate = even columns, up = odd), ``gate_up_proj_bias [E, 2 * ffn]`` lik
 hidden]`` and ``down_proj_bias [E, hidden]``; longspan's slabs are ``[E, out, in]``. Released checkpoints hold
 the expert matrices in MXFP4 (``{name}_blocks`` uint8 ``[E, out, in / 32, 16]``, two 4-bit E2M1 codes per
 byte, low nibble first, and ``{name}_scales`` uint8 ``[E, out, in / 32]``, a power-of-two exponent + 127 per
-32 values), already ``[E, out, in]``; the import decodes them as transformers does. Export writes plain
-tensors in the model's dtype.
+32 values), already ``[E, out, in]``; the import decodes them as transformers does (``conversion.mxfp4``).
+Export writes plain tensors in the model's dtype.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from longspan.conversion.config_fields import (
     dtype_fields,
@@ -31,13 +29,26 @@ from longspan.conversion.config_fields import (
     window_fields,
     window_hf,
 )
-from longspan.core.errors import CheckpointError, NotSupportedError
+from longspan.conversion.families import Family
+from longspan.conversion.mapping import DECODER_ATTENTION, DECODER_EMBEDDINGS, layer_map
+from longspan.core.errors import NotSupportedError
 from longspan.models.activations import quick_gelu
 
 QUICK_GELU_ALPHA = 1.702
 
-# The 16 values of an E2M1 (MXFP4) code: sign bit, 2 exponent bits, 1 mantissa bit.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+WEIGHTS = DECODER_EMBEDDINGS + DECODER_ATTENTION + (
+    layer_map("self_attention.softmax_offset", "self_attn.sinks"),
+    layer_map("mlp.router.weight", "mlp.router.weight"),
+    layer_map("mlp.router.bias", "mlp.router.bias"),
+    layer_map("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
+              interleave=(0, 2), mxfp4=True),
+    layer_map("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, transpose=True,
+              interleave=(1, 2), mxfp4=True),
+    layer_map("mlp.experts.linear_fc1_gate.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(0, 2)),
+    layer_map("mlp.experts.linear_fc1.bias", "mlp.experts.gate_up_proj_bias", stacked=True, interleave=(1, 2)),
+    layer_map("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True, transpose=True, mxfp4=True),
+    layer_map("mlp.experts.linear_fc2.bias", "mlp.experts.down_proj_bias", stacked=True),
+)
 
 
 def gpt_oss_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -130,21 +141,4 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """MXFP4 ``blocks [..., G, 16]`` (uint8, two codes per byte, low nibble first) and ``scales [..., G]``
-    (uint8 exponent + 127) as ``[..., G * 32]`` in ``dtype``: transformers' ``convert_moe_packed_tensors``
-    without its final transpose. ``name`` (the HF tensor) is named in the error for mismatched shapes."""
-    if tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise CheckpointError(f"MXFP4 tensor {name}: {name}_scales has shape {tuple(scales.shape)} but "
-                              f"{name}_blocks {tuple(blocks.shape)} needs {tuple(blocks.shape[:-1])}")
-    blocks = blocks.to(torch.uint8)
-    exponents = scales.to(torch.int32) - 127
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    *prefix, groups, width = blocks.shape
-    out = torch.empty(*prefix, groups, width * 2, dtype=dtype)
-    out[..., 0::2] = lut[(blocks & 0x0F).to(torch.long)]
-    out[..., 1::2] = lut[(blocks >> 4).to(torch.long)]
-    out = torch.ldexp(out, exponents.unsqueeze(-1))
-    return out.reshape(*prefix, groups * width * 2)
-
+GPT_OSS = Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", WEIGHTS, gpt_oss_provider, gpt_oss_hf)

@@ -1,0 +1,8 @@
+"""GLM-4.5 / 4.6 (``Glm4MoeForCausalLM``)."""
+
+from __future__ import annotations
+
+from longspan.conversion.families import register_family
+from longspan.families.glm.hf import GLM4_MOE
+
+register_family(GLM4_MOE)

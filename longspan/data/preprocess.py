@@ -85,12 +85,6 @@ def input_format(path: str) -> str:
     return "text"
 
 
-def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int]]:
-    """(``{key: text}``, bytes or rows read so far) for each document of the input file."""
-    for doc, done, _ in iter_located_documents(path, json_keys):
-        yield doc, done
-
-
 def iter_located_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int, int]]:
     """(``{key: text}``, bytes or rows read so far, line number or row) for each document of the input file."""
     if not os.path.isfile(path):

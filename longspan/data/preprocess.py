@@ -64,10 +64,6 @@ class PreprocessResult:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    @property
-    def tokens_per_second_per_core(self) -> float:
-        return self.tokens_per_second / max(1, self.workers)
-
 
 def output_prefix_for(output_prefix: str, key: str, split_sentences: bool) -> str:
     """``{output_prefix}_{key}_document`` (``_sentence`` with sentence splitting)."""

@@ -19,7 +19,8 @@ import torch
 from tests.conversion.test_deepseek_moe import VOCAB, save_random_deepseek_moe
 from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
 from tests.parallel.harness import get_shared_pool
-from tests.parallel.test_glm_layouts import _glm_pretrain_task, _logged
+from tests.helpers.layout_parity import train_records
+from tests.parallel.test_glm_layouts import _glm_pretrain_task
 from tests.training.pretrain_helpers import mock_layout_run
 
 ITERS = 8
@@ -55,7 +56,7 @@ def test_deepseek_moe_pretrain_ep2_matches_one_process(tmp_path):
     reference_dir, ep2_dir = tmp_path / "one", tmp_path / "ep2"
     _glm_pretrain_task(str(reference_dir), str(hf_dir))  # mock data, EP layout; the architecture is config.json's
     get_shared_pool(2).run(_glm_pretrain_task, str(ep2_dir), str(hf_dir), 2, timeout=300)
-    ref, got = _logged(str(reference_dir)), _logged(str(ep2_dir))
+    ref, got = train_records(str(reference_dir)), train_records(str(ep2_dir))
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
     for r, w in zip(got, ref):
         assert math.isclose(r["losses"]["lm loss"], w["losses"]["lm loss"], rel_tol=REL_TOL), r["iteration"]
@@ -93,7 +94,7 @@ def test_tiny_deepseek_from_random_weights_under_layout_matches_one_process(tmp_
     layer on the first stage, two MoE layers on the second)."""
     _recipe_pretrain(str(tmp_path / "one"))
     get_shared_pool(2).run(_recipe_pretrain, str(tmp_path / layout), *RECIPE_LAYOUTS[layout], timeout=300)
-    ref, got = _logged(str(tmp_path / "one")), _logged(str(tmp_path / layout))
+    ref, got = train_records(str(tmp_path / "one")), train_records(str(tmp_path / layout))
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
     for r, w in zip(got, ref):
         assert math.isclose(r["losses"]["lm loss"], w["losses"]["lm loss"], rel_tol=REL_TOL), r["iteration"]

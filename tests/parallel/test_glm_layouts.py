@@ -17,6 +17,7 @@ import torch
 from tests.conversion.glm_models import make_glm_model
 from tests.conversion.hf_models import VOCAB
 from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
+from tests.helpers.layout_parity import train_records
 from tests.parallel.harness import get_shared_pool
 from tests.parallel.test_moe_parity import moe_config
 
@@ -70,14 +71,6 @@ def _glm_pretrain_task(run_dir: str, hf_dir: str, ep: int = 1) -> None:
     pretrain(cfg)
 
 
-def _logged(run_dir: str) -> list[dict]:
-    import json
-    import os
-
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [r for r in rows if r.get("phase") == "train"]
-
-
 @pytest.mark.slow
 def test_glm_pretrain_ep2_matches_one_process(tmp_path):
     hf_dir = tmp_path / "hf"
@@ -85,7 +78,7 @@ def test_glm_pretrain_ep2_matches_one_process(tmp_path):
     reference_dir, ep2_dir = tmp_path / "one", tmp_path / "ep2"
     _glm_pretrain_task(str(reference_dir), str(hf_dir))
     get_shared_pool(2).run(_glm_pretrain_task, str(ep2_dir), str(hf_dir), 2, timeout=300)
-    ref, got = _logged(str(reference_dir)), _logged(str(ep2_dir))
+    ref, got = train_records(str(reference_dir)), train_records(str(ep2_dir))
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
     for key in ("lm loss",):
         for r, w in zip(got, ref):

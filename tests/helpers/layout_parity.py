@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pytest
@@ -60,3 +61,39 @@ def assert_losses_match(got: dict[int, float], want: dict[int, float], iteration
     assert sorted(got) == iterations
     for it in iterations:
         assert got[it] == pytest.approx(want[it], rel=rel), (label, it, got[it], want[it])
+
+
+def assert_layout_matches_one_process(name: str, want: dict[int, float], task: Callable[..., int],
+                                      config: Callable[[str], Any], run_dir: str, iters: int, rel: float) -> None:
+    """The 2-process layout ``TWO_PROCESS_LAYOUTS[name]`` logs the one-process losses ``want`` (``rel``) in each of
+    ``iters`` iterations; ``want`` itself must fall by 5% (a layout training another model would show)."""
+    assert want[iters] < want[1] * 0.95
+    got = layout_losses(task, config, run_dir, TWO_PROCESS_LAYOUTS[name])
+    assert_losses_match(got, want, range(1, iters + 1), rel, name)
+
+
+def import_export_under_layout(hf_dir: Path, layout: dict[str, Any], fsdp: bool,
+                               save_dir: Path) -> tuple[dict, dict]:
+    """Import the HF directory ``hf_dir`` under ``layout`` (and FSDP2) on the 2-process pool, run 2 × 12 tokens
+    through it and export it (also saving to ``save_dir``): every rank's logits equal one process's (1e-5), and
+    the ranks' exports together name the tensors of one process's export and of the checkpoint. Returns (the
+    merged export, the checkpoint's tensors)."""
+    import torch
+
+    from tests.conversion.hf_models import VOCAB
+    from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
+
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    expected, expected_export = _one_process(hf_dir, tokens)
+    results = get_shared_pool(2).run(_import_forward_export, str(hf_dir), layout, fsdp, tokens, str(save_dir),
+                                     timeout=180)
+    logits = [r[0] for r in results if r[0] is not None]
+    assert logits
+    for got in logits:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    merged: dict[str, torch.Tensor] = {}
+    for _, exported, _, _ in results:
+        merged.update(exported)
+    original = _original(hf_dir)
+    assert sorted(merged) == sorted(original) == sorted(expected_export)
+    return merged, original

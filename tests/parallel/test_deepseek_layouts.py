@@ -16,10 +16,9 @@ import math
 import pytest
 import torch
 
-from tests.conversion.test_deepseek_moe import VOCAB, save_random_deepseek_moe
-from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
+from tests.conversion.test_deepseek_moe import save_random_deepseek_moe
+from tests.helpers.layout_parity import import_export_under_layout, train_records
 from tests.parallel.harness import get_shared_pool
-from tests.helpers.layout_parity import train_records
 from tests.parallel.test_glm_layouts import _glm_pretrain_task
 from tests.training.pretrain_helpers import mock_layout_run
 
@@ -30,19 +29,8 @@ REL_TOL = 1e-5
 def test_deepseek_moe_import_under_ep2_fsdp2_matches_one_process_and_exports_bit_identically(tmp_path):
     hf_dir = tmp_path / "hf"
     save_random_deepseek_moe(hf_dir, 24, num_hidden_layers=4)
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    expected, expected_export = _one_process(hf_dir, tokens)
-    results = get_shared_pool(2).run(_import_forward_export, str(hf_dir), {"expert_model_parallel_size": 2}, True,
-                                     tokens, str(tmp_path / "saved"), timeout=180)
-    logits = [r[0] for r in results if r[0] is not None]
-    assert logits
-    for got in logits:
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    merged: dict[str, torch.Tensor] = {}
-    for _, exported, _, _ in results:
-        merged.update(exported)
-    original = _original(hf_dir)
-    assert sorted(merged) == sorted(original) == sorted(expected_export)
+    merged, original = import_export_under_layout(hf_dir, {"expert_model_parallel_size": 2}, True,
+                                                  tmp_path / "saved")
     assert any(name.endswith("e_score_correction_bias") for name in merged)
     assert any(name.endswith("kv_a_proj_with_mqa.weight") for name in merged)
     for name, tensor in merged.items():

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from tests.conversion.glm_models import make_glm_model
-from tests.conversion.hf_models import VOCAB
-from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
-from tests.helpers.layout_parity import train_records
+from tests.conversion.test_layouts import _original
+from tests.helpers.layout_parity import import_export_under_layout, train_records
 from tests.parallel.harness import get_shared_pool
 from tests.parallel.test_moe_parity import moe_config
 
@@ -36,19 +35,7 @@ LAYOUTS = [
 def test_glm_import_under_layout_matches_one_process_and_exports_bit_identically(tmp_path, layout, fsdp):
     hf_dir = tmp_path / "hf"
     make_glm_model(hf_dir, tokenizer=False, num_hidden_layers=4)
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    expected, expected_export = _one_process(hf_dir, tokens)
-    results = get_shared_pool(2).run(_import_forward_export, str(hf_dir), layout, fsdp, tokens,
-                                     str(tmp_path / "saved"), timeout=180)
-    logits = [r[0] for r in results if r[0] is not None]
-    assert logits
-    for got in logits:
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    merged: dict[str, torch.Tensor] = {}
-    for _, exported, _, _ in results:
-        merged.update(exported)
-    original = _original(hf_dir)
-    assert sorted(merged) == sorted(original) == sorted(expected_export)
+    merged, original = import_export_under_layout(hf_dir, layout, fsdp, tmp_path / "saved")
     assert any(name.endswith("e_score_correction_bias") for name in merged)
     for name, tensor in merged.items():
         assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name

@@ -553,7 +553,7 @@ def _needs_accelerator(section: str, name: str, value: Any) -> bool:
     if (section, name) == ("model", "attention_backend"):
         return value == "fused"  # the CUDA-only kernels; the other names map onto SDPA kernels everywhere
     if name.startswith("fp8"):
-        return False  # not ignored: model.fp8 without FP8 hardware is a one-line error (training/precision.py)
+        return False  # not ignored: model.fp8 without FP8 hardware is a one-line error (parallel/float8.py)
     return bool(value)
 
 

@@ -9,7 +9,7 @@ are set by the training code, never by a YAML file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ContextManager, Iterable, Literal, Optional
+from typing import Callable, ContextManager, Literal, Optional
 
 import torch
 
@@ -242,18 +242,3 @@ class ModelParallelConfig:
 
 #: the fields a model inherits from ModelParallelConfig: its layout and precision, not its architecture
 PARALLEL_CONFIG_FIELDS = frozenset(f.name for f in fields(ModelParallelConfig))
-
-
-def copy_model_fields(source: Any, target: Any, keep: Iterable[str] = PARALLEL_CONFIG_FIELDS) -> list[str]:
-    """Set on ``target`` every dataclass field of ``source`` whose value differs, except those in ``keep``
-    (by default the layout and precision fields); returns the names that changed, in field order."""
-    keep = set(keep)
-    changed = []
-    for f in fields(source):
-        if f.name in keep:
-            continue
-        value = getattr(source, f.name)
-        if getattr(target, f.name) != value:
-            setattr(target, f.name, value)
-            changed.append(f.name)
-    return changed

@@ -65,10 +65,6 @@ class PreprocessResult:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    @property
-    def tokens_per_second_per_core(self) -> float:
-        return self.tokens_per_second / max(1, self.workers)
-
 
 def output_prefix_for(output_prefix: str, key: str, split_sentences: bool) -> str:
     """``{output_prefix}_{key}_document`` (``_sentence`` with sentence splitting)."""
@@ -84,12 +80,6 @@ def input_format(path: str) -> str:
     if lower.endswith((".jsonl", ".json", ".jsonl.txt", ".ndjson")):
         return "jsonl"
     return "text"
-
-
-def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int]]:
-    """(``{key: text}``, bytes or rows read so far) for each document of the input file."""
-    for doc, done, _ in iter_located_documents(path, json_keys):
-        yield doc, done
 
 
 def iter_located_documents(path: str, json_keys: Sequence[str]) -> Iterator[Tuple[Dict[str, str], int, int]]:

@@ -235,11 +235,6 @@ class ParallelState:
     edp_group = property(lambda self: self.group("edp"), doc="expert data-parallel group")
 
     @property
-    def is_distributed(self) -> bool:
-        """Whether a process group exists (world size > 1)."""
-        return self.meshes is not None
-
-    @property
     def is_rank_0(self) -> bool:
         return self.rank == 0
 

@@ -263,12 +263,6 @@ def tied_embedding_weights(model: list[nn.Module]) -> list[torch.Tensor]:
     return out
 
 
-def embedding_group_ranks(parallel: Any) -> list[int]:
-    """Global ranks of this rank's embedding group: the pipeline ranks holding the first and last stage."""
-    ranks = dist.get_process_group_ranks(parallel.pp_group)
-    return [ranks[0], ranks[-1]]
-
-
 def _embedding_group(parallel: Any) -> Any:
     """The embedding process group of this rank (created collectively, once per set of ranks and world).
 
@@ -343,11 +337,6 @@ def sync_tied_embedding_grads(model: list[nn.Module], parallel: Any) -> None:
             grad = weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         dist.all_reduce(local, group=group)
-
-
-def check_pipeline_model(model_cfg: Any, pp: int) -> None:
-    """Reject pipeline settings the stages cannot honour (one line each)."""
-    layer_counts_for_config(model_cfg, pp)
 
 
 def state_dict_module(model: list[nn.Module]) -> nn.Module:

@@ -203,11 +203,6 @@ def adapted_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def has_adapters(model_chunks: list[nn.Module] | nn.Module) -> bool:
-    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-    return any(is_adapter_key(n) for chunk in chunks for n, _ in chunk.named_parameters())
-
-
 @torch.no_grad()
 def init_dora_magnitudes(model_chunks: list[nn.Module]) -> None:
     """DoRA: set every magnitude to the current weight's row norms (after the base weights are loaded)."""
@@ -215,12 +210,6 @@ def init_dora_magnitudes(model_chunks: list[nn.Module]) -> None:
         for _, layer in adapted_layers(chunk):
             if isinstance(layer, DoRALinear):
                 layer.init_magnitude()
-
-
-def num_adapter_parameters(model_chunks: list[nn.Module] | nn.Module) -> int:
-    """Number of adapter parameter elements (full sizes, counted once)."""
-    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-    return sum(p.numel() for c in chunks for n, p in c.named_parameters() if is_adapter_key(n))
 
 
 @torch.no_grad()

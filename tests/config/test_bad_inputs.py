@@ -21,6 +21,7 @@ import torch
 from longspan.cli import main
 from longspan.training.step.forward_step import forward_step
 from longspan.training.pretrain import pretrain
+from tests.helpers.cli_errors import assert_one_line
 from tests.training.pretrain_helpers import small_config
 
 # (overrides, a fragment the one-line message must contain)
@@ -91,22 +92,13 @@ def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def _assert_one_line(code: int, err: str, fragment: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("longspan"), lines[0]
-    assert fragment in lines[0], lines[0]
-    assert "Traceback" not in err
-
-
 @pytest.mark.parametrize("overrides,fragment", CONFIG_CASES, ids=[" ".join(o) for o, _ in CONFIG_CASES])
 def test_bad_config_is_one_line_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture, overrides: list[str], fragment: str
 ) -> None:
     base, save = _write_base(tmp_path)
     code = main(["pretrain", "--config", str(base), *overrides])
-    _assert_one_line(code, capsys.readouterr().err, fragment)
+    assert_one_line(code, capsys.readouterr().err, fragment)
     assert not save.exists(), sorted(save.rglob("*"))
 
 
@@ -219,7 +211,7 @@ def test_damaged_checkpoint_names_the_file(
     before = _snapshot(root)
     code = main(["pretrain", "--config", str(base), f"checkpoint.load={root}", f"checkpoint.save={root}",
                  "train.train_iters=2", "scheduler.lr_warmup_iters=1"])
-    _assert_one_line(code, capsys.readouterr().err, fragment)
+    assert_one_line(code, capsys.readouterr().err, fragment)
     assert _snapshot(root) == before
 
 
@@ -242,7 +234,7 @@ def test_bad_preprocess_argument_is_one_line(
     with pytest.raises(SystemExit) as exc:
         main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(out),
               "--tokenizer-type", "NullTokenizer", "--vocab-size", "16", *extra])
-    _assert_one_line(int(exc.value.code), capsys.readouterr().err, fragment)
+    assert_one_line(int(exc.value.code), capsys.readouterr().err, fragment)
     assert not out.parent.exists()
 
 
@@ -271,5 +263,5 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path: Path, good_checkpoint: 
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    _assert_one_line(proc.returncode, proc.stderr, fragment)
+    assert_one_line(proc.returncode, proc.stderr, fragment)
     assert _snapshot(save) == before

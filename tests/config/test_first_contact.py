@@ -8,15 +8,7 @@ from pathlib import Path
 import pytest
 
 from longspan.cli import main
-
-
-def _assert_one_line(code: int, err: str, fragment: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("longspan"), lines[0]
-    assert fragment in lines[0], lines[0]
-    assert "Traceback" not in err
+from tests.helpers.cli_errors import assert_one_line
 
 
 @pytest.mark.parametrize("recipe", ["lora", "sft"])
@@ -26,7 +18,7 @@ def test_finetune_without_pretrained_checkpoint_names_the_field(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     code = main(["finetune", "--recipe", recipe, f"dataset.dataset_root={tmp_path / 'data'}"])
-    _assert_one_line(code, capsys.readouterr().err,
+    assert_one_line(code, capsys.readouterr().err,
                      "finetune needs checkpoint.pretrained_checkpoint: give checkpoint.pretrained_checkpoint=DIR, "
                      f"an HF model directory or a longspan checkpoint to start from (checkpoint.load=runs/{recipe}/"
                      "checkpoints holds no run to resume yet)")
@@ -75,7 +67,7 @@ def test_mlflow_file_store_refusal_is_one_line_with_the_fix(
     code = main(["pretrain", "--config", str(config)])
     where = f"logger.mlflow_tracking_uri={uri}" if given == "uri" else f"MLflow's tracking URI {uri}"
     err = capsys.readouterr().err
-    _assert_one_line(code, err, f"{where} is a file store, which MLflow ")
+    assert_one_line(code, err, f"{where} is a file store, which MLflow ")
     assert ("opens only with MLFLOW_ALLOW_FILE_STORE=true in the environment; set it, or use a database, e.g. "
             "logger.mlflow_tracking_uri=sqlite:///mlflow.db") in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # refused at start-up: no run directory either
@@ -110,11 +102,11 @@ def test_finetune_lr_in_a_bridge_style_override_file_loads(tmp_path: Path, capsy
 
 def test_finetune_lr_in_pretraining_is_one_line(capsys: pytest.CaptureFixture) -> None:
     code = main(["config", "validate", "--recipe", "tiny", "optimizer.finetune_lr=1e-4"])
-    _assert_one_line(code, capsys.readouterr().err,
+    assert_one_line(code, capsys.readouterr().err,
                      "optimizer.finetune_lr=0.0001 applies to finetuning runs (checkpoint.pretrained_checkpoint or "
                      "peft set); this run pretrains: set optimizer.lr=0.0001 instead")
 
 
 def test_finetune_lr_out_of_range_is_one_line(capsys: pytest.CaptureFixture) -> None:
     code = main(["config", "validate", "--recipe", "lora", "optimizer.finetune_lr=-1"])
-    _assert_one_line(code, capsys.readouterr().err, "optimizer.finetune_lr=-1")
+    assert_one_line(code, capsys.readouterr().err, "optimizer.finetune_lr=-1")

@@ -8,15 +8,7 @@ from pathlib import Path
 import pytest
 
 from longspan.cli import main
-
-
-def _assert_one_line(code: int, err: str, fragment: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("longspan"), lines[0]
-    assert fragment in lines[0], lines[0]
-    assert "Traceback" not in err
+from tests.helpers.cli_errors import assert_one_line
 
 
 @pytest.mark.parametrize("workers,partitions", [(1, 1), (2, 1), (1, 3)])
@@ -31,7 +23,7 @@ def test_null_tokenizer_on_words_names_the_line_and_leaves_nothing(
     code = main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(out / "data"),
                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "16", "--no-progress",
                  "--workers", str(workers), "--partitions", str(partitions)])
-    _assert_one_line(code, capsys.readouterr().err,
+    assert_one_line(code, capsys.readouterr().err,
                      f"{tmp_path / 'in.jsonl'}:201 (key 'text'): NullTokenizer expects space-separated integer "
                      "token ids, got 'hello'")
     assert list(out.iterdir()) == []
@@ -41,7 +33,7 @@ def test_null_tokenizer_on_plain_text_names_the_line(tmp_path: Path, capsys: pyt
     (tmp_path / "in.txt").write_text("1 2 3\n4 5\nThe quick brown fox\n")
     code = main(["preprocess", "--input", str(tmp_path / "in.txt"), "--output-prefix", str(tmp_path / "data"),
                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "16", "--append-eod"])
-    _assert_one_line(code, capsys.readouterr().err, f"{tmp_path / 'in.txt'}:3 (key 'text'): NullTokenizer expects")
+    assert_one_line(code, capsys.readouterr().err, f"{tmp_path / 'in.txt'}:3 (key 'text'): NullTokenizer expects")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
@@ -50,7 +42,7 @@ def test_bad_json_line_mid_preprocess_removes_partial_outputs(tmp_path: Path, ca
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     code = main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "data"),
                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "16", "--no-progress"])
-    _assert_one_line(code, capsys.readouterr().err, f"{tmp_path / 'in.jsonl'}:501 is not valid JSON")
+    assert_one_line(code, capsys.readouterr().err, f"{tmp_path / 'in.jsonl'}:501 is not valid JSON")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
@@ -97,7 +89,7 @@ def test_bad_sft_line_5_of_10000_stops_before_iteration_1(
     config = _sft_config(tmp_path, sft_tokenizer, data)
     code = main(["pretrain", "--config", str(config)])
     out, err = capsys.readouterr()
-    _assert_one_line(code, err, f"{data / 'training.jsonl'} {fragment}")
+    assert_one_line(code, err, f"{data / 'training.jsonl'} {fragment}")
     assert "consumed samples:" not in out  # stopped before the first training step's log line
     assert not any((tmp_path / "sft").rglob("iter_*"))
 

@@ -16,10 +16,10 @@ import math
 import pytest
 import torch
 
-from tests.conversion.test_deepseek_moe import VOCAB, save_random_deepseek_moe
-from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
+from tests.conversion.test_deepseek_moe import save_random_deepseek_moe
+from tests.helpers.layout_parity import import_export_under_layout, train_records
 from tests.parallel.harness import get_shared_pool
-from tests.parallel.test_glm_layouts import _glm_pretrain_task, _logged
+from tests.parallel.test_glm_layouts import _glm_pretrain_task
 from tests.training.pretrain_helpers import mock_layout_run
 
 ITERS = 8
@@ -29,19 +29,8 @@ REL_TOL = 1e-5
 def test_deepseek_moe_import_under_ep2_fsdp2_matches_one_process_and_exports_bit_identically(tmp_path):
     hf_dir = tmp_path / "hf"
     save_random_deepseek_moe(hf_dir, 24, num_hidden_layers=4)
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    expected, expected_export = _one_process(hf_dir, tokens)
-    results = get_shared_pool(2).run(_import_forward_export, str(hf_dir), {"expert_model_parallel_size": 2}, True,
-                                     tokens, str(tmp_path / "saved"), timeout=180)
-    logits = [r[0] for r in results if r[0] is not None]
-    assert logits
-    for got in logits:
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    merged: dict[str, torch.Tensor] = {}
-    for _, exported, _, _ in results:
-        merged.update(exported)
-    original = _original(hf_dir)
-    assert sorted(merged) == sorted(original) == sorted(expected_export)
+    merged, original = import_export_under_layout(hf_dir, {"expert_model_parallel_size": 2}, True,
+                                                  tmp_path / "saved")
     assert any(name.endswith("e_score_correction_bias") for name in merged)
     assert any(name.endswith("kv_a_proj_with_mqa.weight") for name in merged)
     for name, tensor in merged.items():
@@ -55,7 +44,7 @@ def test_deepseek_moe_pretrain_ep2_matches_one_process(tmp_path):
     reference_dir, ep2_dir = tmp_path / "one", tmp_path / "ep2"
     _glm_pretrain_task(str(reference_dir), str(hf_dir))  # mock data, EP layout; the architecture is config.json's
     get_shared_pool(2).run(_glm_pretrain_task, str(ep2_dir), str(hf_dir), 2, timeout=300)
-    ref, got = _logged(str(reference_dir)), _logged(str(ep2_dir))
+    ref, got = train_records(str(reference_dir)), train_records(str(ep2_dir))
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
     for r, w in zip(got, ref):
         assert math.isclose(r["losses"]["lm loss"], w["losses"]["lm loss"], rel_tol=REL_TOL), r["iteration"]
@@ -93,7 +82,7 @@ def test_tiny_deepseek_from_random_weights_under_layout_matches_one_process(tmp_
     layer on the first stage, two MoE layers on the second)."""
     _recipe_pretrain(str(tmp_path / "one"))
     get_shared_pool(2).run(_recipe_pretrain, str(tmp_path / layout), *RECIPE_LAYOUTS[layout], timeout=300)
-    ref, got = _logged(str(tmp_path / "one")), _logged(str(tmp_path / layout))
+    ref, got = train_records(str(tmp_path / "one")), train_records(str(tmp_path / layout))
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
     for r, w in zip(got, ref):
         assert math.isclose(r["losses"]["lm loss"], w["losses"]["lm loss"], rel_tol=REL_TOL), r["iteration"]

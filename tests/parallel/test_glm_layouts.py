@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.conversion.glm_models import make_glm_model
-from tests.conversion.hf_models import VOCAB
-from tests.conversion.test_layouts import _import_forward_export, _one_process, _original
+from tests.conversion.test_layouts import _original
+from tests.helpers.layout_parity import import_export_under_layout, train_records
 from tests.parallel.harness import get_shared_pool
 from tests.parallel.test_moe_parity import moe_config
 
@@ -35,19 +35,7 @@ LAYOUTS = [
 def test_glm_import_under_layout_matches_one_process_and_exports_bit_identically(tmp_path, layout, fsdp):
     hf_dir = tmp_path / "hf"
     make_glm_model(hf_dir, tokenizer=False, num_hidden_layers=4)
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    expected, expected_export = _one_process(hf_dir, tokens)
-    results = get_shared_pool(2).run(_import_forward_export, str(hf_dir), layout, fsdp, tokens,
-                                     str(tmp_path / "saved"), timeout=180)
-    logits = [r[0] for r in results if r[0] is not None]
-    assert logits
-    for got in logits:
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    merged: dict[str, torch.Tensor] = {}
-    for _, exported, _, _ in results:
-        merged.update(exported)
-    original = _original(hf_dir)
-    assert sorted(merged) == sorted(original) == sorted(expected_export)
+    merged, original = import_export_under_layout(hf_dir, layout, fsdp, tmp_path / "saved")
     assert any(name.endswith("e_score_correction_bias") for name in merged)
     for name, tensor in merged.items():
         assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
@@ -70,14 +58,6 @@ def _glm_pretrain_task(run_dir: str, hf_dir: str, ep: int = 1) -> None:
     pretrain(cfg)
 
 
-def _logged(run_dir: str) -> list[dict]:
-    import json
-    import os
-
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [r for r in rows if r.get("phase") == "train"]
-
-
 @pytest.mark.slow
 def test_glm_pretrain_ep2_matches_one_process(tmp_path):
     hf_dir = tmp_path / "hf"
@@ -85,7 +65,7 @@ def test_glm_pretrain_ep2_matches_one_process(tmp_path):
     reference_dir, ep2_dir = tmp_path / "one", tmp_path / "ep2"
     _glm_pretrain_task(str(reference_dir), str(hf_dir))
     get_shared_pool(2).run(_glm_pretrain_task, str(ep2_dir), str(hf_dir), 2, timeout=300)
-    ref, got = _logged(str(reference_dir)), _logged(str(ep2_dir))
+    ref, got = train_records(str(reference_dir)), train_records(str(ep2_dir))
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)) == [r["iteration"] for r in ref]
     for key in ("lm loss",):
         for r, w in zip(got, ref):

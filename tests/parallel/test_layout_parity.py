@@ -19,6 +19,7 @@ import math
 
 import pytest
 
+from tests.helpers.layout_parity import logged
 from tests.parallel.harness import get_shared_pool
 
 pytestmark = pytest.mark.slow
@@ -162,17 +163,6 @@ def pretrain_config(run_dir: str, iters: int = 8, tp: int = 1, sp: bool = False,
     cfg.dist.distributed_timeout_minutes = 1
     cfg.optimizer.use_distributed_optimizer = dist_opt
     return cfg
-
-
-def logged(run_dir: str) -> dict:
-    """Per-iteration training losses and gradient norms from ``run_dir``/metrics.jsonl."""
-    import json
-    import os
-
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    rows = [r for r in rows if r.get("phase") == "train"]
-    return {"iterations": [r["iteration"] for r in rows], "losses": [r["losses"]["lm loss"] for r in rows],
-            "norms": [r["grad_norm"] for r in rows]}
 
 
 def run_pretrain(run_dir: str, **kwargs) -> str:

@@ -16,6 +16,7 @@ import math
 
 import pytest
 
+from tests.helpers.layout_parity import train_records
 from tests.parallel.harness import get_shared_pool
 
 SEQ = 32
@@ -165,14 +166,6 @@ def _pretrain_task(run_dir: str, ep: int = 1, tp: int = 1) -> None:
     pretrain(cfg)  # the default forward step: the schedule sets the aux-loss gradient scale
 
 
-def _logged(run_dir: str) -> list[dict]:
-    import json
-    import os
-
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [r for r in rows if r.get("phase") == "train"]
-
-
 _PRETRAIN_REF: dict = {}
 
 
@@ -180,7 +173,7 @@ def _pretrain_reference(tmp_path_factory) -> list[dict]:
     if "rows" not in _PRETRAIN_REF:
         run_dir = str(tmp_path_factory.mktemp("moe_reference"))
         _pretrain_task(run_dir)
-        _PRETRAIN_REF["rows"] = _logged(run_dir)
+        _PRETRAIN_REF["rows"] = train_records(run_dir)
         _PRETRAIN_REF["dir"] = run_dir
     return _PRETRAIN_REF["rows"]
 
@@ -215,14 +208,14 @@ def test_pretrain_logs_moe_metrics(tmp_path_factory):
 def test_pretrain_ep2_matches_one_process(tmp_path_factory, tmp_path):
     ref = _pretrain_reference(tmp_path_factory)
     get_shared_pool(2).run(_pretrain_task, str(tmp_path), 2, 1, timeout=300)
-    _check_pretrain(_logged(str(tmp_path)), ref, "pretrain EP2")
+    _check_pretrain(train_records(str(tmp_path)), ref, "pretrain EP2")
 
 
 @pytest.mark.slow
 def test_pretrain_ep2_tp2_matches_one_process(tmp_path_factory, tmp_path):
     ref = _pretrain_reference(tmp_path_factory)
     get_shared_pool(4).run(_pretrain_task, str(tmp_path), 2, 2, timeout=300)
-    _check_pretrain(_logged(str(tmp_path)), ref, "pretrain EP2xTP2")
+    _check_pretrain(train_records(str(tmp_path)), ref, "pretrain EP2xTP2")
 
 
 # ------------------------------------------------------------------------------------- layout checks (no processes)

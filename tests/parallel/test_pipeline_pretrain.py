@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.layout_parity import assert_losses_match
 from tests.parallel.harness import get_shared_pool
 from tests.training.pretrain_helpers import losses_by_iteration
 
@@ -58,12 +59,6 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return losses_by_iteration(_config(str(run_dir)))
 
 
-def _assert_close(got: dict[int, float], want: dict[int, float], iterations) -> None:
-    assert sorted(got) == list(iterations)
-    for it in iterations:
-        assert got[it] == pytest.approx(want[it], rel=REL), (it, got[it], want[it])
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: one process, same global batch; checkpoints at iterations 4 and 8."""
@@ -77,7 +72,7 @@ def test_pp2_1f1b_matches_one_process_and_checkpoints_move_between_layouts(one_p
     pool = get_shared_pool(2)
     pp_run = tmp_path / "pp2"
     assert pool.run(_pretrain, str(pp_run), pp=2, timeout=240) == [ITERS, ITERS]
-    _assert_close(_losses(pp_run), ref, range(1, ITERS + 1))
+    assert_losses_match(_losses(pp_run), ref, range(1, ITERS + 1), REL)
     # the checkpoint keeps the unpipelined names
     import torch.distributed.checkpoint as dcp
 
@@ -88,19 +83,19 @@ def test_pp2_1f1b_matches_one_process_and_checkpoints_move_between_layouts(one_p
     # PP2's iteration-4 checkpoint resumed by one process, and the reference's by PP2
     to_one = tmp_path / "pp2_to_one"
     _pretrain(str(to_one), load=str(pp_run / "ckpt"), ckpt_step=4)
-    _assert_close(_losses(to_one), ref, range(5, ITERS + 1))
+    assert_losses_match(_losses(to_one), ref, range(5, ITERS + 1), REL)
     to_pp = tmp_path / "one_to_pp2"
     pool.run(_pretrain, str(to_pp), pp=2, load=str(one_process / "ckpt"), ckpt_step=4, timeout=240)
-    _assert_close(_losses(to_pp), ref, range(5, ITERS + 1))
+    assert_losses_match(_losses(to_pp), ref, range(5, ITERS + 1), REL)
 
 
 def test_pp2_vp2_interleaved_matches_one_process(one_process: Path, tmp_path: Path):
     run = tmp_path / "pp2vp2"
     get_shared_pool(2).run(_pretrain, str(run), pp=2, vp=2, timeout=240)
-    _assert_close(_losses(run), _losses(one_process), range(1, ITERS + 1))
+    assert_losses_match(_losses(run), _losses(one_process), range(1, ITERS + 1), REL)
 
 
 def test_tp2_pp2_matches_one_process(one_process: Path, tmp_path: Path):
     run = tmp_path / "tp2pp2"
     get_shared_pool(4).run(_pretrain, str(run), pp=2, tp=2, timeout=400)
-    _assert_close(_losses(run), _losses(one_process), range(1, ITERS + 1))
+    assert_losses_match(_losses(run), _losses(one_process), range(1, ITERS + 1), REL)

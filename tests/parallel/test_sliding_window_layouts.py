@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.harness import get_shared_pool
-from tests.training.pretrain_helpers import losses_by_iteration, mock_layout_run
+from tests.helpers.layout_parity import TWO_PROCESS_LAYOUTS, assert_layout_matches_one_process, one_process_losses
+from tests.training.pretrain_helpers import mock_layout_run
 
 from longspan.models import sliding_window as sw
 from longspan.parallel import context_parallel as cpmod
@@ -55,30 +55,13 @@ def _pretrain(run_dir: str, **layout) -> int:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    run = str(tmp_path_factory.mktemp("swa_ref") / "ref")
-    assert _pretrain(run) == ITERS
-    return losses_by_iteration(_config(run))
-
-
-LAYOUTS = {
-    "tp2": dict(tp=2),
-    "tp2_sp": dict(tp=2, sp=True),
-    "pp2": dict(pp=2),
-    "dp2_fsdp2": dict(fsdp2=True),
-    "cp2": dict(cp=2),
-}
+    return one_process_losses(_pretrain, _config, str(tmp_path_factory.mktemp("swa_ref") / "ref"), ITERS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(TWO_PROCESS_LAYOUTS))
 def test_sliding_window_layout_matches_one_process(name, one_process, tmp_path):
-    want = one_process
-    assert want[ITERS] < want[1] * 0.95  # the loss moves: a layout training another model would show
-    get_shared_pool(2).run(_pretrain, str(tmp_path), timeout=300, **LAYOUTS[name])
-    got = losses_by_iteration(_config(str(tmp_path)))
-    assert sorted(got) == list(range(1, ITERS + 1))
-    for it in got:
-        assert got[it] == pytest.approx(want[it], rel=REL), (name, it, got[it], want[it])
+    assert_layout_matches_one_process(name, one_process, _pretrain, _config, str(tmp_path), ITERS, REL)
 
 
 # --------------------------------------------------------------------------- context parallel, no processes

@@ -14,7 +14,8 @@ import shutil
 import pytest
 
 from tests.parallel.harness import get_shared_pool
-from tests.parallel.test_layout_parity import REL_TOL, _close, logged, pretrain_config
+from tests.helpers.layout_parity import logged
+from tests.parallel.test_layout_parity import REL_TOL, _close, pretrain_config
 
 pytestmark = pytest.mark.slow
 

@@ -289,7 +289,7 @@ def _two_rank_run(run_dir: str, iters: int, exit_interval: int | None = None) ->
 
 @pytest.mark.slow
 def test_two_rank_distributed_optimizer_resumes_bit_for_bit(pool2, tmp_path: Path) -> None:
-    from tests.parallel.test_layout_parity import logged
+    from tests.helpers.layout_parity import logged
 
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     pool2.run(_two_rank_run, straight, 6)

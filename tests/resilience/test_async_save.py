@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel.test_layout_parity import logged, pretrain_config
+from tests.helpers.layout_parity import logged
+from tests.parallel.test_layout_parity import pretrain_config
 
 ITERS = 6
 

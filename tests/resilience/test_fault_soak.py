@@ -3,8 +3,8 @@ asynchronous checkpoint saves survives, one after another, a SIGKILLed rank, a S
 heartbeat monitor within its timeout), a SIGKILL during a checkpoint save (the rank inside its save call) and a
 SIGKILL during an asynchronous save (training has moved on while the background writer is still writing the
 ``.partial`` directory); it finishes every iteration and each iteration's loss equals an uninterrupted 2-rank
-run's, bit for bit (CPU, dropout on). The background writer is slowed down by the test hook
-``LONGSPAN_TEST_ASYNC_WRITE_DELAY_S`` (longspan.training.checkpointing.async_save) so that an async save is in flight for
+run's, bit for bit (CPU, dropout on). The background writer is slowed down by the ``sitecustomize`` of
+``slow_async_writer/`` on the run's PYTHONPATH (launcher and workers) so that an async save is in flight for
 about a second."""
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from typing import Any, Callable
 import pytest
 
 from longspan.cli import main
-from longspan.training.checkpointing.async_save import WRITE_DELAY_ENV
 from longspan.training.checkpointing.save import get_checkpoint_dir, read_tracker
 from longspan.config.schema.infra import FaultToleranceConfig
 from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV
 from tests.resilience.helpers import ENV, LONGSPAN, metrics_records, resilience_config, write_yaml
+from tests.resilience.slow_async_writer.sitecustomize import WRITE_DELAY_S as WRITE_DELAY
 from tests.training.pretrain_helpers import losses_by_iteration
 
 pytestmark = pytest.mark.slow
 
 ITERS = 24
 RANK_TIMEOUT = 8.0
-WRITE_DELAY = 1.0  # seconds each rank's background writer waits after writing its shards
+# every process of a run with this folder first on its PYTHONPATH writes checkpoints WRITE_DELAY seconds slower
+SLOW_WRITER = Path(__file__).parent / "slow_async_writer"
 
 
 def _beats(hb: Path) -> dict[int, dict[str, Any]]:
@@ -112,7 +113,8 @@ def _soak_config(tmp_path: Path, name: str, async_save: bool) -> Any:
 
 def _start(cfg: Any, yaml: Path, hb: Path, max_restarts: int, initial_timeout: float = 120) -> subprocess.Popen:
     hb.mkdir()
-    env = {**ENV, HEARTBEAT_DIR_ENV: str(hb), WRITE_DELAY_ENV: str(WRITE_DELAY)}
+    pythonpath = os.pathsep.join(p for p in (str(SLOW_WRITER), ENV.get("PYTHONPATH")) if p)
+    env = {**ENV, HEARTBEAT_DIR_ENV: str(hb), "PYTHONPATH": pythonpath}
     args = ["pretrain", "--config", str(yaml), "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
             "--ft-initial-rank-heartbeat-timeout", str(initial_timeout), "--ft-rank-heartbeat-timeout", str(RANK_TIMEOUT)]
     log = open(hb.parent / f"{hb.name}.log", "w")  # a file, not a pipe: nobody reads while the run goes on

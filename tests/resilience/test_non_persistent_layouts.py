@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.test_layout_parity import logged, pretrain_config
+from tests.helpers.layout_parity import logged
+from tests.parallel.test_layout_parity import pretrain_config
 
 pytestmark = pytest.mark.slow
 

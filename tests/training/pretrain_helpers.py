@@ -18,25 +18,34 @@ def small_config(tmp_path: Path, name: str = "run", **train_overrides: Any) -> A
     model.ffn_hidden_size = 128
     model.num_attention_heads = 4
     model.num_query_groups = 2
-    model.seq_length = 64
-    model.vocab_size = None  # from the tokenizer
-    cfg.tokenizer.tokenizer_type = "NullTokenizer"
-    cfg.tokenizer.tokenizer_model = None
-    cfg.tokenizer.vocab_size = 255
-    cfg.dataset.data_path = None  # mock data
-    cfg.dataset.sequence_length = 64
-    cfg.train.micro_batch_size = 2
-    cfg.train.global_batch_size = 8
-    cfg.train.train_iters = 30
-    cfg.train.eval_interval = 10
-    cfg.train.eval_iters = 2
+    null_tokenizer_mock_data(cfg, 64)
+    return small_run_settings(cfg, Path(tmp_path) / name, 30, 10, 2, None, train_overrides)
+
+
+def null_tokenizer_mock_data(cfg: Any, seq: int) -> Any:
+    """NullTokenizer (vocabulary 255; the model's vocabulary from the tokenizer) on mock data of ``seq`` tokens."""
+    cfg.model.seq_length, cfg.model.vocab_size = seq, None
+    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
+    cfg.dataset.data_path, cfg.dataset.sequence_length = None, seq
+    return cfg
+
+
+def small_run_settings(cfg: Any, run_dir: Path, train_iters: int, eval_interval: int, eval_iters: int,
+                       warmup_iters: int | None, train_overrides: dict[str, Any]) -> Any:
+    """The run settings the small test configs share: 4 microbatches of 2 (global batch 8), ``train_iters``
+    iterations evaluated every ``eval_interval`` on ``eval_iters`` batches, then ``train_overrides`` set on
+    ``cfg.train``; a warmup of ``warmup_iters`` iterations (None: 3, fewer for runs of 3 iterations or less);
+    checkpoints in ``run_dir``/ckpt (none periodic); every iteration logged to ``run_dir``/tb."""
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size = 2, 8
+    t.train_iters, t.eval_interval, t.eval_iters = train_iters, eval_interval, eval_iters
     for key, value in train_overrides.items():
-        setattr(cfg.train, key, value)
+        setattr(t, key, value)
     cfg.scheduler.lr_warmup_fraction = None
-    # Warmup must be shorter than the decay (Megatron Core asserts it): 3 iterations, fewer for short runs.
-    iters = cfg.train.train_iters
-    cfg.scheduler.lr_warmup_iters = 3 if iters is None else min(3, max(0, iters - 1))
-    run_dir = tmp_path / name
+    if warmup_iters is None:
+        # Warmup must be shorter than the decay (Megatron Core asserts it): 3 iterations, fewer for short runs.
+        warmup_iters = 3 if t.train_iters is None else min(3, max(0, t.train_iters - 1))
+    cfg.scheduler.lr_warmup_iters = warmup_iters
     cfg.checkpoint.save = str(run_dir / "ckpt")
     cfg.checkpoint.load = str(run_dir / "ckpt")
     cfg.checkpoint.save_interval = None
@@ -93,9 +102,7 @@ def mock_layout_run(cfg: Any, tb_dir: str, seq: int, micro: int, global_batch: i
     """``cfg`` set up for a layout-parity run of the real trainer: NullTokenizer (vocabulary 255) on mock data
     of ``seq`` tokens, ``iters`` iterations of ``global_batch`` in microbatches of ``micro``, no evaluation, no
     checkpoints, a 2-iteration warmup, gloo with a one-minute timeout, every iteration logged to ``tb_dir``."""
-    cfg.model.seq_length, cfg.model.vocab_size = seq, None
-    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, 255
-    cfg.dataset.data_path, cfg.dataset.sequence_length = None, seq
+    null_tokenizer_mock_data(cfg, seq)
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.train_iters, t.eval_interval, t.eval_iters = (
         micro, global_batch, iters, None, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import longspan.training.step.grad_checks as grad_checks
 from longspan.training.pretrain import pretrain
 from longspan.training.step.forward_step import forward_step
 from longspan.training.step.loss_checks import TrainingDivergedError
-from tests.training.pretrain_helpers import tiniest_config
+from tests.training.pretrain_helpers import read_metrics, tiniest_config
 
 
 def _tiny(tmp_path: Path, **ddp: Any) -> Any:
@@ -45,7 +46,17 @@ def test_nan_in_a_gradient_stops_the_run_naming_the_iteration(tmp_path: Path) ->
 def test_without_the_check_the_nan_gradient_is_not_caught_here(tmp_path: Path) -> None:
     cfg = _tiny(tmp_path)  # the optimizer's own norm check (check_for_nan_in_loss) still stops it, differently
     cfg.rerun_state_machine.check_for_nan_in_loss = False
-    pretrain(cfg, _forward_step_scaling_grads_at(3, float("nan")))
+    cfg.logger.tensorboard_dir = str(tmp_path / "tb")
+    state = pretrain(cfg, _forward_step_scaling_grads_at(3, float("nan")))
+    assert state.train_state.step == 5  # nothing stopped the run
+    records = read_metrics(cfg)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]
+    norms = [r["grad_norm"] for r in records]
+    losses = [r["losses"]["lm loss"] for r in records]
+    # metrics.jsonl writes NaN as null: finite before the hook, NaN at iteration 3, and the update applied it
+    # (the next iterations' losses are NaN), where the check would have stopped before the update
+    assert all(math.isfinite(x) for x in norms[:2] + losses[:3]), (norms, losses)
+    assert norms[2] is None and losses[3:] == [None, None], (norms, losses)
 
 
 def test_large_gradient_after_the_learned_scale_stops_the_run(tmp_path: Path, monkeypatch) -> None:

@@ -130,11 +130,6 @@ def image_parts(messages: list[dict[str, Any]]) -> list[Any]:
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
-def record_has_images(record: dict[str, Any], messages_key: str = "messages") -> bool:
-    messages = record.get(messages_key)
-    return isinstance(messages, list) and any(isinstance(m, dict) and image_parts([m]) for m in messages)
-
-
 def _clean_parts(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """Content parts without null keys (Arrow fills every part with every key any part has)."""
     out = []

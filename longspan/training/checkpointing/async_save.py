@@ -6,14 +6,10 @@ On the process group the training loop uses they would interleave with the main 
 pairs messages by their order on a group, not by thread, so a training all-reduce lands in the save's
 ``gather_object`` (which then tries to allocate exabytes) or both sides wait forever. The background save
 therefore runs on a gloo group of its own (``checkpoint_process_group``), which nothing else uses.
-
-Test hook: ``LONGSPAN_TEST_ASYNC_WRITE_DELAY_S`` (seconds) makes the background writer pause after writing this
-rank's shards and before the save completes, so a test can kill a rank while an async save is in flight.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,8 +23,6 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from longspan.config.schema.training import CheckpointConfig
 from longspan.parallel.init import on_destroy_distributed
-
-WRITE_DELAY_ENV = "LONGSPAN_TEST_ASYNC_WRITE_DELAY_S"
 
 # (default group, its checkpoint group): a new default group (a re-initialized world) gets a new one.
 _checkpoint_group: tuple[Any, Any] | None = None
@@ -69,26 +63,11 @@ class PendingAsyncSave:
     started: float = field(default_factory=time.time)
 
 
-class _DelayedWriter(FileSystemWriter):
-    """The test hook: a file-system writer that waits after writing this rank's shards."""
-
-    def __init__(self, path: str, delay: float, thread_count: int = 1) -> None:
-        super().__init__(path, thread_count=thread_count)
-        self.delay = delay
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        written = super().write_data(plan, planner)
-        time.sleep(self.delay)
-        return written
-
-
 def dcp_save_arguments(directory: Path, ckpt_cfg: CheckpointConfig) -> dict[str, Any]:
     """The writer and planner of a save: ``storage_writers_per_rank`` threads (and as many files) per rank, the
     save plan cached across saves when ``ckpt_assume_constant_structure``."""
     threads = int(ckpt_cfg.storage_writers_per_rank or 1)
-    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-    writer = (_DelayedWriter(str(directory), delay, threads) if delay > 0
-              else FileSystemWriter(str(directory), thread_count=threads))
+    writer = FileSystemWriter(str(directory), thread_count=threads)
     planner = DefaultSavePlanner(enable_plan_caching=bool(ckpt_cfg.ckpt_assume_constant_structure))
     # DCP caches plans per key, class-wide: one key per checkpoint root, so another run in this process (another
     # model) never meets this run's plans.

@@ -1,4 +1,4 @@
-"""Loading ``torch_dist`` checkpoints (the layout ``checkpointing.py`` writes): which checkpoint to resume or
+"""Loading ``torch_dist`` checkpoints (the layout ``save.py`` writes): which checkpoint to resume or
 finetune from, restoring model, optimizer, scheduler, rerun and training progress (RNG is returned, not
 applied), PEFT's base-then-adapters load, and ``use_checkpoint_args`` (architecture and tokenizer from a
 checkpoint's run_config.yaml).

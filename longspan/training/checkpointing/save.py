@@ -12,7 +12,7 @@ replaced atomically after that: a crash or Ctrl-C mid-save leaves the previous c
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` so DTensor-sharded
 (tensor parallel / FSDP2) state is saved by global name and shape and reshards on load under another
 layout. Per-rank state (RNG) is saved under rank-unique keys: DCP keeps one copy of identical keys.
-This module writes checkpoints and defines their layout; ``checkpoint_loading.py`` reads them back.
+This module writes checkpoints and defines their layout; ``load.py`` reads them back.
 """
 
 from __future__ import annotations

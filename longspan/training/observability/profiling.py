@@ -4,7 +4,7 @@
   ``profile_step_start`` and stops at ``profile_step_end``; ``initialize_pytorch_profiler`` gives one with
   Megatron Bridge's wait/warmup/active schedule for loops that only call ``step()``.
 - nsys: ``start_nsys_profiler`` / ``stop_nsys_profiler`` bracket the steps with cudaProfilerStart/Stop.
-- CUDA memory history: ``start_memory_history_recording`` (in ``utils/memory.py``, re-exported here).
+- CUDA memory history: ``start_memory_history_recording`` (in ``observability/memory.py``, re-exported here).
 
 Only ranks listed in ``profile_ranks`` profile. Everything CUDA-specific is a logged no-op without CUDA.
 """

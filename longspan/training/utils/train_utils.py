@@ -2,8 +2,9 @@
 groups, the training log, memory/throughput/runtime reports, and GlobalState injection into forward steps.
 
 The parallel-group helpers take process groups (or None) and are no-ops on one process. Norms live in
-``utils/norms.py``, memory helpers in ``utils/memory.py``, FLOPs in ``utils/flop_utils.py``, the log line and
-metric writing in ``utils/log_line.py``, the validation block in ``utils/validation_log.py``; every seed-003 name is importable from here.
+``utils/norms.py``, memory helpers in ``observability/memory.py``, FLOPs in ``longspan/planner/flops.py``, the
+log line and metric writing in ``observability/log_line.py``, the validation block in
+``observability/validation_log.py``; every seed-003 name is importable from here.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ def small_mamba_run(tmp_path: Any, recipe: str = "tiny-mamba", name: str = "run"
     from pathlib import Path
 
     from longspan.recipes import get_recipe
+    from tests.training.pretrain_helpers import null_tokenizer_mock_data, small_run_settings
 
     cfg = get_recipe(recipe)
     model = cfg.model
@@ -45,28 +46,7 @@ def small_mamba_run(tmp_path: Any, recipe: str = "tiny-mamba", name: str = "run"
     model.num_attention_heads = 4
     model.num_query_groups = 2
     model.ffn_hidden_size = 64
-    model.seq_length = 48
-    model.vocab_size = None  # from the tokenizer
     model.hidden_dropout = dropout
     model.attention_dropout = dropout
-    cfg.tokenizer.tokenizer_type = "NullTokenizer"
-    cfg.tokenizer.tokenizer_model = None
-    cfg.tokenizer.vocab_size = 255
-    cfg.dataset.data_path = None  # mock data
-    cfg.dataset.sequence_length = 48
-    cfg.train.micro_batch_size = 2
-    cfg.train.global_batch_size = 8
-    cfg.train.train_iters = 12
-    cfg.train.eval_interval = 6
-    cfg.train.eval_iters = 1
-    for key, value in train_overrides.items():
-        setattr(cfg.train, key, value)
-    cfg.scheduler.lr_warmup_fraction = None
-    cfg.scheduler.lr_warmup_iters = 2
-    run_dir = Path(tmp_path) / name
-    cfg.checkpoint.save = str(run_dir / "ckpt")
-    cfg.checkpoint.load = str(run_dir / "ckpt")
-    cfg.checkpoint.save_interval = None
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = str(run_dir / "tb")
-    return cfg
+    null_tokenizer_mock_data(cfg, 48)
+    return small_run_settings(cfg, Path(tmp_path) / name, 12, 6, 1, 2, train_overrides)

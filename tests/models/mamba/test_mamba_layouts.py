@@ -7,13 +7,13 @@ run's within 1e-5 relative. The pipeline cut falls in the middle of the pattern 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from tests.models.mamba.mamba_test_config import small_mamba_run
+from tests.helpers.layout_parity import logged
 from tests.parallel.harness import get_shared_pool
 
 pytestmark = pytest.mark.slow
@@ -68,11 +68,7 @@ def _run(run_dir: str, recipe: str, **layout) -> tuple[str, list]:
 
 
 def _logged(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "run", "tb", "metrics.jsonl")
-    rows = [json.loads(line) for line in open(path)]
-    rows = [r for r in rows if r.get("phase") == "train"]
-    return {"iterations": [r["iteration"] for r in rows], "losses": [r["losses"]["lm loss"] for r in rows],
-            "norms": [r["grad_norm"] for r in rows]}
+    return logged(os.path.join(run_dir, "run", "tb"))
 
 
 @pytest.fixture(scope="module")

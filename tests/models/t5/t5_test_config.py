@@ -10,6 +10,7 @@ import torch
 
 from longspan.data.indexed_dataset import IndexedDatasetBuilder
 from longspan.recipes import get_recipe
+from tests.training.pretrain_helpers import small_run_settings
 
 
 def write_byte_corpus(directory: Path) -> str:
@@ -56,19 +57,4 @@ def small_t5_run(tmp_path: Path, name: str = "run", dropout: float = 0.0, data_d
     cfg.dataset.sequence_length = 64
     cfg.dataset.sequence_length_decoder = 32
     cfg.optimizer.lr = 3e-3
-    cfg.train.micro_batch_size = 2
-    cfg.train.global_batch_size = 8
-    cfg.train.train_iters = 12
-    cfg.train.eval_interval = 6
-    cfg.train.eval_iters = 1
-    for key, value in train_overrides.items():
-        setattr(cfg.train, key, value)
-    cfg.scheduler.lr_warmup_fraction = None
-    cfg.scheduler.lr_warmup_iters = 2
-    run_dir = Path(tmp_path) / name
-    cfg.checkpoint.save = str(run_dir / "ckpt")
-    cfg.checkpoint.load = str(run_dir / "ckpt")
-    cfg.checkpoint.save_interval = None
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = str(run_dir / "tb")
-    return cfg
+    return small_run_settings(cfg, Path(tmp_path) / name, 12, 6, 1, 2, train_overrides)

@@ -7,13 +7,13 @@ run's within 1e-5 relative; PP2 x TP2 (four ranks) with two virtual stages per r
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from tests.models.t5.t5_test_config import small_t5_run, write_byte_corpus
+from tests.helpers.layout_parity import logged
 from tests.parallel.harness import get_shared_pool
 
 pytestmark = pytest.mark.slow
@@ -77,11 +77,7 @@ def _run(run_dir: str, data_dir: str, **layout) -> tuple[str, dict]:
 
 
 def _logged(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "run", "tb", "metrics.jsonl")
-    rows = [json.loads(line) for line in open(path)]
-    rows = [r for r in rows if r.get("phase") == "train"]
-    return {"iterations": [r["iteration"] for r in rows], "losses": [r["losses"]["lm loss"] for r in rows],
-            "norms": [r["grad_norm"] for r in rows]}
+    return logged(os.path.join(run_dir, "run", "tb"))
 
 
 @pytest.fixture(scope="module")

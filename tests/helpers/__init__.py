@@ -1,0 +1,1 @@
+"""Helpers shared by test files of several folders (assertions, tiny configs, layout set-ups)."""

@@ -47,8 +47,8 @@ def add_parser(subparsers: Any, name: str) -> None:
                      help="longspan checkpoint: a save root (with the tracker file) or an iter_XXXXXXX directory")
     exp.add_argument("--output", required=True, metavar="HF_DIR", help="HF model directory to write")
     exp.add_argument("--architecture", default=None, metavar="NAME",
-                     help="HF architecture to export as (default: the one the checkpoint was imported from, "
-                          "else the matching one, e.g. LlamaForCausalLM)")
+                     help="HF architecture to export as, an `architectures` name of config.json (default: the one the "
+                          "checkpoint was imported from or its model was built as, else the one its fields match)")
     exp.add_argument("--adapter-only", action="store_true",
                      help="write only the PEFT adapters as an HF PEFT adapter directory")
     for sub in (imp, exp):

@@ -5,11 +5,14 @@ the process-group options on CUDA)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from longspan.core.errors import ConfigError
+
+if TYPE_CHECKING:  # the schema's dist section names this module's rules
+    from longspan.config.schema.infra import DistributedInitConfig
 
 # The groups of longspan's device meshes: the dense mesh's dims, their flattened combinations, the expert mesh's.
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_shard", "mp", "ep", "etp", "edp")
@@ -47,13 +50,13 @@ def read_nccl_communicator_config(path: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def nccl_group_settings(dist_cfg: Any) -> dict[str, dict[str, Any]]:
+def nccl_group_settings(dist_cfg: DistributedInitConfig) -> dict[str, dict[str, Any]]:
     """``{group: {"high_priority": bool, **communicator settings}}`` for every group the two fields name."""
-    high = getattr(dist_cfg, "high_priority_stream_groups", None) or []
+    high = dist_cfg.high_priority_stream_groups or []
     if not isinstance(high, (list, tuple)):
         raise ConfigError(f"dist.high_priority_stream_groups={high!r} must be a list of group names")
     _check_names("high_priority_stream_groups", high)
-    path = getattr(dist_cfg, "nccl_communicator_config_path", None)
+    path = dist_cfg.nccl_communicator_config_path
     communicators = read_nccl_communicator_config(path) if path else {}
     return {name: {"high_priority": name in high, **communicators.get(name, {})}
             for name in dict.fromkeys(list(high) + list(communicators))}

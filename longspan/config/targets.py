@@ -189,7 +189,7 @@ def register_config_class(cls: type, section: str, canonical_module: str, foreig
 
 def registered_class(name: str, canonical_module: str) -> Optional[type]:
     """The registered config class ``name`` whose ``_target_`` module is ``canonical_module``, or None (for the
-    packages whose public names these classes are: ``longspan.models.X``)."""
+    packages whose public names these classes are: ``longspan.models`` and its attribute of the class's name)."""
     load_plugins()
     if _TARGET_MODULE.get(name) == canonical_module and name in _REGISTERED:
         return _REGISTERED[name]

@@ -305,7 +305,7 @@ class AutoBridge:
         """
         chunks = model if isinstance(model, list) else [model]
         family, config = self.export_family_and_config(model_depths(chunks))
-        tied = bool(config.get("tie_word_embeddings", family.name == "gpt2"))
+        tied = bool(config.get("tie_word_embeddings", family.tie_word_embeddings_default))
         return export_hf_weights(chunks, family, self.hf_vocab_size, tied, cpu=cpu)
 
     def export_family_and_config(self, mtp_depths: int = 0) -> tuple[Family, dict[str, Any]]:

@@ -51,7 +51,7 @@ def _required(cfg: dict[str, Any], key: str) -> Any:
     return import_fields((HFField(key, key),), cfg)[key]
 
 
-def decoder_provider(cfg: dict[str, Any], eps_default: float = 1e-6, family: str = "this") -> dict[str, Any]:
+def decoder_provider(cfg: dict[str, Any], family: str, eps_default: float = 1e-6) -> dict[str, Any]:
     """Provider keyword arguments of a standard decoder's config.json (no sliding window: the families that
     have one translate it themselves)."""
     act = cfg.get("hidden_act", "silu")
@@ -134,7 +134,7 @@ def decoder_shape_hf(p: Any) -> dict[str, Any]:
                 initializer_range=fields["initializer_range"], tie_word_embeddings=fields["tie_word_embeddings"])
 
 
-def decoder_hf(p: Any, family: str = "Llama") -> dict[str, Any]:
+def decoder_hf(p: Any, family: str) -> dict[str, Any]:
     """config.json entries of a standard decoder provider (exported as ``family``)."""
     act = hf_activation(p)
     rotary = p.position_embedding_type in ("rope", "yarn")

@@ -45,6 +45,9 @@ class Family:
     """When set, the import is a part of a bigger HF model (a vision-language model's text tower) and exports
     as this architecture (``export_config`` turns the source config.json into its config.json)."""
     export_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    tie_word_embeddings_default: bool = False
+    """Whether the architecture ties its output layer to the embeddings when config.json does not say (the
+    default of its transformers config class)."""
     mtp_layers: bool = False
     """config.json's ``num_nextn_predict_layers`` counts multi-token-prediction layers stored after the decoder
     (``mapping.with_mtp``; ``weights_for`` adds them): the import reads them into ``mtp.layers.*``, the export

@@ -3,7 +3,8 @@
 A family package holds, each in the module of its layer (``tests/code/test_layering.py`` reads the role from
 the file name): ``hf.py`` (conversion: the two-way config.json field table, the weight table, the
 ``conversion.families.Family`` entries), ``provider.py`` / ``model.py`` (models: a provider or layers beyond the
-shared blocks, where the family has them), ``parallel.py`` (plan pieces), ``recipes.py`` (recipes), and its
+shared blocks, where the family has them), a ``parallel`` module (plan pieces, where the family needs its
+own), ``recipes.py`` (recipes), and its
 ``__init__.py``, which registers them all. Shared blocks (attention, MLP, MoE, norms, rotary, MLA, the GPT, T5
 and Mamba stacks) stay in ``longspan.models`` and are chosen by provider fields, never by family name.
 

@@ -3,7 +3,7 @@
 Owns GPT (dense, MoE), Mamba/hybrid and T5 models, their providers, weight init, RoPE, the loss and the FLOP
 counts. No process groups here: parallelism is applied from outside by ``longspan.parallel``. The providers and
 activation functions register themselves with the config package's allowlist (``longspan.config.targets``); the
-model families' providers (``longspan.families``) are found here by name too (``longspan.models.X``).
+model families' providers (``longspan.families``) are found here by name too (as attributes of ``longspan.models``).
 
 May import: core, config, data (its own layer).
 """

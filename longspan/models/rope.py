@@ -93,7 +93,7 @@ def default_inv_freq(rot_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
 
 
-def llama3_scale_inv_freq(
+def band_scale_inv_freq(
     inv_freq: torch.Tensor,
     factor: float = 8.0,
     low_freq_factor: float = BAND_LOW_FREQ_FACTOR,
@@ -221,7 +221,7 @@ class RotaryEmbedding(nn.Module):
     def _static_inv_freq(self, kind: str) -> torch.Tensor:
         s = self.scaling
         if kind == "llama3":
-            return llama3_scale_inv_freq(default_inv_freq(self.rot_dim, self.rotary_base), factor=s.factor,
+            return band_scale_inv_freq(default_inv_freq(self.rot_dim, self.rotary_base), factor=s.factor,
                                          low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                                          original_max_positions=s.original_max_positions)
         if kind == "yarn":

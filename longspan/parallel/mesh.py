@@ -163,7 +163,7 @@ def layout_from_config(
         pp=size("pipeline_model_parallel_size"),
         dp_replicate=dp_replicate,
         ep=size("expert_model_parallel_size"),
-        etp=getattr(model_cfg, "expert_tensor_parallel_size", None),
+        etp=getattr(model_cfg, "expert_tensor_parallel_size", None),  # getattr: any ModelParallelConfig-like object
         use_tp_pp_dp_mapping=use_tp_pp_dp_mapping,
     )
 
@@ -187,7 +187,7 @@ def check_layout(
 
         groups = getattr(model_cfg, "num_query_groups", None) or heads  # getattr: as above
         check_tp_divides_heads(layout.tp, heads, groups)
-    vp = getattr(model_cfg, "virtual_pipeline_model_parallel_size", None)
+    vp = getattr(model_cfg, "virtual_pipeline_model_parallel_size", None)  # getattr: as above
     if vp is not None and vp > 1 and layout.pp == 1:
         raise ConfigError(
             f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1 (got 1); "

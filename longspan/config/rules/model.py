@@ -53,9 +53,9 @@ T5_NOT_SUPPORTED_REASONS: dict[str, str] = {
     "T5ModelProvider.num_moe_experts": _T5_MOE,
     "T5ModelProvider.expert_model_parallel_size": _T5_MOE,
     "T5ModelProvider.expert_tensor_parallel_size": _T5_MOE,
-    "T5ModelProvider.multi_latent_attention": "multi-latent attention is DeepSeek's GPT attention; T5 uses multi-head",
-    "T5ModelProvider.mtp_num_layers": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
-    "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT (DeepSeek) head; T5 has none",
+    "T5ModelProvider.multi_latent_attention": "multi-latent attention is a GPT attention; T5 uses multi-head",
+    "T5ModelProvider.mtp_num_layers": "multi-token prediction is a GPT head; T5 has none",
+    "T5ModelProvider.mtp_loss_scaling_factor": "multi-token prediction is a GPT head; T5 has none",
 }
 
 

@@ -101,4 +101,4 @@ def gpt2_hf(p: Any) -> dict[str, Any]:
     )
 
 
-GPT2 = Family("gpt2", "GPT2LMHeadModel", "gpt2", WEIGHTS, gpt2_provider, gpt2_hf)
+GPT2 = Family("gpt2", "GPT2LMHeadModel", "gpt2", WEIGHTS, gpt2_provider, gpt2_hf, tie_word_embeddings_default=True)

@@ -14,7 +14,7 @@ from longspan.models.gpt_provider import GPTModelProvider
 
 
 #: why the vision-language providers do not support the multi-token-prediction fields (their support rows)
-NO_MTP_REASON = "multi-token prediction is a DeepSeek/GLM GPT head; the vision-language models have none"
+NO_MTP_REASON = "multi-token prediction is a GPT text-model head; the vision-language models have none"
 
 
 @dataclass

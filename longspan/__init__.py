@@ -3,9 +3,12 @@
 Packages, lowest layer first; a package imports its own layer and the layers to its left, never one to its
 right (tests/code asserts it; a function-level import needs a comment saying why):
 
-    core → config → models, data → parallel, peft, conversion → inference, planner → training → recipes → cli
+    core → config → models, data → parallel, peft, conversion → inference, planner → training → recipes
+    → families → cli
 
-``import longspan`` loads none of them; ``longspan.AutoBridge`` is resolved on first use.
+``import longspan`` loads none of them; ``longspan.AutoBridge`` is resolved on first use. The registries of the
+lower layers (config classes, HF architectures, recipes) are filled by the packages above them: this module
+installs the loader that imports those packages on the first lookup (``longspan.core.plugins``).
 """
 
 __version__ = "0.1.0"

@@ -17,7 +17,8 @@ module so tensor parallel splits them by heads as plain column splits (the conve
 
 The forward, per token: project; ``silu(causal depthwise conv)`` over q, k and v; L2-normalise q and k;
 ``β = sigmoid(b)``; the log decay ``g = -exp(A_log) · softplus(a + dt_bias)``; the gated delta rule
-(``longspan.models.gated_delta_rule``: chunked for a whole sequence, one step at a time when decoding); the
+(``longspan.models.gated_delta_rule``: chunked for a whole sequence, flash-linear-attention's kernel on CUDA
+when installed; one step at a time when decoding); the
 gated norm ``rmsnorm(o) · weight · silu(z)`` per value head; ``linear_proj``. The forward reads the parameters
 this process holds (``local_parameters``) and the head counts from their shapes.
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longspan.models.args import TransformerArgs
-from longspan.models.gated_delta_rule import DocumentLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from longspan.models.gated_delta_rule import DocumentLayout, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from longspan.models.moe import local_tensor
 
 if TYPE_CHECKING:  # the decoder layers in longspan.models.transformer build this mixer
@@ -189,7 +190,7 @@ class GatedDeltaNet(nn.Module):
                   final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A whole sequence (each row from its start): conv, then the chunked rule from a zero state."""
         q, k, v = self._rule_inputs(self._conv(qkv, p), p)
-        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, output_final_state=final_state)
+        return chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, output_final_state=final_state)
 
     def _continue(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: dict[str, torch.Tensor],
                   p: SimpleNamespace) -> torch.Tensor:
@@ -200,8 +201,8 @@ class GatedDeltaNet(nn.Module):
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=cache["state"],
                                                     output_final_state=True)
         else:
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                                initial_state=cache["state"], output_final_state=True)
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                                  initial_state=cache["state"], output_final_state=True)
         cache["conv"] = self._conv_tail(qkv, cache["conv"])
         cache["state"] = state
         return out

@@ -5,15 +5,24 @@ boundary is caught), decoding with the cache, the attention output gate, the lay
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gated_delta_rule import DocumentLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from longspan.models.gated_delta_rule import (
+    DocumentLayout,
+    chunk_gated_delta_rule,
+    chunked_gated_delta_rule,
+    flash_linear_attention_rule,
+    recurrent_gated_delta_rule,
+)
 from longspan.models.gpt import build_gpt_model
 from longspan.models.layer_pattern import linear_attention_layer_flags, linear_attention_pattern_from_layer_types
 from longspan.models.transformer import KVCache
+from longspan.training.step.forward_step import _mtp_inputs
 from tests.models.gpt_test_config import llama_config
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -80,6 +89,18 @@ def test_document_layout_covers_every_position_once_with_padded_boundaries() -> 
     rows = layout.split(x)
     assert rows.shape[0] == 5  # 3 + 4, then 2 + 3 + the tail after position 5
     torch.testing.assert_close(layout.merge(rows), x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or flash_linear_attention_rule() is None,
+                    reason="needs CUDA and the flash-linear-attention extra")
+def test_flash_linear_attention_kernel_matches_the_plain_rule_within_bf16_tolerance() -> None:
+    q, k, v, g, beta, state = _rule_inputs(2, 300, key_heads=2, value_heads=4, dk=64, dv=64)
+    reference, ref_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    cuda = [t.cuda().to(torch.bfloat16) for t in (q, k, v)] + [g.cuda(), beta.cuda().to(torch.bfloat16)]
+    out, final = chunked_gated_delta_rule(*cuda, initial_state=state.cuda(), output_final_state=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), reference, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(final.cpu(), ref_state, atol=5e-2, rtol=5e-2)
 
 
 # ---- the mixer against transformers' Qwen3_5GatedDeltaNet ------------------------------------------------------
@@ -244,3 +265,11 @@ def test_bad_deltanet_fields_are_one_line_errors(fields, error, words) -> None:
     with pytest.raises(error) as caught:
         build_gpt_model(llama_config(num_layers=4, **values), materialize=False)
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_forward_step_passes_packed_documents_to_a_deltanet_model() -> None:
+    batch = {"tokens": torch.zeros(1, 4), "loss_mask": torch.ones(1, 4), "cu_seqlens": torch.tensor([[0, 2, 4]])}
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(model=llama_config(num_layers=4, **DELTANET)))
+    assert _mtp_inputs(state, batch) == {"cu_seqlens": batch["cu_seqlens"]}
+    state.cfg.model = llama_config()
+    assert _mtp_inputs(state, batch) == {}

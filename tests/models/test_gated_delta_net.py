@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.data.tokenizers import NullTokenizer
+from longspan.inference.text_generation import generate
 from longspan.models.gated_delta_rule import (
     DocumentLayout,
     chunk_gated_delta_rule,
@@ -217,6 +219,14 @@ def test_decoding_with_the_cache_equals_the_full_forward(conv_kernel: int) -> No
         pieces.append(model(tokens[:, 12:], kv_cache=cache))  # several tokens after cached ones
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
     assert set(cache.linear_states) == {0, 2} and cache.nbytes() > 0
+
+
+def test_greedy_generate_is_the_same_with_and_without_the_cache() -> None:
+    model = _deltanet_model(attention_output_gate=True, init_method_std=0.2)
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    runs = [generate(model, NullTokenizer(127), prompt, max_new_tokens=12, use_cache=cached, eos_ids=())
+            for cached in (True, False)]
+    assert runs[0].output_ids == runs[1].output_ids and len(set(runs[0].output_ids)) > 1
 
 
 def test_gradients_reach_every_parameter() -> None:

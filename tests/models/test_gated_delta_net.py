@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from longspan.config.rules.validate import validate_container
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference.text_generation import generate
@@ -26,6 +27,7 @@ from longspan.models.layer_pattern import linear_attention_layer_flags, linear_a
 from longspan.models.transformer import KVCache
 from longspan.training.step.forward_step import _mtp_inputs
 from tests.models.gpt_test_config import llama_config
+from tests.training.pretrain_helpers import small_config
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -283,3 +285,19 @@ def test_the_forward_step_passes_packed_documents_to_a_deltanet_model() -> None:
     assert _mtp_inputs(state, batch) == {"cu_seqlens": batch["cu_seqlens"]}
     state.cfg.model = llama_config()
     assert _mtp_inputs(state, batch) == {}
+
+
+def test_gpt_data_with_reset_attention_mask_is_refused_for_deltanet_layers(tmp_path) -> None:
+    cfg = small_config(tmp_path)
+    for name, value in DELTANET.items():
+        setattr(cfg.model, name, value)
+    cfg.dataset.reset_attention_mask = True
+    with pytest.raises(NotSupportedError, match="dataset.reset_attention_mask=True"):
+        validate_container(cfg, world_size=1)
+    cfg.dataset.reset_attention_mask = False
+    validate_container(cfg, world_size=1)
+
+
+def test_context_parallel_is_refused_until_a_scheme_serves_it() -> None:
+    with pytest.raises(NotSupportedError, match="context_parallel_size=2"):
+        build_gpt_model(llama_config(num_layers=4, context_parallel_size=2, **DELTANET), materialize=False)

@@ -223,6 +223,30 @@ def test_decoding_with_the_cache_equals_the_full_forward(conv_kernel: int) -> No
     assert set(cache.linear_states) == {0, 2} and cache.nbytes() > 0
 
 
+def test_full_recompute_keeps_the_packed_documents_apart() -> None:
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    models = [_deltanet_model(**extra) for extra in ({}, recompute)]
+    tokens = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(8))
+    cu = torch.tensor([0, 7, 20])
+    grads = []
+    for model in models:
+        model(tokens, labels=tokens, cu_seqlens=cu).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
+
+
+def test_bf16_parameters_run_forward_backward_and_decode() -> None:
+    model = _deltanet_model(params_dtype=torch.bfloat16, attention_output_gate=True)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    model(tokens, labels=tokens, cu_seqlens=torch.tensor([0, 5, 12])).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    cache = KVCache(13)
+    with torch.no_grad():
+        steps = torch.cat([model(tokens[:, :11], kv_cache=cache), model(tokens[:, 11:], kv_cache=cache)], dim=1)
+        torch.testing.assert_close(steps, model(tokens), atol=2e-2, rtol=2e-2)
+
+
 def test_greedy_generate_is_the_same_with_and_without_the_cache() -> None:
     model = _deltanet_model(attention_output_gate=True, init_method_std=0.2)
     prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(6)).tolist()

@@ -140,8 +140,10 @@ class GatedDeltaNet(nn.Module):
         attention_mask: object = None,
         *,
         kv_cache: KVCache | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocumentLayout | None = None,
     ) -> torch.Tensor:
+        """``cu_seqlens``: the packed documents' boundaries, or their ``DocumentLayout`` (the decoder builds it once
+        for all its layers)."""
         p = self.local_parameters()
         b, s, _ = hidden_states.shape
         qkv = torch.cat([F.linear(hidden_states, w) for w in (p.linear_q, p.linear_k, p.linear_v)], dim=-1)
@@ -155,7 +157,8 @@ class GatedDeltaNet(nn.Module):
         elif cu_seqlens is not None:
             if kv_cache is not None:
                 raise ValueError("a gated DeltaNet layer takes packed documents (cu_seqlens) or a cache, not both")
-            layout = DocumentLayout.from_cu_seqlens(cu_seqlens, b, s)
+            layout = cu_seqlens if isinstance(cu_seqlens, DocumentLayout) else \
+                DocumentLayout.from_cu_seqlens(cu_seqlens, b, s)
             out = layout.merge(self._sequence(*(layout.split(t) for t in (qkv, g, beta)), p)[0])
         else:
             out, state = self._sequence(qkv, g, beta, p, final_state=kv_cache is not None)

@@ -539,7 +539,8 @@ class TransformerBlock(nn.Module):
         """``cu_seqlens``: packed documents' boundaries, for the gated DeltaNet layers (see ``TransformerLayer``);
         where each document's tokens are is worked out once here for all of them."""
         layers = list(self.layers.values())
-        if isinstance(cu_seqlens, torch.Tensor) and any(getattr(layer, "linear_attention", False) for layer in layers):
+        linear = any(getattr(layer, "linear_attention", False) for layer in layers)  # wrapped layers forward it
+        if linear and isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = DocumentLayout.from_cu_seqlens(cu_seqlens, hidden_states.shape[0], hidden_states.shape[1])
         if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
             hidden_states = hidden_states.float()

@@ -11,6 +11,10 @@ names::
     decoder.layers.{i}.self_attention.q_layernorm / k_layernorm                       (qk_layernorm only)
     decoder.layers.{i}.self_attention.linear_q_proj or linear_q_down_proj + q_layernorm + linear_q_up_proj,
         linear_kv_down_proj, kv_layernorm, linear_kv_up_proj, linear_proj   (multi_latent_attention: models/mla.py)
+    decoder.layers.{i}.self_attention.linear_gate                                    (attention_output_gate only)
+    decoder.layers.{i}.self_attention.linear_q / linear_k / linear_v / linear_z / linear_b / linear_a,
+        conv_q / conv_k / conv_v, dt_bias, A_log, norm, linear_proj
+                                  (gated DeltaNet layers, linear_attention_freq: models/gated_delta_net.py)
     decoder.layers.{i}.pre_mlp_layernorm
     decoder.layers.{i}.mlp.linear_fc1 (up), linear_fc1_gate (gated only), linear_fc2 (down)
     decoder.layers.{i}.mlp.router / experts / shared_experts   (MoE layers: see longspan.models.moe)
@@ -203,8 +207,9 @@ class DecoderLanguageModel(nn.Module):
                 ``input_ids`` are read from it and the new ones appended. Default positions continue from
                 ``kv_cache.seq_len`` and a ``None`` mask means causal over cached + new tokens.
             loss_mask: ``[b, s]``, read only by multi-token prediction (its shifted masks; None = all ones).
-            cu_seqlens: packed documents' boundaries ``[b, n]``, read only by multi-token prediction (no shifted
-                token crosses a document).
+            cu_seqlens: packed documents' boundaries ``[b, n]`` or ``[n]`` (each document's first position, then
+                the end), read by multi-token prediction (no shifted token crosses a document) and by gated
+                DeltaNet layers (their state restarts at every document).
             token_ids: the microbatch's token ids on a stage without ``pre_process`` (its first input is hidden
                 states), read only by multi-token prediction.
             decoder_input: the first stage's input embeddings ``[b, s, hidden]``, computed by the caller instead
@@ -234,7 +239,9 @@ class DecoderLanguageModel(nn.Module):
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         if self.local_rotary_pos_emb is not None:
             rotary = LocalGlobalRotary(global_tables=rotary, local_tables=self.local_rotary_pos_emb(position_ids))
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+        # only a decoder with gated DeltaNet layers takes the documents' boundaries (attention reads the mask)
+        documents = {"cu_seqlens": cu_seqlens} if self.args.gated_delta_net is not None else {}
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache, **documents)
         if kv_cache is not None:
             kv_cache.seq_len += seq_len
         if not self.post_process:

@@ -144,14 +144,13 @@ def test_yarn_uses_the_mla_fields():
 def test_flops_count_the_mla_matmuls():
     """Training FLOPs (3x forward, 2 per multiply-add) of the MLA projections, latent norms and causal core,
     counted from the built module's weight shapes; the rest of the model is counted as for the same model with plain attention."""
-    from types import SimpleNamespace
-
+    from longspan.config.schema.container import ConfigContainer
     from longspan.planner.flops import num_floating_point_operations
 
     base = llama_config()  # 4 heads of 16 channels, 2 kv groups: q width 64, k/v width 32
     s, layers = base.seq_length, base.num_layers
     plain_attention = s * 6 * layers * (64 * (64 + 2 * 32) + 64 * 64) + 6 * 64 * layers * s * s
-    rest = num_floating_point_operations(SimpleNamespace(model=base)) - plain_attention
+    rest = num_floating_point_operations(ConfigContainer(model=base)) - plain_attention
     for q_lora_rank in (24, None):
         provider = mla_config(q_lora_rank=q_lora_rank)
         attn = build_gpt_model(provider, seed=0).decoder.layers["0"].self_attention
@@ -159,5 +158,5 @@ def test_flops_count_the_mla_matmuls():
         weights = sum(m.weight.numel() for n, m in attn.named_modules()
                       if n.startswith("linear_") or n in ("q_layernorm", "kv_layernorm"))
         core = 3 * 4 * ((12 + 8) + 10)  # per s^2: Q.K^T over 20 channels, P.V over 10, halved by causality
-        got = num_floating_point_operations(SimpleNamespace(model=provider))
+        got = num_floating_point_operations(ConfigContainer(model=provider))
         assert got == rest + s * 6 * layers * weights + core * layers * s * s

@@ -76,8 +76,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longspan.core.logging import get_logger
 from longspan.models.activations import gated_activation
 from longspan.models.args import MoEArgs, TransformerArgs
+from longspan.models.grouped_gemm import grouped_gemm_unsupported, grouped_linear, rows_expert
+
+_log = get_logger(__name__)
 
 # --------------------------------------------------------------------------------------------- aux losses
 
@@ -257,6 +261,21 @@ class TopKRouter(nn.Module):
             return torch.zeros(self.moe.num_experts, dtype=torch.float32, device=self.expert_bias.device)
         return counts.to(self.expert_bias.device)
 
+    def routed_rows(self, num_tokens: int) -> tuple[int, bool]:
+        """How many (token, expert) pairs the routing map of ``num_tokens`` tokens holds, and whether that is
+        exact (True) or a bound (False: token dropping without padding keeps a data-dependent number). Lets the
+        dispatcher permute with a static row count, without reading the map on the host."""
+        moe = self.moe
+        routed = num_tokens * moe.topk
+        if moe.capacity_factor is None:
+            return routed, True
+        capacity = expert_capacity(num_tokens, moe.topk, moe.num_experts, moe.capacity_factor)
+        if moe.pad_to_capacity:  # every expert takes exactly its capacity (all tokens when that exceeds them)
+            return moe.num_experts * min(capacity, num_tokens), True
+        if capacity > num_tokens:
+            return routed, True
+        return min(routed, moe.num_experts * capacity), False
+
     def jitter(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` times noise uniform in [1 - eps, 1 + eps] while training (``moe_input_jitter_eps``); the draw
         is megatron-core's (``Uniform(1 - eps, 1 + eps).rsample`` in x's dtype on torch's global generator)."""
@@ -365,9 +384,15 @@ class GroupedMLP(nn.Module):
     """The routed experts: each a dense MLP (gated or not) of width ``moe_ffn_hidden_size``.
 
     ``forward(x, tokens_per_expert)`` takes rows grouped by expert (``tokens_per_expert[j]`` rows for the
-    j-th expert this process holds, in order) and returns their outputs in the same order. Under expert
-    parallel the weights are DTensors and this process holds a contiguous block of experts (and, with expert
-    tensor parallel, a slice of each expert's ffn width); the computation uses the local shards.
+    j-th expert this process holds, in order; a device tensor) and returns their outputs in the same order;
+    rows past the counted ones (padding after token dropping) give zeros. Under expert parallel the weights
+    are DTensors and this process holds a contiguous block of experts (and, with expert tensor parallel, a
+    slice of each expert's ffn width); the computation uses the local shards.
+
+    With ``grouped_gemm`` (``moe_grouped_gemm``) each projection is one grouped matrix product over all local
+    experts (``longspan.models.grouped_gemm``); the counts stay on the device. Without it, or where the
+    kernel cannot serve (a warning names the reason and the path taken), the experts run one after the
+    other, which reads the counts on the host: the reference path.
     """
 
     def __init__(self, config: TransformerArgs, moe: MoEArgs) -> None:
@@ -382,40 +407,98 @@ class GroupedMLP(nn.Module):
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
         self.glu_linear_offset = float(config.glu_linear_offset)
         self.activation_func_clamp_value = config.activation_func_clamp_value
+        self.grouped_gemm = moe.grouped_gemm
         # How a parameter becomes the tensor the computation uses: its local shard. Expert parallel installs
         # a version that also routes the gradient through its expert-data-parallel reduction.
         self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = local_tensor
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int], add_output_bias: bool = True) -> torch.Tensor:
+    def _weights(self, add_output_bias: bool) -> tuple[Optional[torch.Tensor], ...]:
+        """(w1, wg, w2, b1, bg, b2): the local shards the computation uses (None where absent)."""
         fn = self.weight_fn
-        w1 = fn(self.linear_fc1.weight)
-        w2 = fn(self.linear_fc2.weight)
-        wg = fn(self.linear_fc1_gate.weight) if self.linear_fc1_gate is not None else None
+        gate = self.linear_fc1_gate
+        wg = fn(gate.weight) if gate is not None else None
         b1 = fn(self.linear_fc1.bias) if self.linear_fc1.bias is not None else None
-        bg = fn(self.linear_fc1_gate.bias) if wg is not None and self.linear_fc1_gate.bias is not None else None
+        bg = fn(gate.bias) if gate is not None and gate.bias is not None else None
         b2 = fn(self.linear_fc2.bias) if self.linear_fc2.bias is not None and add_output_bias else None
-        if len(tokens_per_expert) != w1.shape[0]:
-            raise RuntimeError(f"GroupedMLP: {len(tokens_per_expert)} token counts for {w1.shape[0]} local experts")
-        outputs = []
-        for j, rows in enumerate(torch.split(x, tokens_per_expert, dim=0)):
-            up = F.linear(rows, w1[j], None if b1 is None else b1[j])
-            if wg is not None:
-                h = gated_activation(F.linear(rows, wg[j], None if bg is None else bg[j]), up, self.activation_func,
-                                     self.glu_linear_offset, self.activation_func_clamp_value)
-            else:
-                h = self.activation_func(up)
-            outputs.append(F.linear(h, w2[j], None if b2 is None else b2[j]))
-        if not outputs:
-            return x.new_zeros(0, w2.shape[1])
-        return torch.cat(outputs, dim=0)
+        return fn(self.linear_fc1.weight), wg, fn(self.linear_fc2.weight), b1, bg, b2
 
-    def output_bias(self, tokens_per_expert: list[int]) -> Optional[torch.Tensor]:
-        """The fc2 bias row of each output row (for callers that add it after a partial-sum reduction)."""
+    def _hidden(self, up: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        if gate is None:
+            return self.activation_func(up)
+        return gated_activation(gate, up, self.activation_func, self.glu_linear_offset,
+                                self.activation_func_clamp_value)
+
+    def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` on rows like ``x`` runs the grouped kernel; logs why not when it was asked for."""
+        if not self.grouped_gemm:
+            return False
+        w1 = self.linear_fc1.weight
+        reason = grouped_gemm_unsupported(x.dtype, x.device, (w1.shape[-1], local_tensor(w1).shape[1]))
+        if reason is not None:
+            _warn_sequential(reason)
+        return reason is None
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, add_output_bias: bool = True) -> torch.Tensor:
+        w1, wg, w2, b1, bg, b2 = self._weights(add_output_bias)
+        if tokens_per_expert.shape[0] != w1.shape[0]:
+            raise RuntimeError(f"GroupedMLP: {tokens_per_expert.shape[0]} token counts for {w1.shape[0]} local experts")
+        if not self.uses_grouped_gemm(x):
+            return self._sequential(x, tokens_per_expert, w1, wg, w2, b1, bg, b2)
+        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        row_expert = rows_expert(offsets, x.shape[0]) if b1 is not None or b2 is not None else None
+
+        def project(rows: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+            out = grouped_linear(rows, w, offsets)
+            return out if b is None else out + _row_bias(b, row_expert)
+
+        up = project(x, w1, b1)
+        h = self._hidden(up, project(x, wg, bg) if wg is not None else None)
+        return project(h, w2, b2)
+
+    def _sequential(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w1: torch.Tensor,
+                    wg: Optional[torch.Tensor], w2: torch.Tensor, b1: Optional[torch.Tensor],
+                    bg: Optional[torch.Tensor], b2: Optional[torch.Tensor]) -> torch.Tensor:
+        """One expert at a time (the counts read on the host)."""
+        outputs = []
+        for j, rows in enumerate(split_by_expert(x, tokens_per_expert)):
+            up = F.linear(rows, w1[j], None if b1 is None else b1[j])
+            gate = F.linear(rows, wg[j], None if bg is None else bg[j]) if wg is not None else None
+            outputs.append(F.linear(self._hidden(up, gate), w2[j], None if b2 is None else b2[j]))
+        return pad_rows(torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, w2.shape[1]), x.shape[0])
+
+    def output_bias(self, tokens_per_expert: torch.Tensor, num_rows: int) -> Optional[torch.Tensor]:
+        """The fc2 bias row of each of ``num_rows`` output rows (zero for padding rows), for callers that add it
+        after a partial-sum reduction."""
         if self.linear_fc2.bias is None:
             return None
-        bias = self.weight_fn(self.linear_fc2.bias)
-        counts = torch.tensor(tokens_per_expert, device=bias.device)
-        return torch.repeat_interleave(bias, counts, dim=0)
+        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        return _row_bias(self.weight_fn(self.linear_fc2.bias), rows_expert(offsets, num_rows))
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_sequential(reason: str) -> None:
+    """Say once per reason that the experts run one at a time although grouped GEMMs were asked for."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        _log.warning("moe_grouped_gemm=True but %s: the experts run one at a time (sequential path)", reason)
+
+
+def _row_bias(bias: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+    """``bias [E, out]`` picked per row by ``row_expert`` (index E, a padding row, picks zeros)."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, row_expert)
+
+
+def split_by_expert(x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of each expert (``tokens_per_expert`` read on the host), leaving out padding rows past them."""
+    counts = tokens_per_expert.tolist()
+    return torch.split(x[:sum(counts)], counts, dim=0)
+
+
+def pad_rows(y: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``y`` followed by zero rows up to ``num_rows`` rows."""
+    return F.pad(y, (0, 0, 0, num_rows - y.shape[0])) if y.shape[0] < num_rows else y
 
 
 class SharedExpertMLP(nn.Module):
@@ -454,23 +537,52 @@ def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: 
 
 # --------------------------------------------------------------------------------------------- dispatch
 
-def permute(x: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of ``x`` grouped by expert (expert-major, token order within an expert).
+@dataclass(frozen=True)
+class Permutation:
+    """Where the rows of a permutation came from (``permute``); everything on the device.
 
-    Returns ``(permuted [N, h], token_index [N], tokens_per_expert [E])`` with N = routing_map.sum().
+    ``rows`` permuted rows hold the routed (token, expert) pairs expert-major, in token order within an expert,
+    then padding rows (when token dropping kept fewer pairs than the static row count)."""
+
+    token_index: torch.Tensor
+    """``[rows]`` the token of each row (0 for padding rows)."""
+    map_index: torch.Tensor
+    """``[rows]`` each row's position in the expert-major routing map ``[E * T]`` (clamped for padding rows)."""
+    valid: Optional[torch.Tensor]
+    """``[rows]`` bool, False on padding rows; None when the row count is exact (no padding)."""
+    tokens_per_expert: torch.Tensor
+    """``[E]`` int64 rows of each expert."""
+
+
+def permute(x: torch.Tensor, routing_map: torch.Tensor,
+            rows: Optional[tuple[int, bool]] = None) -> tuple[torch.Tensor, Permutation]:
+    """Rows of ``x [T, h]`` grouped by expert (expert-major, token order within an expert), found on the
+    device (a static-size nonzero over the expert-major map: Megatron's permute with the row count known).
+
+    ``rows`` is ``(count, exact)`` from ``TopKRouter.routed_rows``: the number of routed pairs, or a bound on it
+    (then the tail is padding). None reads the count from the map on the host.
     """
-    expert_major = routing_map.t()
-    token_index = expert_major.nonzero(as_tuple=True)[1]
-    tokens_per_expert = expert_major.sum(dim=1).tolist()
-    return x.index_select(0, token_index), token_index, tokens_per_expert
+    num_tokens, num_experts = routing_map.shape
+    expert_major = routing_map.t().reshape(-1)
+    if rows is None:
+        rows = (int(expert_major.sum()), True)
+    count, exact = rows
+    size = num_experts * num_tokens
+    flat = torch.nonzero_static(expert_major, size=count, fill_value=size).squeeze(1)
+    valid = None if exact else flat < size
+    token_index = torch.remainder(flat, num_tokens)
+    tokens_per_expert = routing_map.sum(dim=0)
+    return x.index_select(0, token_index), Permutation(token_index, flat.clamp(max=size - 1), valid,
+                                                       tokens_per_expert)
 
 
-def unpermute(y: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, token_index: torch.Tensor,
-              num_tokens: int) -> torch.Tensor:
+def unpermute(y: torch.Tensor, probs: torch.Tensor, permutation: Permutation, num_tokens: int) -> torch.Tensor:
     """Weight each expert output row by its routing probability and sum the rows back per token."""
-    weights = probs.t()[routing_map.t()].unsqueeze(-1)
+    weights = probs.t().reshape(-1).index_select(0, permutation.map_index)
+    if permutation.valid is not None:
+        weights = weights * permutation.valid
     out = y.new_zeros(num_tokens, y.shape[-1])
-    return out.index_add(0, token_index, (y.float() * weights.float()).to(y.dtype))
+    return out.index_add(0, permutation.token_index, (y.float() * weights.float().unsqueeze(-1)).to(y.dtype))
 
 
 class LocalTokenDispatcher:
@@ -478,12 +590,12 @@ class LocalTokenDispatcher:
     a layer's dispatcher with ``longspan.parallel.expert_parallel.AllToAllTokenDispatcher``."""
 
     def dispatch_and_combine(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                             experts: GroupedMLP) -> torch.Tensor:
-        """Expert outputs for tokens ``x [T, h]``, weighted by ``probs`` and summed per token: ``[T, h]``."""
-        permuted, token_index, counts = permute(x, routing_map)
-        y = experts(permuted, counts)
-        return unpermute(y, probs, routing_map, token_index, x.shape[0])
-
+                             experts: GroupedMLP, rows: Optional[tuple[int, bool]] = None) -> torch.Tensor:
+        """Expert outputs for tokens ``x [T, h]``, weighted by ``probs`` and summed per token: ``[T, h]``.
+        ``rows``: the routed row count (``permute``)."""
+        permuted, permutation = permute(x, routing_map, rows)
+        y = experts(permuted, permutation.tokens_per_expert)
+        return unpermute(y, probs, permutation, x.shape[0])
 
 # --------------------------------------------------------------------------------------------- the layer
 
@@ -536,7 +648,8 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(x)
         if self.training and torch.is_grad_enabled() and not in_backward_pass():
             self._track(self.router.last_tracked, routing_map)
-        out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts)
+        out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts,
+                                                         rows=self.router.routed_rows(x.shape[0]))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)

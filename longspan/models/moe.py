@@ -85,29 +85,39 @@ _log = get_logger(__name__)
 
 # --------------------------------------------------------------------------------------------- aux losses
 
+# The gradient every aux loss receives (``set_aux_loss_scale``); a module-level holder rather than an attribute of
+# the autograd.Function class, which compile cannot read.
+_AUX_LOSS_SCALE: dict[str, Optional[torch.Tensor]] = {"value": None}
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Attach an auxiliary loss to an activation: forward returns the activation unchanged; backward also
-    sends ``main_loss_backward_scale`` as the aux loss's gradient (so it joins the training objective without
+    sends ``scale`` (``set_aux_loss_scale``'s, via ``attach_aux_loss``) as the aux loss's gradient (so it joins the training objective without
     changing the logged LM loss). Megatron's class of the same name."""
 
-    main_loss_backward_scale: Optional[torch.Tensor] = None
-
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss, scale)
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        scale = 1.0 if scale is None else scale.to(aux_loss.device)
-        return grad_output, torch.ones_like(aux_loss) * scale
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        aux_loss, scale = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * scale, None
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
         """Set the gradient the aux losses receive (the main loss's scale / number of microbatches)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+        _AUX_LOSS_SCALE["value"] = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """``output`` unchanged, with ``aux_loss`` joining the objective at the scale set for this step. The scale is
+    read here rather than in backward (the schedule sets it before the step's forwards), so that compile can
+    trace the layer."""
+    scale = _AUX_LOSS_SCALE["value"]
+    scale = torch.ones((), dtype=torch.float32) if scale is None else scale
+    return MoEAuxLossAutoScaler.apply(output, aux_loss, scale.to(aux_loss.device))
 
 
 def set_aux_loss_scale(scale: float) -> None:
@@ -175,7 +185,10 @@ def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tens
 
 def in_backward_pass() -> bool:
     """True while autograd runs a backward pass: a forward called then is an activation-recompute replay
-    (non-reentrant checkpoint), which must not count its tokens a second time."""
+    (non-reentrant checkpoint), which must not count its tokens a second time. False while compile traces: a
+    compiled region replays its recompute inside the compiled backward, without running this Python again."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -307,7 +320,7 @@ class TopKRouter(nn.Module):
         token_scale = num_tokens * num_shards if moe.calculate_per_token_loss else 1
         if moe.z_loss_coeff is not None and attach:
             loss = z_loss(logits, moe.z_loss_coeff)
-            logits = MoEAuxLossAutoScaler.apply(logits, loss * token_scale)
+            logits = attach_aux_loss(logits, loss * token_scale)
             tracked["z_loss"] = loss.detach() / moe.z_loss_coeff
         if moe.score_function == "softmax":
             if moe.pre_softmax:
@@ -343,7 +356,7 @@ class TopKRouter(nn.Module):
                 counts = shards.sum(counts)
             loss = switch_load_balancing_loss(aux_scores, counts, num_tokens * num_shards, moe.topk,
                                               moe.num_experts, moe.aux_loss_coeff) * num_shards
-            probs = MoEAuxLossAutoScaler.apply(probs, loss * token_scale)
+            probs = attach_aux_loss(probs, loss * token_scale)
             tracked["load_balancing_loss"] = loss.detach() / moe.aux_loss_coeff
         self.count_tokens(routing_map)
         return probs, routing_map, tracked
@@ -623,17 +636,34 @@ class MoELayer(nn.Module):
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
-        """Clear the accumulated metrics (done after each logged iteration)."""
-        self.metrics: dict[str, torch.Tensor] = {}
-        self.metric_steps = 0
+        """Zero the accumulated metrics (done after each logged iteration). The sums exist from the start, with
+        fixed names, shapes and device, so a compiled layer finds the same structure on every step."""
+        moe, device = self.router.moe, self.router.weight.device
+        shapes: dict[str, tuple[int, ...]] = {"tokens_per_expert": (moe.num_experts,)}
+        if moe.aux_loss_coeff > 0:
+            shapes["load_balancing_loss"] = ()
+        if moe.z_loss_coeff is not None:
+            shapes["z_loss"] = ()
+        self.metrics = {name: torch.zeros(shape, dtype=torch.float64, device=device) for name, shape in shapes.items()}
+        self.metric_steps = torch.zeros((), dtype=torch.float64, device=device)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "MoELayer":
+        super()._apply(fn, recurse)
+        device = self.router.weight.device
+        if self.metric_steps.device != device:  # the sums follow the parameters (fresh after a meta build)
+            if self.metric_steps.is_meta:
+                self.reset_metrics()
+            else:
+                self.metrics = {name: value.to(device) for name, value in self.metrics.items()}
+                self.metric_steps = self.metric_steps.to(device)
+        return self
 
     def _track(self, tracked: dict[str, torch.Tensor], routing_map: torch.Tensor) -> None:
         tracked = dict(tracked)
-        tracked["tokens_per_expert"] = routing_map.sum(dim=0).to(torch.float64)
+        tracked["tokens_per_expert"] = routing_map.sum(dim=0)
         for name, value in tracked.items():
-            value = value.detach().to(torch.float64)
-            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
-        self.metric_steps += 1
+            self.metrics[name] = self.metrics[name] + value.detach().to(torch.float64)
+        self.metric_steps = self.metric_steps + 1
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.layer_recompute and self.training and torch.is_grad_enabled():
@@ -669,7 +699,7 @@ def moe_layer_metrics(model: nn.Module | list[nn.Module]) -> dict[int, dict[str,
     for layer in moe_layers(model):
         values = dict(layer.metrics)
         values = {name: value.cpu() for name, value in values.items()}
-        values["steps"] = torch.tensor(float(layer.metric_steps), dtype=torch.float64)
+        values["steps"] = layer.metric_steps.detach().cpu()
         out[layer.layer_number] = values
     return out
 

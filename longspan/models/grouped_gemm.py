@@ -52,6 +52,11 @@ def _valid_rows(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``out [N, k]`` with the rows past ``offsets[-1]`` set to zero (the kernel leaves them unwritten)."""
     if out.shape[0] == 0 or offsets.numel() == 0:
         return out
+    if out.device.type == "cpu":  # the CPU kernel reads every offset itself; zero only the tail
+        end = int(offsets[-1])
+        if end < out.shape[0]:
+            out[end:].zero_()
+        return out
     rows = torch.arange(out.shape[0], device=out.device, dtype=offsets.dtype)
     return out.masked_fill_((rows >= offsets[-1]).unsqueeze(1), 0)
 
@@ -59,7 +64,8 @@ def _valid_rows(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("longspan::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offsets)`` for ``a [N, k]`` and either ``b [E, k, n]`` (result ``[N, n]``,
-    padding rows zero) or ``b [N, n]`` (result ``[E, k, n]``, the per-group ``a_e @ b_e``)."""
+    padding rows zero) or ``b [N, n]`` (result ``[E, k, n]``, the per-group ``a_e @ b_e``). Not differentiable:
+    the building block of ``grouped_linear``'s forward and backward."""
     if b.dim() == 3:
         if a.shape[0] == 0:
             return a.new_zeros(0, b.shape[-1])
@@ -76,28 +82,36 @@ def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
     return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])
 
 
+@torch.library.custom_op("longspan::grouped_linear", mutates_args=())
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return grouped_mm(x, weight.transpose(-2, -1), offsets)
+
+
+@_grouped_linear.register_fake
+def _grouped_linear_fake(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    a, b, offsets = inputs
-    if b.dim() != 3:
-        ctx.mark_non_differentiable(output)
-    ctx.save_for_backward(a, b, offsets)
+    ctx.save_for_backward(*inputs)
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
-    a, b, offsets = ctx.saved_tensors
+    x, weight, offsets = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_a = grouped_mm(grad, b.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
-    grad_b = grouped_mm(a.t(), grad, offsets) if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None
+    grad_x = grouped_mm(grad, weight, offsets) if ctx.needs_input_grad[0] else None
+    # [E, out, in] directly in the weight's layout (no transposed copy when the gradient accumulates)
+    grad_w = grouped_mm(grad.t(), x, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
 
 
-grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+_grouped_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x [N, in]`` rows grouped by expert times each expert's ``weight [E, out, in]`` transposed: ``[N, out]``.
     ``offsets`` (int32, ``[E]``) ends each expert's rows; rows past the last offset give zeros."""
-    return grouped_mm(x.contiguous(), weight.transpose(-2, -1), offsets)
+    return _grouped_linear(x.contiguous(), weight, offsets)
 
 
 def rows_expert(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:

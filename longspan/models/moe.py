@@ -15,6 +15,15 @@ the expert weights). Module and parameter names follow Megatron::
 Expert weights are 3-D parameters (one slab per expert) so expert parallel is a ``Shard(0)`` DTensor over the
 ep mesh and ``init_weights`` draws the full slab from (seed, name) under every layout.
 
+The experts (``GroupedMLP``) run as one grouped GEMM per projection with ``moe_grouped_gemm``
+(``longspan.models.grouped_gemm``; where the kernel cannot serve, a warning names the reason and the expert loop
+runs), else expert by expert, the reference. Nothing in a step reads a tensor on the host on the grouped path:
+tokens are permuted on the device (``longspan.models.moe_dispatch``, with the row count the router knows from
+its settings), the counts become int32 offsets, and the router, its expert bias, group-limited top-k, token
+dropping, aux and z losses and the metrics are tensor operations; so ``torch.compile`` traces the layer as one
+graph. The expert loop reads the counts (``split_by_expert``); under expert parallel the all-to-all split sizes
+are read (``longspan.parallel.expert_parallel``).
+
 Routing (``TopKRouter``): logits = x @ router.weight^T (in ``moe_router_dtype``), then softmax-after-top-k
 (default), softmax-before-top-k (``moe_router_pre_softmax``) or sigmoid scores normalized over the top-k;
 optional group-limited top-k (device-limited routing is the same with one group per expert-parallel rank)
@@ -80,6 +89,7 @@ from longspan.core.logging import get_logger
 from longspan.models.activations import gated_activation
 from longspan.models.args import MoEArgs, TransformerArgs
 from longspan.models.grouped_gemm import grouped_gemm_unsupported, grouped_linear, rows_expert
+from longspan.models.moe_dispatch import pad_rows, permute, split_by_expert, unpermute
 
 _log = get_logger(__name__)
 
@@ -503,15 +513,6 @@ def _row_bias(bias: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
     return torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, row_expert)
 
 
-def split_by_expert(x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The rows of each expert (``tokens_per_expert`` read on the host), leaving out padding rows past them."""
-    counts = tokens_per_expert.tolist()
-    return torch.split(x[:sum(counts)], counts, dim=0)
-
-
-def pad_rows(y: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``y`` followed by zero rows up to ``num_rows`` rows."""
-    return F.pad(y, (0, 0, 0, num_rows - y.shape[0])) if y.shape[0] < num_rows else y
 
 
 class SharedExpertMLP(nn.Module):
@@ -549,54 +550,6 @@ def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: 
 
 
 # --------------------------------------------------------------------------------------------- dispatch
-
-@dataclass(frozen=True)
-class Permutation:
-    """Where the rows of a permutation came from (``permute``); everything on the device.
-
-    ``rows`` permuted rows hold the routed (token, expert) pairs expert-major, in token order within an expert,
-    then padding rows (when token dropping kept fewer pairs than the static row count)."""
-
-    token_index: torch.Tensor
-    """``[rows]`` the token of each row (0 for padding rows)."""
-    map_index: torch.Tensor
-    """``[rows]`` each row's position in the expert-major routing map ``[E * T]`` (clamped for padding rows)."""
-    valid: Optional[torch.Tensor]
-    """``[rows]`` bool, False on padding rows; None when the row count is exact (no padding)."""
-    tokens_per_expert: torch.Tensor
-    """``[E]`` int64 rows of each expert."""
-
-
-def permute(x: torch.Tensor, routing_map: torch.Tensor,
-            rows: Optional[tuple[int, bool]] = None) -> tuple[torch.Tensor, Permutation]:
-    """Rows of ``x [T, h]`` grouped by expert (expert-major, token order within an expert), found on the
-    device (a static-size nonzero over the expert-major map: Megatron's permute with the row count known).
-
-    ``rows`` is ``(count, exact)`` from ``TopKRouter.routed_rows``: the number of routed pairs, or a bound on it
-    (then the tail is padding). None reads the count from the map on the host.
-    """
-    num_tokens, num_experts = routing_map.shape
-    expert_major = routing_map.t().reshape(-1)
-    if rows is None:
-        rows = (int(expert_major.sum()), True)
-    count, exact = rows
-    size = num_experts * num_tokens
-    flat = torch.nonzero_static(expert_major, size=count, fill_value=size).squeeze(1)
-    valid = None if exact else flat < size
-    token_index = torch.remainder(flat, num_tokens)
-    tokens_per_expert = routing_map.sum(dim=0)
-    return x.index_select(0, token_index), Permutation(token_index, flat.clamp(max=size - 1), valid,
-                                                       tokens_per_expert)
-
-
-def unpermute(y: torch.Tensor, probs: torch.Tensor, permutation: Permutation, num_tokens: int) -> torch.Tensor:
-    """Weight each expert output row by its routing probability and sum the rows back per token."""
-    weights = probs.t().reshape(-1).index_select(0, permutation.map_index)
-    if permutation.valid is not None:
-        weights = weights * permutation.valid
-    out = y.new_zeros(num_tokens, y.shape[-1])
-    return out.index_add(0, permutation.token_index, (y.float() * weights.float().unsqueeze(-1)).to(y.dtype))
-
 
 class LocalTokenDispatcher:
     """All experts on this process: permute, run the experts, weight and sum back. Expert parallel replaces

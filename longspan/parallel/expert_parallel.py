@@ -14,6 +14,9 @@ parallel (``longspan.parallel.parallelize``):
   through the local experts, sent back, weighted by their routing probabilities and summed per token on
   the home rank. With etp > 1 the ranks of an etp group hold the same tokens (etp = tp, no sequence
   parallel); each computes a partial fc2 output from its ffn slice and the partial sums are all-reduced.
+  The per-expert counts stay on the device except for the all-to-all split sizes, which ``all_to_all_single``
+  takes as Python lists (the one host read of the step); the received rows are put in expert order by a
+  stable device sort.
 - Shared experts are split like the dense MLP over ``tp`` (fc1/gate column-wise, fc2 row-wise); the router
   and the shared-expert gate stay replicated.
 - Sequence parallel: the tensor-parallel plan gathers every MLP's input from its sequence shards, so an MoE
@@ -66,11 +69,9 @@ from longspan.models.moe import (
     MoELayer,
     local_tensor,
     moe_layers,
-    pad_rows,
-    permute,
-    unpermute,
     updated_expert_bias,
 )
+from longspan.models.moe_dispatch import pad_rows, permute, unpermute
 from longspan.parallel.collectives import copy_to_group, reduce_from_group
 
 _log = get_logger(__name__)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import NotSupportedError
-from longspan.models.moe import pad_rows, split_by_expert
+from longspan.models.moe_dispatch import pad_rows, split_by_expert
 
 
 def init_rule(method: str, fan_in: int, fan_out: int) -> tuple[str, float]:

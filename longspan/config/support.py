@@ -103,8 +103,8 @@ FIELD_STATUS: dict[str, str] = {
         bias_dropout_fusion apply_rope_fusion gradient_accumulation_fusion
         """),
     # Mixture of experts and expert parallel: longspan.models.moe, longspan.parallel.expert_parallel.
-    # Tokens always move by all-to-all (every dispatcher type computes the same), so the dispatcher type and
-    # the grouped-GEMM / fusion / overlap switches change no maths.
+    # Tokens always move by all-to-all (every dispatcher type computes the same), so the dispatcher type
+    # changes no maths.
     **_many("model", SUPPORTED, """
         num_moe_experts moe_router_topk moe_ffn_hidden_size moe_shared_expert_intermediate_size
         moe_shared_expert_gate moe_layer_freq moe_router_load_balancing_type moe_aux_loss_coeff moe_z_loss_coeff
@@ -121,8 +121,12 @@ FIELD_STATUS: dict[str, str] = {
         moe_router_enable_expert_bias moe_router_bias_update_rate moe_router_topk_limited_devices
         moe_input_jitter_eps moe_token_dropping
         """),
-    **_many("model", HINT, "moe_grouped_gemm moe_permute_fusion moe_shared_expert_overlap "
-                           "overlap_moe_expert_parallel_comm"),
+    # Grouped expert GEMMs (longspan.models.moe, longspan.models.grouped_gemm): True runs all local experts in
+    # one torch._grouped_mm per projection, False the expert-by-expert loop (the reference), as in Megatron.
+    **_many("model", SUPPORTED, "moe_grouped_gemm"),
+    # Tokens are always permuted on the device (longspan.models.moe.permute), so the fusion switch and the
+    # overlap switches change no maths.
+    **_many("model", HINT, "moe_permute_fusion moe_shared_expert_overlap overlap_moe_expert_parallel_comm"),
     **_many("optimizer", SUPPORTED, """
         optimizer lr min_lr weight_decay fp16 bf16 params_dtype loss_scale initial_loss_scale min_loss_scale
         loss_scale_window hysteresis adam_beta1 adam_beta2 adam_eps decoupled_weight_decay sgd_momentum

@@ -66,6 +66,8 @@ class MoEArgs:
     input_jitter_eps: Optional[float] = None
     # moe_layer_recompute: each MoE layer's forward is checkpointed and replayed in backward
     layer_recompute: bool = False
+    # moe_grouped_gemm: all local experts in one grouped matrix product per projection (longspan.models.moe)
+    grouped_gemm: bool = False
 
     @classmethod
     def from_config(cls, config: TransformerConfig, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
@@ -100,6 +102,7 @@ class MoEArgs:
             expert_bias=bool(config.moe_router_enable_expert_bias),
             bias_update_rate=float(config.moe_router_bias_update_rate),
             input_jitter_eps=config.moe_input_jitter_eps,
+            grouped_gemm=bool(config.moe_grouped_gemm),
             layer_recompute=bool(config.moe_layer_recompute),
         )
 

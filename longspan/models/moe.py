@@ -15,6 +15,15 @@ the expert weights). Module and parameter names follow Megatron::
 Expert weights are 3-D parameters (one slab per expert) so expert parallel is a ``Shard(0)`` DTensor over the
 ep mesh and ``init_weights`` draws the full slab from (seed, name) under every layout.
 
+The experts (``GroupedMLP``) run as one grouped GEMM per projection with ``moe_grouped_gemm``
+(``longspan.models.grouped_gemm``; where the kernel cannot serve, a warning names the reason and the expert loop
+runs), else expert by expert, the reference. Nothing in a step reads a tensor on the host on the grouped path:
+tokens are permuted on the device (``longspan.models.moe_dispatch``, with the row count the router knows from
+its settings), the counts become int32 offsets, and the router, its expert bias, group-limited top-k, token
+dropping, aux and z losses and the metrics are tensor operations; so ``torch.compile`` traces the layer as one
+graph. The expert loop reads the counts (``split_by_expert``); under expert parallel the all-to-all split sizes
+are read (``longspan.parallel.expert_parallel``).
+
 Routing (``TopKRouter``): logits = x @ router.weight^T (in ``moe_router_dtype``), then softmax-after-top-k
 (default), softmax-before-top-k (``moe_router_pre_softmax``) or sigmoid scores normalized over the top-k;
 optional group-limited top-k (device-limited routing is the same with one group per expert-parallel rank)
@@ -76,34 +85,49 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longspan.core.logging import get_logger
 from longspan.models.activations import gated_activation
 from longspan.models.args import MoEArgs, TransformerArgs
+from longspan.models.grouped_gemm import grouped_gemm_unsupported, grouped_linear, rows_expert
+from longspan.models.moe_dispatch import pad_rows, permute, split_by_expert, unpermute
+
+_log = get_logger(__name__)
 
 # --------------------------------------------------------------------------------------------- aux losses
 
+# The gradient every aux loss receives (``set_aux_loss_scale``); a module-level holder rather than an attribute of
+# the autograd.Function class, which compile cannot read.
+_AUX_LOSS_SCALE: dict[str, Optional[torch.Tensor]] = {"value": None}
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Attach an auxiliary loss to an activation: forward returns the activation unchanged; backward also
-    sends ``main_loss_backward_scale`` as the aux loss's gradient (so it joins the training objective without
+    sends ``scale`` (``set_aux_loss_scale``'s, via ``attach_aux_loss``) as the aux loss's gradient (so it joins the training objective without
     changing the logged LM loss). Megatron's class of the same name."""
 
-    main_loss_backward_scale: Optional[torch.Tensor] = None
-
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss, scale)
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        scale = 1.0 if scale is None else scale.to(aux_loss.device)
-        return grad_output, torch.ones_like(aux_loss) * scale
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        aux_loss, scale = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * scale, None
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
         """Set the gradient the aux losses receive (the main loss's scale / number of microbatches)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+        _AUX_LOSS_SCALE["value"] = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """``output`` unchanged, with ``aux_loss`` joining the objective at the scale set for this step. The scale is
+    read here rather than in backward (the schedule sets it before the step's forwards), so that compile can
+    trace the layer."""
+    scale = _AUX_LOSS_SCALE["value"]
+    scale = torch.ones((), dtype=torch.float32) if scale is None else scale
+    return MoEAuxLossAutoScaler.apply(output, aux_loss, scale.to(aux_loss.device))
 
 
 def set_aux_loss_scale(scale: float) -> None:
@@ -171,7 +195,10 @@ def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tens
 
 def in_backward_pass() -> bool:
     """True while autograd runs a backward pass: a forward called then is an activation-recompute replay
-    (non-reentrant checkpoint), which must not count its tokens a second time."""
+    (non-reentrant checkpoint), which must not count its tokens a second time. False while compile traces: a
+    compiled region replays its recompute inside the compiled backward, without running this Python again."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -257,6 +284,21 @@ class TopKRouter(nn.Module):
             return torch.zeros(self.moe.num_experts, dtype=torch.float32, device=self.expert_bias.device)
         return counts.to(self.expert_bias.device)
 
+    def routed_rows(self, num_tokens: int) -> tuple[int, bool]:
+        """How many (token, expert) pairs the routing map of ``num_tokens`` tokens holds, and whether that is
+        exact (True) or a bound (False: token dropping without padding keeps a data-dependent number). Lets the
+        dispatcher permute with a static row count, without reading the map on the host."""
+        moe = self.moe
+        routed = num_tokens * moe.topk
+        if moe.capacity_factor is None:
+            return routed, True
+        capacity = expert_capacity(num_tokens, moe.topk, moe.num_experts, moe.capacity_factor)
+        if moe.pad_to_capacity:  # every expert takes exactly its capacity (all tokens when that exceeds them)
+            return moe.num_experts * min(capacity, num_tokens), True
+        if capacity > num_tokens:
+            return routed, True
+        return min(routed, moe.num_experts * capacity), False
+
     def jitter(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` times noise uniform in [1 - eps, 1 + eps] while training (``moe_input_jitter_eps``); the draw
         is megatron-core's (``Uniform(1 - eps, 1 + eps).rsample`` in x's dtype on torch's global generator)."""
@@ -288,7 +330,7 @@ class TopKRouter(nn.Module):
         token_scale = num_tokens * num_shards if moe.calculate_per_token_loss else 1
         if moe.z_loss_coeff is not None and attach:
             loss = z_loss(logits, moe.z_loss_coeff)
-            logits = MoEAuxLossAutoScaler.apply(logits, loss * token_scale)
+            logits = attach_aux_loss(logits, loss * token_scale)
             tracked["z_loss"] = loss.detach() / moe.z_loss_coeff
         if moe.score_function == "softmax":
             if moe.pre_softmax:
@@ -324,7 +366,7 @@ class TopKRouter(nn.Module):
                 counts = shards.sum(counts)
             loss = switch_load_balancing_loss(aux_scores, counts, num_tokens * num_shards, moe.topk,
                                               moe.num_experts, moe.aux_loss_coeff) * num_shards
-            probs = MoEAuxLossAutoScaler.apply(probs, loss * token_scale)
+            probs = attach_aux_loss(probs, loss * token_scale)
             tracked["load_balancing_loss"] = loss.detach() / moe.aux_loss_coeff
         self.count_tokens(routing_map)
         return probs, routing_map, tracked
@@ -365,9 +407,15 @@ class GroupedMLP(nn.Module):
     """The routed experts: each a dense MLP (gated or not) of width ``moe_ffn_hidden_size``.
 
     ``forward(x, tokens_per_expert)`` takes rows grouped by expert (``tokens_per_expert[j]`` rows for the
-    j-th expert this process holds, in order) and returns their outputs in the same order. Under expert
-    parallel the weights are DTensors and this process holds a contiguous block of experts (and, with expert
-    tensor parallel, a slice of each expert's ffn width); the computation uses the local shards.
+    j-th expert this process holds, in order; a device tensor) and returns their outputs in the same order;
+    rows past the counted ones (padding after token dropping) give zeros. Under expert parallel the weights
+    are DTensors and this process holds a contiguous block of experts (and, with expert tensor parallel, a
+    slice of each expert's ffn width); the computation uses the local shards.
+
+    With ``grouped_gemm`` (``moe_grouped_gemm``) each projection is one grouped matrix product over all local
+    experts (``longspan.models.grouped_gemm``); the counts stay on the device. Without it, or where the
+    kernel cannot serve (a warning names the reason and the path taken), the experts run one after the
+    other, which reads the counts on the host: the reference path.
     """
 
     def __init__(self, config: TransformerArgs, moe: MoEArgs) -> None:
@@ -382,40 +430,89 @@ class GroupedMLP(nn.Module):
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
         self.glu_linear_offset = float(config.glu_linear_offset)
         self.activation_func_clamp_value = config.activation_func_clamp_value
+        self.grouped_gemm = moe.grouped_gemm
         # How a parameter becomes the tensor the computation uses: its local shard. Expert parallel installs
         # a version that also routes the gradient through its expert-data-parallel reduction.
         self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = local_tensor
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int], add_output_bias: bool = True) -> torch.Tensor:
+    def _weights(self, add_output_bias: bool) -> tuple[Optional[torch.Tensor], ...]:
+        """(w1, wg, w2, b1, bg, b2): the local shards the computation uses (None where absent)."""
         fn = self.weight_fn
-        w1 = fn(self.linear_fc1.weight)
-        w2 = fn(self.linear_fc2.weight)
-        wg = fn(self.linear_fc1_gate.weight) if self.linear_fc1_gate is not None else None
+        gate = self.linear_fc1_gate
+        wg = fn(gate.weight) if gate is not None else None
         b1 = fn(self.linear_fc1.bias) if self.linear_fc1.bias is not None else None
-        bg = fn(self.linear_fc1_gate.bias) if wg is not None and self.linear_fc1_gate.bias is not None else None
+        bg = fn(gate.bias) if gate is not None and gate.bias is not None else None
         b2 = fn(self.linear_fc2.bias) if self.linear_fc2.bias is not None and add_output_bias else None
-        if len(tokens_per_expert) != w1.shape[0]:
-            raise RuntimeError(f"GroupedMLP: {len(tokens_per_expert)} token counts for {w1.shape[0]} local experts")
-        outputs = []
-        for j, rows in enumerate(torch.split(x, tokens_per_expert, dim=0)):
-            up = F.linear(rows, w1[j], None if b1 is None else b1[j])
-            if wg is not None:
-                h = gated_activation(F.linear(rows, wg[j], None if bg is None else bg[j]), up, self.activation_func,
-                                     self.glu_linear_offset, self.activation_func_clamp_value)
-            else:
-                h = self.activation_func(up)
-            outputs.append(F.linear(h, w2[j], None if b2 is None else b2[j]))
-        if not outputs:
-            return x.new_zeros(0, w2.shape[1])
-        return torch.cat(outputs, dim=0)
+        return fn(self.linear_fc1.weight), wg, fn(self.linear_fc2.weight), b1, bg, b2
 
-    def output_bias(self, tokens_per_expert: list[int]) -> Optional[torch.Tensor]:
-        """The fc2 bias row of each output row (for callers that add it after a partial-sum reduction)."""
+    def _hidden(self, up: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        if gate is None:
+            return self.activation_func(up)
+        return gated_activation(gate, up, self.activation_func, self.glu_linear_offset,
+                                self.activation_func_clamp_value)
+
+    def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` on rows like ``x`` runs the grouped kernel; logs why not when it was asked for."""
+        if not self.grouped_gemm:
+            return False
+        w1 = self.linear_fc1.weight
+        reason = grouped_gemm_unsupported(x.dtype, x.device, (w1.shape[-1], local_tensor(w1).shape[1]))
+        if reason is not None:
+            _warn_sequential(reason)
+        return reason is None
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, add_output_bias: bool = True) -> torch.Tensor:
+        w1, wg, w2, b1, bg, b2 = self._weights(add_output_bias)
+        if tokens_per_expert.shape[0] != w1.shape[0]:
+            raise RuntimeError(f"GroupedMLP: {tokens_per_expert.shape[0]} token counts for {w1.shape[0]} local experts")
+        if not self.uses_grouped_gemm(x):
+            return self._sequential(x, tokens_per_expert, w1, wg, w2, b1, bg, b2)
+        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        row_expert = rows_expert(offsets, x.shape[0]) if b1 is not None or b2 is not None else None
+
+        def project(rows: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+            out = grouped_linear(rows, w, offsets)
+            return out if b is None else out + _row_bias(b, row_expert)
+
+        up = project(x, w1, b1)
+        h = self._hidden(up, project(x, wg, bg) if wg is not None else None)
+        return project(h, w2, b2)
+
+    def _sequential(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w1: torch.Tensor,
+                    wg: Optional[torch.Tensor], w2: torch.Tensor, b1: Optional[torch.Tensor],
+                    bg: Optional[torch.Tensor], b2: Optional[torch.Tensor]) -> torch.Tensor:
+        """One expert at a time (the counts read on the host)."""
+        outputs = []
+        for j, rows in enumerate(split_by_expert(x, tokens_per_expert)):
+            up = F.linear(rows, w1[j], None if b1 is None else b1[j])
+            gate = F.linear(rows, wg[j], None if bg is None else bg[j]) if wg is not None else None
+            outputs.append(F.linear(self._hidden(up, gate), w2[j], None if b2 is None else b2[j]))
+        return pad_rows(torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, w2.shape[1]), x.shape[0])
+
+    def output_bias(self, tokens_per_expert: torch.Tensor, num_rows: int) -> Optional[torch.Tensor]:
+        """The fc2 bias row of each of ``num_rows`` output rows (zero for padding rows), for callers that add it
+        after a partial-sum reduction."""
         if self.linear_fc2.bias is None:
             return None
-        bias = self.weight_fn(self.linear_fc2.bias)
-        counts = torch.tensor(tokens_per_expert, device=bias.device)
-        return torch.repeat_interleave(bias, counts, dim=0)
+        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        return _row_bias(self.weight_fn(self.linear_fc2.bias), rows_expert(offsets, num_rows))
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_sequential(reason: str) -> None:
+    """Say once per reason that the experts run one at a time although grouped GEMMs were asked for."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        _log.warning("moe_grouped_gemm=True but %s: the experts run one at a time (sequential path)", reason)
+
+
+def _row_bias(bias: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+    """``bias [E, out]`` picked per row by ``row_expert`` (index E, a padding row, picks zeros)."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, row_expert)
+
+
 
 
 class SharedExpertMLP(nn.Module):
@@ -454,36 +551,17 @@ def _linear(in_features: int, out_features: int, bias: bool, std: float, dtype: 
 
 # --------------------------------------------------------------------------------------------- dispatch
 
-def permute(x: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of ``x`` grouped by expert (expert-major, token order within an expert).
-
-    Returns ``(permuted [N, h], token_index [N], tokens_per_expert [E])`` with N = routing_map.sum().
-    """
-    expert_major = routing_map.t()
-    token_index = expert_major.nonzero(as_tuple=True)[1]
-    tokens_per_expert = expert_major.sum(dim=1).tolist()
-    return x.index_select(0, token_index), token_index, tokens_per_expert
-
-
-def unpermute(y: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, token_index: torch.Tensor,
-              num_tokens: int) -> torch.Tensor:
-    """Weight each expert output row by its routing probability and sum the rows back per token."""
-    weights = probs.t()[routing_map.t()].unsqueeze(-1)
-    out = y.new_zeros(num_tokens, y.shape[-1])
-    return out.index_add(0, token_index, (y.float() * weights.float()).to(y.dtype))
-
-
 class LocalTokenDispatcher:
     """All experts on this process: permute, run the experts, weight and sum back. Expert parallel replaces
     a layer's dispatcher with ``longspan.parallel.expert_parallel.AllToAllTokenDispatcher``."""
 
     def dispatch_and_combine(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                             experts: GroupedMLP) -> torch.Tensor:
-        """Expert outputs for tokens ``x [T, h]``, weighted by ``probs`` and summed per token: ``[T, h]``."""
-        permuted, token_index, counts = permute(x, routing_map)
-        y = experts(permuted, counts)
-        return unpermute(y, probs, routing_map, token_index, x.shape[0])
-
+                             experts: GroupedMLP, rows: Optional[tuple[int, bool]] = None) -> torch.Tensor:
+        """Expert outputs for tokens ``x [T, h]``, weighted by ``probs`` and summed per token: ``[T, h]``.
+        ``rows``: the routed row count (``permute``)."""
+        permuted, permutation = permute(x, routing_map, rows)
+        y = experts(permuted, permutation.tokens_per_expert)
+        return unpermute(y, probs, permutation, x.shape[0])
 
 # --------------------------------------------------------------------------------------------- the layer
 
@@ -511,17 +589,34 @@ class MoELayer(nn.Module):
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
-        """Clear the accumulated metrics (done after each logged iteration)."""
-        self.metrics: dict[str, torch.Tensor] = {}
-        self.metric_steps = 0
+        """Zero the accumulated metrics (done after each logged iteration). The sums exist from the start, with
+        fixed names, shapes and device, so a compiled layer finds the same structure on every step."""
+        moe, device = self.router.moe, self.router.weight.device
+        shapes: dict[str, tuple[int, ...]] = {"tokens_per_expert": (moe.num_experts,)}
+        if moe.aux_loss_coeff > 0:
+            shapes["load_balancing_loss"] = ()
+        if moe.z_loss_coeff is not None:
+            shapes["z_loss"] = ()
+        self.metrics = {name: torch.zeros(shape, dtype=torch.float64, device=device) for name, shape in shapes.items()}
+        self.metric_steps = torch.zeros((), dtype=torch.float64, device=device)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "MoELayer":
+        super()._apply(fn, recurse)
+        device = self.router.weight.device
+        if self.metric_steps.device != device:  # the sums follow the parameters (fresh after a meta build)
+            if self.metric_steps.is_meta:
+                self.reset_metrics()
+            else:
+                self.metrics = {name: value.to(device) for name, value in self.metrics.items()}
+                self.metric_steps = self.metric_steps.to(device)
+        return self
 
     def _track(self, tracked: dict[str, torch.Tensor], routing_map: torch.Tensor) -> None:
         tracked = dict(tracked)
-        tracked["tokens_per_expert"] = routing_map.sum(dim=0).to(torch.float64)
+        tracked["tokens_per_expert"] = routing_map.sum(dim=0)
         for name, value in tracked.items():
-            value = value.detach().to(torch.float64)
-            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
-        self.metric_steps += 1
+            self.metrics[name] = self.metrics[name] + value.detach().to(torch.float64)
+        self.metric_steps = self.metric_steps + 1
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.layer_recompute and self.training and torch.is_grad_enabled():
@@ -536,7 +631,8 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(x)
         if self.training and torch.is_grad_enabled() and not in_backward_pass():
             self._track(self.router.last_tracked, routing_map)
-        out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts)
+        out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts,
+                                                         rows=self.router.routed_rows(x.shape[0]))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
@@ -556,7 +652,7 @@ def moe_layer_metrics(model: nn.Module | list[nn.Module]) -> dict[int, dict[str,
     for layer in moe_layers(model):
         values = dict(layer.metrics)
         values = {name: value.cpu() for name, value in values.items()}
-        values["steps"] = torch.tensor(float(layer.metric_steps), dtype=torch.float64)
+        values["steps"] = layer.metric_steps.detach().cpu()
         out[layer.layer_number] = values
     return out
 

@@ -14,6 +14,9 @@ parallel (``longspan.parallel.parallelize``):
   through the local experts, sent back, weighted by their routing probabilities and summed per token on
   the home rank. With etp > 1 the ranks of an etp group hold the same tokens (etp = tp, no sequence
   parallel); each computes a partial fc2 output from its ffn slice and the partial sums are all-reduced.
+  The per-expert counts stay on the device except for the all-to-all split sizes, which ``all_to_all_single``
+  takes as Python lists (the one host read of the step); the received rows are put in expert order by a
+  stable device sort.
 - Shared experts are split like the dense MLP over ``tp`` (fc1/gate column-wise, fc2 row-wise); the router
   and the shared-expert gate stay replicated.
 - Sequence parallel: the tensor-parallel plan gathers every MLP's input from its sequence shards, so an MoE
@@ -45,7 +48,7 @@ field).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,10 +69,9 @@ from longspan.models.moe import (
     MoELayer,
     local_tensor,
     moe_layers,
-    permute,
-    unpermute,
     updated_expert_bias,
 )
+from longspan.models.moe_dispatch import pad_rows, permute, unpermute
 from longspan.parallel.collectives import copy_to_group, reduce_from_group
 
 _log = get_logger(__name__)
@@ -116,40 +118,40 @@ class AllToAllTokenDispatcher:
         self.local_experts = num_experts // ep_size
         self.etp_group = etp_group
 
-    def _run_experts(self, x: torch.Tensor, counts: list[int], experts: GroupedMLP) -> torch.Tensor:
+    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedMLP) -> torch.Tensor:
         if self.etp_group is None:
             return experts(x, counts)
         x = copy_to_group(x, self.etp_group)
         y = reduce_from_group(experts(x, counts, add_output_bias=False), self.etp_group)
-        bias = experts.output_bias(counts)
+        bias = experts.output_bias(counts, x.shape[0])
         return y if bias is None else y + bias
 
     def dispatch_and_combine(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                             experts: GroupedMLP) -> torch.Tensor:
-        """Expert outputs for this rank's tokens ``x [T, h]``, weighted by ``probs`` and summed per token."""
-        permuted, token_index, counts = permute(x, routing_map)
+                             experts: GroupedMLP, rows: Optional[tuple[int, bool]] = None) -> torch.Tensor:
+        """Expert outputs for this rank's tokens ``x [T, h]``, weighted by ``probs`` and summed per token.
+        ``rows``: the routed row count (``longspan.models.moe.permute``)."""
+        permuted, permutation = permute(x, routing_map, rows)
+        counts = permutation.tokens_per_expert
         if self.ep_size == 1:
             y = self._run_experts(permuted, counts, experts)
-            return unpermute(y, probs, routing_map, token_index, x.shape[0])
+            return unpermute(y, probs, permutation, x.shape[0])
         ep, local = self.ep_size, self.local_experts
-        send = torch.tensor(counts, dtype=torch.int64).view(ep, local)  # [dest rank, its local expert]
+        send = counts.view(ep, local)  # [dest rank, its local expert]
         recv = torch.empty_like(send)  # [source rank, my local expert]
         dist.all_to_all_single(recv, send, group=self.ep_group)
+        # The one host read of the step: all_to_all_single takes its split sizes as Python lists.
         input_splits, output_splits = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
-        received = _AllToAll.apply(permuted, output_splits, input_splits, self.ep_group)
+        received = _AllToAll.apply(permuted[:sum(input_splits)], output_splits, input_splits, self.ep_group)
 
-        # Received rows come source-major (source rank, then expert); the experts want expert-major.
-        recv_sizes = recv.flatten().tolist()
-        src_major = torch.split(received, recv_sizes)
-        expert_major_ids = [s * local + j for j in range(local) for s in range(ep)]
-        grouped = torch.cat([src_major[i] for i in expert_major_ids]) if recv_sizes else received
-        y = self._run_experts(grouped, recv.sum(dim=0).tolist(), experts)
-
-        y_chunks = torch.split(y, [recv_sizes[i] for i in expert_major_ids])
-        position = {chunk_id: k for k, chunk_id in enumerate(expert_major_ids)}
-        y_src_major = torch.cat([y_chunks[position[i]] for i in range(ep * local)])
+        # Received rows come source-major (source rank, then expert); the experts want expert-major: a stable
+        # sort of the rows by local expert, on the device.
+        local_expert = torch.arange(ep * local, device=recv.device) % local
+        row_expert = torch.repeat_interleave(local_expert, recv.flatten(), output_size=received.shape[0])
+        order = torch.argsort(row_expert, stable=True)
+        y = self._run_experts(received.index_select(0, order), recv.sum(dim=0), experts)
+        y_src_major = y.index_select(0, torch.argsort(order))
         back = _AllToAll.apply(y_src_major, input_splits, output_splits, self.ep_group)
-        return unpermute(back, probs, routing_map, token_index, x.shape[0])
+        return unpermute(pad_rows(back, permuted.shape[0]), probs, permutation, x.shape[0])
 
 
 # --------------------------------------------------------------------------------------------- sharding

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import NotSupportedError
+from longspan.models.moe_dispatch import pad_rows, split_by_expert
 
 
 def init_rule(method: str, fan_in: int, fan_out: int) -> tuple[str, float]:
@@ -348,7 +349,7 @@ class GroupedLoRAAdapter(nn.Module):
         return torch.bmm(self.linear_out.weight, self.shared_in.weight) * self.scale
 
 
-def adapted_grouped_mlp_forward(self: Any, x: torch.Tensor, tokens_per_expert: list[int],
+def adapted_grouped_mlp_forward(self: Any, x: torch.Tensor, tokens_per_expert: torch.Tensor,
                                 add_output_bias: bool = True) -> torch.Tensor:
     """``GroupedMLP.forward`` with the experts' adapters added to each projection (installed by
     ``longspan.peft.adapters`` on the experts it adapts)."""
@@ -366,10 +367,8 @@ def adapted_grouped_mlp_forward(self: Any, x: torch.Tensor, tokens_per_expert: l
         return out if adapter is None else out + adapter.expert_output(rows, j, fn)
 
     outputs = []
-    for j, rows in enumerate(torch.split(x, tokens_per_expert, dim=0)):
+    for j, rows in enumerate(split_by_expert(x, tokens_per_expert)):
         up = project(self.linear_fc1, rows, j, w1, b1)
         h = self.activation_func(project(gate, rows, j, wg, bg)) * up if wg is not None else self.activation_func(up)
         outputs.append(project(self.linear_fc2, h, j, w2, b2))
-    if not outputs:
-        return x.new_zeros(0, w2.shape[1])
-    return torch.cat(outputs, dim=0)
+    return pad_rows(torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, w2.shape[1]), x.shape[0])

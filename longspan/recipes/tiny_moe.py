@@ -26,6 +26,7 @@ def tiny_moe() -> ConfigContainer:
     model.moe_router_load_balancing_type = "aux_loss"
     model.moe_expert_capacity_factor = None
     model.moe_token_dispatcher_type = "alltoall"
+    model.moe_grouped_gemm = True  # all local experts in one grouped GEMM per projection, as Bridge's MoE recipes
     cfg.logger.tensorboard_dir = f"{RUN_DIR}/tensorboard"
     cfg.checkpoint.save = f"{RUN_DIR}/checkpoints"
     cfg.checkpoint.load = f"{RUN_DIR}/checkpoints"

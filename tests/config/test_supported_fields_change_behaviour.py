@@ -472,6 +472,31 @@ def _fused_loss_never_runs_the_full_output_layer(tmp_path: Path) -> bool:
     return called == [True, False]
 
 
+@probe("model.moe_grouped_gemm")
+def _grouped_gemm_runs_the_experts_as_grouped_products(tmp_path: Path) -> bool:
+    """Same losses by design (tests/models/test_moe_grouped.py); the effect is that the experts run as grouped
+    products (longspan.models.grouped_gemm) instead of one matrix product per expert."""
+    from longspan.models import moe
+    from longspan.models.gpt import build_gpt_model
+
+    cfg = _micro(tmp_path)
+    cfg.model.vocab_size = cfg.tokenizer.vocab_size
+    cfg.model.num_moe_experts, cfg.model.moe_router_topk = 4, 2
+    real, calls = moe.grouped_linear, []
+    moe.grouped_linear = lambda *args: calls.append(1) or real(*args)
+    try:
+        seen = []
+        for grouped in (False, True):
+            cfg.model.moe_grouped_gemm = grouped
+            model = build_gpt_model(cfg.model, seed=1, device="cpu")
+            tokens = torch.zeros(1, 4, dtype=torch.long)
+            model(tokens, labels=tokens)
+            seen.append(len(calls))
+    finally:
+        moe.grouped_linear = real
+    return seen[0] == 0 and seen[1] > 0
+
+
 @probe("model.moe_router_topk_limited_devices")
 def _device_limited_routing_keeps_each_token_on_fewer_expert_ranks(tmp_path: Path) -> bool:
     """The effect needs expert parallel (one rank: one group, no limit): with 4 experts over 2 EP ranks and

@@ -55,6 +55,7 @@ def tiny_deepseek() -> ConfigContainer:
     model.moe_aux_loss_coeff = 0.0
     model.moe_expert_capacity_factor = None
     model.moe_token_dispatcher_type = "alltoall"
+    model.moe_grouped_gemm = True  # all local experts in one grouped GEMM per projection, as Bridge's MoE recipes
     model.mtp_num_layers = 1
     model.mtp_loss_scaling_factor = 0.1
     cfg.logger.tensorboard_dir = f"{RUN_DIR}/tensorboard"

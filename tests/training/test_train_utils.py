@@ -253,10 +253,14 @@ def test_flops_dense_gqa_swiglu():
 
 
 def test_flops_defaults_and_moe():
-    model = NS(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=250, make_vocab_size_divisible_by=128,
-               seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-               moe_shared_expert_intermediate_size=16, moe_layer_freq=[1, 0], gated_linear_unit=True)
-    cfg = NS(model=model)
+    from longspan.config.schema.container import ConfigContainer
+    from longspan.models.gpt_provider import GPTModelProvider
+
+    model = GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=250,
+                             make_vocab_size_divisible_by=128, seq_length=16, num_moe_experts=4, moe_router_topk=2,
+                             moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=16, moe_layer_freq=[1, 0],
+                             gated_linear_unit=True, ffn_hidden_size=256)
+    cfg = ConfigContainer(model=model)
     # defaults: groups = heads, kv_channels = h / heads, ffn = 4h, vocab padded to 256
     expected = _matmul_flops(2, 16, 64, 2, 4, 4, 16, None, [(2 * 32 + 16, 3), (256, 3)], 256)
     assert tu.num_floating_point_operations(cfg, 2) == pytest.approx(expected, rel=1e-12)

@@ -14,7 +14,12 @@ from longspan.config.rules.model import GPT_FIXED_FIELDS, T5_FIXED_FIELDS, check
 from longspan.config.rules.moe import check_moe, routing_groups, single_value
 from longspan.config.rules.sliding_window import two_sided_window
 from longspan.core.errors import ConfigError
-from longspan.models.layer_pattern import layer_windows, moe_layer_flags, stack_window_flags
+from longspan.models.layer_pattern import (
+    layer_windows,
+    linear_attention_layer_flags,
+    moe_layer_flags,
+    stack_window_flags,
+)
 from longspan.models.mla import MLAArgs, mla_softmax_scale
 from longspan.models.rope import RopeScaling
 
@@ -122,6 +127,35 @@ class MambaArgs:
 
 
 @dataclass
+class GatedDeltaNetArgs:
+    """A gated DeltaNet mixer's sizes (``longspan.models.gated_delta_net``) and which layers have one."""
+
+    layer_flags: list[bool]
+    """Per global layer index: True = gated DeltaNet (linear attention), False = full attention."""
+    conv_kernel: int
+    key_head_dim: int
+    value_head_dim: int
+    num_key_heads: int
+    num_value_heads: int
+    chunk_size: int = 64
+    """Tokens per chunk of the chunked (WY) gated delta rule: a speed choice, the results are the same."""
+
+    @classmethod
+    def from_config(cls, config: GPTModelProvider) -> Optional["GatedDeltaNetArgs"]:
+        """The gated DeltaNet settings of ``config`` (checked by the model rules); None without the variant."""
+        if config.experimental_attention_variant is None:
+            return None
+        return cls(
+            layer_flags=linear_attention_layer_flags(config.linear_attention_freq, config.num_layers),
+            conv_kernel=config.linear_conv_kernel_dim,
+            key_head_dim=config.linear_key_head_dim,
+            value_head_dim=config.linear_value_head_dim,
+            num_key_heads=config.linear_num_key_heads,
+            num_value_heads=config.linear_num_value_heads,
+        )
+
+
+@dataclass
 class TransformerArgs:
     """What the GPT model's modules (and a hybrid model's attention/MLP layers) read."""
 
@@ -207,6 +241,10 @@ class TransformerArgs:
     # (False: it stays whole and the decoder's input is split before the first layer, so a vision-language
     # model can put its image embeddings into the whole sequence first)
     scatter_embedding_sequence_parallel: bool = True
+    # gated DeltaNet hybrids (longspan.models.gated_delta_net): the linear-attention layers and their mixer's
+    # sizes (None = every layer is softmax attention), and the full-attention layers' sigmoid output gate
+    gated_delta_net: Optional[GatedDeltaNetArgs] = None
+    attention_output_gate: bool = False
 
     @classmethod
     def from_config(cls, config: Union[GPTModelProvider, MambaProvider],
@@ -275,6 +313,8 @@ class TransformerArgs:
             mtp_loss_scaling_factor=float(config.mtp_loss_scaling_factor or 0.0),
             calculate_per_token_loss=bool(config.calculate_per_token_loss),
             scatter_embedding_sequence_parallel=bool(gpt.scatter_embedding_sequence_parallel),
+            gated_delta_net=GatedDeltaNetArgs.from_config(gpt),
+            attention_output_gate=bool(gpt.attention_output_gate),
             **_decoder_variant_fields(config, gpt),
         )
 
@@ -483,5 +523,5 @@ class T5Args:
         return dataclasses.replace(self, num_layers=num_layers)
 
 
-__all__ = ["MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size", "rope_scaling_method",
+__all__ = ["GatedDeltaNetArgs", "MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size", "rope_scaling_method",
            "GPT_FIXED_FIELDS", "T5_FIXED_FIELDS"]

@@ -203,8 +203,9 @@ class DecoderLanguageModel(nn.Module):
                 ``input_ids`` are read from it and the new ones appended. Default positions continue from
                 ``kv_cache.seq_len`` and a ``None`` mask means causal over cached + new tokens.
             loss_mask: ``[b, s]``, read only by multi-token prediction (its shifted masks; None = all ones).
-            cu_seqlens: packed documents' boundaries ``[b, n]``, read only by multi-token prediction (no shifted
-                token crosses a document).
+            cu_seqlens: packed documents' boundaries ``[b, n]`` or ``[n]`` (each document's first position, then
+                the end), read by multi-token prediction (no shifted token crosses a document) and by gated
+                DeltaNet layers (their state restarts at every document).
             token_ids: the microbatch's token ids on a stage without ``pre_process`` (its first input is hidden
                 states), read only by multi-token prediction.
             decoder_input: the first stage's input embeddings ``[b, s, hidden]``, computed by the caller instead
@@ -234,7 +235,9 @@ class DecoderLanguageModel(nn.Module):
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         if self.local_rotary_pos_emb is not None:
             rotary = LocalGlobalRotary(global_tables=rotary, local_tables=self.local_rotary_pos_emb(position_ids))
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache)
+        # only a decoder with gated DeltaNet layers takes the documents' boundaries (attention reads the mask)
+        documents = {"cu_seqlens": cu_seqlens} if self.args.gated_delta_net is not None else {}
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, kv_cache=kv_cache, **documents)
         if kv_cache is not None:
             kv_cache.seq_len += seq_len
         if not self.post_process:

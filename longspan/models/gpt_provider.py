@@ -575,6 +575,37 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     """Clamp of a gated MLP's inputs before the activation: the gate above at this value, the up projection to
     ``[-value, value]`` (GPT-OSS: 7.0, HF ``swiglu_limit``); None = off. Needs gated_linear_unit."""
 
+    # ---- gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): longspan.models.gated_delta_net --------------------------
+    experimental_attention_variant: Optional[Literal["gated_delta_net"]] = None
+    """'gated_delta_net': the layers linear_attention_freq marks are gated DeltaNet linear attention (a recurrent
+    state per value head updated by the gated delta rule) instead of softmax attention; None: every layer is
+    softmax attention."""
+
+    linear_attention_freq: Optional[Union[int, list[int]]] = None
+    """Which layers are linear attention (with experimental_attention_variant): an int N makes (N-1) linear
+    layers then one full-attention layer, repeating (layers with ``(i + 1) % N == 0`` are full attention); a
+    list holds one entry per layer, 1 = linear attention, 0 = full attention (HF ``layer_types``)."""
+
+    linear_conv_kernel_dim: int = 4
+    """Width of the gated DeltaNet's causal depthwise convolution over its queries, keys and values."""
+
+    linear_key_head_dim: int = 128
+    """Width of each gated DeltaNet query/key head."""
+
+    linear_value_head_dim: int = 128
+    """Width of each gated DeltaNet value head (and of its output gate and gated norm)."""
+
+    linear_num_key_heads: int = 16
+    """Number of gated DeltaNet query/key heads."""
+
+    linear_num_value_heads: int = 32
+    """Number of gated DeltaNet value heads (a multiple of linear_num_key_heads: consecutive value heads share
+    a key head)."""
+
+    attention_output_gate: bool = False
+    """Gate the full-attention layers' output per channel: a ``linear_gate`` projection beside ``linear_q``,
+    and the attention output times ``sigmoid(gate)`` before ``linear_proj`` (Qwen3-Next, Qwen3.5)."""
+
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
         """``longspan.models.gpt.build_gpt_model`` (see ``ModelProviderMixin``)."""

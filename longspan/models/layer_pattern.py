@@ -1,5 +1,6 @@
 """Which layer of a model's stack is what: the per-layer sliding windows (Megatron's ``window_size`` and
-``window_attn_skip_freq``, HF's ``layer_types``) and the MoE layers (``moe_layer_freq``). The fields' rules
+``window_attn_skip_freq``, HF's ``layer_types``), the gated DeltaNet (linear attention) layers
+(``linear_attention_freq``) and the MoE layers (``moe_layer_freq``). The fields' rules
 (valid values, one line naming the field) live in ``longspan.config.rules.sliding_window`` / ``.moe``; each
 function here checks its fields with them before laying out the layers.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from longspan.config.rules.linear_attention import check_linear_attention_freq
 from longspan.config.rules.moe import check_moe_layer_freq
 from longspan.config.rules.sliding_window import (
     causal_window_left,
@@ -81,3 +83,31 @@ def moe_layer_flags(freq: Any, num_layers: int) -> list[bool]:
     if isinstance(freq, int):
         return [i % freq == 0 for i in range(num_layers)]
     return [bool(x) for x in freq]
+
+
+def linear_attention_layer_flags(freq: Any, num_layers: int) -> list[bool]:
+    """Which layers are gated DeltaNet (linear attention) layers (Megatron's ``linear_attention_freq``): an int N
+    -> all but every N-th layer (layers with ``(i + 1) % N == 0``, 0-based i, are full attention); a list -> its
+    0/1 entry per layer (1 = linear attention)."""
+    check_linear_attention_freq(freq, num_layers)
+    if isinstance(freq, int):
+        return [(i + 1) % freq != 0 for i in range(num_layers)]
+    return [bool(x) for x in freq]
+
+
+def linear_attention_pattern_from_layer_types(layer_types: list[str]) -> list[int]:
+    """HF ``layer_types`` (``"linear_attention"`` / ``"full_attention"`` per layer) as the 0/1 list of
+    ``linear_attention_freq`` (1 = linear attention)."""
+    pattern = []
+    for i, kind in enumerate(layer_types):
+        if kind not in ("linear_attention", "full_attention"):
+            raise NotSupportedError(
+                f"config.json layer_types[{i}]={kind!r} is not supported: use 'linear_attention' or 'full_attention'"
+            )
+        pattern.append(1 if kind == "linear_attention" else 0)
+    return pattern
+
+
+def layer_types_from_linear_attention(flags: list[bool]) -> list[str]:
+    """The inverse: HF ``layer_types`` of per-layer linear-attention flags."""
+    return ["linear_attention" if linear else "full_attention" for linear in flags]

@@ -29,6 +29,7 @@ from longspan.models.args import T5Args, TransformerArgs
 from longspan.models.activations import gated_activation
 from longspan.models.attention import core_attention, low_precision_softmax_attention, softcapped_core_attention
 from longspan.models.attention_sinks import sink_core_attention
+from longspan.models.gated_delta_net import GatedDeltaNet
 from longspan.models.mla import MLASelfAttention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
@@ -44,7 +45,9 @@ class KVCache:
     its first update. A sliding-window layer (``update(..., window=w)``) keeps only its ``w - 1`` most recent
     positions (all a later token can see besides itself), so its memory is bounded by the window whatever the
     sequence length. A multi-latent attention layer (``update_latent``) keeps its compressed latent and shared
-    rotary key instead (``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token). ``seq_len`` counts the
+    rotary key instead (``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token). A gated DeltaNet layer
+    (``longspan.models.gated_delta_net``) keeps no keys: its conv window's tail and its recurrent state are its
+    ``linear_states`` entry, a fixed size whatever the sequence length. ``seq_len`` counts the
     positions seen: ``GPTModel.forward(..., kv_cache=cache)`` numbers
     new tokens from it (RoPE and learned positions), masks attention causally from it, and advances it after
     the forward.
@@ -57,6 +60,8 @@ class KVCache:
         self.values: dict[int, torch.Tensor] = {}
         # multi-latent attention layers: [batch, max_seq_len, kv_lora_rank + qk_pos_emb_head_dim] per layer
         self.latents: dict[int, torch.Tensor] = {}
+        # gated DeltaNet layers: {"conv": [b, conv channels, conv_kernel - 1], "state": [b, value_heads, dk, dv]}
+        self.linear_states: dict[int, dict[str, torch.Tensor]] = {}
         # mRoPE models (longspan.models.vlm): the prompt's position shift [b, 1] the tokens after it continue with
         self.rope_deltas: torch.Tensor | None = None
 
@@ -98,8 +103,9 @@ class KVCache:
         return store[:, :end, :rank], store[:, :end, None, rank:]
 
     def nbytes(self) -> int:
-        """Bytes the cache holds (keys, values and latents of every layer)."""
+        """Bytes the cache holds (keys, values, latents and linear-attention states of every layer)."""
         tensors = [*self.keys.values(), *self.values.values(), *self.latents.values()]
+        tensors += [t for state in self.linear_states.values() for t in state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _update_window(
@@ -214,7 +220,9 @@ class SelfAttention(nn.Module):
     """Multi-head / grouped-query self-attention with optional per-head QK norm and RoPE.
 
     Parameters: ``linear_q`` [heads*d, hidden], ``linear_k`` / ``linear_v`` [groups*d, hidden], ``linear_proj``
-    [hidden, heads*d], and with ``qk_layernorm`` ``q_layernorm`` / ``k_layernorm`` over ``d`` channels.
+    [hidden, heads*d], with ``qk_layernorm`` ``q_layernorm`` / ``k_layernorm`` over ``d`` channels, and with
+    ``attention_output_gate`` ``linear_gate`` [heads*d, hidden]: the attention output is multiplied by
+    ``sigmoid(linear_gate(x))`` before ``linear_proj`` (Qwen3-Next / Qwen3.5's gated attention).
     """
 
     # Sliding window: the positions each token attends to, itself included (HF's sliding_window); None: full
@@ -233,6 +241,8 @@ class SelfAttention(nn.Module):
         dtype = config.params_dtype
         hidden = config.hidden_size
         self.linear_q = _linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
+        self.linear_gate = (_linear(hidden, heads * self.head_dim, qkv_bias, std, dtype)
+                            if config.attention_output_gate else None)
         self.linear_k = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
         self.linear_v = _linear(hidden, groups * self.head_dim, qkv_bias, std, dtype)
         self.linear_proj = _linear(heads * self.head_dim, hidden, config.add_bias_linear, out_std, dtype)
@@ -323,6 +333,8 @@ class SelfAttention(nn.Module):
         else:
             out = self.core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
         out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.linear_gate is not None:
+            out = out * torch.sigmoid(self.linear_gate(hidden_states))
         return self.linear_proj(out)
 
 
@@ -402,7 +414,8 @@ class TransformerLayer(nn.Module):
     (``pre(x) + drop(post(attn(pre(x))))``); ``fp32_residual_connection`` keeps ``x`` and the sums in float32.
 
     ``self_attention`` is ``longspan.models.mla.MLASelfAttention`` when the model has multi-latent attention
-    (``config.mla``), else ``SelfAttention``. ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers
+    (``config.mla``), ``longspan.models.gated_delta_net.GatedDeltaNet`` on the layers ``linear_attention_freq``
+    marks (``config.gated_delta_net``), else ``SelfAttention``. ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers
     ``moe_layer_freq`` marks (when the model has
     experts), else the dense ``MLP``.
     """
@@ -413,9 +426,13 @@ class TransformerLayer(nn.Module):
         before = config.layernorm_before_sublayers
         after = config.layernorm_after_sublayers
         self.input_layernorm = _optional_norm(config, before)
-        if config.mla is not None:
+        linear = config.gated_delta_net
+        self.linear_attention = linear is not None and linear.layer_flags[layer_number]
+        if self.linear_attention:
+            self.self_attention: nn.Module = GatedDeltaNet(config, layer_number)
+        elif config.mla is not None:
             core = core_attention if config.attention_softmax_in_fp32 else low_precision_softmax_attention
-            self.self_attention: nn.Module = MLASelfAttention(config, layer_number, core, build_norm)
+            self.self_attention = MLASelfAttention(config, layer_number, core, build_norm)
         else:
             self.self_attention = SelfAttention(config, layer_number)
         self.post_self_attn_layernorm = _optional_norm(config, after)
@@ -448,11 +465,15 @@ class TransformerLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``cu_seqlens`` (packed documents' boundaries) reaches a gated DeltaNet mixer only: attention keeps its
+        documents apart by ``attention_mask``."""
         if isinstance(rotary, LocalGlobalRotary):
             rotary = rotary.local_tables if self.uses_local_rope else rotary.global_tables
         normed = self._norm(self.input_layernorm, hidden_states)
-        attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache)
+        documents = {"cu_seqlens": cu_seqlens} if self.linear_attention else {}
+        attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache, **documents)
         if self.post_self_attn_layernorm is not None:
             attn = self.post_self_attn_layernorm(attn)
         hidden_states = self._residual(hidden_states, normed) + self.self_attn_dropout(attn)
@@ -513,16 +534,18 @@ class TransformerBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``cu_seqlens``: packed documents' boundaries, for the gated DeltaNet layers (see ``TransformerLayer``)."""
         layers = list(self.layers.values())
         if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
             hidden_states = hidden_states.float()
         masks = layer_masks(layers, attention_mask)
         if self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None:
-            hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, masks)
+            hidden_states = self._forward_full_recompute(layers, hidden_states, rotary, masks, cu_seqlens)
         else:
             for layer, mask in zip(layers, masks):
-                hidden_states = layer(hidden_states, rotary, mask, kv_cache=kv_cache)
+                hidden_states = layer(hidden_states, rotary, mask, kv_cache=kv_cache, cu_seqlens=cu_seqlens)
         if self.final_layernorm is not None:
             if self.fp32_residual:
                 return norm_residual(self.final_layernorm, hidden_states, self.params_dtype)
@@ -535,13 +558,14 @@ class TransformerBlock(nn.Module):
         hidden_states: torch.Tensor,
         rotary: RotaryTables | None,
         masks: list[Any],
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = self.recompute_num_layers
 
         def run(chunk: list[nn.Module], chunk_masks: list[Any]) -> Callable[..., torch.Tensor]:
             def forward_chunk(h: torch.Tensor, rot: RotaryTables | None) -> torch.Tensor:
                 for layer, mask in zip(chunk, chunk_masks):
-                    h = layer(h, rot, mask)
+                    h = layer(h, rot, mask, cu_seqlens=cu_seqlens)
                 return h
 
             return forward_chunk
@@ -553,9 +577,10 @@ class TransformerBlock(nn.Module):
         else:  # 'block': the first n layers of this stage (all for this microbatch: recompute_all_layers)
             for index, (layer, mask) in enumerate(zip(layers, masks)):
                 if index < n or self.recompute_all_layers:
-                    hidden_states = checkpoint(layer, hidden_states, rotary, mask, use_reentrant=False)
+                    hidden_states = checkpoint(layer, hidden_states, rotary, mask, use_reentrant=False,
+                                               cu_seqlens=cu_seqlens)
                 else:
-                    hidden_states = layer(hidden_states, rotary, mask)
+                    hidden_states = layer(hidden_states, rotary, mask, cu_seqlens=cu_seqlens)
         return hidden_states
 
 

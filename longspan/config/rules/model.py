@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from longspan.config.rules.linear_attention import check_linear_attention
 from longspan.config.rules.mla import check_mla
 from longspan.config.rules.moe import check_moe
 from longspan.config.rules.sliding_window import check_causal_window, check_stack_windows
@@ -175,6 +176,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
     check_causal_window(config)
     check_moe(config)
     check_sink_and_glu_fields(config)
+    check_linear_attention(config)
     check_mtp(config)
 
 

@@ -26,6 +26,11 @@ from longspan.conversion.families import Family
 from longspan.conversion.hf_fields import HFField, export_fields, import_fields
 from longspan.conversion.mapping import DECODER_EMBEDDINGS, WeightMap
 from longspan.core.errors import NotSupportedError
+from longspan.models.layer_pattern import (
+    layer_types_from_linear_attention,
+    linear_attention_layer_flags,
+    linear_attention_pattern_from_layer_types,
+)
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -66,21 +71,15 @@ def layer_types(cfg: dict[str, Any]) -> list[str]:
         kinds = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
     if len(kinds) != layers:
         raise NotSupportedError(f"config.json layer_types has {len(kinds)} entries for num_hidden_layers={layers}")
-    for i, kind in enumerate(kinds):
-        if kind not in (LINEAR, FULL):
-            raise NotSupportedError(f"config.json layer_types[{i}]={kind!r} is not supported: use {LINEAR!r} or "
-                                    f"{FULL!r}")
+    linear_attention_pattern_from_layer_types(kinds)  # one line naming an unknown kind
     return list(kinds)
 
 
-def linear_flags(p: Any) -> list[int]:
-    """Provider ``p``'s ``linear_attention_freq`` as a 0/1 list per layer (1 = gated DeltaNet)."""
-    freq, layers = p.linear_attention_freq, int(p.num_layers)
-    if freq is None:
-        return [0] * layers
-    if isinstance(freq, int):  # (freq - 1) linear layers, then one full-attention layer
-        return [int((i + 1) % freq != 0) for i in range(layers)]
-    return [int(x) for x in freq]
+def linear_flags(p: Any) -> list[bool]:
+    """Provider ``p``'s gated DeltaNet layers (``linear_attention_freq``; none when unset)."""
+    if p.linear_attention_freq is None:
+        return [False] * int(p.num_layers)
+    return linear_attention_layer_flags(p.linear_attention_freq, int(p.num_layers))
 
 
 def _with_partial_rotary(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +100,7 @@ def hybrid_provider(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     out.update(import_fields(LINEAR_FIELDS, cfg))
     out.update(
         experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=[int(k == LINEAR) for k in kinds],
+        linear_attention_freq=linear_attention_pattern_from_layer_types(kinds),
         attention_output_gate=True,
         qk_layernorm=True,
         layernorm_zero_centered_gamma=True,
@@ -128,7 +127,7 @@ def hybrid_hf(p: Any, family: str) -> dict[str, Any]:
     out = decoder_hf(p, family=family)
     out.pop("mlp_bias")
     out.update(export_fields(LINEAR_FIELDS, p))
-    out["layer_types"] = [LINEAR if f else FULL for f in linear_flags(p)]
+    out["layer_types"] = layer_types_from_linear_attention(linear_flags(p))
     return out
 
 

@@ -179,7 +179,8 @@ def test_a_checkpoint_whose_deltanet_tensors_do_not_fit_is_refused_in_one_line(t
     bridge = AutoBridge.from_hf_pretrained(src)
     bridge.hf_config["linear_num_value_heads"] = 4  # the files hold 6 value heads
     bridge = AutoBridge(bridge.hf_config, bridge.family, src)
-    with pytest.raises(CheckpointError, match=r"shape mismatch: HF tensor model\.layers\.0\.linear_attn\.\S+ has shape"):
+    misfit = r"shape mismatch: HF tensor model\.layers\.0\.linear_attn\.\S+ has shape"
+    with pytest.raises(CheckpointError, match=misfit):
         bridge.to_megatron_model()
 
 

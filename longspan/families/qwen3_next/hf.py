@@ -229,7 +229,8 @@ def gated_attention(i: int, cfg: dict[str, Any]) -> tuple[WeightMap, ...]:
     heads = int(required(cfg, "num_attention_heads"))
     return (
         layer_entry(i, "self_attention.linear_q.weight", "self_attn.q_proj.weight", split=(0, 2), split_groups=heads),
-        layer_entry(i, "self_attention.linear_gate.weight", "self_attn.q_proj.weight", split=(1, 2), split_groups=heads),
+        layer_entry(i, "self_attention.linear_gate.weight", "self_attn.q_proj.weight", split=(1, 2),
+                    split_groups=heads),
         layer_entry(i, "self_attention.linear_k.weight", "self_attn.k_proj.weight"),
         layer_entry(i, "self_attention.linear_v.weight", "self_attn.v_proj.weight"),
         layer_entry(i, "self_attention.linear_proj.weight", "self_attn.o_proj.weight"),

@@ -119,6 +119,14 @@ def _read_box(reader: HFCheckpointReader, hf_name: str, entry: WeightMap, box: B
 
     ``rows`` is the size of dim 0 of the longspan-oriented block (for the split offset).
     """
+    if entry.split is not None and entry.split_groups:
+        # a per-group interleaved fusion: ours' rows are pieces of several HF row ranges
+        pieces = [_read_box(reader, hf_name, dataclasses.replace(entry, split=None, split_groups=None),
+                            (rows_slice,) + box[1:], rows)
+                  for rows_slice in entry.hf_row_slices(box[0].start, box[0].stop, rows)]
+        if not pieces:
+            return reader.read(hf_name, (slice(0, 0),) + box[1:])
+        return torch.cat(pieces)
     if entry.split is not None:
         start = entry.split_rows(rows)[0]
         box = (slice(box[0].start + start, box[0].stop + start),) + box[1:]
@@ -304,7 +312,7 @@ def export_hf_weights(chunks: list[nn.Module], family: Family, hf_vocab: int | N
             parts[entry.split[0]] = full
             if len(parts) < entry.split[1]:
                 continue
-            full = torch.cat([parts[k] for k in range(entry.split[1])])
+            full = _fuse(entry, [parts[k] for k in range(entry.split[1])])
             del pending[hf_name]
         tensor = _to_hf(entry, full)
         yield hf_name, tensor
@@ -329,6 +337,15 @@ def _last_stage_embedding_copies(chunks: list[nn.Module]) -> set[int]:
         if embedding is not None and getattr(chunk, "pre_process", True) is False:
             out.update(id(p) for p in embedding.parameters())
     return out
+
+
+def _fuse(entry: WeightMap, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The HF tensor of a split entry from its blocks: stacked, or interleaved group by group."""
+    if not entry.split_groups:
+        return torch.cat(parts)
+    groups = entry.split_groups
+    grouped = [p.reshape(groups, p.shape[0] // groups, *p.shape[1:]) for p in parts]
+    return torch.cat(grouped, dim=1).reshape(-1, *parts[0].shape[1:])
 
 
 def _to_hf(entry: WeightMap, tensor: torch.Tensor) -> torch.Tensor:

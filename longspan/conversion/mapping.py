@@ -46,6 +46,11 @@ class WeightMap:
     """The n blocks' relative sizes (default: equal): block j has ``split_units[j]`` units of
     ``rows / split_units[k]`` rows each."""
 
+    split_groups: int | None = None
+    """The HF rows are this many equal groups, each ``[block 0 | block 1 | ...]`` (sizes by ``split_units``):
+    ours is block k of every group, in group order (a projection fused and interleaved per head, e.g. a query
+    projection doubled per head with its gate)."""
+
     per_expert: bool = False
     """ours is ``[num_experts, ...]``, stacked from one HF tensor per expert."""
 
@@ -82,6 +87,21 @@ class WeightMap:
         units = self.split_units or (1,) * n
         unit_rows = rows // units[k]
         return sum(units[:k]) * unit_rows, sum(units) * unit_rows
+
+    def hf_row_slices(self, start: int, stop: int, rows: int) -> list[slice]:
+        """The HF rows (in order) of ours' rows ``[start, stop)`` for ours of ``rows`` rows (split only)."""
+        first, total = self.split_rows(rows)
+        groups = self.split_groups or 1
+        ours_per_group, hf_per_group = rows // groups, total // groups
+        offset = first // groups
+        out = []
+        for g in range(start // ours_per_group if ours_per_group else 0, groups):
+            lo, hi = max(start, g * ours_per_group), min(stop, (g + 1) * ours_per_group)
+            if lo >= hi:
+                break
+            base = g * hf_per_group + offset - g * ours_per_group
+            out.append(slice(base + lo, base + hi))
+        return out
 
     def hf_name(self, layer: int | None, expert: int | None = None) -> str:
         """The HF tensor name for a layer (and expert)."""

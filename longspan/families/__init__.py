@@ -33,6 +33,8 @@ from longspan.families import (  # noqa: F401
     mamba,
     nemotron,
     olmoe,
+    qwen3_next,
+    qwen35,
 )
 
 # The export's guess for checkpoints that do not record their family; it names the families, so it sits here.

@@ -10,6 +10,11 @@ layer of width ``moe_ffn_hidden_size * moe_router_topk + moe_shared_expert_inter
 top-k experts and the shared experts), plus what routing itself keeps per token (``routing_bytes_per_token``:
 the permuted token copies, router scores and maps, the chosen experts' indices and weights). Multi-token
 prediction depths (on the last stage, built like the last layer) are part of the output layer's share.
+
+A gated DeltaNet hybrid's linear-attention layers (``linear_attention_freq``) are a kind of their own, measured
+on a model of such layers: what their forward saves instead of attention's keys and values (the conv inputs,
+the chunked rule's per-chunk recurrent states and its within-chunk tensors), with the DeltaNet heads divided
+by tp like the attention heads.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from longspan.models.gpt import build_gpt_model, padded_vocab_size
 from longspan.models.mtp import mtp_blocks
 from longspan.parallel.mesh import Layout
-from longspan.planner.flops import moe_layer_flags
+from longspan.planner.flops import linear_attention_flags, moe_layer_flags
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -102,15 +107,20 @@ def saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> flo
     return sum(saved.values())
 
 
-def local_provider(cfg: Any, layout: Layout, num_layers: int, moe: bool) -> Any:
+def local_provider(cfg: Any, layout: Layout, num_layers: int, moe: bool, linear: bool = False) -> Any:
     """The model config of one rank's local computation, ``num_layers`` layers of one kind (an MoE layer as
-    its dense stand-in, see the module docstring): heads, FFN and vocabulary divided by tp."""
+    its dense stand-in, see the module docstring; gated DeltaNet layers with ``linear``): heads, FFN and
+    vocabulary divided by tp."""
     m = copy.deepcopy(cfg.model)
     tp = layout.tp
     heads = int(m.num_attention_heads)
     groups = int(m.num_query_groups or heads)
     m.kv_channels = m.kv_channels or m.hidden_size // heads
     m.num_attention_heads, m.num_query_groups = heads // tp, groups // tp
+    if m.experimental_attention_variant is not None:
+        m.linear_num_key_heads = max(1, int(m.linear_num_key_heads) // tp)
+        m.linear_num_value_heads = max(1, int(m.linear_num_value_heads) // tp)
+        m.linear_attention_freq = [int(linear)] * num_layers
     ffn = int(m.ffn_hidden_size or 4 * m.hidden_size)
     if moe:  # activations of routed tokens: top-k experts' FFN per token, and the shared experts'
         ffn = int(m.moe_ffn_hidden_size or ffn) * int(m.moe_router_topk or 1)
@@ -137,30 +147,41 @@ def routing_bytes_per_token(model_cfg: Any) -> float:
     return 3 * topk * int(model_cfg.hidden_size) * hidden_bytes + experts * (4 + 2) + topk * (3 * 8 + 2 * 4)
 
 
+def layer_kinds(model_cfg: Any) -> list[tuple[bool, bool]]:
+    """(MoE, gated DeltaNet) of every layer of the model."""
+    layers = int(model_cfg.num_layers)
+    return list(zip(moe_layer_flags(model_cfg, layers), linear_attention_flags(model_cfg, layers)))
+
+
+def layer_part(moe: bool, linear: bool) -> str:
+    """The ``activation_parts`` key of one layer kind."""
+    return ("linear_" if linear else "") + ("moe_layer" if moe else "dense_layer")
+
+
 def activation_parts(cfg: Any, layout: Layout) -> dict[str, float]:
     """Saved bytes of one microbatch: 'dense_layer' and 'moe_layer' (one transformer layer of each kind; 0
-    for a kind the model lacks), 'layer' (the larger), 'embedding', 'output' (final norm, output layer, loss
-    and the MTP depths), and 'layer_input' (a layer's input hidden states)."""
+    for a kind the model lacks) and for gated DeltaNet hybrids 'linear_dense_layer' / 'linear_moe_layer'
+    (``layer_part``), 'layer' (the largest), 'embedding', 'output' (final norm, output layer, loss and the MTP
+    depths), and 'layer_input' (a layer's input hidden states)."""
     mbs = int(cfg.train.micro_batch_size)
     seq = int(cfg.model.seq_length) // layout.cp
-    flags = moe_layer_flags(cfg.model, int(cfg.model.num_layers))
-    last = flags[-1]
-    routing = mbs * seq * routing_bytes_per_token(cfg.model) if any(flags) else 0.0
-    layers = {False: 0.0, True: 0.0}
-    for moe in sorted(set(flags)):
-        one = local_provider(cfg, layout, 1, moe)
+    kinds = layer_kinds(cfg.model)
+    last = kinds[-1]
+    routing = mbs * seq * routing_bytes_per_token(cfg.model) if any(moe for moe, _ in kinds) else 0.0
+    layers = {layer_part(moe, linear): 0.0 for moe in (False, True) for linear in (False, True)}
+    for moe, linear in sorted(set(kinds)):
+        one = local_provider(cfg, layout, 1, moe, linear)
         full1 = saved_bytes(one, mbs, seq, True, True)
-        stand_in = saved_bytes(local_provider(cfg, layout, 2, moe), mbs, seq, True, True) - full1
-        layers[moe] = stand_in + (routing if moe else 0.0)
-        if moe == last:  # the first and last stage's extra parts, measured on a model of the last layer's kind
+        stand_in = saved_bytes(local_provider(cfg, layout, 2, moe, linear), mbs, seq, True, True) - full1
+        layers[layer_part(moe, linear)] = stand_in + (routing if moe else 0.0)
+        if (moe, linear) == last:  # the first and last stage's extra parts, measured on a model of the last kind
             pre1 = saved_bytes(one, mbs, seq, True, False)
             embedding = max(0.0, pre1 - stand_in)
             depths = int(cfg.model.mtp_num_layers or 0)
             output = max(0.0, full1 - pre1) + (depths * routing if moe else 0.0)
     hidden_bytes = dtype_bytes(cfg.model.params_dtype)
     return {
-        "dense_layer": layers[False],
-        "moe_layer": layers[True],
+        **layers,
         "layer": max(layers.values()),
         "embedding": embedding,
         "output": output,
@@ -173,8 +194,8 @@ def stage_activations(cfg: Any, parts: dict[str, float], layer_numbers: list[int
     recompute setting: full recompute keeps each recomputed layer's input and, during backward, one layer's
     (or one recompute group's) activations."""
     m = cfg.model
-    flags = moe_layer_flags(m, int(m.num_layers))
-    per_layer = [parts["moe_layer"] if flags[n] else parts["dense_layer"] for n in sorted(layer_numbers)]
+    kinds = layer_kinds(m)
+    per_layer = [parts[layer_part(*kinds[n])] for n in sorted(layer_numbers)]
     if m.recompute_granularity != "full" or not per_layer:
         return sum(per_layer)
     n = int(m.recompute_num_layers or 1)

@@ -15,6 +15,13 @@ the s^2 term). Per layer kind:
   projection; the output projection), its latent norms as Megatron does (one multiply-add per channel; only
   when the model has them, ``qk_layernorm``), and its causal core over ``qk_head_dim + qk_pos_emb_head_dim``
   (Q.K^T) and ``v_head_dim`` (P.V) channels per head;
+- a gated DeltaNet layer (``experimental_attention_variant='gated_delta_net'``, the layers
+  ``linear_attention_freq`` marks) has no s^2 term: with key / value widths K = key heads * key head dim,
+  W = value heads * value head dim, it counts its projections ``h*(2K + 2W + 2*value heads) + W*h``, its
+  depthwise conv ``(2K + W) * linear_conv_kernel_dim`` and the gated delta rule's state update and read-out,
+  ``4 * value heads * key head dim * value head dim`` per token (the recurrent form's four products per state
+  entry: decay, read, write, output); a full-attention layer's
+  output gate (``attention_output_gate``) adds ``h*q``;
 - multi-token prediction (``mtp_num_layers`` = D) adds per depth ``eh_proj`` (2h -> h), its three norms
   (enorm, hnorm, final norm: 3h, as Megatron counts them) and one transformer layer of the decoder's last
   layer's kind, and the shared output layer runs D + 1 times.
@@ -104,6 +111,27 @@ def _mla_attention_terms(model: TransformerConfig, h: int, heads: int) -> Matmul
     return MatmulTerms(weights=query + key_value + heads * v_head * h, core=heads * (q_head + v_head))
 
 
+def linear_attention_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
+    """Which layers are gated DeltaNet layers (``linear_attention_freq`` with the 'gated_delta_net' variant)."""
+    freq = model.linear_attention_freq
+    if model.experimental_attention_variant != "gated_delta_net" or freq is None:
+        return [False] * num_layers
+    if isinstance(freq, int):
+        return [(i + 1) % max(freq, 1) != 0 for i in range(num_layers)]
+    return [bool(x) for x in freq]
+
+
+def _gated_delta_net_terms(model: TransformerConfig) -> MatmulTerms:
+    """One gated DeltaNet layer (see the module docstring): per-token multiply-adds only, no s^2 core."""
+    h = int(model.hidden_size)
+    v_heads, k_dim, v_dim = int(model.linear_num_value_heads), int(model.linear_key_head_dim), int(
+        model.linear_value_head_dim)
+    key, value = int(model.linear_num_key_heads) * k_dim, v_heads * v_dim
+    projections = h * (2 * key + 2 * value + 2 * v_heads) + value * h
+    conv = (2 * key + value) * int(model.linear_conv_kernel_dim)
+    return MatmulTerms(weights=float(projections + conv + 4 * v_heads * k_dim * v_dim), core=0.0)
+
+
 def _mlp_multiply_adds(model: TransformerConfig, is_moe: bool) -> int:
     h = int(model.hidden_size)
     gated = 3 if model.gated_linear_unit else 2
@@ -124,17 +152,29 @@ def matmul_terms(model: TransformerConfig) -> MatmulTerms:
     padded_vocab_size (or vocab_size padded to make_vocab_size_divisible_by); for MoE num_moe_experts,
     moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_layer_freq; for MLA
     multi_latent_attention, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim,
-    qk_layernorm; mtp_num_layers.
+    qk_layernorm; mtp_num_layers; for gated DeltaNet hybrids experimental_attention_variant,
+    linear_attention_freq, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+    linear_value_head_dim, linear_conv_kernel_dim, attention_output_gate.
     """
     h = int(model.hidden_size)
     moe_flags = moe_layer_flags(model, int(model.num_layers))
     depths = int(model.mtp_num_layers or 0)
     layer_kinds = moe_flags + [moe_flags[-1]] * depths  # an MTP depth's layer is built like the last layer
+    linear = linear_attention_flags(model, int(model.num_layers))
+    linear += [linear[-1]] * depths
     attention = _attention_terms(model)
-    weights = sum(attention.weights + _mlp_multiply_adds(model, is_moe) for is_moe in layer_kinds)
+    if model.attention_output_gate:
+        attention = dataclasses.replace(attention, weights=attention.weights + h * _query_width(model))
+    mixers = [_gated_delta_net_terms(model) if is_linear else attention for is_linear in linear]
+    weights = sum(mixer.weights + _mlp_multiply_adds(model, is_moe) for mixer, is_moe in zip(mixers, layer_kinds))
     weights += depths * (2 * h * h + 3 * h)  # eh_proj and the depth's enorm, hnorm, final norm
     weights += (depths + 1) * h * _vocab_size(model)  # the output layer, shared by the MTP depths
-    return MatmulTerms(weights=float(weights), core=float(attention.core * len(layer_kinds)))
+    return MatmulTerms(weights=float(weights), core=float(sum(mixer.core for mixer in mixers)))
+
+
+def _query_width(model: TransformerConfig) -> int:
+    heads = int(model.num_attention_heads)
+    return int(model.kv_channels or int(model.hidden_size) // heads) * heads
 
 
 def num_floating_point_operations(cfg: ConfigContainer, batch_size: int = 1) -> float:

@@ -24,9 +24,9 @@ Megatron's theoretical memory report as a search over layouts. For each (tp, pp,
 
 Step time: model FLOPs (Megatron's formula, recompute adds a forward) at a fixed fraction of the device's
 peak (``longspan.planner.peak_flops``), stretched by the pipeline bubble, plus tensor-parallel all-reduces,
-context-parallel K/V gathers and the data-parallel gradient reduction at the device's link bandwidth. It is
-an estimate to rank layouts, not a promise; the memory figures are checked against measured peaks in
-tests/perf/test_planner.py and docs/plan.md.
+context-parallel K/V gathers (all-to-alls for gated DeltaNet layers) and the data-parallel gradient reduction
+at the device's link bandwidth. It is an estimate to rank layouts, not a promise; the memory figures are
+checked against measured peaks in tests/perf/test_planner.py and docs/plan.md.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from longspan.parallel.tensor_parallel import tensor_parallel_plan
 from longspan.peft.adapters import plan_adapters
 from longspan.peft.nf4 import NF4_BYTES_PER_PARAM
 from longspan.planner.activations import activation_parts, dtype_bytes, stage_activations
-from longspan.planner.flops import num_floating_point_operations
+from longspan.planner.flops import linear_attention_flags, num_floating_point_operations
 from longspan.planner.peak_flops import measured_cpu_tflops
 
 GiB = 1024**3
@@ -401,10 +401,8 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
     if layout.tp > 1:  # 2 all-reduces forward + 2 backward per layer and microbatch
         size = mbs * seq * m.hidden_size * act_bytes
         comm += 4 * layers_per_stage * microbatches * 2 * (layout.tp - 1) / layout.tp * size / bandwidth
-    if layout.cp > 1:  # K/V all-gather forward, reduce-scatter of their gradients backward
-        heads = int(m.num_attention_heads)
-        kv = 2 * mbs * seq * int(m.num_query_groups or heads) // layout.tp * (m.kv_channels or m.hidden_size // heads)
-        comm += 2 * layers_per_stage * microbatches * (layout.cp - 1) * kv * act_bytes / bandwidth
+    if layout.cp > 1:
+        comm += _context_parallel_bytes(m, layout, mbs, seq, layers_per_stage, microbatches) * act_bytes / bandwidth
     dp = layout.dp * layout.cp
     if dp > 1:
         if meta_model is None:
@@ -412,6 +410,24 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
         params = max(r["dense"] + r["expert"] for r in rank_parameter_counts(cfg, layout, meta_model))
         comm += 2 * (dp - 1) / dp * params * 4 / bandwidth
     return compute + comm
+
+
+def _context_parallel_bytes(m: Any, layout: Layout, mbs: int, seq: int, layers_per_stage: int,
+                            microbatches: int) -> float:
+    """Elements context parallel moves per iteration on a stage: an attention layer all-gathers K/V forward and
+    reduce-scatters their gradients backward; a gated DeltaNet layer exchanges its q/k/v in and its output back
+    all-to-all (sequence chunks <-> heads), forward and backward."""
+    linear = linear_attention_flags(m, int(m.num_layers))
+    linear_share = sum(linear) / len(linear)
+    heads = int(m.num_attention_heads)
+    kv = 2 * mbs * seq * int(m.num_query_groups or heads) // layout.tp * (m.kv_channels or m.hidden_size // heads)
+    out = 2 * layers_per_stage * (1 - linear_share) * microbatches * (layout.cp - 1) * kv
+    if linear_share:
+        key = int(m.linear_num_key_heads) * int(m.linear_key_head_dim)
+        value = int(m.linear_num_value_heads) * int(m.linear_value_head_dim)
+        exchanged = mbs * seq * (2 * key + 2 * value) // layout.tp * (layout.cp - 1) / layout.cp
+        out += 2 * layers_per_stage * linear_share * microbatches * exchanged
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- search

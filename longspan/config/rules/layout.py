@@ -138,7 +138,8 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
-    if getattr(m, "experimental_attention_variant", None) is not None:  # getattr: GPTModelProvider's fields
+    # tp alone: the model rules (linear_attention.py); getattr: GPTModelProvider's fields
+    if cp > 1 and getattr(m, "experimental_attention_variant", None) is not None:
         check_linear_attention_heads_split(m.linear_num_key_heads, m.linear_num_value_heads, tp, cp)
     decoder_length = getattr(m, "seq_length_dec", None)  # getattr: T5's field; its decoder sequence splits alike
     if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:

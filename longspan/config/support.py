@@ -245,6 +245,13 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
 # linear offset and clamp.
 FIELD_STATUS.update(_many("model", SUPPORTED, "softmax_type glu_linear_offset activation_func_clamp_value"))
 
+# Gated DeltaNet hybrids (longspan.models.gated_delta_net, gated_delta_rule): the linear-attention layers, their
+# sizes, and the full-attention layers' output gate (tests/models/test_gated_delta_net.py).
+FIELD_STATUS.update(_many("model", SUPPORTED, """
+    experimental_attention_variant linear_attention_freq linear_conv_kernel_dim linear_key_head_dim
+    linear_value_head_dim linear_num_key_heads linear_num_value_heads attention_output_gate
+    """))
+
 # T5: longspan.models.t5 (T5ModelProvider), longspan.data.t5_dataset (T5MaskedWordPieceDatasetConfig).
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     encoder_num_layers relative_attention_num_buckets relative_attention_max_distance max_position_embeddings

@@ -133,10 +133,15 @@ class GatedDeltaNetArgs:
     layer_flags: list[bool]
     """Per global layer index: True = gated DeltaNet (linear attention), False = full attention."""
     conv_kernel: int
+    """linear_conv_kernel_dim: the causal depthwise conv's width."""
     key_head_dim: int
+    """linear_key_head_dim."""
     value_head_dim: int
+    """linear_value_head_dim."""
     num_key_heads: int
+    """linear_num_key_heads (all of them; a tensor-parallel rank reads its share from the weights' shapes)."""
     num_value_heads: int
+    """linear_num_value_heads (as num_key_heads)."""
     chunk_size: int = 64
     """Tokens per chunk of the chunked (WY) gated delta rule: a speed choice, the results are the same."""
 
@@ -523,5 +528,5 @@ class T5Args:
         return dataclasses.replace(self, num_layers=num_layers)
 
 
-__all__ = ["GatedDeltaNetArgs", "MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size", "rope_scaling_method",
-           "GPT_FIXED_FIELDS", "T5_FIXED_FIELDS"]
+__all__ = ["GatedDeltaNetArgs", "MambaArgs", "MoEArgs", "T5Args", "TransformerArgs", "padded_vocab_size",
+           "rope_scaling_method", "GPT_FIXED_FIELDS", "T5_FIXED_FIELDS"]

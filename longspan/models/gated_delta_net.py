@@ -17,7 +17,8 @@ module so tensor parallel splits them by heads as plain column splits (the conve
 
 The forward, per token: project; ``silu(causal depthwise conv)`` over q, k and v; L2-normalise q and k;
 ``β = sigmoid(b)``; the log decay ``g = -exp(A_log) · softplus(a + dt_bias)``; the gated delta rule
-(``longspan.models.gated_delta_rule``: chunked for a whole sequence, one step at a time when decoding); the
+(``longspan.models.gated_delta_rule``: chunked for a whole sequence, flash-linear-attention's kernel on CUDA
+when installed; one step at a time when decoding); the
 gated norm ``rmsnorm(o) · weight · silu(z)`` per value head; ``linear_proj``. The forward reads the parameters
 this process holds (``local_parameters``) and the head counts from their shapes, so a tensor-parallel rank runs
 its own heads (``longspan.parallel.gated_delta_net``). ``context_parallel``, when a plan sets it, exchanges the
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longspan.models.args import TransformerArgs
-from longspan.models.gated_delta_rule import DocumentLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from longspan.models.gated_delta_rule import DocumentLayout, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from longspan.models.moe import local_tensor
 
 if TYPE_CHECKING:  # the decoder layers in longspan.models.transformer build this mixer
@@ -154,8 +155,10 @@ class GatedDeltaNet(nn.Module):
         attention_mask: object = None,
         *,
         kv_cache: KVCache | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocumentLayout | None = None,
     ) -> torch.Tensor:
+        """``cu_seqlens``: the packed documents' boundaries, or their ``DocumentLayout`` (the decoder builds it once
+        for all its layers)."""
         p = self.local_parameters()
         weights = (p.linear_q, p.linear_k, p.linear_v, p.linear_z, p.linear_b, p.linear_a)
         segments = [F.linear(hidden_states, w) for w in weights]
@@ -173,7 +176,8 @@ class GatedDeltaNet(nn.Module):
         elif cu_seqlens is not None:
             if kv_cache is not None:
                 raise ValueError("a gated DeltaNet layer takes packed documents (cu_seqlens) or a cache, not both")
-            layout = DocumentLayout.from_cu_seqlens(cu_seqlens, b, s)
+            layout = cu_seqlens if isinstance(cu_seqlens, DocumentLayout) else \
+                DocumentLayout.from_cu_seqlens(cu_seqlens, b, s)
             out = layout.merge(self._sequence(*(layout.split(t) for t in (qkv, g, beta)), p)[0])
         else:
             out, state = self._sequence(qkv, g, beta, p, final_state=kv_cache is not None)
@@ -210,7 +214,7 @@ class GatedDeltaNet(nn.Module):
                   final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A whole sequence (each row from its start): conv, then the chunked rule from a zero state."""
         q, k, v = self._rule_inputs(self._conv(qkv, p), p)
-        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, output_final_state=final_state)
+        return chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, output_final_state=final_state)
 
     def _continue(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: dict[str, torch.Tensor],
                   p: SimpleNamespace) -> torch.Tensor:
@@ -221,8 +225,8 @@ class GatedDeltaNet(nn.Module):
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=cache["state"],
                                                     output_final_state=True)
         else:
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                                initial_state=cache["state"], output_final_state=True)
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                                  initial_state=cache["state"], output_final_state=True)
         cache["conv"] = self._conv_tail(qkv, cache["conv"])
         cache["state"] = state
         return out

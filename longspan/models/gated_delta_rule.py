@@ -23,6 +23,10 @@ Inputs are ``q, k [b, s, key_heads, dk]``, ``v [b, s, value_heads, dv]``, ``g`` 
 ``[b, s, value_heads]``. Grouped heads: value head ``h`` reads key head ``h // (value_heads / key_heads)``.
 ``q`` and ``k`` are used as given (the layer L2-normalises them); ``scale`` defaults to ``dk ** -0.5``.
 
+On CUDA, ``chunked_gated_delta_rule`` runs flash-linear-attention's Triton kernel when that optional extra
+(``pip install flash-linear-attention``) is installed (the same maths, equal within bf16 tolerance); everywhere
+else, and without it, the plain PyTorch chunked form.
+
 Packed sequences: ``cu_seqlens`` (``[n + 1]`` or ``[b, n + 1]``: each document's first position, then the end;
 repeated values allowed, as the packing collates pad them) restarts the state at every document. The documents are
 gathered into rows of their own (``DocumentLayout``), run from a zero state, and scattered back, so each
@@ -139,6 +143,40 @@ def chunk_gated_delta_rule(
     return out.transpose(1, 2).to(v.dtype), (state if output_final_state else None)
 
 
+def flash_linear_attention_rule():
+    """flash-linear-attention's chunked gated delta rule kernel, or None when the optional extra is not
+    installed."""
+    try:  # function-level: an optional extra, imported only when a CUDA forward asks for it
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return fla_chunk_gated_delta_rule
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``chunk_gated_delta_rule``, by flash-linear-attention's kernel on CUDA when it is installed (its chunk
+    size is its own; ``q``/``k`` in ``v``'s dtype, the state in float32), else the plain PyTorch form."""
+    kernel = flash_linear_attention_rule() if v.is_cuda else None
+    if kernel is None:
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                                      output_final_state=output_final_state)
+    q, k = _grouped(q.to(v.dtype), k.to(v.dtype), v.shape[2])  # one key head per value head: no grouping question
+    state = None if initial_state is None else initial_state.float()
+    out, final = kernel(q, k, v, g.float(), beta.to(v.dtype), scale=q.shape[-1] ** -0.5, initial_state=state,
+                        output_final_state=output_final_state)
+    return out.to(v.dtype), (final.float() if final is not None else None)
+
+
 @dataclass
 class DocumentLayout:
     """Where each packed document's tokens are: ``index [docs, longest]`` holds each document's flat positions in
@@ -200,4 +238,5 @@ def _per_document(rule, q, k, v, g, beta, scale, initial_state, output_final_sta
     return layout.merge(out), None
 
 
-__all__ = ["DocumentLayout", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["DocumentLayout", "chunk_gated_delta_rule", "chunked_gated_delta_rule", "flash_linear_attention_rule",
+           "recurrent_gated_delta_rule"]

@@ -11,6 +11,10 @@ names::
     decoder.layers.{i}.self_attention.q_layernorm / k_layernorm                       (qk_layernorm only)
     decoder.layers.{i}.self_attention.linear_q_proj or linear_q_down_proj + q_layernorm + linear_q_up_proj,
         linear_kv_down_proj, kv_layernorm, linear_kv_up_proj, linear_proj   (multi_latent_attention: models/mla.py)
+    decoder.layers.{i}.self_attention.linear_gate                                    (attention_output_gate only)
+    decoder.layers.{i}.self_attention.linear_q / linear_k / linear_v / linear_z / linear_b / linear_a,
+        conv_q / conv_k / conv_v, dt_bias, A_log, norm, linear_proj
+                                  (gated DeltaNet layers, linear_attention_freq: models/gated_delta_net.py)
     decoder.layers.{i}.pre_mlp_layernorm
     decoder.layers.{i}.mlp.linear_fc1 (up), linear_fc1_gate (gated only), linear_fc2 (down)
     decoder.layers.{i}.mlp.router / experts / shared_experts   (MoE layers: see longspan.models.moe)

@@ -30,6 +30,7 @@ from longspan.models.activations import gated_activation
 from longspan.models.attention import core_attention, low_precision_softmax_attention, softcapped_core_attention
 from longspan.models.attention_sinks import sink_core_attention
 from longspan.models.gated_delta_net import GatedDeltaNet
+from longspan.models.gated_delta_rule import DocumentLayout
 from longspan.models.mla import MLASelfAttention
 from longspan.models.moe import MoELayer
 from longspan.models.rope import apply_rotary, signed_sin
@@ -415,9 +416,8 @@ class TransformerLayer(nn.Module):
 
     ``self_attention`` is ``longspan.models.mla.MLASelfAttention`` when the model has multi-latent attention
     (``config.mla``), ``longspan.models.gated_delta_net.GatedDeltaNet`` on the layers ``linear_attention_freq``
-    marks (``config.gated_delta_net``), else ``SelfAttention``. ``mlp`` is a ``longspan.models.moe.MoELayer`` on the layers
-    ``moe_layer_freq`` marks (when the model has
-    experts), else the dense ``MLP``.
+    marks (``config.gated_delta_net``), else ``SelfAttention``. ``mlp`` is a ``longspan.models.moe.MoELayer`` on
+    the layers ``moe_layer_freq`` marks (when the model has experts), else the dense ``MLP``.
     """
 
     def __init__(self, config: TransformerArgs, layer_number: int) -> None:
@@ -465,10 +465,10 @@ class TransformerLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocumentLayout | None = None,
     ) -> torch.Tensor:
-        """``cu_seqlens`` (packed documents' boundaries) reaches a gated DeltaNet mixer only: attention keeps its
-        documents apart by ``attention_mask``."""
+        """``cu_seqlens`` (packed documents' boundaries, or their ``DocumentLayout``) reaches a gated DeltaNet
+        mixer only: attention keeps its documents apart by ``attention_mask``."""
         if isinstance(rotary, LocalGlobalRotary):
             rotary = rotary.local_tables if self.uses_local_rope else rotary.global_tables
         normed = self._norm(self.input_layernorm, hidden_states)
@@ -534,10 +534,14 @@ class TransformerBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocumentLayout | None = None,
     ) -> torch.Tensor:
-        """``cu_seqlens``: packed documents' boundaries, for the gated DeltaNet layers (see ``TransformerLayer``)."""
+        """``cu_seqlens``: packed documents' boundaries, for the gated DeltaNet layers (see ``TransformerLayer``);
+        where each document's tokens are is worked out once here for all of them."""
         layers = list(self.layers.values())
+        linear = any(getattr(layer, "linear_attention", False) for layer in layers)  # wrapped layers forward it
+        if linear and isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = DocumentLayout.from_cu_seqlens(cu_seqlens, hidden_states.shape[0], hidden_states.shape[1])
         if self.fp32_residual:  # Megatron casts the embeddings' output; a later stage receives float32 already
             hidden_states = hidden_states.float()
         masks = layer_masks(layers, attention_mask)
@@ -558,7 +562,7 @@ class TransformerBlock(nn.Module):
         hidden_states: torch.Tensor,
         rotary: RotaryTables | None,
         masks: list[Any],
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocumentLayout | None = None,
     ) -> torch.Tensor:
         n = self.recompute_num_layers
 

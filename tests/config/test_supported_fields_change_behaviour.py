@@ -57,7 +57,19 @@ MLA = {"model.multi_latent_attention": True, "model.num_query_groups": None, "mo
        "model.kv_lora_rank": 8, "model.qk_head_dim": 4, "model.qk_pos_emb_head_dim": 4, "model.v_head_dim": 4}
 MLA_YARN = {**MLA, "model.position_embedding_type": "yarn", "model.yarn_original_max_position_embeddings": 8,
             "model.rotary_scaling_factor": 4.0}
+# gated DeltaNet layers on the micro model (2 layers: linear attention, then full attention)
+GDN = {"model.experimental_attention_variant": "gated_delta_net", "model.linear_attention_freq": 2,
+       "model.linear_key_head_dim": 8, "model.linear_value_head_dim": 8, "model.linear_num_key_heads": 2,
+       "model.linear_num_value_heads": 4}
+GDN_SIZES = {k: v for k, v in GDN.items() if k != "model.experimental_attention_variant"}
 VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "model.experimental_attention_variant": ("gated_delta_net", {}, GDN_SIZES),
+    "model.linear_attention_freq": ([0, 1], GDN),
+    "model.linear_conv_kernel_dim": (2, GDN),
+    "model.linear_key_head_dim": (4, GDN),
+    "model.linear_value_head_dim": (4, GDN),
+    "model.linear_num_key_heads": (4, GDN),
+    "model.linear_num_value_heads": (8, GDN),
     "optimizer.apply_wd_to_qk_layernorm": (True, {"model.qk_layernorm": True}),
     "model.num_layers": (4, {}),
     "model.hidden_size": (64, {}),

@@ -5,16 +5,29 @@ boundary is caught), decoding with the cache, the attention output gate, the lay
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from longspan.config.rules.validate import validate_container
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.models.gated_delta_rule import DocumentLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from longspan.data.tokenizers import NullTokenizer
+from longspan.inference.text_generation import generate
+from longspan.models.gated_delta_rule import (
+    DocumentLayout,
+    chunk_gated_delta_rule,
+    chunked_gated_delta_rule,
+    flash_linear_attention_rule,
+    recurrent_gated_delta_rule,
+)
 from longspan.models.gpt import build_gpt_model
 from longspan.models.layer_pattern import linear_attention_layer_flags, linear_attention_pattern_from_layer_types
 from longspan.models.transformer import KVCache
+from longspan.training.step.forward_step import _mtp_inputs
 from tests.models.gpt_test_config import llama_config
+from tests.training.pretrain_helpers import small_config
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -80,6 +93,18 @@ def test_document_layout_covers_every_position_once_with_padded_boundaries() -> 
     rows = layout.split(x)
     assert rows.shape[0] == 5  # 3 + 4, then 2 + 3 + the tail after position 5
     torch.testing.assert_close(layout.merge(rows), x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or flash_linear_attention_rule() is None,
+                    reason="needs CUDA and the flash-linear-attention extra")
+def test_flash_linear_attention_kernel_matches_the_plain_rule_within_bf16_tolerance() -> None:
+    q, k, v, g, beta, state = _rule_inputs(2, 300, key_heads=2, value_heads=4, dk=64, dv=64)
+    reference, ref_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    cuda = [t.cuda().to(torch.bfloat16) for t in (q, k, v)] + [g.cuda(), beta.cuda().to(torch.bfloat16)]
+    out, final = chunked_gated_delta_rule(*cuda, initial_state=state.cuda(), output_final_state=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), reference, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(final.cpu(), ref_state, atol=5e-2, rtol=5e-2)
 
 
 # ---- the mixer against transformers' Qwen3_5GatedDeltaNet ------------------------------------------------------
@@ -198,6 +223,38 @@ def test_decoding_with_the_cache_equals_the_full_forward(conv_kernel: int) -> No
     assert set(cache.linear_states) == {0, 2} and cache.nbytes() > 0
 
 
+def test_full_recompute_keeps_the_packed_documents_apart() -> None:
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    models = [_deltanet_model(**extra) for extra in ({}, recompute)]
+    tokens = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(8))
+    cu = torch.tensor([0, 7, 20])
+    grads = []
+    for model in models:
+        model(tokens, labels=tokens, cu_seqlens=cu).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
+
+
+def test_bf16_parameters_run_forward_backward_and_decode() -> None:
+    model = _deltanet_model(params_dtype=torch.bfloat16, attention_output_gate=True)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    model(tokens, labels=tokens, cu_seqlens=torch.tensor([0, 5, 12])).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    cache = KVCache(13)
+    with torch.no_grad():
+        steps = torch.cat([model(tokens[:, :11], kv_cache=cache), model(tokens[:, 11:], kv_cache=cache)], dim=1)
+        torch.testing.assert_close(steps, model(tokens), atol=2e-2, rtol=2e-2)
+
+
+def test_greedy_generate_is_the_same_with_and_without_the_cache() -> None:
+    model = _deltanet_model(attention_output_gate=True, init_method_std=0.2)
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    runs = [generate(model, NullTokenizer(127), prompt, max_new_tokens=12, use_cache=cached, eos_ids=())
+            for cached in (True, False)]
+    assert runs[0].output_ids == runs[1].output_ids and len(set(runs[0].output_ids)) > 1
+
+
 def test_gradients_reach_every_parameter() -> None:
     model = _deltanet_model(attention_output_gate=True)
     tokens = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(4))
@@ -244,3 +301,27 @@ def test_bad_deltanet_fields_are_one_line_errors(fields, error, words) -> None:
     with pytest.raises(error) as caught:
         build_gpt_model(llama_config(num_layers=4, **values), materialize=False)
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_forward_step_passes_packed_documents_to_a_deltanet_model() -> None:
+    batch = {"tokens": torch.zeros(1, 4), "loss_mask": torch.ones(1, 4), "cu_seqlens": torch.tensor([[0, 2, 4]])}
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(model=llama_config(num_layers=4, **DELTANET)))
+    assert _mtp_inputs(state, batch) == {"cu_seqlens": batch["cu_seqlens"]}
+    state.cfg.model = llama_config()
+    assert _mtp_inputs(state, batch) == {}
+
+
+def test_gpt_data_with_reset_attention_mask_is_refused_for_deltanet_layers(tmp_path) -> None:
+    cfg = small_config(tmp_path)
+    for name, value in DELTANET.items():
+        setattr(cfg.model, name, value)
+    cfg.dataset.reset_attention_mask = True
+    with pytest.raises(NotSupportedError, match="dataset.reset_attention_mask=True"):
+        validate_container(cfg, world_size=1)
+    cfg.dataset.reset_attention_mask = False
+    validate_container(cfg, world_size=1)
+
+
+def test_context_parallel_is_refused_until_a_scheme_serves_it() -> None:
+    with pytest.raises(NotSupportedError, match="context_parallel_size=2"):
+        build_gpt_model(llama_config(num_layers=4, context_parallel_size=2, **DELTANET), materialize=False)

@@ -195,7 +195,7 @@ def test_attention_reads_local_heads_from_projection_shapes():
             part = transformer_mod.SelfAttention.__new__(transformer_mod.SelfAttention)
             torch.nn.Module.__init__(part)
             part.head_dim, part.attention_dropout, part.softmax_scale = d, 0.0, None
-            part.q_layernorm = part.k_layernorm = None
+            part.q_layernorm = part.k_layernorm = part.linear_gate = None
             part.recompute_core_attention = False
             part.core_attention = transformer_mod.core_attention
             part.linear_q = torch.nn.Linear(cfg.hidden_size, 2 * d, bias=False)

@@ -18,7 +18,7 @@ _SIZE_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_h
 
 
 def _field(config: Any, name: str, default: Any) -> Any:
-    return getattr(config, name, default)  # getattr: GPTModelProvider declares these, other providers do not
+    return getattr(config, name, default)  # getattr: declared by some provider and dataset classes only
 
 
 def check_linear_attention_freq(freq: Any, num_layers: int) -> None:
@@ -74,3 +74,19 @@ def check_linear_attention(config: Any) -> None:
     if config.multi_latent_attention:
         raise NotSupportedError(f"model.experimental_attention_variant='{GATED_DELTA_NET}' is not supported with "
                                 "multi_latent_attention: the full-attention layers are the standard attention")
+    if config.context_parallel_size > 1:
+        raise NotSupportedError(f"model.experimental_attention_variant='{GATED_DELTA_NET}' is not supported with "
+                                f"context_parallel_size={config.context_parallel_size} yet: use 1")
+
+
+def check_linear_attention_documents(cfg: Any) -> None:
+    """Packed documents reach gated DeltaNet layers as ``cu_seqlens`` (the SFT packings give them); GPT data with
+    ``reset_attention_mask`` separates documents only by the attention mask, which these layers do not read, so
+    their state would run on from one document into the next."""
+    if _field(cfg.model, "experimental_attention_variant", None) is None:
+        return
+    if _field(cfg.dataset, "reset_attention_mask", False):
+        raise NotSupportedError(
+            "dataset.reset_attention_mask=True is not supported with model.experimental_attention_variant="
+            f"'{GATED_DELTA_NET}' (the GPT dataset gives no document boundaries for the linear layers' state): "
+            "leave it False, or use packed SFT data")

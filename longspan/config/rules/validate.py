@@ -30,6 +30,7 @@ from longspan.config.rules.data_hf import check_direct_hf_sft
 from longspan.config.rules.device_features import check_device_features
 from longspan.config.rules.infra import check_distributed_init, check_infra
 from longspan.config.rules.layout import check_parallel_layout, check_pipeline
+from longspan.config.rules.linear_attention import check_linear_attention_documents
 from longspan.config.rules.model import check_model
 from longspan.config.rules.vision import check_image_model
 from longspan.config.rules.precision import (
@@ -240,5 +241,6 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("fields longspan does not support yet", _on_config(check_supported)),
     ("model architecture (what the GPT, Mamba or T5 model can build)", _on_config(check_model)),
     ("a vision-language model's image fields", _on_config(_check_image_model)),
+    ("gated DeltaNet layers: how packed documents reach them", _on_config(check_linear_attention_documents)),
     ("PEFT adapters", _peft),
 ]

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
+from longspan.config.rules.model import provider_field
 from longspan.config.schema.data import FinetuningDatasetConfig, GPTDatasetConfig, PackedSequenceSpecs
 from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig
 from longspan.data.sft.dataset import pad_token_id
@@ -80,12 +81,14 @@ def _position_ids(state: GlobalState, batch: dict[str, torch.Tensor]) -> torch.T
 
 
 def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Multi-token prediction shifts the loss mask (and, for packed documents, stops at their boundaries): the
-    model gets them only when it has MTP depths, so other models' forward signatures stay as they are."""
-    if not state.cfg.model.mtp_num_layers:
-        return {}
-    inputs = {"loss_mask": batch["loss_mask"]}
-    if batch.get("cu_seqlens") is not None:
+    """Multi-token prediction shifts the loss mask (and, for packed documents, stops at their boundaries); gated
+    DeltaNet layers restart their state at the packed documents' boundaries. The model gets these only when it
+    has MTP depths or such layers, so other models' forward signatures stay as they are."""
+    model_cfg = state.cfg.model
+    mtp = bool(model_cfg.mtp_num_layers)
+    inputs = {"loss_mask": batch["loss_mask"]} if mtp else {}
+    linear = provider_field(model_cfg, "experimental_attention_variant", None) is not None
+    if (mtp or linear) and batch.get("cu_seqlens") is not None:
         inputs["cu_seqlens"] = batch["cu_seqlens"]
     return inputs
 

@@ -42,12 +42,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from longspan.config.rules.layout import check_linear_attention_heads_split
 from longspan.models.gated_delta_net import GatedDeltaNet
+from longspan.models.gated_delta_rule import DocumentLayout
 from longspan.parallel.heads_exchange import HeadsExchange
 from longspan.parallel.mamba import shard_mixer_by_heads
 
@@ -98,6 +100,35 @@ def apply_gated_delta_net_tensor_parallel(model: nn.Module, tp_mesh: Any,
             for name in mixers if name.endswith(".self_attention")}
 
 
+#: attribute set on a decoder whose DeltaNet mixers see a sequence this many times the decoder's own shard
+MIXER_SEQUENCE_FACTOR_ATTR = "_longspan_mixer_sequence_factor"
+
+
+def lengthen_document_layouts(model: nn.Module, factor: int) -> None:
+    """The decoder works out the packed documents' layout (``DocumentLayout``) once per forward for its DeltaNet
+    layers, on the length of the hidden states it gets. Under sequence parallel (``factor`` = tp) and context
+    parallel (``factor`` = cp) those are a shard of the sequence, while the mixers run on the whole sequence
+    they gather: each ``decoder`` (of this model or pipeline chunk) with DeltaNet layers gets a forward pre-hook,
+    run after the plans' own input hooks, that builds the layout for ``factor`` times its length. Factors of
+    several plans multiply."""
+    decoder = getattr(model, "decoder", None)
+    if factor == 1 or decoder is None or not gated_delta_net_mixers(decoder):
+        return
+    previous = getattr(decoder, MIXER_SEQUENCE_FACTOR_ATTR, None)
+    setattr(decoder, MIXER_SEQUENCE_FACTOR_ATTR, (previous or 1) * factor)
+    if previous is None:
+        decoder.register_forward_pre_hook(_whole_sequence_layout, with_kwargs=True)
+
+
+def _whole_sequence_layout(decoder: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return None
+    hidden = args[0] if args else kwargs["hidden_states"]
+    length = hidden.shape[1] * getattr(decoder, MIXER_SEQUENCE_FACTOR_ATTR)
+    return args, {**kwargs, "cu_seqlens": DocumentLayout.from_cu_seqlens(cu_seqlens, hidden.shape[0], length)}
+
+
 class GatedDeltaNetContextParallel(HeadsExchange):
     """``GatedDeltaNet.context_parallel``: the exchanges over a cp ``group`` (a plain object, no parameters)."""
 
@@ -124,4 +155,5 @@ def apply_gated_delta_net_context_parallel(model: nn.Module, group: Any) -> int:
         _check_split(mixer, exchange.size)
     for mixer in mixers:
         mixer.context_parallel = exchange
+    lengthen_document_layouts(model, exchange.size)
     return len(mixers)

@@ -66,7 +66,11 @@ from longspan.config.rules.layout import (
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
-from longspan.parallel.gated_delta_net import apply_gated_delta_net_tensor_parallel, is_gated_delta_net
+from longspan.parallel.gated_delta_net import (
+    apply_gated_delta_net_tensor_parallel,
+    is_gated_delta_net,
+    lengthen_document_layouts,
+)
 from longspan.parallel.mamba import apply_mamba_tensor_parallel
 from longspan.parallel.t5 import (
     check_t5_sequence_parallel,
@@ -384,6 +388,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     # would unfreeze a frozen base (peft: the norms then train and enter the grad norm). Keep each flag as set.
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:  # DeltaNet mixers gather the whole sequence: their documents' layout is for it
+        lengthen_document_layouts(model, tp)
     _shard_attention_sinks(model, tp_mesh)
     apply_mla_shared_key(model, tp_mesh)
     for name, p in model.named_parameters():

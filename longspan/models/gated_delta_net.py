@@ -20,7 +20,10 @@ The forward, per token: project; ``silu(causal depthwise conv)`` over q, k and v
 (``longspan.models.gated_delta_rule``: chunked for a whole sequence, flash-linear-attention's kernel on CUDA
 when installed; one step at a time when decoding); the
 gated norm ``rmsnorm(o) · weight · silu(z)`` per value head; ``linear_proj``. The forward reads the parameters
-this process holds (``local_parameters``) and the head counts from their shapes.
+this process holds (``local_parameters``) and the head counts from their shapes, so a tensor-parallel rank runs
+its own heads (``longspan.parallel.gated_delta_net``). ``context_parallel``, when a plan sets it, exchanges the
+projected sequence chunks for the whole sequence of a share of the heads before the conv and back before
+``linear_proj``.
 
 Packed sequences (``cu_seqlens``): the conv and the rule run on each document on its own, so no state crosses
 a document boundary (``DocumentLayout``). Generation (``kv_cache``): the layer's conv inputs' last
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +60,17 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """``x / sqrt(sum(x²) + 1e-6)`` over the last dimension, in float32."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_EPS)
+
+
+def _shared_local(weight: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a weight every head shares (the gated norm's): under tensor parallel a replicated
+    DTensor, whose gradient here is the partial sum over this rank's heads, summed over the ranks on the way back."""
+    to_local = getattr(weight, "to_local", None)
+    if not callable(to_local):
+        return weight
+    from torch.distributed.tensor import Partial  # slow to import; already loaded wherever a DTensor exists
+
+    return to_local(grad_placements=[Partial()] * len(weight.placements))
 
 
 def _draw_A_log(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
@@ -123,6 +137,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(m.value_head_dim, config.layernorm_epsilon, dtype)
         out_std = std / math.sqrt(2.0 * config.num_layers)
         self.linear_proj = _linear(value_dim, hidden, out_std, dtype)
+        self.context_parallel: Any = None
 
     def local_parameters(self) -> SimpleNamespace:
         """The parameters this process computes with (a DTensor's local shard: a tensor-parallel rank's heads)."""
@@ -130,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         p = {name: local_tensor(getattr(self, name).weight) for name in names}
         p["conv"] = tuple(local_tensor(getattr(self, f"conv_{seg}").weight) for seg in CONV_SEGMENTS)
         p.update(dt_bias=local_tensor(self.dt_bias), A_log=local_tensor(self.A_log),
-                 norm=local_tensor(self.norm.weight))
+                 norm=_shared_local(self.norm.weight))
         return SimpleNamespace(**p)
 
     def forward(
@@ -145,11 +160,15 @@ class GatedDeltaNet(nn.Module):
         """``cu_seqlens``: the packed documents' boundaries, or their ``DocumentLayout`` (the decoder builds it once
         for all its layers)."""
         p = self.local_parameters()
-        b, s, _ = hidden_states.shape
-        qkv = torch.cat([F.linear(hidden_states, w) for w in (p.linear_q, p.linear_k, p.linear_v)], dim=-1)
-        z = F.linear(hidden_states, p.linear_z)
-        beta = torch.sigmoid(F.linear(hidden_states, p.linear_b))
-        a = F.linear(hidden_states, p.linear_a)
+        weights = (p.linear_q, p.linear_k, p.linear_v, p.linear_z, p.linear_b, p.linear_a)
+        segments = [F.linear(hidden_states, w) for w in weights]
+        if self.context_parallel is not None:  # the whole sequence of this rank's share of the heads
+            segments = self.context_parallel.to_heads(segments)
+            p = self.context_parallel.heads_of(p)
+        q, k, v, z, b_logits, a = segments
+        b, s, _ = q.shape
+        qkv = torch.cat([q, k, v], dim=-1)
+        beta = torch.sigmoid(b_logits)
         g = -p.A_log.float().exp() * F.softplus(a.float() + p.dt_bias.float())
         cache = kv_cache.linear_states.get(self.layer_number) if kv_cache is not None else None
         if cache is not None:
@@ -164,8 +183,10 @@ class GatedDeltaNet(nn.Module):
             out, state = self._sequence(qkv, g, beta, p, final_state=kv_cache is not None)
             if kv_cache is not None:
                 kv_cache.linear_states[self.layer_number] = {"conv": self._conv_tail(qkv), "state": state}
-        out = self.norm(out, z.view(b, s, -1, self.value_head_dim), p.norm)
-        return F.linear(out.reshape(b, s, -1), p.linear_proj)
+        out = self.norm(out, z.view(b, s, -1, self.value_head_dim), p.norm).reshape(b, s, -1)
+        if self.context_parallel is not None:
+            out = self.context_parallel.to_sequence(out)
+        return F.linear(out, p.linear_proj)
 
     def _conv(self, qkv: torch.Tensor, p: SimpleNamespace, tail: torch.Tensor | None = None) -> torch.Tensor:
         """``silu`` of the causal depthwise conv over ``qkv [b, s, channels]``; the window before the first token

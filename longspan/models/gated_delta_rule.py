@@ -135,10 +135,13 @@ def chunk_gated_delta_rule(
     chunk_decay = gamma[..., -1].exp()[..., None, None]
     state = qh.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
     outputs = []
-    for i in range(n):
-        u = u_free[:, :, i] - w[:, :, i] @ state
-        outputs.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ u)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    # unbound once, not indexed per chunk: the backward of an index is a zero tensor of the whole size per
+    # chunk (quadratic in the length), that of unbind one stack of the chunks' gradients
+    chunks = zip(*(t.unbind(2) for t in (u_free, w, q_decayed, scores, k_to_end, chunk_decay)))
+    for u_free_i, w_i, q_i, scores_i, k_i, decay_i in chunks:
+        u = u_free_i - w_i @ state
+        outputs.append(q_i @ state + scores_i @ u)
+        state = state * decay_i + k_i.transpose(-1, -2) @ u
     out = torch.cat(outputs, dim=2)[:, :, :s] if outputs else vh.new_zeros(b, h, 0, dv)
     return out.transpose(1, 2).to(v.dtype), (state if output_final_state else None)
 

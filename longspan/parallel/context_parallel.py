@@ -38,7 +38,9 @@ on every layer and hooks the root ``GPTModel`` so that
   (no "multiply by cp" in the schedule, unlike Megatron, whose loss is per cp rank).
 
 Mamba-2 mixers scan the whole sequence: each gets an all-to-all exchange (``mamba_context_parallel``) that
-gives every rank the whole sequence of a share of the heads between ``in_proj`` and ``out_proj``.
+gives every rank the whole sequence of a share of the heads between ``in_proj`` and ``out_proj``; gated DeltaNet
+mixers get the same exchange between their projections (``longspan.parallel.gated_delta_net``, which says why
+not a state passed between the chunks), and read packed documents' ``cu_seqlens``, left whole-sequence, there.
 
 MoE layers are token-wise and need nothing but their losses' statistics: every router gets a
 ``longspan.models.moe.SequenceShards`` (the cp size and a sum over the cp group), with which the load-balancing
@@ -67,6 +69,7 @@ from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
 from longspan.models.moe import SequenceShards, moe_layers
 from longspan.models.sliding_window import TwoSidedMask, WindowedMask, windowed_attention
+from longspan.parallel.gated_delta_net import apply_gated_delta_net_context_parallel
 from longspan.parallel.mamba_context_parallel import apply_mamba_context_parallel
 
 _log = get_logger(__name__)
@@ -504,6 +507,7 @@ def apply_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     attentions = [m for m in root.modules()
                   if hasattr(m, "core_attention") and (hasattr(m, "linear_q") or hasattr(m, "mla"))]
     mixers = apply_mamba_context_parallel(root, group)  # Mamba layers: an all-to-all to heads and back
+    mixers += apply_gated_delta_net_context_parallel(root, group)  # gated DeltaNet layers: the same
     if not (attentions or mixers) or not hasattr(root, "decoder"):
         raise NotSupportedError(
             f"context_parallel_size={dist.get_world_size(group)}: the context-parallel plan needs longspan's "

@@ -33,7 +33,7 @@ ROW_SHARDED = ("in_proj.z.weight", "in_proj.x.weight", "in_proj.B.weight", "in_p
 
 def is_mamba_mixer(module: nn.Module) -> bool:
     """A Mamba-2 mixer (per-segment ``in_proj`` and the per-head ``A_log``)."""
-    return hasattr(module, "local_parameters") and hasattr(module, "A_log")
+    return hasattr(module, "local_parameters") and hasattr(module, "A_log") and hasattr(module, "in_proj")
 
 
 def check_mamba_heads_split(mixer: nn.Module, ways: int, field: str) -> None:
@@ -56,8 +56,9 @@ def apply_mamba_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_paralle
     tp = tp_mesh.size()
     for mixer in mixers.values():
         check_mamba_heads_split(mixer, tp, "model.tensor_model_parallel_size")
+    placements = [(n, Shard(0)) for n in ROW_SHARDED] + [("out_proj.weight", Shard(1))]
     for mixer in mixers.values():
-        _shard_mixer(mixer, tp_mesh, sequence_parallel)
+        shard_mixer_by_heads(mixer, tp_mesh, placements, sequence_parallel)
     if not sequence_parallel:
         return {}
     plan: dict[str, Any] = {name.rsplit(".", 1)[0] + ".norm": SequenceParallel(use_local_output=True)
@@ -67,8 +68,12 @@ def apply_mamba_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_paralle
     return plan
 
 
-def _shard_mixer(mixer: nn.Module, mesh: Any, sequence_parallel: bool) -> None:
-    for name, placement in [(n, Shard(0)) for n in ROW_SHARDED] + [("out_proj.weight", Shard(1))]:
+def shard_mixer_by_heads(mixer: nn.Module, mesh: Any, placements: list[tuple[str, Any]],
+                         sequence_parallel: bool) -> None:
+    """Make each named parameter of a per-head sequence mixer (Mamba's, gated DeltaNet's) a DTensor with its
+    placement over ``mesh``, and hook the mixer Megatron's column/row-parallel way (see the module docstring):
+    the input gathered whole (its gradient summed), the output's partial sums reduced (sp: scattered)."""
+    for name, placement in placements:
         owner_name, _, attr = name.rpartition(".")
         owner = mixer.get_submodule(owner_name) if owner_name else mixer
         param = getattr(owner, attr)

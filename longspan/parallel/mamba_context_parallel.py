@@ -21,83 +21,22 @@ exchange splits that shard's heads further (``tp · cp`` must divide the heads a
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from longspan.core.errors import ConfigError
+from longspan.parallel.heads_exchange import HeadsExchange
 from longspan.parallel.mamba import is_mamba_mixer
 
 
-def _chunks_to_sequence(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Rank r's ``[chunk r, chunk 2cp−1−r]`` (ranks in order; the load balancing of context_parallel.py)
-    -> the sequence in order, along dim 1."""
-    cp = len(parts)
-    chunks: list[Any] = [None] * (2 * cp)
-    for r, part in enumerate(parts):
-        chunks[r], chunks[2 * cp - 1 - r] = part.chunk(2, dim=1)
-    return torch.cat(chunks, dim=1)
-
-
-def _sequence_to_chunks(whole: torch.Tensor, cp: int) -> list[torch.Tensor]:
-    """The inverse of ``_chunks_to_sequence``: every rank's two chunks of ``whole`` (dim 1)."""
-    chunks = whole.chunk(2 * cp, dim=1)
-    return [torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=1) for r in range(cp)]
-
-
-class _AllToAll(torch.autograd.Function):
-    """``out[i] = rank i's in[me]`` over dim 0 (``[cp, ...]``); its own inverse, so also its backward."""
-
-    @staticmethod
-    def forward(ctx: Any, blocks: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(blocks, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(blocks: torch.Tensor, group: Any) -> torch.Tensor:
-    blocks = blocks.contiguous()
-    out = torch.empty_like(blocks)
-    dist.all_to_all_single(out, blocks, group=group)
-    return out
-
-
-class MambaContextParallel:
+class MambaContextParallel(HeadsExchange):
     """``MambaMixer.context_parallel``: the exchanges over a cp ``group`` (a plain object, no parameters)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def to_heads(self, segments: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's load-balanced chunks ``[b, s/cp, n_k]`` of each segment -> the whole sequence, in order,
-        of share ``rank`` of each segment's channels ``[b, s, n_k/cp]``."""
-        cp = self.size
-        shares = [segment.chunk(cp, dim=-1) for segment in segments]
-        blocks = torch.stack([torch.cat([share[j] for share in shares], dim=-1) for j in range(cp)])
-        received = _AllToAll.apply(blocks, self.group)  # [cp (source rank), b, s/cp, sum n_k/cp]
-        whole = _chunks_to_sequence(list(received.unbind(0)))
-        return list(whole.split([segment.shape[-1] // cp for segment in segments], dim=-1))
-
-    def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
-        """The inverse for the mixer's output: ``[b, s, d/cp]`` of this rank's channels -> ``[b, s/cp, d]``,
-        this rank's tokens of every channel (in channel order)."""
-        blocks = torch.stack(_sequence_to_chunks(y, self.size))
-        return torch.cat(_AllToAll.apply(blocks, self.group).unbind(0), dim=-1)
 
     def heads_of(self, p: SimpleNamespace) -> SimpleNamespace:
         """The mixer's local parameters cut to this rank's share of the heads (``out_proj`` and ``in_proj``
         stay whole: they work on this rank's tokens of every head)."""
-        cp, rank = self.size, self.rank
-
-        def share(t: torch.Tensor) -> torch.Tensor:
-            return t.chunk(cp, dim=0)[rank]
-
+        cp, share = self.size, self.share
         return SimpleNamespace(
             in_proj=p.in_proj, out_proj=p.out_proj,
             conv_weight=tuple(share(t) for t in p.conv_weight), conv_bias=tuple(share(t) for t in p.conv_bias),

@@ -9,6 +9,8 @@ over the 1-D ``tp`` mesh:
   inputs, so their gradients are summed over every rank's heads;
 - multi-latent attention: ``linear_q_proj`` / ``linear_q_up_proj`` and ``linear_kv_up_proj`` column-wise,
   ``linear_proj`` row-wise; the down-projections and latent norms replicated (see ``_mla_plan``);
+- attention's output gate (``attention_output_gate``: ``linear_gate``) column-wise, like the queries; gated
+  DeltaNet mixers (linear-attention layers) are sharded by heads by ``longspan.parallel.gated_delta_net``;
 - MLP: ``linear_fc1`` and ``linear_fc1_gate`` column-wise, ``linear_fc2`` row-wise;
 - vocabulary: ``embedding.word_embeddings`` row-wise (vocab-sharded table, masked lookup + all-reduce) and
   ``output_layer`` column-wise with vocab-sharded ``DTensor`` logits (``Shard(-1)``, ``use_local_output=False``),
@@ -64,6 +66,11 @@ from longspan.config.rules.layout import (
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
+from longspan.parallel.gated_delta_net import (
+    apply_gated_delta_net_tensor_parallel,
+    is_gated_delta_net,
+    lengthen_document_layouts,
+)
 from longspan.parallel.mamba import apply_mamba_tensor_parallel
 from longspan.parallel.t5 import (
     check_t5_sequence_parallel,
@@ -116,10 +123,15 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan.update(_sequence_scatter_plan(model))
     for prefix, layer in _transformer_layers(model):
         attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
-        if getattr(layer, "self_attention", None) is not None and hasattr(layer.self_attention, "mla"):
-            plan.update(_mla_plan(attn, layer.self_attention, sp))
-        elif hasattr(layer, "self_attention"):  # hybrid Mamba stacks: attention-only, MLP-only and Mamba layers
+        attention = getattr(layer, "self_attention", None)
+        if is_gated_delta_net(attention):  # shards itself by heads: apply_gated_delta_net_tensor_parallel
+            attention = None
+        if attention is not None and hasattr(attention, "mla"):
+            plan.update(_mla_plan(attn, attention, sp))
+        elif attention is not None:  # hybrid Mamba stacks: attention-only, MLP-only and Mamba layers
             plan[f"{attn}.linear_q"] = ColwiseParallel()
+            if getattr(attention, "linear_gate", None) is not None:  # the output gate: per head, like the queries
+                plan[f"{attn}.linear_gate"] = ColwiseParallel()
             plan[f"{attn}.linear_k"] = ColwiseParallel()
             plan[f"{attn}.linear_v"] = ColwiseParallel()
             plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
@@ -142,7 +154,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
                 if getattr(layer, norm, None) is not None:
                     plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
             # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
-            if hasattr(layer, "self_attention"):  # (hybrid Mamba stacks: a layer may lack either)
+            if attention is not None:  # (hybrid Mamba stacks: a layer may lack either)
                 plan[attn] = PrepareModuleInput(
                     input_layouts=(Shard(1), None, None),
                     desired_input_layouts=(Replicate(), None, None),
@@ -361,6 +373,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if sequence_parallel and not is_t5_model(model):
         _check_sequence_scatter(model, type(model.config).__name__, puts_images_in_sequence=False)
     mamba_plan = apply_mamba_tensor_parallel(model, tp_mesh, sequence_parallel)  # Mamba mixers: see there
+    mamba_plan.update(apply_gated_delta_net_tensor_parallel(model, tp_mesh, sequence_parallel))  # and DeltaNet's
     if is_t5_model(model):  # encoder-decoder: its own plan (longspan.parallel.t5)
         if sequence_parallel:
             check_t5_sequence_parallel(model, tp)
@@ -375,6 +388,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     # would unfreeze a frozen base (peft: the norms then train and enter the grad norm). Keep each flag as set.
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:  # DeltaNet mixers gather the whole sequence: their documents' layout is for it
+        lengthen_document_layouts(model, tp)
     _shard_attention_sinks(model, tp_mesh)
     apply_mla_shared_key(model, tp_mesh)
     for name, p in model.named_parameters():

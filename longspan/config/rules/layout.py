@@ -138,6 +138,9 @@ def _check_shapes_against_parallel_sizes(m: object) -> None:
         raise ConfigError(
             f"model.seq_length={m.seq_length} is not divisible by 2 x model.context_parallel_size ({2 * cp})"
         )
+    # tp alone: the model rules (linear_attention.py); getattr: GPTModelProvider's fields
+    if cp > 1 and getattr(m, "experimental_attention_variant", None) is not None:
+        check_linear_attention_heads_split(m.linear_num_key_heads, m.linear_num_value_heads, tp, cp)
     decoder_length = getattr(m, "seq_length_dec", None)  # getattr: T5's field; its decoder sequence splits alike
     if cp > 1 and decoder_length is not None and decoder_length % (2 * cp) != 0:
         raise ConfigError(
@@ -153,6 +156,20 @@ def check_tp_divides_heads(tp: int, heads: int, groups: int) -> None:
         raise ConfigError(
             f"model.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and "
             f"model.num_query_groups={groups}; use a tensor_model_parallel_size that divides both"
+        )
+
+
+def check_linear_attention_heads_split(key_heads: int, value_heads: int, tp: int, cp: int) -> None:
+    """Gated DeltaNet layers are split by heads: over tensor parallel, and further over context parallel, whose
+    all-to-all gives each rank the whole sequence (packed documents included) of a share of the heads. So
+    ``tp · cp`` must divide the key and the value heads. The config's validation and the parallel plans ask this
+    one rule."""
+    ways = tp * cp
+    if key_heads % ways or value_heads % ways:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} × model.context_parallel_size={cp} must divide "
+            f"model.linear_num_key_heads={key_heads} and model.linear_num_value_heads={value_heads}: gated "
+            "DeltaNet layers are split by heads (context parallel exchanges whole sequences of a share of them)"
         )
 
 

@@ -74,9 +74,6 @@ def check_linear_attention(config: Any) -> None:
     if config.multi_latent_attention:
         raise NotSupportedError(f"model.experimental_attention_variant='{GATED_DELTA_NET}' is not supported with "
                                 "multi_latent_attention: the full-attention layers are the standard attention")
-    if config.context_parallel_size > 1:
-        raise NotSupportedError(f"model.experimental_attention_variant='{GATED_DELTA_NET}' is not supported with "
-                                f"context_parallel_size={config.context_parallel_size} yet: use 1")
 
 
 def check_linear_attention_documents(cfg: Any) -> None:

@@ -111,10 +111,15 @@ def _mla_attention_terms(model: TransformerConfig, h: int, heads: int) -> Matmul
     return MatmulTerms(weights=query + key_value + heads * v_head * h, core=heads * (q_head + v_head))
 
 
+def _gpt_field(model: TransformerConfig, name: str) -> object:
+    """A field only GPT providers declare (the DeltaNet and output-gate fields), None on T5 and Mamba ones."""
+    return getattr(model, name, None)  # getattr: declared by GPTModelProvider only, which this module does not import
+
+
 def linear_attention_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
     """Which layers are gated DeltaNet layers (``linear_attention_freq`` with the 'gated_delta_net' variant)."""
-    freq = model.linear_attention_freq
-    if model.experimental_attention_variant != "gated_delta_net" or freq is None:
+    freq = _gpt_field(model, "linear_attention_freq")
+    if _gpt_field(model, "experimental_attention_variant") != "gated_delta_net" or freq is None:
         return [False] * num_layers
     if isinstance(freq, int):
         return [(i + 1) % max(freq, 1) != 0 for i in range(num_layers)]
@@ -163,7 +168,7 @@ def matmul_terms(model: TransformerConfig) -> MatmulTerms:
     linear = linear_attention_flags(model, int(model.num_layers))
     linear += [linear[-1]] * depths
     attention = _attention_terms(model)
-    if model.attention_output_gate:
+    if _gpt_field(model, "attention_output_gate"):
         attention = dataclasses.replace(attention, weights=attention.weights + h * _query_width(model))
     mixers = [_gated_delta_net_terms(model) if is_linear else attention for is_linear in linear]
     weights = sum(mixer.weights + _mlp_multiply_adds(model, is_moe) for mixer, is_moe in zip(mixers, layer_kinds))

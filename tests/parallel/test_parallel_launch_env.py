@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass, field
-from typing import Optional
-
 import pytest
 
+from longspan.config.schema.infra import DistributedInitConfig
 from longspan.core.errors import ConfigError, LaunchError
+from longspan.core.model_parallel_config import ModelParallelConfig
 from longspan.parallel.init import (
     LaunchEnv,
     destroy_distributed,
@@ -22,30 +21,14 @@ from longspan.parallel.init import (
 )
 
 
-@dataclass
-class DistCfg:
-    """The DistributedInitConfig fields initialize_distributed reads (defaults as in bridge.training.config)."""
-
-    distributed_backend: str = "nccl"
-    distributed_timeout_minutes: float = 1
-    local_rank: int = 0
-    lazy_init: bool = False
-    use_tp_pp_dp_mapping: bool = False
-    use_gloo_process_groups: bool = True
-    use_sharp: bool = False
-    nccl_communicator_config_path: Optional[str] = None
-    high_priority_stream_groups: Optional[list] = None
-    external_gpu_device_mapping: bool = False
+def DistCfg(**fields: object) -> DistributedInitConfig:  # noqa: N802 - reads as the config it builds
+    """The ``dist`` section initialize_distributed reads, with a one-minute timeout and local rank 0."""
+    return DistributedInitConfig(**{"distributed_timeout_minutes": 1, "local_rank": 0, **fields})
 
 
-@dataclass
-class MPCfg:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
-    extra: dict = field(default_factory=dict)
+def MPCfg(**fields: object) -> ModelParallelConfig:  # noqa: N802 - reads as the config it builds
+    """The model's parallel sizes initialize_distributed reads."""
+    return ModelParallelConfig(**fields)
 
 
 # --------------------------------------------------------------------------- detection

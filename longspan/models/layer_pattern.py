@@ -58,17 +58,23 @@ def stack_window_flags(config: Any, stack_layers: list[int]) -> list[list[bool]]
     return [flags[:n] for n in stack_layers]
 
 
+def _pattern_from_layer_types(layer_types: list[str], marked: str) -> list[int]:
+    """HF ``layer_types`` as a 0/1 list: 1 for ``marked`` layers, 0 for ``"full_attention"``; any other kind is
+    refused in one line."""
+    pattern = []
+    for i, kind in enumerate(layer_types):
+        if kind not in (marked, "full_attention"):
+            raise NotSupportedError(
+                f"config.json layer_types[{i}]={kind!r} is not supported: use '{marked}' or 'full_attention'"
+            )
+        pattern.append(1 if kind == marked else 0)
+    return pattern
+
+
 def window_pattern_from_layer_types(layer_types: list[str]) -> list[int]:
     """HF ``layer_types`` (``"sliding_attention"`` / ``"full_attention"`` per layer) as the 0/1 list of
     ``window_attn_skip_freq`` (1 = sliding window)."""
-    pattern = []
-    for i, kind in enumerate(layer_types):
-        if kind not in ("sliding_attention", "full_attention"):
-            raise NotSupportedError(
-                f"config.json layer_types[{i}]={kind!r} is not supported: use 'sliding_attention' or 'full_attention'"
-            )
-        pattern.append(1 if kind == "sliding_attention" else 0)
-    return pattern
+    return _pattern_from_layer_types(layer_types, "sliding_attention")
 
 
 def layer_types_from_windows(windows: list[int | None]) -> list[str]:
@@ -98,14 +104,7 @@ def linear_attention_layer_flags(freq: Any, num_layers: int) -> list[bool]:
 def linear_attention_pattern_from_layer_types(layer_types: list[str]) -> list[int]:
     """HF ``layer_types`` (``"linear_attention"`` / ``"full_attention"`` per layer) as the 0/1 list of
     ``linear_attention_freq`` (1 = linear attention)."""
-    pattern = []
-    for i, kind in enumerate(layer_types):
-        if kind not in ("linear_attention", "full_attention"):
-            raise NotSupportedError(
-                f"config.json layer_types[{i}]={kind!r} is not supported: use 'linear_attention' or 'full_attention'"
-            )
-        pattern.append(1 if kind == "linear_attention" else 0)
-    return pattern
+    return _pattern_from_layer_types(layer_types, "linear_attention")
 
 
 def layer_types_from_linear_attention(flags: list[bool]) -> list[str]:

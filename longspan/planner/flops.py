@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from longspan.core.vocab import calculate_padded_vocab_size
+from longspan.models import layer_pattern
 
 if TYPE_CHECKING:
     # Named for type checkers only: the FLOPs formula of a plain run stays free of the model code.
@@ -58,16 +59,10 @@ class MatmulTerms:
 
 
 def moe_layer_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
-    """Which layers are MoE layers: ``moe_layer_freq`` is an int (every n-th layer) or a 0/1 list."""
+    """Which layers are MoE layers (none without experts): ``layer_pattern.moe_layer_flags`` of the model."""
     if not model.num_moe_experts:
         return [False] * num_layers
-    freq = model.moe_layer_freq
-    if isinstance(freq, int):
-        return [i % max(freq, 1) == 0 for i in range(num_layers)]
-    flags = [bool(x) for x in freq]
-    if len(flags) != num_layers:
-        raise ValueError(f"moe_layer_freq has {len(flags)} entries for {num_layers} layers")
-    return flags
+    return layer_pattern.moe_layer_flags(model.moe_layer_freq, num_layers)
 
 
 def _vocab_size(model: TransformerConfig) -> int:
@@ -117,13 +112,12 @@ def _gpt_field(model: TransformerConfig, name: str) -> object:
 
 
 def linear_attention_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
-    """Which layers are gated DeltaNet layers (``linear_attention_freq`` with the 'gated_delta_net' variant)."""
+    """Which layers are gated DeltaNet layers: ``layer_pattern.linear_attention_layer_flags`` of the model's
+    ``linear_attention_freq`` when its attention variant is 'gated_delta_net', else none."""
     freq = _gpt_field(model, "linear_attention_freq")
     if _gpt_field(model, "experimental_attention_variant") != "gated_delta_net" or freq is None:
         return [False] * num_layers
-    if isinstance(freq, int):
-        return [(i + 1) % max(freq, 1) != 0 for i in range(num_layers)]
-    return [bool(x) for x in freq]
+    return layer_pattern.linear_attention_layer_flags(freq, num_layers)
 
 
 def _gated_delta_net_terms(model: TransformerConfig) -> MatmulTerms:

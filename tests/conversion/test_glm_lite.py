@@ -139,7 +139,8 @@ def test_lora_targets_reach_the_mla_projections(imported):
                 for t in MLA_TARGETS}
     assert adapted == expected
     for target, hf_name in HF_MLA_NAMES.items():
-        assert bridge.hf_module_name(f"decoder.layers.2.self_attention.{target}") == f"model.layers.2.self_attn.{hf_name}"
+        ours = f"decoder.layers.2.self_attention.{target}"
+        assert bridge.hf_module_name(ours) == f"model.layers.2.self_attn.{hf_name}"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from longspan.conversion.families import register_family
-from longspan.families.glm.hf import GLM4_MOE
-from longspan.families.glm.hf_lite import GLM4_MOE_LITE
+from longspan.families.glm.hf import GLM4_MOE, GLM4_MOE_LITE
 
 register_family(GLM4_MOE)
 register_family(GLM4_MOE_LITE)

@@ -21,6 +21,7 @@ import transformers
 from longspan import AutoBridge
 from longspan.cli import main
 from longspan.conversion import families
+from longspan.core.errors import NotSupportedError
 from longspan.models.mla import MLASelfAttention
 from longspan.peft import LoRA
 from longspan.peft.modules import LoRALinear
@@ -141,6 +142,17 @@ def test_lora_targets_reach_the_mla_projections(imported):
     for target, hf_name in HF_MLA_NAMES.items():
         ours = f"decoder.layers.2.self_attention.{target}"
         assert bridge.hf_module_name(ours) == f"model.layers.2.self_attn.{hf_name}"
+
+
+def test_export_writes_mlp_layer_types_from_either_form_and_refuses_another_latent_epsilon(imported):
+    family = families.by_architecture()[ARCH]
+    provider = imported[2].to_megatron_provider(load_weights=False)
+    provider.moe_layer_freq = 2  # every second layer from layer 0: the imported [1, 0, 1]
+    assert families.hf_config_dict(family, provider)["mlp_layer_types"] == SHAPE["mlp_layer_types"]
+    provider.mla_latent_layernorm_epsilon = None  # the latents at layernorm_epsilon (1e-5): transformers has 1e-6
+    with pytest.raises(NotSupportedError, match="mla_latent_layernorm_epsilon=None") as info:
+        families.hf_config_dict(family, provider)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("change, message", [

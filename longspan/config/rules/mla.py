@@ -63,6 +63,9 @@ def check_mla(config: Any) -> None:
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0):
         raise ConfigError(f"model.mla_latent_layernorm_epsilon={eps!r} must be a positive number (or None: "
                           "layernorm_epsilon)")
+    if eps is not None and not config.qk_layernorm:
+        raise ConfigError(f"model.mla_latent_layernorm_epsilon={eps!r} needs qk_layernorm=True (without it multi-latent "
+                          "attention has no latent norms): leave it None")
     for yarn_name, mla_name in MLA_YARN_FIELDS.items():
         value = getattr(config, yarn_name, None)
         if value is not None and value != getattr(config, mla_name):

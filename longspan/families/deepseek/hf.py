@@ -199,6 +199,11 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
             f"layernorm_epsilon={p.layernorm_epsilon!r}: DeepSeek-V3 in transformers normalizes the latents with eps "
             f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs layernorm_epsilon={HF_LATENT_NORM_EPS}"
         )
+    if p.mla_latent_layernorm_epsilon not in (None, HF_LATENT_NORM_EPS):
+        raise NotSupportedError(
+            f"model.mla_latent_layernorm_epsilon={p.mla_latent_layernorm_epsilon!r}: DeepSeek-V3 in transformers "
+            f"normalizes the latents with eps {HF_LATENT_NORM_EPS}; export needs None or {HF_LATENT_NORM_EPS}"
+        )
     if p.add_bias_linear:
         raise NotSupportedError("DeepSeek-V3 export supports bias-free models only (add_bias_linear=False)")
     out = dict(

@@ -144,6 +144,26 @@ def test_lora_targets_reach_the_mla_projections(imported):
         assert bridge.hf_module_name(ours) == f"model.layers.2.self_attn.{hf_name}"
 
 
+# zai-org/GLM-4.7-Flash's config.json (its values as published): no mlp_layer_types, first_k_dense_replace 1,
+# top-level rope_theta and partial_rotary_factor, one MTP layer.
+PUBLISHED = dict(architectures=[ARCH], model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048,
+                 intermediate_size=10240, moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20,
+                 num_key_value_heads=20, hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False,
+                 max_position_embeddings=202752, rope_theta=1000000, rope_scaling=None, partial_rotary_factor=1.0,
+                 q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                 n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=4, norm_topk_prob=True,
+                 routed_scaling_factor=1.8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                 num_nextn_predict_layers=1, topk_method="noaux_tc", tie_word_embeddings=False, dtype="bfloat16")
+
+
+def test_the_published_config_translates():
+    p = AutoBridge.from_hf_config(PUBLISHED).to_megatron_provider(load_weights=False)
+    assert p.moe_layer_freq == [0] + [1] * 46 and p.mtp_num_layers == 1 and p.rotary_base == 1000000
+    assert (p.layernorm_epsilon, p.mla_latent_layernorm_epsilon, p.params_dtype) == (1e-5, 1e-6, torch.bfloat16)
+    assert (p.num_moe_experts, p.moe_router_topk, p.moe_shared_expert_intermediate_size) == (64, 4, 1536)
+    assert p.moe_router_num_groups is None and p.v_head_dim == 256
+
+
 def test_export_writes_mlp_layer_types_from_either_form_and_refuses_another_latent_epsilon(imported):
     family = families.by_architecture()[ARCH]
     provider = imported[2].to_megatron_provider(load_weights=False)

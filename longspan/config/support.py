@@ -232,7 +232,7 @@ FIELD_STATUS.update(_many("model", SUPPORTED, """
 # Multi-latent attention (longspan.models.mla): GPT models only.
 FIELD_STATUS.update(_many("model", SUPPORTED, """
     multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor
-    mscale mscale_all_dim
+    mscale mscale_all_dim mla_latent_layernorm_epsilon
     """))
 
 # Sliding-window attention (longspan.models.sliding_window): per-layer windows, packing, CP, the KV cache.

@@ -366,6 +366,7 @@ def mla_args(config: TransformerConfig, gpt: GPTModelProvider) -> Optional[MLAAr
         qk_pos_emb_head_dim=gpt.qk_pos_emb_head_dim, v_head_dim=gpt.v_head_dim,
         softmax_scale=mla_softmax_scale(gpt.qk_head_dim, gpt.qk_pos_emb_head_dim,
                                         float(gpt.rotary_scaling_factor), float(gpt.mscale_all_dim)),
+        latent_norm_epsilon=_optional_float(gpt.mla_latent_layernorm_epsilon),
     )
 
 

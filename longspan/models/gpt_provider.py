@@ -524,6 +524,11 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
     """Mscale all dimensions for YaRN RoPE in Multi-Latent Attention, used by yarn: the ratio's denominator
     above, and the softmax scale's factor ``mscale(f, mscale_all_dim)^2`` (1 when 0)."""
 
+    mla_latent_layernorm_epsilon: Optional[float] = None
+    """Epsilon of multi-latent attention's latent norms (q_layernorm, kv_layernorm). None: layernorm_epsilon, as
+    megatron-core. transformers' MLA (DeepSeek-V3, GLM-4.7-Flash) builds them with 1e-6 whatever rms_norm_eps
+    says; an HF import sets it to 1e-6 where the other norms differ."""
+
     seq_length: int = 1024
     """Maximum sequence length the model is trained on (must equal dataset.sequence_length)."""
 

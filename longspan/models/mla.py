@@ -13,7 +13,8 @@ Keys and values come from one low-rank latent per token instead of per-head proj
 - ``linear_proj`` [hidden, heads * v_head_dim] projects the heads' outputs back.
 
 The latent norms ``q_layernorm`` / ``kv_layernorm`` exist when ``qk_layernorm`` is set (megatron-core's layer
-spec: identity otherwise); DeepSeek's models have them.
+spec: identity otherwise); DeepSeek's models have them. Their epsilon is the model's ``layernorm_epsilon`` unless
+``mla_latent_layernorm_epsilon`` sets one of their own (transformers' fixed 1e-6).
 
 RoPE: the rotary channels are stored as interleaved pairs (DeepSeek's layout, which megatron-core's MLA and
 transformers' ``rope_interleave=True`` read the same way): they are de-interleaved (even channels, then odd)
@@ -31,7 +32,7 @@ projected shapes (``view(b, s, -1, d)``) so sharded projections work unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -54,6 +55,8 @@ class MLAArgs:
     qk_pos_emb_head_dim: int
     v_head_dim: int
     softmax_scale: float
+    latent_norm_epsilon: Optional[float] = None
+    """The latent norms' epsilon; None: the model's layernorm_epsilon."""
 
     @property
     def q_head_dim(self) -> int:
@@ -118,16 +121,18 @@ class MLASelfAttention(nn.Module):
         out_std = std / math.sqrt(2.0 * config.num_layers)
         dtype = config.params_dtype
         q_out = heads * mla.q_head_dim
+        latent_norms = config if mla.latent_norm_epsilon is None else \
+            replace(config, layernorm_epsilon=mla.latent_norm_epsilon)
         if mla.q_lora_rank is None:
             self.linear_q_proj: nn.Linear | None = _linear(hidden, q_out, bias, std, dtype)
             self.linear_q_down_proj = self.q_layernorm = self.linear_q_up_proj = None
         else:
             self.linear_q_proj = None
             self.linear_q_down_proj = _linear(hidden, mla.q_lora_rank, bias, std, dtype)
-            self.q_layernorm = build_norm(config, mla.q_lora_rank) if config.qk_layernorm else None
+            self.q_layernorm = build_norm(latent_norms, mla.q_lora_rank) if config.qk_layernorm else None
             self.linear_q_up_proj = _linear(mla.q_lora_rank, q_out, bias, std, dtype)
         self.linear_kv_down_proj = _linear(hidden, mla.cache_channels, bias, std, dtype)
-        self.kv_layernorm = build_norm(config, mla.kv_lora_rank) if config.qk_layernorm else None
+        self.kv_layernorm = build_norm(latent_norms, mla.kv_lora_rank) if config.qk_layernorm else None
         self.linear_kv_up_proj = _linear(mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim), bias, std,
                                          dtype)
         self.linear_proj = _linear(heads * mla.v_head_dim, hidden, bool(config.add_bias_linear), out_std, dtype)

@@ -169,6 +169,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.rotary_scaling_factor": (2.0, MLA_YARN),
     "model.mscale": (0.5, MLA_YARN),
     "model.mscale_all_dim": (0.5, MLA),
+    "model.mla_latent_layernorm_epsilon": (0.5, {**MLA, "model.qk_layernorm": True}),
     # sliding window of 2 positions on a 16-token micro model; then layer 2 of 2 back to full attention
     "model.window_size": ([1, 0], {}),
     "model.window_attn_skip_freq": (2, {"model.window_size": [1, 0]}),

@@ -116,11 +116,22 @@ def test_latent_cache_equals_recompute_and_is_smaller_than_gqa():
     (dict(qk_pos_emb_head_dim=7), ConfigError, "qk_pos_emb_head_dim=7"),
     (dict(position_embedding_type="yarn", yarn_original_max_position_embeddings=16, yarn_rotary_scaling_factor=4.0,
           rotary_scaling_factor=40.0), ConfigError, "yarn_rotary_scaling_factor=4.0"),
+    (dict(mla_latent_layernorm_epsilon=0.0), ConfigError, "mla_latent_layernorm_epsilon=0.0 must be a positive"),
+    (dict(mla_latent_layernorm_epsilon=1e-6, qk_layernorm=False), ConfigError, "needs qk_layernorm=True"),
 ])
 def test_bad_settings_fail_in_one_line(overrides, error, match):
     with pytest.raises(error, match=match) as info:
         resolve_model_args(mla_config(**overrides))
     assert "\n" not in str(info.value)
+
+
+def test_latent_norms_take_their_own_epsilon_only_with_mla():
+    model = build_gpt_model(mla_config(layernorm_epsilon=1e-5, mla_latent_layernorm_epsilon=1e-6), seed=0)
+    layer = model.decoder.layers["0"]
+    assert layer.self_attention.q_layernorm.eps == layer.self_attention.kv_layernorm.eps == 1e-6
+    assert layer.input_layernorm.eps == 1e-5
+    with pytest.raises(ConfigError, match="mla_latent_layernorm_epsilon=1e-06 needs multi_latent_attention=True"):
+        resolve_model_args(llama_config(mla_latent_layernorm_epsilon=1e-6))
 
 
 def test_mla_is_rejected_for_other_models():

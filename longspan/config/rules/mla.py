@@ -59,6 +59,13 @@ def check_mla(config: Any) -> None:
     for name in ("rotary_scaling_factor", "mscale"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(config, name)!r} must be positive (multi_latent_attention)")
+    eps = getattr(config, "mla_latent_layernorm_epsilon", None)  # getattr: declared by GPT providers only
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0):
+        raise ConfigError(f"model.mla_latent_layernorm_epsilon={eps!r} must be a positive number (or None: "
+                          "layernorm_epsilon)")
+    if eps is not None and not config.qk_layernorm:
+        raise ConfigError(f"model.mla_latent_layernorm_epsilon={eps!r} needs qk_layernorm=True (without it multi-latent "
+                          "attention has no latent norms): leave it None")
     for yarn_name, mla_name in MLA_YARN_FIELDS.items():
         value = getattr(config, yarn_name, None)
         if value is not None and value != getattr(config, mla_name):
@@ -66,3 +73,11 @@ def check_mla(config: Any) -> None:
                 f"model.{yarn_name}={value!r} differs from model.{mla_name}={getattr(config, mla_name)!r}: "
                 f"multi-latent attention reads {mla_name}; leave {yarn_name} None"
             )
+
+
+def check_no_mla_fields(config: Any) -> None:
+    """Without multi-latent attention nothing reads MLA's own latent-norm epsilon: one-line error when it is set."""
+    eps = getattr(config, "mla_latent_layernorm_epsilon", None)  # getattr: GPT providers declare it, Mamba's not
+    if eps is not None:
+        raise ConfigError(f"model.mla_latent_layernorm_epsilon={eps!r} needs multi_latent_attention=True (it is the "
+                          "latent norms' epsilon): leave it None")

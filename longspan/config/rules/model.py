@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 from longspan.config.rules.linear_attention import check_linear_attention
-from longspan.config.rules.mla import check_mla
+from longspan.config.rules.mla import check_mla, check_no_mla_fields
 from longspan.config.rules.moe import check_moe
 from longspan.config.rules.sliding_window import check_causal_window, check_stack_windows
 from longspan.core.errors import ConfigError, NotSupportedError
@@ -161,6 +161,7 @@ def check_gpt_model(config: Any, fixed_fields: dict[str, Any] = GPT_FIXED_FIELDS
     if config.multi_latent_attention:
         check_mla(config)
     else:
+        check_no_mla_fields(config)
         _check_heads(config)
         if config.position_embedding_type in ("rope", "yarn"):
             _check_rotary(config)

@@ -90,15 +90,15 @@ def _check_deepseek_config(cfg: dict[str, Any]) -> None:
         )
 
 
-def _mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+def mla_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """RoPE / YaRN provider fields of a DeepSeek config: YaRN's factor and mscales as MLA's own fields."""
     out = rope_fields(cfg)
     kind = out.get("position_embedding_type")
     if any(key in out for key in ("rope_scaling", "seq_len_interpolation_factor", "rope_dynamic_factor",
                                   "rope_longrope_short_factor", "rotary_percent")):
         raise NotSupportedError(
-            "config.json rope_parameters: DeepSeek-V3 models convert with rope_type 'default' or 'yarn' and the "
-            "whole qk_rope_head_dim rotating"
+            "config.json rope_parameters: multi-latent attention models convert with rope_type 'default' or 'yarn' "
+            "and the whole qk_rope_head_dim rotating"
         )
     if kind != "yarn":
         return out
@@ -151,7 +151,7 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         mtp_num_layers=declared_depths(cfg) or None,
     )
-    out.update(_mla_rope_fields(cfg))
+    out.update(mla_rope_fields(cfg))
     out.update(dtype_fields(cfg))
     moe_cfg = _with_moe_defaults(cfg)
     if moe_cfg["n_routed_experts"] and int(moe_cfg["first_k_dense_replace"]) < out["num_layers"]:
@@ -159,7 +159,8 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rope_hf(p: Any) -> dict[str, Any]:
+def mla_rope_hf(p: Any) -> dict[str, Any]:
+    """config.json's RoPE / YaRN keys of a multi-latent attention provider ``p`` (``mla_rope_fields`` reversed)."""
     params: dict[str, Any] = {"rope_theta": float(p.rotary_base), "rope_type": "default"}
     if p.position_embedding_type == "yarn":
         factor = float(p.rotary_scaling_factor)
@@ -198,6 +199,11 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
             f"layernorm_epsilon={p.layernorm_epsilon!r}: DeepSeek-V3 in transformers normalizes the latents with eps "
             f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs layernorm_epsilon={HF_LATENT_NORM_EPS}"
         )
+    if p.mla_latent_layernorm_epsilon not in (None, HF_LATENT_NORM_EPS):
+        raise NotSupportedError(
+            f"model.mla_latent_layernorm_epsilon={p.mla_latent_layernorm_epsilon!r}: DeepSeek-V3 in transformers "
+            f"normalizes the latents with eps {HF_LATENT_NORM_EPS}; export needs None or {HF_LATENT_NORM_EPS}"
+        )
     if p.add_bias_linear:
         raise NotSupportedError("DeepSeek-V3 export supports bias-free models only (add_bias_linear=False)")
     out = dict(
@@ -223,7 +229,7 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
         rope_interleave=True,
     )
     out[HF_MTP_KEY] = int(p.mtp_num_layers or 0)
-    out.update(_rope_hf(p))
+    out.update(mla_rope_hf(p))
     if p.num_moe_experts:
         out.update(expert_bias_moe_hf_fields(p))
     return out

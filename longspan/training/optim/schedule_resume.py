@@ -139,7 +139,7 @@ def _value(key: str, value: Any, source: Optional[ScheduleSource]) -> str:
     if source is None:
         return f"{value:g} samples"
     units = value / source.samples_per_unit
-    return f"{units:g} {source.unit}"
+    return f"{units:g} {source.unit if units != 1 else source.unit[:-1]}"
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -92,7 +92,7 @@ def test_experiment_trackers_carry_the_run_name_and_id(monkeypatch: pytest.Monke
     loggers.build_comet_logger(cfg, run)
     assert calls["wandb"]["name"] == "exp7" and calls["wandb"]["config"]["run_id"] == run.run_id
     assert calls["mlflow"] == {"run_name": "my-mlflow-name",
-                               "tags": {"longspan.run": "exp7", "longspan.run_id": run.run_id, "team": "x"}}
+                               "tags": {"longspan_run": "exp7", "longspan_run_id": run.run_id, "team": "x"}}
     assert calls["comet_name"] == "my-comet-name"
     assert calls["comet"] == {"longspan_run": "exp7", "longspan_run_id": run.run_id}
     cfg.logger.wandb_exp_name = "mine"  # a name the user gave is kept

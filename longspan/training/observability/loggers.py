@@ -292,7 +292,7 @@ def build_mlflow_logger(cfg: ConfigContainer, run: Optional[RunIdentity] = None)
         raise
     tags = logger_cfg.mlflow_tags
     if run is not None:
-        tags = {"longspan.run": run.name, "longspan.run_id": run.run_id, **(tags or {})}
+        tags = {"longspan_run": run.name, "longspan_run_id": run.run_id, **(tags or {})}
     mlflow.start_run(run_name=logger_cfg.mlflow_run_name, tags=tags)
     return mlflow
 

@@ -12,6 +12,7 @@ Runs are shortened by the same factor everywhere, so that the order of iteration
 runs holds (a later example that trains fewer iterations than the quickstart would still resume and fail if
 it shared its checkpoint directory): each ``longspan pretrain|finetune`` gets ``train.train_iters`` set to a
 hundredth of what it would train (rounded up), and each ``train_iters = N`` in a Python block becomes N/100.
+A training command that trains nothing (it resumed a finished run) fails the test as an error would.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def run_command(command: list[str], cwd: Path, env: dict[str, str], capsys: pyte
         except SystemExit as exc:  # argparse's own errors
             code = exc.code
         out = capsys.readouterr()
+        if code == 0 and argv[0] in ("pretrain", "finetune") and "nothing to train" in out.out:
+            return f"it trained nothing (a README run that resumes a finished one): {out.out[-3000:]}"
         return None if code == 0 else f"exit {code}: {(out.out + out.err)[-3000:]}"
     line = " ".join(t if t in SHELL_OPERATORS else shlex.quote(t) for t in command)
     done = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -183,7 +186,8 @@ def test_readme_blocks_run_in_order_on_a_fresh_copy(tmp_path: Path, monkeypatch:
             failure = run_command(command, work, env, capsys)
             assert failure is None, f"{where}: `{shlex.join(command)}` failed: {failure}"
             ran += 1
-    assert ran >= 7  # the quickstart, two generations, config show/validate, another run, the Python snippet
+    assert ran >= 9  # the quickstart and its continuation, two generations, config show/validate, another run,
+    # the Python snippet, the multi-process run
 
 
 def test_readme_blocks_are_parsed_as_a_shell_would() -> None:

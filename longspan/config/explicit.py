@@ -95,6 +95,27 @@ def _mark_non_defaults(cfg: Any, section: str, obj: Any, source: str) -> None:
             differs = True
         if differs:
             mark_explicit(cfg, f"{section}.{f.name}", source)
+            value = getattr(obj, f.name)
+            if isinstance(value, (str, int, float, bool)):  # immutable: later code may change the field, not this
+                cfg.__dict__.setdefault(_TEMPLATE_ATTR, {})[f"{section}.{f.name}"] = value
+
+
+_TEMPLATE_ATTR = "_template_values"
+
+
+def is_template_value(cfg: Any, dotted: str, value: Any) -> bool:
+    """Whether ``dotted`` still holds what a template (a recipe, a section a file writes whole) gave it: no choice
+    of the user's has marked it since, and no code has changed its value."""
+    source = cfg.__dict__.get(_ATTR, {}).get(dotted)
+    if source is None or not is_recipe_source(source):
+        return False
+    templates = cfg.__dict__.get(_TEMPLATE_ATTR, {})
+    return dotted in templates and templates[dotted] == value
+
+
+def template_value(cfg: Any, dotted: str) -> Any:
+    """The value a template gave ``dotted`` (None when none did)."""
+    return cfg.__dict__.get(_TEMPLATE_ATTR, {}).get(dotted)
 
 
 _FAMILY_ATTR = "_model_family"

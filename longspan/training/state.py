@@ -113,6 +113,7 @@ class GlobalState:
         self.energy_monitor: Optional[Any] = None
         self.valid_dataset: Optional[Any] = None
         self.start_time: float = time.time()
+        self._run: Optional[_loggers.RunIdentity] = None
         # Where this run's training starts (after loading a checkpoint): the summary reports this run's part.
         self.start_iteration: int = 0
         self.start_consumed_train_samples: int = 0
@@ -128,6 +129,7 @@ class GlobalState:
     @cfg.setter
     def cfg(self, value: Optional[ConfigContainer]) -> None:
         self._cfg = value
+        self._run = None  # named after the new config's directories
 
     @property
     def train_state(self) -> TrainState:
@@ -161,9 +163,19 @@ class GlobalState:
         return self._sinks[name]
 
     @property
+    def run(self) -> Optional[_loggers.RunIdentity]:
+        """The run's name (its directory's) and this launch's id, which every sink records; None without a config."""
+        if self._cfg is None:
+            return None
+        if self._run is None:
+            self._run = _loggers.run_identity(self._cfg, self.start_time)
+        return self._run
+
+    @property
     def tensorboard_logger(self) -> Optional[Any]:
         """A TensorBoard ``SummaryWriter`` on the last rank when ``logger.tensorboard_dir`` is set, else None."""
-        return self._sink("tensorboard", lambda: _loggers.build_tensorboard_writer(self._cfg.logger))
+        return self._sink("tensorboard", lambda: _loggers.build_tensorboard_writer(
+            self._cfg.logger, self.run, self.start_iteration))
 
     @property
     def wandb_logger(self) -> Optional[Any]:
@@ -171,17 +183,17 @@ class GlobalState:
 
         Raises ConfigError when W&B is configured but not installed.
         """
-        return self._sink("wandb", lambda: _loggers.build_wandb_logger(self._cfg))
+        return self._sink("wandb", lambda: _loggers.build_wandb_logger(self._cfg, self.run))
 
     @property
     def mlflow_logger(self) -> Optional[Any]:
         """The ``mlflow`` module with an active run when ``logger.mlflow_experiment`` is set, else None."""
-        return self._sink("mlflow", lambda: _loggers.build_mlflow_logger(self._cfg))
+        return self._sink("mlflow", lambda: _loggers.build_mlflow_logger(self._cfg, self.run))
 
     @property
     def comet_logger(self) -> Optional[Any]:
         """A Comet experiment when ``logger.comet_project`` is set, else None."""
-        return self._sink("comet", lambda: _loggers.build_comet_logger(self._cfg))
+        return self._sink("comet", lambda: _loggers.build_comet_logger(self._cfg, self.run))
 
     @property
     def metrics_logger(self) -> Optional[_loggers.MetricsJSONLWriter]:
@@ -192,7 +204,7 @@ class GlobalState:
 
         def build() -> Optional[_loggers.MetricsJSONLWriter]:
             path = _loggers.metrics_jsonl_path(self._cfg)
-            return _loggers.MetricsJSONLWriter(path) if path else None
+            return _loggers.MetricsJSONLWriter(path, self.run) if path else None
 
         return self._sink("metrics", build)
 
@@ -236,3 +248,4 @@ class GlobalState:
         self.signal_handler = None
         self._flops_at_last_log = None
         self.start_time = time.time()
+        self._run = None

@@ -36,7 +36,7 @@ CONFIG_CASES: list[tuple[list[str], str]] = [
     (["model.ffn_hidden_size=0"], "model.ffn_hidden_size=0 is out of range"),
     (["model.num_query_groups=0"], "model.num_query_groups=0 is out of range"),
     (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by=0 is out of range"),
-    (["scheduler.lr_warmup_iters=40"], "scheduler warmup (320 samples) is not shorter than the decay (240 samples)"),
+    (["scheduler.lr_warmup_iters=40"], "scheduler warmup (40 iterations) is not shorter than the decay (30 iterations)"),
     (["model.hidden_size=-64"], "model.hidden_size=-64 is out of range"),
     (["model.num_layers=0"], "model.num_layers=0 is out of range"),
     (["model.num_attention_heads=0"], "model.num_attention_heads=0 is out of range"),

@@ -110,3 +110,37 @@ def test_finetune_lr_in_pretraining_is_one_line(capsys: pytest.CaptureFixture) -
 def test_finetune_lr_out_of_range_is_one_line(capsys: pytest.CaptureFixture) -> None:
     code = main(["config", "validate", "--recipe", "lora", "optimizer.finetune_lr=-1"])
     assert_one_line(code, capsys.readouterr().err, "optimizer.finetune_lr=-1")
+
+
+def test_a_short_lora_run_fits_the_recipes_warmup_and_a_users_warmup_is_checked_in_iterations() -> None:
+    """The finetuning recipes warm up for Bridge's 50 iterations; ``train.train_iters=20`` fits that template
+    to 5% of the run with one line, while a warmup the user gives is checked as given, in iterations."""
+    import logging
+
+    from longspan.core.errors import ConfigError
+    from longspan.recipes.loading import load_config
+
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = _Keep(level=logging.WARNING)
+    logging.getLogger("longspan").addHandler(handler)
+    try:
+        cfg = load_config("lora", (), ["train.train_iters=20"])
+        cfg.validate(world_size=1)
+        cfg.validate(world_size=1)  # said once: the fitted value fits
+    finally:
+        logging.getLogger("longspan").removeHandler(handler)
+    assert cfg.scheduler.lr_warmup_iters == 1 and cfg.scheduler.lr_warmup_steps == 1 * cfg.train.global_batch_size
+    assert [r for r in records if "lr_warmup_iters" in r] == [
+        "scheduler.lr_warmup_iters: the recipe lora's warmup of 50 iterations does not fit a decay of 20 "
+        "(train.train_iters or scheduler.lr_decay_iters): warming up for 1 (5%); set scheduler.lr_warmup_iters to "
+        "choose"]
+    assert load_config("lora", (), []).validate(world_size=1) is None  # the recipe's own 1000 keep 50
+    cfg = load_config("lora", (), ["train.train_iters=20", "scheduler.lr_warmup_iters=50"])
+    with pytest.raises(ConfigError, match=r"^scheduler warmup \(50 iterations\) is not shorter than the decay "
+                                          r"\(20 iterations\)"):
+        cfg.validate(world_size=1)

@@ -99,7 +99,7 @@ def test_scheduler_values_are_accepted_by_megatron_core_scheduler() -> None:
 def test_warmup_longer_than_decay_is_rejected() -> None:
     """Megatron Core asserts warmup < decay; longspan says so in one line instead of capping silently."""
     cfg = _tiny("train.train_iters=8", "scheduler.lr_warmup_fraction=null", "scheduler.lr_warmup_iters=10")
-    with pytest.raises(ConfigError, match=r"warmup \(160 samples\) is not shorter than the decay \(128 samples\)"):
+    with pytest.raises(ConfigError, match=r"warmup \(10 iterations\) is not shorter than the decay \(8 iterations\)"):
         cfg.validate(world_size=1)
     cfg = _tiny("train.train_iters=8", "scheduler.lr_warmup_fraction=null", "scheduler.lr_warmup_iters=7")
     cfg.validate(world_size=1)

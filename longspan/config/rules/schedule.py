@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from longspan.config.explicit import explicit_fields, is_recipe_source
 from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.config.rules.ranges import positive_int
@@ -137,6 +138,7 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
                 "lr_wsd_decay_iters, not the *_samples fields"
             )
         decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
+        _fit_recipe_warmup(cfg, decay_iters)
         s.lr_decay_steps = decay_iters * gbs
         s.wd_incr_steps = t.train_iters * gbs
         s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters is not None else None
@@ -148,7 +150,9 @@ def compute_scheduler_steps(cfg: "ConfigContainer") -> None:
             f"the learning rate decays over {s.lr_decay_steps} samples: increase train.train_iters/train_samples "
             "or scheduler.lr_decay_iters/lr_decay_samples"
         )
-    check_warmup_shorter_than_decay(warmup, s.lr_decay_steps)
+    by_samples = t.train_samples is not None
+    check_warmup_shorter_than_decay(warmup, s.lr_decay_steps, 1 if by_samples else gbs,
+                                    "samples" if by_samples else "iterations")
     s.lr_warmup_steps = warmup
     if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
         raise ConfigError(
@@ -174,16 +178,37 @@ def _warmup_samples(fraction: Optional[float], decay_samples: int, count_field: 
     return fraction * decay_samples if fraction is not None else count * samples_per_count
 
 
-def check_warmup_shorter_than_decay(warmup: float, decay: float) -> None:
+def check_warmup_shorter_than_decay(warmup: float, decay: float, samples_per_unit: int = 1,
+                                    unit: str = "samples") -> None:
     """Warmup ends before the decay does (both in samples), as Megatron Core asserts: a longer warmup would never
     reach the peak learning rate. A decay of 0 or less is its callers' to reject (validate() lets
-    ``train.skip_train`` runs have one). Checked by validate() and by the LR scheduler on its arguments."""
+    ``train.skip_train`` runs have one). Checked by validate() (the message in the run's unit: iterations of
+    ``samples_per_unit`` samples, or samples) and by the LR scheduler on its arguments."""
     if decay > 0 and not warmup < decay:
         raise ConfigError(
-            f"scheduler warmup ({warmup:g} samples) is not shorter than the decay ({decay} samples): "
-            "scheduler.lr_warmup_steps must be < lr_decay_steps; shorten scheduler.lr_warmup_iters/"
-            "lr_warmup_samples/lr_warmup_fraction or lengthen scheduler.lr_decay_iters/train.train_iters"
+            f"scheduler warmup ({warmup / samples_per_unit:g} {unit}) is not shorter than the decay "
+            f"({decay / samples_per_unit:g} {unit}): shorten scheduler.lr_warmup_iters/lr_warmup_samples/"
+            "lr_warmup_fraction or lengthen scheduler.lr_decay_iters/train.train_iters"
         )
+
+
+def _fit_recipe_warmup(cfg: "ConfigContainer", decay_iters: int) -> None:
+    """A recipe's warmup in iterations (the finetuning recipes' 50, Megatron Bridge's) that a shorter run cannot
+    hold becomes 5% of the decay, as 50 is of the recipes' 1000 iterations, and one line says so: a recipe is a
+    template, and ``train.train_iters=20`` should not fail on a value the user never chose. A warmup the user
+    gave (a dotlist key, a YAML file's field) is checked as given."""
+    s = cfg.scheduler
+    if s.lr_warmup_fraction is not None or not decay_iters or s.lr_warmup_iters < decay_iters:
+        return
+    source = explicit_fields(cfg, "scheduler").get("lr_warmup_iters")
+    if source is None or not is_recipe_source(source):
+        return
+    fitted = decay_iters // 20
+    warn_rank_0(
+        f"scheduler.lr_warmup_iters: the {source}'s warmup of {s.lr_warmup_iters} iterations does not fit a decay "
+        f"of {decay_iters} (train.train_iters or scheduler.lr_decay_iters): warming up for {fitted} (5%); set "
+        "scheduler.lr_warmup_iters to choose", _log)
+    s.lr_warmup_iters = fitted
 
 
 # ---------------------------------------------------------------------------------------------------------

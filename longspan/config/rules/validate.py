@@ -41,6 +41,7 @@ from longspan.config.rules.precision import (
 )
 from longspan.config.rules.optim_offload import check_optimizer_offload
 from longspan.config.rules.ranges import check_ranges
+from longspan.config.rules.run_dirs import follow_run_directory
 from longspan.config.rules.schedule import check_batch, check_train_length, compute_scheduler_steps
 from longspan.config.rules.scheduling_hints import check_scheduling_hints
 from longspan.config.support import check_supported
@@ -229,6 +230,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("pipeline split and schedule", _pipeline),
     ("training length (iterations from samples)", _on_config(check_train_length)),
     ("scheduler step counts", _on_config(compute_scheduler_steps)),
+    ("a template's log directory follows the run's checkpoint.save", _on_config(follow_run_directory)),
     ("dataset", _on_config(check_dataset)),
     ("masked-LM (T5) data: masking choices", _on_config(check_dataset_masking)),
     ("direct HF SFT data: sources, blend, preprocessing", _on_config(check_direct_hf_sft)),

@@ -20,10 +20,13 @@ import json
 import math
 import os
 import re
+import time
+import uuid
 from typing import Any, Mapping, Optional
 
 import torch
 
+from longspan.config.rules.run_dirs import run_directory
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.training import LoggerConfig
 from longspan.core.errors import ConfigError
@@ -127,6 +130,35 @@ def sanitize_mlflow_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- run identity
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """What every sink calls a run: ``name``, its directory's name (the same across resumes), and ``run_id``,
+    this launch of it (the name, the start time and a random suffix)."""
+
+    name: str
+    run_id: str
+
+
+def run_identity(cfg: ConfigContainer, start_time: float) -> RunIdentity:
+    """The run's name (the directory holding both ``checkpoint.save`` and ``logger.tensorboard_dir``, else that of
+    ``checkpoint.save``, else of the TensorBoard directory) and this launch's id."""
+    save = _checkpoint_save(cfg)
+    tb_dir = cfg.logger.tensorboard_dir if cfg.logger is not None else None
+    parents = {os.path.dirname(os.path.abspath(path)) for path in (save, tb_dir) if path}
+    if save and tb_dir and len(parents) == 1:  # runs/NAME/checkpoints beside runs/NAME/tensorboard
+        name = os.path.basename(parents.pop())
+    elif save:
+        name = os.path.basename(run_directory(save))
+    elif tb_dir:
+        name = os.path.basename(os.path.dirname(os.path.normpath(tb_dir)) or os.path.normpath(tb_dir))
+    else:
+        name = "longspan"
+    name = name or "longspan"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(start_time))
+    return RunIdentity(name, f"{name}-{stamp}-{uuid.uuid4().hex[:6]}")
+
+
 # ---------------------------------------------------------------------------------------------- JSON lines
 class MetricsJSONLWriter:
     """Appends one JSON object per line to ``path``; the file is opened on the first write.
@@ -135,16 +167,19 @@ class MetricsJSONLWriter:
     written as null). The file is line-buffered so a crashed run still leaves every finished line.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, run: Optional[RunIdentity] = None) -> None:
         self.path = path
+        self.run = run
         self._file: Optional[Any] = None
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append ``record`` as one line."""
+        """Append ``record`` as one line, led by the run's name and id when the writer has them (a resumed run
+        appends to the same file: the id tells its launches apart)."""
         if self._file is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "a", buffering=1, encoding="utf-8")
-        self._file.write(json.dumps(to_python_scalar(dict(record)), allow_nan=False) + "\n")
+        line = {"run": self.run.name, "run_id": self.run.run_id, **record} if self.run is not None else dict(record)
+        self._file.write(json.dumps(to_python_scalar(line), allow_nan=False) + "\n")
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Alias of ``write`` (the name other metric clients use)."""
@@ -178,8 +213,10 @@ def _checkpoint_save(cfg: ConfigContainer) -> Optional[str]:
     return cfg.checkpoint.save if cfg.checkpoint is not None else None
 
 
-def build_tensorboard_writer(logger_cfg: Optional[LoggerConfig]) -> Optional[Any]:
-    """A ``SummaryWriter`` on ``logger.tensorboard_dir`` with ``tensorboard_queue_size``; None if unset."""
+def build_tensorboard_writer(logger_cfg: Optional[LoggerConfig], run: Optional[RunIdentity] = None,
+                             step: int = 0) -> Optional[Any]:
+    """A ``SummaryWriter`` on ``logger.tensorboard_dir`` with ``tensorboard_queue_size``; None if unset. With
+    ``run``, its name and id go in as the text ``run`` at ``step`` (where this launch starts)."""
     tb_dir = logger_cfg.tensorboard_dir if logger_cfg is not None else None
     if not tb_dir:
         return None
@@ -187,7 +224,10 @@ def build_tensorboard_writer(logger_cfg: Optional[LoggerConfig]) -> Optional[Any
     from torch.utils.tensorboard import SummaryWriter
 
     logger.info(f"> setting tensorboard in {tb_dir}")
-    return SummaryWriter(log_dir=tb_dir, max_queue=int(logger_cfg.tensorboard_queue_size))
+    writer = SummaryWriter(log_dir=tb_dir, max_queue=int(logger_cfg.tensorboard_queue_size))
+    if run is not None:
+        writer.add_text("run", f"{run.name} (run id {run.run_id})", step)
+    return writer
 
 
 def _json_default(obj: Any) -> Any:
@@ -204,8 +244,9 @@ def _config_as_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(raw, default=_json_default))
 
 
-def build_wandb_logger(cfg: ConfigContainer) -> Optional[Any]:
-    """Initialize a W&B run from ``logger.wandb_*`` and return the ``wandb`` module; None if unset."""
+def build_wandb_logger(cfg: ConfigContainer, run: Optional[RunIdentity] = None) -> Optional[Any]:
+    """Initialize a W&B run from ``logger.wandb_*`` and return the ``wandb`` module; None if unset. Without
+    ``logger.wandb_exp_name`` the run is named after ``run`` (the run directory's name)."""
     logger_cfg = cfg.logger
     project = logger_cfg.wandb_project if logger_cfg is not None else None
     if not project:
@@ -219,18 +260,23 @@ def build_wandb_logger(cfg: ConfigContainer) -> Optional[Any]:
         base = _checkpoint_save(cfg) or os.getcwd()
         save_dir = os.path.join(base, "wandb")
     os.makedirs(save_dir, exist_ok=True)
+    config = _config_as_dict(cfg)
+    if run is not None:
+        exp_name = exp_name or run.name
+        config["run_id"] = run.run_id
     wandb.init(
         dir=save_dir,
         name=exp_name,
         project=project,
         entity=logger_cfg.wandb_entity,
-        config=_config_as_dict(cfg),
+        config=config,
     )
     return wandb
 
 
-def build_mlflow_logger(cfg: ConfigContainer) -> Optional[Any]:
-    """Start an MLflow run from ``logger.mlflow_*`` and return the ``mlflow`` module; None if unset."""
+def build_mlflow_logger(cfg: ConfigContainer, run: Optional[RunIdentity] = None) -> Optional[Any]:
+    """Start an MLflow run from ``logger.mlflow_*`` and return the ``mlflow`` module; None if unset. ``run``'s
+    name and id join the tags (``logger.mlflow_tags`` win a clash)."""
     logger_cfg = cfg.logger
     experiment = logger_cfg.mlflow_experiment if logger_cfg is not None else None
     if not experiment:
@@ -244,12 +290,16 @@ def build_mlflow_logger(cfg: ConfigContainer) -> Optional[Any]:
     except mlflow.exceptions.MlflowException as exc:
         _raise_if_file_store_refused(mlflow, uri, exc)
         raise
-    mlflow.start_run(run_name=logger_cfg.mlflow_run_name, tags=logger_cfg.mlflow_tags)
+    tags = logger_cfg.mlflow_tags
+    if run is not None:
+        tags = {"longspan_run": run.name, "longspan_run_id": run.run_id, **(tags or {})}
+    mlflow.start_run(run_name=logger_cfg.mlflow_run_name, tags=tags)
     return mlflow
 
 
-def build_comet_logger(cfg: ConfigContainer) -> Optional[Any]:
-    """Create a Comet experiment from ``logger.comet_*`` and return it; None if unset."""
+def build_comet_logger(cfg: ConfigContainer, run: Optional[RunIdentity] = None) -> Optional[Any]:
+    """Create a Comet experiment from ``logger.comet_*`` and return it; None if unset. ``run``'s name and id are
+    logged as the experiment's ``longspan_run`` / ``longspan_run_id`` values."""
     logger_cfg = cfg.logger
     project = logger_cfg.comet_project if logger_cfg is not None else None
     if not project:
@@ -266,6 +316,8 @@ def build_comet_logger(cfg: ConfigContainer) -> Optional[Any]:
     tags = logger_cfg.comet_tags
     if tags:
         experiment.add_tags(list(tags))
+    if run is not None:
+        experiment.log_others({"longspan_run": run.name, "longspan_run_id": run.run_id})
     return experiment
 
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from longspan.core.logging import get_logger, print_rank_last
+from longspan.core.logging import get_logger, print_rank_0, print_rank_last
 from longspan.training.observability.throughput_summary import run_throughput_summary
 from longspan.training.state import GlobalState
 
@@ -107,7 +107,8 @@ def print_run_summary(state: GlobalState) -> None:
 
 
 def print_nothing_to_train(state: GlobalState) -> None:
-    print_rank_last(nothing_to_train_line(state), logger)
+    """Once, on rank 0 (the rank a launcher's console and a user read first); every rank knows it alike."""
+    print_rank_0(nothing_to_train_line(state), logger)
 
 
 __all__ = [

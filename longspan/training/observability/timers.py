@@ -236,6 +236,12 @@ class Timers:
         names = list(self._timers) if names is None else list(names)
         # Seconds / (normalizer / 1000) = milliseconds per normalizer unit.
         scale = normalizer / 1000.0
+        if not dist_ready() or dist.get_world_size() == 1:  # one process: no ranks to compare
+            min_max = self._min_max_times(names, reset, barrier, scale)
+            if not min_max:
+                return None
+            return "time (ms):" + "".join(f"\n    {(name + ' ').ljust(48, '.')}: {hi:.2f}"
+                                          for name, (_, hi) in min_max.items())
         if self._log_option in ("max", "minmax"):
             min_max = self._min_max_times(names, reset, barrier, scale)
             if not min_max:

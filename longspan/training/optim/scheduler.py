@@ -12,6 +12,7 @@ factory folds it into the group's ``max_lr`` / ``min_lr``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -23,8 +24,9 @@ from longspan.config.rules.schedule import (
 )
 from longspan.config.schema.optim import OptimizerConfig
 from longspan.config.schema.training import SchedulerConfig, TrainingConfig
-from longspan.core.errors import CheckpointError, ConfigError
+from longspan.core.errors import ConfigError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.training.optim.schedule_resume import ScheduleSource, checkpoint_schedule, choose_schedule
 
 __all__ = ["OptimizerParamScheduler", "get_optimizer_param_scheduler"]
 
@@ -88,6 +90,9 @@ class OptimizerParamScheduler:
             rule(self)
         self.max_lr = float(max_lr)
         self.num_steps = 0
+        # The config fields and units behind these values (get_optimizer_param_scheduler sets it), so that a
+        # resume speaks in the user's terms and can tell a longer run from a changed schedule.
+        self.source: ScheduleSource | None = None
 
         # Write the step-0 values into the param groups right away, as megatron-core does.
         self.step(0)
@@ -189,52 +194,24 @@ class OptimizerParamScheduler:
             "wd_incr_steps": self.wd_incr_steps,
         }
 
-    def _check_and_set(self, cls_value: Any, sd_value: Any, name: str) -> Any:
-        """Pick between the constructor's value and the checkpoint's, following the override rules.
-
-        override: constructor wins. use-checkpoint: checkpoint wins. Neither: they must agree.
-        """
-        if self.override_opt_param_scheduler:
-            print_rank_0(f" > overriding {name} value to {cls_value}", logger)
-            return cls_value
-        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise CheckpointError(
-                f"scheduler {name}: the config says {cls_value} but the checkpoint says {sd_value}; set "
-                "scheduler.use_checkpoint_opt_param_scheduler=true to take the checkpoint's value or "
-                "scheduler.override_opt_param_scheduler=true to take the config's"
-            )
-        print_rank_0(f" > using checkpoint value {sd_value} for {name}", logger)
-        return sd_value
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the schedule position and end points (old Megatron key names are accepted too)."""
-        max_lr_ = state_dict["start_lr"] if "start_lr" in state_dict else state_dict["max_lr"]
-        self.max_lr = self._check_and_set(self.max_lr, max_lr_, "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, state_dict["min_lr"], "minimum learning rate")
+        """Restore the schedule position and end points (old Megatron key names are accepted too).
 
-        warmup_ = _first_key(state_dict, "warmup_iter", "warmup_steps", "lr_warmup_steps")
-        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, warmup_, "warmup iterations")
-
-        decay_ = _first_key(state_dict, "end_iter", "decay_steps", "lr_decay_steps")
-        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, decay_, "total number of iterations")
-
-        style_ = _first_key(state_dict, "decay_style", "lr_decay_style")
-        self.lr_decay_style = self._check_and_set(self.lr_decay_style, style_, "learning rate decay style")
-
-        num_steps = _first_key(state_dict, "num_iters", "num_steps")
+        Which end points a resumed run follows (the config's, the checkpoint's, or an error) is
+        ``schedule_resume.choose_schedule``'s decision: Megatron's two switches, and a changed run length.
+        """
+        checkpoint = checkpoint_schedule(state_dict)
+        chosen, line = choose_schedule(self, checkpoint)
+        for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            setattr(self, key, chosen[key])
         # Megatron adds the checkpoint's count to the current one (0 for a fresh scheduler) and, like it,
         # applies the new lr before the weight-decay end points below are restored.
-        self.step(increment=num_steps)
-
-        if "start_wd" in state_dict:
-            self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay")
-            self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay")
-            self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps, state_dict["wd_incr_steps"], "total number of weight decay iterations"
-            )
-            self.wd_incr_style = self._check_and_set(
-                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style"
-            )
+        self.step(increment=checkpoint["num_steps"])
+        for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+            if key in chosen:
+                setattr(self, key, chosen[key])
+        if line is not None:
+            print_rank_0(line, logger)
 
 
 def _wsd_coeff(style: str | None, ratio: float) -> float:
@@ -250,14 +227,6 @@ def _wsd_coeff(style: str | None, ratio: float) -> float:
     raise ConfigError(
         f"scheduler.lr_wsd_decay_style={style!r} is invalid: valid styles are {list(WSD_DECAY_STYLES)}"
     )
-
-
-def _first_key(state_dict: dict[str, Any], *keys: str) -> Any:
-    """Value of the first of ``keys`` present (older Megatron checkpoints used other names)."""
-    for key in keys:
-        if key in state_dict:
-            return state_dict[key]
-    raise CheckpointError(f"scheduler state in the checkpoint has none of the keys {list(keys)}")
 
 
 def get_optimizer_param_scheduler(
@@ -283,7 +252,7 @@ def get_optimizer_param_scheduler(
     min_lr = optimizer_cfg.min_lr
     min_lr = 0.0 if min_lr is None else min_lr
 
-    return OptimizerParamScheduler(
+    scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=scheduler_cfg.lr_warmup_init,
         max_lr=max_lr,
@@ -299,6 +268,41 @@ def get_optimizer_param_scheduler(
         override_opt_param_scheduler=scheduler_cfg.override_opt_param_scheduler,
         wsd_decay_steps=steps["wsd_decay_steps"],
         lr_wsd_decay_style=scheduler_cfg.lr_wsd_decay_style,
+    )
+    scheduler.source = _schedule_source(scheduler_cfg, train_cfg)
+    return scheduler
+
+
+def _schedule_source(scheduler_cfg: SchedulerConfig, train_cfg: TrainingConfig) -> ScheduleSource:
+    """The config fields behind the schedule, in the unit the run is given in."""
+    by_samples = train_cfg.train_samples is not None
+    unit_word = "samples" if by_samples else "iters"
+    length_field = "train.train_samples" if by_samples else "train.train_iters"
+    if scheduler_cfg.lr_warmup_fraction is not None:
+        warmup = "scheduler.lr_warmup_fraction"
+    else:
+        warmup = f"scheduler.lr_warmup_{unit_word}"
+    decay_set = (scheduler_cfg.lr_decay_samples if by_samples else scheduler_cfg.lr_decay_iters) is not None
+    decay = f"scheduler.lr_decay_{unit_word}" + ("" if decay_set else f", default {length_field}")
+
+    def steps_for_length(length: int) -> dict[str, Any]:
+        cleared = dataclasses.replace(scheduler_cfg)  # the derived step counts are left unset: recomputed
+        if by_samples:
+            train = dataclasses.replace(train_cfg, train_samples=length, train_iters=None)
+        else:
+            train = dataclasses.replace(train_cfg, train_iters=length, train_samples=None)
+        return _derive_steps(cleared, train)
+
+    return ScheduleSource(
+        unit="samples" if by_samples else "iterations",
+        samples_per_unit=1 if by_samples else int(train_cfg.global_batch_size or 1),
+        length_field=length_field,
+        length=int(train_cfg.train_samples if by_samples else train_cfg.train_iters or 0),
+        fields={"max_lr": "optimizer.lr", "min_lr": "optimizer.min_lr", "lr_warmup_steps": warmup,
+                "lr_decay_steps": decay, "lr_decay_style": "scheduler.lr_decay_style",
+                "start_wd": "scheduler.start_weight_decay", "end_wd": "scheduler.end_weight_decay",
+                "wd_incr_steps": length_field, "wd_incr_style": "scheduler.weight_decay_incr_style"},
+        steps_for_length=steps_for_length,
     )
 
 
@@ -336,13 +340,17 @@ def _derive_steps(scheduler_cfg: SchedulerConfig, train_cfg: TrainingConfig) -> 
             ),
         }
     elif train_samples:
-        # Sample-based: the config's iteration fields are read as sample counts, as in Megatron.
-        decay_steps = decay_iters if decay_iters is not None else train_samples
+        # Sample-based: the *_samples fields, as validate() reads them; the iteration fields, when those are
+        # unset, are read as sample counts, as in Megatron.
+        s = scheduler_cfg
+        decay_samples = s.lr_decay_samples if s.lr_decay_samples is not None else decay_iters
+        decay_steps = decay_samples if decay_samples is not None else train_samples
+        warmup_samples = s.lr_warmup_samples or warmup_iters
         derived = {
             "lr_decay_steps": decay_steps,
             "wd_incr_steps": train_samples,
-            "wsd_decay_steps": wsd_iters,
-            "lr_warmup_steps": warmup_fraction * decay_steps if warmup_fraction is not None else warmup_iters,
+            "wsd_decay_steps": s.lr_wsd_decay_samples if s.lr_wsd_decay_samples is not None else wsd_iters,
+            "lr_warmup_steps": warmup_fraction * decay_steps if warmup_fraction is not None else warmup_samples,
         }
     else:
         raise ConfigError(

@@ -182,3 +182,19 @@ def test_checkpoint_methods_need_the_training_format(monkeypatch, tmp_path):
     monkeypatch.setattr(AutoBridge, "checkpoint_format", None)
     with pytest.raises(NotSupportedError, match="from longspan import AutoBridge"):
         AutoBridge.import_ckpt(tmp_path / "hf", tmp_path / "ckpt")
+
+
+def test_launched_convert_checks_the_layout_before_starting_workers(tmp_path, capsys):
+    """4 heads in 2 groups cannot split over 4 tensor-parallel ranks: one line from the launcher's process, as
+    pretrain says it, instead of 4 workers of which only rank 0 says why."""
+    src = tmp_path / "hf"
+    make_hf_model("llama", src, tokenizer=False)
+    err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(src), "--output", str(tmp_path / "c"),
+                                   "--nproc-per-node", "4", "model.tensor_model_parallel_size=4"])
+    assert "tensor_model_parallel_size=4" in err and "num_query_groups=2" in err, err
+    assert "rank" not in err and not (tmp_path / "c").exists()
+    assert main(["convert", "import", "--hf-model", str(src), "--output", str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    err = _one_line_error(capsys, ["convert", "export", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                                   str(tmp_path / "o"), "--nproc-per-node", "2", "model.tensor_model_parallel_size=4"])
+    assert "world size 2 is not divisible by tensor_model_parallel_size (4)" in err and "rank" not in err, err
+    assert not (tmp_path / "o").exists()

@@ -29,6 +29,8 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
 def test_import_then_export_round_trip(tmp_path, family, capsys):
     src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
     hf = make_hf_model(family, src, max_shard_size="30KB")
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}
+    (src / "generation_config.json").write_text(json.dumps(generation))  # the model's own sampling defaults
     assert main(["convert", "import", "--hf-model", str(src), "--output", str(ckpt), "--no-progress"]) == 0
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     it0 = ckpt / "iter_0000000"
@@ -51,6 +53,7 @@ def test_import_then_export_round_trip(tmp_path, family, capsys):
                  "--config", str(wrong)]) == 2
     assert json.loads((out / "config.json").read_text())["architectures"] == hf.config.architectures
     assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "generation_config.json").read_text()) == generation  # kept through the round trip
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert torch.equal(hf_logits(again, tokens), hf_logits(hf, tokens))
     assert transformers.AutoTokenizer.from_pretrained(str(out)).vocab_size > 0

@@ -108,12 +108,19 @@ def test_loader_dispatch_batches_and_exact_resume(sft_root, tokenizer):
     assert test is None  # no test.jsonl: skipped
     batches = _take(train, 12)  # 24 samples: more than two epochs of 11 records
     b = batches[0]
-    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids"}
-    assert b["tokens"].shape == (2, 48) and b["loss_mask"].dtype == torch.float32
+    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids", "real_tokens"}
+    assert b["loss_mask"].dtype == torch.float32
+    # unset pad_to_max_length without pipeline parallel: each microbatch is as wide as its longest sample,
+    # rounded up to pad_seq_length_to_mult=16 (not seq_length=48); real_tokens are the rows' unpadded lengths
+    assert {int(batch["tokens"].shape[1]) for batch in batches} <= {16, 32, 48}
+    assert any(int(batch["tokens"].shape[1]) < 48 for batch in batches)
     # padding carries no loss; labels are the next tokens
     for batch in batches:
+        width = int(batch["tokens"].shape[1])
+        assert width == -(-int(batch["real_tokens"].max()) // 16) * 16
         for row in range(2):
             n = int((batch["tokens"][row] != tokenizer.pad).sum())
+            assert n == int(batch["real_tokens"][row])
             assert batch["loss_mask"][row, n:].sum() == 0 and batch["loss_mask"][row, :n].sum() > 0
             assert torch.equal(batch["labels"][row, :n - 1], batch["tokens"][row, 1:n])
     # resume after 5 microbatches (10 samples, mid-epoch) gives exactly the next ones

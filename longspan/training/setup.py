@@ -261,7 +261,7 @@ def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], lo
     )
     print_rank_0(
         f"longspan: samples train/valid/test {train_n}/{valid_n}/{test_n} "
-        f"({train_n * per_sample / 1e6:.2f}M/{valid_n * per_sample / 1e6:.2f}M/{test_n * per_sample / 1e6:.2f}M "
+        f"({'/'.join(_count_text(n * per_sample) for n in (train_n, valid_n, test_n))} "
         f"{'real tokens, estimated' if sft_line is not None else 'tokens'}) | "
         f"global batch {cfg.train.global_batch_size} = {cfg.num_microbatches} microbatches × "
         f"{cfg.train.micro_batch_size} × dp {cfg.data_parallel_size} | "
@@ -270,6 +270,11 @@ def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], lo
     )
     if sft_line is not None:
         print_rank_0(sft_line[1], logger)
+
+
+def _count_text(n: float) -> str:
+    """A token count for the start-up line: 0.13M, 12.5k, 768."""
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
 
 
 def _sft_padding_line(train_ds: Any, seq: int) -> Optional[tuple[float, str]]:

@@ -214,6 +214,25 @@ def test_padding_to_the_longest_is_checked_against_the_layout(sft_root, tokenize
     assert build_train_valid_test_datasets(cfg, tokenizer)[0] is not None
 
 
+def test_unset_padding_is_decided_by_the_layout_and_set_values_are_kept(sft_root):
+    """pad_to_max_length unset: to the longest sample, but seq_length under pipeline parallel (fixed shapes);
+    an unset pad_seq_length_to_mult grows to what context parallel cuts sequences into; set values stay."""
+    from longspan.data.loaders import sft_padding
+
+    cfg = _cfg(sft_root)
+    opts = sft_padding(cfg.dataset, cfg.model)
+    assert (opts.pad_to_max_length, opts.pad_seq_length_to_mult) == (False, 16)
+    cfg.model.pipeline_model_parallel_size = 2
+    assert sft_padding(cfg.dataset, cfg.model).pad_to_max_length is True
+    cfg.model.pipeline_model_parallel_size, cfg.model.context_parallel_size = 1, 3
+    assert sft_padding(cfg.dataset, cfg.model).pad_seq_length_to_mult == 48  # lcm(16, 2 x 3)
+    cfg.dataset.dataset_kwargs = {"pad_seq_length_to_mult": 8}
+    with pytest.raises(ConfigError, match="pad_seq_length_to_mult=8 must be a multiple of 6"):
+        sft_padding(cfg.dataset, cfg.model)  # set by the user: reported, never changed
+    cfg.dataset.dataset_kwargs = {"pad_to_max_length": True}
+    assert sft_padding(cfg.dataset, cfg.model).pad_to_max_length is True
+
+
 def test_chat_records_use_the_configured_template(tmp_path, tokenizer):
     from longspan.data.loaders import build_train_valid_test_datasets
     from tests.data.sft.conftest import LLAMA3_TEMPLATE

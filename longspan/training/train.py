@@ -341,7 +341,7 @@ def train_step(
         return {}, 0, should_checkpoint, True, exit_code, None, None
     global_state.last_loss_tokens = _global_loss_tokens(num_tokens, parallel, global_state.device)
     global_state.last_token_counts = global_token_counts(
-        getattr(global_state, "real_token_counter", None), parallel, global_state.device)
+        global_state.real_token_counter, parallel, global_state.device)
     if cfg.model.calculate_per_token_loss:
         finalize_model_grads(model, num_tokens, dp_group=parallel.dp_group, dp_size=parallel.dp_size)
     update_expert_biases(model, parallel)  # aux-loss-free routing: once per step, before the optimizer (Megatron)

@@ -48,7 +48,7 @@ def apply_megatron_fsdp(cfg: "ConfigContainer") -> None:
     Bridge's current key is ``dist.use_megatron_fsdp`` and it sets ``ddp.use_megatron_fsdp`` from either (and
     the dist one from the ddp one), so both end up True here too."""
     field = megatron_fsdp_field(cfg.ddp)
-    if getattr(cfg.dist, "use_megatron_fsdp", False):
+    if cfg.dist.use_megatron_fsdp:
         field = field or "dist.use_megatron_fsdp"
     if field is None:
         return

@@ -129,4 +129,27 @@ def _launch(args: argparse.Namespace) -> int:
     # `longspan --help` loads only the parsers
     from longspan.parallel.launcher import launch
 
+    _check_layout_before_launch(args)
     return launch(_strip_launch_args(args.argv), nproc_per_node=args.nproc_per_node)
+
+
+def _check_layout_before_launch(args: argparse.Namespace) -> None:
+    """The layout against ``--nproc-per-node`` ranks, as pretrain checks it before any worker starts: the model
+    read from the HF directory (import) or the checkpoint's run_config.yaml (export), the overrides applied."""
+    # `longspan --help` must not import torch
+    from longspan.parallel.mesh import check_layout
+
+    overrides = [*_yaml_as_dotlist(args.config), *args.overrides]
+    if args.action == "import":
+        # `longspan --help` must not import torch
+        from longspan.conversion.checkpoints import import_config
+        from longspan.training.checkpointing.hf_checkpoint import auto_bridge
+
+        bridge = auto_bridge().from_hf_pretrained(args.hf_model)
+        cfg = import_config(bridge._provider(), args.hf_model, args.output, overrides)
+    else:
+        # `longspan --help` must not import torch
+        from longspan.training.checkpointing.model_loading import load_checkpoint_config
+
+        cfg = load_checkpoint_config(args.checkpoint, overrides).cfg
+    check_layout(args.nproc_per_node, cfg.model, use_tp_pp_dp_mapping=cfg.dist.use_tp_pp_dp_mapping)

@@ -444,6 +444,19 @@ FIELD_STATUS.update(_many("model", SUPPORTED, "scatter_embedding_sequence_parall
 # (parallel/nccl_options.py). straggler_ctrlr_port: rank 0's HTTP toggle (training/resilience/straggler_control.py,
 # tests/resilience/test_straggler_control.py).
 FIELD_STATUS.update(_many("ddp", SUPPORTED, "use_megatron_fsdp use_custom_fsdp"))
+# Bridge's newer fields (support_reasons.NEWER_BRIDGE_REASONS says why the others stay not supported). dist's
+# use_megatron_fsdp is read with ddp's (Bridge sets both from either); the checkpoint writer's process priorities,
+# Megatron's fully-parallel exchange choices and its sharding check change no bytes of a DCP checkpoint.
+FIELD_STATUS.update(_many("dist", SUPPORTED, "use_megatron_fsdp"))
+FIELD_STATUS.update(_many("dist", HINT, "disable_jit_fuser use_decentralized_pg"))
+FIELD_STATUS.update(_many("logger", NOT_SUPPORTED, """log_memory_interval log_device_memory_used log_num_zeros_in_grad
+    log_max_attention_logit barrier_with_L1_time mlflow_description mlflow_log_artifacts moe_routing_trace_path
+    moe_routing_trace_max_training_iters moe_routing_trace_capture_logits moe_routing_trace_capture_hidden_states
+    moe_routing_trace_dump_weights"""))
+FIELD_STATUS.update(_many("checkpoint", HINT, """async_ckpt_cpu_priority async_ckpt_io_priority async_ckpt_use_cpu_shm
+    async_write_results_mp_mode ckpt_fully_parallel_load_exchange_algo ckpt_fully_parallel_load_per_rank_objects
+    ckpt_fully_parallel_save_process_group ckpt_fully_parallel_load_process_group ckpt_load_validate_sharding_integrity
+    dist_ckpt_workers"""))
 FIELD_STATUS.update(_many("dist", SUPPORTED, "lazy_init"))
 FIELD_STATUS.update(_many("dist", DEVICE, "use_sharp"))
 

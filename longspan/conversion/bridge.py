@@ -82,6 +82,9 @@ CONFIG_FILE = "config.json"
 #: a longspan checkpoint imported from HF keeps beside its weights
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
                    "chat_template.jinja", "video_preprocessor_config.json")
+#: what an imported checkpoint keeps of its HF directory beside the weights and gives back on export: the
+#: processor files and transformers' generation defaults (sampling settings, end-of-sequence ids)
+KEPT_HF_FILES = PROCESSOR_FILES + ("generation_config.json",)
 #: tokenizer (and processor) files copied with the weights (whichever exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json") + PROCESSOR_FILES
@@ -416,7 +419,7 @@ class AutoBridge:
         iter_dir = checkpoint_format.save_model(cfg, model, parallel)
         if parallel.rank == 0:
             shutil.copyfile(Path(hf_path) / CONFIG_FILE, iter_dir / HF_CONFIG_IN_CHECKPOINT)
-            copy_tokenizer_files(hf_path, iter_dir, PROCESSOR_FILES)  # for the export and generation with images
+            copy_tokenizer_files(hf_path, iter_dir, KEPT_HF_FILES)  # for the export and generation with images
             print_rank_0(f"imported {hf_path} ({bridge.family.architecture}, {cfg.model.num_layers} layers) "
                          f"into {megatron_path} (iteration 0)", _log)
         return Path(megatron_path)
@@ -447,7 +450,7 @@ class AutoBridge:
             progress.close()
         if get_rank() == 0:
             _write_tokenizer(saved, hf_path)
-            copy_tokenizer_files(saved.directory, hf_path, PROCESSOR_FILES)
+            copy_tokenizer_files(saved.directory, hf_path, KEPT_HF_FILES)
             print_rank_0(f"exported {megatron_path} (iteration {saved.iteration}) as {bridge.family.architecture} "
                          f"to {hf_path}", _log)
         return Path(hf_path)

@@ -26,7 +26,7 @@ from longspan.data.gpt_dataset import GPTDataset, MockGPTDataset
 from longspan.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from longspan.data.sft.dataset import build_sft_datasets
 from longspan.data.sft.hf_dataset import build_direct_hf_sft_datasets
-from longspan.data.sft.formatting import parse_format_options
+from longspan.data.sft.formatting import SFTFormatOptions, parse_format_options, resolve_padding
 from longspan.data.sft.multimodal import processor_for_tokenizer
 from longspan.data.t5_dataset import T5_SAMPLE_KEYS, T5MaskedWordPieceDataset
 from longspan.data.utils import Blend, parse_blend_string
@@ -163,34 +163,37 @@ def _build_finetuning_datasets(cfg: ConfigContainer, tokenizer: Any) -> List[Opt
     seq_length = d.seq_length if d.seq_length is not None else model_seq
     if seq_length is None:
         raise DataError("dataset.seq_length and model.seq_length are both unset: set the sequence length")
-    _check_sft_layout(d, cfg.model)
+    opts = sft_padding(d, cfg.model)
     return build_sft_datasets(d, tokenizer, get_train_valid_test_num_samples(cfg), int(seq_length),
-                              _chat_template(cfg), processor_for_tokenizer(tokenizer))
+                              _chat_template(cfg), processor_for_tokenizer(tokenizer), opts=opts)
 
 
-def _check_sft_layout(dataset_cfg: FinetuningDatasetConfig, model: Optional[ModelParallelConfig]) -> None:
-    """Microbatches padded to their longest sample must still fit the layout's fixed shapes."""
+def sft_padding(dataset_cfg: FinetuningDatasetConfig, model: Optional[ModelParallelConfig]) -> SFTFormatOptions:
+    """The formatting options with the microbatch padding decided for the layout: to the longest sample unless
+    pipeline parallel needs fixed shapes (``resolve_padding``); a padding the layout cannot run is one line."""
     opts = parse_format_options(dataset_cfg.dataset_kwargs)
-    if opts.pad_to_max_length:
-        return
     layout = model if model is not None else ModelParallelConfig()  # no model section: a single device
     pp = int(layout.pipeline_model_parallel_size or 1)
     cp = int(layout.context_parallel_size or 1)
-    if pp > 1:
-        raise ConfigError(
-            "dataset.dataset_kwargs.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages "
-            "exchange activations of a fixed length; leave pad_to_max_length at True"
-        )
     tp = int(layout.tensor_model_parallel_size or 1)
     sp = bool(layout.sequence_parallel) and tp > 1
     # context parallel cuts sequences into 2 x cp chunks; sequence parallel splits them over tp
     multiple = math.lcm(2 * cp if cp > 1 else 1, tp if sp else 1)
+    opts = resolve_padding(opts, dataset_cfg.dataset_kwargs, fixed_shapes=pp > 1, multiple=multiple)
+    if opts.pad_to_max_length:
+        return opts
+    if pp > 1:
+        raise ConfigError(
+            "dataset.dataset_kwargs.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages "
+            "exchange activations of a fixed length; set pad_to_max_length to True or leave it unset"
+        )
     if opts.pad_seq_length_to_mult % multiple:
         raise ConfigError(
             f"dataset.dataset_kwargs.pad_seq_length_to_mult={opts.pad_seq_length_to_mult} must be a multiple of "
             f"{multiple} (2 x context_parallel_size={cp}, tensor_model_parallel_size={tp} with sequence_parallel) "
             "when pad_to_max_length=False"
         )
+    return opts
 
 
 def collate_samples(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:

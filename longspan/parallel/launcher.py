@@ -106,15 +106,20 @@ def format_failure(failure: WorkerFailure) -> str:
 
 def _pick_failure(failures: dict[int, Any], logs: Any, exit_dir: str) -> WorkerFailure:
     """The root-cause failure: a worker that exited on its own (code > 0) before one killed by a signal,
-    then the earliest error file, then the lowest rank."""
+    then the earliest error file, then the lowest rank; among those, the first whose error file or log gives a
+    reason (a user error is printed by one rank only, the others exit with the same code and an empty log)."""
     def key(item: tuple[int, Any]) -> tuple:
         rank, f = item
         return (f.exitcode < 0, f.timestamp, rank)
 
-    rank, f = min(failures.items(), key=key)
-    log_file = None
-    if logs is not None:
-        log_file = getattr(logs, "stderrs", {}).get(f.local_rank)
+    picked = [_read_failure(rank, f, logs) for rank, f in sorted(failures.items(), key=key)]
+    # a worker killed by a signal never stands in for one that exited on its own
+    with_reason = [w for w in picked if w.message and (w.exitcode < 0) == (picked[0].exitcode < 0)]
+    return with_reason[0] if with_reason else picked[0]
+
+
+def _read_failure(rank: int, f: Any, logs: Any) -> WorkerFailure:
+    log_file = getattr(logs, "stderrs", {}).get(f.local_rank) if logs is not None else None
     message = _error_file_message(f.error_file) or last_log_line(log_file)
     return WorkerFailure(rank=rank, local_rank=f.local_rank, exitcode=f.exitcode, message=message,
                          log_file=log_file)

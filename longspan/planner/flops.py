@@ -180,10 +180,16 @@ def num_floating_point_operations(cfg: ConfigContainer, batch_size: int = 1) -> 
     """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences of
     ``cfg.model.seq_length`` (else ``cfg.dataset.seq_length``) tokens; see the module docstring, ``matmul_terms``
     for the model fields read, and ``adapter_multiply_adds_per_token`` for ``cfg.peft``."""
-    terms = matmul_terms(cfg.model)
     s = _seq_length(cfg)
-    tokens = int(batch_size) * s
-    core = 3.0 * terms.core * tokens * s  # 2 FLOPs x 3 (forward + backward) x 1/2 (causal)
+    return floating_point_operations_of_tokens(cfg, int(batch_size) * s, int(batch_size) * s * s)
+
+
+def floating_point_operations_of_tokens(cfg: ConfigContainer, tokens: int, attended: int) -> float:
+    """Training FLOPs of ``tokens`` real tokens in sequences whose squared lengths sum to ``attended`` (the
+    causal core's pairs before halving): the formula of ``num_floating_point_operations`` for batches whose rows
+    differ in length, padding left out (SFT microbatches padded to their longest sample)."""
+    terms = matmul_terms(cfg.model)
+    core = 3.0 * terms.core * attended  # 2 FLOPs x 3 (forward + backward) x 1/2 (causal)
     peft = cfg.peft
     if peft is None:
         return 6.0 * terms.weights * tokens + core

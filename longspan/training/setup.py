@@ -146,7 +146,7 @@ def setup(cfg: Any) -> SetupOutput:
 
     if cfg.train.exit_signal_handler:
         state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
-    _print_banner(cfg, state, model, loaded)
+    _print_banner(cfg, state, model, loaded, datasets)
     return SetupOutput(state, model, optimizer, scheduler, train_it, valid_it, test_it, checkpointing_context)
 
 
@@ -236,14 +236,20 @@ def _weights_origin(directory: Any, iteration: int) -> str:
     return f"pretrained checkpoint {directory} (iteration {iteration})"
 
 
-def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], loaded: Any) -> None:
+def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], loaded: Any,
+                  datasets: Optional[list[Any]] = None) -> None:
     parallel = state.parallel
     params = sum(num_parameters(chunk) for chunk in model)
     precision = "bf16 mixed" if cfg.model.bf16 else "fp16 mixed" if cfg.model.fp16 else "fp32"
     if getattr(state, "compiled", False):
         precision += ", compiled layers"
-    train_n, valid_n, test_n = get_train_valid_test_num_samples(cfg)
+    # a split with no dataset (no test file, do_test off) has no samples, whatever the run would have read
+    counts = get_train_valid_test_num_samples(cfg)
+    train_n, valid_n, test_n = (n if not datasets or ds is not None else 0 for n, ds in zip(counts, datasets))
     seq = cfg.model.seq_length
+    per_sample, sft_line = float(seq), _sft_padding_line(datasets[0] if datasets else None, seq)
+    if sft_line is not None:
+        per_sample = sft_line[0]
     layout = (
         f"tp={cfg.model.tensor_model_parallel_size} pp={cfg.model.pipeline_model_parallel_size} "
         f"cp={cfg.model.context_parallel_size} dp={cfg.data_parallel_size}"
@@ -255,9 +261,36 @@ def _print_banner(cfg: Any, state: GlobalState, model: list[torch.nn.Module], lo
     )
     print_rank_0(
         f"longspan: samples train/valid/test {train_n}/{valid_n}/{test_n} "
-        f"({train_n * seq / 1e6:.2f}M/{valid_n * seq / 1e6:.2f}M/{test_n * seq / 1e6:.2f}M tokens) | "
+        f"({'/'.join(_count_text(n * per_sample) for n in (train_n, valid_n, test_n))} "
+        f"{'real tokens, estimated' if sft_line is not None else 'tokens'}) | "
         f"global batch {cfg.train.global_batch_size} = {cfg.num_microbatches} microbatches × "
         f"{cfg.train.micro_batch_size} × dp {cfg.data_parallel_size} | "
         f"torch {torch.__version__}, python {platform.python_version()}, pid {os.getpid()}",
         logger,
     )
+    if sft_line is not None:
+        print_rank_0(sft_line[1], logger)
+
+
+def _count_text(n: float) -> str:
+    """A token count for the start-up line: 0.13M, 12.5k, 768."""
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
+def _sft_padding_line(train_ds: Any, seq: int) -> Optional[tuple[float, str]]:
+    """(mean real tokens per sample, the start-up line on padding) for unpacked SFT data, from its first 64
+    samples; None for other data (packed SFT data fills its packs, pretraining data has no padding)."""
+    if train_ds is None or not hasattr(train_ds, "real_lengths"):
+        return None
+    lengths = train_ds.real_lengths()
+    if not lengths:
+        return None
+    mean = sum(lengths) / len(lengths)
+    padded_share = 100.0 * (1.0 - mean / seq) if train_ds.opts.pad_to_max_length else None
+    text = (f"longspan: SFT samples: {mean:.0f} real tokens on average (longest {max(lengths)}; the first "
+            f"{len(lengths)} training samples) of seq_length={seq}; microbatches {train_ds.padding_text()}")
+    if padded_share is not None:
+        text += f": about {padded_share:.0f}% of every batch is padding (pack the data to avoid it, see the README)"
+    else:
+        text += "; throughput and MFU count real tokens only"
+    return mean, text

@@ -119,6 +119,7 @@ class GlobalState:
         self.start_consumed_train_samples: int = 0
         # Running FLOPs total at the last training-log line (for TFLOP/s over the interval).
         self._flops_at_last_log: Optional[float] = None
+        self._reset_token_counts()
 
     # ------------------------------------------------------------------ config and train state
     @property
@@ -240,6 +241,17 @@ class GlobalState:
             comet.end()
         self._sinks.clear()
 
+    def _reset_token_counts(self) -> None:
+        """This run's real-token counts (longspan.training.real_tokens): the counter on the training iterator,
+        the last step's (real tokens, Σ length², positions), the run's totals and the total at the last log."""
+        self.real_token_counter: Optional[Any] = None
+        self.last_token_counts: Optional[tuple[int, int, int]] = None
+        self.last_step_tokens: Optional[int] = None
+        self.last_step_flops: Optional[float] = None
+        self.real_tokens_so_far: int = 0
+        self.positions_so_far: int = 0
+        self._tokens_at_last_log: int = 0
+
     def reset_for_restart(self) -> None:
         """Drop timers, train state and sinks so an in-process restart starts clean."""
         self.close_loggers()
@@ -247,5 +259,6 @@ class GlobalState:
         self._train_state = None
         self.signal_handler = None
         self._flops_at_last_log = None
+        self._reset_token_counts()
         self.start_time = time.time()
         self._run = None

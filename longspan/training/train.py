@@ -48,7 +48,8 @@ from longspan.training.observability.profiling import (
     should_profile_rank,
 )
 from longspan.training.state import GlobalState
-from longspan.planner.flops import num_floating_point_operations
+from longspan.planner.flops import floating_point_operations_of_tokens, num_floating_point_operations
+from longspan.training.real_tokens import count_real_tokens, global_token_counts
 from longspan.training.observability.log_line import log_iteration
 from longspan.training.observability.log_metrics import IterationMetrics
 from longspan.training.observability.progress_log import (  # noqa: F401 - Bridge's names in train
@@ -94,6 +95,8 @@ def _begin_training(
         ),
     )
     global_state.last_saved_step = None
+    # counted before the rerun machine's replay, so a re-run iteration is not counted twice
+    train_data_iterator, global_state.real_token_counter = count_real_tokens(train_data_iterator)
     train_data_iterator = ensure_rerun_state_machine(global_state).wrap_data_iterator(train_data_iterator)
     if cfg.train.manual_gc:
         gc.disable()
@@ -192,6 +195,8 @@ def _skip_iteration(global_state: GlobalState, train_data_iterator: Any) -> None
             next(iterator)
         if hasattr(iterator, "advance"):  # a replayable iterator must not re-run the dropped batch
             iterator.advance()
+    if global_state.real_token_counter is not None:  # the dropped batches are not this run's tokens
+        global_state.real_token_counter.take()
     batch_size = global_state.num_microbatches_calculator.get_current_global_batch_size()
     print_rank_0(f"skipping iteration {train_state.step + 1} (train.iterations_to_skip lists {train_state.step}, "
                  f"the count of completed iterations): its {batch_size} samples are read but not trained on", logger)
@@ -209,7 +214,17 @@ def _count_iteration(global_state: GlobalState, loop: _LoopState, skipped_iter: 
     train_state.consumed_train_samples += batch_size
     if skipped_iter:
         train_state.skipped_train_samples += batch_size
-    flops = num_floating_point_operations(global_state.cfg, batch_size)
+    counts = global_state.last_token_counts  # (real tokens, Σ length², positions) of the global batch
+    if counts is None:  # batches that carry no tokens (T5): as many as the config's shapes say
+        positions = batch_size * int(global_state.cfg.model.seq_length or 0)
+        counts = (positions, positions * int(global_state.cfg.model.seq_length or 0), positions)
+        flops = num_floating_point_operations(global_state.cfg, batch_size)
+    else:
+        flops = floating_point_operations_of_tokens(global_state.cfg, counts[0], counts[1])
+    global_state.last_token_counts = None  # counted once
+    global_state.last_step_tokens, global_state.last_step_flops = counts[0], flops
+    global_state.real_tokens_so_far += counts[0]
+    global_state.positions_so_far += counts[2]
     train_state.floating_point_operations_so_far += flops
     loop.flops_since_last_log += flops
     loop.history_wct.append(time.time() - global_state.start_time)
@@ -325,6 +340,8 @@ def train_step(
     if should_exit:
         return {}, 0, should_checkpoint, True, exit_code, None, None
     global_state.last_loss_tokens = _global_loss_tokens(num_tokens, parallel, global_state.device)
+    global_state.last_token_counts = global_token_counts(
+        global_state.real_token_counter, parallel, global_state.device)
     if cfg.model.calculate_per_token_loss:
         finalize_model_grads(model, num_tokens, dp_group=parallel.dp_group, dp_size=parallel.dp_size)
     update_expert_biases(model, parallel)  # aux-loss-free routing: once per step, before the optimizer (Megatron)

@@ -78,7 +78,7 @@ def test_fp8_param_gather_switches_on_the_float8_all_gather() -> None:
     assert cfg.model.fp8_param
 
 
-@pytest.mark.parametrize("switch", ["ddp.use_megatron_fsdp", "ddp.use_custom_fsdp"])
+@pytest.mark.parametrize("switch", ["ddp.use_megatron_fsdp", "ddp.use_custom_fsdp", "dist.use_megatron_fsdp"])
 @pytest.mark.parametrize("strategy, mode", [
     ("no_shard", "distributed_optimizer"), ("optim_grads", "distributed_optimizer"), ("optim_grads_params", "fsdp2"),
 ])
@@ -94,6 +94,7 @@ def test_megatron_fsdp_runs_fsdp2_with_bridges_contract(switch: str, strategy: s
     assert not cfg.dist.use_torch_fsdp2
     notices = [r.getMessage() for r in caplog.records if "Megatron-FSDP's place" in r.getMessage()]
     assert len(notices) == 1 and notices[0].startswith(f"{switch}=True: PyTorch FSDP2 runs in Megatron-FSDP's place")
+    assert cfg.ddp.use_megatron_fsdp and cfg.dist.use_megatron_fsdp  # Bridge sets both from either
     cfg.validate(world_size=2)
 
 

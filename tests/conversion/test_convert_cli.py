@@ -29,6 +29,8 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
 def test_import_then_export_round_trip(tmp_path, family, capsys):
     src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
     hf = make_hf_model(family, src, max_shard_size="30KB")
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}
+    (src / "generation_config.json").write_text(json.dumps(generation))  # the model's own sampling defaults
     assert main(["convert", "import", "--hf-model", str(src), "--output", str(ckpt), "--no-progress"]) == 0
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     it0 = ckpt / "iter_0000000"
@@ -51,6 +53,7 @@ def test_import_then_export_round_trip(tmp_path, family, capsys):
                  "--config", str(wrong)]) == 2
     assert json.loads((out / "config.json").read_text())["architectures"] == hf.config.architectures
     assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "generation_config.json").read_text()) == generation  # kept through the round trip
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert torch.equal(hf_logits(again, tokens), hf_logits(hf, tokens))
     assert transformers.AutoTokenizer.from_pretrained(str(out)).vocab_size > 0
@@ -182,3 +185,19 @@ def test_checkpoint_methods_need_the_training_format(monkeypatch, tmp_path):
     monkeypatch.setattr(AutoBridge, "checkpoint_format", None)
     with pytest.raises(NotSupportedError, match="from longspan import AutoBridge"):
         AutoBridge.import_ckpt(tmp_path / "hf", tmp_path / "ckpt")
+
+
+def test_launched_convert_checks_the_layout_before_starting_workers(tmp_path, capsys):
+    """4 heads in 2 groups cannot split over 4 tensor-parallel ranks: one line from the launcher's process, as
+    pretrain says it, instead of 4 workers of which only rank 0 says why."""
+    src = tmp_path / "hf"
+    make_hf_model("llama", src, tokenizer=False)
+    err = _one_line_error(capsys, ["convert", "import", "--hf-model", str(src), "--output", str(tmp_path / "c"),
+                                   "--nproc-per-node", "4", "model.tensor_model_parallel_size=4"])
+    assert "tensor_model_parallel_size=4" in err and "num_query_groups=2" in err, err
+    assert "rank" not in err and not (tmp_path / "c").exists()
+    assert main(["convert", "import", "--hf-model", str(src), "--output", str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    err = _one_line_error(capsys, ["convert", "export", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                                   str(tmp_path / "o"), "--nproc-per-node", "2", "model.tensor_model_parallel_size=4"])
+    assert "world size 2 is not divisible by tensor_model_parallel_size (4)" in err and "rank" not in err, err
+    assert not (tmp_path / "o").exists()

@@ -136,3 +136,24 @@ def test_two_nodes_on_loopback_with_c10d_rendezvous(worker_env, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], results
     assert sorted(p.name for p in tmp_path.glob("sum.*")) == ["sum.0", "sum.1"]
     assert {p.read_text() for p in tmp_path.glob("sum.*")} == {"3.0"}
+
+
+def test_failure_quotes_the_first_rank_whose_log_gives_a_reason(tmp_path):
+    """A user error is printed by rank 0 alone; rank 3, failing first with an empty log, must not hide it."""
+    from types import SimpleNamespace
+
+    from longspan.parallel.launcher import _pick_failure
+
+    logs = {r: tmp_path / f"{r}.log" for r in range(4)}
+    for r, path in logs.items():
+        path.write_text("longspan: error: model.tensor_model_parallel_size=4 must divide num_query_groups=2\n"
+                        if r == 0 else "")
+    failures = {r: SimpleNamespace(exitcode=2, timestamp=10 - r, local_rank=r, error_file=None) for r in range(4)}
+    killed = {5: SimpleNamespace(exitcode=-9, timestamp=0, local_rank=5, error_file=None)}
+    stderrs = SimpleNamespace(stderrs={r: str(p) for r, p in logs.items()})
+    failure = _pick_failure({**failures, **killed}, stderrs, str(tmp_path))
+    assert (failure.rank, failure.exitcode, failure.log_file) == (0, 2, str(logs[0]))
+    assert format_failure(failure).startswith("longspan: error: rank 0 exited with code 2: "
+                                              "model.tensor_model_parallel_size=4 must divide")
+    logs[0].write_text("")  # no log has a reason: the first failure by time is reported, empty-handed
+    assert _pick_failure(failures, stderrs, str(tmp_path)).rank == 3

@@ -11,8 +11,9 @@ Megatron-FSDP's strategies are ZeRO stages; longspan runs them on PyTorch FSDP2 
   where longspan reduce-scatters them: the same update, less memory;
 - ``optim_grads_params``: FSDP2 (``dist.use_torch_fsdp2``), parameters sharded too (ZeRO-3).
 
-``ddp.use_megatron_fsdp`` (and its deprecated name ``ddp.use_custom_fsdp``) asks for Megatron-FSDP itself: PyTorch
-FSDP2 runs in its place (``longspan.parallel.data_parallel.data_parallel_mode``), with Megatron Bridge's contract:
+``ddp.use_megatron_fsdp`` (its deprecated name ``ddp.use_custom_fsdp``, Bridge's newer ``dist.use_megatron_fsdp``)
+asks for Megatron-FSDP itself: PyTorch FSDP2 runs in its place (``longspan.parallel.data_parallel.data_parallel_mode``),
+with Megatron Bridge's contract:
 the distributed optimizer is always on, the strategy picks what is sharded, and dist.use_torch_fsdp2,
 dist.use_tp_pp_dp_mapping and (with 'optim_grads_params') train.check_weight_hash_across_dp_replicas_interval are
 rejected with it.
@@ -42,10 +43,16 @@ def megatron_fsdp_field(ddp: Any) -> str | None:
 
 
 def apply_megatron_fsdp(cfg: "ConfigContainer") -> None:
-    """Megatron-FSDP requested: FSDP2 runs in its place (one notice); Bridge's conflicts are one-line errors."""
+    """Megatron-FSDP requested: FSDP2 runs in its place (one notice); Bridge's conflicts are one-line errors.
+
+    Bridge's current key is ``dist.use_megatron_fsdp`` and it sets ``ddp.use_megatron_fsdp`` from either (and
+    the dist one from the ddp one), so both end up True here too."""
     field = megatron_fsdp_field(cfg.ddp)
+    if cfg.dist.use_megatron_fsdp:
+        field = field or "dist.use_megatron_fsdp"
     if field is None:
         return
+    cfg.ddp.use_megatron_fsdp = cfg.dist.use_megatron_fsdp = True
     strategy = cfg.ddp.data_parallel_sharding_strategy
     if cfg.dist.use_torch_fsdp2:
         raise ConfigError(f"{field}=True and dist.use_torch_fsdp2=True are mutually exclusive (Megatron-FSDP or "

@@ -112,6 +112,12 @@ RANGE_RULES: tuple[tuple[str, str, Optional[float], Optional[float], bool, bool]
     ("tokenizer.make_vocab_size_divisible_by", INT, 1, None, True, True),
     ("tokenizer.tiktoken_num_special_tokens", INT, 7, None, True, True),  # megatron's 7 required special tokens
     ("rerun_state_machine.error_injection_rate", INT, 0, None, True, True),
+    ("nvrx_straggler.report_time_interval", REAL, 0, None, True, True),
+    ("nvrx_straggler.num_gpu_perf_scores_to_print", INT, 0, None, True, True),
+    ("nvrx_straggler.gpu_relative_perf_threshold", REAL, 0, 1, True, True),
+    ("nvrx_straggler.gpu_individual_perf_threshold", REAL, 0, 1, True, True),
+    ("nvrx_straggler.profiling_interval", INT, 1, None, True, True),
+    ("straggler.straggler_minmax_count", INT, 1, None, True, True),
 )
 
 

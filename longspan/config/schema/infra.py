@@ -77,6 +77,47 @@ class DistributedInitConfig:
     enable_megatron_core_experimental: bool = False
     """Enable Megatron Core's experimental features."""
 
+    # Megatron-LM / Megatron Bridge fields newer than the spec (docs/config-support.md gives each one's status).
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP, as ddp.use_megatron_fsdp (Bridge sets both from either): PyTorch FSDP2 runs in its place."""
+
+    lazy_mpu_init: bool = False
+    """Megatron-LM's name of lazy_init (Bridge's lazy_init reads and writes it)."""
+
+    sharp_enabled_group: Optional[Literal["dp", "dp_replica"]] = None
+    """The one group SHARP is enabled on with use_sharp (None: the data-parallel group)."""
+
+    distributed_timeout_seconds_after_init: Optional[int] = None
+    """Timeout in seconds of every process group once the first iteration has completed (None: unchanged)."""
+
+    flight_recorder_dump_path: Optional[str] = None
+    """Where NCCL's flight recorder dumps its traces (TORCH_FR_DUMP_TEMP_FILE)."""
+
+    flight_recorder_trace_buffer_size: int = 2000
+    """Entries of NCCL's flight recorder buffer (TORCH_NCCL_TRACE_BUFFER_SIZE)."""
+
+    flight_recorder_dump_on_timeout: bool = True
+    """Dump the flight recorder's traces on an NCCL timeout (TORCH_NCCL_DUMP_ON_TIMEOUT)."""
+
+    flight_recorder_include_stack_trace: bool = False
+    """Include stack traces in the flight recorder's dumps (TORCH_INCLUDE_STACK_TRACE)."""
+
+    flight_recorder_include_only_active: bool = True
+    """Dump only the operations still in flight (TORCH_INCLUDE_ONLY_ACTIVE)."""
+
+    flight_recorder_extra_dump_on_exec: bool = True
+    """One more flight recorder dump on an execution error (TORCH_NCCL_EXTRA_DUMP_ON_EXEC)."""
+
+    disable_jit_fuser: bool = False
+    """Turn off TorchScript's JIT fuser."""
+
+    use_decentralized_pg: bool = False
+    """Pass the process groups through the calls instead of a global parallel state."""
+
+    eval_context_parallel_size: Optional[int] = None
+    """Context-parallel size of validation when it differs from model.context_parallel_size (needs
+    use_decentralized_pg)."""
+
 
 @dataclass
 class RerunStateMachineConfig:

@@ -313,6 +313,94 @@ class CheckpointConfig:
     """Number of ranks (the rank itself included) holding a copy of each rank's local checkpoint; J times the
     factor must divide the world size."""
 
+    # Megatron-LM / Megatron Bridge fields newer than the spec (docs/config-support.md gives each one's status).
+    save_params_interval: Optional[int] = None
+    """Megatron's debug dump of parameter name -> data every this many iterations (None: never)."""
+
+    save_activations_interval: Optional[int] = None
+    """Megatron's debug dump of activations every this many iterations (None: never)."""
+
+    save_tokens_per_expert_interval: Optional[int] = None
+    """Megatron's dump of the MoE routing's tokens per expert every this many iterations (None: never)."""
+
+    save_wgrads_interval: Optional[int] = None
+    """Megatron's debug dump of weight gradients (main_grad) every this many iterations (None: never)."""
+
+    save_dgrads_interval: Optional[int] = None
+    """Megatron's debug dump of input gradients every this many iterations (None: never)."""
+
+    save_retain_interval: Optional[int] = None
+    """Keep every checkpoint whose iteration is a multiple of this; the others but the newest are deleted."""
+
+    use_mp_args_from_checkpoint_args: bool = False
+    """Copy the model-parallel layout from the checkpoint's arguments."""
+
+    use_tokenizer_model_from_checkpoint_args: bool = True
+    """With use_checkpoint_args: take the tokenizer model path from the checkpoint's arguments too."""
+
+    auto_detect_ckpt_format: bool = False
+    """Detect whether the checkpoint is in Megatron's legacy or distributed format when loading."""
+
+    ckpt_convert_update_legacy_dist_opt_format: bool = False
+    """Convert Megatron's pre-2024 distributed-optimizer checkpoint layout when loading."""
+
+    async_ckpt_cpu_priority: int = 10
+    """CPU nice value (0-19) of the asynchronous checkpoint writer process."""
+
+    async_ckpt_io_priority: Optional[int] = 3
+    """I/O scheduling class (0-3, 3 = idle) of the asynchronous checkpoint writer process."""
+
+    async_ckpt_use_cpu_shm: bool = False
+    """Copy device tensors to CPU shared memory before handing them to the asynchronous writer (nvrx strategy)."""
+
+    async_write_results_mp_mode: str = "fork"
+    """Start method ('fork', 'spawn', 'forkserver') of the asynchronous writer's results queue."""
+
+    ckpt_fully_parallel_load_exchange_algo: Literal["broadcast", "gather_rounds", "gather_object"] = "broadcast"
+    """How Megatron's fully parallel load exchanges the shards it read."""
+
+    ckpt_fully_parallel_load_per_rank_objects: bool = False
+    """Megatron's fully parallel load: every rank reads its own non-tensor objects instead of exchanging them."""
+
+    ckpt_fully_parallel_save_process_group: Literal["dp", "ep_dp"] = "dp"
+    """Group over which Megatron's fully parallel save splits the writing."""
+
+    ckpt_fully_parallel_load_process_group: Literal["dp", "ep_dp"] = "dp"
+    """Group over which Megatron's fully parallel load splits the reading."""
+
+    ckpt_pg_tensors_cache_path: Optional[str] = None
+    """Directory of Megatron's cache of the save/load shard distribution (skips a gather at each save)."""
+
+    ckpt_pg_tensors_cache_create: bool = False
+    """Write (rather than read) the shard-distribution cache at ckpt_pg_tensors_cache_path."""
+
+    ckpt_load_validate_sharding_integrity: bool = True
+    """Check that every shard is read (and written) exactly once as the main replica."""
+
+    dist_ckpt_save_pre_mcore_014: bool = False
+    """Save in Megatron Core's checkpoint layout from before version 0.14."""
+
+    verify_integrity: bool = False
+    """Hash the checkpoint files at save and verify the hashes at load."""
+
+    custom_manager_class: Optional[str] = None
+    """Dotted name of a class implementing Bridge's CheckpointManager protocol, used for every save and load."""
+
+    dist_ckpt_workers: int = 1
+    """Worker processes of Megatron's asynchronous distributed-checkpoint save."""
+
+    hf_source_path: Optional[str] = None
+    """HF model id or directory used as the template of also_save_hf_checkpoint's export (None: the model's)."""
+
+    hf_trust_remote_code: bool = False
+    """Trust the remote code of hf_source_path when building the HF export."""
+
+    hf_distributed_save: bool = False
+    """With also_save_hf_checkpoint: several ranks share the writing of the safetensors files."""
+
+    hf_save_every_n_ranks: int = 1
+    """With hf_distributed_save: every this-many-th rank writes safetensors shards."""
+
     def __post_init__(self) -> None:
         """Nothing: checks run in ``ConfigContainer.validate()`` (lazy validation)."""
 
@@ -465,3 +553,40 @@ class LoggerConfig:
     eval_samples_prompt_tokens: int = 32
     """longspan's own: prompt length of log_eval_samples for pretraining data (samples without a loss-masked
     prompt); longer SFT prompts keep their last this-many + max_new_tokens tokens where the model's positions end."""
+
+    # Megatron-LM / Megatron Bridge fields newer than the spec (docs/config-support.md gives each one's status).
+    log_memory_interval: Optional[int] = None
+    """Report memory every this many iterations (None: once, after the first iterations)."""
+
+    log_device_memory_used: bool = False
+    """Log the device memory in use as nvidia-smi reports it."""
+
+    log_num_zeros_in_grad: bool = False
+    """Megatron-LM's newer place of optimizer.log_num_zeros_in_grad: count and log the zeros in the gradient."""
+
+    log_max_attention_logit: bool = False
+    """Log the largest attention logit (QK-clip's statistic) to TensorBoard."""
+
+    barrier_with_L1_time: bool = True
+    """Megatron-LM's newer place of model.barrier_with_L1_time: a barrier before level-1 timer measurements."""
+
+    mlflow_description: Optional[str] = None
+    """Description of the MLflow run (the UI's Description panel)."""
+
+    mlflow_log_artifacts: bool = True
+    """Upload the checkpoint files to MLflow as artifacts after each save."""
+
+    moe_routing_trace_path: Optional[str] = None
+    """Directory for JSONL traces of every MoE router's decisions (None: no tracing)."""
+
+    moe_routing_trace_max_training_iters: Optional[int] = None
+    """Stop the MoE routing trace after this many training iterations (None: trace them all)."""
+
+    moe_routing_trace_capture_logits: bool = False
+    """Record the routers' pre-top-k logits in the MoE routing trace."""
+
+    moe_routing_trace_capture_hidden_states: bool = False
+    """Record the routers' input hidden states in the MoE routing trace."""
+
+    moe_routing_trace_dump_weights: bool = False
+    """Save the router weights beside the MoE routing trace."""

@@ -58,13 +58,22 @@ def never_trained_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(tid for tid in found if tid is not None)
 
 
+#: the roles chat templates render (OpenAI's, transformers' tool role, Llama 3.1's ipython)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+
+
 def normalize_messages(messages: Any, key: str, where: str) -> list[dict[str, Any]]:
     """Check the chat messages and prepare them for the template as Bridge does: a null ``content`` becomes
-    ``""`` and JSON-string tool-call ``arguments`` become objects (templates render them with ``tojson``)."""
+    ``""`` and JSON-string tool-call ``arguments`` become objects (templates render them with ``tojson``).
+    A role outside ``CHAT_ROLES`` is a one-line DataError naming it (a template would drop or mangle it)."""
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
     ):
         raise DataError(f"{where}: {key!r} must be a list of {{\"role\", \"content\"}} objects")
+    for number, message in enumerate(messages):
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: message {number} has role {message['role']!r}; valid roles: "
+                            f"{', '.join(CHAT_ROLES)}")
     out = []
     for message in messages:
         message = dict(message)

@@ -7,9 +7,10 @@ exactly from ``consumed_train_samples``. Validation and test read their records 
 when the run evaluates more samples than there are records).
 
 Batches (``collate_fn``): ``tokens``, ``labels``, ``position_ids`` int64 and ``loss_mask`` float32 ``[b, s]``;
-padded positions have ``loss_mask`` 0, so loss sums and token counts cover loss tokens only. ``s`` is
-``seq_length`` (``dataset_kwargs.pad_to_max_length``, the default: pipeline stages exchange fixed shapes), or
-the longest sample of the microbatch rounded up to ``pad_seq_length_to_mult``. Unpacked batches carry no
+padded positions have ``loss_mask`` 0, so loss sums and token counts cover loss tokens only. ``s`` is the
+longest sample of the microbatch rounded up to ``pad_seq_length_to_mult``, or ``seq_length`` with
+``dataset_kwargs.pad_to_max_length`` (the default under pipeline parallel, whose stages exchange fixed shapes).
+``real_tokens`` ``[b]`` holds each row's tokens before the padding (what throughput counts). Unpacked batches carry no
 attention mask: right padding under the model's causal mask cannot affect the real tokens. Packed batches
 (``PackedSFTDataset``) carry a block-diagonal ``attention_mask`` (see ``longspan.data.sft.packing``).
 """
@@ -27,7 +28,7 @@ import torch
 from longspan.config.schema.data import FinetuningDatasetConfig
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
-from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options
+from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options, resolve_padding
 from longspan.data.sft.jsonl_index import JsonlIndex, cache_directory_for, file_fingerprint
 from longspan.data.sft.multimodal import build_multimodal_jsonl_split
 from longspan.data.sft.packing import (
@@ -146,6 +147,16 @@ class SFTDataset(torch.utils.data.Dataset):
             "position_ids": torch.arange(len(ids) - 1),
         }
 
+    def real_lengths(self, count: int = 64) -> list[int]:
+        """The real (unpadded) token counts of the first ``count`` samples, for the start-up line."""
+        return [self[i]["tokens"].numel() for i in range(min(count, len(self)))]
+
+    def padding_text(self) -> str:
+        """How microbatches are padded: to seq_length, or to their longest sample (a multiple of ...)."""
+        if self.opts.pad_to_max_length:
+            return f"padded to seq_length={self.seq_length}"
+        return f"padded to their longest sample (a multiple of {self.opts.pad_seq_length_to_mult})"
+
     def padded_length(self, longest: int) -> int:
         if self.opts.pad_to_max_length:
             return self.seq_length
@@ -161,6 +172,7 @@ class SFTDataset(torch.utils.data.Dataset):
             "labels": torch.full((b, length), self.pad_id, dtype=torch.long),
             "loss_mask": torch.zeros((b, length), dtype=torch.float32),
             "position_ids": torch.arange(length).repeat(b, 1),
+            "real_tokens": torch.tensor([s["tokens"].numel() for s in samples], dtype=torch.long),
         }
         for row, s in enumerate(samples):
             n = s["tokens"].numel()
@@ -221,7 +233,9 @@ def _settings(tokenizer: Any, opts: SFTFormatOptions, seq_len: int, specs: Packe
     tok_id = {"class": type(tokenizer).__name__, "vocab_size": getattr(tokenizer, "vocab_size", None),
               "path": os.path.abspath(str(getattr(tokenizer, "path", ""))), "eos": getattr(tokenizer, "eos", None),
               "bos": getattr(tokenizer, "bos", None)}
-    return {"tokenizer": tok_id, "options": vars(opts), "max_len": seq_len, "pack": specs.packed_sequence_size,
+    # the microbatch padding options shape no pack: packs made before the layout decided them stay valid
+    options = {k: v for k, v in vars(opts).items() if k not in ("pad_to_max_length", "pad_seq_length_to_mult")}
+    return {"tokenizer": tok_id, "options": options, "max_len": seq_len, "pack": specs.packed_sequence_size,
             "pad_seq_to_mult": specs.pad_seq_to_mult or 1, "seed": seed, "chat_template": chat_template}
 
 
@@ -314,12 +328,15 @@ def _packed_split(root: str, split: str, path: str, needed: int, tokenizer: Any,
 
 def build_sft_datasets(dataset_cfg: FinetuningDatasetConfig, tokenizer: Any, sizes: tuple[int, int, int],
                        seq_length: int, chat_template: Optional[str] = None,
-                       processor: Optional[Any] = None) -> list[Optional[torch.utils.data.Dataset]]:
+                       processor: Optional[Any] = None,
+                       opts: Optional[SFTFormatOptions] = None) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, validation, test] datasets of a FinetuningDatasetConfig (None for a split not built).
 
     ``sizes`` are the samples the run needs per split (Megatron's train/valid/test numbers). With the HF
     ``processor`` of a vision-language model, chat records (with or without images) are processed by it
-    (``longspan.data.sft.multimodal``); prompt/completion records keep the text path.
+    (``longspan.data.sft.multimodal``); prompt/completion records keep the text path. ``opts``: the formatting
+    options with the padding decided for the layout (``longspan.data.loaders.sft_padding``); None: the dataset's
+    ``dataset_kwargs`` on one device (padding unset: to the longest sample).
     """
     root = dataset_cfg.dataset_root
     if root is None:
@@ -327,7 +344,9 @@ def build_sft_datasets(dataset_cfg: FinetuningDatasetConfig, tokenizer: Any, siz
     root = str(root)
     if not os.path.isdir(root):
         raise DataError(f"dataset.dataset_root={root} is not a directory")
-    opts = parse_format_options(dataset_cfg.dataset_kwargs)
+    if opts is None:
+        opts = resolve_padding(parse_format_options(dataset_cfg.dataset_kwargs), dataset_cfg.dataset_kwargs,
+                               fixed_shapes=False, multiple=1)
     specs = resolve_packed_specs(dataset_cfg.packed_sequence_specs)
     seed = int(dataset_cfg.seed)
     workers = int(dataset_cfg.memmap_workers or 1)

@@ -24,9 +24,10 @@ trained to *produce* that id. The dataset turns them into ``tokens = ids[:-1]``,
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Callable, Optional
@@ -69,9 +70,10 @@ class SFTFormatOptions:
     answer_only_loss: bool = True
     """Loss only on the completion (assistant turns); False trains on every token of the sample."""
 
-    pad_to_max_length: bool = True
-    """Pad every microbatch to seq_length (needed by pipeline parallel, which exchanges fixed shapes); False pads
-    to the longest sample of the microbatch, rounded up to pad_seq_length_to_mult."""
+    pad_to_max_length: Optional[bool] = None
+    """True: pad every microbatch to seq_length; False: to the longest sample of the microbatch, rounded up to
+    pad_seq_length_to_mult; None (unset): True under pipeline parallel (its stages exchange fixed shapes), else
+    False (``resolve_padding``). Packed data is not padded per microbatch either way."""
 
     pad_seq_length_to_mult: int = 16
     """With pad_to_max_length=False: microbatch lengths are multiples of this (use a multiple of
@@ -94,6 +96,20 @@ class SFTFormatOptions:
 
     def __post_init__(self) -> None:  # also when built directly (the HF-dataset configs), not via dataset_kwargs
         _check_chat_loss_options(self)
+
+
+def resolve_padding(opts: SFTFormatOptions, dataset_kwargs: Optional[dict[str, Any]], fixed_shapes: bool,
+                    multiple: int) -> SFTFormatOptions:
+    """``opts`` with what the user left unset decided for the layout: ``pad_to_max_length`` is ``fixed_shapes``
+    (pipeline parallel) and ``pad_seq_length_to_mult`` becomes a multiple of ``multiple`` (what context / sequence
+    parallel cut sequences into). Values set in ``dataset_kwargs`` are kept as given."""
+    given = dict(dataset_kwargs or {})
+    changes: dict[str, Any] = {}
+    if opts.pad_to_max_length is None:
+        changes["pad_to_max_length"] = fixed_shapes
+    if "pad_seq_length_to_mult" not in given and opts.pad_seq_length_to_mult % multiple:
+        changes["pad_seq_length_to_mult"] = math.lcm(opts.pad_seq_length_to_mult, multiple)
+    return replace(opts, **changes) if changes else opts
 
 
 def parse_format_options(dataset_kwargs: Optional[dict[str, Any]]) -> SFTFormatOptions:

@@ -226,6 +226,13 @@ def _split_source(dataset_cfg: DirectHFSFTDatasetConfig, split: str) -> Optional
     return dataclasses.replace(sources[0], split=split) if len(sources) == 1 else None
 
 
+def _cut_note(cut: int, seq_length: int) -> str:
+    """How many rows were cut, in the user's unit: a row of seq_length + 1 tokens still fits whole (its first
+    seq_length tokens are the inputs, its last is only the final input's label)."""
+    return (f"{cut} longer than seq_length={seq_length} cut at the end (a sample holds {seq_length + 1} tokens: "
+            f"{seq_length} inputs, each labelled with the next)")
+
+
 def _train_dataset(dataset_cfg: DirectHFSFTDatasetConfig, tokenize: Any, seq_length: int, opts: SFTFormatOptions,
                    pad_id: int, needed: int) -> TokenizedSFTDataset:
     sources = dataset_cfg.training_sources
@@ -236,8 +243,8 @@ def _train_dataset(dataset_cfg: DirectHFSFTDatasetConfig, tokenize: Any, seq_len
         offsets.append(len(docs))
         sizes.append(len(source_docs))
         docs.extend(source_docs)
-        print_rank_0(f"direct HF SFT data, train: {len(source_docs)} rows of {describe_source(source)}; {cut} longer "
-                     f"than {seq_length + 1} tokens cut at the end", logger)
+        print_rank_0(f"direct HF SFT data, train: {len(source_docs)} rows of {describe_source(source)}; "
+                     f"{_cut_note(cut, seq_length)}", logger)
     seed = int(dataset_cfg.blend_seed)
     if len(sources) == 1 and dataset_cfg.source_weights is None:
         samples: Any = EpochSampleMap(len(docs), needed, seed, shuffle=True)
@@ -271,8 +278,8 @@ def _eval_dataset(dataset_cfg: DirectHFSFTDatasetConfig, split: str, tokenize: A
             return None
         field = "validation_source" if split == "validation" else "test_source"
         raise DataError(f"{exc}: set dataset.{field} or dataset.do_{split}=False") from None
-    print_rank_0(f"direct HF SFT data, {split}: {len(docs)} rows of {describe_source(source)}; {cut} longer than "
-                 f"{seq_length + 1} tokens cut at the end", logger)
+    print_rank_0(f"direct HF SFT data, {split}: {len(docs)} rows of {describe_source(source)}; "
+                 f"{_cut_note(cut, seq_length)}", logger)
     samples = EpochSampleMap(len(docs), max(needed, len(docs)), int(dataset_cfg.blend_seed), shuffle=False)
     return _dataset(docs, tokenize, seq_length, opts, pad_id, samples, in_batch_packing(dataset_cfg))
 

@@ -62,7 +62,7 @@ def pack_rows(rows: list[dict[str, torch.Tensor]], pad_id: int, pad_to_multiple_
     position_ids, attention_mask, cu_seqlens = document_layout(doc)
     return {"tokens": tokens[None], "labels": labels[None], "loss_mask": loss_mask[None],
             "position_ids": position_ids[None], "attention_mask": attention_mask[None, None],
-            "cu_seqlens": cu_seqlens[None]}
+            "cu_seqlens": cu_seqlens[None], "real_tokens": torch.tensor(lengths, dtype=torch.long)}
 
 
 def pack_padded_batch(batch: dict[str, torch.Tensor], pad_id: int, pad_to_multiple_of: int) -> dict[str, torch.Tensor]:

@@ -403,6 +403,7 @@ def collate_multimodal(samples: list[dict[str, torch.Tensor]], length: int, pad_
         "labels": torch.full((b, length), pad_id, dtype=torch.long),
         "loss_mask": torch.zeros((b, length), dtype=torch.float32),
         "position_ids": torch.arange(length).repeat(b, 1),
+        "real_tokens": torch.tensor([s["tokens"].numel() for s in samples], dtype=torch.long),
     }
     per_token = sorted({k for s in samples for k in s if k in PER_TOKEN_KEYS})
     for key in per_token:

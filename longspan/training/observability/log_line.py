@@ -280,9 +280,11 @@ def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: boo
     metrics_logger = ctx.global_state.metrics_logger
     if metrics_logger is None:
         return
-    m, history_wct, seq_len, flops = ctx.metrics, ctx.history_wct, ctx.seq_len, ctx.flops
+    m, history_wct, seq_len = ctx.metrics, ctx.history_wct, ctx.seq_len
+    flops = ctx.global_state.last_step_flops or ctx.flops  # the step's real tokens' FLOPs when counted
     iteration_time = history_wct[-1] - history_wct[-2] if len(history_wct) >= 2 else None
     loss_tokens = getattr(ctx.global_state, "last_loss_tokens", None)
+    step_tokens = ctx.global_state.last_step_tokens or (ctx.batch_size * seq_len if seq_len else None)
     metrics_logger.write({
         "phase": "train",
         "iteration": ctx.iteration,
@@ -296,7 +298,9 @@ def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: boo
         "num_zeros": m.num_zeros_in_grad,
         "loss_scale": m.loss_scale,
         "iteration_time_s": iteration_time,
-        "tokens_per_s": ctx.batch_size * seq_len / iteration_time if iteration_time and seq_len else None,
+        # real tokens (padding left out; the config's shapes when the step's batches were not counted)
+        "tokens": step_tokens,
+        "tokens_per_s": step_tokens / iteration_time if iteration_time and step_tokens else None,
         # loss tokens: Σloss_mask of the global batch (no padding, no prompt tokens of SFT data)
         "loss_tokens": loss_tokens,
         "loss_tokens_per_s": loss_tokens / iteration_time if iteration_time and loss_tokens is not None else None,
@@ -323,7 +327,12 @@ def _interval_throughput(ctx: _LogContext, elapsed_time: float) -> Optional[floa
     if interval_flops <= 0:
         interval_flops = ctx.flops * ctx.total_iterations
     global_state._flops_at_last_log = ctx.flops_so_far
-    tokens = ctx.batch_size * ctx.seq_len * ctx.total_iterations if ctx.seq_len else 0
+    # the interval's real tokens (padding left out, longspan.training.real_tokens); a caller that does not count
+    # them (the loop counts every step it runs) gets the config's shapes
+    tokens = global_state.real_tokens_so_far - global_state._tokens_at_last_log
+    if tokens <= 0:
+        tokens = ctx.batch_size * ctx.seq_len * ctx.total_iterations if ctx.seq_len else 0
+    global_state._tokens_at_last_log = global_state.real_tokens_so_far
     record_log_interval(global_state, ctx.iteration, ctx.total_iterations, elapsed_time, tokens, interval_flops)
     return interval_flops / elapsed_time / get_world_size() / 1e12
 

@@ -94,11 +94,14 @@ def summary_line(state: GlobalState, elapsed: float) -> str:
         span = f"{trained} iteration{'' if trained == 1 else 's'}"
     if step < (cfg.train.train_iters or 0):
         span += f" (stopped before train.train_iters={cfg.train.train_iters})"
-    samples = state.train_state.consumed_train_samples - state.start_consumed_train_samples
-    tokens = samples * cfg.model.seq_length
+    tokens = state.real_tokens_so_far  # real tokens, padding left out (longspan.training.real_tokens)
+    padding = ""
+    if state.positions_so_far > tokens:
+        share = 100.0 * (state.positions_so_far - tokens) / state.positions_so_far
+        padding = f" ({tokens} real tokens; padding {share:.1f}% of the batches' positions)"
     steady = run_throughput_summary(state)
-    return (f"longspan: done: {span} in {elapsed:.1f} s, {tokens / max(elapsed, 1e-9):.0f} tokens/s overall, "
-            f"{final_loss_text(state)}" + (f"; {steady}" if steady else "") + places)
+    return (f"longspan: done: {span} in {elapsed:.1f} s, {tokens / max(elapsed, 1e-9):.0f} tokens/s overall"
+            f"{padding}, {final_loss_text(state)}" + (f"; {steady}" if steady else "") + places)
 
 
 def print_run_summary(state: GlobalState) -> None:

@@ -108,12 +108,19 @@ def test_loader_dispatch_batches_and_exact_resume(sft_root, tokenizer):
     assert test is None  # no test.jsonl: skipped
     batches = _take(train, 12)  # 24 samples: more than two epochs of 11 records
     b = batches[0]
-    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids"}
-    assert b["tokens"].shape == (2, 48) and b["loss_mask"].dtype == torch.float32
+    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids", "real_tokens"}
+    assert b["loss_mask"].dtype == torch.float32
+    # unset pad_to_max_length without pipeline parallel: each microbatch is as wide as its longest sample,
+    # rounded up to pad_seq_length_to_mult=16 (not seq_length=48); real_tokens are the rows' unpadded lengths
+    assert {int(batch["tokens"].shape[1]) for batch in batches} <= {16, 32, 48}
+    assert any(int(batch["tokens"].shape[1]) < 48 for batch in batches)
     # padding carries no loss; labels are the next tokens
     for batch in batches:
+        width = int(batch["tokens"].shape[1])
+        assert width == -(-int(batch["real_tokens"].max()) // 16) * 16
         for row in range(2):
             n = int((batch["tokens"][row] != tokenizer.pad).sum())
+            assert n == int(batch["real_tokens"][row])
             assert batch["loss_mask"][row, n:].sum() == 0 and batch["loss_mask"][row, :n].sum() > 0
             assert torch.equal(batch["labels"][row, :n - 1], batch["tokens"][row, 1:n])
     # resume after 5 microbatches (10 samples, mid-epoch) gives exactly the next ones
@@ -205,6 +212,25 @@ def test_padding_to_the_longest_is_checked_against_the_layout(sft_root, tokenize
     cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel = 2, 1, False
     cfg.dataset.dataset_kwargs = {"pad_to_max_length": False, "pad_seq_length_to_mult": 8}
     assert build_train_valid_test_datasets(cfg, tokenizer)[0] is not None
+
+
+def test_unset_padding_is_decided_by_the_layout_and_set_values_are_kept(sft_root):
+    """pad_to_max_length unset: to the longest sample, but seq_length under pipeline parallel (fixed shapes);
+    an unset pad_seq_length_to_mult grows to what context parallel cuts sequences into; set values stay."""
+    from longspan.data.loaders import sft_padding
+
+    cfg = _cfg(sft_root)
+    opts = sft_padding(cfg.dataset, cfg.model)
+    assert (opts.pad_to_max_length, opts.pad_seq_length_to_mult) == (False, 16)
+    cfg.model.pipeline_model_parallel_size = 2
+    assert sft_padding(cfg.dataset, cfg.model).pad_to_max_length is True
+    cfg.model.pipeline_model_parallel_size, cfg.model.context_parallel_size = 1, 3
+    assert sft_padding(cfg.dataset, cfg.model).pad_seq_length_to_mult == 48  # lcm(16, 2 x 3)
+    cfg.dataset.dataset_kwargs = {"pad_seq_length_to_mult": 8}
+    with pytest.raises(ConfigError, match="pad_seq_length_to_mult=8 must be a multiple of 6"):
+        sft_padding(cfg.dataset, cfg.model)  # set by the user: reported, never changed
+    cfg.dataset.dataset_kwargs = {"pad_to_max_length": True}
+    assert sft_padding(cfg.dataset, cfg.model).pad_to_max_length is True
 
 
 def test_chat_records_use_the_configured_template(tmp_path, tokenizer):

@@ -106,6 +106,10 @@ def test_chat_errors_are_one_line_data_errors(tokenizer):
         fmt({"messages": [{"role": "user", "content": "hi"}]}, "f.jsonl line 3")
     with pytest.raises(DataError, match="list of"):
         fmt({"messages": "hi"}, "rec")
+    bot = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]  # not "no assistant turn"
+    with pytest.raises(DataError, match=r"^f.jsonl line 4: message 1 has role 'bot'; valid roles: system, "
+                                        r"developer, user, assistant, tool, ipython$"):
+        fmt({"messages": bot}, "f.jsonl line 4")
     with pytest.raises(DataError, match="rewrites earlier turns"):
         _formatter(tokenizer, REWRITING_TEMPLATE)({"messages": CONVERSATION}, "rec")
     with pytest.raises(DataError, match="no 'output' key"):

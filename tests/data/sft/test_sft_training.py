@@ -39,6 +39,16 @@ def _config(root: Path, tok: str, name: str, iters: int = 4, packed: bool = Fals
     return cfg
 
 
+def _expected_real_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
+    """The unpadded tokens of each global batch, from the dataset's samples (the oracle for tokens/s)."""
+    from longspan.data.loaders import build_train_valid_test_datasets
+    from longspan.data.tokenizers import HuggingFaceTokenizer
+
+    train = build_train_valid_test_datasets(cfg, HuggingFaceTokenizer(tokenizer_dir))[0]
+    gbs = cfg.train.global_batch_size
+    return [sum(train[i]["tokens"].numel() for i in range(k * gbs, (k + 1) * gbs)) for k in range(iters)]
+
+
 def _expected_loss_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
     """Σloss_mask of each global batch, from the dataset's samples (the oracle for the logged count)."""
     from longspan.data.loaders import build_train_valid_test_datasets
@@ -50,16 +60,26 @@ def _expected_loss_tokens(cfg, tokenizer_dir: str, iters: int) -> list[int]:
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["microbatch_mean", "per_token_loss"])
-def test_logged_loss_and_token_counts_ignore_padding(sft_dirs, per_token):
+def test_logged_loss_and_token_counts_ignore_padding(sft_dirs, per_token, caplog, capfd):
+    """Padded to seq_length (set explicitly) or to each microbatch's longest sample (the default without
+    pipeline parallel): the same losses and loss tokens; tokens/s, the start-up and the summary lines count the
+    real tokens and say how much is padding."""
     from longspan.training.step.forward_step import forward_step
     from longspan.training.pretrain import pretrain
 
     root, tok = sft_dirs
-    padded = _config(root, tok, f"padded_{per_token}")  # every microbatch padded to seq_length
-    tight = _config(root, tok, f"tight_{per_token}", pad_to_max_length=False, pad_seq_length_to_mult=8)
+    padded = _config(root, tok, f"padded_{per_token}", pad_to_max_length=True)  # every microbatch seq_length wide
+    tight = _config(root, tok, f"tight_{per_token}")  # the default: to the longest sample, a multiple of 16
     padded.model.calculate_per_token_loss = tight.model.calculate_per_token_loss = per_token
-    pretrain(padded, forward_step)
-    pretrain(tight, forward_step)
+    def run(cfg) -> list[str]:  # the lines go to the console handler, or to caplog once it has taken over
+        caplog.clear()
+        capfd.readouterr()
+        with caplog.at_level("INFO"):
+            pretrain(cfg, forward_step)
+        out = capfd.readouterr()
+        return [r.getMessage() for r in caplog.records] + (out.out + out.err).splitlines()
+
+    padded_lines, tight_lines = run(padded), run(tight)
     a, b = read_metrics(padded), read_metrics(tight)
     expected = _expected_loss_tokens(padded, tok, 4)
     assert [r["loss_tokens"] for r in a] == [r["loss_tokens"] for r in b] == expected
@@ -67,6 +87,24 @@ def test_logged_loss_and_token_counts_ignore_padding(sft_dirs, per_token):
     for ra, rb in zip(a, b):
         assert math.isclose(ra["losses"]["lm loss"], rb["losses"]["lm loss"], rel_tol=1e-5)
     assert a[-1]["losses"]["lm loss"] < a[0]["losses"]["lm loss"]
+    real = _expected_real_tokens(padded, tok, 4)
+    assert len(set(real)) > 1 and max(real) < padded.train.global_batch_size * SEQ
+    for records in (a, b):  # tokens/s counts real tokens, however the batches were padded
+        assert [r["tokens"] for r in records] == real
+        assert all(math.isclose(r["tokens_per_s"], r["tokens"] / r["iteration_time_s"]) for r in records[1:])
+    for lines in (padded_lines, tight_lines):
+        done = next(line for line in lines if line.startswith("longspan: done:"))
+        assert f"({sum(real)} real tokens; padding " in done, done
+        # no test.jsonl and do_validation=False: no samples reported for those splits
+        assert any("longspan: samples train/valid/test 32/0/0 (" in line for line in lines)
+        start = next(line for line in lines if line.startswith("longspan: SFT samples:"))
+        assert "real tokens on average" in start and f"of seq_length={SEQ}" in start, start
+    assert "padded to seq_length=64: about " in next(x for x in padded_lines if x.startswith("longspan: SFT samples"))
+    assert "padded to their longest sample (a multiple of 16)" in next(
+        x for x in tight_lines if x.startswith("longspan: SFT samples"))
+    share = [float(next(x for x in lines if x.startswith("longspan: done:")).split("padding ")[1].split("%")[0])
+             for lines in (padded_lines, tight_lines)]
+    assert share[1] < share[0]  # padding to the longest sample pads less
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])

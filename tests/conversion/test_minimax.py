@@ -182,3 +182,35 @@ def test_launched_tensor_parallel_import_then_export_round_trips(tmp_path, pool2
     original, exported = tensors(src), tensors(out)
     assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())
     assert read_config(out)["architectures"] == ["MiniMaxM2ForCausalLM"]
+
+
+# MiniMaxAI/MiniMax-M2's published config.json (the values transformers' MiniMaxM2Config defaults repeat, with the
+# hub's rotary_dim): 230B parameters, 10B active per token (its model card).
+PUBLISHED = dict(HUB, vocab_size=200_064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+                 num_attention_heads=48, num_key_value_heads=8, head_dim=128, rotary_dim=64, num_local_experts=256,
+                 num_experts_per_tok=8, max_position_embeddings=196_608, router_aux_loss_coef=0.001,
+                 attn_type_list=[1] * 62, bos_token_id=200_034, eos_token_id=200_020, pad_token_id=None)
+
+
+def test_the_recipe_is_the_published_model_and_plans_its_parameter_count():
+    from longspan.planner import plan as planner
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("minimax-m2")
+    imported = minimax_m2_provider(PUBLISHED)
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                  "vocab_size", "rotary_base", "rotary_percent", "layernorm_epsilon", "qk_layernorm_across_heads",
+                  "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+                  "moe_router_enable_expert_bias", "share_embeddings_and_output_weights"):
+        assert getattr(cfg.model, field) == imported[field], field
+    cfg.model.finalize()
+    meta = cfg.model.provide_meta()
+    counts = planner.model_parameter_counts(cfg, meta)
+    h, q, kv, ffn, experts, vocab = 3072, 48 * 128, 8 * 128, 1536, 256, 200_064
+    attention = h * q * 2 + h * kv * 2 + q + kv  # q, o, k, v and the whole-projection q / k norms
+    layer = attention + 2 * h + experts * h + experts * 3 * h * ffn  # two norms, router, experts (the bias: a buffer)
+    total = 62 * layer + 2 * vocab * h + h  # untied embedding and output layer, final norm
+    assert counts["total"] == total == 228_689_748_992  # "230B"
+    active = total - 62 * (experts - 8) * 3 * h * ffn
+    assert counts["active"] == active and round((active - 2 * vocab * h) / 1e9, 1) == 9.8  # "10B active"
+    assert planner.summary_line(cfg, meta).startswith("model: 228,689,748,992 parameters (11,030,537,216 active")

@@ -481,7 +481,8 @@ class GPTModelProvider(ModelProviderMixin, TransformerConfig):
 
     qk_layernorm_across_heads: bool = False
     """With qk_layernorm: normalize each token's whole query and key projections (all heads together, one
-    weight per channel: OLMo-2) instead of each head separately. Not with tensor parallel."""
+    weight per channel: OLMo-2) instead of each head separately. Under tensor parallel (RMSNorm only) each rank
+    keeps its heads' weights and the mean square is summed over the ranks."""
 
     apply_embedding_scaling: bool = False
     """Multiply the word embeddings by sqrt(hidden_size), the factor rounded to the embeddings' dtype first

@@ -5,8 +5,9 @@ over the 1-D ``tp`` mesh:
 
 - attention: ``linear_q`` / ``linear_k`` / ``linear_v`` column-wise (each rank keeps whole heads and whole
   kv groups: the attention code reads its local head counts from the projected shapes), ``linear_proj``
-  row-wise; the QK-norms (``q_layernorm`` / ``k_layernorm``) keep replicated weights and see head-sharded
-  inputs, so their gradients are summed over every rank's heads;
+  row-wise; the per-head QK-norms (``q_layernorm`` / ``k_layernorm``) keep replicated weights and see
+  head-sharded inputs, so their gradients are summed over every rank's heads; QK-norms across heads are split
+  with the heads, their statistic summed over the ranks (``longspan.parallel.across_heads_norm``);
 - multi-latent attention: ``linear_q_proj`` / ``linear_q_up_proj`` and ``linear_kv_up_proj`` column-wise,
   ``linear_proj`` row-wise; the down-projections and latent norms replicated (see ``_mla_plan``);
 - attention's output gate (``attention_output_gate``: ``linear_gate``) column-wise, like the queries; gated
@@ -66,6 +67,7 @@ from longspan.config.rules.layout import (
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger, warn_rank_0
 from longspan.parallel import vocab_parallel_loss
+from longspan.parallel.across_heads_norm import shard_across_heads_qk_norms
 from longspan.parallel.gated_delta_net import (
     apply_gated_delta_net_tensor_parallel,
     is_gated_delta_net,
@@ -135,9 +137,10 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[f"{attn}.linear_k"] = ColwiseParallel()
             plan[f"{attn}.linear_v"] = ColwiseParallel()
             plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-            if getattr(layer.self_attention, "q_layernorm", None) is not None:
+            if getattr(attention, "q_layernorm", None) is not None and not getattr(attention, "qk_norm_across_heads", False):
                 # QK-norm runs on this rank's heads ([b, s, heads, d]): its weight is replicated and its
-                # gradient, a partial sum over local heads, must be summed over tp (dim 2 = heads).
+                # gradient, a partial sum over local heads, must be summed over tp (dim 2 = heads). Across
+                # heads it spans the whole projection: head-sharded after the plan (across_heads_norm).
                 plan[f"{attn}.q_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
                 plan[f"{attn}.k_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if hasattr(layer, "mlp") and not getattr(layer.mlp, "is_moe", False):  # MoE: parallel/expert_parallel.py
@@ -391,6 +394,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if sequence_parallel:  # DeltaNet mixers gather the whole sequence: their documents' layout is for it
         lengthen_document_layouts(model, tp)
     _shard_attention_sinks(model, tp_mesh)
+    shard_across_heads_qk_norms([getattr(layer, "self_attention", None) for _, layer in _transformer_layers(model)],
+                                tp_mesh)
     apply_mla_shared_key(model, tp_mesh)
     for name, p in model.named_parameters():
         if name in requires_grad:

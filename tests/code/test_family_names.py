@@ -35,6 +35,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "Phi": (r"(?<![a-z])phi[-_]?3|(?<![a-z])phi(?![a-z])", ("phi",)),
     "Mistral": (r"mistral|ministral", ("mistral",)),
     "Mixtral": (r"mixtral", ("mixtral",)),
+    "MiniMax": (r"minimax", ("minimax",)),
     # GPT2BPETokenizer is Megatron's tokenizer type, not the model family
     "GPT-2": (r"gpt[-_]?2(?!\d|bpe)", ("gpt2",)),
 }

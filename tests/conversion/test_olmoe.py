@@ -10,7 +10,6 @@ import transformers
 
 from longspan import AutoBridge
 from longspan.cli import main
-from longspan.config.rules.model import check_gpt_model
 from longspan.conversion import families
 from longspan.core.errors import NotSupportedError
 from longspan.data.tokenizers import build_tokenizer
@@ -105,16 +104,6 @@ def test_clip_qkv_is_refused_in_one_line(tmp_path):
     make_olmoe(src, clip_qkv=8.0)
     with pytest.raises(NotSupportedError, match="clip_qkv=8.0 is not supported"):
         AutoBridge.from_hf_pretrained(src).to_megatron_provider(load_weights=False)
-
-
-def test_tensor_parallel_is_refused_in_one_line(tmp_path):
-    """The q/k norms span every head, so a tensor-parallel split of the heads cannot hold them."""
-    src = tmp_path / "hf"
-    make_olmoe(src)
-    provider = AutoBridge.from_hf_pretrained(src).to_megatron_provider(load_weights=False)
-    provider.tensor_model_parallel_size = 2
-    with pytest.raises(NotSupportedError, match="qk_layernorm_across_heads=True with tensor_model_parallel_size=2"):
-        check_gpt_model(provider)
 
 
 @pytest.mark.slow

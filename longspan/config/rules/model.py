@@ -362,10 +362,11 @@ def _check_norms_and_caps(config: Any) -> None:
         if not config.qk_layernorm:
             raise ConfigError("model.qk_layernorm_across_heads=True needs model.qk_layernorm=True")
         tp = config.tensor_model_parallel_size
-        if tp > 1:
+        if tp > 1 and config.normalization != "RMSNorm":  # the head-sharded norm sums squares over the ranks
             raise NotSupportedError(
-                f"model.qk_layernorm_across_heads=True with tensor_model_parallel_size={tp} is not supported (the "
-                "norm spans every head): use tensor_model_parallel_size=1 (data, pipeline or context parallel)"
+                f"model.qk_layernorm_across_heads=True with normalization={config.normalization!r} and "
+                f"tensor_model_parallel_size={tp} is not supported (the norm spans every head): use RMSNorm or "
+                "tensor_model_parallel_size=1"
             )
     cp = config.context_parallel_size
     if provider_field(config, "attn_logit_softcapping", None) and cp > 1:

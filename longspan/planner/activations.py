@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from longspan.models.gpt import build_gpt_model, padded_vocab_size
+from longspan.models.gpt import padded_vocab_size
 from longspan.models.mtp import mtp_blocks
 from longspan.parallel.mesh import Layout
 from longspan.planner.flops import linear_attention_flags, moe_layer_flags
@@ -84,7 +84,7 @@ def saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> flo
     provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
     provider.context_parallel_size = provider.expert_model_parallel_size = 1
     provider.sequence_parallel = False
-    model = build_gpt_model(provider, pre_process=pre, post_process=post, materialize=False)
+    model = provider.provide_meta(pre, post)
     model.train()
     for block in mtp_blocks(model):  # its per-depth loss log reads values, which meta tensors do not have
         block.training = False  # (the block's own flag only: its layers keep training mode and their dropout)

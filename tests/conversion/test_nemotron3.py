@@ -151,3 +151,13 @@ def test_launched_tensor_parallel_import_then_export_round_trips(imported, tmp_p
     original, exported = tensors(src), tensors(out)
     assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())
     assert read_config(out) == read_config(src)
+
+
+def test_nemotron3_nano_recipe_plans_the_published_parameter_count():
+    """``longspan plan --recipe nemotron3-nano``'s first line: the published 31.6B total (31,577,937,344 from the
+    released config.json, see the recipe's docstring) and 3.6B active parameters, with embeddings."""
+    from longspan.planner.plan import summary_line
+    from longspan.recipes import get_recipe
+
+    line = summary_line(get_recipe("nemotron3-nano"))
+    assert line.startswith("model: 31,577,937,344 parameters (3,580,073,408 active per token)"), line

@@ -161,3 +161,17 @@ def test_nemotron3_nano_recipe_plans_the_published_parameter_count():
 
     line = summary_line(get_recipe("nemotron3-nano"))
     assert line.startswith("model: 31,577,937,344 parameters (3,580,073,408 active per token)"), line
+
+
+def test_lora_targets_reach_the_moe_layers(imported):
+    """Bridge's Nemotron LoRA targets adapt the routed experts, the shared expert, attention and the MLP."""
+    from longspan.peft import LoRA
+    from longspan.peft.adapters import plan_adapters
+
+    plan = plan_adapters(imported[3], LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]))
+    for layer in ("1", "4"):
+        for module in ("experts.linear_fc1", "experts.linear_fc2", "shared_experts.linear_fc1",
+                       "shared_experts.linear_fc2"):
+            assert f"decoder.layers.{layer}.mlp.{module}" in plan, module
+    assert "decoder.layers.2.self_attention.linear_qkv" in plan and "decoder.layers.3.mlp.linear_fc1" in plan
+    assert not any("latent_proj" in name for names in plan.values() for name in names)

@@ -124,6 +124,9 @@ FIELD_STATUS: dict[str, str] = {
     # Grouped expert GEMMs (longspan.models.moe, longspan.models.grouped_gemm): True runs all local experts in
     # one torch._grouped_mm per projection, False the expert-by-expert loop (the reference), as in Megatron.
     **_many("model", SUPPORTED, "moe_grouped_gemm"),
+    # Latent MoE (Nemotron 3): the routed experts work in a projected space (longspan.models.moe), the
+    # projections split along the latent over tp (longspan.parallel.expert_parallel).
+    **_many("model", SUPPORTED, "moe_latent_size"),
     # Tokens are always permuted on the device (longspan.models.moe.permute), so the fusion switch and the
     # overlap switches change no maths.
     **_many("model", HINT, "moe_permute_fusion moe_shared_expert_overlap overlap_moe_expert_parallel_comm"),

@@ -50,10 +50,10 @@ def _routing_groups(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, A
     return dict(moe_router_num_groups=groups, moe_router_group_topk=keep)
 
 
-def expert_bias_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Provider MoE fields for the config.json keys of this MoE
-    (``n_routed_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``n_shared_experts``,
-    ``first_k_dense_replace``, ``n_group``, ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``)."""
+def sigmoid_routing_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Provider fields of the routed experts and their routing for the config.json keys ``n_routed_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``n_group``, ``topk_group``, ``norm_topk_prob`` and
+    ``routed_scaling_factor`` (no shared experts, no layer choice)."""
     experts = required(cfg, "n_routed_experts") if cfg.get("num_local_experts") is None else cfg["num_local_experts"]
     topk = int(cfg.get("num_experts_per_tok", 8))
     norm = bool(cfg.get("norm_topk_prob", True))
@@ -62,15 +62,10 @@ def expert_bias_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, An
             f"config.json norm_topk_prob={str(norm).lower()} with num_experts_per_tok={topk} is not supported: "
             "longspan's sigmoid routing normalizes the chosen scores exactly when more than one expert is chosen"
         )
-    dense = int(cfg.get("first_k_dense_replace", 1))
-    shared = int(cfg.get("n_shared_experts") or 0)
-    moe_ffn = required(cfg, "moe_intermediate_size")
     out = dict(
         num_moe_experts=experts,
         moe_router_topk=topk,
-        moe_ffn_hidden_size=moe_ffn,
-        moe_shared_expert_intermediate_size=moe_ffn * shared if shared else None,
-        moe_layer_freq=[int(i >= dense) for i in range(num_layers)] if dense else 1,
+        moe_ffn_hidden_size=required(cfg, "moe_intermediate_size"),
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
@@ -79,6 +74,19 @@ def expert_bias_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, An
         moe_aux_loss_coeff=0.0,
     )
     out.update(_routing_groups(cfg, experts, topk))
+    return out
+
+
+def expert_bias_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Provider MoE fields for the config.json keys of this MoE: ``sigmoid_routing_fields``' and
+    ``n_shared_experts``, ``first_k_dense_replace``."""
+    out = sigmoid_routing_fields(cfg)
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    shared = int(cfg.get("n_shared_experts") or 0)
+    out.update(
+        moe_shared_expert_intermediate_size=out["moe_ffn_hidden_size"] * shared if shared else None,
+        moe_layer_freq=[int(i >= dense) for i in range(num_layers)] if dense else 1,
+    )
     return out
 
 
@@ -108,8 +116,9 @@ def _dense_prefix(p: Any) -> int:
     return dense
 
 
-def expert_bias_moe_hf_fields(p: Any) -> dict[str, Any]:
-    """The config.json MoE keys of provider ``p`` (one-line error where they cannot say it)."""
+def sigmoid_routing_hf_fields(p: Any) -> dict[str, Any]:
+    """The config.json keys of provider ``p``'s routed experts and routing (``sigmoid_routing_fields``' keys;
+    one-line error where they cannot say it)."""
     _check_moe(p)
     groups, keep = p.moe_router_num_groups, p.moe_router_group_topk
     if groups and keep and p.moe_router_topk // keep != GROUP_SCORE_TOPK:
@@ -117,22 +126,27 @@ def expert_bias_moe_hf_fields(p: Any) -> dict[str, Any]:
             f"model.moe_router_group_topk={keep} with moe_router_topk={p.moe_router_topk} has no HF equivalent: "
             f"HF scores a group by its top {GROUP_SCORE_TOPK} experts"
         )
-    shared = p.moe_shared_expert_intermediate_size or 0
-    moe_ffn = p.moe_ffn_hidden_size or p.ffn_hidden_size
-    if shared % moe_ffn:
-        raise NotSupportedError(
-            f"model.moe_shared_expert_intermediate_size={shared} has no HF equivalent: it must be a multiple "
-            f"of moe_ffn_hidden_size ({moe_ffn})"
-        )
     scaling = p.moe_router_topk_scaling_factor
     return dict(
         n_routed_experts=p.num_moe_experts,
         num_experts_per_tok=p.moe_router_topk,
-        moe_intermediate_size=moe_ffn,
-        n_shared_experts=shared // moe_ffn,
-        first_k_dense_replace=_dense_prefix(p),
+        moe_intermediate_size=p.moe_ffn_hidden_size or p.ffn_hidden_size,
         n_group=groups or 1,
         topk_group=keep or 1,
         norm_topk_prob=p.moe_router_topk > 1,
         routed_scaling_factor=float(1.0 if scaling is None else scaling),
     )
+
+
+def expert_bias_moe_hf_fields(p: Any) -> dict[str, Any]:
+    """The config.json MoE keys of provider ``p`` (one-line error where they cannot say it)."""
+    out = sigmoid_routing_hf_fields(p)
+    shared = p.moe_shared_expert_intermediate_size or 0
+    moe_ffn = out["moe_intermediate_size"]
+    if shared % moe_ffn:
+        raise NotSupportedError(
+            f"model.moe_shared_expert_intermediate_size={shared} has no HF equivalent: it must be a multiple "
+            f"of moe_ffn_hidden_size ({moe_ffn})"
+        )
+    out.update(n_shared_experts=shared // moe_ffn, first_k_dense_replace=_dense_prefix(p))
+    return out

@@ -68,6 +68,8 @@ class MoEArgs:
     layer_recompute: bool = False
     # moe_grouped_gemm: all local experts in one grouped matrix product per projection (longspan.models.moe)
     grouped_gemm: bool = False
+    # moe_latent_size: the routed experts' input / output width when they work in a projected space
+    latent_size: Optional[int] = None
 
     @classmethod
     def from_config(cls, config: TransformerConfig, num_layers: int, ffn_hidden_size: int) -> Optional["MoEArgs"]:
@@ -104,6 +106,7 @@ class MoEArgs:
             input_jitter_eps=config.moe_input_jitter_eps,
             grouped_gemm=bool(config.moe_grouped_gemm),
             layer_recompute=bool(config.moe_layer_recompute),
+            latent_size=config.moe_latent_size,
         )
 
 

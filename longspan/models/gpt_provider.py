@@ -201,6 +201,13 @@ class TransformerConfig(ModelParallelConfig):
     moe_shared_expert_overlap: bool = False
     """Overlap shared-expert computation with token dispatch."""
 
+    moe_latent_size: Optional[int] = None
+    """Routed experts work in a latent space of this width: the layer projects each token down
+    (``fc1_latent_proj``, hidden -> latent) before dispatch and the combined expert output back up
+    (``fc2_latent_proj``) before the shared experts' output is added; the router and the shared experts see the
+    full hidden state (Megatron's MoELayer). None: no projections, experts work on the hidden state. Tensor
+    parallel splits both projections along the latent, so tensor_model_parallel_size must divide it."""
+
     moe_layer_freq: Union[int, list[int]] = 1
     """Which layers are MoE: every N-th layer (int) or a 0/1 pattern per layer (list)."""
 

@@ -11,6 +11,12 @@ the expert weights). Module and parameter names follow Megatron::
     decoder.layers.{i}.mlp.experts.linear_fc2.weight              [num_experts, hidden, moe_ffn]  (down)
     decoder.layers.{i}.mlp.shared_experts.linear_fc1 / linear_fc1_gate / linear_fc2   nn.Linear
     decoder.layers.{i}.mlp.shared_experts.gate_weight             [1, hidden]  (moe_shared_expert_gate)
+    decoder.layers.{i}.mlp.fc1_latent_proj / fc2_latent_proj      nn.Linear hidden <-> latent  (moe_latent_size)
+
+With ``moe_latent_size`` the routed experts work in a latent space (Megatron's MoELayer): the router and the
+shared experts read the hidden state, the experts read ``fc1_latent_proj(x)`` and their combined output goes
+through ``fc2_latent_proj`` before the shared experts' output is added; the experts' ``hidden`` above is then the
+latent width.
 
 Expert weights are 3-D parameters (one slab per expert) so expert parallel is a ``Shard(0)`` DTensor over the
 ep mesh and ``init_weights`` draws the full slab from (seed, name) under every layout.
@@ -422,7 +428,8 @@ class GroupedMLP(nn.Module):
         super().__init__()
         std = config.init_method_std
         out_std = std / math.sqrt(2.0 * config.num_layers)
-        dtype, bias, h, ffn, e = config.params_dtype, config.add_bias_linear, config.hidden_size, moe.ffn_hidden_size, moe.num_experts
+        dtype, bias, ffn, e = config.params_dtype, config.add_bias_linear, moe.ffn_hidden_size, moe.num_experts
+        h = moe.latent_size or config.hidden_size  # the experts' input and output width
         self.num_experts = e
         self.linear_fc1 = GroupedLinear(e, h, ffn, bias, std, dtype)
         self.linear_fc1_gate = GroupedLinear(e, h, ffn, bias, std, dtype) if config.gated_linear_unit else None
@@ -584,6 +591,13 @@ class MoELayer(nn.Module):
                                  bias=bool(config.add_bias_linear))
         self.experts = GroupedMLP(config, moe)
         self.shared_experts = SharedExpertMLP(config, moe) if moe.shared_ffn_hidden_size else None
+        self.fc1_latent_proj: Optional[nn.Linear] = None
+        self.fc2_latent_proj: Optional[nn.Linear] = None
+        if moe.latent_size:  # Megatron: init_method down, output_layer_init_method up
+            std, bias, dtype = config.init_method_std, bool(config.add_bias_linear), config.params_dtype
+            self.fc1_latent_proj = _linear(config.hidden_size, moe.latent_size, bias, std, dtype)
+            self.fc2_latent_proj = _linear(moe.latent_size, config.hidden_size, bias,
+                                           std / math.sqrt(2.0 * config.num_layers), dtype)
         self.token_dispatcher: Any = LocalTokenDispatcher()
         self.layer_recompute = moe.layer_recompute
         self.reset_metrics()
@@ -631,8 +645,11 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(x)
         if self.training and torch.is_grad_enabled() and not in_backward_pass():
             self._track(self.router.last_tracked, routing_map)
-        out = self.token_dispatcher.dispatch_and_combine(x, probs, routing_map, self.experts,
+        routed = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = self.token_dispatcher.dispatch_and_combine(routed, probs, routing_map, self.experts,
                                                          rows=self.router.routed_rows(x.shape[0]))
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)

@@ -19,6 +19,9 @@ parallel (``longspan.parallel.parallelize``):
   stable device sort.
 - Shared experts are split like the dense MLP over ``tp`` (fc1/gate column-wise, fc2 row-wise); the router
   and the shared-expert gate stay replicated.
+- Latent projections (``moe_latent_size``) are split along the latent over ``tp``: ``fc1_latent_proj``
+  column-wise with its output all-gathered (the experts read the whole latent), ``fc2_latent_proj`` row-wise
+  on its replicated input with its partial sums all-reduced; so tp must divide the latent size.
 - Sequence parallel: the tensor-parallel plan gathers every MLP's input from its sequence shards, so an MoE
   layer routes the whole sequence on every tp rank exactly as without sequence parallel (its aux losses
   included); its replicated output is then cut back to this rank's sequence shard (no communication; the
@@ -204,6 +207,12 @@ def check_expert_parallel(model: nn.Module, parallel: Any) -> None:
         raise ConfigError(
             f"model.moe_ffn_hidden_size={ffn} is not divisible by expert_tensor_parallel_size={etp}"
         )
+    latent = layers[0].fc1_latent_proj
+    if latent is not None and latent.out_features % tp:
+        raise ConfigError(
+            f"model.moe_latent_size={latent.out_features} is not divisible by model.tensor_model_parallel_size={tp}: "
+            "tensor parallel splits the MoE latent projections along the latent"
+        )
     shared = layers[0].shared_experts
     if shared is not None and shared.linear_fc1.out_features % tp:
         raise ConfigError(
@@ -256,6 +265,7 @@ def apply_expert_parallel(model: nn.Module, parallel: Any, sequence_parallel: bo
     ep, etp, tp = parallel.ep_size, parallel.etp_size, parallel.tp_size
     if tp > 1:
         _shard_shared_experts(layers, parallel.submesh("tp"))
+        _shard_latent_projections(layers, parallel.submesh("tp"))
         if sequence_parallel:
             _return_sequence_shards(layers, parallel.submesh("tp"))
     if ep == 1 and etp == 1:
@@ -304,6 +314,21 @@ def _shard_shared_experts(layers: list[MoELayer], tp_mesh: Any) -> None:
             if adapt is not None:
                 plan[name] = adapt(style)
         parallelize_module(shared, tp_mesh, plan)
+
+
+def _shard_latent_projections(layers: list[MoELayer], tp_mesh: Any) -> None:
+    """Split the latent projections along the latent over ``tp`` (see the module docstring): each rank computes
+    its share of the latent, gathered whole for the experts; the way back sums each rank's share."""
+    for layer in layers:
+        if layer.fc1_latent_proj is None:
+            continue
+        plan: dict[str, Any] = {"fc1_latent_proj": ColwiseParallel(output_layouts=Replicate()),
+                                "fc2_latent_proj": RowwiseParallel(input_layouts=Replicate())}
+        for name, style in plan.items():  # an adapted layer (longspan.peft) places its adapter with its base
+            adapt = getattr(getattr(layer, name), "adapt_parallel_style", None)
+            if adapt is not None:
+                plan[name] = adapt(style)
+        parallelize_module(layer, tp_mesh, plan)
 
 
 def _return_sequence_shards(layers: list[MoELayer], tp_mesh: Any) -> None:

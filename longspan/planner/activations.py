@@ -26,7 +26,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from longspan.models.gpt import build_gpt_model, padded_vocab_size
+from longspan.config.rules.model import mamba_inner_size
+from longspan.models.gpt import padded_vocab_size
+from longspan.models.mamba import allocate_layers
 from longspan.models.mtp import mtp_blocks
 from longspan.parallel.mesh import Layout
 from longspan.planner.flops import linear_attention_flags, moe_layer_flags
@@ -84,7 +86,7 @@ def saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> flo
     provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
     provider.context_parallel_size = provider.expert_model_parallel_size = 1
     provider.sequence_parallel = False
-    model = build_gpt_model(provider, pre_process=pre, post_process=post, materialize=False)
+    model = provider.provide_meta(pre, post)
     model.train()
     for block in mtp_blocks(model):  # its per-depth loss log reads values, which meta tensors do not have
         block.training = False  # (the block's own flag only: its layers keep training mode and their dropout)
@@ -107,17 +109,36 @@ def saved_bytes(provider: Any, mbs: int, seq: int, pre: bool, post: bool) -> flo
     return sum(saved.values())
 
 
-def local_provider(cfg: Any, layout: Layout, num_layers: int, moe: bool, linear: bool = False) -> Any:
+def _hybrid_pattern(model_cfg: Any) -> str | None:
+    """A hybrid Mamba stack's layer pattern (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE); None for
+    providers without one (getattr: only MambaProvider declares the hybrid fields)."""
+    if not hasattr(model_cfg, "hybrid_override_pattern"):
+        return None
+    return "".join(allocate_layers(int(model_cfg.num_layers), model_cfg.hybrid_attention_ratio,
+                                   model_cfg.hybrid_mlp_ratio, model_cfg.hybrid_override_pattern))
+
+
+def _local_mamba_heads(m: Any, tp: int) -> None:
+    """A hybrid's Mamba heads and groups divided by tp (the mixer splits by heads)."""
+    _, heads = mamba_inner_size(m)
+    m.mamba_num_heads, m.mamba_num_groups = max(1, heads // tp), max(1, int(m.mamba_num_groups) // tp)
+
+
+def local_provider(cfg: Any, layout: Layout, num_layers: int, moe: bool, linear: bool = False,
+                   symbol: str | None = None) -> Any:
     """The model config of one rank's local computation, ``num_layers`` layers of one kind (an MoE layer as
-    its dense stand-in, see the module docstring; gated DeltaNet layers with ``linear``): heads, FFN and
-    vocabulary divided by tp."""
+    its dense stand-in, see the module docstring; gated DeltaNet layers with ``linear``; a hybrid Mamba stack's
+    layers of pattern ``symbol``): heads, FFN and vocabulary divided by tp."""
     m = copy.deepcopy(cfg.model)
     tp = layout.tp
     heads = int(m.num_attention_heads)
     groups = int(m.num_query_groups or heads)
     m.kv_channels = m.kv_channels or m.hidden_size // heads
     m.num_attention_heads, m.num_query_groups = heads // tp, groups // tp
-    if m.experimental_attention_variant is not None:
+    if symbol is not None:  # the MoE stand-in is an MLP layer
+        _local_mamba_heads(m, tp)
+        m.hybrid_override_pattern = ("-" if symbol == "E" else symbol) * num_layers
+    elif getattr(m, "experimental_attention_variant", None) is not None:
         m.linear_num_key_heads = max(1, int(m.linear_num_key_heads) // tp)
         m.linear_num_value_heads = max(1, int(m.linear_num_value_heads) // tp)
         m.linear_attention_freq = [int(linear)] * num_layers
@@ -147,14 +168,24 @@ def routing_bytes_per_token(model_cfg: Any) -> float:
     return 3 * topk * int(model_cfg.hidden_size) * hidden_bytes + experts * (4 + 2) + topk * (3 * 8 + 2 * 4)
 
 
-def layer_kinds(model_cfg: Any) -> list[tuple[bool, bool]]:
-    """(MoE, gated DeltaNet) of every layer of the model."""
+#: the ``activation_parts`` keys of a hybrid Mamba stack's layers, by pattern symbol
+HYBRID_PARTS = {"M": "mamba_layer", "*": "attention_layer", "-": "dense_layer", "E": "moe_layer"}
+
+
+def layer_kinds(model_cfg: Any) -> list[tuple[bool, bool, str | None]]:
+    """(MoE, gated DeltaNet, hybrid pattern symbol or None) of every layer of the model."""
+    pattern = _hybrid_pattern(model_cfg)
+    if pattern is not None:
+        return [(symbol == "E", False, symbol) for symbol in pattern]
     layers = int(model_cfg.num_layers)
-    return list(zip(moe_layer_flags(model_cfg, layers), linear_attention_flags(model_cfg, layers)))
+    return [(moe, linear, None) for moe, linear in zip(moe_layer_flags(model_cfg, layers),
+                                                        linear_attention_flags(model_cfg, layers))]
 
 
-def layer_part(moe: bool, linear: bool) -> str:
+def layer_part(moe: bool, linear: bool, symbol: str | None = None) -> str:
     """The ``activation_parts`` key of one layer kind."""
+    if symbol is not None:
+        return HYBRID_PARTS[symbol]
     return ("linear_" if linear else "") + ("moe_layer" if moe else "dense_layer")
 
 
@@ -167,14 +198,17 @@ def activation_parts(cfg: Any, layout: Layout) -> dict[str, float]:
     seq = int(cfg.model.seq_length) // layout.cp
     kinds = layer_kinds(cfg.model)
     last = kinds[-1]
-    routing = mbs * seq * routing_bytes_per_token(cfg.model) if any(moe for moe, _ in kinds) else 0.0
+    routing = mbs * seq * routing_bytes_per_token(cfg.model) if any(kind[0] for kind in kinds) else 0.0
     layers = {layer_part(moe, linear): 0.0 for moe in (False, True) for linear in (False, True)}
-    for moe, linear in sorted(set(kinds)):
-        one = local_provider(cfg, layout, 1, moe, linear)
+    if last[2] is not None:
+        layers = {part: 0.0 for part in HYBRID_PARTS.values()}
+    for kind in sorted(set(kinds), key=str):
+        moe = kind[0]
+        one = local_provider(cfg, layout, 1, *kind)
         full1 = saved_bytes(one, mbs, seq, True, True)
-        stand_in = saved_bytes(local_provider(cfg, layout, 2, moe, linear), mbs, seq, True, True) - full1
-        layers[layer_part(moe, linear)] = stand_in + (routing if moe else 0.0)
-        if (moe, linear) == last:  # the first and last stage's extra parts, measured on a model of the last kind
+        stand_in = saved_bytes(local_provider(cfg, layout, 2, *kind), mbs, seq, True, True) - full1
+        layers[layer_part(*kind)] = stand_in + (routing if moe else 0.0)
+        if kind == last:  # the first and last stage's extra parts, measured on a model of the last kind
             pre1 = saved_bytes(one, mbs, seq, True, False)
             embedding = max(0.0, pre1 - stand_in)
             depths = int(cfg.model.mtp_num_layers or 0)

@@ -22,6 +22,11 @@ the s^2 term). Per layer kind:
   ``4 * value heads * key head dim * value head dim`` per token (the recurrent form's four products per state
   entry: decay, read, write, output); a full-attention layer's
   output gate (``attention_output_gate``) adds ``h*q``;
+- a hybrid Mamba stack (``MambaProvider``: the layers of its pattern, ``M`` Mamba, ``*`` attention only, ``-``
+  MLP only, ``E`` MoE only) counts, as Megatron's hybrid formula, a Mamba layer's ``in_proj``
+  ``h*(2*d_inner + 2*groups*state + heads)``, ``out_proj`` ``d_inner*h`` and its scan, 7 FLOPs per
+  ``d_inner*state`` and token for the whole step (7/6 multiply-adds); with ``moe_latent_size`` = l the routed
+  experts run at width l (``l*F*moe_ffn*topk``) and the two latent projections add ``2*h*l``;
 - multi-token prediction (``mtp_num_layers`` = D) adds per depth ``eh_proj`` (2h -> h), its three norms
   (enorm, hnorm, final norm: 3h, as Megatron counts them) and one transformer layer of the decoder's last
   layer's kind, and the shared output layer runs D + 1 times.
@@ -39,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from longspan.config.rules.model import mamba_inner_size
 from longspan.core.vocab import calculate_padded_vocab_size
 from longspan.models import layer_pattern
 
@@ -143,6 +149,38 @@ def _mlp_multiply_adds(model: TransformerConfig, is_moe: bool) -> int:
     return gated * h * (moe_ffn * topk + shared_ffn)
 
 
+def _hybrid_pattern(model: TransformerConfig) -> str | None:
+    """A MambaProvider's layer pattern (None for the other providers, which lack its fields)."""
+    if not hasattr(model, "hybrid_override_pattern"):
+        return None
+    if model.hybrid_override_pattern is not None:
+        return model.hybrid_override_pattern
+    from longspan.models.mamba import allocate_layers  # the ratios' spread; a plain run's formula needs no model code
+
+    return "".join(allocate_layers(int(model.num_layers), model.hybrid_attention_ratio, model.hybrid_mlp_ratio, None))
+
+
+def _hybrid_layer_weights(model: TransformerConfig, symbol: str, attention: MatmulTerms) -> float:
+    """Per-token multiply-adds of one hybrid layer of pattern ``symbol`` (see the module docstring)."""
+    h = int(model.hidden_size)
+    if symbol == "*":
+        return attention.weights
+    if symbol == "-":
+        return _mlp_multiply_adds(model, False)
+    if symbol == "E":
+        latent = model.moe_latent_size
+        if not latent:
+            return _mlp_multiply_adds(model, True)
+        gated = 3 if model.gated_linear_unit else 2
+        routed = gated * int(latent) * int(model.moe_ffn_hidden_size or model.ffn_hidden_size) * int(
+            model.moe_router_topk or 2)
+        shared = gated * h * int(model.moe_shared_expert_intermediate_size or 0)
+        return routed + shared + 2 * h * int(latent)
+    d_inner, heads = mamba_inner_size(model)
+    bc = 2 * int(model.mamba_num_groups) * int(model.mamba_state_dim)
+    return h * (2 * d_inner + bc + heads) + d_inner * h + 7 / 6 * d_inner * int(model.mamba_state_dim)
+
+
 def matmul_terms(model: TransformerConfig) -> MatmulTerms:
     """Forward multiply-adds per token of the whole model (decoder layers, MTP depths, output layer).
 
@@ -156,6 +194,11 @@ def matmul_terms(model: TransformerConfig) -> MatmulTerms:
     linear_value_head_dim, linear_conv_kernel_dim, attention_output_gate.
     """
     h = int(model.hidden_size)
+    pattern = _hybrid_pattern(model)
+    if pattern is not None:  # no MTP on hybrid stacks
+        attention = _attention_terms(model)
+        weights = sum(_hybrid_layer_weights(model, symbol, attention) for symbol in pattern)
+        return MatmulTerms(weights=float(weights + h * _vocab_size(model)), core=float(pattern.count("*") * attention.core))
     moe_flags = moe_layer_flags(model, int(model.num_layers))
     depths = int(model.mtp_num_layers or 0)
     layer_kinds = moe_flags + [moe_flags[-1]] * depths  # an MTP depth's layer is built like the last layer

@@ -141,6 +141,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model.moe_ffn_hidden_size": (16, MOE),
     "model.moe_shared_expert_intermediate_size": (16, MOE),
     "model.moe_shared_expert_gate": (True, {**MOE, "model.moe_shared_expert_intermediate_size": 16}),
+    "model.moe_latent_size": (8, MOE),
     "model.moe_layer_freq": ([0, 1], MOE),
     "model.moe_aux_loss_coeff": (0.5, MOE),
     "model.moe_z_loss_coeff": (0.5, MOE),

@@ -99,6 +99,22 @@ def _check_aux_loss_free_routing(config: Any, score: str) -> None:
         raise ConfigError(f"model.moe_input_jitter_eps={eps!r} must be between 0 and 1 (exclusive), or None")
 
 
+def _check_latent_size(config: Any) -> None:
+    """``moe_latent_size``: a positive width that tensor parallel divides (it splits both latent projections
+    along the latent: ``longspan.parallel.expert_parallel``)."""
+    latent = config.moe_latent_size
+    if latent is None:
+        return
+    if isinstance(latent, bool) or not isinstance(latent, int) or latent < 1:
+        raise ConfigError(f"model.moe_latent_size={latent!r} must be a positive integer (or None: no latent space)")
+    tp = config.tensor_model_parallel_size or 1
+    if latent % tp:
+        raise ConfigError(
+            f"model.moe_latent_size={latent} is not divisible by model.tensor_model_parallel_size={tp}: tensor "
+            "parallel splits the MoE latent projections along the latent; use a tp that divides it"
+        )
+
+
 def check_moe(config: Any) -> None:
     """The MoE fields' checks (nothing to check for a dense model: ``num_moe_experts`` None or 0)."""
     experts = config.num_moe_experts
@@ -136,6 +152,7 @@ def check_moe(config: Any) -> None:
             "model.moe_token_dropping=True needs model.moe_expert_capacity_factor (the capacity beyond which "
             "tokens are dropped; None means dropless)"
         )
+    _check_latent_size(config)
     if config.moe_layer_recompute and config.recompute_granularity == "full":
         raise ConfigError(
             "model.moe_layer_recompute=True with model.recompute_granularity='full': full recompute already "

@@ -31,7 +31,7 @@ SHAPE_FIELDS = frozenset({
     "normalization", "share_embeddings_and_output_weights", "position_embedding_type", "multi_latent_attention",
     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mamba_num_groups",
     "mamba_state_dim", "mamba_head_dim", "mamba_num_heads", "mamba_conv_kernel", "mamba_expand",
-    "hybrid_override_pattern", "relative_attention_num_buckets",
+    "hybrid_override_pattern", "relative_attention_num_buckets", "moe_latent_size",
 })
 #: with learned absolute positions the position table has this many rows
 LEARNED_POSITION_FIELDS = frozenset({"seq_length", "max_position_embeddings"})

@@ -174,10 +174,3 @@ def test_tiny_hybrid_exports_as_nemotron_h_and_loads_in_transformers(tmp_path):
     ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (hf(ids).logits - model(ids)).abs().max().item() <= 1e-5
-
-
-def test_nemotron_h_moe_layers_are_not_supported_yet(tmp_path):
-    _, path = _hf_nemotron_h(tmp_path, types=("linear_attention", "moe"), n_routed_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
-    with pytest.raises(NotSupportedError, match="MoE layers"):
-        AutoBridge.from_hf_pretrained(path).to_megatron_provider()

@@ -1,4 +1,4 @@
-"""Gemma 4's text model (``Gemma4ForCausalLM``).
+"""Gemma 4's text model (``Gemma4ForCausalLM``, and the text tower of ``Gemma4ForConditionalGeneration``).
 
 ``provider`` (``Gemma4ModelProvider``), ``model`` (its layers on the GPT blocks), ``hf`` (config.json and
 weights).
@@ -9,7 +9,7 @@ from __future__ import annotations
 from longspan.config.support import register_model_support
 from longspan.config.targets import register_config_class
 from longspan.conversion.families import register_family
-from longspan.families.gemma4.hf import GEMMA4
+from longspan.families.gemma4.hf import GEMMA4, GEMMA4_VL_TEXT
 from longspan.families.gemma4.provider import Gemma4ModelProvider
 
 register_config_class(Gemma4ModelProvider, "model", "longspan.models", foreign_names=(
@@ -26,3 +26,4 @@ register_model_support(
     reasons={},
 )
 register_family(GEMMA4)
+register_family(GEMMA4_VL_TEXT)

@@ -10,6 +10,7 @@ full-attention layers' head width and KV heads come from ``per_layer_config`` (w
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from longspan.conversion.config_fields import _whole, hf_activation, required
@@ -26,6 +27,7 @@ from longspan.conversion.mapping import (
 from longspan.core.errors import NotSupportedError
 from longspan.families.gemma.hf import _sliding_window_fields, _sliding_window_hf
 from longspan.families.gemma4.provider import Gemma4ModelProvider
+from longspan.families.qwen35.hf import _tower as text_tower  # the text tower of a vision-language model
 
 GEMMA4_WEIGHTS = DECODER_EMBEDDINGS + DECODER_QKVO + POST_SUBLAYER_NORMS + DECODER_MLP[:3] + (
     layer_map("input_layernorm.weight", "input_layernorm.weight"),
@@ -165,4 +167,9 @@ def gemma4_hf(p: Any) -> dict[str, Any]:
 
 
 GEMMA4 = Family("gemma4", "Gemma4ForCausalLM", "gemma4_text", GEMMA4_WEIGHTS, gemma4_provider, gemma4_hf,
-                provider_class=Gemma4ModelProvider, tie_word_embeddings_default=True)
+                provider_class=Gemma4ModelProvider, tie_word_embeddings_default=True,
+                weights_for=lambda cfg: GEMMA4_WEIGHTS)
+# Gemma4ForConditionalGeneration's language model (``model.language_model.*``, fields under ``text_config``):
+# imported as the causal LM, exported as one.
+GEMMA4_VL_TEXT = replace(text_tower(GEMMA4, "Gemma4ForConditionalGeneration", "gemma4"),
+                         provider_class=Gemma4ModelProvider, tie_word_embeddings_default=True)

@@ -40,7 +40,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
-from longspan.models.gpt import build_gpt_model, padded_vocab_size
+from longspan.models.gpt import padded_vocab_size
 from longspan.models.loss import default_chunk_tokens
 from longspan.parallel.data_parallel import data_parallel_mode
 from longspan.parallel.mesh import Layout, check_layout, derive_layout
@@ -278,7 +278,7 @@ def model_parameter_counts(cfg: Any, meta_model: Any) -> dict[str, float]:
 def summary_line(cfg: Any, meta_model: Any = None) -> str:
     """'model: N parameters (M active per token); F model FLOPs per iteration' for the plan's first line."""
     if meta_model is None:
-        meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
+        meta_model = _unsplit(cfg.model).provide_meta()  # the provider's own model (a family's layers)
     counts = model_parameter_counts(cfg, meta_model)
     flops = num_floating_point_operations(cfg, int(cfg.train.global_batch_size))
     return (f"model: {counts['total']:,.0f} parameters ({counts['active']:,.0f} active per token); "
@@ -309,7 +309,7 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
                     parts: Optional[dict[str, float]] = None, device: str = "cpu") -> RankMemory:
     """Memory of the busiest rank of ``cfg`` at ``layout`` (see the module docstring and ``RankMemory``)."""
     if meta_model is None:
-        meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
+        meta_model = _unsplit(cfg.model).provide_meta()  # the provider's own model (a family's layers)
     parts = parts or activation_parts(cfg, layout)
     mode = data_parallel_mode_for(cfg, layout)
     dp = layout.dp * layout.cp  # gradients are reduced (and FSDP2 shards) over dp x cp
@@ -406,7 +406,7 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
     dp = layout.dp * layout.cp
     if dp > 1:
         if meta_model is None:
-                    meta_model = build_gpt_model(_unsplit(m), materialize=False)
+                    meta_model = _unsplit(m).provide_meta()
         params = max(r["dense"] + r["expert"] for r in rank_parameter_counts(cfg, layout, meta_model))
         comm += 2 * (dp - 1) / dp * params * 4 / bandwidth
     return compute + comm
@@ -437,7 +437,7 @@ def plan(cfg: Any, world_size: int, device: str) -> tuple[list[PlanRow], list[st
     if device not in DEVICES:
         raise ConfigError(f"--device={device!r} is not one of {', '.join(DEVICES)}")
     cfg.model.finalize()
-    meta_model = build_gpt_model(_unsplit(cfg.model), materialize=False)
+    meta_model = _unsplit(cfg.model).provide_meta()  # the provider's own model (a family's layers)
     candidates, rejected = candidate_layouts(cfg, world_size)
     rows = []
     tokens = int(cfg.train.global_batch_size) * int(cfg.model.seq_length)

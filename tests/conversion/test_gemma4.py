@@ -182,3 +182,25 @@ def test_launched_tensor_parallel_import_then_export_round_trips(tmp_path, pool2
     original, exported = tensors(src), tensors(out)
     assert sorted(original) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in original.items())
     assert read_config(out) == read_config(src)
+
+
+def test_gemma4_recipe_is_the_real_e4b():
+    """The recipe's model is google/gemma-4-E4B's text model: its parameter count is transformers' count for that
+    config.json's values (7,463,013,376, tied embeddings once) and AutoBridge derives the same fields from them."""
+    from longspan.families.gemma4.recipes import gemma4
+    from longspan.models.gpt import num_parameters
+
+    cfg = gemma4()
+    cfg.validate()
+    assert num_parameters(cfg.model.provide_meta()) == 7_463_013_376
+    real = transformers.Gemma4TextConfig(
+        vocab_size=262_144, hidden_size=2560, intermediate_size=10_240, num_hidden_layers=42, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512, num_kv_shared_layers=18,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262_144, final_logit_softcapping=30.0)
+    real.architectures = ["Gemma4ForCausalLM"]
+    from_hf = AutoBridge.from_hf_config(real).to_megatron_provider(load_weights=False)
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "kv_channels",
+                  "global_kv_channels", "num_global_query_groups", "window_size", "rotary_base",
+                  "global_rotary_percent", "num_kv_shared_layers", "per_layer_embed_dim", "softmax_scale",
+                  "final_logit_softcapping", "per_layer_embed_vocab_size", "share_embeddings_and_output_weights"):
+        assert getattr(cfg.model, field) == getattr(from_hf, field), field

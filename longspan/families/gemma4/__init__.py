@@ -1,7 +1,7 @@
 """Gemma 4's text model (``Gemma4ForCausalLM``, and the text tower of ``Gemma4ForConditionalGeneration``).
 
 ``provider`` (``Gemma4ModelProvider``), ``model`` (its layers on the GPT blocks), ``hf`` (config.json and
-weights).
+weights), ``recipes`` (``gemma4``: LoRA finetune of E4B).
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 from longspan.config.support import register_model_support
 from longspan.config.targets import register_config_class
 from longspan.conversion.families import register_family
+from longspan.families.gemma4 import recipes
 from longspan.families.gemma4.hf import GEMMA4, GEMMA4_VL_TEXT
 from longspan.families.gemma4.provider import Gemma4ModelProvider
+from longspan.recipes import register_recipe
 
 register_config_class(Gemma4ModelProvider, "model", "longspan.models", foreign_names=(
     "megatron.bridge.models.gemma.gemma4_provider.Gemma4ModelProvider",
@@ -27,3 +29,4 @@ register_model_support(
 )
 register_family(GEMMA4)
 register_family(GEMMA4_VL_TEXT)
+register_recipe("gemma4", recipes.gemma4, family="gemma4")

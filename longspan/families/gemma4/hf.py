@@ -64,17 +64,17 @@ def _global_attention(cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:
     if per_layer is None:
         groups = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
         return dict(global_kv_channels=int(cfg.get("global_head_dim", 512)), num_global_query_groups=groups)
+    overrides = {int(key): dict(value or {}) for key, value in per_layer.items()}  # keys zero-padded: "05"
     settings = {}
     for i, kind in enumerate(types):
-        entry = dict(per_layer.get(str(i)) or per_layer.get(i) or {})
+        entry = overrides.get(i, {})
         if kind == _SLIDING and entry:
             raise NotSupportedError(f"config.json per_layer_config[{i}]={entry} overrides a sliding-window layer: "
                                     "longspan's Gemma 4 overrides the full-attention layers only")
         if kind == _FULL:
             settings[i] = (entry.get("head_dim"), entry.get("num_key_value_heads"))
     distinct = set(settings.values())
-    unknown = {k for i, kind in enumerate(types) if kind == _FULL
-               for k in (per_layer.get(str(i)) or per_layer.get(i) or {}) if k not in ("head_dim", "num_key_value_heads")}
+    unknown = {k for entry in overrides.values() for k in entry if k not in ("head_dim", "num_key_value_heads")}
     if len(distinct) > 1 or unknown:
         raise NotSupportedError(f"config.json per_layer_config={per_layer}: longspan's Gemma 4 takes one head_dim / "
                                 "num_key_value_heads for every full-attention layer")
@@ -98,6 +98,14 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(position_embedding_type="rope", rope_scaling=False, rope_scaling_factor=1.0,
                 rotary_base=[_whole(local.get("rope_theta", 10_000.0)), _whole(full.get("rope_theta", 1_000_000.0))],
                 global_rotary_percent=percent)
+
+
+def _per_layer_config(types: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """transformers' ``per_layer_config``: the full-attention layers' overrides, keys zero-padded to the widest
+    index written."""
+    full = [i for i, kind in enumerate(types) if kind == _FULL]
+    digits = len(str(max(full))) if full else 1
+    return {str(i).zfill(digits): dict(overrides) for i in full}
 
 
 def gemma4_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +168,7 @@ def gemma4_hf(p: Any) -> dict[str, Any]:
         hidden_size_per_layer_input=int(p.per_layer_embed_dim or 0),
         vocab_size_per_layer_input=int(p.per_layer_embed_vocab_size or p.vocab_size),
         enable_moe_block=False,
-        per_layer_config={str(i): dict(per_layer) for i, kind in enumerate(windows["layer_types"]) if kind == _FULL},
+        per_layer_config=_per_layer_config(windows["layer_types"], per_layer),
         **windows,
     )
     return out

@@ -115,8 +115,13 @@ def check_gemma4_provider(provider: Any, args: TransformerArgs) -> None:
     if args.rotary_interleaved or args.gated_delta_net is not None:
         raise NotSupportedError("model.rotary_interleaved / experimental_attention_variant are not supported for "
                                 "Gemma 4")
+
+def check_gemma4_stage(provider: Any, pre_process: bool, post_process: bool,
+                       layer_numbers: Optional[list[int]]) -> None:
+    """A pipeline stage (part of the layers) cannot hold KV sharing or per-layer inputs yet."""
     pp = int(provider.pipeline_model_parallel_size or 1)
-    if pp > 1 and (provider.num_kv_shared_layers or provider.per_layer_embed_dim):
+    staged = layer_numbers is not None or not (pre_process and post_process)
+    if staged and (provider.num_kv_shared_layers or provider.per_layer_embed_dim):
         raise NotSupportedError(f"pipeline_model_parallel_size={pp} with model.num_kv_shared_layers / "
                                 "per_layer_embed_dim is not supported yet for Gemma 4 (a stage would need another "
                                 "stage's keys and values or per-layer inputs)")
@@ -333,6 +338,7 @@ class Gemma4Model(DecoderLanguageModel):
                  vp_stage: Optional[int] = None, layer_numbers: Optional[list[int]] = None) -> None:
         args = resolve_model_args(config)
         check_gemma4_provider(config, args)
+        check_gemma4_stage(config, pre_process, post_process, layer_numbers)
         layout = gemma4_layout(config, args)
         super().__init__(config, args, pre_process, post_process, vp_stage)
         self.layout = layout

@@ -36,6 +36,7 @@ from longspan.families import (  # noqa: F401
     qwen3_next,
     qwen35,
     minimax,
+    gemma4,
 )
 
 # The export's guess for checkpoints that do not record their family; it names the families, so it sits here.

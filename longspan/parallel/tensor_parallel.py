@@ -134,15 +134,17 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[f"{attn}.linear_q"] = ColwiseParallel()
             if getattr(attention, "linear_gate", None) is not None:  # the output gate: per head, like the queries
                 plan[f"{attn}.linear_gate"] = ColwiseParallel()
-            plan[f"{attn}.linear_k"] = ColwiseParallel()
-            plan[f"{attn}.linear_v"] = ColwiseParallel()
+            for name in ("linear_k", "linear_v"):  # absent where a layer reuses keys (as values, or another's)
+                if getattr(attention, name, None) is not None:
+                    plan[f"{attn}.{name}"] = ColwiseParallel()
             plan[f"{attn}.linear_proj"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-            if getattr(attention, "q_layernorm", None) is not None and not getattr(attention, "qk_norm_across_heads", False):
-                # QK-norm runs on this rank's heads ([b, s, heads, d]): its weight is replicated and its
-                # gradient, a partial sum over local heads, must be summed over tp (dim 2 = heads). Across
-                # heads it spans the whole projection: head-sharded after the plan (across_heads_norm).
-                plan[f"{attn}.q_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-                plan[f"{attn}.k_layernorm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            if not getattr(attention, "qk_norm_across_heads", False):
+                for name in ("q_layernorm", "k_layernorm"):
+                    if getattr(attention, name, None) is not None:
+                        # QK-norm runs on this rank's heads ([b, s, heads, d]): its weight is replicated and its
+                        # gradient, a partial sum over local heads, must be summed over tp (dim 2 = heads). Across
+                        # heads it spans the whole projection: head-sharded after the plan (across_heads_norm).
+                        plan[f"{attn}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if hasattr(layer, "mlp") and not getattr(layer.mlp, "is_moe", False):  # MoE: parallel/expert_parallel.py
             plan[f"{mlp}.linear_fc1"] = ColwiseParallel()
             if layer.mlp.linear_fc1_gate is not None:

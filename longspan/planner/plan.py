@@ -279,7 +279,7 @@ def model_parameter_counts(cfg: Any, meta_model: Any) -> dict[str, float]:
 def summary_line(cfg: Any, meta_model: Any = None) -> str:
     """'model: N parameters (M active per token); F model FLOPs per iteration' for the plan's first line."""
     if meta_model is None:
-        meta_model = _unsplit(cfg.model).provide_meta()
+        meta_model = _unsplit(cfg.model).provide_meta()  # the provider's own model (a family's layers)
     counts = model_parameter_counts(cfg, meta_model)
     flops = num_floating_point_operations(cfg, int(cfg.train.global_batch_size))
     return (f"model: {counts['total']:,.0f} parameters ({counts['active']:,.0f} active per token); "
@@ -310,7 +310,7 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
                     parts: Optional[dict[str, float]] = None, device: str = "cpu") -> RankMemory:
     """Memory of the busiest rank of ``cfg`` at ``layout`` (see the module docstring and ``RankMemory``)."""
     if meta_model is None:
-        meta_model = _unsplit(cfg.model).provide_meta()
+        meta_model = _unsplit(cfg.model).provide_meta()  # the provider's own model (a family's layers)
     parts = parts or activation_parts(cfg, layout)
     mode = data_parallel_mode_for(cfg, layout)
     dp = layout.dp * layout.cp  # gradients are reduced (and FSDP2 shards) over dp x cp
@@ -438,7 +438,7 @@ def plan(cfg: Any, world_size: int, device: str) -> tuple[list[PlanRow], list[st
     if device not in DEVICES:
         raise ConfigError(f"--device={device!r} is not one of {', '.join(DEVICES)}")
     cfg.model.finalize()
-    meta_model = _unsplit(cfg.model).provide_meta()
+    meta_model = _unsplit(cfg.model).provide_meta()  # the provider's own model (a family's layers)
     candidates, rejected = candidate_layouts(cfg, world_size)
     rows = []
     tokens = int(cfg.train.global_batch_size) * int(cfg.model.seq_length)

@@ -26,7 +26,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # 'llama3' alone is HF's name of a RoPE scaling method (a shared block), not the family
     "Llama": (r"llama(?!3['\"])", ("llama",)),
     "Qwen": (r"qwen", ("qwen", "qwen_vl", "qwen35", "qwen3_next")),
-    "Gemma": (r"gemma", ("gemma", "gemma_vl")),
+    "Gemma": (r"gemma", ("gemma", "gemma_vl", "gemma4")),
     "DeepSeek": (r"deepseek", ("deepseek",)),
     "GLM": (r"glm", ("glm",)),
     "Nemotron": (r"nemotron", ("nemotron",)),

@@ -1,0 +1,32 @@
+"""Gemma 4's text model (``Gemma4ForCausalLM``, and the text tower of ``Gemma4ForConditionalGeneration``).
+
+``provider`` (``Gemma4ModelProvider``), ``model`` (its layers on the GPT blocks), ``hf`` (config.json and
+weights), ``recipes`` (``gemma4``: LoRA finetune of E4B).
+"""
+
+from __future__ import annotations
+
+from longspan.config.support import register_model_support
+from longspan.config.targets import register_config_class
+from longspan.conversion.families import register_family
+from longspan.families.gemma4 import recipes
+from longspan.families.gemma4.hf import GEMMA4, GEMMA4_VL_TEXT
+from longspan.families.gemma4.provider import Gemma4ModelProvider
+from longspan.recipes import register_recipe
+
+register_config_class(Gemma4ModelProvider, "model", "longspan.models", foreign_names=(
+    "megatron.bridge.models.gemma.gemma4_provider.Gemma4ModelProvider",
+    "megatron.bridge.models.Gemma4ModelProvider"), bridge_provider_pattern="Gemma4")
+
+# Its own fields, proven by tests/conversion/test_gemma4.py (logits against transformers with every field set,
+# KV sharing in generation, the one-line errors).
+register_model_support(
+    "Gemma4ModelProvider",
+    supported="""global_kv_channels num_global_query_groups global_rotary_percent attention_k_eq_v
+        num_kv_shared_layers use_double_wide_mlp per_layer_embed_dim per_layer_embed_vocab_size""",
+    not_supported="",
+    reasons={},
+)
+register_family(GEMMA4)
+register_family(GEMMA4_VL_TEXT)
+register_recipe("gemma4", recipes.gemma4, family="gemma4")

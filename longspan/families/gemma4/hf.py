@@ -1,0 +1,183 @@
+"""Gemma 4's text model (``Gemma4ForCausalLM``) as config.json and weights.
+
+Plain RMSNorm ``x * w`` (not Gemma 2/3's ``1 + w``) before and after attention and the MLP, embeddings scaled
+by sqrt(hidden), GeGLU with tanh GeLU, softmax scale 1 with per-head QK-norm, tied embeddings, sliding-window
+layers between full-attention ones (``layer_types``, ``sliding_window``; Gemma 2/3's translation). The
+full-attention layers' head width and KV heads come from ``per_layer_config`` (what transformers writes) or
+``global_head_dim`` / ``num_global_key_value_heads`` (published files); their RoPE is proportional
+(``rope_parameters.full_attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from longspan.conversion.config_fields import _whole, hf_activation, required
+from longspan.conversion.decoder_fields import activation_func, decoder_shape, decoder_shape_hf
+from longspan.conversion.families import Family
+from longspan.conversion.mapping import (
+    DECODER_EMBEDDINGS,
+    DECODER_MLP,
+    DECODER_QKVO,
+    POST_SUBLAYER_NORMS,
+    WeightMap,
+    layer_map,
+)
+from longspan.core.errors import NotSupportedError
+from longspan.families.gemma.hf import _sliding_window_fields, _sliding_window_hf
+from longspan.families.gemma4.provider import Gemma4ModelProvider
+from longspan.families.qwen35.hf import _tower as text_tower  # the text tower of a vision-language model
+
+GEMMA4_WEIGHTS = DECODER_EMBEDDINGS + DECODER_QKVO + POST_SUBLAYER_NORMS + DECODER_MLP[:3] + (
+    layer_map("input_layernorm.weight", "input_layernorm.weight"),
+    layer_map("pre_mlp_layernorm.weight", "pre_feedforward_layernorm.weight"),
+    layer_map("layer_scalar", "layer_scalar", buffer=True),
+    layer_map("per_layer_input_gate.weight", "per_layer_input_gate.weight"),
+    layer_map("per_layer_projection.weight", "per_layer_projection.weight"),
+    layer_map("post_per_layer_input_norm.weight", "post_per_layer_input_norm.weight"),
+    WeightMap("embedding.per_layer_word_embeddings.weight", "model.embed_tokens_per_layer.weight"),
+    WeightMap("embedding.per_layer_projection.weight", "model.per_layer_model_projection.weight"),
+    WeightMap("embedding.per_layer_projection_norm.weight", "model.per_layer_projection_norm.weight"),
+)
+
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+def _layer_types(cfg: dict[str, Any]) -> list[str]:
+    """config.json's ``layer_types``, or transformers' default (five sliding layers to one full one) with the
+    last layer full, as transformers forces it."""
+    types = cfg.get("layer_types")
+    if types is None:
+        n = int(required(cfg, "num_hidden_layers"))
+        types = [_SLIDING if (i + 1) % 6 else _FULL for i in range(n)]
+    types = list(types)
+    if types and types[-1] != _FULL:
+        raise NotSupportedError(f"config.json layer_types ends with {types[-1]!r}: Gemma 4's last layer is "
+                                "full_attention (transformers forces it)")
+    return types
+
+
+def _global_attention(cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:
+    """The full-attention layers' head width and KV heads (``per_layer_config``, one setting for all of them)."""
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is None:
+        groups = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+        return dict(global_kv_channels=int(cfg.get("global_head_dim", 512)), num_global_query_groups=groups)
+    overrides = {int(key): dict(value or {}) for key, value in per_layer.items()}  # keys zero-padded: "05"
+    settings = {}
+    for i, kind in enumerate(types):
+        entry = overrides.get(i, {})
+        if kind == _SLIDING and entry:
+            raise NotSupportedError(f"config.json per_layer_config[{i}]={entry} overrides a sliding-window layer: "
+                                    "longspan's Gemma 4 overrides the full-attention layers only")
+        if kind == _FULL:
+            settings[i] = (entry.get("head_dim"), entry.get("num_key_value_heads"))
+    distinct = set(settings.values())
+    unknown = {k for entry in overrides.values() for k in entry if k not in ("head_dim", "num_key_value_heads")}
+    if len(distinct) > 1 or unknown:
+        raise NotSupportedError(f"config.json per_layer_config={per_layer}: longspan's Gemma 4 takes one head_dim / "
+                                "num_key_value_heads for every full-attention layer")
+    head_dim, groups = distinct.pop() if distinct else (None, None)
+    return dict(global_kv_channels=head_dim, num_global_query_groups=groups)
+
+
+def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    params = cfg.get("rope_parameters") or {}
+    local = dict(params.get(_SLIDING) or {"rope_type": "default", "rope_theta": 10_000.0})
+    full = dict(params.get(_FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                      "rope_theta": 1_000_000.0})
+    if local.get("rope_type", "default") != "default":
+        raise NotSupportedError(f"config.json rope_parameters.{_SLIDING}.rope_type={local['rope_type']!r} is not "
+                                "supported: longspan implements 'default' for Gemma 4's sliding-window layers")
+    kind = full.get("rope_type", "default")
+    if kind not in ("default", "proportional") or float(full.get("factor", 1.0)) != 1.0:
+        raise NotSupportedError(f"config.json rope_parameters.{_FULL}={full} is not supported: longspan implements "
+                                "'proportional' (and 'default') without a factor for Gemma 4's full-attention layers")
+    percent = float(full.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0
+    return dict(position_embedding_type="rope", rope_scaling=False, rope_scaling_factor=1.0,
+                rotary_base=[_whole(local.get("rope_theta", 10_000.0)), _whole(full.get("rope_theta", 1_000_000.0))],
+                global_rotary_percent=percent)
+
+
+def _per_layer_config(types: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """transformers' ``per_layer_config``: the full-attention layers' overrides, keys zero-padded to the widest
+    index written."""
+    full = [i for i, kind in enumerate(types) if kind == _FULL]
+    digits = len(str(max(full))) if full else 1
+    return {str(i).zfill(digits): dict(overrides) for i in full}
+
+
+def gemma4_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Provider keyword arguments of a Gemma 4 text config.json."""
+    if cfg.get("use_bidirectional_attention"):
+        raise NotSupportedError(f"config.json use_bidirectional_attention={cfg['use_bidirectional_attention']!r} is "
+                                "not supported: longspan's Gemma 4 is causal (null)")
+    if cfg.get("enable_moe_block"):
+        raise NotSupportedError("config.json enable_moe_block=true is not supported yet: longspan's Gemma 4 "
+                                "converts the dense models (E2B, E4B, 31B)")
+    types = _layer_types(cfg)
+    out = decoder_shape(dict(cfg, head_dim=cfg.get("head_dim", 256)), eps_default=1e-6)
+    out.update(
+        layernorm_zero_centered_gamma=False,
+        layernorm_after_sublayers=True,
+        apply_embedding_scaling=True,
+        activation_func=activation_func(cfg, "hidden_activation", "gelu_pytorch_tanh"),
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
+        softmax_scale=1.0,
+        qk_layernorm=True,
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        attention_k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
+        num_kv_shared_layers=int(cfg.get("num_kv_shared_layers", 0) or 0),
+        use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        per_layer_embed_dim=int(cfg.get("hidden_size_per_layer_input", 256) or 0) or None,
+        per_layer_embed_vocab_size=int(cfg.get("vocab_size_per_layer_input", 262_144)),
+    )
+    out.update(_sliding_window_fields(dict(cfg, layer_types=types, sliding_window=cfg.get("sliding_window", 512))))
+    out.update(_rope_fields(cfg))
+    out.update(_global_attention(cfg, types))
+    return out
+
+
+def gemma4_hf(p: Any) -> dict[str, Any]:
+    """A Gemma 4 text config.json body for provider ``p``."""
+    ok = (isinstance(p, Gemma4ModelProvider) and p.normalization == "RMSNorm"
+          and not p.layernorm_zero_centered_gamma and p.layernorm_after_sublayers and p.apply_embedding_scaling
+          and p.gated_linear_unit and not p.add_bias_linear and not p.add_qkv_bias and p.qk_layernorm
+          and not p.qk_layernorm_across_heads and p.softmax_scale == 1.0 and hf_activation(p) is not None
+          and isinstance(p.rotary_base, (list, tuple)))
+    if not ok:
+        raise NotSupportedError("this model has no Gemma 4 equivalent (needs a Gemma4ModelProvider with RMSNorm "
+                                "before and after attention and the MLP, embedding scaling, per-head QK-norm, "
+                                "softmax scale 1, a [local, global] rotary_base, a gated MLP and no biases)")
+    out = decoder_shape_hf(p)
+    local, full = (float(b) for b in p.rotary_base)
+    full_rope: dict[str, Any] = {"rope_type": "proportional", "partial_rotary_factor": float(p.global_rotary_percent),
+                                 "rope_theta": full}
+    windows = _sliding_window_hf(p)
+    per_layer: dict[str, Any] = {"head_dim": int(p.global_kv_channels or out["head_dim"])}
+    if p.num_global_query_groups is not None:
+        per_layer["num_key_value_heads"] = int(p.num_global_query_groups)
+    out.update(
+        hidden_activation={"gelu_new": "gelu_pytorch_tanh"}.get(hf_activation(p), hf_activation(p)),
+        final_logit_softcapping=p.final_logit_softcapping,
+        rope_parameters={_SLIDING: {"rope_type": "default", "rope_theta": local}, _FULL: full_rope},
+        attention_k_eq_v=bool(p.attention_k_eq_v),
+        num_kv_shared_layers=int(p.num_kv_shared_layers),
+        use_double_wide_mlp=bool(p.use_double_wide_mlp),
+        hidden_size_per_layer_input=int(p.per_layer_embed_dim or 0),
+        vocab_size_per_layer_input=int(p.per_layer_embed_vocab_size or p.vocab_size),
+        enable_moe_block=False,
+        per_layer_config=_per_layer_config(windows["layer_types"], per_layer),
+        **windows,
+    )
+    return out
+
+
+GEMMA4 = Family("gemma4", "Gemma4ForCausalLM", "gemma4_text", GEMMA4_WEIGHTS, gemma4_provider, gemma4_hf,
+                provider_class=Gemma4ModelProvider, tie_word_embeddings_default=True,
+                weights_for=lambda cfg: GEMMA4_WEIGHTS)
+# Gemma4ForConditionalGeneration's language model (``model.language_model.*``, fields under ``text_config``):
+# imported as the causal LM, exported as one.
+GEMMA4_VL_TEXT = replace(text_tower(GEMMA4, "Gemma4ForConditionalGeneration", "gemma4"),
+                         provider_class=Gemma4ModelProvider, tie_word_embeddings_default=True)

@@ -1,0 +1,66 @@
+"""``Gemma4ModelProvider``: Gemma 4's text model (Megatron Bridge's provider name); ``provide()`` builds
+``longspan.families.gemma4.model.Gemma4Model``.
+
+The GPT fields describe the sliding-window layers (``kv_channels``, ``num_query_groups``, ``rotary_base[0]``);
+the fields below say how the full-attention layers differ, which layers reuse another layer's keys and values,
+and the per-layer input embeddings. Always part of the model (no field): a scale-free RMSNorm on the values,
+a learned scalar per layer (``layer_scalar``) multiplying its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+from longspan.models.gpt_provider import GPTModelProvider
+
+
+@dataclass
+class Gemma4ModelProvider(GPTModelProvider):
+    """A Gemma 4 text model: sliding-window and full-attention layers with their own head widths, KV groups and
+    RoPE; keys reused as values on full-attention layers; the last layers reusing earlier layers' keys and
+    values; per-layer input embeddings; final logit soft-capping."""
+
+    global_kv_channels: Optional[int] = None
+    """Head width of the full-attention layers (HF ``global_head_dim``); None = ``kv_channels``."""
+
+    num_global_query_groups: Optional[int] = None
+    """Key/value groups of the full-attention layers (HF ``num_global_key_value_heads``); None =
+    ``num_query_groups``."""
+
+    global_rotary_percent: float = 1.0
+    """Fraction of a full-attention head's channel pairs that rotate (HF's proportional RoPE
+    ``partial_rotary_factor``): the first ``int(p * d / 2)`` frequencies of a width-``d`` head keep their
+    full-width values ``base^(-2i/d)``, the others are zero (those channels do not rotate)."""
+
+    attention_k_eq_v: bool = False
+    """Full-attention layers have no value projection: the values are the key projection's output (before
+    the key norm and RoPE), through the scale-free value norm."""
+
+    num_kv_shared_layers: int = 0
+    """The last this many layers compute no keys or values: each attends with those of the last earlier layer
+    of its kind (sliding window or full), and holds no KV cache of its own. Must be below ``num_layers``."""
+
+    use_double_wide_mlp: bool = False
+    """The MLP of the KV-shared layers is twice ``ffn_hidden_size`` wide."""
+
+    per_layer_embed_dim: Optional[int] = None
+    """Width of the per-layer input embeddings (HF ``hidden_size_per_layer_input``); None/0 = none. Each layer
+    gets ``(norm(proj(x) / sqrt(hidden)) + embed_i(token) * sqrt(dim)) / sqrt(2)`` as its slice ``i``, gated
+    by the layer's output and projected back into the residual stream after the MLP."""
+
+    per_layer_embed_vocab_size: Optional[int] = None
+    """Rows of the per-layer input embedding table (HF ``vocab_size_per_layer_input``); None = ``vocab_size``."""
+
+    hf_architecture: ClassVar[str] = "Gemma4ForCausalLM"
+
+    def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
+                    layer_numbers: Optional[list[int]], materialize: bool) -> Any:
+        """``longspan.families.gemma4.model.build_gemma4_model`` (see ``ModelProviderMixin``)."""
+        from longspan.families.gemma4.model import build_gemma4_model  # keeps the provider free of model code
+
+        return build_gemma4_model(self, pre_process, post_process, vp_stage, materialize=materialize,
+                                  layer_numbers=layer_numbers)
+
+
+__all__ = ["Gemma4ModelProvider"]

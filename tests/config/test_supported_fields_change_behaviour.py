@@ -377,7 +377,9 @@ def observe_run(cfg: Any, tmp_path: Path) -> dict[str, Any]:
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     files = sorted({re.sub(r"events\.out\.tfevents\..*", "events.out.tfevents", re.sub(r"\d{6,}", "#", f))
                     for f in files})
-    timing = {"timestamp", "iteration_time_s", "tokens_per_s", "loss_tokens_per_s", "throughput", "mfu"}
+    # times, and the run's name and launch id (its directory and start time), differ between equal runs
+    timing = {"timestamp", "iteration_time_s", "tokens_per_s", "loss_tokens_per_s", "throughput", "mfu", "run",
+              "run_id"}
     metrics = []
     for path in tmp_path.rglob("metrics.jsonl"):
         for line in path.read_text().splitlines():

@@ -37,4 +37,6 @@ def minimax_m2() -> ConfigContainer:
     experts split over 16 ranks."""
     cfg = lora_finetune(minimax_m2_model(), "minimax_m2")
     cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # one sample per data-parallel rank of the smallest layout the experts allow (16 ranks)
+    cfg.train.global_batch_size = 16
     return cfg

@@ -35,6 +35,7 @@ from longspan.families import (  # noqa: F401
     olmoe,
     qwen3_next,
     qwen35,
+    mimo,
 )
 
 # The export's guess for checkpoints that do not record their family; it names the families, so it sits here.

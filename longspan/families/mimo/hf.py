@@ -99,7 +99,7 @@ def mimo_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("sliding_window_size") is not None:  # transformers: the SGLang reference's count plus the query
         window = int(cfg["sliding_window_size"]) + 1
     cfg = {**HF_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-    out = decoder_shape(dict(cfg, head_dim=cfg["head_dim"]), eps_default=1e-5)
+    out = decoder_shape(cfg, eps_default=1e-5)
     n, heads, groups = out["num_layers"], out["num_attention_heads"], out["num_query_groups"]
     window_groups = WINDOW_KV_FACTOR * groups
     if heads % window_groups:

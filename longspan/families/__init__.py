@@ -37,6 +37,7 @@ from longspan.families import (  # noqa: F401
     qwen35,
     minimax,
     gemma4,
+    mimo,
 )
 
 # The export's guess for checkpoints that do not record their family; it names the families, so it sits here.

@@ -80,7 +80,7 @@ class KVCache:
         if layer_number not in self.keys:
             shape = (k.shape[0], k.shape[1], self.max_seq_len, k.shape[3])
             self.keys[layer_number] = k.new_empty(shape)
-            self.values[layer_number] = v.new_empty(shape)
+            self.values[layer_number] = v.new_empty(shape[:3] + (v.shape[3],))  # values may be narrower
         self.keys[layer_number][:, :, start:end] = k
         self.values[layer_number][:, :, start:end] = v
         return self.keys[layer_number][:, :, :end], self.values[layer_number][:, :, :end]

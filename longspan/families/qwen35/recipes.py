@@ -54,8 +54,9 @@ def qwen35() -> ConfigContainer:
 
 
 def qwen36_moe_lora() -> ConfigContainer:
-    """LoRA finetune of Qwen3.6 35B-A3B on the attention and DeltaNet projections (q/k/v, output) and the experts
-    (routed and shared), experts split over 8 ranks."""
+    """LoRA finetune of Qwen3.6 35B-A3B on the attention projections (q/k/v and output gate, output), the DeltaNet
+    projections (Megatron's ``in_proj``: q/k/v/z/b/a, and ``out_proj``) and the experts (routed and shared),
+    experts split over 8 ranks."""
     cfg = lora_finetune(qwen36_35b_a3b_model(), "qwen36_moe_lora")
-    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"])
     return cfg

@@ -13,6 +13,10 @@ from longspan.recipes.real_sizes import lora_finetune
 from longspan.training.config import ConfigContainer
 
 
+#: Megatron's LoRA targets with the gated DeltaNet layers' fused input and output projections
+DELTANET_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+
+
 def hybrid_model(**shape: object) -> GPTModelProvider:
     """The Qwen3.5 decoder: three gated DeltaNet layers to one gated-attention layer, (1 + w) RMSNorms, per-head
     QK-norm, RoPE on a quarter of each head (base 10M), SwiGLU, vocabulary 248320; ``shape`` sets the sizes."""
@@ -49,8 +53,11 @@ def qwen36_35b_a3b_model() -> GPTModelProvider:
 
 
 def qwen35() -> ConfigContainer:
-    """LoRA finetune of Qwen3.5 0.8B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full)."""
-    return lora_finetune(qwen35_800m_model(), "qwen35")
+    """LoRA finetune of Qwen3.5 0.8B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full) on
+    the attention projections and the gated DeltaNet ones (``in_proj``, ``out_proj``: three layers in four)."""
+    cfg = lora_finetune(qwen35_800m_model(), "qwen35")
+    cfg.peft = LoRA(target_modules=[*DELTANET_LORA_TARGETS])
+    return cfg
 
 
 def qwen36_moe_lora() -> ConfigContainer:
@@ -58,5 +65,5 @@ def qwen36_moe_lora() -> ConfigContainer:
     projections (Megatron's ``in_proj``: q/k/v/z/b/a, and ``out_proj``) and the experts (routed and shared),
     experts split over 8 ranks."""
     cfg = lora_finetune(qwen36_35b_a3b_model(), "qwen36_moe_lora")
-    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"])
+    cfg.peft = LoRA(target_modules=[*DELTANET_LORA_TARGETS])
     return cfg

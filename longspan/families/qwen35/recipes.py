@@ -43,13 +43,14 @@ def qwen35_800m_model() -> GPTModelProvider:
 def qwen36_35b_a3b_model() -> GPTModelProvider:
     """Qwen3.6 35B-A3B (Qwen3.5-MoE's architecture): 40 layers, hidden 2048, 16 heads / 2 KV groups of width 256,
     16 key / 32 value heads in the DeltaNet layers, 256 experts of width 512 (top 8) and a gated shared expert of
-    width 512 on every layer."""
+    width 512 on every layer, untied output layer."""
     return hybrid_model(num_layers=40, hidden_size=2048, ffn_hidden_size=512, num_attention_heads=16,
                         num_query_groups=2, kv_channels=256, linear_num_key_heads=16, linear_num_value_heads=32,
                         num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=512,
                         moe_shared_expert_intermediate_size=512, moe_shared_expert_gate=True,
                         moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
-                        moe_aux_loss_coeff=0.001, expert_model_parallel_size=8)
+                        moe_aux_loss_coeff=0.001, expert_model_parallel_size=8,
+                        share_embeddings_and_output_weights=False)
 
 
 def qwen35() -> ConfigContainer:

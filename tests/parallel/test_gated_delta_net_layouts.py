@@ -5,10 +5,11 @@ One tiny model, shared: 4 layers (``linear_attention_freq=[1, 1, 0, 1]``: DeltaN
 DeltaNet; the pipeline cut falls between the two DeltaNet layers and the attention one), hidden 48, 2 key heads
 of 8 channels and 6 value heads of 4 (uneven: 3 value heads per key head), a conv of 3, gated full attention
 (``attention_output_gate``, 6 query heads in 2 groups, QK-norm). Its MoE variant (``linear_attention_freq=2``, 4
-experts top 2 with a sigmoid-gated shared expert) covers expert parallel.
+experts top 2 with a sigmoid-gated shared expert) runs under expert parallel and the other layouts.
 
-- ``pretrain`` for 8 iterations under TP2, TP2+SP, PP2, DP2 with FSDP2, CP2 (the all-to-all to heads) and, for
-  the MoE variant, EP2: every iteration's loss and gradient norm within 1e-5 (relative) of one process's.
+- ``pretrain`` for 8 iterations under TP2, TP2+SP, PP2, DP2 with FSDP2, CP2 (the all-to-all to heads), and the
+  MoE variant under EP2, TP2, PP2, DP2 with FSDP2 and CP2: every iteration's loss and gradient norm within 1e-5
+  (relative) of one process's.
 - Packed documents (``cu_seqlens``, three of uneven length, one crossing the chunks the cp ranks hold) under
   CP2 and TP2+SP, at model level: the loss and every parameter's gradient equal one process's; and under TP2+SP
   with DoRA on every projection (the DeltaNet's adapters split with its heads): every adapter's gradient.
@@ -71,6 +72,10 @@ LAYOUTS = {  # name: the config builder's keyword arguments (2 processes each)
     "dp2_fsdp2": dict(fsdp2=True),
     "cp2": dict(cp=2),
     "moe_ep2": dict(moe=True, ep=2),
+    "moe_tp2": dict(moe=True, tp=2),
+    "moe_pp2": dict(moe=True, pp=2),
+    "moe_dp2_fsdp2": dict(moe=True, fsdp2=True),
+    "moe_cp2": dict(moe=True, cp=2),
 }
 
 

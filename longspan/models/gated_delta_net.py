@@ -26,7 +26,8 @@ projected sequence chunks for the whole sequence of a share of the heads before 
 ``linear_proj``.
 
 Packed sequences (``cu_seqlens``): the conv and the rule run on each document on its own, so no state crosses
-a document boundary (``DocumentLayout``). Generation (``kv_cache``): the layer's conv inputs' last
+a document boundary (``DocumentLayout``). Adapters (``longspan.peft``) on the projections run through
+their layers' ``local_forward``, on the same local tensors. Generation (``kv_cache``): the layer's conv inputs' last
 ``conv_kernel - 1`` positions and its rule state are its cache (``KVCache.linear_states``).
 """
 
@@ -49,6 +50,8 @@ if TYPE_CHECKING:  # the decoder layers in longspan.models.transformer build thi
 
 #: the conv segments, in Hugging Face's fused channel order
 CONV_SEGMENTS = ("q", "k", "v")
+#: the input projections (Megatron fuses them into one ``in_proj``), in the order the forward reads them
+IN_PROJECTIONS = ("linear_q", "linear_k", "linear_v", "linear_z", "linear_b", "linear_a")
 
 # Megatron GatedDeltaNet's A_log initialization range (A = exp(A_log) drawn uniformly in it); dt_bias starts at 1.
 _A_INIT_RANGE = (1.0, 16.0)
@@ -141,8 +144,7 @@ class GatedDeltaNet(nn.Module):
 
     def local_parameters(self) -> SimpleNamespace:
         """The parameters this process computes with (a DTensor's local shard: a tensor-parallel rank's heads)."""
-        names = ("linear_q", "linear_k", "linear_v", "linear_z", "linear_b", "linear_a", "linear_proj")
-        p = {name: local_tensor(getattr(self, name).weight) for name in names}
+        p = {name: local_tensor(getattr(self, name).weight) for name in (*IN_PROJECTIONS, "linear_proj")}
         p["conv"] = tuple(local_tensor(getattr(self, f"conv_{seg}").weight) for seg in CONV_SEGMENTS)
         p.update(dt_bias=local_tensor(self.dt_bias), A_log=local_tensor(self.A_log),
                  norm=_shared_local(self.norm.weight))
@@ -160,8 +162,7 @@ class GatedDeltaNet(nn.Module):
         """``cu_seqlens``: the packed documents' boundaries, or their ``DocumentLayout`` (the decoder builds it once
         for all its layers)."""
         p = self.local_parameters()
-        weights = (p.linear_q, p.linear_k, p.linear_v, p.linear_z, p.linear_b, p.linear_a)
-        segments = [F.linear(hidden_states, w) for w in weights]
+        segments = [self._project(name, hidden_states, p) for name in IN_PROJECTIONS]
         if self.context_parallel is not None:  # the whole sequence of this rank's share of the heads
             segments = self.context_parallel.to_heads(segments)
             p = self.context_parallel.heads_of(p)
@@ -186,7 +187,14 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z.view(b, s, -1, self.value_head_dim), p.norm).reshape(b, s, -1)
         if self.context_parallel is not None:
             out = self.context_parallel.to_sequence(out)
-        return F.linear(out, p.linear_proj)
+        return self._project("linear_proj", out, p)
+
+    def _project(self, name: str, x: torch.Tensor, p: SimpleNamespace) -> torch.Tensor:
+        """Projection ``name`` with this process's part of its weight; an adapted projection (``longspan.peft``
+        wraps it) adds its adapter's output, computed on local tensors too."""
+        local_forward = getattr(getattr(self, name), "local_forward", None)
+        weight = getattr(p, name)
+        return F.linear(x, weight) if local_forward is None else local_forward(x, weight)
 
     def _conv(self, qkv: torch.Tensor, p: SimpleNamespace, tail: torch.Tensor | None = None) -> torch.Tensor:
         """``silu`` of the causal depthwise conv over ``qkv [b, s, channels]``; the window before the first token

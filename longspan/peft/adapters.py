@@ -10,7 +10,17 @@ calls the layer that holds its weight) and a canonical name (CanonicalLoRA's spl
     X.mlp.linear_fc1_gate           X.mlp.linear_fc1             X.mlp.linear_fc1_gate
     X.mlp.linear_fc2                (same)                       (same)
 
-(and the same under ``mlp.shared_experts``). Multi-latent attention's projections keep their own names in all
+(and the same under ``mlp.shared_experts``). Gated attention's output gate and the gated DeltaNet mixer (a
+linear-attention layer's ``self_attention``) go by Megatron's fused layers (its gate rows sit in ``linear_qkv``;
+its ``GatedDeltaNet`` has one ``in_proj`` and an ``out_proj``):
+
+    X.self_attention.linear_gate    X.self_attention.linear_qkv  X.self_attention.linear_gate
+    DeltaNet X.self_attention.linear_q/k/v/z/b/a
+                                    X.self_attention.in_proj     X.self_attention.in_proj_q/k/v/z/b/a
+    DeltaNet X.self_attention.linear_proj
+                                    X.self_attention.out_proj    X.self_attention.out_proj
+
+Multi-latent attention's projections keep their own names in all
 three, as in megatron-core's MLA (Bridge's DeepSeek / Moonlight recipes target them by these names):
 ``linear_q_proj`` (no query compression) or ``linear_q_down_proj`` + ``linear_q_up_proj``, ``linear_kv_down_proj``,
 ``linear_kv_up_proj``, and ``linear_proj``. A ``target_modules`` entry without ``*``/``?`` matches the last
@@ -31,6 +41,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.models.gated_delta_net import GatedDeltaNet
 from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
 from longspan.peft.modules import DoRALinear, GroupedLoRAAdapter, LoRAAdapter, LoRALinear, adapted_grouped_mlp_forward
 
@@ -43,7 +54,9 @@ logger = get_logger(__name__)
 ADAPTER_MARKER = ".adapter."
 _ATTENTION = ("linear_q", "linear_k", "linear_v")
 _MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
-_CANDIDATES = _ATTENTION + _MLA + ("linear_proj", "linear_fc1", "linear_fc1_gate", "linear_fc2")
+_DELTANET_IN = ("linear_q", "linear_k", "linear_v", "linear_z", "linear_b", "linear_a")
+_CANDIDATES = _ATTENTION + _MLA + _DELTANET_IN + ("linear_gate", "linear_proj", "linear_fc1", "linear_fc1_gate",
+                                                  "linear_fc2")
 
 
 # Non-parameter state the trainer updates while the base is frozen: the aux-loss-free routing bias (moved every
@@ -63,20 +76,26 @@ def is_finetuned_state_key(name: str) -> bool:
     return is_adapter_key(name) or f".{name}".endswith(FINETUNED_BUFFER_SUFFIXES)
 
 
-def megatron_name(name: str) -> str:
-    """The Megatron Core name of the layer holding longspan module ``name`` (fused qkv / fc1)."""
+def megatron_name(name: str, in_deltanet: bool = False) -> str:
+    """The Megatron Core name of the layer holding longspan module ``name`` (fused qkv(+gate) / fc1; a gated
+    DeltaNet mixer's ``in_proj`` / ``out_proj`` when ``in_deltanet``)."""
     parent, _, leaf = name.rpartition(".")
-    if leaf in _ATTENTION:
+    if in_deltanet:
+        leaf = "out_proj" if leaf == "linear_proj" else "in_proj"
+    elif leaf in _ATTENTION or leaf == "linear_gate":
         leaf = "linear_qkv"
     elif leaf == "linear_fc1_gate":
         leaf = "linear_fc1"
     return f"{parent}.{leaf}" if parent else leaf
 
 
-def canonical_name(name: str) -> str:
-    """CanonicalLoRA's name of longspan module ``name`` (``linear_fc1`` is the up projection)."""
+def canonical_name(name: str, in_deltanet: bool = False) -> str:
+    """CanonicalLoRA's name of longspan module ``name`` (``linear_fc1`` is the up projection; a gated DeltaNet
+    mixer's projections are ``in_proj_q`` ... ``in_proj_a`` and ``out_proj`` when ``in_deltanet``)."""
     parent, _, leaf = name.rpartition(".")
-    if leaf == "linear_fc1":
+    if in_deltanet:
+        leaf = "out_proj" if leaf == "linear_proj" else "in_proj_" + leaf.rpartition("_")[2]
+    elif leaf == "linear_fc1":
         leaf = "linear_fc1_up"
     return f"{parent}.{leaf}" if parent else leaf
 
@@ -95,19 +114,22 @@ def _selected(peft: LowRankAdapterConfig, full_name: str) -> bool:
     return any(_matches(p, full_name) for p in peft.target_modules)
 
 
-def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module, bool]]:
+    """(name, module, whether it is a gated DeltaNet mixer's projection) of every linear layer adapters may
+    target."""
+    mixers = {name for name, module in model.named_modules() if isinstance(module, GatedDeltaNet)}
     for name, module in model.named_modules():
-        leaf = name.rpartition(".")[2]
+        parent, _, leaf = name.rpartition(".")
         if leaf in _CANDIDATES and ".layers." in f".{name}" and isinstance(module, nn.Module):
-            yield name, module
+            yield name, module, parent in mixers
 
 
 def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[str, list[str]]":
     """The adapter groups for ``model``: group name (Megatron or canonical) -> longspan module names sharing
     one A (one name for an unshared adapter). Raises when a target matches nothing."""
     groups: OrderedDict[str, list[str]] = OrderedDict()
-    for name, module in _candidates(model):
-        group = canonical_name(name) if peft.kind == "canonical" else megatron_name(name)
+    for name, module, in_deltanet in _candidates(model):
+        group = canonical_name(name, in_deltanet) if peft.kind == "canonical" else megatron_name(name, in_deltanet)
         if not _selected(peft, group):
             continue
         if not isinstance(module, nn.Linear) and (peft.kind == "dora" or getattr(module, "weight", None) is None
@@ -121,8 +143,10 @@ def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[
         raise ConfigError(
             f"peft.target_modules={peft.target_modules!r} (exclude_modules={peft.exclude_modules!r}) matches no "
             "linear layer of the model; valid names: " + ", ".join(
-                ("linear_q linear_k linear_v linear_proj linear_fc1_up linear_fc1_gate linear_fc2"
-                 if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2").split()
+                ("linear_q linear_k linear_v linear_gate linear_proj linear_fc1_up linear_fc1_gate linear_fc2 "
+                 "in_proj_q in_proj_k in_proj_v in_proj_z in_proj_b in_proj_a out_proj"
+                 if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2 in_proj out_proj"
+                 ).split()
                 + list(_MLA))
         )
     return groups

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import NotSupportedError
@@ -147,9 +147,10 @@ class LoRAAdapter(nn.Module):
         """The A of this adapter (its own or its group owner's)."""
         return self._owner.linear_in
 
-    def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def low_rank(self, x: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(the adapter's input after 'pre' dropout, ``A`` applied to it); computed once per forward for a
-        group whose members share A (the owner caches the result for the other members)."""
+        group whose members share A (the owner caches the result for the other members). ``local``: ``x`` and
+        the result are this process's local tensors (``local_output``)."""
         owner = self._owner
         if owner.group_size > 1 and owner._cache is not None and owner._cache[0] == _local_storage_key(x):
             result = owner._cache[2]
@@ -157,16 +158,21 @@ class LoRAAdapter(nn.Module):
             if owner._cache_uses >= owner.group_size:  # every member has read it: let it go
                 owner._cache = None
             return result
-        dx = self.dropout(x) if self.dropout is not None and self.dropout_position == "pre" else x
-        result = (dx, owner.linear_in(dx))
+        if local:
+            a = owner.linear_in.weight
+            dx = self._local_dropout(x, a) if self.dropout is not None and self.dropout_position == "pre" else x
+            result = (dx, F.linear(dx, local_factor(a)))
+        else:
+            dx = self.dropout(x) if self.dropout is not None and self.dropout_position == "pre" else x
+            result = (dx, owner.linear_in(dx))
         if owner.group_size > 1:
             owner._cache = (_local_storage_key(x), x, result)
             owner._cache_uses = 1
         return result
 
-    def lora_output(self, h: torch.Tensor) -> torch.Tensor:
-        """``scale · B h`` with 'post' dropout."""
-        out = self.linear_out(h)
+    def lora_output(self, h: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """``scale · B h`` with 'post' dropout (``local``: on local tensors, see ``local_output``)."""
+        out = F.linear(h, local_factor(self.linear_out.weight)) if local else self.linear_out(h)
         if self.dropout is not None and self.dropout_position == "post":
             out = self.dropout(out)
         return out * self.scale
@@ -177,6 +183,33 @@ class LoRAAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lora_output(self.low_rank(x)[1])
+
+    def local_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's output computed on local tensors, for a mixer that computes with its parameters' local
+        shards (the gated DeltaNet's projections, ``longspan.parallel.gated_delta_net``): ``x`` is this process's
+        input (a column-split layer's whole input, a row-split layer's slice of it) and the result its part of
+        the output (a row-split layer's partial sum, reduced with the base's). A replicated factor's gradient
+        here is this rank's partial sum, summed over the ranks on the way back."""
+        return self.lora_output(self.low_rank(x, local=True)[1], local=True)
+
+    def _local_dropout(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """'pre' dropout of a local input: a row-split layer's slice of the input is dropped with the mask of
+        the whole input, as one process draws it (``FullMaskDropout``), and this rank's part of it kept."""
+        mesh = getattr(a, "device_mesh", None)
+        if mesh is None or not isinstance(a.placements[-1], Shard):
+            return self.dropout(x)
+        whole = DTensor.from_local(x, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(x.dim() - 1)], run_check=False)
+        return self.dropout(whole).to_local()
+
+
+def local_factor(weight: torch.Tensor) -> torch.Tensor:
+    """The local tensor of an adapter factor (``LoRAAdapter.local_output``): a DTensor's shard, a replicated
+    one's whole tensor whose gradient is summed over the ranks (``Partial``), a plain tensor as it is."""
+    if not isinstance(weight, DTensor):
+        return weight
+    if all(isinstance(p, Replicate) for p in weight.placements):
+        return weight.to_local(grad_placements=[Partial()] * len(weight.placements))
+    return weight.to_local()
 
 
 class LoRALinear(nn.Linear):
@@ -195,6 +228,11 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.adapter(x)
+
+    def local_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The layer on local tensors: ``weight`` is this process's part of the base weight (see
+        ``LoRAAdapter.local_output``); no bias (the mixers that call it have none)."""
+        return F.linear(x, weight) + self.adapter.local_output(x)
 
     def merged_weight(self) -> torch.Tensor:
         """The base weight with the adapter folded in (``W + s·B A``)."""
@@ -243,6 +281,18 @@ class DoRALinear(LoRALinear):
         else:  # dropout is on: the magnitude term sees the dropped-out input, as in peft
             base_no_bias = F.linear(dx, self.weight)
         return base + (scale - 1) * base_no_bias + scale * self.adapter.lora_output(h)
+
+    def local_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``forward`` on local tensors (``LoRALinear.local_forward``): the row norms are those of the whole
+        weight (a row-split layer's are reduced over the ranks by DTensor), this rank's rows of them used."""
+        base = F.linear(x, weight)
+        dx, h = self.adapter.low_rank(x, local=True)
+        norm = self.weight_norm()
+        norm = norm.to_local() if isinstance(norm, DTensor) else norm
+        scale = (local_factor(self.adapter.weight_magnitude) / norm).view(1, -1)
+        dropped = self.adapter.dropout is not None and self.adapter.dropout.training
+        base_no_bias = F.linear(dx, weight) if dropped else base
+        return base + (scale - 1) * base_no_bias + scale * self.adapter.lora_output(h, local=True)
 
     def merged_weight(self) -> torch.Tensor:
         norm = self.weight_norm()

@@ -5,12 +5,14 @@ One tiny model, shared: 4 layers (``linear_attention_freq=[1, 1, 0, 1]``: DeltaN
 DeltaNet; the pipeline cut falls between the two DeltaNet layers and the attention one), hidden 48, 2 key heads
 of 8 channels and 6 value heads of 4 (uneven: 3 value heads per key head), a conv of 3, gated full attention
 (``attention_output_gate``, 6 query heads in 2 groups, QK-norm). Its MoE variant (``linear_attention_freq=2``, 4
-experts top 2 with a sigmoid-gated shared expert) covers expert parallel.
+experts top 2 with a sigmoid-gated shared expert) runs under expert parallel and the other layouts.
 
-- ``pretrain`` for 8 iterations under TP2, TP2+SP, PP2, DP2 with FSDP2, CP2 (the all-to-all to heads) and, for
-  the MoE variant, EP2: every iteration's loss and gradient norm within 1e-5 (relative) of one process's.
+- ``pretrain`` for 8 iterations under TP2, TP2+SP, PP2, DP2 with FSDP2, CP2 (the all-to-all to heads), and the
+  MoE variant under EP2, TP2, PP2, DP2 with FSDP2 and CP2: every iteration's loss and gradient norm within 1e-5
+  (relative) of one process's.
 - Packed documents (``cu_seqlens``, three of uneven length, one crossing the chunks the cp ranks hold) under
-  CP2 and TP2+SP, at model level: the loss and every parameter's gradient equal one process's.
+  CP2 and TP2+SP, at model level: the loss and every parameter's gradient equal one process's; and under TP2+SP
+  with DoRA on every projection (the DeltaNet's adapters split with its heads): every adapter's gradient.
 - Head counts the layout cannot split are one-line ConfigErrors from the config's validation.
 """
 
@@ -70,6 +72,10 @@ LAYOUTS = {  # name: the config builder's keyword arguments (2 processes each)
     "dp2_fsdp2": dict(fsdp2=True),
     "cp2": dict(cp=2),
     "moe_ep2": dict(moe=True, ep=2),
+    "moe_tp2": dict(moe=True, tp=2),
+    "moe_pp2": dict(moe=True, pp=2),
+    "moe_dp2_fsdp2": dict(moe=True, fsdp2=True),
+    "moe_cp2": dict(moe=True, cp=2),
 }
 
 
@@ -121,8 +127,17 @@ def _packed_batch():
     return tokens, labels, positions, mask, starts[None]
 
 
-def _packed_case(layout: dict) -> dict:
-    """The loss and every parameter's (full) gradient of one packed batch, on this process's layout."""
+def _dora():
+    from longspan.peft import DoRA
+
+    # B drawn non-zero, so every factor's gradient is non-trivial; every projection of both kinds of layer
+    return DoRA(dim=4, alpha=1, lora_B_init_method="normal",
+                target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"])
+
+
+def _packed_case(layout: dict, peft: bool = False) -> dict:
+    """The loss and every parameter's (full) gradient of one packed batch, on this process's layout (``peft``:
+    with DoRA adapters, the gradients of the adapters)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -130,21 +145,29 @@ def _packed_case(layout: dict) -> dict:
     from longspan.models.init import init_weights
     from longspan.parallel.init import initialize_distributed
     from longspan.parallel.parallelize import parallel_loss_context, parallelize_model
+    from longspan.peft.adapters import init_adapters, init_dora_magnitudes
 
     cfg = _config("unused", **layout)
     parallel = initialize_distributed(cfg.dist, cfg.model, device="cpu") if layout else None
     cfg.model.vocab_size = 256
     cfg.model.finalize()
     model = build_gpt_model(cfg.model, materialize=False)
+    if peft:
+        _dora().apply(model)
     if parallel is not None:
         model = parallelize_model(model, cfg, parallel)
     init_weights(model, seed=5, device="cpu")
+    if peft:
+        init_adapters([model], 5)
+        init_dora_magnitudes([model])
     tokens, labels, positions, mask, cu = _packed_batch()
     with parallel_loss_context(model):
         loss = model(tokens, position_ids=positions, attention_mask=mask, labels=labels, cu_seqlens=cu).mean()
         loss.backward()
     grads = {}
     for name, p in getattr(model, "module", model).named_parameters():
+        if not p.requires_grad:
+            continue
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = grad
     if parallel is not None and parallel.cp_size > 1:  # each cp rank holds cp x its share: average over cp
@@ -162,17 +185,25 @@ def _packed_case(layout: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["cp2", "tp2_sp"])
+@pytest.mark.parametrize("name", ["cp2", "tp2_sp", "tp2_sp_dora"])
 def test_packed_documents_under_layout_match_one_process(name: str) -> None:
     import torch
 
-    want = _packed_case({})
-    for rank, got in enumerate(get_shared_pool(2).run(_packed_case, LAYOUTS[name], timeout=100)):
+    peft = name.endswith("_dora")
+    want = _packed_case({}, peft)
+    for rank, got in enumerate(get_shared_pool(2).run(_packed_case, LAYOUTS[name.removesuffix("_dora")], peft,
+                                                       timeout=100)):
         assert got["loss"] == pytest.approx(want["loss"], rel=REL), rank
+        p = got["placements"]
         if name == "cp2":
             assert got["exchange"] == "GatedDeltaNetContextParallel(all-to-all over 2 ranks)"
+        elif peft:  # the adapters split with their base weights (A whole / B by heads; linear_proj the other way)
+            assert p["linear_q.adapter.linear_in.weight"] == p["linear_proj.adapter.linear_out.weight"] == \
+                "(Replicate(),)", p
+            assert p["linear_z.adapter.linear_out.weight"] == p["linear_a.adapter.weight_magnitude"] == \
+                p["linear_proj.adapter.linear_in.weight"].replace("dim=1", "dim=0") == "(Shard(dim=0),)", p
+            assert sum(".adapter." in k for k in want["grads"]) == len(want["grads"]) > 40
         else:  # the mixer is split by heads, its shared norm weight replicated
-            p = got["placements"]
             assert p["linear_q.weight"] == p["conv_v.weight"] == p["A_log"] == "(Shard(dim=0),)", p
             assert p["linear_proj.weight"] == "(Shard(dim=1),)" and p["norm.weight"] == "(Replicate(),)", p
         assert sorted(got["grads"]) == sorted(want["grads"])

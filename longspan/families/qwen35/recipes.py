@@ -13,6 +13,10 @@ from longspan.recipes.real_sizes import lora_finetune
 from longspan.training.config import ConfigContainer
 
 
+#: Megatron's LoRA targets with the gated DeltaNet layers' fused input and output projections
+DELTANET_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+
+
 def hybrid_model(**shape: object) -> GPTModelProvider:
     """The Qwen3.5 decoder: three gated DeltaNet layers to one gated-attention layer, (1 + w) RMSNorms, per-head
     QK-norm, RoPE on a quarter of each head (base 10M), SwiGLU, vocabulary 248320; ``shape`` sets the sizes."""
@@ -39,23 +43,28 @@ def qwen35_800m_model() -> GPTModelProvider:
 def qwen36_35b_a3b_model() -> GPTModelProvider:
     """Qwen3.6 35B-A3B (Qwen3.5-MoE's architecture): 40 layers, hidden 2048, 16 heads / 2 KV groups of width 256,
     16 key / 32 value heads in the DeltaNet layers, 256 experts of width 512 (top 8) and a gated shared expert of
-    width 512 on every layer."""
+    width 512 on every layer, untied output layer."""
     return hybrid_model(num_layers=40, hidden_size=2048, ffn_hidden_size=512, num_attention_heads=16,
                         num_query_groups=2, kv_channels=256, linear_num_key_heads=16, linear_num_value_heads=32,
                         num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=512,
                         moe_shared_expert_intermediate_size=512, moe_shared_expert_gate=True,
                         moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
-                        moe_aux_loss_coeff=0.001, expert_model_parallel_size=8)
+                        moe_aux_loss_coeff=0.001, expert_model_parallel_size=8,
+                        share_embeddings_and_output_weights=False)
 
 
 def qwen35() -> ConfigContainer:
-    """LoRA finetune of Qwen3.5 0.8B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full)."""
-    return lora_finetune(qwen35_800m_model(), "qwen35")
+    """LoRA finetune of Qwen3.5 0.8B (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full) on
+    the attention projections and the gated DeltaNet ones (``in_proj``, ``out_proj``: three layers in four)."""
+    cfg = lora_finetune(qwen35_800m_model(), "qwen35")
+    cfg.peft = LoRA(target_modules=[*DELTANET_LORA_TARGETS])
+    return cfg
 
 
 def qwen36_moe_lora() -> ConfigContainer:
-    """LoRA finetune of Qwen3.6 35B-A3B on the attention and DeltaNet projections (q/k/v, output) and the experts
-    (routed and shared), experts split over 8 ranks."""
+    """LoRA finetune of Qwen3.6 35B-A3B on the attention projections (q/k/v and output gate, output), the DeltaNet
+    projections (Megatron's ``in_proj``: q/k/v/z/b/a, and ``out_proj``) and the experts (routed and shared),
+    experts split over 8 ranks."""
     cfg = lora_finetune(qwen36_35b_a3b_model(), "qwen36_moe_lora")
-    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    cfg.peft = LoRA(target_modules=[*DELTANET_LORA_TARGETS])
     return cfg

@@ -46,7 +46,6 @@ from torch import nn
 
 from longspan.config.rules.model import mamba_inner_size
 from longspan.core.vocab import calculate_padded_vocab_size
-from longspan.models import layer_pattern
 
 if TYPE_CHECKING:
     # Named for type checkers only: the FLOPs formula of a plain run stays free of the model code.
@@ -68,7 +67,10 @@ def moe_layer_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
     """Which layers are MoE layers (none without experts): ``layer_pattern.moe_layer_flags`` of the model."""
     if not model.num_moe_experts:
         return [False] * num_layers
-    return layer_pattern.moe_layer_flags(model.moe_layer_freq, num_layers)
+    # Imported here: the training log imports this module, and the training state stays free of the models package
+    from longspan.models.layer_pattern import moe_layer_flags as flags
+
+    return flags(model.moe_layer_freq, num_layers)
 
 
 def _vocab_size(model: TransformerConfig) -> int:
@@ -123,7 +125,10 @@ def linear_attention_flags(model: TransformerConfig, num_layers: int) -> list[bo
     freq = _gpt_field(model, "linear_attention_freq")
     if _gpt_field(model, "experimental_attention_variant") != "gated_delta_net" or freq is None:
         return [False] * num_layers
-    return layer_pattern.linear_attention_layer_flags(freq, num_layers)
+    # Imported here: the training log imports this module, and the training state stays free of the models package
+    from longspan.models.layer_pattern import linear_attention_layer_flags
+
+    return linear_attention_layer_flags(freq, num_layers)
 
 
 def _gated_delta_net_terms(model: TransformerConfig) -> MatmulTerms:

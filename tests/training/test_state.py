@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,12 +138,16 @@ def test_metrics_logger_location(tmp_path):
 
 def test_close_loggers_flushes_and_recreates(tmp_path):
     state = GlobalState(_cfg(tmp_path))
+    run = {"run": state.run.name, "run_id": state.run.run_id}
     state.metrics_logger.write({"iteration": 1})
     state.close_loggers()
-    assert (tmp_path / "tb" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    path = tmp_path / "tb" / "metrics.jsonl"
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{**run, "iteration": 1}]
     state.metrics_logger.write({"iteration": 2})
     state.close_loggers()
-    assert (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines() == ['{"iteration": 1}', '{"iteration": 2}']
+    # The recreated writer appends, with the same launch's name and id.
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {**run, "iteration": 1}, {**run, "iteration": 2}]
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,9 @@ def test_every_recipe_round_trips(tmp_path: Path, name: str, validated: bool) ->
     if validated:  # on 8 ranks, or the fewest a real-size recipe's layout needs (a multiple of 8)
         m = cfg.model
         dense = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-        experts = (m.expert_tensor_parallel_size or 1) * m.expert_model_parallel_size * m.pipeline_model_parallel_size
+        # Unset expert tensor parallel follows tensor parallel (Megatron's default, and validate()'s)
+        etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+        experts = etp * m.expert_model_parallel_size * m.pipeline_model_parallel_size
         cfg.validate(world_size=math.lcm(8, dense, experts))
     path = tmp_path / "cfg.yaml"
     text = cfg.to_yaml(str(path))

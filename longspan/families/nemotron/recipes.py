@@ -25,7 +25,9 @@ NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 def nemotron3_nano_model() -> MambaProvider:
     """Nemotron 3 Nano 30B-A3B (Bridge's ``Nemotron3NanoProvider`` on ``NemotronHModelProvider``'s defaults),
     sequence 8192 as Bridge's pretraining recipe. Layout: Bridge's expert parallel 8 with sequence parallel, but
-    tensor parallel 2 where Bridge uses 4: longspan's attention splits whole key/value groups and Nano has 2."""
+    tensor parallel 2 where Bridge uses 4: longspan's attention splits whole key/value groups and Nano has 2.
+    Expert tensor parallel is left to follow it (2, where Bridge sets 1): longspan's expert parallel needs the two
+    equal, so the expert grid spans 2 x 8 = 16 ranks."""
     return MambaProvider(
         num_layers=len(NANO_PATTERN), hybrid_override_pattern=NANO_PATTERN, hidden_size=2688,
         mamba_num_heads=64, mamba_head_dim=64, mamba_num_groups=8, mamba_state_dim=128, mamba_chunk_size=128,

@@ -312,18 +312,28 @@ def test_interrupt_mid_save_keeps_the_previous_checkpoint_loadable(tmp_path: Pat
 
 
 def test_resuming_an_earlier_runs_checkpoint_with_another_schedule_says_so_first(tmp_path: Path, capsys) -> None:
-    """The quickstart, then the same recipe with another train_iters: the run would resume the earlier
-    checkpoint; the message says that first and how to start fresh."""
+    """The quickstart, then the same recipe continued to 8 iterations: with another warmup too, the run would
+    resume the earlier checkpoint on a changed schedule, and the one-line error says that first and how to start
+    fresh; with only the longer train_iters, the run continues from iteration 4 on the config's schedule."""
     cfg = small_config(tmp_path, "earlier", train_iters=4)
     cfg.checkpoint.save_interval = 4
     pretrain(cfg, forward_step)
     path = tmp_path / "again.yaml"
     again = small_config(tmp_path, "earlier", train_iters=8)
+    again.scheduler.lr_warmup_iters = 2
     path.write_text(again.to_yaml())
     capsys.readouterr()
     code = cli_main(["pretrain", "--config", str(path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"longspan: error: resuming the checkpoint at iteration 4 in {cfg.checkpoint.save}")
-    assert "the config says" in err and err.endswith(
-        "to start fresh instead, set checkpoint.load=null or use another checkpoint.save directory")
+    assert "warmup (scheduler.lr_warmup_iters): this config gives 2 iterations, the checkpoint 3 iterations" in err
+    assert err.endswith("to start fresh instead, set checkpoint.load=null or use another checkpoint.save directory")
+
+    longer = small_config(tmp_path, "earlier", train_iters=8)
+    longer.checkpoint.save_interval = 4
+    path.write_text(longer.to_yaml())
+    assert cli_main(["pretrain", "--config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "train.train_iters=8, the checkpoint's schedule was for 4" in out.out + out.err
+    assert (Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt").read_text() == "8"

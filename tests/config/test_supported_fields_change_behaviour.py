@@ -740,7 +740,7 @@ def _recorded_run(tmp_path: Path, **dotted: Any) -> dict[str, Any]:
     lines: list[str] = []
     collections: list[str] = []
 
-    def build(logger_cfg: Any) -> _RecordingWriter | None:
+    def build(logger_cfg: Any, *run_and_step: Any) -> _RecordingWriter | None:  # the run's identity: not probed
         if not getattr(logger_cfg, "tensorboard_dir", None):
             return None
         writers.append(_RecordingWriter(int(logger_cfg.tensorboard_queue_size)))

@@ -812,6 +812,34 @@ def _tensorboard_switches_add_their_tags(tmp_path: Path) -> bool:
     return True
 
 
+@probe("logger.timing_log_option")
+def _timing_log_option_sets_the_across_ranks_report(tmp_path: Path) -> bool:
+    """One process has no ranks to compare, so its report is the same under every option
+    (tests/training/test_timers.py); the option shapes the report of several ranks. The run's timers, built from
+    the config, report one timer timed 100 ms on rank 0 and 200 ms on rank 1 (a stand-in for the gather, which
+    tests/training/test_train_utils.py::test_two_rank_dtensor_norms_reductions_and_timers runs for real)."""
+    from types import SimpleNamespace
+
+    from longspan.training.observability import timers as timers_module
+    from longspan.training.state import GlobalState
+
+    reports = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timers_module, "dist_ready", lambda: True)
+        patch.setattr(timers_module, "dist", SimpleNamespace(get_world_size=lambda: 2))
+        patch.setattr(timers_module.Timers, "_elapsed_all_ranks",
+                      lambda self, names, reset, barrier: torch.tensor([[0.1], [0.2]], dtype=torch.float64))
+        for option in ("max", "minmax", "all"):
+            state = GlobalState(_micro_cfg_with(tmp_path / option, logger__timing_log_option=option))
+            reports[option] = state.timers.get_all_timers_string(["step"])
+    label = "\n    " + "step ".ljust(48, ".") + ": "
+    return reports == {
+        "max": "max time across ranks (ms):" + label + "200.00",
+        "minmax": "(min, max) time across ranks (ms):" + label + "(100.00, 200.00)",
+        "all": "times across ranks (ms):\n  step:\n     rank  0: 100.00\n     rank  1: 200.00",
+    }
+
+
 @probe("train.manual_gc_eval")
 def _manual_gc_eval_collects_around_each_evaluation(tmp_path: Path) -> bool:
     common = {"train__manual_gc": True, "train__manual_gc_interval": 0}

@@ -185,7 +185,7 @@ def test_a_checkpoint_whose_deltanet_tensors_do_not_fit_is_refused_in_one_line(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "next"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
 def test_launched_tensor_parallel_import_then_export_round_trips(tmp_path, pool2, kind):
     """Two workers: the import and the export with the DeltaNet heads, attention heads and (for Qwen3-Next's
     interleaved fusions) each rank's slices of the fused tensors split over two ranks."""

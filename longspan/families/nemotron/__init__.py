@@ -1,6 +1,5 @@
 """Nemotron-H and Nemotron 3 (``NemotronHForCausalLM``) as an HF architecture of the hybrid Mamba model kind
-(``longspan.models.mamba``), and the ``nemotron3-nano`` and
-``nemotron3-nano-lora`` recipes."""
+(``longspan.models.mamba``), and the ``nemotron3-nano`` and ``nemotron3-nano-lora`` recipes."""
 
 from __future__ import annotations
 

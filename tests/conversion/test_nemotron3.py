@@ -153,13 +153,15 @@ def test_launched_tensor_parallel_import_then_export_round_trips(imported, tmp_p
     assert read_config(out) == read_config(src)
 
 
-def test_nemotron3_nano_recipe_plans_the_published_parameter_count():
-    """``longspan plan --recipe nemotron3-nano``'s first line: the published 31.6B total (31,577,937,344 from the
-    released config.json, see the recipe's docstring) and 3.6B active parameters, with embeddings."""
+@pytest.mark.parametrize("recipe", ["nemotron3-nano", "nemotron3-nano-lora"])
+def test_nemotron3_nano_recipe_plans_the_published_parameter_count(recipe):
+    """``longspan plan --recipe nemotron3-nano``'s first line (and its LoRA finetune's): the published 31.6B total
+    (31,577,937,344 from the released config.json, see the recipe's docstring) and 3.6B active parameters, with
+    embeddings."""
     from longspan.planner.plan import summary_line
     from longspan.recipes import get_recipe
 
-    line = summary_line(get_recipe("nemotron3-nano"))
+    line = summary_line(get_recipe(recipe))
     assert line.startswith("model: 31,577,937,344 parameters (3,580,073,408 active per token)"), line
 
 

@@ -62,7 +62,8 @@ ATTENTION = (
 WEIGHTS = DECODER_EMBEDDINGS + ATTENTION + DECODER_MLP + EXPERT_BIAS_MOE_MLP
 
 # transformers builds DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
-# rms_norm_eps says; longspan's (as megatron-core's) use layernorm_epsilon like every other norm.
+# rms_norm_eps says (Moonlight's is 1e-5); longspan's (as megatron-core's) use layernorm_epsilon like every other
+# norm unless mla_latent_layernorm_epsilon gives them their own, which the import sets when the two differ.
 HF_LATENT_NORM_EPS = 1e-6
 
 # transformers' DeepseekV3Config defaults for the MoE keys a config.json may leave out (GLM's differ).
@@ -75,12 +76,6 @@ def _check_deepseek_config(cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
         raise NotSupportedError(f"config.json hidden_act={act!r} is not supported: use one of {', '.join(HF_ACTIVATIONS)}")
-    eps = float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS))
-    if eps != HF_LATENT_NORM_EPS:
-        raise NotSupportedError(
-            f"config.json rms_norm_eps={eps!r} is not supported for DeepSeek-V3: transformers normalizes the latents "
-            f"with eps {HF_LATENT_NORM_EPS} and the other norms with rms_norm_eps, longspan uses one epsilon"
-        )
     if cfg.get("attention_bias"):
         raise NotSupportedError("config.json attention_bias=true is not supported for DeepSeek-V3: set it to false")
     if cfg.get("rope_interleave", True) is False:
@@ -125,6 +120,7 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     _check_deepseek_config(cfg)
     heads = required(cfg, "num_attention_heads")
     vocab = required(cfg, "vocab_size")
+    eps = float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS))
     out: dict[str, Any] = dict(
         num_layers=required(cfg, "num_hidden_layers"),
         hidden_size=required(cfg, "hidden_size"),
@@ -141,7 +137,8 @@ def deepseek_v3_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         vocab_size=vocab,
         make_vocab_size_divisible_by=vocab_divisor(vocab),
         normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.get("rms_norm_eps", HF_LATENT_NORM_EPS)),
+        layernorm_epsilon=eps,
+        mla_latent_layernorm_epsilon=None if eps == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS,
         gated_linear_unit=True,
         activation_func=HF_ACTIVATIONS[cfg.get("hidden_act", "silu")],
         add_bias_linear=False,
@@ -194,15 +191,12 @@ def deepseek_v3_hf(p: Any) -> dict[str, Any]:
             "this model has no DeepSeek-V3 HF equivalent (needs RMSNorm, the latent norms (qk_layernorm) and a "
             "gated silu/gelu MLP)"
         )
-    if p.layernorm_epsilon != HF_LATENT_NORM_EPS:
+    latent = p.layernorm_epsilon if p.mla_latent_layernorm_epsilon is None else p.mla_latent_layernorm_epsilon
+    if latent != HF_LATENT_NORM_EPS:
         raise NotSupportedError(
-            f"layernorm_epsilon={p.layernorm_epsilon!r}: DeepSeek-V3 in transformers normalizes the latents with eps "
-            f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs layernorm_epsilon={HF_LATENT_NORM_EPS}"
-        )
-    if p.mla_latent_layernorm_epsilon not in (None, HF_LATENT_NORM_EPS):
-        raise NotSupportedError(
-            f"model.mla_latent_layernorm_epsilon={p.mla_latent_layernorm_epsilon!r}: DeepSeek-V3 in transformers "
-            f"normalizes the latents with eps {HF_LATENT_NORM_EPS}; export needs None or {HF_LATENT_NORM_EPS}"
+            f"model.mla_latent_layernorm_epsilon={p.mla_latent_layernorm_epsilon!r} (layernorm_epsilon="
+            f"{p.layernorm_epsilon!r}): DeepSeek-V3 in transformers normalizes the latents with eps "
+            f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs that latent epsilon"
         )
     if p.add_bias_linear:
         raise NotSupportedError("DeepSeek-V3 export supports bias-free models only (add_bias_linear=False)")

@@ -1,5 +1,5 @@
 """Nemotron-H and Nemotron 3 (``NemotronHForCausalLM``) as an HF architecture of the hybrid Mamba model kind
-(``longspan.models.mamba``), and the ``nemotron3-nano`` recipe."""
+(``longspan.models.mamba``), and the ``nemotron3-nano`` and ``nemotron3-nano-lora`` recipes."""
 
 from __future__ import annotations
 
@@ -10,3 +10,4 @@ from longspan.recipes import register_recipe
 
 register_family(NEMOTRON_H)
 register_recipe("nemotron3-nano", recipes.nemotron3_nano, family="nemotron_h")
+register_recipe("nemotron3-nano-lora", recipes.nemotron3_nano_lora, family="nemotron_h")

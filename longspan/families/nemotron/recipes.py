@@ -1,6 +1,7 @@
 """``nemotron3-nano``: Megatron Bridge's ``nemotron_3_nano`` pretraining shape (Nemotron-3-Nano-30B-A3B), a
 Mamba-2 / attention / mixture-of-experts hybrid, as a pretraining run (bf16, mock data unless a data path is
-given; the shape lets ``longspan plan`` size it).
+given; the shape lets ``longspan plan`` size it). ``nemotron3-nano-lora``: the LoRA finetune of that model
+(Bridge's ``nemotron_3_nano_peft_config``), weights and tokenizer from ``checkpoint.pretrained_checkpoint``.
 
 Parameters: 31,577,937,344 (the published "31.6B total parameters" of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16,
 its model card; from its config.json: vocabulary 131072 untied, hidden 2688, 23 Mamba layers of 64 heads × 64 in
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from longspan.models.activations import squared_relu
 from longspan.models.mamba_provider import MambaProvider
+from longspan.peft import LoRA
+from longspan.recipes.finetune import SEQ_LENGTH, finetune_recipe
 from longspan.recipes.real_sizes import pretrain_recipe
 from longspan.training.config import ConfigContainer
 
@@ -51,4 +54,20 @@ def nemotron3_nano() -> ConfigContainer:
     cfg = pretrain_recipe(nemotron3_nano_model(), "nemotron3-nano", "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
                           gbs=3072, lr=1.6e-3, min_lr=1.6e-5, warmup_iters=333, train_iters=39735)
     cfg.train.micro_batch_size = 2
+    return cfg
+
+
+def nemotron3_nano_lora() -> ConfigContainer:
+    """LoRA finetune of Nemotron 3 Nano (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full) as
+    Bridge's PEFT recipe: sequence 2048, no tensor parallel, expert parallel 8, rank 32 / alpha 32, lr 1e-4 (bf16).
+    Adapters go on attention, the dense MLPs, the shared experts and each routed expert. Bridge also names the
+    Mamba-2 mixers' ``in_proj`` / ``out_proj``: longspan has no LoRA for the Mamba mixer, so they stay frozen."""
+    model = nemotron3_nano_model()
+    model.seq_length = SEQ_LENGTH
+    model.tensor_model_parallel_size = 1
+    model.sequence_parallel = False
+    cfg = finetune_recipe("nemotron3_nano_lora", lr=1e-4)
+    cfg.model = model
+    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    cfg.mixed_precision = "bf16_mixed"
     return cfg

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Any) -> int:
     from longspan.training.callbacks import callbacks_from_specs  # `longspan --help` must not import torch
 
-    callbacks = callbacks_from_specs(getattr(args, "callbacks", None) or [])
+    callbacks = callbacks_from_specs(args.callbacks)
     if args.command_name == "finetune":
         from longspan.training.finetune import finetune  # `longspan --help` must not import torch
 

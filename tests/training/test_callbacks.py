@@ -81,6 +81,7 @@ def _evaluation(phase: str, step: int) -> list[tuple[str, int]]:
             (f"on_{phase}_end", step)]
 
 
+@pytest.mark.slow
 def test_event_sequence_of_a_run_with_eval_test_and_two_saves(recorded_run) -> None:
     cfg, state, events, manager, order = recorded_run
     expected = [("on_data_init_start", 0), ("on_train_start", 0)]
@@ -96,6 +97,7 @@ def test_event_sequence_of_a_run_with_eval_test_and_two_saves(recorded_run) -> N
     assert sorted(p.name for p in Path(cfg.checkpoint.save).glob("iter_*")) == ["iter_0000003", "iter_0000006"]
 
 
+@pytest.mark.slow
 def test_stop_request_ends_with_a_checkpoint_that_resumes_bit_for_bit(tmp_path: Path, recorded_run) -> None:
     reference = losses_by_iteration(recorded_run[0])
     recorder = Recorder(stop_after=4)  # not a save interval: the checkpoint at 4 is the stop's
@@ -117,6 +119,7 @@ def test_stop_request_ends_with_a_checkpoint_that_resumes_bit_for_bit(tmp_path: 
 # import lines differ (megatron.bridge.training.X -> longspan.training.X). The functional example's
 # `from megatron.bridge.training import pretrain` names the module in Bridge (its training/__init__.py is empty),
 # so both forms import the function from its module, as the class-based example does.
+@pytest.mark.slow
 def test_bridge_documentation_examples_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from longspan.training.callbacks import Callback, CallbackManager  # noqa: F811 - the documentation's imports
     from longspan.training.forward_step import forward_step as forward_step_func  # Bridge: training.gpt_step
@@ -175,6 +178,7 @@ class FailingCallback(Callback):
             raise ValueError("the metrics service is down\nsecond line")
 
 
+@pytest.mark.slow
 def test_failing_callback_from_the_cli_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = tiniest_config(tmp_path, "cli", train_iters=4)
     cfg.checkpoint.save_interval = 2

@@ -10,11 +10,21 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from longspan.cli import main as cli_main
 from longspan.core.errors import ConfigError
-from longspan.training.callbacks import Callback, CallbackContext, CallbackError, CallbackManager, VALID_EVENTS
+from longspan.training.callbacks import (
+    VALID_EVENTS,
+    Callback,
+    CallbackContext,
+    CallbackError,
+    CallbackManager,
+    stop_requested,
+)
 from longspan.training.pretrain import pretrain
+from tests.parallel.harness import get_shared_pool, init_gloo
 from tests.training.pretrain_helpers import losses_by_iteration, tiniest_config
 
 TRAIN_ITERS = 6
@@ -214,3 +224,16 @@ def test_bad_callback_arguments_are_one_line_errors(tmp_path: Path, capsys: pyte
     assert cli_main(["pretrain", "--recipe", "tiny", "--callbacks", "no_such_module_here:Thing"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "longspan: error: --callbacks no_such_module_here:Thing: cannot import module 'no_such_module_here'"]
+
+
+def _stop_agreed(requesting_rank: int) -> bool:
+    init_gloo(timeout_s=60)
+    manager = CallbackManager()
+    if dist.get_rank() == requesting_rank:
+        manager.request_stop()
+    return stop_requested(SimpleNamespace(callback_manager=manager, device=torch.device("cpu")))
+
+
+@pytest.mark.slow
+def test_one_ranks_stop_request_stops_every_rank() -> None:
+    assert get_shared_pool(2).run(_stop_agreed, 1) == [True, True]  # rank 0 alone would read False

@@ -34,6 +34,9 @@ def add_parser(subparsers: Any, name: str) -> None:
     parser = subparsers.add_parser(name, help=f"{name} a model from a recipe, YAML files and dotlist overrides",
                                    description=f"{DESCRIPTIONS[name]} {LAUNCH}")
     add_config_arguments(parser)
+    parser.add_argument("--callbacks", action="append", default=[], metavar="MODULE:NAME",
+                        help="training callbacks (repeatable; longspan.training.callbacks): a Callback subclass or "
+                             "instance, a list of them, or a CallbackManager, imported from MODULE")
     launch = parser.add_argument_group("launching workers")
     launch.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="start N worker processes on this node")
@@ -99,14 +102,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, cfg: Any) -> int:
+    from longspan.training.callbacks import callbacks_from_specs  # `longspan --help` must not import torch
+
+    callbacks = callbacks_from_specs(args.callbacks)
     if args.command_name == "finetune":
         from longspan.training.finetune import finetune  # `longspan --help` must not import torch
 
-        state = finetune(cfg)
+        state = finetune(cfg, callbacks=callbacks)
     else:
         from longspan.training.pretrain import pretrain  # `longspan --help` must not import torch
 
-        state = pretrain(cfg)
+        state = pretrain(cfg, callbacks=callbacks)
     return int(getattr(state, "exit_code", None) or 0)
 
 

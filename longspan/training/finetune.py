@@ -1,16 +1,21 @@
-"""``finetune(config, forward_step_func)``: pretrain's loop starting from pretrained weights."""
+"""``finetune(config, forward_step_func, callbacks=None)``: pretrain's loop starting from pretrained weights."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from longspan.core.errors import ConfigError
+from longspan.training.callbacks import Callback, CallbackManager
 from longspan.training.checkpointing.load import find_checkpoint
 from longspan.training.pretrain import pretrain
 from longspan.training.state import GlobalState
 
 
-def finetune(config: Any, forward_step_func: Optional[Callable] = None) -> GlobalState:
+def finetune(
+    config: Any,
+    forward_step_func: Optional[Callable] = None,
+    callbacks: Union[list[Callback], CallbackManager, None] = None,
+) -> GlobalState:
     """Like ``pretrain``, but requires weights to start from.
 
     ``checkpoint.pretrained_checkpoint`` loads weights only (iteration 0, fresh optimizer and RNG); once the
@@ -23,4 +28,4 @@ def finetune(config: Any, forward_step_func: Optional[Callable] = None) -> Globa
             "finetune needs checkpoint.pretrained_checkpoint: give checkpoint.pretrained_checkpoint=DIR, an HF model "
             f"directory or a longspan checkpoint to start from{resumable}"
         )
-    return pretrain(config, forward_step_func)
+    return pretrain(config, forward_step_func, callbacks=callbacks)

@@ -1,14 +1,15 @@
-"""``pretrain(config, forward_step_func)``: Megatron Bridge's entry point."""
+"""``pretrain(config, forward_step_func, callbacks=None)``: Megatron Bridge's entry point."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from longspan.config.schema.container import ConfigContainer
 from longspan.core.errors import NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.attention_backend import attention_backend_context
 from longspan.models.t5_provider import T5ModelProvider
+from longspan.training.callbacks import Callback, CallbackManager, normalize_callbacks
 from longspan.training.eval import evaluate_and_print_results
 from longspan.training.step.forward_step import forward_step as default_forward_step
 from longspan.training.setup import setup
@@ -25,18 +26,22 @@ from longspan.training.checkpointing.convert import convert_loaded_checkpoint
 logger = get_logger(__name__)
 
 
-def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = None) -> GlobalState:
+def pretrain(
+    config: ConfigContainer,
+    forward_step_func: Optional[Callable] = None,
+    callbacks: Union[list[Callback], CallbackManager, None] = None,
+) -> GlobalState:
     """Validate ``config``, set up, train, evaluate on the test split, and return the final GlobalState.
 
-    ``forward_step_func`` defaults to the GPT forward step (the T5 one for a T5ModelProvider). Megatron Bridge
-    returns None; returning the state (train_state, the last losses) is a longspan convenience for scripts and
-    tests.
+    ``forward_step_func`` defaults to the GPT forward step (the T5 one for a T5ModelProvider). ``callbacks``:
+    Callback instances or a CallbackManager (``longspan.training.callbacks``). Megatron Bridge returns None;
+    returning the state (train_state, the last losses) is a longspan convenience for scripts and tests.
     """
     if forward_step_func is None:
         t5 = isinstance(config.model, T5ModelProvider)
         forward_step_func = t5_forward_step if t5 else default_forward_step
     _check_inprocess_restart(config)
-    out = setup(config)
+    out = setup(config, callbacks=normalize_callbacks(callbacks))  # a bad callback fails before any work
     state = out.state
     try:
         if config.checkpoint.ckpt_convert_format is not None:  # a conversion run: save what was loaded, stop
@@ -104,7 +109,7 @@ def _train_and_test(out: Any, forward_step_func: Callable) -> GlobalState:
         state.test_results = evaluate_and_print_results(
             state, f"iteration {state.train_state.step} on test set",
             prepare_forward_step_func(forward_step_func, state), out.test_data_iterator, out.model, cfg,
-            write_to_tensorboard=True, sample_generations=False,
+            write_to_tensorboard=True, sample_generations=False, is_test=True,
         )
     print_run_summary(state)
     stop_straggler_detection(state)

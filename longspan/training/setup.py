@@ -41,6 +41,7 @@ from longspan.training.resilience.hooks import (
     start_fault_tolerance,
     start_straggler_detection,
 )
+from longspan.training.callbacks import attach_callbacks, fire_event
 from longspan.training.initialize import set_random_seed, start_logging
 from longspan.training.checkpointing.non_persistent import load_newest_checkpoint
 from longspan.training.checkpointing.hf_weights import apply_hf_pretrained_config
@@ -91,9 +92,12 @@ def build_model(
     return [materialize_parallel_model(build_meta_model(cfg.model), cfg, parallel, seed, pre_wrap_hook)]
 
 
-def setup(cfg: Any) -> SetupOutput:
-    """Validate, initialize processes, build everything, and load the checkpoint when there is one."""
+def setup(cfg: Any, callbacks: Any = None) -> SetupOutput:
+    """Validate, initialize processes, build everything, and load the checkpoint when there is one.
+
+    ``callbacks`` (``training.callbacks``: Callback instances or a manager) become ``state.callback_manager``."""
     state = _initialize(cfg, start_time=time.time())
+    attach_callbacks(state, callbacks)
     parallel = state.parallel
     _resolve_and_validate_config(cfg, state)
     _start_run_services(cfg, state)
@@ -131,6 +135,7 @@ def setup(cfg: Any) -> SetupOutput:
     state.start_iteration = state.train_state.step
     state.start_consumed_train_samples = state.train_state.consumed_train_samples
 
+    fire_event(state, "on_data_init_start", model, optimizer=optimizer, scheduler=scheduler)
     datasets: list[Any] = []
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
         cfg, state.train_state, state.tokenizer, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,

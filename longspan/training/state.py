@@ -97,6 +97,7 @@ class GlobalState:
             reads the current global batch size from it.
         energy_monitor: an object with ``lap() -> joules`` when ``logger.log_energy`` is honoured.
         valid_dataset: the validation dataset (indexable), where ``logger.log_eval_samples`` takes its prompts.
+        callback_manager: the run's ``training.callbacks.CallbackManager`` (None without callbacks).
         start_time: ``time.time()`` when the state was created (the trainer may reset it).
     """
 
@@ -112,6 +113,7 @@ class GlobalState:
         self.num_microbatches_calculator: Optional[Any] = None
         self.energy_monitor: Optional[Any] = None
         self.valid_dataset: Optional[Any] = None
+        self.callback_manager: Optional[Any] = None
         self.start_time: float = time.time()
         self._run: Optional[_loggers.RunIdentity] = None
         # Where this run's training starts (after loading a checkpoint): the summary reports this run's part.

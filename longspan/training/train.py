@@ -17,6 +17,7 @@ import torch.distributed as dist
 from longspan.core.logging import get_logger, get_rank, print_rank_0
 from longspan.parallel.compile import mark_cuda_graph_step
 from longspan.parallel.replica_hash import check_param_hashes_across_dp_replicas, replicated_parameter_count
+from longspan.training.callbacks import fire_event, stop_requested
 from longspan.training.checkpointing.save import finalize_async_saves, save_checkpoint
 from longspan.training.eval import evaluate_and_print_results
 from longspan.parallel.expert_parallel import update_expert_biases
@@ -122,6 +123,7 @@ def train(
     train_state = global_state.train_state
     forward_step_func, loop, train_data_iterator = _begin_training(
         forward_step_func, model, global_state, train_data_iterator)
+    fire_event(global_state, "on_train_start", model, optimizer=optimizer, scheduler=scheduler)
 
     def save() -> None:
         save_checkpoint_and_time(
@@ -140,6 +142,7 @@ def train(
             _skip_iteration(global_state, train_data_iterator)
             continue
 
+        fire_event(global_state, "on_train_step_start", model, optimizer=optimizer, scheduler=scheduler)
         before_iteration(global_state)  # resilience: the straggler detector's step timer
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = (
             train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
@@ -149,6 +152,8 @@ def train(
         if should_exit:
             global_state.exit_code = exit_code
             break
+        fire_event(global_state, "on_train_step_end", model, optimizer=optimizer, scheduler=scheduler,
+                   loss_dict=loss_dict, grad_norm=grad_norm, skipped_iter=bool(skipped_iter))
 
         _count_iteration(global_state, loop, skipped_iter)
         if not cfg.logger.skip_train_metrics_log:
@@ -177,6 +182,7 @@ def train(
     if cfg.train.manual_gc:
         gc.enable()
     _finish_train(global_state)
+    fire_event(global_state, "on_train_end", model, optimizer=optimizer, scheduler=scheduler)
 
 
 def _skip_iteration(global_state: GlobalState, train_data_iterator: Any) -> None:
@@ -487,7 +493,8 @@ def checkpoint_and_decide_exit(
     checkpointing_context: dict[str, Any],
     train_data_iterator: Optional[Iterator],
 ) -> bool:
-    """Megatron's order: signal → save and exit; interval saves; exit duration; exit interval."""
+    """Megatron's order: signal → save and exit; interval saves; exit duration; exit interval (or a callback's
+    stop request)."""
     cfg = state.cfg
     step = state.train_state.step
     save = cfg.checkpoint.save
@@ -525,12 +532,14 @@ def checkpoint_and_decide_exit(
             print_rank_0(f"exiting program after {minutes.item():.1f} minutes at iteration {step}", logger)
             return True
 
-    if cfg.train.exit_interval and step % cfg.train.exit_interval == 0:
+    callback_stop = stop_requested(state)
+    if callback_stop or (cfg.train.exit_interval and step % cfg.train.exit_interval == 0):
         if save and not saved:
             do_save()
         if dist.is_initialized():
             dist.barrier()
-        print_rank_0(f"exiting program at iteration {step}", logger)
+        print_rank_0(f"exiting program at iteration {step}" + (" (a callback asked to stop)" if callback_stop else ""),
+                     logger)
         return True
     return False
 

@@ -42,6 +42,7 @@ from longspan.core.errors import CheckpointError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.parallel.pipeline import state_dict_module
 from longspan.peft.adapters import is_finetuned_state_key
+from longspan.training.callbacks import fire_event
 from longspan.training.checkpointing.async_save import dcp_save_arguments, finalize_async_saves, start_async_save
 from longspan.training.checkpointing.hf_weights import HF_SUBDIR, save_hf_checkpoint
 from longspan.training.checkpointing.io import TRAIN_STATE_FILENAME, single_process_quiet
@@ -308,6 +309,7 @@ def save_checkpoint(
                 remove_old_checkpoints(root, ckpt_cfg.most_recent_k, protected)
         _barrier()
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}", logger)
+        fire_event(state, "on_checkpoint_save", model, optimizer=optimizer, scheduler=opt_param_scheduler)
 
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format", logger)
     if ckpt_cfg.async_save:  # on a group of its own (async_checkpoint): training goes on meanwhile

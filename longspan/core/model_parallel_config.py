@@ -216,8 +216,9 @@ class ModelParallelConfig:
     schedule. None: Megatron's (1F1B; interleaved 1F1B with virtual_pipeline_model_parallel_size). '1F1B',
     'GPipe', 'Interleaved1F1B', 'InterleavedZeroBubble' (ZB1P: each backward split into input and weight
     gradients, the weight ones filling the bubble), 'ZBVZeroBubble' and 'DualPipeV' (V-shaped: two stages per
-    rank, stage r and 2 pp - 1 - r, so they need virtual_pipeline_model_parallel_size=2). longspan.core.
-    pipeline_schedules lists them with the bubble the planner assumes."""
+    rank, stage r and 2 pp - 1 - r, so they need virtual_pipeline_model_parallel_size=2). The zero-bubble ones
+    run with pipeline and tensor parallel only (no data or context parallel yet). longspan.core.pipeline_schedules
+    lists them with the bubble the planner assumes."""
 
     # ---- activation/weight offloading ------------------------------------------------------------------------
     cpu_offloading: bool = False

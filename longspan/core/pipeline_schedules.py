@@ -60,7 +60,7 @@ SCHEDULES: dict[str, PipelineSchedule] = {
 }
 
 
-def resolve_schedule(name: str | None, stages_per_rank: int) -> PipelineSchedule:
+def resolve_schedule(name: str | None, stages_per_rank: int = 1) -> PipelineSchedule:
     """The schedule ``name`` selects; None: Megatron's choice (1F1B, interleaved 1F1B with several stages)."""
     if name is None:
         return SCHEDULES["Interleaved1F1B" if stages_per_rank > 1 else "1F1B"]

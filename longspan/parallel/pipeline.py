@@ -153,7 +153,7 @@ def build_pipeline_chunks(
     name = provider.pipeline_parallel_schedule
     v_shape = resolve_schedule(name, num_stages // pp).v_shape
     chunks: list[nn.Module] = []
-    for vp_index, stage in enumerate(rank_stages(rank, pp, num_stages, v_shape)):
+    for vp_index, stage in enumerate(chunk_stages(provider, pp, rank)):
         info = PipelineChunkInfo(stage, num_stages, rank, pp, vp_index, tuple(numbers[stage]), shape, dtype,
                                  name, v_shape)
         model = build_meta_model(
@@ -168,6 +168,14 @@ def build_pipeline_chunks(
         chunks.append(model)
     _log.debug("pipeline rank %d/%d: stages %s", rank, pp, [getattr(c, CHUNK_INFO_ATTR).stage_index for c in chunks])
     return chunks
+
+
+def chunk_stages(provider: Any, pp: int, rank: int) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` holds, in chunk order: ``rank + k pp`` (loop placement), or
+    ``rank`` and ``2 pp - 1 - rank`` under a V-shaped ``pipeline_parallel_schedule``."""
+    num_stages = len(layer_counts_for_config(provider, pp))
+    v_shape = resolve_schedule(provider.pipeline_parallel_schedule, num_stages // pp).v_shape
+    return rank_stages(rank, pp, num_stages, v_shape)
 
 
 def _mark_chunk(model: nn.Module, info: PipelineChunkInfo, parallel: Any) -> None:

@@ -4,8 +4,8 @@ and microbatch counts they cannot use.
 
 - ``pretrain`` for 8 iterations on 2 processes (pp=2): ``ZBVZeroBubble`` and ``DualPipeV`` on 4 stages in a V
   (rank 0 holds stages 0 and 3), ``InterleavedZeroBubble`` on 4 looped stages; every iteration's loss and
-  gradient norm within 1e-5 (relative) of one process's, and the evaluation (a forward-only step, which torch's
-  V schedules cannot run on their own) gives the one-process validation loss.
+  gradient norm within 1e-5 (relative) of one process's, and the evaluations (forward-only steps, which torch's
+  V schedules cannot run on their own) give the one-process validation and test losses.
 - The bubble the planner assumes for each schedule (formulas of ``longspan.core.pipeline_schedules``, written
   out here) and where the V shape puts the layers and the output layer.
 - Bad input: one line naming the field, exit 2.
@@ -50,9 +50,28 @@ def _pretrain(run_dir: str, **layout) -> int:
     return pretrain(_config(run_dir, **layout)).train_state.step
 
 
+def _pretrain_recording(run_dir: str, **layout) -> tuple[int, list[tuple[str, bool, list[int]]]]:
+    """``_pretrain`` on a worker, and each pipeline runtime it built: (torch schedule class, forward only,
+    this rank's stages)."""
+    from longspan.training.step import pipeline_schedules
+
+    built = []
+    original = pipeline_schedules._PipelineRuntime.__init__
+
+    def record(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        built.append((type(self.schedule).__name__, self.forward_only, [s.stage_index for s in self.stages]))
+
+    pipeline_schedules._PipelineRuntime.__init__ = record
+    try:
+        return _pretrain(run_dir, **layout), built
+    finally:
+        pipeline_schedules._PipelineRuntime.__init__ = original
+
+
 def _validation_losses(tb_dir: str) -> list[float]:
     rows = [json.loads(line) for line in open(os.path.join(tb_dir, "metrics.jsonl"))]
-    return [r["losses"]["lm loss"] for r in rows if r.get("phase") == "valid"]
+    return [r["losses"]["lm loss"] for r in rows if r.get("phase") == "validation"]
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +89,19 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_schedule_trains_as_one_process(schedule: str, one_process: dict, tmp_path: Path) -> None:
     want = one_process
     assert want["losses"][-1] < want["losses"][0] * 0.95  # the reference trained
-    assert len(want["valid"]) == 1
-    get_shared_pool(2).run(_pretrain, str(tmp_path), timeout=240, schedule=schedule, pp=2)
+    assert len(want["valid"]) == 2  # the validation set at iteration 8, then the test set
+    ranks = get_shared_pool(2).run(_pretrain_recording, str(tmp_path), timeout=240, schedule=schedule, pp=2)
+    stages = [[0, 3], [1, 2]] if schedule in ("ZBVZeroBubble", "DualPipeV") else [[0, 2], [1, 3]]
+    for rank, (steps, built) in enumerate(ranks):  # training, then evaluation, on the schedule's stages
+        assert steps == ITERS
+        assert built == [(f"Schedule{schedule}", False, stages[rank]), (f"Schedule{schedule}", True, stages[rank])]
     got = logged(os.path.join(str(tmp_path), "tb"))
     assert got["iterations"] == want["iterations"] == list(range(1, ITERS + 1))
     for key in ("losses", "norms"):
         for i, (g, w) in enumerate(zip(got[key], want[key], strict=True)):
             assert abs(g - w) <= REL * abs(w), f"{schedule} {key}[{i}]: {g} vs one process {w}"
-    (g,), (w,) = _validation_losses(os.path.join(str(tmp_path), "tb")), want["valid"]
-    assert abs(g - w) <= REL * abs(w), f"{schedule} validation loss {g} vs one process {w}"
+    for g, w in zip(_validation_losses(os.path.join(str(tmp_path), "tb")), want["valid"], strict=True):
+        assert abs(g - w) <= REL * abs(w), f"{schedule} validation loss {g} vs one process {w}"
 
 
 # ------------------------------------------------------------------------------------ placement, bubble

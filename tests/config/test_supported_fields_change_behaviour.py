@@ -728,7 +728,8 @@ def _v_shaped_schedule_places_both_ends_on_rank_0(tmp_path: Path) -> bool:
                          model__virtual_pipeline_model_parallel_size=2, **dotted)
         return [chunk_stages(cfg.model, 2, rank) for rank in range(2)]
 
-    return stages() == [[0, 2], [1, 3]] and stages(model__pipeline_parallel_schedule="ZBVZeroBubble") == [[0, 3], [1, 2]]
+    v_shape = stages(model__pipeline_parallel_schedule="ZBVZeroBubble")
+    return stages() == [[0, 2], [1, 3]] and v_shape == [[0, 3], [1, 2]]
 
 
 class _RecordingWriter:

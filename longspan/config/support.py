@@ -85,6 +85,7 @@ FIELD_STATUS: dict[str, str] = {
     # send/recv pairs and post sends asynchronously, so the p2p knobs below change no maths.
     **_many("model", SUPPORTED, """
         pipeline_model_parallel_size virtual_pipeline_model_parallel_size microbatch_group_size_per_vp_stage
+        pipeline_parallel_schedule
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage
         account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split batch_p2p_comm batch_p2p_sync
         """),

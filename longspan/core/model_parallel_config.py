@@ -211,6 +211,15 @@ class ModelParallelConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """Microbatches run back to back on one virtual stage; None means pipeline_model_parallel_size."""
 
+    pipeline_parallel_schedule: Optional[str] = None
+    """longspan's own (torchtitan's name; Megatron Bridge has no such field): the torch.distributed.pipelining
+    schedule. None: Megatron's (1F1B; interleaved 1F1B with virtual_pipeline_model_parallel_size). '1F1B',
+    'GPipe', 'Interleaved1F1B', 'InterleavedZeroBubble' (ZB1P: each backward split into input and weight
+    gradients, the weight ones filling the bubble), 'ZBVZeroBubble' and 'DualPipeV' (V-shaped: two stages per
+    rank, stage r and 2 pp - 1 - r, so they need virtual_pipeline_model_parallel_size=2). The zero-bubble ones
+    run with pipeline and tensor parallel only (no data or context parallel yet). longspan.core.pipeline_schedules
+    lists them with the bubble the planner assumes."""
+
     # ---- activation/weight offloading ------------------------------------------------------------------------
     cpu_offloading: bool = False
     """Keep what the first cpu_offloading_num_layers layers save for backward in host memory (torch saved-tensor

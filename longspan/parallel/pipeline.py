@@ -7,7 +7,9 @@ holds the two small relative position tables; ``sync_stage_shared_grads`` sums t
 
 Layout (Megatron's): the layers are split over ``pp × vp`` *virtual stages*; virtual stage ``s`` lives on
 pipeline rank ``s % pp`` as its model chunk ``s // pp`` (torch's "loop" placement, which is Megatron's
-interleaving). Stage 0 holds the embedding; the last stage holds the final norm, the output layer and the
+interleaving). The V-shaped schedules of ``model.pipeline_parallel_schedule`` (ZBV, DualPipeV) place two
+stages per rank instead, stage ``r`` and ``2 pp - 1 - r`` (``longspan.core.pipeline_schedules``), so rank 0
+holds both ends. Stage 0 holds the embedding; the last stage holds the final norm, the output layer and the
 loss. ``decoder.layers`` is keyed by the global layer index, so every chunk's parameter names are the
 unpipelined model's and ``init_weights`` draws exactly the full model's weights into each chunk.
 
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from longspan.core.logging import get_logger
+from longspan.core.pipeline_schedules import rank_stages, resolve_schedule
 from longspan.core.pipeline_split import (  # the split arithmetic; stage_layer_counts re-exported
     layer_counts_for_config,
     stage_layer_counts,  # noqa: F401
@@ -67,10 +70,12 @@ class PipelineChunkInfo:
         stage_index: the virtual stage (0 .. num_stages-1) in pipeline order.
         num_stages: ``pp × vp``.
         pp_rank, pp_size: this rank's pipeline rank and the pipeline size.
-        vp_index: the chunk's index on this rank (``stage_index // pp_size``).
+        vp_index: the chunk's index on this rank (``stage_index // pp_size``; 0 or 1 in a V shape).
         layer_numbers: the global indices of the transformer layers the chunk holds.
         activation_shape: the hidden states stages exchange, ``(micro_batch_size, local seq, hidden)``.
         activation_dtype: their dtype (``model.pipeline_dtype``).
+        schedule: ``model.pipeline_parallel_schedule`` (None: 1F1B, interleaved with several chunks).
+        v_shape: stages placed in a V (stage r and 2 pp - 1 - r on rank r).
     """
 
     stage_index: int
@@ -81,6 +86,8 @@ class PipelineChunkInfo:
     layer_numbers: tuple[int, ...]
     activation_shape: tuple[int, int, int] = (0, 0, 0)
     activation_dtype: torch.dtype = torch.float32
+    schedule: str | None = None
+    v_shape: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -143,10 +150,12 @@ def build_pipeline_chunks(
     numbers = stage_layer_numbers(counts)
     num_stages = len(counts)
     shape, dtype = activation_spec(cfg)
+    name = provider.pipeline_parallel_schedule
+    v_shape = resolve_schedule(name, num_stages // pp).v_shape
     chunks: list[nn.Module] = []
-    for vp_index in range(num_stages // pp):
-        stage = vp_index * pp + rank
-        info = PipelineChunkInfo(stage, num_stages, rank, pp, vp_index, tuple(numbers[stage]), shape, dtype)
+    for vp_index, stage in enumerate(chunk_stages(provider, pp, rank)):
+        info = PipelineChunkInfo(stage, num_stages, rank, pp, vp_index, tuple(numbers[stage]), shape, dtype,
+                                 name, v_shape)
         model = build_meta_model(
             provider,
             pre_process=info.is_first,
@@ -159,6 +168,14 @@ def build_pipeline_chunks(
         chunks.append(model)
     _log.debug("pipeline rank %d/%d: stages %s", rank, pp, [getattr(c, CHUNK_INFO_ATTR).stage_index for c in chunks])
     return chunks
+
+
+def chunk_stages(provider: Any, pp: int, rank: int) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` holds, in chunk order: ``rank + k pp`` (loop placement), or
+    ``rank`` and ``2 pp - 1 - rank`` under a V-shaped ``pipeline_parallel_schedule``."""
+    num_stages = len(layer_counts_for_config(provider, pp))
+    v_shape = resolve_schedule(provider.pipeline_parallel_schedule, num_stages // pp).v_shape
+    return rank_stages(rank, pp, num_stages, v_shape)
 
 
 def _mark_chunk(model: nn.Module, info: PipelineChunkInfo, parallel: Any) -> None:

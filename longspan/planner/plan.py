@@ -23,9 +23,11 @@ Megatron's theoretical memory report as a search over layouts. For each (tp, pp,
   parameters), one layer's activation gradients in backward, and the gathered FSDP2 layer.
 
 Step time: model FLOPs (Megatron's formula, recompute adds a forward) at a fixed fraction of the device's
-peak (``longspan.planner.peak_flops``), stretched by the pipeline bubble, plus tensor-parallel all-reduces,
-context-parallel K/V gathers (all-to-alls for gated DeltaNet layers) and the data-parallel gradient reduction
-at the device's link bandwidth. It is an estimate to rank layouts, not a promise; the memory figures are
+peak (``longspan.planner.peak_flops``), stretched by the pipeline bubble of the config's schedule
+(``longspan.core.pipeline_schedules.bubble_fraction``: 1F1B's (pp-1)/m, divided by the virtual stages when
+interleaved, a third of it for the zero-bubble ZB1P and DualPipeV, none for ZB-V with 2 pp - 1 microbatches),
+plus tensor-parallel all-reduces, context-parallel K/V gathers (all-to-alls for gated DeltaNet layers) and the
+data-parallel gradient reduction at the device's link bandwidth. It is an estimate to rank layouts, not a promise; the memory figures are
 checked against measured peaks in tests/perf/test_planner.py and docs/plan.md.
 """
 
@@ -40,6 +42,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
+from longspan.core.pipeline_schedules import PipelineSchedule, bubble_fraction, resolve_schedule, stage_rank
 from longspan.models.gpt import padded_vocab_size
 from longspan.models.loss import default_chunk_tokens
 from longspan.parallel.data_parallel import data_parallel_mode
@@ -150,7 +153,7 @@ def _layout_config(cfg: Any, layout: Layout) -> Any:
     if layout.tp == 1:
         m.sequence_parallel = False
     if layout.pp == 1:
-        m.virtual_pipeline_model_parallel_size = None
+        m.virtual_pipeline_model_parallel_size = m.pipeline_parallel_schedule = None
         m.num_layers_in_first_pipeline_stage = m.num_layers_in_last_pipeline_stage = None
     return out
 
@@ -186,12 +189,25 @@ def candidate_layouts(cfg: Any, world_size: int) -> tuple[list[tuple[Any, Layout
 
 # ----------------------------------------------------------------------------------------------- weights
 
+def _schedule(cfg: Any, pp: int) -> PipelineSchedule:
+    """The pipeline schedule the config runs at ``pp`` stages (its placement and bubble)."""
+    stages_per_rank = len(layer_counts_for_config(cfg.model, pp)) // pp
+    return resolve_schedule(cfg.model.pipeline_parallel_schedule, stages_per_rank)
+
+
+def _last_stage_rank(cfg: Any, pp: int) -> int:
+    """The pipeline rank holding the output layer: the last one, the first under a V-shaped schedule."""
+    return stage_rank(len(layer_counts_for_config(cfg.model, pp)) - 1, pp, _schedule(cfg, pp).v_shape)
+
+
 def _stage_of_layers(cfg: Any, pp: int) -> dict[int, int]:
+    """The pipeline rank of each transformer layer."""
     counts = layer_counts_for_config(cfg.model, pp)
+    v_shape = _schedule(cfg, pp).v_shape
     stage_of = {}
     for stage, numbers in enumerate(stage_layer_numbers(counts)):
         for n in numbers:
-            stage_of[n] = stage % pp
+            stage_of[n] = stage_rank(stage, pp, v_shape)
     return stage_of
 
 
@@ -217,6 +233,7 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
     as this rank holds them."""
     pp = layout.pp
     stage_of = _stage_of_layers(cfg, pp)
+    last_rank = _last_stage_rank(cfg, pp)
     tied = bool(cfg.model.share_embeddings_and_output_weights)
     mtp = bool(cfg.model.mtp_num_layers)
     ranks = [{"dense": 0.0, "expert": 0.0, "largest_layer": 0.0, "root": 0.0, "nf4": 0.0} for _ in range(pp)]
@@ -241,11 +258,11 @@ def rank_parameter_counts(cfg: Any, layout: Layout, meta_model: Any) -> list[dic
         elif name.startswith("embedding."):
             stages = [0]
             if tied and pp > 1 and "word_embeddings" in name:
-                stages.append(pp - 1)  # the last stage keeps its own copy of the tied output weight
+                stages.append(last_rank)  # the last stage keeps its own copy of the tied output weight
             if mtp and pp > 1:
-                stages.append(pp - 1)  # and of the whole embedding, for the MTP depths' shifted tokens
+                stages.append(last_rank)  # and of the whole embedding, for the MTP depths' shifted tokens
         else:
-            stages = [pp - 1]
+            stages = [last_rank]
         for s in stages:
             ranks[s]["expert" if expert else "dense"] += n
             if not match:
@@ -354,7 +371,7 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
         per_mb = stage_activations(cfg, parts, layers)
         if rank == 0:
             per_mb += parts["embedding"]
-        last = rank == layout.pp - 1
+        last = rank == _last_stage_rank(cfg, layout.pp)
         if last:
             per_mb += parts["output"]
         activations = in_flight * per_mb
@@ -394,7 +411,7 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
     compute = flops / layout.world_size / (peak * efficiency)
     microbatches = max(1, gbs // (mbs * layout.dp))
     vp = int(m.virtual_pipeline_model_parallel_size or 1)
-    compute *= 1.0 + (layout.pp - 1) / (microbatches * vp)
+    compute *= 1.0 + bubble_fraction(_schedule(cfg, layout.pp), layout.pp, microbatches, vp)
     seq = int(m.seq_length) // layout.cp
     act_bytes = dtype_bytes(m.params_dtype)
     layers_per_stage = -(-int(m.num_layers) // layout.pp)

@@ -717,6 +717,21 @@ def _microbatch_group_size_accepts_only_torchs_schedule(tmp_path: Path) -> bool:
     return True
 
 
+@probe("model.pipeline_parallel_schedule")
+def _v_shaped_schedule_places_both_ends_on_rank_0(tmp_path: Path) -> bool:
+    """A V-shaped schedule puts stage r and 2 pp - 1 - r on rank r (the default interleaves r and r + pp); the
+    schedules' numbers against one process: tests/parallel/test_zero_bubble.py."""
+    from longspan.parallel.pipeline import chunk_stages
+
+    def stages(**dotted: Any) -> list[list[int]]:
+        cfg = _validated(2, model__num_layers=4, model__pipeline_model_parallel_size=2,
+                         model__virtual_pipeline_model_parallel_size=2, **dotted)
+        return [chunk_stages(cfg.model, 2, rank) for rank in range(2)]
+
+    v_shape = stages(model__pipeline_parallel_schedule="ZBVZeroBubble")
+    return stages() == [[0, 2], [1, 3]] and v_shape == [[0, 3], [1, 2]]
+
+
 class _RecordingWriter:
     """Stands in for TensorBoard's SummaryWriter: records (tag, step) of every scalar written."""
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from longspan.config.rules.ranges import positive_int
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.core.pipeline_schedules import resolve_schedule
 from longspan.core.pipeline_split import layer_counts_for_config
 from longspan.core.vocab import calculate_padded_vocab_size
 
@@ -266,13 +267,15 @@ def check_pipeline(cfg: "ConfigContainer", num_microbatches: int) -> None:
             f"model.pipeline_model_parallel_size={pp} stages: the pipeline needs at least one microbatch per stage"
         )
     group = m.microbatch_group_size_per_vp_stage
+    # the V-shaped schedules run any microbatch count (longspan.config.rules.pipeline_schedule checks theirs)
+    v_shape = m.pipeline_parallel_schedule is not None and resolve_schedule(m.pipeline_parallel_schedule).v_shape
     if m.virtual_pipeline_model_parallel_size is not None:
         if group is not None and group != pp:
             raise NotSupportedError(
                 f"model.microbatch_group_size_per_vp_stage={group} is not supported: torch's interleaved 1F1B "
                 f"runs groups of pipeline_model_parallel_size ({pp}) microbatches per virtual stage; leave it None"
             )
-        if num_microbatches % pp != 0:
+        if num_microbatches % pp != 0 and not v_shape:
             raise ConfigError(
                 f"{num_microbatches} microbatches is not a multiple of model.pipeline_model_parallel_size={pp}, "
                 "which the interleaved schedule (virtual_pipeline_model_parallel_size) needs"

@@ -40,6 +40,7 @@ from longspan.config.rules.precision import (
     sync_distributed_optimizer,
 )
 from longspan.config.rules.optim_offload import check_optimizer_offload
+from longspan.config.rules.pipeline_schedule import check_pipeline_schedule
 from longspan.config.rules.ranges import check_ranges
 from longspan.config.rules.run_dirs import follow_run_directory
 from longspan.config.rules.schedule import check_batch, check_train_length, compute_scheduler_steps
@@ -103,6 +104,7 @@ def _set_num_microbatches(cfg: "ConfigContainer", derived: Derived) -> None:
 
 
 def _pipeline(cfg: "ConfigContainer", derived: Derived) -> None:
+    check_pipeline_schedule(cfg, derived.data_parallel_size, derived.num_microbatches)
     check_pipeline(cfg, derived.num_microbatches)
 
 

@@ -1,8 +1,12 @@
 """Forward/backward over the microbatches of one global batch with pipeline parallelism.
 
 Built on ``torch.distributed.pipelining``: every model chunk of this rank (``longspan.parallel.pipeline``)
-becomes a ``PipelineStage`` and one schedule runs them: ``Schedule1F1B`` for one chunk per rank,
-``ScheduleInterleaved1F1B`` for several (virtual pipeline), ``ScheduleGPipe`` on request.
+becomes a ``PipelineStage`` and one schedule runs them: ``model.pipeline_parallel_schedule`` (the chunks carry
+it), by default ``Schedule1F1B`` for one chunk per rank and ``ScheduleInterleaved1F1B`` for several (virtual
+pipeline); ``ScheduleGPipe`` and the zero-bubble schedules (``ScheduleInterleavedZeroBubble``, and the V-shaped
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) on request (``longspan.core.pipeline_schedules``). The
+zero-bubble ones split each backward into its input and weight gradients on the stage's autograd graph
+(torch's ``stage_backward_input`` / ``stage_backward_weight``); the forward step's stage needs nothing more.
 
 Megatron's contract is kept: on *every* stage the forward step ``forward_step(data_iterator, model)`` is
 called once per microbatch and reads that microbatch itself (every rank of a data-parallel group builds the
@@ -27,17 +31,23 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError
+from longspan.core.pipeline_schedules import SCHEDULES as SCHEDULE_TABLE
+from longspan.core.pipeline_schedules import PipelineSchedule, resolve_schedule, stage_rank
 from longspan.parallel.init import get_parallel_state
 from longspan.parallel.loss_parallel import parallel_loss_context
 from longspan.parallel.pipeline import PipelineChunkInfo, chunk_info, sync_tied_embedding_grads, unwrap_chunk
 from longspan.training.step.loss_checks import check_finite, set_moe_aux_loss_scale
 
-#: schedule names ``forward_backward_pipelining`` accepts (``"auto"``: 1F1B, interleaved with virtual stages)
-SCHEDULES = ("auto", "1f1b", "interleaved_1f1b", "gpipe")
+#: the lower-case names ``forward_backward_pipelining`` also accepts for three of ``SCHEDULE_TABLE``'s
+_ALIASES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "gpipe": "GPipe"}
+
+#: schedule names ``forward_backward_pipelining`` accepts (``"auto"``: the chunks' ``model.pipeline_parallel_schedule``)
+SCHEDULES = ("auto", *_ALIASES, *SCHEDULE_TABLE)
 
 _CACHE_ATTR = "_longspan_pipeline_runtimes"
 
@@ -112,7 +122,8 @@ class _StageInputModel:
 class _ForwardStepStage(PipelineStage):
     """A ``PipelineStage`` whose forward is the user's forward step on this chunk (see the module docstring)."""
 
-    def __init__(self, chunk: nn.Module, info: PipelineChunkInfo, device: torch.device, group: Any) -> None:
+    def __init__(self, chunk: nn.Module, info: PipelineChunkInfo, device: torch.device, group: Any,
+                 split_backward: bool = False) -> None:
         act = torch.empty(info.activation_shape, dtype=info.activation_dtype, device="meta", requires_grad=True)
         index = torch.zeros(1, dtype=torch.long, device="meta")
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
@@ -126,9 +137,21 @@ class _ForwardStepStage(PipelineStage):
             group=group,
         )
         self.info = info
+        # torch's input-gradient backward detaches the stage's output in place, which a view cannot be
+        self.split_backward = split_backward
         self.context: _StepContext | None = None
         # the decoders whose 'block' recompute covers every layer for some microbatches (TransformerBlock)
         self.recompute_blocks = [m for m in unwrap_chunk(chunk).modules() if hasattr(m, "recompute_all_layers")]
+
+    # torch's V schedules hand the input gradients between a rank's two stages even in a forward-only step, which
+    # fails there (torch 2.13: "can't steal_bwd_input if this stage doesn't have backward"); without a backward
+    # there is nothing to hand over, so evaluation runs their order with these hand-overs empty.
+    def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         # torch's stage keeps DDP from reducing per microbatch; the reduction happens in the last backward.
@@ -138,6 +161,10 @@ class _ForwardStepStage(PipelineStage):
         return self._run_forward_step(args)
 
     def _run_forward_step(self, args: tuple[Any, ...]) -> torch.Tensor:
+        output = self._stage_output(args)
+        return output.clone() if self.split_backward and output._is_view() else output
+
+    def _stage_output(self, args: tuple[Any, ...]) -> torch.Tensor:
         ctx = self.context
         info = self.info
         model = self.submod if info.is_first else _StageInputModel(self.submod, args[0])
@@ -192,23 +219,16 @@ class _PipelineRuntime:
     def __init__(self, model: list[nn.Module], infos: list[PipelineChunkInfo], num_microbatches: int,
                  forward_only: bool, schedule: str, parallel: Any) -> None:
         group = parallel.pp_group
-        self.stages = [_ForwardStepStage(chunk, info, parallel.device, group) for chunk, info in zip(model, infos)]
+        spec = _schedule_spec(schedule, infos[0], len(model))
+        self.stages = [_ForwardStepStage(chunk, info, parallel.device, group, spec.zero_bubble)
+                       for chunk, info in zip(model, infos)]
         loss_fn = None if forward_only else _identity_loss
-        if schedule == "auto":
-            schedule = "interleaved_1f1b" if len(self.stages) > 1 else "1f1b"
-        if schedule == "interleaved_1f1b":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
-        elif len(self.stages) != 1:
-            raise ConfigError(
-                f"pipeline schedule {schedule!r} runs one model chunk per rank, but this rank holds {len(self.stages)} "
-                "(model.virtual_pipeline_model_parallel_size): use 'interleaved_1f1b'"
-            )
-        elif schedule == "1f1b":
-            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
-        elif schedule == "gpipe":
-            self.schedule = ScheduleGPipe(self.stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        schedule_class = getattr(pipelining, spec.torch_class)
+        stages = self.stages if spec.multi_stage else self.stages[0]
+        try:
+            self.schedule = schedule_class(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        except ValueError as error:  # torch's own stage and microbatch count checks, as one line
+            raise ConfigError(f"model.pipeline_parallel_schedule={spec.name!r}: {error}") from None
         self.forward_only = forward_only
         self.num_microbatches = num_microbatches
         self.partial_checkpoints = None if forward_only else _partial_checkpoint_window(self.stages, num_microbatches)
@@ -229,6 +249,27 @@ class _PipelineRuntime:
         finally:
             for stage in self.stages:
                 stage.context = None
+
+
+def _schedule_spec(schedule: str, info: PipelineChunkInfo, chunks: int) -> PipelineSchedule:
+    """The ``PipelineSchedule`` of a ``forward_backward_pipelining`` schedule name for this rank's chunks."""
+    if schedule == "auto":
+        spec = resolve_schedule(info.schedule, chunks)
+    elif schedule in _ALIASES or schedule in SCHEDULE_TABLE:
+        spec = SCHEDULE_TABLE[_ALIASES.get(schedule, schedule)]
+    else:
+        raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not spec.multi_stage and chunks != 1:
+        raise ConfigError(
+            f"pipeline schedule {spec.name!r} runs one model chunk per rank, but this rank holds {chunks} "
+            "(model.virtual_pipeline_model_parallel_size): use 'Interleaved1F1B'"
+        )
+    if spec.v_shape != info.v_shape:
+        raise ConfigError(
+            f"pipeline schedule {spec.name!r} needs the stages placed {'in a V' if spec.v_shape else 'in a loop'}: "
+            "build the chunks with that model.pipeline_parallel_schedule"
+        )
+    return spec
 
 
 def _partial_checkpoint_window(stages: list[_ForwardStepStage], num_microbatches: int) -> tuple[int, int] | None:
@@ -263,14 +304,16 @@ def _runtime(model: list[nn.Module], num_microbatches: int, forward_only: bool, 
     return cache[key]
 
 
-def _last_stage_global_rank(parallel: Any) -> int:
-    return dist.get_process_group_ranks(parallel.pp_group)[-1]
+def _last_stage_global_rank(parallel: Any, info: PipelineChunkInfo) -> int:
+    """The global rank holding the last stage (the last pipeline rank; the first in a V shape)."""
+    rank = stage_rank(info.num_stages - 1, info.pp_size, info.v_shape)
+    return dist.get_process_group_ranks(parallel.pp_group)[rank]
 
 
-def _share_from_last_stage(ctx: _StepContext, parallel: Any) -> None:
+def _share_from_last_stage(ctx: _StepContext, parallel: Any, info: PipelineChunkInfo) -> None:
     """Broadcast the reports, token count and finiteness from the last pipeline stage to the others."""
     payload = [(ctx.reports, ctx.total_tokens, ctx.finite)]
-    src = _last_stage_global_rank(parallel)
+    src = _last_stage_global_rank(parallel, info)
     device = parallel.device if parallel.device.type == "cuda" else None
     if dist.get_rank() == src:
         payload[0] = (
@@ -320,7 +363,7 @@ def forward_backward_pipelining(
 
     with parallel_loss_context(model):
         runtime.run(ctx)
-    _share_from_last_stage(ctx, parallel)
+    _share_from_last_stage(ctx, parallel, runtime.stages[0].info)
     if check_for_nan and not ctx.finite:
         check_finite(torch.tensor(float("nan")), "the loss", iteration)
     if not forward_only:

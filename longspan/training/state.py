@@ -245,7 +245,8 @@ class GlobalState:
 
     def _reset_token_counts(self) -> None:
         """This run's real-token counts (longspan.training.real_tokens): the counter on the training iterator,
-        the last step's (real tokens, Σ length², positions), the run's totals and the total at the last log."""
+        the last step's (real tokens, Σ length², positions), the run's totals, the total at the last log, and the
+        total at the end of each recent iteration (beside the loop's wall-clock marks, for the throughput window)."""
         self.real_token_counter: Optional[Any] = None
         self.last_token_counts: Optional[tuple[int, int, int]] = None
         self.last_step_tokens: Optional[int] = None
@@ -253,6 +254,7 @@ class GlobalState:
         self.real_tokens_so_far: int = 0
         self.positions_so_far: int = 0
         self._tokens_at_last_log: int = 0
+        self.real_token_marks: list[int] = []
 
     def reset_for_restart(self) -> None:
         """Drop timers, train state and sinks so an in-process restart starts clean."""

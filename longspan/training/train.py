@@ -234,10 +234,12 @@ def _count_iteration(global_state: GlobalState, loop: _LoopState, skipped_iter: 
     train_state.floating_point_operations_so_far += flops
     loop.flops_since_last_log += flops
     loop.history_wct.append(time.time() - global_state.start_time)
+    global_state.real_token_marks.append(global_state.real_tokens_so_far)
     # Only the throughput window and one log interval are ever read back: keep no more marks than those.
     logger_cfg = global_state.cfg.logger
     keep = max(int(logger_cfg.throughput_window_size), int(logger_cfg.log_interval) + 1, 2)
     del loop.history_wct[:-keep]
+    del global_state.real_token_marks[:-keep]
 
 
 def _log_train_iteration(

@@ -644,3 +644,20 @@ def test_profiling_helpers(tmp_path):
     prof.stop()
     assert any(name.endswith(".pt.trace.json") for name in os.listdir(tmp_path))
     assert profiling.build_pytorch_profiler(NS(**{**vars(prof_cfg), "profile_ranks": [1]}), NS(cfg=cfg)) is None
+
+
+def test_throughput_token_rates_count_real_tokens_when_the_run_counts_them():
+    """Padded batches: the token rates of the TensorBoard throughput report are the window's real tokens per
+    second, not samples × seq_length (the samples and batch rates stay Megatron Bridge's)."""
+    from longspan.training.observability.log_line import real_token_rates
+
+    train_cfg = NS(global_batch_size=8, micro_batch_size=2)
+    wct = [0.0, 1.0, 2.0, 3.0, 5.0]
+    padded = tu.report_throughput(train_cfg, 10, 32, wct, window_size=5)
+    marks = [100, 173, 250, 331, 400]  # 300 real tokens in the window's 4 iterations (of 4 × 8 × 32 positions)
+    rates = real_token_rates(padded, marks, wct, 5)
+    assert rates["throughput/tokens_per_sec"] == pytest.approx(300 / 5)
+    assert rates["throughput/device/tokens_per_sec"] == pytest.approx(300 / 5)
+    assert rates["throughput/samples_per_sec"] == padded["throughput/samples_per_sec"] == pytest.approx(32 / 5)
+    assert real_token_rates(padded, marks[-2:], wct, 5) == padded  # the window is not full of marks yet
+    assert real_token_rates({}, marks, wct, 5) == {}

@@ -266,13 +266,27 @@ def _write_scalars(ctx: _LogContext, values: dict[str, Any], reports: dict[str, 
 
     extra: dict[str, Any] = dict(reports["memory"])
     if logger_cfg.log_throughput_to_tensorboard and ctx.seq_len:
-        extra.update(report_throughput(ctx.config.train, ctx.iteration, ctx.seq_len, ctx.history_wct,
-                                       int(logger_cfg.throughput_window_size)))
+        window = int(logger_cfg.throughput_window_size)
+        extra.update(real_token_rates(report_throughput(ctx.config.train, ctx.iteration, ctx.seq_len,
+                                                        ctx.history_wct, window),
+                                      ctx.global_state.real_token_marks, ctx.history_wct, window))
     if logger_cfg.log_runtime_to_tensorboard and ctx.seq_len:
         extra.update(report_runtime(train_state, ctx.global_state.start_time, ctx.seq_len,
                                     ctx.config.train.train_iters, logger_cfg.runtime_time_unit))
     extra.update(reports["grad_norms"])
     log_scalars(extra, ctx.iteration, **ctx.sinks)
+
+
+def real_token_rates(rates: dict[str, Any], token_marks: list[int], history_wct: list, window: int) -> dict[str, Any]:
+    """``report_throughput``'s rates with its token rates counting the window's real tokens (padding left out:
+    ``token_marks`` holds the run's real-token total at each of ``history_wct``'s marks) instead of Megatron
+    Bridge's ``samples × seq_length``."""
+    if "throughput/tokens_per_sec" not in rates or len(token_marks) < window:
+        return rates
+    tokens = token_marks[-1] - token_marks[-window]
+    elapsed = history_wct[-1] - history_wct[-window]
+    return {**rates, "throughput/tokens_per_sec": tokens / elapsed,
+            "throughput/device/tokens_per_sec": tokens / elapsed / get_world_size()}
 
 
 def _write_metrics_record(ctx: _LogContext, values: dict[str, Any], got_nan: bool) -> None:

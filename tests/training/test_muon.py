@@ -104,6 +104,20 @@ def test_one_step_is_the_reference_newton_schulz_on_matrices_and_adamw_on_the_re
     assert set(opt.state[dict(model.named_parameters())["mlp.linear_fc2.weight"]]) == {"momentum_buffer"}
 
 
+def test_muon_takes_weight_matrices_and_expert_stacks_only() -> None:
+    from longspan.training.optim.muon import is_muon_matrix
+
+    def takes(name: str, *shape: int, embedding: bool = False) -> bool:
+        return is_muon_matrix(name, nn.Parameter(torch.empty(shape)), embedding)
+
+    assert takes("decoder.layers.0.mlp.router.weight", 4, 8)
+    assert takes("decoder.layers.0.mlp.experts.linear_fc1.weight", 4, 16, 8)
+    assert not takes("decoder.layers.0.mlp.experts.linear_fc1.bias", 4, 16)  # one bias vector per expert
+    assert not takes("embedding.word_embeddings.weight", 64, 8, embedding=True)
+    assert not takes("decoder.layers.0.mixer.conv1d.x.weight", 16, 1, 4)
+    assert not takes("decoder.layers.0.input_layernorm.weight", 8)
+
+
 def _two_steps(**fields) -> dict[str, torch.Tensor]:
     model = Block()
     opt = get_megatron_optimizer(_config(**fields), [model])

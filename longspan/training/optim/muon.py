@@ -95,10 +95,11 @@ def muon_scale(rows: int, cols: int, mode: str) -> float:
 
 
 def is_muon_matrix(name: str, param: nn.Parameter, is_embedding_or_output: bool) -> bool:
-    """Whether ``param`` steps with Muon: a weight matrix, or a stack of expert matrices."""
-    if is_embedding_or_output:
+    """Whether ``param`` steps with Muon: a weight matrix, or a stack of expert matrices (an expert stack's 2-D
+    tensors, such as its biases, are vectors per expert, as in Megatron)."""
+    if is_embedding_or_output or name.endswith("bias"):
         return False
-    return param.dim() == 2 or (param.dim() == 3 and ".experts." in f".{name}")
+    return param.dim() == (3 if ".experts." in f".{name}" else 2)
 
 
 @contextlib.contextmanager

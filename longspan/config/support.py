@@ -136,6 +136,11 @@ FIELD_STATUS: dict[str, str] = {
         loss_scale_window hysteresis adam_beta1 adam_beta2 adam_eps decoupled_weight_decay sgd_momentum
         use_distributed_optimizer clip_grad log_num_zeros_in_grad barrier_with_L1_time
         """),
+    # Muon (longspan.training.optim.muon): orthogonalised momentum on the weight matrices, AdamW on the rest.
+    **_many("optimizer", SUPPORTED, """
+        muon_momentum muon_split_qkv muon_use_nesterov muon_scale_mode muon_fp32_matmul_prec muon_num_ns_steps
+        muon_tp_mode muon_extra_scale_factor
+        """),
     **_many("ddp", SUPPORTED, "grad_reduce_in_fp32 overlap_grad_reduce use_distributed_optimizer bucket_size "
                               "average_in_collective"),
     # The precision-aware optimizer (longspan.training.optim.precision_aware_adam) and FSDP2's explicit

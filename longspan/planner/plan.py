@@ -336,7 +336,8 @@ def estimate_memory(cfg: Any, layout: Layout, meta_model: Any = None,
     pb = dtype_bytes(m.params_dtype)
     main_bytes = 0 if pb == 4 else 4
     optimizer = str(cfg.optimizer.optimizer).lower()
-    state_bytes = 8 if optimizer == "adam" else (4 if float(cfg.optimizer.sgd_momentum or 0) else 0)
+    # Muon counts as AdamW: an upper bound (its matrices keep one fp32 momentum, the rest AdamW's two moments).
+    state_bytes = 8 if optimizer in ("adam", "muon") else (4 if float(cfg.optimizer.sgd_momentum or 0) else 0)
     if cfg.optimizer.use_precision_aware_optimizer:  # main params and moments in their dtypes
         main_bytes = 0 if pb == 4 else dtype_bytes(cfg.optimizer.main_params_dtype)
         state_bytes = dtype_bytes(cfg.optimizer.exp_avg_dtype) + dtype_bytes(cfg.optimizer.exp_avg_sq_dtype)

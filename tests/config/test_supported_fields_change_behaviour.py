@@ -186,6 +186,11 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     # the decay ends at iteration 2, so iteration 3 trains the embedding and output layer at their own minimum
     "optimizer.decoupled_min_lr": (1e-3, {"optimizer.decoupled_lr": 1e-2, "scheduler.lr_decay_iters": 2}),
     "optimizer.sgd_momentum": (0.5, {"optimizer.optimizer": "sgd"}),
+    # Muon's fields (tests/training/test_muon.py checks each against its documented update)
+    **{f"optimizer.{name}": (value, {"optimizer.optimizer": "muon"}) for name, value in (
+        ("muon_momentum", 0.5), ("muon_split_qkv", False), ("muon_use_nesterov", True),
+        ("muon_scale_mode", "unit_rms_norm"), ("muon_fp32_matmul_prec", "highest"), ("muon_num_ns_steps", 10),
+        ("muon_extra_scale_factor", 0.2))},
     "optimizer.loss_scale": (8.0, {"model.fp16": True, "optimizer.fp16": True}),
     "optimizer.initial_loss_scale": (1024.0, {"model.fp16": True, "optimizer.fp16": True}),
     "optimizer.loss_scale_window": (1, {"model.fp16": True, "optimizer.fp16": True, "optimizer.initial_loss_scale": 1.0}),
@@ -1142,6 +1147,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "checkpoint.replication": "tests/resilience/test_local_replication.py::test_lost_local_checkpoint_comes_back_from_its_replica (a deleted rank's local checkpoint restored from its peer, losses bit-exact)",
     "checkpoint.replication_jump": "tests/resilience/test_local_replication.py (the 2-rank run needs jump 1: the default, ranks per node, makes no clique there) and ::test_cliques_follow_jump_and_factor",
     "checkpoint.replication_factor": "tests/resilience/test_local_replication.py::test_cliques_follow_jump_and_factor",
+    "optimizer.muon_tp_mode": "tests/parallel/test_muon_layouts.py::test_tensor_parallel_matrices_step_whole_or_blockwise (one process has no tensor-parallel blocks: the whole matrix on a tp=2 mesh with 'duplicated', each rank's block with 'blockwise')",
     "optimizer.optimizer_cpu_offload": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (state on host copies, host steps counted)",
     "optimizer.optimizer_offload_fraction": "tests/training/test_optimizer_cpu_offload.py::test_offloaded_part_steps_on_host_copies_and_matches_the_plain_optimizer (the first half of the elements offloaded) and ::test_planner_moves_the_offloaded_state_to_the_host",
     **{f"checkpoint.{name}": "tests/training/test_checkpoint_write_fields.py::test_writer_threads_plan_cache_and_tokenizer_assets_then_resume" for name in

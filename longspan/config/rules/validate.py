@@ -39,6 +39,7 @@ from longspan.config.rules.precision import (
     check_optimizer_precision_and_overlap,
     sync_distributed_optimizer,
 )
+from longspan.config.rules.muon import check_muon
 from longspan.config.rules.optim_offload import check_optimizer_offload
 from longspan.config.rules.pipeline_schedule import check_pipeline_schedule
 from longspan.config.rules.ranges import check_ranges
@@ -225,6 +226,7 @@ VALIDATION_RULES: list[tuple[str, Rule]] = [
     ("parameter all-gather switches in sync (overlap, fp8)", _on_config(sync_param_gather_switches)),
     ("optimizer precision and overlap", _on_config(check_optimizer_precision_and_overlap)),
     ("optimizer CPU offload", _on_config(check_optimizer_offload)),
+    ("Muon optimizer", _on_config(check_muon)),
     ("parallel layout -> data-parallel size", _set_data_parallel_size),
     ("comm_overlap section onto model, ddp, optimizer", _comm_overlap),
     ("distributed optimizer instances (hybrid sharding)", _distributed_optimizer_instances),

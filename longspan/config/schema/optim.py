@@ -14,8 +14,11 @@ from longspan.core.errors import ConfigError, NotSupportedError
 class OptimizerConfig:
     """Optimizer settings (Megatron Core's OptimizerConfig)."""
 
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Optimizer: 'adam' (AdamW with decoupled weight decay by default) or 'sgd'."""
+    optimizer: Literal["adam", "sgd", "muon", "dist_muon"] = "adam"
+    """Optimizer: 'adam' (AdamW with decoupled weight decay by default), 'sgd', or 'muon' (orthogonalised momentum
+    on the weight matrices, AdamW on embeddings, output layer, norms and biases: the ``muon_*`` fields).
+    'dist_muon' (Megatron's layer-wise distributed Muon) is not supported yet: 'muon' with
+    use_distributed_optimizer=True shards Muon's state over the data-parallel ranks."""
 
     lr: Optional[float] = None
     """Peak learning rate (required)."""
@@ -95,6 +98,38 @@ class OptimizerConfig:
 
     sgd_momentum: float = 0.9
     """SGD momentum."""
+
+    muon_momentum: float = 0.95
+    """Muon's momentum: the EMA coefficient of its momentum buffer (B = mu*B + (1 - mu)*grad), in [0, 1)."""
+
+    muon_split_qkv: bool = True
+    """Orthogonalise the query, key and value projections as three matrices (Megatron splits its fused
+    ``linear_qkv``); False orthogonalises them as one matrix, Megatron's fused one."""
+
+    muon_use_nesterov: bool = False
+    """Nesterov momentum: orthogonalise grad + mu*(B - grad) instead of the momentum buffer B."""
+
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    """Scale of the orthogonalised update of an m x n matrix: 'spectral' sqrt(max(m, n)) (Moonlight's; with
+    muon_extra_scale_factor=0.2 its update RMS matches AdamW's), 'unit_rms_norm' sqrt(m / n), 'shape_scaling'
+    sqrt(max(1, m / n)) (Keller Jordan's)."""
+
+    muon_fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
+    """Precision of the Newton-Schulz matmuls: 'medium' iterates in bf16 (Megatron's default), 'high' in fp32
+    with TF32 allowed on CUDA, 'highest' in full fp32."""
+
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations; the five quintic coefficient sets (Megatron's 'quintic') are cycled, so a
+    positive multiple of 5."""
+
+    muon_tp_mode: Literal["blockwise", "duplicated", "distributed"] = "blockwise"
+    """How a tensor-parallel matrix is orthogonalised: 'blockwise' (Megatron's default) each tensor-parallel
+    rank's block on its own, scaled by the block's shape; 'duplicated' the whole matrix, gathered on every rank
+    (the update one process computes). Data-parallel (FSDP2) shards are always gathered. 'distributed' is not
+    supported yet (use 'duplicated': the same update)."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on every Muon update (0.2 with muon_scale_mode='spectral' is Moonlight's AdamW-RMS match)."""
 
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (ZeRO-1); copied to ddp.use_distributed_optimizer."""

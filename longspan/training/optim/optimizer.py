@@ -1,4 +1,4 @@
-"""Megatron's optimizer surface over torch optimizers (AdamW / Adam / SGD).
+"""Megatron's optimizer surface over torch optimizers (AdamW / Adam / SGD / Muon with AdamW).
 
 ``get_megatron_optimizer`` builds Megatron-style param groups (no weight decay on biases and 1-D params such
 as norm weights) and wraps a torch optimizer in ``MegatronOptimizer``, whose ``step()`` returns
@@ -36,6 +36,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.training.optim.cpu_offload import offload_optimizer
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from longspan.training.optim.muon import muon_optimizer
 from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
 try:  # DTensor is part of torch.distributed; absent only on builds without distributed support.
@@ -514,7 +515,7 @@ def get_megatron_optimizer(
     """Build the optimizer of ``model_chunks`` from an ``OptimizerConfig`` (Megatron Core field names).
 
     ``optimizer='adam'`` is AdamW (decoupled weight decay) unless ``decoupled_weight_decay`` is False
-    (then torch Adam with L2 weight decay); ``'sgd'`` is SGD with ``sgd_momentum``. A loss scaler is used
+    (then torch Adam with L2 weight decay); ``'sgd'`` is SGD with ``sgd_momentum``; ``'muon'`` Muon. A loss scaler is used
     as in megatron-core: ``loss_scale`` set (with fp16 or bf16) gives a constant scaler, fp16 without it a
     dynamic one (initial_loss_scale, min_loss_scale, growth 2, backoff 0.5, loss_scale_window, hysteresis).
     ``use_precision_aware_optimizer`` gives :class:`PrecisionAwareAdamW` (moments in ``exp_avg_dtype`` /
@@ -528,12 +529,14 @@ def get_megatron_optimizer(
     if offload and precision_aware:
         raise NotSupportedError("optimizer.optimizer_cpu_offload=True is not supported yet with "
                                 "optimizer.use_precision_aware_optimizer=True: set one of them to False")
-
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if not param_groups:
         raise ConfigError("model has no trainable parameters: the optimizer needs at least one")
     all_params = [p for g in param_groups for p in g["params"]]
-    optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
+    if name == "muon":  # the weight matrices with Muon, the rest with AdamW (longspan.training.optim.muon)
+        optimizer = muon_optimizer(config, model_chunks, param_groups, is_embedding_or_output_parameter, _fast_kernels)
+    else:
+        optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
     grad_scaler = _grad_scaler(config, all_params[0].device)
     megatron_optimizer = MegatronOptimizer(optimizer, config, grad_scaler)
     if offload:  # over the groups MegatronOptimizer left: fp32 main copies in place of low-precision params
@@ -577,7 +580,7 @@ def _torch_optimizer(config: OptimizerConfig, name: str, precision_aware: bool, 
     if name == "sgd":
         momentum = config.sgd_momentum
         return torch.optim.SGD(param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum, **fast)
-    raise ConfigError(f"optimizer.optimizer={name!r} is invalid: valid optimizers are 'adam' and 'sgd'")
+    raise ConfigError(f"optimizer.optimizer={name!r} is invalid: valid optimizers are 'adam', 'sgd' and 'muon'")
 
 
 def _grad_scaler(config: OptimizerConfig, device: torch.device) -> MegatronGradScaler | None:

@@ -250,3 +250,29 @@ def test_gemma4_recipe_is_the_real_e4b():
                   "global_rotary_percent", "num_kv_shared_layers", "per_layer_embed_dim", "softmax_scale",
                   "final_logit_softcapping", "per_layer_embed_vocab_size", "share_embeddings_and_output_weights"):
         assert getattr(cfg.model, field) == getattr(from_hf, field), field
+
+
+def test_gemma4_moe_lora_recipe_is_the_real_26b_a4b():
+    """``longspan plan --recipe gemma4-moe-lora``'s first line: google/gemma-4-26B-A4B's text model, whose count is
+    transformers' for its config.json values (25,233,141,760, tied embeddings once; 3,822,530,560 active per
+    token), and AutoBridge derives the recipe's fields from them."""
+    from longspan.planner.plan import summary_line
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("gemma4-moe-lora")
+    cfg.validate(world_size=8)
+    line = summary_line(cfg)
+    assert line.startswith("model: 25,233,141,760 parameters (3,822,530,560 active per token)"), line
+    real = transformers.Gemma4TextConfig(
+        vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
+        sliding_window=1024, num_kv_shared_layers=0, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=128, top_k_experts=8, moe_intermediate_size=704, final_logit_softcapping=30.0)
+    real.architectures = ["Gemma4ForCausalLM"]
+    from_hf = AutoBridge.from_hf_config(real).to_megatron_provider(load_weights=False)
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "kv_channels",
+                  "global_kv_channels", "num_global_query_groups", "attention_k_eq_v", "window_size", "rotary_base",
+                  "global_rotary_percent", "num_kv_shared_layers", "per_layer_embed_dim", "num_moe_experts",
+                  "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "final_logit_softcapping",
+                  "share_embeddings_and_output_weights"):
+        assert getattr(cfg.model, field) == getattr(from_hf, field), field

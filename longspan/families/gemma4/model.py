@@ -54,7 +54,20 @@ from longspan.models.transformer import (
     layer_masks,
 )
 
-SharedKV = dict[str, tuple[torch.Tensor, torch.Tensor]]
+class SharedKV:
+    """One forward's keys and values by layer kind, written by the producing layers and read by the KV-shared
+    ones. A plain object, not a dict: wrappers that rebuild a module's containers of tensor arguments (FSDP2's
+    input casting) would hand each layer a copy, and the writes would not reach the later layers."""
+
+    def __init__(self) -> None:
+        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __getitem__(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[kind]
+
+    def __setitem__(self, kind: str, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._kv[kind] = kv
+
 
 
 @dataclass
@@ -289,7 +302,7 @@ class Gemma4Block(TransformerBlock):
     ) -> torch.Tensor:
         layers = list(self.layers.values())
         masks = layer_masks(layers, attention_mask)
-        shared: SharedKV = {}
+        shared = SharedKV()
         full = self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None
         every = self.recompute_num_layers or 1
         for index, (layer, mask) in enumerate(zip(layers, masks)):

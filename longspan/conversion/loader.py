@@ -172,7 +172,7 @@ def _read_stacked_part(reader: HFCheckpointReader, entry: WeightMap, layer: int 
     are read whole, turned to longspan's orientation, de-interleaved, then cut to the box."""
     hf_name = entry.hf_name(layer)
     experts = (box[0],)
-    n = entry.interleave[1] if entry.interleave else 1
+    n = entry.interleave[1] if entry.interleave else entry.split[1] if entry.split else 1
     want = (full_shape[0], full_shape[1] * n) + tuple(full_shape[2:])
     if hf_name in reader or not entry.mxfp4:
         have = tuple(reader.shape(hf_name))
@@ -197,6 +197,9 @@ def _read_stacked_part(reader: HFCheckpointReader, entry: WeightMap, layer: int 
         full = dequantize_mxfp4(reader.read(blocks_name, experts), reader.read(scales_name, experts), hf_name)
     if entry.interleave:
         full = full[:, entry.interleave[0]::n]
+    elif entry.split:
+        rows = full_shape[1]
+        full = full[:, entry.split[0] * rows:(entry.split[0] + 1) * rows]
     return full[(slice(None),) + tuple(box[1:])].contiguous()
 
 
@@ -353,8 +356,14 @@ def _to_hf(entry: WeightMap, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked_to_hf(entry: WeightMap, full: torch.Tensor, parts: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The HF tensor of a stacked expert entry once all its interleaved parts were seen (None before)."""
-    if entry.interleave:
+    """The HF tensor of a stacked expert entry once all its interleaved (or split) parts were seen (None before)."""
+    if entry.split:
+        k, n = entry.split
+        parts[k] = full
+        if len(parts) < n:
+            return None
+        full = torch.cat([parts[j] for j in range(n)], dim=1)
+    elif entry.interleave:
         k, n = entry.interleave
         parts[k] = full
         if len(parts) < n:

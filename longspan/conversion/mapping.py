@@ -59,7 +59,8 @@ class WeightMap:
 
     stacked: bool = False
     """ours is ``[num_experts, ...]`` and so is the one HF tensor (GPT-OSS's experts); with ``transpose`` HF
-    holds each expert's matrix transposed (``[E, in, out]``)."""
+    holds each expert's matrix transposed (``[E, in, out]``); with ``split`` (k, n) ours' dim 1 is the k-th of
+    n equal blocks of HF's (Gemma 4's ``gate_up_proj``: gate = (0, 2), up = (1, 2))."""
 
     interleave: tuple[int, int] | None = None
     """(k, n), stacked only: ours' dim 1 is every n-th row of HF's (after ``transpose``) from row k (GPT-OSS's

@@ -3,7 +3,8 @@ with every dense feature (wider full-attention heads with one KV head and keys a
 the last three layers reusing earlier layers' keys and values with double-wide MLPs, per-layer inputs with
 their own vocabulary, final soft-capping, non-trivial norms and layer scalars) has transformers' logits on a
 prompt longer than the window, exports bit-identically, generates greedily as transformers does with no cache
-in the KV-shared layers, and what longspan cannot build is refused in one line."""
+in the KV-shared layers, and what longspan cannot build is refused in one line. A second one adds the MoE block
+(routed experts beside the dense MLP): logits, export and generation, and the launched TP2 round trip."""
 
 from __future__ import annotations
 
@@ -34,14 +35,15 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_l
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                 "rope_theta": 1000000.0}})
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8)
 SHARED = (3, 4, 5)  # the KV-shared layers: 3 and 5 reuse layer 1's keys and values, 4 reuses layer 2's
 
 
 def _randomize(model) -> None:
-    """Norms, layer scalars away from one; weights as drawn."""
+    """Norms, layer scalars and the router's scales away from one; weights as drawn."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "router.per_expert_scale")):
                 p.uniform_(0.5, 1.5)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
@@ -63,6 +65,15 @@ def gemma4(tmp_path_factory):
     """(HF model, its directory, longspan's bridge and model) of the module's one tiny Gemma 4."""
     src = tmp_path_factory.mktemp("gemma4") / "hf"
     hf = save_gemma4(src)
+    bridge = AutoBridge.from_hf_pretrained(src)
+    return hf, src, bridge, bridge.to_megatron_model()
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    """The same model with the MoE block (26B-A4B's shape in small: four experts, two per token)."""
+    src = tmp_path_factory.mktemp("gemma4_moe") / "hf"
+    hf = save_gemma4(src, **MOE)
     bridge = AutoBridge.from_hf_pretrained(src)
     return hf, src, bridge, bridge.to_megatron_model()
 
@@ -113,6 +124,36 @@ def test_greedy_generate_equals_transformers_and_shared_layers_hold_no_cache(gem
     assert sorted(cache.keys) == [0, 1, 2]
 
 
+def test_moe_block_logits_export_and_generate_equal_transformers(gemma4_moe, tmp_path):
+    """The MoE block beside the dense MLP: transformers' logits with the expert loop and with grouped GEMMs,
+    a bit-identical export (``gate_up_proj`` rebuilt from the gate and up slabs) and greedy generation."""
+    hf, src, bridge, model = gemma4_moe
+    provider = bridge.to_megatron_provider(load_weights=False)
+    assert (provider.num_moe_experts, provider.moe_router_topk, provider.moe_ffn_hidden_size) == (4, 2, 8)
+    moe = model[0].decoder.layers["5"].mlp
+    assert moe.shared_experts.linear_fc1.weight.shape == (48, 32)  # the dense MLP, double-wide on a shared layer
+    assert moe.experts.linear_fc1_gate.weight.shape == (4, 8, 32) and moe.router.per_expert_scale.shape == (4,)
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        loop = model[0].eval()(tokens)
+        for layer in model[0].decoder.layers.values():
+            layer.mlp.experts.grouped_gemm = True
+        grouped = model[0](tokens)
+        for layer in model[0].decoder.layers.values():
+            layer.mlp.experts.grouped_gemm = False
+    assert (loop - expected).abs().max().item() <= 1e-4 and (grouped - expected).abs().max().item() <= 1e-4
+    out = tmp_path / "out"
+    bridge.save_hf_pretrained(model, out)
+    original, exported = tensors(src), tensors(out)
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    assert read_config(out) == read_config(src)
+    prompt = prompt_ids(VOCAB, 12)
+    assert greedy_ours(model, VOCAB, prompt, 8) == greedy_hf(hf, prompt, 8)
+
+
 def test_lora_targets_every_projection(gemma4):
     """Megatron's targets: one ``linear_qkv`` adapter over what each layer has (q, k and v; q and k on layers
     whose keys are their values; q alone on KV-shared layers), ``linear_proj``, ``linear_fc1``, ``linear_fc2``."""
@@ -151,7 +192,7 @@ def test_text_tower_of_the_vision_language_model(tmp_path):
         assert torch.equal(original[name.replace("model.", "model.language_model.", 1)], tensor), name
 
 
-def test_bad_inputs_are_refused_in_one_line(gemma4, tmp_path, capsys):
+def test_bad_inputs_are_refused_in_one_line(gemma4, gemma4_moe, tmp_path, capsys):
     _, src, bridge, _ = gemma4
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
@@ -161,7 +202,11 @@ def test_bad_inputs_are_refused_in_one_line(gemma4, tmp_path, capsys):
                  "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.num_kv_shared_layers=6 with num_layers=6" in err[0], err
-    with pytest.raises(NotSupportedError, match="enable_moe_block=true is not supported yet"):
+    moe = gemma4_moe[2].to_megatron_provider(load_weights=False)
+    moe.moe_layer_freq = 2
+    with pytest.raises(NotSupportedError, match=r"model\.moe_layer_freq=2: Gemma 4's MoE block is on every layer"):
+        moe.provide_meta()
+    with pytest.raises(ConfigError, match="config.json has no 'num_experts'"):  # required with enable_moe_block
         families.family_for_config(read_config(src)).to_provider(dict(read_config(src), enable_moe_block=True))
     provider = bridge.to_megatron_provider(load_weights=False)
     provider.num_global_query_groups, provider.tensor_model_parallel_size = 3, 2
@@ -171,9 +216,10 @@ def test_bad_inputs_are_refused_in_one_line(gemma4, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_launched_tensor_parallel_import_then_export_round_trips(tmp_path, pool2):
-    """Two workers: the import and the export with the heads of both layer kinds split over two ranks."""
+    """Two workers: the import and the export with the heads of both layer kinds, the dense MLP and the experts'
+    width split over two ranks (the MoE model)."""
     src, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
-    save_gemma4(src, num_global_key_value_heads=2)
+    save_gemma4(src, num_global_key_value_heads=2, **MOE)
     layout = "model.tensor_model_parallel_size=2"
     assert pool2.run(main, ["convert", "import", "--hf-model", str(src), "--output", str(ckpt), "--no-progress",
                             layout], timeout=240) == [0, 0]
@@ -203,4 +249,30 @@ def test_gemma4_recipe_is_the_real_e4b():
                   "global_kv_channels", "num_global_query_groups", "window_size", "rotary_base",
                   "global_rotary_percent", "num_kv_shared_layers", "per_layer_embed_dim", "softmax_scale",
                   "final_logit_softcapping", "per_layer_embed_vocab_size", "share_embeddings_and_output_weights"):
+        assert getattr(cfg.model, field) == getattr(from_hf, field), field
+
+
+def test_gemma4_moe_lora_recipe_is_the_real_26b_a4b():
+    """``longspan plan --recipe gemma4-moe-lora``'s first line: google/gemma-4-26B-A4B's text model, whose count is
+    transformers' for its config.json values (25,233,141,760, tied embeddings once; 3,822,530,560 active per
+    token), and AutoBridge derives the recipe's fields from them."""
+    from longspan.planner.plan import summary_line
+    from longspan.recipes import get_recipe
+
+    cfg = get_recipe("gemma4-moe-lora")
+    cfg.validate(world_size=8)
+    line = summary_line(cfg)
+    assert line.startswith("model: 25,233,141,760 parameters (3,822,530,560 active per token)"), line
+    real = transformers.Gemma4TextConfig(
+        vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
+        sliding_window=1024, num_kv_shared_layers=0, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=128, top_k_experts=8, moe_intermediate_size=704, final_logit_softcapping=30.0)
+    real.architectures = ["Gemma4ForCausalLM"]
+    from_hf = AutoBridge.from_hf_config(real).to_megatron_provider(load_weights=False)
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "kv_channels",
+                  "global_kv_channels", "num_global_query_groups", "attention_k_eq_v", "window_size", "rotary_base",
+                  "global_rotary_percent", "num_kv_shared_layers", "per_layer_embed_dim", "num_moe_experts",
+                  "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "final_logit_softcapping",
+                  "share_embeddings_and_output_weights"):
         assert getattr(cfg.model, field) == getattr(from_hf, field), field

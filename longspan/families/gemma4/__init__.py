@@ -1,7 +1,8 @@
 """Gemma 4's text model (``Gemma4ForCausalLM``, and the text tower of ``Gemma4ForConditionalGeneration``).
 
 ``provider`` (``Gemma4ModelProvider``), ``model`` (its layers on the GPT blocks), ``hf`` (config.json and
-weights), ``recipes`` (``gemma4``: LoRA finetune of E4B).
+weights), ``moe`` (the MoE block beside the dense MLP), ``recipes`` (``gemma4``: LoRA finetune of E4B;
+``gemma4-moe-lora``: of 26B-A4B).
 """
 
 from __future__ import annotations
@@ -30,3 +31,4 @@ register_model_support(
 register_family(GEMMA4)
 register_family(GEMMA4_VL_TEXT)
 register_recipe("gemma4", recipes.gemma4, family="gemma4")
+register_recipe("gemma4-moe-lora", recipes.gemma4_moe_lora, family="gemma4")

@@ -41,6 +41,25 @@ GEMMA4_WEIGHTS = DECODER_EMBEDDINGS + DECODER_QKVO + POST_SUBLAYER_NORMS + DECOD
     WeightMap("embedding.per_layer_projection_norm.weight", "model.per_layer_projection_norm.weight"),
 )
 
+# With the MoE block the dense MLP and its pre-norm move into the layer's MoE module (its shared expert).
+_DENSE_ONLY = {"decoder.layers.{i}.pre_mlp_layernorm.weight"} | {e.ours for e in DECODER_MLP}
+GEMMA4_MOE_WEIGHTS = tuple(e for e in GEMMA4_WEIGHTS if e.ours not in _DENSE_ONLY) + (
+    layer_map("mlp.shared_experts.linear_fc1_gate.weight", "mlp.gate_proj.weight"),
+    layer_map("mlp.shared_experts.linear_fc1.weight", "mlp.up_proj.weight"),
+    layer_map("mlp.shared_experts.linear_fc2.weight", "mlp.down_proj.weight"),
+    layer_map("mlp.pre_shared_layernorm.weight", "pre_feedforward_layernorm.weight"),
+    layer_map("mlp.post_shared_layernorm.weight", "post_feedforward_layernorm_1.weight"),
+    layer_map("mlp.pre_experts_layernorm.weight", "pre_feedforward_layernorm_2.weight"),
+    layer_map("mlp.post_experts_layernorm.weight", "post_feedforward_layernorm_2.weight"),
+    layer_map("mlp.router.weight", "router.proj.weight"),
+    layer_map("mlp.router.scale", "router.scale"),
+    layer_map("mlp.router.per_expert_scale", "router.per_expert_scale"),
+    # gate_up_proj [E, 2 * ffn, hidden]: the gate's rows, then the up projection's
+    layer_map("mlp.experts.linear_fc1_gate.weight", "experts.gate_up_proj", stacked=True, split=(0, 2)),
+    layer_map("mlp.experts.linear_fc1.weight", "experts.gate_up_proj", stacked=True, split=(1, 2)),
+    layer_map("mlp.experts.linear_fc2.weight", "experts.down_proj", stacked=True),
+)
+
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 
 
@@ -113,9 +132,6 @@ def gemma4_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
         raise NotSupportedError(f"config.json use_bidirectional_attention={cfg['use_bidirectional_attention']!r} is "
                                 "not supported: longspan's Gemma 4 is causal (null)")
-    if cfg.get("enable_moe_block"):
-        raise NotSupportedError("config.json enable_moe_block=true is not supported yet: longspan's Gemma 4 "
-                                "converts the dense models (E2B, E4B, 31B)")
     types = _layer_types(cfg)
     out = decoder_shape(dict(cfg, head_dim=cfg.get("head_dim", 256)), eps_default=1e-6)
     out.update(
@@ -136,7 +152,34 @@ def gemma4_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     out.update(_sliding_window_fields(dict(cfg, layer_types=types, sliding_window=cfg.get("sliding_window", 512))))
     out.update(_rope_fields(cfg))
     out.update(_global_attention(cfg, types))
+    out.update(_moe_fields(cfg))
     return out
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE block's provider fields (``enable_moe_block``): experts on every layer, softmax over the top-k
+    (HF renormalizes its softmax over all experts to the top-k: the same weights), no auxiliary loss (HF has
+    none)."""
+    if not cfg.get("enable_moe_block"):
+        return {}
+    return dict(num_moe_experts=int(required(cfg, "num_experts")), moe_router_topk=int(required(cfg, "top_k_experts")),
+                moe_ffn_hidden_size=int(required(cfg, "moe_intermediate_size")), moe_layer_freq=1,
+                moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+
+
+def _moe_hf(p: Any) -> dict[str, Any]:
+    """config.json's MoE keys for provider ``p`` (one-line error for routing HF's block cannot express)."""
+    if not p.num_moe_experts:
+        return dict(enable_moe_block=False)
+    ok = (p.moe_router_score_function == "softmax" and not p.moe_router_pre_softmax
+          and not p.moe_router_topk_scaling_factor and not p.moe_router_enable_expert_bias
+          and not p.moe_router_group_topk and p.add_bias_linear is False)
+    if not ok:
+        raise NotSupportedError("this model's routing has no Gemma 4 equivalent (needs softmax over the top-k "
+                                "experts without scaling, expert bias or groups)")
+    return dict(enable_moe_block=True, num_experts=int(p.num_moe_experts), top_k_experts=int(p.moe_router_topk),
+                moe_intermediate_size=int(p.moe_ffn_hidden_size or p.ffn_hidden_size))
 
 
 def gemma4_hf(p: Any) -> dict[str, Any]:
@@ -167,7 +210,7 @@ def gemma4_hf(p: Any) -> dict[str, Any]:
         use_double_wide_mlp=bool(p.use_double_wide_mlp),
         hidden_size_per_layer_input=int(p.per_layer_embed_dim or 0),
         vocab_size_per_layer_input=int(p.per_layer_embed_vocab_size or p.vocab_size),
-        enable_moe_block=False,
+        **_moe_hf(p),
         per_layer_config=_per_layer_config(windows["layer_types"], per_layer),
         **windows,
     )
@@ -176,7 +219,7 @@ def gemma4_hf(p: Any) -> dict[str, Any]:
 
 GEMMA4 = Family("gemma4", "Gemma4ForCausalLM", "gemma4_text", GEMMA4_WEIGHTS, gemma4_provider, gemma4_hf,
                 provider_class=Gemma4ModelProvider, tie_word_embeddings_default=True,
-                weights_for=lambda cfg: GEMMA4_WEIGHTS)
+                weights_for=lambda cfg: GEMMA4_MOE_WEIGHTS if cfg.get("enable_moe_block") else GEMMA4_WEIGHTS)
 # Gemma4ForConditionalGeneration's language model (``model.language_model.*``, fields under ``text_config``):
 # imported as the causal LM, exported as one.
 GEMMA4_VL_TEXT = replace(text_tower(GEMMA4, "Gemma4ForConditionalGeneration", "gemma4"),

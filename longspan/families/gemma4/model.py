@@ -16,7 +16,9 @@ What differs from the GPT layer (``longspan.models.transformer``), all chosen by
   (``per_layer_word_embeddings``) and the embedded sequence (``per_layer_projection`` +
   ``per_layer_projection_norm``); after its MLP each layer adds
   ``post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(x)) * slice))``;
-- every layer's output is multiplied by its ``layer_scalar`` (a persistent buffer, HF's).
+- every layer's output is multiplied by its ``layer_scalar`` (a persistent buffer, HF's);
+- with experts (``num_moe_experts``) every layer's ``mlp`` is ``longspan.families.gemma4.moe.Gemma4MoE``: the
+  dense MLP and the routed experts side by side, each with its own norms.
 
 Module names stay the GPT model's (``decoder.layers.{i}.self_attention.linear_q`` ...), so the tensor parallel
 plans and the weight tables apply unchanged.
@@ -34,9 +36,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.families.gemma4.moe import Gemma4MoE, gemma4_moe_problem
 from longspan.models.args import TransformerArgs
 from longspan.models.gpt import DecoderLanguageModel, LanguageModelEmbedding, resolve_model_args
 from longspan.models.loss import linear_cross_entropy
+from longspan.models.moe import MoELayer
 from longspan.models.init import materialize_model
 from longspan.models.rope import RotaryEmbedding, apply_rotary, default_inv_freq
 from longspan.models.sliding_window import WindowedMask
@@ -50,7 +54,20 @@ from longspan.models.transformer import (
     layer_masks,
 )
 
-SharedKV = dict[str, tuple[torch.Tensor, torch.Tensor]]
+class SharedKV:
+    """One forward's keys and values by layer kind, written by the producing layers and read by the KV-shared
+    ones. A plain object, not a dict: wrappers that rebuild a module's containers of tensor arguments (FSDP2's
+    input casting) would hand each layer a copy, and the writes would not reach the later layers."""
+
+    def __init__(self) -> None:
+        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __getitem__(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[kind]
+
+    def __setitem__(self, kind: str, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._kv[kind] = kv
+
 
 
 @dataclass
@@ -108,8 +125,11 @@ def check_gemma4_provider(provider: Any, args: TransformerArgs) -> None:
                                 "(and rope_scaling_factor 1.0)")
     if not 0.0 < float(provider.global_rotary_percent) <= 1.0:
         raise ConfigError(f"model.global_rotary_percent={provider.global_rotary_percent}: expected 0 < p <= 1")
+    problem = gemma4_moe_problem(provider)
+    if problem is not None:
+        raise NotSupportedError(problem)
     for name in ("fp32_residual_connection", "apply_residual_connection_post_layernorm", "multi_latent_attention",
-                 "attention_output_gate", "num_moe_experts", "mtp_num_layers", "attn_logit_softcapping"):
+                 "attention_output_gate", "mtp_num_layers", "attn_logit_softcapping"):
         if getattr(provider, name, None):
             raise NotSupportedError(f"model.{name}={getattr(provider, name)!r} is not supported yet for Gemma 4")
     if args.rotary_interleaved or args.gated_delta_net is not None:
@@ -219,6 +239,9 @@ class Gemma4Layer(TransformerLayer):
             self.per_layer_projection.init_std = std
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype)
         self.activation_func: Callable[[torch.Tensor], torch.Tensor] = config.activation_func
+        if isinstance(self.mlp, MoELayer):  # the MoE block beside the dense MLP; it norms its own inputs
+            self.mlp = Gemma4MoE(config, layer_number)
+            self.pre_mlp_layernorm = None
         self.register_buffer("layer_scalar", torch.ones(1, dtype=config.params_dtype))
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "Gemma4Layer":
@@ -244,7 +267,8 @@ class Gemma4Layer(TransformerLayer):
         normed = self.input_layernorm(hidden_states)
         attn = self.self_attention(normed, rotary, attention_mask, kv_cache=kv_cache, shared_kv=shared_kv)
         hidden_states = hidden_states + self.self_attn_dropout(self.post_self_attn_layernorm(attn))
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        norm = self.pre_mlp_layernorm
+        mlp = self.mlp(hidden_states if norm is None else norm(hidden_states))
         hidden_states = hidden_states + self.mlp_dropout(self.post_mlp_layernorm(mlp))
         if self.per_layer_input_gate is not None:
             gated = self.activation_func(self.per_layer_input_gate(hidden_states)) * per_layer_input
@@ -278,7 +302,7 @@ class Gemma4Block(TransformerBlock):
     ) -> torch.Tensor:
         layers = list(self.layers.values())
         masks = layer_masks(layers, attention_mask)
-        shared: SharedKV = {}
+        shared = SharedKV()
         full = self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None
         every = self.recompute_num_layers or 1
         for index, (layer, mask) in enumerate(zip(layers, masks)):

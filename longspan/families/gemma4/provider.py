@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.gpt_provider import GPTModelProvider
 
 
@@ -53,6 +54,23 @@ class Gemma4ModelProvider(GPTModelProvider):
     """Rows of the per-layer input embedding table (HF ``vocab_size_per_layer_input``); None = ``vocab_size``."""
 
     hf_architecture: ClassVar[str] = "Gemma4ForCausalLM"
+
+    def finalize(self) -> None:
+        """``GPTModelProvider.finalize``, then what the layout cannot hold, at config validation (so ``longspan
+        plan`` rejects such layouts and a run stops before it starts): a one-line ConfigError when tensor
+        parallel does not divide the full-attention layers' KV groups, NotSupportedError for pipeline parallel
+        with KV sharing or per-layer inputs (a stage would need another stage's keys and values)."""
+        super().finalize()
+        tp, pp = int(self.tensor_model_parallel_size or 1), int(self.pipeline_model_parallel_size or 1)
+        groups = self.num_global_query_groups or self.num_query_groups
+        if groups and groups % tp:
+            raise ConfigError(f"model.num_global_query_groups={groups} with tensor_model_parallel_size={tp}: tensor "
+                              "parallel splits whole KV groups of the full-attention layers; use a tp that divides it")
+        if pp > 1 and (self.num_kv_shared_layers or self.per_layer_embed_dim):
+            raise NotSupportedError(f"pipeline_model_parallel_size={pp} with model.num_kv_shared_layers="
+                                    f"{self.num_kv_shared_layers} / per_layer_embed_dim={self.per_layer_embed_dim} is "
+                                    "not supported yet for Gemma 4 (a stage would need another stage's keys and "
+                                    "values or per-layer inputs)")
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:

@@ -44,7 +44,7 @@ def test_pretrain_runs_inside_the_backend(tmp_path: Path, monkeypatch: pytest.Mo
     cfg = small_config(tmp_path)
     cfg.model.attention_backend = "local"
     seen = []
-    monkeypatch.setattr(pretrain_module, "setup", lambda c: NS(state=NS(cfg=c, device=torch.device("cpu"))))
+    monkeypatch.setattr(pretrain_module, "setup", lambda c, callbacks=None: NS(state=NS(cfg=c, device=torch.device("cpu"))))
     monkeypatch.setattr(pretrain_module, "_train_and_test", lambda out, fn: seen.append(_flags()))
     pretrain_module.pretrain(cfg)
     assert seen == [(False, False, True)]

@@ -31,7 +31,9 @@ def _run(run_dir: str, tp: int = 1, fsdp2: bool = False) -> list[dict]:
     path = Path(cfg.logger.tensorboard_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("phase") == "eval_samples"]
+    records = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("phase") == "eval_samples"]
+    # the run's name and launch id name the directory and the moment, not what was generated
+    return [{k: v for k, v in r.items() if k not in ("run", "run_id")} for r in records]
 
 
 @pytest.fixture(scope="module")

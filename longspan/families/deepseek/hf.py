@@ -181,25 +181,32 @@ def mla_rope_hf(p: Any) -> dict[str, Any]:
             "rope_scaling": scaling if params["rope_type"] != "default" else None}
 
 
-def deepseek_v3_hf(p: Any) -> dict[str, Any]:
-    """config.json of a multi-latent attention provider as a ``DeepseekV3ForCausalLM`` (dense or MoE)."""
+def check_mla_exportable(p: Any, family: str) -> str:
+    """The HF activation name of a multi-latent attention provider that ``family``'s transformers class (DeepSeek-V3's
+    attention) can hold; a one-line NotSupportedError naming what it cannot."""
     act = hf_activation(p)
     if not p.multi_latent_attention:
-        raise NotSupportedError("DeepSeek-V3 export needs multi_latent_attention=True")
+        raise NotSupportedError(f"{family} export needs multi_latent_attention=True")
     if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or not p.qk_layernorm:
         raise NotSupportedError(
-            "this model has no DeepSeek-V3 HF equivalent (needs RMSNorm, the latent norms (qk_layernorm) and a "
+            f"this model has no {family} HF equivalent (needs RMSNorm, the latent norms (qk_layernorm) and a "
             "gated silu/gelu MLP)"
         )
     latent = p.layernorm_epsilon if p.mla_latent_layernorm_epsilon is None else p.mla_latent_layernorm_epsilon
     if latent != HF_LATENT_NORM_EPS:
         raise NotSupportedError(
             f"model.mla_latent_layernorm_epsilon={p.mla_latent_layernorm_epsilon!r} (layernorm_epsilon="
-            f"{p.layernorm_epsilon!r}): DeepSeek-V3 in transformers normalizes the latents with eps "
+            f"{p.layernorm_epsilon!r}): {family} in transformers normalizes the latents with eps "
             f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says; export needs that latent epsilon"
         )
     if p.add_bias_linear:
-        raise NotSupportedError("DeepSeek-V3 export supports bias-free models only (add_bias_linear=False)")
+        raise NotSupportedError(f"{family} export supports bias-free models only (add_bias_linear=False)")
+    return act
+
+
+def deepseek_v3_hf(p: Any) -> dict[str, Any]:
+    """config.json of a multi-latent attention provider as a ``DeepseekV3ForCausalLM`` (dense or MoE)."""
+    act = check_mla_exportable(p, "DeepSeek-V3")
     out = dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,

@@ -46,14 +46,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from longspan.conversion.config_fields import HF_ACTIVATIONS, dtype_fields, hf_activation, required, vocab_divisor
+from longspan.conversion.config_fields import HF_ACTIVATIONS, dtype_fields, required, vocab_divisor
 from longspan.conversion.decoder_fields import decoder_hf, decoder_provider, provider_view
 from longspan.conversion.expert_bias_moe import EXPERT_BIAS_MOE_MLP, expert_bias_moe_fields, expert_bias_moe_hf_fields
 from longspan.conversion.families import Family
 from longspan.conversion.mapping import DECODER
 from longspan.conversion.mtp_layers import HF_MTP_KEY, declared_depths, mtp_weights_for
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.families.deepseek.hf import HF_LATENT_NORM_EPS, mla_rope_fields, mla_rope_hf
+from longspan.families.deepseek.hf import HF_LATENT_NORM_EPS, check_mla_exportable, mla_rope_fields, mla_rope_hf
 from longspan.families.deepseek.hf import WEIGHTS as MLA_MOE_WEIGHTS
 from longspan.models.layer_pattern import moe_layer_flags
 
@@ -212,21 +212,7 @@ def _moe_hf(p: Any) -> dict[str, Any]:
 
 def glm4_moe_lite_hf(p: Any) -> dict[str, Any]:
     """config.json of a multi-latent attention provider as a ``Glm4MoeLiteForCausalLM``."""
-    act = hf_activation(p)
-    if not p.multi_latent_attention:
-        raise NotSupportedError(f"{LITE} export needs multi_latent_attention=True")
-    if act is None or not p.gated_linear_unit or p.normalization != "RMSNorm" or not p.qk_layernorm:
-        raise NotSupportedError(f"this model has no {LITE} HF equivalent (needs RMSNorm, the latent norms "
-                                "(qk_layernorm) and a gated silu/gelu MLP)")
-    latent = p.layernorm_epsilon if p.mla_latent_layernorm_epsilon is None else p.mla_latent_layernorm_epsilon
-    if latent != HF_LATENT_NORM_EPS:
-        raise NotSupportedError(
-            f"model.mla_latent_layernorm_epsilon={p.mla_latent_layernorm_epsilon!r} (layernorm_epsilon="
-            f"{p.layernorm_epsilon!r}): {LITE} in transformers normalizes the latents with eps {HF_LATENT_NORM_EPS}; "
-            f"export needs that latent epsilon"
-        )
-    if p.add_bias_linear:
-        raise NotSupportedError(f"{LITE} export supports bias-free models only (add_bias_linear=False)")
+    act = check_mla_exportable(p, LITE)
     out = dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,

@@ -292,6 +292,19 @@ class SelfAttention(nn.Module):
             sinks = to_local() if callable(to_local) else offset
         return sink_core_attention(q, k, v, attention_mask, dropout_p, scale, sinks=sinks)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+        """Core attention of ``[b, heads, s, d]`` queries, keys and values (the layer's window, dropout in
+        training, recomputed in backward when ``recompute_core_attention``), ``[b, heads, s, d_v]`` out."""
+        if self.window is not None and not isinstance(attention_mask, WindowedMask):
+            # called without the decoder's per-forward masks (a layer on its own, a hybrid stack)
+            attention_mask = WindowedMask(self.window, attention_mask)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            return checkpoint(
+                self.core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale, use_reentrant=False
+            )
+        return self.core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -323,17 +336,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v, window=self.window)
-        if self.window is not None and not isinstance(attention_mask, WindowedMask):
-            # called without the decoder's per-forward masks (a layer on its own, a hybrid stack)
-            attention_mask = WindowedMask(self.window, attention_mask)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if self.recompute_core_attention and torch.is_grad_enabled():
-            out = checkpoint(
-                self.core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale, use_reentrant=False
-            )
-        else:
-            out = self.core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
-        out = out.transpose(1, 2).reshape(b, s, -1)
+        out = self.attend(q, k, v, attention_mask).transpose(1, 2).reshape(b, s, -1)
         if self.linear_gate is not None:
             out = out * torch.sigmoid(self.linear_gate(hidden_states))
         return self.linear_proj(out)

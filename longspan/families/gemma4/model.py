@@ -43,7 +43,6 @@ from longspan.models.loss import linear_cross_entropy
 from longspan.models.moe import MoELayer
 from longspan.models.init import materialize_model
 from longspan.models.rope import RotaryEmbedding, apply_rotary, default_inv_freq
-from longspan.models.sliding_window import WindowedMask
 from longspan.models.transformer import (
     KVCache,
     LocalGlobalRotary,
@@ -208,14 +207,7 @@ class Gemma4Attention(SelfAttention):
                 k, v = kv_cache.update(self.layer_number, k, v, window=self.window)
             if self.stores_kv and shared_kv is not None:
                 shared_kv[self.kind] = (k, v)
-        if self.window is not None and not isinstance(attention_mask, WindowedMask):
-            attention_mask = WindowedMask(self.window, attention_mask)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if self.recompute_core_attention and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale,
-                             use_reentrant=False)
-        else:
-            out = self.core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
+        out = self.attend(q, k, v, attention_mask)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

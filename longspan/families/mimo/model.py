@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.args import TransformerArgs
@@ -30,7 +29,6 @@ from longspan.models.gpt import DecoderLanguageModel, resolve_model_args
 from longspan.models.init import materialize_model
 from longspan.models.loss import linear_cross_entropy
 from longspan.models.rope import apply_rotary, signed_sin
-from longspan.models.sliding_window import WindowedMask
 from longspan.models.transformer import KVCache, SelfAttention, TransformerBlock, TransformerLayer
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -115,14 +113,7 @@ class MiMoAttention(SelfAttention):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v, window=self.window)
-        if self.window is not None and not isinstance(attention_mask, WindowedMask):
-            attention_mask = WindowedMask(self.window, attention_mask)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if self.recompute_core_attention and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, q, k, v, attention_mask, dropout_p, self.softmax_scale,
-                             use_reentrant=False)
-        else:
-            out = self.core_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
+        out = self.attend(q, k, v, attention_mask)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -40,6 +40,22 @@ def logged(tb_dir: str) -> dict:
             "norms": [r["grad_norm"] for r in rows]}
 
 
+def moe_variant_references(tmp_path_factory: pytest.TempPathFactory, pretrain: Callable[..., int],
+                           iters: int) -> Callable[[bool], dict]:
+    """``reference(moe)``: the one-process run of a model (``moe=False``) or of its MoE variant, as ``logged``
+    reads it, trained once each (``pretrain(run_dir, moe=moe)`` must reach ``iters``) when first asked."""
+    runs: dict[bool, dict] = {}
+
+    def reference(moe: bool) -> dict:
+        if moe not in runs:
+            run_dir = str(tmp_path_factory.mktemp("moe" if moe else "dense"))
+            assert pretrain(run_dir, moe=moe) == iters
+            runs[moe] = logged(os.path.join(run_dir, "tb"))
+        return runs[moe]
+
+    return reference
+
+
 def one_process_losses(task: Callable[..., int], config: Callable[[str], Any], run_dir: str,
                        iters: int) -> dict[int, float]:
     """The reference: ``task(run_dir)`` in this process trains ``iters`` iterations; the losses it logged."""

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.helpers.layout_parity import logged
+from tests.helpers.layout_parity import logged, moe_variant_references
 from tests.parallel.harness import get_shared_pool
 from tests.training.pretrain_helpers import mock_layout_run
 
@@ -76,16 +76,7 @@ LAYOUTS = {  # name: the config builder's keyword arguments (2 processes each)
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory):
     """The one-process run of the dense model or of its MoE variant, trained once each when first asked."""
-    runs: dict[bool, dict] = {}
-
-    def reference(moe: bool) -> dict:
-        if moe not in runs:
-            run_dir = str(tmp_path_factory.mktemp("moe" if moe else "dense"))
-            assert _pretrain(run_dir, moe=moe) == ITERS
-            runs[moe] = logged(os.path.join(run_dir, "tb"))
-        return runs[moe]
-
-    return reference
+    return moe_variant_references(tmp_path_factory, _pretrain, ITERS)
 
 
 @pytest.mark.slow

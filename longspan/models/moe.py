@@ -488,7 +488,12 @@ class GroupedMLP(nn.Module):
     def _sequential(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w1: torch.Tensor,
                     wg: Optional[torch.Tensor], w2: torch.Tensor, b1: Optional[torch.Tensor],
                     bg: Optional[torch.Tensor], b2: Optional[torch.Tensor]) -> torch.Tensor:
-        """One expert at a time (the counts read on the host)."""
+        """One expert at a time (the counts read on the host).
+
+        The weights are unbound once rather than indexed per expert: the backward of ``w[j]`` writes each
+        expert's gradient into a zero tensor of all experts' size, E of them per projection (quadratic in the
+        experts), where ``unbind``'s backward stacks the E slices once; the sums are the same."""
+        w1, wg, w2, b1, bg, b2 = (None if t is None else t.unbind(0) for t in (w1, wg, w2, b1, bg, b2))
         outputs = []
         for j, rows in enumerate(split_by_expert(x, tokens_per_expert)):
             up = F.linear(rows, w1[j], None if b1 is None else b1[j])

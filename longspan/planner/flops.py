@@ -73,6 +73,15 @@ def moe_layer_flags(model: TransformerConfig, num_layers: int) -> list[bool]:
     return flags(model.moe_layer_freq, num_layers)
 
 
+def routed_expert_layer_flags(model: TransformerConfig) -> list[bool]:
+    """Which layers of the decoder stack have routed experts: a hybrid stack's ``E`` layers of its pattern, else
+    ``moe_layer_flags`` over ``num_layers``."""
+    pattern = _hybrid_pattern(model)
+    if pattern is not None:
+        return [symbol == "E" for symbol in pattern]
+    return moe_layer_flags(model, int(model.num_layers))
+
+
 def _vocab_size(model: TransformerConfig) -> int:
     padded = model.padded_vocab_size
     if padded:

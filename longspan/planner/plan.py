@@ -23,7 +23,9 @@ Megatron's theoretical memory report as a search over layouts. For each (tp, pp,
   parameters), one layer's activation gradients in backward, and the gathered FSDP2 layer.
 
 Step time: model FLOPs (Megatron's formula, recompute adds a forward) at a fixed fraction of the device's
-peak (``longspan.planner.peak_flops``), stretched by the pipeline bubble of the config's schedule
+peak (``longspan.planner.peak_flops``), plus the routed experts' work beyond their FLOPs by
+``model.moe_grouped_gemm`` (one grouped GEMM per projection, or the expert-by-expert loop's cost per local
+expert: ``longspan.planner.expert_time``), stretched by the pipeline bubble of the config's schedule
 (``longspan.core.pipeline_schedules.bubble_fraction``: 1F1B's (pp-1)/m, divided by the virtual stages when
 interleaved, a third of it for the zero-bubble ZB1P and DualPipeV, none for ZB-V with 2 pp - 1 microbatches),
 plus tensor-parallel all-reduces, context-parallel K/V gathers (all-to-alls for gated DeltaNet layers) and the
@@ -52,6 +54,7 @@ from longspan.parallel.tensor_parallel import tensor_parallel_plan
 from longspan.peft.adapters import plan_adapters
 from longspan.peft.nf4 import NF4_BYTES_PER_PARAM
 from longspan.planner.activations import activation_parts, dtype_bytes, stage_activations
+from longspan.planner.expert_time import expert_overhead_s
 from longspan.planner.flops import linear_attention_flags, num_floating_point_operations
 from longspan.planner.peak_flops import measured_cpu_tflops
 
@@ -411,6 +414,7 @@ def estimate_step_time(cfg: Any, layout: Layout, device: str, meta_model: Any = 
         flops *= 4.0 / 3.0
     compute = flops / layout.world_size / (peak * efficiency)
     microbatches = max(1, gbs // (mbs * layout.dp))
+    compute += expert_overhead_s(cfg, device, layout.ep, microbatches, _stage_of_layers(cfg, layout.pp))
     vp = int(m.virtual_pipeline_model_parallel_size or 1)
     compute *= 1.0 + bubble_fraction(_schedule(cfg, layout.pp), layout.pp, microbatches, vp)
     seq = int(m.seq_length) // layout.cp

@@ -11,7 +11,22 @@ against the device's peak (longspan.planner.peak_flops: table by device, measure
 LONGSPAN_PEAK_TFLOPS overrides). Kinds that cannot run here (float8 without CUDA FP8 hardware or torchao,
 compile without a compiler) are listed as skipped with the reason.
 
-Run: ``python benchmarks/bench_gpu.py [--shape 1b|tiny] [--seq 2048] [--steps 10] [--warmup 3]``.
+MoE case (``--moe``): a Qwen3-30B-A3B-shaped slice (``qwen3-30b-a3b``, the default on CUDA: 4 of its 48 layers
+at its real widths, hidden 2048, 32 heads / 4 query groups of head dim 128, QK-norm, every layer MoE with 128
+SwiGLU experts of width 768 routed top-8 (softmax over the chosen, HF's ``norm_topk_prob``), vocabulary 151936,
+batch 4 x 2048, bf16) or ``moe-tiny`` (the default without CUDA: 2 layers, hidden 64, 8 experts top-2, fp32 on
+the CPU). Kinds: ``ls-moe`` (the trainer's step on the ``tiny-moe`` recipe's MoE settings at that shape, grouped
+expert GEMMs, bf16 mixed: bf16 weights, fp32 main weights and optimizer state), ``ls-moe-eager``
+(``train.torch_compile=False``), ``ls-moe-seq`` (``moe_grouped_gemm=False``: the expert-by-expert loop) and
+``hf-moe`` (transformers' ``Qwen3MoeForCausalLM`` with ``experts_implementation="grouped_mm"``, SDPA attention,
+bf16 weights, ``AdamW(fused=True)`` on them, no fp32 main copy: a cheaper optimizer step than longspan's).
+The kinds run one after another, each freed before the next (the slice's model and optimizer states of all
+kinds do not fit on one device together); MFU counts the model FLOPs of ``longspan.planner.flops`` (experts at
+top-k). ``--dry-run`` builds every kind at ``moe-tiny`` on the CPU and times one step of each: the check that
+the script still runs, on machines without a GPU.
+
+Run: ``python benchmarks/bench_gpu.py [--shape 1b|tiny] [--seq 2048] [--steps 10] [--warmup 3]``;
+``python benchmarks/bench_gpu.py --moe [--shape qwen3-30b-a3b|moe-tiny] [--kinds ls-moe hf-moe] [--dry-run]``.
 """
 
 from __future__ import annotations
@@ -32,15 +47,28 @@ SHAPES = {
     "1b": dict(layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=128256, batch=4, seq=2048),
     "tiny": dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, vocab=512, batch=2, seq=64),
 }
+MOE_SHAPES = {
+    "qwen3-30b-a3b": dict(layers=4, hidden=2048, heads=32, groups=4, head_dim=128, experts=128, topk=8,
+                          expert_ffn=768, vocab=151936, batch=4, seq=2048),
+    "moe-tiny": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, experts=8, topk=2, expert_ffn=32,
+                     vocab=512, batch=2, seq=64),
+}
 
 
 def longspan_config(shape: dict, run_dir: str, cuda: bool, **overrides: Any) -> Any:
+    """The ``tiny`` recipe at a dense shape, or the ``tiny-moe`` recipe at an MoE shape (one with ``experts``)."""
     from longspan.recipes import get_recipe
 
-    cfg = get_recipe("tiny")
+    cfg = get_recipe("tiny-moe" if "experts" in shape else "tiny")
     m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size = shape["layers"], shape["hidden"], shape["ffn"]
+    m.num_layers, m.hidden_size = shape["layers"], shape["hidden"]
     m.num_attention_heads, m.num_query_groups = shape["heads"], shape["groups"]
+    if "experts" in shape:  # every layer MoE (the recipe's moe_layer_freq), grouped expert GEMMs
+        m.kv_channels, m.qk_layernorm, m.ffn_hidden_size = shape["head_dim"], True, 4 * shape["hidden"]
+        m.num_moe_experts, m.moe_router_topk = shape["experts"], shape["topk"]
+        m.moe_ffn_hidden_size = shape["expert_ffn"]
+    else:
+        m.ffn_hidden_size = shape["ffn"]
     m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = shape["seq"], shape["vocab"], 128
     m.hidden_dropout = m.attention_dropout = 0.0
     if cuda:  # bf16 mixed: bf16 compute, fp32 master weights and optimizer state
@@ -127,6 +155,37 @@ def hf_kind(shape: dict, cuda: bool, compiled: bool) -> Callable[[], None]:
     return step
 
 
+def hf_moe_kind(shape: dict, cuda: bool) -> Callable[[], None]:
+    """Qwen3MoeForCausalLM at an MoE shape with grouped_mm experts: bf16 weights on CUDA, fp32 on a CPU."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=4 * shape["hidden"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["groups"], head_dim=shape["head_dim"], max_position_embeddings=shape["seq"],
+        rms_norm_eps=1e-5, tie_word_embeddings=False, num_experts=shape["experts"],
+        num_experts_per_tok=shape["topk"], moe_intermediate_size=shape["expert_ffn"], norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], attn_implementation="sdpa",
+    )
+    device = torch.device("cuda" if cuda else "cpu")
+    with device:  # built where it runs: the slice's weights take minutes to initialise on a CPU
+        model = Qwen3MoeForCausalLM._from_config(config, experts_implementation="grouped_mm",
+                                                 dtype=torch.bfloat16 if cuda else torch.float32)
+    if model.config._experts_implementation != "grouped_mm":
+        raise RuntimeError(f"HF experts run {model.config._experts_implementation!r}, not grouped_mm")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
+
+    def step() -> None:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
 def float8_unavailable(cuda: bool) -> str | None:
     if not cuda:
         return "needs CUDA"
@@ -146,22 +205,112 @@ def flops_per_token(shape: dict) -> float:
     return 6.0 * non_embedding + 12.0 * L * h * shape["seq"]
 
 
+MOE_KINDS = ("ls-moe", "ls-moe-eager", "ls-moe-seq", "hf-moe")
+
+
+def moe_builders(shape: dict, tmp: str, cuda: bool) -> dict[str, Callable[[], Callable[[], None]]]:
+    return {
+        "ls-moe": lambda: longspan_kind(shape, f"{tmp}/a", cuda),
+        "ls-moe-eager": lambda: longspan_kind(shape, f"{tmp}/b", cuda, **{"train.torch_compile": False}),
+        "ls-moe-seq": lambda: longspan_kind(shape, f"{tmp}/c", cuda, **{"train.torch_compile": False,
+                                                                         "model.moe_grouped_gemm": False}),
+        "hf-moe": lambda: hf_moe_kind(shape, cuda),
+    }
+
+
+def time_kind(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> list[float]:
+    """Seconds of each of ``steps`` steps after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def run_moe(args: argparse.Namespace, shape: dict, cuda: bool, peak: float | None) -> None:
+    """The MoE case: each kind built, timed and freed in turn; a table of medians, MFU and peak memory."""
+    import gc
+
+    from longspan.planner.flops import num_floating_point_operations
+
+    names = [name for name in (args.kinds or MOE_KINDS)]
+    unknown = sorted(set(names) - set(MOE_KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds: {unknown} are not MoE kinds ({', '.join(MOE_KINDS)})")
+    results: dict[str, tuple[float, float]] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        flops = num_floating_point_operations(longspan_config(shape, f"{tmp}/flops", cuda), shape["batch"])
+        builders = moe_builders(shape, tmp, cuda)
+        for name in names:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                step = builders[name]()
+                times = time_kind(step, args.steps, args.warmup, cuda)
+            except Exception as exc:  # a kind this machine cannot run is reported, the others still run
+                skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                continue
+            finally:
+                step = None
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+            memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            results[name] = (statistics.median(times), memory)
+    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\nMoE shape {args.shape}: {shape}; {args.steps} steps per kind after {args.warmup} warm-up, kinds one "
+          f"after another, on {where}; torch {torch.__version__}; peak "
+          f"{peak / 1e12 if peak else float('nan'):.3g} TFLOP/s; {flops / 1e12:.3g} TFLOP per step")
+    print(f"{'kind':14s} {'median s/step':>14s} {'tokens/s':>10s} {'MFU':>7s} {'peak GiB':>9s}")
+    tokens = shape["batch"] * shape["seq"]
+    for name, (med, memory) in results.items():
+        mfu = flops / med / peak if peak else float("nan")
+        print(f"{name:14s} {med:14.4f} {tokens / med:10.0f} {100 * mfu:6.1f}% {memory:9.1f}")
+    if "hf-moe" in results:
+        for name in results:
+            if name.startswith("ls-"):
+                print(f"hf-moe / {name} = {results['hf-moe'][0] / results[name][0]:.3f}x (speed-up of longspan)")
+    for name, why in skipped.items():
+        print(f"{name:14s} skipped: {why}")
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b" if cuda else "tiny")
+    parser.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default=None,
+                        help="default: 1b (--moe: qwen3-30b-a3b) on CUDA, tiny (--moe: moe-tiny) elsewhere")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the shape's)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--kinds", nargs="*", default=None, help="subset of kinds to run")
+    parser.add_argument("--moe", action="store_true", help="the MoE case (see the module docstring)")
+    parser.add_argument("--dry-run", action="store_true", help="--moe at moe-tiny: build every kind, one step each")
     args = parser.parse_args()
-    shape = dict(SHAPES[args.shape])
+    if args.dry_run:
+        args.moe, args.shape, args.steps, args.warmup = True, "moe-tiny", 1, 0
+    shapes = MOE_SHAPES if args.moe else SHAPES
+    if args.shape is None:
+        args.shape = {(True, True): "qwen3-30b-a3b", (True, False): "moe-tiny", (False, True): "1b",
+                      (False, False): "tiny"}[(args.moe, cuda)]
+    if args.shape not in shapes:
+        parser.error(f"--shape {args.shape} is not one of {', '.join(shapes)}{' (--moe)' if args.moe else ''}")
+    shape = dict(shapes[args.shape])
     if args.seq:
         shape["seq"] = args.seq
     from longspan.planner.peak_flops import peak_flops_per_device
 
     device = torch.device("cuda" if cuda else "cpu")
     peak = peak_flops_per_device(device)
+    if args.moe:
+        run_moe(args, shape, cuda, peak)
+        return
     runs: dict[str, Callable[[], None]] = {}
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """Training-step speed: longspan vs HF transformers' LlamaForCausalLM vs a bare PyTorch loop.
 
-Same shape for all kinds (4 layers, hidden 256, 4 heads, SwiGLU 768, vocab 32000, batch 8 × 256 tokens,
+Same shape for all kinds (4 layers, hidden 256, 4 heads, SwiGLU 768, vocab 32000 (``--vocab``), batch 8 × 256 tokens,
 AdamW, gradient clipping at 1.0, fp32, mock tokens). The step kinds are interleaved round-robin and
 the medians compared, so machine noise hits them alike.
 
@@ -16,7 +16,8 @@ the medians compared, so machine noise hits them alike.
 - ``hf-fused``: the same with ``AdamW(fused=True)``, what HF's ``Trainer`` picks by default with torch >= 2.8
   (``optim="adamw_torch_fused"``): the HF user's step with the same optimizer kernel as longspan's.
 
-Run: ``python benchmarks/bench_train_step.py [--steps 15] [--threads 2] [--kinds longspan,hf,...]``
+Run: ``python benchmarks/bench_train_step.py [--steps 15] [--threads 2] [--kinds longspan,hf,...] [--vocab 4096]
+[--profile 25]``
 (needs ``transformers``). Print ``uptime`` next to the table: on a shared machine the load moves the numbers.
 """
 
@@ -28,18 +29,19 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longspan.recipes import get_recipe
 
 LAYERS, HIDDEN, HEADS, FFN, VOCAB, SEQ, BATCH = 4, 256, 4, 768, 32000, 256, 8
 
 
-def longspan_config(run_dir: str):
+def longspan_config(run_dir: str, vocab: int = VOCAB):
     cfg = get_recipe("tiny")
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups = LAYERS, HIDDEN, HEADS, HEADS
-    m.ffn_hidden_size, m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = FFN, SEQ, VOCAB, 128
-    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, VOCAB - 1
+    m.ffn_hidden_size, m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = FFN, SEQ, vocab, 128
+    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model, cfg.tokenizer.vocab_size = "NullTokenizer", None, vocab - 1
     cfg.dataset.data_path, cfg.dataset.sequence_length = None, SEQ
     cfg.train.micro_batch_size = cfg.train.global_batch_size = BATCH
     cfg.train.train_iters, cfg.train.eval_interval = 10_000, None
@@ -50,12 +52,12 @@ def longspan_config(run_dir: str):
     return cfg
 
 
-def build_longspan(run_dir: str, torch_compile=None):
+def build_longspan(run_dir: str, torch_compile=None, vocab: int = VOCAB):
     from longspan.training.step.forward_step import forward_step
     from longspan.training.setup import setup
     from longspan.training.utils.train_utils import prepare_forward_step_func
 
-    cfg = longspan_config(run_dir)
+    cfg = longspan_config(run_dir, vocab)
     cfg.train.torch_compile = torch_compile
     out = setup(cfg)
     out.state.fwd = prepare_forward_step_func(forward_step, out.state)
@@ -110,11 +112,11 @@ def bare_step(model, optimizer, batch) -> None:
     optimizer.step()
 
 
-def build_hf(fused: bool = False):
+def build_hf(fused: bool = False, vocab: int = VOCAB):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
@@ -131,6 +133,49 @@ def hf_step(model, optimizer, batch) -> None:
     optimizer.step()
 
 
+class _OpCPUTime(TorchDispatchMode):
+    """Thread CPU time per ATen operator (forward and backward: on a CPU autograd runs the backward on the calling
+    thread), so the breakdown does not move with the machine's load as wall-clock profiles do. With more than one
+    thread the intra-op workers' time is missed: profile with ``--threads 1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.thread_time()
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.thread_time() - start
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return out
+
+
+def print_profile(name: str, step, rows: int, steps: int = 3) -> None:
+    """``steps`` steps of ``step``: the thread CPU time of a plain step (median), and under ``_OpCPUTime`` the
+    ``rows`` costliest operators per step and the time outside every operator (Python: the framework's own work,
+    plus the mode's own cost per call)."""
+    plain = []
+    for _ in range(steps):
+        start = time.thread_time()
+        step()
+        plain.append(time.thread_time() - start)
+    mode = _OpCPUTime()
+    start = time.thread_time()
+    with mode:
+        for _ in range(steps):
+            step()
+    total = (time.thread_time() - start) / steps
+    in_ops = sum(mode.seconds.values()) / steps
+    print(f"\n{name}: thread CPU time per step {statistics.median(plain) * 1e3:.1f} ms (median of {steps}); "
+          f"profiled {total * 1e3:.1f} ms = {in_ops * 1e3:.1f} in {sum(mode.calls.values()) // steps} operator "
+          f"calls + {(total - in_ops) * 1e3:.1f} outside them")
+    for op, seconds in sorted(mode.seconds.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"  {op:36s} {seconds / steps * 1e3:9.2f} ms {mode.calls[op] // steps:6d} calls "
+              f"{100 * seconds / steps / total:6.1f}%")
+
+
 KINDS = ("longspan", "ls-eager", "ls-compiled", "bare", "hf", "hf-fused")
 
 
@@ -140,6 +185,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed steps, profile 3 more steps of each kind and print its N costliest "
+                             "operators by thread CPU time (use with --threads 1)")
     args = parser.parse_args()
     names = [name for name in args.kinds.split(",") if name]
     unknown = sorted(set(names) - set(KINDS))
@@ -148,7 +197,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as run_dir:
-        out = build_longspan(f"{run_dir}/default")  # longspan's default (train.torch_compile=None)
+        out = build_longspan(f"{run_dir}/default", vocab=args.vocab)  # longspan's default (train.torch_compile=None)
         batch = next(out.train_data_iterator)
         runs = {}
         for name in names:
@@ -157,7 +206,7 @@ def main() -> None:
                 total_loss: dict = {}
                 runs[name] = lambda h=history, t=total_loss: longspan_iteration(out, h, t)
             elif name in ("ls-eager", "ls-compiled"):
-                built = build_longspan(f"{run_dir}/{name}", torch_compile=name == "ls-compiled")
+                built = build_longspan(f"{run_dir}/{name}", torch_compile=name == "ls-compiled", vocab=args.vocab)
                 history_k: list[float] = []
                 loss_k: dict = {}
                 runs[name] = lambda b=built, h=history_k, t=loss_k: longspan_iteration(b, h, t)
@@ -169,7 +218,7 @@ def main() -> None:
                 )
                 runs[name] = lambda m=bare_model, o=bare_opt: bare_step(m, o, batch)
             else:
-                hf_model, hf_opt = build_hf(fused=name == "hf-fused")
+                hf_model, hf_opt = build_hf(fused=name == "hf-fused", vocab=args.vocab)
                 runs[name] = lambda m=hf_model, o=hf_opt: hf_step(m, o, batch)
         times: dict[str, list[float]] = {name: [] for name in runs}
         for step in range(args.warmup + args.steps):
@@ -181,11 +230,14 @@ def main() -> None:
                 fn()
                 if step >= args.warmup:
                     times[name].append(time.perf_counter() - start)
+        if args.profile:
+            for name in names:
+                print_profile(name, runs[name], args.profile)
 
     med = {name: statistics.median(t) for name, t in times.items()}
     tokens = BATCH * SEQ
     base = "longspan" if "longspan" in med else names[0]
-    print(f"\nshape: {LAYERS} layers, hidden {HIDDEN}, heads {HEADS}, ffn {FFN}, vocab {VOCAB}, batch {BATCH}x{SEQ}; "
+    print(f"\nshape: {LAYERS} layers, hidden {HIDDEN}, heads {HEADS}, ffn {FFN}, vocab {args.vocab}, batch {BATCH}x{SEQ}; "
           f"{args.steps} interleaved steps, {args.threads} threads, torch {torch.__version__}")
     print(f"longspan default: train.torch_compile=None -> compiled on CPU: {out.state.compiled}")
     print(f"{'':12s} {'median s/step':>14s} {'min s/step':>11s} {'tokens/s':>10s} {'vs ' + base:>14s}")

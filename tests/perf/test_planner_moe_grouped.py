@@ -5,7 +5,9 @@ per microbatch, divided by expert parallel."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from longspan.config.schema.optim import apply_mixed_precision, bf16_mixed
 from longspan.planner import expert_time
 from longspan.planner import plan as planner
 from longspan.recipes import get_recipe
@@ -15,6 +17,7 @@ EXPERTS, MICROBATCHES = 64, 2
 
 def _cfg(grouped: bool):
     cfg = get_recipe("tiny-moe")
+    apply_mixed_precision(bf16_mixed(), cfg.model, cfg.optimizer, cfg.ddp)  # the GPU grouped kernel's dtype
     m = cfg.model
     m.num_moe_experts, m.moe_grouped_gemm = EXPERTS, grouped
     m.num_layers, m.moe_layer_freq = 2, [1, 0]  # one MoE layer of two: the dense layer adds nothing
@@ -56,6 +59,13 @@ def test_grouped_cost_per_device_and_activation():
     assert expert_time.expert_overhead_per_layer_s(m, "cpu", 1) == pytest.approx(cpu)
     m.gated_linear_unit = False  # two projections: 6 kernels
     assert expert_time.expert_overhead_per_layer_s(m, "h100", 1) == pytest.approx(6 * expert_time.KERNEL_LAUNCH_S)
+    # where the grouped kernel cannot serve, the model runs the loop and the estimate charges it
+    loop = EXPERTS * expert_time.SEQUENTIAL_EXPERT_S
+    m.params_dtype = torch.float32  # the CUDA kernel takes bfloat16 only; the CPU's takes float32
+    assert expert_time.expert_overhead_per_layer_s(m, "h100", 1) == pytest.approx(loop)
+    assert expert_time.expert_overhead_per_layer_s(m, "cpu", 1) < loop
+    m.params_dtype, m.moe_ffn_hidden_size = torch.bfloat16, 100  # 200-byte rows: not a multiple of 16
+    assert expert_time.expert_overhead_per_layer_s(m, "h100", 1) == pytest.approx(loop)
 
 
 def test_pipeline_stages_count_their_own_moe_layers():

@@ -32,6 +32,7 @@ Run: ``python benchmarks/bench_gpu.py [--shape 1b|tiny] [--seq 2048] [--steps 10
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -235,11 +236,9 @@ def time_kind(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> 
 
 def run_moe(args: argparse.Namespace, shape: dict, cuda: bool, peak: float | None) -> None:
     """The MoE case: each kind built, timed and freed in turn; a table of medians, MFU and peak memory."""
-    import gc
-
     from longspan.planner.flops import num_floating_point_operations
 
-    names = [name for name in (args.kinds or MOE_KINDS)]
+    names = list(args.kinds or MOE_KINDS)
     unknown = sorted(set(names) - set(MOE_KINDS))
     if unknown:
         raise SystemExit(f"--kinds: {unknown} are not MoE kinds ({', '.join(MOE_KINDS)})")

@@ -37,6 +37,7 @@ from longspan.families import (  # noqa: F401
     qwen35,
     minimax,
     gemma4,
+    gemma4_vl,
     mimo,
 )
 

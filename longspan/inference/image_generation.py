@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from longspan.core.errors import CheckpointError, DataError
+from longspan.core.errors import CheckpointError, ConfigError, DataError
+from longspan.data.sft.multimodal import load_processor as load_hf_processor
 from longspan.inference.text_generation import GenerationResult, _single_model, check_generation_args, generate
 from longspan.inference.images import expand_image_tokens, load_image_processor, load_images, process_images
 
@@ -30,13 +31,12 @@ _NOT_MODEL_INPUTS = ("input_ids", "attention_mask")
 
 
 def load_processor(hf_path: str | os.PathLike) -> Any:
-    """The HF processor (image processor + tokenizer + chat template) saved in model directory ``hf_path``."""
-    import transformers  # optional dependency and slow to import: only image prompts need it
-
+    """The HF processor (image processor + tokenizer + chat template) saved in model directory ``hf_path``
+    (without its video processor when that one cannot load: ``longspan.data.sft.multimodal.load_processor``)."""
     try:
-        return transformers.AutoProcessor.from_pretrained(str(hf_path))
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return load_hf_processor(str(hf_path), field="processor")
+    except ConfigError as exc:
+        first = str(exc).split("cannot load the HF processor: ", 1)[-1]
         raise CheckpointError(f"{hf_path} has no HF processor that loads ({first}): it needs the processor's "
                               "files (processor_config.json or preprocessor_config.json, the tokenizer)") from None
 

@@ -42,15 +42,30 @@ DROPPED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def _image_only_processor_class(cls: type) -> type:
+def image_only_processor_class(cls: type) -> type:
     """``cls`` without its video processor: HF's video processors need torchvision, which reading images does
-    not (the class's ``get_attributes`` comes from the ``__init__`` signature, so this one loads two parts)."""
+    not. The class's ``get_attributes`` comes from the ``__init__`` signature, so this one's lists ``cls``'s
+    parts but the video processor; ``cls.__init__`` gets None for it, and a processor that hands it on to
+    ``ProcessorMixin`` by name (Gemma 4's) has it dropped there."""
+    import inspect  # only this fallback reads signatures
 
-    class ImageOnlyProcessor(cls):  # type: ignore[misc, valid-type]
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Optional[str] = None,
-                     **kwargs: Any) -> None:
-            cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    from transformers.processing_utils import ProcessorMixin  # transformers: optional, see load_processor
 
+    class _WithoutVideo(ProcessorMixin):
+        def __init__(self, *args: Any, video_processor: Any = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    parts = [name for name in cls.get_attributes() if name != "video_processor"]
+
+    class ImageOnlyProcessor(cls, _WithoutVideo):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(zip(parts, args))
+            cls.__init__(self, **kwargs, video_processor=None)
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for name in parts]
+    params += [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    ImageOnlyProcessor.__init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = cls.__name__
     return ImageOnlyProcessor
 
@@ -84,15 +99,17 @@ def load_processor(path: str, kwargs: Optional[dict[str, Any]] = None, field: st
         raise ConfigError(f"{field}={path!r} is not a directory (give the model directory holding the processor files)")
     try:
         return AutoProcessor.from_pretrained(path, **kwargs)
-    except ImportError:
-        pass  # a video processor that needs torchvision: load the image and text parts only
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unreadable processor files
-        raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(exc)}") from None
+        failure = exc
+    # A processor with a video processor that needs torchvision (ImportError), or whose directory has no video
+    # processor files: load the image and text parts only.
     try:
         cls = processor_class_from_name(_processor_class_name(path))
-        return _image_only_processor_class(cls).from_pretrained(path, **kwargs)
+        if isinstance(failure, ImportError) or "video_processor" in cls.get_attributes():
+            return image_only_processor_class(cls).from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - as above
-        raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(exc)}") from None
+        failure = exc if isinstance(failure, ImportError) else failure
+    raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(failure)}") from None
 
 
 def _processor_class_name(path: str) -> str:

@@ -1,4 +1,5 @@
-"""Gemma 4's text model (``Gemma4ForCausalLM``, and the text tower of ``Gemma4ForConditionalGeneration``).
+"""Gemma 4's text model (``Gemma4ForCausalLM``; ``longspan.families.gemma4_vl`` registers
+``Gemma4ForConditionalGeneration``, whose text tower alone imports through ``hf.GEMMA4_VL_TEXT``).
 
 ``provider`` (``Gemma4ModelProvider``), ``model`` (its layers on the GPT blocks), ``hf`` (config.json and
 weights), ``moe`` (the MoE block beside the dense MLP), ``recipes`` (``gemma4``: LoRA finetune of E4B;
@@ -11,7 +12,7 @@ from longspan.config.support import register_model_support
 from longspan.config.targets import register_config_class
 from longspan.conversion.families import register_family
 from longspan.families.gemma4 import recipes
-from longspan.families.gemma4.hf import GEMMA4, GEMMA4_VL_TEXT
+from longspan.families.gemma4.hf import GEMMA4
 from longspan.families.gemma4.provider import Gemma4ModelProvider
 from longspan.recipes import register_recipe
 
@@ -29,6 +30,5 @@ register_model_support(
     reasons={},
 )
 register_family(GEMMA4)
-register_family(GEMMA4_VL_TEXT)
 register_recipe("gemma4", recipes.gemma4, family="gemma4")
 register_recipe("gemma4-moe-lora", recipes.gemma4_moe_lora, family="gemma4")

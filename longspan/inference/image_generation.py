@@ -51,7 +51,10 @@ def prompt_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> tuple[l
 
 def processor_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> dict[str, torch.Tensor]:
     """The processor's tensors for one prompt and its images (one-line DataError when they do not match)."""
-    marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+    # Gemma 3's prompts mark an image with its begin-of-image token, Gemma 4's with its image token: the one
+    # the prompt holds (else the first the processor has) is counted
+    markers = [m for m in (getattr(processor, "boi_token", None), getattr(processor, "image_token", None)) if m]
+    marker = next((m for m in markers if m in prompt), markers[0] if markers else None)
     if marker and prompt.count(marker) != len(images):
         raise DataError(f"the prompt has {prompt.count(marker)} image marker(s) {marker} for {len(images)} "
                         f"image(s): put one {marker} where each image goes")

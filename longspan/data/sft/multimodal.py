@@ -277,6 +277,7 @@ class MultimodalChatFormatter:
     def _check_image_tokens(self, ids: np.ndarray, out: dict[str, torch.Tensor], n_images: int, where: str) -> None:
         """The image tokens of the sequence are the count the processor's image inputs stand for."""
         found = int(np.isin(ids, self.image_token_ids).sum())
+        check_image_grids(self.processor, out, where)
         expected = expected_image_tokens(self.processor, out, n_images)
         if expected is not None and found != expected:
             raise DataError(f"{where}: the text has {found} image tokens, but its {n_images} image(s) need {expected}")
@@ -355,11 +356,33 @@ def _image_token_ids(processor: Any) -> list[int]:
     return sorted(found)
 
 
+def check_image_grids(processor: Any, out: dict[str, torch.Tensor], where: str) -> None:
+    """Images the model pools by patch position (Gemma 4: ``image_position_ids``, the image processor's
+    ``pooling_kernel_size``) must be whole squares of the kernel on each side: one-line DataError naming
+    ``where`` and the image otherwise (an image too small for one pooled soft token)."""
+    positions = out.get("image_position_ids")
+    kernel = getattr(getattr(processor, "image_processor", None), "pooling_kernel_size", None)
+    if positions is None or not kernel:
+        return
+    real = ~(positions == -1).all(dim=-1)
+    for i in range(positions.shape[0]):
+        grid = positions[i][real[i]]
+        width, height = ((int(grid[:, axis].max()) + 1) if grid.numel() else 0 for axis in range(2))
+        if width < kernel or height < kernel or width % kernel or height % kernel:
+            raise DataError(f"{where}: image {i + 1} is {width}x{height} patches, too small or uneven for one "
+                            f"{kernel}x{kernel} pooled soft token per square (each side a multiple of {kernel}): "
+                            "let the processor resize it (do_resize) or give a larger image")
+
+
 def expected_image_tokens(processor: Any, out: dict[str, torch.Tensor], n_images: int) -> Optional[int]:
     """How many image tokens the processed images stand for: Qwen-style grids (patches / merge_size^2) or a fixed
     count per image (``image_seq_length``); None when the processor says neither."""
     if n_images == 0:
         return 0
+    positions = out.get("image_position_ids")
+    kernel = getattr(getattr(processor, "image_processor", None), "pooling_kernel_size", None)
+    if positions is not None and kernel:  # Gemma 4: each image's real patches pooled kernel x kernel
+        return int((~(positions == -1).all(dim=-1)).sum()) // int(kernel) ** 2
     grid = out.get("image_grid_thw")
     merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
     if grid is not None and merge:

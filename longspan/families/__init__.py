@@ -37,7 +37,6 @@ from longspan.families import (  # noqa: F401
     qwen35,
     minimax,
     gemma4,
-    gemma4_vl,
     mimo,
 )
 

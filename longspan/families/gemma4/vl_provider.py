@@ -1,5 +1,5 @@
 """``Gemma4VLModelProvider``: Gemma 4's vision-language model (``Gemma4ForConditionalGeneration`` with images);
-``provide()`` builds ``longspan.families.gemma4_vl.model.Gemma4VLModel``.
+``provide()`` builds ``longspan.families.gemma4.vl_model.Gemma4VLModel``.
 
 The GPT and Gemma 4 fields describe the language model (Gemma 4's text model, ``Gemma4ModelProvider``);
 ``vision_config`` the vision encoder (HF's ``Gemma4VisionConfig`` fields, as in config.json).
@@ -70,8 +70,8 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:
-        """``longspan.families.gemma4_vl.model.build_gemma4_vl_model`` (see ``ModelProviderMixin``)."""
-        from longspan.families.gemma4_vl.model import build_gemma4_vl_model  # keeps the provider free of model code
+        """``longspan.families.gemma4.vl_model.build_gemma4_vl_model`` (see ``ModelProviderMixin``)."""
+        from longspan.families.gemma4.vl_model import build_gemma4_vl_model  # keeps the provider free of model code
 
         check_gemma4_vision(self)
         return build_gemma4_vl_model(self, vp_stage, materialize=materialize, pre_process=pre_process,

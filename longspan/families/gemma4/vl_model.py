@@ -1,6 +1,6 @@
 """Gemma 4's vision-language model (HF ``Gemma4ForConditionalGeneration`` with images) in plain PyTorch.
 
-The images go through Gemma 4's vision encoder (``longspan.families.gemma4_vl.vision``) into soft tokens, which
+The images go through Gemma 4's vision encoder (``longspan.families.gemma4.vision``) into soft tokens, which
 the projector (``embed_vision``) maps to the language model's width. The language model is Gemma 4's text model
 (``longspan.families.gemma4.model.Gemma4Model``): the prompt is embedded with each image token replaced by the
 pad token, the image tokens' embeddings are replaced by the soft tokens in order, and the per-layer inputs (when
@@ -25,7 +25,7 @@ from torch import nn
 
 from longspan.core.errors import DataError, NotSupportedError
 from longspan.families.gemma4.model import Gemma4Model
-from longspan.families.gemma4_vl.vision import Gemma4VisionArgs, Gemma4VisionEmbedder, Gemma4VisionTower
+from longspan.families.gemma4.vision import Gemma4VisionArgs, Gemma4VisionEmbedder, Gemma4VisionTower
 from longspan.models.init import materialize_model
 from longspan.models.transformer import KVCache
 

@@ -64,9 +64,10 @@ def gemma4_vlm_config(tokenizer, bidirectional: str | None = None, vision_layers
                                      video_token_id=tokenizer.convert_tokens_to_ids("<|video|>"))
 
 
-def make_gemma4_vlm(directory, seed: int = 0, **config_kwargs):
+def make_gemma4_vlm(directory, seed: int = 0, embedding_std: float = 0.02, **config_kwargs):
     """Save a random Gemma4ForConditionalGeneration (norms, clips and standardization away from their init) and
-    its processor to ``directory``; returns (model, processor)."""
+    its processor to ``directory``; returns (model, processor). ``embedding_std``: of the (tied) word embeddings,
+    whose size bounds the logits behind the final norm (a finetune needs more than the init's 0.02)."""
     processor = make_processor(directory)
     cfg = gemma4_vlm_config(processor.tokenizer, **config_kwargs)
     torch.manual_seed(seed)
@@ -77,6 +78,8 @@ def make_gemma4_vlm(directory, seed: int = 0, **config_kwargs):
                 p.uniform_(0.5, 1.5)
             elif "embedding_projection" in name or "position_embedding_table" in name:
                 p.normal_(0, 0.3)
+            elif name.endswith("language_model.embed_tokens.weight"):
+                p.normal_(0, embedding_std)
         for name, b in model.named_buffers():
             if name.endswith(("input_min", "output_min")):
                 b.fill_(-2.0)

@@ -57,10 +57,21 @@ def image_only_processor_class(cls: type) -> type:
 
     parts = [name for name in cls.get_attributes() if name != "video_processor"]
 
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "video_processor"}
+
     class ImageOnlyProcessor(cls, _WithoutVideo):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.update(zip(parts, args))
             cls.__init__(self, **kwargs, video_processor=None)
+
+        @classmethod
+        def from_args_and_dict(cls_, args: Any, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+            # transformers keeps the saved settings its __init__'s code object names; this __init__ takes them
+            # all by keyword, so the ones ``cls.__init__`` accepts (chat template, token counts) are kept here
+            unused = kwargs.pop("return_unused_kwargs", False)
+            settings = {k: v for k, v in {**processor_dict, **kwargs}.items() if k in accepted and k not in parts}
+            processor = cls_(*args, **settings)
+            return (processor, {}) if unused else processor
 
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for name in parts]

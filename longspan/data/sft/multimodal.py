@@ -166,7 +166,11 @@ def _clean_parts(messages: list[dict[str, Any]], where: str) -> list[dict[str, A
         if isinstance(content, list):
             parts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("audio", "video"):
+                    raise DataError(f"{where}: {kind} parts are not supported yet (longspan's vision-language "
+                                    "models take image and text parts)")
+                if kind not in ("text", "image"):
                     raise DataError(f"{where}: a content part must be {{\"type\": \"text\"|\"image\", ...}}, got {part!r}")
                 parts.append({k: v for k, v in part.items() if v is not None})
             message = {**message, "content": parts}

@@ -1,8 +1,8 @@
 """Finetuning a tiny random Gemma 4 with images (Gemma4ForConditionalGeneration) from the CLI: ``finetune --recipe
 vlm-lora`` on drawn squares mixed with conversations without an image lowers the validation loss; the merged export
 loads in transformers, and its greedy answer to an image question equals ``longspan generate --image`` from the
-checkpoint. A record whose image is too small to pool is a one-line error naming the file and line, before the
-first step."""
+checkpoint. A record whose image is too small to pool, or with an audio part, is a one-line error naming the file
+and line, before the first step."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_gemma4_lora_from_the_cli_learns_and_its_merged_export_answers_alike(gem
         : len(ours["output_ids"])]
 
 
-def test_an_image_too_small_to_pool_stops_the_run_before_its_first_step(gemma4_run_inputs, tmp_path, capsys):
+def test_an_image_too_small_to_pool_or_an_audio_part_stops_the_run_before_its_first_step(gemma4_run_inputs, tmp_path, capsys):
     from PIL import Image
 
     from longspan.cli import main
@@ -104,4 +104,12 @@ def test_an_image_too_small_to_pool_stops_the_run_before_its_first_step(gemma4_r
     assert main(_args(small_hf, bad, out)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{bad / 'training.jsonl'} line 3: image 1 is 2x1 patches, too small" in err[0], err
+    assert not (out / "tb" / "metrics.jsonl").exists()
+
+    # An audio part: one line naming the file and line, before the first step.
+    rows[2]["messages"][0]["content"][0] = {"type": "audio", "audio": "speech.wav"}
+    write_jsonl(str(bad / "training.jsonl"), rows)
+    assert main(_args(hf, bad, out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bad / 'training.jsonl'} line 3: audio parts are not supported yet" in err[0], err
     assert not (out / "tb" / "metrics.jsonl").exists()

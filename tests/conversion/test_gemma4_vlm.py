@@ -16,6 +16,8 @@ from longspan import AutoBridge
 from longspan.conversion import families
 from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images
+from longspan.families.gemma_vl.model import image_attention_mask
+from longspan.models.sliding_window import TwoSidedMask
 from tests.conversion.gemma4_vlm_models import VOCAB, make_gemma4_vlm
 from tests.conversion.gemma_vlm_models import draw_image
 
@@ -78,6 +80,28 @@ def test_logits_with_two_images_of_different_sizes_equal_transformers(vlm):
                      image_position_ids=inputs["image_position_ids"])
     expected = torch.nn.functional.cross_entropy(reference[0], labels[0], reduction="none")
     assert (loss[0] - expected).abs().max().item() <= 1e-4
+
+
+def test_image_tokens_see_each_other_on_the_sliding_window_layers_as_transformers(tmp_path):
+    """``use_bidirectional_attention='vision'``: an image's tokens see each other both ways on the sliding-window
+    layers (whose 24-token window cuts inside the 64-token image), the full-attention layers stay causal."""
+    hf, processor = make_gemma4_vlm(tmp_path, seed=1, bidirectional="vision", vision_layers=1)
+    inputs = processor(text=PROMPT, images=_images(), return_tensors="pt")
+    model = AutoBridge.from_hf_pretrained(tmp_path).to_megatron_model()[0].eval()
+    assert model.config.use_bidirectional_attention == "vision"
+    with torch.no_grad():
+        reference = hf(**inputs).logits
+    assert (_ours(model, inputs) - reference).abs().max().item() <= 1e-4
+    # Causal attention everywhere, or the image blocks on the full-attention layers too, give other logits.
+    model.config.use_bidirectional_attention = None
+    assert (_ours(model, inputs) - reference).abs().max().item() > 1e-3
+    model.config.use_bidirectional_attention = "vision"
+    every_layer = lambda ids, mask: TwoSidedMask(image_attention_mask((ids == model.image_token_id).long()).mask)
+    original, model._image_blocks = model._image_blocks, lambda ids, mask, past: every_layer(ids, mask)
+    try:
+        assert (_ours(model, inputs) - reference).abs().max().item() > 1e-3
+    finally:
+        model._image_blocks = original
 
 
 def test_import_export_is_bit_identical_with_the_processor_files(vlm, tmp_path):

@@ -43,6 +43,7 @@ register_model_support(
     supported="""global_kv_channels num_global_query_groups global_rotary_percent attention_k_eq_v
         num_kv_shared_layers use_double_wide_mlp per_layer_embed_dim per_layer_embed_vocab_size vision_config
         bos_token_id eos_token_id pad_token_id vision_start_token_id vision_end_token_id image_token_id
+        use_bidirectional_attention
         freeze_language_model freeze_vision_model freeze_vision_projection""",
     not_supported="",
     reasons={},

@@ -266,11 +266,12 @@ def gemma4_vlm_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         raise NotSupportedError("config.json audio_config: Gemma 4's audio encoder is not supported yet (longspan "
                                 "converts Gemma4ForConditionalGeneration with images; drop audio_config)")
     text = _text_config(cfg)
-    if text.get("use_bidirectional_attention"):
-        raise NotSupportedError(f"config.json text_config.use_bidirectional_attention="
-                                f"{text['use_bidirectional_attention']!r} is not supported yet: longspan's Gemma 4 "
-                                "with images attends causally (null)")
-    out = GEMMA4.to_provider(text)
+    mode = text.get("use_bidirectional_attention")
+    if mode not in (None, "vision"):
+        raise NotSupportedError(f"config.json text_config.use_bidirectional_attention={mode!r} is not supported: "
+                                "longspan's Gemma 4 with images takes null (causal) or 'vision'")
+    out = GEMMA4.to_provider(dict(text, use_bidirectional_attention=None))
+    out["use_bidirectional_attention"] = mode
     vision = cfg["vision_config"]
     out.update(
         vision_config={k: vision[k] for k in VISION_FIELDS if k in vision},
@@ -291,7 +292,7 @@ def gemma4_vlm_hf(p: Any) -> dict[str, Any]:
     if not isinstance(p, Gemma4VLModelProvider) or not p.vision_config:
         raise NotSupportedError("this model has no vision encoder: export it as Gemma4ForCausalLM")
     text = dict(gemma4_hf(p), model_type="gemma4_text", pad_token_id=p.pad_token_id, bos_token_id=p.bos_token_id,
-                eos_token_id=p.eos_token_id)
+                eos_token_id=p.eos_token_id, use_bidirectional_attention=p.use_bidirectional_attention)
     vision = dict(p.vision_config, model_type="gemma4_vision")
     return dict(text_config=text, vision_config=vision, audio_config=None, image_token_id=p.image_token_id,
                 boi_token_id=p.vision_start_token_id, eoi_token_id=p.vision_end_token_id,

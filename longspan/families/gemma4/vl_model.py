@@ -5,7 +5,9 @@ the projector (``embed_vision``) maps to the language model's width. The languag
 (``longspan.families.gemma4.model.Gemma4Model``): the prompt is embedded with each image token replaced by the
 pad token, the image tokens' embeddings are replaced by the soft tokens in order, and the per-layer inputs (when
 the model has them) take their token part from the pad-substituted ids and their projection from the merged
-embeddings, as transformers does. Attention is causal (``use_bidirectional_attention`` null). Module names::
+embeddings, as transformers does. Attention is causal, or with ``use_bidirectional_attention='vision'`` the
+tokens of one image also see each other both ways on the sliding-window layers (the full-attention layers stay
+causal), as transformers' Gemma 4 does. Module names::
 
     vision_tower.*                               Gemma4VisionTower (HF's names)
     embed_vision.embedding_projection.weight     [text_hidden, vision_hidden]
@@ -26,7 +28,9 @@ from torch import nn
 from longspan.core.errors import DataError, NotSupportedError
 from longspan.families.gemma4.model import Gemma4Model
 from longspan.families.gemma4.vision import Gemma4VisionArgs, Gemma4VisionEmbedder, Gemma4VisionTower
+from longspan.families.gemma_vl.model import image_attention_mask
 from longspan.models.init import materialize_model
+from longspan.models.sliding_window import TwoSidedMask
 from longspan.models.transformer import KVCache
 
 
@@ -135,8 +139,22 @@ class Gemma4VLModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         ids, embeds = self._embed(input_ids, position_ids, pixel_values, image_position_ids)
+        if self.config.use_bidirectional_attention == "vision":
+            attention_mask = self._image_blocks(input_ids, attention_mask, past)
         return self.language_model(ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
                                    loss_mask=loss_mask, decoder_input=embeds)
+
+    def _image_blocks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> Any:
+        """The mask over which each image's tokens also see the image's later tokens on the sliding-window
+        layers (the full-attention layers keep ``attention_mask``); ``attention_mask`` when there are none."""
+        is_image = input_ids == self.image_token_id
+        if not bool(is_image.any()):
+            return attention_mask
+        if past:
+            raise NotSupportedError("image tokens after cached tokens are not supported: pass the image tokens "
+                                    "in the first forward of a KV cache (the prompt)")
+        blocks = image_attention_mask(is_image.long(), attention_mask)
+        return TwoSidedMask(blocks.mask, sliding_only=True, full_layers=attention_mask)
 
 
 def freeze_parts(model: Gemma4VLModel, config: Any) -> None:

@@ -52,6 +52,12 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """The image soft token (HF ``image_token_id``): the positions whose embeddings become the images' projected
     soft tokens, in order."""
 
+    use_bidirectional_attention: Optional[str] = None
+    """HF ``text_config.use_bidirectional_attention``: None attends causally; ``"vision"`` lets the tokens of one
+    image (a run of image tokens) also see the image's later tokens on the sliding-window layers (within the
+    window's far edge; the full-attention layers stay causal), as transformers does. ``"all"`` is not
+    supported. Not with pipeline or context parallel yet."""
+
     freeze_language_model: bool = False
     """Train no language-model parameter (``requires_grad=False`` on ``language_model.*``)."""
 
@@ -95,6 +101,15 @@ def check_gemma4_vision(config: Any) -> None:
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
         raise NotSupportedError(f"model.vision_config.hidden_activation={act!r} is not supported: use "
                                 "gelu_pytorch_tanh, gelu_new or gelu")
+    mode = config.use_bidirectional_attention
+    if mode not in (None, "vision"):
+        raise NotSupportedError(f"model.use_bidirectional_attention={mode!r} is not supported: use null (causal) or "
+                                "'vision' (image tokens see each other on the sliding-window layers)")
+    split = {"pipeline_model_parallel_size": config.pipeline_model_parallel_size,
+             "context_parallel_size": config.context_parallel_size}
+    if mode == "vision" and any(int(v or 1) > 1 for v in split.values()):
+        raise NotSupportedError(f"model.use_bidirectional_attention='vision' with {split} is not supported yet for "
+                                "Gemma 4: run it without pipeline and context parallel")
     rope = (vision.get("rope_parameters") or {}).get("rope_type", "axial")
     if rope != "axial" or vision.get("attention_bias"):
         raise NotSupportedError(f"model.vision_config rope_type={rope!r} / attention_bias="

@@ -23,8 +23,10 @@ _VISION_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """A Gemma 4 vision-language model: Gemma 4's vision encoder and projector feeding a Gemma 4 text model.
 
-    Layouts: those of the text model (data parallel, FSDP2, tensor parallel with the encoder replicated); the
-    encoder and projector live on the first pipeline stage."""
+    Layouts: data parallel, FSDP2 and tensor parallel (the language model split, the encoder and projector
+    replicated), with microbatches without images among them (tests/data/sft_vlm/test_gemma4_vlm_finetune.py).
+    The encoder and projector are built on the first pipeline stage only; pipeline and context parallel are not
+    proven for this model yet."""
 
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The vision encoder: HF ``Gemma4VisionConfig`` fields (``hidden_size``, ``intermediate_size``,

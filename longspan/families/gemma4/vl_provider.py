@@ -28,6 +28,11 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     The encoder and projector are built on the first pipeline stage only; pipeline and context parallel are not
     proven for this model yet."""
 
+    scatter_embedding_sequence_parallel: bool = False
+    """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as
+    the image embeddings are put into the whole sequence's embeddings first; True with sequence parallel is a
+    one-line error."""
+
     vision_config: dict[str, Any] = field(default_factory=dict)
     """The vision encoder: HF ``Gemma4VisionConfig`` fields (``hidden_size``, ``intermediate_size``,
     ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``patch_size``,

@@ -92,6 +92,9 @@ def test_image_tokens_see_each_other_on_the_sliding_window_layers_as_transformer
     with torch.no_grad():
         reference = hf(**inputs).logits
     assert (_ours(model, inputs) - reference).abs().max().item() <= 1e-4
+    expected = hf.generate(**inputs, do_sample=False, max_new_tokens=4, eos_token_id=None,
+                           pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert generate_with_images(model, processor, PROMPT, _images(), max_new_tokens=4, eos_ids=()).output_ids == expected
     # Causal attention everywhere, or the image blocks on the full-attention layers too, give other logits.
     model.config.use_bidirectional_attention = None
     assert (_ours(model, inputs) - reference).abs().max().item() > 1e-3

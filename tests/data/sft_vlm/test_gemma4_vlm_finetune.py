@@ -82,7 +82,8 @@ def test_gemma4_lora_from_the_cli_learns_and_its_merged_export_answers_alike(gem
         : len(ours["output_ids"])]
 
 
-def test_an_image_too_small_to_pool_or_an_audio_part_stops_the_run_before_its_first_step(gemma4_run_inputs, tmp_path, capsys):
+def test_an_image_too_small_to_pool_or_an_audio_part_stops_the_run_before_its_first_step(gemma4_run_inputs, tmp_path,
+                                                                                        capsys):
     from PIL import Image
 
     from longspan.cli import main

@@ -24,7 +24,7 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """A Gemma 4 vision-language model: Gemma 4's vision encoder and projector feeding a Gemma 4 text model.
 
     Layouts: data parallel, FSDP2 and tensor parallel (the language model split, the encoder and projector
-    replicated), with microbatches without images among them (tests/data/sft_vlm/test_gemma4_vlm_finetune.py).
+    replicated), on images mixed with text-only conversations (tests/data/sft_vlm/test_gemma4_vlm_finetune.py).
     The encoder and projector are built on the first pipeline stage only; pipeline and context parallel are not
     proven for this model yet."""
 

@@ -1,8 +1,8 @@
 """Finetuning a tiny random Gemma 4 with images (Gemma4ForConditionalGeneration) from the CLI: ``finetune --recipe
 vlm-lora`` on drawn squares mixed with conversations without an image lowers the validation loss; the merged export
 loads in transformers, and its greedy answer to an image question equals ``longspan generate --image`` from the
-checkpoint. FSDP2 and tensor parallel (the encoder replicated) log the losses of one process over 8 iterations
-(fp32, rel 1e-5) although some microbatches hold no image. A record whose image is too small to pool, or with an
+checkpoint. FSDP2 and tensor parallel (the encoder replicated) log the losses of one process over 4 iterations
+(fp32, rel 1e-5) on image questions mixed with text-only ones. A record whose image is too small to pool, or with an
 audio part, is a one-line error naming the file and line, before the first step."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_an_image_too_small_to_pool_or_an_audio_part_stops_the_run_before_its_fi
     assert not (out / "tb" / "metrics.jsonl").exists()
 
 
-ITERS = 8
+ITERS = 4
 
 
 def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False):
@@ -143,8 +143,8 @@ def _finetune_each(cfgs: list) -> int:
 
 
 def test_fsdp2_and_tensor_parallel_log_the_losses_of_one_process(gemma4_run_inputs, tmp_path, pool2):
-    """Every second conversation has no image: those microbatches run the encoder on a blank image times 0, so
-    every rank reduces the same gradients. Both layouts run in one call of the shared two-process pool."""
+    """Every second conversation has no image (a microbatch without one runs the encoder on a blank image times 0,
+    so every rank reduces the same gradients). Both layouts run in one call of the shared two-process pool."""
     hf, data = gemma4_run_inputs
     one = _sft_config(hf, data, tmp_path / "one")
     _finetune_each([one])

@@ -125,11 +125,13 @@ class HFCheckpointReader:
         """Tensor ``name``, or only the part ``box`` (one slice per dimension) of it."""
         name = self._resolve(name)
         path = self._path(name)
-        self.shape(name)  # validates the file first
+        scalar = self.shape(name) == ()  # validates the file first
         try:
             # Opened per read and closed right after: the file's memory map is released, so the pages read
             # do not stay resident for the whole load (the returned tensor is a copy).
             with safe_open(str(path), framework="pt") as handle:
+                if scalar:  # a 0-d tensor has no slice to take
+                    return handle.get_tensor(name)
                 view = handle.get_slice(name)
                 return view[box] if box is not None and len(box) else view[:]
         except SafetensorError as exc:

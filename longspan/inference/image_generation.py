@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from longspan.core.errors import CheckpointError, DataError
+from longspan.core.errors import CheckpointError, ConfigError, DataError
+from longspan.data.sft.multimodal import load_processor as load_hf_processor
 from longspan.inference.text_generation import GenerationResult, _single_model, check_generation_args, generate
 from longspan.inference.images import expand_image_tokens, load_image_processor, load_images, process_images
 
@@ -30,13 +31,12 @@ _NOT_MODEL_INPUTS = ("input_ids", "attention_mask")
 
 
 def load_processor(hf_path: str | os.PathLike) -> Any:
-    """The HF processor (image processor + tokenizer + chat template) saved in model directory ``hf_path``."""
-    import transformers  # optional dependency and slow to import: only image prompts need it
-
+    """The HF processor (image processor + tokenizer + chat template) saved in model directory ``hf_path``
+    (without its video processor when that one cannot load: ``longspan.data.sft.multimodal.load_processor``)."""
     try:
-        return transformers.AutoProcessor.from_pretrained(str(hf_path))
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return load_hf_processor(str(hf_path), field="processor")
+    except ConfigError as exc:
+        first = str(exc).split("cannot load the HF processor: ", 1)[-1]
         raise CheckpointError(f"{hf_path} has no HF processor that loads ({first}): it needs the processor's "
                               "files (processor_config.json or preprocessor_config.json, the tokenizer)") from None
 
@@ -51,7 +51,10 @@ def prompt_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> tuple[l
 
 def processor_inputs(processor: Any, prompt: str, images: Sequence[Any]) -> dict[str, torch.Tensor]:
     """The processor's tensors for one prompt and its images (one-line DataError when they do not match)."""
-    marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+    # Gemma 3's prompts mark an image with its begin-of-image token, Gemma 4's with its image token: the one
+    # the prompt holds (else the first the processor has) is counted
+    markers = [m for m in (getattr(processor, "boi_token", None), getattr(processor, "image_token", None)) if m]
+    marker = next((m for m in markers if m in prompt), markers[0] if markers else None)
     if marker and prompt.count(marker) != len(images):
         raise DataError(f"the prompt has {prompt.count(marker)} image marker(s) {marker} for {len(images)} "
                         f"image(s): put one {marker} where each image goes")

@@ -38,12 +38,17 @@ MIN_CHUNK = 256
 class TwoSidedMask:
     """A caller's attention mask (bool ``[b or 1, 1, s_q, s_k]``, True = masked) that decides later keys itself:
     it may unmask keys after the query. Full-attention layers receive ``mask`` as it is; sliding-window layers
-    combine it with only the far edge of their window (``WindowedMask(causal=False)``)."""
+    combine it with only the far edge of their window (``WindowedMask(causal=False)``). With ``sliding_only``
+    the full-attention layers receive ``full_layers`` instead (None: causal), as transformers' Gemma 4 keeps
+    its full-attention layers causal over images."""
 
-    __slots__ = ("mask",)
+    __slots__ = ("mask", "sliding_only", "full_layers")
 
-    def __init__(self, mask: torch.Tensor) -> None:
+    def __init__(self, mask: torch.Tensor, sliding_only: bool = False,
+                 full_layers: torch.Tensor | None = None) -> None:
         self.mask = mask
+        self.sliding_only = sliding_only
+        self.full_layers = full_layers
 
 
 class WindowedMask:

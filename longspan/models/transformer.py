@@ -600,12 +600,14 @@ def layer_masks(layers: list[nn.Module], attention_mask: torch.Tensor | None) ->
     by_window: dict[int, WindowedMask] = {}
     masks: list[Any] = []
     causal = not isinstance(attention_mask, TwoSidedMask)
+    full_layers = attention_mask
     if not causal:
+        full_layers = attention_mask.full_layers if attention_mask.sliding_only else attention_mask.mask
         attention_mask = attention_mask.mask
     for layer in layers:
         window = getattr(getattr(layer, "self_attention", None), "window", None)
         if window is None:
-            masks.append(attention_mask)
+            masks.append(full_layers)
             continue
         if window not in by_window:
             by_window[window] = WindowedMask(window, attention_mask, memo, causal=causal)

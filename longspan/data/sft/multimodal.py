@@ -42,15 +42,41 @@ DROPPED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def _image_only_processor_class(cls: type) -> type:
+def image_only_processor_class(cls: type) -> type:
     """``cls`` without its video processor: HF's video processors need torchvision, which reading images does
-    not (the class's ``get_attributes`` comes from the ``__init__`` signature, so this one loads two parts)."""
+    not. The class's ``get_attributes`` comes from the ``__init__`` signature, so this one's lists ``cls``'s
+    parts but the video processor; ``cls.__init__`` gets None for it, and a processor that hands it on to
+    ``ProcessorMixin`` by name (Gemma 4's) has it dropped there."""
+    import inspect  # only this fallback reads signatures
 
-    class ImageOnlyProcessor(cls):  # type: ignore[misc, valid-type]
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Optional[str] = None,
-                     **kwargs: Any) -> None:
-            cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    from transformers.processing_utils import ProcessorMixin  # transformers: optional, see load_processor
 
+    class _WithoutVideo(ProcessorMixin):
+        def __init__(self, *args: Any, video_processor: Any = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    parts = [name for name in cls.get_attributes() if name != "video_processor"]
+
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "video_processor"}
+
+    class ImageOnlyProcessor(cls, _WithoutVideo):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(zip(parts, args))
+            cls.__init__(self, **kwargs, video_processor=None)
+
+        @classmethod
+        def from_args_and_dict(cls_, args: Any, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+            # transformers keeps the saved settings its __init__'s code object names; this __init__ takes them
+            # all by keyword, so the ones ``cls.__init__`` accepts (chat template, token counts) are kept here
+            unused = kwargs.pop("return_unused_kwargs", False)
+            settings = {k: v for k, v in {**processor_dict, **kwargs}.items() if k in accepted and k not in parts}
+            processor = cls_(*args, **settings)
+            return (processor, {}) if unused else processor
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for name in parts]
+    params += [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    ImageOnlyProcessor.__init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = cls.__name__
     return ImageOnlyProcessor
 
@@ -84,15 +110,17 @@ def load_processor(path: str, kwargs: Optional[dict[str, Any]] = None, field: st
         raise ConfigError(f"{field}={path!r} is not a directory (give the model directory holding the processor files)")
     try:
         return AutoProcessor.from_pretrained(path, **kwargs)
-    except ImportError:
-        pass  # a video processor that needs torchvision: load the image and text parts only
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unreadable processor files
-        raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(exc)}") from None
+        failure = exc
+    # A processor with a video processor that needs torchvision (ImportError), or whose directory has no video
+    # processor files: load the image and text parts only.
     try:
         cls = processor_class_from_name(_processor_class_name(path))
-        return _image_only_processor_class(cls).from_pretrained(path, **kwargs)
+        if isinstance(failure, ImportError) or "video_processor" in cls.get_attributes():
+            return image_only_processor_class(cls).from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - as above
-        raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(exc)}") from None
+        failure = exc if isinstance(failure, ImportError) else failure
+    raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(failure)}") from None
 
 
 def _processor_class_name(path: str) -> str:
@@ -138,7 +166,11 @@ def _clean_parts(messages: list[dict[str, Any]], where: str) -> list[dict[str, A
         if isinstance(content, list):
             parts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("audio", "video"):
+                    raise DataError(f"{where}: {kind} parts are not supported yet (longspan's vision-language "
+                                    "models take image and text parts)")
+                if kind not in ("text", "image"):
                     raise DataError(f"{where}: a content part must be {{\"type\": \"text\"|\"image\", ...}}, got {part!r}")
                 parts.append({k: v for k, v in part.items() if v is not None})
             message = {**message, "content": parts}
@@ -260,6 +292,7 @@ class MultimodalChatFormatter:
     def _check_image_tokens(self, ids: np.ndarray, out: dict[str, torch.Tensor], n_images: int, where: str) -> None:
         """The image tokens of the sequence are the count the processor's image inputs stand for."""
         found = int(np.isin(ids, self.image_token_ids).sum())
+        check_image_grids(self.processor, out, where)
         expected = expected_image_tokens(self.processor, out, n_images)
         if expected is not None and found != expected:
             raise DataError(f"{where}: the text has {found} image tokens, but its {n_images} image(s) need {expected}")
@@ -338,11 +371,33 @@ def _image_token_ids(processor: Any) -> list[int]:
     return sorted(found)
 
 
+def check_image_grids(processor: Any, out: dict[str, torch.Tensor], where: str) -> None:
+    """Images the model pools by patch position (Gemma 4: ``image_position_ids``, the image processor's
+    ``pooling_kernel_size``) must be whole squares of the kernel on each side: one-line DataError naming
+    ``where`` and the image otherwise (an image too small for one pooled soft token)."""
+    positions = out.get("image_position_ids")
+    kernel = getattr(getattr(processor, "image_processor", None), "pooling_kernel_size", None)
+    if positions is None or not kernel:
+        return
+    real = ~(positions == -1).all(dim=-1)
+    for i in range(positions.shape[0]):
+        grid = positions[i][real[i]]
+        width, height = ((int(grid[:, axis].max()) + 1) if grid.numel() else 0 for axis in range(2))
+        if width < kernel or height < kernel or width % kernel or height % kernel:
+            raise DataError(f"{where}: image {i + 1} is {width}x{height} patches, too small or uneven for one "
+                            f"{kernel}x{kernel} pooled soft token per square (each side a multiple of {kernel}): "
+                            "let the processor resize it (do_resize) or give a larger image")
+
+
 def expected_image_tokens(processor: Any, out: dict[str, torch.Tensor], n_images: int) -> Optional[int]:
     """How many image tokens the processed images stand for: Qwen-style grids (patches / merge_size^2) or a fixed
     count per image (``image_seq_length``); None when the processor says neither."""
     if n_images == 0:
         return 0
+    positions = out.get("image_position_ids")
+    kernel = getattr(getattr(processor, "image_processor", None), "pooling_kernel_size", None)
+    if positions is not None and kernel:  # Gemma 4: each image's real patches pooled kernel x kernel
+        return int((~(positions == -1).all(dim=-1)).sum()) // int(kernel) ** 2
     grid = out.get("image_grid_thw")
     merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
     if grid is not None and merge:

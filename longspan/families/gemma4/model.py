@@ -373,13 +373,15 @@ class Gemma4Model(DecoderLanguageModel):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 **kwargs: Any) -> torch.Tensor:
         """``DecoderLanguageModel.forward``; with per-layer inputs the first stage embeds the tokens itself and
-        hands the decoder each layer's slice."""
+        hands the decoder each layer's slice. Given ``decoder_input`` (a vision-language model's embeddings with
+        its images put in), the slices' token part comes from ``input_ids`` and their projection from
+        ``decoder_input``, as transformers' ``Gemma4Model`` does."""
         embedding = self.embedding if self.pre_process else None
         if embedding is None or not embedding.per_layer_dim:
             return super().forward(input_ids, position_ids, attention_mask, labels, **kwargs)
-        if kwargs.get("decoder_input") is not None:
-            raise NotSupportedError("Gemma 4 with per-layer inputs takes token ids, not precomputed embeddings")
-        embedded = embedding(input_ids, position_ids)
+        embedded = kwargs.pop("decoder_input", None)
+        if embedded is None:
+            embedded = embedding(input_ids, position_ids)
         self.decoder.per_layer_inputs = embedding.per_layer_inputs(input_ids, embedded)
         try:
             return super().forward(input_ids, position_ids, attention_mask, labels, decoder_input=embedded,

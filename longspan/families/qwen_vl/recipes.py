@@ -1,6 +1,6 @@
 """Vision-language finetuning recipes: ``vlm-sft`` (full finetune) and ``vlm-lora`` (LoRA on the language model).
 
-The model is the pretrained checkpoint's, a Qwen2.5-VL or Gemma 3 VL Hugging Face directory (family and
+The model is the pretrained checkpoint's, a Qwen2.5-VL, Gemma 3 VL or Gemma 4 Hugging Face directory (family and
 architecture from its config.json, replacing the recipe's placeholder; tokenizer, image processor and chat
 template from its files). The data is a ``FinetuningDatasetConfig``
 directory of chat records whose messages mix ``{"type": "image", "image": PATH}`` and text parts (paths relative

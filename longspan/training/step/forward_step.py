@@ -22,7 +22,7 @@ from longspan.training.state import GlobalState
 
 # The HF processor's image inputs of multimodal batches (longspan.data.sft.multimodal), under HF's names: the
 # vision-language models take them as keyword arguments of these names.
-IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
+IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "token_type_ids")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "sequence_lengths",
               *IMAGE_BATCH_KEYS)
 

@@ -29,7 +29,7 @@ the same random numbers). Under context or pipeline parallel the masks are drawn
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -377,8 +377,15 @@ class GroupedLoRAAdapter(nn.Module):
     def shared_in(self) -> _GroupedWeight:
         return self._owner.linear_in
 
-    def expert_output(self, rows: torch.Tensor, j: int, weight_fn: Any) -> torch.Tensor:
-        """``scale · B_j A_j dropout(rows)`` for the rows routed to local expert ``j``."""
+    def expert_weights(self, weight_fn: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The per-expert ``(A_j, B_j)`` slices, unbound once per forward: indexing ``[j]`` per expert would make
+        each expert's backward write a zero tensor of all experts' size (quadratic in the experts)."""
+        return weight_fn(self.shared_in.weight).unbind(0), weight_fn(self.linear_out.weight).unbind(0)
+
+    def expert_output(self, rows: torch.Tensor, j: int, weights: tuple[tuple[torch.Tensor, ...], ...]) -> torch.Tensor:
+        """``scale · B_j A_j dropout(rows)`` for the rows routed to local expert ``j``; ``weights`` from
+        :meth:`expert_weights`."""
+        a, b = weights
         owner = self._owner
         key = (_local_storage_key(rows), j)
         if owner is not self and owner._cache is not None and owner._cache[0] == key:
@@ -386,10 +393,10 @@ class GroupedLoRAAdapter(nn.Module):
             owner._cache = None
         else:
             dx = self.dropout(rows) if self.dropout is not None and self.dropout_position == "pre" else rows
-            h = F.linear(dx, weight_fn(self.shared_in.weight)[j])
+            h = F.linear(dx, a[j])
             if owner is self and getattr(self, "has_members", False):  # the gate reads it next
                 self._cache = (key, rows, h)
-        out = F.linear(h, weight_fn(self.linear_out.weight)[j])
+        out = F.linear(h, b[j])
         if self.dropout is not None and self.dropout_position == "post":
             out = self.dropout(out)
         return out * self.scale
@@ -411,14 +418,22 @@ def adapted_grouped_mlp_forward(self: Any, x: torch.Tensor, tokens_per_expert: t
     bg = fn(gate.bias) if wg is not None and gate.bias is not None else None
     b2 = fn(self.linear_fc2.bias) if self.linear_fc2.bias is not None and add_output_bias else None
 
-    def project(layer: nn.Module, rows: torch.Tensor, j: int, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    out_width = w2.shape[1]
+    # unbound once, not indexed per expert (see GroupedLoRAAdapter.expert_weights)
+    w1, wg, w2, b1, bg, b2 = (None if t is None else t.unbind(0) for t in (w1, wg, w2, b1, bg, b2))
+    adapter_weights = {id(layer): layer.adapter.expert_weights(fn)
+                       for layer in (self.linear_fc1, gate, self.linear_fc2)
+                       if layer is not None and getattr(layer, "adapter", None) is not None}
+
+    def project(layer: nn.Module, rows: torch.Tensor, j: int, w: Sequence[torch.Tensor],
+                b: Optional[Sequence[torch.Tensor]]) -> torch.Tensor:
         out = F.linear(rows, w[j], None if b is None else b[j])
         adapter = getattr(layer, "adapter", None)
-        return out if adapter is None else out + adapter.expert_output(rows, j, fn)
+        return out if adapter is None else out + adapter.expert_output(rows, j, adapter_weights[id(layer)])
 
     outputs = []
     for j, rows in enumerate(split_by_expert(x, tokens_per_expert)):
         up = project(self.linear_fc1, rows, j, w1, b1)
         h = self.activation_func(project(gate, rows, j, wg, bg)) * up if wg is not None else self.activation_func(up)
         outputs.append(project(self.linear_fc2, h, j, w2, b2))
-    return pad_rows(torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, w2.shape[1]), x.shape[0])
+    return pad_rows(torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, out_width), x.shape[0])

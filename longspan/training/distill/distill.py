@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from longspan.core.errors import ConfigError
 from longspan.models.gpt_provider import GPTModelProvider
@@ -81,6 +82,8 @@ def _hook_student_loss(model: nn.Module, teacher: Teacher, temperature: float) -
 
     def lm_and_kl(hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         lm = lm_loss(hidden_states, labels)
+        if isinstance(lm, DTensor):  # the plain loss path under tensor parallel: replicated over the tp ranks
+            lm = lm.to_local() if all(p.is_replicate() for p in lm.placements) else lm.full_tensor()
         if not teacher.captured:
             raise RuntimeError("distillation: the student's loss ran without the teacher's forward before it")
         hidden_t = teacher.captured.pop()

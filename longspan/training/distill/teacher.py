@@ -94,17 +94,17 @@ def check_teacher_fits(student: Any, teacher: Any) -> None:
                 f"{student.make_vocab_size_divisible_by}"
             )
     for name, provider in (("model", student), ("model.teacher", teacher)):
-        if getattr(provider, "mtp_num_layers", None):
+        if provider.mtp_num_layers:
             raise NotSupportedError(f"{name}.mtp_num_layers={provider.mtp_num_layers} is not supported with "
                                     "distillation yet: set it to null")
-        if getattr(provider, "final_logit_softcapping", None):
+        if provider.final_logit_softcapping:
             raise NotSupportedError(f"{name}.final_logit_softcapping={provider.final_logit_softcapping} is not "
                                     "supported with distillation yet")
     vp = student.virtual_pipeline_model_parallel_size
     if vp is not None and int(vp) > 1:
         raise NotSupportedError(f"model.virtual_pipeline_model_parallel_size={vp} is not supported with "
                                 "distillation yet (as in Megatron Bridge): use one model chunk per pipeline rank")
-    schedule = getattr(student, "pipeline_parallel_schedule", None)
+    schedule = student.pipeline_parallel_schedule
     if schedule not in (None, "1F1B", "GPipe"):
         raise NotSupportedError(f"model.pipeline_parallel_schedule={schedule!r} is not supported with distillation "
                                 "yet: use null (1F1B) or 'GPipe'")

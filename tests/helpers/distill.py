@@ -26,9 +26,9 @@ def write_teacher(directory: str, vocab_size: int = 256) -> str:
 
 
 def distill_config(run_dir: str, teacher: str, iters: int = 8, tp: int = 1, pp: int = 1, cp: int = 1,
-                   fsdp2: bool = False, **kd_fields: Any) -> Any:
-    """The tiny student (2 layers, hidden 32) distilled from the HF directory ``teacher``: mock data of 32 tokens,
-    global batch 4 in microbatches of 2, ``iters`` iterations logged to ``run_dir``/tb; ``kd_fields`` are
+                   fsdp2: bool = False, hidden: int = 32, **kd_fields: Any) -> Any:
+    """The tiny student (2 layers, hidden ``hidden``) distilled from the HF directory ``teacher``: mock data of 32
+    tokens, global batch 4 in microbatches of 2, ``iters`` iterations logged to ``run_dir``/tb; ``kd_fields`` are
     ``ModelOptDistillConfig``'s."""
     from longspan.recipes import get_recipe
     from longspan.training.distill import ModelOptDistillConfig, convert_to_distillation_provider, teacher_provider_from
@@ -36,7 +36,7 @@ def distill_config(run_dir: str, teacher: str, iters: int = 8, tp: int = 1, pp: 
 
     cfg = get_recipe("tiny")
     m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups = 2, 32, 64, 4, 2
+    m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups = 2, hidden, 64, 4, 2
     m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size = tp, pp, cp
     cfg.dist.use_torch_fsdp2 = fsdp2
     mock_layout_run(cfg, f"{run_dir}/tb", 32, 2, 4, iters)
@@ -45,14 +45,14 @@ def distill_config(run_dir: str, teacher: str, iters: int = 8, tp: int = 1, pp: 
     return cfg
 
 
-KEYS = ("lm loss", "logits distillation loss", "total loss")
+KEYS = ("lm loss", "logits distillation loss", "intermediate distillation loss", "total loss")
 
 
 def logged(run_dir: str) -> dict:
     """Per-iteration LM loss, KL, total loss and gradient norm of ``run_dir``/tb/metrics.jsonl."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "tb", "metrics.jsonl"))]
     rows = [r for r in rows if r.get("phase") == "train"]
-    out = {key: [r["losses"][key] for r in rows] for key in KEYS}
+    out = {key: [r["losses"][key] for r in rows] for key in KEYS if key in rows[0]["losses"]}
     out["grad norm"] = [r["grad_norm"] for r in rows]
     out["iterations"] = [r["iteration"] for r in rows]
     return out

@@ -5,6 +5,7 @@
   same student trained on the LM loss alone (``skip_lm_loss=False, kd_loss_scale=0``: the same run with the KL
   only logged); both start from the same KL.
 - The teacher is frozen: no gradient, eval mode, its weights at the end those it started with.
+- Intermediate layer pairs add their cosine loss, rescaled to the KL's magnitude (ModelOpt's balance).
 - Bad inputs are one-line errors naming the field (the CLI exits 2).
 """
 
@@ -111,8 +112,8 @@ def _convert(student, teacher_dir: str, **kd_fields):
 
 
 @pytest.mark.parametrize("fields, error, words", [
-    (dict(intermediate_layer_pairs=[["decoder.final_layernorm", "decoder.final_layernorm"]]), NotSupportedError,
-     "kd_config.intermediate_layer_pairs="),
+    (dict(intermediate_layer_pairs=[["decoder.final_layernorm"]]), ConfigError,
+     "kd_config.intermediate_layer_pairs entry ['decoder.final_layernorm'] must be a [student module, teacher module]"),
     (dict(logit_layers=["decoder", "output_layer"]), NotSupportedError, "kd_config.logit_layers="),
     (dict(logit_kl_temperature=0.0), ConfigError, "kd_config.logit_kl_temperature=0.0 must be a number > 0"),
     (dict(kd_loss_scale=-1.0), ConfigError, "kd_config.kd_loss_scale=-1.0 must be a number >= 0"),
@@ -145,6 +146,22 @@ def test_what_distill_cannot_run_is_a_one_line_error(teacher_dir: str, tmp_path)
         distill(cfg)
     with pytest.raises(ConfigError, match="teacher checkpoint .* does not exist"):
         teacher_provider_from(str(tmp_path / "nowhere"))
+
+
+def test_intermediate_layer_pairs_add_their_cosine_loss_at_the_logits_loss_magnitude(teacher_dir: str,
+                                                                                     tmp_path) -> None:
+    pairs = [["decoder.final_layernorm", "decoder.final_layernorm"], ["decoder.layers.0", "decoder.layers.0"]]
+    distill(distill_config(str(tmp_path), teacher_dir, 3, hidden=48, intermediate_layer_pairs=pairs))
+    log = logged(str(tmp_path))
+    for kl, inter, total in zip(log["logits distillation loss"], log["intermediate distillation loss"],
+                                log["total loss"], strict=True):
+        assert 0.0 < inter < 2.0  # a mean of 1 - cos
+        assert total == pytest.approx(2.0 * kl, rel=1e-6)  # ModelOpt's balance: the cosine loss scaled to the KL
+    bad = [["decoder.final_layernorm", "decoder.no_such_norm"]]
+    with pytest.raises(ConfigError, match=r"intermediate_layer_pairs\[0\]: the teacher has no module 'decoder.no_such_norm'"):
+        distill(distill_config(str(tmp_path / "missing"), teacher_dir, 3, hidden=48, intermediate_layer_pairs=bad))
+    with pytest.raises(NotSupportedError, match=r"gives \[2, 32, 32\], the teacher's decoder.final_layernorm \[2, 32, 48\]"):
+        distill(distill_config(str(tmp_path / "sizes"), teacher_dir, 3, intermediate_layer_pairs=pairs[:1]))
 
 
 def test_cli_teacher_of_another_vocabulary_exits_2(tmp_path, capsys) -> None:

@@ -33,8 +33,9 @@ class ModelOptDistillConfig:
     "output_layer"]`` (the output projection, read chunk by chunk without materialising the logits)."""
 
     intermediate_layer_pairs: list[list[str]] = field(default_factory=list)
-    """Pairs of (student, teacher) submodule names with a cosine loss between their outputs; not supported yet
-    (must stay empty)."""
+    """Pairs of [student, teacher] submodule names (``decoder.final_layernorm``, ``decoder.layers.1``) with a cosine
+    loss between their outputs per token (ModelOpt's ``HiddenStateCosineLoss``): both on the last pipeline stage,
+    outputs of one size (no projection layer). Their mean is rescaled to the logits loss's magnitude."""
 
     skip_lm_loss: bool = True
     """Train on the distillation loss alone; False adds the student's LM loss (and ``kd_loss_scale`` applies)."""
@@ -53,11 +54,12 @@ class ModelOptDistillConfig:
                 f"kd_config.logit_layers={list(self.logit_layers)} is not supported yet: the KL loss reads the "
                 f"output projections, {LOGIT_LAYERS}"
             )
-        if self.intermediate_layer_pairs:
-            raise NotSupportedError(
-                f"kd_config.intermediate_layer_pairs={[list(p) for p in self.intermediate_layer_pairs]} is not "
-                "supported yet: distill on the logits alone (an empty list)"
-            )
+        for pair in self.intermediate_layer_pairs:
+            if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(n, str) and n for n in pair):
+                raise ConfigError(
+                    f"kd_config.intermediate_layer_pairs entry {pair!r} must be a [student module, teacher module] "
+                    "pair of names, e.g. ['decoder.final_layernorm', 'decoder.final_layernorm']"
+                )
         if not isinstance(self.skip_lm_loss, bool):
             raise ConfigError(f"kd_config.skip_lm_loss={self.skip_lm_loss!r} must be true or false")
         temperature = self.logit_kl_temperature

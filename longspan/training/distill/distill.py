@@ -9,8 +9,10 @@ states and output projections chunk by chunk (``kd_loss.linear_kl_divergence``, 
 parallel), so neither model's logits exist whole.
 
 The loss (``distillation_loss``) is ModelOpt's ``LogitsAndIntermediatesLossBalancer``: the masked KL sum of the
-microbatch with ``skip_lm_loss``; else the LM loss plus the KL rescaled to ``kd_loss_scale`` times the LM loss's
-magnitude. Reported per iteration (metrics.jsonl, the log line): ``lm loss``, ``logits distillation loss`` and
+microbatch, plus the intermediate layers' cosine loss (``intermediate.py``) rescaled to the KL's magnitude; with
+``skip_lm_loss=False`` the LM loss plus that sum rescaled to ``kd_loss_scale`` times the LM loss's magnitude (the
+rescaling factors are constants, as ModelOpt's ``.item()``). Reported per iteration (metrics.jsonl, the log
+line): ``lm loss``, ``logits distillation loss``, ``intermediate distillation loss`` (with layer pairs) and
 ``total loss`` (Bridge's names). Evaluation reports the same and is judged on the LM loss, as in Bridge.
 """
 
@@ -28,6 +30,7 @@ from longspan.models.gpt_provider import GPTModelProvider
 from longspan.parallel.pipeline import chunk_info, unwrap_chunk
 from longspan.training.callbacks import Callback, CallbackManager
 from longspan.training.distill.config import DistillationProvider, ModelOptDistillConfig
+from longspan.training.distill.intermediate import IntermediatePairs
 from longspan.training.distill.kd_loss import group_reductions, linear_kl_divergence, replicated_hidden, vocab_shard
 from longspan.training.distill.teacher import Teacher, build_teacher, check_teacher_fits
 from longspan.training.pretrain import run_training
@@ -37,6 +40,7 @@ from longspan.training.utils.train_utils import maybe_inject_state
 
 REPORT_LOGITS = "logits distillation loss"
 REPORT_TOTAL = "total loss"
+REPORT_INTERMEDIATE = "intermediate distillation loss"
 
 
 def distill(
@@ -72,12 +76,19 @@ def _attach_teacher(out: Any, forward_step_func: Callable) -> Callable:
     for chunk in out.model:
         info = chunk_info(chunk)
         if info is None or info.is_last:
-            _hook_student_loss(unwrap_chunk(chunk), teacher, float(kd.logit_kl_temperature))
+            student = unwrap_chunk(chunk)
+            pairs = None
+            if kd.intermediate_layer_pairs:
+                pairs = IntermediatePairs(student, unwrap_chunk(teacher.chunks[0]), kd.intermediate_layer_pairs,
+                                          pipelined=info is not None)
+            _hook_student_loss(student, teacher, float(kd.logit_kl_temperature), pairs)
     return DistillationForwardStep(forward_step_func, teacher, kd)
 
 
-def _hook_student_loss(model: nn.Module, teacher: Teacher, temperature: float) -> None:
-    """The student's last stage returns ``[..., 2]``: its LM loss and the KL to the teacher, per token."""
+def _hook_student_loss(model: nn.Module, teacher: Teacher, temperature: float,
+                       pairs: Optional[IntermediatePairs]) -> None:
+    """The student's last stage returns ``[..., 2]``: its LM loss and the KL to the teacher, per token (``[..., 3]``
+    with the intermediate layers' cosine loss)."""
     lm_loss = model._output_loss  # the class's loss path (plain, fused or vocab-parallel), bound to the model
 
     def lm_and_kl(hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -91,7 +102,10 @@ def _hook_student_loss(model: nn.Module, teacher: Teacher, temperature: float) -
         reduce_max, reduce_sum = group_reductions(group)
         kl = linear_kl_divergence(replicated_hidden(hidden_states), weight, hidden_t, teacher.output_weight,
                                   temperature, reduce_max=reduce_max, reduce_sum=reduce_sum)
-        return torch.stack([lm, kl.view(lm.shape).to(lm.dtype)], dim=-1)
+        columns = [lm, kl.view(lm.shape).to(lm.dtype)]
+        if pairs is not None:
+            columns.append(pairs.per_token_loss().view(lm.shape).to(lm.dtype))
+        return torch.stack(columns, dim=-1)
 
     model._output_loss = lm_and_kl
 
@@ -109,19 +123,14 @@ class _TeacherThenStudent:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         teacher = self._teacher
         info = chunk_info(self._model)
-        teacher_args = args
-        if info is not None and not info.is_first:
+        teacher_args, teacher_kwargs = args, kwargs
+        if info is not None and not info.is_first:  # the teacher's own hidden states replace the token ids
             hidden = teacher.relay.recv()
-            teacher_args = (hidden, *args[1:]) if args else args
-            if not args:
-                kwargs_t = dict(kwargs)
-                kwargs_t.pop("input_ids", None)
-                kwargs_t["hidden_states"] = hidden
-                return self._run(info, (), kwargs_t, args, kwargs)
-        return self._run(info, teacher_args, kwargs, args, kwargs)
-
-    def _run(self, info: Any, teacher_args: tuple, teacher_kwargs: dict, args: tuple, kwargs: dict) -> Any:
-        teacher = self._teacher
+            if args:
+                teacher_args = (hidden, *args[1:])
+            else:
+                teacher_kwargs = {k: v for k, v in kwargs.items() if k != "input_ids"}
+                teacher_kwargs["hidden_states"] = hidden
         with torch.no_grad():
             out = teacher.chunks[0](*teacher_args, **teacher_kwargs)
         if info is not None and not info.is_last:
@@ -159,11 +168,20 @@ def distillation_loss(loss_func: Callable, kd_config: ModelOptDistillConfig, tra
     count = num_tokens.detach().view(1).to(torch.float32)
     report = dict(report)
     report[REPORT_LOGITS] = torch.cat([kl_sum.detach().float().view(1), count])
+    kd_sum = kl_sum
+    if output_tensor.shape[-1] > 2:  # intermediate layers: their loss rescaled to the logits loss's magnitude
+        inter_sum = loss_func(output_tensor[..., 2])[0]
+        report[REPORT_INTERMEDIATE] = torch.cat([inter_sum.detach().float().view(1), count])
+        kd_sum = kl_sum + inter_sum * _ratio(kl_sum, inter_sum)
     if kd_config.skip_lm_loss:
-        total = kl_sum
-    else:  # ModelOpt's balance: the KL rescaled to kd_loss_scale times the LM loss (a constant factor)
-        kl_value = float(kl_sum.detach())
-        ratio = float(lm_sum.detach()) / kl_value if kl_value != 0.0 else 0.0
-        total = lm_sum + kl_sum * (ratio * float(kd_config.kd_loss_scale))
+        total = kd_sum
+    else:  # ModelOpt's balance: the distillation loss rescaled to kd_loss_scale times the LM loss
+        total = lm_sum + kd_sum * (_ratio(lm_sum, kd_sum) * float(kd_config.kd_loss_scale))
     report[REPORT_TOTAL] = torch.cat([total.detach().float().view(1), count])
     return (total if training else lm_sum), num_tokens, report
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> float:
+    """``numerator / denominator`` as a constant (no gradient through it, as ModelOpt's ``.item()``); 0 for 0."""
+    value = float(denominator.detach())
+    return float(numerator.detach()) / value if value > 0.0 else 0.0

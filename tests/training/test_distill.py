@@ -71,8 +71,11 @@ def runs(teacher_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     for name, fields in (("kd", {}), ("lm", dict(skip_lm_loss=False, kd_loss_scale=0.0))):
         run_dir = str(tmp_path_factory.mktemp(name))
         snapshot = _TeacherSnapshot()
-        state = distill(distill_config(run_dir, teacher_dir, ITERS, **fields), callbacks=[snapshot])
-        out[name] = dict(log=logged(run_dir), teacher=state.distill_teacher, start=snapshot.start)
+        cfg = distill_config(run_dir, teacher_dir, ITERS, **fields)
+        cfg.checkpoint.save = f"{run_dir}/ckpt"  # the student's checkpoint at the end: a teacher for another test
+        state = distill(cfg, callbacks=[snapshot])
+        out[name] = dict(log=logged(run_dir), teacher=state.distill_teacher, start=snapshot.start,
+                         checkpoint=cfg.checkpoint.save)
     return out
 
 
@@ -104,6 +107,19 @@ def test_teacher_is_frozen_and_unchanged(runs: dict) -> None:
     hf = LlamaForCausalLM.from_pretrained(runs["teacher_dir"])  # the teacher ran with the HF directory's weights
     assert torch.equal(params["output_layer.weight"], hf.lm_head.weight.detach())
     assert torch.equal(params["embedding.word_embeddings.weight"], hf.model.embed_tokens.weight.detach())
+
+
+def test_a_longspan_checkpoint_is_a_teacher_and_only_the_student_is_saved(runs: dict, tmp_path) -> None:
+    from longspan.training.checkpointing.model_loading import load_model_from_checkpoint
+
+    saved = load_model_from_checkpoint(runs["lm"]["checkpoint"], device="cpu")
+    assert {name.split(".")[0] for name, _ in saved.model[0].named_parameters()} == {"embedding", "decoder",
+                                                                                      "output_layer"}
+    assert saved.cfg.model.hidden_size == 32  # the student, not the teacher (hidden 48)
+    state = distill(distill_config(str(tmp_path), runs["lm"]["checkpoint"], 3))
+    teacher = dict(state.distill_teacher.chunks[0].named_parameters())
+    for name, param in saved.model[0].named_parameters():
+        assert torch.equal(teacher[name], param), name
 
 
 def _convert(student, teacher_dir: str, **kd_fields):

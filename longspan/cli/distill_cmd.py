@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 from longspan.core.errors import ConfigError
 
-DESCRIPTION = ("Distill a teacher (an HF model directory or a longspan checkpoint, --teacher) into the student model of "
-               "the recipe (default: distill), YAML files and overrides: the teacher is frozen and laid out like the "
-               "student, the loss is the KL divergence of the two models' logits (plus the LM loss with "
+DESCRIPTION = ("Distill a teacher (an HF model directory or a longspan checkpoint, --teacher) into the student "
+               "model of the recipe (default: distill), YAML files and overrides: the teacher is frozen and laid "
+               "out like the student, the loss is the KL divergence of the two models' logits (plus the LM loss with "
                "--no-skip-lm-loss). Only the student is saved.")
 DEFAULT_RECIPE = "distill"
 

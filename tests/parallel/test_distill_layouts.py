@@ -3,9 +3,10 @@
 One tiny HF teacher and one tiny student of the same width (``tests/helpers/distill.py``), both laid out by the
 student's plan: 8 iterations of ``distill`` with the LM loss, the KL and the final norms' cosine loss
 (``skip_lm_loss=False``, ``kd_loss_scale=0.5``: every component and ModelOpt's balance are in the loss); every
-iteration's LM loss, KL, intermediate loss, total loss and gradient norm within 1e-5 (relative) of one process's. TP2 checks the vocab-parallel KL (each rank's vocabulary rows of both
-output layers), PP2 the teacher's hidden states handed from stage to stage beside the student's, CP2 both models
-on the same sequence chunks, FSDP2 the teacher's sharded layers and its gathered output layer.
+iteration's LM loss, KL, intermediate loss, total loss and gradient norm within 1e-5 (relative) of one process's.
+TP2 checks the vocab-parallel KL (each rank's vocabulary rows of both output layers), PP2 the teacher's hidden
+states handed from stage to stage beside the student's, CP2 both models on the same sequence chunks, FSDP2 the
+teacher's sharded layers and its gathered output layer.
 """
 
 from __future__ import annotations

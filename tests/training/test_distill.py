@@ -1,4 +1,5 @@
-"""Knowledge distillation on one process (``longspan.training.distill``; the layouts: tests/parallel/test_distill_layouts.py).
+"""Knowledge distillation on one process (``longspan.training.distill``; the layouts are
+tests/parallel/test_distill_layouts.py's).
 
 - The chunked KL equals ModelOpt's ``LogitsKLLoss`` on whole logits (values and the student's gradients).
 - A tiny student distilled from a tiny HF teacher for 50 iterations ends with a lower KL to the teacher than the
@@ -150,7 +151,8 @@ def test_what_distill_cannot_run_is_a_one_line_error(teacher_dir: str, tmp_path)
     # the student's vocabulary comes from its tokenizer: told after setup, before the teacher is built
     cfg = distill_config(str(tmp_path), teacher_dir, 3)
     cfg.model.teacher.vocab_size = 512
-    with pytest.raises(ConfigError, match="model.teacher.vocab_size=512 differs from the student's model.vocab_size=256"):
+    with pytest.raises(ConfigError, match="model.teacher.vocab_size=512 differs from the student's "
+                                          "model.vocab_size=256"):
         distill(cfg)
     cfg = distill_config(str(tmp_path), teacher_dir, 3)
     cfg.model.virtual_pipeline_model_parallel_size = 2
@@ -174,9 +176,11 @@ def test_intermediate_layer_pairs_add_their_cosine_loss_at_the_logits_loss_magni
         assert 0.0 < inter < 2.0  # a mean of 1 - cos
         assert total == pytest.approx(2.0 * kl, rel=1e-6)  # ModelOpt's balance: the cosine loss scaled to the KL
     bad = [["decoder.final_layernorm", "decoder.no_such_norm"]]
-    with pytest.raises(ConfigError, match=r"intermediate_layer_pairs\[0\]: the teacher has no module 'decoder.no_such_norm'"):
+    missing = r"intermediate_layer_pairs\[0\]: the teacher has no module 'decoder.no_such_norm'"
+    with pytest.raises(ConfigError, match=missing):
         distill(distill_config(str(tmp_path / "missing"), teacher_dir, 3, hidden=48, intermediate_layer_pairs=bad))
-    with pytest.raises(NotSupportedError, match=r"gives \[2, 32, 32\], the teacher's decoder.final_layernorm \[2, 32, 48\]"):
+    sizes = r"gives \[2, 32, 32\], the teacher's decoder.final_layernorm \[2, 32, 48\]"
+    with pytest.raises(NotSupportedError, match=sizes):
         distill(distill_config(str(tmp_path / "sizes"), teacher_dir, 3, intermediate_layer_pairs=pairs[:1]))
 
 
@@ -185,6 +189,6 @@ def test_cli_teacher_of_another_vocabulary_exits_2(tmp_path, capsys) -> None:
     code = main(["distill", "--teacher", other, f"checkpoint.save={tmp_path}/ckpt", "checkpoint.load=null"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2  # the recipe's student (vocabulary 4096) is checked before any work
-    assert err[-1] == ("longspan: error: model.teacher.vocab_size=512 differs from the student's model.vocab_size=4096: "
-                       "the KL loss compares the two models' distributions token by token, so the teacher must use "
-                       "the student's tokenizer and vocabulary")
+    assert err[-1] == ("longspan: error: model.teacher.vocab_size=512 differs from the student's "
+                       "model.vocab_size=4096: the KL loss compares the two models' distributions token by token, "
+                       "so the teacher must use the student's tokenizer and vocabulary")

@@ -26,7 +26,8 @@ LOGIT_LAYERS = ["output_layer", "output_layer"]
 
 @dataclass
 class ModelOptDistillConfig:
-    """Knowledge-distillation settings: ModelOpt's ``DistillationConfig`` fields that mean something without ModelOpt."""
+    """Knowledge-distillation settings: the fields of ModelOpt's ``DistillationConfig`` that mean something
+    without ModelOpt."""
 
     logit_layers: list[str] = field(default_factory=lambda: list(LOGIT_LAYERS))
     """Student and teacher submodules whose outputs are the logits of the KL loss; only ``["output_layer",

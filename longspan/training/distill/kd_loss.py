@@ -29,7 +29,8 @@ ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 
 class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_s, weight_s, hidden_t, weight_t, temperature, chunk, reduce_max, reduce_sum):  # type: ignore[override]
+    def forward(ctx, hidden_s, weight_s, hidden_t, weight_t,  # type: ignore[override]
+                temperature, chunk, reduce_max, reduce_sum):
         n = hidden_s.shape[0]
         lse_s = torch.empty(n, dtype=torch.float32, device=hidden_s.device)
         lse_t = torch.empty_like(lse_s)

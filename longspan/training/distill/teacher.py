@@ -56,9 +56,6 @@ class Teacher:
     captured: list[torch.Tensor] = field(default_factory=list)
     """The final hidden states of the teacher's last forward, waiting for the student's loss."""
 
-    def parameters(self) -> list[torch.Tensor]:
-        return [p for chunk in self.chunks for p in chunk.parameters()]
-
 
 def teacher_config(cfg: Any) -> Any:
     """The student's config with the teacher's provider as its model; the teacher's layout and precision fields

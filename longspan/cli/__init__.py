@@ -1,4 +1,4 @@
-"""The ``longspan`` command: ``pretrain | finetune | config | preprocess | generate | convert | plan | peft``.
+"""The ``longspan`` command: ``pretrain | finetune | distill | config | preprocess | generate | convert | plan | peft``.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``. User errors
 (``LongspanError``) become one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
@@ -20,6 +20,7 @@ from longspan.core.errors import LongspanError
 _SUBCOMMANDS = {
     "pretrain": "longspan.cli.pretrain_cmd",
     "finetune": "longspan.cli.pretrain_cmd",
+    "distill": "longspan.cli.pretrain_cmd",
     "config": "longspan.cli.config_cmd",
     "preprocess": "longspan.cli.preprocess_cmd",
     "generate": "longspan.cli.generate_cmd",

@@ -13,6 +13,7 @@ import copy
 import os
 from typing import Any, Optional
 
+from longspan.cli import distill_cmd
 from longspan.cli.common import SOURCES_SENTENCE, add_config_arguments
 from longspan.core.errors import ConfigError, LaunchError, NotSupportedError
 
@@ -25,15 +26,20 @@ DESCRIPTIONS = {
                 "longspan checkpoint (recipes such as sft, lora and dora). "
                 + SOURCES_SENTENCE + " Rerunning the same command resumes from the last checkpoint.",
 }
+DESCRIPTIONS["distill"] = distill_cmd.DESCRIPTION
 LAUNCH = ("With --nproc-per-node N the configuration is checked for the whole world size first, then N workers are "
           "started on this node (torch's elastic launcher); torchrun and srun work too.")
 
 
 def add_parser(subparsers: Any, name: str) -> None:
-    """Register ``longspan pretrain`` or ``longspan finetune`` (the same options)."""
+    """Register ``longspan pretrain``, ``longspan finetune`` or ``longspan distill`` (the same options; distill adds
+    the teacher's)."""
     parser = subparsers.add_parser(name, help=f"{name} a model from a recipe, YAML files and dotlist overrides",
                                    description=f"{DESCRIPTIONS[name]} {LAUNCH}")
     add_config_arguments(parser)
+    if name == "distill":
+        distill_cmd.add_distill_arguments(parser)
+        parser.set_defaults(recipe=distill_cmd.DEFAULT_RECIPE)
     parser.add_argument("--callbacks", action="append", default=[], metavar="MODULE:NAME",
                         help="training callbacks (repeatable; longspan.training.callbacks): a Callback subclass or "
                              "instance, a list of them, or a CallbackManager, imported from MODULE")
@@ -105,7 +111,9 @@ def _train(args: argparse.Namespace, cfg: Any) -> int:
     from longspan.training.callbacks import callbacks_from_specs  # `longspan --help` must not import torch
 
     callbacks = callbacks_from_specs(args.callbacks)
-    if args.command_name == "finetune":
+    if args.command_name == "distill":
+        state = distill_cmd.distill_from_args(args, cfg, callbacks)
+    elif args.command_name == "finetune":
         from longspan.training.finetune import finetune  # `longspan --help` must not import torch
 
         state = finetune(cfg, callbacks=callbacks)

@@ -13,6 +13,7 @@ from typing import Callable
 from longspan.config.explicit import mark_model_family, mark_recipe_fields
 from longspan.core.errors import ConfigError
 from longspan.core.plugins import load_plugins
+from longspan.recipes.distill import distill_student
 from longspan.recipes.finetune import dora, lora, sft
 from longspan.recipes.moe_finetune import moe_lora
 from longspan.recipes.tiny import tiny
@@ -32,6 +33,7 @@ RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "lora": lora,
     "dora": dora,
     "moe-lora": moe_lora,
+    "distill": distill_student,
 }
 
 

@@ -40,10 +40,23 @@ def pretrain(
     if forward_step_func is None:
         t5 = isinstance(config.model, T5ModelProvider)
         forward_step_func = t5_forward_step if t5 else default_forward_step
+    return run_training(config, forward_step_func, callbacks)
+
+
+def run_training(
+    config: ConfigContainer,
+    forward_step_func: Callable,
+    callbacks: Union[list[Callback], CallbackManager, None] = None,
+    after_setup: Optional[Callable[[Any, Callable], Callable]] = None,
+) -> GlobalState:
+    """``pretrain``'s run: setup, then ``after_setup(setup_output, forward_step_func)`` (when given) returns the
+    forward step to train with (distillation builds its teacher there, once the process groups exist)."""
     _check_inprocess_restart(config)
     out = setup(config, callbacks=normalize_callbacks(callbacks))  # a bad callback fails before any work
     state = out.state
     try:
+        if after_setup is not None:
+            forward_step_func = after_setup(out, forward_step_func)
         if config.checkpoint.ckpt_convert_format is not None:  # a conversion run: save what was loaded, stop
             convert_loaded_checkpoint(state, out.model, out.optimizer, out.scheduler, out.checkpointing_context)
             _release(state)

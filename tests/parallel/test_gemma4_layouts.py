@@ -6,9 +6,15 @@ full-attention layers with wider heads in 2 KV groups and keys as values, soft-c
 adds the MoE block (4 experts, top 2) beside every dense MLP.
 
 - ``pretrain`` for 8 iterations under TP2, CP2, DP2 with FSDP2, and the MoE variant under EP2: every
-  iteration's loss within 1e-5 (relative) of one process's (measured: 1e-7), the gradient norms of the first
-  three iterations too. Later norms drift apart (1e-5 to 2e-4 by iterations 4-8, varying from run to run, in
-  every layout alike) while the losses stay equal; the cause is not found yet, so they are not compared.
+  iteration's loss and gradient norm within 1e-5 (relative) of one process's (measured: 3e-7 at most).
+
+The norms' epsilon is 1e-2, not Gemma 4's 1e-6: this tiny model's sub-layer outputs and per-layer projections
+are vectors of RMS 1e-3 to 1e-2, and RMSNorm scales them up ~500-fold (its Jacobian ~1/RMS), which makes the
+gradients so sensitive to the weights that any change of summation order (the layouts' partial sums, or one
+process with microbatches of 1 or 4 instead of 2) moves the gradient norms of iterations 4-8 by 1e-5 to 2e-4
+while the losses agree to 1e-7. The gradients themselves agree: at equal weights (iterations 1-2) every
+tensor's gradient under every layout is within fp32 rounding of one process's (TP2 8e-6, CP2 2e-6, EP2 3e-7,
+FSDP2 1e-7 relative; fp32 against float64 differs by 9e-6), so no tensor misses or doubles a reduction.
 - Pipeline parallel with KV sharing or per-layer inputs (a stage would need another stage's keys and values),
   and a tp that splits a full-attention KV group: one-line errors from the config's validation.
 """
@@ -25,7 +31,6 @@ from tests.training.pretrain_helpers import mock_layout_run
 
 ITERS = 8
 REL = 1e-5
-NORM_ITERS = 3  # gradient norms compared (see the module docstring)
 SEQ = 64
 
 
@@ -38,7 +43,7 @@ def _model(moe: bool):
     return Gemma4ModelProvider(
         num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=8,
         global_kv_channels=16, num_global_query_groups=2, attention_k_eq_v=True, softmax_scale=1.0,
-        vocab_size=256, seq_length=SEQ, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        vocab_size=256, seq_length=SEQ, normalization="RMSNorm", layernorm_epsilon=1e-2,  # see the docstring
         layernorm_after_sublayers=True, qk_layernorm=True, apply_embedding_scaling=True, gated_linear_unit=True,
         activation_func=gelu_tanh, add_bias_linear=False, position_embedding_type="rope",
         rotary_base=[10_000, 1_000_000], global_rotary_percent=0.25, rope_scaling_factor=1.0, window_size=[7, 0],
@@ -89,8 +94,8 @@ def test_layout_matches_one_process(name: str, one_process, tmp_path) -> None:
     get_shared_pool(2).run(_pretrain, str(tmp_path), timeout=200, **layout)
     got = logged(os.path.join(str(tmp_path), "tb"))
     assert got["iterations"] == want["iterations"] == list(range(1, ITERS + 1))
-    for key, count in (("losses", ITERS), ("norms", NORM_ITERS)):
-        for i, (g, w) in enumerate(zip(got[key][:count], want[key][:count], strict=True)):
+    for key in ("losses", "norms"):
+        for i, (g, w) in enumerate(zip(got[key], want[key], strict=True)):
             assert abs(g - w) <= REL * abs(w), f"{name} {key}[{i}]: {g} vs one process {w}"
 
 

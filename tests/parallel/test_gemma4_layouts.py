@@ -5,8 +5,13 @@ keys and values of the first two (``num_kv_shared_layers=2``, double-wide MLPs),
 full-attention layers with wider heads in 2 KV groups and keys as values, soft-capped logits. Its MoE variant
 adds the MoE block (4 experts, top 2) beside every dense MLP.
 
-- ``pretrain`` for 8 iterations under TP2, CP2, DP2 with FSDP2, and the MoE variant under EP2: every
-  iteration's loss and gradient norm within 1e-5 (relative) of one process's (measured: 3e-7 at most).
+- ``pretrain`` for 8 iterations under TP2, PP2, CP2, DP2 with FSDP2, and the MoE variant under EP2, TP2 and
+  PP2: every iteration's loss and gradient norm within 1e-5 (relative) of one process's (measured: 3e-7 at
+  most). PP2 cuts between the layers that make the shared keys and values and the layers that reuse them:
+  the stages exchange them, and every layer's per-layer inputs, beside the hidden states.
+- Pipeline parallel with KV sharing or per-layer inputs under context or sequence parallel (the stages
+  exchange them for the whole sequence), and a tp that splits a full-attention KV group: one-line errors from
+  the config's validation.
 
 The norms' epsilon is 1e-2, not Gemma 4's 1e-6: this tiny model's sub-layer outputs and per-layer projections
 are vectors of RMS 1e-3 to 1e-2, and RMSNorm scales them up ~500-fold (its Jacobian ~1/RMS), which makes the
@@ -15,8 +20,6 @@ process with microbatches of 1 or 4 instead of 2) moves the gradient norms of it
 while the losses agree to 1e-7. The gradients themselves agree: at equal weights (iterations 1-2) every
 tensor's gradient under every layout is within fp32 rounding of one process's (TP2 8e-6, CP2 2e-6, EP2 3e-7,
 FSDP2 1e-7 relative; fp32 against float64 differs by 9e-6), so no tensor misses or doubles a reduction.
-- Pipeline parallel with KV sharing or per-layer inputs (a stage would need another stage's keys and values),
-  and a tp that splits a full-attention KV group: one-line errors from the config's validation.
 """
 
 from __future__ import annotations
@@ -72,9 +75,12 @@ def _pretrain(run_dir: str, **layout) -> int:
 
 LAYOUTS = {  # name: the config builder's keyword arguments (2 processes each)
     "tp2": dict(tp=2),
+    "pp2": dict(pp=2),
     "cp2": dict(cp=2),
     "dp2_fsdp2": dict(fsdp2=True),
     "moe_ep2": dict(moe=True, ep=2),
+    "moe_tp2": dict(moe=True, tp=2),
+    "moe_pp2": dict(moe=True, pp=2),
 }
 
 
@@ -99,14 +105,15 @@ def test_layout_matches_one_process(name: str, one_process, tmp_path) -> None:
             assert abs(g - w) <= REL * abs(w), f"{name} {key}[{i}]: {g} vs one process {w}"
 
 
-def test_pipeline_parallel_with_kv_sharing_is_refused_by_validation(tmp_path) -> None:
-    """The KV-shared layers need another layer's keys and values: pipeline parallel is refused in one line when
-    the config is validated, not when a stage is built; so is a tp that splits a full-attention KV group."""
+def test_layouts_the_stages_cannot_carry_are_refused_by_validation(tmp_path) -> None:
+    """Pipeline parallel with KV sharing under context parallel is refused in one line when the config is
+    validated, not when a stage is built; so is a tp that splits a full-attention KV group."""
     from longspan.core.errors import ConfigError, NotSupportedError
 
-    cfg = _config(str(tmp_path), pp=2)
-    with pytest.raises(NotSupportedError, match=r"pipeline_model_parallel_size=2 with model\.num_kv_shared_layers=2") as error:
-        cfg.validate(world_size=2)
+    cfg = _config(str(tmp_path), pp=2, cp=2)
+    with pytest.raises(NotSupportedError, match=r"pipeline_model_parallel_size=2 with model\.context_parallel_size=2 "
+                       r"is not supported yet for Gemma 4 with num_kv_shared_layers=2") as error:
+        cfg.validate(world_size=4)
     assert "\n" not in str(error.value)
     cfg = _config(str(tmp_path), tp=4)
     with pytest.raises(ConfigError, match=r"model\.num_global_query_groups=2 with tensor_model_parallel_size=4"):

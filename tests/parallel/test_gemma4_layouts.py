@@ -9,17 +9,19 @@ adds the MoE block (4 experts, top 2) beside every dense MLP.
   PP2: every iteration's loss and gradient norm within 1e-5 (relative) of one process's (measured: 3e-7 at
   most). PP2 cuts between the layers that make the shared keys and values and the layers that reuse them:
   the stages exchange them, and every layer's per-layer inputs, beside the hidden states.
-- Pipeline parallel with KV sharing or per-layer inputs under context or sequence parallel (the stages
-  exchange them for the whole sequence), and a tp that splits a full-attention KV group: one-line errors from
-  the config's validation.
+- Pipeline parallel with KV sharing or per-layer inputs under context parallel (not proven yet; sequence
+  parallel likewise), and a tp that splits a full-attention KV group: one-line errors from the config's
+  validation.
 
-The norms' epsilon is 1e-2, not Gemma 4's 1e-6: this tiny model's sub-layer outputs and per-layer projections
-are vectors of RMS 1e-3 to 1e-2, and RMSNorm scales them up ~500-fold (its Jacobian ~1/RMS), which makes the
-gradients so sensitive to the weights that any change of summation order (the layouts' partial sums, or one
-process with microbatches of 1 or 4 instead of 2) moves the gradient norms of iterations 4-8 by 1e-5 to 2e-4
-while the losses agree to 1e-7. The gradients themselves agree: at equal weights (iterations 1-2) every
-tensor's gradient under every layout is within fp32 rounding of one process's (TP2 8e-6, CP2 2e-6, EP2 3e-7,
-FSDP2 1e-7 relative; fp32 against float64 differs by 9e-6), so no tensor misses or doubles a reduction.
+The norms' epsilon is 1e-2, not Gemma 4's 1e-6: this tiny model's MLP outputs, per-layer projections and
+attention outputs reach their RMSNorms with an RMS of about 3e-4, 2e-3 and 4e-2, which the norms scale up to 1
+(a Jacobian of ~1/RMS). With epsilon 1e-6 that makes the gradients so sensitive to the weights that any change
+of summation order (the layouts' partial sums, or one process with microbatches of 1 or 4 instead of 2) moves
+the gradient norms of iterations 4-8 by 1e-5 to 2e-4 while the losses agree to 1e-7; with 1e-2 they agree to
+3e-7. The gradients themselves agree: at equal weights (iterations 1-2) every
+tensor's gradient under every layout is within fp32 rounding of one process's (TP2 5e-6, CP2 2e-6, EP2 3e-7,
+FSDP2 1e-7 relative; one process's fp32 gradients against float64 differ by 9e-6), so no tensor misses or
+doubles a reduction.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ What differs from the GPT layer (``longspan.models.transformer``), all chosen by
   ``per_layer_projection_norm``); after its MLP each layer adds
   ``post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(x)) * slice))``;
 - every layer's output is multiplied by its ``layer_scalar`` (a persistent buffer, HF's);
+- under pipeline parallel (``StageCarry``) a stage hands the next one, beside the hidden states, every layer's
+  per-layer inputs and the keys and values KV-shared layers reuse, so a cut may fall anywhere;
 - with experts (``num_moe_experts``) every layer's ``mlp`` is ``longspan.families.gemma4.moe.Gemma4MoE``: the
   dense MLP and the routed experts side by side, each with its own norms.
 
@@ -37,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.families.gemma4.moe import Gemma4MoE, gemma4_moe_problem
+from longspan.families.gemma4.stage import StageCarryWidths, stage_carry_problem
 from longspan.models.args import TransformerArgs
 from longspan.models.gpt import DecoderLanguageModel, LanguageModelEmbedding, resolve_model_args
 from longspan.models.loss import linear_cross_entropy
@@ -67,6 +70,49 @@ class SharedKV:
     def __setitem__(self, kind: str, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         self._kv[kind] = kv
 
+    def __contains__(self, kind: str) -> bool:
+        return kind in self._kv
+
+
+class StageCarry:
+    """The tensor a pipeline stage hands the next one, ``[b, s, StageCarryWidths.total]``: the hidden states, the
+    per-layer inputs of every layer and the keys and values the KV-shared layers reuse (``StageCarryWidths``
+    gives the order). A stage after the first unpacks it, a stage before the last packs what it has then:
+    gradients flow back through it to the stage that made each part."""
+
+    def __init__(self, provider: Any) -> None:
+        self.widths = StageCarryWidths.of(provider)
+        self.per_layer_dim = int(provider.per_layer_embed_dim or 0)
+
+    def _kv_spec(self) -> list[tuple[str, int, int]]:
+        return [(kind, groups, dim) for kind, (groups, dim) in
+                (("sliding", self.widths.sliding_kv), ("full", self.widths.full_kv)) if groups]
+
+    def unpack(self, packed: torch.Tensor, shared: SharedKV) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(hidden states, per-layer inputs ``[b, s, layers, dim]`` or None); the keys and values into
+        ``shared``."""
+        w = self.widths
+        hidden, rest = packed[..., :w.hidden], packed[..., w.hidden:]
+        per_layer = None
+        if w.per_layer:
+            per_layer = rest[..., :w.per_layer].unflatten(-1, (-1, self.per_layer_dim))
+            rest = rest[..., w.per_layer:]
+        for kind, groups, dim in self._kv_spec():
+            k, v, rest = rest.split([groups * dim, groups * dim, rest.shape[-1] - 2 * groups * dim], dim=-1)
+            shared[kind] = tuple(t.unflatten(-1, (groups, dim)).transpose(1, 2) for t in (k, v))
+        return hidden, per_layer
+
+    def pack(self, hidden: torch.Tensor, per_layer: Optional[torch.Tensor], shared: SharedKV) -> torch.Tensor:
+        """The inverse of ``unpack`` (zeros for keys and values no stage has made yet)."""
+        parts = [hidden]
+        if self.widths.per_layer:
+            parts.append(per_layer.flatten(-2))
+        for kind, groups, dim in self._kv_spec():
+            if kind in shared:
+                parts.extend(t.transpose(1, 2).flatten(-2) for t in shared[kind])
+            else:
+                parts.append(hidden.new_zeros(*hidden.shape[:-1], 2 * groups * dim))
+        return torch.cat([p.to(hidden.dtype) for p in parts], dim=-1)
 
 
 @dataclass
@@ -135,15 +181,15 @@ def check_gemma4_provider(provider: Any, args: TransformerArgs) -> None:
         raise NotSupportedError("model.rotary_interleaved / experimental_attention_variant are not supported for "
                                 "Gemma 4")
 
-def check_gemma4_stage(provider: Any, pre_process: bool, post_process: bool,
-                       layer_numbers: Optional[list[int]]) -> None:
-    """A pipeline stage (part of the layers) cannot hold KV sharing or per-layer inputs yet."""
-    pp = int(provider.pipeline_model_parallel_size or 1)
-    staged = layer_numbers is not None or not (pre_process and post_process)
-    if staged and (provider.num_kv_shared_layers or provider.per_layer_embed_dim):
-        raise NotSupportedError(f"pipeline_model_parallel_size={pp} with model.num_kv_shared_layers / "
-                                "per_layer_embed_dim is not supported yet for Gemma 4 (a stage would need another "
-                                "stage's keys and values or per-layer inputs)")
+def stage_carry(provider: Any, pre_process: bool, post_process: bool) -> Optional[StageCarry]:
+    """The carry of a pipeline stage (not both first and last) of a model with KV sharing or per-layer inputs,
+    else None; a one-line NotSupportedError where the layout cannot exchange them (``stage_carry_problem``)."""
+    if (pre_process and post_process) or not (provider.num_kv_shared_layers or provider.per_layer_embed_dim):
+        return None
+    problem = stage_carry_problem(provider)
+    if problem is not None:
+        raise NotSupportedError(problem)
+    return StageCarry(provider)
 
 
 class ProportionalRotaryEmbedding(RotaryEmbedding):
@@ -281,7 +327,10 @@ class Gemma4Block(TransformerBlock):
         if self.recompute_granularity == "selective":
             for layer in self.layers.values():
                 layer.self_attention.recompute_core_attention = True
-        self.per_layer_inputs: Optional[torch.Tensor] = None  # set by the model for the length of a forward
+        # set by the model for the length of a forward: the per-layer inputs, and the keys and values store
+        # (filled from the previous pipeline stage's carry; read for the next stage's)
+        self.per_layer_inputs: Optional[torch.Tensor] = None
+        self.stage_kv: Optional[SharedKV] = None
 
     def forward(  # type: ignore[override]
         self,
@@ -294,7 +343,7 @@ class Gemma4Block(TransformerBlock):
     ) -> torch.Tensor:
         layers = list(self.layers.values())
         masks = layer_masks(layers, attention_mask)
-        shared = SharedKV()
+        shared = self.stage_kv if self.stage_kv is not None else SharedKV()
         full = self.recompute_granularity == "full" and torch.is_grad_enabled() and kv_cache is None
         every = self.recompute_num_layers or 1
         for index, (layer, mask) in enumerate(zip(layers, masks)):
@@ -354,10 +403,11 @@ class Gemma4Model(DecoderLanguageModel):
                  vp_stage: Optional[int] = None, layer_numbers: Optional[list[int]] = None) -> None:
         args = resolve_model_args(config)
         check_gemma4_provider(config, args)
-        check_gemma4_stage(config, pre_process, post_process, layer_numbers)
+        carry = stage_carry(config, pre_process, post_process)
         layout = gemma4_layout(config, args)
         super().__init__(config, args, pre_process, post_process, vp_stage)
         self.layout = layout
+        self.stage_carry = carry
         self.position_embedding_type = args.position_embedding_type
         self.linear_cross_entropy = linear_cross_entropy
         if pre_process:
@@ -375,19 +425,31 @@ class Gemma4Model(DecoderLanguageModel):
         """``DecoderLanguageModel.forward``; with per-layer inputs the first stage embeds the tokens itself and
         hands the decoder each layer's slice. Given ``decoder_input`` (a vision-language model's embeddings with
         its images put in), the slices' token part comes from ``input_ids`` and their projection from
-        ``decoder_input``, as transformers' ``Gemma4Model`` does."""
+        ``decoder_input``, as transformers' ``Gemma4Model`` does. A pipeline stage with a ``stage_carry`` takes
+        (after the first) and returns (before the last) the packed tensor ``StageCarry`` describes instead of the
+        hidden states."""
         embedding = self.embedding if self.pre_process else None
-        if embedding is None or not embedding.per_layer_dim:
+        carry = self.stage_carry
+        if carry is None and (embedding is None or not embedding.per_layer_dim):
             return super().forward(input_ids, position_ids, attention_mask, labels, **kwargs)
-        embedded = kwargs.pop("decoder_input", None)
-        if embedded is None:
-            embedded = embedding(input_ids, position_ids)
-        self.decoder.per_layer_inputs = embedding.per_layer_inputs(input_ids, embedded)
+        shared = SharedKV()
+        if embedding is not None:
+            embedded = kwargs.get("decoder_input")
+            if embedded is None:
+                embedded = kwargs["decoder_input"] = embedding(input_ids, position_ids)
+            per_layer = None
+            if embedding.per_layer_dim:
+                per_layer = embedding.per_layer_inputs(input_ids, embedded)
+        else:
+            packed = kwargs.pop("hidden_states", None)
+            hidden, per_layer = carry.unpack(input_ids if packed is None else packed, shared)
+            input_ids, kwargs["hidden_states"] = None, hidden
+        self.decoder.per_layer_inputs, self.decoder.stage_kv = per_layer, shared
         try:
-            return super().forward(input_ids, position_ids, attention_mask, labels, decoder_input=embedded,
-                                   **kwargs)
+            output = super().forward(input_ids, position_ids, attention_mask, labels, **kwargs)
         finally:
-            self.decoder.per_layer_inputs = None
+            self.decoder.per_layer_inputs = self.decoder.stage_kv = None
+        return output if self.post_process else carry.pack(output, per_layer, shared)
 
 
 def build_gemma4_model(provider: Any, pre_process: bool = True, post_process: bool = True,

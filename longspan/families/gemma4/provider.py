@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from longspan.core.errors import ConfigError, NotSupportedError
+from longspan.families.gemma4.stage import StageCarryWidths, stage_carry_problem
 from longspan.models.gpt_provider import GPTModelProvider
 
 
@@ -67,10 +68,15 @@ class Gemma4ModelProvider(GPTModelProvider):
             raise ConfigError(f"model.num_global_query_groups={groups} with tensor_model_parallel_size={tp}: tensor "
                               "parallel splits whole KV groups of the full-attention layers; use a tp that divides it")
         if pp > 1 and (self.num_kv_shared_layers or self.per_layer_embed_dim):
-            raise NotSupportedError(f"pipeline_model_parallel_size={pp} with model.num_kv_shared_layers="
-                                    f"{self.num_kv_shared_layers} / per_layer_embed_dim={self.per_layer_embed_dim} is "
-                                    "not supported yet for Gemma 4 (a stage would need another stage's keys and "
-                                    "values or per-layer inputs)")
+            problem = stage_carry_problem(self)
+            if problem is not None:
+                raise NotSupportedError(problem)
+
+    def pipeline_activation_width(self) -> int:
+        """Per token, the width of what pipeline stages exchange (``longspan.parallel.pipeline.activation_spec``):
+        the hidden states, then the per-layer inputs and the shared keys and values a later stage needs
+        (``StageCarryWidths``)."""
+        return StageCarryWidths.of(self).total
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],
                     layer_numbers: Optional[list[int]], materialize: bool) -> Any:

@@ -1,0 +1,139 @@
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``): config translation
+and weight tables.
+
+config.json nests the language model's fields under ``text_config`` (a Qwen3 or Qwen3-MoE decoder whose
+``rope_parameters`` carry ``mrope_section``; the sections are always interleaved) and the encoder's under
+``vision_config``. Weights: ``model.language_model.*`` (the decoder), ``model.visual.*`` (encoder, merger,
+DeepStack mergers) and ``lm_head.*``. The MoE files hold each layer's experts as two stacked tensors,
+``experts.gate_up_proj [experts, 2 * moe_intermediate, hidden]`` and ``experts.down_proj [experts, hidden,
+moe_intermediate]``, which the table maps onto longspan's per-expert weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import longspan.conversion.mapping as mapping
+from longspan.conversion.config_fields import required
+from longspan.conversion.decoder_fields import provider_view
+from longspan.conversion.families import Family
+from longspan.core.errors import NotSupportedError
+from longspan.families.qwen.hf import qwen3_hf, qwen3_moe_hf, qwen3_moe_provider, qwen3_provider
+from longspan.families.qwen3_vl.provider import Qwen3VLModelProvider, Qwen3VLMoEModelProvider
+from longspan.families.qwen3_vl.vision import Qwen3VisionArgs
+
+TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def _mrope(text: dict[str, Any]) -> tuple[list[int], float]:
+    """(mrope_section, rope_theta) of the text config's ``rope_parameters``."""
+    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise NotSupportedError(f"config.json text_config.rope_parameters.rope_type={kind!r} is not supported for "
+                                "Qwen3-VL: it has interleaved mRoPE without frequency scaling")
+    sections = params.get("mrope_section")
+    if sections is None:
+        raise NotSupportedError("config.json text_config.rope_parameters has no mrope_section: Qwen3-VL's "
+                                "multimodal RoPE needs it")
+    theta = params.get("rope_theta", text.get("rope_theta", 5000000.0))
+    return [int(n) for n in sections], float(theta)
+
+
+def _provider(cfg: dict[str, Any], text_provider: Any) -> dict[str, Any]:
+    text = dict(required(cfg, "text_config"))
+    sections, theta = _mrope(text)
+    plain = dict(text, rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_scaling=None)
+    for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
+        if cfg.get(key) is not None:
+            plain[key] = cfg[key]
+    out = text_provider(plain)
+    out.update(position_embedding_type="mrope", mrope_section=sections)
+    resolved = dataclasses.asdict(Qwen3VisionArgs.from_dict(required(cfg, "vision_config")))
+    out["vision_config"] = dict(resolved, deepstack_visual_indexes=list(resolved["deepstack_visual_indexes"]))
+    for key in TOKEN_ID_FIELDS:
+        if isinstance(cfg.get(key), int):
+            out[key] = cfg[key]
+    for key in ("bos_token_id", "eos_token_id"):
+        value = text.get(key, cfg.get(key))
+        if isinstance(value, int):
+            out[key] = value
+    return out
+
+
+def _hf(p: Any, text_hf: Any, model_type: str) -> dict[str, Any]:
+    text = text_hf(provider_view(p, position_embedding_type="rope"))
+    for key in ("use_sliding_window", "sliding_window", "rope_scaling", "rope_theta"):
+        text.pop(key, None)
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": float(p.rotary_base),
+                                 "mrope_section": list(p.mrope_section), "mrope_interleaved": True},
+                model_type=f"{model_type}_text", bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id)
+    vision = {key: value for key, value in p.vision_config.items() if key != "rope_theta"}
+    vision.update(model_type=f"{model_type}_vision",
+                  rope_parameters={"rope_type": "axial", "rope_theta": float(p.vision_config.get("rope_theta",
+                                                                                                  10000.0))})
+    tokens = {key: getattr(p, key) for key in TOKEN_ID_FIELDS}
+    return {"text_config": text, "vision_config": vision, "tie_word_embeddings": text.pop("tie_word_embeddings"),
+            **tokens}
+
+
+def qwen3_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json dict -> ``Qwen3VLModelProvider`` keyword arguments."""
+    return _provider(cfg, qwen3_provider)
+
+
+def qwen3_vl_hf(p: Any) -> dict[str, Any]:
+    """``Qwen3VLModelProvider`` -> config.json dict."""
+    return _hf(p, qwen3_hf, "qwen3_vl")
+
+
+def qwen3_vl_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json dict -> ``Qwen3VLMoEModelProvider`` keyword arguments."""
+    return _provider(cfg, qwen3_moe_provider)
+
+
+def qwen3_vl_moe_hf(p: Any) -> dict[str, Any]:
+    """``Qwen3VLMoEModelProvider`` -> config.json dict."""
+    out = _hf(p, qwen3_moe_hf, "qwen3_vl_moe")
+    for key in ("num_local_experts", "decoder_sparse_step"):
+        out["text_config"].pop(key, None)
+    return out
+
+
+def _nested(table: tuple[mapping.WeightMap, ...]) -> tuple[mapping.WeightMap, ...]:
+    """A text model's table with our names under ``language_model`` and HF's under ``model.language_model``."""
+    moved = mapping.with_prefix(table, "model.", "model.language_model.")
+    return tuple(dataclasses.replace(e, ours="language_model." + e.ours) for e in moved)
+
+
+_BLOCK = ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.qkv.weight", "attn.qkv.bias",
+          "attn.proj.weight", "attn.proj.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+          "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+_MERGER = ("norm.weight", "norm.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+           "linear_fc2.bias")
+
+VISION = (
+    mapping.WeightMap("vision.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"),
+    mapping.WeightMap("vision.patch_embed.proj.bias", "model.visual.patch_embed.proj.bias"),
+    mapping.WeightMap("vision.pos_embed.weight", "model.visual.pos_embed.weight"),
+    *(mapping.WeightMap(f"vision.blocks.{{i}}.{name}", f"model.visual.blocks.{{i}}.{name}") for name in _BLOCK),
+    *(mapping.WeightMap(f"merger.{name}", f"model.visual.merger.{name}") for name in _MERGER),
+    *(mapping.WeightMap(f"deepstack_mergers.{{i}}.{name}", f"model.visual.deepstack_merger_list.{{i}}.{name}")
+      for name in _MERGER),
+)
+
+QWEN3_VL = _nested(mapping.DECODER) + VISION
+
+# gate_up_proj [E, 2 * moe_intermediate, hidden]: the gate's rows, then the up projection's
+QWEN3_VL_MOE = _nested(mapping.DECODER + (
+    mapping.layer_map("mlp.router.weight", "mlp.gate.weight"),
+    mapping.layer_map("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True, split=(0, 2)),
+    mapping.layer_map("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, split=(1, 2)),
+    mapping.layer_map("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True),
+)) + VISION
+
+QWEN3_VL_FAMILY = Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl", QWEN3_VL,
+                         qwen3_vl_provider, qwen3_vl_hf, Qwen3VLModelProvider)
+QWEN3_VL_MOE_FAMILY = Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", QWEN3_VL_MOE,
+                             qwen3_vl_moe_provider, qwen3_vl_moe_hf, Qwen3VLMoEModelProvider)

@@ -1,0 +1,155 @@
+"""Qwen3-VL against transformers (a tiny random model and its image/video processors made here): logits on a
+prompt with two images of different sizes and on a short video, DeepStack (dropped or moved features change
+them), bit-identical export with the processor files, greedy generation with an image (library and
+``longspan generate --image``), and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from longspan import AutoBridge
+from longspan.cli import main
+from longspan.core.errors import DataError, NotSupportedError
+from longspan.data.tokenizers import NullTokenizer
+from longspan.inference import generate
+from longspan.inference.images import load_images
+from tests.conversion.parity import tensors
+from tests.models.vlm.qwen_vl_fixtures import CHAT_TEMPLATE, VOCAB, draw_image, make_tokenizer, processed
+
+PROMPT = ("describe <|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> "
+          "<|vision_end|> what colour")
+NEW_TOKENS = 5
+
+
+def hf_config(tok) -> transformers.Qwen3VLConfig:
+    special = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    # head_dim 16: 8 frequency pairs, interleaved T H W T H W T T (sections 4, 2, 2)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True},
+                eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
+    # a 5x5 learned position grid resampled to 4x4 and 2x6 patch grids; DeepStack from blocks 0 and 2
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=25,
+                  deepstack_visual_indexes=[0, 2])
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+
+
+def image_processor() -> transformers.Qwen2VLImageProcessor:
+    """Patches of 16 pixels, 2x2 merge: small images kept at their size (multiples of 32)."""
+    return transformers.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                              size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16})
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """(HF directory, transformers model, processed two-image inputs, longspan model imported from the directory)."""
+    directory = tmp_path_factory.mktemp("qwen3_vl")
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    hf = transformers.Qwen3VLForConditionalGeneration(hf_config(tok))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
+            else:
+                p.normal_(0, 0.3)
+    hf = hf.eval()
+    hf.save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    image_processor().save_pretrained(str(directory))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    inputs = processed(directory, PROMPT, [draw_image(64, 64, seed=1), draw_image(96, 32, seed=2)])
+    model = AutoBridge.from_hf_pretrained(directory).to_megatron_model()[0].eval()
+    return directory, hf, inputs, model
+
+
+def _image_inputs(inputs):
+    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def test_logits_equal_transformers_on_two_images(qwen3_vl):
+    _, hf, inputs, model = qwen3_vl
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6]]
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+        ours = model(inputs["input_ids"], **_image_inputs(inputs))
+        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
+                             image_grid_thw=inputs["image_grid_thw"])
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+    assert (other_pixels - ours).abs().max() > 1e-2  # the images do reach the logits
+
+
+def test_deepstack_features_dropped_or_moved_change_the_logits(qwen3_vl):
+    """The parity above fails when DeepStack is dropped or its features go to other layers."""
+    _, hf, inputs, model = qwen3_vl
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+    layers = model.language_model.decoder.layers
+    kept = list(model.deepstack_hooks)
+    try:
+        for handle in kept:
+            handle.remove()
+        with torch.no_grad():
+            dropped = model(inputs["input_ids"], **_image_inputs(inputs))
+        moved = [layers[str(i + 1)].register_forward_hook(model.deepstack_hook(i)) for i in model.deepstack_layers]
+        with torch.no_grad():
+            shifted = model(inputs["input_ids"], **_image_inputs(inputs))
+        for handle in moved:
+            handle.remove()
+    finally:
+        model.deepstack_hooks = [layers[str(i)].register_forward_hook(model.deepstack_hook(i))
+                                 for i in model.deepstack_layers]
+    assert (dropped - expected).abs().max() > 1e-2
+    assert (shifted - expected).abs().max() > 1e-2
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs["input_ids"], **_image_inputs(inputs)), expected, rtol=0, atol=1e-4)
+
+
+def test_export_is_bit_identical_with_the_processor_files(qwen3_vl, tmp_path):
+    directory, _, _, model = qwen3_vl
+    AutoBridge.from_hf_pretrained(directory).save_hf_pretrained(model, tmp_path)
+    original, exported = tensors(directory), tensors(tmp_path)
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (directory / name).read_bytes(), name
+
+
+def test_greedy_generate_with_images_equals_transformers(qwen3_vl):
+    _, hf, inputs, model = qwen3_vl
+    prompt = inputs["input_ids"]
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
+                      min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    expected = out[0, prompt.shape[1]:].tolist()
+    result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS,
+                      eos_ids=(), use_cache=True, model_inputs=_image_inputs(inputs))
+    assert result.output_ids == expected
+
+
+def test_generate_cli_with_an_image(qwen3_vl, tmp_path, capsys):
+    directory, hf, _, _ = qwen3_vl
+    image = tmp_path / "picture.png"
+    draw_image(96, 32, seed=2).save(image)
+    prompt = "describe <|image_pad|> what colour"
+    capsys.readouterr()
+    code = main(["generate", "--hf-model", str(directory), "--image", str(image), "--prompt", prompt,
+                 "--max-new-tokens", str(NEW_TOKENS), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    inputs = processed(directory, prompt, load_images([image]))
+    assert result["prompt_ids"] == inputs["input_ids"][0].tolist()
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]), do_sample=False,
+                      max_new_tokens=NEW_TOKENS)
+    assert result["output_ids"] == out[0, inputs["input_ids"].shape[1]:].tolist()

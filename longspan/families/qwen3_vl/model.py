@@ -114,12 +114,9 @@ class Qwen3VLModel(nn.Module):
         return positions + past
 
     def _put_in(self, embeddings: torch.Tensor, input_ids: torch.Tensor, token_id: int, pixels: torch.Tensor,
-                grid: torch.Tensor | None, what: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                grid: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """``embeddings`` with the merged embeddings of ``pixels`` at the ``token_id`` tokens; (that, the
         tokens' mask, their DeepStack features)."""
-        if grid is None:
-            grid_name = "video_grid_thw" if what == "pixel_values_videos" else "image_grid_thw"
-            raise DataError(f"{what} came without {grid_name}: pass the processor's {grid_name} with it")
         merged, features = self.visual_embeddings(pixels, grid)
         mask = input_ids == token_id
         count = int(mask.sum())
@@ -152,6 +149,11 @@ class Qwen3VLModel(nn.Module):
         if not self.pre_process:
             return self.language_model(input_ids, position_ids, attention_mask, labels, hidden_states=hidden_states,
                                        kv_cache=kv_cache, loss_mask=loss_mask)
+        for pixels, grid, names in ((pixel_values, image_grid_thw, "pixel_values came without image_grid_thw"),
+                                    (pixel_values_videos, video_grid_thw,
+                                     "pixel_values_videos came without video_grid_thw")):
+            if pixels is not None and grid is None:
+                raise DataError(f"{names}: pass the processor's grid with its pixels")
         if position_ids is None:
             position_ids = self.mrope_positions(input_ids, image_grid_thw, video_grid_thw, kv_cache)
         embeddings = self.language_model.embedding(input_ids, None)

@@ -153,3 +153,62 @@ def test_generate_cli_with_an_image(qwen3_vl, tmp_path, capsys):
     out = hf.generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]), do_sample=False,
                       max_new_tokens=NEW_TOKENS)
     assert result["output_ids"] == out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _video_prompt(directory, with_image: bool):
+    """A prompt with (an image and) a two-frame-group video as the processor writes it: each temporal patch after
+    its timestamp text, between ``<|vision_start|>`` and ``<|vision_end|>``; random patch pixels (the video
+    processor needs torchvision)."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    grid = torch.tensor([[2, 4, 4]])  # 4 frames = 2 temporal patches of 4x4 patches: 4 tokens per frame group
+    frame = " <|vision_start|> " + " ".join(["<|video_pad|>"] * 4) + " <|vision_end|> "
+    text = "describe" + (" <|vision_start|> <|image_pad|> <|vision_end|> and" if with_image else "")
+    text += " one" + frame + "two" + frame + "what colour"
+    images = [draw_image(64, 64, seed=3)] if with_image else []
+    inputs = processed(directory, text, images) if with_image else {"input_ids": torch.tensor([tok(text)["input_ids"]])}
+    ids = inputs["input_ids"]
+    config = AutoBridge.from_hf_pretrained(directory).hf_config
+    video = {"pixel_values_videos": torch.randn(2 * 16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(4)),
+             "video_grid_thw": grid}
+    kinds = (ids == config["image_token_id"]).int() + 2 * (ids == config["video_token_id"]).int()
+    return {**inputs, **video, "mm_token_type_ids": kinds}
+
+
+def test_logits_equal_transformers_on_a_video_with_and_without_an_image(qwen3_vl):
+    directory, hf, _, model = qwen3_vl
+    for with_image in (False, True):
+        inputs = _video_prompt(directory, with_image)
+        ours_inputs = {k: v for k, v in inputs.items() if k not in ("input_ids", "mm_token_type_ids")}
+        with torch.no_grad():
+            expected = hf(**inputs).logits
+            ours = model(inputs["input_ids"], **ours_inputs)
+            still = model(inputs["input_ids"], **dict(ours_inputs, pixel_values_videos=torch.zeros_like(
+                inputs["pixel_values_videos"])))
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+        assert (still - ours).abs().max() > 1e-2  # the video reaches the logits
+
+
+def test_bad_vision_inputs_are_one_line_errors(qwen3_vl):
+    directory, _, _, model = qwen3_vl
+    inputs = _video_prompt(directory, with_image=False)
+    ids = inputs["input_ids"][0].tolist()
+    video_id = model.config.video_token_id
+    last = max(i for i, t in enumerate(ids) if t == video_id)
+    short = torch.tensor([ids[:last] + ids[last + 1:]])  # the second frame group lacks one of its 4 tokens
+    with pytest.raises(DataError, match="needs 4 image tokens, the prompt has 3"):
+        model(short, pixel_values_videos=inputs["pixel_values_videos"], video_grid_thw=inputs["video_grid_thw"])
+    with pytest.raises(DataError, match="pixel_values_videos came without video_grid_thw"):
+        model(inputs["input_ids"], pixel_values_videos=inputs["pixel_values_videos"])
+
+
+def test_greedy_generate_with_a_video_equals_transformers(qwen3_vl):
+    """The prompt's positions run on after the video by its rope deltas (kept on the KV cache)."""
+    directory, hf, _, model = qwen3_vl
+    inputs = _video_prompt(directory, with_image=True)
+    prompt = inputs["input_ids"]
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
+                      min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "mm_token_type_ids")}
+    result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS, eos_ids=(),
+                      use_cache=True, model_inputs=extra)
+    assert result.output_ids == out[0, prompt.shape[1]:].tolist()

@@ -88,16 +88,24 @@ def qwen3_vl_hf(p: Any) -> dict[str, Any]:
     return _hf(p, qwen3_hf, "qwen3_vl")
 
 
+def _renormalized_moe_provider(text: dict[str, Any]) -> dict[str, Any]:
+    # Qwen3-VL-MoE's router always renormalizes the top-k probabilities (its config has no norm_topk_prob)
+    return qwen3_moe_provider(dict(text, norm_topk_prob=True))
+
+
 def qwen3_vl_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json dict -> ``Qwen3VLMoEModelProvider`` keyword arguments."""
-    return _provider(cfg, qwen3_moe_provider)
+    return _provider(cfg, _renormalized_moe_provider)
 
 
 def qwen3_vl_moe_hf(p: Any) -> dict[str, Any]:
     """``Qwen3VLMoEModelProvider`` -> config.json dict."""
+    if p.moe_router_pre_softmax:
+        raise NotSupportedError("model.moe_router_pre_softmax=True (top-k weights not renormalized) has no "
+                                "Qwen3VLMoeForConditionalGeneration spelling: its router always renormalizes; set "
+                                "it False")
     out = _hf(p, qwen3_moe_hf, "qwen3_vl_moe")
-    for key in ("num_local_experts", "decoder_sparse_step"):
-        out["text_config"].pop(key, None)
+    out["text_config"].pop("norm_topk_prob", None)
     return out
 
 

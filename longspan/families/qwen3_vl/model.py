@@ -202,10 +202,10 @@ def _check_deepstack_layout(config: Any, layers: list[int], pre_process: bool,
     if here != (set(layers) if pre_process else set()):
         raise NotSupportedError(f"the pipeline split puts Qwen3-VL's DeepStack layers {layers} off the first "
                                 "stage: give the first stage at least that many layers")
-    if getattr(config, "sequence_parallel", False) or (getattr(config, "context_parallel_size", 1) or 1) > 1:
+    if config.sequence_parallel or config.context_parallel_size > 1:
         raise NotSupportedError("model.sequence_parallel / context_parallel_size > 1 are not supported yet for "
                                 "Qwen3-VL: its DeepStack features are added over the whole sequence")
-    if getattr(config, "recompute_granularity", None) == "full":
+    if config.recompute_granularity == "full":
         raise NotSupportedError("model.recompute_granularity='full' is not supported yet for Qwen3-VL (its "
                                 "DeepStack layers would be recomputed without their features): use 'selective'")
 

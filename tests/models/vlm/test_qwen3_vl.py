@@ -7,68 +7,28 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import transformers
 
 from longspan import AutoBridge
 from longspan.cli import main
-from longspan.core.errors import DataError, NotSupportedError
+from longspan.core.errors import DataError
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from longspan.inference.images import load_images
 from tests.conversion.parity import tensors
-from tests.models.vlm.qwen_vl_fixtures import CHAT_TEMPLATE, VOCAB, draw_image, make_tokenizer, processed
+from tests.models.vlm.qwen3_vl_fixtures import PROMPT, make_qwen3_vl
+from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, processed
 
-PROMPT = ("describe <|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> "
-          "<|vision_end|> what colour")
 NEW_TOKENS = 5
-
-
-def hf_config(tok) -> transformers.Qwen3VLConfig:
-    special = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    # head_dim 16: 8 frequency pairs, interleaved T H W T H W T T (sections 4, 2, 2)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-                                 "mrope_interleaved": True},
-                eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
-    # a 5x5 learned position grid resampled to 4x4 and 2x6 patch grids; DeepStack from blocks 0 and 2
-    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=25,
-                  deepstack_visual_indexes=[0, 2])
-    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **special)
-
-
-def image_processor() -> transformers.Qwen2VLImageProcessor:
-    """Patches of 16 pixels, 2x2 merge: small images kept at their size (multiples of 32)."""
-    return transformers.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                              size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16})
 
 
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory):
     """(HF directory, transformers model, processed two-image inputs, longspan model imported from the directory)."""
     directory = tmp_path_factory.mktemp("qwen3_vl")
-    tok = make_tokenizer()
-    torch.manual_seed(0)
-    hf = transformers.Qwen3VLForConditionalGeneration(hf_config(tok))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.2)
-            else:
-                p.normal_(0, 0.3)
-    hf = hf.eval()
-    hf.save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    image_processor().save_pretrained(str(directory))
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    hf = make_qwen3_vl(directory)
     inputs = processed(directory, PROMPT, [draw_image(64, 64, seed=1), draw_image(96, 32, seed=2)])
     model = AutoBridge.from_hf_pretrained(directory).to_megatron_model()[0].eval()
     return directory, hf, inputs, model

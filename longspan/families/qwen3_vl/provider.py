@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional
 
 import torch
+import torch.nn.functional as F
 
 from longspan.families.qwen_vl.provider import Qwen25VLModelProvider
 
@@ -27,8 +28,23 @@ class Qwen3VLModelProvider(Qwen25VLModelProvider):
     embeddings and 2-D RoPE through a patch merger, DeepStack features added after the first decoder layers, and
     interleaved multimodal RoPE."""
 
+    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
+    """The language model's norms: RMSNorm (Qwen3)."""
+
+    activation_func: Callable = F.silu
+    """The language model's MLP activation (gated): silu (Qwen3)."""
+
+    gated_linear_unit: bool = True
+    """The language model's MLP is gated (SwiGLU)."""
+
+    add_bias_linear: bool = False
+    """Biases on the language model's linear layers other than q/k/v: none in Qwen3."""
+
     add_qkv_bias: bool = False
     """Biases on the query/key/value projections: none in Qwen3."""
+
+    share_embeddings_and_output_weights: bool = False
+    """Tie the output layer to the word embeddings (the 2B and 4B models do, the 8B and larger do not)."""
 
     qk_layernorm: bool = True
     """Per-head RMSNorm of the queries and keys (Qwen3)."""
@@ -54,6 +70,13 @@ class Qwen3VLModelProvider(Qwen25VLModelProvider):
     video_token_id: int = 151656
     """``<|video_pad|>``: each merged patch of a video frame's place in the tokens (the processor writes each
     frame's timestamp and ``<|vision_start|>`` before it); the model puts the patch's embedding there."""
+
+    freeze_vision_model: bool = False
+    """Train no parameter of the vision encoder (patch embedding, position embeddings and blocks)."""
+
+    freeze_vision_projection: bool = False
+    """Train no parameter of the projections into the language model: the patch merger and the DeepStack
+    mergers."""
 
     hf_architecture: ClassVar[str] = "Qwen3VLForConditionalGeneration"
 

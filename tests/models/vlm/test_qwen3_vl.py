@@ -13,7 +13,7 @@ import transformers
 
 from longspan import AutoBridge
 from longspan.cli import main
-from longspan.core.errors import DataError
+from longspan.core.errors import DataError, NotSupportedError
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from longspan.inference.images import load_images
@@ -172,3 +172,31 @@ def test_greedy_generate_with_a_video_equals_transformers(qwen3_vl):
     result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS, eos_ids=(),
                       use_cache=True, model_inputs=extra)
     assert result.output_ids == out[0, prompt.shape[1]:].tolist()
+
+
+def test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused(qwen3_vl):
+    """Each freeze option freezes its part (the projection: the merger and the DeepStack mergers); layouts the
+    DeepStack hooks do not serve yet are one-line errors when the model is built."""
+    directory, _, _, _ = qwen3_vl
+    for flag, parts in (("freeze_language_model", {"language_model"}), ("freeze_vision_model", {"vision"}),
+                        ("freeze_vision_projection", {"merger", "deepstack_mergers"})):
+        provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+        setattr(provider, flag, True)
+        built = provider.provide_meta()
+        frozen = {name.split(".")[0] for name, p in built.named_parameters() if not p.requires_grad}
+        trained = {name.split(".")[0] for name, p in built.named_parameters() if p.requires_grad}
+        assert frozen == parts and not parts & trained, flag
+    for field, value, message in (("sequence_parallel", True, "sequence_parallel"),
+                                  ("context_parallel_size", 2, "context_parallel_size"),
+                                  ("recompute_granularity", "full", "recompute_granularity='full'")):
+        provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+        setattr(provider, field, value)
+        with pytest.raises(NotSupportedError, match=message) as info:
+            provider.provide_meta()
+        assert "\n" not in str(info.value)
+    provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
+    assert provider.provide_meta(layer_numbers=[0, 1], post_process=False).deepstack_hooks
+    with pytest.raises(NotSupportedError, match="DeepStack layers \\[0, 1\\] off the first stage"):
+        provider.provide_meta(layer_numbers=[0], post_process=False)
+    with pytest.raises(NotSupportedError, match="off the first stage"):
+        provider.provide_meta(pre_process=False, layer_numbers=[1, 2])

@@ -16,7 +16,7 @@ from tests.data.sft_vlm.conftest import colour_rows, write_jsonl
 
 @pytest.fixture(scope="module")
 def qwen3_vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny random Qwen3-VL HF directory and colour questions, every fourth one without an image."""
+    """A tiny random Qwen3-VL HF directory and colour questions, half of them (in pairs) without an image."""
     from tests.models.vlm.qwen3_vl_fixtures import make_qwen3_vl
 
     root = tmp_path_factory.mktemp("qwen3-vl-run")
@@ -27,7 +27,7 @@ def qwen3_vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     for i, row in enumerate(rows):  # words of the fixture tokenizer's vocabulary
         row["messages"][0]["content"][1]["text"] = "what colour"
         row["messages"][2:] = []
-        if i % 4 == 3:
+        if i % 4 >= 2:  # consecutive pairs: some microbatches hold no image
             row["messages"][0]["content"] = [{"type": "text", "text": "what colour"}]
     write_jsonl(str(data / "training.jsonl"), rows[:16])
     write_jsonl(str(data / "validation.jsonl"), rows[16:])
@@ -122,3 +122,51 @@ def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> Non
                          mm_token_type_ids=(ids == model.config.image_token_id).int(), do_sample=False,
                          max_new_tokens=3, **pixels)
     assert ours["output_ids"] and ours["output_ids"] == out[0, ids.shape[1]:].tolist()[: len(ours["output_ids"])]
+
+
+LAYOUT_ITERS = 4
+REL = 1e-5  # fp32 CPU layout parity
+# FSDP2, tensor parallel (the encoder and mergers replicated) and pipeline parallel (encoder, mergers and the two
+# DeepStack layers on the first stage, the third layer on the second)
+LAYOUTS = {"fsdp2": ["dist.use_torch_fsdp2=true"], "tp2": ["model.tensor_model_parallel_size=2"],
+           "pp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2"]}
+
+
+def _sft_config(hf: Path, data: Path, out: Path, layout: tuple[str, ...] = ()):
+    from longspan.recipes.loading import load_config
+
+    return load_config("vlm-sft", overrides=[
+        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
+        "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
+        f"train.train_iters={LAYOUT_ITERS}", "train.eval_iters=0", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "optimizer.lr=3e-4", "scheduler.lr_warmup_iters=0",
+        "dist.distributed_backend=gloo", "dist.distributed_timeout_minutes=1", *layout,
+    ])
+
+
+def _finetune_case(cfg) -> int:
+    from longspan.training.finetune import finetune
+
+    finetune(cfg)
+    return 0
+
+
+@pytest.mark.slow
+def test_qwen3_vl_layouts_with_text_only_microbatches_log_the_losses_of_one_process(qwen3_vl_run_inputs, tmp_path,
+                                                                                   pool2):
+    """Every rank's microbatches mix image questions and text-only ones (those run the encoder and mergers on a
+    blank image times 0); DeepStack's features reach the first two layers in every layout."""
+    from tests.training.pretrain_helpers import losses_by_iteration
+
+    hf, data = qwen3_vl_run_inputs
+    reference = _sft_config(hf, data, tmp_path / "one")
+    _finetune_case(reference)
+    want = losses_by_iteration(reference)
+    assert sorted(want) == list(range(1, LAYOUT_ITERS + 1)) and want[LAYOUT_ITERS] < want[1]
+    for layout, overrides in LAYOUTS.items():
+        cfg = _sft_config(hf, data, tmp_path / layout, tuple(overrides))
+        pool2.run(_finetune_case, cfg, timeout=300)
+        got = losses_by_iteration(cfg)
+        assert sorted(got) == sorted(want)
+        for it in want:
+            assert math.isclose(got[it], want[it], rel_tol=REL), f"{layout} iteration {it}: {got[it]} vs {want[it]}"

@@ -5,7 +5,10 @@ The forward embeds the tokens, puts the merger's outputs at the image tokens (``
 (``video_token_id``), numbers the positions with interleaved mRoPE (``positions``) and runs the language model.
 DeepStack: the features of the encoder blocks in ``deepstack_visual_indexes`` (each through its own merger) are
 added to the hidden states at the image and video positions after decoder layers 0, 1, ... (one layer per
-feature), by forward hooks on those layers that read the features of the forward in progress.
+feature). They travel with the embeddings: the decoder input is ``[embeddings | feature 0 | feature 1 | ...]``
+along the hidden dimension (each feature zero off the vision tokens), so whatever cuts the sequence before the
+first layer (sequence parallel, context parallel's load-balanced chunks) cuts the features alike; a forward
+pre-hook on layer 0 takes them off its input, and forward hooks on layers 0, 1, ... add them to the outputs.
 """
 
 from __future__ import annotations
@@ -54,21 +57,33 @@ class Qwen3VLModel(nn.Module):
                                        layer_numbers=layer_numbers)
         self.language_model.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
             self.language_model.args.kv_channels, config.mrope_section, rotary_base=config.rotary_base)
-        # (visual positions [b, s], one feature tensor [visual tokens, hidden] per DeepStack layer) of the
-        # forward in progress, read by the layers' hooks
-        self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        self.deepstack_hooks = [
-            self.language_model.decoder.layers[str(index)].register_forward_hook(self.deepstack_hook(index))
-            for index in (self.deepstack_layers if pre_process else [])]
+        # this rank's DeepStack features of the forward in progress ([b, local s, hidden] each), taken off layer
+        # 0's input by its pre-hook and added by the layers' hooks
+        self._deepstack: list[torch.Tensor] | None = None
+        self.deepstack_hooks = []  # the layers' adding hooks
+        if pre_process and self.deepstack_layers:
+            layers = self.language_model.decoder.layers
+            layers["0"].register_forward_pre_hook(self._take_features)
+            self.deepstack_hooks = [layers[str(index)].register_forward_hook(self.deepstack_hook(index))
+                                    for index in self.deepstack_layers]
+
+    def _take_features(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Layer 0's pre-hook: split a widened input into the hidden states and the DeepStack features."""
+        hidden = args[0]
+        width = self.config.hidden_size
+        if hidden.shape[-1] == width:
+            self._deepstack = None
+            return None
+        pieces = hidden.split(width, dim=-1)
+        self._deepstack = list(pieces[1:])
+        return (pieces[0], *args[1:])
 
     def deepstack_hook(self, index: int) -> Any:
         """The forward hook of the decoder layer that takes DeepStack feature ``index``."""
         def add_features(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
             if self._deepstack is None:
                 return None
-            visual, features = self._deepstack
-            mask = visual.unsqueeze(-1).expand_as(output)
-            return output.masked_scatter(mask, output[visual] + features[index].to(output.dtype))
+            return output + self._deepstack[index].to(output.dtype)
 
         return add_features
 
@@ -168,43 +183,35 @@ class Qwen3VLModel(nn.Module):
             parts.append(part)
         if not parts:
             embeddings = self._touch_image_parts(embeddings)
-        self._deepstack = _joint_features(parts) if parts else None
-        try:
-            return self.language_model(input_ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
-                                       loss_mask=loss_mask, decoder_input=embeddings)
-        finally:
-            self._deepstack = None
+        if parts and self.deepstack_layers:
+            embeddings = torch.cat([embeddings, *_deepstack_features(parts, embeddings)], dim=-1)
+        return self.language_model(input_ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
+                                   loss_mask=loss_mask, decoder_input=embeddings)
 
 
-def _joint_features(parts: list[list[Any]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the image and video tokens' mask, per DeepStack layer their features in token order)."""
-    visual = parts[0][0] if len(parts) == 1 else parts[0][0] | parts[1][0]
-    joint = []
+def _deepstack_features(parts: list[list[Any]], embeddings: torch.Tensor) -> list[torch.Tensor]:
+    """Per DeepStack layer, ``[b, s, hidden]``: the image and video tokens' features at their places, zeros
+    elsewhere (``parts``: (tokens' mask, features per layer) of the images, then of the videos)."""
+    out = []
     for level in range(len(parts[0][1])):
-        if len(parts) == 1:
-            joint.append(parts[0][1][level])
-            continue
-        feature = parts[0][1][level]
-        out = feature.new_zeros(int(visual.sum()), feature.shape[-1])
+        feature = torch.zeros_like(embeddings)
         for mask, features in parts:
-            out = out.masked_scatter(mask[visual].unsqueeze(-1), features[level])
-        joint.append(out)
-    return visual, joint
+            feature = feature.masked_scatter(mask.unsqueeze(-1), features[level].to(embeddings.dtype))
+        out.append(feature)
+    return out
 
 
 def _check_deepstack_layout(config: Any, layers: list[int], pre_process: bool,
                             layer_numbers: list[int] | None) -> None:
-    """The layouts the DeepStack hooks serve: the decoder layers that take features on the first stage, the
-    whole sequence on every rank, no recompute of whole layers (it would rerun them after the forward)."""
+    """The layouts the DeepStack hooks serve: the decoder layers that take features on the first stage, no
+    recompute of whole layers (it would rerun the later DeepStack layers after the forward, their hooks then
+    reading another microbatch's features)."""
     if not layers:
         return
     here = set(layers if layer_numbers is None else layer_numbers) & set(layers)
     if here != (set(layers) if pre_process else set()):
         raise NotSupportedError(f"the pipeline split puts Qwen3-VL's DeepStack layers {layers} off the first "
                                 "stage: give the first stage at least that many layers")
-    if config.sequence_parallel or config.context_parallel_size > 1:
-        raise NotSupportedError("model.sequence_parallel / context_parallel_size > 1 are not supported yet for "
-                                "Qwen3-VL: its DeepStack features are added over the whole sequence")
     if config.recompute_granularity == "full":
         raise NotSupportedError("model.recompute_granularity='full' is not supported yet for Qwen3-VL (its "
                                 "DeepStack layers would be recomputed without their features): use 'selective'")

@@ -186,9 +186,7 @@ def test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused(qwen3_
         frozen = {name.split(".")[0] for name, p in built.named_parameters() if not p.requires_grad}
         trained = {name.split(".")[0] for name, p in built.named_parameters() if p.requires_grad}
         assert frozen == parts and not parts & trained, flag
-    for field, value, message in (("sequence_parallel", True, "sequence_parallel"),
-                                  ("context_parallel_size", 2, "context_parallel_size"),
-                                  ("recompute_granularity", "full", "recompute_granularity='full'")):
+    for field, value, message in (("recompute_granularity", "full", "recompute_granularity='full'"),):
         provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
         setattr(provider, field, value)
         with pytest.raises(NotSupportedError, match=message) as info:

@@ -110,7 +110,8 @@ def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> Non
 
     row = json.loads((data / "validation.jsonl").read_text().splitlines()[0])
     image = data / row["messages"][0]["content"][0]["image"]
-    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n<|im_start|>assistant\n"
+    prompt = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n"
+              "<|im_start|>assistant\n")
     printed = _run_here(["generate", "--checkpoint", str(checkpoint), "--image", str(image), "--prompt", prompt,
                          "--max-new-tokens", "3", "--json"], cwd=cwd)
     ours = json.loads(printed.strip().splitlines()[-1])

@@ -29,11 +29,12 @@ register_config_class(Qwen3VLMoEModelProvider, "model", "longspan.models", forei
 # Their own fields, each shown to act by tests/models/vlm/test_qwen3_vl.py: vision_config (logits with two images
 # and with a video equal transformers'; DeepStack's features dropped or moved change them), mrope_section (the
 # interleaved table), image/video token ids (the same logits), the freeze options and the refused layouts
-# (test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused). FSDP2, tensor parallel (encoder and mergers replicated), with
-# sequence parallel, context parallel (the DeepStack features travel beside the embeddings and are cut with them) and
-# pipeline parallel (encoder, mergers and the DeepStack layers on the first stage) equal one process on mixed image
-# and text-only data (tests/data/sft_vlm/test_qwen3_vl_finetune.py). Whole-layer recompute and a pipeline split
-# that moves a DeepStack layer off the first stage are refused in one line when the model is built.
+# (test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused). FSDP2, tensor parallel (encoder and
+# mergers replicated), with sequence parallel, context parallel (the DeepStack features travel beside the
+# embeddings and are cut with them) and pipeline parallel (encoder, mergers and the DeepStack layers on the first
+# stage) equal one process on mixed image and text-only data (tests/data/sft_vlm/test_qwen3_vl_finetune.py).
+# Whole-layer recompute and a pipeline split that moves a DeepStack layer off the first stage are refused in one
+# line when the model is built.
 for _name in ("Qwen3VLModelProvider", "Qwen3VLMoEModelProvider"):
     register_model_support(
         _name,

@@ -20,37 +20,41 @@ from longspan.conversion.decoder_fields import provider_view
 from longspan.conversion.families import Family
 from longspan.core.errors import NotSupportedError
 from longspan.families.qwen.hf import qwen3_hf, qwen3_moe_hf, qwen3_moe_provider, qwen3_provider
-from longspan.families.qwen3_vl.provider import Qwen3VLModelProvider, Qwen3VLMoEModelProvider
+from longspan.families.qwen35.hf import qwen35_hf, qwen35_provider, qwen35_weights, text_config
+from longspan.families.qwen3_vl.provider import Qwen35VLModelProvider, Qwen3VLModelProvider, Qwen3VLMoEModelProvider
 from longspan.families.qwen3_vl.vision import Qwen3VisionArgs
 
 TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
-def _mrope(text: dict[str, Any]) -> tuple[list[int], float]:
-    """(mrope_section, rope_theta) of the text config's ``rope_parameters``."""
+def _mrope(text: dict[str, Any], default_sections: list[int]) -> tuple[list[int], float]:
+    """(mrope_section, rope_theta) of the text config's ``rope_parameters`` (transformers' default sections when
+    it has none)."""
     params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "mrope"):
         raise NotSupportedError(f"config.json text_config.rope_parameters.rope_type={kind!r} is not supported for "
                                 "Qwen3-VL: it has interleaved mRoPE without frequency scaling")
-    sections = params.get("mrope_section")
-    if sections is None:
-        raise NotSupportedError("config.json text_config.rope_parameters has no mrope_section: Qwen3-VL's "
-                                "multimodal RoPE needs it")
+    sections = params.get("mrope_section") or default_sections
     theta = params.get("rope_theta", text.get("rope_theta", 5000000.0))
     return [int(n) for n in sections], float(theta)
 
 
-def _provider(cfg: dict[str, Any], text_provider: Any) -> dict[str, Any]:
+def _provider(cfg: dict[str, Any], text_provider: Any, deepstack: bool = True) -> dict[str, Any]:
     text = dict(required(cfg, "text_config"))
-    sections, theta = _mrope(text)
-    plain = dict(text, rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_scaling=None)
+    sections, theta = _mrope(text, [24, 20, 20] if deepstack else [11, 11, 10])
+    params = {key: value for key, value in (text.get("rope_parameters") or {}).items()
+              if key not in ("mrope_section", "mrope_interleaved", "type")}
+    plain = dict(text, rope_parameters=dict(params, rope_type="default", rope_theta=theta), rope_scaling=None)
     for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             plain[key] = cfg[key]
     out = text_provider(plain)
     out.update(position_embedding_type="mrope", mrope_section=sections)
-    resolved = dataclasses.asdict(Qwen3VisionArgs.from_dict(required(cfg, "vision_config")))
+    vision = dict(required(cfg, "vision_config"))
+    if not deepstack:  # Qwen3.5's encoder has no DeepStack mergers
+        vision["deepstack_visual_indexes"] = []
+    resolved = dataclasses.asdict(Qwen3VisionArgs.from_dict(vision))
     out["vision_config"] = dict(resolved, deepstack_visual_indexes=list(resolved["deepstack_visual_indexes"]))
     for key in TOKEN_ID_FIELDS:
         if isinstance(cfg.get(key), int):
@@ -62,14 +66,21 @@ def _provider(cfg: dict[str, Any], text_provider: Any) -> dict[str, Any]:
     return out
 
 
-def _hf(p: Any, text_hf: Any, model_type: str) -> dict[str, Any]:
+def _hf(p: Any, text_hf: Any, model_type: str, deepstack: bool = True) -> dict[str, Any]:
     text = text_hf(provider_view(p, position_embedding_type="rope"))
     for key in ("use_sliding_window", "sliding_window", "rope_scaling", "rope_theta"):
         text.pop(key, None)
-    text.update(rope_parameters={"rope_type": "default", "rope_theta": float(p.rotary_base),
-                                 "mrope_section": list(p.mrope_section), "mrope_interleaved": True},
-                model_type=f"{model_type}_text", bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id)
-    vision = {key: value for key, value in p.vision_config.items() if key != "rope_theta"}
+    params = dict(text.get("rope_parameters") or {})
+    params.update(rope_type="default", rope_theta=float(p.rotary_base), mrope_section=list(p.mrope_section),
+                  mrope_interleaved=True)
+    text.update(rope_parameters=params, model_type=f"{model_type}_text", bos_token_id=p.bos_token_id,
+                eos_token_id=p.eos_token_id)
+    if not deepstack and p.vision_config.get("deepstack_visual_indexes"):
+        raise NotSupportedError(f"model.vision_config.deepstack_visual_indexes="
+                                f"{p.vision_config['deepstack_visual_indexes']}: {model_type}'s encoder has no "
+                                "DeepStack mergers; set it []")
+    skip = ("rope_theta",) if deepstack else ("rope_theta", "deepstack_visual_indexes")
+    vision = {key: value for key, value in p.vision_config.items() if key not in skip}
     vision.update(model_type=f"{model_type}_vision",
                   rope_parameters={"rope_type": "axial", "rope_theta": float(p.vision_config.get("rope_theta",
                                                                                                   10000.0))})
@@ -145,3 +156,23 @@ QWEN3_VL_FAMILY = Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_v
                          qwen3_vl_provider, qwen3_vl_hf, Qwen3VLModelProvider)
 QWEN3_VL_MOE_FAMILY = Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", QWEN3_VL_MOE,
                              qwen3_vl_moe_provider, qwen3_vl_moe_hf, Qwen3VLMoEModelProvider)
+
+
+def qwen35_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json dict -> ``Qwen35VLModelProvider`` keyword arguments (Qwen3.5's gated DeltaNet hybrid)."""
+    return _provider(cfg, qwen35_provider, deepstack=False)
+
+
+def qwen35_vl_hf(p: Any) -> dict[str, Any]:
+    """``Qwen35VLModelProvider`` -> config.json dict."""
+    return _hf(p, qwen35_hf, "qwen3_5", deepstack=False)
+
+
+def qwen35_vl_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    """The language model's table (Qwen3.5's, for its layer pattern) under ``model.language_model``, and the
+    encoder's."""
+    return _nested(qwen35_weights(text_config(cfg, "Qwen3_5ForCausalLM", "qwen3_5_text"))) + VISION
+
+
+QWEN35_VL_FAMILY = Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_VL, qwen35_vl_provider,
+                          qwen35_vl_hf, Qwen35VLModelProvider, weights_for=qwen35_vl_weights)

@@ -55,8 +55,10 @@ class Qwen3VLModel(nn.Module):
         ).to(dtype) if pre_process else None
         self.language_model = GPTModel(language_config(config), pre_process, post_process, vp_stage,
                                        layer_numbers=layer_numbers)
+        # the rotating part of each head (Qwen3.5: a quarter)
+        rotating = int(self.language_model.args.kv_channels * config.rotary_percent)
         self.language_model.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
-            self.language_model.args.kv_channels, config.mrope_section, rotary_base=config.rotary_base)
+            rotating, config.mrope_section, rotary_base=config.rotary_base)
         # this rank's DeepStack features of the forward in progress ([b, local s, hidden] each), taken off layer
         # 0's input by its pre-hook and added by the layers' hooks
         self._deepstack: list[torch.Tensor] | None = None

@@ -4,7 +4,8 @@ and videos.
 Interleaved mRoPE: the rotary frequency pairs take their position from the three axes in turn (pair ``i`` from
 the height axis when ``i % 3 == 1`` and ``i < 3 * mrope_section[1]``, from the width axis when ``i % 3 == 2`` and
 ``i < 3 * mrope_section[2]``, from the temporal axis otherwise), where Qwen2.5-VL gives each axis a block of
-consecutive pairs (``longspan.models.vlm.mrope``).
+consecutive pairs (``longspan.models.vlm.mrope``). Every pair has an axis whatever the sections sum to (as in
+transformers: Qwen3.5's default [11, 11, 10] on a smaller head simply stops early).
 
 Position ids: images are numbered as Qwen2.5-VL numbers them; a video is numbered frame by frame (each temporal
 patch is its own grid of height and width, as the processor writes a timestamp before each), so the shared
@@ -13,14 +14,24 @@ numbering applies once each frame is read as an image of one temporal patch.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from longspan.core.errors import DataError
-from longspan.models.vlm.mrope import MultimodalRotaryEmbedding, image_token_count, mrope_position_ids
+from longspan.models.rope import RotaryEmbedding
+from longspan.models.vlm.mrope import image_token_count, mrope_position_ids
 
 
-class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
-    """``MultimodalRotaryEmbedding`` with the axes interleaved pair by pair (Qwen3-VL)."""
+class InterleavedMultimodalRotaryEmbedding(RotaryEmbedding):
+    """``RotaryEmbedding`` whose positions are ``[3, b, s]`` (temporal, height, width; a ``[b, s]`` input means
+    the same position on all three axes), the axes interleaved pair by pair (Qwen3-VL, Qwen3.5)."""
+
+    def __init__(self, head_dim: int, mrope_section: Sequence[int], rotary_base: float = 10000.0) -> None:
+        super().__init__(head_dim, rotary_base=rotary_base)
+        self.mrope_section = [int(n) for n in mrope_section]
+        if len(self.mrope_section) != 3:
+            raise ValueError(f"mrope_section={self.mrope_section} must be 3 sizes")
 
     def axis_of_pair(self) -> torch.Tensor:
         """The position axis (0 temporal, 1 height, 2 width) of each frequency pair ``[head_dim / 2]``."""

@@ -59,7 +59,7 @@ class Qwen3VLModelProvider(Qwen25VLModelProvider):
     mrope_section: list[int] = field(default_factory=lambda: [24, 20, 20])
     """The rotary frequency pairs per mRoPE axis (temporal, height, width), interleaved pair by pair (pair i is
     height's when i % 3 == 1 and i < 3 * mrope_section[1], width's when i % 3 == 2 and i < 3 * mrope_section[2],
-    temporal's otherwise); they sum to kv_channels / 2."""
+    temporal's otherwise: every pair has an axis whatever they sum to)."""
 
     vision_config: dict[str, Any] = field(default_factory=default_vision_config)
     """The encoder, merger and DeepStack mergers: HF ``Qwen3VLVisionConfig``'s fields (depth, hidden_size,
@@ -79,6 +79,10 @@ class Qwen3VLModelProvider(Qwen25VLModelProvider):
     mergers."""
 
     hf_architecture: ClassVar[str] = "Qwen3VLForConditionalGeneration"
+
+    mrope_interleaved: ClassVar[bool] = True
+    """The mRoPE table interleaves the axes pair by pair over the first ``rotary_percent`` of each head (Qwen3.5's
+    partial RoPE), so ``mrope_section`` need not sum to the pairs; the shared model rules read it."""
 
     def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
         """Interleaved mRoPE's ``[3, b, s]`` position ids of a batch with images."""
@@ -108,3 +112,12 @@ class Qwen3VLMoEModelProvider(Qwen3VLModelProvider):
     """Qwen3-VL with a Qwen3-MoE language model (the GPT provider's ``num_moe_experts`` / ``moe_*`` fields)."""
 
     hf_architecture: ClassVar[str] = "Qwen3VLMoeForConditionalGeneration"
+
+
+@dataclass
+class Qwen35VLModelProvider(Qwen3VLModelProvider):
+    """Qwen3.5 with images and videos (``Qwen3_5ForConditionalGeneration``): Qwen3-VL's encoder without DeepStack
+    on Qwen3.5's gated DeltaNet hybrid (the GPT provider's ``experimental_attention_variant`` and
+    ``linear_*`` fields, partial interleaved mRoPE over ``rotary_percent`` of each head)."""
+
+    hf_architecture: ClassVar[str] = "Qwen3_5ForConditionalGeneration"

@@ -1,16 +1,11 @@
-"""Qwen3.5 / Qwen3.6 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, and the text tower of
-``Qwen3_5MoeForConditionalGeneration``): config.json and weights. ``Qwen3_5ForConditionalGeneration`` imports
-whole (its encoder too) in ``longspan.families.qwen3_vl``, over this module's translation and table.
+"""Qwen3.5 / Qwen3.6 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``): config.json and weights. Their
+vision-language models (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``) import whole
+in ``longspan.families.qwen3_vl``, over this module's translation and tables (``text_config``).
 
 The decoder is Qwen3-Next's hybrid (``longspan.families.qwen3_next.hf``: the layer pattern, the gated DeltaNet
 mixer, gated attention, (1 + w) norms, partial RoPE, the shared-expert MoE) with the DeltaNet's projections
 stored apart: ``in_proj_qkv`` (rows ``[q | k | v]``, contiguous), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
 Qwen3.5-MoE has experts on every layer and always renormalises the top-k weights.
-
-The MoE vision-language checkpoints hold the language model under ``model.language_model.*`` (``lm_head`` at
-the top) and its fields under config.json's ``text_config``; their mRoPE sections rotate text positions exactly
-as plain RoPE does (the three position ids of a text token are equal), so the text tower imports as the causal
-LM and exports as one (``Family.export_architecture``), the source's text config carried over as it is.
 """
 
 from __future__ import annotations
@@ -115,7 +110,7 @@ def text_config(cfg: dict[str, Any], architecture: str, model_type: str) -> dict
 
 def _tower(causal: Family, architecture: str, model_type: str) -> Family:
     """The text tower of vision-language ``architecture`` as ``causal``'s translation, tables under
-    ``model.language_model.*``; it exports as ``causal``."""
+    ``model.language_model.*``; it exports as ``causal`` (Gemma 4's vision-language checkpoints use it)."""
 
     def to_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         return causal.to_provider(text_config(cfg, causal.architecture, causal.model_type))
@@ -140,4 +135,3 @@ QWEN35 = Family("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text", DECODER_EMBEDDIN
                 weights_for=qwen35_weights)
 QWEN35_MOE = Family("qwen35_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", DECODER_EMBEDDINGS,
                     qwen35_moe_provider, qwen35_moe_hf, weights_for=qwen35_moe_weights)
-QWEN35_MOE_VL_TEXT = _tower(QWEN35_MOE, "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")

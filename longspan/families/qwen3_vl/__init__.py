@@ -13,8 +13,9 @@ from __future__ import annotations
 from longspan.config.support import register_model_support
 from longspan.config.targets import register_config_class
 from longspan.conversion.families import register_family
-from longspan.families.qwen3_vl.hf import QWEN3_VL_FAMILY, QWEN3_VL_MOE_FAMILY, QWEN35_VL_FAMILY
-from longspan.families.qwen3_vl.provider import Qwen35VLModelProvider, Qwen3VLModelProvider, Qwen3VLMoEModelProvider
+from longspan.families.qwen3_vl.hf import QWEN3_VL_FAMILY, QWEN3_VL_MOE_FAMILY, QWEN35_VL_FAMILY, QWEN35_VL_MOE_FAMILY
+from longspan.families.qwen3_vl.provider import (Qwen35VLModelProvider, Qwen35VLMoEModelProvider, Qwen3VLModelProvider,
+                                                Qwen3VLMoEModelProvider)
 from longspan.models.vlm.provider import NO_MTP_REASON
 
 register_config_class(Qwen3VLModelProvider, "model", "longspan.models", foreign_names=(
@@ -26,6 +27,7 @@ register_config_class(Qwen3VLMoEModelProvider, "model", "longspan.models", forei
     "megatron.bridge.models.qwen_3_vl.Qwen3VLMoEModelProvider", "megatron.bridge.models.Qwen3VLMoEModelProvider"),
     bridge_provider_pattern="^Qwen3VLMoE")
 register_config_class(Qwen35VLModelProvider, "model", "longspan.models")
+register_config_class(Qwen35VLMoEModelProvider, "model", "longspan.models")
 
 # Their own fields, each shown to act by tests/models/vlm/test_qwen3_vl.py: vision_config (logits with two images
 # and with a video equal transformers'; DeepStack's features dropped or moved change them), mrope_section (the
@@ -36,7 +38,7 @@ register_config_class(Qwen35VLModelProvider, "model", "longspan.models")
 # stage) equal one process on mixed image and text-only data (tests/data/sft_vlm/test_qwen3_vl_finetune.py).
 # Whole-layer recompute and a pipeline split that moves a DeepStack layer off the first stage are refused in one
 # line when the model is built.
-for _name in ("Qwen3VLModelProvider", "Qwen3VLMoEModelProvider", "Qwen35VLModelProvider"):
+for _name in ("Qwen3VLModelProvider", "Qwen3VLMoEModelProvider", "Qwen35VLModelProvider", "Qwen35VLMoEModelProvider"):
     register_model_support(
         _name,
         supported="""mrope_section vision_config image_token_id bos_token_id eos_token_id vision_start_token_id
@@ -53,3 +55,4 @@ for _name in ("Qwen3VLModelProvider", "Qwen3VLMoEModelProvider", "Qwen35VLModelP
 register_family(QWEN3_VL_FAMILY)
 register_family(QWEN3_VL_MOE_FAMILY)
 register_family(QWEN35_VL_FAMILY)
+register_family(QWEN35_VL_MOE_FAMILY)

@@ -20,8 +20,10 @@ from longspan.conversion.decoder_fields import provider_view
 from longspan.conversion.families import Family
 from longspan.core.errors import NotSupportedError
 from longspan.families.qwen.hf import qwen3_hf, qwen3_moe_hf, qwen3_moe_provider, qwen3_provider
-from longspan.families.qwen35.hf import qwen35_hf, qwen35_provider, qwen35_weights, text_config
-from longspan.families.qwen3_vl.provider import Qwen35VLModelProvider, Qwen3VLModelProvider, Qwen3VLMoEModelProvider
+from longspan.families.qwen35.hf import (qwen35_hf, qwen35_moe_hf, qwen35_moe_provider, qwen35_moe_weights,
+                                        qwen35_provider, qwen35_weights, text_config)
+from longspan.families.qwen3_vl.provider import (Qwen35VLModelProvider, Qwen35VLMoEModelProvider, Qwen3VLModelProvider,
+                                                Qwen3VLMoEModelProvider)
 from longspan.families.qwen3_vl.vision import Qwen3VisionArgs
 
 TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -176,3 +178,23 @@ def qwen35_vl_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
 
 QWEN35_VL_FAMILY = Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_VL, qwen35_vl_provider,
                           qwen35_vl_hf, Qwen35VLModelProvider, weights_for=qwen35_vl_weights)
+
+
+def qwen35_vl_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json dict -> ``Qwen35VLMoEModelProvider`` keyword arguments (experts on every layer)."""
+    return _provider(cfg, qwen35_moe_provider, deepstack=False)
+
+
+def qwen35_vl_moe_hf(p: Any) -> dict[str, Any]:
+    """``Qwen35VLMoEModelProvider`` -> config.json dict."""
+    return _hf(p, qwen35_moe_hf, "qwen3_5_moe", deepstack=False)
+
+
+def qwen35_vl_moe_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    """Qwen3.5-MoE's table under ``model.language_model``, and the encoder's."""
+    return _nested(qwen35_moe_weights(text_config(cfg, "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"))) + VISION
+
+
+QWEN35_VL_MOE_FAMILY = Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", QWEN3_VL,
+                              qwen35_vl_moe_provider, qwen35_vl_moe_hf, Qwen35VLMoEModelProvider,
+                              weights_for=qwen35_vl_moe_weights)

@@ -121,3 +121,11 @@ class Qwen35VLModelProvider(Qwen3VLModelProvider):
     ``linear_*`` fields, partial interleaved mRoPE over ``rotary_percent`` of each head)."""
 
     hf_architecture: ClassVar[str] = "Qwen3_5ForConditionalGeneration"
+
+
+@dataclass
+class Qwen35VLMoEModelProvider(Qwen35VLModelProvider):
+    """Qwen3.5-MoE with images and videos (``Qwen3_5MoeForConditionalGeneration``): experts (and a gated shared
+    expert) on every layer of the hybrid."""
+
+    hf_architecture: ClassVar[str] = "Qwen3_5MoeForConditionalGeneration"

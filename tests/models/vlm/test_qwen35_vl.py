@@ -12,43 +12,14 @@ from longspan import AutoBridge
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from tests.conversion.parity import tensors
-from tests.models.vlm.qwen3_vl_fixtures import PROMPT, image_processor
-from tests.models.vlm.qwen_vl_fixtures import CHAT_TEMPLATE, VOCAB, draw_image, make_tokenizer, processed
+from tests.models.vlm.qwen3_vl_fixtures import PROMPT, make_qwen35_vl
+from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, processed
 
 
 @pytest.fixture(scope="module")
 def qwen35_vl(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen35_vl")
-    tok = make_tokenizer()
-    special = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    # a DeltaNet layer and a gated-attention layer; half of each 16-channel head rotates: 4 pairs T H W T
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=3,
-                layer_types=["linear_attention", "full_attention"], max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=25)
-    torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForConditionalGeneration(
-        transformers.Qwen3_5Config(text_config=text, vision_config=vision, **special))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:  # the (1 + w) norms of the language model, the encoder's plain LayerNorms
-                p.copy_(torch.empty(p.shape).uniform_(-0.4, 0.4, generator=g) + (0.0 if "language" in name else 1.0))
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.0, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    hf = hf.float().eval()
-    hf.save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    image_processor().save_pretrained(str(directory))
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    hf = make_qwen35_vl(directory)
     inputs = processed(directory, PROMPT, [draw_image(64, 64, seed=1), draw_image(96, 32, seed=2)])
     model = AutoBridge.from_hf_pretrained(directory).to_megatron_model()[0].eval()
     return directory, hf, inputs, model
@@ -91,3 +62,20 @@ def test_greedy_generate_with_images_equals_transformers(qwen35_vl):
     result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=5, eos_ids=(),
                       use_cache=True, model_inputs=_image_inputs(inputs))
     assert result.output_ids == out[0, prompt.shape[1]:].tolist()
+
+
+def test_the_moe_variant_equals_transformers_and_exports_bit_identically(tmp_path):
+    """``Qwen3_5MoeForConditionalGeneration`` (experts and a gated shared expert on both layers)."""
+    directory = tmp_path / "moe"
+    hf = make_qwen35_vl(directory, moe=True)
+    inputs = processed(directory, PROMPT, [draw_image(64, 64, seed=1), draw_image(96, 32, seed=2)])
+    bridge = AutoBridge.from_hf_pretrained(directory)
+    model = bridge.to_megatron_model()[0].eval()
+    assert type(model.config).__name__ == "Qwen35VLMoEModelProvider" and model.config.num_moe_experts == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs["input_ids"], **_image_inputs(inputs)), hf(**inputs).logits, rtol=0,
+                                   atol=1e-4)
+    bridge.save_hf_pretrained(model, tmp_path / "out")
+    original, exported = tensors(directory), tensors(tmp_path / "out")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())

@@ -1,6 +1,7 @@
-"""Qwen3.5 / Qwen3.6 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``): config.json and weights. Their
-vision-language models (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``) import whole
-in ``longspan.families.qwen3_vl``, over this module's translation and tables (``text_config``).
+"""Qwen3.5 / Qwen3.6 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, and the text towers of
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``): config.json and weights. The
+vision-language models import whole in ``longspan.families.qwen3_vl``, over this module's translation and tables;
+a text run (a text recipe on such a directory) takes their text tower (``Family.text_tower``).
 
 The decoder is Qwen3-Next's hybrid (``longspan.families.qwen3_next.hf``: the layer pattern, the gated DeltaNet
 mixer, gated attention, (1 + w) norms, partial RoPE, the shared-expert MoE) with the DeltaNet's projections
@@ -110,7 +111,7 @@ def text_config(cfg: dict[str, Any], architecture: str, model_type: str) -> dict
 
 def _tower(causal: Family, architecture: str, model_type: str) -> Family:
     """The text tower of vision-language ``architecture`` as ``causal``'s translation, tables under
-    ``model.language_model.*``; it exports as ``causal`` (Gemma 4's vision-language checkpoints use it)."""
+    ``model.language_model.*``; it exports as ``causal``."""
 
     def to_provider(cfg: dict[str, Any]) -> dict[str, Any]:
         return causal.to_provider(text_config(cfg, causal.architecture, causal.model_type))
@@ -135,3 +136,5 @@ QWEN35 = Family("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text", DECODER_EMBEDDIN
                 weights_for=qwen35_weights)
 QWEN35_MOE = Family("qwen35_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", DECODER_EMBEDDINGS,
                     qwen35_moe_provider, qwen35_moe_hf, weights_for=qwen35_moe_weights)
+QWEN35_VL_TEXT = _tower(QWEN35, "Qwen3_5ForConditionalGeneration", "qwen3_5")
+QWEN35_MOE_VL_TEXT = _tower(QWEN35_MOE, "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")

@@ -20,8 +20,9 @@ from longspan.conversion.decoder_fields import provider_view
 from longspan.conversion.families import Family
 from longspan.core.errors import NotSupportedError
 from longspan.families.qwen.hf import qwen3_hf, qwen3_moe_hf, qwen3_moe_provider, qwen3_provider
-from longspan.families.qwen35.hf import (qwen35_hf, qwen35_moe_hf, qwen35_moe_provider, qwen35_moe_weights,
-                                        qwen35_provider, qwen35_weights, text_config)
+from longspan.families.qwen35.hf import (QWEN35_MOE_VL_TEXT, QWEN35_VL_TEXT, qwen35_hf, qwen35_moe_hf,
+                                        qwen35_moe_provider, qwen35_moe_weights, qwen35_provider, qwen35_weights,
+                                        text_config)
 from longspan.families.qwen3_vl.provider import (Qwen35VLModelProvider, Qwen35VLMoEModelProvider, Qwen3VLModelProvider,
                                                 Qwen3VLMoEModelProvider)
 from longspan.families.qwen3_vl.vision import Qwen3VisionArgs
@@ -177,7 +178,8 @@ def qwen35_vl_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
 
 
 QWEN35_VL_FAMILY = Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_VL, qwen35_vl_provider,
-                          qwen35_vl_hf, Qwen35VLModelProvider, weights_for=qwen35_vl_weights)
+                          qwen35_vl_hf, Qwen35VLModelProvider, weights_for=qwen35_vl_weights,
+                          text_tower=QWEN35_VL_TEXT)
 
 
 def qwen35_vl_moe_provider(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -197,4 +199,4 @@ def qwen35_vl_moe_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
 
 QWEN35_VL_MOE_FAMILY = Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", QWEN3_VL,
                               qwen35_vl_moe_provider, qwen35_vl_moe_hf, Qwen35VLMoEModelProvider,
-                              weights_for=qwen35_vl_moe_weights)
+                              weights_for=qwen35_vl_moe_weights, text_tower=QWEN35_MOE_VL_TEXT)

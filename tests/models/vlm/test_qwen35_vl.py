@@ -79,3 +79,20 @@ def test_the_moe_variant_equals_transformers_and_exports_bit_identically(tmp_pat
     original, exported = tensors(directory), tensors(tmp_path / "out")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+
+
+def test_a_text_recipe_on_the_vision_language_directory_takes_its_text_tower(qwen35_vl):
+    """The ``qwen35`` recipe (a text model) on a Qwen3.5-with-images directory builds and loads its language model
+    alone, whose text logits are transformers'."""
+    from longspan.recipes.loading import load_config
+    from longspan.training.checkpointing.hf_weights import apply_hf_model_config, load_hf_pretrained
+
+    directory, hf, inputs, _ = qwen35_vl
+    cfg = load_config("qwen35")
+    apply_hf_model_config(cfg, directory)
+    assert type(cfg.model).__name__ == "GPTModelProvider"
+    text = cfg.model.provide()
+    assert load_hf_pretrained(directory, [text]) > 0
+    tokens = inputs["input_ids"][:, :4]  # without pixels the image tokens are plain tokens
+    with torch.no_grad():
+        torch.testing.assert_close(text.eval()(tokens), hf(input_ids=tokens).logits, rtol=0, atol=1e-4)

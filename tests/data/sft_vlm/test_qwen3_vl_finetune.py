@@ -127,10 +127,10 @@ def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> Non
 
 LAYOUT_ITERS = 4
 REL = 1e-5  # fp32 CPU layout parity
-# FSDP2, tensor parallel (the encoder and mergers replicated), with sequence parallel, context parallel (the
+# FSDP2, tensor parallel (the encoder and mergers replicated) with sequence parallel, context parallel (the
 # DeepStack features cut along the sequence with the embeddings) and pipeline parallel (encoder, mergers and the
 # two DeepStack layers on the first stage, the third layer on the second)
-LAYOUTS = {"fsdp2": ["dist.use_torch_fsdp2=true"], "tp2": ["model.tensor_model_parallel_size=2"],
+LAYOUTS = {"fsdp2": ["dist.use_torch_fsdp2=true"],
            "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
            "cp2": ["model.context_parallel_size=2"],
            "pp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2"]}

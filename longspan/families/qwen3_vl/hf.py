@@ -6,7 +6,8 @@ config.json nests the language model's fields under ``text_config`` (a Qwen3 or 
 ``vision_config``. Weights: ``model.language_model.*`` (the decoder), ``model.visual.*`` (encoder, merger,
 DeepStack mergers) and ``lm_head.*``. The MoE files hold each layer's experts as two stacked tensors,
 ``experts.gate_up_proj [experts, 2 * moe_intermediate, hidden]`` and ``experts.down_proj [experts, hidden,
-moe_intermediate]``, which the table maps onto longspan's per-expert weights.
+moe_intermediate]`` (transformers 5), or each expert's matrices transposed (the hub's releases, written by
+transformers 4.x), which the table maps onto longspan's per-expert weights.
 """
 
 from __future__ import annotations
@@ -147,18 +148,37 @@ VISION = (
 
 QWEN3_VL = _nested(mapping.DECODER) + VISION
 
-# gate_up_proj [E, 2 * moe_intermediate, hidden]: the gate's rows, then the up projection's
-QWEN3_VL_MOE = _nested(mapping.DECODER + (
-    mapping.layer_map("mlp.router.weight", "mlp.gate.weight"),
-    mapping.layer_map("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True, split=(0, 2)),
-    mapping.layer_map("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, split=(1, 2)),
-    mapping.layer_map("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True),
-)) + VISION
+
+
+def _moe_table(transposed: bool) -> tuple[mapping.WeightMap, ...]:
+    """gate_up_proj ``[E, 2 * moe_intermediate, hidden]``: the gate's rows, then the up projection's; with
+    ``transposed`` the files hold each expert's matrices as ``[in, out]`` (the released checkpoints, written
+    before transformers 5)."""
+    return _nested(mapping.DECODER + (
+        mapping.layer_map("mlp.router.weight", "mlp.gate.weight"),
+        mapping.layer_map("mlp.experts.linear_fc1_gate.weight", "mlp.experts.gate_up_proj", stacked=True,
+                          split=(0, 2), transpose=transposed),
+        mapping.layer_map("mlp.experts.linear_fc1.weight", "mlp.experts.gate_up_proj", stacked=True, split=(1, 2),
+                          transpose=transposed),
+        mapping.layer_map("mlp.experts.linear_fc2.weight", "mlp.experts.down_proj", stacked=True,
+                          transpose=transposed),
+    )) + VISION
+
+
+QWEN3_VL_MOE = _moe_table(transposed=False)
+
+
+def qwen3_vl_moe_weights(cfg: dict[str, Any]) -> tuple[mapping.WeightMap, ...]:
+    """The MoE table for config.json ``cfg``: files written by transformers before 5 (``transformers_version``
+    4.x: the hub's releases) hold the experts transposed; transformers 5 writes and reads ``[out, in]``."""
+    version = str(cfg.get("transformers_version") or "5")
+    return _moe_table(transposed=version.split(".")[0].isdigit() and int(version.split(".")[0]) < 5)
 
 QWEN3_VL_FAMILY = Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl", QWEN3_VL,
                          qwen3_vl_provider, qwen3_vl_hf, Qwen3VLModelProvider)
 QWEN3_VL_MOE_FAMILY = Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", QWEN3_VL_MOE,
-                             qwen3_vl_moe_provider, qwen3_vl_moe_hf, Qwen3VLMoEModelProvider)
+                             qwen3_vl_moe_provider, qwen3_vl_moe_hf, Qwen3VLMoEModelProvider,
+                             weights_for=qwen3_vl_moe_weights)
 
 
 def qwen35_vl_provider(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -198,3 +198,12 @@ def test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused(qwen3_
         provider.provide_meta(layer_numbers=[0], post_process=False)
     with pytest.raises(NotSupportedError, match="off the first stage"):
         provider.provide_meta(pre_process=False, layer_numbers=[1, 2])
+
+
+def test_bridge_run_configs_name_the_providers():
+    from longspan.config.targets import resolve_class
+    from longspan.models import Qwen3VLModelProvider, Qwen3VLMoEModelProvider
+
+    for name, cls in (("megatron.bridge.models.qwen_3_vl.provider.Qwen3VLModelProvider", Qwen3VLModelProvider),
+                      ("megatron.bridge.models.Qwen3VLMoEModelProvider", Qwen3VLMoEModelProvider)):
+        assert resolve_class(name, "model._target_") is cls

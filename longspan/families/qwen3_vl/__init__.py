@@ -1,10 +1,13 @@
 """Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``): a Qwen3 (or Qwen3-MoE)
 language model with interleaved multimodal RoPE, fed by a ViT with learned position embeddings through a patch
 merger, plus DeepStack features of chosen encoder blocks added after the first decoder layers; images and videos.
+Qwen3.5 with images (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``): the same
+encoder without DeepStack on Qwen3.5's gated DeltaNet hybrid (``longspan.families.qwen35``'s translation).
 
-``provider`` (``Qwen3VLModelProvider``, ``Qwen3VLMoEModelProvider``, public in ``longspan.models``), ``model``
-(the model and its DeepStack hooks), ``vision`` (the encoder and mergers), ``positions`` (interleaved mRoPE and the
-position ids of images and video frames), ``hf`` (config.json and weights). The ``vlm-sft`` / ``vlm-lora``
+``provider`` (``Qwen3VLModelProvider``, ``Qwen3VLMoEModelProvider``, ``Qwen35VLModelProvider``,
+``Qwen35VLMoEModelProvider``, public in ``longspan.models``), ``model`` (the model and its DeepStack hooks),
+``vision`` (the encoder and mergers), ``positions`` (interleaved mRoPE and the position ids of images and video
+frames), ``hf`` (config.json and weights). The ``vlm-sft`` / ``vlm-lora``
 recipes (``longspan.families.qwen_vl.recipes``) take the model of a pretrained Qwen3-VL directory.
 """
 

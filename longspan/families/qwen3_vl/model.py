@@ -1,5 +1,6 @@
 """Qwen3-VL: the vision encoder (``vision``), its patch merger (``merger``) and DeepStack mergers
-(``deepstack_mergers``) feeding longspan's GPT language model (a Qwen3 decoder, dense or with experts).
+(``deepstack_mergers``) feeding longspan's GPT language model (a Qwen3 decoder, dense or with experts; for
+Qwen3.5, the gated DeltaNet hybrid and no DeepStack).
 
 The forward embeds the tokens, puts the merger's outputs at the image tokens (``image_token_id``) and video tokens
 (``video_token_id``), numbers the positions with interleaved mRoPE (``positions``) and runs the language model.
@@ -28,9 +29,10 @@ from longspan.models.transformer import KVCache
 
 
 class Qwen3VLModel(nn.Module):
-    """Qwen3-VL (HF ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``) built from a
-    ``Qwen3VLModelProvider``; ``pre_process`` / ``post_process`` / ``vp_stage`` / ``layer_numbers`` are the
-    language model's (see ``GPTModel``); the encoder and mergers live on the first stage."""
+    """Qwen3-VL (HF ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``, and Qwen3.5's
+    ``Qwen3_5(Moe)ForConditionalGeneration``) built from a ``Qwen3VLModelProvider`` or a subclass;
+    ``pre_process`` / ``post_process`` / ``vp_stage`` / ``layer_numbers`` are the language model's (see
+    ``GPTModel``); the encoder and mergers live on the first stage."""
 
     def __init__(self, config: Any, pre_process: bool = True, post_process: bool = True,
                  vp_stage: int | None = None, layer_numbers: list[int] | None = None) -> None:

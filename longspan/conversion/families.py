@@ -52,6 +52,9 @@ class Family:
     """config.json's ``num_nextn_predict_layers`` counts multi-token-prediction layers stored after the decoder
     (``mapping.with_mtp``; ``weights_for`` adds them): the import reads them into ``mtp.layers.*``, the export
     writes the model's (``longspan.conversion.mtp_layers``)."""
+    text_tower: "Family | None" = None
+    """A vision-language architecture's text-only import (its language model, exported as the causal LM), for a
+    run whose model is a text model (a text recipe on the HF directory); not registered apart."""
 
     def for_config(self, cfg: dict[str, Any]) -> "Family":
         """This family with the weight table for config.json dict ``cfg``."""
@@ -85,10 +88,11 @@ def by_architecture() -> dict[str, Family]:
 
 
 def family_named(name: str) -> Family:
-    """The family registered as ``name`` (``Family.name``, e.g. ``qwen3``)."""
+    """The family registered as ``name`` (``Family.name``, e.g. ``qwen3``), or a registered one's text tower."""
     for family in all_families():
-        if family.name == name:
-            return family
+        for candidate in (family, family.text_tower):
+            if candidate is not None and candidate.name == name:
+                return candidate
     raise NotSupportedError(f"unknown model family {name!r}: longspan knows "
                             f"{', '.join(f.name for f in all_families())}")
 

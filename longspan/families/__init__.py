@@ -28,6 +28,7 @@ from longspan.families import (  # noqa: F401
     glm,
     deepseek,
     qwen_vl,
+    qwen3_vl,
     gemma_vl,
     t5,
     mamba,

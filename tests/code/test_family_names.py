@@ -25,7 +25,7 @@ MAX_FILES_OUTSIDE = 3
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # 'llama3' alone is HF's name of a RoPE scaling method (a shared block), not the family
     "Llama": (r"llama(?!3['\"])", ("llama",)),
-    "Qwen": (r"qwen", ("qwen", "qwen_vl", "qwen35", "qwen3_next")),
+    "Qwen": (r"qwen", ("qwen", "qwen_vl", "qwen3_vl", "qwen35", "qwen3_next")),
     "Gemma": (r"gemma", ("gemma", "gemma_vl", "gemma4")),
     "DeepSeek": (r"deepseek", ("deepseek",)),
     "GLM": (r"glm", ("glm",)),

@@ -108,15 +108,19 @@ def check_mrope_model(config: Any) -> None:
     if sections is None:
         raise NotSupportedError("model.position_embedding_type='mrope' needs a vision-language provider with "
                                 "mrope_section: use 'rope' for a text-only model")
+    # an interleaved table (Qwen3-VL, Qwen3.5) gives every pair of the rotating part (rotary_percent of each
+    # head) an axis by its index, whatever the sections sum to; a sectioned one needs them to cover the head
+    interleaved = bool(provider_field(config, "mrope_interleaved", False))
     half = head_dim(config) // 2
     if (not isinstance(sections, (list, tuple)) or len(sections) != 3
-            or not all(isinstance(n, int) and n >= 0 for n in sections) or sum(sections) != half):
+            or not all(isinstance(n, int) and n >= 0 for n in sections)
+            or (sum(sections) != half and not interleaved)):
         raise ConfigError(f"model.mrope_section={sections!r} must be 3 counts of rotary frequency pairs "
                           f"(temporal, height, width) summing to kv_channels / 2 = {half}")
     # The mRoPE table is one plain table over kv_channels: no other scaling, local base or latent attention.
-    plain_fields = (("rotary_percent", 1.0), ("seq_len_interpolation_factor", None), ("rope_scaling", False),
-                    ("rope_dynamic_factor", None), ("rope_longrope_short_factor", None),
-                    ("multi_latent_attention", False))
+    plain_fields = ((() if interleaved else (("rotary_percent", 1.0),)) + (
+        ("seq_len_interpolation_factor", None), ("rope_scaling", False), ("rope_dynamic_factor", None),
+        ("rope_longrope_short_factor", None), ("multi_latent_attention", False)))
     for name, plain in plain_fields:
         if getattr(config, name, plain) != plain:
             raise NotSupportedError(f"model.{name}={getattr(config, name)!r} is not supported with mRoPE: "

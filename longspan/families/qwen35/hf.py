@@ -1,15 +1,12 @@
 """Qwen3.5 / Qwen3.6 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, and the text towers of
-``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``): config.json and weights.
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``): config.json and weights. The
+vision-language models import whole in ``longspan.families.qwen3_vl``, over this module's translation and tables;
+a text run (a text recipe on such a directory) takes their text tower (``Family.text_tower``).
 
 The decoder is Qwen3-Next's hybrid (``longspan.families.qwen3_next.hf``: the layer pattern, the gated DeltaNet
 mixer, gated attention, (1 + w) norms, partial RoPE, the shared-expert MoE) with the DeltaNet's projections
 stored apart: ``in_proj_qkv`` (rows ``[q | k | v]``, contiguous), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
 Qwen3.5-MoE has experts on every layer and always renormalises the top-k weights.
-
-The vision-language checkpoints hold the language model under ``model.language_model.*`` (``lm_head`` at the
-top) and its fields under config.json's ``text_config``; their mRoPE sections rotate text positions exactly as
-plain RoPE does (the three position ids of a text token are equal), so the text tower imports as the causal
-LM and exports as one (``Family.export_architecture``), the source's text config carried over as it is.
 """
 
 from __future__ import annotations

@@ -54,9 +54,17 @@ def apply_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> list[str]:
     return merge_hf_model_config(cfg, hf_dir).changed
 
 
+def hf_bridge(directory: str | os.PathLike, text_model: bool) -> AutoBridge:
+    """The bridge of HF directory ``directory`` for a run whose model is a text model (``text_model``: a
+    vision-language directory then imports its language model alone, ``Family.text_tower``) or not."""
+    bridge = AutoBridge.from_hf_pretrained(directory)
+    tower = bridge.family.text_tower
+    return AutoBridge(bridge.hf_config, tower, directory) if text_model and tower is not None else bridge
+
+
 def merge_hf_model_config(cfg: Any, hf_dir: str | os.PathLike) -> ModelFieldMerge:
     """``apply_hf_model_config``, returning which fields came from config.json and which were kept."""
-    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    bridge = hf_bridge(hf_dir, text_model=not is_vision_language(cfg.model))
     hf_provider = bridge.to_megatron_provider(load_weights=False)
     run_fields = set(PARALLEL_CONFIG_FIELDS) | set(_RUN_FIELDS_MTP)
     if hf_provider.position_embedding_type in ("rope", "yarn"):
@@ -96,7 +104,9 @@ def apply_hf_pretrained_config(cfg: Any) -> bool:
 def load_hf_pretrained(directory: str | os.PathLike, model: list[torch.nn.Module],
                        select: Callable[[str], bool] | None = None) -> int:
     """Load the HF weights of ``directory`` into the built chunks (any layout); returns the tensor count."""
-    bridge = AutoBridge.from_hf_pretrained(directory)
+    chunk = getattr(model[0], "module", model[0])  # getattr: DDP wraps the chunk, FSDP2 and plain ones do not
+    config = getattr(chunk, "config", None)  # getattr: the models of every kind, not all keep their provider
+    bridge = hf_bridge(directory, text_model=not is_vision_language(config))
     count = bridge.load_weights_into(model, select=select)
     print_rank_0(f"loaded Hugging Face weights from {directory} ({count} tensors) for finetuning; "
                  "starting at iteration 0", logger)

@@ -556,6 +556,8 @@ def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:
     # foreach kernels reject lists mixing DTensors with plain tensors or DTensors of different meshes
     # (e.g. tensor parallel leaving norm weights unsharded): fall back to the per-tensor loop then.
     one_mesh = len({id(p.device_mesh) for p in dtensors}) == 1
+    if len(dtensors) == len(all_params) and one_mesh and {p.device.type for p in dtensors} in ({"cuda"}, {"cpu"}):
+        return {"fused": True}
     return {"foreach": len(dtensors) == len(all_params) and one_mesh}
 
 

@@ -362,6 +362,11 @@ class ModelProviderMixin:
         if self.params_dtype is None:
             self.params_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
+    def set_num_layers(self, num_layers: int) -> None:
+        """Make this a model of ``num_layers`` layers (the planner's probes of one layer kind); a provider whose
+        other fields count layers adjusts them too."""
+        self.num_layers = num_layers
+
     @property
     def padded_vocab_size(self) -> Optional[int]:
         """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""

@@ -151,7 +151,7 @@ def local_provider(cfg: Any, layout: Layout, num_layers: int, moe: bool, linear:
     m.ffn_hidden_size = max(1, ffn // tp)
     m.vocab_size = padded_vocab_size(m) // tp
     m.make_vocab_size_divisible_by = 1
-    m.num_layers = num_layers
+    m.set_num_layers(num_layers)
     m.recompute_granularity = m.recompute_granularity if m.recompute_granularity == "selective" else None
     m.recompute_method = m.recompute_num_layers = None
     return m

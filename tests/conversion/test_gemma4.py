@@ -276,3 +276,13 @@ def test_gemma4_moe_lora_recipe_is_the_real_26b_a4b():
                   "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "final_logit_softcapping",
                   "share_embeddings_and_output_weights"):
         assert getattr(cfg.model, field) == getattr(from_hf, field), field
+
+
+def test_plan_of_the_gemma4_recipe_runs(capsys):
+    """``longspan plan`` probes one- and two-layer models of each layer kind: E4B's 18 KV-sharing layers must
+    not make those probes invalid, and a layout with pipeline stages is planned too."""
+    from longspan.cli import main
+
+    assert main(["plan", "--recipe", "gemma4", "--world-size", "8", "--device", "h100"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[4:] if line.strip()]
+    assert rows and any(r[1] == "2" for r in rows)  # a pp=2 row

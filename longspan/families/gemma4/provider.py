@@ -72,6 +72,13 @@ class Gemma4ModelProvider(GPTModelProvider):
             if problem is not None:
                 raise NotSupportedError(problem)
 
+    def set_num_layers(self, num_layers: int) -> None:
+        """A probe of fewer layers shares no keys and values: its layers keep their own (the planner's estimate
+        of a layer is then its upper bound)."""
+        super().set_num_layers(num_layers)
+        if self.num_kv_shared_layers >= num_layers:
+            self.num_kv_shared_layers = 0
+
     def pipeline_activation_width(self) -> int:
         """Per token, the width of what pipeline stages exchange (``longspan.parallel.pipeline.activation_spec``):
         the hidden states, then the per-layer inputs and the shared keys and values a later stage needs

@@ -140,7 +140,8 @@ def test_model_level_layout_matches_one_process(name, overrides, dp_replicate, w
 
 def pretrain_config(run_dir: str, iters: int = 8, tp: int = 1, sp: bool = False, fsdp2: bool = False,
                     dist_opt: bool = False):
-    """The ``tiny`` recipe for ``pretrain``: seq 64, mock data, eval off, metrics.jsonl in ``run_dir``."""
+    """The ``tiny`` recipe for ``pretrain``: seq 64, global batch 8 in microbatches of 2, mock data, eval off,
+    metrics.jsonl in ``run_dir``."""
     from longspan.recipes.tiny import tiny
     from longspan.training.config import TokenizerConfig
 
@@ -156,6 +157,9 @@ def pretrain_config(run_dir: str, iters: int = 8, tp: int = 1, sp: bool = False,
     cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = run_dir
     cfg.logger.log_interval = 1
+    # 4 microbatches per iteration on one process and under TP, 2 per rank under DP: accumulation is exercised
+    # and a TP step (tens of collectives per microbatch) stays short
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = MBS, GBS
     cfg.model.tensor_model_parallel_size = tp
     cfg.model.sequence_parallel = sp
     cfg.dist.use_torch_fsdp2 = fsdp2

@@ -536,17 +536,17 @@ def get_megatron_optimizer(
     if name == "muon":  # the weight matrices with Muon, the rest with AdamW (longspan.training.optim.muon)
         optimizer = muon_optimizer(config, model_chunks, param_groups, is_embedding_or_output_parameter, _fast_kernels)
     else:
-        optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params))
+        optimizer = _torch_optimizer(config, name, precision_aware, param_groups, _fast_kernels(all_params, name))
     grad_scaler = _grad_scaler(config, all_params[0].device)
     megatron_optimizer = MegatronOptimizer(optimizer, config, grad_scaler)
     if offload:  # over the groups MegatronOptimizer left: fp32 main copies in place of low-precision params
         megatron_optimizer.optimizer = offload_optimizer(optimizer, config, lambda groups: _torch_optimizer(
-            config, name, False, groups, _fast_kernels([p for g in groups for p in g["params"]])))
+            config, name, False, groups, _fast_kernels([p for g in groups for p in g["params"]], name)))
     return megatron_optimizer
 
 
-def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:
-    """The fused/foreach keyword for torch's optimizers that these parameters allow."""
+def _fast_kernels(all_params: list[nn.Parameter], name: str = "adam") -> dict[str, bool]:
+    """The fused/foreach keyword for torch's optimizer ``name`` ('adam' or 'sgd') that these parameters allow."""
     dtensors = [p for p in all_params if _is_dtensor(p)]
     if not dtensors:
         # torch's fused kernels (one pass over each tensor instead of ~10 foreach ops: 15x faster AdamW on a
@@ -556,7 +556,10 @@ def _fast_kernels(all_params: list[nn.Parameter]) -> dict[str, bool]:
     # foreach kernels reject lists mixing DTensors with plain tensors or DTensors of different meshes
     # (e.g. tensor parallel leaving norm weights unsharded): fall back to the per-tensor loop then.
     one_mesh = len({id(p.device_mesh) for p in dtensors}) == 1
-    if len(dtensors) == len(all_params) and one_mesh and {p.device.type for p in dtensors} in ({"cuda"}, {"cpu"}):
+    # DTensor has sharding rules for the fused Adam/AdamW kernels (not SGD's): one kernel per step instead of
+    # ~10 foreach ops, each dispatched through DTensor
+    if (name == "adam" and len(dtensors) == len(all_params) and one_mesh
+            and {p.device.type for p in dtensors} in ({"cuda"}, {"cpu"})):
         return {"fused": True}
     return {"foreach": len(dtensors) == len(all_params) and one_mesh}
 

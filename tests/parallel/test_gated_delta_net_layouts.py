@@ -7,7 +7,7 @@ of 8 channels and 6 value heads of 4 (uneven: 3 value heads per key head), a con
 (``attention_output_gate``, 6 query heads in 2 groups, QK-norm). Its MoE variant (``linear_attention_freq=2``, 4
 experts top 2 with a sigmoid-gated shared expert) runs under expert parallel and the other layouts.
 
-- ``pretrain`` for 8 iterations under TP2, TP2+SP, PP2, DP2 with FSDP2, CP2 (the all-to-all to heads), and the
+- ``pretrain`` for 8 iterations under TP2+SP, PP2, DP2 with FSDP2, CP2 (the all-to-all to heads), and the
   MoE variant under EP2, TP2, PP2, DP2 with FSDP2 and CP2: every iteration's loss and gradient norm within 1e-5
   (relative) of one process's.
 - Packed documents (``cu_seqlens``, three of uneven length, one crossing the chunks the cp ranks hold) under
@@ -66,7 +66,7 @@ def _pretrain(run_dir: str, **layout) -> int:
 
 
 LAYOUTS = {  # name: the config builder's keyword arguments (2 processes each)
-    "tp2": dict(tp=2),
+    # plain TP (no sequence parallel) through the MoE variant's moe_tp2: the DeltaNet layers' plan is the same
     "tp2_sp": dict(tp=2, sp=True),
     "pp2": dict(pp=2),
     "dp2_fsdp2": dict(fsdp2=True),

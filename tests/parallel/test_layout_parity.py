@@ -101,8 +101,9 @@ def _close(got: list[float], want: list[float], rel: float = REL_TOL) -> bool:
 
 def _check(name: str, got: dict, reference: dict, wrapper: str | None = None) -> None:
     want = reference["losses"]
-    # the loss moves a lot: a layout training a different model could not stay within the tolerance
-    assert want[-1] < want[0] * 0.95
+    # the loss moves a lot (2% is 2,000 times the tolerance): a layout training a different model could not stay
+    # within the tolerance
+    assert want[-1] < want[0] * 0.98
     if wrapper is not None:
         assert got["wrapper"] == wrapper
     assert _close(got["losses"], want), (

@@ -1,4 +1,4 @@
-"""Sliding-window attention under every layout: TP2, TP2+SP, PP2, DP2 FSDP2 and CP2 train the same model as one
+"""Sliding-window attention under every layout: TP2+SP, PP2, DP2 FSDP2 and CP2 train the same model as one
 process (losses rel <= 1e-5 over 8 iterations), on packed sequences (``reset_attention_mask``: document
 boundaries and the window together) with alternating windowed / full layers and the block-local path on.
 
@@ -59,7 +59,8 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(TWO_PROCESS_LAYOUTS))
+# tp2_sp, not plain tp2 as well: the window mask is built on the whole sequence either way
+@pytest.mark.parametrize("name", [name for name in TWO_PROCESS_LAYOUTS if name != "tp2"])
 def test_sliding_window_layout_matches_one_process(name, one_process, tmp_path):
     assert_layout_matches_one_process(name, one_process, _pretrain, _config, str(tmp_path), ITERS, REL)
 

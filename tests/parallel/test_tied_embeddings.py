@@ -24,9 +24,9 @@ LOSS_REL_TOL = 1e-5
 ABS_TOL = 1e-5
 
 LAYOUTS = {  # name: tiny_config overrides
-    "tp2": dict(tp=2),
+    # plain TP (no sequence parallel) with the chunked vocab-parallel loss; the logits path under TP2+SP
     "tp2_sp": dict(tp=2, sp=True),
-    "tp2_fused_loss": dict(tp=2, cross_entropy_loss_fusion=True),  # the chunked vocab-parallel loss
+    "tp2_fused_loss": dict(tp=2, cross_entropy_loss_fusion=True),
     "cp2": dict(context_parallel_size=2),
     "fsdp2": dict(fsdp2=True),
 }

@@ -1,4 +1,5 @@
-"""PEFT under TP2, TP2 with sequence parallel, PP2, CP2, DP2 (DDP), DP2 (FSDP2) and EP2 (MoE), and on 4 ranks
+"""PEFT under TP2, TP2 with sequence parallel, PP2, CP2, DP2 (DDP), DP2 (FSDP2) and EP2 (MoE) (DoRA and
+CanonicalLoRA where their parameters are sharded), and on 4 ranks
 TP2+SP with DP2 / PP2 / CP2, through ``finetune()``: the logged losses and gradient norms match one process
 (fp32 CPU, rel 1e-5)."""
 
@@ -121,8 +122,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora", "canonical"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# LoRA in every layout; DoRA (its magnitude vector and weight norms) and CanonicalLoRA (separate q/k/v and
+# gate/up adapters) where their parameters are sharded: TP2+SP (row/column splits, the norms over a split weight)
+# and FSDP2 (every adapter parameter a shard). Replicated layouts treat their adapters as LoRA's, and the 4-rank
+# cases add DoRA under TP2+SP+DP2 and CanonicalLoRA under TP2+SP+PP2.
+KIND_LAYOUTS = [(layout, "lora") for layout in LAYOUTS] + [
+    (layout, kind) for kind in ("dora", "canonical") for layout in ("tp2_sp", "dp2_fsdp2")]
+
+
+@pytest.mark.parametrize("layout,kind", KIND_LAYOUTS, ids=[f"{layout}-{kind}" for layout, kind in KIND_LAYOUTS])
 def test_layout_matches_one_process(layout: str, kind: str, base: str, references: dict, tmp_path: Path) -> None:
     steps = get_shared_pool(2).run(_finetune, str(tmp_path), base, peft_kind=kind, timeout=300, **LAYOUTS[layout])
     assert steps == [ITERS, ITERS]

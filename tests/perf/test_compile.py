@@ -35,9 +35,10 @@ def compile_config(tmp_path, name, compiled, **train):
 
 
 
-def assert_rel_close(got, want, rel=1e-5):
-    """Same iterations, and every loss within ``rel`` of the reference; returns the largest relative gap."""
-    assert sorted(got) == sorted(want) and len(want) == ITERS
+def assert_rel_close(got, want, rel=1e-5, iters=ITERS):
+    """Same ``iters`` iterations, and every loss within ``rel`` of the reference; returns the largest relative
+    gap."""
+    assert sorted(got) == sorted(want) and len(want) == iters
     gaps = {it: abs(got[it] - want[it]) / abs(want[it]) for it in want}
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] <= rel, (worst, got[worst], want[worst])

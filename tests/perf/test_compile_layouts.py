@@ -1,9 +1,9 @@
 """Compiled layers under the parallel layouts: for each layout, a compiled run and an eager run of
 the same layout give the same losses (fp32 CPU, dropout on, uneven loss masks, rel <= 1e-5 over 20
-iterations), and a compiled TP2 + SP run resumes bit for bit. Model level: the gradients of every parameter
-after two microbatches match eager (rel 1e-5) for the tensor-parallel layers that hold eager parts (sequence
-parallel with selective recompute, MoE under TP2), where compiling the whole layer gave wrong gradients or
-failed in backward.
+iterations; 10 for DP2 FSDP2, CP2 and EP2), and a compiled TP2 + SP run resumes bit for bit. Model level: the
+gradients of every parameter after two microbatches match eager (rel 1e-5) for the tensor-parallel layers that
+hold eager parts (sequence parallel with selective recompute, MoE under TP2), where compiling the whole layer
+gave wrong gradients or failed in backward.
 
 Layouts (2 ranks each): TP2 with full recompute, TP2 + SP with selective recompute (+ resume), PP2, DP2 FSDP2,
 CP2 and an MoE model under EP2. The reference is eager on the same layout, not one process: dropout masks are
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 TIMEOUT = 600
 
 
-def _layout_run(run_dir: str, compiled: bool, model: dict, dist: dict, resume_from: str | None = None) -> dict:
+def _layout_run(run_dir: str, compiled: bool, model: dict, dist: dict, resume_from: str | None = None,
+                iters: int = ITERS) -> dict:
     """Worker task: ``pretrain`` ``compile_config`` with ``model``/``dist`` overrides; rank 0 returns its losses,
     every rank whether the model was compiled, how many graphs dynamo built and the run's wall time."""
     import time
@@ -41,6 +42,7 @@ def _layout_run(run_dir: str, compiled: bool, model: dict, dist: dict, resume_fr
     torch._dynamo.reset()
     counters.clear()
     cfg = compile_config(Path(run_dir), "run", compiled)
+    cfg.train.train_iters = iters
     cfg.checkpoint.load = resume_from
     cfg.checkpoint.ckpt_step = SAVE_AT if resume_from else None
     cfg.dist.distributed_backend, cfg.dist.distributed_timeout_minutes = "gloo", 5
@@ -59,13 +61,14 @@ def _layout_run(run_dir: str, compiled: bool, model: dict, dist: dict, resume_fr
     }
 
 
-def _compiled_and_eager(pool, tmp_path, model: dict, dist: dict | None = None) -> tuple[list, list]:
+def _compiled_and_eager(pool, tmp_path, model: dict, dist: dict | None = None,
+                        iters: int = ITERS) -> tuple[list, list]:
     dist = dist or {}
-    eager = pool.run(_layout_run, str(tmp_path / "eager"), False, model, dist, timeout=TIMEOUT)
-    compiled = pool.run(_layout_run, str(tmp_path / "compiled"), True, model, dist, timeout=TIMEOUT)
+    eager = pool.run(_layout_run, str(tmp_path / "eager"), False, model, dist, iters=iters, timeout=TIMEOUT)
+    compiled = pool.run(_layout_run, str(tmp_path / "compiled"), True, model, dist, iters=iters, timeout=TIMEOUT)
     assert not any(r["compiled"] or r["graphs"] for r in eager)
     assert all(r["compiled"] and r["graphs"] >= 1 for r in compiled)  # really compiled, on every rank
-    gap = assert_rel_close(compiled[0]["losses"], eager[0]["losses"])
+    gap = assert_rel_close(compiled[0]["losses"], eager[0]["losses"], iters=iters)
     print(f"compiled vs eager: max rel {gap:.1e}; compiled run {compiled[0]['seconds']:.1f} s "
           f"({compiled[0]['graphs']} graphs), eager {eager[0]['seconds']:.1f} s")
     return compiled, eager
@@ -73,20 +76,21 @@ def _compiled_and_eager(pool, tmp_path, model: dict, dist: dict | None = None) -
 
 MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=32)
 
-LAYOUTS = {  # name: (model overrides, dist overrides)
+LAYOUTS = {  # name: (model overrides, dist overrides, iterations)
     "tp2_full_recompute": (dict(tensor_model_parallel_size=2, recompute_granularity="full",
-                                recompute_method="uniform", recompute_num_layers=1), {}),
-    "pp2": (dict(pipeline_model_parallel_size=2), {}),
-    "dp2_fsdp2": ({}, dict(use_torch_fsdp2=True)),
-    "cp2": (dict(context_parallel_size=2), {}),
-    "moe_ep2": (dict(MOE, expert_model_parallel_size=2), {}),
+                                recompute_method="uniform", recompute_num_layers=1), {}, ITERS),
+    "pp2": (dict(pipeline_model_parallel_size=2), {}, ITERS),
+    # beyond the acceptance's one process, DP2, TP2 and PP2: half the iterations (the compile is the cost)
+    "dp2_fsdp2": ({}, dict(use_torch_fsdp2=True), ITERS // 2),
+    "cp2": (dict(context_parallel_size=2), {}, ITERS // 2),
+    "moe_ep2": (dict(MOE, expert_model_parallel_size=2), {}, ITERS // 2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_compiled_equals_eager_on_layout(name, tmp_path, pool2):
-    model, dist = LAYOUTS[name]
-    _compiled_and_eager(pool2, tmp_path, model, dist)
+    model, dist, iters = LAYOUTS[name]
+    _compiled_and_eager(pool2, tmp_path, model, dist, iters)
 
 
 def test_compiled_tp2_sp_selective_recompute_equals_eager_and_resumes_bit_for_bit(tmp_path, pool2):

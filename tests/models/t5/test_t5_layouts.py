@@ -1,4 +1,4 @@
-"""tiny-t5 through pretrain() under DP2 (DDP), DP2 FSDP2, TP2, TP2 + SP, CP2 and PP2 x TP2 matches one process.
+"""tiny-t5 through pretrain() under DP2 (DDP), DP2 FSDP2, TP2 + SP, CP2 and PP2 x TP2 matches one process.
 
 Each layout runs 8 iterations of the shrunk recipe (byte corpus, hidden 32, encoder 64 / decoder 32 tokens)
 in the shared 2-worker pool; the logged per-iteration losses and gradient norms must equal the one-process
@@ -97,7 +97,7 @@ def reference(tmp_path_factory, data_dir) -> dict:
 LAYOUTS = {  # name: (overrides, model class after parallelize_model, local [k rows, bias heads])
     "dp2_ddp": (dict(), "DistributedDataParallel", (32, 4)),
     "dp2_fsdp2": (dict(dp_mode="fsdp2"), "FSDPT5Model", None),
-    "tp2": (dict(tp=2), "T5Model", (16, 2)),
+    # plain TP (no sequence parallel): pp2_vp2_tp2
     "tp2_sp": (dict(tp=2, sp=True), "T5Model", (16, 2)),
     "cp2": (dict(cp=2), "DistributedDataParallel", (32, 4)),
     # four ranks, a tp pair per pipeline rank, two virtual stages each: both stacks' relative tables are used

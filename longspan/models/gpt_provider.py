@@ -367,6 +367,11 @@ class ModelProviderMixin:
         other fields count layers adjusts them too."""
         self.num_layers = num_layers
 
+    def pipeline_activation_width(self) -> int:
+        """Per token, the width of what pipeline stages exchange: the hidden states (a model whose later stages
+        need more, such as another stage's keys and values, packs them beside and says how wide that is)."""
+        return int(self.hidden_size)
+
     @property
     def padded_vocab_size(self) -> Optional[int]:
         """vocab_size rounded up to make_vocab_size_divisible_by (independent of the parallel layout)."""

@@ -118,9 +118,9 @@ class _StageParallelView:
 
 def activation_spec(cfg: ConfigContainer) -> tuple[tuple[int, int, int], torch.dtype]:
     """Shape and dtype of the hidden states between stages: ``[micro_batch, seq / cp (/ tp with sequence
-    parallel), hidden]`` (T5: seq is seq_length + seq_length_dec, see ``longspan.models.t5.T5Model``; hidden is
-    the provider's ``pipeline_activation_width()`` where it has one) in ``model.pipeline_dtype`` (default:
-    params_dtype; float32 with fp32_residual_connection)."""
+    parallel), width]`` (T5: seq is seq_length + seq_length_dec, see ``longspan.models.t5.T5Model``; width is
+    the provider's ``pipeline_activation_width()``, the hidden size unless the model carries more) in
+    ``model.pipeline_dtype`` (default: params_dtype; float32 with fp32_residual_connection)."""
     model = cfg.model
     seq = int(model.seq_length)
     if isinstance(model, T5ModelProvider):  # both stacks' states
@@ -131,10 +131,7 @@ def activation_spec(cfg: ConfigContainer) -> tuple[tuple[int, int, int], torch.d
     dtype = model.pipeline_dtype or model.params_dtype or torch.float32
     if model.fp32_residual_connection:
         dtype = torch.float32  # the residual stream is float32 between layers, so between stages too (Megatron)
-    # a model whose later stages need more than the hidden states (per-layer inputs, another stage's keys and
-    # values) packs them beside the hidden states and says how wide that is
-    width = getattr(model, "pipeline_activation_width", None)
-    return (int(cfg.train.micro_batch_size), seq, int(width() if width else model.hidden_size)), dtype
+    return (int(cfg.train.micro_batch_size), seq, model.pipeline_activation_width()), dtype
 
 
 def build_pipeline_chunks(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longspan.core.errors import ConfigError, NotSupportedError
-from longspan.families.qwen_vl.vision import VisionAttention, image_seqlens, patch_positions
+from longspan.families.qwen_vl.vision import VisionAttention, VisionPatchEmbed, image_seqlens, patch_positions
 from longspan.models.rope import default_inv_freq
 
 NORM_EPS = 1e-6  # the encoder's and the mergers' LayerNorms
@@ -92,21 +92,6 @@ def _linear(d_in: int, d_out: int, std: float) -> nn.Linear:
     layer = nn.Linear(d_in, d_out)
     layer.init_std = std
     return layer
-
-
-class PatchEmbed(nn.Module):
-    """Each patch -> a ``hidden_size`` vector: a Conv3d whose stride is its kernel, with a bias."""
-
-    def __init__(self, args: Qwen3VisionArgs) -> None:
-        super().__init__()
-        self.kernel = (args.temporal_patch_size, args.patch_size, args.patch_size)
-        self.in_channels = args.in_channels
-        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=self.kernel, stride=self.kernel)
-        self.proj.init_std = args.initializer_range
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        patches = pixel_values.view(-1, self.in_channels, *self.kernel).to(self.proj.weight.dtype)
-        return self.proj(patches).view(patches.shape[0], -1)
 
 
 class VisionMLP(nn.Module):
@@ -180,7 +165,7 @@ class Qwen3VisionModel(nn.Module):
     def __init__(self, args: Qwen3VisionArgs) -> None:
         super().__init__()
         self.args = args
-        self.patch_embed = PatchEmbed(args)
+        self.patch_embed = VisionPatchEmbed(args, bias=True)  # Qwen3-VL's patch projection has a bias
         self.pos_embed = nn.Embedding(args.num_position_embeddings, args.hidden_size)
         self.pos_embed.init_std = args.initializer_range
         self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))

@@ -99,12 +99,12 @@ class VisionPatchEmbed(nn.Module):
     """Each patch (``temporal_patch x patch x patch`` pixels per channel) -> a ``hidden_size`` vector (a Conv3d
     whose stride is its kernel, i.e. one linear map per patch, as HF has it)."""
 
-    def __init__(self, args: QwenVisionArgs) -> None:
+    def __init__(self, args: QwenVisionArgs, bias: bool = False) -> None:
         super().__init__()
         self.kernel = (args.temporal_patch_size, args.patch_size, args.patch_size)
         self.in_channels = args.in_channels
         self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=self.kernel, stride=self.kernel,
-                              bias=False)
+                              bias=bias)
         self.proj.init_std = args.initializer_range
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""``longspan generate --checkpoint DIR | --hf-model DIR --prompt TEXT [--image PATH ...] [--max-new-tokens N] ...``.
+"""``longspan generate --checkpoint DIR | --hf-model DIR --prompt TEXT [--image PATH ...] [--video PATH ...] ...``.
 
 Loads a longspan checkpoint (a ``checkpoint.save`` directory or one of its ``iter_XXXXXXX`` directories) or a
-Hugging Face model directory, continues the prompt (with ``--image``: and images, for a vision-language model)
+Hugging Face model directory, continues the prompt (with ``--image`` / ``--video``: and images / videos, for a
+vision-language model)
 on one process with a KV cache, and prints the generated
 text, or with ``--json`` one line ``{"prompt_ids": [...], "output_ids": [...], "text": "..."}``. Greedy unless
 ``--temperature`` > 0. Loading messages go to stderr, so stdout holds only the result.
@@ -38,6 +39,12 @@ def add_parser(subparsers: Any, name: str) -> None:
     parser.add_argument("--image", action="append", default=None, metavar="PATH",
                         help="an image for a vision-language model (repeatable, in order): the prompt's "
                              "<|image_pad|> tokens mark where each goes, else they go in front")
+    parser.add_argument("--video", action="append", default=None, metavar="FILE_OR_FRAMES",
+                        help="a video for a vision-language model with a video path (repeatable, in order): a video file (needs PyAV: "
+                             "pip install 'longspan[video]') or a directory of frame images taken at --video-fps; "
+                             "the prompt's <|video_pad|> tokens mark where each goes, else they go in front")
+    parser.add_argument("--video-fps", type=float, default=None, metavar="FPS",
+                        help="frames per second of --video frame directories")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k most likely tokens (0 = all)")
@@ -129,6 +136,29 @@ def _image_inputs(args: argparse.Namespace, model: list[Any], tokenizer: Any, im
     return image_prompt_inputs(net, tokenizer, args.prompt, images, processor_dirs)
 
 
+def _video_inputs(args: argparse.Namespace, model: list[Any], images: list[Any],
+                  processor_dirs: list[Path]) -> tuple[list[int], dict[str, Any]]:
+    """(prompt ids with the videos' (and images') tokens, the model's inputs) for ``--video``."""
+    # `longspan --help` must not import torch
+    from longspan.inference.video_generation import check_video_model, video_processor_of, video_prompt_inputs
+
+    net = model[0] if isinstance(model, list) else model
+    check_video_model(net, f"--video: {args.hf_model or args.checkpoint}")
+    processor = video_processor_of(processor_dirs)
+    ids, inputs = video_prompt_inputs(processor, args.prompt, args.video, args.video_fps, images)
+    device = next(net.parameters()).device
+    return ids, {k: v.to(device) for k, v in inputs.items()}
+
+
+def _check_videos(args: argparse.Namespace) -> None:
+    """Each --video exists (before the model loads); --video-fps is positive when given."""
+    for path in args.video or []:
+        if not Path(path).exists():
+            raise ConfigError(f"--video {path}: no such file or directory (give a video file or a directory of frames)")
+    if args.video_fps is not None and not args.video_fps > 0:
+        raise ConfigError(f"--video-fps={args.video_fps}: must be above 0")
+
+
 def run(args: argparse.Namespace) -> int:
     from longspan.inference import check_generation_args, generate  # `longspan --help` must not import torch
 
@@ -146,8 +176,12 @@ def run(args: argparse.Namespace) -> int:
             from longspan.inference.images import load_images  # `longspan --help` must not import torch
 
             images = load_images(args.image)  # a bad file fails before the model loads
+        _check_videos(args)
         model, tokenizer, eos_ids, processor_dirs = _load(args)
-        prompt, model_inputs = _image_inputs(args, model, tokenizer, images, processor_dirs)
+        if args.video:
+            prompt, model_inputs = _video_inputs(args, model, images, processor_dirs)
+        else:
+            prompt, model_inputs = _image_inputs(args, model, tokenizer, images, processor_dirs)
         result = generate(
             model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, eos_ids=eos_ids,

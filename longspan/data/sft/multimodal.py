@@ -1,12 +1,15 @@
 """Multimodal chat SFT: conversations whose messages mix images and text, for vision-language models.
 
-A record is a chat record whose message ``content`` may be a list of parts: ``{"type": "text", "text": ...}``
-and ``{"type": "image", "image": PATH}`` (a path relative to the data file's directory, an absolute path, a
-``PIL.Image`` or a ``{"bytes"|"path"}`` mapping as ``datasets``' Image feature gives). The model directory's HF
-processor (``AutoProcessor``: image processor, tokenizer, chat template) does what it does for inference: the
-template renders one placeholder per image, the processor expands each placeholder to the image's tokens and
-returns the pixel inputs under HF's names (``pixel_values``, ``image_grid_thw`` for Qwen2.5-VL,
-``token_type_ids`` for Gemma 3).
+A record is a chat record whose message ``content`` may be a list of parts: ``{"type": "text", "text": ...}``,
+``{"type": "image", "image": PATH}`` (a path relative to the data file's directory, an absolute path, a
+``PIL.Image`` or a ``{"bytes"|"path"}`` mapping as ``datasets``' Image feature gives) and, for processors with a
+video path (``longspan.data.sft.video``), ``{"type": "video", "video": PATH}`` (a video file) or
+``{"type": "video", "video": [FRAME, ...], "fps": RATE}`` (frame images taken at RATE per second). The model
+directory's HF processor (``AutoProcessor``: image processor, tokenizer, chat template, and the family's video
+preprocessing) does what it does for inference: the template renders one placeholder per image or video, the
+processor expands each placeholder to its tokens and returns the pixel inputs under HF's names
+(``pixel_values``, ``image_grid_thw`` for Qwen2.5-VL, ``token_type_ids`` for Gemma 3, ``pixel_values_videos``,
+``video_grid_thw``).
 
 Loss: the assistant turns, found as the text chat formatter finds them but on the processor's token ids: for
 assistant turn k the conversation before it (with the generation prompt) and up to it are processed with the
@@ -25,7 +28,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -34,6 +37,7 @@ import torch
 from longspan.core.errors import ConfigError, DataError
 from longspan.data.sft.chat_loss import NEVER_TRAINED_TOKENS, normalize_messages
 from longspan.data.sft.formatting import SFTFormatOptions, compile_chat_template
+from longspan.data.sft.video import attach_video_preprocessor, read_video, video_preprocessor
 
 # Processor outputs aligned with the tokens (shifted and padded like them); every other output except the ones
 # dropped is per image and concatenated over the images of a microbatch in sample order.
@@ -109,7 +113,9 @@ def load_processor(path: str, kwargs: Optional[dict[str, Any]] = None, field: st
     if not os.path.isdir(path):
         raise ConfigError(f"{field}={path!r} is not a directory (give the model directory holding the processor files)")
     try:
-        return AutoProcessor.from_pretrained(path, **kwargs)
+        return attach_video_preprocessor(AutoProcessor.from_pretrained(path, **kwargs), path)
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unreadable processor files
         failure = exc
     # A processor with a video processor that needs torchvision (ImportError), or whose directory has no video
@@ -117,7 +123,9 @@ def load_processor(path: str, kwargs: Optional[dict[str, Any]] = None, field: st
     try:
         cls = processor_class_from_name(_processor_class_name(path))
         if isinstance(failure, ImportError) or "video_processor" in cls.get_attributes():
-            return image_only_processor_class(cls).from_pretrained(path, **kwargs)
+            return attach_video_preprocessor(image_only_processor_class(cls).from_pretrained(path, **kwargs), path)
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - as above
         failure = exc if isinstance(failure, ImportError) else failure
     raise ConfigError(f"{field}={path!r}: cannot load the HF processor: {_first_line(failure)}") from None
@@ -158,6 +166,22 @@ def image_parts(messages: list[dict[str, Any]]) -> list[Any]:
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
+def video_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The video parts of a conversation, in order."""
+    return [part for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == "video"]
+
+
+def _resolved_video(part: dict[str, Any], base_dir: Optional[str]) -> tuple[Any, Any]:
+    """(the video reference with relative paths joined to ``base_dir``, the part's ``fps``)."""
+    ref = part.get("video")
+    if isinstance(ref, (list, tuple)):
+        ref = [_resolved(r, base_dir) for r in ref]
+    else:
+        ref = _resolved(ref, base_dir)
+    return ref, part.get("fps")
+
+
 def _clean_parts(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """Content parts without null keys (Arrow fills every part with every key any part has)."""
     out = []
@@ -167,11 +191,12 @@ def _clean_parts(messages: list[dict[str, Any]], where: str) -> list[dict[str, A
             parts = []
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in ("audio", "video"):
-                    raise DataError(f"{where}: {kind} parts are not supported yet (longspan's vision-language "
-                                    "models take image and text parts)")
-                if kind not in ("text", "image"):
-                    raise DataError(f"{where}: a content part must be {{\"type\": \"text\"|\"image\", ...}}, got {part!r}")
+                if kind == "audio":
+                    raise DataError(f"{where}: audio parts are not supported yet (longspan's vision-language "
+                                    "models take text, image and video parts)")
+                if kind not in ("text", "image", "video"):
+                    raise DataError(f"{where}: a content part must be {{\"type\": \"text\"|\"image\"|\"video\", "
+                                    f"...}}, got {part!r}")
                 parts.append({k: v for k, v in part.items() if v is not None})
             message = {**message, "content": parts}
         out.append(message)
@@ -226,6 +251,8 @@ class MultimodalDocument:
     """'file line N' / 'source row N' for messages."""
     cut: bool = False
     """Whether the conversation was longer than the sample and cut at the end."""
+    videos: list[tuple[Any, Any]] = field(default_factory=list)
+    """(resolved video reference, fps of its frames or None) in the order of the text's video placeholders."""
 
 
 class MultimodalChatFormatter:
@@ -243,9 +270,11 @@ class MultimodalChatFormatter:
         tokenizer = processor.tokenizer
         self.specials = {name: getattr(tokenizer, name, None) or "" for name in ("bos_token", "eos_token", "pad_token")}
         self.image_token_ids = _image_token_ids(processor)
+        video_token = getattr(processor, "video_token_id", None)
+        self.video_token_ids = [int(video_token)] if isinstance(video_token, int) else []
         vocab = tokenizer.get_vocab()
         self.never_trained = np.asarray(sorted({vocab[t] for t in NEVER_TRAINED_TOKENS if t in vocab}
-                                               | set(self.image_token_ids)), dtype=np.int64)
+                                               | set(self.image_token_ids) | set(self.video_token_ids)), dtype=np.int64)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, where: str) -> str:
         import jinja2  # not a declared dependency (torch brings it); only chat templates need it
@@ -256,15 +285,35 @@ class MultimodalChatFormatter:
         except jinja2.exceptions.TemplateError as exc:
             raise DataError(f"{where}: the chat template failed on this record: {_first_line(exc)}") from None
 
-    def process(self, text: str, images: list[Any], where: str) -> dict[str, torch.Tensor]:
-        """The processor's outputs for one text and its opened images (batch dimension 1)."""
+    def process(self, text: str, images: list[Any], where: str,
+                videos: Optional[list[tuple[np.ndarray, Any]]] = None) -> dict[str, torch.Tensor]:
+        """The processor's outputs for one text, its opened images and its read videos ((frames, metadata) as
+        ``read_video`` gives them; batch dimension 1)."""
         if images and getattr(self.processor, "image_processor", None) is None:
             raise DataError(f"{where}: the conversation has images, but the processor has no image processor "
                             "(a text-only model)")
+        extra: dict[str, Any] = {}
+        if videos:
+            extra = {"videos": [v for v, _ in videos], "video_metadata": [m for _, m in videos]}
         try:
-            return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
-        except ValueError as exc:  # the processor's own check: placeholders vs images
-            raise DataError(f"{where}: the images do not match the text's image tokens: {_first_line(exc)}") from None
+            return dict(self.processor(text=[text], images=images or None, return_tensors="pt", **extra))
+        except DataError as exc:  # the video preprocessing's refusals (frame counts, frame sizes)
+            raise DataError(f"{where}: {exc}") from None
+        except ValueError as exc:  # the processor's own check: placeholders vs images and videos
+            kind = "images and videos do not match the text's image and video" if videos else \
+                "images do not match the text's image"
+            raise DataError(f"{where}: the {kind} tokens: {_first_line(exc)}") from None
+
+    def read_videos(self, refs: list[tuple[Any, Any]], where: str) -> list[tuple[np.ndarray, Any]]:
+        """The (kept frames, metadata) of a conversation's videos; a processor without a video path is a
+        one-line DataError."""
+        if not refs:
+            return []
+        pre = video_preprocessor(self.processor)
+        if pre is None:
+            raise DataError(f"{where}: the conversation has a video, but {type(self.processor).__name__} has no video "
+                            "path in longspan; drop the video parts")
+        return [read_video(ref, fps, pre, where) for ref, fps in refs]
 
     def __call__(self, record: dict[str, Any], where: str, base_dir: Optional[str] = None) -> MultimodalDocument:
         """The processed conversation; relative image paths are read from ``base_dir`` (default: the
@@ -275,19 +324,21 @@ class MultimodalChatFormatter:
                                 where)
         base_dir = base_dir if base_dir is not None else self.base_dir
         refs = [_resolved(ref, base_dir) for ref in image_parts(messages)]
+        video_refs = [_resolved_video(part, base_dir) for part in video_parts(messages)]
+        videos = self.read_videos(video_refs, where)
         images = [open_image(ref, None, where) for ref in refs]
         text = self.render(messages, False, where)
-        out = self.process(text, images, where)
+        out = self.process(text, images, where, videos)
         ids = out["input_ids"][0].numpy().astype(np.int64)
         self._check_image_tokens(ids, out, len(images), where)
-        flags = self._loss_flags(messages, ids, images, where)
+        flags = self._loss_flags(messages, ids, images, where, videos)
         cut = len(ids) > self.max_ids
         if cut:
-            if np.isin(ids[self.max_ids:], self.image_token_ids).any():
+            if np.isin(ids[self.max_ids:], self.image_token_ids + self.video_token_ids).any():
                 raise DataError(f"{where}: the conversation is {len(ids)} tokens, longer than {self.max_ids}, and the "
                                 "cut would split its image tokens: raise seq_length or shorten the conversation")
             ids, flags = ids[: self.max_ids], flags[: self.max_ids]
-        return MultimodalDocument(ids, flags, refs, text, where, cut)
+        return MultimodalDocument(ids, flags, refs, text, where, cut, video_refs)
 
     def _check_image_tokens(self, ids: np.ndarray, out: dict[str, torch.Tensor], n_images: int, where: str) -> None:
         """The image tokens of the sequence are the count the processor's image inputs stand for."""
@@ -296,8 +347,15 @@ class MultimodalChatFormatter:
         expected = expected_image_tokens(self.processor, out, n_images)
         if expected is not None and found != expected:
             raise DataError(f"{where}: the text has {found} image tokens, but its {n_images} image(s) need {expected}")
+        grid = out.get("video_grid_thw")
+        merge = getattr(video_preprocessor(self.processor), "merge_size", None)
+        if grid is not None and merge:
+            found, expected = int(np.isin(ids, self.video_token_ids).sum()), int(grid.prod(dim=-1).sum()) // merge ** 2
+            if found != expected:
+                raise DataError(f"{where}: the text has {found} video tokens, but its video(s) need {expected}")
 
-    def _loss_flags(self, messages: list[dict[str, Any]], ids: np.ndarray, images: list[Any], where: str) -> np.ndarray:
+    def _loss_flags(self, messages: list[dict[str, Any]], ids: np.ndarray, images: list[Any], where: str,
+                    videos: list[tuple[np.ndarray, Any]]) -> np.ndarray:
         mode = self.opts.loss_mode if self.opts.answer_only_loss else "full"
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant and mode != "full":
@@ -305,21 +363,23 @@ class MultimodalChatFormatter:
         flags = np.ones(len(ids), dtype=np.int8) if mode == "full" else np.zeros(len(ids), dtype=np.int8)
         if mode != "full":
             for k in assistant[-1:] if mode == "last_turn" else assistant:
-                start, end = self._turn_tokens(messages, k, ids, images, where)
+                start, end = self._turn_tokens(messages, k, ids, images, where, videos)
                 flags[start:end] = 1
         flags[np.isin(ids, self.never_trained)] = 0
         return flags
 
     def _turn_tokens(self, messages: list[dict[str, Any]], k: int, ids: np.ndarray, images: list[Any],
-                     where: str) -> tuple[int, int]:
+                     where: str, videos: list[tuple[np.ndarray, Any]]) -> tuple[int, int]:
         """Token indices [start, end) of assistant turn ``k``: the tokens the turn adds after the generation
-        prompt, both renders processed with the images they hold."""
-        n_before = len(image_parts(messages[:k]))
-        before = self._prefix_ids(messages[:k], True, images[:n_before], where)
+        prompt, both renders processed with the images and videos they hold."""
+        def held(upto: int) -> tuple[list[Any], list[tuple[np.ndarray, Any]]]:
+            return images[: len(image_parts(messages[:upto]))], videos[: len(video_parts(messages[:upto]))]
+
+        before = self._prefix_ids(messages[:k], True, *held(k), where)
         if k + 1 == len(messages):
             upto = ids
         else:
-            upto = self._prefix_ids(messages[: k + 1], False, images[: len(image_parts(messages[: k + 1]))], where)
+            upto = self._prefix_ids(messages[: k + 1], False, *held(k + 1), where)
         if not (len(upto) <= len(ids) and np.array_equal(ids[: len(upto)], upto)
                 and len(before) <= len(upto) and np.array_equal(upto[: len(before)], before)):
             raise DataError(
@@ -328,21 +388,21 @@ class MultimodalChatFormatter:
         return len(before), len(upto)
 
     def _prefix_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, images: list[Any],
-                    where: str) -> np.ndarray:
+                    videos: list[tuple[np.ndarray, Any]], where: str) -> np.ndarray:
         text = self.render(messages, add_generation_prompt, where)
-        return self.process(text, images, where)["input_ids"][0].numpy().astype(np.int64)
+        return self.process(text, images, where, videos)["input_ids"][0].numpy().astype(np.int64)
 
     def pixel_inputs(self, doc: MultimodalDocument) -> dict[str, torch.Tensor]:
         """The processor's image inputs and per-token inputs of a document (processed again: only ids, flags and
         image references are kept in memory)."""
-        if not doc.images:
+        if not doc.images and not doc.videos:
             return {}
         images = [open_image(ref, None, doc.where) for ref in doc.images]
-        out = self.process(doc.text, images, doc.where)
+        out = self.process(doc.text, images, doc.where, self.read_videos(doc.videos, doc.where))
         full = out["input_ids"][0]
         if not torch.equal(full[: len(doc.ids)], torch.from_numpy(doc.ids)):
             raise DataError(f"{doc.where}: the processor gives other tokens than when the dataset was built "
-                            "(an image changed on disk?)")
+                            "(an image or video changed on disk?)")
         inputs = {k: v for k, v in out.items() if k not in DROPPED_KEYS}
         for key in PER_TOKEN_KEYS:
             if key in inputs:

@@ -16,9 +16,11 @@ from __future__ import annotations
 from longspan.config.support import register_model_support
 from longspan.config.targets import register_config_class
 from longspan.conversion.families import register_family
+from longspan.data.sft.video import register_video_preprocessor
 from longspan.families.qwen3_vl.hf import QWEN3_VL_FAMILY, QWEN3_VL_MOE_FAMILY, QWEN35_VL_FAMILY, QWEN35_VL_MOE_FAMILY
 from longspan.families.qwen3_vl.provider import (Qwen35VLModelProvider, Qwen35VLMoEModelProvider, Qwen3VLModelProvider,
                                                 Qwen3VLMoEModelProvider)
+from longspan.families.qwen3_vl.video import Qwen3VLVideoPreprocessor
 from longspan.models.vlm.provider import NO_MTP_REASON
 
 register_config_class(Qwen3VLModelProvider, "model", "longspan.models", foreign_names=(
@@ -59,3 +61,6 @@ register_family(QWEN3_VL_FAMILY)
 register_family(QWEN3_VL_MOE_FAMILY)
 register_family(QWEN35_VL_FAMILY)
 register_family(QWEN35_VL_MOE_FAMILY)
+# Qwen3-VL's and Qwen3.5's HF processor (transformers maps both to Qwen3VLProcessor) gets longspan's video
+# preprocessing in place of transformers' torchvision-bound one
+register_video_preprocessor("Qwen3VLProcessor", Qwen3VLVideoPreprocessor.from_directory)

@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from longspan.models.vlm.provider import VisionLanguageProvider
+from longspan.models.vlm.provider import VisionLanguageProvider, refuse_videos
 
 
 def default_vision_config() -> dict[str, Any]:
@@ -97,9 +97,11 @@ class Qwen25VLModelProvider(VisionLanguageProvider):
 
     hf_architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
 
-    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
+    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
+                           video_grid_thw: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """mRoPE's ``[3, b, s]`` position ids: each image's tokens numbered by their merged patch's row and
-        column (``longspan.models.vlm.mrope``)."""
+        column (``longspan.models.vlm.mrope``); videos are refused."""
+        refuse_videos(self, video_grid_thw)
         from longspan.families.qwen_vl.vision import QwenVisionArgs  # keeps the provider free of model code
         from longspan.models.vlm.mrope import mrope_position_ids
 

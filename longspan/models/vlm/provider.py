@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from longspan.core.errors import DataError
 from longspan.models.gpt_provider import GPTModelProvider
 
 
@@ -25,10 +26,20 @@ class VisionLanguageProvider(GPTModelProvider):
     hf_architecture: ClassVar[str] = ""
     """The HF architecture a model of this provider exports as when the checkpoint does not say."""
 
-    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
-        """Position ids of a batch whose images are described by ``image_grid_thw`` (the HF processor's patch
-        grids), computed outside the model so every pipeline stage gets the same ids; None: the batch's own."""
+    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
+                           video_grid_thw: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Position ids of a batch whose images (and videos) are described by ``image_grid_thw``
+        (``video_grid_thw``: the HF processor's patch grids), computed outside the model so every pipeline stage
+        gets the same ids; None: the batch's own. A provider without a video path refuses ``video_grid_thw``."""
+        refuse_videos(self, video_grid_thw)
         return None
+
+
+def refuse_videos(provider: Any, video_grid_thw: Optional[torch.Tensor]) -> None:
+    """One-line DataError when a batch for a provider without a video path has videos."""
+    if video_grid_thw is not None:
+        raise DataError(f"{type(provider).__name__} has no video path: the batch has videos (video_grid_thw); "
+                        "give images and text only")
 
 
 def is_vision_language(provider: Any) -> bool:
@@ -36,4 +47,4 @@ def is_vision_language(provider: Any) -> bool:
     return isinstance(provider, VisionLanguageProvider)
 
 
-__all__ = ["NO_MTP_REASON", "VisionLanguageProvider", "is_vision_language"]
+__all__ = ["NO_MTP_REASON", "VisionLanguageProvider", "is_vision_language", "refuse_videos"]

@@ -22,7 +22,8 @@ from longspan.training.state import GlobalState
 
 # The HF processor's image inputs of multimodal batches (longspan.data.sft.multimodal), under HF's names: the
 # vision-language models take them as keyword arguments of these names.
-IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "token_type_ids")
+IMAGE_BATCH_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "token_type_ids", "pixel_values_videos",
+                    "video_grid_thw")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "sequence_lengths",
               *IMAGE_BATCH_KEYS)
 
@@ -75,9 +76,10 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
 def _position_ids(state: GlobalState, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The batch's positions; a batch with images' patch grids is numbered here by the vision-language provider
     (mRoPE's ``[3, b, s]``), so every pipeline stage gets the same ids (later stages do not see the images)."""
-    if "image_grid_thw" not in batch:
+    if "image_grid_thw" not in batch and "video_grid_thw" not in batch:
         return batch.get("position_ids")
-    return state.cfg.model.image_position_ids(batch["tokens"], batch["image_grid_thw"])
+    videos = {"video_grid_thw": batch["video_grid_thw"]} if "video_grid_thw" in batch else {}
+    return state.cfg.model.image_position_ids(batch["tokens"], batch.get("image_grid_thw"), **videos)
 
 
 def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -215,6 +215,7 @@ def test_generate_cli_with_a_video_equals_transformers(video_model, tmp_path, ca
     assert code == 2 and "--video" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_finetune_steps_on_video_rows_and_a_bad_row_stops_before_the_first(video_model, tmp_path, capsys):
     """SFT steps on video rows from the command line: the first step's loss is transformers' on the processed
     video (the pixels and the video's mRoPE positions reach the model; the answer alone is trained); a row whose

@@ -84,15 +84,16 @@ class Qwen3VLModelProvider(Qwen25VLModelProvider):
     """The mRoPE table interleaves the axes pair by pair over the first ``rotary_percent`` of each head (Qwen3.5's
     partial RoPE), so ``mrope_section`` need not sum to the pairs; the shared model rules read it."""
 
-    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
-        """Interleaved mRoPE's ``[3, b, s]`` position ids of a batch with images."""
+    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor,
+                           cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Interleaved mRoPE's ``[3, b, s]`` position ids of a batch with images (packed documents each from 0)."""
         # function-level imports keep the provider (a config) free of the model code
         from longspan.families.qwen3_vl.positions import qwen3_vl_position_ids
         from longspan.families.qwen3_vl.vision import Qwen3VisionArgs
 
         merge = Qwen3VisionArgs.from_dict(self.vision_config).spatial_merge_size
         positions, _ = qwen3_vl_position_ids(tokens, image_grid_thw, None, self.image_token_id, self.video_token_id,
-                                             merge)
+                                             merge, cu_seqlens)
         return positions
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],

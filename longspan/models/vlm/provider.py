@@ -25,9 +25,12 @@ class VisionLanguageProvider(GPTModelProvider):
     hf_architecture: ClassVar[str] = ""
     """The HF architecture a model of this provider exports as when the checkpoint does not say."""
 
-    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
+    def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: torch.Tensor,
+                           cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Position ids of a batch whose images are described by ``image_grid_thw`` (the HF processor's patch
-        grids), computed outside the model so every pipeline stage gets the same ids; None: the batch's own."""
+        grids), computed outside the model so every pipeline stage gets the same ids; None: the batch's own.
+        ``cu_seqlens [b, n + 1]``: the rows are packed documents (each one's first position, then the length),
+        each numbered from 0 as if alone."""
         return None
 
 

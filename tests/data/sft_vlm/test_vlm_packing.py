@@ -186,3 +186,36 @@ def test_multimodal_packs_refuse_packed_file_paths(tmp_path):
     with pytest.raises(NotSupportedError, match="packed_train_data_path"):
         check_multimodal_packing(PackedSequenceSpecs(packed_sequence_size=64,
                                                      packed_train_data_path=str(tmp_path / "p.npy")))
+
+
+@pytest.mark.slow
+def test_the_vlm_recipe_packs_from_packed_sequence_specs_and_logs_more_tokens_per_step(tmp_path):
+    """``vlm-sft`` with ``dataset.packed_sequence_specs.packed_sequence_size``: two steps of packed microbatches
+    train on several conversations each (the logged tokens and loss tokens per step), where the same batch sizes
+    unpacked train on one conversation per microbatch."""
+    import math
+
+    from longspan.recipes.loading import load_config
+    from longspan.training.finetune import finetune
+    from tests.models.vlm.qwen_vl_fixtures import make_qwen_vl
+    from tests.training.pretrain_helpers import read_metrics
+
+    hf, data = tmp_path / "hf", tmp_path / "data"
+    hf.mkdir()
+    make_qwen_vl(hf)
+    write_jsonl(str(data / "training.jsonl"), _qwen_rows(data) * 2)
+    records = {}
+    for packed in (False, True):
+        out = tmp_path / ("packed" if packed else "plain")
+        overrides = [f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
+                     "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1",
+                     "train.train_iters=2", "train.eval_iters=0", "train.global_batch_size=2",
+                     "train.micro_batch_size=1", "scheduler.lr_warmup_iters=0", "dataset.do_validation=false"]
+        overrides += (["model.seq_length=96", "dataset.packed_sequence_specs.packed_sequence_size=96"] if packed
+                      else ["model.seq_length=48"])
+        cfg = load_config("vlm-sft", overrides=overrides)
+        finetune(cfg)
+        records[packed] = read_metrics(cfg)
+    for plain, packed in zip(records[False], records[True]):
+        assert math.isfinite(packed["losses"]["lm loss"])
+        assert packed["tokens"] > 2 * plain["tokens"] and packed["loss_tokens"] > 2 * plain["loss_tokens"], (plain, packed)

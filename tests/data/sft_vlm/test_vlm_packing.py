@@ -1,11 +1,11 @@
 """Multimodal sequence packing (``dataset.packed_sequence_specs`` with a vision-language model's processor): each
 conversation's loss in a pack is the loss it has alone.
 
-For Qwen2.5-VL, Qwen3-VL (DeepStack, interleaved mRoPE), Gemma 3 and Gemma 4 with images (two-way image attention),
-conversations with images of different sizes and text-only ones are packed (several per pack, two or more packs
+For Qwen2.5-VL, Qwen3-VL (DeepStack, interleaved mRoPE), Qwen3.5-VL (gated DeltaNet layers: their state restarts
+at each document), Gemma 3 and Gemma 4 with images (two-way image attention), conversations with images of different sizes and text-only ones are packed (several per pack, two or more packs
 per microbatch, each padded to a multiple of 4) and run through the training forward step; every conversation's
-Σ loss and its per-token losses equal those of the conversation run alone through the same step (fp32). They
-differ when a document sees another (mask), when an image goes to another document (pixel order) or when the
+Σ loss and its per-token losses equal those of the conversation run alone through the same step (fp32), and the packs' Σ loss has the gradients of
+the conversations' Σ loss alone. They differ when a document sees another (mask), when an image goes to another document (pixel order) or when the
 positions restart in the wrong place; the position ids of each packed document are also checked to be exactly
 those it has alone.
 """
@@ -47,6 +47,12 @@ def _qwen3(hf: Path) -> None:
     make_qwen3_vl(hf)
 
 
+def _qwen35(hf: Path) -> None:
+    from tests.models.vlm.qwen3_vl_fixtures import make_qwen35_vl
+
+    make_qwen35_vl(hf)
+
+
 def _gemma3(hf: Path) -> None:
     make_gemma_vl_dir(hf)
 
@@ -59,7 +65,7 @@ def _gemma4(hf: Path) -> None:
     (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
-MODELS = {"qwen2.5-vl": (_qwen25, _qwen_rows), "qwen3-vl": (_qwen3, _qwen_rows),
+MODELS = {"qwen2.5-vl": (_qwen25, _qwen_rows), "qwen3-vl": (_qwen3, _qwen_rows), "qwen3.5-vl": (_qwen35, _qwen_rows),
           "gemma3-vl": (_gemma3, lambda root: gemma_colour_rows(str(root), ROWS, seed=3, text_only_every=3)),
           "gemma4-vl": (_gemma4, lambda root: gemma_colour_rows(str(root), ROWS, seed=3, text_only_every=3))}
 
@@ -75,7 +81,7 @@ class _Timers:
         pass
 
 
-def _step(provider, model, batch: dict, packed: int | None) -> torch.Tensor:
+def _step(provider, model, batch: dict, packed: int | None, grad: bool = False) -> torch.Tensor:
     """Per-token losses of one microbatch through the training forward step (packed: the pack size)."""
     from longspan.training.config import FinetuningDatasetConfig, PackedSequenceSpecs
     from longspan.training.step.forward_step import forward_step
@@ -84,7 +90,7 @@ def _step(provider, model, batch: dict, packed: int | None) -> torch.Tensor:
     dataset = FinetuningDatasetConfig(dataset_root="unused", packed_sequence_specs=specs)
     state = SimpleNamespace(cfg=SimpleNamespace(model=provider, dataset=dataset), timers=_Timers(),
                             device=torch.device("cpu"), tokenizer=None)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         output, _ = forward_step(state, iter([batch]), model)
     return output
 
@@ -141,6 +147,32 @@ def test_each_packed_conversation_has_the_loss_it_has_alone(packed_case):
             torch.testing.assert_close((got * mask).sum(), (expected * mask).sum(), rtol=TOL, atol=TOL)
             seen += 1
     assert seen == len(alone.docs)
+
+
+def _gradients(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_packed_loss_sum_has_the_gradients_of_the_conversations_alone(packed_case):
+    """Σ loss of the packs and Σ of the conversations' losses alone: equal, with equal gradients of every
+    parameter (the vision encoder's and projector's included: each image reaches its own conversation)."""
+    name, provider, model, packed, alone = packed_case
+    batch = packed.collate_fn([packed[i] for i in range(len(packed))])
+    packed_loss = (_step(provider, model, batch, packed.pack_size, grad=True) * batch["loss_mask"]).sum()
+    packed_grads = _gradients(model, packed_loss)
+    alone_loss = 0.0
+    for d in range(len(alone.docs)):
+        single = alone.collate_fn([alone[d]])
+        alone_loss = alone_loss + (_step(provider, model, single, None, grad=True) * single["loss_mask"]).sum()
+    alone_grads = _gradients(model, alone_loss)
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(packed_loss.detach(), alone_loss.detach(), rtol=TOL, atol=TOL)
+    assert packed_grads.keys() == alone_grads.keys() and any("vision" in k for k in packed_grads), name
+    for key, grad in packed_grads.items():  # fp32 rounding, relative to the gradient's norm (a key bias's is ~0)
+        difference = float((grad - alone_grads[key]).norm())
+        assert difference <= 1e-5 * float(alone_grads[key].norm()) + 1e-6, (name, key, difference)
 
 
 def test_each_packed_conversation_is_numbered_as_alone(packed_case):

@@ -17,6 +17,9 @@ order the documents are in the pack (and packs in microbatch order): the order o
 numbers its own positions from ``cu_seqlens`` where it has rules of its own (mRoPE: each document from 0, see
 ``VisionLanguageProvider.image_position_ids``), and keeps its two-way image attention inside each document
 (``image_attention_mask``), so each conversation's loss is the one it has alone.
+
+In-batch packing (``enable_in_batch_packing`` of the direct HF SFT data, ``pack_multimodal_rows``) joins the
+samples of one microbatch the same way into one ``[1, T]`` sequence (``longspan.data.sft.in_batch_packing``).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import torch
 from longspan.config.schema.data import PackedSequenceSpecs  # a config class; data re-exports it
 from longspan.core.errors import DataError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
+from longspan.data.sft.in_batch_packing import PACKED_ROW_KEYS, pack_rows
 from longspan.data.sft.multimodal import (PER_TOKEN_KEYS, MultimodalChatFormatter, MultimodalDocument,
-                                          build_multimodal_docs)
+                                          MultimodalSFTDataset, build_multimodal_docs)
 from longspan.data.sft.packing import collate_packs, document_layout, first_fit_decreasing
 
 logger = get_logger(__name__)
@@ -148,3 +152,35 @@ def build_multimodal_packed_split(path: str, processor: Any, opts: Any, seq_leng
     print_rank_0(f"packed {ds.meta['num_documents']} multimodal conversations of {path} into {ds.meta['num_packs']} "
                  f"packs of {seq_length} tokens ({ds.meta['useful_token_fraction']:.1%} useful)", logger)
     return ds
+
+
+def pack_multimodal_rows(samples: list[dict[str, torch.Tensor]], pad_id: int,
+                         pad_to_multiple_of: int) -> dict[str, torch.Tensor]:
+    """In-batch packing of multimodal samples (``in_batch_packing.pack_rows``'s ``[1, T]`` batch): the per-token
+    processor outputs laid out with the tokens (0 in the padding and for samples without them), the image inputs
+    concatenated in sample order."""
+    out = pack_rows(samples, pad_id, pad_to_multiple_of)
+    starts = out["cu_seqlens"][0].tolist()
+    total = out["tokens"].shape[1]
+    for key in sorted({k for s in samples for k in s if k in PER_TOKEN_KEYS}):
+        values = torch.zeros(total, dtype=torch.long)
+        for start, s in zip(starts, samples):
+            if key in s:
+                values[start: start + s[key].numel()] = s[key]
+        out[key] = values[None]
+    aligned = {*PACKED_ROW_KEYS, "position_ids", *PER_TOKEN_KEYS}
+    for key in sorted({k for s in samples for k in s if k not in aligned}):
+        out[key] = torch.cat([s[key] for s in samples if key in s], dim=0)
+    return out
+
+
+class InBatchPackedMultimodalDataset(MultimodalSFTDataset):
+    """``MultimodalSFTDataset`` whose microbatches are packed into one sequence (``enable_in_batch_packing`` of the
+    direct HF SFT data with ``hf_processor_path``; ``pad_to_multiple_of``: each sample's padding in the pack)."""
+
+    def __init__(self, *args: Any, pad_to_multiple_of: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pad_to_multiple_of = int(pad_to_multiple_of)
+
+    def collate_fn(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return pack_multimodal_rows(samples, self.pad_id, self.pad_to_multiple_of)

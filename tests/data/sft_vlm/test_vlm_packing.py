@@ -2,12 +2,13 @@
 conversation's loss in a pack is the loss it has alone.
 
 For Qwen2.5-VL, Qwen3-VL (DeepStack, interleaved mRoPE), Qwen3.5-VL (gated DeltaNet layers: their state restarts
-at each document), Gemma 3 and Gemma 4 with images (two-way image attention), conversations with images of different sizes and text-only ones are packed (several per pack, two or more packs
-per microbatch, each padded to a multiple of 4) and run through the training forward step; every conversation's
-Σ loss and its per-token losses equal those of the conversation run alone through the same step (fp32), and the packs' Σ loss has the gradients of
-the conversations' Σ loss alone. They differ when a document sees another (mask), when an image goes to another document (pixel order) or when the
-positions restart in the wrong place; the position ids of each packed document are also checked to be exactly
-those it has alone.
+at each document), Gemma 3 and Gemma 4 with images (two-way image attention), conversations with images of
+different sizes and text-only ones are packed (several per pack, two or more packs per microbatch, each padded to a
+multiple of 4) and run through the training forward step: every conversation's per-token losses and Σ loss equal
+those it has run alone through the same step (fp32), and the packs' Σ loss has the gradients of the
+conversations' Σ loss alone. They differ when a document sees another (mask) or when an image goes to another
+document (pixel order); the position ids of each packed document are checked to be exactly those it has alone (a
+uniform shift of a document's positions would leave RoPE's losses as they are).
 """
 
 from __future__ import annotations
@@ -81,13 +82,14 @@ class _Timers:
         pass
 
 
-def _step(provider, model, batch: dict, packed: int | None, grad: bool = False) -> torch.Tensor:
-    """Per-token losses of one microbatch through the training forward step (packed: the pack size)."""
+def _step(provider, model, batch: dict, packed: int | None, grad: bool = False, dataset=None) -> torch.Tensor:
+    """Per-token losses of one microbatch through the training forward step (packed: the pack size; ``dataset``:
+    another dataset config)."""
     from longspan.training.config import FinetuningDatasetConfig, PackedSequenceSpecs
     from longspan.training.step.forward_step import forward_step
 
     specs = PackedSequenceSpecs(packed_sequence_size=packed) if packed else None
-    dataset = FinetuningDatasetConfig(dataset_root="unused", packed_sequence_specs=specs)
+    dataset = dataset or FinetuningDatasetConfig(dataset_root="unused", packed_sequence_specs=specs)
     state = SimpleNamespace(cfg=SimpleNamespace(model=provider, dataset=dataset), timers=_Timers(),
                             device=torch.device("cpu"), tokenizer=None)
     with torch.set_grad_enabled(grad):
@@ -194,6 +196,29 @@ def test_each_packed_conversation_is_numbered_as_alone(packed_case):
         if positions.dim() == 3 and own.dim() == 2:  # a text-only document of an mRoPE model: same on all axes
             own = own.unsqueeze(0).expand(3, -1, -1)
         assert torch.equal(positions[..., 0, cu[number]: cu[number] + n], own[..., 0, :n]), (name, number)
+
+
+def test_in_batch_packing_gives_each_conversation_the_loss_it_has_alone(packed_case):
+    """``enable_in_batch_packing`` of the direct HF SFT data with ``hf_processor_path``: the microbatch's samples
+    (with their images, each padded to a multiple of 4) in one ``[1, T]`` sequence."""
+    from longspan.data.sft.multimodal_packing import InBatchPackedMultimodalDataset
+    from longspan.training.config import DirectHFSFTDatasetConfig
+
+    name, provider, model, _, alone = packed_case
+    in_batch = InBatchPackedMultimodalDataset(alone.docs, alone.formatter, alone.seq_length, alone.opts, 0,
+                                              alone.samples, pad_to_multiple_of=4)
+    batch = in_batch.collate_fn([in_batch[d] for d in range(len(alone.docs))])
+    assert batch["tokens"].shape[0] == 1 and batch["tokens"].shape[1] % 4 == 0
+    losses = _step(provider, model, batch, None, dataset=DirectHFSFTDatasetConfig(
+        seq_length=256, source="unused", enable_in_batch_packing=True))[0]
+    starts = batch["cu_seqlens"][0].tolist()
+    for d, start in enumerate(starts[:-1]):
+        single = alone.collate_fn([alone[d]])
+        n = alone[d]["tokens"].numel()
+        mask = single["loss_mask"][0, :n]
+        expected = _step(provider, model, single, None)[0, :n]
+        torch.testing.assert_close(losses[start: start + n] * mask, expected * mask, rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{name} document {d}: {m}")
 
 
 def test_image_blocks_never_reach_into_another_document():

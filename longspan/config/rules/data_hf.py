@@ -100,6 +100,12 @@ def _check_processor(d: DirectHFSFTDatasetConfig) -> None:
                           "AutoProcessor.from_pretrained arguments")
 
 
+#: the one in-batch packing left out for image data (the data layer refuses it too, for a dataset built alone)
+DEFERRED_IMAGE_PACKING = ("dataset.defer_in_batch_packing_to_step=True with dataset.hf_processor_path is not supported "
+                          "yet: the training step packs text batches only; set it False (the collate function packs "
+                          "image batches)")
+
+
 def _check_in_batch_packing(cfg: "ConfigContainer") -> None:
     """In-batch packing: its companion fields only with it; with it, microbatches of several samples, no fixed
     width, and the layouts its variable-width packs are built for (no pipeline or context parallel)."""
@@ -165,9 +171,8 @@ def check_direct_hf_sft(cfg: "ConfigContainer") -> None:
         raise ConfigError(f"dataset.pad_to_multiple_of={d.pad_to_multiple_of} must be an integer >= 1")
     _check_processor(d)
     _check_in_batch_packing(cfg)
-    if d.enable_in_batch_packing and d.hf_processor_path is not None:
-        raise NotSupportedError("dataset.enable_in_batch_packing=True with dataset.hf_processor_path: image batches "
-                                "are not packed; set enable_in_batch_packing=False")
+    if d.enable_in_batch_packing and d.defer_in_batch_packing_to_step and d.hf_processor_path is not None:
+        raise NotSupportedError(DEFERRED_IMAGE_PACKING)
     if not d.pad_to_max_length and int(m.pipeline_model_parallel_size or 1) > 1:
         raise ConfigError(
             "dataset.pad_to_max_length=False with pipeline_model_parallel_size>1: pipeline stages exchange "

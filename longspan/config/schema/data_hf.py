@@ -116,8 +116,9 @@ class DirectHFSFTDatasetConfig(DataloaderConfig):
     """Pack the samples of a microbatch into one ``[1, T]`` sequence (each padded to
     in_batch_packing_pad_to_multiple_of, positions restarting per sample, a block-diagonal causal mask and
     cu_seqlens), so no padding to the longest sample is computed; the loss sum and token count equal the unpacked
-    microbatch's. Needs micro_batch_size >= 2 and pad_to_max_length=False; text data only (not with
-    hf_processor_path); not with pipeline or context parallel (variable-width packs are not built there)."""
+    microbatch's. Needs micro_batch_size >= 2 and pad_to_max_length=False; with hf_processor_path the images
+    of the microbatch go with their samples (not with defer_in_batch_packing_to_step); not with pipeline or context
+    parallel (variable-width packs are not built there)."""
 
     defer_in_batch_packing_to_step: bool = False
     """With enable_in_batch_packing: the collate function pads the microbatch (and records each sample's length)

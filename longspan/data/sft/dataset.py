@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from longspan.config.schema.data import FinetuningDatasetConfig
-from longspan.core.errors import ConfigError, DataError, NotSupportedError
+from longspan.core.errors import ConfigError, DataError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.formatting import RecordFormatter, SFTFormatOptions, parse_format_options, resolve_padding
 from longspan.data.sft.jsonl_index import JsonlIndex, cache_directory_for, file_fingerprint
 from longspan.data.sft.multimodal import build_multimodal_jsonl_split
+from longspan.data.sft.multimodal_packing import build_multimodal_packed_split
 from longspan.data.sft.packing import (
     PackedSequenceSpecs,
     collate_packs,
@@ -326,6 +327,15 @@ def _packed_split(root: str, split: str, path: str, needed: int, tokenizer: Any,
     return ds
 
 
+def _multimodal_packed_split(path: str, processor: Any, opts: SFTFormatOptions, seq_length: int,
+                             specs: PackedSequenceSpecs, split: str, needed: int, seed: int, pad_id: int,
+                             chat_template: Optional[str], workers: int, cache_dir: str) -> torch.utils.data.Dataset:
+    """The packs of one split of multimodal chat records, built in memory (``longspan.data.sft.multimodal_packing``)."""
+    return build_multimodal_packed_split(path, processor, opts, seq_length, specs,
+                                         partial(_split_samples, split, needed=needed, seed=seed), pad_id, seed,
+                                         chat_template, workers, cache_dir)
+
+
 def build_sft_datasets(dataset_cfg: FinetuningDatasetConfig, tokenizer: Any, sizes: tuple[int, int, int],
                        seq_length: int, chat_template: Optional[str] = None,
                        processor: Optional[Any] = None,
@@ -381,9 +391,11 @@ def build_sft_datasets(dataset_cfg: FinetuningDatasetConfig, tokenizer: Any, siz
             print_rank_0(f"no {path}: the test split is skipped", logger)
             out.append(None)
         elif processor is not None and os.path.isfile(path) and _is_chat_file(path, opts, workers, cache_dir):
-            if specs is not None:
-                raise NotSupportedError("dataset.packed_sequence_specs: packing is not supported for multimodal "
-                                        "(image) data yet; leave it unset")
+            if specs is not None and split != "test":
+                out.append(_multimodal_packed_split(path, processor, opts, seq_length, specs, split, needed[split],
+                                                    seed, pad_token_id(tokenizer), chat_template, workers, cache_dir))
+                metas.append(out[-1].meta)
+                continue
             out.append(build_multimodal_jsonl_split(
                 path, processor, opts, seq_length, partial(_split_samples, split, needed=needed[split], seed=seed),
                 pad_token_id(tokenizer), chat_template, workers, cache_dir))

@@ -14,8 +14,9 @@ Sample order: sample ``i`` is a pure function of ``i`` (Megatron's samplers resu
 source then walks its own seeded epochs. Validation and test read their rows in order.
 
 Batches are those of ``SFTDataset``: right padding to ``seq_length`` (``pad_to_max_length``) or to the longest
-sample rounded up to ``pad_to_multiple_of``; no attention mask. With ``enable_in_batch_packing`` (text data) the
-samples of a microbatch are packed into one sequence instead (``longspan.data.sft.in_batch_packing``).
+sample rounded up to ``pad_to_multiple_of``; no attention mask. With ``enable_in_batch_packing`` the samples of a
+microbatch are packed into one sequence instead (``longspan.data.sft.in_batch_packing``; with images,
+``longspan.data.sft.multimodal_packing``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from longspan.config.rules.data_hf import DEFERRED_IMAGE_PACKING
 from longspan.config.schema.data_hf import DirectHFSFTDatasetConfig, HFDatasetSourceConfig
 from longspan.core.errors import DataError, LongspanError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
@@ -41,6 +43,7 @@ from longspan.data.sft.multimodal import (
     MultimodalSFTDataset,
     load_processor,
 )
+from longspan.data.sft.multimodal_packing import InBatchPackedMultimodalDataset
 
 logger = get_logger(__name__)
 
@@ -257,9 +260,11 @@ def _train_dataset(dataset_cfg: DirectHFSFTDatasetConfig, tokenize: Any, seq_len
 def _dataset(docs: list[Any], tokenize: Any, seq_length: int, opts: SFTFormatOptions, pad_id: int,
              samples: Any, packing: Optional[InBatchPacking]) -> torch.utils.data.Dataset:
     if tokenize.multimodal is not None:
+        if packing is not None and packing.deferred:
+            raise NotSupportedError(DEFERRED_IMAGE_PACKING)
         if packing is not None:
-            raise NotSupportedError("dataset.enable_in_batch_packing=True with dataset.hf_processor_path: image "
-                                    "batches are not packed; set enable_in_batch_packing=False")
+            return InBatchPackedMultimodalDataset(docs, tokenize.multimodal, seq_length, opts, pad_id, samples,
+                                                  pad_to_multiple_of=packing.pad_to_multiple_of)
         return MultimodalSFTDataset(docs, tokenize.multimodal, seq_length, opts, pad_id, samples)
     return TokenizedSFTDataset(docs, seq_length, opts, pad_id, samples, packing)
 

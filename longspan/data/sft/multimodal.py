@@ -539,6 +539,15 @@ def build_multimodal_jsonl_split(path: str, processor: Any, opts: SFTFormatOptio
                                  cache_dir: Optional[str] = None) -> MultimodalSFTDataset:
     """One JSONL split of chat records with images (paths relative to the file's directory), every row
     processed now (see the module docstring). ``samples`` maps sample index -> row (built from the row count)."""
+    docs, formatter = build_multimodal_docs(path, processor, opts, seq_length, chat_template, index_workers, cache_dir)
+    return MultimodalSFTDataset(docs, formatter, seq_length, opts, pad_id, samples(len(docs)))
+
+
+def build_multimodal_docs(path: str, processor: Any, opts: SFTFormatOptions, seq_length: int,
+                          chat_template: Optional[str] = None, index_workers: int = 1,
+                          cache_dir: Optional[str] = None) -> tuple[list[MultimodalDocument], MultimodalChatFormatter]:
+    """Every row of a JSONL file of chat records processed (samples of at most ``seq_length`` tokens), and the
+    formatter that processed them."""
     from longspan.data.sft.jsonl_index import JsonlIndex  # the JSONL index sits beside this module
 
     index = JsonlIndex(path, workers=index_workers, cache_dir=cache_dir)
@@ -550,8 +559,7 @@ def build_multimodal_jsonl_split(path: str, processor: Any, opts: SFTFormatOptio
     def locate(item: int) -> str:
         return f"{path} line {index.line_number(item)}"
 
-    docs = [_checked(formatter(index.record(i), locate(i)), locate(i)) for i in range(len(index))]
-    return MultimodalSFTDataset(docs, formatter, seq_length, opts, pad_id, samples(len(docs)))
+    return [_checked(formatter(index.record(i), locate(i)), locate(i)) for i in range(len(index))], formatter
 
 
 def _checked(doc: MultimodalDocument, where: str) -> MultimodalDocument:

@@ -83,7 +83,9 @@ def image_block_ids(token_type_ids: torch.Tensor) -> torch.Tensor:
 
 def image_attention_mask(token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TwoSidedMask:
     """Megatron's bool mask (True = masked) ``[b, 1, s, s]`` over which the tokens of one image also see the
-    later tokens of that image: ``attention_mask`` (default causal) unmasked within each image block."""
+    later tokens of that image: ``attention_mask`` (default causal) unmasked within each image block. Pairs the
+    mask blocks both ways (packed documents' block-diagonal mask: two documents) stay masked, so an image's
+    block never reaches into another document, even one whose image tokens directly follow."""
     blocks = image_block_ids(token_type_ids)
     same_image = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
     s = token_type_ids.shape[1]
@@ -91,7 +93,8 @@ def image_attention_mask(token_type_ids: torch.Tensor, attention_mask: torch.Ten
         attention_mask = torch.ones(s, s, dtype=torch.bool, device=token_type_ids.device).triu(1)[None, None]
     elif attention_mask.dtype != torch.bool:
         attention_mask = attention_mask != 0
-    return TwoSidedMask(attention_mask & ~same_image[:, None])
+    apart = attention_mask & attention_mask.transpose(-1, -2)
+    return TwoSidedMask(attention_mask & ~(same_image[:, None] & ~apart))
 
 
 class Gemma3VLModel(nn.Module):

@@ -159,15 +159,17 @@ class Qwen3VLModel(nn.Module):
         kv_cache: KVCache | None = None,
         loss_mask: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the model (or this pipeline stage): ``GPTModel.forward``'s contract, plus the images and videos
         (the HF processor's ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` /
         ``video_grid_thw``; one token per merged patch, a video's frames in order). ``position_ids``: ``[3, b, s]``
-        mRoPE ids, None computes them. A mismatch between the vision tokens and the inputs is a one-line
-        ``DataError``."""
+        mRoPE ids, None computes them. ``cu_seqlens``: packed documents' boundaries, for the language model's
+        gated DeltaNet layers (Qwen3.5), whose state restarts at each. A mismatch between the vision tokens and the
+        inputs is a one-line ``DataError``."""
         if not self.pre_process:
             return self.language_model(input_ids, position_ids, attention_mask, labels, hidden_states=hidden_states,
-                                       kv_cache=kv_cache, loss_mask=loss_mask)
+                                       kv_cache=kv_cache, loss_mask=loss_mask, cu_seqlens=cu_seqlens)
         for pixels, grid, names in ((pixel_values, image_grid_thw, "pixel_values came without image_grid_thw"),
                                     (pixel_values_videos, video_grid_thw,
                                      "pixel_values_videos came without video_grid_thw")):
@@ -190,7 +192,7 @@ class Qwen3VLModel(nn.Module):
         if parts and self.deepstack_layers:
             embeddings = torch.cat([embeddings, *_deepstack_features(parts, embeddings)], dim=-1)
         return self.language_model(input_ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
-                                   loss_mask=loss_mask, decoder_input=embeddings)
+                                   loss_mask=loss_mask, decoder_input=embeddings, cu_seqlens=cu_seqlens)
 
 
 def _deepstack_features(parts: list[list[Any]], embeddings: torch.Tensor) -> list[torch.Tensor]:

@@ -89,13 +89,14 @@ def vision_grids_in_order(input_ids: torch.Tensor, image_grid_thw: torch.Tensor 
 
 def qwen3_vl_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
                           video_grid_thw: torch.Tensor | None, image_token_id: int, video_token_id: int,
-                          merge: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(position_ids [3, b, s], deltas [b, 1])`` as transformers' Qwen3-VL ``get_rope_index`` numbers them;
-    a mismatch between the vision tokens and the grids is a one-line ``DataError``."""
+                          merge: int, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids [3, b, s], deltas [b, 1])`` as transformers' Qwen3-VL ``get_rope_index`` numbers them
+    (packed documents, ``cu_seqlens``, each from 0: ``mrope_position_ids``); a mismatch between the vision tokens
+    and the grids is a one-line ``DataError``."""
     grids = vision_grids_in_order(input_ids, image_grid_thw, video_grid_thw, image_token_id, video_token_id, merge)
     as_images = torch.where(input_ids == video_token_id, torch.full_like(input_ids, image_token_id), input_ids)
     table = torch.tensor(grids, dtype=torch.long).view(-1, 3) if grids else None
     try:
-        return mrope_position_ids(as_images, table, image_token_id, merge)
+        return mrope_position_ids(as_images, table, image_token_id, merge, cu_seqlens)
     except DataError as exc:
         raise DataError(f"{exc} (images and video frames counted together)") from None

@@ -85,15 +85,17 @@ class Qwen3VLModelProvider(Qwen25VLModelProvider):
     partial RoPE), so ``mrope_section`` need not sum to the pairs; the shared model rules read it."""
 
     def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-                           video_grid_thw: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Interleaved mRoPE's ``[3, b, s]`` position ids of a batch with images and videos."""
+                           video_grid_thw: Optional[torch.Tensor] = None,
+                           cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Interleaved mRoPE's ``[3, b, s]`` position ids of a batch with images and videos (packed documents each
+        from 0)."""
         # function-level imports keep the provider (a config) free of the model code
         from longspan.families.qwen3_vl.positions import qwen3_vl_position_ids
         from longspan.families.qwen3_vl.vision import Qwen3VisionArgs
 
         merge = Qwen3VisionArgs.from_dict(self.vision_config).spatial_merge_size
-        positions, _ = qwen3_vl_position_ids(tokens, image_grid_thw, video_grid_thw, self.image_token_id, self.video_token_id,
-                                             merge)
+        positions, _ = qwen3_vl_position_ids(tokens, image_grid_thw, video_grid_thw, self.image_token_id,
+                                             self.video_token_id, merge, cu_seqlens)
         return positions
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],

@@ -98,15 +98,16 @@ class Qwen25VLModelProvider(VisionLanguageProvider):
     hf_architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
 
     def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-                           video_grid_thw: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                           video_grid_thw: Optional[torch.Tensor] = None,
+                           cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """mRoPE's ``[3, b, s]`` position ids: each image's tokens numbered by their merged patch's row and
-        column (``longspan.models.vlm.mrope``); videos are refused."""
+        column, packed documents each from 0 (``longspan.models.vlm.mrope``); videos are refused."""
         refuse_videos(self, video_grid_thw)
         from longspan.families.qwen_vl.vision import QwenVisionArgs  # keeps the provider free of model code
         from longspan.models.vlm.mrope import mrope_position_ids
 
         merge = QwenVisionArgs.from_dict(self.vision_config).spatial_merge_size
-        positions, _ = mrope_position_ids(tokens, image_grid_thw, self.image_token_id, merge)
+        positions, _ = mrope_position_ids(tokens, image_grid_thw, self.image_token_id, merge, cu_seqlens)
         return positions
 
     def build_model(self, pre_process: bool, post_process: bool, vp_stage: Optional[int],

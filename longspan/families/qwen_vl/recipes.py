@@ -13,7 +13,8 @@ the patch merger stay frozen with the rest of the base. ``vlm-sft`` trains every
 ``model.freeze_vision_model`` / ``model.freeze_vision_projection`` / ``model.freeze_language_model`` to keep parts
 as they are). Layouts: FSDP2 and tensor parallel (the vision encoder and its projection are replicated on every
 tensor-parallel rank; the language model is split). Conversations without an image may be mixed in under any
-layout (a training microbatch without one runs the encoder on a blank image times 0).
+layout (a training microbatch without one runs the encoder on a blank image times 0). Packing: set
+``dataset.packed_sequence_specs.packed_sequence_size`` to ``model.seq_length`` (``longspan.data.sft.multimodal_packing``).
 """
 
 from __future__ import annotations

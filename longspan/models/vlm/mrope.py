@@ -44,10 +44,12 @@ def image_token_count(grid_thw: Sequence[int], spatial_merge_size: int) -> int:
     return t * (h // spatial_merge_size) * (w // spatial_merge_size)
 
 
-def _runs(row: torch.Tensor, image_token_id: int) -> list[tuple[bool, int, int]]:
-    """(is image token, start, end) of the maximal runs of ``row``."""
+def _runs(row: torch.Tensor, image_token_id: int, documents: Sequence[int] = ()) -> list[tuple[bool, int, int]]:
+    """(is image token, start, end) of the maximal runs of ``row``, also cut at the ``documents``' first
+    positions (so no run spans two packed documents)."""
     is_image = (row == image_token_id).to(torch.int8)
-    bounds = (torch.nonzero(is_image[1:] != is_image[:-1]).flatten() + 1).tolist()
+    bounds = set((torch.nonzero(is_image[1:] != is_image[:-1]).flatten() + 1).tolist())
+    bounds = sorted(bounds | {int(d) for d in documents if 0 < int(d) < row.numel()})
     starts, ends = [0, *bounds], [*bounds, row.numel()]
     flags = is_image[starts].tolist() if row.numel() else []
     return [(bool(f), s, e) for f, s, e in zip(flags, starts, ends)]
@@ -58,6 +60,7 @@ def mrope_position_ids(
     image_grid_thw: torch.Tensor | None,
     image_token_id: int,
     spatial_merge_size: int,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mRoPE position ids of a batch, as transformers' Qwen2.5-VL ``get_rope_index`` numbers them.
 
@@ -65,7 +68,9 @@ def mrope_position_ids(
     after row) start where the text before them stopped: temporal axis constant, height and width axes the
     patch row and column added to it; the text after the image continues from the start plus the image's
     larger side (in merged patches). ``image_grid_thw [n, 3]`` holds the patch grids of the batch's images in
-    order (row after row); adjacent images are told apart by their token counts.
+    order (row after row); adjacent images are told apart by their token counts. With ``cu_seqlens [b, n + 1]``
+    (packed documents: each one's first position, then the row's length, repeated values allowed) every document
+    is numbered as if it were its own row, from 0; its images are still taken from ``image_grid_thw`` in order.
 
     Returns ``(position_ids [3, b, s], deltas [b, 1])``: ``deltas`` is the highest position + 1 minus the
     length, which the positions of tokens generated after the prompt are shifted by.
@@ -79,7 +84,10 @@ def mrope_position_ids(
     deltas = torch.zeros(batch, 1, dtype=torch.long, device=device)
     for b in range(batch):
         pieces, current = [], 0
-        for is_image, start, end in _runs(input_ids[b], image_token_id):
+        documents = set() if cu_seqlens is None else {int(d) for d in cu_seqlens[b].tolist()}
+        for is_image, start, end in _runs(input_ids[b], image_token_id, sorted(documents)):
+            if start in documents:
+                current = 0
             if not is_image:
                 pieces.append(torch.arange(end - start, device=device).expand(3, -1) + current)
                 current += end - start

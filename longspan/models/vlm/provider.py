@@ -27,10 +27,13 @@ class VisionLanguageProvider(GPTModelProvider):
     """The HF architecture a model of this provider exports as when the checkpoint does not say."""
 
     def image_position_ids(self, tokens: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-                           video_grid_thw: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                           video_grid_thw: Optional[torch.Tensor] = None,
+                           cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Position ids of a batch whose images (and videos) are described by ``image_grid_thw``
         (``video_grid_thw``: the HF processor's patch grids), computed outside the model so every pipeline stage
-        gets the same ids; None: the batch's own. A provider without a video path refuses ``video_grid_thw``."""
+        gets the same ids; None: the batch's own. ``cu_seqlens [b, n + 1]``: the rows are packed documents (each
+        one's first position, then the length), each numbered from 0 as if alone. A provider without a video path
+        refuses ``video_grid_thw``."""
         refuse_videos(self, video_grid_thw)
         return None
 

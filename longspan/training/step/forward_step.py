@@ -75,11 +75,13 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model: torch.nn.Mo
 
 def _position_ids(state: GlobalState, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The batch's positions; a batch with images' patch grids is numbered here by the vision-language provider
-    (mRoPE's ``[3, b, s]``), so every pipeline stage gets the same ids (later stages do not see the images)."""
+    (mRoPE's ``[3, b, s]``; packed documents, ``cu_seqlens``, each from 0), so every pipeline stage gets the
+    same ids (later stages do not see the images)."""
     if "image_grid_thw" not in batch and "video_grid_thw" not in batch:
         return batch.get("position_ids")
-    videos = {"video_grid_thw": batch["video_grid_thw"]} if "video_grid_thw" in batch else {}
-    return state.cfg.model.image_position_ids(batch["tokens"], batch.get("image_grid_thw"), **videos)
+    positions = state.cfg.model.image_position_ids(batch["tokens"], batch.get("image_grid_thw"),
+                                                   batch.get("video_grid_thw"), batch.get("cu_seqlens"))
+    return batch.get("position_ids") if positions is None else positions
 
 
 def _mtp_inputs(state: GlobalState, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

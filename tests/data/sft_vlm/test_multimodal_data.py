@@ -146,11 +146,10 @@ def test_bad_rows_stop_the_build_naming_file_and_line(tmp_path, vl_processor_dir
     assert "\n" not in str(info.value) and "training.jsonl" in str(info.value)
 
 
-def test_images_for_a_text_only_model_and_packing_images_are_one_line_errors(colour_data, tmp_path, vl_processor):
-    """Without an image processor (a text-only model's tokenizer) an image row is refused naming its line;
-    packing multimodal data is not supported yet. (Conversations without an image train under data parallel:
-    tests/data/sft_vlm/test_gemma_vlm_finetune.py.)"""
-    from longspan.core.errors import NotSupportedError
+def test_images_for_a_text_only_model_are_one_line_errors(colour_data, tmp_path, vl_processor):
+    """Without an image processor (a text-only model's tokenizer) an image row is refused naming its line.
+    (Conversations without an image train under data parallel: tests/data/sft_vlm/test_gemma_vlm_finetune.py;
+    packing multimodal data: tests/data/sft_vlm/test_vlm_packing.py.)"""
     from tests.data.sft.conftest import make_hf_tokenizer_dir
 
     root, _ = colour_data
@@ -159,10 +158,3 @@ def test_images_for_a_text_only_model_and_packing_images_are_one_line_errors(col
     with pytest.raises(DataError, match=r"training.jsonl line \d+: the conversation has images, but no image "
                                         r"processor formats the data \(a text-only model"):
         train[0]
-    rows = colour_rows(str(tmp_path), 2) + [{"messages": [{"role": "user", "content": "hello"},
-                                                          {"role": "assistant", "content": "world"}]}]
-    write_jsonl(str(tmp_path / "training.jsonl"), rows)
-    packed = _finetuning_cfg(str(tmp_path), packed_sequence_specs={"packed_sequence_size": SEQ})
-    with pytest.raises(NotSupportedError, match=r"^dataset.packed_sequence_specs: packing is not supported for "
-                                                r"multimodal \(image\) data yet"):
-        build_sft_datasets(packed, text_only, (3, 0, 0), SEQ, processor=vl_processor)

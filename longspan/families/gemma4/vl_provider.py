@@ -76,6 +76,11 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
 
     hf_architecture: ClassVar[str] = "Gemma4ForConditionalGeneration"
 
+    def stage_carries_image_tokens(self) -> bool:
+        """With ``use_bidirectional_attention='vision'`` pipeline stages hand on which tokens are image tokens:
+        a later stage's sliding-window layers need each image's block and get no token ids."""
+        return self.use_bidirectional_attention == "vision"
+
     def finalize(self) -> None:
         """``Gemma4ModelProvider.finalize``, then the vision fields (one-line errors naming the field)."""
         super().finalize()
@@ -112,11 +117,6 @@ def check_gemma4_vision(config: Any) -> None:
     if mode not in (None, "vision"):
         raise NotSupportedError(f"model.use_bidirectional_attention={mode!r} is not supported: use null (causal) or "
                                 "'vision' (image tokens see each other on the sliding-window layers)")
-    split = {"pipeline_model_parallel_size": config.pipeline_model_parallel_size,
-             "context_parallel_size": config.context_parallel_size}
-    if mode == "vision" and any(int(v or 1) > 1 for v in split.values()):
-        raise NotSupportedError(f"model.use_bidirectional_attention='vision' with {split} is not supported yet for "
-                                "Gemma 4: run it without pipeline and context parallel")
     rope = (vision.get("rope_parameters") or {}).get("rope_type", "axial")
     if rope != "axial" or vision.get("attention_bias"):
         raise NotSupportedError(f"model.vision_config rope_type={rope!r} / attention_bias="

@@ -1,0 +1,98 @@
+"""Gemma 4 with images whose image tokens attend both ways (``use_bidirectional_attention='vision'``) under pipeline
+parallel (encoder and projector on the first stage; which tokens are image tokens travels in the stage carry, so
+the second stage's sliding-window layer masks each image's block as one process does) and tensor parallel with
+sequence parallel: each logs the losses and gradient norms of one process over 8 iterations (fp32, rel 1e-5) on
+image questions mixed with text-only ones. All layouts run in one call of the shared two-process pool."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.data.sft_vlm.conftest import write_jsonl
+from tests.data.sft_vlm.gemma_fixtures import gemma_colour_rows
+from tests.data.sft_vlm.test_gemma4_vlm_finetune import CHAT_TEMPLATE, _finetune_each
+
+ITERS = 8  # the acceptance's 8 iterations
+REL = 1e-5  # fp32 CPU layout parity: every iteration's loss (measured: 2e-7 at most), iteration 1's grad norm
+# The grad norms of later iterations (the weights then differ by the layouts' rounding, which Adam's steps amplify)
+# measured against one process: PP2 8e-6, TP2 + SP 1.7e-5, CP2 1.9e-5, and plain TP2 (proven for losses by
+# test_gemma4_vlm_finetune.py) 3.1e-5 on this model; a missing or doubled reduction moves iteration 1's.
+NORM_REL = 5e-5
+LAYOUTS = {"pp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=1"],
+           "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+           "cp2": ["model.context_parallel_size=2"]}
+
+
+@pytest.fixture(scope="module")
+def gemma4_two_way_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random Gemma 4 VL HF directory whose image tokens attend both ways, with layers sliding, sliding,
+    full (a sliding-window layer on each side of the pipeline cut; the carry between the stages then holds the
+    hidden states and the image-token slot only) and no per-layer inputs (sequence parallel does not split
+    them), and colour questions, every second one without an image."""
+    import transformers
+
+    import tests.conversion.gemma4_vlm_models as models
+
+    def three_layers(tokenizer: Any, **kwargs: Any) -> Any:
+        config = plain_config(tokenizer, bidirectional="vision", vision_layers=1).to_dict()
+        config["text_config"].pop("per_layer_config")  # the 2-layer model's (rebuilt from global_head_dim)
+        config["text_config"].update(num_hidden_layers=3, hidden_size_per_layer_input=0, rms_norm_eps=1e-2,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        config["vision_config"].update(rms_norm_eps=1e-2, use_clipped_linears=False)
+        return transformers.Gemma4Config.from_dict(config)
+
+    root = tmp_path_factory.mktemp("gemma4-vlm-two-way")
+    hf, data = root / "hf", root / "data"
+    hf.mkdir()
+    plain_config = models.gemma4_vlm_config
+    with pytest.MonkeyPatch.context() as patch:  # make_gemma4_vlm's initialization on this configuration
+        patch.setattr(models, "gemma4_vlm_config", three_layers)
+        models.make_gemma4_vlm(hf)
+    (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    rows = gemma_colour_rows(str(data), 16, seed=1, text_only_every=2)
+    write_jsonl(str(data / "training.jsonl"), rows)
+    write_jsonl(str(data / "validation.jsonl"), rows[:2])
+    return hf, data
+
+
+def _config(hf: Path, data: Path, out: Path, layout: tuple[str, ...] = ()) -> Any:
+    from longspan.recipes.loading import load_config
+
+    return load_config("vlm-sft", overrides=[
+        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
+        "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=96",
+        f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "optimizer.lr=1e-4", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
+        "dist.distributed_timeout_minutes=1", *layout,
+    ])
+
+
+def _losses_and_norms(cfg: Any) -> dict[int, tuple[float, float]]:
+    from tests.training.pretrain_helpers import read_metrics
+
+    return {r["iteration"]: (r["losses"]["lm loss"], r["grad_norm"]) for r in read_metrics(cfg)}
+
+
+@pytest.mark.slow
+def test_gemma4_two_way_image_blocks_under_pp2_and_tp2_sp_log_the_losses_and_grad_norms_of_one_process(
+        gemma4_two_way_inputs, tmp_path, pool2):
+    hf, data = gemma4_two_way_inputs
+    one = _config(hf, data, tmp_path / "one")
+    _finetune_each([one])
+    assert one.model.use_bidirectional_attention == "vision" and one.model.num_layers == 3  # the checkpoint's
+    want = _losses_and_norms(one)
+    assert sorted(want) == list(range(1, ITERS + 1)) and want[ITERS][0] < want[1][0]
+    layouts = {name: _config(hf, data, tmp_path / name, tuple(overrides)) for name, overrides in LAYOUTS.items()}
+    pool2.run(_finetune_each, list(layouts.values()), timeout=300)
+    for layout, cfg in layouts.items():
+        got = _losses_and_norms(cfg)
+        assert sorted(got) == sorted(want), layout
+        for it, (loss, norm) in want.items():
+            assert math.isclose(got[it][0], loss, rel_tol=REL), f"{layout} iteration {it} loss: {got[it][0]} vs {loss}"
+            norm_rel = REL if it == 1 else NORM_REL
+            assert math.isclose(got[it][1], norm, rel_tol=norm_rel), (
+                f"{layout} iteration {it} grad norm: {got[it][1]} vs {norm}")

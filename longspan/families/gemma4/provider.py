@@ -59,7 +59,8 @@ class Gemma4ModelProvider(GPTModelProvider):
     def finalize(self) -> None:
         """``GPTModelProvider.finalize``, then what the layout cannot hold, at config validation (so ``longspan
         plan`` rejects such layouts and a run stops before it starts): a one-line ConfigError when tensor
-        parallel does not divide the full-attention layers' KV groups, NotSupportedError for pipeline parallel
+        parallel does not divide the full-attention layers' KV groups, NotSupportedError for sequence parallel
+        with per-layer inputs, and for pipeline parallel
         with KV sharing, per-layer inputs or two-way image blocks in a layout whose stages cannot exchange them
         (``stage_carry_problem``)."""
         super().finalize()
@@ -68,6 +69,10 @@ class Gemma4ModelProvider(GPTModelProvider):
         if groups and groups % tp:
             raise ConfigError(f"model.num_global_query_groups={groups} with tensor_model_parallel_size={tp}: tensor "
                               "parallel splits whole KV groups of the full-attention layers; use a tp that divides it")
+        if self.sequence_parallel and self.per_layer_embed_dim:
+            raise NotSupportedError(f"model.sequence_parallel=True with model.per_layer_embed_dim="
+                                    f"{self.per_layer_embed_dim} is not supported yet for Gemma 4: sequence parallel "
+                                    "does not split the per-layer inputs; run it without sequence parallel")
         carried = self.num_kv_shared_layers or self.per_layer_embed_dim or self.stage_carries_image_tokens()
         if pp > 1 and carried:
             problem = stage_carry_problem(self)

@@ -139,22 +139,26 @@ class Gemma4VLModel(nn.Module):
             carry = self.language_model.stage_carry
             packed = input_ids if hidden_states is None else hidden_states
             if two_way and carry is not None:  # the first stage's image tokens, handed on in the carry
-                attention_mask = self._image_blocks(carry.image_tokens(packed), attention_mask, past)
+                attention_mask = self._blocks_of(carry.image_tokens(packed), attention_mask, past)
             return self.language_model(input_ids, position_ids, attention_mask, labels, hidden_states=hidden_states,
                                        kv_cache=kv_cache, loss_mask=loss_mask)
         if position_ids is None:
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         ids, embeds = self._embed(input_ids, position_ids, pixel_values, image_position_ids)
-        is_image = input_ids == self.image_token_id
         if two_way:
-            attention_mask = self._image_blocks(is_image, attention_mask, past)
+            attention_mask = self._image_blocks(input_ids, attention_mask, past)
         return self.language_model(ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
-                                   loss_mask=loss_mask, decoder_input=embeds, image_tokens=is_image)
+                                   loss_mask=loss_mask, decoder_input=embeds,
+                                   image_tokens=input_ids == self.image_token_id)
 
-    def _image_blocks(self, is_image: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> Any:
-        """The mask over which each image's tokens (``is_image``, bool ``[b, s]``) also see the image's later
-        tokens on the sliding-window layers (the full-attention layers keep ``attention_mask``);
-        ``attention_mask`` when there are none."""
+    def _image_blocks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> Any:
+        """The mask over which each image's tokens also see the image's later tokens on the sliding-window
+        layers (the full-attention layers keep ``attention_mask``); ``attention_mask`` when there are none."""
+        return self._blocks_of(input_ids == self.image_token_id, attention_mask, past)
+
+    def _blocks_of(self, is_image: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> Any:
+        """``_image_blocks`` given which tokens are image tokens (bool ``[b, s]``: a later pipeline stage has
+        only that, from the stage carry)."""
         if not bool(is_image.any()):
             return attention_mask
         if past:

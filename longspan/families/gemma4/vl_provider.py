@@ -24,9 +24,10 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """A Gemma 4 vision-language model: Gemma 4's vision encoder and projector feeding a Gemma 4 text model.
 
     Layouts: data parallel, FSDP2 and tensor parallel (the language model split, the encoder and projector
-    replicated), on images mixed with text-only conversations (tests/data/sft_vlm/test_gemma4_vlm_finetune.py).
-    The encoder and projector are built on the first pipeline stage only; pipeline and context parallel are not
-    proven for this model yet."""
+    replicated), on images mixed with text-only conversations (tests/data/sft_vlm/test_gemma4_vlm_finetune.py);
+    with image tokens attending both ways, pipeline parallel (the encoder and projector on the first stage; the
+    stage carry hands on which tokens are image tokens), tensor parallel with sequence parallel and context
+    parallel (tests/data/sft_vlm/test_gemma4_vlm_layouts.py)."""
 
     scatter_embedding_sequence_parallel: bool = False
     """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as
@@ -63,7 +64,7 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """HF ``text_config.use_bidirectional_attention``: None attends causally; ``"vision"`` lets the tokens of one
     image (a run of image tokens) also see the image's later tokens on the sliding-window layers (within the
     window's far edge; the full-attention layers stay causal), as transformers does. ``"all"`` is not
-    supported. Not with pipeline or context parallel yet."""
+    supported."""
 
     freeze_language_model: bool = False
     """Train no language-model parameter (``requires_grad=False`` on ``language_model.*``)."""

@@ -1,8 +1,10 @@
 """Gemma 4 with images whose image tokens attend both ways (``use_bidirectional_attention='vision'``) under pipeline
 parallel (encoder and projector on the first stage; which tokens are image tokens travels in the stage carry, so
-the second stage's sliding-window layer masks each image's block as one process does) and tensor parallel with
-sequence parallel: each logs the losses and gradient norms of one process over 8 iterations (fp32, rel 1e-5) on
-image questions mixed with text-only ones. All layouts run in one call of the shared two-process pool."""
+the second stage's sliding-window layer masks each image's block as one process does), tensor parallel with
+sequence parallel, and context parallel (image blocks straddle the shards: each rank keeps its query rows of the
+two-way mask over every key column): each logs one process's losses over 8 iterations (fp32, rel 1e-5) and its
+gradient norms (see NORM_REL) on image questions mixed with text-only ones. All layouts run in one call of the
+shared two-process pool. Sequence parallel with per-layer inputs is a one-line error."""
 
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ def _losses_and_norms(cfg: Any) -> dict[int, tuple[float, float]]:
 
 
 @pytest.mark.slow
-def test_gemma4_two_way_image_blocks_under_pp2_and_tp2_sp_log_the_losses_and_grad_norms_of_one_process(
+def test_gemma4_two_way_image_blocks_under_pp2_tp2_sp_and_cp2_log_the_losses_and_grad_norms_of_one_process(
         gemma4_two_way_inputs, tmp_path, pool2):
     hf, data = gemma4_two_way_inputs
     one = _config(hf, data, tmp_path / "one")
@@ -96,3 +98,24 @@ def test_gemma4_two_way_image_blocks_under_pp2_and_tp2_sp_log_the_losses_and_gra
             norm_rel = REL if it == 1 else NORM_REL
             assert math.isclose(got[it][1], norm, rel_tol=norm_rel), (
                 f"{layout} iteration {it} grad norm: {got[it][1]} vs {norm}")
+
+
+def test_sequence_parallel_with_per_layer_inputs_is_a_one_line_error():
+    """Sequence parallel splits the hidden states and not the per-layer inputs: refused when the config is
+    finalized, for the text model and the model with images alike."""
+    import dataclasses
+
+    from longspan.core.errors import NotSupportedError
+    from longspan.families.gemma4.vl_provider import Gemma4VLModelProvider
+    from tests.parallel.test_gemma4_layouts import _model
+
+    text = _model(moe=False)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text) if f.init}
+    for provider in (text, Gemma4VLModelProvider(**fields, vision_config=vision)):
+        provider.tensor_model_parallel_size, provider.sequence_parallel = 2, True
+        with pytest.raises(NotSupportedError, match=r"^model\.sequence_parallel=True with "
+                           r"model\.per_layer_embed_dim=4 is not supported yet for Gemma 4") as error:
+            provider.finalize()
+        assert "\n" not in str(error.value)

@@ -119,3 +119,33 @@ def test_sequence_parallel_with_per_layer_inputs_is_a_one_line_error():
                            r"model\.per_layer_embed_dim=4 is not supported yet for Gemma 4") as error:
             provider.finalize()
         assert "\n" not in str(error.value)
+
+
+def test_context_parallel_keeps_the_full_layers_mask_of_a_sliding_only_two_sided_mask(monkeypatch):
+    """Gemma 4's image blocks reach only its sliding-window layers (``sliding_only``; the full-attention layers get
+    ``full_layers``): context parallel cuts both masks' query rows to this rank's and keeps which is which. (The
+    parity test above cannot see the full-attention layers' mask: its one full-attention layer is the last,
+    whose outputs at the image tokens feed no loss.)"""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from longspan.models.sliding_window import TwoSidedMask
+    from longspan.parallel import context_parallel as cp
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    module = nn.Module()
+    setattr(module, cp.CONTEXT_PARALLEL_ATTR, object())
+    s = 8
+    blocks = torch.rand(1, 1, s, s) > 0.5
+    full = torch.rand(1, 1, s, s) > 0.5
+    idx = cp.load_balanced_indices(s, 2, 1, device=torch.device("cpu"))
+    for full_layers in (full, None):
+        _, kwargs = cp._slice_inputs(module, (torch.zeros(1, s, dtype=torch.long),),
+                                     {"attention_mask": TwoSidedMask(blocks, sliding_only=True,
+                                                                     full_layers=full_layers)})
+        mask = kwargs["attention_mask"]
+        assert isinstance(mask, TwoSidedMask) and mask.sliding_only
+        assert torch.equal(mask.mask, blocks[..., idx, :])
+        assert (mask.full_layers is None) if full_layers is None else torch.equal(mask.full_layers, full[..., idx, :])

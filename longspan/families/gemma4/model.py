@@ -192,7 +192,8 @@ def check_gemma4_provider(provider: Any, args: TransformerArgs) -> None:
 
 def stage_carry(provider: Any, pre_process: bool, post_process: bool) -> Optional[StageCarry]:
     """The carry of a pipeline stage (not both first and last) of a model with KV sharing, per-layer inputs or
-    image tokens attending both ways, else None; a one-line NotSupportedError where the layout cannot exchange them (``stage_carry_problem``)."""
+    image tokens attending both ways, else None; a one-line NotSupportedError where the layout cannot exchange
+    them (``stage_carry_problem``)."""
     carried = provider.num_kv_shared_layers or provider.per_layer_embed_dim or provider.stage_carries_image_tokens()
     if (pre_process and post_process) or not carried:
         return None

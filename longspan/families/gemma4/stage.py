@@ -52,9 +52,10 @@ class StageCarryWidths:
 
 def stage_carry_problem(provider: Any) -> Optional[str]:
     """Why the pipeline stages of ``provider``'s layout cannot exchange the per-layer inputs, shared keys and
-    values and image-token slots (one line), or None: they travel beside the hidden states, token by token, which needs both cut
-    alike; sequence parallel splits the hidden states over the tensor-parallel ranks and not the keys and
-    values, and context parallel (its attention over the whole sequence) is not proven with them yet."""
+    values and image-token slots (one line), or None: they travel beside the hidden states, token by token,
+    which needs both cut alike; sequence parallel splits the hidden states over the tensor-parallel ranks and
+    not the keys and values, and context parallel (its attention over the whole sequence) is not proven with
+    them yet."""
     pp = int(provider.pipeline_model_parallel_size or 1)
     split = {"sequence_parallel": bool(provider.sequence_parallel),
              "context_parallel_size": int(provider.context_parallel_size or 1) > 1}

@@ -466,8 +466,10 @@ def _slice_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
     if kwargs.get("labels") is not None:
         kwargs["labels"] = kwargs["labels"].index_select(1, idx)
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, TwoSidedMask):  # Gemma 3's image blocks: this rank's query rows, every key column
-        kwargs["attention_mask"] = TwoSidedMask(mask.mask.index_select(-2, idx))
+    if isinstance(mask, TwoSidedMask):  # image blocks: this rank's query rows, every key column
+        full = mask.full_layers
+        kwargs["attention_mask"] = TwoSidedMask(mask.mask.index_select(-2, idx), mask.sliding_only,
+                                                None if full is None else full.index_select(-2, idx))
     elif mask is not None:
         kwargs["attention_mask"] = mask.index_select(-2, idx)
     return (), kwargs

@@ -37,7 +37,8 @@ register_config_class(Gemma4VLModelProvider, "model", "longspan.models", bridge_
 # Its own fields beside the text model's, proven by tests/conversion/test_gemma4_vlm.py (logits with two images of
 # different sizes against transformers for vision_config, image_token_id and pad_token_id; the freeze_* fields by
 # test_provider_freezes_parts_and_checks_its_vision_fields). The delimiters' and bos/eos ids are recorded for the
-# export.
+# export. With use_bidirectional_attention='vision', PP2 (the image tokens handed on in the stage carry), TP2 + SP
+# and CP2 equal one process (tests/data/sft_vlm/test_gemma4_vlm_layouts.py).
 register_model_support(
     "Gemma4VLModelProvider",
     supported="""global_kv_channels num_global_query_groups global_rotary_percent attention_k_eq_v

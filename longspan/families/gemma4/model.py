@@ -102,8 +102,13 @@ class StageCarry:
             shared[kind] = tuple(t.unflatten(-1, (groups, dim)).transpose(1, 2) for t in (k, v))
         return hidden, per_layer
 
-    def pack(self, hidden: torch.Tensor, per_layer: Optional[torch.Tensor], shared: SharedKV) -> torch.Tensor:
-        """The inverse of ``unpack`` (zeros for keys and values no stage has made yet)."""
+    def image_tokens(self, packed: torch.Tensor) -> Optional[torch.Tensor]:
+        """Which tokens are image tokens (bool ``[b, s]``), when the carry holds that slot (else None)."""
+        return packed[..., -1] > 0.5 if self.widths.image else None
+
+    def pack(self, hidden: torch.Tensor, per_layer: Optional[torch.Tensor], shared: SharedKV,
+             image_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The inverse of ``unpack`` and ``image_tokens`` (zeros for keys and values no stage has made yet)."""
         parts = [hidden]
         if self.widths.per_layer:
             parts.append(per_layer.flatten(-2))
@@ -112,6 +117,10 @@ class StageCarry:
                 parts.extend(t.transpose(1, 2).flatten(-2) for t in shared[kind])
             else:
                 parts.append(hidden.new_zeros(*hidden.shape[:-1], 2 * groups * dim))
+        if self.widths.image:
+            if image_tokens is None:
+                raise ValueError("this pipeline stage hands on the image tokens: pass image_tokens")
+            parts.append(image_tokens.unsqueeze(-1))
         return torch.cat([p.to(hidden.dtype) for p in parts], dim=-1)
 
 
@@ -182,9 +191,11 @@ def check_gemma4_provider(provider: Any, args: TransformerArgs) -> None:
                                 "Gemma 4")
 
 def stage_carry(provider: Any, pre_process: bool, post_process: bool) -> Optional[StageCarry]:
-    """The carry of a pipeline stage (not both first and last) of a model with KV sharing or per-layer inputs,
-    else None; a one-line NotSupportedError where the layout cannot exchange them (``stage_carry_problem``)."""
-    if (pre_process and post_process) or not (provider.num_kv_shared_layers or provider.per_layer_embed_dim):
+    """The carry of a pipeline stage (not both first and last) of a model with KV sharing, per-layer inputs or
+    image tokens attending both ways, else None; a one-line NotSupportedError where the layout cannot exchange
+    them (``stage_carry_problem``)."""
+    carried = provider.num_kv_shared_layers or provider.per_layer_embed_dim or provider.stage_carries_image_tokens()
+    if (pre_process and post_process) or not carried:
         return None
     problem = stage_carry_problem(provider)
     if problem is not None:
@@ -427,7 +438,9 @@ class Gemma4Model(DecoderLanguageModel):
         its images put in), the slices' token part comes from ``input_ids`` and their projection from
         ``decoder_input``, as transformers' ``Gemma4Model`` does. A pipeline stage with a ``stage_carry`` takes
         (after the first) and returns (before the last) the packed tensor ``StageCarry`` describes instead of the
-        hidden states."""
+        hidden states. ``image_tokens`` (bool ``[b, s]``, the first stage's; later stages read it from the carry)
+        travels in the carry for the image blocks' mask of the next stages."""
+        image_tokens = kwargs.pop("image_tokens", None)
         embedding = self.embedding if self.pre_process else None
         carry = self.stage_carry
         if carry is None and (embedding is None or not embedding.per_layer_dim):
@@ -442,14 +455,16 @@ class Gemma4Model(DecoderLanguageModel):
                 per_layer = embedding.per_layer_inputs(input_ids, embedded)
         else:
             packed = kwargs.pop("hidden_states", None)
-            hidden, per_layer = carry.unpack(input_ids if packed is None else packed, shared)
+            packed = input_ids if packed is None else packed
+            hidden, per_layer = carry.unpack(packed, shared)
+            image_tokens = carry.image_tokens(packed)
             input_ids, kwargs["hidden_states"] = None, hidden
         self.decoder.per_layer_inputs, self.decoder.stage_kv = per_layer, shared
         try:
             output = super().forward(input_ids, position_ids, attention_mask, labels, **kwargs)
         finally:
             self.decoder.per_layer_inputs = self.decoder.stage_kv = None
-        return output if self.post_process else carry.pack(output, per_layer, shared)
+        return output if self.post_process else carry.pack(output, per_layer, shared, image_tokens)
 
 
 def build_gemma4_model(provider: Any, pre_process: bool = True, post_process: bool = True,

@@ -59,15 +59,22 @@ class Gemma4ModelProvider(GPTModelProvider):
     def finalize(self) -> None:
         """``GPTModelProvider.finalize``, then what the layout cannot hold, at config validation (so ``longspan
         plan`` rejects such layouts and a run stops before it starts): a one-line ConfigError when tensor
-        parallel does not divide the full-attention layers' KV groups, NotSupportedError for pipeline parallel
-        with KV sharing or per-layer inputs (a stage would need another stage's keys and values)."""
+        parallel does not divide the full-attention layers' KV groups, NotSupportedError for sequence parallel
+        with per-layer inputs, and for pipeline parallel
+        with KV sharing, per-layer inputs or two-way image blocks in a layout whose stages cannot exchange them
+        (``stage_carry_problem``)."""
         super().finalize()
         tp, pp = int(self.tensor_model_parallel_size or 1), int(self.pipeline_model_parallel_size or 1)
         groups = self.num_global_query_groups or self.num_query_groups
         if groups and groups % tp:
             raise ConfigError(f"model.num_global_query_groups={groups} with tensor_model_parallel_size={tp}: tensor "
                               "parallel splits whole KV groups of the full-attention layers; use a tp that divides it")
-        if pp > 1 and (self.num_kv_shared_layers or self.per_layer_embed_dim):
+        if self.sequence_parallel and self.per_layer_embed_dim:
+            raise NotSupportedError(f"model.sequence_parallel=True with model.per_layer_embed_dim="
+                                    f"{self.per_layer_embed_dim} is not supported yet for Gemma 4: sequence parallel "
+                                    "does not split the per-layer inputs; run it without sequence parallel")
+        carried = self.num_kv_shared_layers or self.per_layer_embed_dim or self.stage_carries_image_tokens()
+        if pp > 1 and carried:
             problem = stage_carry_problem(self)
             if problem is not None:
                 raise NotSupportedError(problem)
@@ -78,6 +85,11 @@ class Gemma4ModelProvider(GPTModelProvider):
         super().set_num_layers(num_layers)
         if self.num_kv_shared_layers >= num_layers:
             self.num_kv_shared_layers = 0
+
+    def stage_carries_image_tokens(self) -> bool:
+        """Whether pipeline stages hand on which tokens are image tokens (``StageCarryWidths.image``): never for
+        the text model."""
+        return False
 
     def pipeline_activation_width(self) -> int:
         """Per token, the width of what pipeline stages exchange (``longspan.parallel.pipeline.activation_spec``):

@@ -124,7 +124,8 @@ class Gemma4VLModel(nn.Module):
         images whose tokens are in ``input_ids`` (None: text only). ``mm_token_type_ids`` (the processor's)
         is not needed: the image tokens are found by id. Audio (``input_features``) and video
         (``pixel_values_videos``) are refused in one line. A later pipeline stage (``pre_process=False``)
-        takes the previous stage's ``hidden_states``; it ignores the image inputs.
+        takes the previous stage's ``hidden_states`` (with ``use_bidirectional_attention='vision'`` they carry
+        which tokens are image tokens, for the image blocks' mask); it ignores the image inputs.
         """
         if input_features is not None or input_features_mask is not None:
             raise NotSupportedError("input_features: audio inputs are not supported yet for Gemma 4 "
@@ -132,22 +133,32 @@ class Gemma4VLModel(nn.Module):
         if pixel_values_videos is not None:
             raise NotSupportedError("pixel_values_videos: video inputs are not supported yet for Gemma 4 "
                                     "(Gemma4ForConditionalGeneration takes images and text in longspan)")
+        past = kv_cache.seq_len if kv_cache is not None else 0
+        two_way = self.config.use_bidirectional_attention == "vision"
         if not self.pre_process:
+            carry = self.language_model.stage_carry
+            packed = input_ids if hidden_states is None else hidden_states
+            if two_way and carry is not None:  # the first stage's image tokens, handed on in the carry
+                attention_mask = self._blocks_of(carry.image_tokens(packed), attention_mask, past)
             return self.language_model(input_ids, position_ids, attention_mask, labels, hidden_states=hidden_states,
                                        kv_cache=kv_cache, loss_mask=loss_mask)
-        past = kv_cache.seq_len if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         ids, embeds = self._embed(input_ids, position_ids, pixel_values, image_position_ids)
-        if self.config.use_bidirectional_attention == "vision":
+        if two_way:
             attention_mask = self._image_blocks(input_ids, attention_mask, past)
         return self.language_model(ids, position_ids, attention_mask, labels, kv_cache=kv_cache,
-                                   loss_mask=loss_mask, decoder_input=embeds)
+                                   loss_mask=loss_mask, decoder_input=embeds,
+                                   image_tokens=input_ids == self.image_token_id)
 
     def _image_blocks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> Any:
         """The mask over which each image's tokens also see the image's later tokens on the sliding-window
         layers (the full-attention layers keep ``attention_mask``); ``attention_mask`` when there are none."""
-        is_image = input_ids == self.image_token_id
+        return self._blocks_of(input_ids == self.image_token_id, attention_mask, past)
+
+    def _blocks_of(self, is_image: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> Any:
+        """``_image_blocks`` given which tokens are image tokens (bool ``[b, s]``: a later pipeline stage has
+        only that, from the stage carry)."""
         if not bool(is_image.any()):
             return attention_mask
         if past:

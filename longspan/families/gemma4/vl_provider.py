@@ -24,9 +24,10 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """A Gemma 4 vision-language model: Gemma 4's vision encoder and projector feeding a Gemma 4 text model.
 
     Layouts: data parallel, FSDP2 and tensor parallel (the language model split, the encoder and projector
-    replicated), on images mixed with text-only conversations (tests/data/sft_vlm/test_gemma4_vlm_finetune.py).
-    The encoder and projector are built on the first pipeline stage only; pipeline and context parallel are not
-    proven for this model yet."""
+    replicated), on images mixed with text-only conversations (tests/data/sft_vlm/test_gemma4_vlm_finetune.py);
+    with image tokens attending both ways, pipeline parallel (the encoder and projector on the first stage; the
+    stage carry hands on which tokens are image tokens), tensor parallel with sequence parallel and context
+    parallel (tests/data/sft_vlm/test_gemma4_vlm_layouts.py)."""
 
     scatter_embedding_sequence_parallel: bool = False
     """Whether the embeddings are scattered across the sequence-parallel ranks right after the lookup: False, as
@@ -63,7 +64,7 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """HF ``text_config.use_bidirectional_attention``: None attends causally; ``"vision"`` lets the tokens of one
     image (a run of image tokens) also see the image's later tokens on the sliding-window layers (within the
     window's far edge; the full-attention layers stay causal), as transformers does. ``"all"`` is not
-    supported. Not with pipeline or context parallel yet."""
+    supported."""
 
     freeze_language_model: bool = False
     """Train no language-model parameter (``requires_grad=False`` on ``language_model.*``)."""
@@ -75,6 +76,11 @@ class Gemma4VLModelProvider(Gemma4ModelProvider, VisionLanguageProvider):
     """Train no projector parameter (``embed_vision.*``)."""
 
     hf_architecture: ClassVar[str] = "Gemma4ForConditionalGeneration"
+
+    def stage_carries_image_tokens(self) -> bool:
+        """With ``use_bidirectional_attention='vision'`` pipeline stages hand on which tokens are image tokens:
+        a later stage's sliding-window layers need each image's block and get no token ids."""
+        return self.use_bidirectional_attention == "vision"
 
     def finalize(self) -> None:
         """``Gemma4ModelProvider.finalize``, then the vision fields (one-line errors naming the field)."""
@@ -112,11 +118,6 @@ def check_gemma4_vision(config: Any) -> None:
     if mode not in (None, "vision"):
         raise NotSupportedError(f"model.use_bidirectional_attention={mode!r} is not supported: use null (causal) or "
                                 "'vision' (image tokens see each other on the sliding-window layers)")
-    split = {"pipeline_model_parallel_size": config.pipeline_model_parallel_size,
-             "context_parallel_size": config.context_parallel_size}
-    if mode == "vision" and any(int(v or 1) > 1 for v in split.values()):
-        raise NotSupportedError(f"model.use_bidirectional_attention='vision' with {split} is not supported yet for "
-                                "Gemma 4: run it without pipeline and context parallel")
     rope = (vision.get("rope_parameters") or {}).get("rope_type", "axial")
     if rope != "axial" or vision.get("attention_bias"):
         raise NotSupportedError(f"model.vision_config rope_type={rope!r} / attention_bias="

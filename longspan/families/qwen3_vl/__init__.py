@@ -40,7 +40,8 @@ register_config_class(Qwen35VLMoEModelProvider, "model", "longspan.models")
 # (test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused). FSDP2, tensor parallel (encoder and
 # mergers replicated), with sequence parallel, context parallel (the DeepStack features travel beside the
 # embeddings and are cut with them) and pipeline parallel (encoder, mergers and the DeepStack layers on the first
-# stage) equal one process on mixed image and text-only data (tests/data/sft_vlm/test_qwen3_vl_finetune.py).
+# stage) equal one process on mixed image and text-only data (tests/data/sft_vlm/test_qwen3_vl_finetune.py); the
+# MoE model's expert parallel (EP2) too (tests/data/sft_vlm/test_vlm_moe_layouts.py).
 # Whole-layer recompute and a pipeline split that moves a DeepStack layer off the first stage are refused in one
 # line when the model is built.
 for _name in ("Qwen3VLModelProvider", "Qwen3VLMoEModelProvider", "Qwen35VLModelProvider", "Qwen35VLMoEModelProvider"):

@@ -191,3 +191,24 @@ def qwen_vl_answers_alike(model_class: Any, checkpoint: Path, export: Path, data
                          mm_token_type_ids=(ids == model.config.image_token_id).int(), do_sample=False,
                          max_new_tokens=3, **pixels)
     assert_answers_alike(ours, out[0, ids.shape[1]:].tolist())
+
+
+def qwen_vl_lora_learns_and_exports_alike(model_class: Any, hf: Path, data: Path, cwd: Path, iters: int) -> None:
+    """``finetune --recipe vlm-lora`` (``iters`` steps, lr 5e-3) from the Qwen-VL directory ``hf`` lowers
+    transformers' validation loss by more than half; the merged export (``model_class``) scores the validation set
+    as the run's last evaluation did and answers an image question as ``longspan generate --image`` does from the
+    checkpoint."""
+    import math
+
+    out, export = cwd / "run", cwd / "export"
+    before = hf_validation_loss(model_class.from_pretrained(str(hf)), hf, data, qwen_vl_sample_inputs)
+    run_cli(lora_cli_args(hf, data, out, iters=iters, lr=5e-3), cwd)
+    valid = validation_losses(out)
+    assert len(valid) == 2 and valid[1] < valid[0] < before and valid[1] < 0.5 * before, (before, valid)
+
+    run_cli(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd)
+    assert (export / "preprocessor_config.json").is_file()
+    # the adapters merged into the weights
+    merged = hf_validation_loss(model_class.from_pretrained(str(export)), export, data, qwen_vl_sample_inputs)
+    assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])
+    qwen_vl_answers_alike(model_class, out, export, data, cwd)

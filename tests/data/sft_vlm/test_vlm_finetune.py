@@ -15,8 +15,7 @@ import pytest
 
 from tests.data.sft_vlm.conftest import (moe_from_scratch, pretrain_counting_sharded_experts, qwen_colour_rows,
                                          write_jsonl)
-from tests.helpers.vlm import (finetune_case, hf_validation_loss, layout_overrides, lora_cli_args,
-                               qwen_vl_answers_alike, qwen_vl_sample_inputs, run_cli, validation_losses,
+from tests.helpers.vlm import (finetune_case, layout_overrides, qwen_vl_lora_learns_and_exports_alike,
                                vlm_sft_config)
 from tests.training.pretrain_helpers import losses_by_iteration
 
@@ -155,16 +154,4 @@ def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_and_answ
     import transformers
 
     hf, data = vl_run_inputs
-    out, export = tmp_path / "run", tmp_path / "export"
-    model_class = transformers.Qwen2_5_VLForConditionalGeneration
-    before = hf_validation_loss(model_class.from_pretrained(str(hf)), hf, data, qwen_vl_sample_inputs)
-    run_cli(lora_cli_args(hf, data, out, iters=24, lr=5e-3), tmp_path)
-    valid = validation_losses(out)
-    assert len(valid) == 2 and valid[1] < valid[0] < before and valid[1] < 0.5 * before, (before, valid)
-
-    run_cli(["convert", "export", "--checkpoint", str(out), "--output", str(export)], tmp_path)
-    assert (export / "preprocessor_config.json").is_file()
-    # the adapters merged into the weights
-    merged = hf_validation_loss(model_class.from_pretrained(str(export)), export, data, qwen_vl_sample_inputs)
-    assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])
-    qwen_vl_answers_alike(model_class, out, export, data, tmp_path)
+    qwen_vl_lora_learns_and_exports_alike(transformers.Qwen2_5_VLForConditionalGeneration, hf, data, tmp_path, iters=24)

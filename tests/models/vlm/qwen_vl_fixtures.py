@@ -112,3 +112,16 @@ def processed(directory: Path, prompt: str, images: list[Image.Image]) -> dict[s
 def image_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The image inputs of ``processed``'s outputs that longspan's model takes beside the token ids."""
     return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def assert_logits_equal_transformers(hf: torch.nn.Module, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                                     atol: float) -> None:
+    """longspan's logits on ``processed``'s outputs equal transformers' to ``atol``, and other pixels (the
+    patches reversed) move them: the images do reach the logits."""
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+        ours = model(inputs["input_ids"], **image_inputs(inputs))
+        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
+                             image_grid_thw=inputs["image_grid_thw"])
+    torch.testing.assert_close(ours, expected, rtol=0, atol=atol)
+    assert (other_pixels - ours).abs().max() > 1e-2

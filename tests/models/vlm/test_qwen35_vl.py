@@ -13,7 +13,8 @@ from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from tests.helpers.vlm import assert_export_bit_identical, hf_greedy_ids
 from tests.models.vlm.qwen3_vl_fixtures import PROMPT, make_qwen35_vl
-from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, image_inputs, processed
+from tests.models.vlm.qwen_vl_fixtures import (VOCAB, assert_logits_equal_transformers, draw_image,
+                                               image_inputs, processed)
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,7 @@ def qwen35_vl(tmp_path_factory):
 def test_logits_equal_transformers_on_two_images(qwen35_vl):
     _, hf, inputs, model = qwen35_vl
     assert type(model.config).__name__ == "Qwen35VLModelProvider" and model.config.rotary_percent == 0.5
-    with torch.no_grad():
-        expected = hf(**inputs).logits
-        ours = model(inputs["input_ids"], **image_inputs(inputs))
-        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
-                             image_grid_thw=inputs["image_grid_thw"])
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
-    assert (other_pixels - ours).abs().max() > 1e-2
+    assert_logits_equal_transformers(hf, model, inputs, atol=1e-4)
 
 
 def test_export_is_bit_identical_with_the_processor_files(qwen35_vl, tmp_path):

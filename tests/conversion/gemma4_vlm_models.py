@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
 from longspan.data.sft.multimodal import image_only_processor_class
+from tests.conversion.gemma_vlm_models import tiny_bpe_tokenizer
 
 VOCAB = 128
 PATCH, KERNEL = 4, 2  # 4-pixel patches, pooled 2 x 2 into one soft token
@@ -24,17 +23,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% for 
 def make_processor(directory):
     """Gemma4Processor (image processor, audio feature extractor, tokenizer, chat template; no video processor)
     saved to ``directory``; returns it."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", *SPECIAL.values(),
                 "<|video|>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 4, special_tokens=specials,
-                                  initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet())[:60])
-    text = ["describe the picture: a red square and a blue dot", "the quick brown fox jumps over the lazy dog"] * 20
-    tok.train_from_iterator(text, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                                pad_token="<pad>", bos_token="<bos>", extra_special_tokens=SPECIAL)
-    assert len(fast) <= VOCAB
+    fast = tiny_bpe_tokenizer(VOCAB, specials, SPECIAL)
     images = transformers.Gemma4ImageProcessorPil(patch_size=PATCH, max_soft_tokens=MAX_SOFT_TOKENS,
                                                   pooling_kernel_size=KERNEL)
     cls = image_only_processor_class(transformers.Gemma4Processor)

@@ -19,18 +19,26 @@ CHAT_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% for 
                  "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-def make_processor(directory, tokens_per_image: int = TOKENS_PER_IMAGE):
-    """Gemma3Processor (image processor + tokenizer + chat template) saved to ``directory``; returns it."""
+def tiny_bpe_tokenizer(vocab: int, specials: list[str],
+                       extra_special_tokens: dict[str, str]) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained here on two sentences, with ``specials`` first (``<unk>``, ``<eos>``,
+    ``<pad>`` and ``<bos>`` among them) and at most ``vocab`` ids."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["<unk>", "<eos>", "<pad>", "<bos>", *SPECIAL.values()]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 4, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 4, special_tokens=specials,
                                   initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet())[:60])
     text = ["describe the picture: a red square and a blue dot", "the quick brown fox jumps over the lazy dog"] * 20
     tok.train_from_iterator(text, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                                pad_token="<pad>", bos_token="<bos>", extra_special_tokens=SPECIAL)
-    assert len(fast) <= VOCAB
+                                                pad_token="<pad>", bos_token="<bos>",
+                                                extra_special_tokens=extra_special_tokens)
+    assert len(fast) <= vocab
+    return fast
+
+
+def make_processor(directory, tokens_per_image: int = TOKENS_PER_IMAGE):
+    """Gemma3Processor (image processor + tokenizer + chat template) saved to ``directory``; returns it."""
+    fast = tiny_bpe_tokenizer(VOCAB, ["<unk>", "<eos>", "<pad>", "<bos>", *SPECIAL.values()], SPECIAL)
     images = transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = transformers.Gemma3Processor(images, fast, chat_template=CHAT_TEMPLATE,
                                              image_seq_length=tokens_per_image)

@@ -5,12 +5,10 @@ inputs are one-line errors before anything runs."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
 from longspan import AutoBridge
 from longspan.conversion import families
@@ -20,6 +18,8 @@ from longspan.families.gemma_vl.model import image_attention_mask
 from longspan.models.sliding_window import TwoSidedMask
 from tests.conversion.gemma4_vlm_models import VOCAB, make_gemma4_vlm
 from tests.conversion.gemma_vlm_models import draw_image
+from tests.helpers.vlm import (assert_export_bit_identical, assert_provider_export_reads_back, assert_same_config_json,
+                               hf_greedy_ids)
 
 PROMPT = "describe <|image|> the picture and <|image|> a dot"
 
@@ -27,15 +27,6 @@ PROMPT = "describe <|image|> the picture and <|image|> a dot"
 def _images():
     """A square picture (64 soft tokens after the processor's resize) and a wide one (55)."""
     return [draw_image(0, 40), draw_image(1, 48).resize((24, 12))]
-
-
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(p for p in directory.iterdir() if p.suffix == ".safetensors"):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                out[k] = fh.get_tensor(k)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +83,7 @@ def test_image_tokens_see_each_other_on_the_sliding_window_layers_as_transformer
     with torch.no_grad():
         reference = hf(**inputs).logits
     assert (_ours(model, inputs) - reference).abs().max().item() <= 1e-4
-    expected = hf.generate(**inputs, do_sample=False, max_new_tokens=4, eos_token_id=None,
-                           pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    expected = hf_greedy_ids(hf, inputs, 4)
     assert generate_with_images(model, processor, PROMPT, _images(), max_new_tokens=4, eos_ids=()).output_ids == expected
     # Causal attention everywhere, or the image blocks on the full-attention layers too, give other logits.
     model.config.use_bidirectional_attention = None
@@ -111,25 +101,14 @@ def test_import_export_is_bit_identical_with_the_processor_files(vlm, tmp_path):
     src, hf, _, inputs, bridge, model = vlm
     out = tmp_path / "out"
     bridge.save_hf_pretrained([model], out)
-    original, exported = _tensors(src), _tensors(out)
-    assert sorted(original) == sorted(exported)
+    original = assert_export_bit_identical(src, out, ("processor_config.json", "tokenizer.json",
+                                                      "tokenizer_config.json", "chat_template.jinja"))
     assert any(k.endswith("input_min") for k in original) and "model.vision_tower.std_scale" in original
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    source_cfg, exported_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
-    exported_cfg.pop("transformers_version", None), source_cfg.pop("transformers_version", None)
-    assert exported_cfg == source_cfg
-    for name in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert_same_config_json(src, out)
 
     # A model built in longspan exports as Gemma4ForConditionalGeneration from its provider alone.
-    provider = bridge.to_megatron_provider()
-    assert families.family_for_provider(provider).architecture == "Gemma4ForConditionalGeneration"
-    fresh = tmp_path / "fresh"
-    AutoBridge.from_longspan_provider(provider).save_hf_pretrained([model], fresh)
-    reloaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(str(fresh), attn_implementation="eager")
-    with torch.no_grad():
-        assert (reloaded.eval()(**inputs).logits - hf(**inputs).logits).abs().max().item() <= 1e-5
+    assert_provider_export_reads_back(bridge, model, hf, inputs, tmp_path / "fresh",
+                                      transformers.Gemma4ForConditionalGeneration, atol=1e-5)
 
 
 def test_greedy_generate_with_an_image_equals_transformers(vlm, tmp_path):
@@ -138,8 +117,7 @@ def test_greedy_generate_with_an_image_equals_transformers(vlm, tmp_path):
     _images()[1].save(image)
     prompt = "describe <|image|> the"
     inputs = processor(text=prompt, images=[_images()[1]], return_tensors="pt")
-    expected = hf.generate(**inputs, do_sample=False, max_new_tokens=8, eos_token_id=None,
-                           pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    expected = hf_greedy_ids(hf, inputs, 8)
     result = generate_with_images(model, processor, prompt, [image], max_new_tokens=8, eos_ids=())
     assert result.prompt_ids == inputs["input_ids"][0].tolist()
     assert result.output_ids == expected and len(expected) == 8

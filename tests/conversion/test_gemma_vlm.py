@@ -5,32 +5,22 @@ transformers' ``generate``, and bad images / image-token counts are one-line err
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from longspan import AutoBridge
-from longspan.conversion import families
 from longspan.core.errors import ConfigError, DataError
 from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images, prompt_inputs
 from tests.conversion.gemma_vlm_models import draw_image, make_gemma3_vlm
+from tests.helpers.vlm import (assert_export_bit_identical, assert_provider_export_reads_back, assert_same_config_json,
+                               hf_greedy_ids)
 from tests.training.pretrain_helpers import small_config
 
 PROMPT = "describe <start_of_image> the picture and <start_of_image> a dot"
 WINDOW = 3  # shorter than an image's 4 tokens: the window's far edge cuts inside an image
-
-
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(p for p in directory.iterdir() if p.suffix == ".safetensors"):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                out[k] = fh.get_tensor(k)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +72,10 @@ def test_import_export_is_bit_identical_with_the_processor_files(vlm, tmp_path):
     src, hf, _, inputs, bridge, model = vlm
     out = tmp_path / "out"
     bridge.save_hf_pretrained([model], out)
-    original, exported = _tensors(src), _tensors(out)
-    assert sorted(original) == sorted(exported)
+    original = assert_export_bit_identical(src, out, ("processor_config.json", "tokenizer.json",
+                                                      "tokenizer_config.json", "chat_template.jinja"))
     assert any(k.startswith("vision_tower.") for k in original)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    source_cfg, exported_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
-    exported_cfg.pop("transformers_version", None), source_cfg.pop("transformers_version", None)
-    assert exported_cfg == source_cfg
-    for name in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert_same_config_json(src, out)
 
     # The hub's files name the vision encoder vision_tower.vision_model.*: they load too.
     hub = tmp_path / "hub"
@@ -104,13 +88,8 @@ def test_import_export_is_bit_identical_with_the_processor_files(vlm, tmp_path):
     assert torch.equal(_ours(again, inputs), _ours(model, inputs))
 
     # A model built in longspan exports as Gemma3ForConditionalGeneration from its provider alone.
-    provider = bridge.to_megatron_provider()
-    assert families.family_for_provider(provider).architecture == "Gemma3ForConditionalGeneration"
-    fresh = tmp_path / "fresh"
-    AutoBridge.from_longspan_provider(provider).save_hf_pretrained([model], fresh)
-    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(fresh), attn_implementation="eager")
-    with torch.no_grad():
-        assert (reloaded.eval()(**inputs).logits - hf(**inputs).logits).abs().max().item() <= 1e-5
+    assert_provider_export_reads_back(bridge, model, hf, inputs, tmp_path / "fresh",
+                                      transformers.Gemma3ForConditionalGeneration, atol=1e-5)
 
 
 def test_greedy_generate_with_an_image_equals_transformers(vlm, tmp_path):
@@ -119,8 +98,7 @@ def test_greedy_generate_with_an_image_equals_transformers(vlm, tmp_path):
     draw_image(1).save(image)
     prompt = "describe <start_of_image> the"
     inputs = processor(text=prompt, images=[draw_image(1)], return_tensors="pt")
-    expected = hf.generate(**inputs, do_sample=False, max_new_tokens=8, eos_token_id=None,
-                           pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    expected = hf_greedy_ids(hf, inputs, 8)
     result = generate_with_images(model, processor, prompt, [image], max_new_tokens=8, eos_ids=())
     assert result.prompt_ids == inputs["input_ids"][0].tolist()
     assert result.output_ids == expected and len(expected) == 8
@@ -165,14 +143,9 @@ def test_checkpoint_import_and_export_are_bit_identical(vlm, tmp_path):
     AutoBridge.import_ckpt(src, tmp_path / "ckpt")
     assert "Gemma3VLModelProvider" in (tmp_path / "ckpt" / "iter_0000000" / "run_config.yaml").read_text()
     AutoBridge.export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
-    original, exported = _tensors(src), _tensors(tmp_path / "hf")
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in original.items())
-    source_cfg, exported_cfg = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "hf"))
-    exported_cfg.pop("transformers_version", None), source_cfg.pop("transformers_version", None)
-    assert exported_cfg == source_cfg
-    for name in ("processor_config.json", "chat_template.jinja", "tokenizer.json"):
-        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
+    assert_export_bit_identical(src, tmp_path / "hf", ("processor_config.json", "chat_template.jinja",
+                                                       "tokenizer.json"))
+    assert_same_config_json(src, tmp_path / "hf")
 
 
 def test_provider_freezes_parts_and_checks_its_image_fields(vlm, tmp_path):

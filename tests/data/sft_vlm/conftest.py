@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -95,6 +95,20 @@ def colour_rows(root: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
         if i % 3 == 2:
             messages += [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
         rows.append({"messages": messages})
+    return rows
+
+
+def qwen_colour_rows(root: str, n: int, seed: int, text_only: Callable[[int], bool] = lambda i: False,
+                     text_only_question: str = "what colour") -> list[dict[str, Any]]:
+    """``colour_rows`` of one exchange in words of the Qwen-VL model fixtures' tokenizer
+    (tests/models/vlm/qwen_vl_fixtures.py); conversation ``i`` asks ``text_only_question`` without an image where
+    ``text_only(i)``."""
+    rows = colour_rows(root, n, seed=seed)
+    for i, row in enumerate(rows):
+        row["messages"][0]["content"][1]["text"] = "what colour"
+        row["messages"][2:] = []
+        if text_only(i):
+            row["messages"][0]["content"] = [{"type": "text", "text": text_only_question}]
     return rows
 
 

@@ -32,6 +32,23 @@ def make_gemma_vl_dir(directory: Path, **config_kwargs: Any) -> Path:
     return directory
 
 
+# Each turn is its parts closed by <eos> (the tiny tokenizer has no turn markers); an image is Gemma 4's <|image|>.
+GEMMA4_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% for c in m['content'] %}"
+                        "{% if c['type'] == 'image' %}<|image|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+                        "{{ eos_token }}{% endfor %}")
+
+
+def make_gemma4_vl_dir(directory: Path) -> Path:
+    """A random tiny Gemma 4 VL HF directory (one encoder layer, word embeddings of std 0.5 so that a finetune
+    moves the logits; the processor with ``GEMMA4_CHAT_TEMPLATE``)."""
+    from tests.conversion.gemma4_vlm_models import make_gemma4_vlm
+
+    directory.mkdir(parents=True, exist_ok=True)
+    make_gemma4_vlm(directory, vision_layers=1, embedding_std=0.5)
+    (directory / "chat_template.jinja").write_text(GEMMA4_CHAT_TEMPLATE)
+    return directory
+
+
 def gemma_colour_rows(root: str, n: int, seed: int = 0, text_only_every: int = 0) -> list[dict[str, Any]]:
     """``colour_rows`` asked as "the picture" (words the tiny tokenizer knows); with
     ``text_only_every=k`` every k-th conversation has no image."""

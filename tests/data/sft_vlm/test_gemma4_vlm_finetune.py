@@ -14,26 +14,21 @@ from pathlib import Path
 import pytest
 
 from tests.data.sft_vlm.conftest import write_jsonl
-from tests.data.sft_vlm.gemma_fixtures import gemma_colour_rows
+from tests.data.sft_vlm.gemma_fixtures import GEMMA4_CHAT_TEMPLATE, gemma_colour_rows, make_gemma4_vl_dir
+from tests.helpers.vlm import (assert_answers_alike, cli_image_answer, finetune_each, lora_cli_args, run_cli,
+                               validation_losses, vlm_sft_config)
 from tests.training.pretrain_helpers import losses_by_iteration
 
 pytestmark = [pytest.mark.slow]
 
-# Each turn is its parts closed by <eos> (the tiny tokenizer has no turn markers); an image is Gemma 4's <|image|>.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-                 "<|image|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{{ eos_token }}{% endfor %}")
+CHAT_TEMPLATE = GEMMA4_CHAT_TEMPLATE  # the name other tests of this folder import from here
 
 
 @pytest.fixture(scope="module")
 def gemma4_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny random Gemma 4 VL HF directory and colour questions, every second one without an image."""
-    from tests.conversion.gemma4_vlm_models import make_gemma4_vlm
-
     root = tmp_path_factory.mktemp("gemma4-vlm-run")
-    hf, data = root / "hf", root / "data"
-    hf.mkdir()
-    make_gemma4_vlm(hf, vision_layers=1, embedding_std=0.5)
-    (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    hf, data = make_gemma4_vl_dir(root / "hf"), root / "data"
     rows = gemma_colour_rows(str(data), 24, seed=1, text_only_every=2)
     write_jsonl(str(data / "training.jsonl"), rows[:16])
     write_jsonl(str(data / "validation.jsonl"), rows[16:])
@@ -41,12 +36,7 @@ def gemma4_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _args(hf: Path, data: Path, out: Path) -> list[str]:
-    return ["finetune", "--recipe", "vlm-lora", f"checkpoint.pretrained_checkpoint={hf}",
-            f"dataset.dataset_root={data}", f"checkpoint.save={out}", f"checkpoint.load={out}",
-            f"logger.tensorboard_dir={out}/tb", "model.seq_length=96", "train.train_iters=16",
-            "train.eval_interval=8", "train.eval_iters=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-            "optimizer.lr=1e-2", "scheduler.lr_warmup_iters=2", "peft.dim=8", "peft.alpha=16",
-            "checkpoint.save_interval=16"]
+    return lora_cli_args(hf, data, out, iters=16, lr=1e-2, seq_length=96)
 
 
 def test_gemma4_lora_from_the_cli_learns_and_its_merged_export_answers_alike(gemma4_run_inputs, tmp_path):
@@ -54,32 +44,24 @@ def test_gemma4_lora_from_the_cli_learns_and_its_merged_export_answers_alike(gem
     import transformers
 
     from longspan.data.sft.multimodal import load_processor, open_image
-    from tests.test_finetune_e2e import _run_here
 
     hf, data = gemma4_run_inputs
     out, export = tmp_path / "run", tmp_path / "export"
-    _run_here(_args(hf, data, out), cwd=tmp_path)
-    records = [json.loads(x) for x in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
-    valid = [r["losses"]["lm loss"] for r in records if r.get("phase") == "validation"]
+    run_cli(_args(hf, data, out), tmp_path)
+    valid = validation_losses(out)
     assert len(valid) == 2 and valid[1] < valid[0] - 0.2, valid
 
-    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
+    run_cli(["convert", "export", "--checkpoint", str(out), "--output", str(export)], tmp_path)
     assert json.loads((export / "config.json").read_text())["architectures"] == ["Gemma4ForConditionalGeneration"]
-    rows = [json.loads(line) for line in (data / "validation.jsonl").read_text().splitlines()]
-    image = data / next(r for r in rows if r["messages"][0]["content"][0]["type"] == "image")["messages"][0][
-        "content"][0]["image"]
     prompt = "<bos><|image|>the picture<eos>"
-    printed = _run_here(["generate", "--checkpoint", str(out), "--image", str(image), "--prompt", prompt,
-                         "--max-new-tokens", "3", "--json"], cwd=tmp_path)
-    ours = json.loads(printed.strip().splitlines()[-1])
+    ours, image = cli_image_answer(out, data, prompt, tmp_path)
     inputs = load_processor(str(export))(text=prompt, images=[open_image(str(image), None, "test")],
                                          return_tensors="pt")
     assert ours["prompt_ids"] == inputs["input_ids"][0].tolist()
     model = transformers.Gemma4ForConditionalGeneration.from_pretrained(str(export), attn_implementation="eager")
     with torch.no_grad():
         theirs = model.eval().generate(**inputs, do_sample=False, max_new_tokens=3, eos_token_id=None, pad_token_id=0)
-    assert ours["output_ids"] and ours["output_ids"] == theirs[0, inputs["input_ids"].shape[1]:].tolist()[
-        : len(ours["output_ids"])]
+    assert_answers_alike(ours, theirs[0, inputs["input_ids"].shape[1]:].tolist())
 
 
 def test_an_image_too_small_to_pool_or_an_audio_part_stops_the_run_before_its_first_step(gemma4_run_inputs, tmp_path,
@@ -123,23 +105,11 @@ ITERS = 4
 
 
 def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False):
-    from longspan.recipes.loading import load_config
-
-    return load_config("vlm-sft", overrides=[
-        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
-        "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=96",
-        f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
-        "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
-        "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}",
-    ])
+    return vlm_sft_config(hf, data, out, ITERS, 1e-3, seq_length=96, extra=[
+        f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}"])
 
 
-def _finetune_each(cfgs: list) -> int:
-    from longspan.training.finetune import finetune
-
-    for cfg in cfgs:
-        finetune(cfg)
-    return 0
+_finetune_each = finetune_each  # the name other layout tests of this folder import from here
 
 
 def test_fsdp2_and_tensor_parallel_log_the_losses_of_one_process(gemma4_run_inputs, tmp_path, pool2):
@@ -147,10 +117,10 @@ def test_fsdp2_and_tensor_parallel_log_the_losses_of_one_process(gemma4_run_inpu
     so every rank reduces the same gradients). Both layouts run in one call of the shared two-process pool."""
     hf, data = gemma4_run_inputs
     one = _sft_config(hf, data, tmp_path / "one")
-    _finetune_each([one])
+    finetune_each([one])
     layouts = {"fsdp2": _sft_config(hf, data, tmp_path / "fsdp2", fsdp=True),
                "tp2": _sft_config(hf, data, tmp_path / "tp2", tp=2)}
-    pool2.run(_finetune_each, list(layouts.values()), timeout=300)
+    pool2.run(finetune_each, list(layouts.values()), timeout=300)
     want = losses_by_iteration(one)
     assert sorted(want) == list(range(1, ITERS + 1)) and want[ITERS] < want[1]
     for layout, cfg in layouts.items():

@@ -15,6 +15,9 @@ import pytest
 
 from tests.data.sft_vlm.conftest import moe_from_scratch, pretrain_counting_sharded_experts, write_jsonl
 from tests.data.sft_vlm.gemma_fixtures import gemma_chat_template, gemma_colour_rows, make_gemma_vl_dir
+from tests.helpers.vlm import (assert_answers_alike, cli_image_answer, finetune_case, gemma_sample_inputs,
+                               hf_validation_loss, layout_overrides, lora_cli_args, run_cli, validation_losses,
+                               vlm_sft_config)
 from tests.training.pretrain_helpers import losses_by_iteration
 
 ITERS = 8
@@ -43,33 +46,15 @@ PIPELINE_SPLITS = {
 }
 
 
-def gemma_sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
-                     split: tuple[str, ...] = (), sp: bool = False, cp: int = 1):
-    from longspan.recipes.loading import load_config
-
-    return load_config("vlm-sft", overrides=[
-        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
-        "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
-        f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
-        "optimizer.lr=1e-3", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
-        "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}",
-        f"model.pipeline_model_parallel_size={pp}", *split, f"model.sequence_parallel={sp}",
-        f"model.context_parallel_size={cp}",
-    ])
-
-
-def _finetune_case(cfg) -> int:
-    from longspan.training.finetune import finetune
-
-    finetune(cfg)
-    return 0
+def gemma_sft_config(hf: Path, data: Path, out: Path, layout: str | None = None):
+    return vlm_sft_config(hf, data, out, ITERS, 1e-3, extra=layout_overrides(layout, PIPELINE_SPLITS))
 
 
 @pytest.fixture(scope="module")
 def gemma_one_process_run(gemma_run_inputs, tmp_path_factory):
     hf, data = gemma_run_inputs
     cfg = gemma_sft_config(hf, data, tmp_path_factory.mktemp("gemma-one"))
-    _finetune_case(cfg)
+    finetune_case(cfg)
     return cfg
 
 
@@ -80,11 +65,8 @@ def test_gemma_vlm_layouts_with_text_only_microbatches_log_the_losses_of_one_pro
     along the sequence (sp: before the first layer; cp: its load-balanced chunks, each image's tokens still
     seeing the later tokens of their image across chunks, in the sliding-window layer too)."""
     hf, data = gemma_run_inputs
-    cfg = gemma_sft_config(hf, data, tmp_path / layout, tp=2 if layout.startswith("tp2") else 1,
-                           fsdp=layout == "fsdp2", pp=2 if layout in PIPELINE_SPLITS else 1,
-                           split=tuple(PIPELINE_SPLITS.get(layout, ())), sp=layout == "tp2_sp",
-                           cp=2 if layout == "cp2" else 1)
-    pool2.run(_finetune_case, cfg, timeout=300)
+    cfg = gemma_sft_config(hf, data, tmp_path / layout, layout)
+    pool2.run(finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(gemma_one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:
@@ -159,83 +141,40 @@ def _rgb(path):
     return Image.open(path).convert("RGB")
 
 
-def _hf_validation_loss(model_dir: Path, data: Path) -> float:
-    """Σ loss / Σ loss tokens of transformers' Gemma 3 VL over validation.jsonl (longspan's samples and masks)."""
-    import torch
-    import transformers
-
-    from longspan.data.sft.dataset import EpochSampleMap
-    from longspan.data.sft.formatting import SFTFormatOptions
-    from longspan.data.sft.multimodal import build_multimodal_jsonl_split, load_processor
-
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), attn_implementation="eager")
-    processor = load_processor(str(model_dir))
-    samples = build_multimodal_jsonl_split(str(data / "validation.jsonl"), processor, SFTFormatOptions(), 32,
-                                           lambda n: EpochSampleMap(n, n, 0, False), 0)
-    total, count = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(len(samples)):
-            s = samples[i]
-            images = {k: s[k][None] if k == "token_type_ids" else s[k] for k in ("pixel_values", "token_type_ids")
-                      if k in s}
-            logits = model.eval()(input_ids=s["tokens"][None], **images).logits[0]
-            losses = torch.nn.functional.cross_entropy(logits.float(), s["labels"], reduction="none")
-            total += float((losses * s["loss_mask"]).sum())
-            count += float(s["loss_mask"].sum())
-    return total / count
-
-
 def test_gemma_lora_from_the_cli_learns_and_its_merged_export_scores_and_answers_alike(gemma_run_inputs, tmp_path):
     """``finetune --recipe vlm-lora`` from a Gemma 3 VL HF directory lowers the validation loss (mixed image and
     text-only data); the merged export loads in transformers, scores the validation set as longspan did, and
     its greedy answer to an image question equals ``longspan generate --image`` from the checkpoint."""
-    import json
-
-    from tests.test_finetune_e2e import _run_here
-
     hf, data = gemma_run_inputs
     out, export = tmp_path / "run", tmp_path / "export"
-    before = _hf_validation_loss(hf, data)
-    _run_here(["finetune", "--recipe", "vlm-lora", f"checkpoint.pretrained_checkpoint={hf}",
-               f"dataset.dataset_root={data}", f"checkpoint.save={out}", f"checkpoint.load={out}",
-               f"logger.tensorboard_dir={out}/tb", "model.seq_length=32", "train.train_iters=16",
-               "train.eval_interval=8", "train.eval_iters=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-               "optimizer.lr=1e-2", "scheduler.lr_warmup_iters=2", "peft.dim=8", "peft.alpha=16",
-               "checkpoint.save_interval=16"], cwd=tmp_path)
-    records = [json.loads(x) for x in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
-    valid = [r["losses"]["lm loss"] for r in records if r.get("phase") == "validation"]
+    before = hf_validation_loss(_hf_model(hf), hf, data, gemma_sample_inputs)
+    run_cli(lora_cli_args(hf, data, out, iters=16, lr=1e-2), tmp_path)
+    valid = validation_losses(out)
     assert len(valid) == 2 and valid[1] < valid[0] < before and valid[1] < before - 0.2, (before, valid)
 
-    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
-    merged = _hf_validation_loss(export, data)  # the adapters merged into the weights
+    run_cli(["convert", "export", "--checkpoint", str(out), "--output", str(export)], tmp_path)
+    merged = hf_validation_loss(_hf_model(export), export, data, gemma_sample_inputs)  # the adapters merged
     assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])
     _answers_alike(out, export, data, tmp_path)
+
+
+def _hf_model(directory: Path):
+    import transformers
+
+    return transformers.Gemma3ForConditionalGeneration.from_pretrained(str(directory), attn_implementation="eager")
 
 
 def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> None:
     """``longspan generate --image`` from the finetuned checkpoint (base + adapters, the processor found beside
     it) and transformers' greedy generate of the merged export give the same tokens."""
-    import json
-
-    import torch
-    import transformers
-
     from longspan.data.sft.multimodal import load_processor
-    from tests.test_finetune_e2e import _run_here
 
-    rows = [json.loads(line) for line in (data / "validation.jsonl").read_text().splitlines()]
-    image = data / next(r for r in rows if r["messages"][0]["content"][0]["type"] == "image")["messages"][0][
-        "content"][0]["image"]
     prompt = "<bos><start_of_image>the picture<eos>"
-    printed = _run_here(["generate", "--checkpoint", str(checkpoint), "--image", str(image), "--prompt", prompt,
-                         "--max-new-tokens", "3", "--json"], cwd=cwd)
-    ours = json.loads(printed.strip().splitlines()[-1])
+    ours, image = cli_image_answer(checkpoint, data, prompt, cwd)
     inputs = load_processor(str(export))(text=prompt, images=[_rgb(image)], return_tensors="pt")
     assert ours["prompt_ids"] == inputs["input_ids"][0].tolist()
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(export), attn_implementation="eager")
-    out = model.eval().generate(**inputs, do_sample=False, max_new_tokens=3)
-    assert ours["output_ids"] and ours["output_ids"] == out[0, inputs["input_ids"].shape[1]:].tolist()[
-        : len(ours["output_ids"])]
+    out = _hf_model(export).eval().generate(**inputs, do_sample=False, max_new_tokens=3)
+    assert_answers_alike(ours, out[0, inputs["input_ids"].shape[1]:].tolist())
 
 
 def test_the_recipe_placeholder_becomes_the_checkpoints_family_keeping_the_run_and_user_fields(gemma_run_inputs):

@@ -5,13 +5,13 @@ answers an image question as ``longspan generate --image`` does from the checkpo
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import colour_rows, write_jsonl
+from tests.data.sft_vlm.conftest import qwen_colour_rows, write_jsonl
+from tests.helpers.vlm import finetune_case, qwen_vl_lora_learns_and_exports_alike, vlm_sft_config
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,8 @@ def qwen3_vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     hf, data = root / "hf", root / "data"
     hf.mkdir()
     make_qwen3_vl(hf)
-    rows = colour_rows(str(data), 24, seed=1)
-    for i, row in enumerate(rows):  # words of the fixture tokenizer's vocabulary
-        row["messages"][0]["content"][1]["text"] = "what colour"
-        row["messages"][2:] = []
-        if i % 4 >= 2:  # consecutive pairs: some microbatches hold no image
-            row["messages"][0]["content"] = [{"type": "text", "text": "what colour"}]
+    # consecutive pairs without an image: some microbatches hold none
+    rows = qwen_colour_rows(str(data), 24, seed=1, text_only=lambda i: i % 4 >= 2)
     write_jsonl(str(data / "training.jsonl"), rows[:16])
     write_jsonl(str(data / "validation.jsonl"), rows[16:])
     return hf, data
@@ -48,81 +44,12 @@ def test_the_recipe_placeholder_becomes_the_checkpoints_qwen3_vl(qwen3_vl_run_in
         assert model.vision_config["deepstack_visual_indexes"] == [0, 2] and model.mrope_section == [4, 2, 2]
 
 
-def _hf_validation_loss(model_dir: Path, data: Path) -> float:
-    """Σ loss / Σ loss tokens of transformers' Qwen3-VL over validation.jsonl (longspan's samples and masks)."""
-    import torch
-    import transformers
-
-    from longspan.data.sft.dataset import EpochSampleMap
-    from longspan.data.sft.formatting import SFTFormatOptions
-    from longspan.data.sft.multimodal import build_multimodal_jsonl_split, load_processor
-
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(model_dir)).eval()
-    samples = build_multimodal_jsonl_split(str(data / "validation.jsonl"), load_processor(str(model_dir)),
-                                           SFTFormatOptions(), 32, lambda n: EpochSampleMap(n, n, 0, False), 0)
-    total, count = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(len(samples)):
-            s = samples[i]
-            ids = s["tokens"][None]
-            images = {k: s[k] for k in ("pixel_values", "image_grid_thw") if k in s}
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
-                           **images).logits[0]
-            losses = torch.nn.functional.cross_entropy(logits.float(), s["labels"], reduction="none")
-            total += float((losses * s["loss_mask"]).sum())
-            count += float(s["loss_mask"].sum())
-    return total / count
-
-
 def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_and_answers_alike(qwen3_vl_run_inputs,
                                                                                           tmp_path):
-    from tests.test_finetune_e2e import _run_here
+    import transformers
 
     hf, data = qwen3_vl_run_inputs
-    out, export = tmp_path / "run", tmp_path / "export"
-    before = _hf_validation_loss(hf, data)
-    _run_here(["finetune", "--recipe", "vlm-lora", f"checkpoint.pretrained_checkpoint={hf}",
-               f"dataset.dataset_root={data}", f"checkpoint.save={out}", f"checkpoint.load={out}",
-               f"logger.tensorboard_dir={out}/tb", "model.seq_length=32", "train.train_iters=16",
-               "train.eval_interval=8", "train.eval_iters=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-               "optimizer.lr=5e-3", "scheduler.lr_warmup_iters=2", "peft.dim=8", "peft.alpha=16",
-               "checkpoint.save_interval=16"], cwd=tmp_path)
-    records = [json.loads(x) for x in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
-    valid = [r["losses"]["lm loss"] for r in records if r.get("phase") == "validation"]
-    assert len(valid) == 2 and valid[1] < valid[0] < before and valid[1] < 0.5 * before, (before, valid)
-
-    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
-    assert (export / "preprocessor_config.json").is_file()
-    merged = _hf_validation_loss(export, data)  # the adapters merged into the weights
-    assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])
-    _answers_alike(out, export, data, tmp_path)
-
-
-def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> None:
-    """``longspan generate --image`` from the finetuned checkpoint (base + adapters) and transformers' greedy
-    generate of the merged export give the same answer to a validation question."""
-    import torch
-    import transformers
-    from PIL import Image
-
-    from longspan.data.sft.multimodal import load_processor
-    from tests.test_finetune_e2e import _run_here
-
-    row = json.loads((data / "validation.jsonl").read_text().splitlines()[0])
-    image = data / row["messages"][0]["content"][0]["image"]
-    prompt = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n"
-              "<|im_start|>assistant\n")
-    printed = _run_here(["generate", "--checkpoint", str(checkpoint), "--image", str(image), "--prompt", prompt,
-                         "--max-new-tokens", "3", "--json"], cwd=cwd)
-    ours = json.loads(printed.strip().splitlines()[-1])
-    pixels = load_processor(str(export)).image_processor(images=[Image.open(image).convert("RGB")],
-                                                        return_tensors="pt")
-    ids = torch.tensor([ours["prompt_ids"]])
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(export)).eval()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                         mm_token_type_ids=(ids == model.config.image_token_id).int(), do_sample=False,
-                         max_new_tokens=3, **pixels)
-    assert ours["output_ids"] and ours["output_ids"] == out[0, ids.shape[1]:].tolist()[: len(ours["output_ids"])]
+    qwen_vl_lora_learns_and_exports_alike(transformers.Qwen3VLForConditionalGeneration, hf, data, tmp_path, iters=16)
 
 
 LAYOUT_ITERS = 8  # the acceptance's 8 iterations
@@ -137,22 +64,7 @@ LAYOUTS = {"fsdp2": ["dist.use_torch_fsdp2=true"],
 
 
 def _sft_config(hf: Path, data: Path, out: Path, layout: tuple[str, ...] = ()):
-    from longspan.recipes.loading import load_config
-
-    return load_config("vlm-sft", overrides=[
-        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}", "checkpoint.save=null",
-        "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
-        f"train.train_iters={LAYOUT_ITERS}", "train.eval_iters=0", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "optimizer.lr=3e-4", "scheduler.lr_warmup_iters=0",
-        "dist.distributed_backend=gloo", "dist.distributed_timeout_minutes=1", *layout,
-    ])
-
-
-def _finetune_case(cfg) -> int:
-    from longspan.training.finetune import finetune
-
-    finetune(cfg)
-    return 0
+    return vlm_sft_config(hf, data, out, LAYOUT_ITERS, 3e-4, extra=layout)
 
 
 @pytest.mark.slow
@@ -164,12 +76,12 @@ def test_qwen3_vl_layouts_with_text_only_microbatches_log_the_losses_of_one_proc
 
     hf, data = qwen3_vl_run_inputs
     reference = _sft_config(hf, data, tmp_path / "one")
-    _finetune_case(reference)
+    finetune_case(reference)
     want = losses_by_iteration(reference)
     assert sorted(want) == list(range(1, LAYOUT_ITERS + 1)) and want[LAYOUT_ITERS] < want[1]
     for layout, overrides in LAYOUTS.items():
         cfg = _sft_config(hf, data, tmp_path / layout, tuple(overrides))
-        pool2.run(_finetune_case, cfg, timeout=300)
+        pool2.run(finetune_case, cfg, timeout=300)
         got = losses_by_iteration(cfg)
         assert sorted(got) == sorted(want)
         for it in want:

@@ -8,13 +8,15 @@ scores the validation set as longspan did and answers an image question as ``lon
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.data.sft_vlm.conftest import colour_rows, moe_from_scratch, pretrain_counting_sharded_experts, write_jsonl
+from tests.data.sft_vlm.conftest import (moe_from_scratch, pretrain_counting_sharded_experts, qwen_colour_rows,
+                                         write_jsonl)
+from tests.helpers.vlm import (finetune_case, layout_overrides, qwen_vl_lora_learns_and_exports_alike,
+                               vlm_sft_config)
 from tests.training.pretrain_helpers import losses_by_iteration
 
 ITERS = 8
@@ -31,10 +33,7 @@ def vl_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     hf, data = root / "hf", root / "data"
     hf.mkdir()
     make_qwen_vl(hf, text_layers=4)
-    rows = colour_rows(str(data), 24, seed=1)
-    for row in rows:  # words of the fixture tokenizer's vocabulary
-        row["messages"][0]["content"][1]["text"] = "what colour"
-        row["messages"][2:] = []
+    rows = qwen_colour_rows(str(data), 24, seed=1)
     write_jsonl(str(data / "training.jsonl"), rows[:16])
     write_jsonl(str(data / "validation.jsonl"), rows[16:])
     return hf, data
@@ -49,39 +48,19 @@ PIPELINE_SPLITS = {
 }
 
 
-def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False, pp: int = 1,
-                split: tuple[str, ...] = (), save: bool = False, sp: bool = False, cp: int = 1):
-    from longspan.recipes.loading import load_config
-
+def _sft_config(hf: Path, data: Path, out: Path, layout: str | None = None, save: bool = False):
     # lr 3e-4: at 1e-3 Adam grows the layouts' last-bit gradient differences into loss differences near 1e-5 by
     # iteration 6 of the four-layer model (tp2_sp measured 1.05e-5); at 3e-4 every layout stays within 1.1e-6.
-    cfg = load_config("vlm-sft", overrides=[
-        f"checkpoint.pretrained_checkpoint={hf}", f"dataset.dataset_root={data}",
+    return vlm_sft_config(hf, data, out, ITERS, 3e-4, extra=[
         f"checkpoint.save={out / 'ckpt' if save else 'null'}", f"checkpoint.save_interval={ITERS}",
-        "checkpoint.load=null", f"logger.tensorboard_dir={out}/tb", "logger.log_interval=1", "model.seq_length=32",
-        f"train.train_iters={ITERS}", "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
-        "optimizer.lr=3e-4", "scheduler.lr_warmup_iters=0", "dist.distributed_backend=gloo",
-        "dist.distributed_timeout_minutes=1", f"model.tensor_model_parallel_size={tp}",
-        f"dist.use_torch_fsdp2={fsdp}", f"model.pipeline_model_parallel_size={pp}", *split,
-        f"model.sequence_parallel={sp}", f"model.context_parallel_size={cp}",
-    ])
-    return cfg
-
-
-def _finetune_case(cfg) -> int:
-    from longspan.training.finetune import finetune
-
-    finetune(cfg)
-    return 0
+        *layout_overrides(layout, PIPELINE_SPLITS)])
 
 
 @pytest.fixture(scope="module")
 def one_process_run(vl_run_inputs, tmp_path_factory):
-    from longspan.training.finetune import finetune
-
     hf, data = vl_run_inputs
     cfg = _sft_config(hf, data, tmp_path_factory.mktemp("one"), save=True)
-    finetune(cfg)
+    finetune_case(cfg)
     return cfg
 
 
@@ -90,10 +69,8 @@ def test_vlm_finetune_layouts_log_the_losses_of_one_process(vl_run_inputs, one_p
     """tp2_sp and cp2: the image embeddings are put into the whole sequence and its mRoPE positions numbered, then
     the language model cuts it along the sequence (sp: before the first layer; cp: its load-balanced chunks)."""
     hf, data = vl_run_inputs
-    cfg = _sft_config(hf, data, tmp_path / layout, tp=2 if layout.startswith("tp2") else 1, fsdp=layout == "fsdp2",
-                      pp=2 if layout in PIPELINE_SPLITS else 1, split=tuple(PIPELINE_SPLITS.get(layout, ())),
-                      save=layout == "pp2-uneven", sp=layout == "tp2_sp", cp=2 if layout == "cp2" else 1)
-    pool2.run(_finetune_case, cfg, timeout=300)
+    cfg = _sft_config(hf, data, tmp_path / layout, layout, save=layout == "pp2-uneven")
+    pool2.run(finetune_case, cfg, timeout=300)
     got, want = losses_by_iteration(cfg), losses_by_iteration(one_process_run)
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     rel = {it: abs(got[it] - want[it]) / abs(want[it]) for it in want}
@@ -173,80 +150,8 @@ def test_expert_parallel_on_a_dense_vlm_is_a_one_line_config_error():
         assert "\n" not in str(info.value)
 
 
-def _hf_validation_loss(model_dir: Path, data: Path) -> float:
-    """Σ loss / Σ loss tokens of transformers' Qwen2.5-VL over validation.jsonl (longspan's samples and masks)."""
-    import torch
-    import transformers
-
-    from longspan.data.sft.dataset import EpochSampleMap
-    from longspan.data.sft.formatting import SFTFormatOptions
-    from longspan.data.sft.multimodal import build_multimodal_jsonl_split, load_processor
-
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir)).eval()
-    samples = build_multimodal_jsonl_split(str(data / "validation.jsonl"), load_processor(str(model_dir)),
-                                           SFTFormatOptions(), 32, lambda n: EpochSampleMap(n, n, 0, False), 0)
-    total, count = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(len(samples)):
-            s = samples[i]
-            ids = s["tokens"][None]  # transformers finds the image tokens for mRoPE through mm_token_type_ids
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
-                           pixel_values=s["pixel_values"], image_grid_thw=s["image_grid_thw"]).logits[0]
-            losses = torch.nn.functional.cross_entropy(logits.float(), s["labels"], reduction="none")
-            total += float((losses * s["loss_mask"]).sum())
-            count += float(s["loss_mask"].sum())
-    return total / count
-
-
 def test_lora_finetune_from_the_cli_learns_and_its_merged_export_scores_and_answers_alike(vl_run_inputs, tmp_path):
-    from tests.test_finetune_e2e import _run_here
+    import transformers
 
     hf, data = vl_run_inputs
-    out, export = tmp_path / "run", tmp_path / "export"
-    before = _hf_validation_loss(hf, data)
-    _run_here(["finetune", "--recipe", "vlm-lora", f"checkpoint.pretrained_checkpoint={hf}",
-               f"dataset.dataset_root={data}", f"checkpoint.save={out}", f"checkpoint.load={out}",
-               f"logger.tensorboard_dir={out}/tb", "model.seq_length=32", "train.train_iters=24",
-               "train.eval_interval=12", "train.eval_iters=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-               "optimizer.lr=5e-3", "scheduler.lr_warmup_iters=2", "peft.dim=8", "peft.alpha=16",
-               "checkpoint.save_interval=24"], cwd=tmp_path)
-    records = [json.loads(x) for x in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
-    valid = [r["losses"]["lm loss"] for r in records if r.get("phase") == "validation"]
-    assert len(valid) == 2 and valid[1] < valid[0] < before and valid[1] < 0.5 * before, (before, valid)
-
-    _run_here(["convert", "export", "--checkpoint", str(out), "--output", str(export)], cwd=tmp_path)
-    assert (export / "preprocessor_config.json").is_file()
-    merged = _hf_validation_loss(export, data)  # the adapters merged into the weights
-    assert math.isclose(merged, valid[1], rel_tol=1e-4), (merged, valid[1])
-    _answers_alike(out, export, data, tmp_path)
-
-
-def _answers_alike(checkpoint: Path, export: Path, data: Path, cwd: Path) -> None:
-    """``longspan generate --image`` from the finetuned checkpoint (base + adapters) and transformers' greedy
-    generate of the merged export give the same answer to a validation question."""
-    import torch
-    import transformers
-
-    from longspan.data.sft.multimodal import load_processor
-    from tests.test_finetune_e2e import _run_here
-
-    row = json.loads((data / "validation.jsonl").read_text().splitlines()[0])
-    image = data / row["messages"][0]["content"][0]["image"]
-    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n<|im_start|>assistant\n"
-    printed = _run_here(["generate", "--checkpoint", str(checkpoint), "--image", str(image), "--prompt", prompt,
-                         "--max-new-tokens", "3", "--json"], cwd=cwd)
-    ours = json.loads(printed.strip().splitlines()[-1])
-    processor = load_processor(str(export))
-    pixels = processor.image_processor(images=[_rgb(image)], return_tensors="pt")
-    ids = torch.tensor([ours["prompt_ids"]])
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export)).eval()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                         mm_token_type_ids=(ids == model.config.image_token_id).int(), do_sample=False,
-                         max_new_tokens=3, **pixels)
-    assert ours["output_ids"] == out[0, ids.shape[1]:].tolist()[: len(ours["output_ids"])] and ours["output_ids"]
-
-
-def _rgb(path: Path):
-    from PIL import Image
-
-    return Image.open(path).convert("RGB")
+    qwen_vl_lora_learns_and_exports_alike(transformers.Qwen2_5_VLForConditionalGeneration, hf, data, tmp_path, iters=24)

@@ -19,21 +19,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.data.sft_vlm.conftest import colour_rows, write_jsonl
-from tests.data.sft_vlm.gemma_fixtures import gemma_colour_rows, make_gemma_vl_dir
+from tests.data.sft_vlm.conftest import qwen_colour_rows, write_jsonl
+from tests.data.sft_vlm.gemma_fixtures import gemma_colour_rows, make_gemma4_vl_dir, make_gemma_vl_dir
 
 ROWS = 6  # images of 3 sizes on 4 of them, 2 without an image
 TOL = 2e-5
 
 
 def _qwen_rows(root: Path) -> list[dict]:
-    rows = colour_rows(str(root), ROWS, seed=3)
-    for i, row in enumerate(rows):  # words of the Qwen fixtures' tokenizer
-        row["messages"][0]["content"][1]["text"] = "what colour"
-        row["messages"][2:] = []
-        if i in (2, 4):
-            row["messages"][0]["content"] = [{"type": "text", "text": "what colour is the square"}]
-    return rows
+    return qwen_colour_rows(str(root), ROWS, seed=3, text_only=lambda i: i in (2, 4),
+                            text_only_question="what colour is the square")
 
 
 def _qwen25(hf: Path) -> None:
@@ -59,11 +54,7 @@ def _gemma3(hf: Path) -> None:
 
 
 def _gemma4(hf: Path) -> None:
-    from tests.conversion.gemma4_vlm_models import make_gemma4_vlm
-    from tests.data.sft_vlm.test_gemma4_vlm_finetune import CHAT_TEMPLATE
-
-    make_gemma4_vlm(hf, vision_layers=1, embedding_std=0.5)
-    (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    make_gemma4_vl_dir(hf)
 
 
 MODELS = {"qwen2.5-vl": (_qwen25, _qwen_rows), "qwen3-vl": (_qwen3, _qwen_rows), "qwen3.5-vl": (_qwen35, _qwen_rows),

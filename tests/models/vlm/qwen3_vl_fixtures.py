@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.models.vlm.qwen_vl_fixtures import CHAT_TEMPLATE, VOCAB, make_tokenizer
+from tests.models.vlm.qwen_vl_fixtures import VOCAB, make_tokenizer, save_processor_files, special_token_ids
 
 PROMPT = ("describe <|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> "
           "<|vision_end|> what colour")
@@ -17,9 +17,7 @@ PROMPT = ("describe <|vision_start|> <|image_pad|> <|vision_end|> and <|vision_s
 
 def hf_config(moe: bool = False) -> transformers.PretrainedConfig:
     tok = make_tokenizer()
-    special = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    special = special_token_ids(tok)
     # head_dim 16: 8 frequency pairs, interleaved T H W T H W T T (sections 4, 2, 2)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -59,9 +57,7 @@ def make_qwen3_vl(directory: Path, moe: bool = False, seed: int = 0) -> transfor
                 p.normal_(0, 0.3)
     hf = hf.eval()
     hf.save_pretrained(str(directory))
-    make_tokenizer().save_pretrained(str(directory))
-    image_processor().save_pretrained(str(directory))
-    (Path(directory) / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    save_processor_files(directory, make_tokenizer(), image_processor())
     return hf
 
 
@@ -70,9 +66,7 @@ def make_qwen35_vl(directory: Path, moe: bool = False) -> transformers.PreTraine
     head rotates: 4 frequency pairs T H W T; with ``moe``, 4 experts and a shared one on both layers) with the
     tokenizer, image processor and chat template; returns the transformers model (fp32, eval)."""
     tok = make_tokenizer()
-    special = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    special = special_token_ids(tok)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=3,
@@ -100,7 +94,5 @@ def make_qwen35_vl(directory: Path, moe: bool = False) -> transformers.PreTraine
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     hf = hf.float().eval()
     hf.save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    image_processor().save_pretrained(str(directory))
-    (Path(directory) / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    save_processor_files(directory, tok, image_processor())
     return hf

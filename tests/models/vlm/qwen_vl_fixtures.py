@@ -34,6 +34,21 @@ def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
+def special_token_ids(tok: transformers.PreTrainedTokenizerFast) -> dict[str, int]:
+    """The config's image, video and vision-delimiter token ids in ``tok``."""
+    return {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+
+
+def save_processor_files(directory: Path, tok: transformers.PreTrainedTokenizerFast,
+                         images: transformers.Qwen2VLImageProcessor) -> None:
+    """The tokenizer, the image processor and the chat template beside a saved model."""
+    tok.save_pretrained(str(directory))
+    images.save_pretrained(str(directory))
+    (Path(directory) / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
 def image_processor() -> transformers.Qwen2VLImageProcessor:
     """Patches of 14 pixels, 2x2 merge, small images kept at their size (multiples of 28)."""
     return transformers.Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16})
@@ -41,9 +56,7 @@ def image_processor() -> transformers.Qwen2VLImageProcessor:
 
 def hf_config(tie: bool = False, text_layers: int = 2) -> transformers.Qwen2_5_VLConfig:
     tok = make_tokenizer()
-    special = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    special = special_token_ids(tok)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=text_layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
@@ -70,9 +83,7 @@ def make_qwen_vl(directory: Path, seed: int = 0, tie: bool = False, dtype: torch
                 p.normal_(0, 0.3)  # large enough that images and positions move the logits
     model = model.to(dtype).eval()
     model.save_pretrained(str(directory))
-    make_tokenizer().save_pretrained(str(directory))
-    image_processor().save_pretrained(str(directory))
-    (Path(directory) / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    save_processor_files(directory, make_tokenizer(), image_processor())
     return model
 
 
@@ -96,3 +107,21 @@ def processed(directory: Path, prompt: str, images: list[Image.Image]) -> dict[s
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     return {"input_ids": ids, "pixel_values": pix["pixel_values"], "image_grid_thw": grid,
             "mm_token_type_ids": (ids == image_id).int()}
+
+
+def image_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The image inputs of ``processed``'s outputs that longspan's model takes beside the token ids."""
+    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def assert_logits_equal_transformers(hf: torch.nn.Module, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                                     atol: float) -> None:
+    """longspan's logits on ``processed``'s outputs equal transformers' to ``atol``, and other pixels (the
+    patches reversed) move them: the images do reach the logits."""
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+        ours = model(inputs["input_ids"], **image_inputs(inputs))
+        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
+                             image_grid_thw=inputs["image_grid_thw"])
+    torch.testing.assert_close(ours, expected, rtol=0, atol=atol)
+    assert (other_pixels - ours).abs().max() > 1e-2

@@ -17,8 +17,9 @@ from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from longspan.inference.images import expand_image_tokens, load_images
 from longspan.models.vlm.mrope import mrope_position_ids
-from tests.conversion.parity import tensors
-from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, make_qwen_vl, processed
+from tests.helpers.vlm import assert_export_bit_identical, hf_greedy_ids
+from tests.models.vlm.qwen_vl_fixtures import (VOCAB, assert_logits_equal_transformers, draw_image,
+                                               image_inputs, make_qwen_vl, processed)
 
 PROMPT = ("describe <|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> "
           "<|vision_end|> what colour")
@@ -38,20 +39,10 @@ def qwen_vl(tmp_path_factory):
     return directory, hf, inputs, model
 
 
-def _image_inputs(inputs):
-    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
-
-
 def test_logits_equal_transformers_on_two_images(qwen_vl):
     _, hf, inputs, model = qwen_vl
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6]]
-    with torch.no_grad():
-        expected = hf(**inputs).logits
-        ours = model(inputs["input_ids"], **_image_inputs(inputs))
-        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
-                             image_grid_thw=inputs["image_grid_thw"])
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
-    assert (other_pixels - ours).abs().max() > 1e-2  # the images do reach the logits
+    assert_logits_equal_transformers(hf, model, inputs, atol=1e-5)
 
 
 def test_mrope_positions_equal_get_rope_index(qwen_vl):
@@ -72,12 +63,8 @@ def test_mrope_positions_equal_get_rope_index(qwen_vl):
 def test_export_is_bit_identical_with_the_processor_files(qwen_vl, tmp_path):
     directory, _, _, model = qwen_vl
     AutoBridge.from_hf_pretrained(directory).save_hf_pretrained(model, tmp_path)
-    original, exported = tensors(directory), tensors(tmp_path)
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_bytes() == (directory / name).read_bytes(), name
+    assert_export_bit_identical(directory, tmp_path, ("preprocessor_config.json", "chat_template.jinja",
+                                                     "tokenizer.json", "tokenizer_config.json"))
     read = lambda d: {k: v for k, v in transformers.AutoConfig.from_pretrained(d).to_dict().items()  # noqa: E731
                       if k != "_name_or_path"}
     assert read(tmp_path) == read(directory)
@@ -86,12 +73,10 @@ def test_export_is_bit_identical_with_the_processor_files(qwen_vl, tmp_path):
 def test_greedy_generate_with_images_equals_transformers(qwen_vl):
     _, hf, inputs, model = qwen_vl
     prompt = inputs["input_ids"]
-    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
-                      min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-    expected = out[0, prompt.shape[1]:].tolist()
+    expected = hf_greedy_ids(hf, inputs, NEW_TOKENS)
     for use_cache in (True, False):
         result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS,
-                          eos_ids=(), use_cache=use_cache, model_inputs=_image_inputs(inputs))
+                          eos_ids=(), use_cache=use_cache, model_inputs=image_inputs(inputs))
         assert result.output_ids == expected, use_cache
 
 
@@ -118,7 +103,7 @@ def test_bad_images_and_image_tokens_are_one_line_errors(qwen_vl, tmp_path, caps
     last = max(i for i, t in enumerate(ids) if t == model.config.image_token_id)
     short = torch.tensor([ids[:last] + ids[last + 1:]])  # the second image lacks one of its 3 tokens
     with pytest.raises(DataError, match="row 0: image 1 .* needs 3 image tokens, the prompt has 2"):
-        model(short, **_image_inputs(inputs))
+        model(short, **image_inputs(inputs))
     with pytest.raises(DataError, match="2 image tokens.*for 1 images"):
         mark = model.config.image_token_id
         expand_image_tokens([1, mark, 2, mark], inputs["image_grid_thw"][:1], model.config)
@@ -152,11 +137,7 @@ def test_checkpoint_round_trip_and_generate_from_it(qwen_vl, tmp_path, capsys):
     directory, _, _, _ = qwen_vl
     AutoBridge.import_ckpt(directory, tmp_path / "ckpt")
     AutoBridge.export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
-    original, exported = tensors(directory), tensors(tmp_path / "hf")
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
-    for name in ("preprocessor_config.json", "chat_template.jinja"):
-        assert (tmp_path / "hf" / name).read_bytes() == (directory / name).read_bytes(), name
+    assert_export_bit_identical(directory, tmp_path / "hf", ("preprocessor_config.json", "chat_template.jinja"))
     image = tmp_path / "picture.png"
     draw_image(56, 28, seed=5).save(image)
     outputs = []
@@ -210,11 +191,11 @@ def test_the_vlm_fields_change_the_model(qwen_vl):
     """mrope_section, image_token_id, vision_config and the freeze options each act on the model."""
     directory, _, inputs, model = qwen_vl
     with torch.no_grad():
-        base = model(inputs["input_ids"], **_image_inputs(inputs))
-        other_sections = _rebuilt(directory, mrope_section=[1, 1, 2])(inputs["input_ids"], **_image_inputs(inputs))
+        base = model(inputs["input_ids"], **image_inputs(inputs))
+        other_sections = _rebuilt(directory, mrope_section=[1, 1, 2])(inputs["input_ids"], **image_inputs(inputs))
     assert (other_sections - base).abs().max() > 1e-3
     with pytest.raises(DataError, match="image tokens"):  # the image marks are other tokens now
-        _rebuilt(directory, image_token_id=3)(inputs["input_ids"], **_image_inputs(inputs))
+        _rebuilt(directory, image_token_id=3)(inputs["input_ids"], **image_inputs(inputs))
     provider = AutoBridge.from_hf_pretrained(directory).to_megatron_provider()
     provider.mrope_section = [2, 2, 2]  # 6 frequency pairs for a head of 8 channels
     with pytest.raises(ConfigError, match=r"model.mrope_section=\[2, 2, 2\] .* summing to kv_channels / 2 = 4"):
@@ -233,7 +214,7 @@ def test_the_vlm_fields_change_the_model(qwen_vl):
     # the training loss reaches the merger and the language model, not the frozen encoder
     frozen_vision = _rebuilt(directory, freeze_vision_model=True).train()
     ids = inputs["input_ids"]
-    frozen_vision(ids, labels=ids.roll(-1, 1), **_image_inputs(inputs)).mean().backward()
+    frozen_vision(ids, labels=ids.roll(-1, 1), **image_inputs(inputs)).mean().backward()
     grads = {name.split(".")[0]: p.grad for name, p in frozen_vision.named_parameters()}
     assert grads["vision"] is None and grads["merger"].abs().sum() > 0 and grads["language_model"].abs().sum() > 0
 
@@ -266,13 +247,11 @@ def test_tied_bf16_model_round_trips_and_matches_transformers(tmp_path):
     assert model.language_model.output_layer is None
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     AutoBridge.from_hf_pretrained(tmp_path / "src").save_hf_pretrained(model, tmp_path / "out")
-    original, exported = tensors(tmp_path / "src"), tensors(tmp_path / "out")
-    assert sorted(original) == sorted(exported) and "lm_head.weight" not in exported
-    assert all(exported[k].dtype == v.dtype and torch.equal(exported[k], v) for k, v in original.items())
+    assert "lm_head.weight" not in assert_export_bit_identical(tmp_path / "src", tmp_path / "out")
     inputs = processed(tmp_path / "src", "a <|image_pad|> b", [draw_image(56, 28, seed=6)])
     with torch.no_grad():
         expected = hf(**inputs).logits.float()
-        ours = model(inputs["input_ids"], **_image_inputs(inputs)).float()
+        ours = model(inputs["input_ids"], **image_inputs(inputs)).float()
     torch.testing.assert_close(ours, expected, rtol=0, atol=0.05 * expected.abs().max().item())
 
 

@@ -11,9 +11,10 @@ import transformers
 from longspan import AutoBridge
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
-from tests.conversion.parity import tensors
+from tests.helpers.vlm import assert_export_bit_identical, hf_greedy_ids
 from tests.models.vlm.qwen3_vl_fixtures import PROMPT, make_qwen35_vl
-from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, processed
+from tests.models.vlm.qwen_vl_fixtures import (VOCAB, assert_logits_equal_transformers, draw_image,
+                                               image_inputs, processed)
 
 
 @pytest.fixture(scope="module")
@@ -25,31 +26,17 @@ def qwen35_vl(tmp_path_factory):
     return directory, hf, inputs, model
 
 
-def _image_inputs(inputs):
-    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
-
-
 def test_logits_equal_transformers_on_two_images(qwen35_vl):
     _, hf, inputs, model = qwen35_vl
     assert type(model.config).__name__ == "Qwen35VLModelProvider" and model.config.rotary_percent == 0.5
-    with torch.no_grad():
-        expected = hf(**inputs).logits
-        ours = model(inputs["input_ids"], **_image_inputs(inputs))
-        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
-                             image_grid_thw=inputs["image_grid_thw"])
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
-    assert (other_pixels - ours).abs().max() > 1e-2
+    assert_logits_equal_transformers(hf, model, inputs, atol=1e-4)
 
 
 def test_export_is_bit_identical_with_the_processor_files(qwen35_vl, tmp_path):
     directory, _, _, model = qwen35_vl
     AutoBridge.from_hf_pretrained(directory).save_hf_pretrained(model, tmp_path)
-    original, exported = tensors(directory), tensors(tmp_path)
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json"):
-        assert (tmp_path / name).read_bytes() == (directory / name).read_bytes(), name
+    assert_export_bit_identical(directory, tmp_path, ("preprocessor_config.json", "chat_template.jinja",
+                                                     "tokenizer.json"))
     reloaded = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path)).eval()
     assert reloaded.config.text_config.layer_types == ["linear_attention", "full_attention"]
 
@@ -57,11 +44,9 @@ def test_export_is_bit_identical_with_the_processor_files(qwen35_vl, tmp_path):
 def test_greedy_generate_with_images_equals_transformers(qwen35_vl):
     _, hf, inputs, model = qwen35_vl
     prompt = inputs["input_ids"]
-    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=5,
-                      min_new_tokens=5, eos_token_id=None, pad_token_id=0)
     result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=5, eos_ids=(),
-                      use_cache=True, model_inputs=_image_inputs(inputs))
-    assert result.output_ids == out[0, prompt.shape[1]:].tolist()
+                      use_cache=True, model_inputs=image_inputs(inputs))
+    assert result.output_ids == hf_greedy_ids(hf, inputs, 5)
 
 
 def test_the_moe_variant_equals_transformers_and_exports_bit_identically(tmp_path):
@@ -73,12 +58,10 @@ def test_the_moe_variant_equals_transformers_and_exports_bit_identically(tmp_pat
     model = bridge.to_megatron_model()[0].eval()
     assert type(model.config).__name__ == "Qwen35VLMoEModelProvider" and model.config.num_moe_experts == 4
     with torch.no_grad():
-        torch.testing.assert_close(model(inputs["input_ids"], **_image_inputs(inputs)), hf(**inputs).logits, rtol=0,
+        torch.testing.assert_close(model(inputs["input_ids"], **image_inputs(inputs)), hf(**inputs).logits, rtol=0,
                                    atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "out")
-    original, exported = tensors(directory), tensors(tmp_path / "out")
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+    assert_export_bit_identical(directory, tmp_path / "out")
 
 
 def test_a_text_recipe_on_the_vision_language_directory_takes_its_text_tower(qwen35_vl):

@@ -17,9 +17,10 @@ from longspan.core.errors import DataError, NotSupportedError
 from longspan.data.tokenizers import NullTokenizer
 from longspan.inference import generate
 from longspan.inference.images import load_images
-from tests.conversion.parity import tensors
+from tests.helpers.vlm import assert_export_bit_identical, hf_greedy_ids
 from tests.models.vlm.qwen3_vl_fixtures import PROMPT, make_qwen3_vl
-from tests.models.vlm.qwen_vl_fixtures import VOCAB, draw_image, processed
+from tests.models.vlm.qwen_vl_fixtures import (VOCAB, assert_logits_equal_transformers, draw_image,
+                                               image_inputs, processed)
 
 NEW_TOKENS = 5
 
@@ -34,20 +35,10 @@ def qwen3_vl(tmp_path_factory):
     return directory, hf, inputs, model
 
 
-def _image_inputs(inputs):
-    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
-
-
 def test_logits_equal_transformers_on_two_images(qwen3_vl):
     _, hf, inputs, model = qwen3_vl
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6]]
-    with torch.no_grad():
-        expected = hf(**inputs).logits
-        ours = model(inputs["input_ids"], **_image_inputs(inputs))
-        other_pixels = model(inputs["input_ids"], pixel_values=inputs["pixel_values"].flip(0),
-                             image_grid_thw=inputs["image_grid_thw"])
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
-    assert (other_pixels - ours).abs().max() > 1e-2  # the images do reach the logits
+    assert_logits_equal_transformers(hf, model, inputs, atol=1e-4)
 
 
 def test_deepstack_features_dropped_or_moved_change_the_logits(qwen3_vl):
@@ -61,10 +52,10 @@ def test_deepstack_features_dropped_or_moved_change_the_logits(qwen3_vl):
         for handle in kept:
             handle.remove()
         with torch.no_grad():
-            dropped = model(inputs["input_ids"], **_image_inputs(inputs))
+            dropped = model(inputs["input_ids"], **image_inputs(inputs))
         moved = [layers[str(i + 1)].register_forward_hook(model.deepstack_hook(i)) for i in model.deepstack_layers]
         with torch.no_grad():
-            shifted = model(inputs["input_ids"], **_image_inputs(inputs))
+            shifted = model(inputs["input_ids"], **image_inputs(inputs))
         for handle in moved:
             handle.remove()
     finally:
@@ -73,28 +64,22 @@ def test_deepstack_features_dropped_or_moved_change_the_logits(qwen3_vl):
     assert (dropped - expected).abs().max() > 1e-2
     assert (shifted - expected).abs().max() > 1e-2
     with torch.no_grad():
-        torch.testing.assert_close(model(inputs["input_ids"], **_image_inputs(inputs)), expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(model(inputs["input_ids"], **image_inputs(inputs)), expected, rtol=0, atol=1e-4)
 
 
 def test_export_is_bit_identical_with_the_processor_files(qwen3_vl, tmp_path):
     directory, _, _, model = qwen3_vl
     AutoBridge.from_hf_pretrained(directory).save_hf_pretrained(model, tmp_path)
-    original, exported = tensors(directory), tensors(tmp_path)
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_bytes() == (directory / name).read_bytes(), name
+    assert_export_bit_identical(directory, tmp_path, ("preprocessor_config.json", "chat_template.jinja",
+                                                     "tokenizer.json", "tokenizer_config.json"))
 
 
 def test_greedy_generate_with_images_equals_transformers(qwen3_vl):
     _, hf, inputs, model = qwen3_vl
     prompt = inputs["input_ids"]
-    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
-                      min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-    expected = out[0, prompt.shape[1]:].tolist()
+    expected = hf_greedy_ids(hf, inputs, NEW_TOKENS)
     result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS,
-                      eos_ids=(), use_cache=True, model_inputs=_image_inputs(inputs))
+                      eos_ids=(), use_cache=True, model_inputs=image_inputs(inputs))
     assert result.output_ids == expected
 
 
@@ -166,12 +151,11 @@ def test_greedy_generate_with_a_video_equals_transformers(qwen3_vl):
     directory, hf, _, model = qwen3_vl
     inputs = _video_prompt(directory, with_image=True)
     prompt = inputs["input_ids"]
-    out = hf.generate(**inputs, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
-                      min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    expected = hf_greedy_ids(hf, inputs, NEW_TOKENS)
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "mm_token_type_ids")}
     result = generate(model, NullTokenizer(VOCAB - 1), prompt[0].tolist(), max_new_tokens=NEW_TOKENS, eos_ids=(),
                       use_cache=True, model_inputs=extra)
-    assert result.output_ids == out[0, prompt.shape[1]:].tolist()
+    assert result.output_ids == expected
 
 
 def test_freeze_options_stop_their_parts_and_unserved_layouts_are_refused(qwen3_vl):

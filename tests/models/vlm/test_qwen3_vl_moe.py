@@ -8,8 +8,9 @@ import torch
 
 from longspan import AutoBridge
 from tests.conversion.parity import tensors
+from tests.helpers.vlm import assert_export_bit_identical
 from tests.models.vlm.qwen3_vl_fixtures import PROMPT, make_qwen3_vl
-from tests.models.vlm.qwen_vl_fixtures import draw_image, processed
+from tests.models.vlm.qwen_vl_fixtures import draw_image, image_inputs, processed
 
 
 def test_logits_and_export_equal_transformers(tmp_path):
@@ -21,16 +22,12 @@ def test_logits_and_export_equal_transformers(tmp_path):
     assert model.config.num_moe_experts == 4 and model.config.moe_layer_freq == [1, 0, 1]
     with torch.no_grad():
         expected = hf(**inputs).logits
-        ours = model(inputs["input_ids"], pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        ours = model(inputs["input_ids"], **image_inputs(inputs))
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
 
     bridge.save_hf_pretrained(model, tmp_path / "out")
-    original, exported = tensors(directory), tensors(tmp_path / "out")
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json"):
-        assert (tmp_path / "out" / name).read_bytes() == (directory / name).read_bytes(), name
+    assert_export_bit_identical(directory, tmp_path / "out", ("preprocessor_config.json", "chat_template.jinja",
+                                                             "tokenizer.json"))
 
 
 def test_the_hubs_transposed_experts_load_and_export_as_they_were(tmp_path):
@@ -51,7 +48,7 @@ def test_the_hubs_transposed_experts_load_and_export_as_they_were(tmp_path):
     bridge = AutoBridge.from_hf_pretrained(directory)
     model = bridge.to_megatron_model()[0].eval()
     with torch.no_grad():
-        ours = model(inputs["input_ids"], pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        ours = model(inputs["input_ids"], **image_inputs(inputs))
         torch.testing.assert_close(ours, hf(**inputs).logits, rtol=0, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "out")
     exported = tensors(tmp_path / "out")

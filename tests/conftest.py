@@ -7,8 +7,9 @@ OMP_NUM_THREADS.
 The suite runs on pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadfile``; ``-n 0`` runs it in
 this process): each test is single-threaded, so one worker per core uses the cores a serial run leaves idle.
 ``--dist loadfile`` keeps a file's tests, and the module fixtures they share, on one worker; files holding
-``slow`` tests are handed out first (``--no-loadscope-reorder`` keeps this order, where xdist would otherwise put
-the files with the most tests first), so the run does not end on one worker finishing a long file alone.
+``slow`` tests are handed out first, the longest known ones (``LONGEST_FILES``) before them
+(``--no-loadscope-reorder`` keeps this order, where xdist would otherwise put the files with the most tests
+first), so the run does not end on one worker finishing a long file alone.
 """
 
 from __future__ import annotations
@@ -23,10 +24,36 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+# The longest files of the whole-suite run, longest first (seconds summed over their tests, measured on the
+# 2-core machine). They are handed out before every other file, so the run's last files are short ones and the
+# two workers finish together, where a long file picked up last would run alone on one worker.
+LONGEST_FILES = (
+    "tests/perf/test_compile_layouts.py",  # 156 s
+    "tests/resilience/test_fault_soak.py",  # 141 s
+    "tests/resilience/test_inprocess_restart.py",  # 118 s
+    "tests/peft/test_peft_layouts.py",  # 114 s
+    "tests/test_cli_e2e.py",  # 89 s
+    "tests/perf/test_planner.py",  # 75 s
+    "tests/models/mamba/test_mamba_layouts.py",  # 68 s
+    "tests/parallel/test_gated_delta_net_layouts.py",  # 65 s
+    "tests/parallel/test_layout_parity.py",  # 62 s
+    "tests/parallel/test_mtp_layouts.py",  # 50 s
+    "tests/models/t5/test_t5_layouts.py",  # 50 s
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files with end-to-end or multi-process (``slow``) tests first, each file's tests in their own order."""
+    """``LONGEST_FILES`` first in their order, then the other files with end-to-end or multi-process (``slow``)
+    tests, then the rest; each file's tests in their own order."""
+    root = config.rootpath
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group is kept
+
+    def key(item) -> tuple[int, int]:
+        name = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return (rank.get(name, len(rank)), item.path not in slow_files)
+
+    items.sort(key=key)  # stable: the order within each group is kept
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.data.sft_vlm.conftest import write_jsonl
-from tests.data.sft_vlm.gemma_fixtures import GEMMA4_CHAT_TEMPLATE, gemma_colour_rows, make_gemma4_vl_dir
+from tests.data.sft_vlm.gemma_fixtures import gemma_colour_rows, make_gemma4_vl_dir
 from tests.helpers.vlm import (assert_answers_alike, cli_image_answer, finetune_each, lora_cli_args, run_cli,
                                validation_losses, vlm_sft_config)
 from tests.training.pretrain_helpers import losses_by_iteration
 
 pytestmark = [pytest.mark.slow]
 
-CHAT_TEMPLATE = GEMMA4_CHAT_TEMPLATE  # the name other tests of this folder import from here
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +108,6 @@ def _sft_config(hf: Path, data: Path, out: Path, tp: int = 1, fsdp: bool = False
         f"model.tensor_model_parallel_size={tp}", f"dist.use_torch_fsdp2={fsdp}"])
 
 
-_finetune_each = finetune_each  # the name other layout tests of this folder import from here
 
 
 def test_fsdp2_and_tensor_parallel_log_the_losses_of_one_process(gemma4_run_inputs, tmp_path, pool2):

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.data.sft_vlm.conftest import write_jsonl
-from tests.data.sft_vlm.gemma_fixtures import gemma_colour_rows
-from tests.data.sft_vlm.test_gemma4_vlm_finetune import CHAT_TEMPLATE, _finetune_each
+from tests.data.sft_vlm.gemma_fixtures import GEMMA4_CHAT_TEMPLATE as CHAT_TEMPLATE, gemma_colour_rows
+from tests.helpers.vlm import finetune_each as _finetune_each
 
 ITERS = 8  # the acceptance's 8 iterations
 REL = 1e-5  # fp32 CPU layout parity: every iteration's loss (measured: 2e-7 at most), iteration 1's grad norm

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import transformers
 from PIL import Image
 
 from longspan.core.errors import ConfigError, DataError

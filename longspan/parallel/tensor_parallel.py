@@ -158,17 +158,23 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             for norm in ("post_self_attn_layernorm", "post_mlp_layernorm"):
                 if getattr(layer, norm, None) is not None:
                     plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=True)
-            # self_attention(hidden_states, rotary, attention_mask): gather the sequence of the first input only
-            if attention is not None:  # (hybrid Mamba stacks: a layer may lack either)
-                plan[attn] = PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                    use_local_output=True,
-                )
-            if hasattr(layer, "mlp"):
-                plan[mlp] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                )
+        # The column-wise projections share one replicated DTensor input (under sp gathered from the sequence
+        # shards), so their input gradients add up as partial sums and are reduced once per sublayer (a
+        # reduce-scatter under sp, an all-reduce without), Megatron's single collective, not once per projection.
+        # self_attention(hidden_states, rotary, attention_mask): only the first input is laid out.
+        residual = Shard(1) if sp else Replicate()
+        if attention is not None and not hasattr(attention, "mla"):  # (hybrid Mamba stacks: either may be absent)
+            plan[attn] = PrepareModuleInput(input_layouts=(residual, None, None),
+                                            desired_input_layouts=(Replicate(), None, None), use_local_output=False)
+        elif attention is not None and sp:  # MLA: its replicated down-projections take a local input
+            plan[attn] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+        if hasattr(layer, "mlp") and not getattr(layer.mlp, "is_moe", False):
+            plan[mlp] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
+                                           use_local_output=False)
+        elif hasattr(layer, "mlp") and sp:
+            plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True)
     plan.update(_mtp_plan(model, sp))
     if getattr(model.decoder, "final_layernorm", None) is not None and sp:
         plan["decoder.final_layernorm"] = SequenceParallel()

@@ -38,9 +38,13 @@ def attach_video_preprocessor(processor: Any, path: str) -> Any:
     """``processor`` with its family's video preprocessing (read from model directory ``path``) as its
     ``video_processor`` when one is registered for its class; unchanged otherwise."""
     load_plugins()
-    load = _PREPROCESSORS.get(type(processor).__name__)
-    if load is not None:
-        processor.video_processor = load(path)
+    # by HF's class names (transformers' own ``processor_class`` registry), along the MRO: the processor may be
+    # loaded as ``image_only_processor_class``'s subclass of the named class
+    for cls in type(processor).__mro__:
+        load = _PREPROCESSORS.get(cls.__name__)
+        if load is not None:
+            processor.video_processor = load(path)
+            break
     return processor
 
 

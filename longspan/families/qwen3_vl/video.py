@@ -17,8 +17,9 @@ merged patch, ``<|vision_end|>``) is written by transformers' ``Qwen3VLProcessor
 outputs (``video_metadata``: the source fps and the kept frame indices) and ``merge_size`` /
 ``temporal_patch_size``.
 
-Two cases are refused where transformers would change the clip silently: a frame count the temporal patch does
-not divide (transformers repeats the last frame) and frames smaller than one merged patch on a side
+Two cases are refused where transformers would change the clip silently: frames given as a list whose count the
+temporal patch does not divide (transformers repeats the last frame; a decoded video's sampled frames are
+completed that way, as transformers does) and frames smaller than one merged patch on a side
 (transformers scales them up).
 """
 
@@ -144,10 +145,14 @@ class Qwen3VLVideoPreprocessor:
     def frame_indices(self, total: int, fps: float) -> list[int]:
         """Indices of the frames kept from a decoded video of ``total`` frames taken at ``fps``."""
         if not self.do_sample_frames:
-            return list(range(total))
-        count = int(total / fps * self.fps)
-        count = min(max(count, self.min_frames), self.max_frames, total)
-        return np.linspace(0, total - 1, count).round().astype(int).tolist()
+            indices = list(range(total))
+        else:
+            count = int(total / fps * self.fps)
+            count = min(max(count, self.min_frames), self.max_frames, total)
+            indices = np.linspace(0, total - 1, count).round().astype(int).tolist()
+        # transformers repeats a sampled clip's last frame up to whole temporal patches (and numbers the
+        # timestamps with the repeat): the same frames, so a decoded video of any length is served
+        return indices + indices[-1:] * (-len(indices) % self.temporal_patch_size)
 
     def _check(self, frames: np.ndarray, index: int) -> None:
         count, height, width = frames.shape[0], frames.shape[1], frames.shape[2]

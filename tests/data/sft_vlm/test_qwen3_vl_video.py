@@ -102,7 +102,9 @@ def test_preprocessing_equals_transformers_helpers_and_image_processor():
     hf_self = SimpleNamespace(fps=pre.fps, min_frames=pre.min_frames, max_frames=pre.max_frames)
     for total, fps in [(10, 5.0), (300, 30.0), (7, 24.0), (3, 1.0), (1000, 10.0)]:
         hf_indices = hf_video.Qwen3VLVideoProcessor.sample_frames(hf_self, VideoMetadata(total, fps=fps)).tolist()
-        assert pre.frame_indices(total, fps) == hf_indices
+        # transformers' preprocessing then repeats the last sampled frame up to whole temporal patches
+        assert pre.frame_indices(total, fps) == hf_indices + hf_indices[-1:] * (len(hf_indices) % 2)
+    assert pre.frame_indices(5, 2.0) == [0, 1, 2, 3, 4, 4]  # 5 sampled: the last one repeated
     assert pre.frame_indices(10, 5.0) == [0, 3, 6, 9]  # 4 frames (2 s at 2 fps) from 0 to 9
     with pytest.raises(ConfigError, match="video processor setting num_frames=8 is not supported yet"):
         Qwen3VLVideoPreprocessor.from_settings({**VIDEO_SETTINGS, "num_frames": 8}, "video_preprocessor_config.json")
@@ -151,6 +153,13 @@ def test_video_rows_give_transformers_logits_and_train_only_the_answer(video_mod
         out = pre([np.zeros((4, 64, 64, 3), np.uint8)], video_metadata=[meta], return_metadata=True)
         frame = "<|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>"
         assert processor.replace_video_token(out, 0) == "".join(f"<{s} seconds>{frame}" for s in stamps), source
+    # a decoded clip whose sampled frames are odd (5 frames, 2.5 s at 2 fps) repeats its last frame, as
+    # transformers' preprocessing does: three temporal patches, the last of one frame twice
+    _encode(tmp_path / "odd.mp4", 5, 2)
+    odd = write_jsonl(str(tmp_path / "odd.jsonl"), [_row("odd.mp4")])
+    sample = build_multimodal_jsonl_split(odd, processor, SFTFormatOptions(), 160,
+                                          lambda n: EpochSampleMap(n, n, 0, False), 0)[0]
+    assert sample["video_grid_thw"].tolist() == [[3, 4, 4]]
 
 
 def test_bad_videos_are_one_line_errors_naming_file_and_line(video_model, vl_processor_dir, tmp_path):

@@ -67,14 +67,38 @@ def _sft_config(hf: Path, data: Path, out: Path, layout: tuple[str, ...] = ()):
     return vlm_sft_config(hf, data, out, LAYOUT_ITERS, 3e-4, extra=layout)
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl_video_run_inputs(qwen3_vl_run_inputs, tmp_path_factory) -> tuple[Path, Path]:
+    """The run's Qwen3-VL with a video processor, and its rows (pairs without an image) with a video beside an
+    image in each pair that has one: video frames, or a decoded clip (5 frames at 2 fps: its last sampled frame
+    repeated)."""
+    import shutil
+
+    from tests.data.sft_vlm.video_fixtures import add_video_processor, encode_video, video_frames, video_row
+
+    root = tmp_path_factory.mktemp("qwen3-vl-video-run")
+    hf, data = root / "hf", root / "data"
+    shutil.copytree(qwen3_vl_run_inputs[0], hf)
+    add_video_processor(hf)
+    rows = qwen_colour_rows(str(data), 24, seed=1, text_only=lambda i: i % 4 >= 2)
+    encode_video(data / "clip.mp4", 5, 2)
+    for i in range(0, 24, 8):
+        rows[i + 1] = video_row(video_frames(data, f"frames{i}", 4, (64, 64), seed=i), fps=2)
+        rows[i + 4] = video_row("clip.mp4", answer="blue")
+    write_jsonl(str(data / "training.jsonl"), rows[:16])
+    write_jsonl(str(data / "validation.jsonl"), rows[16:])
+    return hf, data
+
+
 @pytest.mark.slow
-def test_qwen3_vl_layouts_with_text_only_microbatches_log_the_losses_of_one_process(qwen3_vl_run_inputs, tmp_path,
-                                                                                   pool2):
-    """Every rank's microbatches mix image questions and text-only ones (those run the encoder and mergers on a
-    blank image times 0); DeepStack's features reach the first two layers in every layout."""
+def test_qwen3_vl_layouts_with_videos_and_text_only_microbatches_log_the_losses_of_one_process(
+        qwen3_vl_video_run_inputs, tmp_path, pool2):
+    """Every rank's microbatches mix image questions, video questions and text-only ones (those run the encoder
+    and mergers on a blank image times 0); DeepStack's features reach the first two layers in every layout, and
+    the video grids number the mRoPE positions on every stage and shard."""
     from tests.training.pretrain_helpers import losses_by_iteration
 
-    hf, data = qwen3_vl_run_inputs
+    hf, data = qwen3_vl_video_run_inputs
     reference = _sft_config(hf, data, tmp_path / "one")
     finetune_case(reference)
     want = losses_by_iteration(reference)

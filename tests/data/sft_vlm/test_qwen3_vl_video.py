@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,47 +26,8 @@ from longspan.data.sft.formatting import SFTFormatOptions
 from longspan.data.sft.multimodal import build_multimodal_jsonl_split, load_processor
 from longspan.families.qwen3_vl.video import Qwen3VLVideoPreprocessor, smart_resize
 from tests.data.sft_vlm.conftest import write_jsonl
-
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
-            "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
-            "<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-VIDEO_SETTINGS = {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 64}, "patch_size": 16,
-                  "temporal_patch_size": 2, "merge_size": 2, "fps": 2, "min_frames": 2, "max_frames": 8,
-                  "video_processor_type": "Qwen3VLVideoProcessor"}
-
-
-def _frames(root: Path, name: str, count: int, size: tuple[int, int], seed: int) -> list[str]:
-    """``count`` random frames of ``size`` (width, height) as PNG files under ``root/name``; relative paths."""
-    rng = np.random.default_rng(seed)
-    (root / name).mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(count):
-        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(root / name / f"{i}.png")
-        paths.append(f"{name}/{i}.png")
-    return paths
-
-
-def _encode(path: Path, count: int, fps: int) -> None:
-    """A 64x48 mpeg4 video of ``count`` frames at ``fps`` (PyAV)."""
-    import av
-
-    rng = np.random.default_rng(7)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        for _ in range(count):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
-def _row(video: object, fps: float | None = None, answer: str = "red") -> dict:
-    part = {"type": "video", "video": video, **({"fps": fps} if fps is not None else {})}
-    return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "what colour"}]},
-                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
+from tests.data.sft_vlm.video_fixtures import (VIDEO_SETTINGS, add_video_processor, encode_video, video_frames,
+                                              video_row)
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +41,9 @@ def video_model(tmp_path_factory):
     hf_dir, data = root / "hf", root / "data"
     hf_dir.mkdir()
     hf = make_qwen3_vl(hf_dir)
-    (hf_dir / "chat_template.jinja").write_text(TEMPLATE)
-    (hf_dir / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_SETTINGS))
+    add_video_processor(hf_dir)
     data.mkdir()
-    _encode(data / "clip.mp4", 10, 5)
+    encode_video(data / "clip.mp4", 10, 5)
     model = AutoBridge.from_hf_pretrained(hf_dir).to_megatron_model()[0].eval()
     return hf_dir, hf, model, data
 
@@ -120,9 +79,9 @@ def test_preprocessing_equals_transformers_helpers_and_image_processor():
 
 def test_video_rows_give_transformers_logits_and_train_only_the_answer(video_model, tmp_path):
     hf_dir, hf, model, data = video_model
-    frames = _frames(tmp_path, "frames", 4, (64, 64), seed=3)
+    frames = video_frames(tmp_path, "frames", 4, (64, 64), seed=3)
     shutil.copy(data / "clip.mp4", tmp_path / "clip.mp4")
-    path = write_jsonl(str(tmp_path / "train.jsonl"), [_row(frames, fps=2), _row("clip.mp4", answer="blue")])
+    path = write_jsonl(str(tmp_path / "train.jsonl"), [video_row(frames, fps=2), video_row("clip.mp4", answer="blue")])
     processor = load_processor(str(hf_dir))
     split = build_multimodal_jsonl_split(path, processor, SFTFormatOptions(), 160,
                                          lambda n: EpochSampleMap(n, n, 0, False), 0)
@@ -155,8 +114,8 @@ def test_video_rows_give_transformers_logits_and_train_only_the_answer(video_mod
         assert processor.replace_video_token(out, 0) == "".join(f"<{s} seconds>{frame}" for s in stamps), source
     # a decoded clip whose sampled frames are odd (5 frames, 2.5 s at 2 fps) repeats its last frame, as
     # transformers' preprocessing does: three temporal patches, the last of one frame twice
-    _encode(tmp_path / "odd.mp4", 5, 2)
-    odd = write_jsonl(str(tmp_path / "odd.jsonl"), [_row("odd.mp4")])
+    encode_video(tmp_path / "odd.mp4", 5, 2)
+    odd = write_jsonl(str(tmp_path / "odd.jsonl"), [video_row("odd.mp4")])
     sample = build_multimodal_jsonl_split(odd, processor, SFTFormatOptions(), 160,
                                           lambda n: EpochSampleMap(n, n, 0, False), 0)[0]
     assert sample["video_grid_thw"].tolist() == [[3, 4, 4]]
@@ -166,14 +125,14 @@ def test_bad_videos_are_one_line_errors_naming_file_and_line(video_model, vl_pro
     hf_dir, _, _, _ = video_model
     (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
     cases = [
-        (_row(_frames(tmp_path, "odd", 3, (64, 64), seed=1), fps=2), "has 3 frame\\(s\\), which its temporal patch"),
-        (_row(_frames(tmp_path, "tiny", 2, (16, 24), seed=2), fps=2), "16x24 pixels, smaller than one merged patch"),
-        (_row("broken.mp4"), "video .*broken.mp4 cannot be read"),
-        (_row("missing.mp4"), "video .*missing.mp4 does not exist"),
-        (_row(_frames(tmp_path, "nofps", 2, (64, 64), seed=3)), "needs \"fps\""),
+        (video_row(video_frames(tmp_path, "odd", 3, (64, 64), seed=1), fps=2), "has 3 frame\\(s\\), which its temporal patch"),
+        (video_row(video_frames(tmp_path, "tiny", 2, (16, 24), seed=2), fps=2), "16x24 pixels, smaller than one merged patch"),
+        (video_row("broken.mp4"), "video .*broken.mp4 cannot be read"),
+        (video_row("missing.mp4"), "video .*missing.mp4 does not exist"),
+        (video_row(video_frames(tmp_path, "nofps", 2, (64, 64), seed=3)), "needs \"fps\""),
     ]
     processor = load_processor(str(hf_dir))
-    good = _row(_frames(tmp_path, "good", 2, (64, 64), seed=4), fps=1)
+    good = video_row(video_frames(tmp_path, "good", 2, (64, 64), seed=4), fps=1)
     for k, (row, message) in enumerate(cases):
         path = write_jsonl(str(tmp_path / f"bad{k}.jsonl"), [good, row])
         with pytest.raises(DataError, match=f"bad{k}.jsonl line 2: .*{message}") as info:
@@ -198,7 +157,7 @@ def test_generate_cli_with_a_video_equals_transformers(video_model, tmp_path, ca
     from longspan.inference.video_generation import video_prompt_inputs
 
     hf_dir, hf, _, _ = video_model
-    _frames(tmp_path, "frames", 4, (64, 96), seed=5)
+    video_frames(tmp_path, "frames", 4, (64, 96), seed=5)
     prompt = "<|im_start|>user\nwhat colour<|im_end|>\n<|im_start|>assistant\n"
     capsys.readouterr()
     code = main(["generate", "--hf-model", str(hf_dir), "--video", str(tmp_path / "frames"), "--video-fps", "2",
@@ -234,7 +193,7 @@ def test_finetune_steps_on_video_rows_and_a_bad_row_stops_before_the_first(video
 
     hf_dir, hf, _, _ = video_model
     data = tmp_path / "data"
-    row = _row(_frames(data, "v", 4, (64, 64), seed=10), fps=2)
+    row = video_row(video_frames(data, "v", 4, (64, 64), seed=10), fps=2)
     write_jsonl(str(data / "training.jsonl"), [row] * 4)
     write_jsonl(str(data / "validation.jsonl"), [row])
     out = tmp_path / "run"
@@ -255,7 +214,7 @@ def test_finetune_steps_on_video_rows_and_a_bad_row_stops_before_the_first(video
     expected = float((losses * sample["loss_mask"]).sum() / sample["loss_mask"].sum())
     assert first["loss_tokens"] == 2 * 2  # answer and end token of each of the step's 2 samples
     assert first["losses"]["lm loss"] == pytest.approx(expected, rel=1e-4)
-    write_jsonl(str(data / "training.jsonl"), [row, _row(_frames(data, "odd", 3, (64, 64), seed=1), fps=2)])
+    write_jsonl(str(data / "training.jsonl"), [row, video_row(video_frames(data, "odd", 3, (64, 64), seed=1), fps=2)])
     bad = tmp_path / "bad-run"
     capsys.readouterr()
     code = main([*common[:5], f"checkpoint.save={bad}", f"logger.tensorboard_dir={bad}/tb", *common[7:]])

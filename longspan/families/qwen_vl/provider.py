@@ -83,8 +83,8 @@ class Qwen25VLModelProvider(VisionLanguageProvider):
     there and numbers it with the patch's row and column."""
 
     video_token_id: int = 151656
-    """``<|video_pad|>`` (videos are not supported yet: a batch with video tokens and pixel_values_videos is
-    refused by the data pipeline)."""
+    """``<|video_pad|>``: the token a video's merged patches are written as. Qwen2.5-VL has no video path here
+    (a video part or a batch with ``video_grid_thw`` is a one-line error); Qwen3-VL and Qwen3.5 take videos."""
 
     freeze_language_model: bool = False
     """Train no parameter of the language model (embedding, decoder, output layer): requires_grad=False."""

@@ -140,11 +140,10 @@ def moe_from_scratch(cfg: Any, hf_dir: Any, expert_parallel: int = 1) -> Any:
     return cfg
 
 
-def pretrain_counting_sharded_experts(cfg: Any) -> int:
-    """``pretrain(cfg)``; returns how many expert parameters expert parallel sharded on this rank (0 when it left
-    the experts whole), so a parity test knows the layout it compared really split the experts."""
+def run_counting_sharded_experts(run: Callable[[Any], Any], cfg: Any) -> int:
+    """``run(cfg)`` (pretrain or finetune); returns how many expert parameters expert parallel sharded on this
+    rank (0 when it left the experts whole), so a parity test knows the layout it compared really split them."""
     import longspan.parallel.parallelize as parallelize
-    from longspan.training.pretrain import pretrain
 
     sharded: list[Any] = []
     original = parallelize.apply_expert_parallel
@@ -156,7 +155,14 @@ def pretrain_counting_sharded_experts(cfg: Any) -> int:
 
     parallelize.apply_expert_parallel = counting
     try:
-        pretrain(cfg)
+        run(cfg)
     finally:
         parallelize.apply_expert_parallel = original
     return len(sharded)
+
+
+def pretrain_counting_sharded_experts(cfg: Any) -> int:
+    """``pretrain(cfg)`` through ``run_counting_sharded_experts``."""
+    from longspan.training.pretrain import pretrain
+
+    return run_counting_sharded_experts(pretrain, cfg)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.data.sft_vlm.conftest import colour_rows, write_jsonl
+from tests.data.sft_vlm.conftest import colour_rows, run_counting_sharded_experts, write_jsonl
 from tests.data.sft_vlm.test_qwen3_vl_finetune import LAYOUT_ITERS, REL, _sft_config
 
 
@@ -37,25 +37,10 @@ def qwen3_vl_moe_inputs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def finetune_counting_sharded_experts(cfg: Any) -> int:
-    """``finetune(cfg)``; returns how many expert parameters expert parallel sharded on this rank (0 when the
-    experts stayed whole), so the test knows the layout it compared really split the experts."""
-    import longspan.parallel.parallelize as parallelize
+    """``finetune(cfg)`` through ``run_counting_sharded_experts``."""
     from longspan.training.finetune import finetune
 
-    sharded: list[Any] = []
-    original = parallelize.apply_expert_parallel
-
-    def counting(*args: Any, **kwargs: Any) -> list[Any]:
-        params = original(*args, **kwargs)
-        sharded.extend(params)
-        return params
-
-    parallelize.apply_expert_parallel = counting
-    try:
-        finetune(cfg)
-    finally:
-        parallelize.apply_expert_parallel = original
-    return len(sharded)
+    return run_counting_sharded_experts(finetune, cfg)
 
 
 def _losses_and_norms(cfg: Any) -> dict[int, tuple[float, float]]:

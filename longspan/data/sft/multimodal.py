@@ -160,16 +160,15 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
+def content_parts(messages: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The content parts of type ``kind`` ("image", "video") of a conversation, in order."""
+    return [part for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == kind]
+
+
 def image_parts(messages: list[dict[str, Any]]) -> list[Any]:
     """The image references of a conversation, in order."""
-    return [part.get("image") for m in messages if isinstance(m.get("content"), list)
-            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
-
-
-def video_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The video parts of a conversation, in order."""
-    return [part for m in messages if isinstance(m.get("content"), list)
-            for part in m["content"] if isinstance(part, dict) and part.get("type") == "video"]
+    return [part.get("image") for part in content_parts(messages, "image")]
 
 
 def _resolved_video(part: dict[str, Any], base_dir: Optional[str]) -> tuple[Any, Any]:
@@ -324,7 +323,7 @@ class MultimodalChatFormatter:
                                 where)
         base_dir = base_dir if base_dir is not None else self.base_dir
         refs = [_resolved(ref, base_dir) for ref in image_parts(messages)]
-        video_refs = [_resolved_video(part, base_dir) for part in video_parts(messages)]
+        video_refs = [_resolved_video(part, base_dir) for part in content_parts(messages, "video")]
         videos = self.read_videos(video_refs, where)
         images = [open_image(ref, None, where) for ref in refs]
         text = self.render(messages, False, where)
@@ -373,7 +372,7 @@ class MultimodalChatFormatter:
         """Token indices [start, end) of assistant turn ``k``: the tokens the turn adds after the generation
         prompt, both renders processed with the images and videos they hold."""
         def held(upto: int) -> tuple[list[Any], list[tuple[np.ndarray, Any]]]:
-            return images[: len(image_parts(messages[:upto]))], videos[: len(video_parts(messages[:upto]))]
+            return images[: len(image_parts(messages[:upto]))], videos[: len(content_parts(messages[:upto], "video"))]
 
         before = self._prefix_ids(messages[:k], True, *held(k), where)
         if k + 1 == len(messages):

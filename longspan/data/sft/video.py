@@ -117,7 +117,9 @@ def _decode(path: str, preprocessor: Any, where: str) -> tuple[np.ndarray, float
         with av.open(path) as container:
             stream = container.streams.video[0]
             fps = float(stream.average_rate) if stream.average_rate else 0.0
-            total = sum(1 for _ in container.decode(stream))
+            # the container's frame count, as transformers' PyAV reader takes it; counted by decoding (a second
+            # pass) only where the container does not record it
+            total = stream.frames or sum(1 for _ in container.decode(stream))
         if total == 0 or fps <= 0:
             raise ValueError(f"{total} decodable frame(s) at {fps} fps")
         indices = preprocessor.frame_indices(total, fps)
@@ -125,6 +127,8 @@ def _decode(path: str, preprocessor: Any, where: str) -> tuple[np.ndarray, float
         with av.open(path) as container:
             kept = {i: f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(container.streams.video[0]))
                     if i in wanted}
+        if len(kept) < len(wanted):
+            raise ValueError(f"{total} frames recorded, but frame {max(wanted - set(kept))} does not decode")
         return np.stack([kept[i] for i in indices]), fps, total, indices
     except Exception as exc:  # noqa: BLE001 - PyAV raises many kinds for a damaged file
         text = str(exc).strip().splitlines()

@@ -527,10 +527,15 @@ def collate_multimodal(samples: list[dict[str, torch.Tensor]], length: int, pad_
         for key in ("tokens", "labels", "loss_mask", *per_token):
             if key in s:
                 out[key][row, :n] = s[key]
-    image_keys = sorted({k for s in samples for k in s if k not in out})
-    for key in image_keys:
-        out[key] = torch.cat([s[key] for s in samples if key in s], dim=0)
+    out.update(concat_image_inputs(samples, set(out)))
     return out
+
+
+def concat_image_inputs(samples: list[dict[str, torch.Tensor]], aligned: set[str]) -> dict[str, torch.Tensor]:
+    """The samples' per-image inputs (every key but the token-aligned ``aligned``) concatenated in sample order:
+    the order of the image tokens in the microbatch."""
+    keys = sorted({k for s in samples for k in s if k not in aligned})
+    return {key: torch.cat([s[key] for s in samples if key in s], dim=0) for key in keys}
 
 
 def build_multimodal_jsonl_split(path: str, processor: Any, opts: SFTFormatOptions, seq_length: int, samples: Any,

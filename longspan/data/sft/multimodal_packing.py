@@ -34,7 +34,7 @@ from longspan.core.errors import DataError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.data.sft.in_batch_packing import PACKED_ROW_KEYS, pack_rows
 from longspan.data.sft.multimodal import (PER_TOKEN_KEYS, MultimodalChatFormatter, MultimodalDocument,
-                                          MultimodalSFTDataset, build_multimodal_docs)
+                                          MultimodalSFTDataset, build_multimodal_docs, concat_image_inputs)
 from longspan.data.sft.packing import collate_packs, document_layout, first_fit_decreasing
 
 logger = get_logger(__name__)
@@ -132,8 +132,7 @@ def collate_multimodal_packs(samples: list[dict[str, torch.Tensor]]) -> dict[str
         for s in samples:
             s.setdefault(key, torch.zeros(size, dtype=torch.long))
     out = collate_packs([{k: v for k, v in s.items() if k in aligned} for s in samples])
-    for key in sorted({k for s in samples for k in s if k not in aligned}):
-        out[key] = torch.cat([s[key] for s in samples if key in s], dim=0)
+    out.update(concat_image_inputs(samples, aligned))
     return out
 
 
@@ -168,9 +167,7 @@ def pack_multimodal_rows(samples: list[dict[str, torch.Tensor]], pad_id: int,
             if key in s:
                 values[start: start + s[key].numel()] = s[key]
         out[key] = values[None]
-    aligned = {*PACKED_ROW_KEYS, "position_ids", *PER_TOKEN_KEYS}
-    for key in sorted({k for s in samples for k in s if k not in aligned}):
-        out[key] = torch.cat([s[key] for s in samples if key in s], dim=0)
+    out.update(concat_image_inputs(samples, {*PACKED_ROW_KEYS, "position_ids", *PER_TOKEN_KEYS}))
     return out
 
 

@@ -194,8 +194,7 @@ def stage_carry(provider: Any, pre_process: bool, post_process: bool) -> Optiona
     """The carry of a pipeline stage (not both first and last) of a model with KV sharing, per-layer inputs or
     image tokens attending both ways, else None; a one-line NotSupportedError where the layout cannot exchange
     them (``stage_carry_problem``)."""
-    carried = provider.num_kv_shared_layers or provider.per_layer_embed_dim or provider.stage_carries_image_tokens()
-    if (pre_process and post_process) or not carried:
+    if (pre_process and post_process) or not provider.stages_exchange_more_than_hidden():
         return None
     problem = stage_carry_problem(provider)
     if problem is not None:

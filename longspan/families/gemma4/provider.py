@@ -73,8 +73,7 @@ class Gemma4ModelProvider(GPTModelProvider):
             raise NotSupportedError(f"model.sequence_parallel=True with model.per_layer_embed_dim="
                                     f"{self.per_layer_embed_dim} is not supported yet for Gemma 4: sequence parallel "
                                     "does not split the per-layer inputs; run it without sequence parallel")
-        carried = self.num_kv_shared_layers or self.per_layer_embed_dim or self.stage_carries_image_tokens()
-        if pp > 1 and carried:
+        if pp > 1 and self.stages_exchange_more_than_hidden():
             problem = stage_carry_problem(self)
             if problem is not None:
                 raise NotSupportedError(problem)
@@ -85,6 +84,11 @@ class Gemma4ModelProvider(GPTModelProvider):
         super().set_num_layers(num_layers)
         if self.num_kv_shared_layers >= num_layers:
             self.num_kv_shared_layers = 0
+
+    def stages_exchange_more_than_hidden(self) -> bool:
+        """Whether pipeline stages hand on more than the hidden states (``StageCarry``): the keys and values of
+        KV sharing, the per-layer inputs or the image-token slots."""
+        return bool(self.num_kv_shared_layers or self.per_layer_embed_dim or self.stage_carries_image_tokens())
 
     def stage_carries_image_tokens(self) -> bool:
         """Whether pipeline stages hand on which tokens are image tokens (``StageCarryWidths.image``): never for

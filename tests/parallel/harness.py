@@ -40,7 +40,6 @@ Contract:
   Use short distributed timeouts inside tasks as well (``init_gloo(timeout_s=60)``, or
   ``distributed_timeout_minutes=1``).
 - Workers die with the parent (Linux ``PR_SET_PDEATHSIG``, plus an ``atexit`` hook that closes every pool).
-- Under pytest-xdist a 2-rank pool runs on its xdist worker's core (``pool_cores``).
 
 Fixtures (tests/parallel/conftest.py): ``pool2`` and ``pool4`` are session-scoped shared pools. Tests in other
 directories can reuse them by importing the fixtures into their own conftest::
@@ -155,30 +154,8 @@ def _cleanup_after_task() -> None:
             dist.destroy_process_group()
 
 
-def pool_cores(world_size: int, environ: dict[str, str] | None = None,
-               cores: Sequence[int] | None = None) -> list[int] | None:
-    """The cores a pool of ``world_size`` ranks started by this process should share: under pytest-xdist with
-    no more workers than cores, a 2-rank pool runs on one core, that of its xdist worker (``gw<i>`` takes the
-    i-th usable core); None (no pinning) for other pools and outside xdist.
-
-    Why: on the 2-core test machine a collective between ranks on different cores waits for the other core to
-    wake up (gloo's all-reduce of 64 bytes between 2 ranks: 1.4 ms across cores, 0.45 ms on one), and the two
-    xdist workers' pools stop competing for both cores. Measured on 2-rank layout files: 10-40% less time.
-    Pools of 4 are left to the scheduler: 4 ranks on one core are no faster per collective (about 6 ms
-    either way) and their compute would queue behind each other."""
-    environ = os.environ if environ is None else environ
-    worker, workers = environ.get("PYTEST_XDIST_WORKER"), environ.get("PYTEST_XDIST_WORKER_COUNT")
-    usable = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
-    if world_size != 2 or not worker or not workers or int(workers) > len(usable):
-        return None
-    return [usable[int(worker.removeprefix("gw")) % len(usable)]]
-
-
-def _worker_main(rank: int, world_size: int, base_env: dict, task_q: Any, result_q: Any, parent_pid: int,
-                 cores: list[int] | None = None) -> None:
+def _worker_main(rank: int, world_size: int, base_env: dict, task_q: Any, result_q: Any, parent_pid: int) -> None:
     _set_parent_death_signal()
-    if cores is not None:
-        os.sched_setaffinity(0, cores)  # before torch starts any thread: they inherit it
     os.environ.update(base_env)
     import torch
 
@@ -263,13 +240,12 @@ class WorkerPool:
                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **self.extra_env}
         self._result_q = ctx.Queue()
         self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
-        cores = pool_cores(self.world_size) if hasattr(os, "sched_setaffinity") else None
         # OMP_NUM_THREADS must be in the environment before the child imports torch
         with _patched_environ({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}):
             for rank in range(self.world_size):
                 p = ctx.Process(target=_worker_main, name=f"harness-rank{rank}",
                                 args=(rank, self.world_size, base_env, self._task_qs[rank], self._result_q,
-                                      os.getpid(), cores), daemon=False)
+                                      os.getpid()), daemon=False)
                 p.start()
                 self._procs.append(p)
         self.starts += 1

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.parallel.harness import HarnessTimeout, WorkerError, WorkerPool, init_gloo, pool_cores
+from tests.parallel.harness import HarnessTimeout, WorkerError, init_gloo
 
 # starting a worker pool takes 5-20 s on a busy 2-core machine
 pytestmark = pytest.mark.slow
@@ -90,26 +90,3 @@ def test_hang_is_killed_at_the_timeout(pool2):
     assert time.monotonic() - start < 10
     assert pool2.run(_echo, 1) == [1, 1]
     assert pool2.starts == starts + 1  # killed and restarted once
-
-
-def test_a_two_rank_pool_under_xdist_shares_its_workers_core() -> None:
-    xdist = {"PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2"}
-    assert pool_cores(2, xdist, [0, 1]) == [1]
-    assert pool_cores(2, {**xdist, "PYTEST_XDIST_WORKER": "gw0"}, [4, 7]) == [4]  # the cores this run may use
-    assert pool_cores(4, xdist, [0, 1]) is None  # 4 ranks are left to the scheduler
-    assert pool_cores(2, {}, [0, 1]) is None  # no xdist: no pinning
-    assert pool_cores(2, {**xdist, "PYTEST_XDIST_WORKER_COUNT": "3"}, [0, 1]) is None  # more workers than cores
-
-
-def _affinity() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
-
-
-def test_the_pool_ranks_run_where_pool_cores_says() -> None:
-    pool = WorkerPool(2)
-    try:
-        pool.start()
-        want = pool_cores(2) or sorted(os.sched_getaffinity(0))
-        assert pool.run(_affinity) == [want, want]
-    finally:
-        pool.close()

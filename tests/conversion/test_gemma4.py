@@ -190,6 +190,13 @@ def test_text_tower_of_the_vision_language_model(tmp_path):
     original = tensors(src)
     for name, tensor in tensors(out).items():
         assert torch.equal(original[name.replace("model.", "model.language_model.", 1)], tensor), name
+    # through a longspan checkpoint, which records the family it was imported as (the text tower)
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    assert main(["convert", "import", "--hf-model", str(src), "--output", str(ckpt), "--no-progress"]) == 0
+    assert main(["convert", "export", "--checkpoint", str(ckpt), "--output", str(again), "--no-progress"]) == 0
+    exported = tensors(out)
+    assert sorted(tensors(again)) == sorted(exported)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in tensors(again).items())
 
 
 def test_bad_inputs_are_refused_in_one_line(gemma4, gemma4_moe, tmp_path, capsys):

@@ -347,4 +347,5 @@ class Gemma4VLFamily(Family):
 
 GEMMA4_VLM_FAMILY = Gemma4VLFamily(
     "gemma4_vlm", "Gemma4ForConditionalGeneration", "gemma4", (), gemma4_vlm_provider, gemma4_vlm_hf,
-    provider_class=Gemma4VLModelProvider, weights_for=gemma4_vlm_weights, tie_word_embeddings_default=True)
+    provider_class=Gemma4VLModelProvider, weights_for=gemma4_vlm_weights, tie_word_embeddings_default=True,
+    text_tower=GEMMA4_VL_TEXT)

@@ -16,6 +16,7 @@ from longspan.core.errors import ConfigError, DataError, NotSupportedError
 from longspan.inference.image_generation import generate_from_hf_with_images, generate_with_images
 from longspan.families.gemma_vl.model import image_attention_mask
 from longspan.models.sliding_window import TwoSidedMask
+from longspan.training.checkpointing.hf_weights import hf_bridge
 from tests.conversion.gemma4_vlm_models import VOCAB, make_gemma4_vlm
 from tests.conversion.gemma_vlm_models import draw_image
 from tests.helpers.vlm import (assert_export_bit_identical, assert_provider_export_reads_back, assert_same_config_json,
@@ -149,6 +150,18 @@ def test_small_images_and_audio_are_one_line_errors(vlm, tmp_path):
         with pytest.raises(error, match=message) as info:
             call()
         assert "\n" not in str(info.value)
+
+
+def test_a_text_run_on_the_directory_takes_its_language_model(vlm):
+    """A text recipe on a Gemma 4 vision-language directory imports the language model alone (the family's text
+    tower); its logits on text equal the whole model's."""
+    src, hf, processor = vlm[0], vlm[1], vlm[2]
+    bridge = hf_bridge(src, text_model=True)
+    assert bridge.family.name == "gemma4_vl_text"
+    model = bridge.to_megatron_model()[0].eval()
+    tokens = processor.tokenizer("the picture and a dot of the cat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (model(tokens) - hf(input_ids=tokens).logits).abs().max().item() <= 1e-4
 
 
 def test_provider_freezes_parts_and_checks_its_vision_fields(vlm):

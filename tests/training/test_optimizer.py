@@ -463,3 +463,35 @@ def test_apply_wd_to_qk_layernorm_decays_the_qk_norms_only() -> None:
     assert decayed() == {"linear.weight"}
     assert decayed(apply_wd_to_qk_layernorm=True) == {
         "linear.weight", "q_layernorm.weight", "q_layernorm.bias", "k_layernorm.weight", "k_layernorm.bias"}
+
+
+def _partial_grads_reduced_once() -> dict:
+    """Worker task: a replicated parameter used on each rank's sequence shard (a norm weight under sequence
+    parallel) has a partial-sum gradient; ``reduce_partial_grads`` reduces two of them in one collective, to
+    the sums a per-parameter reduction gives."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from longspan.training.optim.partial_grads import reduce_partial_grads
+    from tests.parallel.harness import init_gloo
+
+    init_gloo()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(DTensor.from_local(torch.randn(n), mesh, [Replicate()])) for n in (5, 3)]
+    x = DTensor.from_local(torch.randn(4, 8) + dist.get_rank(), mesh, [Shard(0)])  # this rank's rows
+    for w in weights:
+        (x[:, :w.shape[0]] * w).sum().backward()
+    want = [w.grad.full_tensor() for w in weights]  # the per-parameter reduction
+    assert all(w.grad.placements[0].is_partial() for w in weights)
+    collectives = reduce_partial_grads(weights)
+    return {"collectives": collectives, "placements": [str(w.grad.placements) for w in weights],
+            "equal": all(torch.equal(w.grad.to_local(), g) for w, g in zip(weights, want))}
+
+
+@pytest.mark.slow
+def test_partial_sum_gradients_are_reduced_together_to_the_same_sums() -> None:
+    for result in get_shared_pool(2).run(_partial_grads_reduced_once):
+        assert result == {"collectives": 1, "placements": ["(Replicate(),)", "(Replicate(),)"], "equal": True}

@@ -37,6 +37,7 @@ from longspan.core.logging import get_logger, print_rank_0
 from longspan.training.optim.cpu_offload import offload_optimizer
 from longspan.training.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from longspan.training.optim.muon import muon_optimizer
+from longspan.training.optim.partial_grads import reduce_partial_grads
 from longspan.training.optim.precision_aware_adam import PrecisionAwareAdamW, main_grad
 
 try:  # DTensor is part of torch.distributed; absent only on builds without distributed support.
@@ -297,6 +298,7 @@ class MegatronOptimizer:
                 else:
                     main_param.grad = None if grad is None else grad.float()
                 model_param.grad = None
+        reduce_partial_grads(self.get_parameters())  # once here, not in the norm and again in the step
         if self.grad_scaler is None:
             return False
 

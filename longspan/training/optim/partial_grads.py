@@ -15,24 +15,19 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
-#: where a parameter's gradient lives: the precision-aware optimizer's ``decoupled_grad`` first
-_GRAD_SLOTS = ("decoupled_grad", "grad")
+from longspan.training.optim.precision_aware_adam import main_grad
 
-
-def _gradient_slot(param: torch.Tensor) -> tuple[str, Any]:
-    for slot in _GRAD_SLOTS:
-        grad = getattr(param, slot, None)
-        if grad is not None:
-            return slot, grad
-    return "grad", None
+try:  # DTensor is part of torch.distributed; absent only on builds without distributed support.
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 def _partial_only(grad: Any) -> bool:
     """A DTensor gradient that is a partial sum on some mesh dimension and sharded on none (a flat
     concatenation of such gradients reduces like each of them)."""
-    return (isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
+    return (DTensor is not None and isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
             and all(p.is_partial() or p.is_replicate() for p in grad.placements))
 
 
@@ -42,7 +37,8 @@ def reduce_partial_grads(params: Iterable[torch.Tensor]) -> int:
     number of collectives issued."""
     groups: dict[Any, list[tuple[torch.Tensor, str, DTensor]]] = defaultdict(list)
     for param in params:
-        slot, grad = _gradient_slot(param)
+        grad = main_grad(param)  # the gradient the step uses: ``decoupled_grad`` when set, else ``grad``
+        slot = "grad" if grad is param.grad else "decoupled_grad"
         if _partial_only(grad):
             groups[(id(grad.device_mesh), grad.placements, grad.dtype, grad.device)].append((param, slot, grad))
     for members in groups.values():

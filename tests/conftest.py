@@ -19,9 +19,19 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from longspan.core.startup import import_frozen  # noqa: E402
+
+import_frozen(["torch"])  # as `longspan` starts: the collector never rescans torch's module objects
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session) -> None:
+    """The test modules, and what they imported, are frozen too: the collector scans only what tests create."""
+    import gc
+
+    gc.freeze()
 
 
 # The longest files of the whole-suite run, longest first (seconds summed over their tests, measured on the

@@ -15,6 +15,7 @@ import textwrap
 from typing import Any
 
 from longspan.core.errors import LongspanError
+from longspan.core.startup import import_frozen
 
 # subcommand name -> module under longspan.cli
 _SUBCOMMANDS = {
@@ -27,6 +28,19 @@ _SUBCOMMANDS = {
     "convert": "longspan.cli.convert_cmd",
     "plan": "longspan.cli.plan_cmd",
     "peft": "longspan.cli.peft_cmd",
+}
+
+# subcommand name -> the heavy modules its run imports, loaded first through ``core.startup.import_frozen``
+_IMPORTS = {
+    "pretrain": ("longspan.training.pretrain",),
+    "finetune": ("longspan.training.finetune",),
+    "distill": ("longspan.training.distill",),
+    "config": ("longspan.recipes.loading",),
+    "preprocess": ("longspan.data.preprocess",),
+    "generate": ("longspan.inference",),
+    "convert": ("longspan.training.checkpointing.hf_checkpoint",),
+    "plan": ("longspan.planner.plan",),
+    "peft": ("longspan.training.checkpointing.peft_checkpoint",),
 }
 
 
@@ -88,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(parser, argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
+        if argv is None:  # the process is this command's own: a caller's objects are never frozen
+            import_frozen(_IMPORTS[args.command])
         return int(args.func(args) or 0)
     except LongspanError as exc:
         from longspan.core.logging import get_world_size  # error path only: `import longspan.cli` stays light

@@ -157,6 +157,10 @@ def _cleanup_after_task() -> None:
 def _worker_main(rank: int, world_size: int, base_env: dict, task_q: Any, result_q: Any, parent_pid: int) -> None:
     _set_parent_death_signal()
     os.environ.update(base_env)
+    from longspan.core.startup import import_frozen
+
+    # what `longspan` does at start: the trainer's ~300k module objects frozen, out of every collection
+    import_frozen(["torch", "longspan.training.finetune"])
     import torch
 
     torch.set_num_threads(1)

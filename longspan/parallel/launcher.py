@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 from longspan.core.errors import LaunchError
 from longspan.core.logging import get_logger
+from longspan.core.startup import import_frozen
 
 _log = get_logger(__name__)
 
@@ -322,6 +323,8 @@ def _worker_entry() -> None:
         except OSError:
             pass
 
+    # the worker's own process: torch loads with the collector paused, as `longspan` loads the trainer after it
+    import_frozen(["torch.distributed.elastic.multiprocessing.errors"])
     from torch.distributed.elastic.multiprocessing.errors import record  # torch elastic on first use (see launch)
 
     @record

@@ -14,7 +14,10 @@ first), so the run does not end on one worker finishing a long file alone.
 
 from __future__ import annotations
 
+import gc
 import os
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,11 +30,16 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-def pytest_collection_finish(session) -> None:
-    """The test modules, and what they imported, are frozen too: the collector scans only what tests create."""
-    import gc
-
-    gc.freeze()
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """Test modules import with the collector paused, and what they import is frozen: collections during the run
+    scan only what the tests create."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.freeze()
 
 
 # The longest files of the whole-suite run, longest first (seconds summed over their tests, measured on the

@@ -42,6 +42,12 @@ def pytest_collection(session):
         gc.freeze()
 
 
+def pytest_unconfigure(config) -> None:
+    """Back to the interpreter's own exit: frozen objects whose finalizers need their modules (filelock's) would
+    otherwise be finalized after those modules are gone, each printing an ignored exception."""
+    gc.unfreeze()
+
+
 # The longest files of the whole-suite run, longest first (seconds summed over their tests, measured on the
 # 2-core machine). They are handed out before every other file, so the run's last files are short ones and the
 # two workers finish together, where a long file picked up last would run alone on one worker.

@@ -1,5 +1,5 @@
 """A ``longspan`` process imports its trainer with the garbage collector paused and freezes the module objects;
-a caller's own process (``main(argv)``, ``pretrain()`` from Python) is left as it was."""
+a caller's own process (``main(argv)`` from Python) is left as it was."""
 
 from __future__ import annotations
 

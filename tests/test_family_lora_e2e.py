@@ -6,9 +6,8 @@ transformers and generates what longspan generates from it.
 Gemma 4 (the ``gemma4`` recipe): KV-shared layers, keys as values on the full layers, per-layer inputs, windows
 shorter than the packed sequence; adapters on attention and on every MLP (the double-wide ones included).
 Nemotron 3 (the ``nemotron3-nano-lora`` recipe): Mamba-2, attention, dense MLP and latent MoE layers; adapters on
-attention, the dense MLP, the shared expert and each routed expert. The Mamba-2 mixers (``in_proj`` /
-``out_proj``, which Bridge's recipe adapts too) and the latent projections get no adapters: longspan has no LoRA
-for them."""
+the Mamba-2 mixers' ``in_proj`` and ``out_proj``, attention, the dense MLP, the shared expert and each routed
+expert (Bridge's targets). The latent projections get none: longspan has no LoRA for them."""
 
 from __future__ import annotations
 
@@ -50,8 +49,10 @@ FAMILIES = {
     "nemotron3": (_nemotron3, "nemotron3-nano-lora", ["model.expert_model_parallel_size=1"],
                   {"decoder.layers.2.self_attention.linear_q", "decoder.layers.2.self_attention.linear_proj",
                    "decoder.layers.3.mlp.linear_fc1", "decoder.layers.1.mlp.shared_experts.linear_fc2",
-                   "decoder.layers.4.mlp.experts.linear_fc1", "decoder.layers.4.mlp.experts.linear_fc2"},
-                  {"decoder.layers.0.mixer.out_proj", "decoder.layers.1.mlp.fc1_latent_proj"}),
+                   "decoder.layers.4.mlp.experts.linear_fc1", "decoder.layers.4.mlp.experts.linear_fc2",
+                   "decoder.layers.0.mixer.in_proj.z", "decoder.layers.0.mixer.in_proj.dt",
+                   "decoder.layers.5.mixer.out_proj"},
+                  {"decoder.layers.1.mlp.fc1_latent_proj"}),
 }
 
 

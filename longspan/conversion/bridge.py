@@ -387,6 +387,19 @@ class AutoBridge:
             return None
         return entry.hf_name(layer)[: -len(".weight")]
 
+    def hf_row_block(self, longspan_module_name: str) -> tuple[str, int, int] | None:
+        """(HF module path, k, n) when the weight of longspan ``nn.Linear`` ``longspan_module_name`` is the k-th of
+        n contiguous row blocks of one HF module's weight (a Mamba mixer's ``in_proj`` segments, Phi-3's
+        ``qkv_proj``), else None (one-to-one, transposed, interleaved or per-expert tensors)."""
+        found = match(self.family.weights, f"{longspan_module_name}.weight")
+        if found is None:
+            return None
+        entry, layer = found
+        if (entry.split is None or entry.transpose or entry.per_expert or entry.stacked or entry.split_groups
+                or not entry.hf.endswith(".weight")):
+            return None
+        return (entry.hf_name(layer)[: -len(".weight")], *entry.split)
+
     # ------------------------------------------------------------------------------------------- checkpoints
 
     #: writes and reads longspan checkpoints for ``import_ckpt`` / ``export_ckpt``; the training layer provides

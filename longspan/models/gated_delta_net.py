@@ -43,7 +43,7 @@ from torch import nn
 
 from longspan.models.args import TransformerArgs
 from longspan.models.gated_delta_rule import DocumentLayout, chunked_gated_delta_rule, recurrent_gated_delta_rule
-from longspan.models.moe import local_tensor
+from longspan.models.local import local_linear, local_tensor
 
 if TYPE_CHECKING:  # the decoder layers in longspan.models.transformer build this mixer
     from longspan.models.transformer import KVCache
@@ -192,9 +192,7 @@ class GatedDeltaNet(nn.Module):
     def _project(self, name: str, x: torch.Tensor, p: SimpleNamespace) -> torch.Tensor:
         """Projection ``name`` with this process's part of its weight; an adapted projection (``longspan.peft``
         wraps it) adds its adapter's output, computed on local tensors too."""
-        local_forward = getattr(getattr(self, name), "local_forward", None)
-        weight = getattr(p, name)
-        return F.linear(x, weight) if local_forward is None else local_forward(x, weight)
+        return local_linear(getattr(self, name), x, getattr(p, name))
 
     def _conv(self, qkv: torch.Tensor, p: SimpleNamespace, tail: torch.Tensor | None = None) -> torch.Tensor:
         """``silu`` of the causal depthwise conv over ``qkv [b, s, channels]``; the window before the first token

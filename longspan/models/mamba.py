@@ -46,7 +46,8 @@ from longspan.models.args import MambaArgs, TransformerArgs
 from longspan.models.gpt import DecoderLanguageModel
 from longspan.models.gpt_provider import GPTModelProvider
 from longspan.models.init import materialize_model
-from longspan.models.moe import MoELayer, local_tensor
+from longspan.models.local import local_linear, local_tensor
+from longspan.models.moe import MoELayer
 from longspan.models.ssd import ssd_chunked_scan, ssd_step
 from longspan.models.transformer import (
     MLP,
@@ -238,8 +239,8 @@ class MambaMixer(nn.Module):
         )
 
     def _project(self, hidden_states: torch.Tensor, p: SimpleNamespace) -> tuple[torch.Tensor, ...]:
-        """in_proj: the five segments ``z, x, B, C, dt``."""
-        return tuple(F.linear(hidden_states, w) for w in p.in_proj)
+        """in_proj: the five segments ``z, x, B, C, dt`` (an adapted segment adds its adapter's output)."""
+        return tuple(local_linear(self.in_proj[k], hidden_states, w) for k, w in zip(IN_PROJ_SEGMENTS, p.in_proj))
 
     def _ssm_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, p: SimpleNamespace) -> tuple[torch.Tensor, ...]:
         b, s, _ = xbc.shape
@@ -278,7 +279,7 @@ class MambaMixer(nn.Module):
         y = self.norm(y.reshape(b, s, p.d_inner).to(hidden_states.dtype), z, p.norm)
         if self.context_parallel is not None:
             y = self.context_parallel.to_sequence(y)
-        return F.linear(y, p.out_proj)
+        return local_linear(self.out_proj, y, p.out_proj)
 
     def _step_tokens(self, hidden_states: torch.Tensor, state: dict[str, torch.Tensor],
                      p: SimpleNamespace) -> torch.Tensor:
@@ -301,7 +302,7 @@ class MambaMixer(nn.Module):
             state["ssm"] = ssd_step(state["ssm"], x[:, 0].float(), dt[:, 0], A, Bh, Ch)
             y = torch.einsum("bhpn,bhn->bhp", state["ssm"], Ch) + x[:, 0].float() * p.D.float()[:, None]
             y = self.norm(y.reshape(-1, 1, p.d_inner).to(hidden_states.dtype), z, p.norm)
-            outputs.append(F.linear(y, p.out_proj))
+            outputs.append(local_linear(self.out_proj, y, p.out_proj))
         return torch.cat(outputs, dim=1)
 
 

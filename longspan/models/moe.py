@@ -95,6 +95,7 @@ from longspan.core.logging import get_logger
 from longspan.models.activations import gated_activation
 from longspan.models.args import MoEArgs, TransformerArgs
 from longspan.models.grouped_gemm import grouped_gemm_unsupported, grouped_linear, rows_expert
+from longspan.models.local import local_tensor
 from longspan.models.moe_dispatch import pad_rows, permute, split_by_expert, unpermute
 
 _log = get_logger(__name__)
@@ -384,12 +385,6 @@ class TopKRouter(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------- experts
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard (differentiable), else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
 
 class GroupedLinear(nn.Module):
     """``num_experts`` independent linear maps stored as one ``weight [E, out, in]`` (and ``bias [E, out]``).

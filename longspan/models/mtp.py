@@ -67,7 +67,8 @@ import torch
 from torch import nn
 
 from longspan.models.args import TransformerArgs
-from longspan.models.moe import in_backward_pass, local_tensor
+from longspan.models.local import local_tensor
+from longspan.models.moe import in_backward_pass
 from longspan.models.transformer import TransformerLayer, build_norm, layer_masks
 
 PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [b,s,h], labels [b,s]) -> [b,s]

@@ -67,13 +67,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
-from longspan.models.moe import (
-    GroupedMLP,
-    MoELayer,
-    local_tensor,
-    moe_layers,
-    updated_expert_bias,
-)
+from longspan.models.local import local_tensor
+from longspan.models.moe import GroupedMLP, MoELayer, moe_layers, updated_expert_bias
 from longspan.models.moe_dispatch import pad_rows, permute, unpermute
 from longspan.parallel.collectives import copy_to_group, reduce_from_group
 

@@ -36,8 +36,9 @@ per-head parameters receive the gradients of its share of the heads only (zero e
 that of its heads; the data-parallel reduction over ``dp × cp`` sums them into the whole gradient, as it does
 every parameter's (``longspan.parallel.context_parallel``).
 
-Adapters on the projections (``longspan.peft``) are split with their base weights (``_adapter_placements``) and
-run on local tensors inside the mixer (``LoRAAdapter.local_output``): the same exchanges carry them.
+Adapters on the projections (``longspan.peft``) are split with their base weights
+(``longspan.parallel.mamba.adapter_placements``) and run on local tensors inside the mixer
+(``LoRAAdapter.local_output``): the same exchanges carry them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from longspan.config.rules.layout import check_linear_attention_heads_split
 from longspan.models.gated_delta_net import IN_PROJECTIONS, GatedDeltaNet
 from longspan.models.gated_delta_rule import DocumentLayout
 from longspan.parallel.heads_exchange import HeadsExchange
-from longspan.parallel.mamba import shard_mixer_by_heads
+from longspan.parallel.mamba import adapter_placements, shard_mixer_by_heads
 
 #: the mixer's parameters sharded along dim 0 (its heads' rows or channels), along dim 1, and replicated
 ROW_SHARDED = ("linear_q.weight", "linear_k.weight", "linear_v.weight", "linear_z.weight", "linear_b.weight",
@@ -96,29 +97,12 @@ def apply_gated_delta_net_tensor_parallel(model: nn.Module, tp_mesh: Any,
     placements = ([(n, Shard(0)) for n in ROW_SHARDED] + [(n, Shard(1)) for n in COLUMN_SHARDED]
                   + [(n, Replicate()) for n in REPLICATED])
     for mixer in mixers.values():
-        shard_mixer_by_heads(mixer, tp_mesh, placements + _adapter_placements(mixer), sequence_parallel)
+        shard_mixer_by_heads(mixer, tp_mesh, placements + adapter_placements(mixer, IN_PROJECTIONS, ["linear_proj"]),
+                             sequence_parallel)
     if not sequence_parallel:
         return {}
     return {name.rsplit(".", 1)[0] + ".input_layernorm": SequenceParallel(use_local_output=True)
             for name in mixers if name.endswith(".self_attention")}
-
-
-def _adapter_placements(mixer: GatedDeltaNet) -> list[tuple[str, Any]]:
-    """The placements of the adapters (``longspan.peft``) on the mixer's projections, split the way their base
-    weights are: a row-split projection (by heads) keeps A whole and splits B (and DoRA's magnitude) by rows;
-    ``linear_proj`` (split by input columns) splits A by columns and keeps B and the magnitude whole."""
-    placements = []
-    for name in (*IN_PROJECTIONS, "linear_proj"):
-        adapter = getattr(getattr(mixer, name), "adapter", None)
-        if adapter is None:
-            continue
-        rows, prefix = name != "linear_proj", f"{name}.adapter"
-        if adapter.linear_in is not None:  # the group's A (its other members read this one)
-            placements.append((f"{prefix}.linear_in.weight", Replicate() if rows else Shard(1)))
-        placements.append((f"{prefix}.linear_out.weight", Shard(0) if rows else Replicate()))
-        if adapter.weight_magnitude is not None:
-            placements.append((f"{prefix}.weight_magnitude", Shard(0) if rows else Replicate()))
-    return placements
 
 
 #: attribute set on a decoder whose DeltaNet mixers see a sequence this many times the decoder's own shard

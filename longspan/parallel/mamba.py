@@ -4,8 +4,10 @@ As in Megatron's MambaMixer, tensor-parallel rank ``r`` of ``T`` holds and compu
 ``[r·H/T, (r+1)·H/T)`` and their groups: every segment of ``in_proj`` (``z``, ``x``, ``B``, ``C``, ``dt``),
 every conv1d segment (``x``, ``B``, ``C``), ``A_log`` / ``D`` / ``dt_bias`` and the gated norm's weight are
 ``Shard(0)`` DTensors (a plain row split of each, since the model keeps the segments apart), ``out_proj`` is
-``Shard(1)``. The mixer reads its local shards and derives its local head counts from their shapes, so the
-scan, conv and norm run on local heads only, and parameter and optimizer memory are split too.
+``Shard(1)``; adapters on those projections (``longspan.peft``) are split with their base weights
+(``adapter_placements``) and run on local tensors inside the mixer. The mixer reads its local shards and
+derives its local head counts from their shapes, so the scan, conv and norm run on local heads only, and
+parameter and optimizer memory are split too.
 
 Communication, at the mixer's boundary (Megatron's column/row-parallel pair): without sequence parallel the
 input is the replicated residual stream (backward: its gradient, a partial sum over each rank's heads, is
@@ -16,7 +18,7 @@ all-gathers its input (backward: reduce-scatter) and reduce-scatters its output 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from longspan.core.errors import ConfigError
+from longspan.models.mamba import IN_PROJ_SEGMENTS
 
 #: the mixer's parameters sharded along dim 0 (its heads' rows or channels); ``out_proj.weight`` along dim 1
 ROW_SHARDED = ("in_proj.z.weight", "in_proj.x.weight", "in_proj.B.weight", "in_proj.C.weight", "in_proj.dt.weight",
@@ -57,8 +60,10 @@ def apply_mamba_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_paralle
     for mixer in mixers.values():
         check_mamba_heads_split(mixer, tp, "model.tensor_model_parallel_size")
     placements = [(n, Shard(0)) for n in ROW_SHARDED] + [("out_proj.weight", Shard(1))]
+    row_split = [f"in_proj.{segment}" for segment in IN_PROJ_SEGMENTS]
     for mixer in mixers.values():
-        shard_mixer_by_heads(mixer, tp_mesh, placements, sequence_parallel)
+        adapters = adapter_placements(mixer, row_split, ["out_proj"])
+        shard_mixer_by_heads(mixer, tp_mesh, placements + adapters, sequence_parallel)
     if not sequence_parallel:
         return {}
     plan: dict[str, Any] = {name.rsplit(".", 1)[0] + ".norm": SequenceParallel(use_local_output=True)
@@ -66,6 +71,26 @@ def apply_mamba_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_paralle
     if getattr(getattr(model, "decoder", None), "final_norm", None) is not None:
         plan["decoder.final_norm"] = SequenceParallel()
     return plan
+
+
+def adapter_placements(mixer: nn.Module, row_split: Iterable[str],
+                       column_split: Iterable[str]) -> list[tuple[str, Any]]:
+    """The placements of the adapters (``longspan.peft``) on a per-head mixer's projections, split the way their
+    base weights are: a projection split by output rows (heads: ``row_split``, module paths in the mixer) keeps
+    A whole and splits B (and DoRA's magnitude) by rows; one split by input columns (``column_split``) splits A by
+    columns and keeps B and the magnitude whole. A group's shared A is placed where its owner holds it."""
+    placements = []
+    for path, rows in [(p, True) for p in row_split] + [(p, False) for p in column_split]:
+        adapter = getattr(mixer.get_submodule(path), "adapter", None)
+        if adapter is None:
+            continue
+        prefix = f"{path}.adapter"
+        if adapter.linear_in is not None:  # the group's A (its other members read this one)
+            placements.append((f"{prefix}.linear_in.weight", Replicate() if rows else Shard(1)))
+        placements.append((f"{prefix}.linear_out.weight", Shard(0) if rows else Replicate()))
+        if adapter.weight_magnitude is not None:
+            placements.append((f"{prefix}.weight_magnitude", Shard(0) if rows else Replicate()))
+    return placements
 
 
 def shard_mixer_by_heads(mixer: nn.Module, mesh: Any, placements: list[tuple[str, Any]],

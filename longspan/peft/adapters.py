@@ -20,6 +20,12 @@ its ``GatedDeltaNet`` has one ``in_proj`` and an ``out_proj``):
     DeltaNet X.self_attention.linear_proj
                                     X.self_attention.out_proj    X.self_attention.out_proj
 
+A Mamba-2 mixer keeps Megatron's names, its ``in_proj`` being one linear layer per segment here (one shared A
+over them, as for the DeltaNet's):
+
+    X.mixer.in_proj.z/x/B/C/dt      X.mixer.in_proj              X.mixer.in_proj_z/x/B/C/dt
+    X.mixer.out_proj                (same)                       (same)
+
 Multi-latent attention's projections keep their own names in all
 three, as in megatron-core's MLA (Bridge's DeepSeek / Moonlight recipes target them by these names):
 ``linear_q_proj`` (no query compression) or ``linear_q_down_proj`` + ``linear_q_up_proj``, ``linear_kv_down_proj``,
@@ -33,7 +39,7 @@ from __future__ import annotations
 import fnmatch
 import types
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -43,6 +49,7 @@ from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger, print_rank_0
 from longspan.models.gated_delta_net import GatedDeltaNet
 from longspan.models.init import _init_rule, canonical_parameter_name, draw_full_parameter
+from longspan.models.mamba import IN_PROJ_SEGMENTS, MambaMixer
 from longspan.peft.modules import DoRALinear, GroupedLoRAAdapter, LoRAAdapter, LoRALinear, adapted_grouped_mlp_forward
 
 if TYPE_CHECKING:
@@ -76,11 +83,13 @@ def is_finetuned_state_key(name: str) -> bool:
     return is_adapter_key(name) or f".{name}".endswith(FINETUNED_BUFFER_SUFFIXES)
 
 
-def megatron_name(name: str, in_deltanet: bool = False) -> str:
-    """The Megatron Core name of the layer holding longspan module ``name`` (fused qkv(+gate) / fc1; a gated
-    DeltaNet mixer's ``in_proj`` / ``out_proj`` when ``in_deltanet``)."""
+def megatron_name(name: str, mixer: Optional[str] = None) -> str:
+    """The Megatron Core name of the layer holding longspan module ``name`` (fused qkv(+gate) / fc1; a sequence
+    mixer's ``in_proj`` / ``out_proj`` when ``mixer`` names its kind, 'deltanet' or 'mamba')."""
     parent, _, leaf = name.rpartition(".")
-    if in_deltanet:
+    if mixer == "mamba":
+        return parent if leaf in IN_PROJ_SEGMENTS else name  # X.mixer.in_proj.z -> X.mixer.in_proj
+    if mixer == "deltanet":
         leaf = "out_proj" if leaf == "linear_proj" else "in_proj"
     elif leaf in _ATTENTION or leaf == "linear_gate":
         leaf = "linear_qkv"
@@ -89,11 +98,13 @@ def megatron_name(name: str, in_deltanet: bool = False) -> str:
     return f"{parent}.{leaf}" if parent else leaf
 
 
-def canonical_name(name: str, in_deltanet: bool = False) -> str:
-    """CanonicalLoRA's name of longspan module ``name`` (``linear_fc1`` is the up projection; a gated DeltaNet
-    mixer's projections are ``in_proj_q`` ... ``in_proj_a`` and ``out_proj`` when ``in_deltanet``)."""
+def canonical_name(name: str, mixer: Optional[str] = None) -> str:
+    """CanonicalLoRA's name of longspan module ``name`` (``linear_fc1`` is the up projection; a sequence mixer's
+    input projections are ``in_proj_<segment>`` and its output one ``out_proj`` when ``mixer`` names its kind)."""
     parent, _, leaf = name.rpartition(".")
-    if in_deltanet:
+    if mixer == "mamba":
+        return f"{parent}_{leaf}" if leaf in IN_PROJ_SEGMENTS else name  # X.mixer.in_proj.z -> X.mixer.in_proj_z
+    if mixer == "deltanet":
         leaf = "out_proj" if leaf == "linear_proj" else "in_proj_" + leaf.rpartition("_")[2]
     elif leaf == "linear_fc1":
         leaf = "linear_fc1_up"
@@ -114,22 +125,31 @@ def _selected(peft: LowRankAdapterConfig, full_name: str) -> bool:
     return any(_matches(p, full_name) for p in peft.target_modules)
 
 
-def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module, bool]]:
-    """(name, module, whether it is a gated DeltaNet mixer's projection) of every linear layer adapters may
-    target."""
-    mixers = {name for name, module in model.named_modules() if isinstance(module, GatedDeltaNet)}
+def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module, Optional[str]]]:
+    """(name, module, mixer kind) of every linear layer adapters may target: the kind is 'deltanet' or 'mamba'
+    for a sequence mixer's projection (named by Megatron's ``in_proj`` / ``out_proj``), else None."""
+    mixers = {name: "deltanet" if isinstance(module, GatedDeltaNet) else "mamba"
+              for name, module in model.named_modules() if isinstance(module, (GatedDeltaNet, MambaMixer))}
     for name, module in model.named_modules():
+        if ".layers." not in f".{name}":
+            continue
         parent, _, leaf = name.rpartition(".")
-        if leaf in _CANDIDATES and ".layers." in f".{name}" and isinstance(module, nn.Module):
-            yield name, module, parent in mixers
+        owner, _, projection = parent.rpartition(".")
+        if mixers.get(owner) == "mamba" and projection == "in_proj" and leaf in IN_PROJ_SEGMENTS:
+            yield name, module, "mamba"
+        elif mixers.get(parent) == "mamba":
+            if leaf == "out_proj":
+                yield name, module, "mamba"
+        elif leaf in _CANDIDATES:
+            yield name, module, mixers.get(parent)
 
 
 def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[str, list[str]]":
     """The adapter groups for ``model``: group name (Megatron or canonical) -> longspan module names sharing
     one A (one name for an unshared adapter). Raises when a target matches nothing."""
     groups: OrderedDict[str, list[str]] = OrderedDict()
-    for name, module, in_deltanet in _candidates(model):
-        group = canonical_name(name, in_deltanet) if peft.kind == "canonical" else megatron_name(name, in_deltanet)
+    for name, module, mixer in _candidates(model):
+        group = canonical_name(name, mixer) if peft.kind == "canonical" else megatron_name(name, mixer)
         if not _selected(peft, group):
             continue
         if not isinstance(module, nn.Linear) and (peft.kind == "dora" or getattr(module, "weight", None) is None
@@ -144,7 +164,8 @@ def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[
             f"peft.target_modules={peft.target_modules!r} (exclude_modules={peft.exclude_modules!r}) matches no "
             "linear layer of the model; valid names: " + ", ".join(
                 ("linear_q linear_k linear_v linear_gate linear_proj linear_fc1_up linear_fc1_gate linear_fc2 "
-                 "in_proj_q in_proj_k in_proj_v in_proj_z in_proj_b in_proj_a out_proj"
+                 "in_proj_q in_proj_k in_proj_v in_proj_z in_proj_b in_proj_a in_proj_x in_proj_B in_proj_C in_proj_dt "
+                 "out_proj"
                  if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2 in_proj out_proj"
                  ).split()
                 + list(_MLA))

@@ -165,12 +165,17 @@ def test_nemotron3_nano_recipe_plans_the_published_parameter_count(recipe):
     assert line.startswith("model: 31,577,937,344 parameters (3,580,073,408 active per token)"), line
 
 
-def test_lora_targets_reach_the_moe_layers(imported):
-    """Bridge's Nemotron LoRA targets adapt the routed experts, the shared expert, attention and the MLP."""
+def test_lora_targets_reach_the_moe_and_mamba_layers(imported):
+    """Bridge's Nemotron LoRA targets (the recipe's) adapt the routed experts, the shared expert, attention, the
+    MLP and the Mamba mixers."""
+    from longspan.families.nemotron.recipes import NEMOTRON_LORA_TARGETS
     from longspan.peft import LoRA
     from longspan.peft.adapters import plan_adapters
 
-    plan = plan_adapters(imported[3], LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]))
+    plan = plan_adapters(imported[3], LoRA(target_modules=list(NEMOTRON_LORA_TARGETS)))
+    assert plan["decoder.layers.0.mixer.in_proj"] == [f"decoder.layers.0.mixer.in_proj.{s}" for s in
+                                                      ("z", "x", "B", "C", "dt")]
+    assert plan["decoder.layers.0.mixer.out_proj"] == ["decoder.layers.0.mixer.out_proj"]
     for layer in ("1", "4"):
         for module in ("experts.linear_fc1", "experts.linear_fc2", "shared_experts.linear_fc1",
                        "shared_experts.linear_fc2"):

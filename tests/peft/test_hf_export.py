@@ -70,3 +70,59 @@ def test_fused_hf_modules_cannot_take_adapters(tmp_path) -> None:
     LoRA(dim=2).apply(model)
     with pytest.raises(NotSupportedError, match="one-to-one Hugging Face module"):
         save_hf_peft_adapter(model, LoRA(dim=2), bridge, tmp_path / "adapter")
+
+
+def _phi3(directory) -> None:
+    from tests.conversion.parity import save_random_model
+    from tests.conversion.test_phi3 import phi3_config
+
+    save_random_model(phi3_config("default"), directory)
+
+
+FUSED = {  # family: (make the HF model, adapter targets, the target of an HF module fusing row blocks of ours)
+    "nemotron_h": (lambda d: make_hf_model("nemotron_h", d),
+                   ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj"],  # peft refuses out_proj
+                   "layers.0.mixer.in_proj"),
+    "phi3": (_phi3, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "layers.0.self_attn.qkv_proj"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FUSED))
+@pytest.mark.parametrize("config", [LoRA(dim=4, alpha=8), DoRA(dim=4, alpha=8)], ids=["lora", "dora"])
+def test_modules_hf_fuses_take_the_shared_adapter(family, config, tmp_path) -> None:
+    """A Mamba mixer's ``in_proj`` segments (Nemotron-H) and Phi-3's ``qkv_proj`` / ``gate_up_proj`` blocks are
+    separate layers here under one shared A; HF's fused module takes that A and their B stacked by rows."""
+    make, targets, fused = FUSED[family]
+    make(tmp_path / "hf")
+    config.target_modules = list(targets)
+    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
+    model = bridge.to_megatron_model()[0]
+    config.apply(model)
+    init_adapters([model], seed=5)
+    init_dora_magnitudes([model])
+    _trained_like(model)
+    model.eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = model(tokens)
+    save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    assert fused in json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())["target_modules"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    base = hf_logits(hf, tokens)
+    theirs = hf_logits(hf_peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval(), tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (theirs - base).abs().max().item() > 1e-3  # the adapters change the outputs
+
+
+def test_fused_hf_modules_need_one_shared_adapter_over_all_blocks(tmp_path) -> None:
+    """And a Mamba mixer's out_proj, which peft refuses, is refused before anything is written."""
+    make_hf_model("nemotron_h", tmp_path / "hf")
+    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
+    for config, words in [(CanonicalLoRA(dim=2, target_modules=["in_proj_z", "in_proj_x", "in_proj_B", "in_proj_C",
+                                                                  "in_proj_dt"]), "its own A"),
+                          (CanonicalLoRA(dim=2, target_modules=["in_proj_x"]), "only 1 are adapted"),
+                          (LoRA(dim=2, target_modules=["in_proj", "out_proj"]), "peft refuses adapters on a Mamba")]:
+        model = bridge.to_megatron_model()[0]
+        config.apply(model)
+        with pytest.raises(NotSupportedError, match=words):
+            save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter")

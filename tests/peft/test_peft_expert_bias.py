@@ -127,6 +127,10 @@ def test_hf_adapter_export_says_the_routing_bias_is_left_out(tmp_path: Path) -> 
         def hf_module_name(name: str) -> str:
             return name
 
+        @staticmethod
+        def hf_row_block(name: str) -> None:
+            return None
+
     class Lines(logging.Handler):  # the "longspan" logger may not propagate to pytest's handler
         def __init__(self) -> None:
             super().__init__(logging.WARNING)

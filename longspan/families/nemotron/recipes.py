@@ -21,6 +21,9 @@ from longspan.recipes.finetune import SEQ_LENGTH, finetune_recipe
 from longspan.recipes.real_sizes import pretrain_recipe
 from longspan.training.config import ConfigContainer
 
+#: Bridge's LoRA targets for the Nemotron-H / Nemotron 3 recipes: attention, MLPs and experts, the Mamba mixers
+NEMOTRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+
 #: Bridge's Nemotron3NanoProvider pattern: M = Mamba-2, E = MoE, * = attention
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
@@ -60,14 +63,14 @@ def nemotron3_nano() -> ConfigContainer:
 def nemotron3_nano_lora() -> ConfigContainer:
     """LoRA finetune of Nemotron 3 Nano (checkpoint.pretrained_checkpoint = its HF directory; peft=null: full) as
     Bridge's PEFT recipe: sequence 2048, no tensor parallel, expert parallel 8, rank 32 / alpha 32, lr 1e-4 (bf16).
-    Adapters go on attention, the dense MLPs, the shared experts and each routed expert. Bridge also names the
-    Mamba-2 mixers' ``in_proj`` / ``out_proj``: longspan has no LoRA for the Mamba mixer, so they stay frozen."""
+    Adapters go on Bridge's targets: attention, the dense MLPs, the shared experts, each routed expert and the
+    Mamba-2 mixers' ``in_proj`` (one A over its z/x/B/C/dt segments) and ``out_proj``."""
     model = nemotron3_nano_model()
     model.seq_length = SEQ_LENGTH
     model.tensor_model_parallel_size = 1
     model.sequence_parallel = False
     cfg = finetune_recipe("nemotron3_nano_lora", lr=1e-4)
     cfg.model = model
-    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    cfg.peft = LoRA(target_modules=list(NEMOTRON_LORA_TARGETS))
     cfg.mixed_precision = "bf16_mixed"
     return cfg

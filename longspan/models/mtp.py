@@ -68,7 +68,7 @@ from torch import nn
 
 from longspan.models.args import TransformerArgs
 from longspan.models.local import local_tensor
-from longspan.models.moe import in_backward_pass
+from longspan.models.moe_router import in_backward_pass
 from longspan.models.transformer import TransformerLayer, build_norm, layer_masks
 
 PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [b,s,h], labels [b,s]) -> [b,s]

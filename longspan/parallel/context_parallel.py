@@ -43,7 +43,7 @@ mixers get the same exchange between their projections (``longspan.parallel.gate
 not a state passed between the chunks), and read packed documents' ``cu_seqlens``, left whole-sequence, there.
 
 MoE layers are token-wise and need nothing but their losses' statistics: every router gets a
-``longspan.models.moe.SequenceShards`` (the cp size and a sum over the cp group), with which the load-balancing
+``longspan.models.moe_router.SequenceShards`` (the cp size and a sum over the cp group), with which the load-balancing
 loss counts the whole sequence's tokens per expert. Multi-token prediction shifts tokens across chunk
 boundaries: its block gets a ``ContextParallelSequence`` (``longspan.models.mtp``), with which it shifts the
 whole gathered sequence and gathers its per-token losses like the main ones.
@@ -67,7 +67,8 @@ from torch.distributed.tensor import DTensor
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.attention import repeat_kv
-from longspan.models.moe import SequenceShards, moe_layers
+from longspan.models.moe import moe_layers
+from longspan.models.moe_router import SequenceShards
 from longspan.models.sliding_window import TwoSidedMask, WindowedMask, windowed_attention
 from longspan.parallel.gated_delta_net import apply_gated_delta_net_context_parallel
 from longspan.parallel.mamba_context_parallel import apply_mamba_context_parallel

@@ -68,7 +68,8 @@ from torch.nn.parallel import DistributedDataParallel
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.core.logging import get_logger
 from longspan.models.local import local_tensor
-from longspan.models.moe import GroupedMLP, MoELayer, moe_layers, updated_expert_bias
+from longspan.models.moe import GroupedMLP, MoELayer, moe_layers
+from longspan.models.moe_router import updated_expert_bias
 from longspan.models.moe_dispatch import pad_rows, permute, unpermute
 from longspan.parallel.collectives import copy_to_group, reduce_from_group
 

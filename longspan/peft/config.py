@@ -66,7 +66,8 @@ class LowRankAdapterConfig(PEFT):
     module paths ('*.layers.0.*.linear_qkv'). 'linear_qkv' shares one A over q/k/v; 'linear_fc1' over gate/up.
     Multi-latent attention's projections go by their own names: 'linear_q_proj' (or 'linear_q_down_proj',
     'linear_q_up_proj'), 'linear_kv_down_proj', 'linear_kv_up_proj'. Gated attention's output gate is part of
-    'linear_qkv'; a gated DeltaNet layer's projections are 'in_proj' (q/k/v/z/b/a, one A) and 'out_proj'."""
+    'linear_qkv'; a gated DeltaNet layer's projections are 'in_proj' (q/k/v/z/b/a, one A) and 'out_proj', a
+    Mamba-2 mixer's 'in_proj' (z/x/B/C/dt, one A) and 'out_proj'."""
 
     exclude_modules: list[str] = field(default_factory=list)
     """Modules (names or patterns) never adapted."""

@@ -13,13 +13,8 @@ import torch.nn.functional as F
 from longspan.core.errors import ConfigError, NotSupportedError
 from longspan.models.gpt import build_gpt_model, resolve_model_args
 from longspan.models.gpt_provider import GPTModelProvider
-from longspan.models.moe import (
-    MoELayer,
-    drop_tokens,
-    moe_layer_metrics,
-    reset_moe_metrics,
-    set_aux_loss_scale,
-)
+from longspan.models.moe import MoELayer, moe_layer_metrics, reset_moe_metrics
+from longspan.models.moe_router import drop_tokens, set_aux_loss_scale
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

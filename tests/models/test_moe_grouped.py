@@ -13,7 +13,8 @@ from longspan.models import moe as moe_mod
 from longspan.models.activations import quick_gelu, squared_relu
 from longspan.models.gpt import build_gpt_model
 from longspan.models.grouped_gemm import grouped_gemm_unsupported, grouped_linear
-from longspan.models.moe import MoELayer, set_aux_loss_scale
+from longspan.models.moe import MoELayer
+from longspan.models.moe_router import set_aux_loss_scale
 from longspan.models.moe_dispatch import permute
 
 from tests.models.test_moe import provider

@@ -14,7 +14,8 @@ import torch
 from longspan.core.errors import ConfigError
 from longspan.models.args import MoEArgs
 from longspan.models.gpt import build_gpt_model, resolve_model_args
-from longspan.models.moe import TopKRouter, drop_tokens, moe_layers, set_aux_loss_scale, updated_expert_bias
+from longspan.models.moe import moe_layers
+from longspan.models.moe_router import TopKRouter, drop_tokens, set_aux_loss_scale, updated_expert_bias
 from longspan.parallel.expert_parallel import update_expert_biases
 from tests.models.test_moe import moe_layer, provider
 

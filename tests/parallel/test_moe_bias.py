@@ -33,7 +33,8 @@ def bias_config(ep: int = 1, rate: float = RATE):
 
 def train_with_bias(ep: int = 1, rate: float = RATE, iters: int = ITERS) -> dict:
     """Model + optimizer level training (tests/parallel/layout_training.py), one bias update per step."""
-    from longspan.models.moe import moe_layers, set_aux_loss_scale
+    from longspan.models.moe import moe_layers
+    from longspan.models.moe_router import set_aux_loss_scale
     from longspan.parallel.expert_parallel import update_expert_biases
     from tests.parallel.layout_training import build_layout_model, train_on_global_batches
 
@@ -153,7 +154,7 @@ def test_stop_and_resume_with_expert_bias_is_bit_exact(tmp_path, monkeypatch):
         assert torch.equal(got, want)
 
     # Control: a resume that loses the bias (zeroed after loading) drifts.
-    from longspan.models.moe import TopKRouter
+    from longspan.models.moe_router import TopKRouter
 
     real_load = TopKRouter._load_from_state_dict
 

@@ -66,7 +66,8 @@ def _global_batches(iters: int, vocab: int = 250, seed: int = 7):
 
 def train_moe_layout(cfg, iters: int = 3) -> dict:
     """Train ``iters`` iterations of ``cfg`` on this process's layout (model + optimizer level)."""
-    from longspan.models.moe import moe_layer_metrics, set_aux_loss_scale
+    from longspan.models.moe import moe_layer_metrics
+    from longspan.models.moe_router import set_aux_loss_scale
     from tests.parallel.layout_training import build_layout_model, train_on_global_batches
 
     parallel, model, optimizer = build_layout_model(cfg)

@@ -1,4 +1,4 @@
-"""The router's aux losses on a split sequence (``longspan.models.moe.SequenceShards``), on one process.
+"""The router's aux losses on a split sequence (``longspan.models.moe_router.SequenceShards``), on one process.
 
 A microbatch's tokens are routed as two context-parallel ranks would route them (rank 0: the first and last
 quarter, rank 1: the middle, the load-balanced split), each with a ``SequenceShards`` whose ``sum`` adds the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from longspan.models.args import MoEArgs
-from longspan.models.moe import SequenceShards, TopKRouter, set_aux_loss_scale
+from longspan.models.moe_router import SequenceShards, TopKRouter, set_aux_loss_scale
 
 HIDDEN, EXPERTS, TOKENS = 16, 8, 24
 

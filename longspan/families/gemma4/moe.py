@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longspan.models.args import MoEArgs, TransformerArgs
-from longspan.models.moe import MoELayer, TopKRouter, in_backward_pass
+from longspan.models.moe import MoELayer
+from longspan.models.moe_router import TopKRouter, in_backward_pass
 from longspan.models.transformer import RMSNorm
 
 

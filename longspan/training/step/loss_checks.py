@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from longspan.core.errors import LongspanError
-from longspan.models.moe import set_aux_loss_scale
+from longspan.models.moe_router import set_aux_loss_scale
 from longspan.models.mtp import set_mtp_loss_scale
 
 

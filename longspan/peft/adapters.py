@@ -64,6 +64,13 @@ _MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_do
 _DELTANET_IN = ("linear_q", "linear_k", "linear_v", "linear_z", "linear_b", "linear_a")
 _CANDIDATES = _ATTENTION + _MLA + _DELTANET_IN + ("linear_gate", "linear_proj", "linear_fc1", "linear_fc1_gate",
                                                   "linear_fc2")
+#: the last component of every group name ``megatron_name`` / ``canonical_name`` can give, by naming
+_GROUP_LEAVES = {
+    "megatron": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj") + _MLA,
+    "canonical": ("linear_q", "linear_k", "linear_v", "linear_gate", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
+                  "linear_fc2") + tuple(f"in_proj_{s}" for s in ("q", "k", "v", "z", "b", "a", "x", "B", "C", "dt"))
+                 + ("out_proj",) + _MLA,
+}
 
 
 # Non-parameter state the trainer updates while the base is frozen: the aux-loss-free routing bias (moved every
@@ -144,9 +151,32 @@ def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module, Optional[str
             yield name, module, mixers.get(parent)
 
 
+def _group_leaves(peft: LowRankAdapterConfig) -> tuple[str, ...]:
+    return _GROUP_LEAVES["canonical" if peft.kind == "canonical" else "megatron"]
+
+
+def check_module_names(peft: LowRankAdapterConfig) -> None:
+    """Refuse (one line) a ``target_modules`` / ``exclude_modules`` name without wildcards that can name no layer
+    under ``peft``'s naming, in any model: a misspelling, or the other naming's name ('linear_q' for LoRA, whose
+    name is 'linear_qkv'), would otherwise silently adapt (or keep) nothing. A valid name the model lacks (multi-
+    latent attention's on a Llama) is fine: recipes list targets for several architectures, as Bridge's do."""
+    leaves = _group_leaves(peft)
+    for field_name in ("target_modules", "exclude_modules"):
+        for entry in getattr(peft, field_name):
+            if any(c in entry for c in "*?[") or entry.rpartition(".")[2] in leaves:
+                continue
+            other = "canonical" if peft.kind != "canonical" else "megatron"
+            hint = (f" ('{entry}' is {'CanonicalLoRA' if other == 'canonical' else 'LoRA / DoRA'}'s naming)"
+                    if entry.rpartition(".")[2] in _GROUP_LEAVES[other] else "")
+            raise ConfigError(
+                f"peft.{field_name} entry {entry!r} names no layer {type(peft).__name__} can adapt{hint}; valid "
+                f"names: {', '.join(leaves)}, a full module path ending in one, or a pattern with * / ?")
+
+
 def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[str, list[str]]":
     """The adapter groups for ``model``: group name (Megatron or canonical) -> longspan module names sharing
     one A (one name for an unshared adapter). Raises when a target matches nothing."""
+    check_module_names(peft)
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for name, module, mixer in _candidates(model):
         group = canonical_name(name, mixer) if peft.kind == "canonical" else megatron_name(name, mixer)
@@ -162,13 +192,7 @@ def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[
     if not groups:
         raise ConfigError(
             f"peft.target_modules={peft.target_modules!r} (exclude_modules={peft.exclude_modules!r}) matches no "
-            "linear layer of the model; valid names: " + ", ".join(
-                ("linear_q linear_k linear_v linear_gate linear_proj linear_fc1_up linear_fc1_gate linear_fc2 "
-                 "in_proj_q in_proj_k in_proj_v in_proj_z in_proj_b in_proj_a in_proj_x in_proj_B in_proj_C in_proj_dt "
-                 "out_proj"
-                 if peft.kind == "canonical" else "linear_qkv linear_proj linear_fc1 linear_fc2 in_proj out_proj"
-                 ).split()
-                + list(_MLA))
+            f"linear layer of the model; valid names: {', '.join(_group_leaves(peft))}"
         )
     return groups
 

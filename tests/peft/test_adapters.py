@@ -184,7 +184,13 @@ def test_targets_wildcards_and_excludes() -> None:
 
 
 @pytest.mark.parametrize("bad, match", [
-    (LoRA(target_modules=["linear_qvk"]), "matches no linear layer"),
+    (LoRA(target_modules=["linear_qvk"]), "entry 'linear_qvk' names no layer LoRA can adapt"),
+    # one misspelt name beside valid ones is refused too (it would adapt nothing, silently)
+    (LoRA(target_modules=["linear_qkv", "linear_fc_1"]), "entry 'linear_fc_1' names no layer"),
+    (LoRA(target_modules=["linear_q", "linear_fc2"]), r"'linear_q' is CanonicalLoRA's naming"),
+    (CanonicalLoRA(target_modules=["linear_q", "linear_fc1_up", "in_proj"]), r"'in_proj' is LoRA / DoRA's naming"),
+    (LoRA(target_modules=[], exclude_modules=["experts"]), "exclude_modules entry 'experts'"),
+    (LoRA(target_modules=["*.layers.9.*"]), "matches no linear layer"),
     (CanonicalLoRA(target_modules=["linear_qkv"]), "fused modules"),
     (LoRA(dim=0), "dim=0"),
     (LoRA(dropout=1.5), "dropout=1.5"),
@@ -196,6 +202,17 @@ def test_bad_configs_are_one_line_errors(bad, match) -> None:
     model = build_gpt_model(llama_config(), materialize=False)
     with pytest.raises(ConfigError, match=match):
         bad.apply(model)
+
+
+def test_names_the_model_lacks_are_accepted_beside_ones_it_has() -> None:
+    """Recipes list targets for several architectures (Bridge's MoE LoRA names multi-latent attention's and the
+    Mamba mixers' too): a valid name the model lacks adapts nothing and is no error."""
+    model = build_gpt_model(llama_config(), materialize=False)
+    LoRA(dim=2, target_modules=["linear_qkv", "linear_kv_down_proj", "in_proj", "decoder.layers.0.mlp.linear_fc1"]
+         ).apply(model)
+    adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert adapted == {"decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc1_gate"} | {
+        f"decoder.layers.{i}.self_attention.linear_{p}" for i in (0, 1) for p in "qkv"}
 
 
 @pytest.mark.parametrize("peft", PEFTS, ids=lambda p: type(p).__name__)

@@ -193,6 +193,71 @@ def test_rank_killed_from_outside_is_blamed_not_the_peer_the_launcher_stopped_af
             p.wait()
 
 
+def test_the_order_of_ends_survives_their_reaping_before_the_monitor_looks(tmp_path: Path) -> None:
+    """On a busy machine the monitor thread may run only after torch elastic has reaped the killed rank and
+    stopped (and reaped) the other: then neither end shows its signal, and the two look alike. The launcher's
+    SIGCHLD handler collects each end as it happens; rank 1, killed first, is blamed. Without that collection
+    both ends would be seen in one look and rank 0 (first in file order) blamed."""
+    killed, stopped = _sleeper(), _sleeper()
+    try:
+        _write_beat(tmp_path, 0, stopped.pid, "iteration", age=0.5)
+        _write_beat(tmp_path, 1, killed.pid, "iteration", age=0.5)
+        monitor, reports = _monitor(tmp_path)
+        monitor.check_once()  # starts watching both
+        killed.kill()
+        _wait_gone(killed)
+        monitor.exits.collect()  # the SIGCHLD handler, before torch elastic's loop reaps the child
+        killed.wait()  # reaped
+        time.sleep(0.01)
+        stopped.terminate()
+        _wait_gone(stopped)
+        monitor.exits.collect()
+        stopped.wait()
+        monitor.check_once()
+        assert [(r["rank"], r["detection"]) for _, r in reports] == [(1, "rank_died")]
+        ended = monitor.exits.ended
+        assert ended[killed.pid].signal == signal.SIGKILL and ended[killed.pid].seen_at < ended[stopped.pid].seen_at
+    finally:
+        for p in (killed, stopped):
+            p.kill()
+            p.wait()
+
+
+def test_the_launcher_collects_a_child_end_when_it_happens(tmp_path: Path) -> None:
+    """Inside ``fault_tolerance_monitor`` a SIGCHLD handler calls the monitor's ``collect`` in the main thread (where
+    torch elastic's agent runs) when a child ends; the previous handler comes back afterwards."""
+    import threading
+
+    from longspan.config.schema.infra import FaultToleranceConfig
+    from longspan.training.resilience import launch
+
+    cfg = resilience_config(tmp_path, "ft", 2)
+    cfg.ft = FaultToleranceConfig(enable_ft_package=True)
+    args = SimpleNamespace(max_restarts=0, ft_initial_rank_heartbeat_timeout=None, ft_rank_heartbeat_timeout=None)
+    before = signal.getsignal(signal.SIGCHLD)
+    calls: list[str] = []
+    real = launch.HeartbeatMonitor
+
+    class Recording(real):  # the context's monitor, whose collect notes the thread it runs in
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.exits.collect = lambda: calls.append(threading.current_thread().name)
+
+    launch.HeartbeatMonitor = Recording
+    try:
+        with fault_tolerance_monitor(cfg, args, world_size=1):
+            child = _sleeper()
+            child.kill()
+            deadline = time.time() + 5
+            while not calls and time.time() < deadline:
+                time.sleep(0.05)  # the handler runs in this thread, while it sleeps
+            child.wait()
+    finally:
+        launch.HeartbeatMonitor = real
+    assert calls and set(calls) == {threading.main_thread().name}
+    assert signal.getsignal(signal.SIGCHLD) == before
+
+
 def _spawn_worker(hb: Path, rank: int, restart: int) -> subprocess.Popen:
     env = {**os.environ, HEARTBEAT_DIR_ENV: str(hb), "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(restart)}
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 from longspan.core.errors import LaunchError
 from longspan.training.resilience.heartbeat import HEARTBEAT_DIR_ENV, HeartbeatMonitor, monitor_reporter
@@ -50,9 +52,31 @@ def fault_tolerance_monitor(cfg: Any, args: Any, world_size: int) -> Iterator[di
         report=monitor_reporter(cfg.checkpoint.save, metrics_jsonl_path(cfg), world_size), watch_spawned=True,
     )
     monitor.start()
+    previous = _on_child_exit(monitor.exits.collect)
     try:
         yield {**env, HEARTBEAT_DIR_ENV: directory}
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGCHLD, previous)
         monitor.stop()
         if not given:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _on_child_exit(collect: Callable[[], None]) -> Any:
+    """Call ``collect`` whenever a child of this process ends (SIGCHLD; main thread only, where torch elastic's
+    agent runs: the handler runs there before the agent reaps the child and stops its peers, so the monitor
+    learns which rank ended first even when its own thread is late). Returns the previous handler, or None when
+    none was installed (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(_signum: int, _frame: Any) -> None:
+        try:
+            collect()
+        except Exception:  # a signal handler must not raise into torch elastic's loop
+            pass
+
+    previous = signal.signal(signal.SIGCHLD, handler)
+    signal.siginterrupt(signal.SIGCHLD, False)  # system calls a child's end interrupts resume (rendezvous sockets)
+    return previous

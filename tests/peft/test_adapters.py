@@ -16,6 +16,7 @@ from longspan.peft.modules import LoRALinear
 from longspan.config.schema.container import ConfigContainer
 from longspan.config.schema.optim import OptimizerConfig
 from longspan.training.optim.optimizer import get_megatron_optimizer
+from tests.helpers.adapters import perturb_adapters
 from tests.models.gpt_test_config import llama_config, make_config
 
 SEED = 7
@@ -39,14 +40,6 @@ def _base(cfg, seed: int = SEED):
 def _tokens(vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (2, 12), generator=g)
-
-
-def _perturb_b(model, std: float = 0.05) -> None:
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_out.weight") or name.endswith("weight_magnitude"):
-                p.add_(torch.randn(p.shape, generator=g) * std)
 
 
 PEFTS = [LoRA(dim=4, alpha=8), DoRA(dim=4, alpha=8), CanonicalLoRA(dim=4, alpha=8)]
@@ -124,7 +117,7 @@ def test_linear_qkv_is_one_shared_a_with_b_split_over_q_k_v() -> None:
     """Megatron's fused LoRA: y_qkv = W_qkv x + s·B_qkv A x, with B_qkv's rows = [B_q; B_k; B_v]."""
     cfg = llama_config()
     model = _adapted(cfg, LoRA(dim=4, alpha=8))
-    _perturb_b(model)
+    perturb_adapters(model, std=0.05)
     attn = model.decoder.layers["0"].self_attention
     names = [n for n, _ in attn.named_parameters() if "adapter" in n and "proj" not in n]
     assert sorted(names) == sorted([
@@ -219,7 +212,7 @@ def test_names_the_model_lacks_are_accepted_beside_ones_it_has() -> None:
 def test_merged_weights_give_the_adapted_outputs(peft) -> None:
     cfg = make_config(add_bias_linear=True, gated_linear_unit=True)
     model = _adapted(cfg, peft)
-    _perturb_b(model)
+    perturb_adapters(model, std=0.05)
     model.eval()
     ids = _tokens(cfg.vocab_size)
     merged = build_gpt_model(cfg, materialize=False)
@@ -312,7 +305,7 @@ def test_moe_routed_experts_take_per_expert_adapters() -> None:
     assert not torch.equal(experts.linear_fc2.adapter.linear_out.weight,
                            before["decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_out.weight"])
 
-    _perturb_b(model)
+    perturb_adapters(model, std=0.05)
     model.eval()
     merged = build_gpt_model(cfg, materialize=False)
     merged.to_empty(device="cpu")

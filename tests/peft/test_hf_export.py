@@ -16,19 +16,28 @@ from longspan.peft import CanonicalLoRA, DoRA, LoRA
 from longspan.peft.adapters import init_adapters, init_dora_magnitudes
 from longspan.peft.hf_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_hf_peft_adapter
 from tests.conversion.hf_models import hf_logits, make_hf_model
+from tests.helpers.adapters import perturb_adapters
 
 
 def _tokens(vocab: int = 90, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(seed))
 
 
-def _trained_like(model, seed: int = 3) -> None:
-    """Non-zero B and moved magnitudes, as after training."""
-    g = torch.Generator().manual_seed(seed)
+def _export_adapted(config, tmp_path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HF model in ``tmp_path/hf`` imported, ``config``'s adapters applied as after training, their logits on
+    test tokens, and the adapters written in HF PEFT format to ``tmp_path/adapter``; returns (logits, tokens)."""
+    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
+    model = bridge.to_megatron_model()[0]
+    config.apply(model)
+    init_adapters([model], seed=5)
+    init_dora_magnitudes([model])
+    perturb_adapters(model, std=0.05, seed=3)
+    model.eval()
+    tokens = _tokens()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_out.weight") or name.endswith("weight_magnitude"):
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        ours = model(tokens)
+    save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    return ours, tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -37,17 +46,7 @@ def _trained_like(model, seed: int = 3) -> None:
                          ids=["lora", "canonical", "dora", "lora_wildcard"])
 def test_peft_loads_the_export_and_matches_longspan(family, config, tmp_path) -> None:
     hf = make_hf_model(family, tmp_path / "hf")
-    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
-    model = bridge.to_megatron_model()[0]
-    config.apply(model)
-    init_adapters([model], seed=5)
-    init_dora_magnitudes([model])
-    _trained_like(model)
-    model.eval()
-    tokens = _tokens()
-    with torch.no_grad():
-        ours = model(tokens)
-    save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    ours, tokens = _export_adapted(config, tmp_path)
     saved = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert saved["use_dora"] == (config.kind == "dora") and saved["r"] == config.dim
     assert (tmp_path / "adapter" / ADAPTER_WEIGHTS).is_file()
@@ -95,17 +94,7 @@ def test_modules_hf_fuses_take_the_shared_adapter(family, config, tmp_path) -> N
     make, targets, fused = FUSED[family]
     make(tmp_path / "hf")
     config.target_modules = list(targets)
-    bridge = AutoBridge.from_hf_pretrained(tmp_path / "hf")
-    model = bridge.to_megatron_model()[0]
-    config.apply(model)
-    init_adapters([model], seed=5)
-    init_dora_magnitudes([model])
-    _trained_like(model)
-    model.eval()
-    tokens = _tokens()
-    with torch.no_grad():
-        ours = model(tokens)
-    save_hf_peft_adapter(model, config, bridge, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    ours, tokens = _export_adapted(config, tmp_path)
     assert fused in json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())["target_modules"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     base = hf_logits(hf, tokens)

@@ -12,14 +12,9 @@ from longspan.core.errors import ConfigError
 from longspan.models.gated_delta_net import GatedDeltaNet
 from longspan.models.gpt import build_gpt_model, init_weights
 from longspan.peft import CanonicalLoRA, DoRA, LoRA
-from longspan.peft.adapters import (
-    init_adapters,
-    init_dora_magnitudes,
-    merge_adapters,
-    merged_state_dict,
-    plan_adapters,
-)
+from longspan.peft.adapters import init_adapters, init_dora_magnitudes, plan_adapters
 from longspan.peft.modules import DoRALinear, LoRALinear
+from tests.helpers.adapters import assert_adapters_act_and_fold, trained_parameters
 from tests.models.gpt_test_config import llama_config
 
 SEED = 5
@@ -40,15 +35,6 @@ def _model(peft=None, seed: int = SEED):
         init_adapters([model], seed)
         init_dora_magnitudes([model])
     return model
-
-
-def _perturb_adapters(model, std: float = 0.1) -> None:
-    """Non-zero B (and magnitudes off the row norms) so every adapter changes the output."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_out.weight") or name.endswith("weight_magnitude"):
-                p.add_(torch.randn(p.shape, generator=g) * std)
 
 
 def _ids(seed: int = 0) -> torch.Tensor:
@@ -96,36 +82,14 @@ def test_deltanet_adapters_act_and_fold_into_the_merged_weights(peft) -> None:
     for name in ("linear_q", "linear_k", "linear_v", "linear_z", "linear_b", "linear_a", "linear_proj"):
         assert isinstance(getattr(mixer, name), wrapper)
     assert isinstance(model.decoder.layers["1"].self_attention.linear_gate, wrapper)
-    with torch.no_grad():
-        assert torch.equal(model(ids), base(ids))  # B = 0 (and DoRA's magnitudes = the row norms): the base
-        _perturb_adapters(model)
-        adapted = model(ids)
-        assert (adapted - base(ids)).abs().max() > 1e-3
-        folded = _model().eval()
-        folded.load_state_dict(merged_state_dict(model))
-        torch.testing.assert_close(folded(ids), adapted, atol=2e-5, rtol=1e-5)
-        # each DeltaNet projection's adapter reaches the output (a mixer that skipped one would pass the above
-        # only if its merged weight were skipped too: drop one adapter at a time and the output moves)
-        for name in ("linear_z", "linear_a", "linear_proj"):
-            layer = getattr(mixer, name)
-            saved = layer.adapter.linear_out.weight.clone()
-            layer.adapter.linear_out.weight.zero_()
-            assert (model(ids) - adapted).abs().max() > 1e-6, name
-            layer.adapter.linear_out.weight.copy_(saved)
-        merge_adapters(model)
-        assert not any(isinstance(m, LoRALinear) for m in model.modules())
-        torch.testing.assert_close(model(ids), adapted, atol=2e-5, rtol=1e-5)
+    assert_adapters_act_and_fold(model, base, _model().eval(), ids,
+                                 [getattr(mixer, name) for name in ("linear_z", "linear_a", "linear_proj")])
 
 
 def test_only_the_deltanet_adapters_train_and_get_gradients() -> None:
     model = _model(LoRA(dim=4, alpha=8, target_modules=["in_proj", "out_proj"]))
-    _perturb_adapters(model)
-    ids = _ids(1)
-    model(ids, labels=torch.roll(ids, -1, 1)).float().mean().backward()
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(".adapter." in n and ".self_attention." in n for n in trainable)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    trainable = trained_parameters(model, _ids(1))
+    assert all(".adapter." in n and ".self_attention." in n for n in trainable)
     # one A for the six input projections of a mixer, a B each
     assert sum(".layers.0.self_attention.linear_" in n and "linear_in" in n for n in trainable) == 2
     assert sum(".layers.0.self_attention.linear_" in n and "linear_out" in n for n in trainable) == 7
-    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)

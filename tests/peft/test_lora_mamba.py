@@ -13,9 +13,9 @@ from longspan.core.errors import ConfigError
 from longspan.models.init import init_weights
 from longspan.models.mamba import MambaMixer, build_mamba_model
 from longspan.peft import CanonicalLoRA, DoRA, LoRA
-from longspan.peft.adapters import init_adapters, init_dora_magnitudes, merge_adapters, merged_state_dict, \
-    plan_adapters
+from longspan.peft.adapters import init_adapters, init_dora_magnitudes, merged_state_dict, plan_adapters
 from longspan.peft.modules import DoRALinear, LoRALinear
+from tests.helpers.adapters import assert_adapters_act_and_fold, perturb_adapters, trained_parameters
 from tests.models.mamba.mamba_test_config import hybrid_config
 from tests.parallel.harness import get_shared_pool
 
@@ -39,15 +39,6 @@ def _model(peft=None, seed: int = SEED, **layout):
         init_adapters([model], seed)
         init_dora_magnitudes([model])
     return model
-
-
-def _perturb_adapters(model, std: float = 0.1) -> None:
-    """Non-zero B (and magnitudes off the row norms) so every adapter changes the output."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_out.weight") or name.endswith("weight_magnitude"):
-                p.add_(torch.randn(p.shape, generator=g) * std)
 
 
 def _ids(seed: int = 0) -> torch.Tensor:
@@ -85,24 +76,8 @@ def test_mixer_adapters_act_and_fold_into_the_merged_weights(peft) -> None:
     assert isinstance(mixer, MambaMixer)
     wrapper = DoRALinear if peft.kind == "dora" else LoRALinear
     assert all(isinstance(mixer.in_proj[s], wrapper) for s in SEGMENTS) and isinstance(mixer.out_proj, wrapper)
-    with torch.no_grad():
-        assert torch.equal(model(ids), base(ids))  # B = 0 (and DoRA's magnitudes = the row norms): the base
-        _perturb_adapters(model)
-        adapted = model(ids)
-        assert (adapted - base(ids)).abs().max() > 1e-3
-        folded = _model().eval()
-        folded.load_state_dict(merged_state_dict(model))
-        torch.testing.assert_close(folded(ids), adapted, atol=2e-5, rtol=1e-5)
-        # each projection's adapter reaches the output (a mixer that skipped one would pass the above only if
-        # its merged weight were skipped too): zero one adapter's B at a time and the output moves
-        for layer in (*(mixer.in_proj[s] for s in SEGMENTS), mixer.out_proj):
-            saved = layer.adapter.linear_out.weight.clone()
-            layer.adapter.linear_out.weight.zero_()
-            assert (model(ids) - adapted).abs().max() > 1e-6
-            layer.adapter.linear_out.weight.copy_(saved)
-        merge_adapters(model)
-        assert not any(isinstance(m, LoRALinear) for m in model.modules())
-        torch.testing.assert_close(model(ids), adapted, atol=2e-5, rtol=1e-5)
+    assert_adapters_act_and_fold(model, base, _model().eval(), ids,
+                                 [*(mixer.in_proj[s] for s in SEGMENTS), mixer.out_proj])
 
 
 def test_generation_steps_through_the_adapted_mixer() -> None:
@@ -111,7 +86,7 @@ def test_generation_steps_through_the_adapted_mixer() -> None:
     from longspan.inference.text_generation import generate
 
     model = _model(LoRA(dim=4, alpha=8, target_modules=["in_proj", "out_proj"])).eval()
-    _perturb_adapters(model, std=0.5)
+    perturb_adapters(model, std=0.5)
     merged = _model().eval()
     merged.load_state_dict(merged_state_dict(model))
     tokenizer, prompt = NullTokenizer(VOCAB - 1), [5, 17, 3, 99, 42]
@@ -128,16 +103,11 @@ def test_generation_steps_through_the_adapted_mixer() -> None:
 
 def test_only_the_mixer_adapters_train_and_get_gradients() -> None:
     model = _model(LoRA(dim=4, alpha=8, target_modules=["in_proj", "out_proj"]))
-    _perturb_adapters(model)
-    ids = _ids(1)
-    model(ids, labels=torch.roll(ids, -1, 1)).float().mean().backward()
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(".adapter." in n and ".mixer." in n for n in trainable)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    trainable = trained_parameters(model, _ids(1))
+    assert all(".adapter." in n and ".mixer." in n for n in trainable)
     # one A for the five input segments of a mixer, a B each; out_proj its own A and B
     assert sum(".layers.0.mixer.in_proj." in n and "linear_in" in n for n in trainable) == 1
     assert sum(".layers.0.mixer.in_proj." in n and "linear_out" in n for n in trainable) == 5
-    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
 
 
 # ------------------------------------------------------------------ layouts, model level, 2 processes

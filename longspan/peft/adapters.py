@@ -26,6 +26,9 @@ over them, as for the DeltaNet's):
     X.mixer.in_proj.z/x/B/C/dt      X.mixer.in_proj              X.mixer.in_proj_z/x/B/C/dt
     X.mixer.out_proj                (same)                       (same)
 
+CanonicalLoRA also takes a mixer's fused ``in_proj`` (one shared A over its projections, the DeltaNet's too), as
+Bridge's CanonicalLoRA adapts a layer it does not split like LoRA.
+
 Multi-latent attention's projections keep their own names in all
 three, as in megatron-core's MLA (Bridge's DeepSeek / Moonlight recipes target them by these names):
 ``linear_q_proj`` (no query compression) or ``linear_q_down_proj`` + ``linear_q_up_proj``, ``linear_kv_down_proj``,
@@ -68,8 +71,8 @@ _CANDIDATES = _ATTENTION + _MLA + _DELTANET_IN + ("linear_gate", "linear_proj", 
 _GROUP_LEAVES = {
     "megatron": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj") + _MLA,
     "canonical": ("linear_q", "linear_k", "linear_v", "linear_gate", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
-                  "linear_fc2") + tuple(f"in_proj_{s}" for s in ("q", "k", "v", "z", "b", "a", "x", "B", "C", "dt"))
-                 + ("out_proj",) + _MLA,
+                  "linear_fc2", "in_proj") + tuple(f"in_proj_{s}" for s in ("q", "k", "v", "z", "b", "a", "x", "B", "C",
+                                                                             "dt")) + ("out_proj",) + _MLA,
 }
 
 
@@ -125,7 +128,7 @@ def _matches(pattern: str, full_name: str) -> bool:
 
 
 def _selected(peft: LowRankAdapterConfig, full_name: str) -> bool:
-    if any(_matches(p, full_name) for p in peft.exclude_modules):
+    if _excluded(peft, full_name):
         return False
     if not peft.target_modules:  # exclude-only mode: every candidate but the excluded
         return True
@@ -149,6 +152,26 @@ def _candidates(model: nn.Module) -> Iterable[tuple[str, nn.Module, Optional[str
                 yield name, module, "mamba"
         elif leaf in _CANDIDATES:
             yield name, module, mixers.get(parent)
+
+
+def _group(peft: LowRankAdapterConfig, name: str, mixer: Optional[str]) -> Optional[str]:
+    """The adapter group of candidate ``name`` under ``peft``'s naming, None when not selected. CanonicalLoRA
+    also takes a sequence mixer's fused Megatron name (``in_proj``: one shared A over its projections), as
+    Bridge's CanonicalLoRA adapts the layers it does not split as LoRA does."""
+    if peft.kind != "canonical":
+        group = megatron_name(name, mixer)
+        return group if _selected(peft, group) else None
+    group = canonical_name(name, mixer)
+    if _selected(peft, group):
+        return group
+    fused = megatron_name(name, mixer)
+    if mixer is not None and fused != group and _selected(peft, fused) and not _excluded(peft, group):
+        return fused
+    return None
+
+
+def _excluded(peft: LowRankAdapterConfig, full_name: str) -> bool:
+    return any(_matches(p, full_name) for p in peft.exclude_modules)
 
 
 def _group_leaves(peft: LowRankAdapterConfig) -> tuple[str, ...]:
@@ -179,8 +202,8 @@ def plan_adapters(model: nn.Module, peft: LowRankAdapterConfig) -> "OrderedDict[
     check_module_names(peft)
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for name, module, mixer in _candidates(model):
-        group = canonical_name(name, mixer) if peft.kind == "canonical" else megatron_name(name, mixer)
-        if not _selected(peft, group):
+        group = _group(peft, name, mixer)
+        if group is None:
             continue
         if not isinstance(module, nn.Linear) and (peft.kind == "dora" or getattr(module, "weight", None) is None
                                                   or module.weight.dim() != 3):

@@ -195,7 +195,10 @@ class CanonicalLoRA(LowRankAdapterConfig):
 
     target_modules: list[str] = field(default_factory=lambda: list(CANONICAL_TARGETS))
     """Modules to adapt: 'linear_q', 'linear_k', 'linear_v', 'linear_proj', 'linear_fc1_up', 'linear_fc1_gate',
-    'linear_fc2', or fnmatch patterns over full module paths. The fused names are rejected."""
+    'linear_fc2', or fnmatch patterns over full module paths. The fused names are rejected. A sequence mixer's
+    projections (gated DeltaNet, Mamba-2) are 'in_proj_<segment>' each ('in_proj_q' ... 'in_proj_a';
+    'in_proj_z', 'in_proj_x', 'in_proj_B', 'in_proj_C', 'in_proj_dt'), or 'in_proj' whole with one shared A (as
+    Bridge's CanonicalLoRA), and 'out_proj'."""
 
     dim: int = 32
     """Rank of each adapter."""

@@ -181,7 +181,8 @@ def test_targets_wildcards_and_excludes() -> None:
     # one misspelt name beside valid ones is refused too (it would adapt nothing, silently)
     (LoRA(target_modules=["linear_qkv", "linear_fc_1"]), "entry 'linear_fc_1' names no layer"),
     (LoRA(target_modules=["linear_q", "linear_fc2"]), r"'linear_q' is CanonicalLoRA's naming"),
-    (CanonicalLoRA(target_modules=["linear_q", "linear_fc1_up", "in_proj"]), r"'in_proj' is LoRA / DoRA's naming"),
+    (CanonicalLoRA(target_modules=["linear_q", "linear_fc1_up", "linear_kv"]), "entry 'linear_kv' names no layer"),
+    (LoRA(target_modules=["linear_qkv", "in_proj_z"]), r"'in_proj_z' is CanonicalLoRA's naming"),
     (LoRA(target_modules=[], exclude_modules=["experts"]), "exclude_modules entry 'experts'"),
     (LoRA(target_modules=["*.layers.9.*"]), "matches no linear layer"),
     (CanonicalLoRA(target_modules=["linear_qkv"]), "fused modules"),

@@ -61,6 +61,9 @@ def test_megatron_names_of_the_deltanet_and_gate_projections() -> None:
                                         "decoder.layers.2.self_attention.in_proj_z",
                                         "decoder.layers.2.self_attention.out_proj",
                                         "decoder.layers.3.self_attention.linear_gate"])
+    # Bridge's CanonicalLoRA takes the fused in_proj whole (one shared A), as LoRA does
+    assert plan_adapters(model, CanonicalLoRA(target_modules=["in_proj"]))[f"{mixer}.in_proj"] == \
+        [f"{mixer}.linear_{s}" for s in "qkvzba"]
     with pytest.raises(ConfigError, match="in_proj"):
         plan_adapters(model, LoRA(target_modules=["in_proj_qkv"]))
 

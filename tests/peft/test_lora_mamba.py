@@ -58,6 +58,14 @@ def test_megatron_and_canonical_names_of_the_mixer_projections() -> None:
     canonical = plan_adapters(model, CanonicalLoRA(target_modules=["in_proj_dt", "in_proj_B", "out_proj"]))
     assert sorted(canonical) == sorted(f"decoder.layers.{i}.mixer.{p}" for i in (0, 3)
                                        for p in ("in_proj_dt", "in_proj_B", "out_proj"))
+    # Bridge's CanonicalLoRA takes the fused in_proj whole (one shared A), as LoRA does
+    fused = plan_adapters(model, CanonicalLoRA(target_modules=["linear_q", "in_proj", "out_proj"]))
+    assert fused[f"{MIXER}.in_proj"] == [f"{MIXER}.in_proj.{s}" for s in SEGMENTS]
+    assert "decoder.layers.1.self_attention.linear_q" in fused and f"{MIXER}.out_proj" in fused
+    split = plan_adapters(model, CanonicalLoRA(target_modules=["in_proj", "in_proj_dt"],
+                                               exclude_modules=["*.in_proj_x"]))
+    assert split[f"{MIXER}.in_proj_dt"] == [f"{MIXER}.in_proj.dt"]  # the split name wins where it matches
+    assert split[f"{MIXER}.in_proj"] == [f"{MIXER}.in_proj.{s}" for s in ("z", "B", "C")]  # x excluded
     exclude = plan_adapters(model, LoRA(target_modules=[], exclude_modules=["*.mixer.in_proj"]))
     assert f"{MIXER}.out_proj" in exclude and f"{MIXER}.in_proj" not in exclude
     with pytest.raises(ConfigError, match="in_proj_dt"):
